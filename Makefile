@@ -1,0 +1,28 @@
+# Every target does its own set-up: a fresh clone needs only Python 3.11 and make.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: help demo test lint clean
+
+help:  ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)  ## reproduce the GatherLayer bug and its fix, print the verdict, write the figure
+	$(PY) -m gatherlab.train -m experiment=bug_demo
+
+test: $(STAMP)  ## run the test suite (real gloo process groups on the CPU)
+	$(PY) -m pytest
+
+lint: $(STAMP)  ## ruff lint and format check
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:  ## remove the virtual environment and all run outputs
+	rm -rf $(VENV) outputs multirun

@@ -1,0 +1,49 @@
+"""Checks of a composed run configuration, each failing with one line that names the key, the
+value and what is allowed. They run before any worker process starts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gatherlab import gather
+
+PRECISIONS = ("32-true", "64-true")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot run; the message is one line."""
+
+
+def _integer(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = "a positive integer" if minimum == 1 else f"an integer ≥ {minimum}"
+        raise ConfigError(f"{key}={value!r} is not allowed; allowed: {allowed}")
+    return value
+
+
+def check(cfg: Mapping[str, Any]) -> None:
+    """Raise ``ConfigError`` for the first value of ``cfg`` that cannot run."""
+    _integer("steps", cfg["steps"], minimum=1)
+    _integer("seed", cfg["seed"], minimum=0)
+    global_batch_size = _integer("global_batch_size", cfg["global_batch_size"], minimum=1)
+    devices = _integer("layout.devices", cfg["layout"]["devices"], minimum=1)
+    if cfg["precision"] not in PRECISIONS:
+        raise ConfigError(
+            f"precision={cfg['precision']!r} is not supported; allowed: {', '.join(PRECISIONS)}"
+        )
+    if cfg["gather"]["name"] not in gather.NAMES:
+        raise ConfigError(
+            f"gather={cfg['gather']['name']!r} is unknown; allowed: {', '.join(gather.NAMES)}"
+        )
+    if global_batch_size % devices:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} does not divide by layout.devices={devices}; "
+            f"allowed: a multiple of {devices}"
+        )
+    num_samples = cfg["data"]["num_samples"]
+    if global_batch_size > num_samples:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} exceeds data.num_samples={num_samples}; "
+            f"allowed: at most {num_samples}"
+        )

@@ -1,0 +1,94 @@
+"""The LightningModule that trains a model with a contrastive loss, its data module, and the
+callback that records a run's files (DESIGN.md §5) from rank 0."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from gatherlab import runfiles
+from gatherlab.data import GlobalBatchSampler, PairDataset
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class ContrastiveModule(L.LightningModule):
+    """Embeds both views, applies the loss, keeps the global loss and gradient norm of each step.
+
+    The loss returned by ``training_step`` is the rank's local loss (what its backward needs); the
+    recorded loss is the mean over ranks, which equals the single-device loss (DESIGN.md §2). The
+    recorded gradient norm is taken after DDP has averaged the gradients, right before the
+    optimizer applies them.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: nn.Module,
+        optimizer: OptimizerFactory,
+        encode_second_view: bool = True,
+    ):
+        super().__init__()
+        self.model, self.loss = model, loss
+        self.optimizer_factory = optimizer
+        self.encode_second_view = encode_second_view
+        self.history: list[dict[str, float]] = []
+
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        view0, view1 = (view.to(self.dtype) for view in batch)
+        out0 = self.model(view0).flatten(1)
+        out1 = (self.model(view1) if self.encode_second_view else view1).flatten(1)
+        loss = self.loss(out0, out1)
+        global_loss = self.trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean")
+        self.history.append({"step": self.global_step, "loss": float(global_loss)})
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad.reshape(-1) for p in self.parameters() if p.grad is not None]
+        self.history[-1]["grad_norm"] = float(torch.linalg.vector_norm(torch.cat(grads)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer_factory(self.parameters())
+
+
+class PairDataModule(L.LightningDataModule):
+    """Serves each rank its slice of the same global batches (see ``GlobalBatchSampler``)."""
+
+    def __init__(
+        self, dataset: PairDataset, global_batch_size: int, steps: int, seed: int, shuffle: bool
+    ):
+        super().__init__()
+        self.dataset, self.global_batch_size = dataset, global_batch_size
+        self.steps, self.seed, self.shuffle = steps, seed, shuffle
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = GlobalBatchSampler(
+            num_samples=len(self.dataset),
+            global_batch_size=self.global_batch_size,
+            num_batches=self.steps,
+            rank=self.trainer.global_rank,
+            world_size=self.trainer.world_size,
+            seed=self.seed,
+            shuffle=self.shuffle,
+        )
+        return DataLoader(self.dataset, batch_sampler=sampler)
+
+
+class RunRecorder(L.Callback):
+    """Writes ``curves.csv`` and ``final_state.pt`` into the run directory, from rank 0 only."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: ContrastiveModule) -> None:
+        if trainer.global_rank != 0:
+            return
+        runfiles.write_curves(self.run_dir, pl_module.history)
+        runfiles.write_final_state(self.run_dir, pl_module.model.state_dict())

@@ -1,0 +1,128 @@
+"""One figure style for gatherlab: every gather keeps its colour in every figure, and the
+1-device reference is always drawn the same way (black, dashed)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+GATHER_COLORS = {
+    "fixed": "#1f77b4",
+    "old": "#d62728",
+    "torch_nn": "#2ca02c",
+    "functional": "#17becf",
+    "lightning": "#9467bd",
+    "nograd_swap": "#ff7f0e",
+    "nograd": "#8c564b",
+    "avg": "#e377c2",
+}
+REFERENCE_STYLE = {"color": "black", "linestyle": (0, (4, 3)), "linewidth": 2.0, "zorder": 5}
+DEVICE_STYLES = {2: "-", 4: "-.", 8: ":"}
+# |Δloss| of exactly 0 cannot sit on a log axis; such points are drawn at this floor.
+ZERO_FLOOR = 1e-18
+
+STYLE = {
+    "figure.dpi": 110,
+    "savefig.dpi": 200,
+    "font.size": 10,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "legend.frameon": False,
+}
+
+
+def gather_color(name: str) -> str:
+    return GATHER_COLORS.get(name, "#7f7f7f")
+
+
+def comparison_figure(
+    table: pd.DataFrame, curves: Mapping[str, pd.DataFrame], tolerance: float | None = None
+) -> plt.Figure:
+    """Loss curves beside the reference (left) and |Δloss| against it on a log scale (right).
+
+    One row of panels per group of comparable runs (``table.group``); ``curves`` maps ``run_dir``
+    to that run's curves.
+    """
+    groups = list(dict.fromkeys(table["group"]))
+    with plt.rc_context(STYLE):
+        figure, axes = plt.subplots(
+            len(groups), 2, figsize=(11, 3.6 * len(groups)), squeeze=False, layout="constrained"
+        )
+        for (loss_axis, diff_axis), group in zip(axes, groups, strict=True):
+            runs = table[table["group"] == group]
+            reference_dir = (
+                runs["reference"].dropna().iloc[0] if runs["reference"].notna().any() else None
+            )
+            for _, run in runs[runs["devices"] > 1].iterrows():
+                style = {
+                    "color": gather_color(run["gather"]),
+                    "linestyle": DEVICE_STYLES.get(run["devices"], "--"),
+                    "linewidth": 1.6,
+                }
+                label = f"{run['gather']}, {run['devices']} × {run['batch_size']}"
+                run_curves = curves[run["run_dir"]]
+                loss_axis.plot(run_curves["step"], run_curves["loss"], label=label, **style)
+                if reference_dir is not None:
+                    reference = curves[reference_dir]
+                    steps = min(len(reference), len(run_curves))
+                    diff = np.abs(
+                        run_curves["loss"].to_numpy()[:steps] - reference["loss"].to_numpy()[:steps]
+                    )
+                    diff_axis.plot(
+                        reference["step"][:steps],
+                        np.maximum(diff, ZERO_FLOOR),
+                        label=label,
+                        **style,
+                    )
+            if reference_dir is not None:
+                reference = curves[reference_dir]
+                global_batch = runs["global_batch_size"].iloc[0]
+                loss_axis.plot(
+                    reference["step"],
+                    reference["loss"],
+                    label=f"reference, 1 × {global_batch}",
+                    **REFERENCE_STYLE,
+                )
+            if tolerance is not None:
+                diff_axis.axhline(tolerance, color="0.4", linewidth=1, linestyle=":")
+                diff_axis.annotate(
+                    f"match tolerance {tolerance:g}",
+                    (1, tolerance),
+                    xycoords=("axes fraction", "data"),
+                    ha="right",
+                    va="bottom",
+                    fontsize=8,
+                    color="0.3",
+                )
+            first = runs.iloc[0]
+            what = f"{first['loss']}, {first['model']}, {first['precision']}"
+            title = f"{first['experiment']} — {what}" if first["experiment"] else what
+            loss_axis.set(title=title, xlabel="optimizer step", ylabel="global loss")
+            diff_axis.set(
+                yscale="log",
+                xlabel="optimizer step",
+                ylabel="|Δ loss| vs 1-device reference",
+                title=f"difference from the reference (exact 0 drawn at {ZERO_FLOOR:g})",
+            )
+            diff_axis.set_ylim(bottom=ZERO_FLOOR / 3)
+            loss_axis.legend(fontsize=8)
+            diff_axis.legend(fontsize=8, loc="center right")
+    return figure
+
+
+def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
+    """Write the figure as PNG and vector PDF; return both paths."""
+    paths = [Path(f"{path_without_suffix}.png"), Path(f"{path_without_suffix}.pdf")]
+    for path in paths:
+        figure.savefig(path)
+    plt.close(figure)
+    return paths

@@ -1,0 +1,176 @@
+"""Compare every run of a sweep with its 1-device reference; write the table and the figure.
+
+``python -m gatherlab.report SWEEP_DIR`` re-runs the comparison of a finished sweep; the same
+comparison runs by itself when a Hydra multirun ends (``ReportOnMultirunEnd``).
+
+A run's reference is the 1-device run whose resolved config equals the run's in everything but
+``gather`` and ``layout`` (DESIGN.md §5). A run matches it when the loss at every step and every
+final parameter agree within the tolerance of the run's precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from gatherlab import plotting, results, runfiles
+
+log = logging.getLogger(__name__)
+
+# Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
+# Over tens of steps that stays within ~1e-13 in float64 and ~1e-6 in float32; the bounds leave
+# room above that and stay far below what a wrong gradient produces (≥ 1e-6 after one step here).
+TOLERANCE = {"64-true": 1e-10, "32-true": 1e-5}
+# What may differ between a run and its reference: the split over devices and the gather.
+SPLIT_KEYS = ("gather", "layout")
+COMPARISON = "comparison.csv"
+FIGURE = "comparison"
+KEY_COLUMNS = (
+    "experiment", "model", "loss", "data", "optim", "gather", "layout", "devices", "batch_size",
+    "global_batch_size", "precision", "steps", "seed",
+)  # fmt: skip
+
+
+def _comparable(config: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in config.items() if k not in SPLIT_KEYS}, sort_keys=True)
+
+
+def _max_param_diff(state: dict, reference: dict) -> float:
+    if state.keys() != reference.keys():
+        return float("nan")
+    return max(float((state[k].double() - reference[k].double()).abs().max()) for k in state)
+
+
+def _varying_overrides(runs: pd.DataFrame) -> pd.DataFrame:
+    """Overrides other than the named columns whose value differs between runs."""
+    values = pd.DataFrame(list(runs["overrides"]), index=runs.index)
+    keep = [
+        c for c in values.columns if c not in KEY_COLUMNS and values[c].nunique(dropna=False) > 1
+    ]
+    return values[keep]
+
+
+def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
+    """The comparison table of ``runs`` (from ``results.load_runs``) and every run's curves."""
+    curves = {run_dir: results.load_curves(run_dir) for run_dir in runs["run_dir"]}
+    states = {run_dir: runfiles.read_final_state(Path(run_dir)) for run_dir in runs["run_dir"]}
+    table = runs.copy()
+    table["group"] = table["config"].map(_comparable).factorize()[0]
+    table["reference"] = None
+    table["max_abs_loss_diff"] = float("nan")
+    table["max_abs_param_diff"] = float("nan")
+    table["matches_reference"] = False
+    for _, group in table.groupby("group"):
+        candidates = group[group["devices"] == 1]
+        if candidates.empty:
+            continue
+        reference_dir = candidates["run_dir"].iloc[0]
+        reference_loss = curves[reference_dir]["loss"].to_numpy()
+        for index, run in group.iterrows():
+            loss = curves[run["run_dir"]]["loss"].to_numpy()
+            loss_diff = (
+                float(abs(loss - reference_loss).max())
+                if len(loss) == len(reference_loss)
+                else float("nan")
+            )
+            param_diff = _max_param_diff(states[run["run_dir"]], states[reference_dir])
+            tolerance = TOLERANCE[run["precision"]]
+            table.loc[index, "reference"] = reference_dir
+            table.loc[index, "max_abs_loss_diff"] = loss_diff
+            table.loc[index, "max_abs_param_diff"] = param_diff
+            table.loc[index, "matches_reference"] = bool(
+                loss_diff <= tolerance and param_diff <= tolerance
+            )
+    table = pd.concat([table, _varying_overrides(table)], axis=1)
+    for column in ("run_dir", "reference"):
+        table[column] = table[column].map(lambda path: _relative(path, root))
+    curves = {_relative(path, root): frame for path, frame in curves.items()}
+    return table.drop(columns=["overrides", "config"]), curves
+
+
+def _relative(path: str | None, root: Path) -> str | None:
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def write_report(sweep_dir: str | Path) -> pd.DataFrame:
+    """Compare the runs below ``sweep_dir``; write ``comparison.csv``, ``.png``, ``.pdf`` there."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise FileNotFoundError(f"sweep directory {sweep_dir} does not exist")
+    runs = results.load_runs(sweep_dir)
+    if runs.empty:
+        raise FileNotFoundError(f"no finished run (no {runfiles.SUMMARY}) below {sweep_dir}")
+    table, curves = compare(runs, sweep_dir)
+    table.to_csv(sweep_dir / COMPARISON, index=False)
+    tolerances = {TOLERANCE[p] for p in table["precision"]}
+    figure = plotting.comparison_figure(
+        table.assign(run_dir=table["run_dir"]),
+        curves,
+        tolerances.pop() if len(tolerances) == 1 else None,
+    )
+    plotting.save(figure, sweep_dir / FIGURE)
+    return table
+
+
+def verdict(table: pd.DataFrame) -> str:
+    """The comparison as a short text table: run, devices × batch, max |Δloss|, matches?"""
+    lines = [f"{'run':<28} {'devices × batch':>15} {'max |Δloss|':>12}  matches"]
+    for _, run in table.iterrows():
+        name = f"{run['run_dir']}: {run['gather']} {run['layout']}"
+        if run["reference"] == run["run_dir"]:
+            outcome = "(reference)"
+        elif run["reference"] is None:
+            outcome = "no reference"
+        else:
+            outcome = "yes" if run["matches_reference"] else "NO"
+        lines.append(
+            f"{name:<28} {run['devices']:>7} × {run['batch_size']:<5} "
+            f"{run['max_abs_loss_diff']:>12.3g}  {outcome}"
+        )
+    return "\n".join(lines)
+
+
+class ReportOnMultirunEnd(Callback):
+    """Hydra callback: when a multirun ends, compare its runs and write the report."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            table = write_report(sweep_dir)
+        except FileNotFoundError as error:
+            log.error("no report: %s", error)
+            return
+        log.info("comparison of %d runs:\n%s", len(table), verdict(table))
+        log.info("figure: %s", sweep_dir / f"{FIGURE}.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m gatherlab.report", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("sweep_dir", type=Path, help="the directory of a finished multirun")
+    args = parser.parse_args(argv)
+    try:
+        table = write_report(args.sweep_dir)
+    except FileNotFoundError as error:
+        print(f"gatherlab.report: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(verdict(table))
+    print(f"figure: {args.sweep_dir / FIGURE}.png")
+
+
+if __name__ == "__main__":
+    main()

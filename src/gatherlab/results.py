@@ -1,0 +1,39 @@
+"""Load runs and sweeps into pandas. Notebooks and the report read run files only through here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from gatherlab import runfiles
+
+# Summary fields that become columns of the run table (the config itself stays in summary.json).
+RUN_COLUMNS = (
+    "experiment", "model", "loss", "data", "optim", "gather", "layout", "devices", "batch_size",
+    "global_batch_size", "precision", "steps", "seed", "final_loss", "wall_s",
+)  # fmt: skip
+
+
+def override_values(overrides: list[str]) -> dict[str, str]:
+    """``key=value`` command-line overrides as a mapping (``+``/``++`` prefixes dropped)."""
+    pairs = (override.lstrip("+").split("=", 1) for override in overrides if "=" in override)
+    return {key: value for key, value in pairs}
+
+
+def load_runs(directory: str | Path) -> pd.DataFrame:
+    """One row per run below ``directory``: its summary fields, its overrides, and ``run_dir``."""
+    rows = []
+    for run_dir in runfiles.find_runs(Path(directory)):
+        summary = runfiles.read_summary(run_dir)
+        row = {column: summary.get(column) for column in RUN_COLUMNS}
+        row["overrides"] = override_values(summary.get("overrides", []))
+        row["config"] = summary.get("config", {})
+        row["run_dir"] = str(run_dir)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=[*RUN_COLUMNS, "overrides", "config", "run_dir"])
+
+
+def load_curves(run_dir: str | Path) -> pd.DataFrame:
+    """A run's ``curves.csv``: one row per optimizer step."""
+    return pd.DataFrame(runfiles.read_curves(Path(run_dir)))

@@ -1,0 +1,215 @@
+"""The Hydra entry point: ``python -m gatherlab.train [overrides]`` (``-m`` for sweeps).
+
+Before Hydra starts any job, every job of the command (each combination of a sweep) is composed and
+checked, so a bad value fails with one line and no worker process is ever started. Each job builds
+data, model, loss (with its gather), module and trainer from the config, trains, and writes its run
+files (DESIGN.md §5) into its Hydra output directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from gatherlab import configcheck, launch, runfiles
+from gatherlab.configcheck import ConfigError
+from gatherlab.module import ContrastiveModule, PairDataModule, RunRecorder
+
+log = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONFIG_NAME = "config"
+# Config groups whose choice names a run in summary.json and comparison.csv.
+CHOICE_GROUPS = ("experiment", "model", "loss", "data", "optim", "gather", "layout")
+
+
+def run(
+    cfg: DictConfig,
+    run_dir: Path,
+    choices: Mapping[str, str | None],
+    overrides: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Train the run ``cfg`` describes, write its files into ``run_dir``, return its summary."""
+    configcheck.check(cfg)
+    run_dir = Path(run_dir)
+    if (run_dir / runfiles.SUMMARY).exists():
+        raise ConfigError(
+            f"run directory {run_dir} already holds a finished run; it is never overwritten"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    devices = cfg.layout.devices
+    dataset = hydra.utils.instantiate(cfg.data.dataset)
+    if len(dataset) != cfg.data.num_samples:
+        raise ConfigError(
+            f"data.num_samples={cfg.data.num_samples} but the data set has {len(dataset)}"
+        )
+    torch.manual_seed(cfg.seed)  # the initial weights, identical in every layout
+    model = hydra.utils.instantiate(cfg.model)
+    loss = hydra.utils.instantiate(cfg.loss, gather=cfg.gather.name)
+    module = ContrastiveModule(
+        model, loss, hydra.utils.instantiate(cfg.optim), dataset.encode_second_view
+    )
+    datamodule = PairDataModule(
+        dataset, cfg.global_batch_size, cfg.steps, seed=cfg.seed, shuffle=cfg.data.shuffle
+    )
+
+    start = time.perf_counter()
+    launch.fit(
+        module,
+        datamodule,
+        devices=devices,
+        precision=cfg.precision,
+        steps=cfg.steps,
+        callbacks=[RunRecorder(run_dir)],
+        accelerator=cfg.layout.accelerator,
+    )
+    wall_s = time.perf_counter() - start
+
+    curves = runfiles.read_curves(run_dir)
+    summary = {
+        **{group: choices.get(group) for group in CHOICE_GROUPS},
+        "devices": devices,
+        "batch_size": cfg.global_batch_size // devices,
+        "global_batch_size": cfg.global_batch_size,
+        "steps": cfg.steps,
+        "precision": cfg.precision,
+        "seed": cfg.seed,
+        "final_loss": curves["loss"][-1],
+        "wall_s": wall_s,
+        "overrides": list(overrides),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    runfiles.write_summary(run_dir, summary)
+    log.info(
+        "%s: %d steps on %d device(s), final loss %.10g, %.1f s",
+        run_dir,
+        cfg.steps,
+        devices,
+        summary["final_loss"],
+        wall_s,
+    )
+    return summary
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base=None)
+def _hydra_main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    run(
+        cfg,
+        Path(hydra_cfg.runtime.output_dir),
+        choices=dict(hydra_cfg.runtime.choices),
+        overrides=list(hydra_cfg.overrides.task),
+    )
+
+
+def _group_options(group: str) -> list[str] | None:
+    folder = CONFIG_DIR / group
+    return sorted(path.stem for path in folder.glob("*.yaml")) if folder.is_dir() else None
+
+
+def _check_group_choices(overrides: Sequence[str]) -> None:
+    """Unknown config group options, named with what is allowed (Hydra's own message is a page)."""
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        group = override.key_or_group
+        options = _group_options(group)
+        if options is None or override.is_delete():
+            continue
+        values = (
+            list(override.sweep_string_iterator())
+            if override.is_sweep_override()
+            else [override.value()]
+        )
+        for value in values:
+            if value is not None and str(value) not in options:
+                raise ConfigError(f"{group}={value!r} is unknown; allowed: {', '.join(options)}")
+
+
+def job_overrides(overrides: Sequence[str], multirun: bool) -> list[list[str]]:
+    """The overrides of every job the command will run, as Hydra's basic sweeper expands them."""
+    if not multirun:
+        return [list(overrides)]
+    from hydra import compose as hydra_compose
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    parser = OverridesParser.create()
+    fixed = [
+        o.input_line for o in parser.parse_overrides(list(overrides)) if not o.is_sweep_override()
+    ]
+    params = (
+        hydra_compose(CONFIG_NAME, overrides=fixed, return_hydra_config=True).hydra.sweeper.params
+        or {}
+    )
+    combined = parser.parse_overrides(
+        [f"{key}={value}" for key, value in params.items()] + list(overrides)
+    )
+    batches = BasicSweeper.split_arguments(combined, max_batch_size=None)
+    return [list(job) for batch in batches for job in batch]
+
+
+def compose(overrides: Sequence[str] = ()) -> tuple[DictConfig, dict[str, str | None]]:
+    """The job config of ``overrides`` (without its ``hydra`` node) and its config group choices.
+
+    Must run inside ``hydra.initialize_config_dir(CONFIG_DIR)`` (see ``composed``).
+    """
+    from hydra import compose as hydra_compose
+
+    _check_group_choices(overrides)
+    try:
+        cfg = hydra_compose(CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
+    except HydraException as error:
+        raise ConfigError(str(error).splitlines()[0]) from None
+    choices = dict(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, choices
+
+
+@contextmanager
+def composed() -> Iterator[None]:
+    """The context in which ``compose`` and ``job_overrides`` read gatherlab's configs."""
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        yield
+
+
+def preflight(overrides: Sequence[str], multirun: bool) -> int:
+    """Compose and check every job of the command; return the number of jobs."""
+    _check_group_choices(overrides)
+    with composed():
+        jobs = job_overrides(overrides, multirun)
+        for job in jobs:
+            configcheck.check(compose(job)[0])
+    return len(jobs)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion):
+        try:
+            preflight(args.overrides, args.multirun)
+        except ConfigError as error:
+            print(f"gatherlab.train: error: {error}", file=sys.stderr)
+            sys.exit(2)
+    sys.argv = [sys.argv[0], *argv]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Each gather on real 2- and 4-rank gloo groups: forward equals torch.cat of the ranks' tensors;
+``fixed``'s input gradients equal the single-device gradients, ``old``'s do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gatherlab import gather
+from gatherlab.launch import run_in_process_group
+from gatherlab.losses import NTXentGlobalLoss, NTXentLoss
+
+BATCH, DIM = 3, 4
+# Float64 results that differ only in summation order agree to a few ulps (~1e-16 relative).
+EXACT = 1e-12
+
+
+def _global_batch(world_size: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(world_size * BATCH, DIM, generator=generator, dtype=torch.float64)
+
+
+def _own_rows(tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    return tensor[rank * BATCH : (rank + 1) * BATCH].clone().requires_grad_()
+
+
+def _per_rank_case(world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    """On every rank, for every gather: the gathered tensor and the local input gradients of a
+    linear local-loss (L_r = <c_r, Z>), NT-Xent (local) and NT-Xent (global)."""
+    rank = torch.distributed.get_rank()
+    features0, features1 = _global_batch(world_size, 0), _global_batch(world_size, 1)
+    weights = torch.randn(
+        world_size,
+        world_size * BATCH,
+        DIM,
+        generator=torch.Generator().manual_seed(2),
+        dtype=torch.float64,
+    )
+    outcome = {}
+    for name in gather.NAMES:
+        gather_fn = gather.get(name)
+        x = _own_rows(features0, rank)
+        gathered = gather_fn(x)
+        (weights[rank] * gathered).sum().backward()
+        result = {"gathered": gathered.detach(), "linear_grad": x.grad}
+        for key, loss_class in (("ntxent", NTXentLoss), ("ntxent_global", NTXentGlobalLoss)):
+            out0, out1 = _own_rows(features0, rank), _own_rows(features1, rank)
+            loss = loss_class(gather=name)(out0, out1)
+            loss.backward()
+            result[f"{key}_loss"] = loss.detach()
+            result[f"{key}_grad"] = torch.cat([out0.grad, out1.grad], dim=1)
+        outcome[name] = result
+    return outcome
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
+def ranks(request) -> tuple[int, list[dict]]:
+    return request.param, run_in_process_group(request.param, _per_rank_case, request.param)
+
+
+def _single_device(world_size: int) -> dict[str, torch.Tensor]:
+    """The same losses on one device over the whole batch; gradients of the mean of the ranks'
+    losses, which is what DDP's 1/W average of the parameter gradients corresponds to."""
+    features0, features1 = _global_batch(world_size, 0), _global_batch(world_size, 1)
+    weights = torch.randn(
+        world_size,
+        world_size * BATCH,
+        DIM,
+        generator=torch.Generator().manual_seed(2),
+        dtype=torch.float64,
+    )
+    reference = {"gathered": features0, "linear_grad": weights.mean(dim=0)}
+    for key, loss_class in (("ntxent", NTXentLoss), ("ntxent_global", NTXentGlobalLoss)):
+        out0, out1 = features0.clone().requires_grad_(), features1.clone().requires_grad_()
+        loss = loss_class(gather=None)(out0, out1)
+        loss.backward()
+        reference[f"{key}_loss"] = loss.detach()
+        reference[f"{key}_grad"] = torch.cat([out0.grad, out1.grad], dim=1)
+    return reference
+
+
+def _rank_grads(per_rank: list[dict], name: str, key: str) -> torch.Tensor:
+    """The ranks' local gradients stacked in rank order, divided by W as DDP averages them."""
+    return torch.cat([outcome[name][key] for outcome in per_rank]) / len(per_rank)
+
+
+@pytest.mark.parametrize("name", gather.NAMES)
+def test_forward_is_concatenation_in_rank_order(ranks, name):
+    world_size, per_rank = ranks
+    expected = _global_batch(world_size, 0)
+    for outcome in per_rank:
+        assert torch.equal(outcome[name]["gathered"], expected)
+
+
+@pytest.mark.parametrize("key", ["linear_grad", "ntxent_grad", "ntxent_global_grad"])
+def test_fixed_gives_single_device_gradients(ranks, key):
+    world_size, per_rank = ranks
+    expected = _single_device(world_size)[key]
+    assert torch.allclose(_rank_grads(per_rank, "fixed", key), expected, rtol=0, atol=EXACT)
+
+
+@pytest.mark.parametrize("key", ["ntxent_loss", "ntxent_global_loss"])
+def test_mean_of_rank_losses_is_single_device_loss(ranks, key):
+    world_size, per_rank = ranks
+    expected = _single_device(world_size)[key]
+    for name in gather.NAMES:
+        mean = torch.stack([outcome[name][key] for outcome in per_rank]).mean()
+        assert abs(float(mean - expected)) <= EXACT
+
+
+@pytest.mark.parametrize("key", ["linear_grad", "ntxent_grad"])
+def test_old_drops_cross_rank_gradients(ranks, key):
+    world_size, per_rank = ranks
+    expected = _single_device(world_size)[key]
+    error = (_rank_grads(per_rank, "old", key) - expected).abs().max()
+    assert error > 1e-3 * expected.abs().max()
+
+
+def test_old_gives_one_over_w_on_global_loss(ranks):
+    """On a loss every rank computes in full, ``old`` returns exactly 1/W of the gradient."""
+    world_size, per_rank = ranks
+    expected = _single_device(world_size)["ntxent_global_grad"]
+    measured = _rank_grads(per_rank, "old", "ntxent_global_grad")
+    assert torch.allclose(measured * world_size, expected, rtol=0, atol=EXACT)
+    assert not torch.allclose(measured, expected, rtol=0, atol=1e-3)
+
+
+def test_without_process_group_every_gather_is_the_identity():
+    x = torch.randn(BATCH, DIM)
+    for name in gather.NAMES:
+        assert gather.get(name)(x) is x
+
+
+def test_unknown_gather_names_what_is_allowed():
+    with pytest.raises(ValueError, match=r"gather='nope' is unknown; allowed: fixed, old"):
+        gather.get("nope")
