@@ -1,0 +1,70 @@
+"""The command lines as users run them: a multirun with its report, and bad input."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+from helpers import gatherlab_command
+
+from gatherlab import report
+
+
+@pytest.mark.slow
+def test_multirun_writes_runs_and_comparison(tmp_path, no_leftover_processes):
+    sweep = tmp_path / "sweep"
+    result = gatherlab_command(
+        "train", "-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1,cpu2",
+        "precision=64-true", f"hydra.sweep.dir={sweep}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for job in range(4):
+        assert {"curves.csv", "summary.json", "final_state.pt"} <= {
+            p.name for p in (sweep / str(job)).iterdir()
+        }
+    table = pd.read_csv(sweep / report.COMPARISON)
+    assert len(table) == 4
+    required = {
+        "experiment", "model", "loss", "data", "gather", "devices", "batch_size",
+        "global_batch_size", "precision", "steps", "max_abs_loss_diff", "max_abs_param_diff",
+        "matches_reference",
+    }  # fmt: skip
+    assert required <= set(table.columns)
+    verdicts = {(row.gather, row.devices): row.matches_reference for row in table.itertuples()}
+    assert verdicts == {("old", 1): True, ("old", 2): False, ("fixed", 1): True, ("fixed", 2): True}
+    fixed = table[(table.gather == "fixed") & (table.devices == 2)].iloc[0]
+    assert fixed.max_abs_loss_diff <= 1e-10 and fixed.max_abs_param_diff <= 1e-10
+    assert (sweep / "comparison.png").stat().st_size > 0 and (sweep / "comparison.pdf").exists()
+    assert "comparison of 4 runs" in result.stdout + result.stderr
+
+    rerun = gatherlab_command("report", str(sweep))
+    assert rerun.returncode == 0, rerun.stderr
+    assert pd.read_csv(sweep / report.COMPARISON).equals(table)
+
+
+def _one_error_line(result, expected: str) -> None:
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["gather=nope"], "gather='nope' is unknown; allowed: fixed, old"),
+        (["-m", "gather=fixed,nope", "layout=cpu2"], "gather='nope' is unknown"),
+        (["-m", "layout=cpu1,cpu4", "global_batch_size=6"], "global_batch_size=6 does not divide"),
+    ],
+)
+def test_bad_training_input_fails_in_one_line(tmp_path, args, expected, no_leftover_processes):
+    result = gatherlab_command(
+        "train", *args, f"hydra.sweep.dir={tmp_path}/s", f"hydra.run.dir={tmp_path}/r"
+    )
+    _one_error_line(result, expected)
+    assert not any(tmp_path.iterdir()), "nothing may be written before the checks pass"
+
+
+def test_report_of_missing_sweep_fails_in_one_line(tmp_path, no_leftover_processes):
+    result = gatherlab_command("report", str(tmp_path / "missing"))
+    _one_error_line(result, "does not exist")

@@ -1,0 +1,73 @@
+"""Every experiment composes and passes the checks; bad values fail with one line naming them."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import REPO, compose
+
+from gatherlab import configcheck, train
+from gatherlab.configcheck import ConfigError
+
+EXPERIMENTS = sorted(path.stem for path in (REPO / "conf" / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_checks(experiment):
+    cfg, choices = compose(f"experiment={experiment}")
+    configcheck.check(cfg)
+    assert choices["experiment"] == experiment
+    assert cfg.global_batch_size % cfg.layout.devices == 0
+
+
+def test_pr1531_experiment_is_the_pr_test_case():
+    cfg, choices = compose("experiment=lightly_pr1531")
+    assert (choices["model"], choices["data"], choices["loss"]) == ("linear", "arange", "ntxent")
+    assert cfg.model.weight == [[0.1, 0.2, 0.3, 0.4, 0.5], [0.6, 0.7, 0.8, 0.9, 1.0]]
+    assert (cfg.optim.lr, cfg.steps, cfg.global_batch_size, cfg.precision) == (
+        0.01, 10, 8, "32-true",
+    )  # fmt: skip
+
+
+def test_bug_demo_sweeps_reference_old_and_fixed():
+    with train.composed():
+        jobs = train.job_overrides(["experiment=bug_demo"], multirun=True)
+    combos = {
+        tuple(sorted(o for o in job if o.split("=")[0] in ("gather", "layout"))) for job in jobs
+    }
+    assert combos == {
+        (f"gather={g}", f"layout={layout}")
+        for g in ("old", "fixed")
+        for layout in ("cpu1", "cpu2", "cpu4")
+    }
+    cfg, _ = compose("experiment=bug_demo")
+    assert cfg.precision == "64-true" and cfg.steps >= 50
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["gather=nope"], "gather='nope' is unknown; allowed: fixed, old"),
+        (["layout=cpu3"], "layout='cpu3' is unknown; allowed: cpu1, cpu2, cpu4, cpu8"),
+        (
+            ["layout=cpu4", "global_batch_size=6"],
+            "global_batch_size=6 does not divide by layout.devices=4",
+        ),
+        (["steps=0"], "steps=0 is not allowed; allowed: a positive integer"),
+        (
+            ["precision=16-mixed"],
+            "precision='16-mixed' is not supported; allowed: 32-true, 64-true",
+        ),
+        (["global_batch_size=512"], "global_batch_size=512 exceeds data.num_samples=256"),
+    ],
+)
+def test_bad_values_raise_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        train.preflight(overrides, multirun=False)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_preflight_checks_every_job_of_a_sweep():
+    with pytest.raises(ConfigError, match=r"does not divide by layout\.devices=4"):
+        train.preflight(["global_batch_size=6", "layout=cpu1,cpu2,cpu4"], multirun=True)
+    assert train.preflight(["experiment=bug_demo"], multirun=True) == 6
