@@ -6,7 +6,9 @@ inside a Hydra multirun job like any other function call.
 
 from __future__ import annotations
 
+import logging
 import tempfile
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +17,12 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+
+# Lightning announces hardware, tips and the stop reason at INFO on every run; keep its warnings.
+for _name in ("lightning.pytorch", "lightning.fabric"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+# Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; harmless, and not ours to fix.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 # A collective that waits longer than this raises instead of hanging (a rank died or diverged).
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)

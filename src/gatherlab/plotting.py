@@ -25,6 +25,7 @@ GATHER_COLORS = {
 }
 REFERENCE_STYLE = {"color": "black", "linestyle": (0, (4, 3)), "linewidth": 2.0, "zorder": 5}
 DEVICE_STYLES = {2: "-", 4: "-.", 8: ":"}
+PRECISION_NAMES = {"64-true": "float64", "32-true": "float32"}
 # |Δloss| of exactly 0 cannot sit on a log axis; such points are drawn at this floor.
 ZERO_FLOOR = 1e-18
 
@@ -96,15 +97,16 @@ def comparison_figure(
                 diff_axis.axhline(tolerance, color="0.4", linewidth=1, linestyle=":")
                 diff_axis.annotate(
                     f"match tolerance {tolerance:g}",
-                    (1, tolerance),
+                    (0.04, tolerance),
                     xycoords=("axes fraction", "data"),
-                    ha="right",
+                    ha="left",
                     va="bottom",
                     fontsize=8,
                     color="0.3",
                 )
             first = runs.iloc[0]
-            what = f"{first['loss']}, {first['model']}, {first['precision']}"
+            precision = PRECISION_NAMES.get(first["precision"], first["precision"])
+            what = f"{first['loss']}, {first['model']}, {precision}"
             title = f"{first['experiment']} — {what}" if first["experiment"] else what
             loss_axis.set(title=title, xlabel="optimizer step", ylabel="global loss")
             diff_axis.set(
