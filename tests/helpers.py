@@ -19,6 +19,7 @@ def compose(*overrides: str):
 
 
 def run_training(run_dir: Path, *overrides: str) -> dict:
+    """One run in this process (its ranks in the shared pool unless ``launcher=spawn``)."""
     cfg, choices = compose(*overrides)
     return train.run(cfg, run_dir, choices, overrides)
 
@@ -36,9 +37,10 @@ def gatherlab_command(module: str, *args: str, timeout: float = 300) -> subproce
     )
 
 
-def gatherlab_processes() -> list[str]:
-    """Command lines of live processes that run gatherlab code, other than this test process."""
-    found = []
+def gatherlab_processes() -> dict[int, str]:
+    """Live processes that run gatherlab code or spawned workers (pid → command line), other than
+    this test process."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -47,5 +49,5 @@ def gatherlab_processes() -> list[str]:
         except OSError:
             continue
         if "gatherlab" in cmdline or "multiprocessing.spawn" in cmdline:
-            found.append(cmdline)
+            found[int(entry.name)] = cmdline
     return found

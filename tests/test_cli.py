@@ -34,7 +34,10 @@ def test_multirun_writes_runs_and_comparison(tmp_path, no_leftover_processes):
     fixed = table[(table.gather == "fixed") & (table.devices == 2)].iloc[0]
     assert fixed.max_abs_loss_diff <= 1e-10 and fixed.max_abs_param_diff <= 1e-10
     assert (sweep / "comparison.png").stat().st_size > 0 and (sweep / "comparison.pdf").exists()
-    assert "comparison of 4 runs" in result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert "comparison of 4 runs" in output
+    for job, overrides in enumerate(["gather=old layout=cpu1", "gather=old layout=cpu2"], start=1):
+        assert f"job {job}/4: experiment=lightly_pr1531 {overrides}" in output
 
     rerun = gatherlab_command("report", str(sweep))
     assert rerun.returncode == 0, rerun.stderr

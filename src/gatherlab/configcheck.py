@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gatherlab import gather
+from gatherlab import gather, launch
 
 PRECISIONS = ("32-true", "64-true")
 
@@ -35,6 +35,17 @@ def check(cfg: Mapping[str, Any]) -> None:
     if cfg["gather"]["name"] not in gather.NAMES:
         raise ConfigError(
             f"gather={cfg['gather']['name']!r} is unknown; allowed: {', '.join(gather.NAMES)}"
+        )
+    launcher = cfg["launcher"]["name"]
+    if launcher not in launch.LAUNCHERS:
+        raise ConfigError(
+            f"launcher={launcher!r} is unknown; allowed: {', '.join(launch.LAUNCHERS)}"
+        )
+    accelerator = cfg["layout"]["accelerator"]
+    if launcher == "pool" and accelerator != "cpu":
+        raise ConfigError(
+            f"launcher=pool is not allowed with layout.accelerator={accelerator!r}; "
+            "allowed: launcher=spawn or launcher=external"
         )
     if global_batch_size % devices:
         raise ConfigError(

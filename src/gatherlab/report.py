@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 # Over tens of steps that stays within ~1e-13 in float64 and ~1e-6 in float32; the bounds leave
 # room above that and stay far below what a wrong gradient produces (≥ 1e-6 after one step here).
 TOLERANCE = {"64-true": 1e-10, "32-true": 1e-5}
-# What may differ between a run and its reference: the split over devices and the gather.
-SPLIT_KEYS = ("gather", "layout")
+# What may differ between a run and its reference: the split over devices, how its ranks were
+# started, and the gather.
+SPLIT_KEYS = ("gather", "layout", "launcher")
 COMPARISON = "comparison.csv"
 FIGURE = "comparison"
 KEY_COLUMNS = (

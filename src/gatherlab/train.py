@@ -21,6 +21,8 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gatherlab import configcheck, launch, runfiles
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 CONFIG_NAME = "config"
 # Config groups whose choice names a run in summary.json and comparison.csv.
-CHOICE_GROUPS = ("experiment", "model", "loss", "data", "optim", "gather", "layout")
+CHOICE_GROUPS = ("experiment", "model", "loss", "data", "optim", "gather", "layout", "launcher")
 
 
 def run(
@@ -75,8 +77,11 @@ def run(
         steps=cfg.steps,
         callbacks=[RunRecorder(run_dir)],
         accelerator=cfg.layout.accelerator,
+        launcher=cfg.launcher.name,
     )
     wall_s = time.perf_counter() - start
+    if not launch.is_rank_zero():
+        return {}  # under torchrun or SLURM every rank runs this; rank 0 writes the run
 
     curves = runfiles.read_curves(run_dir)
     summary = {
@@ -104,15 +109,29 @@ def run(
     return summary
 
 
+# The number of jobs of the running command, known from the preflight, for progress lines.
+_jobs_total: int | None = None
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        log.info("job %d/%s: %s", hydra_cfg.job.num + 1, _jobs_total or "?", " ".join(overrides))
     run(
         cfg,
         Path(hydra_cfg.runtime.output_dir),
         choices=dict(hydra_cfg.runtime.choices),
-        overrides=list(hydra_cfg.overrides.task),
+        overrides=overrides,
     )
+
+
+class ClosePools(Callback):
+    """Hydra callback: a sweep's worker pools end with the sweep."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        launch.close_pools()
 
 
 def _group_options(group: str) -> list[str] | None:
@@ -202,8 +221,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args, _ = get_args_parser().parse_known_args(argv)
     if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion):
+        global _jobs_total
         try:
-            preflight(args.overrides, args.multirun)
+            _jobs_total = preflight(args.overrides, args.multirun)
         except ConfigError as error:
             print(f"gatherlab.train: error: {error}", file=sys.stderr)
             sys.exit(2)

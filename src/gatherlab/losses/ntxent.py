@@ -38,6 +38,14 @@ def ntxent(
     return F.cross_entropy(logits, own_column.repeat(2))
 
 
+def _gather_views(
+    gather: gathering.GatherFn, out0: torch.Tensor, out1: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both views gathered in one collective (side by side), then split again."""
+    gathered = gather(torch.cat([out0, out1], dim=1))
+    return gathered[:, : out0.shape[1]], gathered[:, out0.shape[1] :]
+
+
 class _NTXentBase(nn.Module):
     def __init__(self, temperature: float = 0.5, gather: str | gathering.GatherFn | None = "fixed"):
         super().__init__()
@@ -60,7 +68,7 @@ class NTXentLoss(_NTXentBase):
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
         out0, out1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
         batch_size = out0.shape[0]
-        columns0, columns1 = self.gather(out0), self.gather(out1)
+        columns0, columns1 = _gather_views(self.gather, out0, out1)
         first_row = gathering.rank() * batch_size if columns0.shape[0] > batch_size else 0
         return ntxent(out0, out1, columns0, columns1, first_row, self.temperature)
 
@@ -75,6 +83,6 @@ class NTXentGlobalLoss(_NTXentBase):
     """
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
-        columns0 = self.gather(F.normalize(out0, dim=1))
-        columns1 = self.gather(F.normalize(out1, dim=1))
+        out0, out1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
+        columns0, columns1 = _gather_views(self.gather, out0, out1)
         return ntxent(columns0, columns1, columns0, columns1, 0, self.temperature)
