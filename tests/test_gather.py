@@ -20,6 +20,14 @@ def _global_batch(world_size: int, seed: int) -> torch.Tensor:
     return torch.randn(world_size * BATCH, DIM, generator=generator, dtype=torch.float64)
 
 
+def _linear_loss_weights(world_size: int) -> torch.Tensor:
+    """c_r of the linear local loss L_r = <c_r, Z>: one (N, D) weight per rank."""
+    generator = torch.Generator().manual_seed(2)
+    return torch.randn(
+        world_size, world_size * BATCH, DIM, generator=generator, dtype=torch.float64
+    )
+
+
 def _own_rows(tensor: torch.Tensor, rank: int) -> torch.Tensor:
     return tensor[rank * BATCH : (rank + 1) * BATCH].clone().requires_grad_()
 
@@ -29,13 +37,7 @@ def _per_rank_case(world_size: int) -> dict[str, dict[str, torch.Tensor]]:
     linear local-loss (L_r = <c_r, Z>), NT-Xent (local) and NT-Xent (global)."""
     rank = torch.distributed.get_rank()
     features0, features1 = _global_batch(world_size, 0), _global_batch(world_size, 1)
-    weights = torch.randn(
-        world_size,
-        world_size * BATCH,
-        DIM,
-        generator=torch.Generator().manual_seed(2),
-        dtype=torch.float64,
-    )
+    weights = _linear_loss_weights(world_size)
     outcome = {}
     for name in gather.NAMES:
         gather_fn = gather.get(name)
@@ -62,13 +64,7 @@ def _single_device(world_size: int) -> dict[str, torch.Tensor]:
     """The same losses on one device over the whole batch; gradients of the mean of the ranks'
     losses, which is what DDP's 1/W average of the parameter gradients corresponds to."""
     features0, features1 = _global_batch(world_size, 0), _global_batch(world_size, 1)
-    weights = torch.randn(
-        world_size,
-        world_size * BATCH,
-        DIM,
-        generator=torch.Generator().manual_seed(2),
-        dtype=torch.float64,
-    )
+    weights = _linear_loss_weights(world_size)
     reference = {"gathered": features0, "linear_grad": weights.mean(dim=0)}
     for key, loss_class in (("ntxent", NTXentLoss), ("ntxent_global", NTXentGlobalLoss)):
         out0, out1 = features0.clone().requires_grad_(), features1.clone().requires_grad_()

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import time
 
+import hydra
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import gatherlab_processes, run_training
+from helpers import compose, gatherlab_processes, run_training
 
 from gatherlab import launch, runfiles
+from gatherlab.losses import NTXentLoss
+from gatherlab.module import ContrastiveModule, PairDataModule, RunRecorder
 
 
 def _rank_and_sum() -> tuple[int, float]:
@@ -91,3 +94,36 @@ def test_pool_jobs_after_other_jobs_equal_fresh_spawn_runs_bit_for_bit(tmp_path)
         assert pooled_state.keys() == spawned_state.keys()
         for key in pooled_state:
             assert torch.equal(pooled_state[key], spawned_state[key]), (name, key)
+
+
+class _FailingLoss(torch.nn.Module):
+    """NT-Xent that raises on rank 1 at its third step (rank 0 then waits in a collective)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.inner = NTXentLoss()
+
+    def forward(self, out0, out1):
+        self.calls += 1
+        if dist.get_rank() == 1 and self.calls == 3:
+            raise FloatingPointError("loss exploded on purpose")
+        return self.inner(out0, out1)
+
+
+@pytest.mark.slow
+def test_rank_error_inside_training_reaches_the_main_process(tmp_path):
+    cfg, _ = compose("experiment=bug_demo", "layout=cpu2", "steps=5")
+    dataset = hydra.utils.instantiate(cfg.data.dataset)
+    model = hydra.utils.instantiate(cfg.model)
+    module = ContrastiveModule(model, _FailingLoss(), hydra.utils.instantiate(cfg.optim))
+    datamodule = PairDataModule(dataset, cfg.global_batch_size, cfg.steps, seed=0, shuffle=True)
+    start = time.monotonic()
+    with pytest.raises(
+        launch.RankError, match="rank 1: FloatingPointError: loss exploded on purpose"
+    ):
+        launch.fit(module, datamodule, 2, cfg.precision, cfg.steps, [RunRecorder(tmp_path)])
+    assert time.monotonic() - start < launch.COLLECTIVE_TIMEOUT.total_seconds() / 4
+    assert not (tmp_path / runfiles.CURVES).exists()
+    run_training(tmp_path / "next", "experiment=bug_demo", "layout=cpu2", "steps=3")
+    assert len(runfiles.read_curves(tmp_path / "next")["loss"]) == 3
