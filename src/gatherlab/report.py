@@ -117,11 +117,8 @@ def write_report(sweep_dir: str | Path) -> pd.DataFrame:
     table, curves = compare(runs, sweep_dir)
     table.to_csv(sweep_dir / COMPARISON, index=False)
     tolerances = {TOLERANCE[p] for p in table["precision"]}
-    figure = plotting.comparison_figure(
-        table.assign(run_dir=table["run_dir"]),
-        curves,
-        tolerances.pop() if len(tolerances) == 1 else None,
-    )
+    tolerance = tolerances.pop() if len(tolerances) == 1 else None
+    figure = plotting.comparison_figure(table, curves, tolerance)
     plotting.save(figure, sweep_dir / FIGURE)
     return table
 
