@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gatherlab import gather
-from gatherlab.launch import run_in_process_group
+from gatherlab import gather, launch
 from gatherlab.losses import NTXentGlobalLoss, NTXentLoss
 
 BATCH, DIM = 3, 4
@@ -57,7 +56,7 @@ def _per_rank_case(world_size: int) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def ranks(request) -> tuple[int, list[dict]]:
-    return request.param, run_in_process_group(request.param, _per_rank_case, request.param)
+    return request.param, launch.pool(request.param).run(_per_rank_case, request.param)
 
 
 def _single_device(world_size: int) -> dict[str, torch.Tensor]:

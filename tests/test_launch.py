@@ -37,8 +37,8 @@ def _exit_on_rank_one() -> None:
 
 
 def test_pool_runs_functions_on_every_rank_of_one_group():
-    assert launch.run_in_process_group(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)]
-    assert launch.run_in_process_group(4, _rank_and_sum) == [(r, 10.0) for r in range(4)]
+    assert launch.pool(2).run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]
+    assert launch.pool(4).run(_rank_and_sum) == [(r, 10.0) for r in range(4)]
 
 
 @pytest.mark.parametrize(
@@ -58,7 +58,7 @@ def test_failing_rank_ends_the_job_quickly_and_the_pool_is_rebuilt(function, mes
     assert time.monotonic() - start < launch.COLLECTIVE_TIMEOUT.total_seconds() / 4
     assert not broken.alive
     assert not set(pids) & set(gatherlab_processes()), "the failed pool's workers must be gone"
-    assert launch.run_in_process_group(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)]
+    assert launch.pool(2).run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]
     assert launch.pool(2) is not broken
 
 

@@ -31,21 +31,24 @@ def _differences(run_dir: Path, reference_dir: Path) -> tuple[float, float]:
     return float(np.abs(loss - reference_loss).max()), param_diff
 
 
+def _train_cases(root: Path, cases: dict[str, list[str]], *common: str) -> dict[str, Path]:
+    """Train each case (its overrides after the common ones) into ``root / name``."""
+    for name, overrides in cases.items():
+        run_training(root / name, *common, *overrides)
+    return {name: root / name for name in cases}
+
+
 @pytest.fixture(scope="module")
 def demo_runs(tmp_path_factory) -> dict[str, Path]:
     """The bug demo, 20 steps, in float64: the 1-device reference and old/fixed on cpu2 and cpu4."""
-    root = tmp_path_factory.mktemp("demo")
-    runs = {}
-    for name, overrides in {
+    cases = {
         "reference": ["layout=cpu1"],
         "fixed_cpu2": ["gather=fixed", "layout=cpu2"],
         "fixed_cpu4": ["gather=fixed", "layout=cpu4"],
         "old_cpu2": ["gather=old", "layout=cpu2"],
         "old_cpu4": ["gather=old", "layout=cpu4"],
-    }.items():
-        runs[name] = root / name
-        run_training(runs[name], "experiment=bug_demo", "steps=20", *overrides)
-    return runs
+    }
+    return _train_cases(tmp_path_factory.mktemp("demo"), cases, "experiment=bug_demo", "steps=20")
 
 
 @pytest.mark.parametrize("run", ["fixed_cpu2", "fixed_cpu4"])
@@ -75,16 +78,12 @@ def test_every_run_records_every_step(demo_runs):
 @pytest.fixture(scope="module")
 def pr1531_runs(tmp_path_factory) -> dict[str, Path]:
     """lightly PR #1531's own test case (float32), on one device and on two."""
-    root = tmp_path_factory.mktemp("pr1531")
-    runs = {}
-    for name, overrides in {
+    cases = {
         "reference": ["layout=cpu1"],
         "fixed_cpu2": ["gather=fixed", "layout=cpu2"],
         "old_cpu2": ["gather=old", "layout=cpu2"],
-    }.items():
-        runs[name] = root / name
-        run_training(runs[name], "experiment=lightly_pr1531", *overrides)
-    return runs
+    }
+    return _train_cases(tmp_path_factory.mktemp("pr1531"), cases, "experiment=lightly_pr1531")
 
 
 def test_pr1531_case_fixed_matches_in_float32(pr1531_runs):

@@ -195,7 +195,8 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
 
 
 class WorkerPool:
-    """W processes joined in one gloo group, kept alive to run many jobs.
+    """W processes joined in one gloo group, kept alive to run many jobs (and the test suite's
+    distributed checks: ``pool(W).run(function, *args)``).
 
     ``run(function, *args)`` calls ``function(*args)`` on every rank and returns the ranks' results
     in rank order. If a rank raises or dies, the pool is closed at once (ranks blocked in a
@@ -368,11 +369,3 @@ def fit(
 def is_rank_zero() -> bool:
     """False only in a rank other than 0 that torchrun or SLURM started (launcher=external)."""
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0
-
-
-def run_in_process_group(world_size: int, function: Callable[..., Any], *args: Any) -> list[Any]:
-    """Run ``function(*args)`` on every rank of the ``world_size``-rank pool; results in rank order.
-
-    ``function`` must be importable by name (a module-level function).
-    """
-    return pool(world_size).run(function, *args)
