@@ -1,5 +1,22 @@
-"""Losses, one family per file; each takes ``gather`` (a name, a callable, or None)."""
+"""Losses, one family per file (DESIGN.md §3); each takes ``gather`` (a name, a callable, or None)
+and its ``forward(out0, out1)`` returns the rank's scalar loss."""
 
+from gatherlab.losses.barlowtwins import BarlowTwinsGlobalLoss, BarlowTwinsLoss
+from gatherlab.losses.clip import CLIPLoss
+from gatherlab.losses.dcl import DCLLoss, DCLWGlobalLoss, DCLWLoss
 from gatherlab.losses.ntxent import NTXentGlobalLoss, NTXentLoss
+from gatherlab.losses.tico import TiCoLoss
+from gatherlab.losses.vicreg import VICRegLoss
 
-__all__ = ["NTXentGlobalLoss", "NTXentLoss"]
+__all__ = [
+    "BarlowTwinsGlobalLoss",
+    "BarlowTwinsLoss",
+    "CLIPLoss",
+    "DCLLoss",
+    "DCLWGlobalLoss",
+    "DCLWLoss",
+    "NTXentGlobalLoss",
+    "NTXentLoss",
+    "TiCoLoss",
+    "VICRegLoss",
+]

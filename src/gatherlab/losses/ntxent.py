@@ -8,6 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from gatherlab import gather as gathering
+from gatherlab.losses._common import (
+    check_positive,
+    check_views,
+    gather_views,
+    local_offset,
+    own_rows,
+)
 
 
 def ntxent(
@@ -25,8 +32,7 @@ def ntxent(
     positive at column ``first_row + i`` of view 1, and its negatives at every other column of both
     views except itself; likewise for view 1.
     """
-    rows = rows0.shape[0]
-    own_column = first_row + torch.arange(rows, device=rows0.device)
+    own_column = own_rows(first_row, rows0.shape[0], rows0.device)
     is_self = F.one_hot(own_column, num_classes=columns0.shape[0]).bool()
     logits_01 = rows0 @ columns1.T / temperature
     logits_10 = rows1 @ columns0.T / temperature
@@ -38,20 +44,12 @@ def ntxent(
     return F.cross_entropy(logits, own_column.repeat(2))
 
 
-def _gather_views(
-    gather: gathering.GatherFn, out0: torch.Tensor, out1: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both views gathered in one collective (side by side), then split again."""
-    gathered = gather(torch.cat([out0, out1], dim=1))
-    return gathered[:, : out0.shape[1]], gathered[:, out0.shape[1] :]
-
-
 class _NTXentBase(nn.Module):
+    layout_invariant = True  # DESIGN.md §3: predicted with an exact gather
+
     def __init__(self, temperature: float = 0.5, gather: str | gathering.GatherFn | None = "fixed"):
         super().__init__()
-        if not temperature > 0:
-            raise ValueError(f"temperature must be positive, got {temperature!r}")
-        self.temperature = float(temperature)
+        self.temperature = check_positive("temperature", temperature)
         self.gather = gathering.resolve(gather)
 
 
@@ -66,11 +64,11 @@ class NTXentLoss(_NTXentBase):
     """
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
+        check_views(out0, out1)
         out0, out1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
-        batch_size = out0.shape[0]
-        columns0, columns1 = _gather_views(self.gather, out0, out1)
-        first_row = gathering.rank() * batch_size if columns0.shape[0] > batch_size else 0
-        return ntxent(out0, out1, columns0, columns1, first_row, self.temperature)
+        columns0, columns1 = gather_views(self.gather, out0, out1)
+        first = local_offset(out0, columns0)
+        return ntxent(out0, out1, columns0, columns1, first, self.temperature)
 
 
 class NTXentGlobalLoss(_NTXentBase):
@@ -83,6 +81,7 @@ class NTXentGlobalLoss(_NTXentBase):
     """
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
+        check_views(out0, out1)
         out0, out1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
-        columns0, columns1 = _gather_views(self.gather, out0, out1)
+        columns0, columns1 = gather_views(self.gather, out0, out1)
         return ntxent(columns0, columns1, columns0, columns1, 0, self.temperature)
