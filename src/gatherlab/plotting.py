@@ -121,6 +121,59 @@ def comparison_figure(
     return figure
 
 
+def matrix_figure(
+    diff: pd.DataFrame, matches: pd.DataFrame, tolerance: float | None = None
+) -> plt.Figure:
+    """Heat map of max |Δloss| against the reference (log colour scale): rows are losses, columns
+    ``(gather, devices, batch_size)``; a ✓ marks a cell that matches its reference."""
+    values = np.maximum(diff.to_numpy(dtype=float), ZERO_FLOOR)
+    norm = matplotlib.colors.LogNorm(vmin=ZERO_FLOOR, vmax=max(1.0, float(np.nanmax(values))))
+    rows, columns = diff.shape
+    with plt.rc_context({**STYLE, "axes.grid": False}):
+        figure, axis = plt.subplots(
+            figsize=(2.0 + 1.25 * columns, 1.2 + 0.45 * rows), layout="constrained"
+        )
+        image = axis.imshow(values, cmap="magma_r", norm=norm, aspect="auto")
+        for row in range(rows):
+            for column in range(columns):
+                value, match = diff.iat[row, column], matches.iat[row, column]
+                if np.isnan(value):
+                    continue
+                text = f"✓ {value:.0e}" if match else f"✗ {value:.2g}"
+                dark = norm(values[row, column]) > 0.55
+                axis.text(
+                    column, row, text, ha="center", va="center", fontsize=8,
+                    color="white" if dark else "black",
+                )  # fmt: skip
+        gathers = [gather for gather, _, _ in diff.columns]
+        for column in range(1, columns):
+            if gathers[column] != gathers[column - 1]:
+                axis.axvline(column - 0.5, color="white", linewidth=3)
+        axis.xaxis.tick_top()
+        axis.set_xticks(
+            range(columns),
+            [f"{gather}\n{devices} × {batch}" for gather, devices, batch in diff.columns],
+        )
+        for tick, gather in zip(axis.xaxis.get_major_ticks(), gathers, strict=True):
+            tick.label2.set_color(gather_color(gather))
+            tick.label2.set_fontweight("bold")
+        axis.set_yticks(range(rows), list(diff.index))
+        axis.tick_params(length=0)
+        for spine in axis.spines.values():
+            spine.set_visible(False)
+        bar = figure.colorbar(image, ax=axis, shrink=0.9)
+        bar.set_label("max |Δloss| vs 1-device reference (log scale)")
+        if tolerance is not None:
+            bar.ax.axhline(tolerance, color="0.3", linewidth=1.5)
+        axis.set_title(
+            "gather, devices × batch per device"
+            + (f"   (✓: matches within {tolerance:g})" if tolerance is not None else ""),
+            fontsize=9,
+            pad=8,
+        )
+    return figure
+
+
 def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
     """Write the figure as PNG and vector PDF; return both paths."""
     paths = [Path(f"{path_without_suffix}.png"), Path(f"{path_without_suffix}.pdf")]

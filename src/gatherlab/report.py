@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import hydra.utils
 import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -34,6 +35,8 @@ TOLERANCE = {"64-true": 1e-10, "32-true": 1e-5}
 SPLIT_KEYS = ("gather", "layout", "launcher")
 COMPARISON = "comparison.csv"
 FIGURE = "comparison"
+# Written too when the sweep varies the loss: one row per loss, one column per gather × layout.
+MATRIX = "loss_matrix"
 KEY_COLUMNS = (
     "experiment", "model", "loss", "data", "optim", "gather", "layout", "devices", "batch_size",
     "global_batch_size", "precision", "steps", "seed",
@@ -120,14 +123,82 @@ def write_report(sweep_dir: str | Path) -> pd.DataFrame:
     tolerance = tolerances.pop() if len(tolerances) == 1 else None
     figure = plotting.comparison_figure(table, curves, tolerance)
     plotting.save(figure, sweep_dir / FIGURE)
+    if table["loss"].nunique() > 1:
+        diff, matches = loss_matrix(table)
+        predicted = predicted_invariance(runs)
+        steps = int(table["steps"].max())
+        plotting.save(plotting.matrix_figure(diff, matches, tolerance), sweep_dir / MATRIX)
+        markdown = matrix_markdown(diff, matches, predicted, tolerance, steps)
+        (sweep_dir / f"{MATRIX}.md").write_text(markdown)
     return table
+
+
+def loss_matrix(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Max |Δloss| and whether the run matches, per loss (rows, in sweep order) and gather ×
+    layout (columns ``(gather, devices, batch_size)``) of the multi-device runs with a reference."""
+    runs = table[(table["devices"] > 1) & table["reference"].notna()]
+    index = list(dict.fromkeys(runs["loss"]))
+    keys = zip(runs["gather"], runs["devices"], runs["batch_size"], strict=True)
+    columns = list(dict.fromkeys(keys))
+    diff = pd.DataFrame(float("nan"), index=index, columns=pd.MultiIndex.from_tuples(columns))
+    matches = pd.DataFrame(False, index=index, columns=diff.columns)
+    for _, run in runs.iterrows():
+        column = (run["gather"], run["devices"], run["batch_size"])
+        diff.loc[run["loss"], column] = run["max_abs_loss_diff"]
+        matches.loc[run["loss"], column] = bool(run["matches_reference"])
+    return diff, matches
+
+
+def predicted_invariance(runs: pd.DataFrame) -> dict[str, bool | None]:
+    """Per loss name, whether DESIGN.md §3 predicts it layout-invariant with an exact gather (the
+    ``layout_invariant`` attribute of its class), None when the class does not say."""
+    predicted = {}
+    for loss, config in zip(runs["loss"], runs["config"], strict=True):
+        target = config.get("loss", {}).get("_target_")
+        loss_class = hydra.utils.get_class(target) if target else None
+        predicted[loss] = getattr(loss_class, "layout_invariant", None)
+    return predicted
+
+
+def matrix_markdown(
+    diff: pd.DataFrame,
+    matches: pd.DataFrame,
+    predicted: dict[str, bool | None],
+    tolerance: float | None,
+    steps: int,
+) -> str:
+    """The loss matrix as a Markdown table: ✓/✗ and max |Δloss| per cell."""
+    names = {True: "invariant", False: "**not** invariant", None: "?"}
+    header = ["loss", "predicted with an exact gather"] + [
+        f"`{gather}` {devices} × {batch}" for gather, devices, batch in diff.columns
+    ]
+    lines = [
+        f"Max |Δloss| over {steps} steps against each loss's 1-device reference; ✓ = the run "
+        f"matches it (loss at every step and final parameters within "
+        f"{tolerance if tolerance is not None else 'the tolerance of its precision'}).",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for loss in diff.index:
+        cells = [
+            "" if pd.isna(value) else f"{'✓' if match else '✗'} {value:.2g}"
+            for value, match in zip(diff.loc[loss], matches.loc[loss], strict=True)
+        ]
+        lines.append("| " + " | ".join([f"`{loss}`", names[predicted.get(loss)], *cells]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def verdict(table: pd.DataFrame) -> str:
     """The comparison as a short text table: run, devices × batch, max |Δloss|, matches?"""
-    lines = [f"{'run':<28} {'devices × batch':>15} {'max |Δloss|':>12}  matches"]
-    for _, run in table.iterrows():
-        name = f"{run['run_dir']}: {run['gather']} {run['layout']}"
+    shown = [column for column in ("loss",) if table[column].nunique() > 1] + ["gather", "layout"]
+    names = [
+        f"{run['run_dir']}: " + " ".join(str(run[column]) for column in shown)
+        for _, run in table.iterrows()
+    ]
+    width = max(28, *map(len, names))
+    lines = [f"{'run':<{width}} {'devices × batch':>15} {'max |Δloss|':>12}  matches"]
+    for name, (_, run) in zip(names, table.iterrows(), strict=True):
         if run["reference"] == run["run_dir"]:
             outcome = "(reference)"
         elif run["reference"] is None:
@@ -135,7 +206,7 @@ def verdict(table: pd.DataFrame) -> str:
         else:
             outcome = "yes" if run["matches_reference"] else "NO"
         lines.append(
-            f"{name:<28} {run['devices']:>7} × {run['batch_size']:<5} "
+            f"{name:<{width}} {run['devices']:>7} × {run['batch_size']:<5} "
             f"{run['max_abs_loss_diff']:>12.3g}  {outcome}"
         )
     return "\n".join(lines)
@@ -153,6 +224,8 @@ class ReportOnMultirunEnd(Callback):
             return
         log.info("comparison of %d runs:\n%s", len(table), verdict(table))
         log.info("figure: %s", sweep_dir / f"{FIGURE}.png")
+        if (sweep_dir / f"{MATRIX}.png").exists():
+            log.info("loss matrix: %s", sweep_dir / f"{MATRIX}.png")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     print(verdict(table))
     print(f"figure: {args.sweep_dir / FIGURE}.png")
+    if (args.sweep_dir / f"{MATRIX}.png").exists():
+        print(f"loss matrix: {args.sweep_dir / MATRIX}.png and .md")
 
 
 if __name__ == "__main__":
