@@ -168,6 +168,7 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
     if hasattr(os, "sched_setaffinity"):
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        torch.set_num_threads(1)  # more threads than its one core would only contend for it
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store}",
