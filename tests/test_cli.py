@@ -55,7 +55,11 @@ def _one_error_line(result, expected: str) -> None:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["gather=nope"], "gather='nope' is unknown; allowed: fixed, old"),
+        (
+            ["gather=nope"],
+            "gather='nope' is unknown; allowed: avg, fixed, functional, lightning, nograd, "
+            "nograd_swap, old, torch_nn",
+        ),
         (["-m", "gather=fixed,nope", "layout=cpu2"], "gather='nope' is unknown"),
         (["-m", "layout=cpu1,cpu4", "global_batch_size=6"], "global_batch_size=6 does not divide"),
     ],

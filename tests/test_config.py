@@ -46,7 +46,11 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["gather=nope"], "gather='nope' is unknown; allowed: fixed, old"),
+        (
+            ["gather=nope"],
+            "gather='nope' is unknown; allowed: avg, fixed, functional, lightning, nograd, "
+            "nograd_swap, old, torch_nn",
+        ),
         (["layout=cpu3"], "layout='cpu3' is unknown; allowed: cpu1, cpu2, cpu4, cpu8"),
         (
             ["layout=cpu4", "global_batch_size=6"],

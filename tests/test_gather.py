@@ -1,5 +1,6 @@
 """Each gather on real 2- and 4-rank gloo groups: forward equals torch.cat of the ranks' tensors;
-``fixed``'s input gradients equal the single-device gradients, ``old``'s do not."""
+the input gradients of the exact gathers equal the single-device gradients, ``old``'s do not.
+(The parameter-gradient class of every gather is the audit's, tests/test_audit.py.)"""
 
 from __future__ import annotations
 
@@ -31,6 +32,15 @@ def _own_rows(tensor: torch.Tensor, rank: int) -> torch.Tensor:
     return tensor[rank * BATCH : (rank + 1) * BATCH].clone().requires_grad_()
 
 
+def _backward(loss: torch.Tensor) -> None:
+    if loss.requires_grad:  # not with ``nograd`` when every use of the input is gathered
+        loss.backward()
+
+
+def _grad(x: torch.Tensor) -> torch.Tensor:
+    return x.grad if x.grad is not None else torch.zeros_like(x)
+
+
 def _per_rank_case(world_size: int) -> dict[str, dict[str, torch.Tensor]]:
     """On every rank, for every gather: the gathered tensor and the local input gradients of a
     linear local-loss (L_r = <c_r, Z>), NT-Xent (local) and NT-Xent (global)."""
@@ -42,14 +52,14 @@ def _per_rank_case(world_size: int) -> dict[str, dict[str, torch.Tensor]]:
         gather_fn = gather.get(name)
         x = _own_rows(features0, rank)
         gathered = gather_fn(x)
-        (weights[rank] * gathered).sum().backward()
-        result = {"gathered": gathered.detach(), "linear_grad": x.grad}
+        _backward((weights[rank] * gathered).sum())
+        result = {"gathered": gathered.detach(), "linear_grad": _grad(x)}
         for key, loss_class in (("ntxent", NTXentLoss), ("ntxent_global", NTXentGlobalLoss)):
             out0, out1 = _own_rows(features0, rank), _own_rows(features1, rank)
             loss = loss_class(gather=name)(out0, out1)
-            loss.backward()
+            _backward(loss)
             result[f"{key}_loss"] = loss.detach()
-            result[f"{key}_grad"] = torch.cat([out0.grad, out1.grad], dim=1)
+            result[f"{key}_grad"] = torch.cat([_grad(out0), _grad(out1)], dim=1)
         outcome[name] = result
     return outcome
 
@@ -87,11 +97,20 @@ def test_forward_is_concatenation_in_rank_order(ranks, name):
         assert torch.equal(outcome[name]["gathered"], expected)
 
 
+@pytest.mark.parametrize("name", ["fixed", "torch_nn", "functional", "lightning"])
 @pytest.mark.parametrize("key", ["linear_grad", "ntxent_grad", "ntxent_global_grad"])
-def test_fixed_gives_single_device_gradients(ranks, key):
+def test_exact_gathers_give_single_device_gradients(ranks, name, key):
     world_size, per_rank = ranks
     expected = _single_device(world_size)[key]
-    assert torch.allclose(_rank_grads(per_rank, "fixed", key), expected, rtol=0, atol=EXACT)
+    assert torch.allclose(_rank_grads(per_rank, name, key), expected, rtol=0, atol=EXACT)
+
+
+def test_nograd_passes_no_gradient_through_the_gather(ranks):
+    _, per_rank = ranks
+    for outcome in per_rank:
+        assert not outcome["nograd"]["linear_grad"].any()
+        assert not outcome["nograd"]["ntxent_global_grad"].any()
+        assert outcome["nograd"]["ntxent_grad"].abs().max() > 0  # the local rows' direct use
 
 
 @pytest.mark.parametrize("key", ["ntxent_loss", "ntxent_global_loss"])
@@ -103,19 +122,21 @@ def test_mean_of_rank_losses_is_single_device_loss(ranks, key):
         assert abs(float(mean - expected)) <= EXACT
 
 
+@pytest.mark.parametrize("name", ["old", "nograd_swap", "avg"])
 @pytest.mark.parametrize("key", ["linear_grad", "ntxent_grad"])
-def test_old_drops_cross_rank_gradients(ranks, key):
+def test_inexact_gathers_miss_cross_rank_gradients(ranks, name, key):
     world_size, per_rank = ranks
     expected = _single_device(world_size)[key]
-    error = (_rank_grads(per_rank, "old", key) - expected).abs().max()
+    error = (_rank_grads(per_rank, name, key) - expected).abs().max()
     assert error > 1e-3 * expected.abs().max()
 
 
-def test_old_gives_one_over_w_on_global_loss(ranks):
-    """On a loss every rank computes in full, ``old`` returns exactly 1/W of the gradient."""
+@pytest.mark.parametrize("name", ["old", "nograd_swap", "avg"])
+def test_one_over_w_on_global_loss(ranks, name):
+    """On a loss every rank computes in full, these return exactly 1/W of the gradient."""
     world_size, per_rank = ranks
     expected = _single_device(world_size)["ntxent_global_grad"]
-    measured = _rank_grads(per_rank, "old", "ntxent_global_grad")
+    measured = _rank_grads(per_rank, name, "ntxent_global_grad")
     assert torch.allclose(measured * world_size, expected, rtol=0, atol=EXACT)
     assert not torch.allclose(measured, expected, rtol=0, atol=1e-3)
 
@@ -127,5 +148,5 @@ def test_without_process_group_every_gather_is_the_identity():
 
 
 def test_unknown_gather_names_what_is_allowed():
-    with pytest.raises(ValueError, match=r"gather='nope' is unknown; allowed: fixed, old"):
+    with pytest.raises(ValueError, match=r"gather='nope' is unknown; allowed: fixed, old, torch_n"):
         gather.get("nope")

@@ -2,12 +2,25 @@
 
 Every implementation has the same forward (the ranks' tensors concatenated in rank order) and
 differs only in what its backward hands back to the local input. With W ranks and a loss whose
-gradient with respect to the gathered tensor on rank r is G_r (N × D, N = W·B), rank s receives:
+gradient with respect to the gathered tensor on rank r is G_r (N × D, N = W·B), rank s receives
+(DESIGN.md §1):
 
-- ``fixed``: Σ_r G_r[s] — the gradient of every rank's loss with respect to its slice. After DDP's
+- ``fixed``: Σ_r G_r[s], the gradient of every rank's loss with respect to its slice. After DDP's
   1/W average this is exactly the single-device gradient (lightly ≥ #1531, solo-learn, VISSL).
-- ``old``: G_s[s] — only its own loss's gradient of its own slice; the terms that other ranks'
+- ``torch_nn``: the same sum, by ``torch.distributed.nn.functional.all_gather``'s backward
+  (reduce-scatter on NCCL, all-to-all and a sum elsewhere).
+- ``functional``: the same sum, by ``_functional_collectives.all_gather_single_autograd``'s
+  backward (reduce-scatter).
+- ``lightning``: the same sum, by what ``LightningModule.all_gather(sync_grads=True)`` runs under
+  DDP (``torch_nn`` underneath, stacked to (W, B, ...), flattened here).
+- ``old``: G_s[s], only its own loss's gradient of its own slice; the terms that other ranks'
   losses put on this slice are dropped (lightly < #1531, Spijkervet SimCLR, early solo-learn).
+- ``nograd_swap``: a no-grad all_gather whose own slot is replaced by the live local tensor, so
+  the gradient is again G_s[s] (OpenCLIP's default ``gather_with_grad=False``).
+- ``nograd``: a no-grad all_gather and nothing else: no gradient flows through it at all, only
+  the loss's direct uses of the local tensor carry one (MoCo's ``concat_all_gather`` used on live
+  features).
+- ``avg``: (1/W) Σ_r G_r[s], the sum averaged by an all-reduce AVG (DisCo-CLIP, Horovod ≥ 0.21).
 
 ``get(name)`` returns a function ``x -> gathered x``; without an initialised process group (or
 with one rank) it returns its input, so the same loss code runs on one device.
@@ -15,7 +28,9 @@ with one rank) it returns its input, so the same loss code runs on one device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,22 +69,56 @@ def _all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     return slices
 
 
+# The two collectives that deliver Σ_r G_r[s] to rank s in ``fixed``'s backward. NCCL's
+# reduce-scatter of S sends half the bytes of an all-reduce of W·S; on gloo the all-reduce is the
+# faster one (``python -m gatherlab.bench gather`` measures both), so each backend gets its own.
+BACKWARD_COLLECTIVES = ("all_reduce", "reduce_scatter")
+REDUCE_SCATTER_BACKENDS = frozenset({"nccl", "xccl"})
+
+
+def backward_collective() -> str:
+    """The collective ``fixed``'s backward uses on the running backend."""
+    backend = str(dist.get_backend())
+    return "reduce_scatter" if backend in REDUCE_SCATTER_BACKENDS else "all_reduce"
+
+
+def _sum_over_ranks_of_own_slice(
+    slice_grads: tuple[torch.Tensor, ...], collective: str | None = None
+) -> torch.Tensor:
+    """Σ_r G_r[s] on rank s, where ``slice_grads`` are this rank's G_r[0], ..., G_r[W−1]."""
+    if (collective or backward_collective()) == "reduce_scatter":
+        own = torch.empty_like(slice_grads[0])
+        dist.reduce_scatter_single(own, torch.cat(slice_grads), op=dist.ReduceOp.SUM)
+        return own
+    stacked = torch.stack(slice_grads)
+    dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+    return stacked[dist.get_rank()]
+
+
 class _FixedGather(torch.autograd.Function):
-    """Forward: all_gather. Backward: all_reduce SUM of every slice's gradient, keep own slice.
+    """Forward: all_gather. Backward: every rank's gradient of each slice summed, own slice kept.
 
     Each rank's loss depends on every slice, so the gradient of slice s is the sum over ranks of
-    what each rank's loss puts on it; the all_reduce delivers that sum to rank s.
+    what each rank's loss puts on it. An all_reduce SUM of all W slice gradients delivers that sum
+    to every rank, a reduce_scatter SUM only to the slice's owner; ``collective`` picks one (None:
+    the cheaper one for the backend, ``backward_collective``).
     """
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, tensor: torch.Tensor, collective: str | None) -> tuple[torch.Tensor, ...]:
+        ctx.collective = collective
         return tuple(_all_gather(tensor))
 
     @staticmethod
-    def backward(ctx, *slice_grads: torch.Tensor) -> torch.Tensor:
-        stacked = torch.stack(slice_grads)
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
-        return stacked[dist.get_rank()]
+    def backward(ctx, *slice_grads: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        return _sum_over_ranks_of_own_slice(slice_grads, ctx.collective), None
+
+
+def fixed_with(tensor: torch.Tensor, collective: str | None = None) -> torch.Tensor:
+    """``fixed`` with a chosen backward collective (``BACKWARD_COLLECTIVES``; None: by backend)."""
+    if collective is not None and collective not in BACKWARD_COLLECTIVES:
+        raise ValueError(f"collective={collective!r}; allowed: {', '.join(BACKWARD_COLLECTIVES)}")
+    return torch.cat(_FixedGather.apply(tensor, collective), dim=0)
 
 
 class _OldGather(torch.autograd.Function):
@@ -88,14 +137,89 @@ class _OldGather(torch.autograd.Function):
         return slice_grads[dist.get_rank()]
 
 
+class _AvgGather(torch.autograd.Function):
+    """Forward: all_gather. Backward: all_reduce AVG of every slice's gradient, own slice kept.
+
+    The mean over ranks instead of the sum: every gradient that passes through the gather is W
+    times too small (DisCo-CLIP; Horovod's allgather gradient since 0.21). gloo has no AVG, so the
+    sum is divided by W.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(_all_gather(tensor))
+
+    @staticmethod
+    def backward(ctx, *slice_grads: torch.Tensor) -> torch.Tensor:
+        return _sum_over_ranks_of_own_slice(slice_grads) / dist.get_world_size()
+
+
 @register("fixed")
 def fixed(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.cat(_FixedGather.apply(tensor), dim=0)
+    return fixed_with(tensor)
 
 
 @register("old")
 def old(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(_OldGather.apply(tensor), dim=0)
+
+
+@contextlib.contextmanager
+def _deprecated_all_gather_is_intended() -> Iterator[None]:
+    """torch 2.13 deprecates ``torch.distributed.nn.functional.all_gather``; ``torch_nn`` and
+    ``lightning`` exist to measure exactly that public API, so its warning is expected here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated"
+        )
+        yield
+
+
+@register("torch_nn")
+def torch_nn(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.nn.functional import all_gather
+
+    with _deprecated_all_gather_is_intended():
+        return torch.cat(all_gather(tensor.contiguous()), dim=0)
+
+
+@register("functional")
+def functional(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed import _functional_collectives
+
+    gathered = _functional_collectives.all_gather_single_autograd(
+        tensor.contiguous(), 0, dist.group.WORLD
+    )
+    return _functional_collectives.wait_tensor(gathered)
+
+
+@register("lightning")
+def lightning(tensor: torch.Tensor) -> torch.Tensor:
+    # What LightningModule.all_gather(tensor, sync_grads=True) calls under its DDP strategies;
+    # called directly so that a loss needs no LightningModule to use it.
+    from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+
+    with _deprecated_all_gather_is_intended():
+        return _all_gather_ddp_if_available(tensor, sync_grads=True).flatten(0, 1)
+
+
+@register("nograd_swap")
+def nograd_swap(tensor: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        slices = _all_gather(tensor)
+    slices[dist.get_rank()] = tensor
+    return torch.cat(slices, dim=0)
+
+
+@register("nograd")
+def nograd(tensor: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat(_all_gather(tensor), dim=0)
+
+
+@register("avg")
+def avg(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.cat(_AvgGather.apply(tensor), dim=0)
 
 
 NAMES: tuple[str, ...] = tuple(_REGISTRY)
