@@ -1,4 +1,5 @@
-"""What every figure script does: run one experiment's sweep, copy its files into ``figures/``."""
+"""What every figure script does: run one experiment (a sweep or the audit), copy its files into
+``figures/``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ def run_sweep(experiment: str, *overrides: str) -> Path:
     ]  # fmt: skip
     subprocess.run(command, cwd=REPO, check=True)
     return sweep_dir
+
+
+def run_audit(*overrides: str) -> Path:
+    """``python -m gatherlab.audit`` into a new directory under ``outputs/``."""
+    out = REPO / "outputs" / f"gather_audit-{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
+    command = [sys.executable, "-m", "gatherlab.audit", "--out", str(out), *overrides]
+    subprocess.run(command, cwd=REPO, check=True)
+    return out
 
 
 def publish(sweep_dir: Path, files: dict[str, str]) -> None:

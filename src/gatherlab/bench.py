@@ -1,4 +1,4 @@
-"""Benchmarks, apart from the tests: ``python -m gatherlab.bench launcher [--jobs N] [--steps S]``.
+"""Benchmarks, apart from the tests: ``python -m gatherlab.bench {launcher,gather} [options]``.
 
 Each benchmark measures everything it compares in one invocation and prints ratios; nothing here
 asserts a time.
@@ -7,17 +7,30 @@ asserts a time.
 ``train.run`` once with ``launcher=spawn`` (fresh processes per job) and once with
 ``launcher=pool`` (one warm group). The marginal cost of a job is the mean wall time of jobs 2..N;
 the first job is shown apart (for the pool it includes starting the group).
+
+``gather``: forward + backward of each exact gather (``fixed`` with the backend's collective,
+``fixed`` with the other one, ``torch_nn``, ``functional``, ``lightning``) on W real ranks, for
+local embeddings from 256×128 to 4096×512 (float32), each the median of interleaved repetitions
+timed on rank 0 between barriers. Bytes sent per rank by the backward's collective are those of
+the ring algorithms (all_reduce of M bytes: 2(W−1)/W·M; reduce-scatter and all-to-all:
+(W−1)/W·M), computed from the sizes, not measured on the wire.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from gatherlab import gather as gathering
 from gatherlab import launch, train
 
 
@@ -52,6 +65,91 @@ def launcher(jobs: int, steps: int) -> float:
     return ratio
 
 
+GATHER_SIZES = ((256, 128), (1024, 256), (4096, 512))
+EXACT_GATHERS = ("fixed", "torch_nn", "functional", "lightning")
+
+
+def _fixed_variants() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """``fixed`` with each backward collective, named by it, and the other exact gathers."""
+    chosen = gathering.backward_collective()
+    variants = {}
+    for collective in sorted(gathering.BACKWARD_COLLECTIVES, key=lambda c: c != chosen):
+        name = "fixed" if collective == chosen else f"fixed[{collective}]"
+        variants[name] = functools.partial(gathering.fixed_with, collective=collective)
+    for name in EXACT_GATHERS[1:]:
+        variants[name] = gathering.get(name)
+    return variants
+
+
+def _backward_bytes(name: str, world_size: int, local_bytes: int) -> tuple[str, int]:
+    """The backward's collective and the bytes a rank sends in it (ring algorithms)."""
+    chosen = gathering.backward_collective()
+    collective = name[6:-1] if name.startswith("fixed[") else chosen if name == "fixed" else None
+    if collective is None:  # torch_nn and lightning: all-to-all on gloo, reduce-scatter on NCCL
+        reduce_scatter = str(dist.get_backend()) in gathering.REDUCE_SCATTER_BACKENDS
+        collective = "reduce_scatter" if name == "functional" or reduce_scatter else "all_to_all"
+    total = world_size * local_bytes  # every collective here moves the W slice gradients
+    factor = 2 if collective == "all_reduce" else 1
+    return collective, factor * (world_size - 1) * total // world_size
+
+
+def _time_gathers(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict] | None:
+    """On every rank: forward + backward of each variant per size; rank 0 returns the rows."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    variants = _fixed_variants()
+    rows = []
+    for batch, dim in sizes:
+        generator = torch.Generator().manual_seed(rank)
+        local = torch.randn(batch, dim, generator=generator)
+        weight = torch.randn(world_size * batch, dim, generator=generator)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for repeat in range(repeats + 2):  # two warm-up rounds
+            for name, function in variants.items():
+                x = local.clone().requires_grad_()
+                dist.barrier()
+                start = time.perf_counter()
+                (function(x) * weight).sum().backward()
+                dist.barrier()
+                if repeat >= 2:
+                    times[name].append(time.perf_counter() - start)
+        for name in variants:
+            collective, sent = _backward_bytes(name, world_size, local.numel() * 4)
+            rows.append(
+                {
+                    "world_size": world_size,
+                    "size": f"{batch}×{dim}",
+                    "gather": name,
+                    "ms": 1e3 * statistics.median(times[name]),
+                    "collective": collective,
+                    "sent_MB": sent / 2**20,
+                }
+            )
+    return rows if rank == 0 else None
+
+
+def gather(world_sizes: tuple[int, ...], repeats: int) -> float:
+    """Print forward + backward times of the exact gathers; return fastest/fixed at the largest
+    size and world size."""
+    rows = []
+    for world_size in world_sizes:
+        rows += launch.pool(world_size).run(_time_gathers, GATHER_SIZES, repeats)[0]
+        launch.close_pools()
+    print(f"forward + backward, float32, median of {repeats}; backend gloo on CPU")
+    print(f"{'W':>2} {'local size':>10} {'gather':<22} {'ms':>9}  backward collective, sent/rank")
+    for row in rows:
+        print(
+            f"{row['world_size']:>2} {row['size']:>10} {row['gather']:<22} {row['ms']:>9.2f}  "
+            f"{row['collective']}, {row['sent_MB']:.2f} MB"
+        )
+    world_size, (batch, dim) = max(world_sizes), GATHER_SIZES[-1]
+    last = [r for r in rows if r["world_size"] == world_size and r["size"] == f"{batch}×{dim}"]
+    times = {row["gather"]: row["ms"] for row in last if not row["gather"].startswith("fixed[")}
+    fastest = min(times, key=times.get)
+    ratio = times[fastest] / times["fixed"]
+    print(f"fastest exact gather ({fastest}) / fixed at W={world_size}, {batch}×{dim}: {ratio:.3f}")
+    return ratio
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m gatherlab.bench", description=__doc__.splitlines()[0]
@@ -66,10 +164,21 @@ def main(argv: list[str] | None = None) -> None:
     launcher_parser.add_argument(
         "--steps", type=int, default=50, help="optimizer steps per job (default 50)"
     )
+    gather_parser = commands.add_parser(
+        "gather", help="forward + backward time of the exact gathers"
+    )
+    gather_parser.add_argument(
+        "--world-sizes", type=int, nargs="+", default=[2, 4], help="(default 2 4)"
+    )
+    gather_parser.add_argument(
+        "--repeats", type=int, default=15, help="timed repetitions (default 15)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.benchmark == "launcher":
         launcher(args.jobs, args.steps)
+    elif args.benchmark == "gather":
+        gather(tuple(args.world_sizes), args.repeats)
 
 
 if __name__ == "__main__":

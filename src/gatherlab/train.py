@@ -119,6 +119,16 @@ def _hydra_main(cfg: DictConfig) -> None:
     overrides = list(hydra_cfg.overrides.task)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         log.info("job %d/%s: %s", hydra_cfg.job.num + 1, _jobs_total or "?", " ".join(overrides))
+    if "audit" in cfg:  # experiment=gather_audit: measure gradients instead of training
+        from gatherlab import audit
+
+        out = Path(hydra_cfg.runtime.output_dir)
+        if (out / "audit.csv").exists():
+            raise ConfigError(f"{out} already holds an audit; it is never overwritten")
+        table = audit.run_config(cfg, out)
+        log.info("gradient audit:\n%s", audit.markdown(table))
+        log.info("written: %s/audit.{csv,md,png,pdf}", out)
+        return
     run(
         cfg,
         Path(hydra_cfg.runtime.output_dir),
