@@ -47,6 +47,11 @@ def check(cfg: Mapping[str, Any]) -> None:
             f"launcher=pool is not allowed with layout.accelerator={accelerator!r}; "
             "allowed: launcher=spawn or launcher=external"
         )
+    if cfg["model"].get("norm") == "sync" and accelerator == "cpu":
+        raise ConfigError(
+            "model.norm='sync' (torch's SyncBatchNorm) refuses CPU tensors; allowed with "
+            "layout.accelerator=cpu: global (the same statistics, on any backend), local"
+        )
     if global_batch_size % devices:
         raise ConfigError(
             f"global_batch_size={global_batch_size} does not divide by layout.devices={devices}; "

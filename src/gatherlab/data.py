@@ -3,7 +3,9 @@
 The sampler follows DESIGN.md §2: one permutation per epoch drawn from (seed, epoch) alone, global
 batch k is the k-th contiguous block of it, and rank r takes the r-th contiguous slice of that
 block. Gathering the ranks' batches in rank order therefore rebuilds the single-device batch row
-for row, whatever the number of ranks.
+for row, whatever the number of ranks. The sampler hands each data set a key ``(epoch, index)``
+per sample, so that a data set with random augmentations can draw them from (seed, epoch, index)
+(``digits``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
+
+from gatherlab import gather as gathering
+from gatherlab.augment import VIEW_STREAMS, Augmentation, sample_generator
+
+SEEDINGS = ("per_sample", "per_process")
 
 
 class PairDataset(Dataset):
@@ -31,7 +39,8 @@ class PairDataset(Dataset):
     def __len__(self) -> int:
         return len(self.view0)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = key[1] if isinstance(key, tuple) else key  # (epoch, index): no randomness here
         return self.view0[index], self.view1[index]
 
 
@@ -55,6 +64,89 @@ def gaussian_pairs(num_samples: int, dim: int, noise: float = 0.5, seed: int = 0
     return PairDataset(view0, view1)
 
 
+class DigitsPairs(Dataset):
+    """Two augmented views of each image of scikit-learn's 8×8 handwritten digits (1,797 images,
+    shipped with the package), pixel values scaled to [0, 1].
+
+    The images are split into train and test once, by ``split_seed``; training draws from the
+    train split. ``seeding="per_sample"`` draws every augmentation from (seed, epoch, sample
+    index, view), the same on any layout; ``"per_process"`` is what a plain DDP run does, one RNG
+    per process seeded by (seed, rank), so the views depend on how the batch is split (an
+    ablation). Each item is ``(view0, view1, key)`` with ``key = [epoch, index]``, which the
+    model's seeded dropout uses.
+    """
+
+    encode_second_view = True
+
+    def __init__(
+        self,
+        seed: int = 0,
+        split_seed: int = 0,
+        test_size: int = 360,
+        seeding: str = "per_sample",
+        augmentation: Augmentation | None = None,
+    ):
+        from sklearn.datasets import load_digits
+
+        if seeding not in SEEDINGS:
+            raise ValueError(f"data.seeding={seeding!r} is unknown; allowed: {', '.join(SEEDINGS)}")
+        digits = load_digits()
+        images = torch.tensor(digits.images, dtype=torch.float64)[:, None] / 16.0
+        labels = torch.tensor(digits.target)
+        if not 0 < test_size < len(images):
+            raise ValueError(f"data.test_size={test_size} must be in 1..{len(images) - 1}")
+        order = torch.as_tensor(np.random.default_rng(split_seed).permutation(len(images)))
+        test, train = order[:test_size], order[test_size:]
+        self.images, self.labels = images[train], labels[train]
+        self.test_images, self.test_labels = images[test], labels[test]
+        self.seed, self.seeding = seed, seeding
+        self.augmentation = augmentation or Augmentation()
+        self._process_generator: torch.Generator | None = None
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def _generators(self, epoch: int, index: int) -> tuple[torch.Generator, torch.Generator]:
+        if self.seeding == "per_sample":
+            return tuple(sample_generator(self.seed, epoch, index, s) for s in VIEW_STREAMS)
+        if self._process_generator is None:
+            rank_seed = np.random.SeedSequence([self.seed, gathering.rank()]).generate_state(1)
+            self._process_generator = torch.Generator().manual_seed(int(rank_seed[0]))
+        return self._process_generator, self._process_generator
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        epoch, index = key
+        image = self.images[index]
+        generator0, generator1 = self._generators(epoch, index)
+        view0 = self.augmentation(image, generator0)
+        view1 = self.augmentation(image, generator1)
+        return view0, view1, torch.tensor([epoch, index])
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, neighbours: int = 5) -> dict[str, float]:
+        """Test accuracy of a k-NN classifier (cosine similarity, majority of ``neighbours``,
+        ties to the nearest) on the frozen features ``model.features`` of the un-augmented
+        images, the train split as its memory."""
+        model.eval()
+        dtype = next(model.parameters()).dtype
+        memory = F.normalize(model.features(self.images.to(dtype)), dim=1)
+        queries = F.normalize(model.features(self.test_images.to(dtype)), dim=1)
+        nearest = (queries @ memory.T).topk(neighbours, dim=1).indices
+        votes = self.labels[nearest]
+        counts = F.one_hot(votes, num_classes=10).sum(dim=1).to(torch.float64)
+        # the nearest neighbour's label breaks ties: it gets a fraction of a vote extra
+        counts += 0.5 * F.one_hot(votes[:, 0], num_classes=10)
+        predicted = counts.argmax(dim=1)
+        return {"knn_accuracy": float((predicted == self.test_labels).double().mean())}
+
+
+def digits_pairs(
+    seed: int = 0, split_seed: int = 0, test_size: int = 360, seeding: str = "per_sample", **aug
+) -> DigitsPairs:
+    """The ``digits`` data set of the configs (augmentation settings as keyword arguments)."""
+    return DigitsPairs(seed, split_seed, test_size, seeding, Augmentation(**aug))
+
+
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     """The sample order of ``epoch``: a permutation drawn from (seed, epoch) alone, or 0..n-1."""
     if not shuffle:
@@ -74,6 +166,7 @@ class GlobalBatchSampler:
         world_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        with_epoch: bool = False,
     ):
         if global_batch_size % world_size:
             raise ValueError(
@@ -85,12 +178,13 @@ class GlobalBatchSampler:
             )
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
         self.num_batches, self.rank, self.world_size = num_batches, rank, world_size
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.with_epoch = seed, shuffle, with_epoch
 
     def __len__(self) -> int:
         return self.num_batches
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[int] | list[tuple[int, int]]]:
+        """Each step's indices, or ``(epoch, index)`` keys ``with_epoch``."""
         batches_per_epoch = self.num_samples // self.global_batch_size
         local = self.global_batch_size // self.world_size
         order = None
@@ -99,4 +193,5 @@ class GlobalBatchSampler:
             if block == 0:
                 order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
             start = block * self.global_batch_size + self.rank * local
-            yield order[start : start + local].tolist()
+            indices = order[start : start + local].tolist()
+            yield [(epoch, index) for index in indices] if self.with_epoch else indices

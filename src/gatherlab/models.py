@@ -9,6 +9,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from gatherlab.augment import DROPOUT_STREAM, sample_generator
+from gatherlab.batchnorm import GlobalBatchNorm
+
 
 class Linear(nn.Module):
     """A bias-free linear map on the last dimension (the model of lightly PR #1531's test).
@@ -57,3 +60,96 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+NORMS = ("global", "local", "sync")
+
+
+def batch_norm(kind: str, num_features: int, dims: int) -> nn.Module:
+    """The normalisation layer of ``model.norm``: ``global`` (gatherlab's global batch norm, any
+    backend), ``local`` (per-rank statistics, what plain DDP does), ``sync`` (torch's
+    SyncBatchNorm: global statistics on NCCL; it refuses CPU tensors)."""
+    if kind == "global":
+        return GlobalBatchNorm(num_features)
+    if kind == "local":
+        return nn.BatchNorm1d(num_features) if dims == 1 else nn.BatchNorm2d(num_features)
+    if kind == "sync":
+        return nn.SyncBatchNorm(num_features)
+    raise ValueError(f"model.norm={kind!r} is unknown; allowed: {', '.join(NORMS)}")
+
+
+class SeededDropout(nn.Module):
+    """Dropout whose mask for a sample is drawn from (seed, epoch, sample index, view, layer),
+    like the augmentations, so a sample is dropped the same way on any layout.
+
+    ``sample_keys`` rows are ``[epoch, index, view]``; without keys (evaluation of a single batch,
+    or data without keys) it is the identity in evaluation and plain dropout in training.
+    """
+
+    def __init__(self, p: float, seed: int, layer: int):
+        super().__init__()
+        if not 0 <= p < 1:
+            raise ValueError(f"model.dropout must be in [0, 1), got {p}")
+        self.p, self.seed, self.layer = p, seed, layer
+
+    def forward(self, x: torch.Tensor, sample_keys: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if sample_keys is None:
+            return nn.functional.dropout(x, self.p, training=True)
+        keep = torch.stack(
+            [
+                torch.rand(
+                    x.shape[1:],
+                    generator=sample_generator(
+                        self.seed, epoch, index, DROPOUT_STREAM + 2 * self.layer + view
+                    ),
+                    dtype=torch.float64,
+                )
+                >= self.p
+                for epoch, index, view in sample_keys.tolist()
+            ]
+        )
+        return x * keep.to(x.dtype) / (1 - self.p)
+
+
+class SimCLRNet(nn.Module):
+    """A small SimCLR network for 8×8 images: a CNN backbone with batch norm (3 conv layers,
+    global average pooling to ``4·width`` features) and a projection head Linear → batch norm →
+    ReLU → (seeded dropout) → Linear. ``norm`` chooses the batch norm (``batch_norm``)."""
+
+    takes_sample_keys = True
+
+    def __init__(
+        self,
+        in_channels: int = 1,
+        width: int = 16,
+        hidden_features: int = 64,
+        out_features: int = 32,
+        norm: str = "global",
+        dropout: float = 0.0,
+        seed: int = 0,
+    ):
+        super().__init__()
+        channels = [in_channels, width, 2 * width, 4 * width]
+        layers: list[nn.Module] = []
+        for index, (width_in, width_out) in enumerate(itertools.pairwise(channels)):
+            stride = 1 if index == 0 else 2
+            layers += [
+                nn.Conv2d(width_in, width_out, 3, stride=stride, padding=1, bias=False),
+                batch_norm(norm, width_out, dims=2),
+                nn.ReLU(),
+            ]
+        self.backbone = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.projection = nn.Linear(channels[-1], hidden_features, bias=False)
+        self.projection_norm = batch_norm(norm, hidden_features, dims=1)
+        self.dropout = SeededDropout(dropout, seed, layer=0)
+        self.head = nn.Linear(hidden_features, out_features)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The backbone's features (what the k-NN evaluation reads)."""
+        return self.backbone(x)
+
+    def forward(self, x: torch.Tensor, sample_keys: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = torch.relu(self.projection_norm(self.projection(self.features(x))))
+        return self.head(self.dropout(hidden, sample_keys))

@@ -40,12 +40,20 @@ class ContrastiveModule(L.LightningModule):
         self.encode_second_view = encode_second_view
         self.history: list[dict[str, float]] = []
 
-    def training_step(
-        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
-    ) -> torch.Tensor:
-        view0, view1 = (view.to(self.dtype) for view in batch)
-        out0 = self.model(view0).flatten(1)
-        out1 = (self.model(view1) if self.encode_second_view else view1).flatten(1)
+    def _embed(self, view: torch.Tensor, keys: torch.Tensor | None, view_id: int) -> torch.Tensor:
+        """The model's embedding of one view; a model with seeded randomness (dropout) also gets
+        each sample's ``[epoch, index, view]``."""
+        if keys is not None and getattr(self.model, "takes_sample_keys", False):
+            view_column = torch.full_like(keys[:, :1], view_id)
+            return self.model(view, sample_keys=torch.cat([keys, view_column], dim=1))
+        return self.model(view)
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        """``batch``: ``(view0, view1)`` or ``(view0, view1, keys)``, keys ``[epoch, index]``."""
+        view0, view1 = (view.to(self.dtype) for view in batch[:2])
+        keys = batch[2] if len(batch) > 2 else None
+        out0 = self._embed(view0, keys, 0).flatten(1)
+        out1 = (self._embed(view1, keys, 1) if self.encode_second_view else view1).flatten(1)
         loss = self.loss(out0, out1)
         self.history.append({"step": self.global_step, "local_loss": float(loss.detach())})
         return loss
@@ -88,6 +96,7 @@ class PairDataModule(L.LightningDataModule):
             world_size=self.trainer.world_size,
             seed=self.seed,
             shuffle=self.shuffle,
+            with_epoch=True,
         )
         return DataLoader(self.dataset, batch_sampler=sampler)
 
