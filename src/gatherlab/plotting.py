@@ -241,6 +241,85 @@ def audit_figure(table: pd.DataFrame, classes: tuple[str, ...]) -> plt.Figure:
     return figure
 
 
+VARIANT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+
+
+def ablation_figure(
+    table: pd.DataFrame,
+    curves: Mapping[str, pd.DataFrame],
+    variant: str,
+    metric: str,
+    tolerance: float | None = None,
+) -> plt.Figure:
+    """Loss curves (left), |Δloss| against each run's 1-device reference on a log scale (middle)
+    and a downstream ``metric`` per run (right), for the runs of a sweep over ``variant`` (the
+    matched configuration first, then each ablation) and layouts."""
+    variants = list(dict.fromkeys(table[variant]))
+    colors = dict(zip(variants, VARIANT_COLORS, strict=False))
+    with plt.rc_context(STYLE):
+        figure, (loss_axis, diff_axis, metric_axis) = plt.subplots(
+            1, 3, figsize=(15, 4.6), layout="constrained", width_ratios=[1.1, 1.1, 0.8]
+        )
+        reference_drawn = False
+        for _, run in table.iterrows():
+            run_curves = curves[run["run_dir"]]
+            style = {
+                "color": colors[run[variant]],
+                "linestyle": DEVICE_STYLES.get(run["devices"], "--"),
+                "linewidth": 1.4,
+            }
+            label = f"{run[variant]}, {run['devices']} × {run['batch_size']}"
+            if run["devices"] == 1:
+                if not reference_drawn:
+                    loss_axis.plot(
+                        run_curves["step"], run_curves["loss"],
+                        label=f"{run[variant]}, 1 × {run['global_batch_size']}", **REFERENCE_STYLE,
+                    )  # fmt: skip
+                    reference_drawn = True
+                continue
+            loss_axis.plot(run_curves["step"], run_curves["loss"], label=label, **style)
+            if run["reference"] is not None:
+                reference = curves[run["reference"]]["loss"].to_numpy()
+                diff = np.abs(run_curves["loss"].to_numpy() - reference)
+                diff_axis.plot(
+                    run_curves["step"], np.maximum(diff, ZERO_FLOOR), label=label, **style
+                )
+        if tolerance is not None:
+            diff_axis.axhline(tolerance, color="0.4", linewidth=1, linestyle=":")
+            diff_axis.annotate(
+                f"match tolerance {tolerance:g}", (0.02, tolerance * 3),
+                xycoords=("axes fraction", "data"), fontsize=8, color="0.3",
+            )  # fmt: skip
+        loss_axis.set(xlabel="optimizer step", ylabel="global loss", title="loss")
+        loss_axis.legend(fontsize=7, ncol=2)
+        diff_axis.set(
+            yscale="log",
+            xlabel="optimizer step",
+            ylabel="|Δ loss| vs the 1-device run of the same config",
+            title=f"difference from the reference (exact 0 drawn at {ZERO_FLOOR:g})",
+        )
+        diff_axis.set_ylim(bottom=ZERO_FLOOR / 3)
+        labels, values, bar_colors = [], [], []
+        for _, run in table.iterrows():
+            labels.append(f"{run[variant]}, {run['devices']} × {run['batch_size']}")
+            values.append(run[metric])
+            bar_colors.append(colors[run[variant]])
+        positions = np.arange(len(labels))[::-1]
+        metric_axis.barh(positions, values, color=bar_colors, height=0.7)
+        for position, value in zip(positions, values, strict=True):
+            metric_axis.annotate(
+                f"{value:.3f}", (value, position), xytext=(3, 0), textcoords="offset points",
+                va="center", fontsize=8,
+            )  # fmt: skip
+        low = min(values)
+        metric_axis.set_xlim(max(0.0, low - 0.03), min(1.0, max(values) + 0.012))
+        metric_axis.set_yticks(positions, labels, fontsize=8)
+        name = metric.replace("_", " ").replace("knn", "k-NN")
+        metric_axis.set(xlabel=f"{name} (test split)", title=f"{name} of each run")
+        metric_axis.grid(axis="y", visible=False)
+    return figure
+
+
 def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
     """Write the figure as PNG and vector PDF; return both paths."""
     paths = [Path(f"{path_without_suffix}.png"), Path(f"{path_without_suffix}.pdf")]

@@ -93,11 +93,14 @@ def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.
             table.loc[index, "matches_reference"] = bool(
                 loss_diff <= tolerance and param_diff <= tolerance
             )
-    table = pd.concat([table, _varying_overrides(table)], axis=1)
+    varying = _varying_overrides(table)
+    table = pd.concat([table, varying], axis=1)
     for column in ("run_dir", "reference"):
         table[column] = table[column].map(lambda path: _relative(path, root))
     curves = {_relative(path, root): frame for path, frame in curves.items()}
-    return table.drop(columns=["overrides", "config"]), curves
+    table = table.drop(columns=["overrides", "config"])
+    table.attrs["override_columns"] = list(varying.columns)
+    return table, curves
 
 
 def _relative(path: str | None, root: Path) -> str | None:
@@ -191,7 +194,9 @@ def matrix_markdown(
 
 def verdict(table: pd.DataFrame) -> str:
     """The comparison as a short text table: run, devices × batch, max |Δloss|, matches?"""
-    shown = [column for column in ("loss",) if table[column].nunique() > 1] + ["gather", "layout"]
+    extra = table.attrs.get("override_columns", [])
+    varying = [c for c in ("loss", *extra) if table[c].nunique(dropna=False) > 1]
+    shown = [*varying, "gather", "layout"]
     names = [
         f"{run['run_dir']}: " + " ".join(str(run[column]) for column in shown)
         for _, run in table.iterrows()

@@ -27,11 +27,23 @@ def load_runs(directory: str | Path) -> pd.DataFrame:
     for run_dir in runfiles.find_runs(Path(directory)):
         summary = runfiles.read_summary(run_dir)
         row = {column: summary.get(column) for column in RUN_COLUMNS}
+        row.update(_metrics(summary))
         row["overrides"] = override_values(summary.get("overrides", []))
         row["config"] = summary.get("config", {})
         row["run_dir"] = str(run_dir)
         rows.append(row)
-    return pd.DataFrame(rows, columns=[*RUN_COLUMNS, "overrides", "config", "run_dir"])
+    named = {*RUN_COLUMNS, "overrides", "config", "run_dir"}
+    metrics = sorted({key for row in rows for key in row} - named)
+    return pd.DataFrame(rows, columns=[*RUN_COLUMNS, *metrics, "overrides", "config", "run_dir"])
+
+
+def _metrics(summary: dict) -> dict[str, float]:
+    """Numbers a run reports beyond ``RUN_COLUMNS`` (an evaluation such as ``knn_accuracy``)."""
+    return {
+        key: value
+        for key, value in summary.items()
+        if key not in RUN_COLUMNS and isinstance(value, int | float) and not isinstance(value, bool)
+    }
 
 
 def load_curves(run_dir: str | Path) -> pd.DataFrame:

@@ -96,6 +96,7 @@ def run(
         "wall_s": wall_s,
         "overrides": list(overrides),
         "config": OmegaConf.to_container(cfg, resolve=True),
+        **_evaluate(dataset, model, run_dir, cfg.precision),
     }
     runfiles.write_summary(run_dir, summary)
     log.info(
@@ -107,6 +108,17 @@ def run(
         wall_s,
     )
     return summary
+
+
+def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, precision: str) -> dict[str, float]:
+    """The data set's evaluation of the trained model (``evaluate``), if it has one: the final
+    weights are read back, so it sees what any launcher trained."""
+    evaluate = getattr(dataset, "evaluate", None)
+    if evaluate is None:
+        return {}
+    model = model.to(torch.float64 if precision == "64-true" else torch.float32)
+    model.load_state_dict(runfiles.read_final_state(run_dir))
+    return evaluate(model)
 
 
 # The number of jobs of the running command, known from the preflight, for progress lines.
