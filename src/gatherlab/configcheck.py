@@ -26,6 +26,7 @@ def check(cfg: Mapping[str, Any]) -> None:
     """Raise ``ConfigError`` for the first value of ``cfg`` that cannot run."""
     _integer("steps", cfg["steps"], minimum=1)
     _integer("seed", cfg["seed"], minimum=0)
+    _integer("log_every", cfg.get("log_every", 0), minimum=0)
     global_batch_size = _integer("global_batch_size", cfg["global_batch_size"], minimum=1)
     devices = _integer("layout.devices", cfg["layout"]["devices"], minimum=1)
     if cfg["precision"] not in PRECISIONS:

@@ -3,6 +3,9 @@ callback that records a run's files (DESIGN.md §5) from rank 0."""
 
 from __future__ import annotations
 
+import logging
+import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -13,6 +16,8 @@ from torch.utils.data import DataLoader
 
 from gatherlab import runfiles
 from gatherlab.data import GlobalBatchSampler, PairDataset
+
+log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -112,3 +117,39 @@ class RunRecorder(L.Callback):
         if trainer.global_rank == 0:
             runfiles.write_curves(self.run_dir, curves)
             runfiles.write_final_state(self.run_dir, pl_module.model.state_dict())
+
+
+class ProgressLog(L.Callback):
+    """A line every ``every`` optimizer steps (and at the last) from rank 0: the step, rank 0's
+    local loss (the global loss is reduced once, when training ends), the time so far."""
+
+    def __init__(self, every: int, steps: int):
+        self.every, self.steps = every, steps
+        self.start = 0.0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # A rank in a worker process has no logging configured; its progress goes to stderr.
+        package = logging.getLogger("gatherlab")
+        if trainer.global_rank == 0 and not package.hasHandlers():
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][rank 0] %(message)s"))
+            package.addHandler(handler)
+            package.setLevel(logging.INFO)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: ContrastiveModule, outputs, batch, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if trainer.global_rank != 0 or not self.every:
+            return
+        if step % self.every == 0 or step == self.steps:
+            log.info(
+                "step %d/%d: local loss %.6g, %.1f s",
+                step,
+                self.steps,
+                pl_module.history[-1]["local_loss"],
+                time.perf_counter() - self.start,
+            )

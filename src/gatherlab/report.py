@@ -22,7 +22,7 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from gatherlab import plotting, results, runfiles
+from gatherlab import plotting, results, runfiles, tracking
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 # room above that and stay far below what a wrong gradient produces (≥ 1e-6 after one step here).
 TOLERANCE = {"64-true": 1e-10, "32-true": 1e-5}
 # What may differ between a run and its reference: the split over devices, how its ranks were
-# started, and the gather.
-SPLIT_KEYS = ("gather", "layout", "launcher")
+# started, the gather, and how the run is logged.
+SPLIT_KEYS = ("gather", "layout", "launcher", "logger", "log_every")
 COMPARISON = "comparison.csv"
 FIGURE = "comparison"
 # Written too when the sweep varies the loss: one row per loss, one column per gather × layout.
@@ -231,6 +231,15 @@ class ReportOnMultirunEnd(Callback):
         log.info("figure: %s", sweep_dir / f"{FIGURE}.png")
         if (sweep_dir / f"{MATRIX}.png").exists():
             log.info("loss matrix: %s", sweep_dir / f"{MATRIX}.png")
+        logger = config.get("logger", {})
+        if logger.get("name") == "wandb":
+            tracking.log_sweep(
+                sweep_dir,
+                group=f"{sweep_dir.parent.name}/{sweep_dir.name}",
+                project=logger.project,
+                entity=logger.entity,
+                tags=list(logger.tags),
+            )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,16 +25,18 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gatherlab import configcheck, launch, runfiles
+from gatherlab import configcheck, launch, runfiles, tracking
 from gatherlab.configcheck import ConfigError
-from gatherlab.module import ContrastiveModule, PairDataModule, RunRecorder
+from gatherlab.module import ContrastiveModule, PairDataModule, ProgressLog, RunRecorder
 
 log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 CONFIG_NAME = "config"
 # Config groups whose choice names a run in summary.json and comparison.csv.
-CHOICE_GROUPS = ("experiment", "model", "loss", "data", "optim", "gather", "layout", "launcher")
+CHOICE_GROUPS = (
+    "experiment", "model", "loss", "data", "optim", "gather", "layout", "launcher", "logger",
+)  # fmt: skip
 
 
 def run(
@@ -42,8 +44,12 @@ def run(
     run_dir: Path,
     choices: Mapping[str, str | None],
     overrides: Sequence[str] = (),
+    group: str | None = None,
 ) -> dict[str, Any]:
-    """Train the run ``cfg`` describes, write its files into ``run_dir``, return its summary."""
+    """Train the run ``cfg`` describes, write its files into ``run_dir``, return its summary.
+
+    ``group`` names the sweep the run belongs to (its wandb group with ``logger=wandb``).
+    """
     configcheck.check(cfg)
     run_dir = Path(run_dir)
     if (run_dir / runfiles.SUMMARY).exists():
@@ -75,7 +81,7 @@ def run(
         devices=devices,
         precision=cfg.precision,
         steps=cfg.steps,
-        callbacks=[RunRecorder(run_dir)],
+        callbacks=[RunRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
         accelerator=cfg.layout.accelerator,
         launcher=cfg.launcher.name,
     )
@@ -99,6 +105,16 @@ def run(
         **_evaluate(dataset, model, run_dir, cfg.precision),
     }
     runfiles.write_summary(run_dir, summary)
+    if cfg.logger.name == "wandb":
+        tracking.log_run(
+            run_dir,
+            summary,
+            curves,
+            group=group or run_dir.name,
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            tags=list(cfg.logger.tags),
+        )
     log.info(
         "%s: %d steps on %d device(s), final loss %.10g, %.1f s",
         run_dir,
@@ -146,7 +162,16 @@ def _hydra_main(cfg: DictConfig) -> None:
         Path(hydra_cfg.runtime.output_dir),
         choices=dict(hydra_cfg.runtime.choices),
         overrides=overrides,
+        group=sweep_group(hydra_cfg),
     )
+
+
+def sweep_group(hydra_cfg: DictConfig) -> str:
+    """The name that groups a sweep's runs (in wandb): its directory, as ``date/time``; a single
+    run is a group of its own."""
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    directory = Path(hydra_cfg.sweep.dir if multirun else hydra_cfg.runtime.output_dir)
+    return f"{directory.parent.name}/{directory.name}"
 
 
 class ClosePools(Callback):

@@ -1,0 +1,206 @@
+"""Weights & Biases tracking (``logger=wandb``): one wandb run per job, grouped by sweep, named by
+the job's overrides, the resolved config as its config, the loss and gradient norm of every step
+logged against the step; and, when a sweep ends, its figures and comparison table in one more run.
+
+Runs are logged from the run files after training (what a run writes on disk is the record; wandb
+mirrors it), so the ranks never talk to wandb. ``WANDB_MODE`` unset means offline: nothing
+leaves the machine and ``wandb sync <dir>`` uploads later; ``WANDB_MODE=online`` (or any value
+the user sets) wins. wandb writes only below the directory it is given (its ``wandb/`` folder,
+cache and settings included), and each run ends its wandb service, so no process outlives it.
+A tracking failure is logged and never fails a run whose files are written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# wandb's own settings directories, pointed into the directory being logged.
+_DIRECTORIES = {
+    "WANDB_CACHE_DIR": "cache",
+    "WANDB_CONFIG_DIR": "config",
+    "WANDB_DATA_DIR": "data",
+    "WANDB_ARTIFACT_DIR": "artifacts",
+}
+INIT_TIMEOUT_S = 60
+
+
+def mode() -> str:
+    """The wandb mode: the user's ``WANDB_MODE``, offline when it is unset."""
+    return os.environ.get("WANDB_MODE") or "offline"
+
+
+@contextlib.contextmanager
+def _inside(directory: Path) -> Iterator[None]:
+    """wandb's cache, settings and staging directories below ``directory/wandb`` meanwhile."""
+    saved = {name: os.environ.get(name) for name in (*_DIRECTORIES, "WANDB_MODE")}
+    os.environ.update({name: str(directory / "wandb" / sub) for name, sub in _DIRECTORIES.items()})
+    os.environ["WANDB_MODE"] = mode()  # an empty WANDB_MODE counts as unset
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _wandb_run(directory: Path, **init: Any) -> Iterator[Any]:
+    """A finished-on-exit wandb run writing below ``directory``; its service ends with it."""
+    import wandb
+
+    with _inside(directory):
+        settings = wandb.Settings(
+            silent=True,
+            console="off",
+            disable_git=True,
+            x_disable_stats=True,
+            init_timeout=INIT_TIMEOUT_S,
+        )
+        run = wandb.init(dir=str(directory), settings=settings, reinit="finish_previous", **init)
+        try:
+            yield run
+        finally:
+            run.finish()
+            wandb.teardown()
+
+
+def run_name(overrides: Sequence[str]) -> str:
+    """A wandb run name from a job's overrides: ``gather=old,layout=cpu2`` (experiment left out,
+    since the group already says it)."""
+    shown = [o for o in overrides if not o.lstrip("+").startswith(("experiment=", "hydra."))]
+    return ",".join(shown) or "defaults"
+
+
+def log_run(
+    run_dir: Path,
+    summary: Mapping[str, Any],
+    curves: Mapping[str, Sequence[float]],
+    group: str,
+    project: str = "gatherlab",
+    entity: str | None = None,
+    tags: Sequence[str] = (),
+) -> None:
+    """Mirror a finished run into wandb: its config, every step's loss and grad norm, its summary
+    numbers (final loss, evaluations)."""
+    try:
+        with _wandb_run(
+            Path(run_dir),
+            project=project,
+            entity=entity,
+            group=group,
+            name=run_name(summary.get("overrides", [])),
+            job_type="train",
+            tags=list(tags),
+            config=summary.get("config", {}),
+        ) as run:
+            for step, loss, grad_norm in zip(
+                curves["step"], curves["loss"], curves["grad_norm"], strict=True
+            ):
+                run.log({"loss": loss, "grad_norm": grad_norm}, step=int(step))
+            for key, value in summary.items():
+                if isinstance(value, int | float | str) and not isinstance(value, bool):
+                    run.summary[key] = value
+    except Exception as error:  # the run's files are written; tracking must not fail it
+        log.warning("wandb: run %s not logged: %s: %s", run_dir, type(error).__name__, error)
+
+
+def log_sweep(
+    sweep_dir: Path,
+    group: str,
+    project: str = "gatherlab",
+    entity: str | None = None,
+    tags: Sequence[str] = (),
+) -> None:
+    """Upload a finished sweep's figures (every PNG in its directory) and comparison table as
+    media of one ``report`` run in the sweep's group."""
+    import pandas as pd
+    import wandb
+
+    sweep_dir = Path(sweep_dir)
+    try:
+        with _wandb_run(
+            sweep_dir,
+            project=project,
+            entity=entity,
+            group=group,
+            name="report",
+            job_type="report",
+            tags=list(tags),
+        ) as run:
+            media: dict[str, Any] = {
+                path.stem: wandb.Image(str(path)) for path in sorted(sweep_dir.glob("*.png"))
+            }
+            comparison = sweep_dir / "comparison.csv"
+            if comparison.exists():
+                media["comparison_table"] = wandb.Table(dataframe=pd.read_csv(comparison))
+            run.log(media)
+    except Exception as error:
+        log.warning("wandb: sweep %s not logged: %s: %s", sweep_dir, type(error).__name__, error)
+
+
+# --- reading an offline run back (tests, and users checking what will be synced) ----------------
+
+_BLOCK, _HEADER = 32768, 7  # wandb's run file is a LevelDB-style log of protobuf records
+
+
+def offline_runs(directory: str | Path) -> list[Path]:
+    """The offline wandb runs below ``directory`` (their ``offline-run-*`` folders)."""
+    return sorted(Path(directory).glob("wandb/offline-run-*"))
+
+
+def _records(path: Path) -> Iterator[Any]:
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a wandb run file")
+    offset, pending = _HEADER, b""
+    while offset + _HEADER <= len(data):
+        if _BLOCK - offset % _BLOCK < _HEADER:  # a block's tail too short for a header
+            offset += _BLOCK - offset % _BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[offset : offset + _HEADER])
+        chunk = data[offset + _HEADER : offset + _HEADER + length]
+        offset += _HEADER + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending + chunk)
+            pending = b""
+            yield record
+        elif kind in (2, 3):  # first and middle pieces
+            pending += chunk
+        else:  # zero padding
+            offset += -offset % _BLOCK
+
+
+def read_offline_run(run_folder: str | Path) -> dict[str, Any]:
+    """What an offline run holds: ``name``, ``group``, ``config`` and ``history`` (one dict per
+    logged step)."""
+    (path,) = Path(run_folder).glob("run-*.wandb")
+    found: dict[str, Any] = {"name": None, "group": None, "config": {}, "history": []}
+    for record in _records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            found["name"], found["group"] = record.run.display_name, record.run.run_group
+            for item in record.run.config.update:
+                found["config"][item.key] = json.loads(item.value_json)
+        elif kind == "config":
+            for item in record.config.update:
+                found["config"][item.key] = json.loads(item.value_json)
+        elif kind == "history":
+            found["history"].append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                 for item in record.history.item}
+            )  # fmt: skip
+    return found
