@@ -4,10 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help demo test lint clean
+.PHONY: help demo test figures lint clean
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)  ## reproduce the GatherLayer bug and its fix, print the verdict,
 
 test: $(STAMP)  ## run the test suite (real gloo process groups on the CPU)
 	$(PY) -m pytest
+
+figures: $(STAMP)  ## re-run every README figure's experiment and write figures/ (PNG, PDF, tables)
+	for script in experiments/bug_demo.py experiments/loss_matrix.py experiments/gather_audit.py \
+	    experiments/simclr_digits.py; do $(PY) $$script || exit 1; done
 
 lint: $(STAMP)  ## ruff lint and format check
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from gatherlab import gather, launch
 
 PRECISIONS = ("32-true", "64-true")
@@ -28,7 +30,8 @@ def check(cfg: Mapping[str, Any]) -> None:
     _integer("seed", cfg["seed"], minimum=0)
     _integer("log_every", cfg.get("log_every", 0), minimum=0)
     global_batch_size = _integer("global_batch_size", cfg["global_batch_size"], minimum=1)
-    devices = _integer("layout.devices", cfg["layout"]["devices"], minimum=1)
+    nodes = _integer("layout.nodes", cfg["layout"].get("nodes", 1), minimum=1)
+    devices = _integer("layout.devices", cfg["layout"]["devices"], minimum=1) * nodes
     if cfg["precision"] not in PRECISIONS:
         raise ConfigError(
             f"precision={cfg['precision']!r} is not supported; allowed: {', '.join(PRECISIONS)}"
@@ -48,6 +51,18 @@ def check(cfg: Mapping[str, Any]) -> None:
             f"launcher=pool is not allowed with layout.accelerator={accelerator!r}; "
             "allowed: launcher=spawn or launcher=external"
         )
+    if nodes > 1 and launcher != "external":
+        raise ConfigError(
+            f"layout.nodes={nodes} needs ranks started on every node; allowed: launcher=external "
+            "(torchrun or SLURM), or layout.nodes=1"
+        )
+    if accelerator == "gpu" and launcher != "external":
+        available = torch.cuda.device_count()
+        if available < cfg["layout"]["devices"]:
+            raise ConfigError(
+                f"layout.devices={cfg['layout']['devices']} GPUs asked for, this machine has "
+                f"{available}; allowed: a cpu layout, or at most {available} GPUs"
+            )
     if cfg["model"].get("norm") == "sync" and accelerator == "cpu":
         raise ConfigError(
             "model.norm='sync' (torch's SyncBatchNorm) refuses CPU tensors; allowed with "

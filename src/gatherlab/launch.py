@@ -332,8 +332,12 @@ def fit(
     callbacks: list[L.Callback],
     accelerator: str = "cpu",
     launcher: str = "pool",
+    num_nodes: int = 1,
 ) -> None:
-    """Train ``module`` for ``steps`` steps on ``devices`` ranks (rank 0's callbacks record)."""
+    """Train ``module`` for ``steps`` steps on ``devices`` ranks per node (rank 0's callbacks
+    record); several nodes only with ``launcher="external"``."""
+    if num_nodes > 1 and launcher != "external":
+        raise ValueError(f"layout.nodes={num_nodes} needs launcher=external (torchrun or SLURM)")
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher={launcher!r} is unknown; allowed: {', '.join(LAUNCHERS)}")
     if devices == 1 and launcher != "external":
@@ -361,7 +365,6 @@ def fit(
         strategy = DDPStrategy(
             process_group_backend=_backend(accelerator), timeout=COLLECTIVE_TIMEOUT
         )
-        num_nodes = int(os.environ.get("SLURM_NNODES", os.environ.get("GROUP_WORLD_SIZE", 1)))
         _trainer(devices, strategy, precision, steps, callbacks, accelerator, num_nodes).fit(
             module, datamodule=datamodule
         )

@@ -7,9 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # headless: matplotlib picks Agg; notebooks: the inline backend
 import numpy as np
 import pandas as pd
 

@@ -1,7 +1,16 @@
-"""Load runs and sweeps into pandas. Notebooks and the report read run files only through here."""
+"""Load runs and sweeps into pandas. Notebooks and the report read run files only through here.
+
+- ``load_sweep(paths)``: every run of one or more sweeps as a tidy table, one row per (run, step),
+  with the run's config choices, sizes, evaluations and overrides as columns;
+- ``load_run(run_dir)``: the same for one run;
+- ``load_runs(directory)``: one row per run (summary fields, overrides, resolved config);
+- ``load_comparison(sweep_dir)``: the sweep's comparison table (``comparison.csv``);
+- ``newest_sweep(root)``: the most recent sweep directory, for notebooks.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import pandas as pd
@@ -10,8 +19,9 @@ from gatherlab import runfiles
 
 # Summary fields that become columns of the run table (the config itself stays in summary.json).
 RUN_COLUMNS = (
-    "experiment", "model", "loss", "data", "optim", "gather", "layout", "devices", "batch_size",
-    "global_batch_size", "precision", "steps", "seed", "final_loss", "wall_s",
+    "experiment", "model", "loss", "data", "optim", "gather", "layout", "launcher", "logger",
+    "devices", "batch_size", "global_batch_size", "precision", "steps", "seed", "final_loss",
+    "wall_s",
 )  # fmt: skip
 
 
@@ -49,3 +59,57 @@ def _metrics(summary: dict) -> dict[str, float]:
 def load_curves(run_dir: str | Path) -> pd.DataFrame:
     """A run's ``curves.csv``: one row per optimizer step."""
     return pd.DataFrame(runfiles.read_curves(Path(run_dir)))
+
+
+def load_run(run_dir: str | Path) -> pd.DataFrame:
+    """One run as a tidy table: one row per optimizer step (``step``, ``loss``, ``grad_norm``),
+    with the run's summary fields, evaluations, overrides (``key=value`` as columns, where the key
+    is not already a column) and ``run_dir`` repeated on every row. The loss *config choice*,
+    ``loss`` in summaries and comparison tables, is ``loss_function`` here, since ``loss`` is the
+    value at each step."""
+    run_dir = Path(run_dir)
+    summary = runfiles.read_summary(run_dir)
+    curves = load_curves(run_dir)
+    info = {column: summary.get(column) for column in RUN_COLUMNS} | _metrics(summary)
+    info["loss_function"] = info.pop("loss")
+    for key, value in override_values(summary.get("overrides", [])).items():
+        info.setdefault(key, value)
+    info["run_dir"] = str(run_dir)
+    for column, value in info.items():
+        if column not in curves:
+            curves[column] = value
+    return curves
+
+
+def load_sweep(paths: str | Path | Iterable[str | Path]) -> pd.DataFrame:
+    """Every run below one sweep directory (or several) as one tidy table (see ``load_run``),
+    with a ``sweep`` column naming the directory each run came from."""
+    paths = [paths] if isinstance(paths, str | Path) else list(paths)
+    frames = []
+    for sweep in paths:
+        for run_dir in runfiles.find_runs(Path(sweep)):
+            frame = load_run(run_dir)
+            frame["sweep"] = str(sweep)
+            frames.append(frame)
+    if not frames:
+        raise FileNotFoundError(f"no finished run (no {runfiles.SUMMARY}) below {paths}")
+    return pd.concat(frames, ignore_index=True)
+
+
+def load_comparison(sweep_dir: str | Path) -> pd.DataFrame:
+    """The comparison table a sweep's report wrote (``python -m gatherlab.report`` makes it)."""
+    path = Path(sweep_dir) / "comparison.csv"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} does not exist; run python -m gatherlab.report {sweep_dir}"
+        )
+    return pd.read_csv(path)
+
+
+def newest_sweep(root: str | Path = "multirun") -> Path:
+    """The most recently finished sweep below ``root``: the directory with the newest
+    ``comparison.csv``."""
+    found = sorted(Path(root).rglob("comparison.csv"), key=lambda path: path.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no finished sweep (no comparison.csv) below {root}")
+    return found[-1].parent

@@ -58,7 +58,8 @@ def run(
         )
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    devices = cfg.layout.devices
+    nodes = cfg.layout.get("nodes", 1)
+    devices = cfg.layout.devices * nodes  # ranks in all
     dataset = hydra.utils.instantiate(cfg.data.dataset)
     if len(dataset) != cfg.data.num_samples:
         raise ConfigError(
@@ -78,7 +79,8 @@ def run(
     launch.fit(
         module,
         datamodule,
-        devices=devices,
+        devices=cfg.layout.devices,
+        num_nodes=nodes,
         precision=cfg.precision,
         steps=cfg.steps,
         callbacks=[RunRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
