@@ -3,6 +3,7 @@ value and what is allowed. They run before any worker process starts."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,3 +80,16 @@ def check(cfg: Mapping[str, Any]) -> None:
             f"global_batch_size={global_batch_size} exceeds data.num_samples={num_samples}; "
             f"allowed: at most {num_samples}"
         )
+
+
+def machine_warning(cfg: Mapping[str, Any]) -> str | None:
+    """A warning, not an error: more CPU ranks than this machine has cores run, sharing them."""
+    if cfg["layout"]["accelerator"] != "cpu":
+        return None
+    ranks, cores = cfg["layout"]["devices"], len(os.sched_getaffinity(0))
+    if ranks <= cores:
+        return None
+    return (
+        f"layout.devices={ranks} CPU ranks on {cores} core(s): they share the cores; the "
+        "results are the same, the run is slower"
+    )

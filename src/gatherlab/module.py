@@ -4,6 +4,7 @@ callback that records a run's files (DESIGN.md §5) from rank 0."""
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -18,6 +19,11 @@ from gatherlab import runfiles
 from gatherlab.data import GlobalBatchSampler, PairDataset
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteLoss(FloatingPointError):
+    """A NaN or infinite loss or gradient: the run stops at that step (the message names it)."""
+
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -60,12 +66,22 @@ class ContrastiveModule(L.LightningModule):
         out0 = self._embed(view0, keys, 0).flatten(1)
         out1 = (self._embed(view1, keys, 1) if self.encode_second_view else view1).flatten(1)
         loss = self.loss(out0, out1)
-        self.history.append({"step": self.global_step, "local_loss": float(loss.detach())})
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise NonFiniteLoss(
+                f"the loss is {value} at step {self.global_step} (rank {self.global_rank})"
+            )
+        self.history.append({"step": self.global_step, "local_loss": value})
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad.reshape(-1) for p in self.parameters() if p.grad is not None]
-        self.history[-1]["grad_norm"] = float(torch.linalg.vector_norm(torch.cat(grads)))
+        norm = float(torch.linalg.vector_norm(torch.cat(grads)))
+        if not math.isfinite(norm):
+            raise NonFiniteLoss(
+                f"the gradient norm is {norm} at step {self.global_step} (rank {self.global_rank})"
+            )
+        self.history[-1]["grad_norm"] = norm
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer_factory(self.parameters())

@@ -62,42 +62,91 @@ def _varying_overrides(runs: pd.DataFrame) -> pd.DataFrame:
     return values[keep]
 
 
+# What a run's row says of it (``verdict``); only "matches" and "reference" count as a match.
+VERDICTS = (
+    "reference", "matches", "differs", "no reference", "not comparable", "failed", "unreadable",
+)  # fmt: skip
+
+
+def _read_run_files(run_dir: str) -> tuple[pd.DataFrame, dict] | str:
+    """A run's curves and final weights, or why they cannot be read."""
+    try:
+        curves = results.load_curves(run_dir)
+        state = runfiles.read_final_state(Path(run_dir))
+    except Exception as error:  # a missing or corrupt file: reported for this run only
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    if curves.empty or not curves["loss"].notna().all():
+        return f"{runfiles.CURVES}: no steps or a missing loss"
+    return curves, state
+
+
+def _not_comparable(run: pd.Series, curves: pd.DataFrame, reference: pd.Series,
+                    reference_curves: pd.DataFrame) -> str | None:  # fmt: skip
+    """Why a run cannot be held against its reference, if it cannot."""
+    if run["steps"] != reference["steps"] or len(curves) != len(reference_curves):
+        return f"{len(curves)} steps against the reference's {len(reference_curves)}"
+    if list(curves["step"]) != list(reference_curves["step"]):
+        return "its steps are not the reference's"
+    return None
+
+
 def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
-    """The comparison table of ``runs`` (from ``results.load_runs``) and every run's curves."""
-    curves = {run_dir: results.load_curves(run_dir) for run_dir in runs["run_dir"]}
-    states = {run_dir: runfiles.read_final_state(Path(run_dir)) for run_dir in runs["run_dir"]}
+    """The comparison table of ``runs`` (from ``results.load_runs``) and every readable run's
+    curves. Each row gets a ``verdict`` (``VERDICTS``); a run is compared only with a reference
+    that it can be held against, and ``matches_reference`` is true only with that evidence."""
     table = runs.copy()
+    files: dict[str, tuple[pd.DataFrame, dict]] = {}
+    table["verdict"] = None
+    for index, run in table.iterrows():
+        if run["status"] != "ok":
+            table.loc[index, "verdict"] = run["status"]
+            continue
+        found = _read_run_files(run["run_dir"])
+        if isinstance(found, str):
+            table.loc[index, ["verdict", "error"]] = ["unreadable", found]
+        else:
+            files[run["run_dir"]] = found
     table["group"] = table["config"].map(_comparable).factorize()[0]
     table["reference"] = None
     table["max_abs_loss_diff"] = float("nan")
     table["max_abs_param_diff"] = float("nan")
-    table["matches_reference"] = False
     for _, group in table.groupby("group"):
-        candidates = group[group["devices"] == 1]
+        usable = group[group["verdict"].isna()]
+        candidates = usable[usable["devices"] == 1]
         if candidates.empty:
+            table.loc[usable.index, "verdict"] = "no reference"
             continue
-        reference_dir = candidates["run_dir"].iloc[0]
-        reference_loss = curves[reference_dir]["loss"].to_numpy()
-        for index, run in group.iterrows():
-            loss = curves[run["run_dir"]]["loss"].to_numpy()
-            loss_diff = (
-                float(abs(loss - reference_loss).max())
-                if len(loss) == len(reference_loss)
-                else float("nan")
-            )
-            param_diff = _max_param_diff(states[run["run_dir"]], states[reference_dir])
+        reference = candidates.iloc[0]
+        reference_curves, reference_state = files[reference["run_dir"]]
+        for index, run in usable.iterrows():
+            run_curves, state = files[run["run_dir"]]
+            table.loc[index, "reference"] = reference["run_dir"]
+            why = _not_comparable(run, run_curves, reference, reference_curves)
+            if why is not None:
+                table.loc[index, ["verdict", "error"]] = ["not comparable", why]
+                continue
+            loss = run_curves["loss"].to_numpy()
+            loss_diff = float(abs(loss - reference_curves["loss"].to_numpy()).max())
+            param_diff = _max_param_diff(state, reference_state)
             tolerance = TOLERANCE[run["precision"]]
-            table.loc[index, "reference"] = reference_dir
             table.loc[index, "max_abs_loss_diff"] = loss_diff
             table.loc[index, "max_abs_param_diff"] = param_diff
-            table.loc[index, "matches_reference"] = bool(
-                loss_diff <= tolerance and param_diff <= tolerance
-            )
+            if run["run_dir"] == reference["run_dir"]:
+                verdict = "reference"
+            elif param_diff != param_diff:  # NaN: the final weights have other names
+                verdict = "not comparable"
+                table.loc[index, "error"] = "its final weights are not the reference's"
+            elif loss_diff <= tolerance and param_diff <= tolerance:
+                verdict = "matches"
+            else:
+                verdict = "differs"
+            table.loc[index, "verdict"] = verdict
+    table["matches_reference"] = table["verdict"].isin(["reference", "matches"])
     varying = _varying_overrides(table)
     table = pd.concat([table, varying], axis=1)
     for column in ("run_dir", "reference"):
         table[column] = table[column].map(lambda path: _relative(path, root))
-    curves = {_relative(path, root): frame for path, frame in curves.items()}
+    curves = {_relative(path, root): frame for path, (frame, _) in files.items()}
     table = table.drop(columns=["overrides", "config"])
     table.attrs["override_columns"] = list(varying.columns)
     return table, curves
@@ -122,10 +171,11 @@ def write_report(sweep_dir: str | Path) -> pd.DataFrame:
         raise FileNotFoundError(f"no finished run (no {runfiles.SUMMARY}) below {sweep_dir}")
     table, curves = compare(runs, sweep_dir)
     table.to_csv(sweep_dir / COMPARISON, index=False)
-    tolerances = {TOLERANCE[p] for p in table["precision"]}
+    tolerances = {TOLERANCE[p] for p in table["precision"].dropna()}
     tolerance = tolerances.pop() if len(tolerances) == 1 else None
-    figure = plotting.comparison_figure(table, curves, tolerance)
-    plotting.save(figure, sweep_dir / FIGURE)
+    drawn = table[table["run_dir"].isin(curves)]  # failed and unreadable runs are not drawn
+    if not drawn.empty:
+        plotting.save(plotting.comparison_figure(drawn, curves, tolerance), sweep_dir / FIGURE)
     if table["loss"].nunique() > 1:
         diff, matches = loss_matrix(table)
         predicted = predicted_invariance(runs)
@@ -193,7 +243,8 @@ def matrix_markdown(
 
 
 def verdict(table: pd.DataFrame) -> str:
-    """The comparison as a short text table: run, devices × batch, max |Δloss|, matches?"""
+    """The comparison as a short text table: run, devices × batch, max |Δloss|, verdict (and,
+    for a run that failed or could not be compared, why)."""
     extra = table.attrs.get("override_columns", [])
     varying = [c for c in ("loss", *extra) if table[c].nunique(dropna=False) > 1]
     shown = [*varying, "gather", "layout"]
@@ -203,15 +254,15 @@ def verdict(table: pd.DataFrame) -> str:
     ]
     width = max(28, *map(len, names))
     lines = [f"{'run':<{width}} {'devices × batch':>15} {'max |Δloss|':>12}  matches"]
+    outcomes = {"reference": "(reference)", "matches": "yes", "differs": "NO"}
     for name, (_, run) in zip(names, table.iterrows(), strict=True):
-        if run["reference"] == run["run_dir"]:
-            outcome = "(reference)"
-        elif run["reference"] is None:
-            outcome = "no reference"
-        else:
-            outcome = "yes" if run["matches_reference"] else "NO"
+        outcome = outcomes.get(run["verdict"], run["verdict"])
+        if run["verdict"] in ("failed", "unreadable", "not comparable") and run["error"]:
+            outcome = f"{outcome}: {run['error']}"
+        devices = "?" if pd.isna(run["devices"]) else int(run["devices"])
+        batch = "?" if pd.isna(run["batch_size"]) else int(run["batch_size"])
         lines.append(
-            f"{name:<{width}} {run['devices']:>7} × {run['batch_size']:<5} "
+            f"{name:<{width}} {devices:>7} × {batch!s:<5} "
             f"{run['max_abs_loss_diff']:>12.3g}  {outcome}"
         )
     return "\n".join(lines)

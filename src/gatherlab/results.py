@@ -25,6 +25,10 @@ RUN_COLUMNS = (
 )  # fmt: skip
 
 
+# ``status``: ok, failed (training stopped; ``error`` says why) or unreadable (its summary).
+STATUS_COLUMNS = ("status", "error")
+
+
 def override_values(overrides: list[str]) -> dict[str, str]:
     """``key=value`` command-line overrides as a mapping (``+``/``++`` prefixes dropped)."""
     pairs = (override.lstrip("+").split("=", 1) for override in overrides if "=" in override)
@@ -32,19 +36,29 @@ def override_values(overrides: list[str]) -> dict[str, str]:
 
 
 def load_runs(directory: str | Path) -> pd.DataFrame:
-    """One row per run below ``directory``: its summary fields, its overrides, and ``run_dir``."""
+    """One row per run below ``directory``: its summary fields, ``status`` and ``error``, its
+    overrides, its resolved config and ``run_dir``. A run whose summary cannot be read is a row
+    with ``status`` unreadable."""
     rows = []
     for run_dir in runfiles.find_runs(Path(directory)):
-        summary = runfiles.read_summary(run_dir)
+        try:
+            summary = runfiles.read_summary(run_dir)
+            if not isinstance(summary, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as error:  # reported per run; the rest is still compared
+            summary = {"status": "unreadable", "error": f"{runfiles.SUMMARY}: {error}"}
         row = {column: summary.get(column) for column in RUN_COLUMNS}
         row.update(_metrics(summary))
+        row["status"] = summary.get("status", "ok")  # summaries before statuses were all ok
+        row["error"] = summary.get("error")
         row["overrides"] = override_values(summary.get("overrides", []))
         row["config"] = summary.get("config", {})
         row["run_dir"] = str(run_dir)
         rows.append(row)
-    named = {*RUN_COLUMNS, "overrides", "config", "run_dir"}
+    named = {*RUN_COLUMNS, *STATUS_COLUMNS, "overrides", "config", "run_dir"}
     metrics = sorted({key for row in rows for key in row} - named)
-    return pd.DataFrame(rows, columns=[*RUN_COLUMNS, *metrics, "overrides", "config", "run_dir"])
+    columns = [*RUN_COLUMNS, *metrics, *STATUS_COLUMNS, "overrides", "config", "run_dir"]
+    return pd.DataFrame(rows, columns=columns)
 
 
 def _metrics(summary: dict) -> dict[str, float]:

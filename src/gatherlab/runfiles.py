@@ -6,9 +6,11 @@ are defined once.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,20 @@ def read_final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(Path(run_dir) / FINAL_STATE, map_location="cpu", weights_only=True)
 
 
+def package_versions() -> dict[str, str]:
+    """The versions that decide a run's numbers, saved with every run."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for package in ("gatherlab", "torch", "lightning", "hydra-core", "omegaconf", "numpy"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
 def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
     with open(Path(run_dir) / SUMMARY, "w") as file:
         json.dump(dict(summary), file, indent=2, sort_keys=True)
@@ -62,6 +78,70 @@ def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
 def read_summary(run_dir: Path) -> dict[str, Any]:
     with open(Path(run_dir) / SUMMARY) as file:
         return json.load(file)
+
+
+LOCK = ".running"
+
+
+class DirectoryInUse(RuntimeError):
+    """Another live process is writing a run into this directory."""
+
+
+@contextlib.contextmanager
+def claimed(run_dir: Path) -> Iterator[None]:
+    """Hold ``run_dir`` for this process while a run writes into it: two runs never share a
+    directory, even when they start in the same microsecond. A lock left by a process that no
+    longer exists is taken over."""
+    lock = Path(run_dir) / LOCK
+    while True:
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            owner = _lock_owner(lock)
+            if owner is not None and _alive(owner):
+                message = f"run directory {run_dir} is in use by process {owner}"
+                raise DirectoryInUse(message) from None
+            lock.unlink(missing_ok=True)
+    os.write(descriptor, str(os.getpid()).encode())
+    os.close(descriptor)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _lock_owner(lock: Path) -> int | None:
+    try:
+        return int(lock.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_complete(run_dir: Path) -> bool:
+    """A run that finished: its summary says so (older summaries without a status count)."""
+    try:
+        return read_summary(run_dir).get("status", "ok") == "ok"
+    except (OSError, ValueError):
+        return False
+
+
+def set_aside_failed(run_dir: Path) -> None:
+    """Rename an incomplete run's summary to ``summary.failed-<k>.json`` before it runs again."""
+    summary = Path(run_dir) / SUMMARY
+    if summary.exists():
+        attempt = 1 + len(list(Path(run_dir).glob("summary.failed-*.json")))
+        summary.rename(Path(run_dir) / f"summary.failed-{attempt}.json")
 
 
 def find_runs(directory: Path) -> list[Path]:

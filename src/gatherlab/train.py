@@ -9,6 +9,7 @@ files (DESIGN.md §5) into its Hydra output directory.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -57,6 +58,22 @@ def run(
             f"run directory {run_dir} already holds a finished run; it is never overwritten"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not launch.is_rank_zero():  # under torchrun or SLURM: rank 0 holds the directory
+        return _train(cfg, run_dir, choices, overrides, group)
+    try:
+        with runfiles.claimed(run_dir):
+            return _train(cfg, run_dir, choices, overrides, group)
+    except runfiles.DirectoryInUse as error:
+        raise ConfigError(str(error)) from None
+
+
+def _train(
+    cfg: DictConfig,
+    run_dir: Path,
+    choices: Mapping[str, str | None],
+    overrides: Sequence[str],
+    group: str | None,
+) -> dict[str, Any]:
 
     nodes = cfg.layout.get("nodes", 1)
     devices = cfg.layout.devices * nodes  # ranks in all
@@ -75,35 +92,56 @@ def run(
         dataset, cfg.global_batch_size, cfg.steps, seed=cfg.seed, shuffle=cfg.data.shuffle
     )
 
-    start = time.perf_counter()
-    launch.fit(
-        module,
-        datamodule,
-        devices=cfg.layout.devices,
-        num_nodes=nodes,
-        precision=cfg.precision,
-        steps=cfg.steps,
-        callbacks=[RunRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
-        accelerator=cfg.layout.accelerator,
-        launcher=cfg.launcher.name,
-    )
-    wall_s = time.perf_counter() - start
-    if not launch.is_rank_zero():
-        return {}  # under torchrun or SLURM every rank runs this; rank 0 writes the run
-
-    curves = runfiles.read_curves(run_dir)
-    summary = {
-        **{group: choices.get(group) for group in CHOICE_GROUPS},
+    described = {
+        **{name: choices.get(name) for name in CHOICE_GROUPS},
         "devices": devices,
         "batch_size": cfg.global_batch_size // devices,
         "global_batch_size": cfg.global_batch_size,
         "steps": cfg.steps,
         "precision": cfg.precision,
         "seed": cfg.seed,
-        "final_loss": curves["loss"][-1],
-        "wall_s": wall_s,
         "overrides": list(overrides),
         "config": OmegaConf.to_container(cfg, resolve=True),
+        "versions": runfiles.package_versions(),
+    }
+    start = time.perf_counter()
+    try:
+        launch.fit(
+            module,
+            datamodule,
+            devices=cfg.layout.devices,
+            num_nodes=nodes,
+            precision=cfg.precision,
+            steps=cfg.steps,
+            callbacks=[RunRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
+            accelerator=cfg.layout.accelerator,
+            launcher=cfg.launcher.name,
+        )
+    except Exception as error:  # whatever stopped training: recorded as a failed run
+        message = _one_line(error)
+        if launch.is_rank_zero():
+            failed_step = re.search(r"at step (\d+)", message)
+            runfiles.write_summary(
+                run_dir,
+                {
+                    **described,
+                    "status": "failed",
+                    "error": message,
+                    "failed_step": int(failed_step.group(1)) if failed_step else None,
+                    "wall_s": time.perf_counter() - start,
+                },
+            )
+        raise RunFailed(f"{run_dir}: {message}") from error
+    wall_s = time.perf_counter() - start
+    if not launch.is_rank_zero():
+        return {}  # under torchrun or SLURM every rank runs this; rank 0 writes the run
+
+    curves = runfiles.read_curves(run_dir)
+    summary = {
+        **described,
+        "status": "ok",
+        "final_loss": curves["loss"][-1],
+        "wall_s": wall_s,
         **_evaluate(dataset, model, run_dir, cfg.precision),
     }
     runfiles.write_summary(run_dir, summary)
@@ -128,6 +166,19 @@ def run(
     return summary
 
 
+class RunFailed(RuntimeError):
+    """Training stopped (a rank raised or died, a loss was not finite); the run directory holds a
+    summary with ``status: failed`` and the error."""
+
+
+def _one_line(error: BaseException) -> str:
+    """The error as one line: its type and the first line of its message (a rank's error keeps
+    the rank's own type and message, without the traceback)."""
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    return first if isinstance(error, launch.RankError) else f"{type(error).__name__}: {first}"
+
+
 def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, precision: str) -> dict[str, float]:
     """The data set's evaluation of the trained model (``evaluate``), if it has one: the final
     weights are read back, so it sees what any launcher trained."""
@@ -141,6 +192,9 @@ def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, precision: str) ->
 
 # The number of jobs of the running command, known from the preflight, for progress lines.
 _jobs_total: int | None = None
+# Jobs of this command that failed (one line each), and whether it resumes an earlier sweep.
+_failures: list[str] = []
+_resuming = False
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base=None)
@@ -159,13 +213,23 @@ def _hydra_main(cfg: DictConfig) -> None:
         log.info("gradient audit:\n%s", audit.markdown(table))
         log.info("written: %s/audit.{csv,md,png,pdf}", out)
         return
-    run(
-        cfg,
-        Path(hydra_cfg.runtime.output_dir),
-        choices=dict(hydra_cfg.runtime.choices),
-        overrides=overrides,
-        group=sweep_group(hydra_cfg),
-    )
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if _resuming and runfiles.is_complete(run_dir):
+        log.info("job %d: complete in %s, not run again", hydra_cfg.job.num + 1, run_dir)
+        return
+    if _resuming:
+        runfiles.set_aside_failed(run_dir)
+    try:
+        run(
+            cfg,
+            run_dir,
+            choices=dict(hydra_cfg.runtime.choices),
+            overrides=overrides,
+            group=sweep_group(hydra_cfg),
+        )
+    except (RunFailed, ConfigError) as error:  # recorded; a sweep goes on with its next job
+        log.error("%s", error)
+        _failures.append(str(error))
 
 
 def sweep_group(hydra_cfg: DictConfig) -> str:
@@ -256,28 +320,79 @@ def composed() -> Iterator[None]:
 
 def preflight(overrides: Sequence[str], multirun: bool) -> int:
     """Compose and check every job of the command; return the number of jobs."""
+    return len(_checked_jobs(overrides, multirun))
+
+
+def _checked_jobs(overrides: Sequence[str], multirun: bool) -> list[DictConfig]:
     _check_group_choices(overrides)
     with composed():
+        configs = [compose(job)[0] for job in job_overrides(overrides, multirun)]
+    for cfg in configs:
+        configcheck.check(cfg)
+    return configs
+
+
+def _resume_directory(argv: list[str]) -> tuple[list[str], Path | None]:
+    """``+resume=SWEEP_DIR`` (or ``resume=``) taken out of the command line."""
+    rest, found = [], None
+    for argument in argv:
+        key, _, value = argument.partition("=")
+        if key.lstrip("+") == "resume" and value:
+            found = Path(value)
+        else:
+            rest.append(argument)
+    return rest, found
+
+
+def check_resume(sweep_dir: Path, overrides: Sequence[str], multirun: bool) -> None:
+    """A sweep can be resumed only by the command that started it: same jobs, same numbers."""
+    if not multirun:
+        raise ConfigError("resume=... continues a sweep; allowed: with -m (--multirun)")
+    if not sweep_dir.is_dir():
+        raise ConfigError(f"resume={sweep_dir} does not exist; allowed: a sweep directory")
+    if any(o.startswith("hydra.sweep.dir=") for o in overrides):
+        raise ConfigError("resume=... sets hydra.sweep.dir itself; allowed: one of the two")
+    with composed():
         jobs = job_overrides(overrides, multirun)
-        for job in jobs:
-            configcheck.check(compose(job)[0])
-    return len(jobs)
+    for number, job in enumerate(jobs):
+        summary = sweep_dir / str(number) / runfiles.SUMMARY
+        if summary.exists():
+            recorded = runfiles.read_summary(summary.parent).get("overrides")
+            if recorded is not None and list(recorded) != list(job):
+                raise ConfigError(
+                    f"job {number + 1} of {sweep_dir} ran with {' '.join(recorded)}, this command "
+                    f"would run {' '.join(job)}; allowed: the command that started the sweep"
+                )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     from hydra._internal.utils import get_args_parser
 
+    global _jobs_total, _resuming
+    argv, resume = _resume_directory(argv)
     args, _ = get_args_parser().parse_known_args(argv)
     if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion):
-        global _jobs_total
         try:
-            _jobs_total = preflight(args.overrides, args.multirun)
+            if resume is not None:
+                check_resume(resume, args.overrides, args.multirun)
+            configs = _checked_jobs(args.overrides, args.multirun)
         except ConfigError as error:
             print(f"gatherlab.train: error: {error}", file=sys.stderr)
             sys.exit(2)
+        _jobs_total = len(configs)
+        warnings = (configcheck.machine_warning(cfg) for cfg in configs)
+        for warning in dict.fromkeys(w for w in warnings if w):
+            print(f"gatherlab.train: warning: {warning}", file=sys.stderr)
+    if resume is not None:
+        _resuming = True
+        argv.append(f"hydra.sweep.dir={resume.resolve()}")
     sys.argv = [sys.argv[0], *argv]
     _hydra_main()
+    if _failures:
+        jobs = f"{len(_failures)} of {_jobs_total} job(s)" if _jobs_total else "the run"
+        print(f"gatherlab.train: error: {jobs} failed; first: {_failures[0]}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
