@@ -59,9 +59,17 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
         (["steps=0"], "steps=0 is not allowed; allowed: a positive integer"),
         (
             ["precision=16-mixed"],
-            "precision='16-mixed' is not supported; allowed: 32-true, 64-true",
+            "precision='16-mixed' is not supported on layout.accelerator=cpu; allowed: 32-true, "
+            "64-true",
         ),
         (["global_batch_size=512"], "global_batch_size=512 exceeds data.num_samples=256"),
+        (["global_batch_size=0"], "global_batch_size=0 is not allowed; allowed: a positive"),
+        (["loss=infonce"], "loss='infonce' is unknown; allowed: barlowtwins"),
+        (["model=resnet"], "model='resnet' is unknown; allowed: linear, mlp, simclr"),
+        (["layout.accelerator=tpu"], "layout.accelerator='tpu' is unknown; allowed: cpu, gpu"),
+        (["layout=gpu2", "launcher=pool"], "launcher=pool is not allowed with"),
+        (["model=simclr", "data=digits", "model.norm=sync"], "model.norm='sync'"),
+        (["layout=gpu1", "layout.nodes=2"], "layout.nodes=2 needs ranks started on every node"),
     ],
 )
 def test_bad_values_raise_one_line(overrides, message):
@@ -75,3 +83,13 @@ def test_preflight_checks_every_job_of_a_sweep():
     with pytest.raises(ConfigError, match=r"does not divide by layout\.devices=4"):
         train.preflight(["global_batch_size=6", "layout=cpu1,cpu2,cpu4"], multirun=True)
     assert train.preflight(["experiment=bug_demo"], multirun=True) == 6
+
+
+def test_more_cpu_ranks_than_cores_is_a_warning_with_the_count():
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    cfg, _ = compose(f"layout.devices={cores + 1}", f"global_batch_size={4 * (cores + 1)}")
+    warning = configcheck.machine_warning(cfg)
+    assert f"layout.devices={cores + 1} CPU ranks on {cores} core(s)" in warning
+    assert configcheck.machine_warning(compose("layout=cpu1")[0]) is None

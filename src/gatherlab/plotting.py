@@ -115,7 +115,8 @@ def comparison_figure(
             )
             diff_axis.set_ylim(bottom=ZERO_FLOOR / 3)
             loss_axis.legend(fontsize=8)
-            diff_axis.legend(fontsize=8, loc="center right")
+            if diff_axis.get_legend_handles_labels()[0]:  # a group may hold no compared run
+                diff_axis.legend(fontsize=8, loc="center right")
     return figure
 
 

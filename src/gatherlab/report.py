@@ -249,7 +249,7 @@ def verdict(table: pd.DataFrame) -> str:
     varying = [c for c in ("loss", *extra) if table[c].nunique(dropna=False) > 1]
     shown = [*varying, "gather", "layout"]
     names = [
-        f"{run['run_dir']}: " + " ".join(str(run[column]) for column in shown)
+        f"{run['run_dir']}: " + " ".join("-" if pd.isna(run[c]) else str(run[c]) for c in shown)
         for _, run in table.iterrows()
     ]
     width = max(28, *map(len, names))

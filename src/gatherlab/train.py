@@ -174,9 +174,17 @@ class RunFailed(RuntimeError):
 def _one_line(error: BaseException) -> str:
     """The error as one line: its type and the first line of its message (a rank's error keeps
     the rank's own type and message, without the traceback)."""
-    text = str(error).strip().splitlines()
-    first = text[0] if text else ""
-    return first if isinstance(error, launch.RankError) else f"{type(error).__name__}: {first}"
+    text = [line for line in str(error).strip().splitlines() if line.strip()]
+    if isinstance(error, launch.RankError):
+        return text[0]
+    rank = getattr(error, "error_index", None)  # a ddp_spawn rank (torch.multiprocessing)
+    if rank is not None:
+        if getattr(error, "exit_code", None) is not None:
+            signal = getattr(error, "signal_name", None)
+            how = f"signal {signal}" if signal else f"code {error.exit_code}"
+            return f"rank {rank}: process exited with {how}"
+        return f"rank {rank}: {text[-1] if text else type(error).__name__}"  # its last line
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, precision: str) -> dict[str, float]:

@@ -1,0 +1,28 @@
+"""A loss that breaks one rank on purpose, to test what a sweep does when a rank fails.
+
+Selected from the command line with ``loss._target_=faulty.RankFault`` (``tests/`` on the
+``PYTHONPATH``); it behaves as NT-Xent until rank ``rank`` reaches step ``step``, then raises or
+kills its own process."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from gatherlab import gather
+from gatherlab.losses import NTXentLoss
+
+
+class RankFault(NTXentLoss):
+    def __init__(self, temperature: float = 0.5, gather="fixed", rank: int = 1, step: int = 2,
+                 how: str = "kill"):  # fmt: skip
+        super().__init__(temperature, gather)
+        self.rank, self.step, self.how, self.calls = rank, step, how, 0
+
+    def forward(self, out0, out1):
+        self.calls += 1
+        if gather.rank() == self.rank and self.calls == self.step:
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError(f"fault injected on rank {self.rank}")
+        return super().forward(out0, out1)
