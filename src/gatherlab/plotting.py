@@ -43,6 +43,23 @@ def gather_color(name: str) -> str:
     return GATHER_COLORS.get(name, "#7f7f7f")
 
 
+def _style_difference_axis(axis: plt.Axes, tolerance: float | None, ylabel: str) -> None:
+    """The |Δloss| panel of every figure: log scale, exact zeros at the floor, the tolerance."""
+    axis.set(
+        yscale="log",
+        xlabel="optimizer step",
+        ylabel=ylabel,
+        title=f"difference from the reference (exact 0 drawn at {ZERO_FLOOR:g})",
+    )
+    axis.set_ylim(bottom=ZERO_FLOOR / 3)
+    if tolerance is not None:
+        axis.axhline(tolerance, color="0.4", linewidth=1, linestyle=":")
+        axis.annotate(
+            f"match tolerance {tolerance:g}", (0.04, tolerance), xycoords=("axes fraction", "data"),
+            ha="left", va="bottom", fontsize=8, color="0.3",
+        )  # fmt: skip
+
+
 def comparison_figure(
     table: pd.DataFrame, curves: Mapping[str, pd.DataFrame], tolerance: float | None = None
 ) -> plt.Figure:
@@ -91,29 +108,12 @@ def comparison_figure(
                     label=f"reference, 1 × {global_batch}",
                     **REFERENCE_STYLE,
                 )
-            if tolerance is not None:
-                diff_axis.axhline(tolerance, color="0.4", linewidth=1, linestyle=":")
-                diff_axis.annotate(
-                    f"match tolerance {tolerance:g}",
-                    (0.04, tolerance),
-                    xycoords=("axes fraction", "data"),
-                    ha="left",
-                    va="bottom",
-                    fontsize=8,
-                    color="0.3",
-                )
+            _style_difference_axis(diff_axis, tolerance, "|Δ loss| vs 1-device reference")
             first = runs.iloc[0]
             precision = PRECISION_NAMES.get(first["precision"], first["precision"])
             what = f"{first['loss']}, {first['model']}, {precision}"
             title = f"{first['experiment']} — {what}" if first["experiment"] else what
             loss_axis.set(title=title, xlabel="optimizer step", ylabel="global loss")
-            diff_axis.set(
-                yscale="log",
-                xlabel="optimizer step",
-                ylabel="|Δ loss| vs 1-device reference",
-                title=f"difference from the reference (exact 0 drawn at {ZERO_FLOOR:g})",
-            )
-            diff_axis.set_ylim(bottom=ZERO_FLOOR / 3)
             loss_axis.legend(fontsize=8)
             if diff_axis.get_legend_handles_labels()[0]:  # a group may hold no compared run
                 diff_axis.legend(fontsize=8, loc="center right")
@@ -283,21 +283,11 @@ def ablation_figure(
                 diff_axis.plot(
                     run_curves["step"], np.maximum(diff, ZERO_FLOOR), label=label, **style
                 )
-        if tolerance is not None:
-            diff_axis.axhline(tolerance, color="0.4", linewidth=1, linestyle=":")
-            diff_axis.annotate(
-                f"match tolerance {tolerance:g}", (0.02, tolerance * 3),
-                xycoords=("axes fraction", "data"), fontsize=8, color="0.3",
-            )  # fmt: skip
+        _style_difference_axis(
+            diff_axis, tolerance, "|Δ loss| vs the 1-device run of the same config"
+        )
         loss_axis.set(xlabel="optimizer step", ylabel="global loss", title="loss")
         loss_axis.legend(fontsize=7, ncol=2)
-        diff_axis.set(
-            yscale="log",
-            xlabel="optimizer step",
-            ylabel="|Δ loss| vs the 1-device run of the same config",
-            title=f"difference from the reference (exact 0 drawn at {ZERO_FLOOR:g})",
-        )
-        diff_axis.set_ylim(bottom=ZERO_FLOOR / 3)
         labels, values, bar_colors = [], [], []
         for _, run in table.iterrows():
             labels.append(f"{run[variant]}, {run['devices']} × {run['batch_size']}")
