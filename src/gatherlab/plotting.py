@@ -52,7 +52,8 @@ def _style_difference_axis(axis: plt.Axes, tolerance: float | None, ylabel: str)
         title=f"difference from the reference (exact 0 drawn at {ZERO_FLOOR:g})",
     )
     axis.set_ylim(bottom=ZERO_FLOOR / 3)
-    if tolerance is not None:
+    if tolerance is not None:  # always in view, whatever the runs' differences
+        axis.set_ylim(top=max(axis.get_ylim()[1], 30 * tolerance))
         axis.axhline(tolerance, color="0.4", linewidth=1, linestyle=":")
         axis.annotate(
             f"match tolerance {tolerance:g}", (0.04, tolerance), xycoords=("axes fraction", "data"),
@@ -83,6 +84,7 @@ def comparison_figure(
                     "color": gather_color(run["gather"]),
                     "linestyle": DEVICE_STYLES.get(run["devices"], "--"),
                     "linewidth": 1.6,
+                    "marker": "o" if len(curves[run["run_dir"]]) < 3 else None,  # visible alone
                 }
                 label = f"{run['gather']}, {run['devices']} × {run['batch_size']}"
                 run_curves = curves[run["run_dir"]]
