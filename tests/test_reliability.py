@@ -5,6 +5,7 @@ resume, reruns are exact, and random configurations either run or fail in one li
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -92,7 +93,8 @@ def test_the_report_says_why_and_draws_only_readable_runs(sweep_runs):
     assert len(written) == 7 and {"verdict", "error", "status"} <= set(written.columns)
     assert (root / "comparison.png").stat().st_size > 0
     text = report.verdict(table.reset_index())
-    assert "failed: rank 1: NonFiniteLoss: the loss is nan at step 1" in text
+    # every rank's loss is NaN at step 1; whichever rank reports first names the failure
+    assert re.search(r"failed: rank \d: NonFiniteLoss: the loss is nan at step 1", text)
 
 
 # --- failing and killed ranks in a sweep --------------------------------------------------------
@@ -111,7 +113,8 @@ def test_a_failing_rank_fails_its_job_and_the_sweep_goes_on(tmp_path, launcher, 
     assert result.returncode == 1, result.stderr[-2000:]
     assert "gatherlab.train: error: 1 of 2 job(s) failed" in result.stderr
     failed, ok = (runfiles.read_summary(tmp_path / job) for job in ("0", "1"))
-    assert failed["status"] == "failed" and failed["error"].startswith("rank 1: ")
+    # rank 1 breaks; rank 0, left in a collective, may report its broken connection first
+    assert failed["status"] == "failed" and re.match(r"rank [01]: ", failed["error"])
     assert ok["status"] == "ok"
     table = pd.read_csv(tmp_path / report.COMPARISON)
     assert list(table["verdict"]) == ["failed", "no reference"]
