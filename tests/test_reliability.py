@@ -91,6 +91,7 @@ def test_the_report_says_why_and_draws_only_readable_runs(sweep_runs):
     assert "summary.json" in table.loc["corrupt", "error"]
     written = pd.read_csv(root / report.COMPARISON)
     assert len(written) == 7 and {"verdict", "error", "status"} <= set(written.columns)
+    assert set(written["verdict"]) == set(report.VERDICTS) - {"differs"}
     assert (root / "comparison.png").stat().st_size > 0
     text = report.verdict(table.reset_index())
     # every rank's loss is NaN at step 1; whichever rank reports first names the failure

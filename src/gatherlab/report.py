@@ -286,7 +286,7 @@ class ReportOnMultirunEnd(Callback):
         if logger.get("name") == "wandb":
             tracking.log_sweep(
                 sweep_dir,
-                group=f"{sweep_dir.parent.name}/{sweep_dir.name}",
+                group=tracking.group_name(sweep_dir),
                 project=logger.project,
                 entity=logger.entity,
                 tags=list(logger.tags),

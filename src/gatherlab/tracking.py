@@ -75,6 +75,13 @@ def _wandb_run(directory: Path, **init: Any) -> Iterator[Any]:
             wandb.teardown()
 
 
+def group_name(directory: str | Path) -> str:
+    """The wandb group of the runs in a sweep directory (or of a single run's directory): its
+    last two path parts, ``<date>/<time>`` with Hydra's default layout."""
+    directory = Path(directory)
+    return f"{directory.parent.name}/{directory.name}"
+
+
 def run_name(overrides: Sequence[str]) -> str:
     """A wandb run name from a job's overrides: ``gather=old,layout=cpu2`` (experiment left out,
     since the group already says it)."""

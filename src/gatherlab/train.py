@@ -244,8 +244,7 @@ def sweep_group(hydra_cfg: DictConfig) -> str:
     """The name that groups a sweep's runs (in wandb): its directory, as ``date/time``; a single
     run is a group of its own."""
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    directory = Path(hydra_cfg.sweep.dir if multirun else hydra_cfg.runtime.output_dir)
-    return f"{directory.parent.name}/{directory.name}"
+    return tracking.group_name(hydra_cfg.sweep.dir if multirun else hydra_cfg.runtime.output_dir)
 
 
 class ClosePools(Callback):
