@@ -25,8 +25,8 @@ figures: $(STAMP)  ## re-run every README figure's experiment and write figures/
 	for script in experiments/bug_demo.py experiments/loss_matrix.py experiments/gather_audit.py \
 	    experiments/simclr_digits.py; do $(PY) $$script || exit 1; done
 
-lint: $(STAMP)  ## ruff lint and format check
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+lint: $(STAMP)  ## ruff (lint and format) and the import layers of docs/design.md §4 (import-linter)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports
 
 clean:  ## remove the virtual environment and all run outputs
 	rm -rf $(VENV) outputs multirun

@@ -3,16 +3,16 @@ from __future__ import annotations
 import pytest
 from helpers import gatherlab_processes
 
-from gatherlab import launch
+from gatherlab import pool as pools
 
 
 @pytest.fixture(scope="session", autouse=True)
 def worker_pools():
-    """The test session shares one worker pool per world size (``gatherlab.launch.pool``), so a
+    """The test session shares one worker pool per world size (``gatherlab.pool.pool``), so a
     distributed test costs its computation, not process start-up. At the end no worker survives."""
     yield
-    pids = [pid for pool in launch._pools.values() for pid in pool.pids]
-    launch.close_pools()
+    pids = [pid for pool in pools._pools.values() for pid in pool.pids]
+    pools.close_pools()
     survivors = set(pids) & set(gatherlab_processes())
     assert not survivors, f"pool workers outlived the session: {survivors}"
 
@@ -22,6 +22,6 @@ def no_leftover_processes():
     """Fails a test that leaves a process running other than the session's pool workers."""
     before = set(gatherlab_processes())
     yield
-    pool_pids = {pid for pool in launch._pools.values() for pid in pool.pids}
+    pool_pids = {pid for pool in pools._pools.values() for pid in pool.pids}
     left = {pid: cmd for pid, cmd in gatherlab_processes().items() if pid not in before | pool_pids}
     assert not left, f"processes left behind: {left}"

@@ -7,21 +7,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gatherlab import train
+from gatherlab import config, configcheck, jobs
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def compose(*overrides: str):
     """A run config composed from the real configs, with its config group choices."""
-    with train.composed():
-        return train.compose(list(overrides))
+    with config.composed():
+        return config.compose(list(overrides))
 
 
 def run_training(run_dir: Path, *overrides: str) -> dict:
-    """One run in this process (its ranks in the shared pool unless ``launcher=spawn``)."""
+    """One checked run in this process (its ranks in the shared pool unless ``launcher=spawn``)."""
     cfg, choices = compose(*overrides)
-    return train.run(cfg, run_dir, choices, overrides)
+    configcheck.check(cfg)
+    return jobs.run(cfg, run_dir, choices, overrides)
 
 
 def gatherlab_command(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

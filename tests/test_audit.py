@@ -7,12 +7,12 @@ import pytest
 import torch
 from helpers import compose
 
-from gatherlab import audit
+from gatherlab import audit, gather, gradients
 
-# The measured class of every cell, stated independently of audit.PREDICTED. It agrees with
-# DESIGN.md §1 except for `nograd` on the global-loss style: there every use of the embeddings
-# goes through the no-grad gather, so no gradient reaches the parameters at all ("other"), where
-# DESIGN.md predicted "biased (direct uses only)"; a global-loss NT-Xent has no direct use.
+# The measured class of every cell, stated independently of the gathers' declared predictions. It
+# agrees with them (docs/design.md §1) except for `nograd` on the global-loss style: there every
+# use of the embeddings goes through the no-grad gather, so no gradient reaches the parameters at
+# all ("other"), where "biased (direct uses only)" is predicted; a global NT-Xent has no direct use.
 EXPECTED = {
     "fixed": {"ntxent": "exact", "ntxent_global": "exact", "vicreg": "exact"},
     "torch_nn": {"ntxent": "exact", "ntxent_global": "exact", "vicreg": "exact"},
@@ -27,9 +27,10 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
-    cfg, _ = compose("experiment=gather_audit", "audit.world_sizes=[2,4]")
+    overrides = ["experiment=gather_audit", "audit.world_sizes=[2,4]"]
+    cfg, _ = compose(*overrides)
     out = tmp_path_factory.mktemp("audit")
-    return audit.run_config(cfg, out), out
+    return audit.run(cfg, overrides, out), out
 
 
 def test_every_cell_has_its_expected_class(table):
@@ -60,7 +61,7 @@ def test_files_are_written(table):
     for name in ("audit.csv", "audit.md", "audit.png", "audit.pdf"):
         assert (out / name).stat().st_size > 0
     written = (out / "audit.csv").read_text().splitlines()
-    assert written[0].split(",")[: len(audit.COLUMNS)] == list(audit.COLUMNS)
+    assert written[0].split(",")[: len(gradients.COLUMNS)] == list(gradients.COLUMNS)
     assert len(written) == 1 + len(table)
     assert "⚠ other (no gradient) (predicted biased)" in (out / "audit.md").read_text()
 
@@ -82,9 +83,11 @@ def _reference() -> torch.Tensor:
 )
 def test_classify(make, expected):
     reference = _reference()
-    assert audit.classify(make(reference), reference, world_size=4)[0] == expected
+    assert gradients.classify(make(reference), reference, world_size=4)[0] == expected
 
 
-def test_unknown_audit_loss_is_refused():
-    with pytest.raises(ValueError, match="audit losses \\['clip'\\] are unknown"):
-        audit.audit({"clip": None}, None, torch.zeros(4, 2), torch.zeros(4, 2))
+def test_a_gather_or_loss_that_declares_nothing_has_no_prediction():
+    assert gradients.predicted(gather.Fixed(), "local") == "exact"
+    assert gradients.predicted(gather.Fixed(), None) == "no prediction"
+    assert gradients.predicted(lambda tensor: tensor, "global") == "no prediction"
+    assert gradients.style(torch.nn.MSELoss) is None

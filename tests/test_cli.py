@@ -62,6 +62,10 @@ def _one_error_line(result, expected: str) -> None:
         ),
         (["-m", "gather=fixed,nope", "layout=cpu2"], "gather='nope' is unknown"),
         (["-m", "layout=cpu1,cpu4", "global_batch_size=6"], "global_batch_size=6 does not divide"),
+        (
+            ["-m", "optim.lr=0.1,-1", "layout=cpu2"],
+            "optim (torch.optim.SGD): Invalid learning rate",
+        ),
     ],
 )
 def test_bad_training_input_fails_in_one_line(tmp_path, args, expected, no_leftover_processes):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import REPO, compose
 
-from gatherlab import configcheck, train
+from gatherlab import config, configcheck, train
 from gatherlab.configcheck import ConfigError
 
 EXPERIMENTS = sorted(path.stem for path in (REPO / "conf" / "experiment").glob("*.yaml"))
@@ -29,8 +29,8 @@ def test_pr1531_experiment_is_the_pr_test_case():
 
 
 def test_bug_demo_sweeps_reference_old_and_fixed():
-    with train.composed():
-        jobs = train.job_overrides(["experiment=bug_demo"], multirun=True)
+    with config.composed():
+        jobs = config.job_overrides(["experiment=bug_demo"], multirun=True)
     combos = {
         tuple(sorted(o for o in job if o.split("=")[0] in ("gather", "layout"))) for job in jobs
     }
@@ -62,7 +62,7 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
             "precision='16-mixed' is not supported on layout.accelerator=cpu; allowed: 32-true, "
             "64-true",
         ),
-        (["global_batch_size=512"], "global_batch_size=512 exceeds data.num_samples=256"),
+        (["global_batch_size=512"], "global_batch_size=512 exceeds the 256 samples of the data"),
         (["global_batch_size=0"], "global_batch_size=0 is not allowed; allowed: a positive"),
         (["loss=infonce"], "loss='infonce' is unknown; allowed: barlowtwins"),
         (["model=resnet"], "model='resnet' is unknown; allowed: linear, mlp, simclr"),
@@ -70,6 +70,17 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
         (["layout=gpu2", "launcher=pool"], "launcher=pool is not allowed with"),
         (["model=simclr", "data=digits", "model.norm=sync"], "model.norm='sync'"),
         (["layout=gpu1", "layout.nodes=2"], "layout.nodes=2 needs ranks started on every node"),
+        # a constructor's refusal, found by building the job's objects before any job starts
+        (
+            ["loss.temperature=0"],
+            "loss (gatherlab.losses.NTXentLoss): temperature must be a positive number, got 0",
+        ),
+        (["optim.lr=-1"], "optim (torch.optim.SGD): Invalid learning rate: -1"),
+        (["model.depth=0"], "model (gatherlab.models.MLP): model.depth must be at least 1"),
+        (
+            ["loss._target_=gatherlab.losses.Nope"],
+            "loss (gatherlab.losses.Nope): Error loading 'gatherlab.losses.Nope': Are you sure",
+        ),
     ],
 )
 def test_bad_values_raise_one_line(overrides, message):

@@ -1,4 +1,5 @@
-"""The sampler gives every layout the same global batches in the same row order (DESIGN.md §2)."""
+"""The sampler gives every layout the same global batches in the same row order
+(docs/design.md §2)."""
 
 from __future__ import annotations
 

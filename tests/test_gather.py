@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gatherlab import gather, launch
+from gatherlab import gather
+from gatherlab import pool as pools
 from gatherlab.losses import NTXentGlobalLoss, NTXentLoss
 
 BATCH, DIM = 3, 4
@@ -66,7 +67,7 @@ def _per_rank_case(world_size: int) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def ranks(request) -> tuple[int, list[dict]]:
-    return request.param, launch.pool(request.param).run(_per_rank_case, request.param)
+    return request.param, pools.pool(request.param).run(_per_rank_case, request.param)
 
 
 def _single_device(world_size: int) -> dict[str, torch.Tensor]:
@@ -148,5 +149,7 @@ def test_without_process_group_every_gather_is_the_identity():
 
 
 def test_unknown_gather_names_what_is_allowed():
-    with pytest.raises(ValueError, match=r"gather='nope' is unknown; allowed: fixed, old, torch_n"):
+    with pytest.raises(
+        ValueError, match=r"gather='nope' is unknown; allowed: fixed, torch_nn, functional"
+    ):
         gather.get("nope")

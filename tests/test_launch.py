@@ -12,6 +12,7 @@ import torch.distributed as dist
 from helpers import compose, gatherlab_processes, run_training
 
 from gatherlab import launch, runfiles
+from gatherlab import pool as pools
 from gatherlab.losses import NTXentLoss
 from gatherlab.module import ContrastiveModule, PairDataModule, RunRecorder
 
@@ -37,8 +38,8 @@ def _exit_on_rank_one() -> None:
 
 
 def test_pool_runs_functions_on_every_rank_of_one_group():
-    assert launch.pool(2).run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]
-    assert launch.pool(4).run(_rank_and_sum) == [(r, 10.0) for r in range(4)]
+    assert pools.pool(2).run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]
+    assert pools.pool(4).run(_rank_and_sum) == [(r, 10.0) for r in range(4)]
 
 
 @pytest.mark.parametrize(
@@ -49,23 +50,23 @@ def test_pool_runs_functions_on_every_rank_of_one_group():
     ],
 )
 def test_failing_rank_ends_the_job_quickly_and_the_pool_is_rebuilt(function, message):
-    broken = launch.pool(2)
+    broken = pools.pool(2)
     pids = broken.pids
     start = time.monotonic()
-    with pytest.raises(launch.RankError, match=message):
+    with pytest.raises(pools.RankError, match=message):
         broken.run(function)
     # Far below the collective timeout that the waiting rank would otherwise sit in.
-    assert time.monotonic() - start < launch.COLLECTIVE_TIMEOUT.total_seconds() / 4
+    assert time.monotonic() - start < pools.COLLECTIVE_TIMEOUT.total_seconds() / 4
     assert not broken.alive
     assert not set(pids) & set(gatherlab_processes()), "the failed pool's workers must be gone"
-    assert launch.pool(2).run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]
-    assert launch.pool(2) is not broken
+    assert pools.pool(2).run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]
+    assert pools.pool(2) is not broken
 
 
 def test_closed_pools_leave_no_process():
-    pids = launch.pool(2).pids + launch.pool(4).pids
+    pids = pools.pool(2).pids + pools.pool(4).pids
     assert set(pids) <= set(gatherlab_processes())
-    launch.close_pools()
+    pools.close_pools()
     assert not set(pids) & set(gatherlab_processes())
 
 
@@ -120,10 +121,10 @@ def test_rank_error_inside_training_reaches_the_main_process(tmp_path):
     datamodule = PairDataModule(dataset, cfg.global_batch_size, cfg.steps, seed=0, shuffle=True)
     start = time.monotonic()
     with pytest.raises(
-        launch.RankError, match="rank 1: FloatingPointError: loss exploded on purpose"
+        pools.RankError, match="rank 1: FloatingPointError: loss exploded on purpose"
     ):
         launch.fit(module, datamodule, 2, cfg.precision, cfg.steps, [RunRecorder(tmp_path)])
-    assert time.monotonic() - start < launch.COLLECTIVE_TIMEOUT.total_seconds() / 4
+    assert time.monotonic() - start < pools.COLLECTIVE_TIMEOUT.total_seconds() / 4
     assert not (tmp_path / runfiles.CURVES).exists()
     run_training(tmp_path / "next", "experiment=bug_demo", "layout=cpu2", "steps=3")
     assert len(runfiles.read_curves(tmp_path / "next")["loss"]) == 3

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 from helpers import REPO, compose, gatherlab_processes, run_training
 
-from gatherlab import configcheck, report, runfiles, train
+from gatherlab import configcheck, jobs, report, runfiles
 from gatherlab.configcheck import ConfigError
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def _command(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("layout", ["cpu1", "cpu2"])
 def test_a_nan_loss_stops_the_run_at_its_step_and_fails_it(tmp_path, layout):
-    with pytest.raises(train.RunFailed, match="the loss is nan at step 1"):
+    with pytest.raises(jobs.RunFailed, match="the loss is nan at step 1"):
         run_training(tmp_path, "optim.lr=1e300", "steps=6", f"layout={layout}")
     summary = runfiles.read_summary(tmp_path)
     assert summary["status"] == "failed" and summary["failed_step"] == 1
@@ -61,7 +61,7 @@ def sweep_runs(tmp_path_factory):
     (root / "no_weights" / runfiles.FINAL_STATE).unlink()
     run_training(root / "corrupt", *common, "layout=cpu2", "gather=old")
     (root / "corrupt" / runfiles.SUMMARY).write_text("{ not json")
-    with pytest.raises(train.RunFailed):
+    with pytest.raises(jobs.RunFailed):
         run_training(root / "nan", *common, "layout=cpu2", "optim.lr=inf")
     return root, report.write_report(root).set_index("run_dir")
 
@@ -280,8 +280,8 @@ def test_random_configurations_run_or_fail_in_one_line(fuzz_root):
                 seen["refused"] += 1
                 return
             try:
-                train.run(cfg, run_dir, choices, overrides)
-            except train.RunFailed as error:  # training stopped: one line, recorded as failed
+                jobs.run(cfg, run_dir, choices, overrides)
+            except jobs.RunFailed as error:  # training stopped: one line, recorded as failed
                 assert "\n" not in str(error)
                 assert runfiles.read_summary(run_dir)["status"] == "failed"
                 seen["failed"] += 1
@@ -291,7 +291,7 @@ def test_random_configurations_run_or_fail_in_one_line(fuzz_root):
                 return
             reference = fuzz_root / f"{run_dir.name}-reference"
             reference_cfg, reference_choices = compose(*overrides, "layout=cpu1")
-            train.run(reference_cfg, reference, reference_choices, overrides)
+            jobs.run(reference_cfg, reference, reference_choices, overrides)
             shutil.copytree(run_dir, fuzz_root / f"pair-{run_dir.name}" / "run")
             shutil.copytree(reference, fuzz_root / f"pair-{run_dir.name}" / "reference")
             table = report.write_report(fuzz_root / f"pair-{run_dir.name}").set_index("run_dir")

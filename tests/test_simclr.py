@@ -1,6 +1,7 @@
-"""The pieces that make full SimCLR layout-invariant (DESIGN.md §2), on real gloo groups: global
-batch norm against single-device BatchNorm, seeded augmentations and dropout that do not depend on
-the layout, the k-NN evaluation, and a short simclr_digits run on one device and on two."""
+"""The pieces that make full SimCLR layout-invariant (docs/design.md §2), on real gloo groups:
+global batch norm against single-device BatchNorm, seeded augmentations and dropout that do not
+depend on the layout, the k-NN evaluation, and a short simclr_digits run on one device and on
+two."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from helpers import run_training
 from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 from torch import nn
 
-from gatherlab import launch
+from gatherlab import pool as pools
 from gatherlab.augment import Augmentation, sample_generator
 from gatherlab.batchnorm import GlobalBatchNorm
 from gatherlab.data import DigitsPairs, GlobalBatchSampler, digits_pairs
@@ -59,7 +60,7 @@ def _norm_case(shape: tuple[int, ...], world_size: int, steps: int = 3) -> dict[
 def norm_ranks(request):
     world_size = request.param
     return world_size, {
-        name: launch.pool(world_size).run(_norm_case, shape, world_size)
+        name: pools.pool(world_size).run(_norm_case, shape, world_size)
         for name, shape in SHAPES.items()
     }
 
@@ -124,14 +125,14 @@ def _rank_views(world_size: int, seeding: str, steps: int = 3) -> list[torch.Ten
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_per_sample_seeds_give_the_same_views_on_any_layout(world_size):
     single = _rank_views(1, "per_sample")
-    per_rank = launch.pool(world_size).run(_rank_views, world_size, "per_sample")
+    per_rank = pools.pool(world_size).run(_rank_views, world_size, "per_sample")
     for step, views in enumerate(single):
         assert torch.equal(torch.cat([rank[step] for rank in per_rank]), views)
 
 
 def test_per_process_seeds_do_not():
     single = _rank_views(1, "per_process")
-    per_rank = launch.pool(2).run(_rank_views, 2, "per_process")
+    per_rank = pools.pool(2).run(_rank_views, 2, "per_process")
     assert not torch.equal(torch.cat([rank[0] for rank in per_rank]), single[0])
 
 

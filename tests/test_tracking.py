@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import wandb_offline
 from helpers import REPO
 
 from gatherlab import runfiles, tracking
@@ -53,8 +54,8 @@ def test_each_job_has_its_own_offline_run_with_its_history(wandb_sweep):
     names, groups = [], set()
     for job in ("0", "1"):
         run_dir = root / "sweep" / job
-        (offline,) = tracking.offline_runs(run_dir)
-        logged = tracking.read_offline_run(offline)
+        (offline,) = wandb_offline.offline_runs(run_dir)
+        logged = wandb_offline.read_offline_run(offline)
         curves = runfiles.read_curves(run_dir)
         assert [h["_step"] for h in logged["history"]] == curves["step"] == list(range(6))
         assert [h["loss"] for h in logged["history"]] == curves["loss"]
@@ -70,8 +71,8 @@ def test_each_job_has_its_own_offline_run_with_its_history(wandb_sweep):
 
 def test_the_sweep_figures_are_uploaded_as_media(wandb_sweep):
     root, _ = wandb_sweep
-    (offline,) = tracking.offline_runs(root / "sweep")
-    logged = tracking.read_offline_run(offline)
+    (offline,) = wandb_offline.offline_runs(root / "sweep")
+    logged = wandb_offline.read_offline_run(offline)
     assert logged["name"] == "report"
     (media,) = logged["history"]
     assert media["comparison/_type"] == "image-file"  # nested keys read back as "a/b"

@@ -1,6 +1,6 @@
 """Seeded random augmentations in torch (no torchvision): every draw for a sample comes from a
 generator seeded by (seed, epoch, global sample index, stream), never from a per-process RNG, so a
-sample gets the same views whichever rank of whichever layout loads it (DESIGN.md §2)."""
+sample gets the same views whichever rank of whichever layout loads it (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Each benchmark measures everything it compares in one invocation and prints rati
 asserts a time.
 
 ``launcher``: the same N distributed training jobs (``experiment=bug_demo``, cpu2) run through
-``train.run`` once with ``launcher=spawn`` (fresh processes per job) and once with
+``gatherlab.jobs.run`` once with ``launcher=spawn`` (fresh processes per job) and once with
 ``launcher=pool`` (one warm group). The marginal cost of a job is the mean wall time of jobs 2..N;
 the first job is shown apart (for the pool it includes starting the group).
 
@@ -19,7 +19,6 @@ the ring algorithms (all_reduce of M bytes: 2(W−1)/W·M; reduce-scatter and al
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import statistics
 import tempfile
@@ -30,18 +29,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gatherlab import config, configcheck
 from gatherlab import gather as gathering
-from gatherlab import launch, train
+from gatherlab import pool as pools
+from gatherlab.jobs import run as run_job
 
 
 def _job_times(launcher: str, jobs: int, steps: int, root: Path) -> list[float]:
     overrides = ["experiment=bug_demo", "layout=cpu2", f"steps={steps}", f"launcher={launcher}"]
-    with train.composed():
-        cfg, choices = train.compose(overrides)
+    with config.composed():
+        cfg, choices = config.compose(overrides)
+    configcheck.check(cfg)
     times = []
     for job in range(jobs):
         start = time.perf_counter()
-        train.run(cfg, root / f"{launcher}-{job}", choices, overrides)
+        run_job(cfg, root / f"{launcher}-{job}", choices, overrides)
         times.append(time.perf_counter() - start)
     return times
 
@@ -50,7 +52,7 @@ def launcher(jobs: int, steps: int) -> float:
     """Print the per-job cost of ``spawn`` and ``pool``; return their ratio."""
     if jobs < 2:
         raise SystemExit("gatherlab.bench: error: --jobs must be at least 2 (job 1 is start-up)")
-    launch.close_pools()
+    pools.close_pools()
     marginal = {}
     with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
         print(f"{jobs} jobs of {steps} steps each, 2 CPU ranks (experiment=bug_demo layout=cpu2)")
@@ -59,7 +61,7 @@ def launcher(jobs: int, steps: int) -> float:
             times = _job_times(name, jobs, steps, Path(root))
             marginal[name] = statistics.mean(times[1:])
             print(f"{name:<8} {times[0]:>14.3f} {marginal[name]:>23.3f}")
-    launch.close_pools()
+    pools.close_pools()
     ratio = marginal["pool"] / marginal["spawn"]
     print(f"pool/spawn per-job cost ratio: {ratio:.4f}")
     return ratio
@@ -75,7 +77,7 @@ def _fixed_variants() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     variants = {}
     for collective in sorted(gathering.BACKWARD_COLLECTIVES, key=lambda c: c != chosen):
         name = "fixed" if collective == chosen else f"fixed[{collective}]"
-        variants[name] = functools.partial(gathering.fixed_with, collective=collective)
+        variants[name] = gathering.Fixed(collective)
     for name in EXACT_GATHERS[1:]:
         variants[name] = gathering.get(name)
     return variants
@@ -132,8 +134,8 @@ def gather(world_sizes: tuple[int, ...], repeats: int) -> float:
     size and world size."""
     rows = []
     for world_size in world_sizes:
-        rows += launch.pool(world_size).run(_time_gathers, GATHER_SIZES, repeats)[0]
-        launch.close_pools()
+        rows += pools.pool(world_size).run(_time_gathers, GATHER_SIZES, repeats)[0]
+        pools.close_pools()
     print(f"forward + backward, float32, median of {repeats}; backend gloo on CPU")
     print(f"{'W':>2} {'local size':>10} {'gather':<22} {'ms':>9}  backward collective, sent/rank")
     for row in rows:

@@ -1,23 +1,31 @@
-"""Checks of a composed run configuration, each failing with one line that names the key, the
-value and what is allowed. They run before any worker process starts."""
+"""The one check of a composed job config (layout × launcher × batch × data × precision × the
+objects it names), failing with one line that names the key, the value and what is allowed.
+
+It runs before any worker process starts, for every job of a command; what runs a job trusts it.
+Besides the values it builds the cheap objects of the job (data set, model, gather, loss, and the
+optimizer on a stand-in parameter), so that a constructor's refusal is one line too, and checks
+the data set and model contracts of docs/design.md §4.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
-from gatherlab import gather, launch
+from gatherlab import config
+from gatherlab.config import ConfigError
 
 # Per accelerator, the precisions whose layouts gatherlab can judge (report.TOLERANCE): float64
 # to ~1e-10, float32 to ~1e-5. Mixed precision rounds too coarsely to tell a bug from noise.
 PRECISIONS = {"cpu": ("32-true", "64-true"), "gpu": ("32-true", "64-true")}
 
 
-class ConfigError(ValueError):
-    """A configuration value that cannot run; the message is one line."""
+__all__ = ["ConfigError", "check", "machine_warning"]
 
 
 def _integer(key: str, value: Any, minimum: int) -> int:
@@ -46,15 +54,7 @@ def check(cfg: Mapping[str, Any]) -> None:
             f"precision={cfg['precision']!r} is not supported on layout.accelerator="
             f"{accelerator}; allowed: {', '.join(allowed)}"
         )
-    if cfg["gather"]["name"] not in gather.NAMES:
-        raise ConfigError(
-            f"gather={cfg['gather']['name']!r} is unknown; allowed: {', '.join(gather.NAMES)}"
-        )
     launcher = cfg["launcher"]["name"]
-    if launcher not in launch.LAUNCHERS:
-        raise ConfigError(
-            f"launcher={launcher!r} is unknown; allowed: {', '.join(launch.LAUNCHERS)}"
-        )
     if launcher == "pool" and accelerator != "cpu":
         raise ConfigError(
             f"launcher=pool is not allowed with layout.accelerator={accelerator!r}; "
@@ -82,12 +82,65 @@ def check(cfg: Mapping[str, Any]) -> None:
             f"global_batch_size={global_batch_size} does not divide by layout.devices={devices}; "
             f"allowed: a multiple of {devices}"
         )
-    num_samples = cfg["data"]["num_samples"]
+    num_samples = _dataset_size(OmegaConf.to_yaml(cfg["data"]["dataset"], resolve=True))
     if global_batch_size > num_samples:
         raise ConfigError(
-            f"global_batch_size={global_batch_size} exceeds data.num_samples={num_samples}; "
-            f"allowed: at most {num_samples}"
+            f"global_batch_size={global_batch_size} exceeds the {num_samples} samples of the data "
+            f"set; allowed: at most {num_samples}"
         )
+    _check_objects(cfg)
+
+
+@functools.lru_cache(maxsize=16)
+def _dataset_size(dataset_yaml: str) -> int:
+    """The number of samples of a data set config, which is built once per distinct config and
+    checked against the contract: ``len``, and items ``(view0, view1[, key])`` for a key
+    ``(epoch, index)``."""
+    dataset = config.instantiate("data", OmegaConf.create(dataset_yaml))
+    try:
+        size = len(dataset)
+        item = dataset[(0, 0)]
+    except Exception as error:
+        raise ConfigError(
+            f"data ({type(dataset).__name__}) breaks the data set contract: {error}; allowed: "
+            "len(data set) and data set[(epoch, index)] (docs/design.md §4)"
+        ) from None
+    if not isinstance(item, tuple | list) or len(item) not in (2, 3):
+        raise ConfigError(
+            f"data ({type(dataset).__name__}) items are {type(item).__name__} of "
+            f"{len(item) if hasattr(item, '__len__') else '?'}; allowed: (view0, view1) or "
+            "(view0, view1, key) (docs/design.md §4)"
+        )
+    return size
+
+
+def _check_objects(cfg: DictConfig) -> None:
+    """Build the job's model, gather, loss and optimizer; their constructors' refusals and broken
+    contracts become one line."""
+    model = config.build_model(cfg)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"model ({cfg.model._target_}) built a {type(model).__name__}; allowed: a "
+            "torch.nn.Module (docs/design.md §4)"
+        )
+    gather = config.build_gather(cfg)
+    if not callable(gather):
+        raise ConfigError(
+            f"gather ({cfg.gather._target_}) built a {type(gather).__name__}; allowed: a "
+            "callable tensor -> gathered tensor (docs/design.md §4)"
+        )
+    loss = config.build_loss(cfg, gather)
+    if not isinstance(loss, torch.nn.Module):
+        raise ConfigError(
+            f"loss ({cfg.loss._target_}) built a {type(loss).__name__}; allowed: a "
+            "torch.nn.Module whose forward(out0, out1) returns a scalar (docs/design.md §4)"
+        )
+    factory = config.build_optimizer(cfg)
+    stand_in = torch.nn.Parameter(torch.zeros(1))
+    try:
+        factory([stand_in])
+    except Exception as error:  # the optimizer's own refusal, e.g. a negative learning rate
+        raise ConfigError(f"optim ({cfg.optim._target_}): {error}") from None
 
 
 def machine_warning(cfg: Mapping[str, Any]) -> str | None:

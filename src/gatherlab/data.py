@@ -1,9 +1,9 @@
 """Data sets of view pairs and the sampler that makes every layout see the same global batches.
 
-The sampler follows DESIGN.md §2: one permutation per epoch drawn from (seed, epoch) alone, global
-batch k is the k-th contiguous block of it, and rank r takes the r-th contiguous slice of that
-block. Gathering the ranks' batches in rank order therefore rebuilds the single-device batch row
-for row, whatever the number of ranks. The sampler hands each data set a key ``(epoch, index)``
+The sampler follows docs/design.md §2: one permutation per epoch drawn from (seed, epoch) alone,
+global batch k is the k-th contiguous block of it, and rank r takes the r-th contiguous slice of
+that block. Gathering the ranks' batches in rank order therefore rebuilds the single-device batch
+row for row, whatever the number of ranks. The sampler hands each data set a key ``(epoch, index)``
 per sample, so that a data set with random augmentations can draw them from (seed, epoch, index)
 (``digits``).
 """

@@ -3,7 +3,7 @@
 Every implementation has the same forward (the ranks' tensors concatenated in rank order) and
 differs only in what its backward hands back to the local input. With W ranks and a loss whose
 gradient with respect to the gathered tensor on rank r is G_r (N × D, N = W·B), rank s receives
-(DESIGN.md §1):
+(docs/design.md §1):
 
 - ``fixed``: Σ_r G_r[s], the gradient of every rank's loss with respect to its slice. After DDP's
   1/W average this is exactly the single-device gradient (lightly ≥ #1531, solo-learn, VISSL).
@@ -22,7 +22,8 @@ gradient with respect to the gathered tensor on rank r is G_r (N × D, N = W·B)
   features).
 - ``avg``: (1/W) Σ_r G_r[s], the sum averaged by an all-reduce AVG (DisCo-CLIP, Horovod ≥ 0.21).
 
-``get(name)`` returns a function ``x -> gathered x``; without an initialised process group (or
+Each is a ``Gather`` class that states its predicted gradient class per loss style; ``get(name)``
+returns one as a function ``x -> gathered x``; without an initialised process group (or
 with one rank) it returns its input, so the same loss code runs on one device.
 """
 
@@ -30,27 +31,68 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 GatherFn = Callable[[torch.Tensor], torch.Tensor]
 
-_REGISTRY: dict[str, GatherFn] = {}
+# The loss styles of docs/design.md §1 and the gradient classes a gather's backward can give.
+STYLES = ("local", "global", "mixed")
+CLASSES = ("exact", "1/W", "biased", "other")
 
 
-def register(name: str) -> Callable[[GatherFn], GatherFn]:
-    """Add a gather implementation under ``name`` (one decorator per implementation)."""
+class Gather:
+    """A gather implementation: ``gather(tensor)`` all-gathers the local (B, ...) tensor into the
+    (W·B, ...) tensor of every rank's slices in rank order, with the backward that defines it.
 
-    def add(function: GatherFn) -> GatherFn:
+    ``predicted`` maps each loss style (``STYLES``) to the gradient class (``CLASSES``) that the
+    mathematics predicts after DDP's average (docs/design.md §1); the audit measures it and marks
+    a disagreement. A style left out has no prediction. Calling the object gathers when a process
+    group of more than one rank runs, and returns its input otherwise, so the same loss code runs
+    on one device. Subclasses are picklable (ranks may be spawned processes).
+    """
+
+    predicted: Mapping[str, str] = {}
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.gather(tensor) if world_size() > 1 else tensor
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def __repr__(self) -> str:
+        arguments = ", ".join(f"{key}={value!r}" for key, value in vars(self).items())
+        return f"{type(self).__name__}({arguments})"
+
+
+_REGISTRY: dict[str, type[Gather]] = {}
+
+
+def register(name: str) -> Callable[[type[Gather]], type[Gather]]:
+    """Make a ``Gather`` class available to ``get(name)`` (the built-in gathers of §1). A config
+    needs no registration: ``conf/gather/<name>.yaml`` names the class with ``_target_``."""
+
+    def add(cls: type[Gather]) -> type[Gather]:
         if name in _REGISTRY:
             raise ValueError(f"gather {name!r} is registered twice")
-        _REGISTRY[name] = function
-        return function
+        _REGISTRY[name] = cls
+        return cls
 
     return add
+
+
+def __getattr__(attribute: str) -> tuple[str, ...]:
+    if attribute == "NAMES":  # computed on access, so it lists every registration
+        return tuple(_REGISTRY)
+    raise AttributeError(f"module {__name__!r} has no attribute {attribute!r}")
 
 
 def world_size() -> int:
@@ -114,13 +156,6 @@ class _FixedGather(torch.autograd.Function):
         return _sum_over_ranks_of_own_slice(slice_grads, ctx.collective), None
 
 
-def fixed_with(tensor: torch.Tensor, collective: str | None = None) -> torch.Tensor:
-    """``fixed`` with a chosen backward collective (``BACKWARD_COLLECTIVES``; None: by backend)."""
-    if collective is not None and collective not in BACKWARD_COLLECTIVES:
-        raise ValueError(f"collective={collective!r}; allowed: {', '.join(BACKWARD_COLLECTIVES)}")
-    return torch.cat(_FixedGather.apply(tensor, collective), dim=0)
-
-
 class _OldGather(torch.autograd.Function):
     """Forward: all_gather. Backward: the own slice's gradient only, no collective.
 
@@ -154,14 +189,27 @@ class _AvgGather(torch.autograd.Function):
         return _sum_over_ranks_of_own_slice(slice_grads) / dist.get_world_size()
 
 
+EXACT = {"local": "exact", "global": "exact", "mixed": "exact"}
+# The backward hands each slice its own loss's gradient only: a loss every rank computes in full
+# gets exactly 1/W of the gradient; a local or mixed loss loses the cross-rank terms.
+OWN_SLICE_ONLY = {"local": "biased", "global": "1/W", "mixed": "biased"}
+BIASED_EVERYWHERE = {"local": "biased", "global": "biased", "mixed": "biased"}
+
+
 @register("fixed")
-def fixed(tensor: torch.Tensor) -> torch.Tensor:
-    return fixed_with(tensor)
+class Fixed(Gather):
+    """lightly's GatherLayer since #1531: every rank's gradient of each slice summed."""
 
+    predicted = EXACT
 
-@register("old")
-def old(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.cat(_OldGather.apply(tensor), dim=0)
+    def __init__(self, collective: str | None = None):
+        if collective is not None and collective not in BACKWARD_COLLECTIVES:
+            allowed = ", ".join(BACKWARD_COLLECTIVES)
+            raise ValueError(f"collective={collective!r} is not allowed; allowed: {allowed}")
+        self.collective = collective
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat(_FixedGather.apply(tensor, self.collective), dim=0)
 
 
 @contextlib.contextmanager
@@ -176,78 +224,111 @@ def _deprecated_all_gather_is_intended() -> Iterator[None]:
 
 
 @register("torch_nn")
-def torch_nn(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_gather
+class TorchNN(Gather):
+    """``torch.distributed.nn.functional.all_gather``."""
 
-    with _deprecated_all_gather_is_intended():
-        return torch.cat(all_gather(tensor.contiguous()), dim=0)
+    predicted = EXACT
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_gather
+
+        with _deprecated_all_gather_is_intended():
+            return torch.cat(all_gather(tensor.contiguous()), dim=0)
 
 
 @register("functional")
-def functional(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed import _functional_collectives
+class Functional(Gather):
+    """``_functional_collectives.all_gather_single_autograd``: a private torch module, and the one
+    whose backward torch itself uses for tensor-parallel code; measured here for that reason."""
 
-    gathered = _functional_collectives.all_gather_single_autograd(
-        tensor.contiguous(), 0, dist.group.WORLD
-    )
-    return _functional_collectives.wait_tensor(gathered)
+    predicted = EXACT
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives
+
+        gathered = _functional_collectives.all_gather_single_autograd(
+            tensor.contiguous(), 0, dist.group.WORLD
+        )
+        return _functional_collectives.wait_tensor(gathered)
 
 
 @register("lightning")
-def lightning(tensor: torch.Tensor) -> torch.Tensor:
-    # What LightningModule.all_gather(tensor, sync_grads=True) calls under its DDP strategies;
-    # called directly so that a loss needs no LightningModule to use it.
-    from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+class Lightning(Gather):
+    """What ``LightningModule.all_gather(tensor, sync_grads=True)`` runs under DDP. Its function
+    is private to Lightning; it is called directly so that a loss needs no LightningModule."""
 
-    with _deprecated_all_gather_is_intended():
-        return _all_gather_ddp_if_available(tensor, sync_grads=True).flatten(0, 1)
+    predicted = EXACT
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+
+        with _deprecated_all_gather_is_intended():
+            return _all_gather_ddp_if_available(tensor, sync_grads=True).flatten(0, 1)
+
+
+@register("old")
+class Old(Gather):
+    """lightly's GatherLayer before #1531: the own slice's gradient only."""
+
+    predicted = OWN_SLICE_ONLY
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat(_OldGather.apply(tensor), dim=0)
 
 
 @register("nograd_swap")
-def nograd_swap(tensor: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        slices = _all_gather(tensor)
-    slices[dist.get_rank()] = tensor
-    return torch.cat(slices, dim=0)
+class NogradSwap(Gather):
+    """A no-grad all_gather with the live local tensor put back in its slot (OpenCLIP's default)."""
 
+    predicted = OWN_SLICE_ONLY
 
-@register("nograd")
-def nograd(tensor: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.cat(_all_gather(tensor), dim=0)
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            slices = _all_gather(tensor)
+        slices[dist.get_rank()] = tensor
+        return torch.cat(slices, dim=0)
 
 
 @register("avg")
-def avg(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.cat(_AvgGather.apply(tensor), dim=0)
+class Avg(Gather):
+    """An all_reduce AVG of the slice gradients (DisCo-CLIP, Horovod ≥ 0.21)."""
+
+    predicted = OWN_SLICE_ONLY
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat(_AvgGather.apply(tensor), dim=0)
 
 
-NAMES: tuple[str, ...] = tuple(_REGISTRY)
+@register("nograd")
+class Nograd(Gather):
+    """A no-grad all_gather and nothing else (MoCo's ``concat_all_gather`` on live features).
+
+    Predicted biased: only the loss's direct uses of the local tensor carry a gradient. A global
+    loss that has none (``ntxent_global``) gets no gradient at all, which the audit measures and
+    marks as a disagreement (docs/design.md §1).
+    """
+
+    predicted = BIASED_EVERYWHERE
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat(_all_gather(tensor), dim=0)
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-@dataclass(frozen=True)
-class Gather:
-    """A registered gather implementation, picklable by name (ranks may be spawned processes)."""
-
-    name: str
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        return _REGISTRY[self.name](tensor) if world_size() > 1 else tensor
-
-
-def get(name: str) -> GatherFn:
-    """The gather implementation called ``name``; the identity when no process group is running."""
+def get(name: str) -> Gather:
+    """The built-in gather implementation called ``name`` (``NAMES``); it returns its input when
+    no process group of more than one rank is running."""
     if name not in _REGISTRY:
-        raise ValueError(f"gather={name!r} is unknown; allowed: {', '.join(NAMES)}")
-    return Gather(name)
+        raise ValueError(f"gather={name!r} is unknown; allowed: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]()
 
 
 def resolve(gather: str | GatherFn | None) -> GatherFn:
-    """What a loss's ``gather`` argument means: a registry name, a callable, or None (identity)."""
+    """What a loss's ``gather`` argument means: a built-in name, a callable, or None (identity)."""
     if gather is None:
         return _identity
     if isinstance(gather, str):
@@ -255,5 +336,5 @@ def resolve(gather: str | GatherFn | None) -> GatherFn:
     if callable(gather):
         return gather
     raise TypeError(
-        f"gather must be a name ({', '.join(NAMES)}), a callable or None, not {gather!r}"
+        f"gather must be a name ({', '.join(_REGISTRY)}), a callable or None, not {gather!r}"
     )

@@ -1,5 +1,5 @@
 """The LightningModule that trains a model with a contrastive loss, its data module, and the
-callback that records a run's files (DESIGN.md §5) from rank 0."""
+callback that records a run's files (docs/design.md §5) from rank 0."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class ContrastiveModule(L.LightningModule):
     """Embeds both views, applies the loss, keeps the global loss and gradient norm of each step.
 
     The loss returned by ``training_step`` is the rank's local loss (what its backward needs); the
-    recorded loss is the mean over ranks, which equals the single-device loss (DESIGN.md §2),
+    recorded loss is the mean over ranks, which equals the single-device loss (docs/design.md §2),
     reduced for all steps at once when training ends (``curves``). The
     recorded gradient norm is taken after DDP has averaged the gradients, right before the
     optimizer applies them.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -39,8 +40,14 @@ STYLE = {
 }
 
 
+# Colours for gathers that a user adds: each name keeps one of these in every figure.
+OTHER_GATHER_COLORS = ("#bcbd22", "#7f7f7f", "#393b79", "#637939", "#8c6d31", "#843c39")
+
+
 def gather_color(name: str) -> str:
-    return GATHER_COLORS.get(name, "#7f7f7f")
+    if name in GATHER_COLORS:
+        return GATHER_COLORS[name]
+    return OTHER_GATHER_COLORS[zlib.crc32(name.encode()) % len(OTHER_GATHER_COLORS)]
 
 
 def _style_difference_axis(axis: plt.Axes, tolerance: float | None, ylabel: str) -> None:

@@ -1,11 +1,12 @@
 """Compare every run of a sweep with its 1-device reference; write the table and the figure.
 
 ``python -m gatherlab.report SWEEP_DIR`` re-runs the comparison of a finished sweep; the same
-comparison runs by itself when a Hydra multirun ends (``ReportOnMultirunEnd``).
+comparison runs by itself when a multirun of ``python -m gatherlab.train`` ends.
 
 A run's reference is the 1-device run whose resolved config equals the run's in everything but
-``gather`` and ``layout`` (DESIGN.md §5). A run matches it when the loss at every step and every
-final parameter agree within the tolerance of the run's precision.
+``gather`` and ``layout`` (docs/design.md §2, §5). A run matches it when the loss at every step and
+every final parameter agree within the tolerance of the run's precision. The gradient audit's
+table is rendered here too (``write_audit``). Run files are read only through ``results``.
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import hydra.utils
 import pandas as pd
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
 
-from gatherlab import plotting, results, runfiles, tracking
+from gatherlab import plotting, results, runfiles
+from gatherlab.gather import CLASSES
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ TOLERANCE = {"64-true": 1e-10, "32-true": 1e-5}
 # What may differ between a run and its reference: the split over devices, how its ranks were
 # started, the gather, and how the run is logged.
 SPLIT_KEYS = ("gather", "layout", "launcher", "logger", "log_every")
-COMPARISON = "comparison.csv"
+COMPARISON = runfiles.COMPARISON
 FIGURE = "comparison"
 # Written too when the sweep varies the loss: one row per loss, one column per gather × layout.
 MATRIX = "loss_matrix"
@@ -41,6 +41,11 @@ KEY_COLUMNS = (
     "experiment", "model", "loss", "data", "optim", "gather", "layout", "devices", "batch_size",
     "global_batch_size", "precision", "steps", "seed",
 )  # fmt: skip
+
+
+# Every row of the printed comparison is named by these, and by every other key the sweep varies.
+NAMING_KEYS = ("gather", "layout")
+DERIVED_KEYS = ("devices", "batch_size")  # follow from the layout and the global batch size
 
 
 def _comparable(config: dict[str, Any]) -> str:
@@ -72,7 +77,7 @@ def _read_run_files(run_dir: str) -> tuple[pd.DataFrame, dict] | str:
     """A run's curves and final weights, or why they cannot be read."""
     try:
         curves = results.load_curves(run_dir)
-        state = runfiles.read_final_state(Path(run_dir))
+        state = results.load_final_state(run_dir)
     except Exception as error:  # a missing or corrupt file: reported for this run only
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     if curves.empty or not curves["loss"].notna().all():
@@ -177,45 +182,54 @@ def write_report(sweep_dir: str | Path) -> pd.DataFrame:
     if not drawn.empty:
         plotting.save(plotting.comparison_figure(drawn, curves, tolerance), sweep_dir / FIGURE)
     if table["loss"].nunique() > 1:
-        diff, matches = loss_matrix(table)
+        diff, matches, verdicts = loss_matrix(table)
         predicted = predicted_invariance(runs)
         steps = int(table["steps"].max())
         plotting.save(plotting.matrix_figure(diff, matches, tolerance), sweep_dir / MATRIX)
-        markdown = matrix_markdown(diff, matches, predicted, tolerance, steps)
+        markdown = matrix_markdown(diff, matches, verdicts, predicted, tolerance, steps)
         (sweep_dir / f"{MATRIX}.md").write_text(markdown)
     return table
 
 
-def loss_matrix(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Max |Δloss| and whether the run matches, per loss (rows, in sweep order) and gather ×
-    layout (columns ``(gather, devices, batch_size)``) of the multi-device runs with a reference."""
-    runs = table[(table["devices"] > 1) & table["reference"].notna()]
+def loss_matrix(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Max |Δloss|, whether the run matches, and its verdict, per loss (rows, in sweep order) and
+    gather × layout (columns ``(gather, devices, batch_size)``) of the multi-device runs."""
+    runs = table[table["devices"] > 1]
     index = list(dict.fromkeys(runs["loss"]))
     keys = zip(runs["gather"], runs["devices"], runs["batch_size"], strict=True)
     columns = list(dict.fromkeys(keys))
     diff = pd.DataFrame(float("nan"), index=index, columns=pd.MultiIndex.from_tuples(columns))
     matches = pd.DataFrame(False, index=index, columns=diff.columns)
+    verdicts = pd.DataFrame(None, index=index, columns=diff.columns, dtype=object)
     for _, run in runs.iterrows():
         column = (run["gather"], run["devices"], run["batch_size"])
         diff.loc[run["loss"], column] = run["max_abs_loss_diff"]
         matches.loc[run["loss"], column] = bool(run["matches_reference"])
-    return diff, matches
+        verdicts.loc[run["loss"], column] = run["verdict"]
+    return diff, matches, verdicts
 
 
 def predicted_invariance(runs: pd.DataFrame) -> dict[str, bool | None]:
-    """Per loss name, whether DESIGN.md §3 predicts it layout-invariant with an exact gather (the
-    ``layout_invariant`` attribute of its class), None when the class does not say."""
+    """Per loss name, whether its class predicts it layout-invariant with an exact gather
+    (``layout_invariant``, docs/design.md §3, recorded in each run's summary), None when the class
+    does not say."""
     predicted = {}
-    for loss, config in zip(runs["loss"], runs["config"], strict=True):
-        target = config.get("loss", {}).get("_target_")
-        loss_class = hydra.utils.get_class(target) if target else None
-        predicted[loss] = getattr(loss_class, "layout_invariant", None)
+    for loss, invariant in zip(runs["loss"], runs["loss_layout_invariant"], strict=True):
+        predicted[loss] = None if pd.isna(invariant) else bool(invariant)
     return predicted
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table (every table the report writes comes from here)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def matrix_markdown(
     diff: pd.DataFrame,
     matches: pd.DataFrame,
+    verdicts: pd.DataFrame,
     predicted: dict[str, bool | None],
     tolerance: float | None,
     steps: int,
@@ -225,29 +239,38 @@ def matrix_markdown(
     header = ["loss", "predicted with an exact gather"] + [
         f"`{gather}` {devices} × {batch}" for gather, devices, batch in diff.columns
     ]
-    lines = [
-        f"Max |Δloss| over {steps} steps against each loss's 1-device reference; ✓ = the run "
-        f"matches it (loss at every step and final parameters within "
-        f"{tolerance if tolerance is not None else 'the tolerance of its precision'}).",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-    ]
+    rows = []
     for loss in diff.index:
         cells = [
-            "" if pd.isna(value) else f"{'✓' if match else '✗'} {value:.2g}"
-            for value, match in zip(diff.loc[loss], matches.loc[loss], strict=True)
+            _matrix_cell(value, match, verdict)
+            for value, match, verdict in zip(
+                diff.loc[loss], matches.loc[loss], verdicts.loc[loss], strict=True
+            )
         ]
-        lines.append("| " + " | ".join([f"`{loss}`", names[predicted.get(loss)], *cells]) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append([f"`{loss}`", names[predicted.get(loss)], *cells])
+    intro = (
+        f"Max |Δloss| over {steps} steps against each loss's 1-device reference; ✓ = the run "
+        f"matches it (loss at every step and final parameters within "
+        f"{tolerance if tolerance is not None else 'the tolerance of its precision'})."
+    )
+    return f"{intro}\n\n{markdown_table(header, rows)}\n"
+
+
+def _matrix_cell(value: float, match: bool, verdict: str | None) -> str:
+    if not pd.isna(value):
+        return f"{'✓' if match else '✗'} {value:.2g}"
+    return verdict or ""  # a run without a number says why: failed, unreadable, not comparable
 
 
 def verdict(table: pd.DataFrame) -> str:
     """The comparison as a short text table: run, devices × batch, max |Δloss|, verdict (and,
     for a run that failed or could not be compared, why)."""
     extra = table.attrs.get("override_columns", [])
-    varying = [c for c in ("loss", *extra) if table[c].nunique(dropna=False) > 1]
-    shown = [*varying, "gather", "layout"]
+    keys = [
+        c for c in (*KEY_COLUMNS, *extra) if c in table and c not in (*NAMING_KEYS, *DERIVED_KEYS)
+    ]
+    varying = [c for c in keys if table[c].nunique(dropna=False) > 1]
+    shown = [*varying, *NAMING_KEYS]
     names = [
         f"{run['run_dir']}: " + " ".join("-" if pd.isna(run[c]) else str(run[c]) for c in shown)
         for _, run in table.iterrows()
@@ -268,29 +291,43 @@ def verdict(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-class ReportOnMultirunEnd(Callback):
-    """Hydra callback: when a multirun ends, compare its runs and write the report."""
+def write_audit(table: pd.DataFrame, out: str | Path) -> None:
+    """The audit's table (``audit.csv``, written by the audit job) as ``audit.md`` and the figure
+    ``audit.png`` / ``audit.pdf`` in ``out``."""
+    out = Path(out)
+    (out / "audit.md").write_text(audit_markdown(table))
+    plotting.save(plotting.audit_figure(table, CLASSES), out / "audit")
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        try:
-            table = write_report(sweep_dir)
-        except FileNotFoundError as error:
-            log.error("no report: %s", error)
-            return
-        log.info("comparison of %d runs:\n%s", len(table), verdict(table))
-        log.info("figure: %s", sweep_dir / f"{FIGURE}.png")
-        if (sweep_dir / f"{MATRIX}.png").exists():
-            log.info("loss matrix: %s", sweep_dir / f"{MATRIX}.png")
-        logger = config.get("logger", {})
-        if logger.get("name") == "wandb":
-            tracking.log_sweep(
-                sweep_dir,
-                group=tracking.group_name(sweep_dir),
-                project=logger.project,
-                entity=logger.entity,
-                tags=list(logger.tags),
-            )
+
+def audit_markdown(table: pd.DataFrame) -> str:
+    """The audit as a Markdown table: rows gathers, columns loss × W, measured class per cell
+    (with the prediction where they differ)."""
+    losses = list(dict.fromkeys(table["loss"]))
+    columns = sorted(
+        dict.fromkeys(zip(table["loss"], table["world_size"], strict=True)),
+        key=lambda column: (losses.index(column[0]), column[1]),
+    )
+    styles = dict(zip(table["loss"], table["style"], strict=True))
+    header = ["gather"] + [
+        f"`{loss}` ({styles[loss]}) W={world_size}" for loss, world_size in columns
+    ]
+    cells = table.set_index(["gather", "loss", "world_size"])
+    rows = []
+    for gather in dict.fromkeys(table["gather"]):
+        row = [f"`{gather}`"]
+        for loss, world_size in columns:
+            measured = cells.loc[(gather, loss, world_size)]
+            cell = measured["measured"] + (" (no gradient)" if measured["norm_ratio"] == 0 else "")
+            if measured["measured"] != measured["predicted"]:
+                cell = f"⚠ {cell} (predicted {measured['predicted']})"
+            row.append(cell)
+        rows.append(row)
+    intro = (
+        "Measured class of the parameter gradient after DDP's average against the 1-device "
+        "gradient (float64); ⚠ marks a cell whose measurement differs from the gather's "
+        "prediction (docs/design.md §1), which follows it."
+    )
+    return f"{intro}\n\n{markdown_table(header, rows)}\n"
 
 
 def main(argv: list[str] | None = None) -> None:

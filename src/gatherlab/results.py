@@ -21,7 +21,7 @@ from gatherlab import runfiles
 RUN_COLUMNS = (
     "experiment", "model", "loss", "data", "optim", "gather", "layout", "launcher", "logger",
     "devices", "batch_size", "global_batch_size", "precision", "steps", "seed", "final_loss",
-    "wall_s",
+    "wall_s", "loss_layout_invariant",
 )  # fmt: skip
 
 
@@ -30,9 +30,16 @@ STATUS_COLUMNS = ("status", "error")
 
 
 def override_values(overrides: list[str]) -> dict[str, str]:
-    """``key=value`` command-line overrides as a mapping (``+``/``++`` prefixes dropped)."""
-    pairs = (override.lstrip("+").split("=", 1) for override in overrides if "=" in override)
-    return {key: value for key, value in pairs}
+    """``key=value`` command-line overrides as a mapping (``+``/``++`` prefixes dropped), read by
+    Hydra's own override parser."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return {
+        override.key_or_group: override.get_value_element_as_str()
+        for override in parsed
+        if not override.is_delete()
+    }
 
 
 def load_runs(directory: str | Path) -> pd.DataFrame:
@@ -75,6 +82,11 @@ def load_curves(run_dir: str | Path) -> pd.DataFrame:
     return pd.DataFrame(runfiles.read_curves(Path(run_dir)))
 
 
+def load_final_state(run_dir: str | Path) -> dict:
+    """A run's final weights (``final_state.pt``): parameter name → CPU tensor."""
+    return runfiles.read_final_state(Path(run_dir))
+
+
 def load_run(run_dir: str | Path) -> pd.DataFrame:
     """One run as a tidy table: one row per optimizer step (``step``, ``loss``, ``grad_norm``),
     with the run's summary fields, evaluations, overrides (``key=value`` as columns, where the key
@@ -112,7 +124,7 @@ def load_sweep(paths: str | Path | Iterable[str | Path]) -> pd.DataFrame:
 
 def load_comparison(sweep_dir: str | Path) -> pd.DataFrame:
     """The comparison table a sweep's report wrote (``python -m gatherlab.report`` makes it)."""
-    path = Path(sweep_dir) / "comparison.csv"
+    path = Path(sweep_dir) / runfiles.COMPARISON
     if not path.exists():
         raise FileNotFoundError(
             f"{path} does not exist; run python -m gatherlab.report {sweep_dir}"
@@ -123,7 +135,7 @@ def load_comparison(sweep_dir: str | Path) -> pd.DataFrame:
 def newest_sweep(root: str | Path = "multirun") -> Path:
     """The most recently finished sweep below ``root``: the directory with the newest
     ``comparison.csv``."""
-    found = sorted(Path(root).rglob("comparison.csv"), key=lambda path: path.stat().st_mtime)
+    found = sorted(Path(root).rglob(runfiles.COMPARISON), key=lambda path: path.stat().st_mtime)
     if not found:
-        raise FileNotFoundError(f"no finished sweep (no comparison.csv) below {root}")
+        raise FileNotFoundError(f"no finished sweep (no {runfiles.COMPARISON}) below {root}")
     return found[-1].parent

@@ -1,4 +1,4 @@
-"""The files every run writes into its directory (DESIGN.md §5), and how they are read back.
+"""The files every run writes into its directory (docs/design.md §5), and how they are read back.
 
 Writers (training) and readers (report, results) share this module so that file names and columns
 are defined once.
@@ -20,6 +20,9 @@ CURVES = "curves.csv"
 SUMMARY = "summary.json"
 FINAL_STATE = "final_state.pt"
 CURVE_COLUMNS = ("step", "loss", "grad_norm")
+# What a sweep's report and an audit write into their directories.
+COMPARISON = "comparison.csv"
+AUDIT = "audit.csv"
 
 
 def write_curves(run_dir: Path, rows: Iterable[Mapping[str, float]]) -> None:
@@ -42,6 +45,11 @@ def read_curves(run_dir: Path) -> dict[str, list[float]]:
             columns["loss"].append(float(row["loss"]))
             columns["grad_norm"].append(float(row["grad_norm"]))
     return columns
+
+
+def write_table(table: Any, path: Path) -> None:
+    """A pandas table as CSV, floats with 17 significant digits (they round-trip exactly)."""
+    table.to_csv(path, index=False, float_format="%.17g")
 
 
 def write_final_state(run_dir: Path, state_dict: Mapping[str, torch.Tensor]) -> None:

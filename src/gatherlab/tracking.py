@@ -13,13 +13,13 @@ A tracking failure is logged and never fails a run whose files are written.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import struct
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from gatherlab import runfiles
 
 log = logging.getLogger(__name__)
 
@@ -148,66 +148,9 @@ def log_sweep(
             media: dict[str, Any] = {
                 path.stem: wandb.Image(str(path)) for path in sorted(sweep_dir.glob("*.png"))
             }
-            comparison = sweep_dir / "comparison.csv"
+            comparison = sweep_dir / runfiles.COMPARISON
             if comparison.exists():
                 media["comparison_table"] = wandb.Table(dataframe=pd.read_csv(comparison))
             run.log(media)
     except Exception as error:
         log.warning("wandb: sweep %s not logged: %s: %s", sweep_dir, type(error).__name__, error)
-
-
-# --- reading an offline run back (tests, and users checking what will be synced) ----------------
-
-_BLOCK, _HEADER = 32768, 7  # wandb's run file is a LevelDB-style log of protobuf records
-
-
-def offline_runs(directory: str | Path) -> list[Path]:
-    """The offline wandb runs below ``directory`` (their ``offline-run-*`` folders)."""
-    return sorted(Path(directory).glob("wandb/offline-run-*"))
-
-
-def _records(path: Path) -> Iterator[Any]:
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    if data[:4] != b":W&B":
-        raise ValueError(f"{path} is not a wandb run file")
-    offset, pending = _HEADER, b""
-    while offset + _HEADER <= len(data):
-        if _BLOCK - offset % _BLOCK < _HEADER:  # a block's tail too short for a header
-            offset += _BLOCK - offset % _BLOCK
-            continue
-        _, length, kind = struct.unpack("<IHB", data[offset : offset + _HEADER])
-        chunk = data[offset + _HEADER : offset + _HEADER + length]
-        offset += _HEADER + length
-        if kind in (1, 4):  # a whole record, or the last piece of one
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending + chunk)
-            pending = b""
-            yield record
-        elif kind in (2, 3):  # first and middle pieces
-            pending += chunk
-        else:  # zero padding
-            offset += -offset % _BLOCK
-
-
-def read_offline_run(run_folder: str | Path) -> dict[str, Any]:
-    """What an offline run holds: ``name``, ``group``, ``config`` and ``history`` (one dict per
-    logged step)."""
-    (path,) = Path(run_folder).glob("run-*.wandb")
-    found: dict[str, Any] = {"name": None, "group": None, "config": {}, "history": []}
-    for record in _records(path):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            found["name"], found["group"] = record.run.display_name, record.run.run_group
-            for item in record.run.config.update:
-                found["config"][item.key] = json.loads(item.value_json)
-        elif kind == "config":
-            for item in record.config.update:
-                found["config"][item.key] = json.loads(item.value_json)
-        elif kind == "history":
-            found["history"].append(
-                {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                 for item in record.history.item}
-            )  # fmt: skip
-    return found

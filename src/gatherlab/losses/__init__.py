@@ -1,5 +1,5 @@
-"""Losses, one family per file (DESIGN.md §3); each takes ``gather`` (a name, a callable, or None)
-and its ``forward(out0, out1)`` returns the rank's scalar loss."""
+"""Losses, one family per file (docs/design.md §3); each takes ``gather`` (a name, a callable, or
+None) and its ``forward(out0, out1)`` returns the rank's scalar loss."""
 
 from gatherlab.losses.barlowtwins import BarlowTwinsGlobalLoss, BarlowTwinsLoss
 from gatherlab.losses.clip import CLIPLoss

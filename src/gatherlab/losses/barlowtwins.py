@@ -46,7 +46,8 @@ class BarlowTwinsLoss(_BarlowTwinsBase):
     standardises with the global batch's statistics.
     """
 
-    layout_invariant = False  # DESIGN.md §3: predicted with an exact gather
+    style = "global"  # how it splits over ranks (docs/design.md §1)
+    layout_invariant = False  # docs/design.md §3: predicted with an exact gather
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
         check_views(out0, out1, min_rows=2)
@@ -59,6 +60,7 @@ class BarlowTwinsGlobalLoss(_BarlowTwinsBase):
     """Barlow Twins with global statistics: both views are gathered and every rank computes the
     single-device loss of the whole global batch (global-loss style). Invariant with ``fixed``."""
 
+    style = "global"  # how it splits over ranks (docs/design.md §1)
     layout_invariant = True
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ class CLIPLoss(nn.Module):
     a parameter of the loss (t starts at log(1/temperature)), learnt with the model.
     """
 
-    layout_invariant = True  # DESIGN.md §3: predicted with an exact gather
+    style = "local"  # how it splits over ranks (docs/design.md §1)
+    layout_invariant = True  # docs/design.md §3: predicted with an exact gather
 
     def __init__(
         self,

@@ -67,7 +67,8 @@ class DCLLoss(nn.Module):
     sums every rank's gradient (``fixed``).
     """
 
-    layout_invariant = True  # DESIGN.md §3: predicted with an exact gather
+    style = "local"  # how it splits over ranks (docs/design.md §1)
+    layout_invariant = True  # docs/design.md §3: predicted with an exact gather
 
     def __init__(self, temperature: float = 0.1, gather: str | gathering.GatherFn | None = "fixed"):
         super().__init__()

@@ -45,7 +45,7 @@ def ntxent(
 
 
 class _NTXentBase(nn.Module):
-    layout_invariant = True  # DESIGN.md §3: predicted with an exact gather
+    layout_invariant = True  # docs/design.md §3: predicted with an exact gather
 
     def __init__(self, temperature: float = 0.5, gather: str | gathering.GatherFn | None = "fixed"):
         super().__init__()
@@ -63,6 +63,8 @@ class NTXentLoss(_NTXentBase):
     gather's backward returns every rank's gradient of the local slice (``fixed``).
     """
 
+    style = "local"  # how it splits over ranks (docs/design.md §1)
+
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
         check_views(out0, out1)
         out0, out1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
@@ -79,6 +81,8 @@ class NTXentGlobalLoss(_NTXentBase):
     must sum the ranks' gradients (``fixed``); one that keeps only the own slice's gradient
     (``old``) yields exactly 1/W of the single-device gradient.
     """
+
+    style = "global"  # how it splits over ranks (docs/design.md §1)
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
         check_views(out0, out1)

@@ -20,7 +20,8 @@ class TiCoLoss(nn.Module):
     same global batch, so every rank keeps the same C and the loss is invariant with ``fixed``.
     """
 
-    layout_invariant = True  # DESIGN.md §3: predicted with an exact gather
+    style = "global"  # how it splits over ranks (docs/design.md §1)
+    layout_invariant = True  # docs/design.md §3: predicted with an exact gather
 
     def __init__(
         self,

@@ -40,7 +40,8 @@ class VICRegLoss(nn.Module):
     gradient survives intact, which changes the direction of the total.
     """
 
-    layout_invariant = True  # DESIGN.md §3: predicted with an exact gather
+    style = "mixed"  # how it splits over ranks (docs/design.md §1)
+    layout_invariant = True  # docs/design.md §3: predicted with an exact gather
 
     def __init__(
         self,

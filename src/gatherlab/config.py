@@ -1,0 +1,180 @@
+"""From Hydra configs to objects: composing a job's config, expanding a sweep into its jobs, the
+options of a config group, and building the objects a config names with ``_target_``.
+
+This is the one module below the entry points that speaks Hydra. Everything it builds is a plain
+Python object (a data set, a model, a gather, a loss, an optimizer factory); the layers below it
+take those and know nothing of configs. docs/design.md §4 lists the extension points.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, InstantiationException, MissingConfigException
+from omegaconf import DictConfig, open_dict
+
+from gatherlab import gather as gathering
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONFIG_NAME = "config"
+# Config groups whose choice names a run in summary.json and comparison.csv.
+CHOICE_GROUPS = (
+    "experiment", "model", "loss", "data", "optim", "gather", "layout", "launcher", "logger",
+)  # fmt: skip
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot run; the message is one line that names the key, the
+    value and what is allowed."""
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message as one line: its first line, and its last where the first only leads
+    into the rest (ends with a colon)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[-1]}"
+    return lines[0]
+
+
+@contextmanager
+def composed() -> Iterator[None]:
+    """The context in which ``compose`` and ``job_overrides`` read gatherlab's configs; inside a
+    running Hydra app (which has its own) it adds nothing."""
+    if GlobalHydra.instance().is_initialized():
+        yield
+        return
+    with hydra.initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        yield
+
+
+def compose(overrides: Sequence[str] = ()) -> tuple[DictConfig, dict[str, str | None]]:
+    """The job config of ``overrides`` (without its ``hydra`` node) and its config group choices.
+
+    Must run inside ``composed()``. An unknown option of a group, also of a group that a
+    directory on ``hydra.searchpath`` adds to, is one line naming what is allowed.
+    """
+    try:
+        cfg = hydra.compose(CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
+    except MissingConfigException as error:
+        raise ConfigError(_unknown_option(error)) from None
+    except HydraException as error:
+        raise ConfigError(_first_line(error)) from None
+    choices = dict(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, choices
+
+
+def _unknown_option(error: MissingConfigException) -> str:
+    missing = error.missing_cfg_file or ""
+    if "/" not in missing or not error.options:
+        return _first_line(error)
+    group, _, value = missing.rpartition("/")
+    return f"{group}={value!r} is unknown; allowed: {', '.join(sorted(error.options))}"
+
+
+def job_overrides(overrides: Sequence[str], multirun: bool) -> list[list[str]]:
+    """The overrides of every job the command runs, in the order of Hydra's basic sweeper: the
+    ``hydra.sweeper.params`` of the composed config first, then the command line's, each sweep
+    expanded into a Cartesian product (the first varying slowest)."""
+    if not multirun:
+        return [list(overrides)]
+    parser = OverridesParser.create()
+    fixed = [
+        o.input_line for o in parser.parse_overrides(list(overrides)) if not o.is_sweep_override()
+    ]
+    try:
+        composed_cfg = hydra.compose(CONFIG_NAME, overrides=fixed, return_hydra_config=True)
+    except MissingConfigException as error:
+        raise ConfigError(_unknown_option(error)) from None
+    params = composed_cfg.hydra.sweeper.params or {}
+    combined = parser.parse_overrides(
+        [f"{key}={value}" for key, value in params.items()] + list(overrides)
+    )
+    by_key: dict[str, list[str]] = {}
+    for override in combined:  # a later value of a key replaces an earlier one in its place
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            by_key[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            by_key[key] = [f"{key}={override.get_value_element_as_str()}"]
+    return [list(job) for job in itertools.product(*by_key.values())]
+
+
+# --- building what a config names ----------------------------------------------------------------
+
+
+def instantiate(group: str, node: DictConfig | Mapping[str, Any], **arguments: Any) -> Any:
+    """``hydra.utils.instantiate(node, **arguments)``; a target that does not import or refuses
+    its arguments is one line naming the group and the reason."""
+    try:
+        return hydra.utils.instantiate(node, **arguments)
+    except InstantiationException as error:
+        cause = error.__cause__ or error
+        target = node.get("_target_", "?") if hasattr(node, "get") else "?"
+        raise ConfigError(f"{group} ({target}): {_first_line(cause)}") from None
+
+
+def build_dataset(cfg: DictConfig) -> Any:
+    """The data set of ``cfg.data`` (its contract: docs/design.md §4)."""
+    return instantiate("data", cfg.data.dataset)
+
+
+def build_model(cfg: DictConfig) -> torch.nn.Module:
+    """The model of ``cfg.model``, its initial weights drawn from ``cfg.seed`` (the same weights in
+    every layout)."""
+    torch.manual_seed(cfg.seed)
+    return instantiate("model", cfg.model)
+
+
+def build_gather(cfg: DictConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gather of ``cfg.gather``."""
+    return instantiate("gather", cfg.gather)
+
+
+def build_loss(cfg: DictConfig, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:
+    """The loss of ``cfg.loss``, communicating through ``gather``."""
+    return instantiate("loss", cfg.loss, gather=gather)
+
+
+def build_optimizer(cfg: DictConfig) -> Callable[..., torch.optim.Optimizer]:
+    """The optimizer factory of ``cfg.optim`` (parameters → optimizer)."""
+    return instantiate("optim", cfg.optim)
+
+
+def group_options(group: str, overrides: Sequence[str] = ()) -> list[str]:
+    """The options of a config group: the YAML files in ``conf/<group>/`` and in that folder of
+    every ``file://`` directory on the ``hydra.searchpath`` that ``overrides`` compose. Must run
+    inside ``composed()``."""
+    try:
+        cfg = hydra.compose(CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
+    except HydraException as error:
+        raise ConfigError(_first_line(error)) from None
+    folders = [CONFIG_DIR] + [
+        Path(entry.removeprefix("file://"))
+        for entry in cfg.hydra.searchpath
+        if entry.startswith("file://")
+    ]
+    return sorted({path.stem for folder in folders for path in (folder / group).glob("*.yaml")})
+
+
+def build_gathers(names: Sequence[str] | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Name → gather for each option of the ``gather`` group in ``names`` (all when None: the
+    built-in ones in the order of ``gatherlab.gather.NAMES``, then the others by name), each
+    built from its YAML file as ``overrides`` compose it. Must run inside ``composed()``."""
+    if names is None:
+        options = group_options("gather", overrides)
+        built_in = gathering.NAMES
+        names = sorted(options, key=lambda n: (built_in.index(n) if n in built_in else 99, n))
+    return {name: build_gather(compose([*overrides, f"gather={name}"])[0]) for name in names}

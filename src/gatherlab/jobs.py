@@ -1,0 +1,217 @@
+"""Running one job of a checked config: a training run (``run``) or a gradient audit
+(``run_audit``). The config was checked by ``configcheck`` before any job started; nothing here
+checks it again.
+
+A training run builds data, model, gather, loss and optimizer from the config (``config``), trains
+on the layout's ranks (``launch``), and writes its run files (docs/design.md §5) into its
+directory: ``curves.csv`` and ``final_state.pt`` from rank 0 during training, ``summary.json``
+when it ends, failed or not.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from gatherlab import config, gradients, launch, runfiles, tracking
+from gatherlab.config import ConfigError
+from gatherlab.module import ContrastiveModule, PairDataModule, ProgressLog, RunRecorder
+from gatherlab.pool import RankError
+
+log = logging.getLogger(__name__)
+
+
+class RunFailed(RuntimeError):
+    """Training stopped (a rank raised or died, a loss was not finite); the run directory holds a
+    summary with ``status: failed`` and the error."""
+
+
+def run(
+    cfg: DictConfig,
+    run_dir: Path,
+    choices: Mapping[str, str | None],
+    overrides: Sequence[str] = (),
+    group: str | None = None,
+) -> dict[str, Any]:
+    """Train the run ``cfg`` describes, write its files into ``run_dir``, return its summary.
+
+    ``group`` names the sweep the run belongs to (its wandb group with ``logger=wandb``).
+    """
+    run_dir = Path(run_dir)
+    if (run_dir / runfiles.SUMMARY).exists():
+        raise ConfigError(
+            f"run directory {run_dir} already holds a finished run; it is never overwritten"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not launch.is_rank_zero():  # under torchrun or SLURM: rank 0 holds the directory
+        return _train(cfg, run_dir, choices, overrides, group)
+    try:
+        with runfiles.claimed(run_dir):
+            return _train(cfg, run_dir, choices, overrides, group)
+    except runfiles.DirectoryInUse as error:
+        raise ConfigError(str(error)) from None
+
+
+def _train(
+    cfg: DictConfig,
+    run_dir: Path,
+    choices: Mapping[str, str | None],
+    overrides: Sequence[str],
+    group: str | None,
+) -> dict[str, Any]:
+    nodes = cfg.layout.get("nodes", 1)
+    devices = cfg.layout.devices * nodes  # ranks in all
+    dataset = config.build_dataset(cfg)
+    model = config.build_model(cfg)
+    loss = config.build_loss(cfg, config.build_gather(cfg))
+    module = ContrastiveModule(
+        model, loss, config.build_optimizer(cfg), getattr(dataset, "encode_second_view", True)
+    )
+    datamodule = PairDataModule(
+        dataset, cfg.global_batch_size, cfg.steps, seed=cfg.seed, shuffle=cfg.data.shuffle
+    )
+
+    described = {
+        **{name: choices.get(name) for name in config.CHOICE_GROUPS},
+        "devices": devices,
+        "batch_size": cfg.global_batch_size // devices,
+        "global_batch_size": cfg.global_batch_size,
+        "steps": cfg.steps,
+        "precision": cfg.precision,
+        "seed": cfg.seed,
+        # what the loss class predicts with an exact gather (docs/design.md §3), for the report
+        "loss_layout_invariant": getattr(type(loss), "layout_invariant", None),
+        "overrides": list(overrides),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "versions": runfiles.package_versions(),
+    }
+    start = time.perf_counter()
+    try:
+        launch.fit(
+            module,
+            datamodule,
+            devices=cfg.layout.devices,
+            num_nodes=nodes,
+            precision=cfg.precision,
+            steps=cfg.steps,
+            callbacks=[RunRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
+            accelerator=cfg.layout.accelerator,
+            launcher=cfg.launcher.name,
+        )
+    except Exception as error:  # whatever stopped training: recorded as a failed run
+        message = one_line(error)
+        if launch.is_rank_zero():
+            failed_step = re.search(r"at step (\d+)", message)
+            runfiles.write_summary(
+                run_dir,
+                {
+                    **described,
+                    "status": "failed",
+                    "error": message,
+                    "failed_step": int(failed_step.group(1)) if failed_step else None,
+                    "wall_s": time.perf_counter() - start,
+                },
+            )
+        raise RunFailed(f"{run_dir}: {message}") from error
+    wall_s = time.perf_counter() - start
+    if not launch.is_rank_zero():
+        return {}  # under torchrun or SLURM every rank runs this; rank 0 writes the run
+
+    curves = runfiles.read_curves(run_dir)
+    summary = {
+        **described,
+        "status": "ok",
+        "final_loss": curves["loss"][-1],
+        "wall_s": wall_s,
+        **_evaluate(dataset, model, run_dir, cfg.precision),
+    }
+    runfiles.write_summary(run_dir, summary)
+    if cfg.logger.name == "wandb":
+        tracking.log_run(
+            run_dir,
+            summary,
+            curves,
+            group=group or run_dir.name,
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            tags=list(cfg.logger.tags),
+        )
+    log.info(
+        "%s: %d steps on %d device(s), final loss %.10g, %.1f s",
+        run_dir,
+        cfg.steps,
+        devices,
+        summary["final_loss"],
+        wall_s,
+    )
+    return summary
+
+
+def one_line(error: BaseException) -> str:
+    """The error as one line: its type and the first line of its message (a rank's error keeps
+    the rank's own type and message, without the traceback)."""
+    text = [line for line in str(error).strip().splitlines() if line.strip()]
+    if isinstance(error, RankError):
+        return text[0]
+    rank = getattr(error, "error_index", None)  # a ddp_spawn rank (torch.multiprocessing)
+    if rank is not None:
+        if getattr(error, "exit_code", None) is not None:
+            signal = getattr(error, "signal_name", None)
+            how = f"signal {signal}" if signal else f"code {error.exit_code}"
+            return f"rank {rank}: process exited with {how}"
+        return f"rank {rank}: {text[-1] if text else type(error).__name__}"  # its last line
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, precision: str) -> dict[str, float]:
+    """The data set's evaluation of the trained model (``evaluate``), if it has one: the final
+    weights are read back, so it sees what any launcher trained."""
+    evaluate = getattr(dataset, "evaluate", None)
+    if evaluate is None:
+        return {}
+    model = model.to(torch.float64 if precision == "64-true" else torch.float32)
+    model.load_state_dict(runfiles.read_final_state(run_dir))
+    return evaluate(model)
+
+
+# --- the gradient audit ------------------------------------------------------------------------
+
+
+def run_audit(
+    cfg: DictConfig, out: Path, gathers: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]
+) -> pd.DataFrame:
+    """The audit a checked ``experiment=gather_audit`` config describes, for ``gathers`` (name →
+    gather); writes ``audit.csv`` into ``out`` and returns the table."""
+    out = Path(out)
+    if (out / runfiles.AUDIT).exists():
+        raise ConfigError(f"{out} already holds an audit; it is never overwritten")
+    dataset = config.build_dataset(cfg)
+    view0, view1 = gradients.first_global_batch(
+        dataset, cfg.global_batch_size, cfg.seed, bool(cfg.data.shuffle)
+    )
+    # factories: each rank builds its own loss (with the gather under audit) and model
+    losses = {
+        name: config.instantiate("loss", spec, _partial_=True, _convert_="all")
+        for name, spec in cfg.audit.losses.items()
+    }
+    model_factory = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
+    table = gradients.audit(
+        losses,
+        model_factory,
+        view0,
+        view1,
+        gathers=gathers,
+        world_sizes=list(cfg.audit.world_sizes),
+        seed=cfg.seed,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    runfiles.write_table(table, out / runfiles.AUDIT)
+    return table

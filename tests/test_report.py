@@ -1,0 +1,58 @@
+"""The report's tables on comparison tables built by hand: every key a sweep varies names its
+rows, and a loss-matrix cell without a number says why."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from gatherlab import report
+
+
+def _table(rows: list[dict]) -> pd.DataFrame:
+    common = {
+        "experiment": "bug_demo", "model": "mlp", "loss": "ntxent", "data": "gaussian",
+        "optim": "sgd", "global_batch_size": 16, "precision": "64-true", "steps": 5, "seed": 0,
+        "error": None, "max_abs_loss_diff": 0.0, "matches_reference": True,
+    }  # fmt: skip
+    table = pd.DataFrame([{**common, **row} for row in rows])
+    table.attrs["override_columns"] = []
+    return table
+
+
+def _run(number: int, **row) -> dict:
+    layout = row.pop("layout", "cpu1")
+    devices = int(layout[-1])
+    return {"run_dir": str(number), "layout": layout, "devices": devices,
+            "batch_size": 16 // devices, **row}  # fmt: skip
+
+
+def test_the_printed_comparison_names_every_key_the_sweep_varies():
+    table = _table([
+        _run(0, gather="old", optim="sgd", verdict="reference"),
+        _run(1, gather="old", optim="adam", verdict="reference"),
+        _run(2, gather="old", optim="sgd", layout="cpu2", verdict="differs"),
+        _run(3, gather="old", optim="adam", layout="cpu2", verdict="differs"),
+    ])  # fmt: skip
+    names = [line.split()[:4] for line in report.verdict(table).splitlines()[1:]]
+    assert names == [
+        ["0:", "sgd", "old", "cpu1"],
+        ["1:", "adam", "old", "cpu1"],
+        ["2:", "sgd", "old", "cpu2"],
+        ["3:", "adam", "old", "cpu2"],
+    ]
+
+
+def test_a_failed_run_shows_as_failed_in_its_loss_matrix_cell():
+    nan = float("nan")
+    table = _table([
+        _run(0, loss="ntxent", gather="fixed", verdict="reference"),
+        _run(1, loss="ntxent", gather="fixed", layout="cpu2", verdict="matches"),
+        _run(2, loss="dcl", gather="fixed", verdict="reference"),
+        _run(3, loss="dcl", gather="fixed", layout="cpu2", verdict="failed",
+             max_abs_loss_diff=nan, matches_reference=False, error="NonFiniteLoss: ..."),
+    ])  # fmt: skip
+    diff, matches, verdicts = report.loss_matrix(table)
+    markdown = report.matrix_markdown(diff, matches, verdicts, {}, 1e-10, 5)
+    rows = {line.split("|")[1].strip(" `"): line for line in markdown.splitlines()[2:]}
+    assert rows["ntxent"].endswith("| ✓ 0 |")
+    assert rows["dcl"].endswith("| failed |")
