@@ -105,10 +105,19 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
-    slices = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(slices, tensor.contiguous())
-    return slices
+def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's tensor, concatenated along the first dimension in rank order, gathered straight
+    into one preallocated tensor (no list of slices, no concatenation)."""
+    tensor = tensor.contiguous()
+    gathered = tensor.new_empty((dist.get_world_size() * tensor.shape[0], *tensor.shape[1:]))
+    dist.all_gather_single(gathered, tensor)
+    return gathered
+
+
+def _own_rows(gathered: torch.Tensor) -> slice:
+    """This rank's rows of a gathered tensor."""
+    rows = gathered.shape[0] // dist.get_world_size()
+    return slice(dist.get_rank() * rows, (dist.get_rank() + 1) * rows)
 
 
 # The two collectives that deliver Σ_r G_r[s] to rank s in ``fixed``'s backward. NCCL's
@@ -124,17 +133,22 @@ def backward_collective() -> str:
     return "reduce_scatter" if backend in REDUCE_SCATTER_BACKENDS else "all_reduce"
 
 
-def _sum_over_ranks_of_own_slice(
-    slice_grads: tuple[torch.Tensor, ...], collective: str | None = None
-) -> torch.Tensor:
-    """Σ_r G_r[s] on rank s, where ``slice_grads`` are this rank's G_r[0], ..., G_r[W−1]."""
+def _sum_over_ranks_of_own_slice(grad: torch.Tensor, collective: str | None = None) -> torch.Tensor:
+    """Σ_r G_r[s] on rank s, where ``grad`` is this rank's G_r, the gradient of the whole gathered
+    tensor (N × …).
+
+    reduce_scatter reads ``grad`` and writes the sum straight into the own slice (no copy);
+    all_reduce sums in place, so it works on one copy of ``grad``, which autograd may share with
+    other nodes (an addition hands the same gradient to both of its inputs), and keeps a view of
+    its own rows.
+    """
     if (collective or backward_collective()) == "reduce_scatter":
-        own = torch.empty_like(slice_grads[0])
-        dist.reduce_scatter_single(own, torch.cat(slice_grads), op=dist.ReduceOp.SUM)
+        own = grad.new_empty((grad.shape[0] // dist.get_world_size(), *grad.shape[1:]))
+        dist.reduce_scatter_single(own, grad.contiguous(), op=dist.ReduceOp.SUM)
         return own
-    stacked = torch.stack(slice_grads)
-    dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
-    return stacked[dist.get_rank()]
+    summed = grad.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    return summed[_own_rows(summed)]
 
 
 class _FixedGather(torch.autograd.Function):
@@ -147,13 +161,13 @@ class _FixedGather(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, collective: str | None) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, tensor: torch.Tensor, collective: str | None) -> torch.Tensor:
         ctx.collective = collective
-        return tuple(_all_gather(tensor))
+        return _all_gather(tensor)
 
     @staticmethod
-    def backward(ctx, *slice_grads: torch.Tensor) -> tuple[torch.Tensor | None, None]:
-        return _sum_over_ranks_of_own_slice(slice_grads, ctx.collective), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        return _sum_over_ranks_of_own_slice(grad, ctx.collective), None
 
 
 class _OldGather(torch.autograd.Function):
@@ -164,12 +178,12 @@ class _OldGather(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(_all_gather(tensor))
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return _all_gather(tensor)
 
     @staticmethod
-    def backward(ctx, *slice_grads: torch.Tensor) -> torch.Tensor:
-        return slice_grads[dist.get_rank()]
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad[_own_rows(grad)]
 
 
 class _AvgGather(torch.autograd.Function):
@@ -181,12 +195,12 @@ class _AvgGather(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(_all_gather(tensor))
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return _all_gather(tensor)
 
     @staticmethod
-    def backward(ctx, *slice_grads: torch.Tensor) -> torch.Tensor:
-        return _sum_over_ranks_of_own_slice(slice_grads) / dist.get_world_size()
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _sum_over_ranks_of_own_slice(grad) / dist.get_world_size()
 
 
 EXACT = {"local": "exact", "global": "exact", "mixed": "exact"}
@@ -209,7 +223,7 @@ class Fixed(Gather):
         self.collective = collective
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.cat(_FixedGather.apply(tensor, self.collective), dim=0)
+        return _FixedGather.apply(tensor, self.collective)
 
 
 @contextlib.contextmanager
@@ -273,7 +287,7 @@ class Old(Gather):
     predicted = OWN_SLICE_ONLY
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.cat(_OldGather.apply(tensor), dim=0)
+        return _OldGather.apply(tensor)
 
 
 @register("nograd_swap")
@@ -284,9 +298,9 @@ class NogradSwap(Gather):
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            slices = _all_gather(tensor)
-        slices[dist.get_rank()] = tensor
-        return torch.cat(slices, dim=0)
+            gathered = _all_gather(tensor)
+        own = _own_rows(gathered)
+        return torch.cat([gathered[: own.start], tensor, gathered[own.stop :]], dim=0)
 
 
 @register("avg")
@@ -296,7 +310,7 @@ class Avg(Gather):
     predicted = OWN_SLICE_ONLY
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.cat(_AvgGather.apply(tensor), dim=0)
+        return _AvgGather.apply(tensor)
 
 
 @register("nograd")
@@ -312,7 +326,7 @@ class Nograd(Gather):
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return torch.cat(_all_gather(tensor), dim=0)
+            return _all_gather(tensor)
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
