@@ -319,9 +319,13 @@ def ablation_figure(
 
 
 def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
-    """Write the figure as PNG and vector PDF; return both paths."""
-    paths = [Path(f"{path_without_suffix}.png"), Path(f"{path_without_suffix}.pdf")]
-    for path in paths:
-        figure.savefig(path)
+    """Write the figure as PNG and vector PDF; return both paths.
+
+    The layout is computed once, for the PNG, and kept for the PDF: it is in figure coordinates,
+    the same for both, and computing it is most of the time a figure of many panels takes."""
+    png, pdf = Path(f"{path_without_suffix}.png"), Path(f"{path_without_suffix}.pdf")
+    figure.savefig(png)
+    figure.set_layout_engine("none")
+    figure.savefig(pdf)
     plt.close(figure)
-    return paths
+    return [png, pdf]
