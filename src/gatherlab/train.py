@@ -24,9 +24,11 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gatherlab import audit, config, configcheck, jobs, pool, report, runfiles, tracking
+from gatherlab import config, configcheck, runfiles
 from gatherlab.config import ConfigError
-from gatherlab.launch import quiet_frameworks
+
+# What a job needs (Lightning, pandas, matplotlib: seconds to import) is imported once the preflight
+# has passed, so that a bad value is answered at once.
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class Command:
     failures: list[str] = field(default_factory=list)
 
     def job(self, cfg: DictConfig) -> None:
+        from gatherlab import audit, jobs, report
+
         hydra_cfg = HydraConfig.get()
         overrides = list(hydra_cfg.overrides.task)
         number = hydra_cfg.job.num + 1 if hydra_cfg.mode == RunMode.MULTIRUN else 1
@@ -88,6 +92,8 @@ class Command:
 def sweep_group(hydra_cfg: DictConfig) -> str:
     """The name that groups a sweep's runs (in wandb): its directory, as ``date/time``; a single
     run is a group of its own."""
+    from gatherlab import tracking
+
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     return tracking.group_name(hydra_cfg.sweep.dir if multirun else hydra_cfg.runtime.output_dir)
 
@@ -96,6 +102,8 @@ class ClosePools(Callback):
     """Hydra callback: a sweep's worker pools end with the sweep."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from gatherlab import pool
+
         pool.close_pools()
 
 
@@ -103,6 +111,8 @@ class ReportOnMultirunEnd(Callback):
     """Hydra callback: when a multirun ends, compare its runs and write the report."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from gatherlab import report, tracking
+
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
             table = report.write_report(sweep_dir)
@@ -148,9 +158,10 @@ def check_resume(sweep_dir: Path, overrides: Sequence[str], multirun: bool) -> N
         planned = config.job_overrides(overrides, multirun)
     for number, job in enumerate(planned):
         summary = sweep_dir / str(number) / runfiles.SUMMARY
+        job = [o for o in job if not o.lstrip("~+").startswith("hydra.")]  # as the job records
         if summary.exists():
             recorded = runfiles.read_summary(summary.parent).get("overrides")
-            if recorded is not None and list(recorded) != list(job):
+            if recorded is not None and list(recorded) != job:
                 raise ConfigError(
                     f"job {number + 1} of {sweep_dir} ran with {' '.join(recorded)}, this command "
                     f"would run {' '.join(job)}; allowed: the command that started the sweep"
@@ -195,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"gatherlab.train: warning: {warning}", file=sys.stderr)
     if resume is not None:
         argv.append(f"hydra.sweep.dir={resume.resolve()}")
+    from gatherlab.launch import quiet_frameworks
+
     quiet_frameworks()
     app = hydra.main(
         config_path=str(config.CONFIG_DIR), config_name=config.CONFIG_NAME, version_base=None
