@@ -18,8 +18,8 @@ $(STAMP): requirements.txt pyproject.toml
 demo: $(STAMP)  ## reproduce the GatherLayer bug and its fix, print the verdict, write the figure
 	$(PY) -m gatherlab.train -m experiment=bug_demo
 
-test: $(STAMP)  ## run the test suite (real gloo process groups on the CPU)
-	$(PY) -m pytest
+test: $(STAMP)  ## run the test suite (real gloo process groups on the CPU), in 2 test processes
+	$(PY) -m pytest -n 2 --dist loadfile --durations=15
 
 figures: $(STAMP)  ## re-run every README figure's experiment and write figures/ (PNG, PDF, tables)
 	for script in experiments/bug_demo.py experiments/loss_matrix.py experiments/gather_audit.py \

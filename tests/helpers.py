@@ -1,15 +1,26 @@
-"""Helpers shared by the tests: composing real configs, running the CLI, the process table."""
+"""Helpers shared by the tests: composing real configs, running the command lines, this test
+process's descendants."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from gatherlab import config, configcheck, jobs
 
 REPO = Path(__file__).resolve().parents[1]
+# The small sweep the session shares (conftest.pr1531_sweep), and that resuming repeats.
+PR1531_SWEEP = (
+    "-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1,cpu2", "precision=64-true",
+)  # fmt: skip
 
 
 def compose(*overrides: str):
@@ -25,8 +36,35 @@ def run_training(run_dir: Path, *overrides: str) -> dict:
     return jobs.run(cfg, run_dir, choices, overrides)
 
 
+@dataclass
+class Finished:
+    """What a command did: its exit status and what it printed and logged."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_command(module: str, *args: str) -> Finished:
+    """``python -m gatherlab.<module> args`` run in this process, the way the command line runs it
+    (its ``main``, its exit status, its output), on the session's warm worker pools: the sweep
+    callback that closes the pools is left out."""
+    arguments = list(args)
+    if module == "train" and ("-m" in arguments or "--multirun" in arguments):
+        arguments.append("~hydra.callbacks.close_pools")
+    main = importlib.import_module(f"gatherlab.{module}").main
+    stdout, stderr, returncode = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            main(arguments)
+        except SystemExit as exit:
+            returncode = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+    return Finished(returncode, stdout.getvalue(), stderr.getvalue())
+
+
 def gatherlab_command(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m gatherlab.<module> args`` in the repository, as a user runs it."""
+    """``python -m gatherlab.<module> args`` in a fresh interpreter in the repository, as a user
+    runs it; for what only a new process shows (see each caller's docstring)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
         [sys.executable, "-m", f"gatherlab.{module}", *args],
@@ -38,17 +76,19 @@ def gatherlab_command(module: str, *args: str, timeout: float = 300) -> subproce
     )
 
 
-def gatherlab_processes() -> dict[int, str]:
-    """Live processes that run gatherlab code or spawned workers (pid → command line), other than
-    this test process."""
+def descendants() -> dict[int, str]:
+    """The live processes this test process started, directly or not (pid → command line); not
+    multiprocessing's own helpers (its resource tracker, and the fork server the worker pools are
+    forked from), which live as long as this process and end with it."""
+    from multiprocessing import forkserver, resource_tracker
+
+    helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
     found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
+    for child in psutil.Process().children(recursive=True):
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
+            if child.pid in helpers or child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            found[child.pid] = " ".join(child.cmdline())
+        except psutil.Error:  # it ended meanwhile
             continue
-        if "gatherlab" in cmdline or "multiprocessing.spawn" in cmdline:
-            found[int(entry.name)] = cmdline
     return found

@@ -9,6 +9,8 @@ from helpers import compose
 
 from gatherlab import audit, gather, gradients
 
+pytestmark = pytest.mark.slow
+
 # The measured class of every cell, stated independently of the gathers' declared predictions. It
 # agrees with them (docs/design.md §1) except for `nograd` on the global-loss style: there every
 # use of the embeddings goes through the no-grad gather, so no gradient reaches the parameters at

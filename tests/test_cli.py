@@ -2,21 +2,37 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pandas as pd
 import pytest
-from helpers import gatherlab_command
+from helpers import gatherlab_command, run_command
 
 from gatherlab import report
 
 
 @pytest.mark.slow
-def test_multirun_writes_runs_and_comparison(tmp_path, no_leftover_processes):
+def test_the_command_line_runs_a_sweep_and_its_report(tmp_path, no_leftover_processes):
+    """A fresh interpreter, as a user starts it: the module's ``__main__``, Hydra's own
+    command-line handling and logging, and the report at the end of the sweep. One device, so that
+    it needs no worker processes (the tests below run sweeps on ranks, in this process)."""
     sweep = tmp_path / "sweep"
     result = gatherlab_command(
-        "train", "-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1,cpu2",
-        "precision=64-true", f"hydra.sweep.dir={sweep}",
+        "train", "-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1",
+        "steps=3", f"hydra.sweep.dir={sweep}",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "job 2/2: experiment=lightly_pr1531 gather=fixed layout=cpu1 steps=3" in output
+    assert "comparison of 2 runs" in output
+    table = pd.read_csv(sweep / report.COMPARISON)
+    assert list(table["verdict"]) == ["reference", "matches"]
+    assert (sweep / "comparison.png").stat().st_size > 0
+    assert (sweep / "0" / ".hydra" / "overrides.yaml").exists()
+
+
+def test_multirun_writes_runs_and_comparison(pr1531_sweep):
+    sweep, result = pr1531_sweep
     for job in range(4):
         assert {"curves.csv", "summary.json", "final_state.pt"} <= {
             p.name for p in (sweep / str(job)).iterdir()
@@ -39,8 +55,15 @@ def test_multirun_writes_runs_and_comparison(tmp_path, no_leftover_processes):
     for job, overrides in enumerate(["gather=old layout=cpu1", "gather=old layout=cpu2"], start=1):
         assert f"job {job}/4: experiment=lightly_pr1531 {overrides}" in output
 
-    rerun = gatherlab_command("report", str(sweep))
+
+def test_the_report_command_rebuilds_the_same_table(pr1531_sweep, tmp_path):
+    sweep = tmp_path / "sweep"
+    shutil.copytree(pr1531_sweep[0], sweep)
+    table = pd.read_csv(sweep / report.COMPARISON)
+    (sweep / report.COMPARISON).unlink()
+    rerun = run_command("report", str(sweep))
     assert rerun.returncode == 0, rerun.stderr
+    assert "(reference)" in rerun.stdout
     assert pd.read_csv(sweep / report.COMPARISON).equals(table)
 
 
@@ -50,6 +73,16 @@ def _one_error_line(result, expected: str) -> None:
     assert len(lines) == 1, result.stderr
     assert expected in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_a_bad_value_in_a_sweep_stops_a_fresh_command_in_one_line(tmp_path, no_leftover_processes):
+    """A fresh interpreter: the one-line contract is about what a user's terminal shows, exit
+    status 2 included, with nothing written and no process started."""
+    result = gatherlab_command(
+        "train", "-m", "optim.lr=0.1,-1", "layout=cpu2", f"hydra.sweep.dir={tmp_path}/s"
+    )
+    _one_error_line(result, "optim (torch.optim.SGD): Invalid learning rate: -1")
+    assert not any(tmp_path.iterdir()), "nothing may be written before the checks pass"
 
 
 @pytest.mark.parametrize(
@@ -62,20 +95,16 @@ def _one_error_line(result, expected: str) -> None:
         ),
         (["-m", "gather=fixed,nope", "layout=cpu2"], "gather='nope' is unknown"),
         (["-m", "layout=cpu1,cpu4", "global_batch_size=6"], "global_batch_size=6 does not divide"),
-        (
-            ["-m", "optim.lr=0.1,-1", "layout=cpu2"],
-            "optim (torch.optim.SGD): Invalid learning rate",
-        ),
+        (["-m", "loss.temperature=0.5,0"], "temperature must be a positive number, got 0"),
     ],
 )
 def test_bad_training_input_fails_in_one_line(tmp_path, args, expected, no_leftover_processes):
-    result = gatherlab_command(
+    result = run_command(
         "train", *args, f"hydra.sweep.dir={tmp_path}/s", f"hydra.run.dir={tmp_path}/r"
     )
     _one_error_line(result, expected)
     assert not any(tmp_path.iterdir()), "nothing may be written before the checks pass"
 
 
-def test_report_of_missing_sweep_fails_in_one_line(tmp_path, no_leftover_processes):
-    result = gatherlab_command("report", str(tmp_path / "missing"))
-    _one_error_line(result, "does not exist")
+def test_report_of_missing_sweep_fails_in_one_line(tmp_path):
+    _one_error_line(run_command("report", str(tmp_path / "missing")), "does not exist")

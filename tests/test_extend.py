@@ -10,9 +10,9 @@ import textwrap
 
 import pandas as pd
 import pytest
-from helpers import REPO
+from helpers import REPO, run_command
 
-from gatherlab import audit, train
+pytestmark = pytest.mark.slow
 
 FILES = {
     # a loss that every rank computes in full on the gathered batch (global-loss style)
@@ -149,11 +149,12 @@ def test_a_sweep_with_the_new_loss_gather_data_and_model(extension, tmp_path):
     _, searchpath = extension
     before = _repository_state()
     sweep = tmp_path / "sweep"
-    train.main([
-        "-m", searchpath, "model=tanh", "data=rings", "loss=ntxent,align_uniform",
+    result = run_command(
+        "train", "-m", searchpath, "model=tanh", "data=rings", "loss=ntxent,align_uniform",
         "gather=padded_sum,old", "layout=cpu1,cpu2", "global_batch_size=16", "steps=8",
         "optim.lr=0.1", f"hydra.sweep.dir={sweep}",
-    ])  # fmt: skip
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
     table = pd.read_csv(sweep / "comparison.csv")
     verdicts = {(r.loss, r.gather, r.devices): r.verdict for r in table.itertuples()}
     for loss in ("ntxent", "align_uniform"):
@@ -169,10 +170,11 @@ def test_a_sweep_with_the_new_loss_gather_data_and_model(extension, tmp_path):
 
 def test_the_audit_measures_the_new_gather_against_its_prediction(extension, tmp_path):
     _, searchpath = extension
-    audit.main([
-        "--out", str(tmp_path / "audit"), searchpath, "audit.world_sizes=[2]",
+    result = run_command(
+        "audit", "--out", str(tmp_path / "audit"), searchpath, "audit.world_sizes=[2]",
         "+loss@audit.losses.align_uniform=align_uniform",
-    ])  # fmt: skip
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
     table = pd.read_csv(tmp_path / "audit" / "audit.csv")
     mine = table[table.gather == "padded_sum"]
     assert set(mine["loss"]) == {"ntxent", "ntxent_global", "vicreg", "align_uniform"}

@@ -5,81 +5,73 @@ from __future__ import annotations
 
 import time
 
-import hydra
+import psutil
 import pytest
+import ranks
 import torch
-import torch.distributed as dist
-from helpers import compose, gatherlab_processes, run_training
+from helpers import descendants, run_training
 
-from gatherlab import launch, runfiles
 from gatherlab import pool as pools
-from gatherlab.losses import NTXentLoss
-from gatherlab.module import ContrastiveModule, PairDataModule, RunRecorder
-
-
-def _rank_and_sum() -> tuple[int, float]:
-    tensor = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(tensor)
-    return dist.get_rank(), float(tensor)
-
-
-def _fail_on_rank_one() -> None:
-    if dist.get_rank() == 1:
-        raise ValueError("rank one refuses")
-    dist.barrier()  # rank 0 waits here for a rank that will never come
-
-
-def _exit_on_rank_one() -> None:
-    if dist.get_rank() == 1:
-        import os
-
-        os._exit(3)
-    dist.barrier()
+from gatherlab import runfiles
 
 
 def test_pool_runs_functions_on_every_rank_of_one_group():
-    assert pools.pool(2).run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]
-    assert pools.pool(4).run(_rank_and_sum) == [(r, 10.0) for r in range(4)]
+    assert pools.pool(2).run(ranks.rank_and_sum) == [(0, 3.0), (1, 3.0)]
+    assert pools.pool(4).run(ranks.rank_and_sum) == [(r, 10.0) for r in range(4)]
 
 
+# The failure tests break pools of 3 ranks of their own, so that the session's pools, which the
+# other tests use, stay warm.
 @pytest.mark.parametrize(
     ("function", "message"),
     [
-        (_fail_on_rank_one, "rank 1: ValueError: rank one refuses"),
-        (_exit_on_rank_one, "rank 1: process exited with code 3"),
+        (ranks.fail_on_rank_one, "rank 1: ValueError: rank one refuses"),
+        (ranks.exit_on_rank_one, "rank 1: process exited with code 3"),
     ],
 )
-def test_failing_rank_ends_the_job_quickly_and_the_pool_is_rebuilt(function, message):
-    broken = pools.pool(2)
-    pids = broken.pids
+def test_failing_rank_ends_the_job_quickly_and_the_pool_is_closed(function, message):
+    broken = pools.WorkerPool(3)
+    workers = [psutil.Process(pid) for pid in broken.pids]
     start = time.monotonic()
     with pytest.raises(pools.RankError, match=message):
         broken.run(function)
     # Far below the collective timeout that the waiting rank would otherwise sit in.
     assert time.monotonic() - start < pools.COLLECTIVE_TIMEOUT.total_seconds() / 4
     assert not broken.alive
-    assert not set(pids) & set(gatherlab_processes()), "the failed pool's workers must be gone"
-    assert pools.pool(2).run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]
-    assert pools.pool(2) is not broken
+    assert not any(worker.is_running() for worker in workers), "the failed pool's workers must go"
 
 
-def test_closed_pools_leave_no_process():
-    pids = pools.pool(2).pids + pools.pool(4).pids
-    assert set(pids) <= set(gatherlab_processes())
-    pools.close_pools()
-    assert not set(pids) & set(gatherlab_processes())
+def test_a_failed_pool_is_started_again_on_next_use():
+    broken = pools.pool(3)
+    with pytest.raises(pools.RankError):
+        broken.run(ranks.fail_on_rank_one)
+    try:
+        assert pools.pool(3).run(ranks.rank_and_sum) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+        assert pools.pool(3) is not broken
+    finally:
+        pools._pools.pop(3).close()
 
 
+def test_a_closed_pool_leaves_no_process():
+    pool = pools.WorkerPool(2)
+    workers = [psutil.Process(pid) for pid in pool.pids]
+    assert set(pool.pids) <= set(descendants())
+    pool.close()
+    assert not any(worker.is_running() for worker in workers)
+    assert not set(pool.pids) & set(descendants())
+
+
+# Each spawn run starts a fresh interpreter per rank that imports Lightning (about 10 s here):
+# one case, run in the pool after other jobs have used the group.
 ISOLATION_CASES = {
     "bug_demo_old_cpu2": ["experiment=bug_demo", "steps=15", "gather=old", "layout=cpu2"],
-    "bug_demo_fixed_cpu4": ["experiment=bug_demo", "steps=15", "gather=fixed", "layout=cpu4"],
-    "pr1531_fixed_cpu2": ["experiment=lightly_pr1531", "gather=fixed", "layout=cpu2"],
 }
 
 
 @pytest.mark.slow
 def test_pool_jobs_after_other_jobs_equal_fresh_spawn_runs_bit_for_bit(tmp_path):
-    """Each case runs in the pool after the others (in a used group) and alone with ``spawn``."""
+    """Each case runs in the pool after other jobs (in a used group) and alone with ``spawn``."""
+    run_training(tmp_path / "before", "experiment=lightly_pr1531", "layout=cpu2")
     for name, overrides in ISOLATION_CASES.items():
         run_training(tmp_path / f"{name}_pool", *overrides, "launcher=pool")
     for name, overrides in ISOLATION_CASES.items():
@@ -95,36 +87,3 @@ def test_pool_jobs_after_other_jobs_equal_fresh_spawn_runs_bit_for_bit(tmp_path)
         assert pooled_state.keys() == spawned_state.keys()
         for key in pooled_state:
             assert torch.equal(pooled_state[key], spawned_state[key]), (name, key)
-
-
-class _FailingLoss(torch.nn.Module):
-    """NT-Xent that raises on rank 1 at its third step (rank 0 then waits in a collective)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-        self.inner = NTXentLoss()
-
-    def forward(self, out0, out1):
-        self.calls += 1
-        if dist.get_rank() == 1 and self.calls == 3:
-            raise FloatingPointError("loss exploded on purpose")
-        return self.inner(out0, out1)
-
-
-@pytest.mark.slow
-def test_rank_error_inside_training_reaches_the_main_process(tmp_path):
-    cfg, _ = compose("experiment=bug_demo", "layout=cpu2", "steps=5")
-    dataset = hydra.utils.instantiate(cfg.data.dataset)
-    model = hydra.utils.instantiate(cfg.model)
-    module = ContrastiveModule(model, _FailingLoss(), hydra.utils.instantiate(cfg.optim))
-    datamodule = PairDataModule(dataset, cfg.global_batch_size, cfg.steps, seed=0, shuffle=True)
-    start = time.monotonic()
-    with pytest.raises(
-        pools.RankError, match="rank 1: FloatingPointError: loss exploded on purpose"
-    ):
-        launch.fit(module, datamodule, 2, cfg.precision, cfg.steps, [RunRecorder(tmp_path)])
-    assert time.monotonic() - start < pools.COLLECTIVE_TIMEOUT.total_seconds() / 4
-    assert not (tmp_path / runfiles.CURVES).exists()
-    run_training(tmp_path / "next", "experiment=bug_demo", "layout=cpu2", "steps=3")
-    assert len(runfiles.read_curves(tmp_path / "next")["loss"]) == 3

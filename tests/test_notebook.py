@@ -1,11 +1,12 @@
-"""notebooks/analysis.ipynb runs end to end against a small sweep run first (as CI does): every
-cell executes, the verdict and the figures come out."""
+"""notebooks/analysis.ipynb runs end to end against the session's small sweep (as CI does): every
+cell executes, the verdict and the figures come out. The notebook's kernel is a fresh process, as
+in Jupyter."""
 
 from __future__ import annotations
 
 import nbformat
 import pytest
-from helpers import REPO, gatherlab_command
+from helpers import REPO
 from nbclient import NotebookClient
 
 pytestmark = pytest.mark.slow
@@ -20,13 +21,8 @@ def test_notebook_is_stored_without_outputs():
 
 
 @pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    sweep = tmp_path_factory.mktemp("notebook") / "sweep"
-    result = gatherlab_command(
-        "train", "-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1,cpu2",
-        f"hydra.sweep.dir={sweep}",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+def executed(pr1531_sweep):
+    sweep, _ = pr1531_sweep  # the notebook only reads it
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     (parameters,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
     parameters.source += f"\nSWEEP_DIR = {str(sweep)!r}"

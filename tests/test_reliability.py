@@ -1,32 +1,21 @@
 """When things go wrong: bad numbers stop a run at their step, failing or killed ranks fail their
 job and the sweep goes on, the report never claims a match without evidence, interrupted sweeps
-resume, reruns are exact, and random configurations either run or fail in one line."""
+resume, and reruns are exact (random configurations: test_fuzz.py)."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 
 import pandas as pd
 import pytest
-from helpers import REPO, compose, gatherlab_processes, run_training
+from helpers import PR1531_SWEEP, run_command, run_training
 
-from gatherlab import configcheck, jobs, report, runfiles
-from gatherlab.configcheck import ConfigError
+from gatherlab import jobs, report, runfiles
 
 pytestmark = pytest.mark.slow
-
-
-def _command(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "gatherlab.train", *args],
-        cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
 
 
 # --- bad numbers --------------------------------------------------------------------------------
@@ -101,43 +90,72 @@ def test_the_report_says_why_and_draws_only_readable_runs(sweep_runs):
 # --- failing and killed ranks in a sweep --------------------------------------------------------
 
 
-@pytest.mark.parametrize("launcher", ["pool", "spawn"])
-@pytest.mark.parametrize("how", ["raise", "kill"])
-def test_a_failing_rank_fails_its_job_and_the_sweep_goes_on(tmp_path, launcher, how):
-    before = set(gatherlab_processes())
+# Per launcher: the jobs of one sweep (how rank 1 breaks × which rank breaks; rank 5 does not
+# exist, so that job trains) and the verdicts of the report. With spawn, whose every job starts
+# fresh interpreters (about 10 s here), one killed rank: a job after a failed one is the sweep's
+# own logic, the same for both launchers, and how a raising spawned rank is reported is checked
+# on torch's own exception below.
+FAILING_SWEEPS = {
+    "pool": (["+loss.how=raise,kill", "+loss.rank=1,5"], ["failed", "no reference"] * 2),
+    "spawn": (["+loss.how=kill", "+loss.rank=1"], ["failed"]),
+}
+
+
+@pytest.mark.parametrize("launcher", FAILING_SWEEPS)
+def test_failing_ranks_fail_their_jobs_and_the_sweep_goes_on(
+    tmp_path, launcher, no_leftover_processes
+):
+    """Rank 1 raises, or its process is killed, at step 2: the job ends quickly with the rank's
+    error, recorded as failed, and the sweep goes on with its next job (on a new pool)."""
+    sweep, verdicts = FAILING_SWEEPS[launcher]
     start = time.monotonic()
-    result = _command(  # job 1 breaks rank 1 at step 2; job 2 names a rank that does not exist
-        "-m", "loss._target_=faulty.RankFault", f"+loss.how={how}", "+loss.rank=1,5",
-        "layout=cpu2", f"launcher={launcher}", "steps=4", f"hydra.sweep.dir={tmp_path}",
+    result = run_command(
+        "train", "-m", "loss._target_=faulty.RankFault", *sweep, "layout=cpu2",
+        f"launcher={launcher}", "steps=4", f"hydra.sweep.dir={tmp_path}",
     )  # fmt: skip
     elapsed = time.monotonic() - start
     assert result.returncode == 1, result.stderr[-2000:]
-    assert "gatherlab.train: error: 1 of 2 job(s) failed" in result.stderr
-    failed, ok = (runfiles.read_summary(tmp_path / job) for job in ("0", "1"))
-    # rank 1 breaks; rank 0, left in a collective, may report its broken connection first
-    assert failed["status"] == "failed" and re.match(r"rank [01]: ", failed["error"])
-    assert ok["status"] == "ok"
+    failures = verdicts.count("failed")
+    assert f"gatherlab.train: error: {failures} of {len(verdicts)} job(s) failed" in result.stderr
     table = pd.read_csv(tmp_path / report.COMPARISON)
-    assert list(table["verdict"]) == ["failed", "no reference"]
-    assert elapsed < 120  # far below two collective timeouts
-    assert set(gatherlab_processes()) <= before
+    assert list(table["verdict"]) == verdicts
+    for run_dir in table[table["verdict"] == "failed"]["run_dir"]:
+        failed = runfiles.read_summary(tmp_path / str(run_dir))
+        # rank 1 breaks; rank 0, left in a collective, may report its broken connection first
+        assert re.match(r"rank [01]: ", failed["error"]), failed["error"]
+    assert elapsed < 60 * failures  # each failure far below the 60 s collective timeout
+
+
+def test_a_spawned_rank_that_raises_or_dies_is_reported_in_one_line():
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    raised = ProcessRaisedException(
+        "\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call last):"
+        "\n  ...\nValueError: fault injected on rank 1\n",
+        error_index=1,
+        error_pid=4321,
+    )
+    assert jobs.one_line(raised) == "rank 1: ValueError: fault injected on rank 1"
+    died = ProcessExitedException(
+        "process 1 terminated with signal SIGKILL", error_index=1, error_pid=4321,
+        exit_code=-9, signal_name="SIGKILL",
+    )  # fmt: skip
+    assert jobs.one_line(died) == "rank 1: process exited with signal SIGKILL"
 
 
 # --- interrupted sweeps -------------------------------------------------------------------------
 
-SWEEP = ("-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1,cpu2")
 
-
-def test_resume_runs_only_the_incomplete_jobs_and_rebuilds_the_report(tmp_path):
+def test_resume_runs_only_the_incomplete_jobs_and_rebuilds_the_report(pr1531_sweep, tmp_path):
     sweep = tmp_path / "sweep"
-    assert _command(*SWEEP, f"hydra.sweep.dir={sweep}").returncode == 0
+    shutil.copytree(pr1531_sweep[0], sweep)
     # interrupted: job 3 never wrote its summary, job 4 failed
     (sweep / "2" / runfiles.SUMMARY).unlink()
     failed = runfiles.read_summary(sweep / "3") | {"status": "failed", "error": "killed"}
     runfiles.write_summary(sweep / "3", failed)
     untouched = {job: (sweep / job / runfiles.CURVES).stat().st_mtime_ns for job in ("0", "1")}
     report_before = (sweep / report.COMPARISON).stat().st_mtime_ns
-    result = _command(*SWEEP, f"+resume={sweep}")
+    result = run_command("train", *PR1531_SWEEP, f"+resume={sweep}")
     assert result.returncode == 0, result.stderr[-2000:]
     output = result.stdout + result.stderr
     assert "job 1: complete" in output and "job 2: complete" in output
@@ -152,49 +170,44 @@ def test_resume_runs_only_the_incomplete_jobs_and_rebuilds_the_report(tmp_path):
     ]  # fmt: skip
 
 
-def test_resume_refuses_another_command(tmp_path):
-    sweep = tmp_path / "sweep"
-    assert _command(*SWEEP, f"hydra.sweep.dir={sweep}").returncode == 0
-    result = _command("-m", "experiment=lightly_pr1531", "gather=fixed", "layout=cpu1,cpu2",
-                      f"+resume={sweep}")  # fmt: skip
+def test_resume_refuses_another_command(pr1531_sweep):
+    sweep, _ = pr1531_sweep
+    other = [o.replace("gather=old,fixed", "gather=fixed") for o in PR1531_SWEEP]
+    result = run_command("train", *other, f"+resume={sweep}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"gatherlab.train: error: job 1 of {sweep} ran with experiment=lightly_pr1531 gather=old "
-        "layout=cpu1, this command would run experiment=lightly_pr1531 gather=fixed layout=cpu1; "
-        "allowed: the command that started the sweep"
+        "layout=cpu1 precision=64-true, this command would run experiment=lightly_pr1531 "
+        "gather=fixed layout=cpu1 precision=64-true; allowed: the command that started the sweep"
     ]
 
 
 # --- run directories never collide --------------------------------------------------------------
 
 
-def _start(*args: str) -> subprocess.Popen:
-    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "gatherlab.train", *args], cwd=REPO, env=environment,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
-def test_runs_started_together_get_their_own_directories(tmp_path):
+def test_runs_started_one_after_the_other_get_their_own_directories(tmp_path):
     pattern = f"hydra.run.dir={tmp_path}/${{now:%H-%M-%S-%f}}"
-    processes = [_start("steps=2", pattern) for _ in range(3)]
-    assert [p.wait(timeout=300) for p in processes] == [0, 0, 0]
-    runs = runfiles.find_runs(tmp_path)
-    assert len(runs) == 3  # three directories, each with its own finished run
+    for _ in range(2):
+        assert run_command("train", "steps=2", pattern).returncode == 0
+    assert len(runfiles.find_runs(tmp_path)) == 2  # named to the microsecond: one each
 
 
-def test_two_runs_in_one_directory_never_mix(tmp_path):
-    processes = [_start("steps=20", f"hydra.run.dir={tmp_path / 'same'}") for _ in range(2)]
-    codes = sorted(p.wait(timeout=300) for p in processes)
-    errors = [p.stderr.read() for p in processes]
-    assert codes == [0, 1]
-    assert any(
-        "is in use by process" in error or "already holds a finished run" in error
-        for error in errors
-    )
-    assert runfiles.read_summary(tmp_path / "same")["status"] == "ok"
-    assert not (tmp_path / "same" / runfiles.LOCK).exists()
+def test_a_directory_held_by_a_live_process_is_refused_in_one_line(tmp_path):
+    """Two runs started together in one directory: the one that holds it (here this process)
+    keeps it, the other stops with one line; the lock is the process id, so it holds between
+    processes as within one."""
+    held = tmp_path / "held"
+    held.mkdir()
+    with runfiles.claimed(held):  # this process writes a run there
+        result = run_command("train", "steps=2", f"hydra.run.dir={held}")
+    assert result.returncode == 1
+    assert f"run directory {held} is in use by process {os.getpid()}" in result.stderr
+    assert not (held / runfiles.SUMMARY).exists() and not (held / runfiles.LOCK).exists()
+    finished = run_command("train", "steps=2", f"hydra.run.dir={held}")
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    again = run_command("train", "steps=2", f"hydra.run.dir={held}")
+    assert again.returncode == 1 and "already holds a finished run" in again.stderr
+    assert runfiles.read_summary(held)["status"] == "ok"
 
 
 # --- exact reruns -------------------------------------------------------------------------------
@@ -210,97 +223,3 @@ def test_the_same_config_twice_gives_the_same_bytes(tmp_path, layout):
     assert summary["config"]["layout"]["devices"] == int(layout[-1])
     assert {"torch", "lightning", "hydra-core", "python"} <= set(summary["versions"])
     assert summary["versions"]["torch"].startswith("2.13.0")
-
-
-# --- fuzzing the config surface -----------------------------------------------------------------
-
-EXACT_GATHERS = {"fixed", "torch_nn", "functional", "lightning"}
-INVARIANT_LOSSES = {"ntxent", "ntxent_global", "dcl", "dclw_global", "barlowtwins_global",
-                    "vicreg", "tico", "clip"}  # fmt: skip
-VALID = {
-    "loss": ["ntxent", "ntxent_global", "dcl", "dclw", "barlowtwins", "vicreg", "tico", "clip"],
-    "gather": ["fixed", "old", "torch_nn", "functional", "avg", "nograd_swap", "nograd"],
-    "layout": ["cpu1", "cpu2", "cpu4"],
-    "global_batch_size": ["8", "16"],
-    "steps": ["1", "2"],
-    "precision": ["64-true", "32-true"],
-    "seed": ["0", "7"],
-}
-INVALID = {
-    "loss": ["infonce"],
-    "gather": ["nope"],
-    "layout": ["cpu3"],
-    "global_batch_size": ["6", "0", "-4", "1000", "many"],
-    "steps": ["0", "-1"],
-    "precision": ["16-mixed"],
-    "seed": ["-1"],
-}
-
-
-def _overrides(draw_value, broken: str | None) -> dict[str, str]:
-    return {key: draw_value(INVALID[key] if key == broken else VALID[key]) for key in VALID}
-
-
-@pytest.fixture(scope="module")
-def fuzz_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("fuzz")
-
-
-def _alarm(signum, frame):
-    raise TimeoutError("a fuzzed configuration hung")
-
-
-def test_random_configurations_run_or_fail_in_one_line(fuzz_root):
-    import itertools
-    import signal
-
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
-    counter = itertools.count()
-    seen = {"ran": 0, "refused": 0, "failed": 0, "compared": 0}
-
-    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(st.data(), st.sampled_from([None] * 7 + list(VALID)))  # at most one key broken
-    def check(data, broken):
-        drawn = _overrides(lambda values: data.draw(st.sampled_from(values)), broken)
-        overrides = [f"{key}={value}" for key, value in drawn.items()]
-        run_dir = fuzz_root / str(next(counter))
-        signal.signal(signal.SIGALRM, _alarm)
-        signal.alarm(120)
-        try:
-            try:
-                cfg, choices = compose(*overrides)
-                configcheck.check(cfg)
-            except ConfigError as error:  # refused before anything starts, in one line
-                message = str(error)
-                assert "\n" not in message and "allowed" in message, message
-                assert any(value in message for value in drawn.values()), (message, drawn)
-                seen["refused"] += 1
-                return
-            try:
-                jobs.run(cfg, run_dir, choices, overrides)
-            except jobs.RunFailed as error:  # training stopped: one line, recorded as failed
-                assert "\n" not in str(error)
-                assert runfiles.read_summary(run_dir)["status"] == "failed"
-                seen["failed"] += 1
-                return
-            seen["ran"] += 1
-            if cfg.layout.devices == 1 or cfg.precision != "64-true":
-                return
-            reference = fuzz_root / f"{run_dir.name}-reference"
-            reference_cfg, reference_choices = compose(*overrides, "layout=cpu1")
-            jobs.run(reference_cfg, reference, reference_choices, overrides)
-            shutil.copytree(run_dir, fuzz_root / f"pair-{run_dir.name}" / "run")
-            shutil.copytree(reference, fuzz_root / f"pair-{run_dir.name}" / "reference")
-            table = report.write_report(fuzz_root / f"pair-{run_dir.name}").set_index("run_dir")
-            exact = drawn["gather"] in EXACT_GATHERS and drawn["loss"] in INVARIANT_LOSSES
-            assert table.loc["run", "verdict"] == ("matches" if exact else "differs"), drawn
-            seen["compared"] += 1
-        finally:
-            signal.alarm(0)
-
-    check()
-    print(seen)
-    assert seen["refused"] and seen["ran"], seen  # both sides of the surface were exercised

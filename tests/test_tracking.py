@@ -1,15 +1,13 @@
-"""logger=wandb, offline, as a user runs it: a 2-job multirun gives each job its own wandb run
-below its run directory with every step's loss and grad norm, and the sweep's figures in one
-more run; nothing is written outside the sweep and no wandb process outlives the command."""
+"""logger=wandb, offline, as a user runs it (in-process, on the session's pools): a 2-job multirun
+gives each job its own wandb run below its run directory with every step's loss and grad norm,
+and the sweep's figures in one more run; nothing is written outside the sweep and no wandb process
+outlives the command."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import wandb_offline
-from helpers import REPO
+from helpers import descendants, run_command
 
 from gatherlab import runfiles, tracking
 
@@ -17,34 +15,27 @@ pytestmark = pytest.mark.slow
 
 
 def _wandb_processes() -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if "wandb-core" in command or "wandb/bin" in command:
-                found.append(command)
-    return found
+    """The wandb services this test process started (wandb-core runs as a child process)."""
+    return [
+        command
+        for command in descendants().values()
+        if "wandb-core" in command or "wandb/bin" in command
+    ]
 
 
 @pytest.fixture(scope="module")
 def wandb_sweep(tmp_path_factory):
-    import subprocess
-    import sys
-
     root = tmp_path_factory.mktemp("wandb")
     home = root / "home"  # wandb's defaults would write below $HOME; nothing may land there
     home.mkdir()
-    environment = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    environment.pop("WANDB_MODE", None)  # unset: offline by default
     before = _wandb_processes()
-    result = subprocess.run(
-        [sys.executable, "-m", "gatherlab.train", "-m", "logger=wandb", "layout=cpu1,cpu2",
-         "steps=6", f"hydra.sweep.dir={root / 'sweep'}"],
-        cwd=REPO, env=environment, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", str(home))
+        patch.delenv("WANDB_MODE", raising=False)  # unset: offline by default
+        result = run_command(
+            "train", "-m", "logger=wandb", "layout=cpu1,cpu2", "steps=6",
+            f"hydra.sweep.dir={root / 'sweep'}",
+        )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return root, before
 

@@ -1,0 +1,27 @@
+"""Functions that the launcher tests run on every rank of a pool. They live apart from the tests so
+that a worker unpickling them imports torch alone, not the test module's imports (Lightning)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def rank_and_sum() -> tuple[int, float]:
+    tensor = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(tensor)
+    return dist.get_rank(), float(tensor)
+
+
+def fail_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank one refuses")
+    dist.barrier()  # rank 0 waits here for a rank that will never come
+
+
+def exit_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()
