@@ -26,8 +26,6 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from gatherlab.pool import COLLECTIVE_TIMEOUT, pool
 
-LAUNCHERS = ("pool", "spawn", "external")
-
 
 def quiet_frameworks() -> None:
     """Lightning's announcements (hardware, tips, stop reason) off and its warnings on; called by
