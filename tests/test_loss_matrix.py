@@ -13,7 +13,7 @@ import pytest
 from helpers import run_training
 from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 
-from gatherlab import config, report, runfiles
+from gatherlab import config, report, results, runfiles
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,11 @@ def test_old_on_two_ranks_breaks_every_loss(matrix_runs, loss):
 
 
 def test_the_report_writes_the_matrix_as_measured(matrix_runs):
-    table = report.write_report(matrix_runs)
+    # the comparison and its matrix; the sweep report around them (with its comparison figure)
+    # is tested on the sweeps of test_extend.py and test_cli.py
+    runs = results.load_runs(matrix_runs)
+    table, _ = report.compare(runs, matrix_runs)
+    report.write_loss_matrix(table, runs, matrix_runs)
     for name in ("loss_matrix.png", "loss_matrix.pdf", "loss_matrix.md"):
         assert (matrix_runs / name).stat().st_size > 0
     diff, matches, _ = report.loss_matrix(table)

@@ -176,19 +176,31 @@ def write_report(sweep_dir: str | Path) -> pd.DataFrame:
         raise FileNotFoundError(f"no finished run (no {runfiles.SUMMARY}) below {sweep_dir}")
     table, curves = compare(runs, sweep_dir)
     table.to_csv(sweep_dir / COMPARISON, index=False)
-    tolerances = {TOLERANCE[p] for p in table["precision"].dropna()}
-    tolerance = tolerances.pop() if len(tolerances) == 1 else None
     drawn = table[table["run_dir"].isin(curves)]  # failed and unreadable runs are not drawn
     if not drawn.empty:
-        plotting.save(plotting.comparison_figure(drawn, curves, tolerance), sweep_dir / FIGURE)
+        figure = plotting.comparison_figure(drawn, curves, common_tolerance(table))
+        plotting.save(figure, sweep_dir / FIGURE)
     if table["loss"].nunique() > 1:
-        diff, matches, verdicts = loss_matrix(table)
-        predicted = predicted_invariance(runs)
-        steps = int(table["steps"].max())
-        plotting.save(plotting.matrix_figure(diff, matches, tolerance), sweep_dir / MATRIX)
-        markdown = matrix_markdown(diff, matches, verdicts, predicted, tolerance, steps)
-        (sweep_dir / f"{MATRIX}.md").write_text(markdown)
+        write_loss_matrix(table, runs, sweep_dir)
     return table
+
+
+def common_tolerance(table: pd.DataFrame) -> float | None:
+    """The match tolerance of the table's runs, None when they mix precisions."""
+    tolerances = {TOLERANCE[p] for p in table["precision"].dropna()}
+    return tolerances.pop() if len(tolerances) == 1 else None
+
+
+def write_loss_matrix(table: pd.DataFrame, runs: pd.DataFrame, sweep_dir: str | Path) -> None:
+    """``loss_matrix.{png,pdf,md}`` of a comparison ``table`` (``runs``: ``results.load_runs``)."""
+    sweep_dir = Path(sweep_dir)
+    tolerance = common_tolerance(table)
+    diff, matches, verdicts = loss_matrix(table)
+    predicted = predicted_invariance(runs)
+    steps = int(table["steps"].max())
+    plotting.save(plotting.matrix_figure(diff, matches, tolerance), sweep_dir / MATRIX)
+    markdown = matrix_markdown(diff, matches, verdicts, predicted, tolerance, steps)
+    (sweep_dir / f"{MATRIX}.md").write_text(markdown)
 
 
 def loss_matrix(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
