@@ -64,16 +64,21 @@ def compose(overrides: Sequence[str] = ()) -> tuple[DictConfig, dict[str, str | 
     Must run inside ``composed()``. An unknown option of a group, also of a group that a
     directory on ``hydra.searchpath`` adds to, is one line naming what is allowed.
     """
-    try:
-        cfg = hydra.compose(CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
-    except MissingConfigException as error:
-        raise ConfigError(_unknown_option(error)) from None
-    except HydraException as error:
-        raise ConfigError(_first_line(error)) from None
+    cfg = _compose_with_hydra(overrides)
     choices = dict(cfg.hydra.runtime.choices)
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg, choices
+
+
+def _compose_with_hydra(overrides: Sequence[str]) -> DictConfig:
+    """The full config of ``overrides``, its ``hydra`` node included; Hydra's errors as one line."""
+    try:
+        return hydra.compose(CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
+    except MissingConfigException as error:
+        raise ConfigError(_unknown_option(error)) from None
+    except HydraException as error:
+        raise ConfigError(_first_line(error)) from None
 
 
 def _unknown_option(error: MissingConfigException) -> str:
@@ -94,11 +99,7 @@ def job_overrides(overrides: Sequence[str], multirun: bool) -> list[list[str]]:
     fixed = [
         o.input_line for o in parser.parse_overrides(list(overrides)) if not o.is_sweep_override()
     ]
-    try:
-        composed_cfg = hydra.compose(CONFIG_NAME, overrides=fixed, return_hydra_config=True)
-    except MissingConfigException as error:
-        raise ConfigError(_unknown_option(error)) from None
-    params = composed_cfg.hydra.sweeper.params or {}
+    params = _compose_with_hydra(fixed).hydra.sweeper.params or {}
     combined = parser.parse_overrides(
         [f"{key}={value}" for key, value in params.items()] + list(overrides)
     )
@@ -157,14 +158,9 @@ def group_options(group: str, overrides: Sequence[str] = ()) -> list[str]:
     """The options of a config group: the YAML files in ``conf/<group>/`` and in that folder of
     every ``file://`` directory on the ``hydra.searchpath`` that ``overrides`` compose. Must run
     inside ``composed()``."""
-    try:
-        cfg = hydra.compose(CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
-    except HydraException as error:
-        raise ConfigError(_first_line(error)) from None
+    searchpath = _compose_with_hydra(overrides).hydra.searchpath
     folders = [CONFIG_DIR] + [
-        Path(entry.removeprefix("file://"))
-        for entry in cfg.hydra.searchpath
-        if entry.startswith("file://")
+        Path(entry.removeprefix("file://")) for entry in searchpath if entry.startswith("file://")
     ]
     return sorted({path.stem for folder in folders for path in (folder / group).glob("*.yaml")})
 
