@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from helpers import REPO, compose
+from helpers import compose
 
 from gatherlab import config, configcheck, train
 from gatherlab.configcheck import ConfigError
 
-EXPERIMENTS = sorted(path.stem for path in (REPO / "conf" / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(path.stem for path in (config.CONFIG_DIR / "experiment").glob("*.yaml"))
+assert EXPERIMENTS, f"no experiment configs in {config.CONFIG_DIR}"  # else the test would skip
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

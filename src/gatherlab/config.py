@@ -23,7 +23,8 @@ from omegaconf import DictConfig, open_dict
 
 from gatherlab import gather as gathering
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+# Inside the package, so that an installed wheel has its configs (package data, pyproject.toml).
+CONFIG_DIR = Path(__file__).resolve().parent / "conf"
 CONFIG_NAME = "config"
 # Config groups whose choice names a run in summary.json and comparison.csv.
 CHOICE_GROUPS = (
@@ -155,9 +156,9 @@ def build_optimizer(cfg: DictConfig) -> Callable[..., torch.optim.Optimizer]:
 
 
 def group_options(group: str, overrides: Sequence[str] = ()) -> list[str]:
-    """The options of a config group: the YAML files in ``conf/<group>/`` and in that folder of
-    every ``file://`` directory on the ``hydra.searchpath`` that ``overrides`` compose. Must run
-    inside ``composed()``."""
+    """The options of a config group: the YAML files in ``gatherlab/conf/<group>/`` and in that
+    folder of every ``file://`` directory on the ``hydra.searchpath`` that ``overrides`` compose.
+    Must run inside ``composed()``."""
     searchpath = _compose_with_hydra(overrides).hydra.searchpath
     folders = [CONFIG_DIR] + [
         Path(entry.removeprefix("file://")) for entry in searchpath if entry.startswith("file://")
