@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 # The measured class of every cell, stated independently of the gathers' declared predictions. It
 # agrees with them (docs/design.md §1) except for `nograd` on the global-loss style: there every
 # use of the embeddings goes through the no-grad gather, so no gradient reaches the parameters at
-# all ("other"), where "biased (direct uses only)" is predicted; a global NT-Xent has no direct use.
+# all ("none"), where "biased (direct uses only)" is predicted; a global NT-Xent has no direct use.
 EXPECTED = {
     "fixed": {"ntxent": "exact", "ntxent_global": "exact", "vicreg": "exact"},
     "torch_nn": {"ntxent": "exact", "ntxent_global": "exact", "vicreg": "exact"},
@@ -23,7 +23,7 @@ EXPECTED = {
     "old": {"ntxent": "biased", "ntxent_global": "1/W", "vicreg": "biased"},
     "nograd_swap": {"ntxent": "biased", "ntxent_global": "1/W", "vicreg": "biased"},
     "avg": {"ntxent": "biased", "ntxent_global": "1/W", "vicreg": "biased"},
-    "nograd": {"ntxent": "biased", "ntxent_global": "other", "vicreg": "biased"},
+    "nograd": {"ntxent": "biased", "ntxent_global": "none", "vicreg": "biased"},
 }
 
 
@@ -65,7 +65,7 @@ def test_files_are_written(table):
     written = (out / "audit.csv").read_text().splitlines()
     assert written[0].split(",")[: len(gradients.COLUMNS)] == list(gradients.COLUMNS)
     assert len(written) == 1 + len(table)
-    assert "⚠ other (no gradient) (predicted biased)" in (out / "audit.md").read_text()
+    assert "⚠ none (predicted biased)" in (out / "audit.md").read_text()
 
 
 def _reference() -> torch.Tensor:
@@ -78,9 +78,12 @@ def _reference() -> torch.Tensor:
         (lambda g: g.clone(), "exact"),
         (lambda g: g * (1 + 1e-13), "exact"),
         (lambda g: g / 4, "1/W"),
-        (lambda g: g / 2, "other"),  # parallel but not 1/W for W = 4
+        (lambda g: g * 4, "W"),
+        (lambda g: g / 2, "other"),  # parallel but neither 1/W nor W for W = 4
+        (lambda g: g / 4 * (1 + 1e-9), "other"),
+        (lambda g: -g / 4, "biased"),  # the opposite direction
         (lambda g: g + 1e-3 * torch.roll(g, 1), "biased"),
-        (lambda g: torch.zeros_like(g), "other"),
+        (lambda g: torch.zeros_like(g), "none"),
     ],
 )
 def test_classify(make, expected):

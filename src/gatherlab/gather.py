@@ -40,7 +40,7 @@ GatherFn = Callable[[torch.Tensor], torch.Tensor]
 
 # The loss styles of docs/design.md §1 and the gradient classes a gather's backward can give.
 STYLES = ("local", "global", "mixed")
-CLASSES = ("exact", "1/W", "biased", "other")
+CLASSES = ("exact", "1/W", "W", "biased", "none", "other")
 
 
 class Gather:

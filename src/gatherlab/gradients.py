@@ -3,9 +3,11 @@ real gloo ranks, against the 1-device gradient of the same global batch, in floa
 (docs/design.md §1):
 
 - ``exact``: max |g − g₁| / max |g₁| ≤ 1e-10 (summation order only);
-- ``1/W``: same direction (cosine ≥ 1 − 1e-12) and norm ratio 1/W within 1e-10;
+- ``none``: no gradient reaches the parameters at all (g = 0);
+- ``1/W``: same direction (cosine ≥ 1 − 1e-12) and norm ratio 1/W to a relative 1e-10;
+- ``W``: same direction and norm ratio W to a relative 1e-10;
 - ``biased``: a different direction (no rescaling repairs it);
-- ``other``: anything else, e.g. no gradient at all.
+- ``other``: anything else: the same direction at another scale.
 
 ``audit`` measures every gather × loss × world size (the gradient audit); its ranks run in the warm
 worker pools.
@@ -108,6 +110,10 @@ def _rank_gradients(
     return gradients if rank == 0 else None
 
 
+def _near(ratio: float, expected: float) -> bool:
+    return abs(ratio / expected - 1) <= NORM_RATIO_TOLERANCE
+
+
 def classify(
     gradient: torch.Tensor, reference: torch.Tensor, world_size: int
 ) -> tuple[str, float, float, float]:
@@ -119,9 +125,13 @@ def classify(
     max_rel_err = float((gradient - reference).abs().max() / reference.abs().max())
     if max_rel_err <= EXACT_RELATIVE_ERROR:
         measured = "exact"
-    elif cosine >= PARALLEL_COSINE and abs(norm_ratio - 1 / world_size) <= NORM_RATIO_TOLERANCE:
+    elif norm == 0:
+        measured = "none"
+    elif cosine >= PARALLEL_COSINE and _near(norm_ratio, 1 / world_size):
         measured = "1/W"
-    elif norm > 0 and cosine < PARALLEL_COSINE:
+    elif cosine >= PARALLEL_COSINE and _near(norm_ratio, world_size):
+        measured = "W"
+    elif cosine < PARALLEL_COSINE:
         measured = "biased"
     else:
         measured = "other"

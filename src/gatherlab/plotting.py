@@ -182,7 +182,10 @@ def matrix_figure(
     return figure
 
 
-CLASS_COLORS = {"exact": "#4c9f70", "1/W": "#f2c14e", "biased": "#d1495b", "other": "#8d99ae"}
+CLASS_COLORS = {
+    "exact": "#4c9f70", "1/W": "#f2c14e", "W": "#f08a4b", "biased": "#d1495b", "none": "#c3c8d0",
+    "other": "#8d99ae",
+}  # fmt: skip
 
 
 def audit_figure(table: pd.DataFrame, classes: tuple[str, ...]) -> plt.Figure:
@@ -207,7 +210,7 @@ def audit_figure(table: pd.DataFrame, classes: tuple[str, ...]) -> plt.Figure:
             column = columns.index((cell["loss"], cell["world_size"]))
             codes[row, column] = classes.index(cell["measured"])
             surprise = cell["measured"] != cell["predicted"]
-            text = cell["measured"] + (" (no\ngradient)" if cell["norm_ratio"] == 0 else "")
+            text = cell["measured"]
             text += f"\npredicted {cell['predicted']}" if surprise else ""
             axis.text(column, row, text, ha="center", va="center", fontsize=7.5)
             if surprise:

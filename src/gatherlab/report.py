@@ -329,7 +329,7 @@ def audit_markdown(table: pd.DataFrame) -> str:
         row = [f"`{gather}`"]
         for loss, world_size in columns:
             measured = cells.loc[(gather, loss, world_size)]
-            cell = measured["measured"] + (" (no gradient)" if measured["norm_ratio"] == 0 else "")
+            cell = measured["measured"]
             if measured["measured"] != measured["predicted"]:
                 cell = f"⚠ {cell} (predicted {measured['predicted']})"
             row.append(cell)
