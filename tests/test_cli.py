@@ -11,26 +11,6 @@ from helpers import gatherlab_command, run_command
 from gatherlab import report
 
 
-@pytest.mark.slow
-def test_the_command_line_runs_a_sweep_and_its_report(tmp_path, no_leftover_processes):
-    """A fresh interpreter, as a user starts it: the module's ``__main__``, Hydra's own
-    command-line handling and logging, and the report at the end of the sweep. One device, so that
-    it needs no worker processes (the tests below run sweeps on ranks, in this process)."""
-    sweep = tmp_path / "sweep"
-    result = gatherlab_command(
-        "train", "-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1",
-        "steps=3", f"hydra.sweep.dir={sweep}",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    output = result.stdout + result.stderr
-    assert "job 2/2: experiment=lightly_pr1531 gather=fixed layout=cpu1 steps=3" in output
-    assert "comparison of 2 runs" in output
-    table = pd.read_csv(sweep / report.COMPARISON)
-    assert list(table["verdict"]) == ["reference", "matches"]
-    assert (sweep / "comparison.png").stat().st_size > 0
-    assert (sweep / "0" / ".hydra" / "overrides.yaml").exists()
-
-
 def test_multirun_writes_runs_and_comparison(pr1531_sweep):
     sweep, result = pr1531_sweep
     for job in range(4):
@@ -90,7 +70,7 @@ def test_a_bad_value_in_a_sweep_stops_a_fresh_command_in_one_line(tmp_path, no_l
     [
         (
             ["gather=nope"],
-            "gather='nope' is unknown; allowed: avg, fixed, functional, lightning, nograd, "
+            "gather='nope' is unknown; allowed: avg, fixed, functional, lightning, native, nograd, "
             "nograd_swap, old, torch_nn",
         ),
         (["-m", "gather=fixed,nope", "layout=cpu2"], "gather='nope' is unknown"),

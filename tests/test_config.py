@@ -49,7 +49,7 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
     [
         (
             ["gather=nope"],
-            "gather='nope' is unknown; allowed: avg, fixed, functional, lightning, nograd, "
+            "gather='nope' is unknown; allowed: avg, fixed, functional, lightning, native, nograd, "
             "nograd_swap, old, torch_nn",
         ),
         (["layout=cpu3"], "layout='cpu3' is unknown; allowed: cpu1, cpu2, cpu4, cpu8"),
@@ -66,6 +66,8 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
         (["global_batch_size=512"], "global_batch_size=512 exceeds the 256 samples of the data"),
         (["global_batch_size=0"], "global_batch_size=0 is not allowed; allowed: a positive"),
         (["loss=infonce"], "loss='infonce' is unknown; allowed: barlowtwins"),
+        (["loss=external"], "loss._target_ is missing; allowed: an import path"),
+        (["loss=external", "loss._target_=nopkg:Loss"], "loss._target_=nopkg:Loss: cannot import"),
         (["model=resnet"], "model='resnet' is unknown; allowed: linear, mlp, simclr"),
         (["layout.accelerator=tpu"], "layout.accelerator='tpu' is unknown; allowed: cpu, gpu"),
         (["layout=gpu2", "launcher=pool"], "launcher=pool is not allowed with"),
@@ -80,7 +82,7 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
         (["model.depth=0"], "model (gatherlab.models.MLP): model.depth must be at least 1"),
         (
             ["loss._target_=gatherlab.losses.Nope"],
-            "loss (gatherlab.losses.Nope): Error loading 'gatherlab.losses.Nope': Are you sure",
+            "loss._target_=gatherlab.losses.Nope: gatherlab.losses has no attribute 'Nope'",
         ),
     ],
 )

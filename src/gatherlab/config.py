@@ -19,9 +19,10 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gatherlab import gather as gathering
+from gatherlab.factory import LossFactory, locate
 
 # Inside the package, so that an installed wheel has its configs (package data, pyproject.toml).
 CONFIG_DIR = Path(__file__).resolve().parent / "conf"
@@ -37,7 +38,7 @@ class ConfigError(ValueError):
     value and what is allowed."""
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """An error's message as one line: its first line, and its last where the first only leads
     into the rest (ends with a colon)."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
@@ -79,13 +80,13 @@ def _compose_with_hydra(overrides: Sequence[str]) -> DictConfig:
     except MissingConfigException as error:
         raise ConfigError(_unknown_option(error)) from None
     except HydraException as error:
-        raise ConfigError(_first_line(error)) from None
+        raise ConfigError(first_line(error)) from None
 
 
 def _unknown_option(error: MissingConfigException) -> str:
     missing = error.missing_cfg_file or ""
     if "/" not in missing or not error.options:
-        return _first_line(error)
+        return first_line(error)
     group, _, value = missing.rpartition("/")
     return f"{group}={value!r} is unknown; allowed: {', '.join(sorted(error.options))}"
 
@@ -125,7 +126,7 @@ def instantiate(group: str, node: DictConfig | Mapping[str, Any], **arguments: A
     except InstantiationException as error:
         cause = error.__cause__ or error
         target = node.get("_target_", "?") if hasattr(node, "get") else "?"
-        raise ConfigError(f"{group} ({target}): {_first_line(cause)}") from None
+        raise ConfigError(f"{group} ({target}): {first_line(cause)}") from None
 
 
 def build_dataset(cfg: DictConfig) -> Any:
@@ -140,14 +141,43 @@ def build_model(cfg: DictConfig) -> torch.nn.Module:
     return instantiate("model", cfg.model)
 
 
-def build_gather(cfg: DictConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The gather of ``cfg.gather``."""
+def build_gather(cfg: DictConfig) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The gather of ``cfg.gather``; None for ``gather=native`` (no ``_target_``): the loss
+    communicates by itself."""
+    if cfg.gather.get("_target_") is None:
+        return None
     return instantiate("gather", cfg.gather)
 
 
-def build_loss(cfg: DictConfig, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:
-    """The loss of ``cfg.loss``, communicating through ``gather``."""
-    return instantiate("loss", cfg.loss, gather=gather)
+def loss_factory(cfg: DictConfig) -> LossFactory:
+    """The loss of ``cfg.loss`` with the gather of ``cfg.gather``, as a factory that each rank
+    calls once its process group exists (``gatherlab.factory``)."""
+    return loss_factory_of(cfg.loss, build_gather(cfg), cfg.seed)
+
+
+def loss_factory_of(
+    node: DictConfig, gather: Callable[[torch.Tensor], torch.Tensor] | None, seed: int
+) -> LossFactory:
+    """A loss config node as a factory: ``_target_`` is any import path (``package.module:Class``
+    or ``package.module.Class``), the other keys are the constructor's keyword arguments."""
+    if OmegaConf.is_missing(node, "_target_"):
+        raise ConfigError(
+            "loss._target_ is missing; allowed: an import path, e.g. "
+            "loss._target_=mypkg.losses:MyLoss (its arguments as +loss.<name>=<value>)"
+        )
+    target = node.get("_target_")
+    try:
+        factory = locate(target)
+    except ImportError as error:
+        raise ConfigError(f"loss._target_={target}: {error}") from None
+    if not callable(factory):
+        raise ConfigError(
+            f"loss._target_={target} is a {type(factory).__name__}; allowed: a class or function "
+            "that returns the loss module"
+        )
+    arguments = OmegaConf.to_container(node, resolve=True)
+    del arguments["_target_"]
+    return LossFactory(factory, arguments, gather, seed)
 
 
 def build_optimizer(cfg: DictConfig) -> Callable[..., torch.optim.Optimizer]:
@@ -168,10 +198,19 @@ def group_options(group: str, overrides: Sequence[str] = ()) -> list[str]:
 
 def build_gathers(names: Sequence[str] | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Name → gather for each option of the ``gather`` group in ``names`` (all when None: the
-    built-in ones in the order of ``gatherlab.gather.NAMES``, then the others by name), each
-    built from its YAML file as ``overrides`` compose it. Must run inside ``composed()``."""
-    if names is None:
+    built-in ones in the order of ``gatherlab.gather.NAMES``, then the others by name, without
+    ``native``, which is no gather), each built from its YAML file as ``overrides`` compose it.
+    Must run inside ``composed()``."""
+    every = names is None
+    if every:
         options = group_options("gather", overrides)
         built_in = gathering.NAMES
         names = sorted(options, key=lambda n: (built_in.index(n) if n in built_in else 99, n))
-    return {name: build_gather(compose([*overrides, f"gather={name}"])[0]) for name in names}
+    gathers = {name: build_gather(compose([*overrides, f"gather={name}"])[0]) for name in names}
+    if not every and None in gathers.values():
+        native = [name for name, gather in gathers.items() if gather is None]
+        raise ConfigError(
+            f"audit.gathers names {', '.join(native)}, which is no gather (the loss communicates "
+            "by itself); allowed: gathers with a _target_"
+        )
+    return {name: gather for name, gather in gathers.items() if gather is not None}

@@ -123,22 +123,27 @@ def _check_objects(cfg: DictConfig) -> None:
             f"model ({cfg.model._target_}) built a {type(model).__name__}; allowed: a "
             "torch.nn.Module (docs/design.md §4)"
         )
-    gather = config.build_gather(cfg)
-    if not callable(gather):
+    gather = config.build_gather(cfg)  # None: gather=native
+    if gather is not None and not callable(gather):
         raise ConfigError(
             f"gather ({cfg.gather._target_}) built a {type(gather).__name__}; allowed: a "
             "callable tensor -> gathered tensor (docs/design.md §4)"
         )
-    loss = config.build_loss(cfg, gather)
+    # Built here as on one device (rank 0 of 1); each rank builds its own when it trains.
+    factory = config.loss_factory(cfg)
+    try:
+        loss = factory()
+    except Exception as error:  # the constructor's own refusal, e.g. temperature=0
+        raise ConfigError(f"loss ({cfg.loss._target_}): {config.first_line(error)}") from None
     if not isinstance(loss, torch.nn.Module):
         raise ConfigError(
             f"loss ({cfg.loss._target_}) built a {type(loss).__name__}; allowed: a "
             "torch.nn.Module whose forward(out0, out1) returns a scalar (docs/design.md §4)"
         )
-    factory = config.build_optimizer(cfg)
+    optimizer = config.build_optimizer(cfg)
     stand_in = torch.nn.Parameter(torch.zeros(1))
     try:
-        factory([stand_in])
+        optimizer([stand_in])
     except Exception as error:  # the optimizer's own refusal, e.g. a negative learning rate
         raise ConfigError(f"optim ({cfg.optim._target_}): {error}") from None
 

@@ -1,6 +1,7 @@
-"""Which gradient do the ranks get? The parameter gradient that DDP hands to the optimizer on W
-real gloo ranks, against the 1-device gradient of the same global batch, in float64, classified
-(docs/design.md §1):
+"""A loss on W real gloo ranks against the same loss on one device, in float64: the global loss
+(the mean over ranks of what each rank's loss returns), the parameter gradient that DDP hands to
+the optimizer, and optionally a short training run (docs/design.md §1). The gradient is
+classified:
 
 - ``exact``: max |g − g₁| / max |g₁| ≤ 1e-10 (summation order only);
 - ``none``: no gradient reaches the parameters at all (g = 0);
@@ -9,14 +10,17 @@ real gloo ranks, against the 1-device gradient of the same global batch, in floa
 - ``biased``: a different direction (no rescaling repairs it);
 - ``other``: anything else: the same direction at another scale.
 
-``audit`` measures every gather × loss × world size (the gradient audit); its ranks run in the warm
-worker pools.
+``audit`` measures every gather × loss × world size (the gradient audit); ``gatherlab.check``
+measures any loss. Losses are ``LossFactory`` objects, built inside each rank; the ranks run in
+the warm worker pools.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 import pandas as pd
 import torch
@@ -24,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gatherlab.data import epoch_order
+from gatherlab.data import GlobalBatchSampler
+from gatherlab.factory import LossFactory
 from gatherlab.gather import CLASSES, GatherFn
 from gatherlab.pool import pool
 
@@ -33,81 +38,202 @@ log = logging.getLogger(__name__)
 EXACT_RELATIVE_ERROR = 1e-10
 PARALLEL_COSINE = 1 - 1e-12
 NORM_RATIO_TOLERANCE = 1e-10
+# The global loss on W ranks against the 1-device loss: the same up to summation order.
+FORWARD_RELATIVE_TOLERANCE = 1e-10
 NO_PREDICTION = "no prediction"
 COLUMNS = (
     "gather", "loss", "style", "world_size", "predicted", "measured", "cosine", "norm_ratio",
     "max_rel_err",
 )  # fmt: skip
 
-LossFactory = Callable[..., nn.Module]
+ModelFactory = Callable[[], nn.Module]
+Batch = tuple[torch.Tensor, torch.Tensor]
 
-__all__ = ["CLASSES", "COLUMNS", "audit", "classify", "first_global_batch"]
+__all__ = [
+    "CLASSES", "COLUMNS", "LossContractError", "Measured", "audit", "classify", "global_batches",
+    "measure", "train",
+]  # fmt: skip
 
 
-class _BothViews(nn.Module):
-    """Embeds both views in one forward, so that DDP sees one forward per backward."""
+class LossContractError(ValueError):
+    """The loss broke its contract: ``loss(out0, out1)`` must return a finite scalar tensor."""
 
-    def __init__(self, model: nn.Module):
+
+@dataclass(frozen=True)
+class Measured:
+    """One loss on one layout: the global loss and the parameter gradient after DDP's average
+    (the model's parameters, then the loss's own, flattened)."""
+
+    loss: float
+    gradient: torch.Tensor
+
+
+class _Whole(nn.Module):
+    """The model and the loss as one module, as the LightningModule holds them: DDP sees one
+    forward per backward, and averages the loss's own parameters (a learnt temperature) too."""
+
+    def __init__(self, model: nn.Module, loss: nn.Module):
         super().__init__()
-        self.model = model
+        self.model, self.loss = model, loss
 
-    def forward(self, view0: torch.Tensor, view1: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.model(view0), self.model(view1)
+    def forward(self, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.model(view0), self.model(view1))
 
 
-def _flat_gradient(model: nn.Module) -> torch.Tensor:
+def _build(loss: LossFactory, model_factory: ModelFactory, seed: int, distributed: bool):
+    torch.manual_seed(seed)
+    model = model_factory()
+    whole = _Whole(model, loss()).double()
+    # DDP as Lightning configures it (every parameter must get a gradient: ``_backward`` checks).
+    wrapped = DistributedDataParallel(whole) if distributed else whole
+    return whole, wrapped
+
+
+def _backward(whole: nn.Module, value: torch.Tensor, distributed: bool) -> None:
+    """``value.backward()`` when a gradient can flow at all. Under DDP, a parameter left without a
+    gradient while others have one means its bucket was never averaged: that is refused (a DDP
+    training run of such a model fails at its next step) instead of measured."""
+    if not value.requires_grad:
+        return
+    value.backward()
+    if not distributed:
+        return
+    missing = [name for name, p in whole.named_parameters() if p.requires_grad and p.grad is None]
+    if missing and len(missing) < sum(1 for p in whole.parameters() if p.requires_grad):
+        raise LossContractError(
+            f"parameter {missing[0]} gets no gradient on rank {dist.get_rank()} while others do; "
+            "DDP cannot average such a model (use every parameter in the forward)"
+        )
+
+
+def _value(wrapped: nn.Module, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
+    value = wrapped(view0, view1)
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise LossContractError(
+            f"the loss returned {shape}; allowed: a scalar tensor (wrap a loss of another "
+            "signature in a module whose forward(out0, out1) returns one)"
+        )
+    if not torch.isfinite(value).all():
+        raise LossContractError(
+            f"the loss returned {float(value.detach())}; allowed: a finite value"
+        )
+    return value.reshape(())
+
+
+def _flat_gradient(module: nn.Module) -> torch.Tensor:
     return torch.cat(
         [
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-            for p in model.parameters()
+            for p in module.parameters()
         ]
     )
 
 
-def _gradient(
-    model_factory: Callable[[], nn.Module],
-    loss: nn.Module,
+def measure(
+    loss: LossFactory,
+    model_factory: ModelFactory,
     view0: torch.Tensor,
     view1: torch.Tensor,
     seed: int,
-    distributed: bool,
-) -> torch.Tensor:
-    """The parameter gradient of ``loss`` on these views (DDP-averaged when ``distributed``);
-    zeros when no gradient reaches the parameters at all."""
-    torch.manual_seed(seed)
-    model = _BothViews(model_factory().double())
-    wrapped = DistributedDataParallel(model) if distributed else model
-    value = loss(*wrapped(view0, view1))
-    if value.requires_grad:
-        value.backward()
-    return _flat_gradient(model)
+    distributed: bool = False,
+) -> Measured:
+    """The loss value and parameter gradient (DDP-averaged when ``distributed``) of ``loss`` on
+    these views; a zero gradient when no gradient reaches the parameters at all."""
+    whole, wrapped = _build(loss, model_factory, seed, distributed)
+    value = _value(wrapped, view0.double(), view1.double())
+    _backward(whole, value, distributed)
+    return Measured(float(value.detach()), _flat_gradient(whole))
 
 
-def _rank_gradients(
-    cells: list[tuple[str, str]],
-    losses: dict[str, LossFactory],
-    gathers: Mapping[str, GatherFn],
-    model_factory: Callable[[], nn.Module],
-    view0: torch.Tensor,
-    view1: torch.Tensor,
-    seed: int,
-) -> dict[tuple[str, str], torch.Tensor] | None:
-    """On every rank: its slice of the global batch; rank 0 returns each cell's gradient (after
-    DDP's average it is the same on every rank)."""
+def _rows(length: int) -> slice:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    batch = len(view0) // world_size
-    rows = slice(rank * batch, (rank + 1) * batch)
-    gradients = {}
-    for gather, loss in cells:
-        gradients[gather, loss] = _gradient(
-            model_factory,
-            losses[loss](gather=gathers[gather]),
-            view0[rows],
-            view1[rows],
-            seed,
-            True,
+    batch = length // world_size
+    return slice(rank * batch, (rank + 1) * batch)
+
+
+def _on_rank(
+    cells: Mapping[Hashable, LossFactory],
+    model_factory: ModelFactory,
+    view0: torch.Tensor,
+    view1: torch.Tensor,
+    seed: int,
+) -> dict[Hashable, Measured]:
+    """On every rank: its slice of the global batch; its local loss, and on rank 0 the gradient
+    (after DDP's average it is the same on every rank)."""
+    rows = _rows(len(view0))
+    measured = {}
+    for cell, loss in cells.items():
+        result = measure(loss, model_factory, view0[rows], view1[rows], seed, distributed=True)
+        keep = result.gradient if dist.get_rank() == 0 else torch.empty(0)
+        measured[cell] = Measured(result.loss, keep)
+    return measured
+
+
+def measure_on_ranks(
+    cells: Mapping[Hashable, LossFactory],
+    model_factory: ModelFactory,
+    view0: torch.Tensor,
+    view1: torch.Tensor,
+    world_size: int,
+    seed: int,
+) -> dict[Hashable, Measured]:
+    """Each cell's global loss (the mean over ranks of the ranks' losses) and DDP's gradient, on
+    ``world_size`` ranks of the warm pool, each holding its slice of the global batch."""
+    if len(view0) % world_size:
+        raise ValueError(f"the global batch of {len(view0)} does not split over {world_size}")
+    ranks = pool(world_size).run(_on_rank, dict(cells), model_factory, view0, view1, seed)
+    return {
+        cell: Measured(
+            math.fsum(rank[cell].loss for rank in ranks) / world_size, ranks[0][cell].gradient
         )
-    return gradients if rank == 0 else None
+        for cell in cells
+    }
+
+
+def _train_on_rank(
+    loss: LossFactory,
+    model_factory: ModelFactory,
+    batches: Sequence[Batch],
+    optimizer: Callable[..., torch.optim.Optimizer],
+    seed: int,
+) -> list[float]:
+    distributed = dist.is_available() and dist.is_initialized()
+    rows = _rows(len(batches[0][0])) if distributed else slice(None)
+    whole, wrapped = _build(loss, model_factory, seed, distributed)
+    step = optimizer(whole.parameters())
+    losses = []
+    for view0, view1 in batches:
+        step.zero_grad()
+        value = _value(wrapped, view0[rows].double(), view1[rows].double())
+        _backward(whole, value, distributed)
+        step.step()
+        losses.append(float(value.detach()))
+    return losses
+
+
+def train(
+    loss: LossFactory,
+    model_factory: ModelFactory,
+    batches: Sequence[Batch],
+    optimizer: Callable[..., torch.optim.Optimizer],
+    world_size: int,
+    seed: int,
+) -> list[float]:
+    """The global loss before each step of a training run on these global batches, on one
+    device or on ``world_size`` ranks of the warm pool (plain DDP, no Lightning: the same
+    arithmetic in a fraction of the start-up)."""
+    if world_size == 1:
+        return _train_on_rank(loss, model_factory, batches, optimizer, seed)
+    ranks = pool(world_size).run(_train_on_rank, loss, model_factory, batches, optimizer, seed)
+    return [math.fsum(values) / world_size for values in zip(*ranks, strict=True)]
+
+
+def same_forward(loss: float, reference: float) -> tuple[bool, float]:
+    """Whether a global loss is the reference's up to summation order, and its relative
+    difference."""
+    difference = abs(loss - reference) / max(abs(reference), torch.finfo(torch.float64).tiny)
+    return difference <= FORWARD_RELATIVE_TOLERANCE, difference
 
 
 def _near(ratio: float, expected: float) -> bool:
@@ -120,6 +246,8 @@ def classify(
     """The class of ``gradient`` against ``reference``, with cosine, norm ratio, max rel. error."""
     reference_norm = float(torch.linalg.vector_norm(reference))
     norm = float(torch.linalg.vector_norm(gradient))
+    if reference_norm == 0:  # no gradient on one device either: nothing to scale or point
+        return ("exact" if norm == 0 else "other"), float("nan"), float("nan"), float("nan")
     norm_ratio = norm / reference_norm
     cosine = float(gradient @ reference) / (norm * reference_norm) if norm > 0 else float("nan")
     max_rel_err = float((gradient - reference).abs().max() / reference.abs().max())
@@ -138,9 +266,9 @@ def classify(
     return measured, cosine, norm_ratio, max_rel_err
 
 
-def style(factory: LossFactory) -> str | None:
+def style(factory: LossFactory | Callable[..., nn.Module]) -> str | None:
     """The loss style a loss class declares (``style``: local, global or mixed), if any."""
-    target = getattr(factory, "func", factory)  # a functools.partial of the class
+    target = getattr(factory, "factory", factory)
     return getattr(target, "style", None)
 
 
@@ -152,43 +280,42 @@ def predicted(gather: GatherFn, loss_style: str | None) -> str:
 
 def audit(
     losses: Mapping[str, LossFactory],
-    model_factory: Callable[[], nn.Module],
+    model_factory: ModelFactory,
     view0: torch.Tensor,
     view1: torch.Tensor,
     gathers: Mapping[str, GatherFn],
     world_sizes: Sequence[int] = (2, 4, 8),
     seed: int = 0,
 ) -> pd.DataFrame:
-    """One row per gather × loss × world size (``COLUMNS``). ``losses`` maps a loss name to a
-    factory taking ``gather=``, ``gathers`` a gather name to the gather; ``view0``/``view1`` are
-    one global batch."""
-    view0, view1 = view0.double(), view1.double()
+    """One row per gather × loss × world size (``COLUMNS``). ``losses`` maps a loss name to its
+    factory (its gather is replaced by each gather's), ``gathers`` a gather name to the gather;
+    ``view0``/``view1`` are one global batch."""
     references = {
-        loss: _gradient(model_factory, factory(gather=None), view0, view1, seed, False)
-        for loss, factory in losses.items()
+        name: measure(loss.with_gather(None), model_factory, view0, view1, seed)
+        for name, loss in losses.items()
     }
-    cells = [(gather, loss) for gather in gathers for loss in losses]
+    cells = {
+        (gather, name): loss.with_gather(gathers[gather])
+        for gather in gathers
+        for name, loss in losses.items()
+    }
     rows = []
     for world_size in world_sizes:
-        if len(view0) % world_size:
-            raise ValueError(f"the global batch of {len(view0)} does not split over {world_size}")
         log.info("auditing %d cells on %d ranks", len(cells), world_size)
-        gradients = pool(world_size).run(
-            _rank_gradients, cells, dict(losses), dict(gathers), model_factory, view0, view1, seed
-        )[0]
-        for gather, loss in cells:
-            measured, cosine, norm_ratio, max_rel_err = classify(
-                gradients[gather, loss], references[loss], world_size
+        measured = measure_on_ranks(cells, model_factory, view0, view1, world_size, seed)
+        for gather, name in cells:
+            gradient_class, cosine, norm_ratio, max_rel_err = classify(
+                measured[gather, name].gradient, references[name].gradient, world_size
             )
-            loss_style = style(losses[loss])
+            loss_style = style(losses[name])
             rows.append(
                 {
                     "gather": gather,
-                    "loss": loss,
+                    "loss": name,
                     "style": loss_style or "unknown",
                     "world_size": world_size,
                     "predicted": predicted(gathers[gather], loss_style),
-                    "measured": measured,
+                    "measured": gradient_class,
                     "cosine": cosine,
                     "norm_ratio": norm_ratio,
                     "max_rel_err": max_rel_err,
@@ -197,8 +324,14 @@ def audit(
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
-def first_global_batch(dataset, global_batch_size: int, seed: int, shuffle: bool) -> tuple:
-    """The views of the first global batch a training run with this data would take."""
-    indices = torch.as_tensor(epoch_order(len(dataset), seed, 0, shuffle)[:global_batch_size])
-    view0, view1 = zip(*(dataset[int(index)] for index in indices), strict=True)
-    return torch.stack(view0), torch.stack(view1)
+def global_batches(dataset, global_batch_size: int, seed: int, shuffle: bool, steps: int) -> list:
+    """The views of the first ``steps`` global batches a training run with this data takes, in
+    the data order of docs/design.md §2 (rank r's slice of each is rows r·B … (r+1)·B − 1)."""
+    sampler = GlobalBatchSampler(
+        len(dataset), global_batch_size, steps, seed=seed, shuffle=shuffle, with_epoch=True
+    )
+    batches = []
+    for keys in sampler:
+        items = [dataset[key] for key in keys]
+        batches.append((torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])))
+    return batches

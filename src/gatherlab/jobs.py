@@ -71,7 +71,7 @@ def _train(
     devices = cfg.layout.devices * nodes  # ranks in all
     dataset = config.build_dataset(cfg)
     model = config.build_model(cfg)
-    loss = config.build_loss(cfg, config.build_gather(cfg))
+    loss = config.loss_factory(cfg)  # each rank builds the loss in its process group
     module = ContrastiveModule(
         model, loss, config.build_optimizer(cfg), getattr(dataset, "encode_second_view", True)
     )
@@ -88,7 +88,7 @@ def _train(
         "precision": cfg.precision,
         "seed": cfg.seed,
         # what the loss class predicts with an exact gather (docs/design.md §3), for the report
-        "loss_layout_invariant": getattr(type(loss), "layout_invariant", None),
+        "loss_layout_invariant": loss.declared("layout_invariant"),
         "overrides": list(overrides),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "versions": runfiles.package_versions(),
@@ -194,12 +194,12 @@ def run_audit(
     if (out / runfiles.AUDIT).exists():
         raise ConfigError(f"{out} already holds an audit; it is never overwritten")
     dataset = config.build_dataset(cfg)
-    view0, view1 = gradients.first_global_batch(
-        dataset, cfg.global_batch_size, cfg.seed, bool(cfg.data.shuffle)
+    [(view0, view1)] = gradients.global_batches(
+        dataset, cfg.global_batch_size, cfg.seed, bool(cfg.data.shuffle), steps=1
     )
     # factories: each rank builds its own loss (with the gather under audit) and model
     losses = {
-        name: config.instantiate("loss", spec, _partial_=True, _convert_="all")
+        name: config.loss_factory_of(spec, None, cfg.seed)
         for name, spec in cfg.audit.losses.items()
     }
     model_factory = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")

@@ -36,20 +36,32 @@ class ContrastiveModule(L.LightningModule):
     reduced for all steps at once when training ends (``curves``). The
     recorded gradient norm is taken after DDP has averaged the gradients, right before the
     optimizer applies them.
+
+    ``loss`` is a module, or a factory (``gatherlab.factory.LossFactory``) that each rank calls in
+    ``setup``, once its process group exists and before DDP wraps the module, so a loss that reads
+    its rank and world size at construction gets them, and its parameters are trained.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        loss: nn.Module,
+        loss: nn.Module | Callable[[], nn.Module],
         optimizer: OptimizerFactory,
         encode_second_view: bool = True,
     ):
         super().__init__()
-        self.model, self.loss = model, loss
+        self.model = model
+        if isinstance(loss, nn.Module):
+            self.loss, self.loss_factory = loss, None
+        else:
+            self.loss, self.loss_factory = None, loss
         self.optimizer_factory = optimizer
         self.encode_second_view = encode_second_view
         self.history: list[dict[str, float]] = []
+
+    def setup(self, stage: str) -> None:
+        if self.loss is None:
+            self.loss = self.loss_factory()
 
     def _embed(self, view: torch.Tensor, keys: torch.Tensor | None, view_id: int) -> torch.Tensor:
         """The model's embedding of one view; a model with seeded randomness (dropout) also gets

@@ -33,8 +33,12 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 # How long a new pool may take to start its processes and join them in a group.
 POOL_START_TIMEOUT_S = 300.0
-# What the workers' fork server imports before it forks any worker: what the jobs run.
-PRELOAD = ("torch", "torch.distributed", "lightning.pytorch")
+# What the workers' fork server imports before it forks any worker: what every job runs (DDP's
+# first use imports torch._dynamo, ~3 s), and of the rest what the starting process has imported
+# itself: a training process has Lightning, a gradient check (``gatherlab.check``) does not need
+# it and does not pay its seconds.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+PRELOAD_IF_IMPORTED = ("lightning.pytorch", "gatherlab.gradients")
 
 
 class RankError(RuntimeError):
@@ -98,7 +102,9 @@ class WorkerPool:
         # The fork server imports these once; every worker of every pool (the next one after a
         # failure too) is forked from it with them loaded, in milliseconds instead of the seconds
         # a fresh interpreter spends importing torch and Lightning.
-        context.set_forkserver_preload(list(PRELOAD))
+        context.set_forkserver_preload(
+            [*PRELOAD, *(name for name in PRELOAD_IF_IMPORTED if name in sys.modules)]
+        )
         self._processes, self._connections = [], []
         for rank in range(world_size):
             ours, theirs = context.Pipe()

@@ -23,6 +23,7 @@ CURVE_COLUMNS = ("step", "loss", "grad_norm")
 # What a sweep's report and an audit write into their directories.
 COMPARISON = "comparison.csv"
 AUDIT = "audit.csv"
+CHECK = "check.csv"
 
 
 def write_curves(run_dir: Path, rows: Iterable[Mapping[str, float]]) -> None:

@@ -1,0 +1,120 @@
+"""Building a loss where it runs: inside each rank, after the process group exists.
+
+Losses from other projects are built the way their own training scripts build them: OpenCLIP's
+``ClipLoss(rank=, world_size=)`` reads the layout at construction, lightly's losses with
+``gather_distributed=True`` communicate by themselves. A ``LossFactory`` carries what the loss is
+made of (an importable factory and its keyword arguments) to the ranks and builds it there
+(docs/design.md §4):
+
+- ``rank=`` and ``world_size=`` are passed when the factory's signature takes them and the
+  arguments do not set them (from the running process group; 0 and 1 on one device);
+- ``gather=`` is passed only when a gather is given; without one the loss communicates by itself
+  ("native");
+- the loss's own parameters, if any, are drawn from ``seed``, so every rank and the 1-device
+  reference start from the same ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gatherlab import gather as gathering
+
+__all__ = ["LossFactory", "locate"]
+
+
+def locate(path: str) -> Any:
+    """The object an import path names: ``package.module:attribute`` (the attribute may be
+    dotted) or ``package.module.attribute``. A module that does not import or an attribute that
+    is missing raises ``ImportError`` with one line that says which."""
+    if not isinstance(path, str) or not path.strip(" .:") or path.endswith((":", ".")):
+        raise ImportError(f"{path!r} is not an import path; allowed: package.module:attribute")
+    if ":" in path:
+        module_name, _, attributes = path.partition(":")
+        target = _import(module_name)
+    else:  # the longest prefix that is a module is the module, the rest are attributes
+        parts = path.split(".")
+        for split in range(len(parts), 0, -1):
+            module_name = ".".join(parts[:split])
+            try:
+                target = importlib.import_module(module_name)
+            except ModuleNotFoundError as error:
+                if split > 1 and error.name and f"{module_name}.".startswith(f"{error.name}."):
+                    continue  # this prefix is no module: its last part is an attribute
+                raise ImportError(f"cannot import {module_name}: {error}") from None
+            except Exception as error:
+                raise _import_error(module_name, error) from None
+            attributes = ".".join(parts[split:])
+            break
+    for attribute in filter(None, attributes.split(".")):
+        if not hasattr(target, attribute):
+            raise ImportError(f"{target.__name__} has no attribute {attribute!r}")
+        target = getattr(target, attribute)
+    return target
+
+
+def _import(module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except Exception as error:  # the module itself fails to import: say which and why
+        raise _import_error(module_name, error) from None
+
+
+def _import_error(module_name: str, error: Exception) -> ImportError:
+    return ImportError(f"cannot import {module_name}: {type(error).__name__}: {error}")
+
+
+def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+    try:
+        return inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: pass nothing extra
+        return {}
+
+
+@dataclass(frozen=True)
+class LossFactory:
+    """A loss to build in the process that uses it (``factory()``); picklable when ``factory``
+    and ``gather`` are (a class or function of an importable module is).
+
+    ``gather=None`` builds the loss without a ``gather`` argument: it communicates by itself.
+    """
+
+    factory: Callable[..., nn.Module]
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    gather: gathering.GatherFn | None = None
+    seed: int = 0
+
+    def arguments(self) -> dict[str, Any]:
+        """The keyword arguments the factory gets in this process."""
+        arguments = dict(self.kwargs)
+        accepted = _parameters(self.factory)
+        if "rank" in accepted and "rank" not in arguments:
+            arguments["rank"] = gathering.rank()
+        if "world_size" in accepted and "world_size" not in arguments:
+            arguments["world_size"] = gathering.world_size()
+        if self.gather is not None:
+            arguments["gather"] = self.gather
+        return arguments
+
+    def __call__(self) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            return self.factory(**self.arguments())
+
+    def with_gather(self, gather: gathering.GatherFn | None) -> LossFactory:
+        return LossFactory(self.factory, self.kwargs, gather, self.seed)
+
+    def declared(self, attribute: str) -> Any:
+        """What the loss class declares (``style``, ``layout_invariant``), None when it does not."""
+        return getattr(self.factory, attribute, None)
+
+    @property
+    def name(self) -> str:
+        return f"{self.factory.__module__}:{self.factory.__qualname__}"

@@ -1,0 +1,43 @@
+"""Assertions for other projects' test suites: does a loss train on W ranks like one device?
+
+    from gatherlab.testing import assert_layout_invariant
+
+    def test_my_loss_is_layout_invariant():
+        assert_layout_invariant(MyLoss, world_sizes=(2, 4), temperature=0.1)
+
+The check runs on real gloo ranks of gatherlab's warm worker pool (``gatherlab.check``), so a
+test session pays the pool's start-up once. A test module that calls it from a script, not from
+pytest, needs ``if __name__ == "__main__":`` (the ranks are forked from a fork server).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pandas as pd
+
+from gatherlab import check
+from gatherlab import gather as gathering
+
+__all__ = ["assert_layout_invariant"]
+
+
+def assert_layout_invariant(
+    factory: str | Callable[..., Any],
+    world_sizes: Iterable[int] = (2, 4),
+    *,
+    gather: str | gathering.GatherFn | None = None,
+    steps: int = 0,
+    optim: str = "sgd",
+    **kwargs: Any,
+) -> pd.DataFrame:
+    """Fail with the check's table and diagnosis unless, at every world size, the loss built by
+    ``factory(**kwargs)`` gives the 1-device loss and gradient (``gatherlab.check.check_loss``,
+    same arguments); return the table when it does."""
+    table = check.check_loss(
+        factory, world_sizes, gather=gather, steps=steps, optim=optim, **kwargs
+    )
+    if not (table["verdict"] == "exact").all():
+        raise AssertionError(check.explain(table))
+    return table

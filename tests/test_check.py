@@ -1,0 +1,172 @@
+"""``gatherlab.check`` on real gloo ranks: stand-ins for public losses (``tests/standins.py``) get
+the verdict the mathematics of docs/design.md §1 predicts, at W = 2 and 4; the built-in gathers
+through ``--gather``; bad input is one line; ``assert_layout_invariant`` fails with its diagnosis;
+a foreign loss trains in a sweep with ``loss=external gather=native``."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import standins
+from helpers import run_command
+from test_training import FLOAT64_BOUND, MISS_FACTOR
+
+from gatherlab import check, gradients, report, runfiles
+from gatherlab.factory import LossFactory
+from gatherlab.testing import assert_layout_invariant
+
+pytestmark = pytest.mark.slow
+
+# stand-in, its arguments → the verdict at W = 2 and 4, from docs/design.md §1 (not from a run)
+EXPECTED = {
+    "autograd_gather": ("GatherLayerNTXent", {}, "exact"),
+    "nograd_swap_global": ("ClipLossForCheck", {}, "1/W"),
+    "nograd_swap_local": ("ClipLossForCheck", {"local_loss": True}, "biased"),
+    "clip_gather_with_grad": ("ClipLossForCheck", {"gather_with_grad": True}, "exact"),
+    "nograd_swap_learnt_scale": ("ClipLossForCheck", {"learn_logit_scale": True}, "biased"),
+    "rank_statistics": ("LocallyStandardisedBarlowTwins", {}, "loss differs"),
+    "nograd_global": ("MocoStyleGlobalLoss", {}, "none"),
+    "times_w": ("CompensatedGlobalLoss", {}, "W"),
+}
+
+
+@pytest.mark.parametrize("case", EXPECTED)
+def test_each_stand_in_gets_its_predicted_verdict(case):
+    name, kwargs, expected = EXPECTED[case]
+    table = check.check_loss(f"standins:{name}", (2, 4), **kwargs)
+    assert list(table["world_size"]) == [2, 4]
+    assert list(table["verdict"]) == [expected, expected], table.to_string()
+    if expected == "loss differs":
+        assert (table["loss_diff"] > MISS_FACTOR * gradients.FORWARD_RELATIVE_TOLERANCE).all()
+        return
+    assert (table["forward"] == "same").all()
+    assert (table["loss_diff"] <= gradients.FORWARD_RELATIVE_TOLERANCE).all()
+    if expected == "exact":
+        assert (table["max_rel_err"] <= gradients.EXACT_RELATIVE_ERROR).all()
+    elif expected in ("1/W", "W"):
+        scale = [1 / 2, 1 / 4] if expected == "1/W" else [2, 4]
+        assert table["norm_ratio"].tolist() == pytest.approx(scale, rel=1e-12)
+        assert (table["cosine"] >= gradients.PARALLEL_COSINE).all()
+    elif expected == "biased":  # far from parallel, not a rounding effect
+        assert (table["cosine"] < 1 - 1e-6).all()
+    elif expected == "none":
+        assert (table["norm_ratio"] == 0).all()
+
+
+def test_a_loss_gets_rank_and_world_size_when_it_takes_them_and_the_user_did_not_set_them():
+    assert LossFactory(standins.ClipLossForCheck).arguments() == {"rank": 0, "world_size": 1}
+    assert LossFactory(standins.ClipLossForCheck, {"world_size": 3}).arguments() == {
+        "world_size": 3,
+        "rank": 0,
+    }
+    assert LossFactory(standins.GatherLayerNTXent).arguments() == {}
+    gather = standins.gather_with_grad
+    assert LossFactory(standins.PerSampleLoss, {}, gather).arguments() == {"gather": gather}
+
+
+def test_built_in_gathers_through_gather():
+    fixed = check.check_gather("fixed", (2, 4))
+    assert set(fixed["verdict"]) == {"exact"}
+    old = check.check_gather("old", (2, 4))
+    verdicts = {(row.loss, row.world_size): row.verdict for row in old.itertuples()}
+    assert verdicts == {
+        ("ntxent", 2): "biased", ("ntxent", 4): "biased",
+        ("ntxent_global", 2): "1/W", ("ntxent_global", 4): "1/W",
+        ("vicreg", 2): "biased", ("vicreg", 4): "biased",
+    }  # fmt: skip
+
+
+def test_the_command_line_checks_a_foreign_gather_and_writes_check_csv(tmp_path):
+    out = tmp_path / "check"
+    result = run_command("check", "--gather", "standins:gather_with_grad", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    table = pd.read_csv(out / runfiles.CHECK)
+    assert list(table.columns) == list(check.COLUMNS)
+    assert len(table) == 6 and set(table["verdict"]) == {"exact"}
+    assert "Every world size trains like one device" in result.stdout
+    again = run_command("check", "--gather", "fixed", "--out", str(out))
+    assert again.returncode == 2
+    assert "already holds a check; it is never overwritten" in again.stderr
+
+
+def test_the_command_line_prints_the_diagnosis_and_exits_1_with_training_steps(tmp_path):
+    out = tmp_path / "check"
+    result = run_command(
+        "check",
+        "standins:ClipLossForCheck",
+        "--world-sizes",
+        "2",
+        "--steps",
+        "5",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 1, result.stderr
+    assert "standins:ClipLossForCheck, W = 2: 1/W" in result.stdout
+    assert "SGD's effective learning rate is divided by W" in result.stdout
+    table = pd.read_csv(out / runfiles.CHECK)
+    assert table[check.TRAIN_COLUMN].iloc[0] > MISS_FACTOR * FLOAT64_BOUND
+    exact = check.check_loss(standins.ClipLossForCheck, (2,), steps=5, gather_with_grad=True)
+    assert exact[check.TRAIN_COLUMN].iloc[0] <= FLOAT64_BOUND
+
+
+@pytest.mark.parametrize(
+    ("arguments", "status", "message"),
+    [
+        (["nopkg.losses:Loss"], 2, "loss nopkg.losses:Loss: cannot import nopkg.losses"),
+        (["standins:Nope"], 2, "loss standins:Nope: standins has no attribute 'Nope'"),
+        (["standins:ClipLossForCheck", "--kwargs", "{oops"], 2, "is not JSON"),
+        (
+            ["standins:ClipLossForCheck", "--kwargs", '{"temperature": 1}'],
+            2,
+            "unexpected keyword argument 'temperature'",
+        ),
+        (["standins:PerSampleLoss"], 2, "the loss returned (16,); allowed: a scalar tensor"),
+        (["standins:NanLoss"], 2, "the loss returned nan; allowed: a finite value"),
+        (
+            ["standins:ClipLossForCheck", "--world-sizes", "3"],
+            2,
+            "does not divide the global batch",
+        ),
+        (["--gather", "nowhere:gather"], 2, "--gather nowhere:gather: cannot import nowhere"),
+        ([], 2, "name a loss (module:attribute), a gather (--gather), or both"),
+        (["standins:FailsOnRankOne"], 1, "rank 1: RuntimeError: rank-local failure"),
+    ],
+)
+def test_bad_input_is_one_line(arguments, status, message, tmp_path, no_leftover_processes):
+    result = run_command("check", *arguments, "--out", str(tmp_path / "check"))
+    assert result.returncode == status, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line or "failed:" in line]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert not (tmp_path / "check" / runfiles.CHECK).exists()
+
+
+def test_assert_layout_invariant_fails_with_the_diagnosis():
+    table = assert_layout_invariant(standins.GatherLayerNTXent, (2,), temperature=0.2)
+    assert list(table["verdict"]) == ["exact"]
+    with pytest.raises(AssertionError) as failure:
+        assert_layout_invariant("standins:ClipLossForCheck", (2,), local_loss=True)
+    message = str(failure.value)
+    assert "| standins:ClipLossForCheck | native | 2 | same | biased | biased |" in message
+    assert "points in another direction than one device's" in message
+
+
+def test_a_foreign_loss_trains_in_a_sweep_with_gather_native(tmp_path):
+    """``loss=external`` names any loss class; ``gather=native`` passes no gather, so the loss
+    communicates by itself and is built inside each rank (with its rank and world size)."""
+    sweep = tmp_path / "sweep"
+    result = run_command(
+        "train", "-m", "loss=external", "loss._target_=standins:ClipLossForCheck", "gather=native",
+        "+loss.gather_with_grad=false,true", "layout=cpu1,cpu2", "steps=5",
+        f"hydra.sweep.dir={sweep}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = pd.read_csv(sweep / report.COMPARISON)
+    verdicts = {
+        (row["loss.gather_with_grad"], row.devices): row.verdict for _, row in table.iterrows()
+    }
+    assert verdicts == {
+        (False, 1): "reference", (False, 2): "differs",
+        (True, 1): "reference", (True, 2): "matches",
+    }  # fmt: skip
+    assert set(table["gather"]) == {"native"} and set(table["loss"]) == {"external"}
