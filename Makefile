@@ -19,7 +19,7 @@ demo: $(STAMP)  ## reproduce the GatherLayer bug and its fix, print the verdict,
 	$(PY) -m gatherlab.train -m experiment=bug_demo
 
 test: $(STAMP)  ## run the test suite (real gloo process groups on the CPU), in 2 test processes
-	$(PY) -m pytest -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 figures: $(STAMP)  ## re-run every README figure's experiment and write figures/ (PNG, PDF, tables)
 	for script in experiments/bug_demo.py experiments/loss_matrix.py experiments/gather_audit.py \

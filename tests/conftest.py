@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import psutil
 import pytest
-from helpers import PR1531_SWEEP, descendants, run_command
+from filelock import FileLock
+from helpers import PR1531_SWEEP, Finished, descendants, run_command
 
 from gatherlab import pool as pools
 
@@ -31,17 +35,39 @@ def no_leftover_processes():
 
 
 @pytest.fixture(scope="session")
-def pr1531_sweep(tmp_path_factory):
+def pr1531_sweep(tmp_path_factory, worker_id):
     """One finished sweep that every test reading a sweep shares (lightly PR #1531's case, `old`
     and `fixed` on 1 and 2 ranks, float64), run in-process on the warm pools: its directory and
-    what the command printed. Tests copy it before changing it."""
-    sweep = tmp_path_factory.mktemp("pr1531") / "sweep"
-    result = run_command("train", *PR1531_SWEEP, f"hydra.sweep.dir={sweep}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return sweep, result
+    what the command printed. Tests copy it before changing it. With two test processes
+    (``pytest -n 2``) the first to need it runs it and the other reads it (a file lock in their
+    common temporary directory)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent  # this session's, for every process
+    sweep, printed = shared / "pr1531" / "sweep", shared / "pr1531" / "printed.json"
+    with FileLock(shared / "pr1531.lock"):
+        if not printed.exists():
+            result = run_command("train", *PR1531_SWEEP, f"hydra.sweep.dir={sweep}")
+            assert result.returncode == 0, result.stderr[-3000:]
+            printed.write_text(json.dumps(dataclasses.asdict(result)))
+    return sweep, Finished(**json.loads(printed.read_text()))
+
+
+# The files that take longest (seconds of test time each, measured with ``--durations=0`` on the
+# 2-core machine), longest first. ``make test`` hands whole files to two test processes in the
+# order they come; starting the longest first lets both processes finish together (30 s sooner than
+# file order, where a 50 s file could start last). Only the order depends on it, never a result.
+LONGEST_FILES = (
+    "test_reliability.py", "test_check.py", "test_install.py", "test_fuzz.py", "test_cli.py",
+    "test_loss_matrix.py", "test_launch.py", "test_extend.py",
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests first (in file order), so that with two test processes (``make test``) the
-    long files start early and both processes finish together."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The longest files first, then the other slow tests (in file order), then the rest."""
+
+    def order(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        rank = LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
+        return item.get_closest_marker("slow") is None, rank
+
+    items.sort(key=order)

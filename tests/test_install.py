@@ -1,8 +1,8 @@
 """gatherlab as another project uses it: built into a wheel, installed (not editable) into a new
 virtual environment, and run in fresh interpreters from a directory outside the repository.
 
-Fresh interpreters and a new environment are the point: the package must carry its configs, and
-the module's ``__main__``, Hydra's own command-line handling and logging, and the report at the end
+A fresh interpreter and a new environment are the point: the package must carry its configs, and
+the modules' ``__main__``, Hydra's own command-line handling and logging, and the report at the end
 of a sweep run as a user starts them. This is also the suite's command-line smoke test. The
 environment reuses this one's installed dependencies (a ``.pth`` file), so nothing is downloaded.
 """
@@ -20,42 +20,43 @@ import pandas as pd
 import pytest
 from helpers import REPO
 
-from gatherlab import report
+from gatherlab import report, runfiles
 
 pytestmark = pytest.mark.slow
 
-USER_TEST = """
+# A user's script outside the repository, run by the environment's python: gatherlab.testing,
+# then the command lines `python -m gatherlab.check` and `python -m gatherlab.train -m` through
+# runpy, as `-m` runs them, in one interpreter (each fresh interpreter costs seconds of imports).
+USER_SCRIPT = """
 import runpy
 import sys
 from pathlib import Path
-
-import pandas as pd
-import pytest
 
 import gatherlab.config
 from gatherlab.testing import assert_layout_invariant
 from standins import GatherLayerNTXent
 
 
-def test_gatherlab_and_its_configs_come_from_the_install():
-    assert Path(gatherlab.config.CONFIG_DIR).is_relative_to(sys.prefix)
-    assert (gatherlab.config.CONFIG_DIR / "gather" / "native.yaml").exists()
+def python_m(module, *arguments):
+    sys.argv = [module, *arguments]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exit:
+        return exit.code or 0
+    return 0
 
 
-def test_my_loss_trains_like_one_device():
+if __name__ == "__main__":
+    print("configs:", gatherlab.config.CONFIG_DIR, flush=True)
     assert_layout_invariant(GatherLayerNTXent, world_sizes=(2,), temperature=0.2)
-
-
-def test_python_m_gatherlab_check(monkeypatch):
-    # what `python -m gatherlab.check ...` runs, in this interpreter
-    monkeypatch.setattr(sys, "argv", [
+    print("check:", python_m(
         "gatherlab.check", "standins:ClipLossForCheck", "--kwargs", '{"gather_with_grad": true}',
         "--world-sizes", "2", "--out", "check",
-    ])
-    with pytest.raises(SystemExit) as exit:
-        runpy.run_module("gatherlab.check", run_name="__main__", alter_sys=True)
-    assert exit.value.code == 0
-    assert list(pd.read_csv("check/check.csv")["verdict"]) == ["exact"]
+    ), flush=True)
+    print("train:", python_m(
+        "gatherlab.train", "-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1",
+        "steps=3", "hydra.sweep.dir=sweep",
+    ), flush=True)
 """
 
 
@@ -103,30 +104,21 @@ def installed(tmp_path_factory) -> Path:
     return python
 
 
-@pytest.fixture
-def elsewhere(tmp_path) -> Path:
-    """A user's directory outside the repository, holding their own loss module."""
-    shutil.copy(REPO / "tests" / "standins.py", tmp_path)
-    return tmp_path
-
-
-def test_check_and_gatherlab_testing_run_in_a_users_pytest(installed, elsewhere):
-    """A user's test file outside the repository: ``gatherlab.testing`` and the command line
-    ``python -m gatherlab.check`` (through ``runpy``, as ``-m`` runs it), in one interpreter."""
-    (elsewhere / "test_my_loss.py").write_text(USER_TEST)
-    result = _run(installed, "-m", "pytest", "-q", "-p", "no:cacheprovider", cwd=elsewhere)
+def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
+    elsewhere = tmp_path  # a user's directory outside the repository, with their own losses
+    shutil.copy(REPO / "tests" / "standins.py", elsewhere)
+    (elsewhere / "use_gatherlab.py").write_text(USER_SCRIPT)
+    result = _run(installed, "use_gatherlab.py", cwd=elsewhere)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "3 passed" in result.stdout
-
-
-def test_a_sweep_and_its_report_run_from_the_install(installed, elsewhere):
-    """One device, so that it needs no worker processes (the other tests run sweeps on ranks)."""
-    result = _run(
-        installed, "-m", "gatherlab.train", "-m", "experiment=lightly_pr1531", "gather=old,fixed",
-        "layout=cpu1", "steps=3", "hydra.sweep.dir=sweep", cwd=elsewhere,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
+    config_dir = Path(output.split("configs: ")[1].split()[0])
+    assert config_dir.is_relative_to(installed.parents[1]), output  # the wheel's, not the repo's
+    assert (config_dir / "gather" / "native.yaml").exists()
+
+    assert "check: 0" in output
+    assert list(pd.read_csv(elsewhere / "check" / runfiles.CHECK)["verdict"]) == ["exact"]
+
+    assert "train: 0" in output
     assert "job 2/2: experiment=lightly_pr1531 gather=fixed layout=cpu1 steps=3" in output
     assert "comparison of 2 runs" in output
     sweep = elsewhere / "sweep"

@@ -22,6 +22,7 @@ and otherwise the gradient's class; every other verdict comes with a diagnosis i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import textwrap
@@ -127,6 +128,16 @@ def diagnosis(row: Mapping[str, Any]) -> str:
     return DIAGNOSES[row["verdict"]].format(**row) if row["verdict"] != "exact" else "exact"
 
 
+class _PerWorldSize:
+    """The numbers of several world sizes, formatted one after the other ("0.5, 0.25")."""
+
+    def __init__(self, values: Iterable[float]):
+        self.values = list(values)
+
+    def __format__(self, spec: str) -> str:
+        return ", ".join(format(value, spec) for value in self.values)
+
+
 def explain(table: pd.DataFrame) -> str:
     """The check as text: the table, then for every verdict other than exact (per loss) its
     diagnosis, once for all the world sizes that share it."""
@@ -137,7 +148,9 @@ def explain(table: pd.DataFrame) -> str:
     ):
         sizes = ", ".join(str(size) for size in rows["world_size"])
         via = "" if gather == "native" else f" with gather {gather}"
-        text = diagnosis(rows.iloc[0].to_dict())
+        numbers = {"verdict": verdict_}
+        numbers.update({c: _PerWorldSize(rows[c]) for c in ("loss_diff", "cosine", "norm_ratio")})
+        text = diagnosis(numbers)
         text = textwrap.fill(
             text[0].upper() + text[1:], 100, initial_indent="  ", subsequent_indent="  "
         )
@@ -190,6 +203,16 @@ def _gather(gather: str | gathering.GatherFn | None) -> tuple[str, gathering.Gat
     return getattr(gather, "__qualname__", type(gather).__name__), gather
 
 
+@functools.cache
+def _composed(optim: str) -> tuple[Any, ...]:
+    """The audit's config (experiment=gather_audit) with this optimizer, and the objects it names;
+    composed once per process (a test suite checks many losses)."""
+    with config.composed():
+        cfg, _ = config.compose(["experiment=gather_audit", f"optim={optim}"])
+    model = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
+    return cfg, model, config.build_optimizer(cfg), config.build_dataset(cfg)
+
+
 def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, ...]:
     """The audit's model, data and global batch (experiment=gather_audit), the optimizer, and the
     global batches of the check."""
@@ -197,8 +220,7 @@ def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, .
         raise CheckError(f"--optim {optim!r} is unknown; allowed: {', '.join(OPTIMIZERS)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise CheckError(f"--steps {steps!r} is not allowed; allowed: an integer ≥ 0")
-    with config.composed():
-        cfg, _ = config.compose(["experiment=gather_audit", f"optim={optim}"])
+    cfg, model, optimizer, dataset = _composed(optim)
     size = cfg.global_batch_size
     for world_size in world_sizes:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
@@ -208,11 +230,10 @@ def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, .
                 f"world size {world_size} does not divide the global batch of {size}; allowed: "
                 f"divisors of {size}"
             )
-    model = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
     batches = gradients.global_batches(
-        config.build_dataset(cfg), size, cfg.seed, bool(cfg.data.shuffle), max(steps, 1)
+        dataset, size, cfg.seed, bool(cfg.data.shuffle), max(steps, 1)
     )
-    return cfg, model, config.build_optimizer(cfg), batches
+    return cfg, model, optimizer, batches
 
 
 def _run(
@@ -312,8 +333,7 @@ def check_gather(
     gather_name, gather_fn = _gather(gather)
     if gather_fn is None:
         raise CheckError("--gather native is no gather; allowed: a name or module:function")
-    with config.composed():
-        cfg, _ = config.compose(["experiment=gather_audit"])
+    cfg = _composed("sgd")[0]
     losses = {
         name: config.loss_factory_of(cfg.audit.losses[name], gather_fn, seed)
         for name in STYLE_LOSSES
