@@ -6,9 +6,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,20 +57,6 @@ def run_command(module: str, *args: str) -> Finished:
         except SystemExit as exit:
             returncode = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
     return Finished(returncode, stdout.getvalue(), stderr.getvalue())
-
-
-def gatherlab_command(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m gatherlab.<module> args`` in a fresh interpreter in the repository, as a user
-    runs it; for what only a new process shows (see each caller's docstring)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", f"gatherlab.{module}", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def descendants() -> dict[int, str]:

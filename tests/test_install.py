@@ -1,15 +1,18 @@
 """gatherlab as another project uses it: built into a wheel, installed (not editable) into a new
-virtual environment, and run in fresh interpreters from a directory outside the repository.
+virtual environment, and run in a fresh interpreter from a directory outside the repository.
 
 A fresh interpreter and a new environment are the point: the package must carry its configs, and
-the modules' ``__main__``, Hydra's own command-line handling and logging, and the report at the end
-of a sweep run as a user starts them. This is also the suite's command-line smoke test. The
+the modules' ``__main__``, Hydra's own command-line handling and logging, the one-line error of a
+bad value as the terminal shows it, and the report at the end of a sweep run as a user starts
+them. This is also the suite's command-line smoke test. The
 environment reuses this one's installed dependencies (a ``.pth`` file), so nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,8 +31,10 @@ pytestmark = pytest.mark.slow
 # then the command lines `python -m gatherlab.check` and `python -m gatherlab.train -m` through
 # runpy, as `-m` runs them, in one interpreter (each fresh interpreter costs seconds of imports).
 USER_SCRIPT = """
+import os
 import runpy
 import sys
+import tempfile
 from pathlib import Path
 
 import gatherlab.config
@@ -46,7 +51,25 @@ def python_m(module, *arguments):
     return 0
 
 
+def terminal(module, *arguments):
+    # what the command writes to the terminal's stderr (file descriptor 2), and its exit status
+    with tempfile.TemporaryFile(mode="w+") as captured:
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            status = python_m(module, *arguments)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+        captured.seek(0)
+        return status, captured.read()
+
+
 if __name__ == "__main__":
+    # first, while the interpreter is fresh: a bad value in a sweep stops it in one line
+    status, stderr = terminal("gatherlab.train", "-m", "optim.lr=0.1,-1", "layout=cpu2",
+                              "hydra.sweep.dir=refused")
+    print("bad value:", status, repr(stderr), flush=True)
     print("configs:", gatherlab.config.CONFIG_DIR, flush=True)
     assert_layout_invariant(GatherLayerNTXent, world_sizes=(2,), temperature=0.2)
     print("check:", python_m(
@@ -111,6 +134,14 @@ def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
     result = _run(installed, "use_gatherlab.py", cwd=elsewhere)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     output = result.stdout + result.stderr
+    # The one-line contract is about what a user's terminal shows: exit status 2, one line, no
+    # traceback, nothing written, no process started.
+    status, stderr = re.search(r"bad value: (\d+) (.*)", output).groups()
+    assert status == "2" and ast.literal_eval(stderr) == (
+        "gatherlab.train: error: optim (torch.optim.SGD): Invalid learning rate: -1\n"
+    )
+    assert not (elsewhere / "refused").exists()
+
     config_dir = Path(output.split("configs: ")[1].split()[0])
     assert config_dir.is_relative_to(installed.parents[1]), output  # the wheel's, not the repo's
     assert (config_dir / "gather" / "native.yaml").exists()
