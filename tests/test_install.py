@@ -35,11 +35,6 @@ import os
 import runpy
 import sys
 import tempfile
-from pathlib import Path
-
-import gatherlab.config
-from gatherlab.testing import assert_layout_invariant
-from standins import GatherLayerNTXent
 
 
 def python_m(module, *arguments):
@@ -65,11 +60,16 @@ def terminal(module, *arguments):
         return status, captured.read()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the pool's ranks import this file again: nothing else at the top
     # first, while the interpreter is fresh: a bad value in a sweep stops it in one line
     status, stderr = terminal("gatherlab.train", "-m", "optim.lr=0.1,-1", "layout=cpu2",
                               "hydra.sweep.dir=refused")
     print("bad value:", status, repr(stderr), flush=True)
+
+    import gatherlab.config
+    from gatherlab.testing import assert_layout_invariant
+    from standins import GatherLayerNTXent
+
     print("configs:", gatherlab.config.CONFIG_DIR, flush=True)
     assert_layout_invariant(GatherLayerNTXent, world_sizes=(2,), temperature=0.2)
     print("check:", python_m(
