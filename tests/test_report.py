@@ -56,3 +56,15 @@ def test_a_failed_run_shows_as_failed_in_its_loss_matrix_cell():
     rows = {line.split("|")[1].strip(" `"): line for line in markdown.splitlines()[2:]}
     assert rows["ntxent"].endswith("| ✓ 0 |")
     assert rows["dcl"].endswith("| failed |")
+
+
+def test_an_override_of_a_config_group_is_not_a_second_column():
+    """``launcher=external`` in one run only (the two-node torchrun run beside pooled runs) is the
+    ``launcher`` column already; a varying plain override gets its own column."""
+    runs = pd.DataFrame([
+        {"launcher": "pool", "layout": "cpu4", "overrides": {"steps": "30"}},
+        {"launcher": "external", "layout": "cpu2",
+         "overrides": {"steps": "30", "launcher": "external", "layout.nodes": "2"}},
+    ])  # fmt: skip
+    varying = report._varying_overrides(runs)
+    assert list(varying.columns) == ["layout.nodes"]

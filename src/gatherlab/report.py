@@ -59,10 +59,11 @@ def _max_param_diff(state: dict, reference: dict) -> float:
 
 
 def _varying_overrides(runs: pd.DataFrame) -> pd.DataFrame:
-    """Overrides other than the named columns whose value differs between runs."""
+    """Overrides whose value differs between runs, other than the table's own columns (a config
+    group's choice, such as ``launcher=external`` in one run only, is its column already)."""
     values = pd.DataFrame(list(runs["overrides"]), index=runs.index)
     keep = [
-        c for c in values.columns if c not in KEY_COLUMNS and values[c].nunique(dropna=False) > 1
+        c for c in values.columns if c not in runs.columns and values[c].nunique(dropna=False) > 1
     ]
     return values[keep]
 
