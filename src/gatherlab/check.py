@@ -251,7 +251,7 @@ def _run(
         try:
             references[name] = gradients.measure(loss, model, view0, view1, cfg.seed)
             if steps:
-                curves[name] = gradients.train(loss, model, batches, optimizer, 1, cfg.seed)
+                curves[name] = gradients.train(loss, model, batches, optimizer, 1, cfg.seed).losses
         except gradients.LossContractError as error:
             raise CheckError(f"loss {name}: {error}") from None
         except Exception as error:  # the factory refuses its arguments, the forward raises
@@ -261,7 +261,7 @@ def _run(
         try:
             measured = gradients.measure_on_ranks(losses, model, view0, view1, world_size, cfg.seed)
             trained = {
-                name: gradients.train(loss, model, batches, optimizer, world_size, cfg.seed)
+                name: gradients.train(loss, model, batches, optimizer, world_size, cfg.seed).losses
                 for name, loss in losses.items()
                 if steps
             }

@@ -50,7 +50,8 @@ ModelFactory = Callable[[], nn.Module]
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 __all__ = [
-    "CLASSES", "COLUMNS", "LossContractError", "Measured", "audit", "classify", "global_batches",
+    "CLASSES", "COLUMNS", "LossContractError", "Measured", "Trained", "audit", "classify",
+    "global_batches",
     "measure", "train",
 ]  # fmt: skip
 
@@ -197,7 +198,7 @@ def _train_on_rank(
     batches: Sequence[Batch],
     optimizer: Callable[..., torch.optim.Optimizer],
     seed: int,
-) -> list[float]:
+) -> tuple[list[float], torch.Tensor]:
     distributed = dist.is_available() and dist.is_initialized()
     rows = _rows(len(batches[0][0])) if distributed else slice(None)
     whole, wrapped = _build(loss, model_factory, seed, distributed)
@@ -209,7 +210,17 @@ def _train_on_rank(
         _backward(whole, value, distributed)
         step.step()
         losses.append(float(value.detach()))
-    return losses
+    parameters = torch.cat([p.detach().reshape(-1) for p in whole.parameters()])
+    return losses, parameters
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A training run: the global loss before each step, and the final parameters (the model's,
+    then the loss's own, flattened; after DDP they are the same on every rank)."""
+
+    losses: list[float]
+    parameters: torch.Tensor
 
 
 def train(
@@ -219,14 +230,14 @@ def train(
     optimizer: Callable[..., torch.optim.Optimizer],
     world_size: int,
     seed: int,
-) -> list[float]:
-    """The global loss before each step of a training run on these global batches, on one
-    device or on ``world_size`` ranks of the warm pool (plain DDP, no Lightning: the same
-    arithmetic in a fraction of the start-up)."""
+) -> Trained:
+    """A training run on these global batches, on one device or on ``world_size`` ranks of the
+    warm pool (plain DDP, no Lightning: the same arithmetic in a fraction of the start-up)."""
     if world_size == 1:
-        return _train_on_rank(loss, model_factory, batches, optimizer, seed)
+        return Trained(*_train_on_rank(loss, model_factory, batches, optimizer, seed))
     ranks = pool(world_size).run(_train_on_rank, loss, model_factory, batches, optimizer, seed)
-    return [math.fsum(values) / world_size for values in zip(*ranks, strict=True)]
+    losses = [math.fsum(values) / world_size for values in zip(*(r[0] for r in ranks), strict=True)]
+    return Trained(losses, ranks[0][1])
 
 
 def same_forward(loss: float, reference: float) -> tuple[bool, float]:

@@ -182,6 +182,24 @@ def matrix_figure(
     return figure
 
 
+def difference_curves(
+    curves: dict[str, list[float]], title: str, tolerance: float | None = None
+) -> plt.Figure:
+    """|Δloss| against the reference per optimizer step, one line per name (log scale)."""
+    with plt.rc_context(STYLE):
+        figure, axis = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
+        lines = ("-", "--", "-.", ":")  # lines that coincide stay visible
+        for number, (name, values) in enumerate(curves.items()):
+            axis.plot(
+                np.maximum(values, ZERO_FLOOR), label=name, linewidth=1.6,
+                linestyle=lines[number % len(lines)],
+            )  # fmt: skip
+        _style_difference_axis(axis, tolerance, "|Δloss| vs 1-device run")
+        axis.set_title(title, fontsize=10)
+        axis.legend(fontsize=8, ncols=2)
+    return figure
+
+
 CLASS_COLORS = {
     "exact": "#4c9f70", "1/W": "#f2c14e", "W": "#f08a4b", "biased": "#d1495b", "none": "#c3c8d0",
     "other": "#8d99ae",

@@ -1,0 +1,43 @@
+"""LARS (gatherlab.optimizers): the trust ratio cancels a constant factor on the gradient, except
+against the weight decay added to it (docs/design.md §7); bad arguments are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gatherlab.optimizers import LARS
+
+
+def _steps(scale: float, weight_decay: float) -> torch.Tensor:
+    torch.manual_seed(0)
+    parameter = torch.nn.Parameter(torch.randn(5, 3, dtype=torch.float64))
+    target = torch.randn(5, 3, dtype=torch.float64)
+    optimizer = LARS([parameter], lr=0.5, momentum=0.9, weight_decay=weight_decay)
+    for _ in range(5):
+        optimizer.zero_grad()
+        (scale * (parameter - target).pow(2).sum()).backward()
+        optimizer.step()
+    return parameter.detach()
+
+
+def test_a_constant_factor_on_the_gradient_cancels_without_weight_decay():
+    assert torch.allclose(_steps(1.0, 0.0), _steps(1 / 8, 0.0), rtol=1e-14, atol=0)
+
+
+def test_with_weight_decay_it_does_not():
+    assert not torch.allclose(_steps(1.0, 1e-2), _steps(1 / 8, 1e-2), rtol=1e-6, atol=0)
+
+
+def test_the_step_is_trust_ratio_times_learning_rate():
+    parameter = torch.nn.Parameter(torch.tensor([3.0, 4.0], dtype=torch.float64))  # norm 5
+    parameter.grad = torch.tensor([0.0, 2.0], dtype=torch.float64)  # norm 2
+    LARS([parameter], lr=1.0, momentum=0.0, trust_coefficient=0.1).step()
+    assert parameter.detach().tolist() == pytest.approx([3.0, 4.0 - 0.1 * 5 / 2 * 2.0])
+
+
+@pytest.mark.parametrize("arguments", [{"lr": 0.0}, {"lr": 1.0, "momentum": -0.1},
+                                       {"lr": 1.0, "trust_coefficient": 0.0}])  # fmt: skip
+def test_bad_arguments_are_refused_by_name(arguments):
+    with pytest.raises(ValueError, match=next(reversed(arguments))):
+        LARS([torch.nn.Parameter(torch.zeros(1))], **arguments)
