@@ -99,7 +99,7 @@ class DigitsPairs(Dataset):
         test, train = order[:test_size], order[test_size:]
         self.images, self.labels = images[train], labels[train]
         self.test_images, self.test_labels = images[test], labels[test]
-        self.seed, self.seeding = seed, seeding
+        self.seed, self.seeding, self.split_seed = seed, seeding, split_seed
         self.augmentation = augmentation or Augmentation()
         self._process_generator: torch.Generator | None = None
 
@@ -137,7 +137,34 @@ class DigitsPairs(Dataset):
         # the nearest neighbour's label breaks ties: it gets a fraction of a vote extra
         counts += 0.5 * F.one_hot(votes[:, 0], num_classes=10)
         predicted = counts.argmax(dim=1)
-        return {"knn_accuracy": float((predicted == self.test_labels).double().mean())}
+        return {
+            "knn_accuracy": float((predicted == self.test_labels).double().mean()),
+            "few_shot_accuracy": self.few_shot_accuracy(model.features, dtype),
+        }
+
+    @torch.no_grad()
+    def few_shot_accuracy(
+        self, features=None, dtype: torch.dtype = torch.float64, shots: int = 1, draws: int = 50
+    ) -> float:
+        """Test accuracy of a nearest-class-mean classifier (cosine) that knows ``shots`` labelled
+        train images per class, averaged over ``draws`` draws of those images (the same draws for
+        every model: seeded by ``split_seed``). Unlike the k-NN with the whole train split as its
+        memory, it is far from saturated on raw pixels and on an untrained network. ``features``:
+        the frozen feature map (None: the raw pixels)."""
+        encode = features or (lambda images: images.flatten(1))
+        train = F.normalize(encode(self.images.to(dtype)), dim=1)
+        test = F.normalize(encode(self.test_images.to(dtype)), dim=1)
+        rng = np.random.default_rng(self.split_seed)
+        correct = []
+        for _ in range(draws):
+            chosen = [
+                rng.choice(np.flatnonzero(self.labels.numpy() == label), shots, replace=False)
+                for label in range(10)
+            ]
+            means = torch.stack([train[torch.as_tensor(rows)].mean(dim=0) for rows in chosen])
+            predicted = (test @ F.normalize(means, dim=1).T).argmax(dim=1)
+            correct.append(float((predicted == self.test_labels).double().mean()))
+        return float(np.mean(correct))
 
 
 def digits_pairs(

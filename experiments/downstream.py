@@ -1,0 +1,133 @@
+"""README figure: does the bug change what the network learns? SimCLR on the digits, 5 seeds.
+
+Two sweeps of ``experiment=downstream`` (seeds 0..4): ``loss=ntxent`` with ``gather=fixed,old``
+on ``layout=cpu1,cpu4`` (old on a local loss: a biased gradient), and ``loss=ntxent_global`` with
+``gather=old`` on ``cpu1,cpu4`` (a 1/W gradient). Each run's backbone is probed by the 1-shot
+nearest-class-mean classifier (``few_shot_accuracy``). Per cell: mean and 95% t-interval over the
+seeds, and the paired difference from the 1-device run of the same seed and loss, with its 95%
+t-interval. Baselines: raw pixels, and the untrained network of each seed. Writes
+``figures/downstream.{png,pdf,csv,md}``.
+
+Usage: ``python experiments/downstream.py`` (about 8 minutes here), or
+``python experiments/downstream.py SWEEP_DIR SWEEP_DIR`` to redraw from the two finished sweeps.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from _sweep import FIGURES, run_sweep
+from scipy import stats
+
+from gatherlab import config, plotting, report, results
+
+SEEDS = range(5)
+
+
+def interval(values: np.ndarray) -> tuple[float, float]:
+    """Mean and the half-width of its 95% t-interval."""
+    half = stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+    return float(values.mean()), float(half)
+
+
+def baselines() -> tuple[float, list[float]]:
+    with config.composed():
+        cfg, _ = config.compose(["experiment=downstream"])
+        dataset = config.build_dataset(cfg)
+        untrained = []
+        for seed in SEEDS:
+            seeded, _ = config.compose(["experiment=downstream", f"seed={seed}"])
+            model = config.build_model(seeded).double().eval()
+            untrained.append(dataset.few_shot_accuracy(model.features))
+    return dataset.few_shot_accuracy(), untrained
+
+
+def main() -> None:
+    start = time.perf_counter()
+    sweeps = [Path(path) for path in sys.argv[1:]] or [
+        run_sweep("downstream", "loss=ntxent", "gather=fixed,old", "layout=cpu1,cpu4"),
+        run_sweep("downstream", "loss=ntxent_global", "gather=old", "layout=cpu1,cpu4"),
+    ]
+    runs = pd.concat([results.load_runs(sweep) for sweep in sweeps], ignore_index=True)
+    runs = runs[runs["status"] == "ok"]
+    raw, untrained = baselines()
+    one_device = runs[runs["devices"] == 1].drop_duplicates(["loss", "seed"])
+    reference = one_device.set_index(["loss", "seed"])["few_shot_accuracy"]
+    cells = [
+        ("ntxent", "fixed", 1, "1 device (ntxent)"),
+        ("ntxent", "fixed", 4, "fixed, 4 ranks (exact)"),
+        ("ntxent", "old", 4, "old, 4 ranks (biased)"),
+        ("ntxent_global", "old", 1, "1 device (ntxent_global)"),
+        ("ntxent_global", "old", 4, "old, 4 ranks (1/W)"),
+    ]
+    rows = []
+    for loss, gather, devices, label in cells:
+        chosen = runs[(runs["loss"] == loss) & (runs["devices"] == devices)]
+        if devices > 1:
+            chosen = chosen[chosen["gather"] == gather]
+        chosen = chosen.drop_duplicates("seed").sort_values("seed")
+        accuracy = chosen["few_shot_accuracy"].to_numpy()
+        paired = accuracy - reference.loc[loss].loc[chosen["seed"]].to_numpy()
+        mean, half = interval(accuracy)
+        diff, diff_half = interval(paired) if devices > 1 else (0.0, 0.0)
+        rows.append({
+            "cell": label, "loss": loss, "gather": gather, "devices": devices,
+            "seeds": len(accuracy), "mean": mean, "ci95": half, "paired_diff": diff,
+            "paired_ci95": diff_half,
+            "significant": devices > 1 and abs(diff) > diff_half,
+            "per_seed": " ".join(f"{a:.4f}" for a in accuracy),
+        })  # fmt: skip
+    table = pd.DataFrame(rows)
+    table.to_csv(FIGURES / "downstream.csv", index=False, float_format="%.6g")
+
+    with plt.rc_context(plotting.STYLE):
+        figure, (left, right) = plt.subplots(
+            1, 2, figsize=(10.5, 3.8), layout="constrained", gridspec_kw={"width_ratios": [3, 2]}
+        )
+        for y, (row, (_, gather, devices, _label)) in enumerate(zip(rows, cells, strict=True)):
+            color = "black" if devices == 1 else plotting.gather_color(gather)
+            accuracies = np.array(row["per_seed"].split(), dtype=float)
+            left.scatter(accuracies, [y] * len(accuracies), color=color, alpha=0.5, s=18)
+            left.errorbar(row["mean"], y, xerr=row["ci95"], fmt="o", color=color, capsize=4)
+            if devices > 1:
+                right.errorbar(row["paired_diff"], y, xerr=row["paired_ci95"], fmt="o",
+                               color=color, capsize=4)  # fmt: skip
+        left.axvline(raw, color="0.5", linestyle=":", label=f"raw pixels {raw:.3f}")
+        left.axvline(np.mean(untrained), color="0.5", linestyle="--",
+                     label=f"untrained network {np.mean(untrained):.3f}")  # fmt: skip
+        for axis in (left, right):
+            axis.set_yticks(range(len(rows)), [row["cell"] for row in rows])
+            axis.invert_yaxis()
+        right.set_yticklabels([])
+        right.axvline(0, color="black", linewidth=1)
+        left.set(xlabel="1-shot probe accuracy (test, mean of 50 label draws)",
+                 title="5 seeds: each seed (dots), mean and 95% interval")  # fmt: skip
+        right.set(xlabel="Δ accuracy vs the 1-device run, same seed",
+                  title="paired difference, 95% interval")  # fmt: skip
+        left.legend(fontsize=8, loc="lower left")
+    plotting.save(figure, FIGURES / "downstream")
+    header = ["cell", "mean ± 95%", "paired difference ± 95%", "significant", "per seed"]
+    body = [
+        [row["cell"], f"{row['mean']:.4f} ± {row['ci95']:.4f}",
+         f"{row['paired_diff']:+.4f} ± {row['paired_ci95']:.4f}" if row["devices"] > 1 else "—",
+         ("yes" if row["significant"] else "no") if row["devices"] > 1 else "—", row["per_seed"]]
+        for row in rows
+    ]  # fmt: skip
+    text = (
+        f"1-shot probe accuracy; raw pixels {raw:.4f}, untrained network "
+        f"{np.mean(untrained):.4f} (seeds: {' '.join(f'{u:.4f}' for u in untrained)})\n\n"
+        + report.markdown_table(header, body)
+        + "\n"
+    )
+    (FIGURES / "downstream.md").write_text(text)
+    print(text)
+    print(f"wall time {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
