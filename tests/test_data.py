@@ -78,3 +78,13 @@ def test_gaussian_pairs_are_seeded():
     assert (first.view0 == again.view0).all() and (first.view1 == again.view1).all()
     assert not (first.view0 == other.view0).all()
     assert not (first.view0 == first.view1).all()
+
+
+def test_the_few_shot_probe_is_seeded_and_not_saturated_on_raw_pixels():
+    """docs/design.md §8: the same label draws for every model, and room above raw pixels."""
+    from gatherlab.data import digits_pairs
+
+    dataset = digits_pairs()
+    raw = dataset.few_shot_accuracy()
+    assert raw == dataset.few_shot_accuracy(lambda images: images.flatten(1))  # same draws
+    assert 0.5 < raw < 0.8
