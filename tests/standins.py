@@ -230,21 +230,13 @@ class FailsOnRankOne(nn.Module):
         return gather_with_grad(out0 - out1).pow(2).mean()
 
 
-class GatherLayerTimesW(torch.autograd.Function):
+class GatherLayerTimesW(GatherLayer):
     """A GatherLayer whose backward also multiplies by the world size "to undo DDP's average", on
     top of a sum that already does: every gradient is W times one device's."""
 
     @staticmethod
-    def forward(ctx, input):
-        output = [torch.empty_like(input) for _ in range(dist.get_world_size())]
-        dist.all_gather(output, input)
-        return tuple(output)
-
-    @staticmethod
     def backward(ctx, *grads):
-        all_gradients = torch.stack(grads)
-        dist.all_reduce(all_gradients)
-        return all_gradients[dist.get_rank()] * dist.get_world_size()
+        return GatherLayer.backward(ctx, *grads) * dist.get_world_size()
 
 
 class CompensatedGlobalLoss(nn.Module):

@@ -18,26 +18,18 @@ from typing import Any
 import pandas as pd
 
 from gatherlab import check
-from gatherlab import gather as gathering
 
 __all__ = ["assert_layout_invariant"]
 
 
 def assert_layout_invariant(
-    factory: str | Callable[..., Any],
-    world_sizes: Iterable[int] = (2, 4),
-    *,
-    gather: str | gathering.GatherFn | None = None,
-    steps: int = 0,
-    optim: str = "sgd",
-    **kwargs: Any,
+    factory: str | Callable[..., Any], world_sizes: Iterable[int] = (2, 4), **arguments: Any
 ) -> pd.DataFrame:
     """Fail with the check's table and diagnosis unless, at every world size, the loss built by
-    ``factory(**kwargs)`` gives the 1-device loss and gradient (``gatherlab.check.check_loss``,
-    same arguments); return the table when it does."""
-    table = check.check_loss(
-        factory, world_sizes, gather=gather, steps=steps, optim=optim, **kwargs
-    )
+    ``factory`` gives the 1-device loss and gradient; return the table when it does.
+    ``arguments`` are ``gatherlab.check.check_loss``'s: ``gather=``, ``steps=``, ``optim=``,
+    ``seed=`` and the loss's own keyword arguments."""
+    table = check.check_loss(factory, world_sizes, **arguments)
     if not (table["verdict"] == "exact").all():
         raise AssertionError(check.explain(table))
     return table
