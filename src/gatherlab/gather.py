@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from gatherlab import simworld
+
 GatherFn = Callable[[torch.Tensor], torch.Tensor]
 
 # The loss styles of docs/design.md §1 and the gradient classes a gather's backward can give.
@@ -52,15 +54,26 @@ class Gather:
     a disagreement. A style left out has no prediction. Calling the object gathers when a process
     group of more than one rank runs, and returns its input otherwise, so the same loss code runs
     on one device. Subclasses are picklable (ranks may be spawned processes).
+
+    ``backward`` names the rule its backward obeys (``simworld.RULES``: ``sum``, ``own``,
+    ``mean``, ``none``), from which the simulated world of ``simworld`` reproduces it without a
+    process group; a gather that names none runs on real ranks only.
     """
 
     predicted: Mapping[str, str] = {}
+    backward: str | None = None
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.gather(tensor) if world_size() > 1 else tensor
+        if world_size() == 1:
+            return tensor
+        if simworld.size() is None:
+            return self.gather(tensor)
+        if self.backward is None:
+            raise TypeError(f"{type(self).__name__} names no backward rule to simulate")
+        return simworld.gather(tensor, self.backward)
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and vars(other) == vars(self)
@@ -97,12 +110,20 @@ def __getattr__(attribute: str) -> tuple[str, ...]:
 
 
 def world_size() -> int:
-    """Number of ranks in the default process group, 1 when there is none."""
+    """Number of ranks: of the simulated world in one of its ranks (``simworld``), else of the
+    default process group, 1 when there is none."""
+    simulated = simworld.size()
+    if simulated is not None:
+        return simulated
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rank() -> int:
-    """This process's rank in the default process group, 0 when there is none."""
+    """This rank: in the simulated world (``simworld``), else in the default process group, 0
+    when there is none."""
+    simulated = simworld.rank()
+    if simulated is not None:
+        return simulated
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -216,6 +237,7 @@ class Fixed(Gather):
     """lightly's GatherLayer since #1531: every rank's gradient of each slice summed."""
 
     predicted = EXACT
+    backward = "sum"
 
     def __init__(self, collective: str | None = None):
         if collective is not None and collective not in BACKWARD_COLLECTIVES:
@@ -243,6 +265,7 @@ class TorchNN(Gather):
     """``torch.distributed.nn.functional.all_gather``."""
 
     predicted = EXACT
+    backward = "sum"
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         from torch.distributed.nn.functional import all_gather
@@ -257,6 +280,7 @@ class Functional(Gather):
     whose backward torch itself uses for tensor-parallel code; measured here for that reason."""
 
     predicted = EXACT
+    backward = "sum"
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         from torch.distributed import _functional_collectives
@@ -273,6 +297,7 @@ class Lightning(Gather):
     is private to Lightning; it is called directly so that a loss needs no LightningModule."""
 
     predicted = EXACT
+    backward = "sum"
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
@@ -286,6 +311,7 @@ class Old(Gather):
     """lightly's GatherLayer before #1531: the own slice's gradient only."""
 
     predicted = OWN_SLICE_ONLY
+    backward = "own"
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return _OldGather.apply(tensor)
@@ -296,6 +322,7 @@ class NogradSwap(Gather):
     """A no-grad all_gather with the live local tensor put back in its slot (OpenCLIP's default)."""
 
     predicted = OWN_SLICE_ONLY
+    backward = "own"
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -309,6 +336,7 @@ class Avg(Gather):
     """An all_reduce AVG of the slice gradients (DisCo-CLIP, Horovod ≥ 0.21)."""
 
     predicted = OWN_SLICE_ONLY
+    backward = "mean"
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return _AvgGather.apply(tensor)
@@ -324,10 +352,18 @@ class Nograd(Gather):
     """
 
     predicted = BIASED_EVERYWHERE
+    backward = "none"
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return _all_gather(tensor)
+
+
+def rule(gather: GatherFn | None) -> str | None:
+    """The rule a gather's backward obeys (``simworld.RULES``), from which the simulated world
+    reproduces it; None for a gather that names none (it runs on real ranks only)."""
+    named = getattr(gather, "backward", None)
+    return named if named in simworld.RULES else None
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
