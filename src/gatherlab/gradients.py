@@ -12,7 +12,8 @@ classified:
 
 ``audit`` measures every gather × loss × world size (the gradient audit); ``gatherlab.check``
 measures any loss. Losses are ``LossFactory`` objects, built inside each rank; the ranks run in
-the warm worker pools.
+the warm worker pools, or, with ``simulated=True``, as the virtual ranks of ``simworld`` (any
+world size, the gathers simulated from their backward rules).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gatherlab import gather as gathering
+from gatherlab import simworld
 from gatherlab.data import GlobalBatchSampler
 from gatherlab.factory import LossFactory
 from gatherlab.gather import CLASSES, GatherFn
@@ -42,17 +44,17 @@ NORM_RATIO_TOLERANCE = 1e-10
 FORWARD_RELATIVE_TOLERANCE = 1e-10
 NO_PREDICTION = "no prediction"
 COLUMNS = (
-    "gather", "loss", "style", "world_size", "predicted", "measured", "cosine", "norm_ratio",
-    "max_rel_err",
+    "gather", "loss", "style", "world_size", "world", "predicted", "measured", "cosine",
+    "norm_ratio", "max_rel_err",
 )  # fmt: skip
+WORLDS = ("real", "simulated")  # gloo ranks of the warm pool, or the ranks of ``simworld``
 
 ModelFactory = Callable[[], nn.Module]
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 __all__ = [
-    "CLASSES", "COLUMNS", "LossContractError", "Measured", "Trained", "audit", "classify",
-    "global_batches",
-    "measure", "train",
+    "CLASSES", "COLUMNS", "WORLDS", "LossContractError", "Measured", "Trained", "audit",
+    "check_simulatable", "classify", "global_batches", "measure", "measure_on_ranks", "train",
 ]  # fmt: skip
 
 
@@ -85,8 +87,10 @@ def _build(loss: LossFactory, model_factory: ModelFactory, seed: int, distribute
     torch.manual_seed(seed)
     model = model_factory()
     whole = _Whole(model, loss()).double()
-    # DDP as Lightning configures it (every parameter must get a gradient: ``_backward`` checks).
-    wrapped = DistributedDataParallel(whole) if distributed else whole
+    # DDP as Lightning configures it (every parameter must get a gradient: ``_backward`` checks);
+    # a simulated rank averages the gradients itself after its backward (``_backward``)
+    real_ddp = distributed and simworld.size() is None
+    wrapped = DistributedDataParallel(whole) if real_ddp else whole
     return whole, wrapped
 
 
@@ -94,16 +98,26 @@ def _backward(whole: nn.Module, value: torch.Tensor, distributed: bool) -> None:
     """``value.backward()`` when a gradient can flow at all. Under DDP, a parameter left without a
     gradient while others have one means its bucket was never averaged: that is refused (a DDP
     training run of such a model fails at its next step) instead of measured."""
-    if not value.requires_grad:
-        return
-    value.backward()
-    if not distributed:
-        return
+    if value.requires_grad:
+        value.backward()
+        if distributed:
+            _check_every_parameter_has_a_gradient(whole)
+
+
+def _average(whole: nn.Module, distributed: bool) -> None:
+    """A simulated rank's DDP: the gradients averaged over ranks, which a real rank's DDP did
+    during its backward. The caller has let go of the loss's graph first: the other ranks compute
+    while this one waits, and W graphs kept alive would hold W times the memory."""
+    if distributed and simworld.size() is not None:
+        simworld.average(list(whole.parameters()))
+
+
+def _check_every_parameter_has_a_gradient(whole: nn.Module) -> None:
     missing = [name for name, p in whole.named_parameters() if p.requires_grad and p.grad is None]
     if missing and len(missing) < sum(1 for p in whole.parameters() if p.requires_grad):
         raise LossContractError(
-            f"parameter {missing[0]} gets no gradient on rank {dist.get_rank()} while others do; "
-            "DDP cannot average such a model (use every parameter in the forward)"
+            f"parameter {missing[0]} gets no gradient on rank {gathering.rank()} while others "
+            "do; DDP cannot average such a model (use every parameter in the forward)"
         )
 
 
@@ -144,11 +158,14 @@ def measure(
     whole, wrapped = _build(loss, model_factory, seed, distributed)
     value = _value(wrapped, view0.double(), view1.double())
     _backward(whole, value, distributed)
-    return Measured(float(value.detach()), _flat_gradient(whole))
+    loss_value = float(value.detach())
+    del value
+    _average(whole, distributed)
+    return Measured(loss_value, _flat_gradient(whole))
 
 
 def _rows(length: int) -> slice:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = gathering.rank(), gathering.world_size()
     batch = length // world_size
     return slice(rank * batch, (rank + 1) * batch)
 
@@ -166,9 +183,28 @@ def _on_rank(
     measured = {}
     for cell, loss in cells.items():
         result = measure(loss, model_factory, view0[rows], view1[rows], seed, distributed=True)
-        keep = result.gradient if dist.get_rank() == 0 else torch.empty(0)
+        keep = result.gradient if gathering.rank() == 0 else torch.empty(0)
         measured[cell] = Measured(result.loss, keep)
     return measured
+
+
+def _run(world_size: int, simulated: bool, function: Callable[..., object], *args) -> list:
+    """``function(*args)`` on every rank of a world: W ranks of the warm pool, or W simulated
+    ranks in this process."""
+    if simulated:
+        return simworld.run(world_size, function, *args)
+    return pool(world_size).run(function, *args)
+
+
+def check_simulatable(loss: LossFactory) -> None:
+    """A ValueError in one line unless the simulated world can run ``loss``: its gather must be
+    a ``Gather`` that names the rule of its backward (a loss without a gather communicates by
+    itself, through a process group the simulated world does not have)."""
+    if gathering.rule(loss.gather) is None:
+        raise ValueError(
+            f"gather {loss.gather!r} of {loss.name} cannot be simulated; allowed: a "
+            f"gatherlab.gather.Gather whose backward names a rule ({', '.join(simworld.RULES)})"
+        )
 
 
 def measure_on_ranks(
@@ -178,12 +214,17 @@ def measure_on_ranks(
     view1: torch.Tensor,
     world_size: int,
     seed: int,
+    simulated: bool = False,
 ) -> dict[Hashable, Measured]:
     """Each cell's global loss (the mean over ranks of the ranks' losses) and DDP's gradient, on
-    ``world_size`` ranks of the warm pool, each holding its slice of the global batch."""
+    ``world_size`` ranks of the warm pool (or of the simulated world), each holding its slice of
+    the global batch."""
     if len(view0) % world_size:
         raise ValueError(f"the global batch of {len(view0)} does not split over {world_size}")
-    ranks = pool(world_size).run(_on_rank, dict(cells), model_factory, view0, view1, seed)
+    if simulated:
+        for loss in cells.values():
+            check_simulatable(loss)
+    ranks = _run(world_size, simulated, _on_rank, dict(cells), model_factory, view0, view1, seed)
     return {
         cell: Measured(
             math.fsum(rank[cell].loss for rank in ranks) / world_size, ranks[0][cell].gradient
@@ -199,7 +240,7 @@ def _train_on_rank(
     optimizer: Callable[..., torch.optim.Optimizer],
     seed: int,
 ) -> tuple[list[float], torch.Tensor]:
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = gathering.world_size() > 1
     rows = _rows(len(batches[0][0])) if distributed else slice(None)
     whole, wrapped = _build(loss, model_factory, seed, distributed)
     step = optimizer(whole.parameters())
@@ -208,8 +249,10 @@ def _train_on_rank(
         step.zero_grad()
         value = _value(wrapped, view0[rows].double(), view1[rows].double())
         _backward(whole, value, distributed)
-        step.step()
         losses.append(float(value.detach()))
+        del value
+        _average(whole, distributed)
+        step.step()
     parameters = torch.cat([p.detach().reshape(-1) for p in whole.parameters()])
     return losses, parameters
 
@@ -230,12 +273,18 @@ def train(
     optimizer: Callable[..., torch.optim.Optimizer],
     world_size: int,
     seed: int,
+    simulated: bool = False,
 ) -> Trained:
     """A training run on these global batches, on one device or on ``world_size`` ranks of the
-    warm pool (plain DDP, no Lightning: the same arithmetic in a fraction of the start-up)."""
+    warm pool (plain DDP, no Lightning: the same arithmetic in a fraction of the start-up), or of
+    the simulated world."""
     if world_size == 1:
         return Trained(*_train_on_rank(loss, model_factory, batches, optimizer, seed))
-    ranks = pool(world_size).run(_train_on_rank, loss, model_factory, batches, optimizer, seed)
+    if simulated:
+        check_simulatable(loss)
+    ranks = _run(
+        world_size, simulated, _train_on_rank, loss, model_factory, batches, optimizer, seed
+    )
     losses = [math.fsum(values) / world_size for values in zip(*(r[0] for r in ranks), strict=True)]
     return Trained(losses, ranks[0][1])
 
@@ -297,9 +346,11 @@ def audit(
     gathers: Mapping[str, GatherFn],
     world_sizes: Sequence[int] = (2, 4, 8),
     seed: int = 0,
+    simulated_world_sizes: Sequence[int] = (),
 ) -> pd.DataFrame:
-    """One row per gather × loss × world size (``COLUMNS``). ``losses`` maps a loss name to its
-    factory (its gather is replaced by each gather's), ``gathers`` a gather name to the gather;
+    """One row per gather × loss × world (``COLUMNS``): ``world_sizes`` on real ranks, then
+    ``simulated_world_sizes`` in the simulated world. ``losses`` maps a loss name to its factory
+    (its gather is replaced by each gather's), ``gathers`` a gather name to the gather;
     ``view0``/``view1`` are one global batch."""
     references = {
         name: measure(loss.with_gather(None), model_factory, view0, view1, seed)
@@ -311,9 +362,11 @@ def audit(
         for name, loss in losses.items()
     }
     rows = []
-    for world_size in world_sizes:
-        log.info("auditing %d cells on %d ranks", len(cells), world_size)
-        measured = measure_on_ranks(cells, model_factory, view0, view1, world_size, seed)
+    worlds = [(w, "real") for w in world_sizes] + [(w, "simulated") for w in simulated_world_sizes]
+    for world_size, world in worlds:
+        log.info("auditing %d cells on %d %s ranks", len(cells), world_size, world)
+        simulated = world == "simulated"
+        measured = measure_on_ranks(cells, model_factory, view0, view1, world_size, seed, simulated)
         for gather, name in cells:
             gradient_class, cosine, norm_ratio, max_rel_err = classify(
                 measured[gather, name].gradient, references[name].gradient, world_size
@@ -325,6 +378,7 @@ def audit(
                     "loss": name,
                     "style": loss_style or "unknown",
                     "world_size": world_size,
+                    "world": world,
                     "predicted": predicted(gathers[gather], loss_style),
                     "measured": gradient_class,
                     "cosine": cosine,

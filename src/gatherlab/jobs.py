@@ -14,6 +14,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gatherlab import config, gradients, launch, runfiles, tracking
+from gatherlab import config, gradients, launch, runfiles, simworld, tracking
+from gatherlab import gather as gathering
 from gatherlab.config import ConfigError
+from gatherlab.factory import LossFactory
 from gatherlab.module import ContrastiveModule, PairDataModule, ProgressLog, RunRecorder
 from gatherlab.pool import RankError
 
@@ -185,6 +188,31 @@ def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, precision: str) ->
 # --- the gradient audit ------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class AuditInputs:
+    """What an audit measures on: one global batch, the losses (name → factory, each rank builds
+    its own with the gather under audit) and the model factory."""
+
+    view0: torch.Tensor
+    view1: torch.Tensor
+    losses: dict[str, LossFactory]
+    model_factory: Callable[[], torch.nn.Module]
+
+
+def audit_inputs(cfg: DictConfig) -> AuditInputs:
+    """The global batch, losses and model of a checked ``experiment=gather_audit`` config."""
+    dataset = config.build_dataset(cfg)
+    [(view0, view1)] = gradients.global_batches(
+        dataset, cfg.global_batch_size, cfg.seed, bool(cfg.data.shuffle), steps=1
+    )
+    losses = {
+        name: config.loss_factory_of(spec, None, cfg.seed)
+        for name, spec in cfg.audit.losses.items()
+    }
+    model_factory = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
+    return AuditInputs(view0, view1, losses, model_factory)
+
+
 def run_audit(
     cfg: DictConfig, out: Path, gathers: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]
 ) -> pd.DataFrame:
@@ -193,24 +221,36 @@ def run_audit(
     out = Path(out)
     if (out / runfiles.AUDIT).exists():
         raise ConfigError(f"{out} already holds an audit; it is never overwritten")
-    dataset = config.build_dataset(cfg)
-    [(view0, view1)] = gradients.global_batches(
-        dataset, cfg.global_batch_size, cfg.seed, bool(cfg.data.shuffle), steps=1
-    )
-    # factories: each rank builds its own loss (with the gather under audit) and model
-    losses = {
-        name: config.loss_factory_of(spec, None, cfg.seed)
-        for name, spec in cfg.audit.losses.items()
-    }
-    model_factory = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
+    for key in ("world_sizes", "simulated_world_sizes"):
+        for size in cfg.audit.get(key) or []:
+            if (
+                isinstance(size, bool)
+                or not isinstance(size, int)
+                or size < 2
+                or (cfg.global_batch_size % size)
+            ):
+                raise ConfigError(
+                    f"audit.{key} holds {size!r}; allowed: integers ≥ 2 that divide "
+                    f"global_batch_size={cfg.global_batch_size}"
+                )
+    simulated_world_sizes = list(cfg.audit.get("simulated_world_sizes") or [])
+    unsimulatable = [name for name, gather in gathers.items() if gathering.rule(gather) is None]
+    if simulated_world_sizes and unsimulatable:
+        raise ConfigError(
+            f"audit.simulated_world_sizes: gather {unsimulatable[0]} names no backward rule to "
+            f"simulate; allowed: gathers whose backward rule is one of "
+            f"{', '.join(simworld.RULES)} (docs/design.md §9), or no simulated world sizes"
+        )
+    inputs = audit_inputs(cfg)
     table = gradients.audit(
-        losses,
-        model_factory,
-        view0,
-        view1,
+        inputs.losses,
+        inputs.model_factory,
+        inputs.view0,
+        inputs.view1,
         gathers=gathers,
         world_sizes=list(cfg.audit.world_sizes),
         seed=cfg.seed,
+        simulated_world_sizes=simulated_world_sizes,
     )
     out.mkdir(parents=True, exist_ok=True)
     runfiles.write_table(table, out / runfiles.AUDIT)

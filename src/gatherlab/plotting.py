@@ -22,6 +22,8 @@ GATHER_COLORS = {
     "nograd": "#8c564b",
     "avg": "#e377c2",
 }
+# how a column of the simulated world (gatherlab.simworld) is labelled apart from real ranks
+SIMULATED_MARK = {"real": "", "simulated": " sim"}
 REFERENCE_STYLE = {"color": "black", "linestyle": (0, (4, 3)), "linewidth": 2.0, "zorder": 5}
 DEVICE_STYLES = {2: "-", 4: "-.", 8: ":"}
 PRECISION_NAMES = {"64-true": "float64", "32-true": "float32"}
@@ -213,8 +215,8 @@ def audit_figure(table: pd.DataFrame, classes: tuple[str, ...]) -> plt.Figure:
     gathers = list(dict.fromkeys(table["gather"]))
     losses = list(dict.fromkeys(table["loss"]))
     columns = sorted(
-        dict.fromkeys(zip(table["loss"], table["world_size"], strict=True)),
-        key=lambda column: (losses.index(column[0]), column[1]),
+        dict.fromkeys(zip(table["loss"], table["world_size"], table["world"], strict=True)),
+        key=lambda column: (losses.index(column[0]), column[1], column[2]),
     )
     styles = dict(zip(table["loss"], table["style"], strict=True))
     codes = np.full((len(gathers), len(columns)), np.nan)
@@ -225,7 +227,7 @@ def audit_figure(table: pd.DataFrame, classes: tuple[str, ...]) -> plt.Figure:
         )
         for _, cell in table.iterrows():
             row = gathers.index(cell["gather"])
-            column = columns.index((cell["loss"], cell["world_size"]))
+            column = columns.index((cell["loss"], cell["world_size"], cell["world"]))
             codes[row, column] = classes.index(cell["measured"])
             surprise = cell["measured"] != cell["predicted"]
             text = cell["measured"]
@@ -245,7 +247,10 @@ def audit_figure(table: pd.DataFrame, classes: tuple[str, ...]) -> plt.Figure:
         axis.xaxis.tick_top()
         axis.set_xticks(
             range(len(columns)),
-            [f"{loss}\n({styles[loss]})\nW={size}" for loss, size in columns],
+            [
+                f"{loss}\n({styles[loss]})\nW={size}{SIMULATED_MARK[world]}"
+                for loss, size, world in columns
+            ],
         )
         axis.set_yticks(range(len(gathers)), gathers)
         for label, gather in zip(axis.get_yticklabels(), gathers, strict=True):
@@ -267,6 +272,99 @@ def audit_figure(table: pd.DataFrame, classes: tuple[str, ...]) -> plt.Figure:
         axis.set_title(
             "gradient after DDP's average vs the 1-device gradient (float64)", fontsize=9, pad=6
         )
+    return figure
+
+
+def scaling_figure(table: pd.DataFrame) -> plt.Figure:
+    """The gradient of each inexact gather against W (``scaling.csv``), sized for one column of a
+    paper: one row per loss, cosine (left) and norm ratio (right) to the 1-device gradient; the
+    simulated world as lines, real ranks as open squares, the prediction dashed. A gather exact
+    at every W is named in the title instead of drawn; one with no gradient at all in its panel."""
+    losses = list(dict.fromkeys(table["loss"]))
+    exact = [
+        gather
+        for gather, cells in table.groupby("gather", sort=False)
+        if (cells["measured"] == "exact").all()
+    ]
+    drawn = table[~table["gather"].isin(exact)]
+    sizes = sorted(set(table["world_size"]))
+    with plt.rc_context({**STYLE, "font.size": 7, "axes.titlesize": 7}):
+        figure, axes = plt.subplots(
+            len(losses), 2, figsize=(3.5, 0.5 + 1.55 * len(losses)), sharex=True, squeeze=False,
+            layout="constrained",
+        )  # fmt: skip
+        for row, loss in enumerate(losses):
+            cells = drawn[drawn["loss"] == loss]
+            cosine_axis, ratio_axis = axes[row]
+            absent = []
+            # each drawn thinner than the one before: curves that coincide stay visible
+            for order, (gather, rows) in enumerate(cells.groupby("gather", sort=False)):
+                rows = rows.sort_values("world_size")
+                if (rows["norm_ratio"] == 0).all():
+                    absent.append(gather)
+                    continue
+                color = gather_color(gather)
+                simulated, real = rows[rows["world"] == "simulated"], rows[rows["world"] == "real"]
+                predicted = rows.drop_duplicates("world_size")
+                for axis, key in ((cosine_axis, "cosine"), (ratio_axis, "norm_ratio")):
+                    axis.plot(
+                        predicted["world_size"], predicted[f"predicted_{key}"], color="black",
+                        linestyle=(0, (2, 2)), linewidth=0.7, zorder=4,
+                    )  # fmt: skip
+                    axis.plot(
+                        simulated["world_size"], simulated[key], color=color, marker="o",
+                        markersize=3 - 0.5 * order, linewidth=2.6 - 0.8 * order,
+                        label=gather if row == 0 and key == "cosine" else None,
+                    )  # fmt: skip
+                    axis.plot(
+                        real["world_size"], real[key], linestyle="none", marker="s",
+                        markersize=6, markerfacecolor="none", markeredgecolor=color,
+                        markeredgewidth=1.0,
+                    )  # fmt: skip
+            style = table[table["loss"] == loss]["style"].iloc[0]
+            cosine_axis.set_ylabel(f"{loss}\n({style} loss)")
+            if row == 0:
+                cosine_axis.set_title("cosine to the 1-device gradient")
+                ratio_axis.set_title("norm ratio ‖g‖ / ‖g₁‖")
+            if absent:
+                cosine_axis.text(
+                    0.03, 0.06, f"{', '.join(absent)}: no gradient at all", fontsize=6,
+                    transform=cosine_axis.transAxes, color="0.3",
+                )  # fmt: skip
+            ratio_axis.set_yscale("log")
+            low, high = ratio_axis.get_ylim()  # within a decade, log ticks would crowd
+            ratio_axis.yaxis.set_major_locator(
+                matplotlib.ticker.MaxNLocator(nbins=4)
+                if high < 10 * low
+                else matplotlib.ticker.LogLocator(subs=(1, 2, 5))
+            )
+            ratio_axis.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter("{:g}".format))
+            ratio_axis.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        for axis in axes[-1]:
+            axis.set_xscale("log", base=2)
+            axis.set_xticks([s for s in sizes if s in (2, 8, 32, 128, 512)] or sizes)
+            axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter("{:g}".format))
+            axis.xaxis.set_minor_locator(matplotlib.ticker.FixedLocator(sizes))
+            axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            axis.set_xlabel("world size W")
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        handles += [
+            matplotlib.lines.Line2D([], [], color="0.3", marker="o", markersize=3),
+            matplotlib.lines.Line2D(
+                [], [], color="0.3", linestyle="none", marker="s", markersize=6,
+                markerfacecolor="none",
+            ),
+            matplotlib.lines.Line2D([], [], color="black", linestyle=(0, (2, 2)), linewidth=0.7),
+        ]  # fmt: skip
+        labels += ["simulated", "real gloo ranks", "predicted"]
+        figure.legend(
+            handles, labels, loc="outside lower center", ncol=3, fontsize=6.5, handlelength=2.0,
+            columnspacing=1.0,
+        )  # fmt: skip
+        title = "inexact gathers against W, float64"
+        if exact:
+            title += f" (exact at every W: {', '.join(exact)})"
+        figure.suptitle(title, fontsize=7.5)
     return figure
 
 

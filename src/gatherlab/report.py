@@ -317,19 +317,20 @@ def audit_markdown(table: pd.DataFrame) -> str:
     (with the prediction where they differ)."""
     losses = list(dict.fromkeys(table["loss"]))
     columns = sorted(
-        dict.fromkeys(zip(table["loss"], table["world_size"], strict=True)),
-        key=lambda column: (losses.index(column[0]), column[1]),
+        dict.fromkeys(zip(table["loss"], table["world_size"], table["world"], strict=True)),
+        key=lambda column: (losses.index(column[0]), column[1], column[2]),
     )
     styles = dict(zip(table["loss"], table["style"], strict=True))
     header = ["gather"] + [
-        f"`{loss}` ({styles[loss]}) W={world_size}" for loss, world_size in columns
+        f"`{loss}` ({styles[loss]}) W={world_size}{plotting.SIMULATED_MARK[world]}"
+        for loss, world_size, world in columns
     ]
-    cells = table.set_index(["gather", "loss", "world_size"])
+    cells = table.set_index(["gather", "loss", "world_size", "world"])
     rows = []
     for gather in dict.fromkeys(table["gather"]):
         row = [f"`{gather}`"]
-        for loss, world_size in columns:
-            measured = cells.loc[(gather, loss, world_size)]
+        for loss, world_size, world in columns:
+            measured = cells.loc[(gather, loss, world_size, world)]
             cell = measured["measured"]
             if measured["measured"] != measured["predicted"]:
                 cell = f"⚠ {cell} (predicted {measured['predicted']})"
@@ -338,7 +339,53 @@ def audit_markdown(table: pd.DataFrame) -> str:
     intro = (
         "Measured class of the parameter gradient after DDP's average against the 1-device "
         "gradient (float64); ⚠ marks a cell whose measurement differs from the gather's "
-        "prediction (docs/design.md §1), which follows it."
+        'prediction (docs/design.md §1), which follows it; "sim" marks a simulated world '
+        "(docs/design.md §9)."
+    )
+    return f"{intro}\n\n{markdown_table(header, rows)}\n"
+
+
+def _cosine_and_ratio(row: pd.Series) -> str:
+    if pd.isna(row["cosine"]):
+        return "none" if row["norm_ratio"] == 0 else "n/a"
+    return f"{row['cosine']:.4g} / {row['norm_ratio']:.3g}"
+
+
+def scaling_markdown(table: pd.DataFrame) -> str:
+    """The gradient against W (``scaling.csv``) as a Markdown table: per loss and gather, cosine
+    and norm ratio at each W (the simulated world's where it ran, else real ranks', marked r), and
+    how far the measurement is from the prediction."""
+    sizes = sorted(set(table["world_size"]))
+    header = ["loss (style)", "gather", *(f"W={size}" for size in sizes)]
+    header += ["max \\|Δcos\\|", "max \\|Δratio\\|/ratio", "prediction"]
+    rows = []
+    for (loss, gather), cells in table.groupby(["loss", "gather"], sort=False):
+        row = [f"`{loss}` ({cells['style'].iloc[0]})", f"`{gather}`"]
+        for size in sizes:
+            at = cells[cells["world_size"] == size]
+            simulated = at[at["world"] == "simulated"]
+            if len(simulated):
+                row.append(_cosine_and_ratio(simulated.iloc[0]))
+            elif len(at):
+                row.append(f"{_cosine_and_ratio(at.iloc[0])} r")
+            else:
+                row.append("")
+        predicted = cells[cells["prediction"] != "none"]
+        cosine = (predicted["cosine"] - predicted["predicted_cosine"]).abs().max()
+        ratio = (
+            (predicted["norm_ratio"] / predicted["predicted_norm_ratio"] - 1).abs().max()
+            if (predicted["predicted_norm_ratio"] > 0).all()
+            else (predicted["norm_ratio"] - predicted["predicted_norm_ratio"]).abs().max()
+        )
+        kinds = ", ".join(dict.fromkeys(cells["prediction"]))
+        row += [f"{cosine:.2g}" if len(predicted) else "", f"{ratio:.2g}" if len(predicted) else ""]
+        rows.append([*row, kinds])
+    intro = (
+        "Cosine / norm ratio of the parameter gradient after DDP's average to the 1-device "
+        "gradient (float64) against the world size W: the simulated world's, or real gloo "
+        "ranks' where marked r (docs/design.md §9). The last columns compare every row, real "
+        "and simulated, with its prediction (exact: a closed form; expectation: over the random "
+        'partition of the batch into slices); "none": no gradient at all.'
     )
     return f"{intro}\n\n{markdown_table(header, rows)}\n"
 

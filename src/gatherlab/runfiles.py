@@ -24,6 +24,7 @@ CURVE_COLUMNS = ("step", "loss", "grad_norm")
 COMPARISON = "comparison.csv"
 AUDIT = "audit.csv"
 CHECK = "check.csv"
+SCALING = "scaling.csv"
 
 
 def write_curves(run_dir: Path, rows: Iterable[Mapping[str, float]]) -> None:
