@@ -1,9 +1,10 @@
 """README figure: when does a 1/W or biased gradient matter under real optimizers?
 
 Composes ``experiment=optimizer_matrix`` and trains, for every optimizer × cell (a gather on a
-loss: exact, 1/W or biased per the audit) × W = 2, 4, 8 real gloo ranks, the same 100 steps as one
-device (plain DDP, float64, ``gatherlab.gradients.train``); records max |Δloss| over the steps and
-the final max |Δweight|. Writes ``figures/optimizer_matrix.{png,pdf,csv,md}`` (the matrix) and
+loss: exact, 1/W or biased per the audit) × W = 2, 4, 8 real gloo ranks and W = 32 simulated ranks
+(``gatherlab.simworld``, one sample each), the same 100 steps as one device (plain DDP, float64,
+``gatherlab.gradients.train``); records max |Δloss| over the steps and the final max |Δweight|.
+Writes ``figures/optimizer_matrix.{png,pdf,csv,md}`` (the matrix) and
 ``figures/optimizer_curves.{png,pdf}`` (|Δloss| per step of the 1/W cell at the largest W).
 
 Usage: ``python experiments/optimizer_matrix.py``
@@ -34,6 +35,9 @@ def main() -> None:
     losses = {
         name: config.loss_factory_of(node, None, cfg.seed) for name, node in spec.losses.items()
     }
+    # real gloo ranks, then the simulated world (gatherlab.simworld) beyond the machine
+    worlds = [(w, False) for w in spec.world_sizes]
+    worlds += [(w, True) for w in spec.get("simulated_world_sizes", [])]
     rows, curves = [], {}
     for optimizer_name, node in spec.optimizers.items():
         optimizer = config.instantiate("optim", node)
@@ -44,8 +48,10 @@ def main() -> None:
         for cell in spec.cells:
             loss = losses[cell.loss].with_gather(gathering.get(cell.gather))
             reference = references[cell.loss]
-            for world_size in spec.world_sizes:
-                run = gradients.train(loss, model, batches, optimizer, world_size, cfg.seed)
+            for world_size, simulated in worlds:
+                run = gradients.train(
+                    loss, model, batches, optimizer, world_size, cfg.seed, simulated
+                )
                 differences = [
                     abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True)
                 ]
@@ -53,35 +59,38 @@ def main() -> None:
                 rows.append({
                     "optimizer": optimizer_name, "cell": label, "gather": cell.gather,
                     "loss": cell.loss, "gradient": cell.measured, "world_size": world_size,
+                    "world": "simulated" if simulated else "real",
+                    "ranks": f"{world_size} sim" if simulated else str(world_size),
                     "max_abs_loss_diff": max(differences),
                     "max_abs_param_diff": float(
                         (run.parameters - reference.parameters).abs().max()
                     ),
                     "final_loss": run.losses[-1], "reference_final_loss": reference.losses[-1],
                 })  # fmt: skip
-                if cell.measured == "1/W" and world_size == max(spec.world_sizes):
+                if cell.measured == "1/W" and (world_size, simulated) == worlds[-1]:
                     curves[optimizer_name] = differences
         print(f"{optimizer_name}: done, {time.perf_counter() - start:.0f} s", flush=True)
     table = pd.DataFrame(rows)
     table.to_csv(FIGURES / "optimizer_matrix.csv", index=False, float_format="%.6g")
-    batch = {w: cfg.global_batch_size // w for w in spec.world_sizes}
+    batch = dict(zip(table["ranks"], table["world_size"], strict=True))
     diff = table.pivot_table(
-        index="optimizer", columns=["cell", "world_size"], values="max_abs_loss_diff", sort=False
+        index="optimizer", columns=["cell", "ranks"], values="max_abs_loss_diff", sort=False
     )
-    diff.columns = [(cell, w, batch[w]) for cell, w in diff.columns]
+    diff.columns = [(cell, w, cfg.global_batch_size // batch[w]) for cell, w in diff.columns]
     diff = diff.reindex(list(spec.optimizers))
     plotting.save(plotting.matrix_figure(diff, diff <= EXACT, EXACT), FIGURES / "optimizer_matrix")
     plotting.save(
         plotting.difference_curves(
             curves,
-            f"old · ntxent_global (gradient 1/W) on {max(spec.world_sizes)} ranks",
+            f"old · ntxent_global (gradient 1/W) on {worlds[-1][0]}"
+            f"{' simulated' if worlds[-1][1] else ''} ranks",
             EXACT,
         ),
         FIGURES / "optimizer_curves",
     )
     header = ["optimizer"] + [f"{cell.replace(chr(10), ' ')} W={w}" for cell, w, _ in diff.columns]
     params = table.pivot_table(
-        index="optimizer", columns=["cell", "world_size"], values="max_abs_param_diff", sort=False
+        index="optimizer", columns=["cell", "ranks"], values="max_abs_param_diff", sort=False
     ).reindex(list(spec.optimizers))
     markdown_rows = [
         [f"`{name}`"]
