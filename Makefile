@@ -23,6 +23,7 @@ test: $(STAMP)  ## run the test suite (real gloo process groups on the CPU), in 
 
 figures: $(STAMP)  ## re-run every README figure's experiment and write figures/ (PNG, PDF, tables)
 	for script in experiments/bug_demo.py experiments/loss_matrix.py experiments/gather_audit.py \
+	    experiments/gather_scaling.py \
 	    experiments/optimizer_matrix.py experiments/downstream.py \
 	    experiments/simclr_digits.py; do $(PY) $$script || exit 1; done
 
