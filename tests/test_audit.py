@@ -1,5 +1,6 @@
-"""The gradient audit on real gloo groups (W = 2 and 4): every cell's measured class, and the
-classifier on gradients whose class is known by construction."""
+"""The gradient audit on real gloo groups (W = 2, 4, 8): every cell's measured class, the same
+cells in the simulated world (its validation, docs/design.md §9), and the classifier on gradients
+whose class is known by construction."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from helpers import compose
 
-from gatherlab import audit, gather, gradients
+from gatherlab import audit, gather, gradients, jobs
 
 pytestmark = pytest.mark.slow
 
@@ -27,45 +28,98 @@ EXPECTED = {
 }
 
 
+WORLD_SIZES = (2, 4, 8)
+# The simulated world against real gloo ranks: the same arithmetic on every rank, only the
+# collectives differ (gloo's sums vs the rank-ordered sums of the simulated world): a few units in
+# the last place, far below a wrong gradient (≥ 1e-3 here).
+SAME = 1e-12
+
+
 @pytest.fixture(scope="module")
-def table(tmp_path_factory):
-    overrides = ["experiment=gather_audit", "audit.world_sizes=[2,4]"]
-    cfg, _ = compose(*overrides)
-    out = tmp_path_factory.mktemp("audit")
-    return audit.run(cfg, overrides, out), out
-
-
-def test_every_cell_has_its_expected_class(table):
-    table, _ = table
-    assert len(table) == 8 * 3 * 2
-    for _, cell in table.iterrows():
-        assert cell["measured"] == EXPECTED[cell["gather"]][cell["loss"]], dict(cell)
-
-
-def test_one_over_w_cells_are_exactly_one_over_w(table):
-    table, _ = table
-    cells = table[table["measured"] == "1/W"]
-    assert len(cells) == 3 * 2
-    assert ((cells["norm_ratio"] - 1 / cells["world_size"]).abs() <= 1e-12).all()
-
-
-def test_the_only_contradiction_is_nograd_on_the_global_loss(table):
-    table, _ = table
-    differing = table[table["measured"] != table["predicted"]]
-    assert set(zip(differing["gather"], differing["loss"], strict=True)) == {
-        ("nograd", "ntxent_global")
+def measured():
+    """The audit's setting (experiment=gather_audit: 16 Gaussian view pairs, the MLP, the local,
+    global and mixed losses): every built-in gather × loss on W = 2, 4, 8 real gloo ranks and in
+    the simulated world (``gatherlab.simworld``), and each loss on one device."""
+    cfg, _ = compose("experiment=gather_audit")
+    inputs = jobs.audit_inputs(cfg)
+    batch = (inputs.model_factory, inputs.view0, inputs.view1)
+    cells = {
+        (name, loss_name): loss.with_gather(gather.get(name))
+        for name in gather.NAMES
+        for loss_name, loss in inputs.losses.items()
     }
-    assert (differing["norm_ratio"] == 0).all()
+    one_device = {
+        name: gradients.measure(loss.with_gather(None), *batch, seed=0)
+        for name, loss in inputs.losses.items()
+    }
+    real = {w: gradients.measure_on_ranks(cells, *batch, w, 0) for w in WORLD_SIZES}
+    simulated = {
+        w: gradients.measure_on_ranks(cells, *batch, w, 0, simulated=True) for w in WORLD_SIZES
+    }
+    styles = {name: gradients.style(loss) for name, loss in inputs.losses.items()}
+    return cells, one_device, real, simulated, styles
 
 
-def test_files_are_written(table):
-    table, out = table
+def _classes(measured) -> dict:
+    cells, one_device, real, _, _ = measured
+    return {
+        (name, loss, w): gradients.classify(
+            real[w][name, loss].gradient, one_device[loss].gradient, w
+        )
+        for w in WORLD_SIZES
+        for name, loss in cells
+    }
+
+
+def test_every_cell_has_its_expected_class(measured):
+    classes = _classes(measured)
+    assert len(classes) == 8 * 3 * 3
+    for (name, loss, w), (measured_class, *_) in classes.items():
+        assert measured_class == EXPECTED[name][loss], (name, loss, w)
+
+
+def test_one_over_w_cells_are_exactly_one_over_w(measured):
+    cells = {key: value for key, value in _classes(measured).items() if value[0] == "1/W"}
+    assert len(cells) == 3 * 3
+    for (_, _, w), (_, _, norm_ratio, _) in cells.items():
+        assert abs(norm_ratio - 1 / w) <= 1e-12
+
+
+def test_the_only_contradiction_is_nograd_on_the_global_loss(measured):
+    styles = measured[-1]
+    differing = {
+        (name, loss)
+        for (name, loss, _), (measured_class, *_) in _classes(measured).items()
+        if measured_class != gradients.predicted(gather.get(name), styles[loss])
+    }
+    assert differing == {("nograd", "ntxent_global")}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_the_simulated_world_has_the_real_ranks_gradient(measured, world_size):
+    """docs/design.md §9: the simulated world is validated against real gloo ranks, for every
+    built-in gather × loss style."""
+    cells, _, real, simulated, styles = measured
+    assert set(styles.values()) == {"local", "global", "mixed"}
+    for cell in cells:
+        a, b = simulated[world_size][cell], real[world_size][cell]
+        scale = float(b.gradient.abs().max())
+        difference = float((a.gradient - b.gradient).abs().max())
+        assert difference <= SAME * scale if scale > 0 else difference == 0, cell
+        assert abs(a.loss - b.loss) <= SAME * abs(b.loss), cell
+
+
+def test_files_are_written(tmp_path):
+    overrides = ["experiment=gather_audit", "audit.world_sizes=[2]", "audit.gathers=[fixed,nograd]"]
+    cfg, _ = compose(*overrides)
+    table = audit.run(cfg, overrides, tmp_path)
     for name in ("audit.csv", "audit.md", "audit.png", "audit.pdf"):
-        assert (out / name).stat().st_size > 0
-    written = (out / "audit.csv").read_text().splitlines()
+        assert (tmp_path / name).stat().st_size > 0
+    written = (tmp_path / "audit.csv").read_text().splitlines()
     assert written[0].split(",")[: len(gradients.COLUMNS)] == list(gradients.COLUMNS)
-    assert len(written) == 1 + len(table)
-    assert "⚠ none (predicted biased)" in (out / "audit.md").read_text()
+    assert len(written) == 1 + len(table) == 1 + 2 * 3
+    assert set(table["world"]) == {"real"}
+    assert "⚠ none (predicted biased)" in (tmp_path / "audit.md").read_text()
 
 
 def _reference() -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The simulated world (``gatherlab.simworld``) is a model of the collectives, so it is validated
-against them: on W = 2, 4, 8 real gloo ranks and in the simulated world, every built-in gather ×
-loss style gives the same parameter gradient and loss, and a training run the same curve and
-weights. Then its own guarantees (no hang, one line for what it cannot run) and the predictions
-of docs/design.md §9 that the scaling figure draws."""
+against them: a training run on real gloo ranks and in the simulated world has the same curve and
+weights (the gradients of every built-in gather × loss style at W = 2, 4, 8 are compared in
+``test_audit.py``, beside the real audit's own measurements). Then its own guarantees (no hang,
+one line for what it cannot run) and the predictions of docs/design.md §9 that the scaling figure
+draws."""
 
 from __future__ import annotations
 
@@ -31,36 +32,6 @@ def audit_setting():
     the local, global and mixed losses."""
     cfg, _ = compose("experiment=gather_audit")
     return jobs.audit_inputs(cfg)
-
-
-def _cells(inputs):
-    return {
-        (name, loss_name): loss.with_gather(gather.get(name))
-        for name in gather.NAMES
-        for loss_name, loss in inputs.losses.items()
-    }
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.abs().max()
-    return float((a - b).abs().max() / scale) if scale > 0 else float((a - b).abs().max())
-
-
-@pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_every_gather_and_loss_style_has_the_real_ranks_gradient(audit_setting, world_size):
-    inputs = audit_setting
-    cells = _cells(inputs)
-    arguments = (inputs.model_factory, inputs.view0, inputs.view1, world_size, 0)
-    real = gradients.measure_on_ranks(cells, *arguments)
-    simulated = gradients.measure_on_ranks(cells, *arguments, simulated=True)
-    assert {style for _, style in cells} == {"ntxent", "ntxent_global", "vicreg"}
-    assert len(cells) == 8 * 3
-    for cell in cells:
-        assert _relative(simulated[cell].gradient, real[cell].gradient) <= SAME, cell
-        assert abs(simulated[cell].loss - real[cell].loss) <= SAME * abs(real[cell].loss), cell
-    # not vacuous: the cells differ from each other as the audit says (biased, 1/W, none)
-    assert _relative(real["old", "ntxent"].gradient, real["fixed", "ntxent"].gradient) > 1e-3
-    assert float(real["nograd", "ntxent_global"].gradient.abs().max()) == 0
 
 
 @pytest.mark.parametrize("name", ["fixed", "old"])
@@ -126,11 +97,11 @@ def test_a_gather_without_a_rule_is_refused_in_one_line(audit_setting):
 
 def test_the_closed_form_predictions_hold_at_every_world_size(tmp_path, capsys):
     """``python -m gatherlab.scaling`` on the audit's batch of 16, real ranks at W = 2 and the
-    simulated world up to W = N = 16: g, D + C/W, D and C/W (docs/design.md §9) hold in every row
-    but one kind, `old` on the local loss, whose prediction is an expectation over partitions."""
+    simulated world at W = 2, 4 and N = 16: g, D + C/W, D and C/W (docs/design.md §9) hold in
+    every row but `old` on the local loss, whose prediction is an expectation over partitions."""
     overrides = [
         "global_batch_size=16", "data.num_samples=16", "audit.world_sizes=[2]",
-        "audit.simulated_world_sizes=[2,4,8,16]",
+        "audit.simulated_world_sizes=[2,4,16]",
     ]  # fmt: skip
     scaling.main(["--out", str(tmp_path), *overrides])
     assert "written:" in capsys.readouterr().out
@@ -138,10 +109,10 @@ def test_the_closed_form_predictions_hold_at_every_world_size(tmp_path, capsys):
         assert (tmp_path / name).stat().st_size > 0
     predicted = pd.read_csv(tmp_path / "scaling.csv")
     assert list(predicted.columns) == list(scaling.COLUMNS)
-    assert len(predicted) == 4 * 3 * 5  # gathers × losses × (1 real + 4 simulated sizes)
+    assert len(predicted) == 4 * 3 * 4  # gathers × losses × (1 real + 3 simulated sizes)
     exact = predicted[predicted["prediction"] == "exact"]
     with_gradient = exact[exact["norm_ratio"] > 0]
-    assert len(exact) == len(predicted) - 5  # all but old on the local loss
+    assert len(exact) == len(predicted) - 4  # all but old on the local loss
     assert (with_gradient["cosine"] - with_gradient["predicted_cosine"]).abs().max() <= SAME
     ratio = with_gradient["norm_ratio"] / with_gradient["predicted_norm_ratio"] - 1
     assert ratio.abs().max() <= SAME
@@ -150,7 +121,7 @@ def test_the_closed_form_predictions_hold_at_every_world_size(tmp_path, capsys):
     assert with_gradient["cosine"].min() < 0
     # old on the local loss: an expectation, exact at W = N by construction, close elsewhere
     expected = predicted[predicted["prediction"] == "expectation"]
-    assert sorted(expected["world_size"]) == [2, 2, 4, 8, 16]
+    assert sorted(expected["world_size"]) == [2, 2, 4, 16]
     at_n = expected[expected["world_size"] == 16].iloc[0]
     assert abs(at_n["cosine"] - at_n["predicted_cosine"]) <= SAME
     # and a second run into the same directory is refused before anything runs
