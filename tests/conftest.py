@@ -8,13 +8,20 @@ import pytest
 from filelock import FileLock
 from helpers import PR1531_SWEEP, Finished, descendants, run_command
 
-from gatherlab import pool as pools
-
 
 @pytest.fixture(scope="session", autouse=True)
 def worker_pools():
     """The test session shares one worker pool per world size (``gatherlab.pool.pool``), so a
-    distributed test costs its computation, not process start-up. At the end no worker survives."""
+    distributed test costs its computation, not process start-up. At the end no worker survives.
+
+    Lightning is imported before the first pool starts, so that the pools' fork server preloads it
+    (``pool.PRELOAD_IF_IMPORTED``): most test processes train with it on the pools, and without
+    this, whether a pool's every rank imports it again (seconds each) would depend on which test
+    happened to start the pools first."""
+    import lightning.pytorch  # noqa: F401
+
+    from gatherlab import pool as pools
+
     yield
     workers = [psutil.Process(pid) for pool in pools._pools.values() for pid in pool.pids]
     pools.close_pools()
@@ -27,6 +34,8 @@ def no_leftover_processes():
     """Fails a test that leaves a process of its own running (a descendant of this test process)
     other than the session's pool workers. Processes of other programs on the machine, another
     gatherlab sweep included, are not this test's and are not counted."""
+    from gatherlab import pool as pools
+
     before = set(descendants())
     yield
     pool_pids = {pid for pool in pools._pools.values() for pid in pool.pids}
@@ -58,7 +67,7 @@ def pr1531_sweep(tmp_path_factory, worker_id):
 # file order, where a 50 s file could start last). Only the order depends on it, never a result.
 LONGEST_FILES = (
     "test_reliability.py", "test_check.py", "test_install.py", "test_fuzz.py", "test_cli.py",
-    "test_loss_matrix.py", "test_launch.py", "test_extend.py",
+    "test_loss_matrix.py", "test_launch.py", "test_extend.py", "test_simworld.py", "test_audit.py",
 )  # fmt: skip
 
 

@@ -1,5 +1,9 @@
 """Helpers shared by the tests: composing real configs, running the command lines, this test
-process's descendants."""
+process's descendants.
+
+gatherlab is imported where it is used: ``conftest.py`` imports this module in every pytest
+process, also in xdist's controller, which runs no test and need not spend seconds importing
+Lightning."""
 
 from __future__ import annotations
 
@@ -11,8 +15,6 @@ from pathlib import Path
 
 import psutil
 
-from gatherlab import config, configcheck, jobs
-
 REPO = Path(__file__).resolve().parents[1]
 # The small sweep the session shares (conftest.pr1531_sweep), and that resuming repeats.
 PR1531_SWEEP = (
@@ -22,12 +24,16 @@ PR1531_SWEEP = (
 
 def compose(*overrides: str):
     """A run config composed from the real configs, with its config group choices."""
+    from gatherlab import config
+
     with config.composed():
         return config.compose(list(overrides))
 
 
 def run_training(run_dir: Path, *overrides: str) -> dict:
     """One checked run in this process (its ranks in the shared pool unless ``launcher=spawn``)."""
+    from gatherlab import configcheck, jobs
+
     cfg, choices = compose(*overrides)
     configcheck.check(cfg)
     return jobs.run(cfg, run_dir, choices, overrides)

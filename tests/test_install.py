@@ -61,11 +61,8 @@ def terminal(module, *arguments):
 
 
 if __name__ == "__main__":  # the pool's ranks import this file again: nothing else at the top
-    # first, while the interpreter is fresh: a bad value in a sweep stops it in one line
-    status, stderr = terminal("gatherlab.train", "-m", "optim.lr=0.1,-1", "layout=cpu2",
-                              "hydra.sweep.dir=refused")
-    print("bad value:", status, repr(stderr), flush=True)
-
+    # first the checks, whose pool does not need Lightning (its fork server preloads what this
+    # interpreter has imported when the pool starts: gatherlab.train would bring Lightning)
     import gatherlab.config
     from gatherlab.testing import assert_layout_invariant
     from standins import GatherLayerNTXent
@@ -76,6 +73,10 @@ if __name__ == "__main__":  # the pool's ranks import this file again: nothing e
         "gatherlab.check", "standins:ClipLossForCheck", "--kwargs", '{"gather_with_grad": true}',
         "--world-sizes", "2", "--out", "check",
     ), flush=True)
+    # a bad value in a sweep stops it in one line
+    status, stderr = terminal("gatherlab.train", "-m", "optim.lr=0.1,-1", "layout=cpu2",
+                              "hydra.sweep.dir=refused")
+    print("bad value:", status, repr(stderr), flush=True)
     print("train:", python_m(
         "gatherlab.train", "-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1",
         "steps=3", "hydra.sweep.dir=sweep",

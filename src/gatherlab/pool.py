@@ -35,10 +35,11 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 POOL_START_TIMEOUT_S = 300.0
 # What the workers' fork server imports before it forks any worker: what every job runs (DDP's
 # first use imports torch._dynamo, ~3 s), and of the rest what the starting process has imported
-# itself: a training process has Lightning, a gradient check (``gatherlab.check``) does not need
-# it and does not pay its seconds.
+# itself: a training process has Lightning and gatherlab's training modules (a pool started again
+# after a failed job then runs its next job without importing them in every rank), a gradient check
+# (``gatherlab.check``) does not need them and does not pay their seconds.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
-PRELOAD_IF_IMPORTED = ("lightning.pytorch", "gatherlab.gradients")
+PRELOAD_IF_IMPORTED = ("lightning.pytorch", "gatherlab.launch", "gatherlab.gradients")
 
 
 class RankError(RuntimeError):
