@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
 from omegaconf import DictConfig
 
-from gatherlab import config, configcheck, jobs, report, runfiles
+from gatherlab import config, configcheck, jobs, report
 from gatherlab.config import ConfigError
 
 
@@ -37,27 +37,50 @@ def run(cfg: DictConfig, overrides: Sequence[str], out: Path) -> pd.DataFrame:
     return table
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m gatherlab.audit", description=__doc__.splitlines()[0]
-    )
+def command_line(
+    argv: Sequence[str] | None,
+    *,
+    name: str,
+    description: str,
+    experiment: str,
+    example: str,
+    run: Callable[[DictConfig, Sequence[str], Path], pd.DataFrame],
+    markdown: Callable[[pd.DataFrame], str],
+) -> None:
+    """``python -m gatherlab.<name> [--out DIR] [overrides]``: composes ``experiment=<experiment>``
+    with the overrides, checks it, runs ``run`` into a new directory (one that already holds
+    ``<name>.csv`` is refused) and prints ``markdown`` of its table. A bad value is one line and
+    exit status 2."""
+    parser = argparse.ArgumentParser(prog=f"python -m gatherlab.{name}", description=description)
     parser.add_argument("--out", type=Path, help="output directory (default: a new outputs/ dir)")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. audit.world_sizes=[2]")
+    parser.add_argument("overrides", nargs="*", help=f"Hydra overrides, e.g. {example}")
     args = parser.parse_args(argv)
-    overrides = ["experiment=gather_audit", *args.overrides]
-    out = args.out or Path("outputs") / "audit" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
+    overrides = [f"experiment={experiment}", *args.overrides]
+    out = args.out or Path("outputs") / name / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
     try:
-        if (out / runfiles.AUDIT).exists():
-            raise ConfigError(f"--out {out} already holds an audit; it is never overwritten")
+        if (out / f"{name}.csv").exists():
+            raise ConfigError(f"--out {out} already holds {name}.csv; it is never overwritten")
         with config.composed():
             cfg, _ = config.compose(overrides)
         configcheck.check(cfg)
         table = run(cfg, overrides, out)
     except ConfigError as error:
-        print(f"gatherlab.audit: error: {error}", file=sys.stderr)
+        print(f"gatherlab.{name}: error: {error}", file=sys.stderr)
         sys.exit(2)
-    print(report.audit_markdown(table))
-    print(f"written: {out}/audit.{{csv,md,png,pdf}}")
+    print(markdown(table))
+    print(f"written: {out}/{name}.{{csv,md,png,pdf}}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    command_line(
+        argv,
+        name="audit",
+        description=__doc__.splitlines()[0],
+        experiment="gather_audit",
+        example="audit.world_sizes=[2]",
+        run=run,
+        markdown=report.audit_markdown,
+    )
 
 
 if __name__ == "__main__":

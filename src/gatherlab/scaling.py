@@ -22,19 +22,15 @@ gather, the gradient that DDP hands to the optimizer is, by the rule of the gath
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
 import torch
 from omegaconf import DictConfig
 
-from gatherlab import config, configcheck, gradients, jobs, plotting, report, runfiles
+from gatherlab import audit, config, gradients, jobs, plotting, report, runfiles
 from gatherlab import gather as gathering
-from gatherlab.config import ConfigError
 from gatherlab.factory import LossFactory
 
 COLUMNS = (*gradients.COLUMNS, "prediction", "predicted_cosine", "predicted_norm_ratio")
@@ -144,28 +140,15 @@ def write(table: pd.DataFrame, out: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m gatherlab.scaling", description=__doc__.splitlines()[0]
+    audit.command_line(
+        argv,
+        name="scaling",
+        description=__doc__.splitlines()[0],
+        experiment="gather_scaling",
+        example="audit.simulated_world_sizes=[64]",
+        run=run,
+        markdown=report.scaling_markdown,
     )
-    parser.add_argument("--out", type=Path, help="output directory (default: a new outputs/ dir)")
-    parser.add_argument(
-        "overrides", nargs="*", help="Hydra overrides, e.g. audit.simulated_world_sizes=[64]"
-    )
-    args = parser.parse_args(argv)
-    overrides = ["experiment=gather_scaling", *args.overrides]
-    out = args.out or Path("outputs") / "scaling" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
-    try:
-        if (out / runfiles.SCALING).exists():
-            raise ConfigError(f"--out {out} already holds a scaling table; it is never overwritten")
-        with config.composed():
-            cfg, _ = config.compose(overrides)
-        configcheck.check(cfg)
-        table = run(cfg, overrides, out)
-    except ConfigError as error:
-        print(f"gatherlab.scaling: error: {error}", file=sys.stderr)
-        sys.exit(2)
-    print(report.scaling_markdown(table))
-    print(f"written: {out}/scaling.{{csv,md,png,pdf}}")
 
 
 if __name__ == "__main__":
