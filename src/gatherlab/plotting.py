@@ -443,7 +443,7 @@ def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
     The layout is computed once, for the PNG, and kept for the PDF: it is in figure coordinates,
     the same for both, and computing it is most of the time a figure of many panels takes."""
     png, pdf = Path(f"{path_without_suffix}.png"), Path(f"{path_without_suffix}.pdf")
-    figure.savefig(png)
+    figure.savefig(png, dpi=STYLE["savefig.dpi"])  # the style's resolution (saved outside it)
     figure.set_layout_engine("none")
     figure.savefig(pdf)
     plt.close(figure)
