@@ -85,31 +85,35 @@ def main() -> None:
     table = pd.DataFrame(rows)
     table.to_csv(FIGURES / "downstream.csv", index=False, float_format="%.6g")
 
-    with plt.rc_context(plotting.STYLE):
-        figure, (left, right) = plt.subplots(
-            1, 2, figsize=(10.5, 3.8), layout="constrained", gridspec_kw={"width_ratios": [3, 2]}
+    # one paper column: the accuracies above, the paired differences of the 4-rank cells below
+    with plt.rc_context({**plotting.STYLE, "font.size": 7, "axes.titlesize": 7}):
+        figure, (top, bottom) = plt.subplots(
+            2, 1, figsize=(3.5, 4.3), layout="constrained", gridspec_kw={"height_ratios": [5, 3]}
         )
+        distributed = []
         for y, (row, (_, gather, devices, _label)) in enumerate(zip(rows, cells, strict=True)):
             color = "black" if devices == 1 else plotting.gather_color(gather)
             accuracies = np.array(row["per_seed"].split(), dtype=float)
-            left.scatter(accuracies, [y] * len(accuracies), color=color, alpha=0.5, s=18)
-            left.errorbar(row["mean"], y, xerr=row["ci95"], fmt="o", color=color, capsize=4)
+            top.scatter(accuracies, [y] * len(accuracies), color=color, alpha=0.5, s=9)
+            top.errorbar(row["mean"], y, xerr=row["ci95"], fmt="o", color=color, capsize=3,
+                         markersize=4)  # fmt: skip
             if devices > 1:
-                right.errorbar(row["paired_diff"], y, xerr=row["paired_ci95"], fmt="o",
-                               color=color, capsize=4)  # fmt: skip
-        left.axvline(raw, color="0.5", linestyle=":", label=f"raw pixels {raw:.3f}")
-        left.axvline(np.mean(untrained), color="0.5", linestyle="--",
-                     label=f"untrained network {np.mean(untrained):.3f}")  # fmt: skip
-        for axis in (left, right):
-            axis.set_yticks(range(len(rows)), [row["cell"] for row in rows])
+                bottom.errorbar(row["paired_diff"], len(distributed), xerr=row["paired_ci95"],
+                                fmt="o", color=color, capsize=3, markersize=4)  # fmt: skip
+                distributed.append(row["cell"])
+        top.axvline(raw, color="0.5", linestyle=":", label=f"raw pixels {raw:.3f}")
+        top.axvline(np.mean(untrained), color="0.5", linestyle="--",
+                    label=f"untrained network {np.mean(untrained):.3f}")  # fmt: skip
+        top.set_yticks(range(len(rows)), [row["cell"] for row in rows])
+        bottom.set_yticks(range(len(distributed)), distributed)
+        for axis in (top, bottom):
             axis.invert_yaxis()
-        right.set_yticklabels([])
-        right.axvline(0, color="black", linewidth=1)
-        left.set(xlabel="1-shot probe accuracy (test, mean of 50 label draws)",
-                 title="5 seeds: each seed (dots), mean and 95% interval")  # fmt: skip
-        right.set(xlabel="Δ accuracy vs the 1-device run, same seed",
-                  title="paired difference, 95% interval")  # fmt: skip
-        left.legend(fontsize=8, loc="lower left")
+        bottom.axvline(0, color="black", linewidth=1)
+        top.set(xlabel="1-shot probe accuracy (test, 50 label draws)",
+                title="5 seeds (dots), mean and 95% interval")  # fmt: skip
+        bottom.set(xlabel="Δ accuracy vs 1 device, same seed",
+                   title="paired difference, 95% interval")  # fmt: skip
+        top.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.4, -0.2), ncol=2)
     plotting.save(figure, FIGURES / "downstream")
     header = ["cell", "mean ± 95%", "paired difference ± 95%", "significant", "per seed"]
     body = [
