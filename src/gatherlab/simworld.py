@@ -78,7 +78,7 @@ class _World:
                 self._condition.notify_all()
                 return self._result
             self._check_finished()
-            _memory.release()
+            _release_freed_memory()
             self.turn.release()
             try:
                 self._condition.wait_for(
@@ -151,8 +151,15 @@ class _FreedMemory:
             self._baseline = self._resident()
 
 
-_memory = _FreedMemory()
+_memory: _FreedMemory | None = None  # made when a first rank waits: nothing happens at import
 _local = threading.local()
+
+
+def _release_freed_memory() -> None:
+    global _memory
+    if _memory is None:
+        _memory = _FreedMemory()
+    _memory.release()
 
 
 def _world() -> _World | None:
