@@ -44,9 +44,9 @@ def scaling(name: str, *overrides: str) -> tuple[pd.DataFrame, float, float]:
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    print(f"{name}: {seconds:.0f} s, peak {peak / 1024:.0f} MB (written: {out})")
     if peak <= before:  # an earlier child used more: this one's peak is not known
         peak = float("nan")
+    print(f"{name}: {seconds:.0f} s, peak {peak / 1024:.0f} MB (written: {out})")
     return pd.read_csv(out / runfiles.SCALING), seconds, peak / 1024
 
 

@@ -47,13 +47,12 @@ COLUMNS = (
     "gather", "loss", "style", "world_size", "world", "predicted", "measured", "cosine",
     "norm_ratio", "max_rel_err",
 )  # fmt: skip
-WORLDS = ("real", "simulated")  # gloo ranks of the warm pool, or the ranks of ``simworld``
 
 ModelFactory = Callable[[], nn.Module]
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 __all__ = [
-    "CLASSES", "COLUMNS", "WORLDS", "LossContractError", "Measured", "Trained", "audit",
+    "CLASSES", "COLUMNS", "LossContractError", "Measured", "Trained", "audit",
     "check_simulatable", "classify", "global_batches", "measure", "measure_on_ranks", "train",
 ]  # fmt: skip
 

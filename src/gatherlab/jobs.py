@@ -214,10 +214,14 @@ def audit_inputs(cfg: DictConfig) -> AuditInputs:
 
 
 def run_audit(
-    cfg: DictConfig, out: Path, gathers: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]
+    cfg: DictConfig,
+    out: Path,
+    gathers: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
+    inputs: AuditInputs | None = None,
 ) -> pd.DataFrame:
     """The audit a checked ``experiment=gather_audit`` config describes, for ``gathers`` (name →
-    gather); writes ``audit.csv`` into ``out`` and returns the table."""
+    gather), on ``inputs`` (built from the config when not given); writes ``audit.csv`` into
+    ``out`` and returns the table."""
     out = Path(out)
     if (out / runfiles.AUDIT).exists():
         raise ConfigError(f"{out} already holds an audit; it is never overwritten")
@@ -241,7 +245,8 @@ def run_audit(
             f"simulate; allowed: gathers whose backward rule is one of "
             f"{', '.join(simworld.RULES)} (docs/design.md §9), or no simulated world sizes"
         )
-    inputs = audit_inputs(cfg)
+    if inputs is None:
+        inputs = audit_inputs(cfg)
     table = gradients.audit(
         inputs.losses,
         inputs.model_factory,

@@ -33,9 +33,9 @@ from gatherlab import audit, config, gradients, jobs, plotting, report, runfiles
 from gatherlab import gather as gathering
 from gatherlab.factory import LossFactory
 
+# ``prediction``: how a row's prediction was made (exact: a closed form; expectation: over the
+# partitions of the batch; none)
 COLUMNS = (*gradients.COLUMNS, "prediction", "predicted_cosine", "predicted_norm_ratio")
-# how a row's prediction was made: a closed form, an expectation over partitions, or none
-PREDICTIONS = ("exact", "expectation", "none")
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:
@@ -126,8 +126,9 @@ def run(cfg: DictConfig, overrides: Sequence[str], out: Path) -> pd.DataFrame:
     names = cfg.audit.gathers
     with config.composed():
         gathers = config.build_gathers(None if names is None else list(names), overrides)
-    audit = jobs.run_audit(cfg, out, gathers)
-    table = predict(audit, jobs.audit_inputs(cfg), gathers, cfg.seed)
+    inputs = jobs.audit_inputs(cfg)
+    audit = jobs.run_audit(cfg, out, gathers, inputs)
+    table = predict(audit, inputs, gathers, cfg.seed)
     write(table, out)
     return table
 

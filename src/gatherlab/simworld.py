@@ -4,8 +4,8 @@
 in rank order, like ``pool(W).run``. A virtual rank is a thread: ``rank()`` and ``size()`` say
 which rank of which world it is (``gatherlab.gather.rank``/``world_size`` ask them first), and
 its collectives meet the other threads at a rendezvous instead of a network. Only one rank
-computes at a time; a rank hands the turn on when it waits at a collective, so memory holds one
-rank's working set, not W of them, and the global RNG is used by one rank at a time.
+computes at a time; a rank hands the turn on when it waits at a collective, so one rank's
+temporaries are alive at a time, not W of them, and the global RNG is used by one rank at a time.
 
 What is simulated is the communication, not the arithmetic: every rank runs the loss code a real
 rank runs, on its own slice of the global batch. A gather is simulated from the rule its backward
