@@ -6,6 +6,7 @@ import pytest
 from helpers import compose
 
 from gatherlab import config, configcheck, train
+from gatherlab import gather as gathering
 from gatherlab.configcheck import ConfigError
 
 EXPERIMENTS = sorted(path.stem for path in (config.CONFIG_DIR / "experiment").glob("*.yaml"))
@@ -18,6 +19,22 @@ def test_every_experiment_composes_and_checks(experiment):
     configcheck.check(cfg)
     assert choices["experiment"] == experiment
     assert cfg.global_batch_size % cfg.layout.devices == 0
+
+
+def test_group_options_count_every_search_path_entry(tmp_path, monkeypatch):
+    # A user's configs in a folder (file://) and inside an importable package (pkg://), as Hydra's
+    # searchpath takes them: their gathers are options beside the built-in ones.
+    (tmp_path / "folder" / "gather").mkdir(parents=True)
+    (tmp_path / "folder" / "gather" / "from_folder.yaml").write_text("_target_: x.Y\n")
+    (tmp_path / "userpkg" / "conf" / "gather").mkdir(parents=True)
+    (tmp_path / "userpkg" / "__init__.py").write_text("")
+    (tmp_path / "userpkg" / "conf" / "__init__.py").write_text("")
+    (tmp_path / "userpkg" / "conf" / "gather" / "from_package.yaml").write_text("_target_: x.Y\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    searchpath = f"hydra.searchpath=[file://{tmp_path / 'folder'},pkg://userpkg.conf]"
+    with config.composed():
+        options = config.group_options("gather", [searchpath])
+    assert options == sorted([*gathering.NAMES, "native", "from_folder", "from_package"])
 
 
 def test_pr1531_experiment_is_the_pr_test_case():

@@ -103,7 +103,8 @@ def installed(tmp_path_factory) -> Path:
     source = root / "source"  # a copy: building writes build/ and *.egg-info beside the sources
     source.mkdir()
     shutil.copy(REPO / "pyproject.toml", source)
-    shutil.copytree(REPO / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("src", "conf"):
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pyc*"))
     built = _run(
         sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
         "-w", root / "wheels", source, cwd=root,

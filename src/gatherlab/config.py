@@ -8,6 +8,7 @@ take those and know nothing of configs. docs/design.md §4 lists the extension p
 
 from __future__ import annotations
 
+import importlib.resources
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -24,9 +26,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from gatherlab import gather as gathering
 from gatherlab.factory import LossFactory, locate
 
-# Inside the package, so that an installed wheel has its configs (package data, pyproject.toml).
-CONFIG_DIR = Path(__file__).resolve().parent / "conf"
+# The configs: the repository's conf/, which the package carries as gatherlab.conf (pyproject.toml),
+# so a checkout and an installed wheel compose the same files.
+CONFIG_MODULE = "gatherlab.conf"
+CONFIG_PATH = f"pkg://{CONFIG_MODULE}"
 CONFIG_NAME = "config"
+# Where those files are on disk (conf/ in a checkout, site-packages/gatherlab/conf in a wheel).
+CONFIG_DIR = Path(str(importlib.resources.files(CONFIG_MODULE)))
 # Config groups whose choice names a run in summary.json and comparison.csv.
 CHOICE_GROUPS = (
     "experiment", "model", "loss", "data", "optim", "gather", "layout", "launcher", "logger",
@@ -56,7 +62,7 @@ def composed() -> Iterator[None]:
     if GlobalHydra.instance().is_initialized():
         yield
         return
-    with hydra.initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+    with hydra.initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
         yield
 
 
@@ -186,14 +192,20 @@ def build_optimizer(cfg: DictConfig) -> Callable[..., torch.optim.Optimizer]:
 
 
 def group_options(group: str, overrides: Sequence[str] = ()) -> list[str]:
-    """The options of a config group: the YAML files in ``gatherlab/conf/<group>/`` and in that
-    folder of every ``file://`` directory on the ``hydra.searchpath`` that ``overrides`` compose.
-    Must run inside ``composed()``."""
-    searchpath = _compose_with_hydra(overrides).hydra.searchpath
-    folders = [CONFIG_DIR] + [
-        Path(entry.removeprefix("file://")) for entry in searchpath if entry.startswith("file://")
-    ]
-    return sorted({path.stem for folder in folders for path in (folder / group).glob("*.yaml")})
+    """The options of a config group: its YAML files in every directory of the search path that
+    ``overrides`` compose (gatherlab's configs and each ``file://`` or ``pkg://`` entry of
+    ``hydra.searchpath``), as Hydra's config loader lists them. Must run inside ``composed()``."""
+    loader = GlobalHydra.instance().config_loader()
+    try:
+        options = loader.get_group_options(
+            group,
+            results_filter=ObjectType.CONFIG,
+            config_name=CONFIG_NAME,
+            overrides=list(overrides),
+        )
+    except HydraException as error:
+        raise ConfigError(first_line(error)) from None
+    return sorted(options)
 
 
 def build_gathers(names: Sequence[str] | None, overrides: Sequence[str] = ()) -> dict[str, Any]:

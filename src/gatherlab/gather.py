@@ -91,7 +91,7 @@ _REGISTRY: dict[str, type[Gather]] = {}
 
 def register(name: str) -> Callable[[type[Gather]], type[Gather]]:
     """Make a ``Gather`` class available to ``get(name)`` (the built-in gathers of §1). A config
-    needs no registration: ``gatherlab/conf/gather/<name>.yaml`` names the class with
+    needs no registration: ``conf/gather/<name>.yaml`` names the class with
     ``_target_``."""
 
     def add(cls: type[Gather]) -> type[Gather]:

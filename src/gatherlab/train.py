@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     quiet_frameworks()
     app = hydra.main(
-        config_path=str(config.CONFIG_DIR), config_name=config.CONFIG_NAME, version_base=None
+        config_path=config.CONFIG_PATH, config_name=config.CONFIG_NAME, version_base=None
     )(command.job)
     with _command_line(argv):
         app()
