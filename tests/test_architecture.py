@@ -1,10 +1,15 @@
 """The layers of docs/design.md §4, enforced: no module imports from a layer above its own, and
-every module of the package has a layer (import-linter's contracts in pyproject.toml)."""
+every module of the package has a layer (import-linter's contracts in pyproject.toml). Every
+third-party package the package imports is declared in its metadata (deptry, pyproject.toml)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 from helpers import REPO
 from importlinter.cli import lint_imports
@@ -15,3 +20,33 @@ def test_import_layers_are_kept():
     with contextlib.redirect_stdout(output):
         exit_code = lint_imports(config_filename=str(REPO / "pyproject.toml"), no_cache=True)
     assert exit_code == 0, output.getvalue()[-3000:]
+
+
+def _deptry(project: Path) -> subprocess.CompletedProcess:
+    """deptry (a command line, run on the package's code) with the project's configuration."""
+    return subprocess.run(
+        [sys.executable, "-m", "deptry", "--no-ansi", "src"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_every_import_of_the_package_is_declared_in_its_metadata():
+    result = _deptry(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_an_undeclared_import_fails_the_dependency_check(tmp_path):
+    # The same configuration on a copy whose code imports what the metadata does not declare for
+    # users: psutil is only a test dependency (the dev extra), PyYAML only comes with Hydra.
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    shutil.copytree(REPO / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    with (tmp_path / "src" / "gatherlab" / "tracking.py").open("a") as module:
+        module.write("\nimport psutil\nimport yaml\n")
+    result = _deptry(tmp_path)
+    assert result.returncode == 1
+    output = result.stdout + result.stderr
+    assert "DEP004 'psutil' imported but declared as a dev dependency" in output
+    assert "DEP003 'yaml' imported but it is a transitive dependency" in output
