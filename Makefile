@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help demo test figures lint clean
+.PHONY: help demo test figures lint docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -29,6 +29,11 @@ figures: $(STAMP)  ## re-run every README figure's experiment and write figures/
 
 lint: $(STAMP)  ## ruff (lint and format) and the import layers of docs/design.md §4 (import-linter)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports
+
+# The modules are those gatherlab's __all__ names; -W error makes any pdoc warning fail the target.
+docs: $(STAMP)  ## build the API reference of the public Python API into build/docs (pdoc)
+	rm -rf build/docs
+	$(PY) -W error -m pdoc --docformat google --output-directory build/docs gatherlab
 
 clean:  ## remove the virtual environment and all run outputs
 	rm -rf $(VENV) outputs multirun

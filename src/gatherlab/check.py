@@ -43,6 +43,11 @@ COLUMNS = (
     "loss", "gather", "world_size", "forward", "gradient", "verdict", "loss_diff", "cosine",
     "norm_ratio", "max_rel_err",
 )  # fmt: skip
+"""The columns of a check's table (``check.csv``), in order; with ``steps`` a last column,
+``train_max_abs_loss_diff``, follows. ``forward`` is ``same`` or ``differs``; ``gradient`` one of
+``exact``, ``1/W``, ``W``, ``biased``, ``none``, ``other``; ``verdict`` is ``exact``, ``loss
+differs`` or the gradient's class; ``loss_diff`` is the relative difference of the global loss;
+``gather`` is ``native`` when the loss communicates by itself (docs/design.md §5, §6)."""
 TRAIN_COLUMN = "train_max_abs_loss_diff"
 OPTIMIZERS = ("sgd", "adamw")
 # The loss styles of docs/design.md §1, one loss each, for checking a gather (the audit's losses).
@@ -52,11 +57,24 @@ __all__ = ["COLUMNS", "CheckError", "LossFailed", "check_gather", "check_loss", 
 
 
 class CheckError(ValueError):
-    """Bad input, found before any worker starts: the message is one line naming the part."""
+    """Bad input, found before any rank runs: the message is one line naming the part.
+
+    Raised by `check_loss` and `check_gather` for a factory or gather that does not import or is
+    not callable, a world size that is not an integer ≥ 2 dividing the global batch of 16, an
+    unknown ``optim``, a ``steps`` that is not an integer ≥ 0, and a loss that fails on one device
+    (its arguments are refused, its forward raises, or it returns no finite scalar).
+    ``python -m gatherlab.check`` prints it and exits with status 2.
+    """
 
 
 class LossFailed(RuntimeError):
-    """The loss raised, or broke its contract, on a rank; the message names the rank."""
+    """The loss raised, or broke its contract, on a rank; the message names the rank.
+
+    Raised by `check_loss` and `check_gather` after the loss ran on one device, for example when
+    its forward raises on one rank only, or when a parameter gets no gradient on a rank (DDP could
+    not average it). The message starts with ``W=<world size>``, then the failing rank's first
+    line. ``python -m gatherlab.check`` prints it and exits with status 1.
+    """
 
 
 # --- what each verdict means --------------------------------------------------------------------
@@ -140,7 +158,28 @@ class _PerWorldSize:
 
 def explain(table: pd.DataFrame) -> str:
     """The check as text: the table, then for every verdict other than exact (per loss) its
-    diagnosis, once for all the world sizes that share it."""
+    diagnosis, once for all the world sizes that share it.
+
+    This is what ``python -m gatherlab.check`` prints and the message of
+    `gatherlab.testing.assert_layout_invariant`'s ``AssertionError``.
+
+    Args:
+        table: a table of `check_loss` or `check_gather` (the columns of `COLUMNS`, and
+            ``train_max_abs_loss_diff`` when present).
+
+    Returns:
+        The table as Markdown, then one paragraph per loss, gather and verdict other than
+        ``exact``: the world sizes, the verdict, and what it means, its usual cause in code and
+        the fix. When every verdict is exact, the last paragraph says so. The text ends with a
+        newline.
+
+    Example:
+        >>> from gatherlab.check import check_loss, explain
+        >>> text = explain(check_loss("gatherlab.losses:NTXentLoss", gather="fixed"))
+        >>> text.splitlines()[-1]
+        'Every world size trains like one device (float64, to 1e-10).'
+        >>> print(explain(check_loss("gatherlab.losses:NTXentLoss", gather="old")))  # diagnoses
+    """
     lines = [markdown(table)]
     failing = table[table["verdict"] != "exact"]
     for (loss, gather, verdict_), rows in failing.groupby(
@@ -306,11 +345,41 @@ def check_loss(
     """Check a loss on real gloo ranks of the warm worker pool: one row per world size
     (``COLUMNS``, and ``train_max_abs_loss_diff`` with ``steps``).
 
-    ``factory`` is the loss class or function (or its import path ``module:attribute``), called
-    in every rank as ``factory(**kwargs)``, with ``rank=``/``world_size=`` when its signature
-    takes them and ``kwargs`` does not set them, and ``gather=`` when ``gather`` is given (a name
-    of ``gatherlab.gather.NAMES``, a function ``x -> gathered x``, or its import path). Raises
-    ``CheckError`` for bad input (before any rank runs) and ``LossFailed`` when a rank fails.
+    The loss is built in every rank as ``factory(**kwargs)``, with ``rank=``/``world_size=``
+    when its signature takes them and ``kwargs`` does not set them, and ``gather=`` when
+    ``gather`` is given. It runs in the gradient audit's setting (an MLP 8 → 64 → 16, Gaussian
+    view pairs, a global batch of 16 in float64) and is compared with the same loss on one device
+    in this process (docs/design.md §6).
+
+    Args:
+        factory: the loss class or function, or its import path (``module:attribute`` or a dotted
+            path).
+        world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
+        gather: passed to the loss as ``gather=``: a name of `gatherlab.gather.NAMES`, a function
+            ``x -> gathered x``, or its import path. ``None`` or ``"native"`` passes none: the
+            loss communicates by itself.
+        steps: also train this many steps of plain DDP and compare the losses with one device
+            (0: no training).
+        optim: the optimizer of those steps, ``"sgd"`` (lr 0.01) or ``"adamw"`` (lr 1e-3,
+            weight decay 0.01).
+        seed: the seed the loss's own parameters, if any, are drawn from, the same in every rank
+            and on one device.
+        **kwargs: the loss's own keyword arguments.
+
+    Returns:
+        A pandas DataFrame with the columns of `COLUMNS` (and ``train_max_abs_loss_diff`` when
+        ``steps`` > 0), one row per world size in the order given. Its ``loss`` column is the
+        import path when ``factory`` is one, else the factory's qualified name.
+
+    Raises:
+        CheckError: bad input, before any rank runs; also when the loss fails on one device.
+        LossFailed: the loss raised or broke its contract on a rank.
+
+    Example:
+        >>> from gatherlab.check import check_loss
+        >>> table = check_loss("gatherlab.losses:NTXentLoss", (2, 4), gather="old", temperature=0.5)
+        >>> table["verdict"].tolist()
+        ['biased', 'biased']
     """
     function = _factory(factory)
     gather_name, gather_fn = _gather(gather)
@@ -327,9 +396,36 @@ def check_gather(
     optim: str = "sgd",
     seed: int = 0,
 ) -> pd.DataFrame:
-    """Check a gather (a function ``x -> gathered x``, its import path, or a built-in name) with
-    gatherlab's three loss styles (local ``ntxent``, global ``ntxent_global``, mixed ``vicreg``):
-    one row per loss × world size."""
+    """Check a gather with gatherlab's three loss styles (local ``ntxent``, global
+    ``ntxent_global``, mixed ``vicreg``, as the gradient audit configures them) against one
+    device: one row per loss × world size.
+
+    Args:
+        gather: a name of `gatherlab.gather.NAMES`, a function ``x -> gathered x``, or its import
+            path.
+        world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
+        steps: also train this many steps of plain DDP and compare the losses with one device
+            (0: no training).
+        optim: the optimizer of those steps, ``"sgd"`` or ``"adamw"``.
+        seed: the seed the losses are built with.
+
+    Returns:
+        A pandas DataFrame like `check_loss`'s, one row per world size and loss (for each world
+        size in the order given, the three losses in the order above); its ``gather`` column is
+        the name or import path given, or the function's qualified name.
+
+    Raises:
+        CheckError: bad input, before any rank runs: ``None`` or ``"native"`` (no gather), a
+            path that does not import, an object that is not callable, or a world size, ``steps``
+            or ``optim`` that is not allowed.
+        LossFailed: a loss raised or broke its contract on a rank.
+
+    Example:
+        >>> from gatherlab.check import check_gather
+        >>> table = check_gather("old", world_sizes=(2, 4))
+        >>> table["verdict"].tolist()
+        ['biased', '1/W', 'biased', 'biased', '1/W', 'biased']
+    """
     gather_name, gather_fn = _gather(gather)
     if gather_fn is None:
         raise CheckError("--gather native is no gather; allowed: a name or module:function")

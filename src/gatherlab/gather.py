@@ -38,11 +38,37 @@ import torch.distributed as dist
 
 from gatherlab import simworld
 
+__all__ = [
+    "CLASSES",
+    "NAMES",
+    "STYLES",
+    "Avg",
+    "Fixed",
+    "Functional",
+    "Gather",
+    "GatherFn",
+    "Lightning",
+    "Nograd",
+    "NogradSwap",
+    "Old",
+    "TorchNN",
+    "get",
+    "rank",
+    "register",
+    "resolve",
+    "rule",
+    "world_size",
+]
+
 GatherFn = Callable[[torch.Tensor], torch.Tensor]
+"""A gather as a loss takes it: a function from the local (B, ...) tensor to the gathered
+(W·B, ...) tensor."""
 
 # The loss styles of docs/design.md §1 and the gradient classes a gather's backward can give.
 STYLES = ("local", "global", "mixed")
+"""The loss styles of docs/design.md §1, the keys of `Gather.predicted`."""
 CLASSES = ("exact", "1/W", "W", "biased", "none", "other")
+"""The gradient classes a gather's backward can give after DDP's average (docs/design.md §1)."""
 
 
 class Gather:
@@ -58,12 +84,42 @@ class Gather:
     ``backward`` names the rule its backward obeys (``simworld.RULES``: ``sum``, ``own``,
     ``mean``, ``none``), from which the simulated world of ``simworld`` reproduces it without a
     process group; a gather that names none runs on real ranks only.
+
+    A subclass implements `Gather.gather` and sets `Gather.predicted` and `Gather.backward`;
+    `register` makes it available to `get`. Calling a gather whose ``backward`` is None in a
+    simulated world of more than one rank raises ``TypeError``.
+
+    Example:
+        >>> import torch
+        >>> from gatherlab.gather import get
+        >>> fixed = get("fixed")
+        >>> fixed(torch.ones(2, 3)).shape  # no process group: the input itself
+        torch.Size([2, 3])
     """
 
     predicted: Mapping[str, str] = {}
+    """The gradient class (`CLASSES`) predicted per loss style (`STYLES`); a style left out has no
+    prediction."""
     backward: str | None = None
+    """The rule of the backward (``sum``, ``own``, ``mean``, ``none``; `gatherlab.simworld.RULES`),
+    or None when the gather names none and runs on real ranks only."""
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Gather ``tensor`` from every rank of the running process group.
+
+        Called by the object only when a process group of more than one rank runs; a subclass
+        implements it.
+
+        Args:
+            tensor: this rank's (B, ...) tensor; every rank passes the same shape.
+
+        Returns:
+            The (W·B, ...) tensor of every rank's slice in rank order, with this gather's
+            backward.
+
+        Raises:
+            NotImplementedError: in the base class.
+        """
         raise NotImplementedError
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -92,7 +148,26 @@ _REGISTRY: dict[str, type[Gather]] = {}
 def register(name: str) -> Callable[[type[Gather]], type[Gather]]:
     """Make a ``Gather`` class available to ``get(name)`` (the built-in gathers of §1). A config
     needs no registration: ``conf/gather/<name>.yaml`` names the class with
-    ``_target_``."""
+    ``_target_``.
+
+    Args:
+        name: the name `get` and `resolve` accept; it is added to `NAMES`.
+
+    Returns:
+        A class decorator that registers the class and returns it unchanged.
+
+    Raises:
+        ValueError: when the decorator is applied and ``name`` is registered already.
+
+    Example:
+        >>> from gatherlab.gather import Gather, register
+        >>> @register("mine")
+        ... class Mine(Gather):
+        ...     backward = "sum"
+        ...
+        ...     def gather(self, tensor):
+        ...         ...
+    """
 
     def add(cls: type[Gather]) -> type[Gather]:
         if name in _REGISTRY:
@@ -103,6 +178,12 @@ def register(name: str) -> Callable[[type[Gather]], type[Gather]]:
     return add
 
 
+NAMES: tuple[str, ...]  # annotated only: ``__getattr__`` computes it (no assignment here)
+"""The names of the registered gathers, in order of registration: the built-in ones are
+``("fixed", "torch_nn", "functional", "lightning", "old", "nograd_swap", "avg", "nograd")``.
+Computed on each access, so it also lists gathers that `register` added later."""
+
+
 def __getattr__(attribute: str) -> tuple[str, ...]:
     if attribute == "NAMES":  # computed on access, so it lists every registration
         return tuple(_REGISTRY)
@@ -111,7 +192,11 @@ def __getattr__(attribute: str) -> tuple[str, ...]:
 
 def world_size() -> int:
     """Number of ranks: of the simulated world in one of its ranks (``simworld``), else of the
-    default process group, 1 when there is none."""
+    default process group, 1 when there is none.
+
+    Returns:
+        The world size, an integer ≥ 1.
+    """
     simulated = simworld.size()
     if simulated is not None:
         return simulated
@@ -120,7 +205,11 @@ def world_size() -> int:
 
 def rank() -> int:
     """This rank: in the simulated world (``simworld``), else in the default process group, 0
-    when there is none."""
+    when there is none.
+
+    Returns:
+        The rank, an integer from 0 to `world_size` − 1.
+    """
     simulated = simworld.rank()
     if simulated is not None:
         return simulated
@@ -234,7 +323,16 @@ BIASED_EVERYWHERE = {"local": "biased", "global": "biased", "mixed": "biased"}
 
 @register("fixed")
 class Fixed(Gather):
-    """lightly's GatherLayer since #1531: every rank's gradient of each slice summed."""
+    """lightly's GatherLayer since #1531: every rank's gradient of each slice summed.
+
+    Args:
+        collective: the collective of the backward, ``"all_reduce"`` or ``"reduce_scatter"``;
+            None picks the cheaper one for the running backend (reduce-scatter on NCCL and XCCL,
+            all-reduce elsewhere).
+
+    Raises:
+        ValueError: ``collective`` is none of these.
+    """
 
     predicted = EXACT
     backward = "sum"
@@ -361,7 +459,19 @@ class Nograd(Gather):
 
 def rule(gather: GatherFn | None) -> str | None:
     """The rule a gather's backward obeys (``simworld.RULES``), from which the simulated world
-    reproduces it; None for a gather that names none (it runs on real ranks only)."""
+    reproduces it; None for a gather that names none (it runs on real ranks only).
+
+    Args:
+        gather: a gather (any callable) or None.
+
+    Returns:
+        Its ``backward`` attribute when that is one of `gatherlab.simworld.RULES`, else None.
+
+    Example:
+        >>> from gatherlab.gather import get, rule
+        >>> rule(get("old"))
+        'own'
+    """
     named = getattr(gather, "backward", None)
     return named if named in simworld.RULES else None
 
@@ -372,14 +482,49 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
 
 def get(name: str) -> Gather:
     """The built-in gather implementation called ``name`` (``NAMES``); it returns its input when
-    no process group of more than one rank is running."""
+    no process group of more than one rank is running.
+
+    Args:
+        name: a name of `NAMES`.
+
+    Returns:
+        A new instance of the `Gather` subclass registered as ``name`` (built with its default
+        arguments): a picklable callable that maps the local (B, ...) tensor to the gathered
+        (W·B, ...) tensor in rank order.
+
+    Raises:
+        ValueError: ``name`` is not registered; the message lists the allowed names.
+
+    Example:
+        >>> from gatherlab.gather import get
+        >>> get("fixed")
+        Fixed(collective=None)
+    """
     if name not in _REGISTRY:
         raise ValueError(f"gather={name!r} is unknown; allowed: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]()
 
 
 def resolve(gather: str | GatherFn | None) -> GatherFn:
-    """What a loss's ``gather`` argument means: a built-in name, a callable, or None (identity)."""
+    """What a loss's ``gather`` argument means: a built-in name, a callable, or None (identity).
+
+    Args:
+        gather: a name of `NAMES`, a callable ``x -> gathered x``, or None.
+
+    Returns:
+        ``get(gather)`` for a name, the callable itself, or for None a function that returns its
+        input (no gathering).
+
+    Raises:
+        ValueError: an unknown name.
+        TypeError: anything else than a string, a callable or None.
+
+    Example:
+        >>> import torch
+        >>> from gatherlab.gather import resolve
+        >>> resolve(None)(torch.ones(2)).tolist()
+        [1.0, 1.0]
+    """
     if gather is None:
         return _identity
     if isinstance(gather, str):

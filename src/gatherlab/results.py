@@ -17,6 +17,16 @@ import pandas as pd
 
 from gatherlab import runfiles
 
+__all__ = [
+    "load_comparison",
+    "load_curves",
+    "load_final_state",
+    "load_run",
+    "load_runs",
+    "load_sweep",
+    "newest_sweep",
+]
+
 # Summary fields that become columns of the run table (the config itself stays in summary.json).
 RUN_COLUMNS = (
     "experiment", "model", "loss", "data", "optim", "gather", "layout", "launcher", "logger",
@@ -45,7 +55,26 @@ def override_values(overrides: list[str]) -> dict[str, str]:
 def load_runs(directory: str | Path) -> pd.DataFrame:
     """One row per run below ``directory``: its summary fields, ``status`` and ``error``, its
     overrides, its resolved config and ``run_dir``. A run whose summary cannot be read is a row
-    with ``status`` unreadable."""
+    with ``status`` unreadable.
+
+    Args:
+        directory: a run, sweep or output directory; every directory below it that holds a
+            ``summary.json`` is a run.
+
+    Returns:
+        A pandas DataFrame, one row per run in a stable order (numbered directories by number),
+        with the columns ``experiment, model, loss, data, optim, gather, layout, launcher,
+        logger, devices, batch_size, global_batch_size, precision, steps, seed, final_loss,
+        wall_s, loss_layout_invariant``, then any further numeric summary field (such as
+        ``knn_accuracy``, ``failed_step``) sorted by name, then ``status, error, overrides``
+        (a dict ``key → value``), ``config`` (the resolved config as a dict) and ``run_dir``.
+        Failed runs are rows too. No run gives an empty table with these columns.
+
+    Example:
+        >>> from gatherlab.results import load_runs
+        >>> runs = load_runs("multirun")
+        >>> runs[runs["status"] != "ok"][["run_dir", "error"]]
+    """
     rows = []
     for run_dir in runfiles.find_runs(Path(directory)):
         try:
@@ -78,12 +107,32 @@ def _metrics(summary: dict) -> dict[str, float]:
 
 
 def load_curves(run_dir: str | Path) -> pd.DataFrame:
-    """A run's ``curves.csv``: one row per optimizer step."""
+    """A run's ``curves.csv``: one row per optimizer step.
+
+    Args:
+        run_dir: the run's directory.
+
+    Returns:
+        A pandas DataFrame with the columns ``step`` (0-based), ``loss`` and ``grad_norm``.
+
+    Raises:
+        FileNotFoundError: the run has no ``curves.csv`` (a failed run has none).
+    """
     return pd.DataFrame(runfiles.read_curves(Path(run_dir)))
 
 
 def load_final_state(run_dir: str | Path) -> dict:
-    """A run's final weights (``final_state.pt``): parameter name → CPU tensor."""
+    """A run's final weights (``final_state.pt``): parameter name → CPU tensor.
+
+    Args:
+        run_dir: the run's directory.
+
+    Returns:
+        The model's ``state_dict()`` after training, loaded with ``weights_only=True``.
+
+    Raises:
+        FileNotFoundError: the run has no ``final_state.pt`` (a failed run has none).
+    """
     return runfiles.read_final_state(Path(run_dir))
 
 
@@ -92,7 +141,27 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
     with the run's summary fields, evaluations, overrides (``key=value`` as columns, where the key
     is not already a column) and ``run_dir`` repeated on every row. The loss *config choice*,
     ``loss`` in summaries and comparison tables, is ``loss_function`` here, since ``loss`` is the
-    value at each step."""
+    value at each step.
+
+    Args:
+        run_dir: the run's directory (its ``summary.json`` and ``curves.csv``).
+
+    Returns:
+        A pandas DataFrame: ``step, loss, grad_norm``, then the summary fields ``experiment``
+        … ``loss_layout_invariant`` of `load_runs` (``loss`` renamed ``loss_function``), any
+        further numeric summary field, one column per override key that is not already a
+        column, and ``run_dir``.
+
+    Raises:
+        FileNotFoundError: the run has no ``summary.json`` or no ``curves.csv`` (a failed run
+            has no curves).
+        ValueError: ``summary.json`` is not valid JSON (``json.JSONDecodeError``).
+
+    Example:
+        >>> from gatherlab.results import load_run
+        >>> run = load_run("outputs/2026-01-01/12-00-00")
+        >>> run.plot(x="step", y="loss")
+    """
     run_dir = Path(run_dir)
     summary = runfiles.read_summary(run_dir)
     curves = load_curves(run_dir)
@@ -109,7 +178,27 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
 
 def load_sweep(paths: str | Path | Iterable[str | Path]) -> pd.DataFrame:
     """Every run below one sweep directory (or several) as one tidy table (see ``load_run``),
-    with a ``sweep`` column naming the directory each run came from."""
+    with a ``sweep`` column naming the directory each run came from.
+
+    Args:
+        paths: a sweep directory, or several.
+
+    Returns:
+        A pandas DataFrame, one row per (run, step): the columns of `load_run`, from all runs
+        (a column that some run lacks is empty in the others), and ``sweep``, the directory as
+        given.
+
+    Raises:
+        FileNotFoundError: no run (no ``summary.json``) below any of ``paths``, or a run without
+            ``curves.csv``: a sweep that holds a failed run cannot be loaded here
+            (`load_runs` lists its runs, failed ones included).
+        ValueError: a run's ``summary.json`` is not valid JSON.
+
+    Example:
+        >>> from gatherlab.results import load_sweep, newest_sweep
+        >>> curves = load_sweep(newest_sweep())
+        >>> curves.groupby("run_dir")["loss"].last()
+    """
     paths = [paths] if isinstance(paths, str | Path) else list(paths)
     frames = []
     for sweep in paths:
@@ -123,7 +212,24 @@ def load_sweep(paths: str | Path | Iterable[str | Path]) -> pd.DataFrame:
 
 
 def load_comparison(sweep_dir: str | Path) -> pd.DataFrame:
-    """The comparison table a sweep's report wrote (``python -m gatherlab.report`` makes it)."""
+    """The comparison table a sweep's report wrote (``python -m gatherlab.report`` makes it).
+
+    Args:
+        sweep_dir: the sweep directory.
+
+    Returns:
+        ``comparison.csv`` as a pandas DataFrame, one row per run (its columns are listed in
+        docs/design.md §5; ``run_dir`` and ``reference`` are relative to ``sweep_dir``).
+
+    Raises:
+        FileNotFoundError: ``sweep_dir`` holds no ``comparison.csv``; the message names the
+            command that writes it.
+
+    Example:
+        >>> from gatherlab.results import load_comparison, newest_sweep
+        >>> table = load_comparison(newest_sweep())
+        >>> table[["run_dir", "verdict", "max_abs_loss_diff"]]
+    """
     path = Path(sweep_dir) / runfiles.COMPARISON
     if not path.exists():
         raise FileNotFoundError(
@@ -134,7 +240,22 @@ def load_comparison(sweep_dir: str | Path) -> pd.DataFrame:
 
 def newest_sweep(root: str | Path = "multirun") -> Path:
     """The most recently finished sweep below ``root``: the directory with the newest
-    ``comparison.csv``."""
+    ``comparison.csv``.
+
+    Args:
+        root: where to search, at any depth (default ``multirun``, relative to the working
+            directory).
+
+    Returns:
+        The directory holding the ``comparison.csv`` modified last.
+
+    Raises:
+        FileNotFoundError: no ``comparison.csv`` below ``root``.
+
+    Example:
+        >>> from gatherlab.results import newest_sweep
+        >>> sweep = newest_sweep("multirun")
+    """
     found = sorted(Path(root).rglob(runfiles.COMPARISON), key=lambda path: path.stat().st_mtime)
     if not found:
         raise FileNotFoundError(f"no finished sweep (no {runfiles.COMPARISON}) below {root}")

@@ -35,11 +35,15 @@ import torch
 __all__ = ["RULES", "WorldBroken", "average", "gather", "rank", "run", "size"]
 
 RULES = ("sum", "own", "mean", "none")
+"""The backward rules a simulated gather obeys (see above; `gatherlab.gather.Gather.backward`)."""
 
 
 class WorldBroken(RuntimeError):
     """Another virtual rank raised or returned, so the collective this rank waits at can never
-    complete."""
+    complete.
+
+    Raised inside the waiting ranks; `run` reports the rank that failed by itself, not these.
+    """
 
 
 class _World:
@@ -167,13 +171,26 @@ def _world() -> _World | None:
 
 
 def size() -> int | None:
-    """The simulated world's size in a virtual rank's thread, None elsewhere."""
+    """The simulated world's size in a virtual rank's thread, None elsewhere.
+
+    Returns:
+        W inside a rank of `run`, else None.
+    """
     world = _world()
     return world.size if world is not None else None
 
 
 def rank() -> int | None:
-    """This thread's rank in the simulated world, None outside one."""
+    """This thread's rank in the simulated world, None outside one.
+
+    Returns:
+        The rank (0 to W − 1) inside a rank of `run`, else None.
+
+    Example:
+        >>> from gatherlab import simworld
+        >>> simworld.run(4, simworld.rank)
+        [0, 1, 2, 3]
+    """
     return getattr(_local, "rank", None) if _world() is not None else None
 
 
@@ -231,7 +248,22 @@ class _Gather(torch.autograd.Function):
 
 
 def gather(tensor: torch.Tensor, rule: str) -> torch.Tensor:
-    """All-gather ``tensor`` from every virtual rank, with the backward ``rule`` (``RULES``)."""
+    """All-gather ``tensor`` from every virtual rank, with the backward ``rule`` (``RULES``).
+
+    Every rank of the world must call it, in the same order as its other collectives.
+
+    Args:
+        tensor: this rank's (B, ...) tensor.
+        rule: the backward's rule, one of `RULES`.
+
+    Returns:
+        The (W·B, ...) tensor of every rank's slice in rank order, this rank's own copy.
+
+    Raises:
+        ValueError: ``rule`` is not one of `RULES`.
+        RuntimeError: called outside a simulated world.
+        WorldBroken: another rank raised or returned instead of joining.
+    """
     if rule not in RULES:
         raise ValueError(f"rule={rule!r} is unknown; allowed: {', '.join(RULES)}")
     if rule == "none":
@@ -257,7 +289,20 @@ def _average(values: list[list[torch.Tensor | None]]) -> list[torch.Tensor | Non
 
 def average(parameters: Sequence[torch.nn.Parameter]) -> None:
     """DDP's all-reduce: every rank's parameter gradients replaced by their mean over ranks (a
-    parameter without a gradient on every rank keeps none)."""
+    parameter without a gradient on every rank keeps none).
+
+    Every rank of the world must call it with its own copy of the same parameters.
+
+    Args:
+        parameters: this rank's parameters, in the same order on every rank; their ``grad`` is
+            replaced in place.
+
+    Raises:
+        ValueError: a parameter has a gradient on some ranks and none on others (in the rank that
+            combines; the others get `WorldBroken`).
+        RuntimeError: called outside a simulated world.
+        WorldBroken: another rank raised or returned instead of joining.
+    """
     grads = [None if p.grad is None else p.grad.detach() for p in parameters]
     for parameter, mean in zip(parameters, _exchange(grads, _average), strict=True):
         parameter.grad = None if mean is None else mean.clone()
@@ -266,7 +311,35 @@ def average(parameters: Sequence[torch.nn.Parameter]) -> None:
 def run(world_size: int, function: Callable[..., Any], *args: Any) -> list[Any]:
     """``function(*args)`` on ``world_size`` virtual ranks; their results in rank order. A rank
     that raises ends the call: the others are released from their collectives, and the error is
-    raised with its rank."""
+    raised with its rank.
+
+    Each rank is a thread of this process; inside it `rank`, `size` and
+    `gatherlab.gather.rank`/`gatherlab.gather.world_size` name the simulated world, and a
+    `gatherlab.gather.Gather` with a ``backward`` rule gathers through it. One rank computes at a
+    time.
+
+    Args:
+        world_size: the number of virtual ranks, ≥ 1.
+        function: called once in every rank; it finds its rank through `rank`.
+        *args: passed to ``function`` in every rank (the same objects, not copies).
+
+    Returns:
+        The ranks' return values, a list in rank order.
+
+    Raises:
+        ValueError: ``world_size`` is below 1.
+        RuntimeError: a rank raised; the message names the rank, and the error is its
+            ``__cause__``. A rank that raised by itself is reported before one that only saw
+            `WorldBroken`, and a lower rank before a higher one.
+
+    Example:
+        >>> import torch
+        >>> from gatherlab import gather, simworld
+        >>> def gathered():
+        ...     return gather.get("fixed")(torch.full((1, 2), float(gather.rank())))
+        >>> simworld.run(2, gathered)[0].tolist()
+        [[0.0, 0.0], [1.0, 1.0]]
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     world = _World(world_size)

@@ -27,8 +27,32 @@ def assert_layout_invariant(
 ) -> pd.DataFrame:
     """Fail with the check's table and diagnosis unless, at every world size, the loss built by
     ``factory`` gives the 1-device loss and gradient; return the table when it does.
-    ``arguments`` are ``gatherlab.check.check_loss``'s: ``gather=``, ``steps=``, ``optim=``,
-    ``seed=`` and the loss's own keyword arguments."""
+
+    It runs `gatherlab.check.check_loss` and passes when every verdict is ``exact``.
+
+    Args:
+        factory: the loss class or function, or its import path (``module:attribute``).
+        world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
+        **arguments: `gatherlab.check.check_loss`'s keyword arguments: ``gather=``, ``steps=``,
+            ``optim=``, ``seed=`` and the loss's own keyword arguments.
+
+    Returns:
+        The check's table (a pandas DataFrame, one row per world size), every verdict ``exact``.
+
+    Raises:
+        AssertionError: some world size's verdict is not ``exact``; the message is
+            `gatherlab.check.explain` of the table (the table, then each diagnosis).
+        gatherlab.check.CheckError: bad input, before any rank runs.
+        gatherlab.check.LossFailed: the loss raised or broke its contract on a rank.
+
+    Example:
+        >>> from gatherlab.testing import assert_layout_invariant
+        >>> table = assert_layout_invariant(
+        ...     "gatherlab.losses:NTXentLoss", (2, 4), gather="fixed", temperature=0.5
+        ... )
+        >>> table["verdict"].tolist()
+        ['exact', 'exact']
+    """
     table = check.check_loss(factory, world_sizes, **arguments)
     if not (table["verdict"] == "exact").all():
         raise AssertionError(check.explain(table))
