@@ -4,10 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help demo test figures lint docs clean
+.PHONY: help demo test notebook figures lint docs install-check clean
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,19 +21,53 @@ demo: $(STAMP)  ## reproduce the GatherLayer bug and its fix, print the verdict,
 test: $(STAMP)  ## run the test suite (real gloo process groups on the CPU), in 2 test processes
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
-figures: $(STAMP)  ## re-run every README figure's experiment and write figures/ (PNG, PDF, tables)
+# The notebook server runs in this environment, so its default kernel (python3) is the project's;
+# the notebook finds the newest sweep under multirun/ by itself. NOTEBOOK_ARGS=--no-browser on a
+# machine without a browser. Jupyter refuses root unless told (containers and CI machines run as root).
+NOTEBOOK_ARGS ?=
+AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+notebook: $(STAMP)  ## start Jupyter on notebooks/analysis.ipynb (the newest sweep under multirun/)
+	$(PY) -m jupyter notebook $(AS_ROOT) $(NOTEBOOK_ARGS) notebooks/analysis.ipynb
+
+figures: $(STAMP)  ## RE-RUN every experiment (~30 min here) and overwrite figures/ (PNG, PDF, tables)
 	for script in experiments/bug_demo.py experiments/loss_matrix.py experiments/gather_audit.py \
 	    experiments/gather_scaling.py \
 	    experiments/optimizer_matrix.py experiments/downstream.py \
 	    experiments/simclr_digits.py; do $(PY) $$script || exit 1; done
 
-lint: $(STAMP)  ## ruff (lint and format) and the import layers of docs/design.md §4 (import-linter)
+lint: $(STAMP)  ## ruff, the import layers of docs/design.md §4, undeclared imports (deptry)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports
+	$(PY) -m deptry src
 
 # The modules are those gatherlab's __all__ names; -W error makes any pdoc warning fail the target.
 docs: $(STAMP)  ## build the API reference of the public Python API into build/docs (pdoc)
 	rm -rf build/docs
 	$(PY) -W error -m pdoc --docformat google --output-directory build/docs gatherlab
 
+# What a user of the package gets: the wheel installed into an empty environment with dependency
+# resolution (every dependency downloaded, constrained by the lock), then the check, the testing
+# assertion and a 2-job sweep from a directory outside the repository. The suite does the same
+# offline (tests/test_install.py).
+CHECK_DIR := build/install-check
+install-check: $(STAMP)  ## install the built wheel into an empty venv and use it from outside the repo
+	rm -rf dist $(CHECK_DIR) && mkdir -p $(CHECK_DIR)/elsewhere
+	$(PY) -m pip wheel -q --no-deps -w dist .
+	$(PYTHON) -m venv $(CHECK_DIR)/venv
+	$(CHECK_DIR)/venv/bin/pip install -q dist/gatherlab-*.whl -c requirements.txt
+	$(CHECK_DIR)/venv/bin/pip check
+	cd $(CHECK_DIR)/elsewhere && ../venv/bin/python -m gatherlab.check --gather fixed \
+	    --world-sizes 2 --out check && ../venv/bin/python -c "$$INSTALL_CHECK_TESTING" && \
+	    ../venv/bin/python -m gatherlab.train -m experiment=bug_demo layout=cpu1,cpu2 \
+	    gather=fixed steps=5 hydra.sweep.dir=sweep
+
+define INSTALL_CHECK_TESTING
+from gatherlab.losses import NTXentLoss
+from gatherlab.testing import assert_layout_invariant
+
+assert_layout_invariant(NTXentLoss, world_sizes=(2,), temperature=0.5)
+print("gatherlab.testing: NTXentLoss with the fixed gather is layout-invariant on 2 ranks")
+endef
+export INSTALL_CHECK_TESTING
+
 clean:  ## remove the virtual environment and all run outputs
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) outputs multirun build dist

@@ -4,8 +4,15 @@ virtual environment, and run in a fresh interpreter from a directory outside the
 A fresh interpreter and a new environment are the point: the package must carry its configs, and
 the modules' ``__main__``, Hydra's own command-line handling and logging, the one-line error of a
 bad value as the terminal shows it, and the report at the end of a sweep run as a user starts
-them. This is also the suite's command-line smoke test. The
-environment reuses this one's installed dependencies (a ``.pth`` file), so nothing is downloaded.
+them. This is also the suite's command-line smoke test.
+
+The wheel is installed with dependency resolution, constrained by the lock (``pip install WHEEL -c
+requirements.txt``), offline: the new environment sees this one's packages through a ``.pth``
+file, so pip resolves every dependency the wheel's metadata declares against the locked versions
+and downloads nothing (a declared package missing from the lock fails the install), and ``pip
+check`` must find every requirement met. deptry (tests/test_architecture.py) checks the other
+direction: nothing is imported that the metadata does not declare. The install into an empty
+environment, downloading every dependency, is ``make install-check`` (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -61,25 +68,25 @@ def terminal(module, *arguments):
 
 
 if __name__ == "__main__":  # the pool's ranks import this file again: nothing else at the top
-    # first the checks, whose pool does not need Lightning (its fork server preloads what this
-    # interpreter has imported when the pool starts: gatherlab.train would bring Lightning)
     import gatherlab.config
     from gatherlab.testing import assert_layout_invariant
     from standins import GatherLayerNTXent
 
     print("configs:", gatherlab.config.CONFIG_DIR, flush=True)
-    assert_layout_invariant(GatherLayerNTXent, world_sizes=(2,), temperature=0.2)
-    print("check:", python_m(
-        "gatherlab.check", "standins:ClipLossForCheck", "--kwargs", '{"gather_with_grad": true}',
-        "--world-sizes", "2", "--out", "check",
-    ), flush=True)
     # a bad value in a sweep stops it in one line
     status, stderr = terminal("gatherlab.train", "-m", "optim.lr=0.1,-1", "layout=cpu2",
                               "hydra.sweep.dir=refused")
     print("bad value:", status, repr(stderr), flush=True)
+    # a sweep of 2 jobs: 2 ranks against their 1-device reference (first: the pool it starts
+    # preloads Lightning, which the checks' pool then reuses)
     print("train:", python_m(
-        "gatherlab.train", "-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1",
-        "steps=3", "hydra.sweep.dir=sweep",
+        "gatherlab.train", "-m", "experiment=lightly_pr1531", "gather=fixed",
+        "layout=cpu1,cpu2", "steps=3", "hydra.sweep.dir=sweep",
+    ), flush=True)
+    assert_layout_invariant(GatherLayerNTXent, world_sizes=(2,), temperature=0.2)
+    print("check:", python_m(
+        "gatherlab.check", "standins:ClipLossForCheck", "--kwargs", '{"gather_with_grad": true}',
+        "--world-sizes", "2", "--out", "check",
     ), flush=True)
 """
 
@@ -102,7 +109,8 @@ def installed(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("install")
     source = root / "source"  # a copy: building writes build/ and *.egg-info beside the sources
     source.mkdir()
-    shutil.copy(REPO / "pyproject.toml", source)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source)
     for folder in ("src", "conf"):
         shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pyc*"))
     built = _run(
@@ -121,11 +129,17 @@ def installed(tmp_path_factory) -> Path:
     # This environment's packages after the new one's own: torch, Lightning, Hydra, ... (a path
     # from a .pth file is not scanned for .pth files, so the editable gatherlab stays out)
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pip = [sys.executable, "-m", "pip", "--python", python]
     installed = _run(
-        sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
-        "--no-index", wheel, cwd=root,
-    )  # fmt: skip
-    assert installed.returncode == 0, installed.stderr
+        *pip, "install", "--no-index", wheel, "-c", REPO / "requirements.txt", cwd=root
+    )
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    for requirement in ("torch", "lightning", "hydra-core", "pandas", "matplotlib"):
+        assert f"Requirement already satisfied: {requirement}" in installed.stdout
+    checked = _run(*pip, "check", cwd=root)
+    assert checked.returncode == 0 and "No broken requirements found." in checked.stdout, (
+        checked.stdout + checked.stderr
+    )
     return python
 
 
@@ -152,7 +166,7 @@ def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
     assert list(pd.read_csv(elsewhere / "check" / runfiles.CHECK)["verdict"]) == ["exact"]
 
     assert "train: 0" in output
-    assert "job 2/2: experiment=lightly_pr1531 gather=fixed layout=cpu1 steps=3" in output
+    assert "job 2/2: experiment=lightly_pr1531 gather=fixed layout=cpu2 steps=3" in output
     assert "comparison of 2 runs" in output
     sweep = elsewhere / "sweep"
     table = pd.read_csv(sweep / report.COMPARISON)
