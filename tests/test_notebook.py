@@ -1,13 +1,19 @@
 """notebooks/analysis.ipynb runs end to end against the session's small sweep (as CI does): every
 cell executes, the verdict and the figures come out. The notebook's kernel is a fresh process, as
-in Jupyter."""
+in Jupyter. It runs as a user opens it, with no ``SWEEP_DIR``: from the root of a checkout whose
+``multirun/`` holds the sweep, it must find that sweep by itself."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import nbformat
 import pytest
 from helpers import REPO
 from nbclient import NotebookClient
+
+from gatherlab import results
 
 pytestmark = pytest.mark.slow
 NOTEBOOK = REPO / "notebooks" / "analysis.ipynb"
@@ -21,15 +27,36 @@ def test_notebook_is_stored_without_outputs():
 
 
 @pytest.fixture(scope="module")
-def executed(pr1531_sweep):
-    sweep, _ = pr1531_sweep  # the notebook only reads it
+def root(pr1531_sweep, tmp_path_factory):
+    """A checkout's root as the notebook sees it: the session's sweep under ``multirun/``, the
+    newest of two (an older one, a copy, must not be taken)."""
+    sweep, _ = pr1531_sweep
+    root = tmp_path_factory.mktemp("checkout")
+    older = shutil.copytree(sweep, root / "multirun" / "2026-01-01" / "00-00-00")
+    os.utime(older / "comparison.csv", (0, 0))
+    shutil.copytree(sweep, root / "multirun" / "2026-01-02" / "00-00-00")
+    (root / "notebooks").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def executed(root):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    (parameters,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
-    parameters.source += f"\nSWEEP_DIR = {str(sweep)!r}"
     NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(root)}}
     ).execute()  # raises CellExecutionError if any cell fails
     return notebook
+
+
+def test_without_sweep_dir_it_reads_the_newest_sweep_of_its_checkout(executed, root):
+    printed = "".join(output["text"] for output in _outputs(executed, "stdout"))
+    assert f"sweep: {root / 'multirun' / '2026-01-02' / '00-00-00'}\n" in printed
+
+
+def test_opened_from_notebooks_it_finds_the_same_sweep(root, monkeypatch):
+    # the notebook's own call, in the folder Jupyter opens it from
+    monkeypatch.chdir(root / "notebooks")
+    assert results.newest_sweep() == root / "multirun" / "2026-01-02" / "00-00-00"
 
 
 def _outputs(notebook, kind: str) -> list:

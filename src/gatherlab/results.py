@@ -5,7 +5,8 @@
 - ``load_run(run_dir)``: the same for one run;
 - ``load_runs(directory)``: one row per run (summary fields, overrides, resolved config);
 - ``load_comparison(sweep_dir)``: the sweep's comparison table (``comparison.csv``);
-- ``newest_sweep(root)``: the most recent sweep directory, for notebooks.
+- ``newest_sweep(root)``: the most recent sweep directory (by default the nearest ``multirun/``),
+  for notebooks.
 """
 
 from __future__ import annotations
@@ -238,24 +239,31 @@ def load_comparison(sweep_dir: str | Path) -> pd.DataFrame:
     return pd.read_csv(path)
 
 
-def newest_sweep(root: str | Path = "multirun") -> Path:
+def newest_sweep(root: str | Path | None = None) -> Path:
     """The most recently finished sweep below ``root``: the directory with the newest
     ``comparison.csv``.
 
     Args:
-        root: where to search, at any depth (default ``multirun``, relative to the working
-            directory).
+        root: where to search, at any depth. None: the ``multirun`` folder of the working
+            directory or, failing that, of its nearest parent that has one, so that a notebook
+            opened from ``notebooks/`` finds the repository's sweeps as one opened from the root.
 
     Returns:
         The directory holding the ``comparison.csv`` modified last.
 
     Raises:
-        FileNotFoundError: no ``comparison.csv`` below ``root``.
+        FileNotFoundError: no ``comparison.csv`` below ``root`` (or no ``multirun`` folder).
 
     Example:
         >>> from gatherlab.results import newest_sweep
-        >>> sweep = newest_sweep("multirun")
+        >>> sweep = newest_sweep()  # multirun/ here or in a parent directory
     """
+    if root is None:
+        here = Path.cwd()
+        folders = [p / "multirun" for p in (here, *here.parents) if (p / "multirun").is_dir()]
+        if not folders:
+            raise FileNotFoundError(f"no multirun/ folder in {here} or its parents")
+        root = folders[0]
     found = sorted(Path(root).rglob(runfiles.COMPARISON), key=lambda path: path.stat().st_mtime)
     if not found:
         raise FileNotFoundError(f"no finished sweep (no {runfiles.COMPARISON}) below {root}")
