@@ -1,15 +1,16 @@
 """README figure: does the bug change what the network learns? SimCLR on the digits, 5 seeds.
 
-Two sweeps of ``experiment=downstream`` (seeds 0..4): ``loss=ntxent`` with ``gather=fixed,old``
-on ``layout=cpu1,cpu4`` (old on a local loss: a biased gradient), and ``loss=ntxent_global`` with
-``gather=old`` on ``cpu1,cpu4`` (a 1/W gradient). Each run's backbone is probed by the 1-shot
+One sweep of ``experiment=downstream`` (seeds 0..4 × ``loss=ntxent,ntxent_global`` ×
+``gather=fixed,old`` × ``layout=cpu1,cpu4``); the figure's cells: ``ntxent`` with ``fixed`` (exact)
+and ``old`` (a biased gradient on a local loss), and ``ntxent_global`` with ``old`` (a 1/W
+gradient). Each run's backbone is probed by the 1-shot
 nearest-class-mean classifier (``few_shot_accuracy``). Per cell: mean and 95% t-interval over the
 seeds, and the paired difference from the 1-device run of the same seed and loss, with its 95%
 t-interval. Baselines: raw pixels, and the untrained network of each seed. Writes
 ``figures/downstream.{png,pdf,csv,md}``.
 
-Usage: ``python experiments/downstream.py`` (about 8 minutes here), or
-``python experiments/downstream.py SWEEP_DIR SWEEP_DIR`` to redraw from the two finished sweeps.
+Usage: ``python experiments/downstream.py`` (about 11 minutes here), or
+``python experiments/downstream.py SWEEP_DIR [SWEEP_DIR ...]`` to redraw from finished sweeps.
 """
 
 from __future__ import annotations
@@ -49,10 +50,7 @@ def baselines() -> tuple[float, list[float]]:
 
 def main() -> None:
     start = time.perf_counter()
-    sweeps = [Path(path) for path in sys.argv[1:]] or [
-        run_sweep("downstream", "loss=ntxent", "gather=fixed,old", "layout=cpu1,cpu4"),
-        run_sweep("downstream", "loss=ntxent_global", "gather=old", "layout=cpu1,cpu4"),
-    ]
+    sweeps = [Path(path) for path in sys.argv[1:]] or [run_sweep("downstream")]
     runs = pd.concat([results.load_runs(sweep) for sweep in sweeps], ignore_index=True)
     runs = runs[runs["status"] == "ok"]
     raw, untrained = baselines()

@@ -96,6 +96,17 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
             "loss (gatherlab.losses.NTXentLoss): temperature must be a positive number, got 0",
         ),
         (["optim.lr=-1"], "optim (torch.optim.SGD): Invalid learning rate: -1"),
+        # experiments that another command runs are refused, naming that command
+        (
+            ["experiment=optimizer_matrix"],
+            "experiment=optimizer_matrix is run by 'python experiments/optimizer_matrix.py', not "
+            "by 'python -m gatherlab.train'; allowed: python experiments/optimizer_matrix.py",
+        ),
+        (
+            ["experiment=gather_scaling"],
+            "experiment=gather_scaling is run by 'python -m gatherlab.scaling', not by 'python -m "
+            "gatherlab.train'; allowed: python -m gatherlab.scaling",
+        ),
         (["model.depth=0"], "model (gatherlab.models.MLP): model.depth must be at least 1"),
         (
             ["loss._target_=gatherlab.losses.Nope"],
@@ -114,6 +125,22 @@ def test_preflight_checks_every_job_of_a_sweep():
     with pytest.raises(ConfigError, match=r"does not divide by layout\.devices=4"):
         train.preflight(["global_batch_size=6", "layout=cpu1,cpu2,cpu4"], multirun=True)
     assert train.preflight(["experiment=bug_demo"], multirun=True) == 6
+
+
+def test_the_downstream_experiment_is_every_run_its_figure_reads():
+    # experiments/downstream.py runs `-m experiment=downstream` alone: the sweep must hold each
+    # cell of the figure (1 device; ntxent fixed and old; ntxent_global old) for seeds 0..4
+    with config.composed():
+        jobs = config.job_overrides(["experiment=downstream"], multirun=True)
+    values = [dict(override.split("=") for override in job) for job in jobs]
+    cells = {(job["seed"], job["loss"], job["gather"], job["layout"]) for job in values}
+    assert cells == {
+        (str(seed), loss, gather, layout)
+        for seed in range(5)
+        for loss in ("ntxent", "ntxent_global")
+        for gather in ("fixed", "old")
+        for layout in ("cpu1", "cpu4")
+    }
 
 
 def test_more_cpu_ranks_than_cores_is_a_warning_with_the_count():

@@ -61,7 +61,8 @@ def command_line(
         if (out / f"{name}.csv").exists():
             raise ConfigError(f"--out {out} already holds {name}.csv; it is never overwritten")
         with config.composed():
-            cfg, _ = config.compose(overrides)
+            cfg, choices = config.compose(overrides)
+        configcheck.check_command(cfg, choices["experiment"], f"python -m gatherlab.{name}")
         configcheck.check(cfg)
         table = run(cfg, overrides, out)
     except ConfigError as error:

@@ -25,7 +25,7 @@ from gatherlab.config import ConfigError
 PRECISIONS = {"cpu": ("32-true", "64-true"), "gpu": ("32-true", "64-true")}
 
 
-__all__ = ["ConfigError", "check", "machine_warning"]
+__all__ = ["ConfigError", "check", "check_command", "machine_warning"]
 
 
 def _integer(key: str, value: Any, minimum: int) -> int:
@@ -89,6 +89,17 @@ def check(cfg: Mapping[str, Any]) -> None:
             f"set; allowed: at most {num_samples}"
         )
     _check_objects(cfg)
+
+
+def check_command(cfg: Mapping[str, Any], experiment: str | None, command: str) -> None:
+    """Refuse a job that another command runs: an experiment whose config names its command
+    (``run_by``, e.g. a script that trains outside ``gatherlab.train``) runs only there, so that
+    no command silently runs something else under the experiment's name."""
+    run_by = cfg.get("run_by")
+    if run_by is not None and run_by != command:
+        raise ConfigError(
+            f"experiment={experiment} is run by '{run_by}', not by '{command}'; allowed: {run_by}"
+        )
 
 
 @functools.lru_cache(maxsize=16)

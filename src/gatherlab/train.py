@@ -31,16 +31,19 @@ from gatherlab.config import ConfigError
 # has passed, so that a bad value is answered at once.
 
 log = logging.getLogger(__name__)
+# How a user starts this command line (an experiment's run_by names the one that runs it).
+COMMAND = "python -m gatherlab.train"
 
 
 def checked_jobs(overrides: Sequence[str], multirun: bool) -> list[DictConfig]:
     """Every job config of the command, composed and checked; the first bad value raises
     ``ConfigError``."""
     with config.composed():
-        configs = [config.compose(job)[0] for job in config.job_overrides(overrides, multirun)]
-    for cfg in configs:
+        composed = [config.compose(job) for job in config.job_overrides(overrides, multirun)]
+    for cfg, choices in composed:
+        configcheck.check_command(cfg, choices["experiment"], COMMAND)
         configcheck.check(cfg)
-    return configs
+    return [cfg for cfg, _ in composed]
 
 
 def preflight(overrides: Sequence[str], multirun: bool) -> int:
