@@ -1,4 +1,4 @@
-"""README figure 1: the GatherLayer bug and its fix (``experiment=bug_demo``).
+"""Figure (README, docs/results.md): the GatherLayer bug and its fix (``experiment=bug_demo``).
 
 Runs the sweep, then copies its comparison figure to ``figures/bug_demo.{png,pdf}``.
 Usage: ``python experiments/bug_demo.py``

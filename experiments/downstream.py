@@ -1,4 +1,5 @@
-"""README figure: does the bug change what the network learns? SimCLR on the digits, 5 seeds.
+"""Figure (README, docs/results.md): does the bug change what the network learns? SimCLR on the
+digits, 5 seeds.
 
 One sweep of ``experiment=downstream`` (seeds 0..4 × ``loss=ntxent,ntxent_global`` ×
 ``gather=fixed,old`` × ``layout=cpu1,cpu4``); the figure's cells: ``ntxent`` with ``fixed`` (exact)

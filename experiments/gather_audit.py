@@ -1,5 +1,5 @@
-"""README figure 3: the gradient audit (``python -m gatherlab.audit``): every gather × loss style
-× world size 2, 4, 8, the parameter gradient against the 1-device gradient.
+"""Figure (README, docs/results.md): the gradient audit (``python -m gatherlab.audit``): every
+gather × loss style × world size 2, 4, 8, the parameter gradient against the 1-device gradient.
 
 Copies ``audit.{png,pdf,md,csv}`` to ``figures/gather_audit.*``.
 Usage: ``python experiments/gather_audit.py``

@@ -1,4 +1,4 @@
-"""README figure: the gradient error of the inexact gathers as W grows to 1024.
+"""Figure (README, docs/results.md): the gradient error of the inexact gathers as W grows to 1024.
 
 Runs ``python -m gatherlab.scaling`` (``experiment=gather_scaling``: one global batch of 1024,
 float64; real gloo ranks at W = 2, 4, 8, the simulated world at W = 2 … 1024) three times:

@@ -1,5 +1,5 @@
-"""README figure 2: the loss matrix (``experiment=loss_matrix``): every loss with ``old`` and
-``fixed`` on 1, 2 and 4 CPU ranks, each against its 1-device reference.
+"""Figure (README, docs/results.md): the loss matrix (``experiment=loss_matrix``): every loss with
+``old`` and ``fixed`` on 1, 2 and 4 CPU ranks, each against its 1-device reference.
 
 Runs the sweep (60 jobs), then copies its matrix figure and table to
 ``figures/loss_matrix.{png,pdf,md}`` and the comparison table to ``figures/loss_matrix.csv``.

@@ -1,4 +1,5 @@
-"""README figure: when does a 1/W or biased gradient matter under real optimizers?
+"""Figure (README, docs/results.md): when does a 1/W or biased gradient matter under real
+optimizers?
 
 Composes ``experiment=optimizer_matrix`` and trains, for every optimizer × cell (a gather on a
 loss: exact, 1/W or biased per the audit) × W = 2, 4, 8 real gloo ranks and W = 32 simulated ranks

@@ -1,6 +1,6 @@
-"""README figure 4: full SimCLR on the 8×8 digits (``experiment=simclr_digits``): the matched runs
-on 1, 2 and 4 CPU ranks and the three ablations, each breaking one guarantee, with the k-NN test
-accuracy of every run.
+"""Figure (README, docs/results.md): full SimCLR on the 8×8 digits (``experiment=simclr_digits``):
+the matched runs on 1, 2 and 4 CPU ranks and the three ablations, each breaking one guarantee, with
+the k-NN test accuracy of every run.
 
 Runs the sweep (12 jobs), draws ``figures/simclr_digits.{png,pdf}`` from it and copies its
 comparison table (with ``knn_accuracy``) to ``figures/simclr_digits.csv``.

@@ -7,11 +7,11 @@ The verdict each should get follows from docs/design.md §1; the tests state it 
 - ``ClipStyleLoss``: OpenCLIP's ``ClipLoss`` pattern: ``rank``/``world_size`` at construction,
   features gathered without gradient and the live local tensor put back in its slot
   (``gather_with_grad=False``), ``forward(image_features, text_features, logit_scale)``; checked
-  through ``ClipLossForCheck``, the README's wrapper. With ``local_loss=False`` every rank computes
-  the full loss: 1/W. With ``local_loss=True`` each rank takes its own rows against all columns:
-  biased. With ``gather_with_grad=True`` (``torch.distributed.nn``'s all_gather): exact. With a
-  learnt logit scale and the default flags: biased, since the scale's own gradient is complete on
-  every rank while the embeddings' is 1/W.
+  through ``ClipLossForCheck``, the wrapper of docs/results.md (checks of public code). With
+  ``local_loss=False`` every rank computes the full loss: 1/W. With ``local_loss=True`` each rank
+  takes its own rows against all columns: biased. With ``gather_with_grad=True``
+  (``torch.distributed.nn``'s all_gather): exact. With a learnt logit scale and the default flags:
+  biased, since the scale's own gradient is complete on every rank while the embeddings' is 1/W.
 - ``LocallyStandardisedBarlowTwins``: Barlow Twins whose embeddings are standardised with the rank's
   own batch statistics before an exact gather: the loss itself differs.
 - ``MocoStyleGlobalLoss``: MoCo's ``concat_all_gather`` (no gradient at all), then a loss of the
@@ -157,7 +157,8 @@ class ClipStyleLoss(nn.Module):
         return (loss_image + loss_text) / 2
 
 
-# The README's wrapper ("Check your own loss"), with the stand-in in place of open_clip's ClipLoss.
+# The wrapper of docs/results.md ("Checks of public code"), with the stand-in in place of
+# open_clip's ClipLoss.
 class ClipLossForCheck(nn.Module):
     """gatherlab calls loss(z0, z1); ClipLoss also takes the logit scale, and the model normally
     normalises the features. rank and world_size are named so that gatherlab passes them."""

@@ -1,6 +1,6 @@
 """A loss on W real gloo ranks against the same loss on one device, in float64: the global loss
 (the mean over ranks of what each rank's loss returns), the parameter gradient that DDP hands to
-the optimizer, and optionally a short training run (docs/design.md §1). The gradient is
+the optimizer, and optionally a short training run (docs/design.md §1, §6). The gradient is
 classified:
 
 - ``exact``: max |g − g₁| / max |g₁| ≤ 1e-10 (summation order only);
