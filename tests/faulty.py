@@ -1,16 +1,24 @@
-"""A loss that breaks one rank on purpose, to test what a sweep does when a rank fails.
+"""A loss that breaks one rank on purpose, to test what a sweep does when a rank fails or is
+interrupted.
 
 Selected from the command line with ``loss._target_=faulty.RankFault`` (``tests/`` on the
 ``PYTHONPATH``); it behaves as NT-Xent until rank ``rank`` reaches step ``step``, then raises or
-kills its own process."""
+kills its own process, or, with ``how="pause"``, writes the file that ``$GATHERLAB_TEST_PAUSE``
+names and waits there for good: a rank stopped mid-training, its peers waiting in a collective,
+until its process is ended. Without that variable a paused loss trains on, so the same command
+resumed elsewhere completes."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
 from gatherlab import gather
 from gatherlab.losses import NTXentLoss
+
+PAUSE = "GATHERLAB_TEST_PAUSE"
 
 
 class RankFault(NTXentLoss):
@@ -22,7 +30,13 @@ class RankFault(NTXentLoss):
     def forward(self, out0, out1):
         self.calls += 1
         if gather.rank() == self.rank and self.calls == self.step:
-            if self.how == "kill":
+            if self.how == "pause":
+                if os.environ.get(PAUSE):
+                    Path(os.environ[PAUSE]).touch()
+                    while True:
+                        time.sleep(1.0)
+            elif self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise ValueError(f"fault injected on rank {self.rank}")
+            else:
+                raise ValueError(f"fault injected on rank {self.rank}")
         return super().forward(out0, out1)

@@ -4,14 +4,21 @@ resume, and reruns are exact (random configurations: test_fuzz.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import shutil
+import signal
+import subprocess
+import sys
 import time
 
 import pandas as pd
+import psutil
 import pytest
-from helpers import PR1531_SWEEP, run_command, run_training
+from faulty import PAUSE
+from helpers import PR1531_SWEEP, REPO, run_command, run_training
 
 from gatherlab import jobs, report, runfiles
 
@@ -168,6 +175,78 @@ def test_resume_runs_only_the_incomplete_jobs_and_rebuilds_the_report(pr1531_swe
     assert list(pd.read_csv(sweep / report.COMPARISON)["verdict"]) == [
         "reference", "differs", "matches", "matches",
     ]  # fmt: skip
+
+
+# As the sweep of the report that asked for this (seven tracebacks: the command's and its ranks'):
+# when job 3 trains, the 2-rank pool of job 2 waits for work and the 4-rank pool trains. Its rank
+# 3 pauses at step 2 (when $GATHERLAB_TEST_PAUSE names a file), ranks 0-2 wait for it in a
+# collective: the sweep is mid-training whatever the machine's speed.
+PAUSED_SWEEP = (
+    "-m", "experiment=lightly_pr1531", "loss._target_=faulty.RankFault", "+loss.how=pause",
+    "+loss.rank=3", "layout=cpu1,cpu2,cpu4", "precision=64-true", "steps=4",
+)  # fmt: skip
+
+
+def _sigint_as_in_a_terminal() -> None:
+    # A process started with SIGINT ignored (from a non-interactive shell, a CI runner) passes
+    # that on, and Python then installs no KeyboardInterrupt handler at all: the command in a
+    # terminal has the default disposition, so its test does too. (Popen's restore_signals
+    # restores SIGPIPE and SIGXFSZ only.)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_mid_sweep_prints_the_resume_command_and_the_sweep_resumes(
+    tmp_path, no_leftover_processes
+):
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the command, its
+    pools' fork server and ranks. A fresh interpreter in a session of its own is the point: only a
+    real process group shows what each of them prints and leaves behind. The command stops with
+    one line and status 130; the command that line prints resumes the sweep to a full report (run
+    here, in this process on the warm pools: a second fresh interpreter would add its seconds of
+    imports and pool start and show nothing more)."""
+    sweep, paused, terminal = tmp_path / "sweep", tmp_path / "paused", tmp_path / "terminal.txt"
+    path = [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), PAUSE: str(paused)}
+    command = [sys.executable, "-m", "gatherlab.train", *PAUSED_SWEEP, f"hydra.sweep.dir={sweep}"]
+    with open(terminal, "w") as output:  # stdout and stderr together, as a terminal shows them
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_sigint_as_in_a_terminal,
+        )  # fmt: skip
+    try:
+        while not paused.exists():  # job 3 is training (pytest-timeout bounds a hang)
+            assert process.poll() is None, terminal.read_text()[-3000:]
+            time.sleep(0.05)
+        ours = psutil.Process(process.pid).children(recursive=True)  # fork server, ranks, ...
+        assert len(ours) >= 6, ours  # 6 ranks
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C
+        returncode = process.wait(timeout=60)
+        printed = terminal.read_text()
+        _, alive = psutil.wait_procs(ours, timeout=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # whatever a failed test left in its session
+        process.wait()
+
+    assert returncode == 130, printed[-3000:]
+    assert "Traceback" not in printed and "KeyboardInterrupt" not in printed, printed[-3000:]
+    assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+    again = [sys.executable, "-m", "gatherlab.train", *PAUSED_SWEEP, f"+resume={sweep.resolve()}"]
+    said = printed.strip().splitlines()[-1]  # the last line, and the only one that says so
+    assert said == f"gatherlab.train: interrupted at job 3/3; resume with: {shlex.join(again)}"
+    assert printed.count("interrupted") == 1, printed[-3000:]
+    assert runfiles.read_summary(sweep / "0")["status"] == "ok"
+    assert runfiles.read_summary(sweep / "1")["status"] == "ok"
+    assert not (sweep / "2" / runfiles.SUMMARY).exists()
+    assert not (sweep / "2" / runfiles.LOCK).exists()
+
+    pasted = shlex.split(said.split("resume with: ", 1)[1])  # as a shell reads it
+    assert pasted[:3] == [sys.executable, "-m", "gatherlab.train"]
+    resumed = run_command("train", *pasted[3:])  # no $GATHERLAB_TEST_PAUSE here: rank 3 trains on
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "job 2: complete" in resumed.stdout + resumed.stderr
+    table = pd.read_csv(sweep / report.COMPARISON)
+    assert list(table["verdict"]) == ["reference", "matches", "matches"]
 
 
 def test_resume_refuses_another_command(pr1531_sweep):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import warnings
 from typing import Any
 
@@ -89,6 +91,39 @@ class _ReleaseProcessGroup(L.Callback):
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+class _Interrupted(L.Callback):
+    """Notes that training ended on a ``KeyboardInterrupt`` (Ctrl-C)."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self.interrupted = self.interrupted or isinstance(exception, KeyboardInterrupt)
+
+
+def _fit_interruptibly(
+    trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDataModule
+) -> None:
+    """``trainer.fit``, interrupted as any other call. On Ctrl-C, Lightning tears training down,
+    ignores SIGINT from then on and calls ``sys.exit(1)``; the caller gets the
+    ``KeyboardInterrupt`` instead (the process's SIGINT handler put back), and decides what an
+    interruption means."""
+    interrupted = _Interrupted()
+    trainer.callbacks.append(interrupted)
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main_thread else None
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    except SystemExit:
+        if not interrupted.interrupted:
+            raise
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
+        raise KeyboardInterrupt from None
 
 
 class _ExistingGroup(ClusterEnvironment):
@@ -167,11 +202,10 @@ def fit(
     ``launcher="external"``, ``pool`` only on the CPU."""
     quiet_frameworks()
     if devices == 1 and launcher != "external":
-        _trainer(1, "auto", precision, steps, callbacks, accelerator).fit(
-            module, datamodule=datamodule
-        )
+        trainer = _trainer(1, "auto", precision, steps, callbacks, accelerator)
     elif launcher == "pool":
         pool(devices).run(fit_in_group, module, datamodule, precision, steps, callbacks)
+        return
     elif launcher == "spawn":
         strategy = _QuietDDPStrategy(
             start_method="spawn",
@@ -179,17 +213,14 @@ def fit(
             timeout=COLLECTIVE_TIMEOUT,
         )
         callbacks = [*callbacks, _ReleaseProcessGroup()]
-        _trainer(devices, strategy, precision, steps, callbacks, accelerator).fit(
-            module, datamodule=datamodule
-        )
+        trainer = _trainer(devices, strategy, precision, steps, callbacks, accelerator)
     else:
         # torchrun or SLURM started this process as one rank; Lightning reads the environment.
         strategy = _QuietDDPStrategy(
             process_group_backend=_backend(accelerator), timeout=COLLECTIVE_TIMEOUT
         )
-        _trainer(devices, strategy, precision, steps, callbacks, accelerator, num_nodes).fit(
-            module, datamodule=datamodule
-        )
+        trainer = _trainer(devices, strategy, precision, steps, callbacks, accelerator, num_nodes)
+    _fit_interruptibly(trainer, module, datamodule)
 
 
 def is_rank_zero() -> bool:

@@ -5,6 +5,11 @@ ranks' results in rank order; a rank that raises or dies ends the call at once w
 The training launcher (``launch``), the gradient measurements (``gradients``), the benchmarks and
 the test suite all run their distributed work here, so a job costs its computation, not the
 seconds of starting W Python processes that import torch and Lightning.
+
+A terminal's Ctrl-C sends SIGINT to every process of its foreground group, the workers and their
+fork server too. They ignore it: the process that started the pools answers it (a
+``KeyboardInterrupt`` there ends the pool it waits on at once), so a rank never prints a traceback
+of its own.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -48,7 +56,16 @@ class RankError(RuntimeError):
 
 def _pool_worker(rank: int, world_size: int, store: str, connection: Connection) -> None:
     """A pool rank: join the group once, then run each job it receives until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the starting process answers Ctrl-C
     parent = os.getppid()
+    # Join only when the pool says so: a worker forked after its pool's start was interrupted
+    # finds its pipe closed (or the stop) and ends here, instead of waiting for ranks that never
+    # come.
+    try:
+        if connection.recv_bytes() != b"join":
+            return
+    except EOFError:
+        return
     # One core per rank (round robin): a rank that stays on its core wakes faster from a
     # collective; on gloo this halves the latency of each collective (measured: ~1.0 → ~0.6 ms).
     if hasattr(os, "sched_setaffinity"):
@@ -106,20 +123,27 @@ class WorkerPool:
         context.set_forkserver_preload(
             [*PRELOAD, *(name for name in PRELOAD_IF_IMPORTED if name in sys.modules)]
         )
+        _start_fork_server()
         self._processes, self._connections = [], []
-        for rank in range(world_size):
-            ours, theirs = context.Pipe()
-            process = context.Process(
-                target=_pool_worker,
-                args=(rank, world_size, f"{self._store_dir}/store", theirs),
-                name=f"gatherlab-pool-{world_size}-rank{rank}",
-                daemon=True,
-            )
-            process.start()
-            theirs.close()
-            self._processes.append(process)
-            self._connections.append(ours)
-        self._collect(timeout_s=POOL_START_TIMEOUT_S)
+        try:  # interrupted (Ctrl-C) or failed: what was started ends with it
+            for rank in range(world_size):
+                ours, theirs = context.Pipe()
+                self._connections.append(ours)
+                process = context.Process(
+                    target=_pool_worker,
+                    args=(rank, world_size, f"{self._store_dir}/store", theirs),
+                    name=f"gatherlab-pool-{world_size}-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                theirs.close()
+                self._processes.append(process)
+            for connection in self._connections:
+                connection.send_bytes(b"join")
+            self._collect(timeout_s=POOL_START_TIMEOUT_S)
+        except BaseException:
+            self._abandon()
+            raise
 
     @property
     def alive(self) -> bool:
@@ -140,7 +164,15 @@ class WorkerPool:
         return self._collect(timeout_s)
 
     def _collect(self, timeout_s: float | None) -> list[Any]:
-        """Each rank's answer, in rank order; on the first failure close the pool and raise."""
+        """Each rank's answer, in rank order; on the first failure, or when this process is
+        interrupted (Ctrl-C) while it waits, close the pool and raise."""
+        try:
+            return self._answers(timeout_s)
+        except KeyboardInterrupt:
+            self._abandon()
+            raise
+
+    def _answers(self, timeout_s: float | None) -> list[Any]:
         results: dict[int, Any] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         by_connection = {connection: rank for rank, connection in enumerate(self._connections)}
@@ -200,6 +232,21 @@ class WorkerPool:
             connection.close()
         self._processes, self._connections = [], []
         shutil.rmtree(self._store_dir, ignore_errors=True)
+
+
+def _start_fork_server() -> None:
+    """Start the fork server, if it is not running, with SIGINT ignored from its first instruction
+    (it imports ``PRELOAD`` for seconds before it sets its own handlers), so that every worker it
+    forks inherits that too. Only the main thread can set a handler, and only one set from Python
+    can be put back: otherwise the workers' own suffices."""
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or handler is None:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 _pools: dict[int, WorkerPool] = {}

@@ -5,13 +5,17 @@ checked (``configcheck``), so a bad value fails with one line and exit status 2,
 process is ever started. Hydra then runs each job (``jobs.run``, or ``jobs.run_audit`` for
 ``experiment=gather_audit``) in its own output directory; when a sweep ends, its report is written
 (``report``) and its worker pools are closed. A failed job is recorded and the sweep goes on; the
-command then exits with status 1 and one line.
+command then exits with status 1 and one line. Ctrl-C stops the command with one line (for a
+sweep: the job it stopped at and the command that resumes it) and exit status 130.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shlex
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -53,19 +57,36 @@ def preflight(overrides: Sequence[str], multirun: bool) -> int:
 
 @dataclass
 class Command:
-    """One invocation: what the preflight learnt, and the jobs that failed. Hydra calls ``job``
-    once per job."""
+    """One invocation: what the preflight learnt, the jobs that failed, where it stands. Hydra calls
+    ``job`` once per job."""
 
     jobs_total: int | None = None
     resuming: bool = False
     failures: list[str] = field(default_factory=list)
+    multirun: bool = False
+    typed: list[str] = field(default_factory=list)  # the arguments, as typed
+    job_number: int | None = None  # the job started last
+    sweep_dir: Path | None = None
+    interrupted: bool = False  # Ctrl-C was pressed
+    in_job: bool = False
 
     def job(self, cfg: DictConfig) -> None:
+        if self.interrupted:  # a Ctrl-C that code between the jobs caught and did not pass on
+            raise KeyboardInterrupt
+        hydra_cfg = HydraConfig.get()
+        self.job_number = hydra_cfg.job.num + 1 if hydra_cfg.mode == RunMode.MULTIRUN else 1
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            self.sweep_dir = Path(hydra_cfg.sweep.dir).resolve()
+        self.in_job = True
+        try:
+            self._run_job(cfg, hydra_cfg, self.job_number)
+        finally:
+            self.in_job = False
+
+    def _run_job(self, cfg: DictConfig, hydra_cfg: DictConfig, number: int) -> None:
         from gatherlab import audit, jobs, report
 
-        hydra_cfg = HydraConfig.get()
         overrides = list(hydra_cfg.overrides.task)
-        number = hydra_cfg.job.num + 1 if hydra_cfg.mode == RunMode.MULTIRUN else 1
         if hydra_cfg.mode == RunMode.MULTIRUN:
             log.info("job %d/%s: %s", number, self.jobs_total or "?", " ".join(overrides))
         run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -88,8 +109,27 @@ class Command:
                 group=sweep_group(hydra_cfg),
             )
         except (jobs.RunFailed, ConfigError) as error:  # recorded; a sweep goes on
+            if self.interrupted:  # Ctrl-C, turned into an error by code it stopped: not a failure
+                raise KeyboardInterrupt from None
             log.error("%s", error)
             self.failures.append(str(error))
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        """The command line's SIGINT handler. In a job, Ctrl-C raises ``KeyboardInterrupt`` there:
+        its pools close and its directory is released on the way out. Anywhere else (the
+        preflight, Hydra composing a job) nothing of the command is open, and third-party code
+        stopped at a random point may turn a ``KeyboardInterrupt`` into another error or swallow
+        it: the command ends at once, its idle pools closed."""
+        self.interrupted = True
+        if self.in_job:
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C changes nothing
+        if "gatherlab.pool" in sys.modules:
+            sys.modules["gatherlab.pool"].close_pools()
+        logging.shutdown()  # what the jobs logged is in their log files
+        print(f"gatherlab.train: {interrupted_line(self)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
 
 
 def sweep_group(hydra_cfg: DictConfig) -> str:
@@ -190,11 +230,71 @@ def _command_line(argv: Sequence[str]) -> Iterator[None]:
         sys.argv = saved
 
 
+def interrupted_line(command: Command) -> str:
+    """What Ctrl-C leaves on the terminal: where the command stopped and, for a sweep, the command
+    that resumes it (the arguments as typed, with ``+resume=``, each quoted for the shell)."""
+    if command.multirun and command.sweep_dir is not None:
+        dropped = ("hydra.sweep.dir=", "resume=")
+        kept = [a for a in command.typed if not a.lstrip("~+").startswith(dropped)]
+        again = shlex.join([*_program(), *kept, f"+resume={command.sweep_dir}"])
+        number, total = command.job_number, command.jobs_total or "?"
+        where = "before the first job" if number is None else f"at job {number}/{total}"
+        return f"interrupted {where}; resume with: {again}"
+    if command.job_number is None:
+        return "interrupted before the first job; nothing to resume"
+    return "interrupted; a single run does not resume: run the command again"
+
+
+def _program() -> list[str]:
+    """How this command was started (``python -m gatherlab.train``, with the interpreter as
+    typed), or that when it was not started from the command line."""
+    typed = list(getattr(sys, "orig_argv", []))
+    for index in range(1, len(typed)):
+        if typed[index - 1] == "-m" and typed[index] == "gatherlab.train":
+            return typed[: index + 1]
+    return ["python", "-m", "gatherlab.train"]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    """The command line (``argv``: its arguments, ``sys.argv`` when not given). Ctrl-C ends it
+    with one line and exit status 130; as the program itself (no ``argv``), also outside its
+    jobs (``Command.on_sigint``)."""
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    typed = list(argv)
     argv, resume = _resume_directory(argv)
     args = _hydra_arguments(argv)
-    command = Command(resuming=resume is not None)
+    command = Command(resuming=resume is not None, multirun=bool(args.multirun), typed=typed)
+    command.sweep_dir = None if resume is None else resume.resolve()
+    handler = signal.signal(signal.SIGINT, command.on_sigint) if as_program else None
+    try:
+        _run(command, argv, args, resume)
+        if command.interrupted:  # a Ctrl-C that code in the sweep caught and did not pass on
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, no traceback. A second Ctrl-C while the pools close changes nothing.
+        with contextlib.suppress(ValueError):  # only the main thread sets handlers
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(f"gatherlab.train: {interrupted_line(command)}", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        if handler is not None and not command.interrupted:
+            signal.signal(signal.SIGINT, handler)
+    if command.failures:
+        jobs_failed = (
+            f"{len(command.failures)} of {command.jobs_total} job(s)"
+            if command.jobs_total
+            else "the run"
+        )
+        print(
+            f"gatherlab.train: error: {jobs_failed} failed; first: {command.failures[0]}",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+
+
+def _run(command: Command, argv: list[str], args: Any, resume: Path | None) -> None:
+    """The preflight, then Hydra's app; ``command`` records the jobs."""
     if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion):
         try:
             if resume is not None:
@@ -208,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for warning in dict.fromkeys(w for w in warnings if w):
             print(f"gatherlab.train: warning: {warning}", file=sys.stderr)
     if resume is not None:
-        argv.append(f"hydra.sweep.dir={resume.resolve()}")
+        argv = [*argv, f"hydra.sweep.dir={resume.resolve()}"]
     from gatherlab.launch import quiet_frameworks
 
     quiet_frameworks()
@@ -217,17 +317,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     )(command.job)
     with _command_line(argv):
         app()
-    if command.failures:
-        jobs_failed = (
-            f"{len(command.failures)} of {command.jobs_total} job(s)"
-            if command.jobs_total
-            else "the run"
-        )
-        print(
-            f"gatherlab.train: error: {jobs_failed} failed; first: {command.failures[0]}",
-            file=sys.stderr,
-        )
-        sys.exit(1)
 
 
 if __name__ == "__main__":
