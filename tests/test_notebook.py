@@ -5,6 +5,7 @@ in Jupyter. It runs as a user opens it, with no ``SWEEP_DIR``: from the root of 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -13,7 +14,7 @@ import pytest
 from helpers import REPO
 from nbclient import NotebookClient
 
-from gatherlab import results
+from gatherlab import results, runfiles
 
 pytestmark = pytest.mark.slow
 NOTEBOOK = REPO / "notebooks" / "analysis.ipynb"
@@ -76,3 +77,21 @@ def test_every_cell_runs_and_shows_the_verdict(executed):
 
 def test_the_figures_are_drawn(executed):
     assert len(_outputs(executed, "image/png")) >= 2
+
+
+def test_a_sweep_with_a_failed_run_loads_with_the_others(pr1531_sweep, tmp_path):
+    # the notebook's first table: a failed run (as training writes it: a failed summary, no
+    # curves, no weights) has no steps, and the other runs load with every step
+    sweep = shutil.copytree(pr1531_sweep[0], tmp_path / "sweep")
+    failed = sweep / "1"
+    summary = runfiles.read_summary(failed)
+    summary.update(status="failed", error="rank 1: RuntimeError: boom", failed_step=3)
+    (failed / runfiles.SUMMARY).write_text(json.dumps(summary))
+    (failed / runfiles.CURVES).unlink()
+    (failed / runfiles.FINAL_STATE).unlink()
+
+    curves = results.load_sweep(sweep)
+    assert sorted(curves["run_dir"].unique()) == [str(sweep / n) for n in ("0", "2", "3")]
+    assert curves.groupby("run_dir").size().tolist() == [summary["steps"]] * 3
+    runs = results.load_runs(sweep).set_index("run_dir")
+    assert runs.loc[str(failed), "status"] == "failed"

@@ -187,12 +187,12 @@ def load_sweep(paths: str | Path | Iterable[str | Path]) -> pd.DataFrame:
     Returns:
         A pandas DataFrame, one row per (run, step): the columns of `load_run`, from all runs
         (a column that some run lacks is empty in the others), and ``sweep``, the directory as
-        given.
+        given. A failed run has no steps, so it has no rows (`load_runs` lists it, with its
+        error).
 
     Raises:
-        FileNotFoundError: no run (no ``summary.json``) below any of ``paths``, or a run without
-            ``curves.csv``: a sweep that holds a failed run cannot be loaded here
-            (`load_runs` lists its runs, failed ones included).
+        FileNotFoundError: no finished run below any of ``paths``, or a run that says ``ok``
+            without its ``curves.csv``.
         ValueError: a run's ``summary.json`` is not valid JSON.
 
     Example:
@@ -204,11 +204,13 @@ def load_sweep(paths: str | Path | Iterable[str | Path]) -> pd.DataFrame:
     frames = []
     for sweep in paths:
         for run_dir in runfiles.find_runs(Path(sweep)):
+            if runfiles.read_summary(run_dir).get("status") == "failed":
+                continue  # no curves: training stopped
             frame = load_run(run_dir)
             frame["sweep"] = str(sweep)
             frames.append(frame)
     if not frames:
-        raise FileNotFoundError(f"no finished run (no {runfiles.SUMMARY}) below {paths}")
+        raise FileNotFoundError(f"no run that finished ({runfiles.SUMMARY}: ok) below {paths}")
     return pd.concat(frames, ignore_index=True)
 
 
