@@ -10,7 +10,7 @@ seeds, and the paired difference from the 1-device run of the same seed and loss
 t-interval. Baselines: raw pixels, and the untrained network of each seed. Writes
 ``figures/downstream.{png,pdf,csv,md}``.
 
-Usage: ``python experiments/downstream.py`` (about 11 minutes here), or
+Usage: ``python experiments/downstream.py`` (about 9 minutes here), or
 ``python experiments/downstream.py SWEEP_DIR [SWEEP_DIR ...]`` to redraw from finished sweeps.
 """
 
