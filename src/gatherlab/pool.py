@@ -191,7 +191,7 @@ class WorkerPool:
                     rank = by_connection[item]
                     try:
                         status, value = item.recv()
-                    except EOFError:  # the process died
+                    except (EOFError, ConnectionResetError):  # the process died
                         status, value = "error", self._death(rank)
                     if status == "error":
                         self._abandon()
