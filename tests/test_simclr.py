@@ -20,7 +20,8 @@ from gatherlab.models import SeededDropout, SimCLRNet
 
 # float64 results that differ only in summation order agree to a few ulps (~1e-15 here).
 EXACT = 1e-12
-SHAPES = {"1d": (8, 3), "2d": (8, 3, 4, 4)}
+SHAPES = {"1d": (8, 3), "1d_sequence": (8, 3, 5), "2d": (8, 3, 4, 4), "3d": (8, 3, 2, 2, 2)}
+TORCH_NORMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 
 
 # --- global batch norm --------------------------------------------------------------------------
@@ -35,7 +36,7 @@ def _norm_case(shape: tuple[int, ...], world_size: int, steps: int = 3) -> dict[
     generator = torch.Generator().manual_seed(0)
     norm = GlobalBatchNorm(shape[1]).double() if world_size > 1 else None
     if norm is None:
-        norm = (nn.BatchNorm1d if len(shape) == 2 else nn.BatchNorm2d)(shape[1]).double()
+        norm = TORCH_NORMS[len(shape)](shape[1]).double()
     with torch.no_grad():
         norm.weight.copy_(torch.randn(shape[1], generator=generator, dtype=torch.float64))
         norm.bias.copy_(torch.randn(shape[1], generator=generator, dtype=torch.float64))
@@ -105,7 +106,7 @@ def test_global_batch_norm_in_evaluation_uses_running_statistics():
 
 
 def test_global_batch_norm_rejects_wrong_shapes():
-    with pytest.raises(ValueError, match=r"expects \(N, 3\) or \(N, 3, H, W\), got \(2, 4\)"):
+    with pytest.raises(ValueError, match=r"expects \(N, 3, \.\.\.\), got \(2, 4\)"):
         GlobalBatchNorm(3)(torch.zeros(2, 4))
 
 

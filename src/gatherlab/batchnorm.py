@@ -40,7 +40,7 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class GlobalBatchNorm(nn.Module):
-    """``BatchNorm1d``/``BatchNorm2d`` with statistics over the global batch of all ranks.
+    """``BatchNorm1d``/``2d``/``3d`` with statistics over the global batch of all ranks.
 
     In training, mean and (biased) variance per channel are taken over every rank's samples (and
     positions): one all-reduce for the sums and the sample count, one for the squared deviations
@@ -49,7 +49,7 @@ class GlobalBatchNorm(nn.Module):
     on every rank. In evaluation it normalises with the running statistics, without collectives.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1):
         super().__init__()
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.weight = nn.Parameter(torch.ones(num_features))
@@ -59,12 +59,12 @@ class GlobalBatchNorm(nn.Module):
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim not in (2, 4) or x.shape[1] != self.num_features:
+        if x.ndim < 2 or x.shape[1] != self.num_features:
             raise ValueError(
-                f"GlobalBatchNorm({self.num_features}) expects (N, {self.num_features}) or "
-                f"(N, {self.num_features}, H, W), got {tuple(x.shape)}"
+                f"GlobalBatchNorm({self.num_features}) expects (N, {self.num_features}, ...), got "
+                f"{tuple(x.shape)}"
             )
-        dims = [0] if x.ndim == 2 else [0, 2, 3]
+        dims = [0, *range(2, x.ndim)]  # every axis but the channels
         shape = [1, -1] + [1] * (x.ndim - 2)
         if self.training:
             mean, var = self._global_statistics(x, dims, shape)
@@ -86,6 +86,11 @@ class GlobalBatchNorm(nn.Module):
         var = all_reduce_sum((centred * centred).sum(dim=dims)) / count
         with torch.no_grad():
             self.num_batches_tracked += 1
-            self.running_mean.lerp_(mean, self.momentum)
-            self.running_var.lerp_(var * count / (count - 1), self.momentum)
+            # momentum None: the cumulative average, as BatchNorm keeps it
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+            else:
+                factor = self.momentum
+            self.running_mean.lerp_(mean, factor)
+            self.running_var.lerp_(var * count / (count - 1), factor)
         return mean, var

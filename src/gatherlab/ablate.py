@@ -1,0 +1,130 @@
+"""The removals of docs/design.md §10: what a training step may do that makes W ranks differ from
+one device, each taken out of a user's module or data set on its own, so that the check of a
+training step can name the part that breaks it.
+
+- ``batchnorm``: every ``torch.nn`` batch norm replaced by ``GlobalBatchNorm`` (the statistics of
+  the global batch, docs/design.md §2), its parameters, buffers and settings carried over;
+- ``dropout``: every ``torch.nn`` dropout layer replaced by the identity;
+- ``data_randomness``: the data set's global random streams (``random``, ``numpy.random``,
+  ``torch``) seeded from (seed, epoch, index) around each item, so that a sample's draws are its
+  own whichever rank loads it (the other streams are left as they were).
+
+Each removal works on objects it has never seen: it looks for the ``torch.nn`` classes, or wraps
+the data set's ``__getitem__``; it changes nothing else. ``CAUSES`` lists them in the order the
+check reports them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
+
+from gatherlab.augment import sample_generator
+from gatherlab.batchnorm import GlobalBatchNorm
+
+CAUSES = ("batchnorm", "dropout", "data_randomness")
+# The stream of sample_generator that seeds a sample's global random streams (0, 1 and 2 + … are
+# gatherlab's own augmentations and dropout masks, docs/design.md §2).
+DATA_STREAM = 1_000_003
+
+__all__ = [
+    "CAUSES", "PerSample", "batch_norms", "dropouts", "global_batch_norm", "no_dropout",
+    "seeded_streams",
+]  # fmt: skip
+
+
+def batch_norms(module: nn.Module) -> list[str]:
+    """The names of the ``torch.nn`` batch norm layers of ``module`` (``SyncBatchNorm`` too)."""
+    return [name for name, child in module.named_modules() if isinstance(child, _BatchNorm)]
+
+
+def dropouts(module: nn.Module) -> list[str]:
+    """The names of the ``torch.nn`` dropout layers of ``module``."""
+    return [name for name, child in module.named_modules() if isinstance(child, _DropoutNd)]
+
+
+def _replace(module: nn.Module, kind: type, make: Any) -> int:
+    """Replace every child of ``module`` (recursively) that is a ``kind`` with ``make(child)``."""
+    count = 0
+    for name, child in module.named_children():
+        if isinstance(child, kind):
+            setattr(module, name, make(child))
+            count += 1
+        else:
+            count += _replace(child, kind, make)
+    return count
+
+
+def _global(norm: _BatchNorm) -> GlobalBatchNorm:
+    replacement = GlobalBatchNorm(norm.num_features, eps=norm.eps, momentum=norm.momentum)
+    reference = norm.weight if norm.affine else norm.running_mean
+    if reference is not None:  # the dtype and device of the layer it replaces, before the copies
+        replacement.to(reference)
+    with torch.no_grad():
+        if norm.affine:
+            replacement.weight.copy_(norm.weight)
+            replacement.bias.copy_(norm.bias)
+        else:  # no learnt scale and shift: the identity ones, not trained
+            replacement.weight.requires_grad_(False)
+            replacement.bias.requires_grad_(False)
+        if norm.track_running_stats:
+            replacement.running_mean.copy_(norm.running_mean)
+            replacement.running_var.copy_(norm.running_var)
+            replacement.num_batches_tracked.copy_(norm.num_batches_tracked)
+    replacement.train(norm.training)
+    return replacement
+
+
+def global_batch_norm(module: nn.Module) -> int:
+    """Replace every batch norm of ``module`` in place by ``GlobalBatchNorm`` (statistics over the
+    global batch, as ``SyncBatchNorm`` computes them, on any backend); return how many."""
+    return _replace(module, _BatchNorm, _global)
+
+
+def no_dropout(module: nn.Module) -> int:
+    """Replace every dropout layer of ``module`` in place by ``nn.Identity``; return how many."""
+    return _replace(module, _DropoutNd, lambda _: nn.Identity())
+
+
+@contextmanager
+def seeded_streams(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """Inside: ``random``, ``numpy.random`` and ``torch``'s global generator seeded from (seed,
+    epoch, index) alone. Outside, each stream continues where it was."""
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    words = sample_generator(seed, epoch, index, DATA_STREAM).initial_seed()
+    random.seed(words)
+    np.random.seed(words % 2**32)
+    torch.manual_seed(words)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+
+
+class PerSample(torch.utils.data.Dataset):
+    """A map-style data set read by key ``(epoch, index)`` (the global-batch sampler's keys,
+    docs/design.md §2): ``dataset[index]``, with its global random streams seeded from (seed,
+    epoch, index) when ``seeded`` (the ``data_randomness`` removal), as they come otherwise."""
+
+    def __init__(self, dataset: Any, seed: int, seeded: bool):
+        self.dataset, self.seed, self.seeded = dataset, seed, seeded
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        if not self.seeded:
+            return self.dataset[index]
+        with seeded_streams(self.seed, epoch, index):
+            return self.dataset[index]

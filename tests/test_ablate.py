@@ -1,0 +1,115 @@
+"""The removals of docs/design.md §10 on one process, against torch's own layers: a batch norm
+swapped for the global one computes what it computed (its settings, parameters and buffers carried
+over), dropout is gone, and a data set's draws become a function of (seed, epoch, index) while the
+process's random streams go on as before. (The global batch norm across ranks: test_simclr.py.)"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from gatherlab import ablate
+from gatherlab.batchnorm import GlobalBatchNorm
+
+EXACT = 1e-12  # float64, the same arithmetic up to summation order
+
+
+class Net(nn.Module):
+    def __init__(self, momentum: float | None = 0.1, affine: bool = True):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 1)
+        self.norm1 = nn.BatchNorm1d(3, momentum=momentum, affine=affine)
+        self.head = nn.Sequential(nn.Linear(15, 4), nn.BatchNorm1d(4, eps=1e-3), nn.Dropout(0.5))
+        self.drop = nn.Dropout1d(0.3)
+
+    def forward(self, x):
+        return self.head(self.drop(self.norm1(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize(("momentum", "affine"), [(0.1, True), (None, True), (0.3, False)])
+def test_global_batch_norm_computes_what_torchs_computed(momentum, affine):
+    torch.manual_seed(0)
+    original = Net(momentum, affine).double()
+    with torch.no_grad():  # parameters and buffers other than the defaults, to be carried over
+        for norm in (original.norm1, original.head[1]):
+            norm.running_mean.normal_()
+            norm.running_var.uniform_(0.5, 2)
+            if norm.affine:
+                norm.weight.normal_()
+                norm.bias.normal_()
+    swapped = Net(momentum, affine).double()
+    swapped.load_state_dict(original.state_dict())
+    assert ablate.batch_norms(swapped) == ["norm1", "head.1"]
+    assert ablate.global_batch_norm(swapped) == 2
+    assert ablate.batch_norms(swapped) == [] and isinstance(swapped.head[1], GlobalBatchNorm)
+    assert swapped.head[1].eps == 1e-3 and swapped.norm1.momentum == momentum
+    ablate.no_dropout(original)
+    ablate.no_dropout(swapped)
+    inputs = torch.randn(3, 8, 2, 5, dtype=torch.float64)
+    for x in inputs:  # training: batch statistics, running statistics updated
+        assert torch.allclose(swapped(x), original(x), rtol=0, atol=EXACT)
+    for ours, theirs in zip(swapped.buffers(), original.buffers(), strict=True):
+        assert torch.allclose(ours.double(), theirs.double(), rtol=0, atol=EXACT)
+    trainable = [n for n, p in swapped.named_parameters() if p.requires_grad]
+    assert trainable == [n for n, p in original.named_parameters()]
+    original.eval()
+    swapped.eval()  # evaluation: the running statistics
+    assert torch.allclose(swapped(inputs[0]), original(inputs[0]), rtol=0, atol=EXACT)
+
+
+def test_no_dropout_leaves_the_identity():
+    net = Net().double()
+    assert ablate.dropouts(net) == ["head.2", "drop"]
+    assert ablate.no_dropout(net) == 2 and ablate.dropouts(net) == []
+    x = torch.randn(8, 2, 5, dtype=torch.float64)
+    net.train()
+    first = net(x)
+    torch.manual_seed(123)  # no draw left in the forward: any state gives the same output
+    assert torch.equal(net(x), first)
+
+
+class RandomItems(torch.utils.data.Dataset):
+    """A data set that augments with every global stream, as public code does."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> tuple[float, float, float]:
+        return random.random() + index, float(np.random.rand()), float(torch.rand(()))
+
+
+def test_per_sample_seeding_makes_an_item_a_function_of_its_key():
+    seeded = ablate.PerSample(RandomItems(), seed=7, seeded=True)
+    torch.manual_seed(1)
+    first = [seeded[(0, i)] for i in range(10)]
+    torch.manual_seed(2)
+    random.seed(5)
+    backwards = [seeded[(0, i)] for i in reversed(range(10))][::-1]
+    assert first == backwards  # whichever order, rank or state loads them
+    assert seeded[(1, 3)] != first[3]  # another epoch, other draws
+    assert ablate.PerSample(RandomItems(), seed=8, seeded=True)[(0, 3)] != first[3]
+
+
+def test_per_sample_seeding_leaves_the_process_streams_where_they_were():
+    seeded = ablate.PerSample(RandomItems(), seed=7, seeded=True)
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    expected = random.random(), float(np.random.rand()), float(torch.rand(()))
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    seeded[(0, 4)]
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected
+
+
+def test_unseeded_items_come_from_the_process_streams():
+    plain = ablate.PerSample(RandomItems(), seed=7, seeded=False)
+    torch.manual_seed(1)
+    first = plain[(0, 2)]
+    torch.manual_seed(2)
+    assert plain[(0, 2)][2] != first[2]
