@@ -1,0 +1,209 @@
+"""A user's own ``LightningModule`` and map-style data set, trained the way gatherlab trains its
+own module (docs/design.md §2, §10): every layout sees the same global batches in the same order,
+rank r its r-th contiguous slice, and the removals of ``gatherlab.ablate`` applied on request.
+
+- ``ItemsDataModule`` serves each rank its slice of the global batches of any map-style data set
+  (``len``, ``dataset[index]``), collated by the module's or the data set's ``collate_fn`` when it
+  has one, else PyTorch's default;
+- ``Recorder`` keeps what the check compares: the loss each step's ``training_step`` returned,
+  the parameter gradient of the first step after DDP's average, and the final parameters;
+- ``train_on_rank`` builds the module and the data set where it runs (inside each rank) and
+  trains them with Lightning on one device or in the rank's process group.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from gatherlab import ablate, launch
+from gatherlab import gather as gathering
+from gatherlab.data import GlobalBatchSampler
+from gatherlab.factory import LossFactory
+
+__all__ = [
+    "ItemsDataModule", "Recorder", "Removals", "Trained", "collate_fn_of", "loss_of", "prepare",
+    "train_on_rank",
+]  # fmt: skip
+
+
+def collate_fn_of(module: Any, dataset: Any) -> Callable[[list[Any]], Any]:
+    """The module's ``collate_fn``, else the data set's, else PyTorch's ``default_collate``."""
+    return (
+        getattr(module, "collate_fn", None)
+        or getattr(dataset, "collate_fn", None)
+        or (default_collate)
+    )
+
+
+class ItemsDataModule(L.LightningDataModule):
+    """Each rank's slice of the same global batches of a map-style data set (docs/design.md §2),
+    its items drawn with the data set's own randomness or, ``seeded``, with its global random
+    streams seeded per sample (``ablate.PerSample``)."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        global_batch_size: int,
+        steps: int,
+        seed: int,
+        shuffle: bool,
+        seeded: bool,
+        collate_fn: Callable[[list[Any]], Any],
+    ):
+        super().__init__()
+        self.dataset, self.global_batch_size, self.steps = dataset, global_batch_size, steps
+        self.seed, self.shuffle, self.seeded, self.collate_fn = seed, shuffle, seeded, collate_fn
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = GlobalBatchSampler(
+            num_samples=len(self.dataset),
+            global_batch_size=self.global_batch_size,
+            num_batches=self.steps,
+            rank=self.trainer.global_rank,
+            world_size=self.trainer.world_size,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            with_epoch=True,
+        )
+        items = ablate.PerSample(self.dataset, self.seed, self.seeded)
+        return DataLoader(items, batch_sampler=sampler, collate_fn=self.collate_fn)
+
+
+@dataclass(frozen=True)
+class Removals:
+    """Which causes of docs/design.md §10 are taken out of a run (``ablate.CAUSES``)."""
+
+    batchnorm: bool = False
+    dropout: bool = False
+    data_randomness: bool = False
+
+    @classmethod
+    def of(cls, variant: str) -> Removals:
+        """``baseline`` (none), one cause of ``ablate.CAUSES``, or ``all``."""
+        if variant == "all":
+            return cls(True, True, True)
+        return cls(**{cause: cause == variant for cause in ablate.CAUSES})
+
+
+def prepare(module: torch.nn.Module, removals: Removals) -> None:
+    """Apply the module's removals in place (batch norm over the global batch, dropout off)."""
+    if removals.batchnorm:
+        ablate.global_batch_norm(module)
+    if removals.dropout:
+        ablate.no_dropout(module)
+
+
+def _loss_value(output: Any) -> torch.Tensor:
+    """The loss a ``training_step`` returned: the tensor, or a mapping's ``"loss"``."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        returned = type(output).__name__ if not isinstance(output, dict) else sorted(output)
+        raise TypeError(
+            f"training_step returned {returned}; allowed: the loss tensor or a dict with 'loss'"
+        )
+    return loss
+
+
+class Recorder(L.Callback):
+    """Keeps each step's loss (what ``training_step`` returned on this rank), the parameter
+    gradient of the first step as DDP hands it to the optimizer, and the final parameters."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.first_gradient: torch.Tensor | None = None
+        self.parameters: torch.Tensor | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.losses.append(float(_loss_value(outputs).detach()))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.first_gradient is None:
+            self.first_gradient = torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                    for p in pl_module.parameters()
+                    if p.requires_grad
+                ]
+            ).double()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.parameters = torch.cat(
+            [p.detach().reshape(-1) for p in pl_module.parameters()]
+        ).double()
+
+
+@dataclass(frozen=True)
+class Trained:
+    """One rank's run: its losses per step, the first step's gradient, the final parameters."""
+
+    losses: list[float]
+    first_gradient: torch.Tensor
+    parameters: torch.Tensor
+
+
+def _seed_processes(seed: int) -> None:
+    """Every process's global random streams from ``seed``, as a training script seeds them
+    (``lightning.seed_everything``): the same on every rank."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def train_on_rank(
+    module: LossFactory,
+    dataset: LossFactory,
+    removals: Removals,
+    global_batch_size: int,
+    steps: int,
+    seed: int,
+    precision: str,
+    shuffle: bool = True,
+) -> Trained:
+    """Build the module and the data set here (with this rank's ``rank``/``world_size`` when
+    their constructors take them; the module's initial weights drawn from ``seed``), apply
+    ``removals``, and train ``steps`` steps with Lightning: on one device, or on this rank of the
+    process group when there is one. Returns this rank's ``Trained``."""
+    lightning_module = module()
+    prepare(lightning_module, removals)
+    data = dataset()
+    datamodule = ItemsDataModule(
+        data, global_batch_size, steps, seed, shuffle, removals.data_randomness,
+        collate_fn_of(lightning_module, data),
+    )  # fmt: skip
+    recorder = Recorder()
+    _seed_processes(seed)
+    if gathering.world_size() > 1:
+        launch.fit_in_group(lightning_module, datamodule, precision, steps, [recorder])
+    else:
+        launch.fit(lightning_module, datamodule, 1, precision, steps, [recorder])
+    if recorder.first_gradient is None or recorder.parameters is None:
+        raise RuntimeError(f"training stopped before its first step on rank {gathering.rank()}")
+    if not all(math.isfinite(value) for value in recorder.losses):
+        raise FloatingPointError(f"a non-finite loss on rank {gathering.rank()}")
+    return Trained(recorder.losses, recorder.first_gradient, recorder.parameters)
+
+
+class _LossOf:
+    """The loss a module holds as an attribute, built by building the module (picklable: a
+    factory for ``gatherlab.check.check_loss``)."""
+
+    def __init__(self, module: LossFactory, attribute: str):
+        self.module, self.attribute = module, attribute
+        self.__qualname__ = f"{module.name}.{attribute}"
+
+    def __call__(self) -> torch.nn.Module:
+        return getattr(self.module(), self.attribute)
+
+
+def loss_of(module: LossFactory, attribute: str) -> Callable[[], torch.nn.Module]:
+    """A factory of the loss that ``module``'s objects hold as ``attribute``."""
+    return _LossOf(module, attribute)
