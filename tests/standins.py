@@ -52,6 +52,25 @@ class GatherLayer(torch.autograd.Function):
         return all_gradients[dist.get_rank()]
 
 
+class GatherLayerPre1531(torch.autograd.Function):
+    """lightly's GatherLayer before PR #1531, as lightly wrote it: the backward keeps only the
+    gradient of the own slice that this rank's loss computed."""
+
+    @staticmethod
+    def forward(ctx, input):
+        ctx.save_for_backward(input)
+        output = [torch.empty_like(input) for _ in range(dist.get_world_size())]
+        dist.all_gather(output, input)
+        return tuple(output)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (input,) = ctx.saved_tensors
+        grad_out = torch.empty_like(input)
+        grad_out[:] = grads[dist.get_rank()]
+        return grad_out
+
+
 def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     """A gather function ``x -> gathered x`` as a user writes one (for ``--gather``)."""
     if _world()[1] == 1:
@@ -77,6 +96,8 @@ def eye_rank(n: int) -> torch.Tensor:
 
 
 class GatherLayerNTXent(nn.Module):
+    gather_layer = GatherLayer
+
     def __init__(self, temperature: float = 0.5, gather_distributed: bool = True):
         super().__init__()
         self.temperature = temperature
@@ -86,8 +107,8 @@ class GatherLayerNTXent(nn.Module):
         out0, out1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
         rank, world_size = _world()
         if self.gather_distributed and world_size > 1:
-            out0_large = torch.cat(GatherLayer.apply(out0), 0)
-            out1_large = torch.cat(GatherLayer.apply(out1), 0)
+            out0_large = torch.cat(self.gather_layer.apply(out0), 0)
+            out1_large = torch.cat(self.gather_layer.apply(out1), 0)
             diag_mask = eye_rank(len(out0))
         else:
             out0_large, out1_large = out0, out1
@@ -103,6 +124,12 @@ class GatherLayerNTXent(nn.Module):
         logits = torch.cat([logits_0100, logits_1011], dim=0)
         labels = torch.arange(len(out0)) + rank * len(out0)
         return F.cross_entropy(logits, labels.repeat(2))
+
+
+class Pre1531NTXent(GatherLayerNTXent):
+    """lightly's NT-Xent with the GatherLayer it had before PR #1531."""
+
+    gather_layer = GatherLayerPre1531
 
 
 class ClipStyleLoss(nn.Module):

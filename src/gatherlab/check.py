@@ -53,7 +53,10 @@ OPTIMIZERS = ("sgd", "adamw")
 # The loss styles of docs/design.md §1, one loss each, for checking a gather (the audit's losses).
 STYLE_LOSSES = ("ntxent", "ntxent_global", "vicreg")
 
-__all__ = ["COLUMNS", "CheckError", "LossFailed", "check_gather", "check_loss", "explain"]
+__all__ = [
+    "COLUMNS", "CheckError", "LossFailed", "check_gather", "check_loss", "check_training",
+    "explain", "explain_training",
+]  # fmt: skip
 
 
 class CheckError(ValueError):
@@ -133,6 +136,39 @@ DIAGNOSES = {
 }
 
 
+# What each cause of docs/design.md §10 means, and its fix (the check of a training step).
+CAUSE_DIAGNOSES = {
+    "batchnorm": (
+        "batch norm normalises each rank's batch with its own statistics (plain DDP's "
+        "BatchNorm), so W ranks compute another function of the batch than one device. Fix: "
+        "statistics over the global batch: torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) "
+        "on GPUs (NCCL), gatherlab.batchnorm.GlobalBatchNorm on any backend; or no batch norm "
+        "where the split batch passes."
+    ),
+    "dropout": (
+        "dropout masks come from each process's random generator, so a sample's mask depends on "
+        "the rank that holds it and on what that rank drew before. Fix: draw each sample's mask "
+        "from a generator seeded by (seed, epoch, sample index) (gatherlab.models.SeededDropout), "
+        "or accept the difference: noise of the same distribution, not a bias."
+    ),
+    "data_randomness": (
+        "the data set's augmentations draw from each process's global random streams (random, "
+        "numpy, torch), so a sample's views depend on the rank that loads it. Fix: seed each "
+        "sample's augmentation from its index and the epoch, e.g. a torch.Generator seeded by "
+        "(seed, epoch, index) in __getitem__."
+    ),
+    "loss": (
+        "with batch norm, dropout and the data's randomness removed the run is still not exact: "
+        "the loss itself, or how it communicates across ranks (its gather), breaks it."
+    ),
+}
+DIAGNOSES["diverges"] = (
+    "the first step agrees with one device, a later one does not: something besides the first "
+    "step's loss and gradient depends on the layout (an optimizer state, a buffer updated per "
+    "rank, randomness drawn after the first step)."
+)
+
+
 def verdict(forward: str, gradient: str) -> str:
     """``exact`` when forward and gradient are; ``loss differs`` when the forward differs; else
     the gradient's class."""
@@ -199,10 +235,19 @@ def explain(table: pd.DataFrame) -> str:
     return "\n\n".join(lines) + "\n"
 
 
-def markdown(table: pd.DataFrame) -> str:
-    columns = [c for c in (*COLUMNS, TRAIN_COLUMN) if c in table.columns]
+# The columns the check of a training step prints (check.csv has them all).
+TRAINING_COLUMNS = (
+    "world_size", "variant", "forward", "gradient", "verdict", "first_diff_step",
+    "train_max_abs_loss_diff", "max_abs_param_diff", "cosine", "norm_ratio",
+)  # fmt: skip
+
+
+def markdown(table: pd.DataFrame, columns: Sequence[str] = (*COLUMNS, TRAIN_COLUMN)) -> str:
+    columns = [c for c in columns if c in table.columns]
 
     def cell(value: Any) -> str:
+        if value is pd.NA:  # a step column with no such step
+            return "—"
         return f"{value:.3g}" if isinstance(value, float) else str(value)
 
     rows = [[cell(row[c]) for c in columns] for _, row in table.iterrows()]
@@ -212,15 +257,16 @@ def markdown(table: pd.DataFrame) -> str:
 # --- the check ----------------------------------------------------------------------------------
 
 
-def _factory(loss: str | Callable[..., Any]) -> Callable[..., Any]:
-    if isinstance(loss, str):
+def _factory(target: str | Callable[..., Any], kind: str = "loss") -> Callable[..., Any]:
+    """The class or function an import path names (``kind`` names it in the error)."""
+    if isinstance(target, str):
         try:
-            loss = locate(loss)
+            target = locate(target)
         except ImportError as error:
-            raise CheckError(f"loss {loss}: {error}") from None
-    if not callable(loss):
-        raise CheckError(f"loss {loss!r} is not callable; allowed: a class or function")
-    return loss
+            raise CheckError(f"{kind} {target}: {error}") from None
+    if not callable(target):
+        raise CheckError(f"{kind} {target!r} is not callable; allowed: a class or function")
+    return target
 
 
 def _gather(gather: str | gathering.GatherFn | None) -> tuple[str, gathering.GatherFn | None]:
@@ -437,6 +483,150 @@ def check_gather(
     return _run(losses, gather_name, tuple(world_sizes), steps, optim)
 
 
+# --- the check of a training step (docs/design.md §10) -------------------------------------------
+
+
+def _path_name(factory: str | Callable[..., Any]) -> str:
+    return factory if isinstance(factory, str) else getattr(factory, "__qualname__", "module")
+
+
+def check_training(
+    module: str | Callable[..., Any],
+    data: str | Callable[..., Any],
+    world_sizes: Iterable[int] = (2, 4),
+    *,
+    steps: int = 20,
+    global_batch_size: int = 32,
+    module_kwargs: Mapping[str, Any] | None = None,
+    data_kwargs: Mapping[str, Any] | None = None,
+    precision: str = "64-true",
+    seed: int = 0,
+    loss_attr: str | None = None,
+) -> pd.DataFrame:
+    """Check a training step: a ``LightningModule`` trained ``steps`` steps on W real gloo ranks
+    (Lightning's DDP strategy on the warm pool) against the same on one device, and, for a W that
+    is not exact, the part that breaks it (docs/design.md §10).
+
+    The module is built inside every rank as ``module(**module_kwargs)`` (with ``rank=`` and
+    ``world_size=`` when its constructor takes them; its initial weights drawn from ``seed``, the
+    same everywhere) and the data set as ``data(**data_kwargs)``, a map-style data set (``len``,
+    ``data[index]``) whose items the module's or the data set's ``collate_fn`` collates (else
+    PyTorch's default). Every layout takes the same global batches in the same order, rank r its
+    r-th contiguous slice (docs/design.md §2). A W that is not exact is trained again with each
+    cause that applies removed (``batchnorm``, ``dropout``, ``data_randomness``) and with all of
+    them removed; the causes whose removal makes it exact, or changes its verdict, are its
+    culprits, and ``loss`` when removing all of them is not enough.
+
+    Args:
+        module: the ``LightningModule`` class or factory, or its import path.
+        data: the data set class or factory, or its import path.
+        world_sizes: the numbers of ranks, each an integer ≥ 2 dividing ``global_batch_size``.
+        steps: optimizer steps of each run.
+        global_batch_size: samples per step, over all ranks.
+        module_kwargs: the module's keyword arguments.
+        data_kwargs: the data set's keyword arguments.
+        precision: ``"64-true"`` (judged to 1e-10) or ``"32-true"`` (to 1e-5).
+        seed: the module's initial weights, the data order and every process's random streams.
+        loss_attr: the attribute of the module that holds its loss; with ``loss`` among the
+            culprits, that loss is checked too (`check_loss`, on gatherlab's MLP), and its
+            verdict joins the diagnosis. It must be callable as ``loss(z0, z1)``.
+
+    Returns:
+        A pandas DataFrame: for each W the ``baseline`` row and, when it is not exact, one row
+        per variant run; the columns of `COLUMNS`, ``train_max_abs_loss_diff``, then
+        ``variant``, ``culprits`` (``;``-separated, empty when exact), ``first_diff_step`` and
+        ``max_abs_param_diff``. ``verdict`` is one of `check_loss`'s or ``diverges`` (the first
+        step agrees, a later one does not). With ``loss_attr``, ``table.attrs["loss_check"]``
+        holds the loss check's table when it ran.
+
+    Raises:
+        CheckError: bad input, before any rank runs: a module that is no LightningModule or
+            cannot be built, a data set without ``__len__``/``__getitem__``, a global batch that
+            a W does not divide or larger than the data set, a ``training_step`` that returns no
+            loss (found on one device).
+        LossFailed: a rank raised; the message names it.
+
+    Example:
+        >>> from gatherlab.check import check_training
+        >>> table = check_training("ssl_modules:SimCLRWithBatchNorm", "ssl_modules:GaussianPairs")
+        >>> table.groupby("world_size")["culprits"].first().tolist()
+        ['batchnorm', 'batchnorm']
+    """
+    from gatherlab import trainingcheck  # Lightning: imported when a training step is checked
+
+    module_factory, data_factory = _factory(module, "module"), _factory(data, "data")
+    name = _path_name(module)
+    setting = trainingcheck.Setting(
+        module=LossFactory(module_factory, dict(module_kwargs or {}), None, seed),
+        data=LossFactory(data_factory, dict(data_kwargs or {}), None, seed),
+        name=name, global_batch_size=global_batch_size, steps=steps, seed=seed,
+        precision=precision,
+    )  # fmt: skip
+    world_sizes = tuple(world_sizes)
+    try:
+        causes = trainingcheck.validate(setting, world_sizes)
+    except ValueError as error:
+        raise CheckError(str(error)) from None
+    if loss_attr is not None and not callable(getattr(setting.module(), loss_attr, None)):
+        raise CheckError(
+            f"--loss-attr {loss_attr}: {name} has no callable attribute {loss_attr!r}; allowed: "
+            "the attribute that holds its loss"
+        )
+    try:  # one device, in this process: a training_step without a loss is found here
+        references = {"baseline": trainingcheck.reference(setting, "baseline")}
+    except Exception as error:
+        raise CheckError(f"--module {name} on one device: {config.first_line(error)}") from None
+    try:
+        table = trainingcheck.check(setting, world_sizes, causes, references)
+    except RankError as error:
+        raise LossFailed(str(error).splitlines()[0]) from None
+    blamed = table.loc[table["culprits"].str.contains(trainingcheck.LOSS), "world_size"]
+    if loss_attr is not None and len(blamed):
+        loss = trainingcheck.loss_of(setting.module, loss_attr)
+        table.attrs["loss_check"] = check_loss(loss, sorted(set(blamed)), seed=seed)
+    return table
+
+
+def explain_training(table: pd.DataFrame) -> str:
+    """The check of a training step as text: one row per W (its baseline verdict, the causes
+    found, the verdict with all of them removed), the variants' table, then what each cause
+    means and its fix.
+
+    Args:
+        table: a table of `check_training`.
+
+    Returns:
+        The text ``python -m gatherlab.check --module`` prints, ending with a newline.
+    """
+    summary = []
+    for world_size, rows in table.groupby("world_size", sort=False):
+        by_variant = rows.set_index("variant")["verdict"]
+        culprits = rows["culprits"].iloc[0]
+        removed = [v for v in ("all", *CAUSE_DIAGNOSES) if v in by_variant.index]
+        after = by_variant[removed[0]] if removed else "—"
+        summary.append([str(world_size), by_variant["baseline"], culprits or "—", after])
+    header = ["world_size", "verdict", "culprits", "verdict without the removable causes"]
+    lines = [report.markdown_table(header, summary), markdown(table, TRAINING_COLUMNS)]
+    found = [c for c in table["culprits"].str.split(";").explode().unique() if c]
+    for cause in found:
+        sizes = ", ".join(
+            str(w) for w in table.loc[table["culprits"].str.contains(cause), "world_size"].unique()
+        )
+        text = textwrap.fill(CAUSE_DIAGNOSES[cause][0].upper() + CAUSE_DIAGNOSES[cause][1:], 100,
+                             initial_indent="  ", subsequent_indent="  ")  # fmt: skip
+        lines.append(f"{cause}, W = {sizes}:\n{text}")
+    loss_check = table.attrs.get("loss_check")
+    if loss_check is not None:
+        lines.append("The loss on its own (gatherlab.check on the loss attribute):\n"
+                     + explain(loss_check).rstrip())  # fmt: skip
+    elif "loss" in found:
+        lines.append("  Name the module's loss attribute (--loss-attr) to check the loss alone.")
+    baseline = table[table["variant"] == "baseline"]
+    if (baseline["verdict"] == "exact").all():
+        lines.append("Every world size trains like one device.")
+    return "\n\n".join(lines) + "\n"
+
+
 # --- the command line ---------------------------------------------------------------------------
 
 
@@ -471,27 +661,59 @@ def main(argv: Sequence[str] | None = None) -> None:
         "check this gather with gatherlab's local, global and mixed losses",
     )
     parser.add_argument("--world-sizes", type=_world_sizes, default=(2, 4), help="e.g. 2,4")
-    parser.add_argument("--steps", type=int, default=0, help="also train this many steps")
-    parser.add_argument("--optim", choices=OPTIMIZERS, default="sgd", help="for --steps")
+    parser.add_argument(
+        "--steps", type=int, help="train this many steps (a loss: 0 by default; --module: 20)"
+    )
+    parser.add_argument("--optim", choices=OPTIMIZERS, default="sgd", help="for a loss's --steps")
+    training = parser.add_argument_group("the check of a training step (docs/design.md §10)")
+    training.add_argument("--module", help="a LightningModule, module:attribute")
+    training.add_argument("--module-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
+    training.add_argument("--data", help="a map-style data set (class or factory), module:attr")
+    training.add_argument("--data-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
+    training.add_argument("--global-batch-size", type=int, default=32, help="over all ranks")
+    training.add_argument("--precision", default="64-true", help="64-true or 32-true")
+    training.add_argument("--loss-attr", help="the module's attribute holding its loss")
     parser.add_argument("--out", type=Path, help="output directory (default: a new outputs/ dir)")
     args = parser.parse_args(argv)
-    if args.loss is None and args.gather is None:
-        parser.error("name a loss (module:attribute), a gather (--gather), or both")
+    if args.module is not None and (args.loss is not None or args.gather is not None):
+        parser.error("--module checks a training step; a loss or --gather is checked without it")
+    if args.module is not None and args.data is None:
+        parser.error("--module needs --data (a map-style data set, module:attribute)")
+    if args.module is None and args.loss is None and args.gather is None:
+        parser.error("name a loss (module:attribute), a gather (--gather), or --module and --data")
     out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
     try:
         if (out / runfiles.CHECK).exists():
             raise CheckError(f"--out {out} already holds a check; it is never overwritten")
-        if args.loss is None:
-            table = check_gather(args.gather, args.world_sizes, steps=args.steps, optim=args.optim)
-        else:
-            table = check_loss(
-                args.loss,
+        if args.module is not None:
+            table = check_training(
+                args.module,
+                args.data,
                 args.world_sizes,
-                gather=args.gather,
-                steps=args.steps,
-                optim=args.optim,
-                **args.kwargs,
+                steps=20 if args.steps is None else args.steps,
+                global_batch_size=args.global_batch_size,
+                module_kwargs=args.module_kwargs,
+                data_kwargs=args.data_kwargs,
+                precision=args.precision,
+                loss_attr=args.loss_attr,
             )
+            exact = (table.loc[table["variant"] == "baseline", "verdict"] == "exact").all()
+            text = explain_training(table)
+        else:
+            if args.loss is None:
+                table = check_gather(
+                    args.gather, args.world_sizes, steps=args.steps or 0, optim=args.optim
+                )
+            else:
+                table = check_loss(
+                    args.loss,
+                    args.world_sizes,
+                    gather=args.gather,
+                    steps=args.steps or 0,
+                    optim=args.optim,
+                    **args.kwargs,
+                )
+            exact, text = (table["verdict"] == "exact").all(), explain(table)
     except (CheckError, ConfigError) as error:
         print(f"gatherlab.check: error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -500,9 +722,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(1)
     out.mkdir(parents=True, exist_ok=True)
     runfiles.write_table(table, out / runfiles.CHECK)
-    print(explain(table))
+    print(text)
     print(f"written: {out / runfiles.CHECK}")
-    sys.exit(0 if (table["verdict"] == "exact").all() else 1)
+    sys.exit(0 if exact else 1)
 
 
 if __name__ == "__main__":

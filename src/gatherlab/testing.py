@@ -1,9 +1,13 @@
-"""Assertions for other projects' test suites: does a loss train on W ranks like one device?
+"""Assertions for other projects' test suites: does a loss, or a whole training step, train on W
+ranks like one device?
 
-    from gatherlab.testing import assert_layout_invariant
+    from gatherlab.testing import assert_layout_invariant, assert_training_invariant
 
     def test_my_loss_is_layout_invariant():
         assert_layout_invariant(MyLoss, world_sizes=(2, 4), temperature=0.1)
+
+    def test_my_module_trains_like_one_device():
+        assert_training_invariant(MyModule, make_dataset, world_sizes=(2, 4), steps=20)
 
 The check runs on real gloo ranks of gatherlab's warm worker pool (``gatherlab.check``), so a
 test session pays the pool's start-up once. A test module that calls it from a script, not from
@@ -19,7 +23,7 @@ import pandas as pd
 
 from gatherlab import check
 
-__all__ = ["assert_layout_invariant"]
+__all__ = ["assert_layout_invariant", "assert_training_invariant"]
 
 
 def assert_layout_invariant(
@@ -56,4 +60,44 @@ def assert_layout_invariant(
     table = check.check_loss(factory, world_sizes, **arguments)
     if not (table["verdict"] == "exact").all():
         raise AssertionError(check.explain(table))
+    return table
+
+
+def assert_training_invariant(
+    module: str | Callable[..., Any],
+    data: str | Callable[..., Any],
+    world_sizes: Iterable[int] = (2, 4),
+    **arguments: Any,
+) -> pd.DataFrame:
+    """Fail with the check's tables and the causes it names unless, at every world size, the
+    ``LightningModule`` trains on the data set exactly as on one device; return the table when it
+    does (docs/design.md §10).
+
+    It runs `gatherlab.check.check_training` and passes when every world size's baseline
+    verdict is ``exact``.
+
+    Args:
+        module: the ``LightningModule`` class or factory, or its import path.
+        data: the map-style data set's class or factory, or its import path.
+        world_sizes: the numbers of ranks, each an integer ≥ 2 dividing the global batch.
+        **arguments: `gatherlab.check.check_training`'s keyword arguments (``steps=``,
+            ``global_batch_size=``, ``module_kwargs=``, ``data_kwargs=``, ``precision=``,
+            ``seed=``, ``loss_attr=``).
+
+    Returns:
+        The check's table, every verdict ``exact`` (one row per world size).
+
+    Raises:
+        AssertionError: some world size is not exact; the message is
+            `gatherlab.check.explain_training` of the table (the culprits and their fixes).
+        gatherlab.check.CheckError: bad input, before any rank runs.
+        gatherlab.check.LossFailed: a rank raised.
+
+    Example:
+        >>> from gatherlab.testing import assert_training_invariant
+        >>> table = assert_training_invariant("mypkg.ssl:MyModule", "mypkg.data:make_dataset")
+    """
+    table = check.check_training(module, data, world_sizes, **arguments)
+    if not (table.loc[table["variant"] == "baseline", "verdict"] == "exact").all():
+        raise AssertionError(check.explain_training(table))
     return table

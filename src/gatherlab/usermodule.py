@@ -106,7 +106,12 @@ def _loss_value(output: Any) -> torch.Tensor:
     """The loss a ``training_step`` returned: the tensor, or a mapping's ``"loss"``."""
     loss = output.get("loss") if isinstance(output, dict) else output
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        returned = type(output).__name__ if not isinstance(output, dict) else sorted(output)
+        if output is None or (isinstance(output, list | dict) and not output):
+            returned = "nothing"  # Lightning hands on a step that returned None as []
+        elif isinstance(output, dict):
+            returned = f"a dict of {sorted(output)}"
+        else:
+            returned = type(output).__name__
         raise TypeError(
             f"training_step returned {returned}; allowed: the loss tensor or a dict with 'loss'"
         )

@@ -1,0 +1,250 @@
+"""The check of a training step (docs/design.md §10): a user's ``LightningModule`` and data set
+trained N steps on W ranks of the warm pool and on one device, compared step by step; when a W is
+not exact, the same again with each known cause removed (``gatherlab.ablate``) and with all of
+them removed, and the causes whose removal makes it exact named.
+
+``gatherlab.check.check_training`` is the API and ``python -m gatherlab.check --module`` the
+command line; this module trains and compares, and says nothing in words.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pandas as pd
+import torch
+
+from gatherlab import ablate, gradients, report, usermodule
+from gatherlab.factory import LossFactory
+from gatherlab.pool import pool
+
+VARIANTS = ("baseline", *ablate.CAUSES, "all")
+# What remains when every removal has been made: the loss, or how it communicates.
+LOSS = "loss"
+PRECISIONS = ("64-true", "32-true")
+COLUMNS = (
+    "loss", "gather", "world_size", "forward", "gradient", "verdict", "loss_diff", "cosine",
+    "norm_ratio", "max_rel_err", "train_max_abs_loss_diff", "variant", "culprits",
+    "first_diff_step", "max_abs_param_diff",
+)  # fmt: skip
+
+__all__ = [
+    "COLUMNS", "LOSS", "PRECISIONS", "VARIANTS", "Setting", "check", "loss_of", "reference",
+    "validate",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What is trained: the module and the data set as factories built inside each rank, and the
+    run's size (``steps`` optimizer steps of ``global_batch_size`` samples, ``precision``)."""
+
+    module: LossFactory
+    data: LossFactory
+    name: str
+    global_batch_size: int
+    steps: int
+    seed: int
+    precision: str
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A layout's run: the global loss per step (the mean over ranks of what ``training_step``
+    returned), the first step's gradient after DDP's average, the final parameters."""
+
+    losses: list[float]
+    first_gradient: torch.Tensor
+    parameters: torch.Tensor
+
+
+def _overridden(module: L.LightningModule, method: str) -> bool:
+    return getattr(type(module), method, None) is not getattr(L.LightningModule, method)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two data set items are equal (tensors, arrays, numbers, nested containers)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.shape == b.shape and bool(np.array_equal(a, b))
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _draws_randomness(data: Any) -> bool:
+    """Whether the data set's items depend on the global random streams: item 0 read twice under
+    two different seeds of them."""
+    first = ablate.PerSample(data, seed=1, seeded=True)[(0, 0)]
+    second = ablate.PerSample(data, seed=2, seeded=True)[(0, 0)]
+    return not _same(first, second)
+
+
+def validate(setting: Setting, world_sizes: Sequence[int]) -> tuple[str, ...]:
+    """Build the module and the data set here (rank 0 of 1) and check what can be checked before
+    any rank starts; a ValueError of one line otherwise. Returns the causes that apply: the
+    module's batch norms and dropout layers, the data set's own randomness."""
+    if setting.precision not in PRECISIONS:
+        raise ValueError(
+            f"--precision {setting.precision!r} is not allowed; allowed: {', '.join(PRECISIONS)}"
+        )
+    for key, value, minimum in (
+        ("--steps", setting.steps, 1), ("--global-batch-size", setting.global_batch_size, 1),
+    ):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{key} {value!r} is not allowed; allowed: an integer ≥ {minimum}")
+    try:
+        module = setting.module()
+    except Exception as error:
+        raise ValueError(
+            f"--module {setting.name}: cannot be built: {type(error).__name__}: {error}"
+        ) from None
+    if not isinstance(module, L.LightningModule):
+        raise ValueError(
+            f"--module {setting.name} built a {type(module).__name__}; allowed: a "
+            "lightning.LightningModule (training_step and configure_optimizers)"
+        )
+    for method in ("training_step", "configure_optimizers"):
+        if not _overridden(module, method):
+            raise ValueError(f"--module {setting.name} has no {method}; allowed: a module with one")
+    try:
+        data = setting.data()
+    except Exception as error:
+        raise ValueError(f"--data: cannot be built: {type(error).__name__}: {error}") from None
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise ValueError(
+            f"--data built a {type(data).__name__} without __len__ and __getitem__; allowed: a "
+            "map-style data set"
+        )
+    size, batch = len(data), setting.global_batch_size
+    if batch > size:
+        raise ValueError(
+            f"--global-batch-size {batch} exceeds the {size} samples of the data set; allowed: at "
+            f"most {size}"
+        )
+    for world_size in world_sizes:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+            raise ValueError(f"world size {world_size!r} is not allowed; allowed: integers ≥ 2")
+        if batch % world_size:
+            raise ValueError(
+                f"world size {world_size} does not divide --global-batch-size {batch}; allowed: "
+                f"divisors of {batch}"
+            )
+    causes = {
+        "batchnorm": bool(ablate.batch_norms(module)),
+        "dropout": bool(ablate.dropouts(module)),
+        "data_randomness": _draws_randomness(data),
+    }
+    return tuple(cause for cause in ablate.CAUSES if causes[cause])
+
+
+def _train(setting: Setting, variant: str, world_size: int) -> _Run:
+    """The run of a variant on one device (in this process) or on W ranks of the pool."""
+    arguments = (
+        setting.module, setting.data, usermodule.Removals.of(variant), setting.global_batch_size,
+        setting.steps, setting.seed, setting.precision,
+    )  # fmt: skip
+    if world_size == 1:
+        trained = usermodule.train_on_rank(*arguments)
+        return _Run(trained.losses, trained.first_gradient, trained.parameters)
+    ranks = pool(world_size).run(usermodule.train_on_rank, *arguments)
+    losses = [math.fsum(step) / world_size for step in zip(*(r.losses for r in ranks), strict=True)]
+    return _Run(losses, ranks[0].first_gradient, ranks[0].parameters)
+
+
+def _compare(run: _Run, reference: _Run, world_size: int, tolerance: float) -> dict[str, Any]:
+    """A W-rank run against its 1-device reference: the row's numbers and its verdict."""
+    differences = [abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True)]
+    first = next((step for step, d in enumerate(differences) if d > tolerance), None)
+    same, loss_diff = gradients.same_forward(run.losses[0], reference.losses[0])
+    gradient, cosine, norm_ratio, max_rel_err = gradients.classify(
+        run.first_gradient, reference.first_gradient, world_size
+    )
+    parameters = float((run.parameters - reference.parameters).abs().max())
+    if first is None and parameters <= tolerance and gradient == "exact":
+        verdict = "exact"
+    elif not same:
+        verdict = "loss differs"
+    elif gradient != "exact":
+        verdict = gradient
+    else:  # the first step agrees, a later one does not
+        verdict = "diverges"
+    return {
+        "forward": "same" if same else "differs",
+        "gradient": gradient,
+        "verdict": verdict,
+        "loss_diff": loss_diff,
+        "cosine": cosine,
+        "norm_ratio": norm_ratio,
+        "max_rel_err": max_rel_err,
+        "train_max_abs_loss_diff": max(differences),
+        "first_diff_step": first,
+        "max_abs_param_diff": parameters,
+    }
+
+
+def _culprits(baseline: str, verdicts: dict[str, str], causes: Sequence[str]) -> list[str]:
+    """The causes whose removal alone makes the run exact or changes its verdict; when none does
+    but removing all of them does, all of them together; ``loss`` when removing all of them
+    leaves it inexact."""
+    found = [c for c in causes if verdicts[c] == "exact" or verdicts[c] != baseline]
+    everything = verdicts["all"] if len(causes) > 1 else verdicts[causes[0]] if causes else baseline
+    if not found and everything == "exact":
+        found = list(causes)
+    if everything != "exact":
+        found.append(LOSS)
+    return found
+
+
+def reference(setting: Setting, variant: str) -> _Run:
+    """A variant's 1-device run, in this process."""
+    return _train(setting, variant, 1)
+
+
+def loss_of(module: LossFactory, attribute: str) -> Callable[[], torch.nn.Module]:
+    """The factory of the loss that the module holds as ``attribute``."""
+    return usermodule.loss_of(module, attribute)
+
+
+def check(
+    setting: Setting,
+    world_sizes: Sequence[int],
+    causes: Sequence[str],
+    references: dict[str, _Run] | None = None,
+) -> pd.DataFrame:
+    """The check's table (``COLUMNS``): for every W its baseline row and, when that is not exact,
+    a row per variant run; ``culprits`` on every row of a W. ``references`` holds the 1-device
+    runs already made, by variant."""
+    tolerance = report.TOLERANCE[setting.precision]
+    references = dict(references or {})
+    rows = []
+
+    def row(variant: str, world_size: int) -> dict[str, Any]:
+        if variant not in references:
+            references[variant] = reference(setting, variant)
+        numbers = _compare(_train(setting, variant, world_size), references[variant], world_size,
+                           tolerance)  # fmt: skip
+        return {"loss": setting.name, "gather": "native", "world_size": world_size,
+                "variant": variant, **numbers}  # fmt: skip
+
+    variants = [*causes, "all"] if len(causes) > 1 else list(causes)
+    for world_size in world_sizes:
+        measured = [row("baseline", world_size)]
+        if measured[0]["verdict"] != "exact":
+            measured += [row(variant, world_size) for variant in variants]
+        verdicts = {r["variant"]: r["verdict"] for r in measured}
+        culprits = [] if verdicts["baseline"] == "exact" else _culprits(
+            verdicts["baseline"], verdicts, causes
+        )  # fmt: skip
+        rows += [{**r, "culprits": ";".join(culprits)} for r in measured]
+    table = pd.DataFrame(rows, columns=list(COLUMNS))
+    table["first_diff_step"] = table["first_diff_step"].astype("Int64")  # none: every step agrees
+    return table
