@@ -88,6 +88,13 @@ if __name__ == "__main__":  # the pool's ranks import this file again: nothing e
         "gatherlab.check", "standins:ClipLossForCheck", "--kwargs", '{"gather_with_grad": true}',
         "--world-sizes", "2", "--out", "check",
     ), flush=True)
+    from gatherlab.testing import assert_training_invariant
+
+    table = assert_training_invariant(
+        "ssl_modules:BYOL", "ssl_modules:GaussianPairs", (2,), steps=2, global_batch_size=8,
+        data_kwargs={"size": 16},
+    )
+    print("training check:", list(table["verdict"]), flush=True)
 """
 
 
@@ -144,8 +151,9 @@ def installed(tmp_path_factory) -> Path:
 
 
 def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
-    elsewhere = tmp_path  # a user's directory outside the repository, with their own losses
-    shutil.copy(REPO / "tests" / "standins.py", elsewhere)
+    elsewhere = tmp_path  # a user's directory outside the repository, with their own code
+    for name in ("standins.py", "ssl_modules.py"):  # their own losses and LightningModules
+        shutil.copy(REPO / "tests" / name, elsewhere)
     (elsewhere / "use_gatherlab.py").write_text(USER_SCRIPT)
     result = _run(installed, "use_gatherlab.py", cwd=elsewhere)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -163,6 +171,7 @@ def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
     assert (config_dir / "gather" / "native.yaml").exists()
 
     assert "check: 0" in output
+    assert "training check: ['exact']" in output
     assert list(pd.read_csv(elsewhere / "check" / runfiles.CHECK)["verdict"]) == ["exact"]
 
     assert "train: 0" in output
