@@ -111,6 +111,24 @@ class NotAModule:
     pass
 
 
+class RaisesOnRankOne(ssl_modules.SimCLR):
+    def training_step(self, batch, batch_index):
+        if self.global_rank == 1:
+            raise ValueError("rank one refuses")
+        return super().training_step(batch, batch_index)
+
+
+def test_a_rank_that_raises_fails_the_check_with_its_rank_named(tmp_path, no_leftover_processes):
+    failed = run_command(
+        "check", "--module", "test_training_check:RaisesOnRankOne", "--data",
+        "ssl_modules:GaussianPairs", "--world-sizes", "2", "--steps", "2", "--global-batch-size",
+        "8", "--data-kwargs", '{"size": 16}', "--out", str(tmp_path / "check"),
+    )  # fmt: skip
+    assert failed.returncode == 1
+    assert failed.stderr.startswith("gatherlab.check: a rank failed: rank 1: ValueError: rank one")
+    assert len(failed.stderr.strip().splitlines()) == 1
+
+
 class NoLoss(ssl_modules.SimCLR):
     def training_step(self, batch, batch_index):
         self(batch[0])  # forgets to return the loss

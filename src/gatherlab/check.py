@@ -718,7 +718,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"gatherlab.check: error: {error}", file=sys.stderr)
         sys.exit(2)
     except LossFailed as error:
-        print(f"gatherlab.check: the loss failed: {error}", file=sys.stderr)
+        failed = "a rank" if args.module is not None else "the loss"
+        print(f"gatherlab.check: {failed} failed: {error}", file=sys.stderr)
         sys.exit(1)
     out.mkdir(parents=True, exist_ok=True)
     runfiles.write_table(table, out / runfiles.CHECK)
