@@ -21,6 +21,7 @@ SWEEP = (
 )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_sweep_over_a_removal_attributes_the_difference_to_batch_norm(tmp_path):
     sweep = tmp_path / "sweep"
     result = run_command("train", *SWEEP, f"hydra.sweep.dir={sweep}")
@@ -77,15 +78,21 @@ def test_a_sweep_over_a_removal_attributes_the_difference_to_batch_norm(tmp_path
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (("module._target_=user_modules:NotALightningModule",),
+        ((*USER, "module._target_=user_modules:NotALightningModule"),
          "module (user_modules:NotALightningModule) built a NotALightningModule; allowed: a "
          "lightning.LightningModule"),
-        (("ablate.batchnorm=sync",),
+        ((*USER, "ablate.batchnorm=sync"),
          "ablate.batchnorm='sync' is not allowed; allowed: as_is, global"),
+        (("ablate.dropout=off",),
+         "ablate.dropout=off applies to module=external; allowed with module=contrastive: "
+         "ablate.dropout=on"),
+        (("data=external", "data.dataset._target_=user_modules:GaussianPairs"),
+         "data=external (a map-style data set read by index) serves module=external"),
     ],
+    ids=["not-a-lightning-module", "unknown-value", "contrastive-removal", "contrastive-data"],
 )  # fmt: skip
 def test_a_bad_module_or_removal_is_one_line_before_any_rank(tmp_path, overrides, expected):
-    result = run_command("train", *USER, *overrides, f"hydra.run.dir={tmp_path}/run")
+    result = run_command("train", *overrides, f"hydra.run.dir={tmp_path}/run")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"gatherlab.train: error: {expected}")
