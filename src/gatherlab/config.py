@@ -35,8 +35,16 @@ CONFIG_NAME = "config"
 CONFIG_DIR = Path(str(importlib.resources.files(CONFIG_MODULE)))
 # Config groups whose choice names a run in summary.json and comparison.csv.
 CHOICE_GROUPS = (
-    "experiment", "model", "loss", "data", "optim", "gather", "layout", "launcher", "logger",
+    "experiment", "module", "model", "loss", "data", "optim", "gather", "layout", "launcher",
+    "logger",
 )  # fmt: skip
+# The removals a run can ask for (``ablate.<key>``, conf/config.yaml): per key, its values, the
+# first that of a run without it (``gatherlab.ablate``, ``usermodule.Removals``).
+ABLATE = {
+    "batchnorm": ("as_is", "global"),
+    "dropout": ("on", "off"),
+    "data_randomness": ("as_is", "per_sample"),
+}
 
 
 class ConfigError(ValueError):
@@ -166,24 +174,86 @@ def loss_factory_of(
 ) -> LossFactory:
     """A loss config node as a factory: ``_target_`` is any import path (``package.module:Class``
     or ``package.module.Class``), the other keys are the constructor's keyword arguments."""
+    return _factory_of("loss", node, gather, seed, "mypkg.losses:MyLoss", "the loss module")
+
+
+def _factory_of(
+    key: str,
+    node: DictConfig,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None,
+    seed: int,
+    example: str,
+    returns: str,
+    exclude: Sequence[str] = (),
+) -> LossFactory:
+    """The factory of a node whose ``_target_`` is an import path and whose other keys (but
+    ``exclude``) are its keyword arguments; built where it runs (``gatherlab.factory``)."""
     if OmegaConf.is_missing(node, "_target_"):
         raise ConfigError(
-            "loss._target_ is missing; allowed: an import path, e.g. "
-            "loss._target_=mypkg.losses:MyLoss (its arguments as +loss.<name>=<value>)"
+            f"{key}._target_ is missing; allowed: an import path, e.g. "
+            f"{key}._target_={example} (its arguments as +{key}.<name>=<value>)"
         )
     target = node.get("_target_")
     try:
         factory = locate(target)
     except ImportError as error:
-        raise ConfigError(f"loss._target_={target}: {error}") from None
+        raise ConfigError(f"{key}._target_={target}: {error}") from None
     if not callable(factory):
         raise ConfigError(
-            f"loss._target_={target} is a {type(factory).__name__}; allowed: a class or function "
-            "that returns the loss module"
+            f"{key}._target_={target} is a {type(factory).__name__}; allowed: a class or "
+            f"function that returns {returns}"
         )
     arguments = OmegaConf.to_container(node, resolve=True)
-    del arguments["_target_"]
+    for name in ("_target_", *exclude):
+        arguments.pop(name, None)
     return LossFactory(factory, arguments, gather, seed)
+
+
+# --- a user's LightningModule and data set (module=external, data=external) ----------------------
+
+
+def is_external(cfg: DictConfig) -> bool:
+    """Whether the run trains a user's LightningModule (``module=external``)."""
+    return cfg.module.get("name") == "external"
+
+
+def external_data(cfg: DictConfig) -> bool:
+    """Whether the data is a user's map-style data set (``data=external``)."""
+    return cfg.data.get("name") == "external"
+
+
+def module_factory(cfg: DictConfig) -> LossFactory:
+    """The user's LightningModule of ``module=external`` as a factory that each rank calls once its
+    process group exists (with ``rank=``/``world_size=`` when it takes them; its weights drawn
+    from ``cfg.seed``)."""
+    return _factory_of(
+        "module", cfg.module, None, cfg.seed, "mypkg.ssl:MyModule", "a LightningModule", ("name",)
+    )
+
+
+def dataset_factory(cfg: DictConfig) -> LossFactory:
+    """The user's map-style data set of ``data=external`` as a factory, built where it runs."""
+    return _factory_of(
+        "data.dataset", cfg.data.dataset, None, cfg.seed, "mypkg.data:MyData", "a data set"
+    )
+
+
+def removals(cfg: DictConfig) -> dict[str, bool]:
+    """``ablate.<key>`` as the removals it asks for (``usermodule.Removals``' fields): True where
+    the value is not the first of ``ABLATE[key]``. A value outside them is one line."""
+    chosen = cfg.get("ablate") or {}
+    unknown = sorted(set(chosen) - set(ABLATE))
+    if unknown:
+        raise ConfigError(f"ablate.{unknown[0]} is unknown; allowed: {', '.join(ABLATE)}")
+    asked = {}
+    for key, values in ABLATE.items():
+        value = chosen.get(key, values[0])
+        if value not in values:
+            raise ConfigError(
+                f"ablate.{key}={value!r} is not allowed; allowed: {', '.join(values)}"
+            )
+        asked[key] = value != values[0]
+    return asked
 
 
 def build_optimizer(cfg: DictConfig) -> Callable[..., torch.optim.Optimizer]:

@@ -4,7 +4,8 @@ objects it names), failing with one line that names the key, the value and what 
 It runs before any worker process starts, for every job of a command; what runs a job trusts it.
 Besides the values it builds the cheap objects of the job (data set, model, gather, loss, and the
 optimizer on a stand-in parameter), so that a constructor's refusal is one line too, and checks
-the data set and model contracts of docs/design.md §4.
+the data set and model contracts of docs/design.md §4; with ``module=external``, the user's
+LightningModule and map-style data set instead, and the ``ablate.*`` keys.
 """
 
 from __future__ import annotations
@@ -82,13 +83,90 @@ def check(cfg: Mapping[str, Any]) -> None:
             f"global_batch_size={global_batch_size} does not divide by layout.devices={devices}; "
             f"allowed: a multiple of {devices}"
         )
-    num_samples = _dataset_size(OmegaConf.to_yaml(cfg["data"]["dataset"], resolve=True))
+    removals = config.removals(cfg)  # ablate.*: each value one of config.ABLATE's
+    if config.is_external(cfg):
+        if devices > 1 and launcher != "pool":
+            raise ConfigError(
+                f"module=external builds the module inside each rank of the worker pools; "
+                f"launcher={launcher} with {devices} devices is not supported; allowed: "
+                "launcher=pool (CPU layouts), or one device"
+            )
+        num_samples = _check_user_objects(cfg)
+    else:
+        _check_contrastive_only(cfg, removals)
+        num_samples = _dataset_size(OmegaConf.to_yaml(cfg["data"]["dataset"], resolve=True))
     if global_batch_size > num_samples:
         raise ConfigError(
             f"global_batch_size={global_batch_size} exceeds the {num_samples} samples of the data "
             f"set; allowed: at most {num_samples}"
         )
-    _check_objects(cfg)
+    if not config.is_external(cfg):
+        _check_objects(cfg)
+
+
+def _check_contrastive_only(cfg: DictConfig, removals: Mapping[str, bool]) -> None:
+    """gatherlab's own module has its own switches for the removals (``model.norm``,
+    ``data.seeding``) and reads its data by ``(epoch, index)``: ``ablate.*`` and ``data=external``
+    are for ``module=external``."""
+    asked = [key for key, removed in removals.items() if removed]
+    if asked:
+        key = asked[0]
+        raise ConfigError(
+            f"ablate.{key}={cfg.ablate[key]} applies to module=external; allowed with "
+            f"module=contrastive: ablate.{key}={config.ABLATE[key][0]} (gatherlab's own switches: "
+            "model.norm, data.seeding)"
+        )
+    if config.external_data(cfg):
+        raise ConfigError(
+            "data=external (a map-style data set read by index) serves module=external; allowed "
+            "with module=contrastive: a data set of docs/design.md §4 (data=gaussian, digits, ...)"
+        )
+
+
+def _check_user_objects(cfg: DictConfig) -> int:
+    """Build the user's module (as on one device: rank 0 of 1) and data set once, apply the
+    removals, check both contracts; return the data set's number of samples."""
+    import lightning as L
+
+    from gatherlab import usermodule
+
+    factory = config.module_factory(cfg)
+    target = cfg.module._target_
+    try:
+        module = factory()
+    except Exception as error:  # the constructor's own refusal
+        raise ConfigError(f"module ({target}): {config.first_line(error)}") from None
+    if not isinstance(module, L.LightningModule):
+        raise ConfigError(
+            f"module ({target}) built a {type(module).__name__}; allowed: a "
+            "lightning.LightningModule with training_step and configure_optimizers"
+        )
+    if type(module).training_step is L.LightningModule.training_step:
+        raise ConfigError(
+            f"module ({target}) has no training_step; allowed: a LightningModule whose "
+            "training_step returns the loss (or a dict with 'loss')"
+        )
+    usermodule.prepare(module, usermodule.Removals(**config.removals(cfg)))
+    if not config.external_data(cfg):
+        raise ConfigError(
+            "module=external reads a map-style data set by index, not a data set of gatherlab's "
+            "contract; allowed: data=external data.dataset._target_=mypkg.data:MyData"
+        )
+    factory = config.dataset_factory(cfg)
+    data_target = cfg.data.dataset._target_
+    try:
+        dataset = factory()
+    except Exception as error:  # the constructor's own refusal
+        raise ConfigError(f"data.dataset ({data_target}): {config.first_line(error)}") from None
+    try:
+        size = len(dataset)
+        dataset[0]
+    except Exception as error:
+        raise ConfigError(
+            f"data.dataset ({data_target}) breaks the map-style contract: "
+            f"{config.first_line(error)}; allowed: len(data set) and data set[index]"
+        ) from None
+    return size
 
 
 def check_command(cfg: Mapping[str, Any], experiment: str | None, command: str) -> None:

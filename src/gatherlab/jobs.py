@@ -5,7 +5,8 @@ checks it again.
 A training run builds data, model, gather, loss and optimizer from the config (``config``), trains
 on the layout's ranks (``launch``), and writes its run files (docs/design.md §5) into its
 directory: ``curves.csv`` and ``final_state.pt`` from rank 0 during training, ``summary.json``
-when it ends, failed or not.
+when it ends, failed or not. With ``module=external`` the user's LightningModule and data set
+are built inside each rank instead (``usermodule.fit_on_rank``), with the same run files.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gatherlab import config, gradients, launch, runfiles, simworld, tracking
+from gatherlab import config, gradients, launch, runfiles, simworld, tracking, usermodule
 from gatherlab import gather as gathering
 from gatherlab.config import ConfigError
 from gatherlab.factory import LossFactory
 from gatherlab.module import ContrastiveModule, PairDataModule, ProgressLog, RunRecorder
-from gatherlab.pool import RankError
+from gatherlab.pool import RankError, pool
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +73,23 @@ def _train(
 ) -> dict[str, Any]:
     nodes = cfg.layout.get("nodes", 1)
     devices = cfg.layout.devices * nodes  # ranks in all
-    dataset = config.build_dataset(cfg)
-    model = config.build_model(cfg)
-    loss = config.loss_factory(cfg)  # each rank builds the loss in its process group
-    module = ContrastiveModule(
-        model, loss, config.build_optimizer(cfg), getattr(dataset, "encode_second_view", True)
-    )
-    datamodule = PairDataModule(
-        dataset, cfg.global_batch_size, cfg.steps, seed=cfg.seed, shuffle=cfg.data.shuffle
-    )
-
+    if config.is_external(cfg):  # a user's LightningModule: its own loss and optimizer
+        dataset = model = None
+        invariant = None
+    else:
+        dataset = config.build_dataset(cfg)
+        model = config.build_model(cfg)
+        loss = config.loss_factory(cfg)  # each rank builds the loss in its process group
+        module = ContrastiveModule(
+            model, loss, config.build_optimizer(cfg), getattr(dataset, "encode_second_view", True)
+        )
+        datamodule = PairDataModule(
+            dataset, cfg.global_batch_size, cfg.steps, seed=cfg.seed, shuffle=cfg.data.shuffle
+        )
+        invariant = loss.declared("layout_invariant")
     described = {
         **{name: choices.get(name) for name in config.CHOICE_GROUPS},
+        **(_external_choices(cfg) if config.is_external(cfg) else {}),
         "devices": devices,
         "batch_size": cfg.global_batch_size // devices,
         "global_batch_size": cfg.global_batch_size,
@@ -91,24 +97,27 @@ def _train(
         "precision": cfg.precision,
         "seed": cfg.seed,
         # what the loss class predicts with an exact gather (docs/design.md §3), for the report
-        "loss_layout_invariant": loss.declared("layout_invariant"),
+        "loss_layout_invariant": invariant,
         "overrides": list(overrides),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "versions": runfiles.package_versions(),
     }
     start = time.perf_counter()
     try:
-        launch.fit(
-            module,
-            datamodule,
-            devices=cfg.layout.devices,
-            num_nodes=nodes,
-            precision=cfg.precision,
-            steps=cfg.steps,
-            callbacks=[RunRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
-            accelerator=cfg.layout.accelerator,
-            launcher=cfg.launcher.name,
-        )
+        if config.is_external(cfg):
+            _fit_external(cfg, run_dir, devices)
+        else:
+            launch.fit(
+                module,
+                datamodule,
+                devices=cfg.layout.devices,
+                num_nodes=nodes,
+                precision=cfg.precision,
+                steps=cfg.steps,
+                callbacks=[RunRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
+                accelerator=cfg.layout.accelerator,
+                launcher=cfg.launcher.name,
+            )
     except Exception as error:  # whatever stopped training: recorded as a failed run
         message = one_line(error)
         if launch.is_rank_zero():
@@ -156,6 +165,34 @@ def _train(
         wall_s,
     )
     return summary
+
+
+def _external_choices(cfg: DictConfig) -> dict[str, str | None]:
+    """What a run of ``module=external`` records for the groups it does not use: as ``model`` the
+    module's import path, ``native`` as its gather (it communicates by itself), no loss and no
+    optimizer of gatherlab's."""
+    return {"model": str(cfg.module._target_), "gather": "native", "loss": None, "optim": None}
+
+
+def _fit_external(cfg: DictConfig, run_dir: Path, devices: int) -> None:
+    """Train the user's module of ``module=external`` on its data set: each rank builds both in its
+    process group and records the run files (``usermodule.fit_on_rank``); one device trains here.
+    The config was checked: several ranks only on the worker pools."""
+    arguments = (
+        config.module_factory(cfg),
+        config.dataset_factory(cfg),
+        usermodule.Removals(**config.removals(cfg)),
+        cfg.global_batch_size,
+        cfg.steps,
+        cfg.seed,
+        cfg.precision,
+        bool(cfg.data.shuffle),
+        [usermodule.RunFilesRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
+    )
+    if devices == 1:
+        usermodule.fit_on_rank(*arguments)
+    else:
+        pool(devices).run(usermodule.fit_on_rank, *arguments)
 
 
 def one_line(error: BaseException) -> str:

@@ -149,7 +149,8 @@ class RunRecorder(L.Callback):
 
 class ProgressLog(L.Callback):
     """A line every ``every`` optimizer steps (and at the last) from rank 0: the step, rank 0's
-    local loss (the global loss is reduced once, when training ends), the time so far."""
+    local loss (what ``training_step`` returned; the global loss is reduced once, when training
+    ends), the time so far. Works with any LightningModule."""
 
     def __init__(self, every: int, steps: int):
         self.every, self.steps = every, steps
@@ -168,16 +169,17 @@ class ProgressLog(L.Callback):
         self.start = time.perf_counter()
 
     def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: ContrastiveModule, outputs, batch, batch_idx: int
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
         step = trainer.global_step
         if trainer.global_rank != 0 or not self.every:
             return
         if step % self.every == 0 or step == self.steps:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             log.info(
                 "step %d/%d: local loss %.6g, %.1f s",
                 step,
                 self.steps,
-                pl_module.history[-1]["local_loss"],
+                float(loss),
                 time.perf_counter() - self.start,
             )

@@ -122,7 +122,12 @@ def comparison_figure(
             _style_difference_axis(diff_axis, tolerance, "|Δ loss| vs 1-device reference")
             first = runs.iloc[0]
             precision = PRECISION_NAMES.get(first["precision"], first["precision"])
-            what = f"{first['loss']}, {first['model']}, {precision}"
+            what = ", ".join(str(first[c]) for c in ("loss", "model") if not pd.isna(first[c]))
+            what = f"{what}, {precision}" if what else precision
+            # the keys that tell this group from the others (e.g. ablate.batchnorm=global)
+            keys = [c for c in table.attrs.get("override_columns", []) if c in table]
+            named = [c for c in keys if table[c].nunique() > 1 and runs[c].nunique() == 1]
+            what += "".join(f", {c}={first[c]}" for c in named)
             title = f"{first['experiment']} — {what}" if first["experiment"] else what
             loss_axis.set(title=title, xlabel="optimizer step", ylabel="global loss")
             loss_axis.legend(fontsize=8)

@@ -8,7 +8,8 @@ rank r its r-th contiguous slice, and the removals of ``gatherlab.ablate`` appli
 - ``Recorder`` keeps what the check compares: the loss each step's ``training_step`` returned,
   the parameter gradient of the first step after DDP's average, and the final parameters;
 - ``train_on_rank`` builds the module and the data set where it runs (inside each rank) and
-  trains them with Lightning on one device or in the rank's process group.
+  trains them with Lightning on one device or in the rank's process group (``fit_on_rank``, which
+  ``module=external`` runs with ``RunFilesRecorder``: the run files of docs/design.md §5).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -24,14 +26,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from gatherlab import ablate, launch
+from gatherlab import ablate, launch, runfiles
 from gatherlab import gather as gathering
 from gatherlab.data import GlobalBatchSampler
 from gatherlab.factory import LossFactory
+from gatherlab.module import NonFiniteLoss
 
 __all__ = [
-    "ItemsDataModule", "Recorder", "Removals", "Trained", "collate_fn_of", "loss_of", "prepare",
-    "train_on_rank",
+    "ItemsDataModule", "Recorder", "Removals", "RunFilesRecorder", "Trained", "collate_fn_of",
+    "fit_on_rank", "loss_of", "prepare", "train_on_rank",
 ]  # fmt: skip
 
 
@@ -146,6 +149,50 @@ class Recorder(L.Callback):
         ).double()
 
 
+class RunFilesRecorder(L.Callback):
+    """A run's ``curves.csv`` and ``final_state.pt`` (docs/design.md §5) for any LightningModule,
+    as ``module.RunRecorder`` writes them for gatherlab's: per step the loss ``training_step``
+    returned on each rank, its mean over ranks taken once when training ends (the global loss,
+    docs/design.md §2), and the L2 norm of the gradient the optimizer applies (after DDP's
+    average); the module's ``state_dict`` at the end. Files from rank 0 only."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.history: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        grads = [p.grad.reshape(-1) for p in pl_module.parameters() if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.cat(grads))) if grads else 0.0
+        if not math.isfinite(norm):
+            raise NonFiniteLoss(
+                f"the gradient norm is {norm} at step {trainer.global_step} "
+                f"(rank {trainer.global_rank})"
+            )
+        self.history.append({"step": trainer.global_step, "grad_norm": norm})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        value = float(_loss_value(outputs).detach())
+        if not math.isfinite(value):
+            raise NonFiniteLoss(
+                f"the loss is {value} at step {trainer.global_step - 1} "
+                f"(rank {trainer.global_rank})"
+            )
+        self.history[-1]["local_loss"] = value
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        local = torch.tensor([row["local_loss"] for row in self.history], dtype=torch.float64)
+        global_loss = trainer.strategy.reduce(local, reduce_op="mean").tolist()
+        if trainer.global_rank == 0:
+            runfiles.write_curves(
+                self.run_dir,
+                [
+                    {"step": row["step"], "loss": loss, "grad_norm": row["grad_norm"]}
+                    for row, loss in zip(self.history, global_loss, strict=True)
+                ],
+            )
+            runfiles.write_final_state(self.run_dir, pl_module.state_dict())
+
+
 @dataclass(frozen=True)
 class Trained:
     """One rank's run: its losses per step, the first step's gradient, the final parameters."""
@@ -177,6 +224,31 @@ def train_on_rank(
     their constructors take them; the module's initial weights drawn from ``seed``), apply
     ``removals``, and train ``steps`` steps with Lightning: on one device, or on this rank of the
     process group when there is one. Returns this rank's ``Trained``."""
+    recorder = Recorder()
+    fit_on_rank(
+        module, dataset, removals, global_batch_size, steps, seed, precision, shuffle, [recorder]
+    )
+    if recorder.first_gradient is None or recorder.parameters is None:
+        raise RuntimeError(f"training stopped before its first step on rank {gathering.rank()}")
+    if not all(math.isfinite(value) for value in recorder.losses):
+        raise FloatingPointError(f"a non-finite loss on rank {gathering.rank()}")
+    return Trained(recorder.losses, recorder.first_gradient, recorder.parameters)
+
+
+def fit_on_rank(
+    module: LossFactory,
+    dataset: LossFactory,
+    removals: Removals,
+    global_batch_size: int,
+    steps: int,
+    seed: int,
+    precision: str,
+    shuffle: bool,
+    callbacks: list[L.Callback],
+) -> None:
+    """``train_on_rank``'s training with ``callbacks``: build the module and the data set here,
+    apply ``removals``, seed the global random streams from ``seed``, and fit ``steps`` steps on
+    one device or on this rank of the process group when there is one."""
     lightning_module = module()
     prepare(lightning_module, removals)
     data = dataset()
@@ -184,17 +256,11 @@ def train_on_rank(
         data, global_batch_size, steps, seed, shuffle, removals.data_randomness,
         collate_fn_of(lightning_module, data),
     )  # fmt: skip
-    recorder = Recorder()
     _seed_processes(seed)
     if gathering.world_size() > 1:
-        launch.fit_in_group(lightning_module, datamodule, precision, steps, [recorder])
+        launch.fit_in_group(lightning_module, datamodule, precision, steps, callbacks)
     else:
-        launch.fit(lightning_module, datamodule, 1, precision, steps, [recorder])
-    if recorder.first_gradient is None or recorder.parameters is None:
-        raise RuntimeError(f"training stopped before its first step on rank {gathering.rank()}")
-    if not all(math.isfinite(value) for value in recorder.losses):
-        raise FloatingPointError(f"a non-finite loss on rank {gathering.rank()}")
-    return Trained(recorder.losses, recorder.first_gradient, recorder.parameters)
+        launch.fit(lightning_module, datamodule, 1, precision, steps, callbacks)
 
 
 class _LossOf:
