@@ -129,7 +129,7 @@ def test_the_command_line_prints_the_diagnosis_and_exits_1_with_training_steps(t
             "does not divide the global batch",
         ),
         (["--gather", "nowhere:gather"], 2, "--gather nowhere:gather: cannot import nowhere"),
-        ([], 2, "name a loss (module:attribute), a gather (--gather), or both"),
+        ([], 2, "name a loss (module:attribute), a gather (--gather), or --module and --data"),
         (["standins:FailsOnRankOne"], 1, "rank 1: RuntimeError: rank-local failure"),
     ],
 )
