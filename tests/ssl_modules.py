@@ -10,6 +10,7 @@ researcher would bring; none knows gatherlab.
 - ``SimCLRPre1531``: NT-Xent with lightly's ``GatherLayer`` before PR #1531.
 - ``BYOL``: an online network with a predictor and an EMA target network (no batch norm), a
   per-sample loss: exact, the target follows the exact gradient it is given.
+- ``NotALightningModule``: a plain ``nn.Module`` (no ``training_step``), a mistake to refuse.
 - ``GaussianPairs``: two fixed noisy views of Gaussian points. ``AugmentedGaussians``: the same
   points, the views drawn in ``__getitem__`` from the global torch generator, as torchvision's
   transforms draw them.
@@ -106,6 +107,15 @@ class BYOL(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class NotALightningModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.linear(x)
 
 
 class GaussianPairs(torch.utils.data.Dataset):

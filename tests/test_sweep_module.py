@@ -12,8 +12,8 @@ from helpers import run_command
 from gatherlab import plotting, report, results
 
 USER = (
-    "module=external", "module._target_=user_modules:SimCLRWithBatchNorm",
-    "data=external", "data.dataset._target_=user_modules:GaussianPairs",
+    "module=external", "module._target_=ssl_modules:SimCLRWithBatchNorm",
+    "data=external", "data.dataset._target_=ssl_modules:GaussianPairs",
 )  # fmt: skip
 SWEEP = (
     "-m", *USER, "layout=cpu1,cpu2", "ablate.batchnorm=as_is,global", "steps=4",
@@ -29,7 +29,7 @@ def test_a_sweep_over_a_removal_attributes_the_difference_to_batch_norm(tmp_path
 
     table = pd.read_csv(sweep / report.COMPARISON)
     assert list(table["ablate.batchnorm"]) == ["as_is", "global", "as_is", "global"]
-    assert set(table["model"]) == {"user_modules:SimCLRWithBatchNorm"}
+    assert set(table["model"]) == {"ssl_modules:SimCLRWithBatchNorm"}
     by = {(row["ablate.batchnorm"], row["devices"]): row for _, row in table.iterrows()}
     # each value of the removal is a group with its own 1-device reference
     assert by["as_is", 1]["verdict"] == by["global", 1]["verdict"] == "reference"
@@ -78,15 +78,15 @@ def test_a_sweep_over_a_removal_attributes_the_difference_to_batch_norm(tmp_path
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ((*USER, "module._target_=user_modules:NotALightningModule"),
-         "module (user_modules:NotALightningModule) built a NotALightningModule; allowed: a "
+        ((*USER, "module._target_=ssl_modules:NotALightningModule"),
+         "module (ssl_modules:NotALightningModule) built a NotALightningModule; allowed: a "
          "lightning.LightningModule"),
         ((*USER, "ablate.batchnorm=sync"),
          "ablate.batchnorm='sync' is not allowed; allowed: as_is, global"),
         (("ablate.dropout=off",),
          "ablate.dropout=off applies to module=external; allowed with module=contrastive: "
          "ablate.dropout=on"),
-        (("data=external", "data.dataset._target_=user_modules:GaussianPairs"),
+        (("data=external", "data.dataset._target_=ssl_modules:GaussianPairs"),
          "data=external (a map-style data set read by index) serves module=external"),
     ],
     ids=["not-a-lightning-module", "unknown-value", "contrastive-removal", "contrastive-data"],
