@@ -121,17 +121,29 @@ class PairDataModule(L.LightningDataModule):
         self.steps, self.seed, self.shuffle = steps, seed, shuffle
 
     def train_dataloader(self) -> DataLoader:
-        sampler = GlobalBatchSampler(
-            num_samples=len(self.dataset),
-            global_batch_size=self.global_batch_size,
-            num_batches=self.steps,
-            rank=self.trainer.global_rank,
-            world_size=self.trainer.world_size,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            with_epoch=True,
-        )
+        sampler = rank_sampler(
+            self.trainer, len(self.dataset), self.global_batch_size, self.steps, self.seed,
+            self.shuffle,
+        )  # fmt: skip
         return DataLoader(self.dataset, batch_sampler=sampler)
+
+
+def rank_sampler(
+    trainer: L.Trainer, num_samples: int, global_batch_size: int, steps: int, seed: int,
+    shuffle: bool,
+) -> GlobalBatchSampler:  # fmt: skip
+    """The sampler of this trainer's rank: its slice of each global batch, keys ``(epoch,
+    index)`` (docs/design.md §2)."""
+    return GlobalBatchSampler(
+        num_samples=num_samples,
+        global_batch_size=global_batch_size,
+        num_batches=steps,
+        rank=trainer.global_rank,
+        world_size=trainer.world_size,
+        seed=seed,
+        shuffle=shuffle,
+        with_epoch=True,
+    )
 
 
 class RunRecorder(L.Callback):

@@ -28,9 +28,8 @@ from torch.utils.data import DataLoader, default_collate
 
 from gatherlab import ablate, launch, runfiles
 from gatherlab import gather as gathering
-from gatherlab.data import GlobalBatchSampler
 from gatherlab.factory import LossFactory
-from gatherlab.module import NonFiniteLoss
+from gatherlab.module import NonFiniteLoss, rank_sampler
 
 __all__ = [
     "ItemsDataModule", "Recorder", "Removals", "RunFilesRecorder", "Trained", "collate_fn_of",
@@ -67,16 +66,10 @@ class ItemsDataModule(L.LightningDataModule):
         self.seed, self.shuffle, self.seeded, self.collate_fn = seed, shuffle, seeded, collate_fn
 
     def train_dataloader(self) -> DataLoader:
-        sampler = GlobalBatchSampler(
-            num_samples=len(self.dataset),
-            global_batch_size=self.global_batch_size,
-            num_batches=self.steps,
-            rank=self.trainer.global_rank,
-            world_size=self.trainer.world_size,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            with_epoch=True,
-        )
+        sampler = rank_sampler(
+            self.trainer, len(self.dataset), self.global_batch_size, self.steps, self.seed,
+            self.shuffle,
+        )  # fmt: skip
         items = ablate.PerSample(self.dataset, self.seed, self.seeded)
         return DataLoader(items, batch_sampler=sampler, collate_fn=self.collate_fn)
 
