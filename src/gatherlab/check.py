@@ -33,7 +33,7 @@ from typing import Any
 
 import pandas as pd
 
-from gatherlab import config, gradients, report, runfiles
+from gatherlab import config, gradients, runfiles
 from gatherlab import gather as gathering
 from gatherlab.config import ConfigError
 from gatherlab.factory import LossFactory, locate
@@ -251,6 +251,8 @@ def markdown(table: pd.DataFrame, columns: Sequence[str] = (*COLUMNS, TRAIN_COLU
         return f"{value:.3g}" if isinstance(value, float) else str(value)
 
     rows = [[cell(row[c]) for c in columns] for _, row in table.iterrows()]
+    from gatherlab import report  # matplotlib, for its figures: not on the ranks (see the top)
+
     return report.markdown_table(columns, rows)
 
 
@@ -606,6 +608,8 @@ def explain_training(table: pd.DataFrame) -> str:
         after = by_variant[removed[0]] if removed else "—"
         summary.append([str(world_size), by_variant["baseline"], culprits or "—", after])
     header = ["world_size", "verdict", "culprits", "verdict without the removable causes"]
+    from gatherlab import report
+
     lines = [report.markdown_table(header, summary), markdown(table, TRAINING_COLUMNS)]
     found = [c for c in table["culprits"].str.split(";").explode().unique() if c]
     for cause in found:
