@@ -1,4 +1,5 @@
-"""Benchmarks, apart from the tests: ``python -m gatherlab.bench {launcher,gather} [options]``.
+"""Benchmarks, apart from the tests: ``python -m gatherlab.bench {launcher,gather,sweep}
+[options]``.
 
 Each benchmark measures everything it compares in one invocation and prints ratios; nothing here
 asserts a time.
@@ -14,16 +15,28 @@ local embeddings from 256×128 to 4096×512 (float32), each the median of interl
 timed on rank 0 between barriers. Bytes sent per rank by the backward's collective are those of
 the ring algorithms (all_reduce of M bytes: 2(W−1)/W·M; reduce-scatter and all-to-all:
 (W−1)/W·M), computed from the sizes, not measured on the wire.
+
+``sweep``: a sweep as a user runs it (``python -m gatherlab.train -m experiment=<name>``, a fresh
+interpreter), by default the 60-job loss matrix and then the 6-job bug demo: its wall time against
+the jobs' own training time (each run's ``wall_s``), split into start-up (the command's start to
+its first job's log line), per-job overhead (between the first job's start and the last job's end,
+what is not training) and the report (the last job's end to the command's end), and the ratio of
+the two sweeps' start-ups.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -152,6 +165,63 @@ def gather(world_sizes: tuple[int, ...], repeats: int) -> float:
     return ratio
 
 
+# The timestamp of a log line of gatherlab.train (Hydra's job logging format).
+_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+
+
+def _stamp(line: str) -> float | None:
+    found = _STAMP.match(line)
+    if found is None:
+        return None
+    return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _sweep_times(experiment: str, overrides: list[str], root: Path) -> dict[str, float]:
+    """Run one sweep in a fresh interpreter; its wall time and where it went."""
+    sweep_dir = root / experiment
+    command = [sys.executable, "-m", "gatherlab.train", "-m", f"experiment={experiment}",
+               *overrides, f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+    started = time.time()
+    finished = subprocess.run(command, capture_output=True, text=True)
+    ended = time.time()
+    if finished.returncode != 0:
+        raise SystemExit(f"gatherlab.bench: error: the sweep failed: {finished.stderr[-2000:]}")
+    lines = (finished.stdout + finished.stderr).splitlines()
+    job_starts = [_stamp(line) for line in lines if re.search(r"\bjob 1/\d+:", line)]
+    summaries = sorted(sweep_dir.glob("*/summary.json"))
+    training = sum(json.loads(path.read_text())["wall_s"] for path in summaries)
+    last_end = max(path.stat().st_mtime for path in summaries)
+    first = job_starts[0] if job_starts and job_starts[0] is not None else started
+    return {
+        "jobs": len(summaries),
+        "wall": ended - started,
+        "training": training,
+        "startup": first - started,
+        "overhead": (last_end - first) - training,
+        "report": ended - last_end,
+    }
+
+
+def sweep(experiments: list[str], overrides: list[str]) -> float:
+    """Print each sweep's wall time, its training time and their ratio, broken down; return the
+    first sweep's wall ÷ training."""
+    measured = {}
+    with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
+        for experiment in experiments:
+            measured[experiment] = _sweep_times(experiment, overrides, Path(root))
+    print(f"{'sweep':<14} {'jobs':>5} {'wall [s]':>9} {'training':>9} {'wall/train':>11} "
+          f"{'start-up':>9} {'per job':>8} {'report':>7}")  # fmt: skip
+    for experiment, t in measured.items():
+        print(f"{experiment:<14} {t['jobs']:>5} {t['wall']:>9.1f} {t['training']:>9.1f} "
+              f"{t['wall'] / t['training']:>11.2f} {t['startup']:>9.1f} "
+              f"{t['overhead'] / t['jobs']:>8.2f} {t['report']:>7.1f}")  # fmt: skip
+    first, *rest = experiments
+    for other in rest:
+        ratio = measured[first]["startup"] / measured[other]["startup"]
+        print(f"start-up of {first} / start-up of {other}: {ratio:.2f}")
+    return measured[first]["wall"] / measured[first]["training"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m gatherlab.bench", description=__doc__.splitlines()[0]
@@ -175,9 +245,19 @@ def main(argv: list[str] | None = None) -> None:
     gather_parser.add_argument(
         "--repeats", type=int, default=15, help="timed repetitions (default 15)"
     )
+    sweep_parser = commands.add_parser(
+        "sweep", help="a sweep's wall time against its jobs' training time, broken down"
+    )
+    sweep_parser.add_argument(
+        "--experiments", nargs="+", default=["loss_matrix", "bug_demo"],
+        help="the sweeps to run, each experiment=<name> (default loss_matrix bug_demo)",
+    )  # fmt: skip
+    sweep_parser.add_argument("overrides", nargs="*", help="Hydra overrides for every sweep")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    if args.benchmark == "launcher":
+    if args.benchmark == "sweep":
+        sweep(args.experiments, args.overrides)
+    elif args.benchmark == "launcher":
         launcher(args.jobs, args.steps)
     elif args.benchmark == "gather":
         gather(tuple(args.world_sizes), args.repeats)
