@@ -1,6 +1,8 @@
-"""The gradient audit on real gloo groups (W = 2, 4, 8): every cell's measured class, the same
-cells in the simulated world (its validation, docs/design.md §9), and the classifier on gradients
-whose class is known by construction."""
+"""The gradient audit on real gloo groups (W = 2, 4, 8): every cell's measured class (also of
+``fixed`` with each backward collective, conf/gather/fixed_{all_reduce,reduce_scatter}.yaml: the
+reduce-scatter is what NCCL runs, here on gloo), the same cells in the simulated world (its
+validation, docs/design.md §9), and the classifier on gradients whose class is known by
+construction."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 from helpers import compose
 
-from gatherlab import audit, gather, gradients, jobs
+from gatherlab import audit, config, gather, gradients, jobs
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +27,12 @@ EXPECTED = {
     "nograd_swap": {"ntxent": "biased", "ntxent_global": "1/W", "vicreg": "biased"},
     "avg": {"ntxent": "biased", "ntxent_global": "1/W", "vicreg": "biased"},
     "nograd": {"ntxent": "biased", "ntxent_global": "none", "vicreg": "biased"},
+    "fixed_all_reduce": {"ntxent": "exact", "ntxent_global": "exact", "vicreg": "exact"},
+    "fixed_reduce_scatter": {"ntxent": "exact", "ntxent_global": "exact", "vicreg": "exact"},
 }
+# ``fixed`` with a fixed backward collective, as the audit builds them from their configs; the
+# simulated world has one rule (``sum``) for both, so they are measured on real ranks only.
+COLLECTIVES = ("fixed_all_reduce", "fixed_reduce_scatter")
 
 
 WORLD_SIZES = (2, 4, 8)
@@ -39,41 +46,50 @@ SAME = 1e-12
 def measured():
     """The audit's setting (experiment=gather_audit: 16 Gaussian view pairs, the MLP, the local,
     global and mixed losses): every built-in gather × loss on W = 2, 4, 8 real gloo ranks and in
-    the simulated world (``gatherlab.simworld``), and each loss on one device."""
+    the simulated world (``gatherlab.simworld``), `COLLECTIVES` × loss on the real ranks, and each
+    loss on one device."""
     cfg, _ = compose("experiment=gather_audit")
+    with config.composed():
+        collectives = config.build_gathers(COLLECTIVES, ["experiment=gather_audit"])
+    assert collectives == {
+        "fixed_all_reduce": gather.Fixed("all_reduce"),
+        "fixed_reduce_scatter": gather.Fixed("reduce_scatter"),
+    }
     inputs = jobs.audit_inputs(cfg)
     batch = (inputs.model_factory, inputs.view0, inputs.view1)
-    cells = {
-        (name, loss_name): loss.with_gather(gather.get(name))
-        for name in gather.NAMES
+    gathers = {**{name: gather.get(name) for name in gather.NAMES}, **collectives}
+    every_cell = {
+        (name, loss_name): loss.with_gather(gathers[name])
+        for name in gathers
         for loss_name, loss in inputs.losses.items()
     }
+    cells = {cell: factory for cell, factory in every_cell.items() if cell[0] in gather.NAMES}
     one_device = {
         name: gradients.measure(loss.with_gather(None), *batch, seed=0)
         for name, loss in inputs.losses.items()
     }
-    real = {w: gradients.measure_on_ranks(cells, *batch, w, 0) for w in WORLD_SIZES}
+    real = {w: gradients.measure_on_ranks(every_cell, *batch, w, 0) for w in WORLD_SIZES}
     simulated = {
         w: gradients.measure_on_ranks(cells, *batch, w, 0, simulated=True) for w in WORLD_SIZES
     }
     styles = {name: gradients.style(loss) for name, loss in inputs.losses.items()}
-    return cells, one_device, real, simulated, styles
+    return cells, one_device, real, simulated, styles, gathers
 
 
 def _classes(measured) -> dict:
-    cells, one_device, real, _, _ = measured
+    _, one_device, real, _, _, _ = measured
     return {
         (name, loss, w): gradients.classify(
             real[w][name, loss].gradient, one_device[loss].gradient, w
         )
         for w in WORLD_SIZES
-        for name, loss in cells
+        for name, loss in real[w]
     }
 
 
 def test_every_cell_has_its_expected_class(measured):
     classes = _classes(measured)
-    assert len(classes) == 8 * 3 * 3
+    assert len(classes) == (8 + len(COLLECTIVES)) * 3 * 3
     for (name, loss, w), (measured_class, *_) in classes.items():
         assert measured_class == EXPECTED[name][loss], (name, loss, w)
 
@@ -85,12 +101,24 @@ def test_one_over_w_cells_are_exactly_one_over_w(measured):
         assert abs(norm_ratio - 1 / w) <= 1e-12
 
 
+def test_both_collectives_of_fixed_give_fixed_s_gradient(measured):
+    """On gloo ``fixed`` all-reduces; the reduce-scatter that NCCL runs gives the same gradient."""
+    real = measured[2]
+    for w in WORLD_SIZES:
+        for loss in ("ntxent", "ntxent_global", "vicreg"):
+            expected = real[w]["fixed", loss].gradient
+            for name in COLLECTIVES:
+                measured_gradient = real[w][name, loss].gradient
+                scale = float(expected.abs().max())
+                assert float((measured_gradient - expected).abs().max()) <= SAME * scale, (name, w)
+
+
 def test_the_only_contradiction_is_nograd_on_the_global_loss(measured):
-    styles = measured[-1]
+    styles, gathers = measured[-2], measured[-1]
     differing = {
         (name, loss)
         for (name, loss, _), (measured_class, *_) in _classes(measured).items()
-        if measured_class != gradients.predicted(gather.get(name), styles[loss])
+        if measured_class != gradients.predicted(gathers[name], styles[loss])
     }
     assert differing == {("nograd", "ntxent_global")}
 
@@ -99,7 +127,7 @@ def test_the_only_contradiction_is_nograd_on_the_global_loss(measured):
 def test_the_simulated_world_has_the_real_ranks_gradient(measured, world_size):
     """docs/design.md §9: the simulated world is validated against real gloo ranks, for every
     built-in gather × loss style."""
-    cells, _, real, simulated, styles = measured
+    cells, _, real, simulated, styles, _ = measured
     assert set(styles.values()) == {"local", "global", "mixed"}
     for cell in cells:
         a, b = simulated[world_size][cell], real[world_size][cell]

@@ -60,8 +60,9 @@ def _one_error_line(result, expected: str) -> None:
     [
         (
             ["gather=nope"],
-            "gather='nope' is unknown; allowed: avg, fixed, functional, lightning, native, nograd, "
-            "nograd_swap, old, torch_nn",
+            "gather='nope' is unknown; allowed: avg, fixed, fixed_all_reduce, "
+            "fixed_reduce_scatter, functional, lightning, native, nograd, nograd_swap, old, "
+            "torch_nn",
         ),
         (["-m", "gather=fixed,nope", "layout=cpu2"], "gather='nope' is unknown"),
         (["-m", "layout=cpu1,cpu4", "global_batch_size=6"], "global_batch_size=6 does not divide"),

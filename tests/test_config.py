@@ -34,7 +34,10 @@ def test_group_options_count_every_search_path_entry(tmp_path, monkeypatch):
     searchpath = f"hydra.searchpath=[file://{tmp_path / 'folder'},pkg://userpkg.conf]"
     with config.composed():
         options = config.group_options("gather", [searchpath])
-    assert options == sorted([*gathering.NAMES, "native", "from_folder", "from_package"])
+    collectives = ["fixed_all_reduce", "fixed_reduce_scatter"]  # fixed with each collective
+    assert options == sorted(
+        [*gathering.NAMES, *collectives, "native", "from_folder", "from_package"]
+    )
 
 
 def test_pr1531_experiment_is_the_pr_test_case():
@@ -66,8 +69,9 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
     [
         (
             ["gather=nope"],
-            "gather='nope' is unknown; allowed: avg, fixed, functional, lightning, native, nograd, "
-            "nograd_swap, old, torch_nn",
+            "gather='nope' is unknown; allowed: avg, fixed, fixed_all_reduce, "
+            "fixed_reduce_scatter, functional, lightning, native, nograd, nograd_swap, old, "
+            "torch_nn",
         ),
         (["layout=cpu3"], "layout='cpu3' is unknown; allowed: cpu1, cpu2, cpu4, cpu8"),
         (
@@ -108,6 +112,11 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
             "gatherlab.train'; allowed: python -m gatherlab.scaling",
         ),
         (["model.depth=0"], "model (gatherlab.models.MLP): model.depth must be at least 1"),
+        (
+            ["gather=fixed_reduce_scatter", "gather.collective=bogus"],
+            "gather (gatherlab.gather.Fixed): collective='bogus' is not allowed; allowed: "
+            "all_reduce, reduce_scatter",
+        ),
         (
             ["loss._target_=gatherlab.losses.Nope"],
             "loss._target_=gatherlab.losses.Nope: gatherlab.losses has no attribute 'Nope'",

@@ -1,11 +1,18 @@
 """Each gather on real 2- and 4-rank gloo groups: forward equals torch.cat of the ranks' tensors;
 the input gradients of the exact gathers equal the single-device gradients, ``old``'s do not.
-(The parameter-gradient class of every gather is the audit's, tests/test_audit.py.)"""
+The backward collectives a GPU runs (``fixed``'s and ``avg``'s reduce-scatter, torch's
+reduce-scatter under ``torch_nn`` and ``lightning``) on gloo at W = 2, 4, 8; the backend →
+collective choice; a bad ``collective=``. (The parameter-gradient class of every gather is the
+audit's, tests/test_audit.py.)"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from gatherlab import gather
 from gatherlab import pool as pools
@@ -153,3 +160,160 @@ def test_unknown_gather_names_what_is_allowed():
         ValueError, match=r"gather='nope' is unknown; allowed: fixed, torch_nn, functional"
     ):
         gather.get("nope")
+
+
+# The backward collectives a GPU takes, run on gloo. ``fixed`` and ``avg`` choose theirs by
+# ``gather.backward_collective()``, torch's ``all_gather`` (under ``torch_nn`` and ``lightning``)
+# by ``dist.get_backend()``: reduce-scatter on NCCL and XCCL. gloo in torch 2.13 runs every
+# collective of those branches, so a variant marked "@nccl" runs on ranks whose
+# ``torch.distributed.get_backend`` reports "nccl": the choice is NCCL's, every collective is
+# gloo's, for real. Only the name is faked; nothing that moves or sums a number is.
+SPIED = ("all_reduce", "reduce_scatter_single", "reduce_scatter", "scatter")
+"""The backward collectives of the gathers (gloo's all-to-all under torch_nn is W scatters)."""
+COLLECTIVE_VARIANTS = {
+    # name: (gather, backend reported by torch.distributed.get_backend or None for the real one,
+    #        the collectives its backward calls)
+    "fixed": (lambda: gather.Fixed(), None, {"all_reduce"}),
+    "fixed[all_reduce]": (lambda: gather.Fixed("all_reduce"), None, {"all_reduce"}),
+    "fixed[reduce_scatter]": (
+        lambda: gather.Fixed("reduce_scatter"),
+        None,
+        {"reduce_scatter_single"},
+    ),
+    "fixed@nccl": (lambda: gather.Fixed(), "nccl", {"reduce_scatter_single"}),
+    "avg": (lambda: gather.Avg(), None, {"all_reduce"}),
+    "avg@nccl": (lambda: gather.Avg(), "nccl", {"reduce_scatter_single"}),
+    "torch_nn": (lambda: gather.TorchNN(), None, {"scatter"}),
+    "torch_nn@nccl": (lambda: gather.TorchNN(), "nccl", {"reduce_scatter"}),
+    "lightning@nccl": (lambda: gather.Lightning(), "nccl", {"reduce_scatter"}),
+}
+EXACT_VARIANTS = [name for name in COLLECTIVE_VARIANTS if not name.startswith("avg")]
+
+
+@contextlib.contextmanager
+def _backend_reported_as(backend: str | None) -> Iterator[None]:
+    """``torch.distributed.get_backend`` reports ``backend`` (None: unchanged) inside."""
+    if backend is None:
+        yield
+        return
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: backend
+    try:
+        yield
+    finally:
+        dist.get_backend = real
+
+
+@contextlib.contextmanager
+def _collectives_called(called: set[str]) -> Iterator[None]:
+    """Adds to ``called`` the name of every `SPIED` collective called through torch.distributed."""
+    real = {name: getattr(dist, name) for name in SPIED}
+
+    def spy(name):
+        def call(*args, **kwargs):
+            called.add(name)
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in SPIED:
+        setattr(dist, name, spy(name))
+    try:
+        yield
+    finally:
+        for name, function in real.items():
+            setattr(dist, name, function)
+
+
+def _per_rank_collectives(world_size: int) -> dict:
+    """On every rank, for every variant of `COLLECTIVE_VARIANTS`: the collectives its backward
+    calls on the linear local loss, and the local input gradients of that loss, NT-Xent (local)
+    and NT-Xent (global); and the collective ``backward_collective`` picks, as is and as NCCL."""
+    rank = torch.distributed.get_rank()
+    features0, features1 = _global_batch(world_size, 0), _global_batch(world_size, 1)
+    weights = _linear_loss_weights(world_size)
+    outcome: dict = {"chosen": gather.backward_collective()}
+    with _backend_reported_as("nccl"):
+        outcome["chosen@nccl"] = gather.backward_collective()
+    for name, (make, backend, _) in COLLECTIVE_VARIANTS.items():
+        gather_fn, called = make(), set()
+        with _backend_reported_as(backend):
+            x = _own_rows(features0, rank)
+            loss = (weights[rank] * gather_fn(x)).sum()
+            with _collectives_called(called):
+                loss.backward()
+            result = {"called": called, "linear_grad": _grad(x)}
+            for key, loss_class in (("ntxent", NTXentLoss), ("ntxent_global", NTXentGlobalLoss)):
+                out0, out1 = _own_rows(features0, rank), _own_rows(features1, rank)
+                loss_class(gather=gather_fn)(out0, out1).backward()
+                result[f"{key}_grad"] = torch.cat([_grad(out0), _grad(out1)], dim=1)
+        outcome[name] = result
+    return outcome
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=["W2", "W4", "W8"])
+def collectives(request) -> tuple[int, list[dict]]:
+    return request.param, pools.pool(request.param).run(_per_rank_collectives, request.param)
+
+
+@pytest.mark.parametrize("name", COLLECTIVE_VARIANTS)
+def test_each_backward_calls_its_collective(collectives, name):
+    _, per_rank = collectives
+    expected = COLLECTIVE_VARIANTS[name][2]
+    for outcome in per_rank:
+        assert outcome[name]["called"] == expected, name
+
+
+def test_gloo_chooses_all_reduce_and_nccl_reduce_scatter_on_real_ranks(collectives):
+    _, per_rank = collectives
+    for outcome in per_rank:
+        assert (outcome["chosen"], outcome["chosen@nccl"]) == ("all_reduce", "reduce_scatter")
+
+
+@pytest.mark.parametrize("name", EXACT_VARIANTS)
+@pytest.mark.parametrize("key", ["linear_grad", "ntxent_grad", "ntxent_global_grad"])
+def test_every_backward_collective_gives_single_device_gradients(collectives, name, key):
+    world_size, per_rank = collectives
+    expected = _single_device(world_size)[key]
+    assert torch.allclose(_rank_grads(per_rank, name, key), expected, rtol=0, atol=EXACT)
+
+
+@pytest.mark.parametrize("key", ["linear_grad", "ntxent_grad", "ntxent_global_grad"])
+def test_the_two_collectives_of_fixed_and_of_avg_agree(collectives, key):
+    _, per_rank = collectives
+    for a, b in (("fixed[all_reduce]", "fixed[reduce_scatter]"), ("avg", "avg@nccl")):
+        assert torch.allclose(
+            _rank_grads(per_rank, a, key), _rank_grads(per_rank, b, key), rtol=0, atol=EXACT
+        ), (a, b)
+
+
+def test_avg_on_nccl_s_collective_is_one_over_w_on_the_global_loss(collectives):
+    world_size, per_rank = collectives
+    expected = _single_device(world_size)["ntxent_global_grad"]
+    measured = _rank_grads(per_rank, "avg@nccl", "ntxent_global_grad")
+    assert torch.allclose(measured * world_size, expected, rtol=0, atol=EXACT)
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [
+        ("gloo", "all_reduce"),
+        ("mpi", "all_reduce"),
+        ("nccl", "reduce_scatter"),
+        ("xccl", "reduce_scatter"),
+    ],
+)
+def test_backward_collective_follows_the_backend(monkeypatch, backend, expected):
+    """The choice alone, in one process: only the backend's name is needed to make it (the
+    collectives themselves run for real on gloo in the tests above)."""
+    assert gather.backward_collective(backend) == expected
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert gather.backward_collective() == expected
+
+
+def test_a_bad_collective_is_refused_in_one_line():
+    with pytest.raises(ValueError) as error:
+        gather.Fixed(collective="bogus")
+    assert str(error.value) == (
+        "collective='bogus' is not allowed; allowed: all_reduce, reduce_scatter"
+    )

@@ -9,8 +9,9 @@ asserts a time.
 ``launcher=pool`` (one warm group). The marginal cost of a job is the mean wall time of jobs 2..N;
 the first job is shown apart (for the pool it includes starting the group).
 
-``gather``: forward + backward of each exact gather (``fixed`` with the backend's collective,
-``fixed`` with the other one, ``torch_nn``, ``functional``, ``lightning``) on W real ranks, for
+``gather``: forward + backward of each exact gather (``fixed`` with each backward collective,
+``fixed[all_reduce]`` and ``fixed[reduce_scatter]``, the one ``fixed`` picks on the running backend
+marked ``*``; ``torch_nn``, ``functional``, ``lightning``) on W real ranks, for
 local embeddings from 256×128 to 4096×512 (float32), each the median of interleaved repetitions
 timed on rank 0 between barriers. Bytes sent per rank by the backward's collective are those of
 the ring algorithms (all_reduce of M bytes: 2(W−1)/W·M; reduce-scatter and all-to-all:
@@ -84,13 +85,17 @@ GATHER_SIZES = ((256, 128), (1024, 256), (4096, 512))
 EXACT_GATHERS = ("fixed", "torch_nn", "functional", "lightning")
 
 
-def _fixed_variants() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """``fixed`` with each backward collective, named by it, and the other exact gathers."""
-    chosen = gathering.backward_collective()
-    variants = {}
-    for collective in sorted(gathering.BACKWARD_COLLECTIVES, key=lambda c: c != chosen):
-        name = "fixed" if collective == chosen else f"fixed[{collective}]"
-        variants[name] = gathering.Fixed(collective)
+FIXED_VARIANTS = tuple(f"fixed[{c}]" for c in gathering.BACKWARD_COLLECTIVES)
+"""``fixed`` with each backward collective, both timed whatever the backend."""
+SHOWN_BACKENDS = ("gloo", "nccl", "xccl")
+
+
+def _variants() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """``fixed`` with each backward collective (`FIXED_VARIANTS`), then the other exact gathers."""
+    variants: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        name: gathering.Fixed(collective)
+        for name, collective in zip(FIXED_VARIANTS, gathering.BACKWARD_COLLECTIVES, strict=True)
+    }
     for name in EXACT_GATHERS[1:]:
         variants[name] = gathering.get(name)
     return variants
@@ -98,9 +103,9 @@ def _fixed_variants() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
 
 def _backward_bytes(name: str, world_size: int, local_bytes: int) -> tuple[str, int]:
     """The backward's collective and the bytes a rank sends in it (ring algorithms)."""
-    chosen = gathering.backward_collective()
-    collective = name[6:-1] if name.startswith("fixed[") else chosen if name == "fixed" else None
-    if collective is None:  # torch_nn and lightning: all-to-all on gloo, reduce-scatter on NCCL
+    if name in FIXED_VARIANTS:
+        collective = name[len("fixed[") : -1]
+    else:  # torch_nn and lightning: all-to-all on gloo, reduce-scatter on NCCL
         reduce_scatter = str(dist.get_backend()) in gathering.REDUCE_SCATTER_BACKENDS
         collective = "reduce_scatter" if name == "functional" or reduce_scatter else "all_to_all"
     total = world_size * local_bytes  # every collective here moves the W slice gradients
@@ -111,7 +116,8 @@ def _backward_bytes(name: str, world_size: int, local_bytes: int) -> tuple[str, 
 def _time_gathers(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict] | None:
     """On every rank: forward + backward of each variant per size; rank 0 returns the rows."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    variants = _fixed_variants()
+    variants = _variants()
+    default = f"fixed[{gathering.backward_collective()}]"  # what ``fixed`` runs on this backend
     rows = []
     for batch, dim in sizes:
         generator = torch.Generator().manual_seed(rank)
@@ -134,6 +140,7 @@ def _time_gathers(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict
                     "world_size": world_size,
                     "size": f"{batch}×{dim}",
                     "gather": name,
+                    "default": name == default,
                     "ms": 1e3 * statistics.median(times[name]),
                     "collective": collective,
                     "sent_MB": sent / 2**20,
@@ -150,18 +157,27 @@ def gather(world_sizes: tuple[int, ...], repeats: int) -> float:
         rows += pools.pool(world_size).run(_time_gathers, GATHER_SIZES, repeats)[0]
         pools.close_pools()
     print(f"forward + backward, float32, median of {repeats}; backend gloo on CPU")
-    print(f"{'W':>2} {'local size':>10} {'gather':<22} {'ms':>9}  backward collective, sent/rank")
+    choices = ", ".join(f"{b}: {gathering.backward_collective(b)}" for b in SHOWN_BACKENDS)
+    print(f"fixed's backward collective by backend: {choices} (* marks this run's)")
+    print(f"{'W':>2} {'local size':>10} {'gather':<24} {'ms':>9}  backward collective, sent/rank")
     for row in rows:
+        name = f"{row['gather']}{' *' if row['default'] else ''}"
         print(
-            f"{row['world_size']:>2} {row['size']:>10} {row['gather']:<22} {row['ms']:>9.2f}  "
+            f"{row['world_size']:>2} {row['size']:>10} {name:<24} {row['ms']:>9.2f}  "
             f"{row['collective']}, {row['sent_MB']:.2f} MB"
         )
     world_size, (batch, dim) = max(world_sizes), GATHER_SIZES[-1]
     last = [r for r in rows if r["world_size"] == world_size and r["size"] == f"{batch}×{dim}"]
-    times = {row["gather"]: row["ms"] for row in last if not row["gather"].startswith("fixed[")}
+    (fixed,) = (row["gather"] for row in last if row["default"])
+    times = {
+        row["gather"]: row["ms"]
+        for row in last
+        if row["default"] or row["gather"] not in FIXED_VARIANTS
+    }
     fastest = min(times, key=times.get)
-    ratio = times[fastest] / times["fixed"]
-    print(f"fastest exact gather ({fastest}) / fixed at W={world_size}, {batch}×{dim}: {ratio:.3f}")
+    ratio = times[fastest] / times[fixed]
+    where = f"W={world_size}, {batch}×{dim}"
+    print(f"fastest exact gather ({fastest}) / fixed ({fixed}) at {where}: {ratio:.3f}")
     return ratio
 
 

@@ -238,9 +238,10 @@ BACKWARD_COLLECTIVES = ("all_reduce", "reduce_scatter")
 REDUCE_SCATTER_BACKENDS = frozenset({"nccl", "xccl"})
 
 
-def backward_collective() -> str:
-    """The collective ``fixed``'s backward uses on the running backend."""
-    backend = str(dist.get_backend())
+def backward_collective(backend: str | None = None) -> str:
+    """The collective ``fixed``'s (and ``avg``'s) backward uses on ``backend`` (None: the running
+    one): ``reduce_scatter`` on NCCL and XCCL, ``all_reduce`` elsewhere."""
+    backend = str(dist.get_backend()) if backend is None else backend
     return "reduce_scatter" if backend in REDUCE_SCATTER_BACKENDS else "all_reduce"
 
 
