@@ -15,7 +15,7 @@ def worker_pools():
     distributed test costs its computation, not process start-up. At the end no worker survives.
 
     Lightning is imported before the first pool starts, so that the pools' fork server preloads it
-    (``pool.PRELOAD_IF_IMPORTED``): most test processes train with it on the pools, and without
+    (``forkstart.PRELOAD_IF_IMPORTED``): most test processes train with it on the pools, and without
     this, whether a pool's every rank imports it again (seconds each) would depend on which test
     happened to start the pools first."""
     import lightning.pytorch  # noqa: F401

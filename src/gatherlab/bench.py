@@ -1,4 +1,4 @@
-"""Benchmarks, apart from the tests: ``python -m gatherlab.bench {launcher,gather,sweep}
+"""Benchmarks, apart from the tests: ``python -m gatherlab.bench {launcher,gather,sweep,check}
 [options]``.
 
 Each benchmark measures everything it compares in one invocation and prints ratios; nothing here
@@ -23,6 +23,10 @@ the jobs' own training time (each run's ``wall_s``), split into start-up (the co
 its first job's log line), per-job overhead (between the first job's start and the last job's end,
 what is not training) and the report (the last job's end to the command's end), and the ratio of
 the two sweeps' start-ups.
+
+``check``: ``python -m gatherlab.check`` of a loss at W = 2, 4 from a fresh shell against the floor
+of one interpreter, ``python -c "import torch, torch.distributed"``, each run in turn several times
+in the same invocation; the ratio of their medians.
 """
 
 from __future__ import annotations
@@ -238,6 +242,31 @@ def sweep(experiments: list[str], overrides: list[str]) -> float:
     return measured[first]["wall"] / measured[first]["training"]
 
 
+def _seconds(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def check(repeats: int) -> float:
+    """Print the check command's time against one interpreter's start-up; return their ratio."""
+    floor_command = [sys.executable, "-c", "import torch, torch.distributed"]
+    floors, checks = [], []
+    with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
+        for repeat in range(repeats):
+            check_command = [
+                sys.executable, "-m", "gatherlab.check", "gatherlab.losses:NTXentLoss",
+                "--gather", "fixed", "--world-sizes", "2,4", "--out", f"{root}/{repeat}",
+            ]  # fmt: skip
+            floors.append(_seconds(floor_command))
+            checks.append(_seconds(check_command))
+    floor, checked = statistics.median(floors), statistics.median(checks)
+    print(f"python -c 'import torch, torch.distributed': {floor:.2f} s (median of {repeats})")
+    print(f"python -m gatherlab.check NTXentLoss --gather fixed, W = 2, 4: {checked:.2f} s")
+    print(f"check / one interpreter: {checked / floor:.2f}")
+    return checked / floor
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m gatherlab.bench", description=__doc__.splitlines()[0]
@@ -269,10 +298,16 @@ def main(argv: list[str] | None = None) -> None:
         help="the sweeps to run, each experiment=<name> (default loss_matrix bug_demo)",
     )  # fmt: skip
     sweep_parser.add_argument("overrides", nargs="*", help="Hydra overrides for every sweep")
+    check_parser = commands.add_parser(
+        "check", help="python -m gatherlab.check against one interpreter's start-up"
+    )
+    check_parser.add_argument("--repeats", type=int, default=5, help="runs of each (default 5)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.benchmark == "sweep":
         sweep(args.experiments, args.overrides)
+    elif args.benchmark == "check":
+        check(args.repeats)
     elif args.benchmark == "launcher":
         launcher(args.jobs, args.steps)
     elif args.benchmark == "gather":

@@ -21,6 +21,16 @@ and otherwise the gradient's class; every other verdict comes with a diagnosis i
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the command line: its ranks' fork server imports torch beside it,
+    # and what this module imports (each rank runs this module again as its main module); the
+    # ranks of a training step's check (--module) run Lightning too
+    import sys
+
+    from gatherlab import forkstart
+
+    _training = ("lightning.pytorch", "gatherlab.usermodule") if "--module" in sys.argv else ()
+    forkstart.start(("gatherlab.gradients", "gatherlab.config", "gatherlab.runfiles", *_training))
+
 import argparse
 import functools
 import json

@@ -23,17 +23,17 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gatherlab import forkstart
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +41,6 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 # How long a new pool may take to start its processes and join them in a group.
 POOL_START_TIMEOUT_S = 300.0
-# What the workers' fork server imports before it forks any worker: what every job runs (DDP's
-# first use imports torch._dynamo, ~3 s), and of the rest what the starting process has imported
-# itself: a training process has Lightning and gatherlab's training modules (a pool started again
-# after a failed job then runs its next job without importing them in every rank), a gradient check
-# (``gatherlab.check``) does not need them and does not pay their seconds.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
-PRELOAD_IF_IMPORTED = ("lightning.pytorch", "gatherlab.launch", "gatherlab.gradients")
 
 
 class RankError(RuntimeError):
@@ -117,13 +110,10 @@ class WorkerPool:
         self.world_size = world_size
         self._store_dir = tempfile.mkdtemp(prefix="gatherlab-pool-")
         context = torch.multiprocessing.get_context("forkserver")
-        # The fork server imports these once; every worker of every pool (the next one after a
-        # failure too) is forked from it with them loaded, in milliseconds instead of the seconds
-        # a fresh interpreter spends importing torch and Lightning.
-        context.set_forkserver_preload(
-            [*PRELOAD, *(name for name in PRELOAD_IF_IMPORTED if name in sys.modules)]
-        )
-        _start_fork_server()
+        # The fork server imports torch (and Lightning where this process has) once; every worker
+        # of every pool (the next one after a failure too) is forked from it with them loaded, in
+        # milliseconds instead of the seconds a fresh interpreter spends importing them.
+        forkstart.start()
         self._processes, self._connections = [], []
         try:  # interrupted (Ctrl-C) or failed: what was started ends with it
             for rank in range(world_size):
@@ -232,21 +222,6 @@ class WorkerPool:
             connection.close()
         self._processes, self._connections = [], []
         shutil.rmtree(self._store_dir, ignore_errors=True)
-
-
-def _start_fork_server() -> None:
-    """Start the fork server, if it is not running, with SIGINT ignored from its first instruction
-    (it imports ``PRELOAD`` for seconds before it sets its own handlers), so that every worker it
-    forks inherits that too. Only the main thread can set a handler, and only one set from Python
-    can be put back: otherwise the workers' own suffices."""
-    handler = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or handler is None:
-        return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGINT, handler)
 
 
 _pools: dict[int, WorkerPool] = {}
