@@ -176,3 +176,22 @@ def test_assert_training_invariant_fails_with_the_diagnosis():
         assert_training_invariant(
             "ssl_modules:SimCLRWithBatchNorm", "ssl_modules:GaussianPairs", (2,), **RUN
         )
+
+
+def test_batches_are_collated_by_the_module_then_the_data_set_then_pytorch():
+    from torch.utils.data import default_collate
+
+    from gatherlab.usermodule import collate_fn_of
+
+    def by_module(items):
+        return "module"
+
+    def by_data(items):
+        return "data"
+
+    module, data = ssl_modules.SimCLR(), ssl_modules.GaussianPairs(size=8)
+    assert collate_fn_of(module, data) is default_collate
+    data.collate_fn = by_data
+    assert collate_fn_of(module, data) is by_data
+    module.collate_fn = by_module
+    assert collate_fn_of(module, data) is by_module
