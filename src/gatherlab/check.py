@@ -319,14 +319,10 @@ def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, .
         raise CheckError(f"--steps {steps!r} is not allowed; allowed: an integer ≥ 0")
     cfg, model, optimizer, dataset = _composed(optim)
     size = cfg.global_batch_size
-    for world_size in world_sizes:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-            raise CheckError(f"world size {world_size!r} is not allowed; allowed: integers ≥ 2")
-        if size % world_size:
-            raise CheckError(
-                f"world size {world_size} does not divide the global batch of {size}; allowed: "
-                f"divisors of {size}"
-            )
+    try:
+        gradients.check_world_sizes(world_sizes, size, f"the global batch of {size}")
+    except ValueError as error:
+        raise CheckError(str(error)) from None
     batches = gradients.global_batches(
         dataset, size, cfg.seed, bool(cfg.data.shuffle), max(steps, 1)
     )
@@ -564,7 +560,8 @@ def check_training(
         >>> table.groupby("world_size")["culprits"].first().tolist()
         ['batchnorm', 'batchnorm']
     """
-    from gatherlab import trainingcheck  # Lightning: imported when a training step is checked
+    # Lightning: imported when a training step is checked
+    from gatherlab import trainingcheck, usermodule
 
     module_factory, data_factory = _factory(module, "module"), _factory(data, "data")
     name = _path_name(module)
@@ -594,7 +591,7 @@ def check_training(
         raise LossFailed(str(error).splitlines()[0]) from None
     blamed = table.loc[table["culprits"].str.contains(trainingcheck.LOSS), "world_size"]
     if loss_attr is not None and len(blamed):
-        loss = trainingcheck.loss_of(setting.module, loss_attr)
+        loss = usermodule.loss_of(setting.module, loss_attr)
         table.attrs["loss_check"] = check_loss(loss, sorted(set(blamed)), seed=seed)
     return table
 

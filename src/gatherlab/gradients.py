@@ -53,7 +53,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 __all__ = [
     "CLASSES", "COLUMNS", "LossContractError", "Measured", "Trained", "audit",
-    "check_simulatable", "classify", "global_batches", "measure", "measure_on_ranks", "train",
+    "check_simulatable", "check_world_sizes", "classify", "global_batches", "measure",
+    "measure_on_ranks", "train",
 ]  # fmt: skip
 
 
@@ -286,6 +287,19 @@ def train(
     )
     losses = [math.fsum(values) / world_size for values in zip(*(r[0] for r in ranks), strict=True)]
     return Trained(losses, ranks[0][1])
+
+
+def check_world_sizes(world_sizes: Sequence[int], global_batch_size: int, batch: str) -> None:
+    """A ValueError of one line unless every world size is an integer ≥ 2 that divides the global
+    batch (``batch`` names it in the message, e.g. "the global batch of 16")."""
+    for world_size in world_sizes:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+            raise ValueError(f"world size {world_size!r} is not allowed; allowed: integers ≥ 2")
+        if global_batch_size % world_size:
+            raise ValueError(
+                f"world size {world_size} does not divide {batch}; allowed: divisors of "
+                f"{global_batch_size}"
+            )
 
 
 def same_forward(loss: float, reference: float) -> tuple[bool, float]:

@@ -10,7 +10,7 @@ command line; this module trains and compares, and says nothing in words.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ COLUMNS = (
 )  # fmt: skip
 
 __all__ = [
-    "COLUMNS", "LOSS", "PRECISIONS", "VARIANTS", "Setting", "check", "loss_of", "reference",
+    "COLUMNS", "LOSS", "PRECISIONS", "VARIANTS", "Setting", "check", "reference",
     "validate",
 ]  # fmt: skip
 
@@ -130,14 +130,7 @@ def validate(setting: Setting, world_sizes: Sequence[int]) -> tuple[str, ...]:
             f"--global-batch-size {batch} exceeds the {size} samples of the data set; allowed: at "
             f"most {size}"
         )
-    for world_size in world_sizes:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-            raise ValueError(f"world size {world_size!r} is not allowed; allowed: integers ≥ 2")
-        if batch % world_size:
-            raise ValueError(
-                f"world size {world_size} does not divide --global-batch-size {batch}; allowed: "
-                f"divisors of {batch}"
-            )
+    gradients.check_world_sizes(world_sizes, batch, f"--global-batch-size {batch}")
     causes = {
         "batchnorm": bool(ablate.batch_norms(module)),
         "dropout": bool(ablate.dropouts(module)),
@@ -207,11 +200,6 @@ def _culprits(baseline: str, verdicts: dict[str, str], causes: Sequence[str]) ->
 def reference(setting: Setting, variant: str) -> _Run:
     """A variant's 1-device run, in this process."""
     return _train(setting, variant, 1)
-
-
-def loss_of(module: LossFactory, attribute: str) -> Callable[[], torch.nn.Module]:
-    """The factory of the loss that the module holds as ``attribute``."""
-    return usermodule.loss_of(module, attribute)
 
 
 def check(
