@@ -126,8 +126,6 @@ def _check_contrastive_only(cfg: DictConfig, removals: Mapping[str, bool]) -> No
 def _check_user_objects(cfg: DictConfig) -> int:
     """Build the user's module (as on one device: rank 0 of 1) and data set once, apply the
     removals, check both contracts; return the data set's number of samples."""
-    import lightning as L
-
     from gatherlab import usermodule
 
     factory = config.module_factory(cfg)
@@ -136,16 +134,10 @@ def _check_user_objects(cfg: DictConfig) -> int:
         module = factory()
     except Exception as error:  # the constructor's own refusal
         raise ConfigError(f"module ({target}): {config.first_line(error)}") from None
-    if not isinstance(module, L.LightningModule):
-        raise ConfigError(
-            f"module ({target}) built a {type(module).__name__}; allowed: a "
-            "lightning.LightningModule with training_step and configure_optimizers"
-        )
-    if type(module).training_step is L.LightningModule.training_step:
-        raise ConfigError(
-            f"module ({target}) has no training_step; allowed: a LightningModule whose "
-            "training_step returns the loss (or a dict with 'loss')"
-        )
+    try:
+        usermodule.check_module(module, f"module ({target})")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     usermodule.prepare(module, usermodule.Removals(**config.removals(cfg)))
     if not config.external_data(cfg):
         raise ConfigError(
@@ -159,14 +151,9 @@ def _check_user_objects(cfg: DictConfig) -> int:
     except Exception as error:  # the constructor's own refusal
         raise ConfigError(f"data.dataset ({data_target}): {config.first_line(error)}") from None
     try:
-        size = len(dataset)
-        dataset[0]
-    except Exception as error:
-        raise ConfigError(
-            f"data.dataset ({data_target}) breaks the map-style contract: "
-            f"{config.first_line(error)}; allowed: len(data set) and data set[index]"
-        ) from None
-    return size
+        return usermodule.data_size(dataset, f"data.dataset ({data_target})")
+    except ValueError as error:
+        raise ConfigError(config.first_line(error)) from None
 
 
 def check_command(cfg: Mapping[str, Any], experiment: str | None, command: str) -> None:

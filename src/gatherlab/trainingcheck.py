@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import lightning as L
 import numpy as np
 import pandas as pd
 import torch
@@ -63,10 +62,6 @@ class _Run:
     parameters: torch.Tensor
 
 
-def _overridden(module: L.LightningModule, method: str) -> bool:
-    return getattr(type(module), method, None) is not getattr(L.LightningModule, method)
-
-
 def _same(a: Any, b: Any) -> bool:
     """Whether two data set items are equal (tensors, arrays, numbers, nested containers)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -107,24 +102,12 @@ def validate(setting: Setting, world_sizes: Sequence[int]) -> tuple[str, ...]:
         raise ValueError(
             f"--module {setting.name}: cannot be built: {type(error).__name__}: {error}"
         ) from None
-    if not isinstance(module, L.LightningModule):
-        raise ValueError(
-            f"--module {setting.name} built a {type(module).__name__}; allowed: a "
-            "lightning.LightningModule (training_step and configure_optimizers)"
-        )
-    for method in ("training_step", "configure_optimizers"):
-        if not _overridden(module, method):
-            raise ValueError(f"--module {setting.name} has no {method}; allowed: a module with one")
+    usermodule.check_module(module, f"--module {setting.name}")
     try:
         data = setting.data()
     except Exception as error:
         raise ValueError(f"--data: cannot be built: {type(error).__name__}: {error}") from None
-    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-        raise ValueError(
-            f"--data built a {type(data).__name__} without __len__ and __getitem__; allowed: a "
-            "map-style data set"
-        )
-    size, batch = len(data), setting.global_batch_size
+    size, batch = usermodule.data_size(data, "--data"), setting.global_batch_size
     if batch > size:
         raise ValueError(
             f"--global-batch-size {batch} exceeds the {size} samples of the data set; allowed: at "

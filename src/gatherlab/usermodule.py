@@ -32,9 +32,52 @@ from gatherlab.factory import LossFactory
 from gatherlab.module import NonFiniteLoss, rank_sampler
 
 __all__ = [
-    "ItemsDataModule", "Recorder", "Removals", "RunFilesRecorder", "Trained", "collate_fn_of",
-    "fit_on_rank", "loss_of", "prepare", "train_on_rank",
+    "ItemsDataModule",
+    "Recorder",
+    "Removals",
+    "RunFilesRecorder",
+    "Trained",
+    "check_module",
+    "collate_fn_of",
+    "data_size",
+    "fit_on_rank",
+    "loss_of",
+    "prepare",
+    "train_on_rank",
 ]  # fmt: skip
+
+
+def check_module(module: Any, label: str) -> L.LightningModule:
+    """``module`` when it is a ``LightningModule`` with its own ``training_step`` and
+    ``configure_optimizers``; a ValueError of one line, starting with ``label``, otherwise."""
+    if not isinstance(module, L.LightningModule):
+        raise ValueError(
+            f"{label} built a {type(module).__name__}; allowed: a lightning.LightningModule with "
+            "training_step and configure_optimizers"
+        )
+    for method in ("training_step", "configure_optimizers"):
+        if getattr(type(module), method) is getattr(L.LightningModule, method):
+            raise ValueError(f"{label} has no {method}; allowed: a LightningModule with one")
+    return module
+
+
+def data_size(data: Any, label: str) -> int:
+    """The number of samples of a map-style data set (``len`` and ``data[index]``, item 0 read
+    once); a ValueError of one line, starting with ``label``, otherwise."""
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise ValueError(
+            f"{label} built a {type(data).__name__} without __len__ and __getitem__; allowed: a "
+            "map-style data set"
+        )
+    try:
+        size = len(data)
+        data[0]
+    except Exception as error:
+        raise ValueError(
+            f"{label} breaks the map-style contract: {type(error).__name__}: {error}; allowed: "
+            "len(data set) and data set[index]"
+        ) from None
+    return size
 
 
 def collate_fn_of(module: Any, dataset: Any) -> Callable[[list[Any]], Any]:
