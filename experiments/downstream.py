@@ -26,7 +26,7 @@ import pandas as pd
 from _sweep import FIGURES, run_sweep
 from scipy import stats
 
-from gatherlab import config, plotting, report, results
+from gatherlab import config, plotting, results, runfiles
 
 SEEDS = range(5)
 
@@ -124,7 +124,7 @@ def main() -> None:
     text = (
         f"1-shot probe accuracy; raw pixels {raw:.4f}, untrained network "
         f"{np.mean(untrained):.4f} (seeds: {' '.join(f'{u:.4f}' for u in untrained)})\n\n"
-        + report.markdown_table(header, body)
+        + runfiles.markdown_table(header, body)
         + "\n"
     )
     (FIGURES / "downstream.md").write_text(text)

@@ -20,7 +20,7 @@ import time
 import pandas as pd
 from _sweep import FIGURES
 
-from gatherlab import config, gradients, plotting, report
+from gatherlab import config, gradients, plotting, runfiles
 from gatherlab import gather as gathering
 
 EXACT = 1e-10  # the float64 bound of docs/design.md §2
@@ -107,7 +107,7 @@ def main() -> None:
     (FIGURES / "optimizer_matrix.md").write_text(
         "max |Δloss| / final max |Δweight| against one device (float64, "
         f"{cfg.steps} steps, global batch {cfg.global_batch_size})\n\n"
-        + report.markdown_table(header, markdown_rows)
+        + runfiles.markdown_table(header, markdown_rows)
         + "\n"
     )
     print((FIGURES / "optimizer_matrix.md").read_text())

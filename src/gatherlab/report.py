@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -232,13 +231,6 @@ def predicted_invariance(runs: pd.DataFrame) -> dict[str, bool | None]:
     return predicted
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A Markdown table (every table the report writes comes from here)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def matrix_markdown(
     diff: pd.DataFrame,
     matches: pd.DataFrame,
@@ -266,7 +258,7 @@ def matrix_markdown(
         f"matches it (loss at every step and final parameters within "
         f"{tolerance if tolerance is not None else 'the tolerance of its precision'})."
     )
-    return f"{intro}\n\n{markdown_table(header, rows)}\n"
+    return f"{intro}\n\n{runfiles.markdown_table(header, rows)}\n"
 
 
 def _matrix_cell(value: float, match: bool, verdict: str | None) -> str:
@@ -342,7 +334,7 @@ def audit_markdown(table: pd.DataFrame) -> str:
         'prediction (docs/design.md §1), which follows it; "sim" marks a simulated world '
         "(docs/design.md §9)."
     )
-    return f"{intro}\n\n{markdown_table(header, rows)}\n"
+    return f"{intro}\n\n{runfiles.markdown_table(header, rows)}\n"
 
 
 def _cosine_and_ratio(row: pd.Series) -> str:
@@ -387,7 +379,7 @@ def scaling_markdown(table: pd.DataFrame) -> str:
         "and simulated, with its prediction (exact: a closed form; expectation: over the random "
         'partition of the batch into slices); "none": no gradient at all.'
     )
-    return f"{intro}\n\n{markdown_table(header, rows)}\n"
+    return f"{intro}\n\n{runfiles.markdown_table(header, rows)}\n"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,7 @@ import contextlib
 import csv
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +160,10 @@ def find_runs(directory: Path) -> list[Path]:
     return sorted(
         runs, key=lambda path: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.parts]
     )
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table: every table gatherlab writes (``*.md``) or prints comes from here."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
