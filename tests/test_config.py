@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers import compose
+from helpers import compose, run_command
+from omegaconf import OmegaConf
 
 from gatherlab import config, configcheck, train
 from gatherlab import gather as gathering
@@ -125,15 +126,56 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
 )
 def test_bad_values_raise_one_line(overrides, message):
     with pytest.raises(ConfigError) as error:
-        train.preflight(overrides, multirun=False)
+        train.preflight(overrides)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
 
 
-def test_preflight_checks_every_job_of_a_sweep():
-    with pytest.raises(ConfigError, match=r"does not divide by layout\.devices=4"):
-        train.preflight(["global_batch_size=6", "layout=cpu1,cpu2,cpu4"], multirun=True)
-    assert train.preflight(["experiment=bug_demo"], multirun=True) == 6
+def _compositions(monkeypatch) -> list[list[str]]:
+    """The jobs Hydra composes from now on in this process (``load_sweep_config``), in order."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    composed, original = [], ConfigLoaderImpl.load_sweep_config
+
+    def counted(self, master_config, sweep_overrides):
+        composed.append(list(sweep_overrides))
+        return original(self, master_config, sweep_overrides)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_sweep_config", counted)
+    return composed
+
+
+def test_a_sweep_composes_each_job_once_and_runs_that_config(tmp_path, monkeypatch):
+    # Hydra's basic sweeper composes each job to validate it and its launcher again to run it;
+    # gatherlab's sweeper composes it once, checks it, and hands the launcher that config.
+    composed = _compositions(monkeypatch)
+    sweep = tmp_path / "s"
+    result = run_command("train", "-m", "seed=0,1", "steps=1", f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert composed == [["seed=0", "steps=1"], ["seed=1", "steps=1"]]
+    for number, seed in ((0, 0), (1, 1)):
+        ran = OmegaConf.load(sweep / str(number) / ".hydra" / "config.yaml")
+        assert (ran.seed, ran.steps) == (seed, 1)
+        assert list(OmegaConf.load(sweep / str(number) / ".hydra" / "overrides.yaml")) == [
+            f"seed={seed}",
+            "steps=1",
+        ]
+
+
+def test_a_large_sweep_composed_on_all_cores_runs_in_one_directory(tmp_path, monkeypatch):
+    # The sweep directory's ${now:...} is resolved once, before the jobs are composed (in forked
+    # processes here), and each job's config carries that value: else each resolves its own.
+    monkeypatch.setattr(train, "PARALLEL_COMPOSITION", 3)
+    monkeypatch.setattr(train, "_cores", lambda: 2)
+    monkeypatch.chdir(tmp_path)  # the default directory: multirun/${now:...}
+    composed = _compositions(monkeypatch)
+    result = run_command("train", "-m", "seed=0,1,2", "steps=1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert composed == [["seed=0", "steps=1"]]  # the others in the forked processes
+    (sweep,) = (tmp_path / "multirun").glob("*/*")
+    assert sorted(path.name for path in sweep.iterdir() if path.is_dir()) == ["0", "1", "2"]
+    seeds = [OmegaConf.load(sweep / str(n) / ".hydra" / "config.yaml").seed for n in range(3)]
+    assert seeds == [0, 1, 2]
 
 
 def test_the_downstream_experiment_is_every_run_its_figure_reads():

@@ -43,7 +43,7 @@ from typing import Any
 
 import pandas as pd
 
-from gatherlab import config, gradients, runfiles
+from gatherlab import cli, config, gradients, runfiles
 from gatherlab import gather as gathering
 from gatherlab.config import ConfigError
 from gatherlab.factory import LossFactory, locate
@@ -261,9 +261,7 @@ def markdown(table: pd.DataFrame, columns: Sequence[str] = (*COLUMNS, TRAIN_COLU
         return f"{value:.3g}" if isinstance(value, float) else str(value)
 
     rows = [[cell(row[c]) for c in columns] for _, row in table.iterrows()]
-    from gatherlab import report  # matplotlib, for its figures: not on the ranks (see the top)
-
-    return report.markdown_table(columns, rows)
+    return runfiles.markdown_table(columns, rows)
 
 
 # --- the check ----------------------------------------------------------------------------------
@@ -615,9 +613,7 @@ def explain_training(table: pd.DataFrame) -> str:
         after = by_variant[removed[0]] if removed else "—"
         summary.append([str(world_size), by_variant["baseline"], culprits or "—", after])
     header = ["world_size", "verdict", "culprits", "verdict without the removable causes"]
-    from gatherlab import report
-
-    lines = [report.markdown_table(header, summary), markdown(table, TRAINING_COLUMNS)]
+    lines = [runfiles.markdown_table(header, summary), markdown(table, TRAINING_COLUMNS)]
     found = [c for c in table["culprits"].str.split(";").explode().unique() if c]
     for cause in found:
         sizes = ", ".join(
@@ -661,6 +657,7 @@ def _kwargs(text: str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    as_program = argv is None
     parser = argparse.ArgumentParser(
         prog="python -m gatherlab.check", description=__doc__.splitlines()[0]
     )
@@ -736,6 +733,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     runfiles.write_table(table, out / runfiles.CHECK)
     print(text)
     print(f"written: {out / runfiles.CHECK}")
+    if as_program:
+        cli.exiting()
     sys.exit(0 if exact else 1)
 
 

@@ -80,29 +80,36 @@ def compose(overrides: Sequence[str] = ()) -> tuple[DictConfig, dict[str, str | 
     Must run inside ``composed()``. An unknown option of a group, also of a group that a
     directory on ``hydra.searchpath`` adds to, is one line naming what is allowed.
     """
-    cfg = _compose_with_hydra(overrides)
+    cfg = compose_with_hydra(overrides)
     choices = dict(cfg.hydra.runtime.choices)
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg, choices
 
 
-def _compose_with_hydra(overrides: Sequence[str]) -> DictConfig:
+def compose_with_hydra(overrides: Sequence[str]) -> DictConfig:
     """The full config of ``overrides``, its ``hydra`` node included; Hydra's errors as one line."""
+    return hydra_errors_as_one_line(
+        hydra.compose, CONFIG_NAME, overrides=list(overrides), return_hydra_config=True
+    )
+
+
+def hydra_errors_as_one_line(compose: Callable[..., DictConfig], *args, **kwargs) -> DictConfig:
+    """``compose(*args, **kwargs)``, a composition by Hydra, whose refusal raises ``ConfigError``
+    (one line; an unknown option of a group names the options allowed)."""
     try:
-        return hydra.compose(CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
-    except MissingConfigException as error:
-        raise ConfigError(_unknown_option(error)) from None
+        return compose(*args, **kwargs)
     except HydraException as error:
-        raise ConfigError(first_line(error)) from None
+        raise _one_line(error) from None
 
 
-def _unknown_option(error: MissingConfigException) -> str:
-    missing = error.missing_cfg_file or ""
-    if "/" not in missing or not error.options:
-        return first_line(error)
+def _one_line(error: HydraException) -> ConfigError:
+    missing = getattr(error, "missing_cfg_file", None) or ""
+    options = getattr(error, "options", None)
+    if not isinstance(error, MissingConfigException) or "/" not in missing or not options:
+        return ConfigError(first_line(error))
     group, _, value = missing.rpartition("/")
-    return f"{group}={value!r} is unknown; allowed: {', '.join(sorted(error.options))}"
+    return ConfigError(f"{group}={value!r} is unknown; allowed: {', '.join(sorted(options))}")
 
 
 def job_overrides(overrides: Sequence[str], multirun: bool) -> list[list[str]]:
@@ -115,7 +122,7 @@ def job_overrides(overrides: Sequence[str], multirun: bool) -> list[list[str]]:
     fixed = [
         o.input_line for o in parser.parse_overrides(list(overrides)) if not o.is_sweep_override()
     ]
-    params = _compose_with_hydra(fixed).hydra.sweeper.params or {}
+    params = compose_with_hydra(fixed).hydra.sweeper.params or {}
     combined = parser.parse_overrides(
         [f"{key}={value}" for key, value in params.items()] + list(overrides)
     )
