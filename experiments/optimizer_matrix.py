@@ -20,10 +20,10 @@ import time
 import pandas as pd
 from _sweep import FIGURES
 
-from gatherlab import config, gradients, plotting, runfiles
+from gatherlab import config, gradients, plotting, runfiles, terms
 from gatherlab import gather as gathering
 
-EXACT = 1e-10  # the float64 bound of docs/design.md §2
+EXACT = terms.FLOAT64  # the float64 bound of docs/design.md §2
 
 
 def main() -> None:

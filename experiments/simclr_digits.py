@@ -9,14 +9,14 @@ Usage: ``python experiments/simclr_digits.py``
 
 from _sweep import FIGURES, publish, run_sweep
 
-from gatherlab import plotting, report, results
+from gatherlab import plotting, report, results, terms
 
 if __name__ == "__main__":
     sweep_dir = run_sweep("simclr_digits")
     table, curves = report.compare(results.load_runs(sweep_dir), sweep_dir)
     figure = plotting.ablation_figure(
         table, curves, variant="simclr_ablation", metric="knn_accuracy",
-        tolerance=report.TOLERANCE["64-true"],
+        tolerance=terms.TOLERANCE["64-true"],
     )  # fmt: skip
     for path in plotting.save(figure, FIGURES / "simclr_digits"):
         print(path)

@@ -142,12 +142,12 @@ def test_a_spawned_rank_that_raises_or_dies_is_reported_in_one_line():
         error_index=1,
         error_pid=4321,
     )
-    assert jobs.one_line(raised) == "rank 1: ValueError: fault injected on rank 1"
+    assert jobs.failure_line(raised) == "rank 1: ValueError: fault injected on rank 1"
     died = ProcessExitedException(
         "process 1 terminated with signal SIGKILL", error_index=1, error_pid=4321,
         exit_code=-9, signal_name="SIGKILL",
     )  # fmt: skip
-    assert jobs.one_line(died) == "rank 1: process exited with signal SIGKILL"
+    assert jobs.failure_line(died) == "rank 1: process exited with signal SIGKILL"
 
 
 # --- interrupted sweeps -------------------------------------------------------------------------

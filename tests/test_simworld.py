@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import compose
 
-from gatherlab import gather, gradients, jobs, scaling, simworld
+from gatherlab import configcheck, gather, gradients, jobs, scaling, simworld
 from gatherlab.config import ConfigError
 from gatherlab.factory import LossFactory
 
@@ -131,14 +131,15 @@ def test_the_closed_form_predictions_hold_at_every_world_size(tmp_path, capsys):
     assert "never overwritten" in capsys.readouterr().err
 
 
-def test_an_audit_refuses_unsimulatable_gathers_and_bad_sizes_before_any_rank(tmp_path):
+def test_an_audit_refuses_unsimulatable_gathers_and_bad_sizes_in_the_check():
     cfg, _ = compose("experiment=gather_audit", "audit.simulated_world_sizes=[4]")
+    configcheck.check(cfg)
     with pytest.raises(ConfigError, match=r"^audit.simulated_world_sizes: gather mine names no "):
-        jobs.run_audit(cfg, tmp_path, {"fixed": gather.get("fixed"), "mine": _identity})
+        configcheck.check_audit_gathers(cfg, {"fixed": gather.get("fixed"), "mine": _identity})
+    configcheck.check_audit_gathers(cfg, {"fixed": gather.get("fixed")})
     cfg, _ = compose("experiment=gather_audit", "audit.simulated_world_sizes=[3]")
     with pytest.raises(ConfigError, match=r"holds 3; allowed: integers ≥ 2 that divide "):
-        jobs.run_audit(cfg, tmp_path, {"fixed": gather.get("fixed")})
-    assert not list(tmp_path.iterdir())
+        configcheck.check(cfg)
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ from the prediction).
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
-from gatherlab import config, configcheck, jobs, report
+from gatherlab import cli, config, configcheck, jobs, report
 from gatherlab.config import ConfigError
 
 
@@ -32,6 +31,7 @@ def run(cfg: DictConfig, overrides: Sequence[str], out: Path) -> pd.DataFrame:
     names = cfg.audit.gathers
     with config.composed():
         gathers = config.build_gathers(None if names is None else list(names), overrides)
+    configcheck.check_audit_gathers(cfg, gathers)
     table = jobs.run_audit(cfg, out, gathers)
     report.write_audit(table, out)
     return table
@@ -66,8 +66,7 @@ def command_line(
         configcheck.check(cfg)
         table = run(cfg, overrides, out)
     except ConfigError as error:
-        print(f"gatherlab.{name}: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        cli.fail(name, error)
     print(markdown(table))
     print(f"written: {out}/{name}.{{csv,md,png,pdf}}")
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import pandas as pd
 
-from gatherlab import cli, config, gradients, runfiles
+from gatherlab import cli, config, gradients, runfiles, terms
 from gatherlab import gather as gathering
 from gatherlab.config import ConfigError
 from gatherlab.factory import LossFactory, locate
@@ -313,8 +313,8 @@ def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, .
     global batches of the check."""
     if optim not in OPTIMIZERS:
         raise CheckError(f"--optim {optim!r} is unknown; allowed: {', '.join(OPTIMIZERS)}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise CheckError(f"--steps {steps!r} is not allowed; allowed: an integer ≥ 0")
+    if not terms.is_integer(steps, 0):
+        raise CheckError(f"--steps {steps!r} is not allowed; allowed: {terms.allowed_integer(0)}")
     cfg, model, optimizer, dataset = _composed(optim)
     size = cfg.global_batch_size
     try:
@@ -357,7 +357,7 @@ def _run(
                 if steps
             }
         except RankError as error:
-            raise LossFailed(f"W={world_size}, {str(error).splitlines()[0]}") from None
+            raise LossFailed(f"W={world_size}, {cli.first_line(error)}") from None
         for name in losses:
             same, loss_diff = gradients.same_forward(measured[name].loss, references[name].loss)
             gradient, cosine, norm_ratio, max_rel_err = gradients.classify(
@@ -582,11 +582,11 @@ def check_training(
     try:  # one device, in this process: a training_step without a loss is found here
         references = {"baseline": trainingcheck.reference(setting, "baseline")}
     except Exception as error:
-        raise CheckError(f"--module {name} on one device: {config.first_line(error)}") from None
+        raise CheckError(f"--module {name} on one device: {cli.first_line(error)}") from None
     try:
         table = trainingcheck.check(setting, world_sizes, causes, references)
     except RankError as error:
-        raise LossFailed(str(error).splitlines()[0]) from None
+        raise LossFailed(cli.first_line(error)) from None
     blamed = table.loc[table["culprits"].str.contains(trainingcheck.LOSS), "world_size"]
     if loss_attr is not None and len(blamed):
         loss = usermodule.loss_of(setting.module, loss_attr)
@@ -723,8 +723,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 )
             exact, text = (table["verdict"] == "exact").all(), explain(table)
     except (CheckError, ConfigError) as error:
-        print(f"gatherlab.check: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        cli.fail("check", error)
     except LossFailed as error:
         failed = "a rank" if args.module is not None else "the loss"
         print(f"gatherlab.check: {failed} failed: {error}", file=sys.stderr)

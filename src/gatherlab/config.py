@@ -23,6 +23,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from gatherlab import cli
 from gatherlab import gather as gathering
 from gatherlab.factory import LossFactory, locate
 
@@ -50,17 +51,6 @@ ABLATE = {
 class ConfigError(ValueError):
     """A configuration value that cannot run; the message is one line that names the key, the
     value and what is allowed."""
-
-
-def first_line(error: BaseException) -> str:
-    """An error's message as one line: its first line, and its last where the first only leads
-    into the rest (ends with a colon)."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(error).__name__
-    if lines[0].endswith(":") and len(lines) > 1:
-        return f"{lines[0]} {lines[-1]}"
-    return lines[0]
 
 
 @contextmanager
@@ -107,7 +97,7 @@ def _one_line(error: HydraException) -> ConfigError:
     missing = getattr(error, "missing_cfg_file", None) or ""
     options = getattr(error, "options", None)
     if not isinstance(error, MissingConfigException) or "/" not in missing or not options:
-        return ConfigError(first_line(error))
+        return ConfigError(cli.first_line(error))
     group, _, value = missing.rpartition("/")
     return ConfigError(f"{group}={value!r} is unknown; allowed: {', '.join(sorted(options))}")
 
@@ -147,7 +137,7 @@ def instantiate(group: str, node: DictConfig | Mapping[str, Any], **arguments: A
     except InstantiationException as error:
         cause = error.__cause__ or error
         target = node.get("_target_", "?") if hasattr(node, "get") else "?"
-        raise ConfigError(f"{group} ({target}): {first_line(cause)}") from None
+        raise ConfigError(f"{group} ({target}): {cli.first_line(cause)}") from None
 
 
 def build_dataset(cfg: DictConfig) -> Any:
@@ -281,7 +271,7 @@ def group_options(group: str, overrides: Sequence[str] = ()) -> list[str]:
             overrides=list(overrides),
         )
     except HydraException as error:
-        raise ConfigError(first_line(error)) from None
+        raise ConfigError(cli.first_line(error)) from None
     return sorted(options)
 
 

@@ -1,7 +1,8 @@
 """The one check of a composed job config (layout × launcher × batch × data × precision × the
 objects it names), failing with one line that names the key, the value and what is allowed.
 
-It runs before any worker process starts, for every job of a command; what runs a job trusts it.
+It runs before any worker process starts, for every job of a command (an audit's gathers, once
+built, by ``check_audit_gathers``); what runs a job trusts it.
 Besides the values it builds the cheap objects of the job (data set, model, gather, loss, and the
 optimizer on a stand-in parameter), so that a constructor's refusal is one line too, and checks
 the data set and model contracts of docs/design.md §4; with ``module=external``, the user's
@@ -18,21 +19,23 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gatherlab import config
+from gatherlab import cli, config, gradients, terms
+from gatherlab import gather as gathering
 from gatherlab.config import ConfigError
 
-# Per accelerator, the precisions whose layouts gatherlab can judge (report.TOLERANCE): float64
+# Per accelerator, the precisions whose layouts gatherlab can judge (terms.TOLERANCE): float64
 # to ~1e-10, float32 to ~1e-5. Mixed precision rounds too coarsely to tell a bug from noise.
 PRECISIONS = {"cpu": ("32-true", "64-true"), "gpu": ("32-true", "64-true")}
 
 
-__all__ = ["ConfigError", "check", "check_command", "machine_warning"]
+__all__ = ["ConfigError", "check", "check_audit_gathers", "check_command", "machine_warning"]
 
 
 def _integer(key: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        allowed = "a positive integer" if minimum == 1 else f"an integer ≥ {minimum}"
-        raise ConfigError(f"{key}={value!r} is not allowed; allowed: {allowed}")
+    if not terms.is_integer(value, minimum):
+        raise ConfigError(
+            f"{key}={value!r} is not allowed; allowed: {terms.allowed_integer(minimum)}"
+        )
     return value
 
 
@@ -102,6 +105,31 @@ def check(cfg: Mapping[str, Any]) -> None:
         )
     if not config.is_external(cfg):
         _check_objects(cfg)
+    if "audit" in cfg:
+        _check_audit(cfg)
+
+
+def _check_audit(cfg: DictConfig) -> None:
+    """An audit's world sizes: real and simulated, each an integer ≥ 2 dividing the batch."""
+    for key in ("world_sizes", "simulated_world_sizes"):
+        for size in cfg.audit.get(key) or []:
+            if not terms.is_integer(size, 2) or cfg.global_batch_size % size:
+                raise ConfigError(
+                    f"audit.{key} holds {size!r}; allowed: integers ≥ 2 that divide "
+                    f"global_batch_size={cfg.global_batch_size}"
+                )
+
+
+def check_audit_gathers(cfg: DictConfig, gathers: Mapping[str, Any]) -> None:
+    """The gathers an audit measures (name → gather, built from ``audit.gathers``): with
+    simulated world sizes, each must name the backward rule the simulated world reproduces."""
+    unsimulatable = [name for name, gather in gathers.items() if gathering.rule(gather) is None]
+    if cfg.audit.get("simulated_world_sizes") and unsimulatable:
+        raise ConfigError(
+            f"audit.simulated_world_sizes: gather {unsimulatable[0]} names no backward rule to "
+            f"simulate; allowed: gathers whose backward rule is one of "
+            f"{', '.join(terms.Rule)} (docs/design.md §9), or no simulated world sizes"
+        )
 
 
 def _check_contrastive_only(cfg: DictConfig, removals: Mapping[str, bool]) -> None:
@@ -133,7 +161,7 @@ def _check_user_objects(cfg: DictConfig) -> int:
     try:
         module = factory()
     except Exception as error:  # the constructor's own refusal
-        raise ConfigError(f"module ({target}): {config.first_line(error)}") from None
+        raise ConfigError(f"module ({target}): {cli.first_line(error)}") from None
     try:
         usermodule.check_module(module, f"module ({target})")
     except ValueError as error:
@@ -149,11 +177,11 @@ def _check_user_objects(cfg: DictConfig) -> int:
     try:
         dataset = factory()
     except Exception as error:  # the constructor's own refusal
-        raise ConfigError(f"data.dataset ({data_target}): {config.first_line(error)}") from None
+        raise ConfigError(f"data.dataset ({data_target}): {cli.first_line(error)}") from None
     try:
         return usermodule.data_size(dataset, f"data.dataset ({data_target})")
     except ValueError as error:
-        raise ConfigError(config.first_line(error)) from None
+        raise ConfigError(cli.first_line(error)) from None
 
 
 def check_command(cfg: Mapping[str, Any], experiment: str | None, command: str) -> None:
@@ -210,12 +238,16 @@ def _check_objects(cfg: DictConfig) -> None:
     try:
         loss = factory()
     except Exception as error:  # the constructor's own refusal, e.g. temperature=0
-        raise ConfigError(f"loss ({cfg.loss._target_}): {config.first_line(error)}") from None
+        raise ConfigError(f"loss ({cfg.loss._target_}): {cli.first_line(error)}") from None
     if not isinstance(loss, torch.nn.Module):
         raise ConfigError(
             f"loss ({cfg.loss._target_}) built a {type(loss).__name__}; allowed: a "
             "torch.nn.Module whose forward(out0, out1) returns a scalar (docs/design.md §4)"
         )
+    try:
+        gradients.style(factory)  # the style a loss declares is one of docs/design.md §1
+    except ValueError as error:
+        raise ConfigError(f"loss ({cfg.loss._target_}): {error}") from None
     optimizer = config.build_optimizer(cfg)
     stand_in = torch.nn.Parameter(torch.zeros(1))
     try:

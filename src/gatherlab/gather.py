@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from gatherlab import simworld
+from gatherlab import simworld, terms
 
 __all__ = [
     "CLASSES",
@@ -64,11 +64,12 @@ GatherFn = Callable[[torch.Tensor], torch.Tensor]
 """A gather as a loss takes it: a function from the local (B, ...) tensor to the gathered
 (W·B, ...) tensor."""
 
-# The loss styles of docs/design.md §1 and the gradient classes a gather's backward can give.
-STYLES = ("local", "global", "mixed")
-"""The loss styles of docs/design.md §1, the keys of `Gather.predicted`."""
-CLASSES = ("exact", "1/W", "W", "biased", "none", "other")
-"""The gradient classes a gather's backward can give after DDP's average (docs/design.md §1)."""
+STYLES = tuple(terms.Style)
+"""The loss styles of docs/design.md §1 (`gatherlab.terms.Style`): the keys of
+`Gather.predicted`."""
+CLASSES = tuple(terms.GradientClass)
+"""The gradient classes a gather's backward can give after DDP's average (docs/design.md §1;
+`gatherlab.terms.GradientClass`)."""
 
 
 class Gather:
@@ -225,10 +226,10 @@ def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
     return gathered
 
 
-def _own_rows(gathered: torch.Tensor) -> slice:
-    """This rank's rows of a gathered tensor."""
-    rows = gathered.shape[0] // dist.get_world_size()
-    return slice(dist.get_rank() * rows, (dist.get_rank() + 1) * rows)
+def own_rows(total: int) -> slice:
+    """This rank's rows of a global batch or a gathered tensor of ``total`` rows (`rank` of
+    `world_size`: in the simulated world too)."""
+    return terms.rows_of(rank(), world_size(), total)
 
 
 # The two collectives that deliver Σ_r G_r[s] to rank s in ``fixed``'s backward. NCCL's
@@ -260,7 +261,7 @@ def _sum_over_ranks_of_own_slice(grad: torch.Tensor, collective: str | None = No
         return own
     summed = grad.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-    return summed[_own_rows(summed)]
+    return summed[own_rows(summed.shape[0])]
 
 
 class _FixedGather(torch.autograd.Function):
@@ -295,7 +296,7 @@ class _OldGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad[_own_rows(grad)]
+        return grad[own_rows(grad.shape[0])]
 
 
 class _AvgGather(torch.autograd.Function):
@@ -315,11 +316,12 @@ class _AvgGather(torch.autograd.Function):
         return _sum_over_ranks_of_own_slice(grad) / dist.get_world_size()
 
 
-EXACT = {"local": "exact", "global": "exact", "mixed": "exact"}
+_S, _C = terms.Style, terms.GradientClass
+EXACT = {_S.LOCAL: _C.EXACT, _S.GLOBAL: _C.EXACT, _S.MIXED: _C.EXACT}
 # The backward hands each slice its own loss's gradient only: a loss every rank computes in full
 # gets exactly 1/W of the gradient; a local or mixed loss loses the cross-rank terms.
-OWN_SLICE_ONLY = {"local": "biased", "global": "1/W", "mixed": "biased"}
-BIASED_EVERYWHERE = {"local": "biased", "global": "biased", "mixed": "biased"}
+OWN_SLICE_ONLY = {_S.LOCAL: _C.BIASED, _S.GLOBAL: _C.ONE_OVER_W, _S.MIXED: _C.BIASED}
+BIASED_EVERYWHERE = {_S.LOCAL: _C.BIASED, _S.GLOBAL: _C.BIASED, _S.MIXED: _C.BIASED}
 
 
 @register("fixed")
@@ -336,7 +338,7 @@ class Fixed(Gather):
     """
 
     predicted = EXACT
-    backward = "sum"
+    backward = terms.Rule.SUM
 
     def __init__(self, collective: str | None = None):
         if collective is not None and collective not in BACKWARD_COLLECTIVES:
@@ -364,7 +366,7 @@ class TorchNN(Gather):
     """``torch.distributed.nn.functional.all_gather``."""
 
     predicted = EXACT
-    backward = "sum"
+    backward = terms.Rule.SUM
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         from torch.distributed.nn.functional import all_gather
@@ -379,7 +381,7 @@ class Functional(Gather):
     whose backward torch itself uses for tensor-parallel code; measured here for that reason."""
 
     predicted = EXACT
-    backward = "sum"
+    backward = terms.Rule.SUM
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         from torch.distributed import _functional_collectives
@@ -396,7 +398,7 @@ class Lightning(Gather):
     is private to Lightning; it is called directly so that a loss needs no LightningModule."""
 
     predicted = EXACT
-    backward = "sum"
+    backward = terms.Rule.SUM
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
@@ -410,7 +412,7 @@ class Old(Gather):
     """lightly's GatherLayer before #1531: the own slice's gradient only."""
 
     predicted = OWN_SLICE_ONLY
-    backward = "own"
+    backward = terms.Rule.OWN
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return _OldGather.apply(tensor)
@@ -421,12 +423,12 @@ class NogradSwap(Gather):
     """A no-grad all_gather with the live local tensor put back in its slot (OpenCLIP's default)."""
 
     predicted = OWN_SLICE_ONLY
-    backward = "own"
+    backward = terms.Rule.OWN
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             gathered = _all_gather(tensor)
-        own = _own_rows(gathered)
+        own = own_rows(gathered.shape[0])
         return torch.cat([gathered[: own.start], tensor, gathered[own.stop :]], dim=0)
 
 
@@ -435,7 +437,7 @@ class Avg(Gather):
     """An all_reduce AVG of the slice gradients (DisCo-CLIP, Horovod ≥ 0.21)."""
 
     predicted = OWN_SLICE_ONLY
-    backward = "mean"
+    backward = terms.Rule.MEAN
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return _AvgGather.apply(tensor)
@@ -451,14 +453,14 @@ class Nograd(Gather):
     """
 
     predicted = BIASED_EVERYWHERE
-    backward = "none"
+    backward = terms.Rule.NONE
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return _all_gather(tensor)
 
 
-def rule(gather: GatherFn | None) -> str | None:
+def rule(gather: GatherFn | None) -> terms.Rule | None:
     """The rule a gather's backward obeys (``simworld.RULES``), from which the simulated world
     reproduces it; None for a gather that names none (it runs on real ranks only).
 
@@ -471,10 +473,10 @@ def rule(gather: GatherFn | None) -> str | None:
     Example:
         >>> from gatherlab.gather import get, rule
         >>> rule(get("old"))
-        'own'
+        <Rule.OWN: 'own'>
     """
     named = getattr(gather, "backward", None)
-    return named if named in simworld.RULES else None
+    return terms.Rule(named) if named in simworld.RULES else None
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,19 +29,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gatherlab import gather as gathering
-from gatherlab import simworld
+from gatherlab import simworld, terms
 from gatherlab.data import GlobalBatchSampler
 from gatherlab.factory import LossFactory
 from gatherlab.gather import CLASSES, GatherFn
 from gatherlab.pool import pool
+from gatherlab.terms import GradientClass, Style, World
 
 log = logging.getLogger(__name__)
 
-EXACT_RELATIVE_ERROR = 1e-10
+EXACT_RELATIVE_ERROR = terms.FLOAT64
 PARALLEL_COSINE = 1 - 1e-12
-NORM_RATIO_TOLERANCE = 1e-10
+NORM_RATIO_TOLERANCE = terms.FLOAT64
 # The global loss on W ranks against the 1-device loss: the same up to summation order.
-FORWARD_RELATIVE_TOLERANCE = 1e-10
+FORWARD_RELATIVE_TOLERANCE = terms.FLOAT64
 NO_PREDICTION = "no prediction"
 COLUMNS = (
     "gather", "loss", "style", "world_size", "world", "predicted", "measured", "cosine",
@@ -164,12 +165,6 @@ def measure(
     return Measured(loss_value, _flat_gradient(whole))
 
 
-def _rows(length: int) -> slice:
-    rank, world_size = gathering.rank(), gathering.world_size()
-    batch = length // world_size
-    return slice(rank * batch, (rank + 1) * batch)
-
-
 def _on_rank(
     cells: Mapping[Hashable, LossFactory],
     model_factory: ModelFactory,
@@ -179,7 +174,7 @@ def _on_rank(
 ) -> dict[Hashable, Measured]:
     """On every rank: its slice of the global batch; its local loss, and on rank 0 the gradient
     (after DDP's average it is the same on every rank)."""
-    rows = _rows(len(view0))
+    rows = gathering.own_rows(len(view0))
     measured = {}
     for cell, loss in cells.items():
         result = measure(loss, model_factory, view0[rows], view1[rows], seed, distributed=True)
@@ -241,7 +236,7 @@ def _train_on_rank(
     seed: int,
 ) -> tuple[list[float], torch.Tensor]:
     distributed = gathering.world_size() > 1
-    rows = _rows(len(batches[0][0])) if distributed else slice(None)
+    rows = gathering.own_rows(len(batches[0][0])) if distributed else slice(None)
     whole, wrapped = _build(loss, model_factory, seed, distributed)
     step = optimizer(whole.parameters())
     losses = []
@@ -293,7 +288,7 @@ def check_world_sizes(world_sizes: Sequence[int], global_batch_size: int, batch:
     """A ValueError of one line unless every world size is an integer ≥ 2 that divides the global
     batch (``batch`` names it in the message, e.g. "the global batch of 16")."""
     for world_size in world_sizes:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        if not terms.is_integer(world_size, 2):
             raise ValueError(f"world size {world_size!r} is not allowed; allowed: integers ≥ 2")
         if global_batch_size % world_size:
             raise ValueError(
@@ -320,29 +315,40 @@ def classify(
     reference_norm = float(torch.linalg.vector_norm(reference))
     norm = float(torch.linalg.vector_norm(gradient))
     if reference_norm == 0:  # no gradient on one device either: nothing to scale or point
-        return ("exact" if norm == 0 else "other"), float("nan"), float("nan"), float("nan")
+        measured = GradientClass.EXACT if norm == 0 else GradientClass.OTHER
+        return measured, float("nan"), float("nan"), float("nan")
     norm_ratio = norm / reference_norm
     cosine = float(gradient @ reference) / (norm * reference_norm) if norm > 0 else float("nan")
     max_rel_err = float((gradient - reference).abs().max() / reference.abs().max())
     if max_rel_err <= EXACT_RELATIVE_ERROR:
-        measured = "exact"
+        measured = GradientClass.EXACT
     elif norm == 0:
-        measured = "none"
+        measured = GradientClass.NONE
     elif cosine >= PARALLEL_COSINE and _near(norm_ratio, 1 / world_size):
-        measured = "1/W"
+        measured = GradientClass.ONE_OVER_W
     elif cosine >= PARALLEL_COSINE and _near(norm_ratio, world_size):
-        measured = "W"
+        measured = GradientClass.W
     elif cosine < PARALLEL_COSINE:
-        measured = "biased"
+        measured = GradientClass.BIASED
     else:
-        measured = "other"
+        measured = GradientClass.OTHER
     return measured, cosine, norm_ratio, max_rel_err
 
 
-def style(factory: LossFactory | Callable[..., nn.Module]) -> str | None:
-    """The loss style a loss class declares (``style``: local, global or mixed), if any."""
+def style(factory: LossFactory | Callable[..., nn.Module]) -> Style | None:
+    """The loss style a loss class declares (``style``: local, global or mixed), if any; a
+    ValueError of one line for another value."""
     target = getattr(factory, "factory", factory)
-    return getattr(target, "style", None)
+    declared = getattr(target, "style", None)
+    if declared is None or declared in STYLE_VALUES:
+        return None if declared is None else Style(declared)
+    raise ValueError(
+        f"{getattr(target, '__qualname__', target)} declares style={declared!r}; allowed: "
+        f"{', '.join(STYLE_VALUES)} (docs/design.md §1), or no style"
+    )
+
+
+STYLE_VALUES = tuple(Style)
 
 
 def predicted(gather: GatherFn, loss_style: str | None) -> str:
@@ -375,10 +381,11 @@ def audit(
         for name, loss in losses.items()
     }
     rows = []
-    worlds = [(w, "real") for w in world_sizes] + [(w, "simulated") for w in simulated_world_sizes]
+    worlds = [(w, World.REAL) for w in world_sizes]
+    worlds += [(w, World.SIMULATED) for w in simulated_world_sizes]
     for world_size, world in worlds:
         log.info("auditing %d cells on %d %s ranks", len(cells), world_size, world)
-        simulated = world == "simulated"
+        simulated = world == World.SIMULATED
         measured = measure_on_ranks(cells, model_factory, view0, view1, world_size, seed, simulated)
         for gather, name in cells:
             gradient_class, cosine, norm_ratio, max_rel_err = classify(

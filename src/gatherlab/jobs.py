@@ -1,6 +1,7 @@
 """Running one job of a checked config: a training run (``run``) or a gradient audit
-(``run_audit``). The config was checked by ``configcheck`` before any job started; nothing here
-checks it again.
+(``run_audit``). The config (and an audit's gathers) was checked by ``configcheck`` before any
+job started; nothing here checks it again, but what only running finds out (a directory that
+already holds a run, a rank that fails).
 
 A training run builds data, model, gather, loss and optimizer from the config (``config``), trains
 on the layout's ranks (``launch``), and writes its run files (docs/design.md §5) into its
@@ -23,8 +24,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gatherlab import config, gradients, launch, runfiles, simworld, tracking, usermodule
-from gatherlab import gather as gathering
+from gatherlab import cli, config, gradients, launch, runfiles, tracking, usermodule
 from gatherlab.config import ConfigError
 from gatherlab.factory import LossFactory
 from gatherlab.module import ContrastiveModule, PairDataModule, ProgressLog, RunRecorder
@@ -119,7 +119,7 @@ def _train(
                 launcher=cfg.launcher.name,
             )
     except Exception as error:  # whatever stopped training: recorded as a failed run
-        message = one_line(error)
+        message = failure_line(error)
         if launch.is_rank_zero():
             failed_step = re.search(r"at step (\d+)", message)
             runfiles.write_summary(
@@ -195,9 +195,9 @@ def _fit_external(cfg: DictConfig, run_dir: Path, devices: int) -> None:
         pool(devices).run(usermodule.fit_on_rank, *arguments)
 
 
-def one_line(error: BaseException) -> str:
-    """The error as one line: its type and the first line of its message (a rank's error keeps
-    the rank's own type and message, without the traceback)."""
+def failure_line(error: BaseException) -> str:
+    """What stopped a run, as one line: a rank's error keeps the rank's own type and message
+    (without the traceback), any other error its type and first line (``cli.one_line``)."""
     text = [line for line in str(error).strip().splitlines() if line.strip()]
     if isinstance(error, RankError):
         return text[0]
@@ -208,7 +208,7 @@ def one_line(error: BaseException) -> str:
             how = f"signal {signal}" if signal else f"code {error.exit_code}"
             return f"rank {rank}: process exited with {how}"
         return f"rank {rank}: {text[-1] if text else type(error).__name__}"  # its last line
-    return f"{type(error).__name__}: {text[0] if text else ''}"
+    return cli.one_line(error)
 
 
 def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, precision: str) -> dict[str, float]:
@@ -257,31 +257,12 @@ def run_audit(
     inputs: AuditInputs | None = None,
 ) -> pd.DataFrame:
     """The audit a checked ``experiment=gather_audit`` config describes, for ``gathers`` (name →
-    gather), on ``inputs`` (built from the config when not given); writes ``audit.csv`` into
-    ``out`` and returns the table."""
+    gather, checked with it: ``configcheck.check_audit_gathers``), on ``inputs`` (built from the
+    config when not given); writes ``audit.csv`` into ``out`` and returns the table."""
     out = Path(out)
     if (out / runfiles.AUDIT).exists():
         raise ConfigError(f"{out} already holds an audit; it is never overwritten")
-    for key in ("world_sizes", "simulated_world_sizes"):
-        for size in cfg.audit.get(key) or []:
-            if (
-                isinstance(size, bool)
-                or not isinstance(size, int)
-                or size < 2
-                or (cfg.global_batch_size % size)
-            ):
-                raise ConfigError(
-                    f"audit.{key} holds {size!r}; allowed: integers ≥ 2 that divide "
-                    f"global_batch_size={cfg.global_batch_size}"
-                )
     simulated_world_sizes = list(cfg.audit.get("simulated_world_sizes") or [])
-    unsimulatable = [name for name, gather in gathers.items() if gathering.rule(gather) is None]
-    if simulated_world_sizes and unsimulatable:
-        raise ConfigError(
-            f"audit.simulated_world_sizes: gather {unsimulatable[0]} names no backward rule to "
-            f"simulate; allowed: gathers whose backward rule is one of "
-            f"{', '.join(simworld.RULES)} (docs/design.md §9), or no simulated world sizes"
-        )
     if inputs is None:
         inputs = audit_inputs(cfg)
     table = gradients.audit(

@@ -14,21 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from gatherlab import plotting, results, runfiles
+from gatherlab import cli, plotting, results, runfiles, terms
 from gatherlab.gather import CLASSES
 
 log = logging.getLogger(__name__)
 
-# Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
-# Over tens of steps that stays within ~1e-13 in float64 and ~1e-6 in float32; the bounds leave
-# room above that and stay far below what a wrong gradient produces (≥ 1e-6 after one step here).
-TOLERANCE = {"64-true": 1e-10, "32-true": 1e-5}
 # What may differ between a run and its reference: the split over devices, how its ranks were
 # started, the gather, and how the run is logged.
 SPLIT_KEYS = ("gather", "layout", "launcher", "logger", "log_every")
@@ -79,7 +74,7 @@ def _read_run_files(run_dir: str) -> tuple[pd.DataFrame, dict] | str:
         curves = results.load_curves(run_dir)
         state = results.load_final_state(run_dir)
     except Exception as error:  # a missing or corrupt file: reported for this run only
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return cli.one_line(error)
     if curves.empty or not curves["loss"].notna().all():
         return f"{runfiles.CURVES}: no steps or a missing loss"
     return curves, state
@@ -133,7 +128,7 @@ def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.
             loss = run_curves["loss"].to_numpy()
             loss_diff = float(abs(loss - reference_curves["loss"].to_numpy()).max())
             param_diff = _max_param_diff(state, reference_state)
-            tolerance = TOLERANCE[run["precision"]]
+            tolerance = terms.TOLERANCE[run["precision"]]
             table.loc[index, "max_abs_loss_diff"] = loss_diff
             table.loc[index, "max_abs_param_diff"] = param_diff
             if run["run_dir"] == reference["run_dir"]:
@@ -187,7 +182,7 @@ def write_report(sweep_dir: str | Path) -> pd.DataFrame:
 
 def common_tolerance(table: pd.DataFrame) -> float | None:
     """The match tolerance of the table's runs, None when they mix precisions."""
-    tolerances = {TOLERANCE[p] for p in table["precision"].dropna()}
+    tolerances = {terms.TOLERANCE[p] for p in table["precision"].dropna()}
     return tolerances.pop() if len(tolerances) == 1 else None
 
 
@@ -391,8 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         table = write_report(args.sweep_dir)
     except FileNotFoundError as error:
-        print(f"gatherlab.report: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        cli.fail("report", error)
     print(verdict(table))
     print(f"figure: {args.sweep_dir / FIGURE}.png")
     if (args.sweep_dir / f"{MATRIX}.png").exists():

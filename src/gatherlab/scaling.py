@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig
 
-from gatherlab import audit, config, gradients, jobs, plotting, report, runfiles
+from gatherlab import audit, config, configcheck, gradients, jobs, plotting, report, runfiles
 from gatherlab import gather as gathering
 from gatherlab.factory import LossFactory
 
@@ -126,6 +126,7 @@ def run(cfg: DictConfig, overrides: Sequence[str], out: Path) -> pd.DataFrame:
     names = cfg.audit.gathers
     with config.composed():
         gathers = config.build_gathers(None if names is None else list(names), overrides)
+    configcheck.check_audit_gathers(cfg, gathers)
     inputs = jobs.audit_inputs(cfg)
     audit = jobs.run_audit(cfg, out, gathers, inputs)
     table = predict(audit, inputs, gathers, cfg.seed)

@@ -32,10 +32,13 @@ from typing import Any
 
 import torch
 
+from gatherlab import terms
+
 __all__ = ["RULES", "WorldBroken", "average", "gather", "rank", "run", "size"]
 
-RULES = ("sum", "own", "mean", "none")
-"""The backward rules a simulated gather obeys (see above; `gatherlab.gather.Gather.backward`)."""
+RULES = tuple(terms.Rule)
+"""The backward rules a simulated gather obeys (see above; `gatherlab.terms.Rule`,
+`gatherlab.gather.Gather.backward`)."""
 
 
 class WorldBroken(RuntimeError):
@@ -208,8 +211,7 @@ def _exchange(value: Any, combine: Callable[[list[Any]], Any]) -> Any:
 
 def _own_rows(total: int) -> slice:
     world, this_rank = _current()
-    rows = total // world.size
-    return slice(this_rank * rows, (this_rank + 1) * rows)
+    return terms.rows_of(this_rank, world.size, total)
 
 
 def _concatenate(values: list[torch.Tensor]) -> torch.Tensor:

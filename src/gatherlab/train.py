@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -65,12 +65,6 @@ def preflight(overrides: Sequence[str]) -> None:
     warn([cfg])
 
 
-def refuse(error: ConfigError) -> NoReturn:
-    """A bad value: one line, exit status 2."""
-    print(f"gatherlab.train: error: {error}", file=sys.stderr)
-    sys.exit(2)
-
-
 # The command running in this process: the sweeper (``check_sweep``) tells it how many jobs there
 # are. Hydra builds the sweeper from its config, so nothing can be handed to it but through here.
 _running: Command | None = None
@@ -81,11 +75,11 @@ def check_sweep(
 ) -> list[DictConfig]:
     """The check of a sweep, called by gatherlab's sweeper (conf/hydra/sweeper/gatherlab.yaml)
     with each job's overrides and Hydra's composition of one job: every job composed and
-    checked, or the command ends with one line (``refuse``); returns the configs."""
+    checked, or the command ends with one line (``cli.fail``); returns the configs."""
     try:
         configs = _checked_all(jobs, compose, meanwhile=_import_job_modules)
     except ConfigError as error:
-        refuse(error)
+        cli.fail("train", error)
     warn(configs)
     if _running is not None:
         _running.jobs_total = len(configs)
@@ -398,11 +392,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if command.jobs_total
             else "the run"
         )
-        print(
-            f"gatherlab.train: error: {jobs_failed} failed; first: {command.failures[0]}",
-            file=sys.stderr,
-        )
-        sys.exit(1)
+        cli.fail("train", f"{jobs_failed} failed; first: {command.failures[0]}", status=1)
 
 
 def _run(command: Command, argv: list[str], args: Any, resume: Path | None) -> None:
@@ -415,7 +405,7 @@ def _run(command: Command, argv: list[str], args: Any, resume: Path | None) -> N
                 preflight(args.overrides)
                 command.jobs_total = 1
         except ConfigError as error:
-            refuse(error)
+            cli.fail("train", error)
     if resume is not None:
         argv = [*argv, f"hydra.sweep.dir={resume.resolve()}"]
     _register_sweeper()

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from gatherlab import ablate, gradients, report, usermodule
+from gatherlab import ablate, gradients, terms, usermodule
 from gatherlab.factory import LossFactory
 from gatherlab.pool import pool
 
@@ -94,8 +94,9 @@ def validate(setting: Setting, world_sizes: Sequence[int]) -> tuple[str, ...]:
     for key, value, minimum in (
         ("--steps", setting.steps, 1), ("--global-batch-size", setting.global_batch_size, 1),
     ):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{key} {value!r} is not allowed; allowed: an integer ≥ {minimum}")
+        if not terms.is_integer(value, minimum):
+            allowed = terms.allowed_integer(minimum)
+            raise ValueError(f"{key} {value!r} is not allowed; allowed: {allowed}")
     try:
         module = setting.module()
     except Exception as error:
@@ -194,7 +195,7 @@ def check(
     """The check's table (``COLUMNS``): for every W its baseline row and, when that is not exact,
     a row per variant run; ``culprits`` on every row of a W. ``references`` holds the 1-device
     runs already made, by variant."""
-    tolerance = report.TOLERANCE[setting.precision]
+    tolerance = terms.TOLERANCE[setting.precision]
     references = dict(references or {})
     rows = []
 

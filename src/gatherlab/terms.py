@@ -1,0 +1,91 @@
+"""The terms every layer shares, each defined once: the closed vocabularies of docs/design.md, the
+tolerance of a match, which rows of the global batch a rank holds, and the rule of an integer
+option.
+
+A vocabulary is a ``StrEnum``: its members are the very strings the run files and tables hold
+(``GradientClass.EXACT == "exact"``, written as ``exact``), a typo is an error
+(``GradientClass("exakt")`` raises ``ValueError``), and the vocabulary is discoverable
+(``list(Style)``).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+__all__ = [
+    "FLOAT64",
+    "TOLERANCE",
+    "GradientClass",
+    "Rule",
+    "Style",
+    "World",
+    "allowed_integer",
+    "is_integer",
+    "rows_of",
+]
+
+
+class Style(StrEnum):
+    """How a loss splits over ranks (docs/design.md §1): each rank its own anchors against the
+    gathered batch (``local``), every rank the full loss (``global``), or both (``mixed``)."""
+
+    LOCAL = "local"
+    GLOBAL = "global"
+    MIXED = "mixed"
+
+
+class GradientClass(StrEnum):
+    """The parameter gradient after DDP's average against the 1-device gradient (docs/design.md
+    §1): the same, 1/W or W times it, another direction, zero, or none of these."""
+
+    EXACT = "exact"
+    ONE_OVER_W = "1/W"
+    W = "W"
+    BIASED = "biased"
+    NONE = "none"
+    OTHER = "other"
+
+
+class Rule(StrEnum):
+    """What a gather's backward hands each rank for its own slice (docs/design.md §1, §9): the
+    sum of every rank's slice gradient, its own rank's only, their mean, or nothing."""
+
+    SUM = "sum"
+    OWN = "own"
+    MEAN = "mean"
+    NONE = "none"
+
+
+class World(StrEnum):
+    """Where an audit cell was measured: on real gloo ranks or in the simulated world (§9)."""
+
+    REAL = "real"
+    SIMULATED = "simulated"
+
+
+# Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
+# Over tens of steps that stays within ~1e-13 in float64 and ~1e-6 in float32; the bounds leave
+# room above that and stay far below what a wrong gradient produces (≥ 1e-6 after one step here).
+FLOAT64 = 1e-10
+"""The float64 bound of docs/design.md §2: a loss, a gradient or a weight of W ranks against one
+device, relative or absolute as each comparison states."""
+TOLERANCE = {"64-true": FLOAT64, "32-true": 1e-5}
+"""Per precision, the largest |Δloss| and |Δparameter| of a run that matches its reference."""
+
+
+def rows_of(rank: int, world_size: int, total: int) -> slice:
+    """The rows of a global batch (or of a gathered tensor) of ``total`` rows that rank ``rank``
+    of ``world_size`` holds: the ``rank``-th of ``world_size`` equal, consecutive parts (§2)."""
+    rows = total // world_size
+    return slice(rank * rows, (rank + 1) * rows)
+
+
+def is_integer(value: Any, minimum: int) -> bool:
+    """Whether an option's value is an integer (``True`` is not) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def allowed_integer(minimum: int) -> str:
+    """What an integer option of at least ``minimum`` allows, as the error messages say it."""
+    return {0: "an integer ≥ 0", 1: "a positive integer"}.get(minimum, f"an integer ≥ {minimum}")
