@@ -57,7 +57,7 @@ def main() -> None:
     for name in (runfiles.COMPARISON, "comparison.png", "comparison.pdf"):
         (sweep / name).unlink(missing_ok=True)  # the sweep's own report, before the third run
     table = report.write_report(sweep)
-    print(report.verdict(table))
+    print(report.comparison_text(table))
 
     cpu4, nodes = sweep / "1", sweep / "two_nodes"
     summary = runfiles.read_summary(nodes)

@@ -89,7 +89,7 @@ def test_the_report_says_why_and_draws_only_readable_runs(sweep_runs):
     assert len(written) == 7 and {"verdict", "error", "status"} <= set(written.columns)
     assert set(written["verdict"]) == set(report.VERDICTS) - {"differs"}
     assert (root / "comparison.png").stat().st_size > 0
-    text = report.verdict(table.reset_index())
+    text = report.comparison_text(table.reset_index())
     # every rank's loss is NaN at step 1; whichever rank reports first names the failure
     assert re.search(r"failed: rank \d: NonFiniteLoss: the loss is nan at step 1", text)
 

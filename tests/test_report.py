@@ -33,7 +33,7 @@ def test_the_printed_comparison_names_every_key_the_sweep_varies():
         _run(2, gather="old", optim="sgd", layout="cpu2", verdict="differs"),
         _run(3, gather="old", optim="adam", layout="cpu2", verdict="differs"),
     ])  # fmt: skip
-    names = [line.split()[:4] for line in report.verdict(table).splitlines()[1:]]
+    names = [line.split()[:4] for line in report.comparison_text(table).splitlines()[1:]]
     assert names == [
         ["0:", "sgd", "old", "cpu1"],
         ["1:", "adam", "old", "cpu1"],

@@ -308,17 +308,23 @@ def _near(ratio: float, expected: float) -> bool:
     return abs(ratio / expected - 1) <= NORM_RATIO_TOLERANCE
 
 
+def cosine_and_norm_ratio(vector: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """The cosine of ``vector`` with a nonzero ``reference`` (NaN for a zero vector) and the
+    ratio of their norms."""
+    norm, reference_norm = torch.linalg.vector_norm(vector), torch.linalg.vector_norm(reference)
+    cosine = float(vector @ reference / (norm * reference_norm)) if norm > 0 else float("nan")
+    return cosine, float(norm / reference_norm)
+
+
 def classify(
     gradient: torch.Tensor, reference: torch.Tensor, world_size: int
 ) -> tuple[str, float, float, float]:
     """The class of ``gradient`` against ``reference``, with cosine, norm ratio, max rel. error."""
-    reference_norm = float(torch.linalg.vector_norm(reference))
-    norm = float(torch.linalg.vector_norm(gradient))
-    if reference_norm == 0:  # no gradient on one device either: nothing to scale or point
-        measured = GradientClass.EXACT if norm == 0 else GradientClass.OTHER
+    if float(torch.linalg.vector_norm(reference)) == 0:  # no gradient on one device either
+        measured = GradientClass.EXACT if gradient.abs().max() == 0 else GradientClass.OTHER
         return measured, float("nan"), float("nan"), float("nan")
-    norm_ratio = norm / reference_norm
-    cosine = float(gradient @ reference) / (norm * reference_norm) if norm > 0 else float("nan")
+    cosine, norm_ratio = cosine_and_norm_ratio(gradient, reference)
+    norm = float(torch.linalg.vector_norm(gradient))
     max_rel_err = float((gradient - reference).abs().max() / reference.abs().max())
     if max_rel_err <= EXACT_RELATIVE_ERROR:
         measured = GradientClass.EXACT

@@ -13,7 +13,6 @@ are built inside each rank instead (``usermodule.fit_on_rank``), with the same r
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,12 +70,44 @@ def _train(
     overrides: Sequence[str],
     group: str | None,
 ) -> dict[str, Any]:
-    nodes = cfg.layout.get("nodes", 1)
-    devices = cfg.layout.devices * nodes  # ranks in all
-    if config.is_external(cfg):  # a user's LightningModule: its own loss and optimizer
-        dataset = model = None
-        invariant = None
-    else:
+    """Build, train, and write the summary (rank 0): what ``run`` does in its directory."""
+    built = None if config.is_external(cfg) else _Built.of(cfg)
+    described = _described(cfg, choices, overrides, built)
+    start = time.perf_counter()
+    try:
+        _fit(cfg, run_dir, built)
+    except Exception as error:  # whatever stopped training: recorded as a failed run
+        message = failure_line(error)
+        if launch.is_rank_zero():  # the one writer of the run's files (under torchrun too)
+            runfiles.write_summary(
+                run_dir,
+                {
+                    **described,
+                    "status": "failed",
+                    "error": message,
+                    "failed_step": getattr(_rank_exception(error), "step", None),
+                    "wall_s": time.perf_counter() - start,
+                },
+            )
+        raise RunFailed(f"{run_dir}: {message}") from error
+    wall_s = time.perf_counter() - start
+    if not launch.is_rank_zero():
+        return {}  # under torchrun or SLURM every rank runs this; rank 0 writes the run
+    return _finished(cfg, run_dir, group, built, described, wall_s)
+
+
+@dataclass(frozen=True)
+class _Built:
+    """What gatherlab's own module trains (``module=contrastive``), built from the config."""
+
+    dataset: Any
+    model: torch.nn.Module
+    module: ContrastiveModule
+    datamodule: PairDataModule
+    layout_invariant: bool | None  # what the loss class predicts with an exact gather (§3)
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> _Built:
         dataset = config.build_dataset(cfg)
         model = config.build_model(cfg)
         loss = config.loss_factory(cfg)  # each rank builds the loss in its process group
@@ -86,10 +117,20 @@ def _train(
         datamodule = PairDataModule(
             dataset, cfg.global_batch_size, cfg.steps, seed=cfg.seed, shuffle=cfg.data.shuffle
         )
-        invariant = loss.declared("layout_invariant")
-    described = {
+        return cls(dataset, model, module, datamodule, loss.declared("layout_invariant"))
+
+
+def _described(
+    cfg: DictConfig,
+    choices: Mapping[str, str | None],
+    overrides: Sequence[str],
+    built: _Built | None,
+) -> dict[str, Any]:
+    """The summary's description of the run (docs/design.md §5), known before it trains."""
+    devices = _devices(cfg)
+    return {
         **{name: choices.get(name) for name in config.CHOICE_GROUPS},
-        **(_external_choices(cfg) if config.is_external(cfg) else {}),
+        **(_external_choices(cfg) if built is None else {}),
         "devices": devices,
         "batch_size": cfg.global_batch_size // devices,
         "global_batch_size": cfg.global_batch_size,
@@ -97,54 +138,53 @@ def _train(
         "precision": cfg.precision,
         "seed": cfg.seed,
         # what the loss class predicts with an exact gather (docs/design.md §3), for the report
-        "loss_layout_invariant": invariant,
+        "loss_layout_invariant": None if built is None else built.layout_invariant,
         "overrides": list(overrides),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "versions": runfiles.package_versions(),
     }
-    start = time.perf_counter()
-    try:
-        if config.is_external(cfg):
-            _fit_external(cfg, run_dir, devices)
-        else:
-            launch.fit(
-                module,
-                datamodule,
-                devices=cfg.layout.devices,
-                num_nodes=nodes,
-                precision=cfg.precision,
-                steps=cfg.steps,
-                callbacks=[RunRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
-                accelerator=cfg.layout.accelerator,
-                launcher=cfg.launcher.name,
-            )
-    except Exception as error:  # whatever stopped training: recorded as a failed run
-        message = failure_line(error)
-        if launch.is_rank_zero():
-            failed_step = re.search(r"at step (\d+)", message)
-            runfiles.write_summary(
-                run_dir,
-                {
-                    **described,
-                    "status": "failed",
-                    "error": message,
-                    "failed_step": int(failed_step.group(1)) if failed_step else None,
-                    "wall_s": time.perf_counter() - start,
-                },
-            )
-        raise RunFailed(f"{run_dir}: {message}") from error
-    wall_s = time.perf_counter() - start
-    if not launch.is_rank_zero():
-        return {}  # under torchrun or SLURM every rank runs this; rank 0 writes the run
 
+
+def _devices(cfg: DictConfig) -> int:
+    """The run's ranks in all, over its nodes."""
+    return cfg.layout.devices * cfg.layout.get("nodes", 1)
+
+
+def _fit(cfg: DictConfig, run_dir: Path, built: _Built | None) -> None:
+    """Train on the layout's ranks: gatherlab's module (``launch.fit``) or, with
+    ``module=external``, the user's (``_fit_external``)."""
+    if built is None:
+        _fit_external(cfg, run_dir, _devices(cfg))
+        return
+    launch.fit(
+        built.module,
+        built.datamodule,
+        devices=cfg.layout.devices,
+        num_nodes=cfg.layout.get("nodes", 1),
+        precision=cfg.precision,
+        steps=cfg.steps,
+        callbacks=[RunRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
+        accelerator=cfg.layout.accelerator,
+        launcher=cfg.launcher.name,
+    )
+
+
+def _finished(
+    cfg: DictConfig,
+    run_dir: Path,
+    group: str | None,
+    built: _Built | None,
+    described: dict[str, Any],
+    wall_s: float,
+) -> dict[str, Any]:
+    """Rank 0, after training: the summary (with the final loss and the data set's evaluation)
+    written, the run mirrored to wandb with ``logger=wandb``, one line logged."""
     curves = runfiles.read_curves(run_dir)
+    evaluation = {} if built is None else _evaluate(built.dataset, built.model, run_dir, cfg)
     summary = {
-        **described,
-        "status": "ok",
-        "final_loss": curves["loss"][-1],
-        "wall_s": wall_s,
-        **_evaluate(dataset, model, run_dir, cfg.precision),
-    }
+        **described, "status": "ok", "final_loss": curves["loss"][-1], "wall_s": wall_s,
+        **evaluation,
+    }  # fmt: skip
     runfiles.write_summary(run_dir, summary)
     if cfg.logger.name == "wandb":
         tracking.log_run(
@@ -160,9 +200,9 @@ def _train(
         "%s: %d steps on %d device(s), final loss %.10g, %.1f s",
         run_dir,
         cfg.steps,
-        devices,
+        summary["devices"],
         summary["final_loss"],
-        wall_s,
+        summary["wall_s"],
     )
     return summary
 
@@ -195,6 +235,14 @@ def _fit_external(cfg: DictConfig, run_dir: Path, devices: int) -> None:
         pool(devices).run(usermodule.fit_on_rank, *arguments)
 
 
+def _rank_exception(error: BaseException) -> BaseException | None:
+    """The exception a rank raised: the error itself in this process, the one the worker pool
+    sent back (``RankError.error``). A ``ddp_spawn`` rank's comes back as text only."""
+    if isinstance(error, RankError):
+        return error.error
+    return error
+
+
 def failure_line(error: BaseException) -> str:
     """What stopped a run, as one line: a rank's error keeps the rank's own type and message
     (without the traceback), any other error its type and first line (``cli.one_line``)."""
@@ -211,13 +259,13 @@ def failure_line(error: BaseException) -> str:
     return cli.one_line(error)
 
 
-def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, precision: str) -> dict[str, float]:
+def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, cfg: DictConfig) -> dict[str, float]:
     """The data set's evaluation of the trained model (``evaluate``), if it has one: the final
     weights are read back, so it sees what any launcher trained."""
     evaluate = getattr(dataset, "evaluate", None)
     if evaluate is None:
         return {}
-    model = model.to(torch.float64 if precision == "64-true" else torch.float32)
+    model = model.to(torch.float64 if cfg.precision == "64-true" else torch.float32)
     model.load_state_dict(runfiles.read_final_state(run_dir))
     return evaluate(model)
 

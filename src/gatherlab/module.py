@@ -22,7 +22,15 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(FloatingPointError):
-    """A NaN or infinite loss or gradient: the run stops at that step (the message names it)."""
+    """A NaN or infinite loss or gradient norm (``what``, ``value``): the run stops at ``step``
+    on ``rank``; the step is data (``summary.json``'s ``failed_step``), the message names it."""
+
+    def __init__(self, what: str, value: float, step: int, rank: int) -> None:
+        super().__init__(f"the {what} is {value} at step {step} (rank {rank})")
+        self.what, self.value, self.step, self.rank = what, value, step, rank
+
+    def __reduce__(self) -> tuple:  # sent from a rank to the command as it is (gatherlab.pool)
+        return type(self), (self.what, self.value, self.step, self.rank)
 
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -80,9 +88,7 @@ class ContrastiveModule(L.LightningModule):
         loss = self.loss(out0, out1)
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise NonFiniteLoss(
-                f"the loss is {value} at step {self.global_step} (rank {self.global_rank})"
-            )
+            raise NonFiniteLoss("loss", value, self.global_step, self.global_rank)
         self.history.append({"step": self.global_step, "local_loss": value})
         return loss
 
@@ -90,9 +96,7 @@ class ContrastiveModule(L.LightningModule):
         grads = [p.grad.reshape(-1) for p in self.parameters() if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.cat(grads)))
         if not math.isfinite(norm):
-            raise NonFiniteLoss(
-                f"the gradient norm is {norm} at step {self.global_step} (rank {self.global_rank})"
-            )
+            raise NonFiniteLoss("gradient norm", norm, self.global_step, self.global_rank)
         self.history[-1]["grad_norm"] = norm
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -44,7 +44,13 @@ POOL_START_TIMEOUT_S = 300.0
 
 
 class RankError(RuntimeError):
-    """A rank of a distributed job raised or died; the message names the rank and its error."""
+    """A rank of a distributed job raised or died; the message names the rank and its error, and
+    ``error`` is the rank's exception itself when it could be sent (None when the rank died, or
+    its exception does not pickle)."""
+
+    def __init__(self, message: str, error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 def _pool_worker(rank: int, world_size: int, store: str, connection: Connection) -> None:
@@ -91,7 +97,11 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
             connection.send(("ok", function(*args)))
         except BaseException as error:
             detail = "".join(traceback.format_exception(error)[-6:])
-            connection.send(("error", f"rank {rank}: {type(error).__name__}: {error}\n{detail}"))
+            message = f"rank {rank}: {type(error).__name__}: {error}\n{detail}"
+            try:
+                connection.send(("error", (message, error)))
+            except Exception:  # an exception that does not pickle: its message only
+                connection.send(("error", (message, None)))
     dist.destroy_process_group()
 
 
@@ -182,10 +192,10 @@ class WorkerPool:
                     try:
                         status, value = item.recv()
                     except (EOFError, ConnectionResetError):  # the process died
-                        status, value = "error", self._death(rank)
+                        status, value = "error", (self._death(rank), None)
                     if status == "error":
                         self._abandon()
-                        raise RankError(value)
+                        raise RankError(*value)
                     results[rank] = value
                 else:
                     rank = by_sentinel.pop(item)

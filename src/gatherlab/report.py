@@ -262,7 +262,7 @@ def _matrix_cell(value: float, match: bool, verdict: str | None) -> str:
     return verdict or ""  # a run without a number says why: failed, unreadable, not comparable
 
 
-def verdict(table: pd.DataFrame) -> str:
+def comparison_text(table: pd.DataFrame) -> str:
     """The comparison as a short text table: run, devices × batch, max |Δloss|, verdict (and,
     for a run that failed or could not be compared, why)."""
     extra = table.attrs.get("override_columns", [])
@@ -332,7 +332,7 @@ def audit_markdown(table: pd.DataFrame) -> str:
     return f"{intro}\n\n{runfiles.markdown_table(header, rows)}\n"
 
 
-def _cosine_and_ratio(row: pd.Series) -> str:
+def _cosine_and_ratio_cell(row: pd.Series) -> str:
     if pd.isna(row["cosine"]):
         return "none" if row["norm_ratio"] == 0 else "n/a"
     return f"{row['cosine']:.4g} / {row['norm_ratio']:.3g}"
@@ -352,9 +352,9 @@ def scaling_markdown(table: pd.DataFrame) -> str:
             at = cells[cells["world_size"] == size]
             simulated = at[at["world"] == "simulated"]
             if len(simulated):
-                row.append(_cosine_and_ratio(simulated.iloc[0]))
+                row.append(_cosine_and_ratio_cell(simulated.iloc[0]))
             elif len(at):
-                row.append(f"{_cosine_and_ratio(at.iloc[0])} r")
+                row.append(f"{_cosine_and_ratio_cell(at.iloc[0])} r")
             else:
                 row.append("")
         predicted = cells[cells["prediction"] != "none"]
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         table = write_report(args.sweep_dir)
     except FileNotFoundError as error:
         cli.fail("report", error)
-    print(verdict(table))
+    print(comparison_text(table))
     print(f"figure: {args.sweep_dir / FIGURE}.png")
     if (args.sweep_dir / f"{MATRIX}.png").exists():
         print(f"loss matrix: {args.sweep_dir / MATRIX}.png and .md")

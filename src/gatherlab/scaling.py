@@ -43,12 +43,6 @@ def _detached(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach()
 
 
-def _cosine_and_ratio(vector: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
-    norm, reference_norm = torch.linalg.vector_norm(vector), torch.linalg.vector_norm(reference)
-    cosine = float(vector @ reference / (norm * reference_norm)) if norm > 0 else float("nan")
-    return cosine, float(norm / reference_norm)
-
-
 class Predictor:
     """The predicted DDP gradient of each gather rule, loss style and W for one loss on one batch
     (the module docstring); ``own_sample`` is the own-rule gradient at W = N when known."""
@@ -106,9 +100,9 @@ def predict(
         for _, row in table[table["loss"] == name].iterrows():
             rule = gathering.rule(gathers.get(row["gather"]))
             vector, how = predictor.gradient(rule, int(row["world_size"]))
-            cosine, ratio = (
-                _cosine_and_ratio(vector, predictor.full) if vector is not None else (None, None)
-            )
+            cosine, ratio = (None, None)
+            if vector is not None:
+                cosine, ratio = gradients.cosine_and_norm_ratio(vector, predictor.full)
             rows.append(
                 {
                     **row,

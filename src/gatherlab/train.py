@@ -252,7 +252,7 @@ class ReportOnMultirunEnd(Callback):
         except FileNotFoundError as error:
             log.error("no report: %s", error)
             return
-        log.info("comparison of %d runs:\n%s", len(table), report.verdict(table))
+        log.info("comparison of %d runs:\n%s", len(table), report.comparison_text(table))
         log.info("figure: %s", sweep_dir / f"{report.FIGURE}.png")
         if (sweep_dir / f"{report.MATRIX}.png").exists():
             log.info("loss matrix: %s", sweep_dir / f"{report.MATRIX}.png")

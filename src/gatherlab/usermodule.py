@@ -200,19 +200,13 @@ class RunFilesRecorder(L.Callback):
         grads = [p.grad.reshape(-1) for p in pl_module.parameters() if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.cat(grads))) if grads else 0.0
         if not math.isfinite(norm):
-            raise NonFiniteLoss(
-                f"the gradient norm is {norm} at step {trainer.global_step} "
-                f"(rank {trainer.global_rank})"
-            )
+            raise NonFiniteLoss("gradient norm", norm, trainer.global_step, trainer.global_rank)
         self.history.append({"step": trainer.global_step, "grad_norm": norm})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         value = float(_loss_value(outputs).detach())
         if not math.isfinite(value):
-            raise NonFiniteLoss(
-                f"the loss is {value} at step {trainer.global_step - 1} "
-                f"(rank {trainer.global_rank})"
-            )
+            raise NonFiniteLoss("loss", value, trainer.global_step - 1, trainer.global_rank)
         self.history[-1]["local_loss"] = value
 
     def on_train_end(self, trainer, pl_module) -> None:
