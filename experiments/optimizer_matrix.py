@@ -34,6 +34,16 @@ def main() -> None:
     start = time.perf_counter()
     with config.composed():
         cfg, _ = config.compose(["experiment=optimizer_matrix"])
+    table, curves, worlds = measure(cfg, start)
+    publish(table, curves, worlds, cfg)
+    print(f"wall time {time.perf_counter() - start:.0f} s")
+
+
+def measure(cfg, start: float) -> tuple[pd.DataFrame, dict[str, list[float]], list]:
+    """Every optimizer × cell × world size trained against one device: the table, the |Δloss|
+    curves of the 1/W cell at the largest world, and the worlds. (Not the audit's inputs,
+    ``jobs.audit_inputs``: those are one batch of ``audit.losses``; these train ``steps``
+    batches of ``optimizer_matrix.losses``.)"""
     spec = cfg.optimizer_matrix
     model = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
     batches = gradients.global_batches(
@@ -66,7 +76,7 @@ def main() -> None:
                 rows.append({
                     "optimizer": optimizer_name, "cell": label, "gather": cell.gather,
                     "loss": cell.loss, "gradient": cell.measured, "world_size": world_size,
-                    "world": "simulated" if simulated else "real",
+                    "world": terms.World.SIMULATED if simulated else terms.World.REAL,
                     "ranks": f"{world_size} sim" if simulated else str(world_size),
                     "max_abs_loss_diff": max(differences),
                     "max_abs_param_diff": float(
@@ -77,7 +87,12 @@ def main() -> None:
                 if cell.measured == "1/W" and (world_size, simulated) == worlds[-1]:
                     curves[optimizer_name] = differences
         print(f"{optimizer_name}: done, {time.perf_counter() - start:.0f} s", flush=True)
-    table = pd.DataFrame(rows)
+    return pd.DataFrame(rows), curves, worlds
+
+
+def publish(table: pd.DataFrame, curves: dict[str, list[float]], worlds: list, cfg) -> None:
+    """figures/optimizer_matrix.{csv,md,png,pdf} and figures/optimizer_curves.{png,pdf}."""
+    spec = cfg.optimizer_matrix
     table.to_csv(FIGURES / "optimizer_matrix.csv", index=False, float_format="%.6g")
     batch = dict(zip(table["ranks"], table["world_size"], strict=True))
     diff = table.pivot_table(
@@ -111,7 +126,6 @@ def main() -> None:
         + "\n"
     )
     print((FIGURES / "optimizer_matrix.md").read_text())
-    print(f"wall time {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -202,3 +202,12 @@ def test_more_cpu_ranks_than_cores_is_a_warning_with_the_count():
     warning = configcheck.machine_warning(cfg)
     assert f"layout.devices={cores + 1} CPU ranks on {cores} core(s)" in warning
     assert configcheck.machine_warning(compose("layout=cpu1")[0]) is None
+
+
+def test_the_command_line_reads_hydras_flags_as_hydra_does():
+    # train._hydra_arguments calls Hydra's own parser (hydra._internal.utils.get_args_parser: no
+    # public API exposes it); a Hydra upgrade that renames or changes it fails here.
+    args = train._hydra_arguments(["-m", "--cfg", "job", "seed=1,2", "steps=3"])
+    assert (args.multirun, args.cfg, args.overrides) == (True, "job", ["seed=1,2", "steps=3"])
+    args = train._hydra_arguments(["seed=1"])
+    assert (args.multirun, args.cfg, args.help, args.overrides) == (False, None, False, ["seed=1"])

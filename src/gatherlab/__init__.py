@@ -20,3 +20,19 @@ The public Python API, documented here:
 
 # The modules of the API reference (``make docs``); nothing in the package star-imports them.
 __all__ = ["check", "gather", "results", "simworld", "testing"]
+
+# How the package is layered (docs/design.md §4; import-linter enforces it, pyproject.toml): each
+# module imports only from the layers below its own, so data flows one way.
+#
+#   entry points   train (+ hydra_plugins/gatherlab_sweeper), bench, testing, scaling
+#   commands       audit, check, trainingcheck
+#   reading        report; results, plotting
+#   running        jobs, configcheck, config, usermodule, launch, gradients, module, pool
+#   components     losses, models, data, factory, optimizers, ablate
+#   primitives     tracking, batchnorm, augment, gather, runfiles, simworld
+#   shared terms   forkstart, cli, terms
+#
+# One folder on purpose: the library other projects import (gather, check, testing, results,
+# simworld, losses) and the harness that runs this repository's experiments share the layers in
+# between (config, gradients, pool), and every ``python -m gatherlab.<name>`` and import path
+# is public; the layers, not folders, are what the contract checks.

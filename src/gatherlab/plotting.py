@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt  # headless: matplotlib picks Agg; notebooks: the inline backend
 import numpy as np
 import pandas as pd
+
+from gatherlab.terms import World
 
 GATHER_COLORS = {
     "fixed": "#1f77b4",
@@ -23,7 +25,7 @@ GATHER_COLORS = {
     "avg": "#e377c2",
 }
 # how a column of the simulated world (gatherlab.simworld) is labelled apart from real ranks
-SIMULATED_MARK = {"real": "", "simulated": " sim"}
+SIMULATED_MARK = {World.REAL: "", World.SIMULATED: " sim"}
 REFERENCE_STYLE = {"color": "black", "linestyle": (0, (4, 3)), "linewidth": 2.0, "zorder": 5}
 DEVICE_STYLES = {2: "-", 4: "-.", 8: ":"}
 PRECISION_NAMES = {"64-true": "float64", "32-true": "float32"}
@@ -344,85 +346,100 @@ def scaling_figure(table: pd.DataFrame) -> plt.Figure:
         if (cells["measured"] == "exact").all()
     ]
     drawn = table[~table["gather"].isin(exact)]
-    sizes = sorted(set(table["world_size"]))
     with plt.rc_context({**STYLE, "font.size": 7, "axes.titlesize": 7}):
         figure, axes = plt.subplots(
             len(losses), 2, figsize=(3.5, 0.5 + 1.55 * len(losses)), sharex=True, squeeze=False,
             layout="constrained",
         )  # fmt: skip
         for row, loss in enumerate(losses):
-            cells = drawn[drawn["loss"] == loss]
-            cosine_axis, ratio_axis = axes[row]
-            absent = []
-            # each drawn thinner than the one before: curves that coincide stay visible
-            for order, (gather, rows) in enumerate(cells.groupby("gather", sort=False)):
-                rows = rows.sort_values("world_size")
-                if (rows["norm_ratio"] == 0).all():
-                    absent.append(gather)
-                    continue
-                color = gather_color(gather)
-                simulated, real = rows[rows["world"] == "simulated"], rows[rows["world"] == "real"]
-                predicted = rows.drop_duplicates("world_size")
-                for axis, key in ((cosine_axis, "cosine"), (ratio_axis, "norm_ratio")):
-                    axis.plot(
-                        predicted["world_size"], predicted[f"predicted_{key}"], color="black",
-                        linestyle=(0, (2, 2)), linewidth=0.7, zorder=4,
-                    )  # fmt: skip
-                    axis.plot(
-                        simulated["world_size"], simulated[key], color=color, marker="o",
-                        markersize=3 - 0.5 * order, linewidth=2.6 - 0.8 * order,
-                        label=gather if row == 0 and key == "cosine" else None,
-                    )  # fmt: skip
-                    axis.plot(
-                        real["world_size"], real[key], linestyle="none", marker="s",
-                        markersize=6, markerfacecolor="none", markeredgecolor=color,
-                        markeredgewidth=1.0,
-                    )  # fmt: skip
             style = table[table["loss"] == loss]["style"].iloc[0]
-            cosine_axis.set_ylabel(f"{loss}\n({style} loss)")
-            if row == 0:
-                cosine_axis.set_title("cosine to the 1-device gradient")
-                ratio_axis.set_title("norm ratio ‖g‖ / ‖g₁‖")
-            if absent:
-                cosine_axis.text(
-                    0.03, 0.06, f"{', '.join(absent)}: no gradient at all", fontsize=6,
-                    transform=cosine_axis.transAxes, color="0.3",
-                )  # fmt: skip
-            ratio_axis.set_yscale("log")
-            low, high = ratio_axis.get_ylim()  # within a decade, log ticks would crowd
-            ratio_axis.yaxis.set_major_locator(
-                matplotlib.ticker.MaxNLocator(nbins=4)
-                if high < 10 * low
-                else matplotlib.ticker.LogLocator(subs=(1, 2, 5))
-            )
-            ratio_axis.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter("{:g}".format))
-            ratio_axis.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        for axis in axes[-1]:
-            axis.set_xscale("log", base=2)
-            axis.set_xticks([s for s in sizes if s in (2, 8, 32, 128, 512)] or sizes)
-            axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter("{:g}".format))
-            axis.xaxis.set_minor_locator(matplotlib.ticker.FixedLocator(sizes))
-            axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            axis.set_xlabel("world size W")
-        handles, labels = axes[0, 0].get_legend_handles_labels()
-        handles += [
-            matplotlib.lines.Line2D([], [], color="0.3", marker="o", markersize=3),
-            matplotlib.lines.Line2D(
-                [], [], color="0.3", linestyle="none", marker="s", markersize=6,
-                markerfacecolor="none",
-            ),
-            matplotlib.lines.Line2D([], [], color="black", linestyle=(0, (2, 2)), linewidth=0.7),
-        ]  # fmt: skip
-        labels += ["simulated", "real gloo ranks", "predicted"]
-        figure.legend(
-            handles, labels, loc="outside lower center", ncol=3, fontsize=6.5, handlelength=2.0,
-            columnspacing=1.0,
-        )  # fmt: skip
+            _scaling_row(*axes[row], drawn[drawn["loss"] == loss], f"{loss}\n({style} loss)", row)
+        _scaling_world_size_axes(axes[-1], sorted(set(table["world_size"])))
+        _scaling_legend(figure, axes[0, 0])
         title = "inexact gathers against W, float64"
         if exact:
             title += f" (exact at every W: {', '.join(exact)})"
         figure.suptitle(title, fontsize=7.5)
     return figure
+
+
+def _scaling_row(
+    cosine_axis: plt.Axes, ratio_axis: plt.Axes, cells: pd.DataFrame, label: str, row: int
+) -> None:
+    """One loss's panels of `scaling_figure`: each gather's cosine and norm ratio against W."""
+    absent = []
+    # each drawn thinner than the one before: curves that coincide stay visible
+    for order, (gather, rows) in enumerate(cells.groupby("gather", sort=False)):
+        rows = rows.sort_values("world_size")
+        if (rows["norm_ratio"] == 0).all():
+            absent.append(gather)
+            continue
+        color = gather_color(gather)
+        simulated = rows[rows["world"] == World.SIMULATED]
+        real = rows[rows["world"] == World.REAL]
+        predicted = rows.drop_duplicates("world_size")
+        for axis, key in ((cosine_axis, "cosine"), (ratio_axis, "norm_ratio")):
+            axis.plot(
+                predicted["world_size"], predicted[f"predicted_{key}"], color="black",
+                linestyle=(0, (2, 2)), linewidth=0.7, zorder=4,
+            )  # fmt: skip
+            axis.plot(
+                simulated["world_size"], simulated[key], color=color, marker="o",
+                markersize=3 - 0.5 * order, linewidth=2.6 - 0.8 * order,
+                label=gather if row == 0 and key == "cosine" else None,
+            )  # fmt: skip
+            axis.plot(
+                real["world_size"], real[key], linestyle="none", marker="s",
+                markersize=6, markerfacecolor="none", markeredgecolor=color,
+                markeredgewidth=1.0,
+            )  # fmt: skip
+    cosine_axis.set_ylabel(label)
+    if row == 0:
+        cosine_axis.set_title("cosine to the 1-device gradient")
+        ratio_axis.set_title("norm ratio ‖g‖ / ‖g₁‖")
+    if absent:
+        cosine_axis.text(
+            0.03, 0.06, f"{', '.join(absent)}: no gradient at all", fontsize=6,
+            transform=cosine_axis.transAxes, color="0.3",
+        )  # fmt: skip
+    ratio_axis.set_yscale("log")
+    low, high = ratio_axis.get_ylim()  # within a decade, log ticks would crowd
+    ratio_axis.yaxis.set_major_locator(
+        matplotlib.ticker.MaxNLocator(nbins=4)
+        if high < 10 * low
+        else matplotlib.ticker.LogLocator(subs=(1, 2, 5))
+    )
+    ratio_axis.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter("{:g}".format))
+    ratio_axis.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
+def _scaling_world_size_axes(bottom: Sequence[plt.Axes], sizes: list[int]) -> None:
+    """The shared W axis of `scaling_figure`, in powers of 2, on its bottom row."""
+    for axis in bottom:
+        axis.set_xscale("log", base=2)
+        axis.set_xticks([s for s in sizes if s in (2, 8, 32, 128, 512)] or sizes)
+        axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter("{:g}".format))
+        axis.xaxis.set_minor_locator(matplotlib.ticker.FixedLocator(sizes))
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        axis.set_xlabel("world size W")
+
+
+def _scaling_legend(figure: plt.Figure, first: plt.Axes) -> None:
+    """The gathers (from the first panel) and the three marks of `scaling_figure`."""
+    handles, labels = first.get_legend_handles_labels()
+    handles += [
+        matplotlib.lines.Line2D([], [], color="0.3", marker="o", markersize=3),
+        matplotlib.lines.Line2D(
+            [], [], color="0.3", linestyle="none", marker="s", markersize=6,
+            markerfacecolor="none",
+        ),
+        matplotlib.lines.Line2D([], [], color="black", linestyle=(0, (2, 2)), linewidth=0.7),
+    ]  # fmt: skip
+    labels += ["simulated", "real gloo ranks", "predicted"]
+    figure.legend(
+        handles, labels, loc="outside lower center", ncol=3, fontsize=6.5, handlelength=2.0,
+        columnspacing=1.0,
+    )  # fmt: skip
 
 
 VARIANT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
