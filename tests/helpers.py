@@ -65,6 +65,23 @@ def run_command(module: str, *args: str) -> Finished:
     return Finished(returncode, stdout.getvalue(), stderr.getvalue())
 
 
+def capture_figures(monkeypatch) -> dict[str, object]:
+    """Every figure that ``gatherlab.plotting.save`` writes from now on (still written), by the
+    name of its files without suffix: a test reads back what was drawn (a closed Figure keeps its
+    artists)."""
+    from gatherlab import plotting
+
+    figures: dict[str, object] = {}
+    save = plotting.save
+
+    def capturing(figure, path_without_suffix):
+        figures[Path(path_without_suffix).name] = figure
+        return save(figure, path_without_suffix)
+
+    monkeypatch.setattr(plotting, "save", capturing)
+    return figures
+
+
 def descendants() -> dict[int, str]:
     """The live processes this test process started, directly or not (pid → command line); not
     multiprocessing's own helpers (its resource tracker, and the fork server the worker pools are

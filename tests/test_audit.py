@@ -6,11 +6,14 @@ construction."""
 
 from __future__ import annotations
 
+import matplotlib
+import numpy as np
 import pytest
 import torch
-from helpers import compose
+from helpers import capture_figures, compose
 
 from gatherlab import audit, config, gather, gradients, jobs
+from gatherlab.plotting import CLASS_COLORS
 
 pytestmark = pytest.mark.slow
 
@@ -137,9 +140,10 @@ def test_the_simulated_world_has_the_real_ranks_gradient(measured, world_size):
         assert abs(a.loss - b.loss) <= SAME * abs(b.loss), cell
 
 
-def test_files_are_written(tmp_path):
+def test_files_are_written(tmp_path, monkeypatch):
     overrides = ["experiment=gather_audit", "audit.world_sizes=[2]", "audit.gathers=[fixed,nograd]"]
     cfg, _ = compose(*overrides)
+    figures = capture_figures(monkeypatch)
     table = audit.run(cfg, overrides, tmp_path)
     for name in ("audit.csv", "audit.md", "audit.png", "audit.pdf"):
         assert (tmp_path / name).stat().st_size > 0
@@ -148,6 +152,40 @@ def test_files_are_written(tmp_path):
     assert len(written) == 1 + len(table) == 1 + 2 * 3
     assert set(table["world"]) == {"real"}
     assert "⚠ none (predicted biased)" in (tmp_path / "audit.md").read_text()
+    losses = ["ntxent", "ntxent_global", "vicreg"]
+    _assert_audit_figure_draws(figures["audit"], ["fixed", "nograd"], losses)
+
+
+def _cell_of(patch) -> tuple[int, int]:
+    """The (row, column) of the heat-map cell a rectangle outlines."""
+    x, y = patch.get_x() + patch.get_width() / 2, patch.get_y() + patch.get_height() / 2
+    return round(y), round(x)
+
+
+def _assert_audit_figure_draws(figure, gathers: list[str], losses: list[str]) -> None:
+    """What the audit figure drew at W = 2, read back from its Figure: each cell's colour is the
+    colour of the class `EXPECTED` states for it, its text names that class, and only the one
+    contradiction (``nograd`` on the global loss) is outlined and names its prediction."""
+    axis = figure.axes[0]
+    [image] = axis.get_images()
+    assert [label.get_text() for label in axis.get_yticklabels()] == gathers
+    columns = [label.get_text().split("\n") for label in axis.get_xticklabels()]
+    assert [(column[0], column[2]) for column in columns] == [(loss, "W=2") for loss in losses]
+    colours = image.to_rgba(np.asarray(image.get_array()))
+    texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t for t in axis.texts}
+    texts = {cell: text.get_text() for cell, text in texts.items()}
+    outlined = {
+        _cell_of(patch)
+        for patch in axis.patches
+        if isinstance(patch, matplotlib.patches.Rectangle) and not patch.get_fill()
+    }
+    assert outlined == {(gathers.index("nograd"), losses.index("ntxent_global"))}
+    for row, name in enumerate(gathers):
+        for column, loss in enumerate(losses):
+            expected = EXPECTED[name][loss]
+            assert tuple(colours[row, column]) == matplotlib.colors.to_rgba(CLASS_COLORS[expected])
+            surprise = (row, column) in outlined
+            assert texts[row, column] == expected + ("\npredicted biased" if surprise else "")
 
 
 def _reference() -> torch.Tensor:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pandas as pd
 import pytest
-from helpers import run_command
+from helpers import capture_figures, run_command
 
-from gatherlab import report
+from gatherlab import report, runfiles
 
 
 def test_multirun_writes_runs_and_comparison(pr1531_sweep):
@@ -36,15 +37,44 @@ def test_multirun_writes_runs_and_comparison(pr1531_sweep):
         assert f"job {job}/4: experiment=lightly_pr1531 {overrides}" in output
 
 
-def test_the_report_command_rebuilds_the_same_table(pr1531_sweep, tmp_path):
+def test_the_report_command_rebuilds_the_same_table(pr1531_sweep, tmp_path, monkeypatch):
     sweep = tmp_path / "sweep"
     shutil.copytree(pr1531_sweep[0], sweep)
     table = pd.read_csv(sweep / report.COMPARISON)
     (sweep / report.COMPARISON).unlink()
+    figures = capture_figures(monkeypatch)
     rerun = run_command("report", str(sweep))
     assert rerun.returncode == 0, rerun.stderr
     assert "(reference)" in rerun.stdout
     assert pd.read_csv(sweep / report.COMPARISON).equals(table)
+    _assert_comparison_figure_draws_the_run_files(figures[report.FIGURE], sweep, table)
+
+
+def _assert_comparison_figure_draws_the_run_files(figure, sweep, table: pd.DataFrame) -> None:
+    """What the comparison figure drew, read back from its Figure: each 2-device run's loss curve
+    and the 1-device reference's are the losses of their curves.csv, and the |Δloss| panel is
+    |loss − reference loss| per step (0 at the floor 1e-18), with the float64 match tolerance."""
+    loss_axis, diff_axis = figure.axes  # one group of comparable runs: one row of two panels
+    reference_dir = table["reference"].dropna().unique()
+    assert len(reference_dir) == 1
+    reference = runfiles.read_curves(sweep / str(reference_dir[0]))
+    drawn = {line.get_label(): line for line in loss_axis.get_lines()}
+    differences = {line.get_label(): line for line in diff_axis.get_lines()}
+    compared = table[table["devices"] == 2]
+    reference_label = f"reference, 1 × {table['global_batch_size'].iloc[0]}"
+    labels = [f"{row.gather}, 2 × {row.batch_size}" for row in compared.itertuples()]
+    assert sorted(drawn) == sorted([*labels, reference_label])
+    assert list(drawn[reference_label].get_ydata()) == reference["loss"]
+    assert list(drawn[reference_label].get_xdata()) == reference["step"]
+    for label, row in zip(labels, compared.itertuples(), strict=True):
+        curves = runfiles.read_curves(sweep / str(row.run_dir))
+        assert list(drawn[label].get_ydata()) == curves["loss"]
+        assert list(drawn[label].get_xdata()) == curves["step"]
+        expected = np.maximum(np.abs(np.subtract(curves["loss"], reference["loss"])), 1e-18)
+        assert np.array_equal(differences[label].get_ydata(), expected)
+        assert (expected.max() > 1e-10) == (row.gather == "old")  # not vacuous: old differs
+    tolerance = [line for line in differences.values() if list(line.get_ydata()) == [1e-10] * 2]
+    assert len(tolerance) == 1  # the match tolerance of float64 runs, as a horizontal line
 
 
 def _one_error_line(result, expected: str) -> None:

@@ -1,5 +1,7 @@
 """Each gather on real 2- and 4-rank gloo groups: forward equals torch.cat of the ranks' tensors;
-the input gradients of the exact gathers equal the single-device gradients, ``old``'s do not.
+the input gradients of the exact gathers equal the single-device gradients, ``old``'s do not; on a
+linear loss every gather's per-rank gradient equals its closed form (docs/design.md §1's table);
+``old`` equals lightly's own GatherLayer before PR #1531 (tests/standins.py) bit for bit.
 The backward collectives a GPU runs (``fixed``'s and ``avg``'s reduce-scatter, torch's
 reduce-scatter under ``torch_nn`` and ``lightning``) on gloo at W = 2, 4, 8; the backend →
 collective choice; a bad ``collective=``. (The parameter-gradient class of every gather is the
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from standins import GatherLayerPre1531, Pre1531NTXent
 
 from gatherlab import gather
 from gatherlab import pool as pools
@@ -21,6 +24,17 @@ from gatherlab.losses import NTXentGlobalLoss, NTXentLoss
 BATCH, DIM = 3, 4
 # Float64 results that differ only in summation order agree to a few ulps (~1e-16 relative).
 EXACT = 1e-12
+# lightly's GatherLayer before PR #1531, verbatim (tests/standins.py), run beside the gathers.
+PRE1531 = "lightly_pre1531"
+
+
+def _lightly_pre1531(tensor: torch.Tensor) -> torch.Tensor:
+    """lightly's GatherLayer before PR #1531 as lightly's losses call it: the tuple concatenated."""
+    return torch.cat(GatherLayerPre1531.apply(tensor.contiguous()), dim=0)
+
+
+def _gathers_on_ranks() -> dict[str, gather.GatherFn]:
+    return {**{name: gather.get(name) for name in gather.NAMES}, PRE1531: _lightly_pre1531}
 
 
 def _global_batch(world_size: int, seed: int) -> torch.Tensor:
@@ -50,25 +64,30 @@ def _grad(x: torch.Tensor) -> torch.Tensor:
 
 
 def _per_rank_case(world_size: int) -> dict[str, dict[str, torch.Tensor]]:
-    """On every rank, for every gather: the gathered tensor and the local input gradients of a
-    linear local-loss (L_r = <c_r, Z>), NT-Xent (local) and NT-Xent (global)."""
+    """On every rank, for every gather (and lightly's pre-#1531 GatherLayer, `PRE1531`): the
+    gathered tensor and the local input gradients of a linear local-loss (L_r = <c_r, Z>),
+    NT-Xent (local) and NT-Xent (global); and lightly's own NT-Xent on its pre-#1531 layer."""
     rank = torch.distributed.get_rank()
     features0, features1 = _global_batch(world_size, 0), _global_batch(world_size, 1)
     weights = _linear_loss_weights(world_size)
     outcome = {}
-    for name in gather.NAMES:
-        gather_fn = gather.get(name)
+    for name, gather_fn in _gathers_on_ranks().items():
         x = _own_rows(features0, rank)
         gathered = gather_fn(x)
         _backward((weights[rank] * gathered).sum())
         result = {"gathered": gathered.detach(), "linear_grad": _grad(x)}
         for key, loss_class in (("ntxent", NTXentLoss), ("ntxent_global", NTXentGlobalLoss)):
             out0, out1 = _own_rows(features0, rank), _own_rows(features1, rank)
-            loss = loss_class(gather=name)(out0, out1)
+            loss = loss_class(gather=gather_fn)(out0, out1)
             _backward(loss)
             result[f"{key}_loss"] = loss.detach()
             result[f"{key}_grad"] = torch.cat([_grad(out0), _grad(out1)], dim=1)
         outcome[name] = result
+    out0, out1 = _own_rows(features0, rank), _own_rows(features1, rank)
+    loss = Pre1531NTXent(temperature=0.5)(out0, out1)  # lightly's NTXentLoss, its own code
+    loss.backward()
+    outcome[PRE1531]["lightly_ntxent_loss"] = loss.detach()
+    outcome[PRE1531]["lightly_ntxent_grad"] = torch.cat([out0.grad, out1.grad], dim=1)
     return outcome
 
 
@@ -92,6 +111,15 @@ def _single_device(world_size: int) -> dict[str, torch.Tensor]:
     return reference
 
 
+def _assert_relatively_equal(measured: torch.Tensor, expected: torch.Tensor) -> None:
+    """max |measured − expected| ≤ `EXACT` · max |expected|: equal up to the order of float64
+    sums, relative to the gradient's size (an absolute bound would be loose on small gradients)."""
+    scale = float(expected.abs().max())
+    assert scale > 0
+    difference = float((measured - expected).abs().max())
+    assert difference <= EXACT * scale, f"max |Δ| {difference:.3g} against max |g| {scale:.3g}"
+
+
 def _rank_grads(per_rank: list[dict], name: str, key: str) -> torch.Tensor:
     """The ranks' local gradients stacked in rank order, divided by W as DDP averages them."""
     return torch.cat([outcome[name][key] for outcome in per_rank]) / len(per_rank)
@@ -110,7 +138,7 @@ def test_forward_is_concatenation_in_rank_order(ranks, name):
 def test_exact_gathers_give_single_device_gradients(ranks, name, key):
     world_size, per_rank = ranks
     expected = _single_device(world_size)[key]
-    assert torch.allclose(_rank_grads(per_rank, name, key), expected, rtol=0, atol=EXACT)
+    _assert_relatively_equal(_rank_grads(per_rank, name, key), expected)
 
 
 def test_nograd_passes_no_gradient_through_the_gather(ranks):
@@ -147,6 +175,79 @@ def test_one_over_w_on_global_loss(ranks, name):
     measured = _rank_grads(per_rank, name, "ntxent_global_grad")
     assert torch.allclose(measured * world_size, expected, rtol=0, atol=EXACT)
     assert not torch.allclose(measured, expected, rtol=0, atol=1e-3)
+
+
+# The backward of each gather on the linear loss L_r = <C_r, Z>, whose gradient at the gathered
+# output of rank r is G_r = C_r: what rank s gets for its rows, b_s of docs/design.md §1's table
+# ("sum": Σ_r G_r[s], "own": G_s[s], "mean": (1/W) Σ_r G_r[s], "none": nothing). Stated here from
+# the table, not read from the gathers' declared ``backward``.
+BACKWARD_RULE = {
+    "fixed": "sum", "torch_nn": "sum", "functional": "sum", "lightning": "sum", "old": "own",
+    "nograd_swap": "own", "avg": "mean", "nograd": "none", PRE1531: "own",
+}  # fmt: skip
+
+
+def _closed_form(rule: str, weights: torch.Tensor, rank: int) -> torch.Tensor:
+    """b_s of ``rule`` on rank ``rank`` for the linear loss, from the C_r alone (plain torch)."""
+    world_size = weights.shape[0]
+    slices = weights[:, rank * BATCH : (rank + 1) * BATCH]  # C_r[s] for every r
+    return {
+        "sum": lambda: slices.sum(dim=0),
+        "own": lambda: slices[rank].clone(),
+        "mean": lambda: slices.sum(dim=0) / world_size,
+        "none": lambda: torch.zeros_like(slices[rank]),
+    }[rule]()
+
+
+# The entries of C_r are standard normal draws (|C| < 6 here); any order of summing W ≤ 8 of them in
+# float64 rounds by at most W · 6 · 2^-52 ≈ 1e-14, so 1e-12 absolute is a few ulps' room, ~1e9
+# below the smallest wrong answer (a dropped C_r[s], a factor W).
+SUMMATION_ORDER = 1e-12
+
+
+def _assert_closed_form(rule: str, measured: torch.Tensor, expected: torch.Tensor) -> None:
+    if rule in ("own", "none"):  # a copy of one slice, or nothing: no arithmetic, bit for bit
+        assert torch.equal(measured, expected)
+    else:
+        torch.testing.assert_close(measured, expected, rtol=0, atol=SUMMATION_ORDER)
+
+
+@pytest.mark.parametrize("name", [*gather.NAMES, PRE1531])
+def test_linear_loss_gradient_is_the_closed_form_of_each_backward(ranks, name):
+    """Per rank, not averaged: ``old`` and ``nograd_swap`` hand back C_s[s] only, ``avg`` the mean
+    Σ_r C_r[s] / W, ``nograd`` nothing, the exact gathers the sum Σ_r C_r[s]."""
+    world_size, per_rank = ranks
+    weights = _linear_loss_weights(world_size)
+    rule = BACKWARD_RULE[name]
+    for rank, outcome in enumerate(per_rank):
+        expected = _closed_form(rule, weights, rank)
+        _assert_closed_form(rule, outcome[name]["linear_grad"], expected)
+    assert BACKWARD_RULE.keys() == {*gather.NAMES, PRE1531}  # every built-in gather has its rule
+
+
+@pytest.mark.parametrize("key", ["linear_grad", "ntxent_grad", "ntxent_global_grad"])
+def test_old_is_lightly_s_gather_layer_before_pr1531_bit_for_bit(ranks, key):
+    """gatherlab's ``old`` against lightly's own pre-#1531 GatherLayer (tests/standins.py, its code
+    verbatim), in the same losses on the same real ranks: the same numbers, bit for bit (both
+    copy one slice of the same gradient)."""
+    _, per_rank = ranks
+    for outcome in per_rank:
+        assert torch.equal(outcome["old"][key], outcome[PRE1531][key])
+        assert torch.equal(outcome["old"]["gathered"], outcome[PRE1531]["gathered"])
+
+
+def test_old_gives_lightly_s_own_ntxent_before_pr1531(ranks):
+    """lightly's NT-Xent with its pre-#1531 GatherLayer, both as lightly wrote them, against
+    gatherlab's NT-Xent with ``old``: the same loss and local gradients per rank up to the order of
+    float64 sums (lightly drops the self-similarities, gatherlab masks them with -inf)."""
+    _, per_rank = ranks
+    for outcome in per_rank:
+        expected, lightly = outcome["old"], outcome[PRE1531]
+        scale = float(expected["ntxent_grad"].abs().max())
+        difference = float((lightly["lightly_ntxent_grad"] - expected["ntxent_grad"]).abs().max())
+        assert difference <= EXACT * scale
+        loss_difference = abs(float(lightly["lightly_ntxent_loss"] - expected["ntxent_loss"]))
+        assert loss_difference <= EXACT * abs(float(expected["ntxent_loss"]))
 
 
 def test_without_process_group_every_gather_is_the_identity():
@@ -273,9 +374,23 @@ def test_gloo_chooses_all_reduce_and_nccl_reduce_scatter_on_real_ranks(collectiv
 @pytest.mark.parametrize("name", EXACT_VARIANTS)
 @pytest.mark.parametrize("key", ["linear_grad", "ntxent_grad", "ntxent_global_grad"])
 def test_every_backward_collective_gives_single_device_gradients(collectives, name, key):
+    """``Fixed("reduce_scatter")`` (NCCL's, what every GPU user runs), ``Fixed("all_reduce")``
+    and the others against one device, to 1e-12 relative."""
     world_size, per_rank = collectives
     expected = _single_device(world_size)[key]
-    assert torch.allclose(_rank_grads(per_rank, name, key), expected, rtol=0, atol=EXACT)
+    _assert_relatively_equal(_rank_grads(per_rank, name, key), expected)
+
+
+@pytest.mark.parametrize("name", COLLECTIVE_VARIANTS)
+def test_every_backward_collective_gives_the_closed_form_on_each_rank(collectives, name):
+    """Per rank, on the linear loss: the sum Σ_r C_r[s] (``avg``: its mean), whichever collective
+    delivers it."""
+    world_size, per_rank = collectives
+    weights = _linear_loss_weights(world_size)
+    rule = "mean" if name.startswith("avg") else "sum"
+    for rank, outcome in enumerate(per_rank):
+        expected = _closed_form(rule, weights, rank)
+        _assert_closed_form(rule, outcome[name]["linear_grad"], expected)
 
 
 @pytest.mark.parametrize("key", ["linear_grad", "ntxent_grad", "ntxent_global_grad"])

@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import hydra.utils
+import numpy as np
 import pandas as pd
 import pytest
-from helpers import run_training
+from helpers import capture_figures, run_training
 from omegaconf import OmegaConf
 from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 
@@ -90,11 +91,12 @@ def test_old_on_two_ranks_breaks_every_loss(matrix_runs, loss):
     assert param_diff >= MISS_FACTOR * FLOAT64_BOUND
 
 
-def test_the_report_writes_the_matrix_as_measured(matrix_runs):
+def test_the_report_writes_the_matrix_as_measured(matrix_runs, monkeypatch):
     # the comparison and its matrix; the sweep report around them (with its comparison figure)
     # is tested on the sweeps of test_extend.py and test_cli.py
     runs = results.load_runs(matrix_runs)
     table, _ = report.compare(runs, matrix_runs)
+    figures = capture_figures(monkeypatch)
     report.write_loss_matrix(table, runs, matrix_runs)
     for name in ("loss_matrix.png", "loss_matrix.pdf", "loss_matrix.md"):
         assert (matrix_runs / name).stat().st_size > 0
@@ -108,10 +110,34 @@ def test_the_report_writes_the_matrix_as_measured(matrix_runs):
             assert diff.loc[loss, (gather, 2, 16)] == measured
         assert matches.loc[loss, ("fixed", 2, 16)] == PREDICTED_INVARIANT[loss]
         assert not matches.loc[loss, ("old", 2, 16)]
+    _assert_matrix_figure_draws(figures[report.MATRIX], matrix_runs, list(diff.index))
     markdown = (matrix_runs / "loss_matrix.md").read_text().splitlines()
     rows = {line.split("|")[1].strip(" `"): line for line in markdown if line.startswith("| `")}
     assert rows.keys() == PREDICTED_INVARIANT.keys()
     assert "| **not** invariant | ✗" in rows["dclw"] and "| invariant | ✓" in rows["vicreg"]
+
+
+def _assert_matrix_figure_draws(figure, root: Path, losses: list[str]) -> None:
+    """What the loss-matrix figure drew, read back from its Figure: the heat map's array is max
+    |Δloss| of each run's files against its loss's 1-device run (0 at the floor 1e-18), and each
+    cell's text is ✓ exactly where design.md §3 predicts invariance (never for ``old``)."""
+    axis = figure.axes[0]  # the matrix; the colour bar is the other
+    [image] = axis.get_images()
+    columns = ("fixed", "old")
+    assert [label.get_text() for label in axis.get_yticklabels()] == losses
+    assert [label.get_text() for label in axis.get_xticklabels()] == [
+        f"{gather}\n2 × 16" for gather in columns
+    ]
+    drawn = np.asarray(image.get_array())
+    texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t for t in axis.texts}
+    texts = {cell: text.get_text() for cell, text in texts.items()}
+    assert drawn.shape == (len(losses), len(columns)) and len(texts) == drawn.size
+    for row, loss in enumerate(losses):
+        for column, gather in enumerate(columns):
+            measured, _ = _differences(root / f"{loss}-{gather}-cpu2", root / f"{loss}-fixed-cpu1")
+            assert drawn[row, column] == max(measured, 1e-18)
+            match = gather == "fixed" and PREDICTED_INVARIANT[loss]
+            assert texts[row, column] == (f"✓ {measured:.0e}" if match else f"✗ {measured:.2g}")
 
 
 def test_every_loss_curve_is_finite_and_moves(matrix_runs):

@@ -119,7 +119,9 @@ def test_the_closed_form_predictions_hold_at_every_world_size(tmp_path, capsys):
     assert (exact[exact["norm_ratio"] == 0]["predicted_norm_ratio"] == 0).all()
     # not vacuous: the biased cells are far from the 1-device direction
     assert with_gradient["cosine"].min() < 0
-    # old on the local loss: an expectation, exact at W = N by construction, close elsewhere
+    # old on the local loss: an expectation, exact at W = N by construction (C_self is that very
+    # measurement); at W = 2, 4 it is checked against real ranks in
+    # test_old_on_the_local_loss_is_its_predicted_expectation_on_real_ranks
     expected = predicted[predicted["prediction"] == "expectation"]
     assert sorted(expected["world_size"]) == [2, 2, 4, 16]
     at_n = expected[expected["world_size"] == 16].iloc[0]
@@ -129,6 +131,76 @@ def test_the_closed_form_predictions_hold_at_every_world_size(tmp_path, capsys):
         scaling.main(["--out", str(tmp_path), *overrides])
     assert refused.value.code == 2
     assert "never overwritten" in capsys.readouterr().err
+
+
+# GF(4) = {0, 1, a, a + 1} as 0, 1, 2, 3: addition is XOR, a² = a + 1.
+GF4_TIMES = ((0, 0, 0, 0), (0, 1, 2, 3), (0, 2, 3, 1), (0, 3, 1, 2))
+
+
+def _balanced_partitions(world_size: int) -> list[torch.Tensor]:
+    """Partitions of 16 samples into W slices of B = 16/W, each as the slice of every sample, in
+    which every pair of samples shares a slice in the same fraction of the partitions: λ_W =
+    (B − 1)/(N − 1), the chance under a uniformly random partition. Averaged over them, anything
+    linear in "samples i and j share a slice" takes its expectation over random partitions.
+
+    W = 2: the 15 hyperplanes a·x = 0 of F₂⁴ (sample i's slice: the parity of a·i); a nonzero
+    difference i ⊕ j lies in 7 of them, 7/15 = λ_2. W = 4: the 5 parallel classes of the affine
+    plane over GF(4), the samples as points (u, v); slope m puts (u, v) in slice v + m·u, the
+    vertical class in slice u; two points share exactly one line, 1/5 = 3/15 = λ_4."""
+    samples = [(index >> 2, index & 3) for index in range(16)]
+    if world_size == 2:
+        slices = [[bin(a & index).count("1") % 2 for index in range(16)] for a in range(1, 16)]
+    else:
+        slices = [[v ^ GF4_TIMES[m][u] for u, v in samples] for m in range(4)]
+        slices.append([u for u, _ in samples])
+    return [torch.tensor(partition) for partition in slices]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_old_on_the_local_loss_is_its_predicted_expectation_on_real_ranks(
+    audit_setting, world_size
+):
+    """The one prediction of docs/design.md §9 that is an expectation (``old``, or any own-slice
+    gather, on a local loss: D + C_self + λ_W (C − C_self), with C_self measured in the simulated
+    world at W = N) against real gloo ranks, not the simulated world that supplies C_self: the
+    real ``old`` gradient averaged over a balanced set of partitions of the batch into slices is
+    the expectation exactly, so it must equal the prediction to the order of float64 sums. One
+    partition alone (the audit's) is off by far more."""
+    inputs, seed = audit_setting, 0
+    loss = inputs.losses["ntxent"]
+    assert gradients.style(loss) == "local"
+    old = {"old": loss.with_gather(gather.get("old"))}
+    batch = (inputs.model_factory, inputs.view0, inputs.view1)
+    predictor = scaling.Predictor(loss, inputs, seed)
+    samples = len(inputs.view0)
+    assert samples == 16
+    predictor.own_sample = gradients.measure_on_ranks(old, *batch, samples, seed, simulated=True)[
+        "old"
+    ].gradient
+    predicted, how = predictor.gradient("own", world_size)
+    assert how == "expectation"
+
+    partitions = _balanced_partitions(world_size)
+    together = sum((p[:, None] == p[None, :]).double() for p in partitions) / len(partitions)
+    off_diagonal = together[~torch.eye(samples, dtype=torch.bool)]
+    share = (samples // world_size - 1) / (samples - 1)
+    assert torch.allclose(off_diagonal, torch.full_like(off_diagonal, share), rtol=0, atol=1e-15)
+    measured = []
+    for partition in partitions:
+        assert torch.bincount(partition).tolist() == [samples // world_size] * world_size
+        order = torch.argsort(partition, stable=True)  # rank r holds the samples of slice r
+        view0, view1 = inputs.view0[order], inputs.view1[order]
+        on_ranks = gradients.measure_on_ranks(
+            old, inputs.model_factory, view0, view1, world_size, seed
+        )
+        measured.append(on_ranks["old"].gradient)
+    average = torch.stack(measured).mean(dim=0)
+
+    scale = float(predicted.abs().max())
+    assert float((average - predicted).abs().max()) <= SAME * scale
+    audited = gradients.measure_on_ranks(old, *batch, world_size, seed)["old"].gradient
+    assert float((audited - predicted).abs().max()) > 1e-6 * scale  # one partition: not it
+    assert float((predictor.full - predicted).abs().max()) > 1e-3 * scale  # not `fixed`'s
 
 
 def test_an_audit_refuses_unsimulatable_gathers_and_bad_sizes_in_the_check():
