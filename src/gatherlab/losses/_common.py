@@ -45,8 +45,10 @@ def local_offset(local: torch.Tensor, gathered: torch.Tensor) -> int:
     return gathering.rank() * local.shape[0] if gathered.shape[0] > local.shape[0] else 0
 
 
-def own_rows(first: int, rows: int, device: torch.device) -> torch.Tensor:
-    """Indices ``first .. first + rows - 1`` of this rank's samples in the gathered batch."""
+def own_columns(first: int, rows: int, device: torch.device) -> torch.Tensor:
+    """Indices ``first .. first + rows - 1`` of this rank's samples among the columns a loss
+    compares its rows with (the gathered batch, where ``first`` is ``local_offset``'s; which rows
+    a rank holds is ``gatherlab.terms.rows_of``): the positives' columns, as a tensor."""
     return first + torch.arange(rows, device=device)
 
 

@@ -15,7 +15,7 @@ from gatherlab.losses._common import (
     check_views,
     gather_views,
     local_offset,
-    own_rows,
+    own_columns,
 )
 
 # OpenCLIP clamps the learnt logit scale at 100 to keep training stable.
@@ -52,7 +52,7 @@ class CLIPLoss(nn.Module):
         check_views(out0, out1)
         out0, out1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
         columns0, columns1 = gather_views(self.gather, out0, out1)
-        targets = own_rows(local_offset(out0, columns0), out0.shape[0], out0.device)
+        targets = own_columns(local_offset(out0, columns0), out0.shape[0], out0.device)
         scale = self.logit_scale.clamp(max=math.log(MAX_LOGIT_SCALE)).exp()
         logits_01 = scale * out0 @ columns1.T
         logits_10 = scale * out1 @ columns0.T

@@ -13,7 +13,7 @@ from gatherlab.losses._common import (
     check_views,
     gather_views,
     local_offset,
-    own_rows,
+    own_columns,
 )
 
 
@@ -32,7 +32,7 @@ def dcl(
     [exp(s(z_i, z_k)/τ) + exp(s(z_i, z'_k)/τ)]: unlike NT-Xent, the positive is not in the
     denominator. View 1 likewise, with the views swapped; w_i = 1 unless ``positive_weights``.
     """
-    own_column = own_rows(first_row, rows0.shape[0], rows0.device)
+    own_column = own_columns(first_row, rows0.shape[0], rows0.device)
     is_self = F.one_hot(own_column, num_classes=columns0.shape[0]).bool()
     weights = 1.0 if positive_weights is None else positive_weights
 

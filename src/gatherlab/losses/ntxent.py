@@ -13,7 +13,7 @@ from gatherlab.losses._common import (
     check_views,
     gather_views,
     local_offset,
-    own_rows,
+    own_columns,
 )
 
 
@@ -32,7 +32,7 @@ def ntxent(
     positive at column ``first_row + i`` of view 1, and its negatives at every other column of both
     views except itself; likewise for view 1.
     """
-    own_column = own_rows(first_row, rows0.shape[0], rows0.device)
+    own_column = own_columns(first_row, rows0.shape[0], rows0.device)
     is_self = F.one_hot(own_column, num_classes=columns0.shape[0]).bool()
     logits_01 = rows0 @ columns1.T / temperature
     logits_10 = rows1 @ columns0.T / temperature
