@@ -182,8 +182,8 @@ DIAGNOSES["diverges"] = (
 def verdict(forward: str, gradient: str) -> str:
     """``exact`` when forward and gradient are; ``loss differs`` when the forward differs; else
     the gradient's class."""
-    if forward == "differs":
-        return "loss differs"
+    if forward == terms.Forward.DIFFERS:
+        return terms.LOSS_DIFFERS
     return gradient
 
 
@@ -363,7 +363,7 @@ def _run(
             gradient, cosine, norm_ratio, max_rel_err = gradients.classify(
                 measured[name].gradient, references[name].gradient, world_size
             )
-            forward = "same" if same else "differs"
+            forward = terms.Forward.SAME if same else terms.Forward.DIFFERS
             row = {
                 "loss": name,
                 "gather": gather_name,

@@ -21,6 +21,7 @@ import pandas as pd
 
 from gatherlab import cli, plotting, results, runfiles, terms
 from gatherlab.gather import CLASSES
+from gatherlab.terms import RunVerdict
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,8 @@ def _varying_overrides(runs: pd.DataFrame) -> pd.DataFrame:
     return values[keep]
 
 
-# What a run's row says of it (``verdict``); only "matches" and "reference" count as a match.
-VERDICTS = (
-    "reference", "matches", "differs", "no reference", "not comparable", "failed", "unreadable",
-)  # fmt: skip
+VERDICTS = tuple(RunVerdict)
+"""What a run's row says of it (``verdict``, `gatherlab.terms.RunVerdict`)."""
 
 
 def _read_run_files(run_dir: str) -> tuple[pd.DataFrame, dict] | str:
@@ -103,7 +102,7 @@ def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.
             continue
         found = _read_run_files(run["run_dir"])
         if isinstance(found, str):
-            table.loc[index, ["verdict", "error"]] = ["unreadable", found]
+            table.loc[index, ["verdict", "error"]] = [RunVerdict.UNREADABLE, found]
         else:
             files[run["run_dir"]] = found
     table["group"] = table["config"].map(_comparable).factorize()[0]
@@ -114,7 +113,7 @@ def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.
         usable = group[group["verdict"].isna()]
         candidates = usable[usable["devices"] == 1]
         if candidates.empty:
-            table.loc[usable.index, "verdict"] = "no reference"
+            table.loc[usable.index, "verdict"] = RunVerdict.NO_REFERENCE
             continue
         reference = candidates.iloc[0]
         reference_curves, reference_state = files[reference["run_dir"]]
@@ -123,7 +122,7 @@ def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.
             table.loc[index, "reference"] = reference["run_dir"]
             why = _not_comparable(run, run_curves, reference, reference_curves)
             if why is not None:
-                table.loc[index, ["verdict", "error"]] = ["not comparable", why]
+                table.loc[index, ["verdict", "error"]] = [RunVerdict.NOT_COMPARABLE, why]
                 continue
             loss = run_curves["loss"].to_numpy()
             loss_diff = float(abs(loss - reference_curves["loss"].to_numpy()).max())
@@ -132,16 +131,16 @@ def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.
             table.loc[index, "max_abs_loss_diff"] = loss_diff
             table.loc[index, "max_abs_param_diff"] = param_diff
             if run["run_dir"] == reference["run_dir"]:
-                verdict = "reference"
+                verdict = RunVerdict.REFERENCE
             elif param_diff != param_diff:  # NaN: the final weights have other names
-                verdict = "not comparable"
+                verdict = RunVerdict.NOT_COMPARABLE
                 table.loc[index, "error"] = "its final weights are not the reference's"
             elif loss_diff <= tolerance and param_diff <= tolerance:
-                verdict = "matches"
+                verdict = RunVerdict.MATCHES
             else:
-                verdict = "differs"
+                verdict = RunVerdict.DIFFERS
             table.loc[index, "verdict"] = verdict
-    table["matches_reference"] = table["verdict"].isin(["reference", "matches"])
+    table["matches_reference"] = table["verdict"].isin([RunVerdict.REFERENCE, RunVerdict.MATCHES])
     varying = _varying_overrides(table)
     table = pd.concat([table, varying], axis=1)
     for column in ("run_dir", "reference"):
@@ -280,7 +279,8 @@ def comparison_text(table: pd.DataFrame) -> str:
     outcomes = {"reference": "(reference)", "matches": "yes", "differs": "NO"}
     for name, (_, run) in zip(names, table.iterrows(), strict=True):
         outcome = outcomes.get(run["verdict"], run["verdict"])
-        if run["verdict"] in ("failed", "unreadable", "not comparable") and run["error"]:
+        failed = (RunVerdict.FAILED, RunVerdict.UNREADABLE, RunVerdict.NOT_COMPARABLE)
+        if run["verdict"] in failed and run["error"]:
             outcome = f"{outcome}: {run['error']}"
         devices = "?" if pd.isna(run["devices"]) else int(run["devices"])
         batch = "?" if pd.isna(run["batch_size"]) else int(run["batch_size"])

@@ -15,9 +15,12 @@ from typing import Any
 
 __all__ = [
     "FLOAT64",
+    "LOSS_DIFFERS",
     "TOLERANCE",
+    "Forward",
     "GradientClass",
     "Rule",
+    "RunVerdict",
     "Style",
     "World",
     "allowed_integer",
@@ -45,6 +48,31 @@ class GradientClass(StrEnum):
     BIASED = "biased"
     NONE = "none"
     OTHER = "other"
+
+
+LOSS_DIFFERS = "loss differs"
+"""A check's verdict at a world size is a `GradientClass`, or this when the global loss already
+differs from the 1-device loss (``gatherlab.check``)."""
+
+
+class Forward(StrEnum):
+    """A check's global loss on W ranks against the 1-device loss (to `FLOAT64`, relative)."""
+
+    SAME = "same"
+    DIFFERS = "differs"
+
+
+class RunVerdict(StrEnum):
+    """What the report says of a run of a sweep against its 1-device reference (docs/design.md
+    §5); only ``reference`` and ``matches`` count as a match."""
+
+    REFERENCE = "reference"
+    MATCHES = "matches"
+    DIFFERS = "differs"
+    NO_REFERENCE = "no reference"
+    NOT_COMPARABLE = "not comparable"
+    FAILED = "failed"
+    UNREADABLE = "unreadable"
 
 
 class Rule(StrEnum):

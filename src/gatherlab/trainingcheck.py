@@ -149,13 +149,13 @@ def _compare(run: _Run, reference: _Run, world_size: int, tolerance: float) -> d
     if first is None and parameters <= tolerance and gradient == "exact":
         verdict = "exact"
     elif not same:
-        verdict = "loss differs"
+        verdict = terms.LOSS_DIFFERS
     elif gradient != "exact":
         verdict = gradient
     else:  # the first step agrees, a later one does not
         verdict = "diverges"
     return {
-        "forward": "same" if same else "differs",
+        "forward": terms.Forward.SAME if same else terms.Forward.DIFFERS,
         "gradient": gradient,
         "verdict": verdict,
         "loss_diff": loss_diff,
