@@ -87,3 +87,49 @@ def test_pool_jobs_after_other_jobs_equal_fresh_spawn_runs_bit_for_bit(tmp_path)
         assert pooled_state.keys() == spawned_state.keys()
         for key in pooled_state:
             assert torch.equal(pooled_state[key], spawned_state[key]), (name, key)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # two fresh ranks import torch and Lightning: ~15 s idle, more on load
+def test_torchrun_ranks_write_the_run_once_and_equal_the_pooled_run(tmp_path):
+    """``launcher=external`` as the README starts it, through torchrun on gloo, 2 ranks here.
+    Fresh interpreters are the point: torchrun starts every rank as a new process that runs the
+    whole command (Hydra included) in one shared run directory, which the pools never do. Only
+    rank 0 writes the run files: one summary, one row per step; they equal the pooled run of the
+    same config bit for bit (the same global batches, the same summation order on gloo)."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    steps = 10
+    config = ("experiment=bug_demo", "layout=cpu2", f"steps={steps}")
+    pooled, external = tmp_path / "pool", tmp_path / "torchrun"
+    run_training(pooled, *config)
+    path = os.pathsep.join(
+        [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    )
+    started = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "gatherlab.train", *config, "launcher=external", f"hydra.run.dir={external}"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+        timeout=240,  # a hang fails here, with the ranks' output, not at the test's limit
+    )  # fmt: skip
+    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+
+    # no second copy, no failed summary; train.log is Hydra's log of the command
+    assert {p.name for p in external.iterdir()} == {
+        runfiles.CURVES, runfiles.FINAL_STATE, runfiles.SUMMARY, "train.log", ".hydra",
+    }  # fmt: skip
+    assert not (external / runfiles.LOCK).exists()
+    summary = runfiles.read_summary(external)
+    assert (summary["status"], summary["launcher"], summary["devices"]) == ("ok", "external", 2)
+    curves = runfiles.read_curves(external)
+    assert curves["step"] == list(range(steps))  # one row per step, written once
+    assert (external / runfiles.CURVES).read_bytes() == (pooled / runfiles.CURVES).read_bytes()
+    assert summary["final_loss"] == runfiles.read_summary(pooled)["final_loss"]
+    state, pooled_state = runfiles.read_final_state(external), runfiles.read_final_state(pooled)
+    assert state.keys() == pooled_state.keys()
+    for key in state:
+        assert torch.equal(state[key], pooled_state[key]), key
