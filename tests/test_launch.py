@@ -3,8 +3,6 @@ failing rank ends its job quickly with its message, and no worker outlives its p
 
 from __future__ import annotations
 
-import time
-
 import psutil
 import pytest
 import ranks
@@ -32,13 +30,15 @@ def test_pool_runs_functions_on_every_rank_of_one_group():
 def test_failing_rank_ends_the_job_quickly_and_the_pool_is_closed(function, message):
     broken = pools.WorkerPool(3)
     workers = [psutil.Process(pid) for pid in broken.pids]
-    start = time.monotonic()
+    # The wait itself is bounded far below the collective timeout that rank 0 sits in: a failure
+    # seen only through that timeout would end the wait with "no answer from every rank" instead
+    # of the failing rank's own message.
+    quickly = pools.COLLECTIVE_TIMEOUT.total_seconds() / 4
     with pytest.raises(pools.RankError, match=message):
-        broken.run(function)
-    # Far below the collective timeout that the waiting rank would otherwise sit in.
-    assert time.monotonic() - start < pools.COLLECTIVE_TIMEOUT.total_seconds() / 4
+        broken.run(function, timeout_s=quickly)
     assert not broken.alive
-    assert not any(worker.is_running() for worker in workers), "the failed pool's workers must go"
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, "the failed pool's workers must go"
 
 
 def test_a_failed_pool_is_started_again_on_next_use():
