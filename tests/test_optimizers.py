@@ -4,7 +4,6 @@ configured optimizer trains `fixed` on 2 ranks like one device."""
 
 from __future__ import annotations
 
-import pandas as pd
 import pytest
 import torch
 from test_training import FLOAT64_BOUND
@@ -47,21 +46,23 @@ def test_bad_arguments_are_refused_by_name(arguments):
 
 
 def test_fixed_on_two_ranks_matches_one_device_under_every_optimizer(tmp_path):
-    """Every configured optimizer other than plain SGD (which test_training.py trains), in one
-    in-process sweep: `fixed` on 2 ranks against each optimizer's own 1-device run, 5 steps in
-    float64, to the report's tolerance (docs/design.md §2 and §7: an exact gradient matches under
-    any optimizer)."""
-    from helpers import run_command
+    """Every configured optimizer other than plain SGD (which test_training.py trains): `fixed` on
+    2 ranks against each optimizer's own 1-device run, 5 steps in float64, to the report's
+    tolerance (docs/design.md §2 and §7: an exact gradient matches under any optimizer). The jobs
+    run on the warm pools and the report compares them, without a sweep's figures."""
+    from helpers import run_training
 
-    from gatherlab import report
+    from gatherlab import report, results
 
     optimizers = ["sgd_momentum", "adam", "adam_l2", "adamw", "lars"]
-    result = run_command(
-        "train", "-m", f"optim={','.join(optimizers)}", "layout=cpu1,cpu2", "gather=fixed",
-        "steps=5", "precision=64-true", "log_every=0", f"hydra.sweep.dir={tmp_path}",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    table = pd.read_csv(tmp_path / report.COMPARISON)
+    for number, (optim, layout) in enumerate(
+        (optim, layout) for optim in optimizers for layout in ("cpu1", "cpu2")
+    ):
+        run_training(
+            tmp_path / f"{number}-{optim}-{layout}", f"optim={optim}", f"layout={layout}",
+            "gather=fixed", "steps=5", "precision=64-true", "log_every=0",
+        )  # fmt: skip
+    table = report.compare(results.load_runs(tmp_path), tmp_path)[0]
     assert list(zip(table["optim"], table["devices"], strict=True)) == [
         (optim, devices) for optim in optimizers for devices in (1, 2)
     ]
