@@ -109,3 +109,27 @@ def test_bad_training_input_fails_in_one_line(tmp_path, args, expected, no_lefto
 
 def test_report_of_missing_sweep_fails_in_one_line(tmp_path):
     _one_error_line(run_command("report", str(tmp_path / "missing")), "does not exist")
+
+
+def test_log_every_prints_a_progress_line_every_n_steps_and_at_the_last(tmp_path):
+    """``log_every=N``: one line after every N-th optimizer step and one after the last (README);
+    its loss is that step's, as curves.csv has it (one device: the local loss is the global one).
+    ``log_every=0``: none."""
+    import re
+
+    from gatherlab import runfiles
+
+    printed = {}
+    for every in (2, 0):
+        run_dir = tmp_path / str(every)
+        result = run_command("train", "steps=5", f"log_every={every}", f"hydra.run.dir={run_dir}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        printed[every] = re.findall(
+            r"step (\d+)/5: local loss (\S+), ", result.stdout + result.stderr
+        )
+        assert "5 steps on 1 device(s), final loss" in result.stdout + result.stderr
+    assert [int(step) for step, _ in printed[2]] == [2, 4, 5]
+    curves = runfiles.read_curves(tmp_path / "2")
+    for step, loss in printed[2]:  # after step k (1-based) the loss of curves' row k - 1
+        assert float(loss) == float(f"{curves['loss'][int(step) - 1]:.6g}")
+    assert printed[0] == []

@@ -29,6 +29,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from helpers import REPO
+from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 
 from gatherlab import report, runfiles
 
@@ -77,11 +78,11 @@ if __name__ == "__main__":  # the pool's ranks import this file again: nothing e
     status, stderr = terminal("gatherlab.train", "-m", "optim.lr=0.1,-1", "layout=cpu2",
                               "hydra.sweep.dir=refused")
     print("bad value:", status, repr(stderr), flush=True)
-    # a sweep of 2 jobs: 2 ranks against their 1-device reference (first: the pool it starts
-    # preloads Lightning, which the checks' pool then reuses)
+    # a sweep of 4 jobs: old and fixed, 2 ranks against their 1-device reference (first: the
+    # pool it starts preloads Lightning, which the checks' pool then reuses)
     print("train:", python_m(
-        "gatherlab.train", "-m", "experiment=lightly_pr1531", "gather=fixed",
-        "layout=cpu1,cpu2", "steps=3", "hydra.sweep.dir=sweep",
+        "gatherlab.train", "-m", "experiment=lightly_pr1531", "gather=old,fixed",
+        "layout=cpu1,cpu2", "steps=3", "precision=64-true", "hydra.sweep.dir=sweep",
     ), flush=True)
     assert_layout_invariant(GatherLayerNTXent, world_sizes=(2,), temperature=0.2)
     print("check:", python_m(
@@ -175,10 +176,27 @@ def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
     assert list(pd.read_csv(elsewhere / "check" / runfiles.CHECK)["verdict"]) == ["exact"]
 
     assert "train: 0" in output
-    assert "job 2/2: experiment=lightly_pr1531 gather=fixed layout=cpu2 steps=3" in output
-    assert "comparison of 2 runs" in output
+    assert (
+        "job 4/4: experiment=lightly_pr1531 gather=fixed layout=cpu2 steps=3 precision=64-true"
+        in output
+    )
+    assert "comparison of 4 runs" in output
     sweep = elsewhere / "sweep"
     table = pd.read_csv(sweep / report.COMPARISON)
-    assert list(table["verdict"]) == ["reference", "matches"]
+    # every run is held against job 0 (old on one device: every gather is the identity there);
+    # the numbers are read from the run files, not taken from the report
+    assert list(zip(table["gather"], table["devices"], table["verdict"], strict=True)) == [
+        ("old", 1, "reference"), ("old", 2, "differs"), ("fixed", 1, "matches"),
+        ("fixed", 2, "matches"),
+    ]  # fmt: skip
+    for job, (loss_diff, param_diff) in {
+        job: _differences(sweep / str(job), sweep / "0") for job in (1, 2, 3)
+    }.items():
+        assert table.loc[job, "max_abs_loss_diff"] == loss_diff
+        assert table.loc[job, "max_abs_param_diff"] == param_diff
+        if job == 1:  # old on 2 ranks: the gradient is wrong from the first update
+            assert max(loss_diff, param_diff) >= MISS_FACTOR * FLOAT64_BOUND
+        else:
+            assert loss_diff <= FLOAT64_BOUND and param_diff <= FLOAT64_BOUND
     assert (sweep / "comparison.png").stat().st_size > 0
     assert (sweep / "0" / ".hydra" / "overrides.yaml").exists()

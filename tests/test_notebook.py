@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import nbformat
 import pytest
 from helpers import REPO
 from nbclient import NotebookClient
+from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 
 from gatherlab import results, runfiles
 
@@ -70,9 +72,28 @@ def _outputs(notebook, kind: str) -> list:
     ]
 
 
-def test_every_cell_runs_and_shows_the_verdict(executed):
+def test_every_cell_runs_and_shows_the_verdict(executed, root):
+    """The printed table, row by row, against the run files: the sweep is `old` and `fixed` on 1
+    and 2 ranks (float64); `old` on 2 ranks misses its reference, `fixed` matches to rounding."""
     printed = "".join(output["text"] for output in _outputs(executed, "stdout"))
-    assert "matches" in printed and "NO" in printed and "yes" in printed
+    assert "4 runs, 40 rows\n" in printed  # 4 runs of 10 steps
+    rows = {
+        int(run): (int(devices), int(batch), float(diff), outcome)
+        for run, devices, batch, diff, outcome in re.findall(
+            r"^(\d+): .*?\s(\d+) × (\d+)\s+(\S+)  (.+)$", printed, flags=re.MULTILINE
+        )
+    }
+    assert [(r, rows[r][0], rows[r][3]) for r in sorted(rows)] == [
+        (0, 1, "(reference)"), (1, 2, "NO"), (2, 1, "yes"), (3, 2, "yes"),
+    ]  # fmt: skip
+    sweep = root / "multirun" / "2026-01-02" / "00-00-00"
+    for run in (1, 2, 3):  # the printed max |Δloss| (3 digits) is the run files' own
+        loss_diff, param_diff = _differences(sweep / str(run), sweep / "0")
+        assert rows[run][2] == float(f"{loss_diff:.3g}"), (run, rows[run], loss_diff)
+        if rows[run][3] == "yes":
+            assert loss_diff <= FLOAT64_BOUND and param_diff <= FLOAT64_BOUND
+        else:
+            assert max(loss_diff, param_diff) >= MISS_FACTOR * FLOAT64_BOUND
 
 
 def test_the_figures_are_drawn(executed):

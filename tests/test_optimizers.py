@@ -1,10 +1,12 @@
 """LARS (gatherlab.optimizers): the trust ratio cancels a constant factor on the gradient, except
-against the weight decay added to it (docs/design.md §7); bad arguments are refused."""
+against the weight decay added to it (docs/design.md §7); bad arguments are refused. Every
+configured optimizer trains `fixed` on 2 ranks like one device."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_training import FLOAT64_BOUND
 
 from gatherlab.optimizers import LARS
 
@@ -41,3 +43,35 @@ def test_the_step_is_trust_ratio_times_learning_rate():
 def test_bad_arguments_are_refused_by_name(arguments):
     with pytest.raises(ValueError, match=next(reversed(arguments))):
         LARS([torch.nn.Parameter(torch.zeros(1))], **arguments)
+
+
+def test_fixed_on_two_ranks_matches_one_device_under_every_optimizer(tmp_path):
+    """Every configured optimizer other than plain SGD (which test_training.py trains): `fixed` on
+    2 ranks against each optimizer's own 1-device run, 5 steps in float64, to the report's
+    tolerance (docs/design.md §2 and §7: an exact gradient matches under any optimizer). The jobs
+    run on the warm pools and the report compares them, without a sweep's figures."""
+    from helpers import run_training
+
+    from gatherlab import report, results
+
+    optimizers = ["sgd_momentum", "adam", "adam_l2", "adamw", "lars"]
+    for number, (optim, layout) in enumerate(
+        (optim, layout) for optim in optimizers for layout in ("cpu1", "cpu2")
+    ):
+        run_training(
+            tmp_path / f"{number}-{optim}-{layout}", f"optim={optim}", f"layout={layout}",
+            "gather=fixed", "steps=5", "precision=64-true", "log_every=0",
+        )  # fmt: skip
+    table = report.compare(results.load_runs(tmp_path), tmp_path)[0]
+    assert list(zip(table["optim"], table["devices"], strict=True)) == [
+        (optim, devices) for optim in optimizers for devices in (1, 2)
+    ]
+    references = table[table["devices"] == 1].set_index("optim")
+    assert list(references["verdict"]) == ["reference"] * len(optimizers)
+    # each optimizer trains its own run: the final losses of the references all differ
+    assert references["final_loss"].nunique() == len(optimizers)
+    for row in table[table["devices"] == 2].itertuples():
+        assert row.verdict == "matches", row.optim
+        assert row.reference == references.loc[row.optim, "run_dir"]  # its own optimizer's
+        assert row.max_abs_loss_diff <= FLOAT64_BOUND, row.optim
+        assert row.max_abs_param_diff <= FLOAT64_BOUND, row.optim

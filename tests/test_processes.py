@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import psutil
 from helpers import REPO, descendants, run_training
@@ -20,7 +21,13 @@ def test_a_sweep_beside_the_tests_is_not_counted(tmp_path, no_leftover_processes
     )  # fmt: skip
     other = psutil.Process(int(started.stdout))
     try:
-        assert "gatherlab.train" in " ".join(other.cmdline())
+        # Until it has exec'd python, the child is a fork of the shell with the shell's command
+        # line (`sh -c ...`): its identity is read once that has changed (psutil reads the command
+        # line afresh each time; pytest-timeout bounds the wait)
+        while other.cmdline()[:2] == ["sh", "-c"]:
+            assert other.status() != psutil.STATUS_ZOMBIE, (tmp_path / "other.log").read_text()
+            time.sleep(0.01)
+        assert other.cmdline()[1:4] == ["-m", "gatherlab.train", "-m"], other.cmdline()
         assert other.pid not in descendants()
         run_training(tmp_path / "mine", "experiment=bug_demo", "layout=cpu2", "steps=3")
         assert other.is_running(), "the other sweep must still run while this test checks"

@@ -115,12 +115,10 @@ def test_failing_ranks_fail_their_jobs_and_the_sweep_goes_on(
     """Rank 1 raises, or its process is killed, at step 2: the job ends quickly with the rank's
     error, recorded as failed, and the sweep goes on with its next job (on a new pool)."""
     sweep, verdicts = FAILING_SWEEPS[launcher]
-    start = time.monotonic()
     result = run_command(
         "train", "-m", "loss._target_=faulty.RankFault", *sweep, "layout=cpu2",
         f"launcher={launcher}", "steps=4", f"hydra.sweep.dir={tmp_path}",
     )  # fmt: skip
-    elapsed = time.monotonic() - start
     assert result.returncode == 1, result.stderr[-2000:]
     failures = verdicts.count("failed")
     assert f"gatherlab.train: error: {failures} of {len(verdicts)} job(s) failed" in result.stderr
@@ -128,9 +126,11 @@ def test_failing_ranks_fail_their_jobs_and_the_sweep_goes_on(
     assert list(table["verdict"]) == verdicts
     for run_dir in table[table["verdict"] == "failed"]["run_dir"]:
         failed = runfiles.read_summary(tmp_path / str(run_dir))
-        # rank 1 breaks; rank 0, left in a collective, may report its broken connection first
+        # rank 1 breaks; rank 0, left in a collective, may report its broken connection first.
+        # The job ends on that failure, not on the 60 s collective timeout rank 0 would
+        # otherwise run into (gloo: "Timed out waiting ... for recv").
         assert re.match(r"rank [01]: ", failed["error"]), failed["error"]
-    assert elapsed < 60 * failures  # each failure far below the 60 s collective timeout
+        assert "timed out" not in failed["error"].lower(), failed["error"]
 
 
 def test_a_spawned_rank_that_raises_or_dies_is_reported_in_one_line():
