@@ -138,18 +138,19 @@ def _assert_matrix_figure_draws(figure, root: Path, losses: list[str]) -> None:
     cell's text is ✓ exactly where design.md §3 predicts invariance (never for ``old``)."""
     axis = figure.axes[0]  # the matrix; the colour bar is the other
     [image] = axis.get_images()
-    columns = ("fixed", "old")
+    columns = (("fixed", 2), ("fixed", 4), ("old", 2))  # gather, ranks (global batch 32)
     assert [label.get_text() for label in axis.get_yticklabels()] == losses
     assert [label.get_text() for label in axis.get_xticklabels()] == [
-        f"{gather}\n2 × 16" for gather in columns
+        f"{gather}\n{ranks} × {32 // ranks}" for gather, ranks in columns
     ]
     drawn = np.asarray(image.get_array())
     texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t for t in axis.texts}
     texts = {cell: text.get_text() for cell, text in texts.items()}
     assert drawn.shape == (len(losses), len(columns)) and len(texts) == drawn.size
     for row, loss in enumerate(losses):
-        for column, gather in enumerate(columns):
-            measured, _ = _differences(root / f"{loss}-{gather}-cpu2", root / f"{loss}-fixed-cpu1")
+        for column, (gather, ranks) in enumerate(columns):
+            run = root / f"{loss}-{gather}-cpu{ranks}"
+            measured, _ = _differences(run, root / f"{loss}-fixed-cpu1")
             assert drawn[row, column] == max(measured, 1e-18)
             match = gather == "fixed" and PREDICTED_INVARIANT[loss]
             assert texts[row, column] == (f"✓ {measured:.0e}" if match else f"✗ {measured:.2g}")
