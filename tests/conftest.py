@@ -66,9 +66,9 @@ def pr1531_sweep(tmp_path_factory, worker_id):
 # order they come; starting the longest first lets both processes finish together (30 s sooner than
 # file order, where a 50 s file could start last). Only the order depends on it, never a result.
 LONGEST_FILES = (
-    "test_reliability.py", "test_install.py", "test_extend.py", "test_check.py", "test_fuzz.py",
-    "test_launch.py", "test_loss_matrix.py", "test_tracking.py", "test_config.py", "test_audit.py",
-    "test_notebook.py",
+    "test_reliability.py", "test_install.py", "test_launch.py", "test_loss_matrix.py",
+    "test_extend.py", "test_fuzz.py", "test_config.py", "test_training_check.py", "test_gather.py",
+    "test_audit.py", "test_simworld.py", "test_check.py", "test_notebook.py",
 )  # fmt: skip
 
 
