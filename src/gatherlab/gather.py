@@ -53,6 +53,7 @@ __all__ = [
     "Old",
     "TorchNN",
     "get",
+    "own_rows",
     "rank",
     "register",
     "resolve",

@@ -346,15 +346,12 @@ def style(factory: LossFactory | Callable[..., nn.Module]) -> Style | None:
     ValueError of one line for another value."""
     target = getattr(factory, "factory", factory)
     declared = getattr(target, "style", None)
-    if declared is None or declared in STYLE_VALUES:
+    if declared is None or declared in gathering.STYLES:
         return None if declared is None else Style(declared)
     raise ValueError(
         f"{getattr(target, '__qualname__', target)} declares style={declared!r}; allowed: "
-        f"{', '.join(STYLE_VALUES)} (docs/design.md §1), or no style"
+        f"{', '.join(gathering.STYLES)} (docs/design.md §1), or no style"
     )
-
-
-STYLE_VALUES = tuple(Style)
 
 
 def predicted(gather: GatherFn, loss_style: str | None) -> str:

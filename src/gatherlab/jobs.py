@@ -180,7 +180,9 @@ def _finished(
     """Rank 0, after training: the summary (with the final loss and the data set's evaluation)
     written, the run mirrored to wandb with ``logger=wandb``, one line logged."""
     curves = runfiles.read_curves(run_dir)
-    evaluation = {} if built is None else _evaluate(built.dataset, built.model, run_dir, cfg)
+    evaluation = {}
+    if built is not None:
+        evaluation = _evaluate(built.dataset, built.model, run_dir, cfg.precision)
     summary = {
         **described, "status": "ok", "final_loss": curves["loss"][-1], "wall_s": wall_s,
         **evaluation,
@@ -259,13 +261,13 @@ def failure_line(error: BaseException) -> str:
     return cli.one_line(error)
 
 
-def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, cfg: DictConfig) -> dict[str, float]:
+def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, precision: str) -> dict[str, float]:
     """The data set's evaluation of the trained model (``evaluate``), if it has one: the final
     weights are read back, so it sees what any launcher trained."""
     evaluate = getattr(dataset, "evaluate", None)
     if evaluate is None:
         return {}
-    model = model.to(torch.float64 if cfg.precision == "64-true" else torch.float32)
+    model = model.to(torch.float64 if precision == "64-true" else torch.float32)
     model.load_state_dict(runfiles.read_final_state(run_dir))
     return evaluate(model)
 
