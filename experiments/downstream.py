@@ -26,7 +26,10 @@ import pandas as pd
 from _sweep import FIGURES, run_sweep
 from scipy import stats
 
-from gatherlab import config, plotting, results, runfiles
+from gatherlab import results
+from gatherlab.analysis import figures
+from gatherlab.components import config
+from gatherlab.core import runfiles
 
 SEEDS = range(5)
 
@@ -85,13 +88,13 @@ def main() -> None:
     table.to_csv(FIGURES / "downstream.csv", index=False, float_format="%.6g")
 
     # one paper column: the accuracies above, the paired differences of the 4-rank cells below
-    with plt.rc_context({**plotting.STYLE, "font.size": 7, "axes.titlesize": 7}):
+    with plt.rc_context({**figures.STYLE, "font.size": 7, "axes.titlesize": 7}):
         figure, (top, bottom) = plt.subplots(
             2, 1, figsize=(3.5, 4.3), layout="constrained", gridspec_kw={"height_ratios": [5, 3]}
         )
         distributed = []
         for y, (row, (_, gather, devices, _label)) in enumerate(zip(rows, cells, strict=True)):
-            color = "black" if devices == 1 else plotting.gather_color(gather)
+            color = "black" if devices == 1 else figures.gather_color(gather)
             accuracies = np.array(row["per_seed"].split(), dtype=float)
             top.scatter(accuracies, [y] * len(accuracies), color=color, alpha=0.5, s=9)
             top.errorbar(row["mean"], y, xerr=row["ci95"], fmt="o", color=color, capsize=3,
@@ -113,7 +116,7 @@ def main() -> None:
         bottom.set(xlabel="Δ accuracy vs 1 device, same seed",
                    title="paired difference, 95% interval")  # fmt: skip
         top.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.4, -0.2), ncol=2)
-    plotting.save(figure, FIGURES / "downstream")
+    figures.save(figure, FIGURES / "downstream")
     header = ["cell", "mean ± 95%", "paired difference ± 95%", "significant", "per seed"]
     body = [
         [row["cell"], f"{row['mean']:.4f} ± {row['ci95']:.4f}",

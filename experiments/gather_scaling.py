@@ -26,7 +26,9 @@ from datetime import datetime
 import pandas as pd
 from _sweep import FIGURES, REPO
 
-from gatherlab import plotting, report, runfiles
+from gatherlab import report
+from gatherlab.analysis import figures
+from gatherlab.core import runfiles
 
 LOCAL_AND_MIXED = ["~audit.losses.ntxent_global"]
 GLOBAL = ["~audit.losses.ntxent", "~audit.losses.vicreg"]
@@ -53,7 +55,7 @@ def scaling(name: str, *overrides: str) -> tuple[pd.DataFrame, float, float]:
 def main() -> None:
     if "--redraw" in sys.argv[1:]:
         table = pd.read_csv(FIGURES / "gather_scaling.csv")
-        plotting.save(plotting.scaling_figure(table), FIGURES / "gather_scaling")
+        figures.save(figures.scaling_figure(table), FIGURES / "gather_scaling")
         return
     start = time.perf_counter()
     # the cost cell first: the peak memory of children is a maximum, read while it grows
@@ -69,7 +71,7 @@ def main() -> None:
     )
     FIGURES.mkdir(exist_ok=True)
     runfiles.write_table(table, FIGURES / "gather_scaling.csv")
-    plotting.save(plotting.scaling_figure(table), FIGURES / "gather_scaling")
+    figures.save(figures.scaling_figure(table), FIGURES / "gather_scaling")
     cost = (
         f"\nCost of one audit cell at W = 1024 (`ntxent_global` × `old`, each of the 1024 "
         f"simulated ranks computing the whole 2048 × 2048 loss): {cell_s - baseline_s:.0f} s and "

@@ -3,9 +3,9 @@ optimizers?
 
 Composes ``experiment=optimizer_matrix`` and trains, for every optimizer × cell (a gather on a
 loss: exact, 1/W or biased per the audit) × W = 2, 4, 8 real gloo ranks and W = 32 simulated ranks
-(``gatherlab.simworld``, one sample each), the same 100 steps as one device (plain DDP, float64,
-``gatherlab.gradients.train``); records max |Δloss| over the steps and the final max |Δweight|.
-Writes ``figures/optimizer_matrix.{png,pdf,csv,md}`` (the matrix) and
+(``gatherlab.ranks.simworld``, one sample each), the same 100 steps as one device (plain DDP,
+float64, ``gatherlab.check.measure.train``); records max |Δloss| over the steps and the final max
+|Δweight|. Writes ``figures/optimizer_matrix.{png,pdf,csv,md}`` (the matrix) and
 ``figures/optimizer_curves.{png,pdf}`` (|Δloss| per step of the 1/W cell at the largest W).
 
 Usage: ``python experiments/optimizer_matrix.py [--redraw]`` (``--redraw``: the matrix figure again
@@ -20,8 +20,11 @@ import time
 import pandas as pd
 from _sweep import FIGURES
 
-from gatherlab import config, gradients, plotting, runfiles, terms
 from gatherlab import gather as gathering
+from gatherlab.analysis import figures
+from gatherlab.check import measure
+from gatherlab.components import config
+from gatherlab.core import runfiles, terms
 
 EXACT = terms.FLOAT64  # the float64 bound of docs/design.md §2
 
@@ -29,44 +32,44 @@ EXACT = terms.FLOAT64  # the float64 bound of docs/design.md §2
 def main() -> None:
     if "--redraw" in sys.argv[1:]:  # the matrix again from figures/optimizer_matrix.csv
         table = pd.read_csv(FIGURES / "optimizer_matrix.csv")
-        plotting.save(plotting.optimizer_matrix_figure(table, EXACT), FIGURES / "optimizer_matrix")
+        figures.save(figures.optimizer_matrix_figure(table, EXACT), FIGURES / "optimizer_matrix")
         return
     start = time.perf_counter()
     with config.composed():
         cfg, _ = config.compose(["experiment=optimizer_matrix"])
-    table, curves, worlds = measure(cfg, start)
+    table, curves, worlds = measured(cfg, start)
     publish(table, curves, worlds, cfg)
     print(f"wall time {time.perf_counter() - start:.0f} s")
 
 
-def measure(cfg, start: float) -> tuple[pd.DataFrame, dict[str, list[float]], list]:
+def measured(cfg, start: float) -> tuple[pd.DataFrame, dict[str, list[float]], list]:
     """Every optimizer × cell × world size trained against one device: the table, the |Δloss|
     curves of the 1/W cell at the largest world, and the worlds. (Not the audit's inputs,
     ``jobs.audit_inputs``: those are one batch of ``audit.losses``; these train ``steps``
     batches of ``optimizer_matrix.losses``.)"""
     spec = cfg.optimizer_matrix
     model = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
-    batches = gradients.global_batches(
+    batches = measure.global_batches(
         config.build_dataset(cfg), cfg.global_batch_size, cfg.seed, True, cfg.steps
     )
     losses = {
         name: config.loss_factory_of(node, None, cfg.seed) for name, node in spec.losses.items()
     }
-    # real gloo ranks, then the simulated world (gatherlab.simworld) beyond the machine
+    # real gloo ranks, then the simulated world (gatherlab.ranks.simworld) beyond the machine
     worlds = [(w, False) for w in spec.world_sizes]
     worlds += [(w, True) for w in spec.get("simulated_world_sizes", [])]
     rows, curves = [], {}
     for optimizer_name, node in spec.optimizers.items():
         optimizer = config.instantiate("optim", node)
         references = {
-            name: gradients.train(loss, model, batches, optimizer, 1, cfg.seed)
+            name: measure.train(loss, model, batches, optimizer, 1, cfg.seed)
             for name, loss in losses.items()
         }
         for cell in spec.cells:
             loss = losses[cell.loss].with_gather(gathering.get(cell.gather))
             reference = references[cell.loss]
             for world_size, simulated in worlds:
-                run = gradients.train(
+                run = measure.train(
                     loss, model, batches, optimizer, world_size, cfg.seed, simulated
                 )
                 differences = [
@@ -100,9 +103,9 @@ def publish(table: pd.DataFrame, curves: dict[str, list[float]], worlds: list, c
     )
     diff.columns = [(cell, w, cfg.global_batch_size // batch[w]) for cell, w in diff.columns]
     diff = diff.reindex(list(spec.optimizers))
-    plotting.save(plotting.optimizer_matrix_figure(table, EXACT), FIGURES / "optimizer_matrix")
-    plotting.save(
-        plotting.difference_curves(
+    figures.save(figures.optimizer_matrix_figure(table, EXACT), FIGURES / "optimizer_matrix")
+    figures.save(
+        figures.difference_curves(
             curves,
             f"old · ntxent_global (gradient 1/W) on {worlds[-1][0]}"
             f"{' simulated' if worlds[-1][1] else ''} ranks",

@@ -9,15 +9,17 @@ Usage: ``python experiments/simclr_digits.py``
 
 from _sweep import FIGURES, publish, run_sweep
 
-from gatherlab import plotting, report, results, terms
+from gatherlab import report, results
+from gatherlab.analysis import figures
+from gatherlab.core import terms
 
 if __name__ == "__main__":
     sweep_dir = run_sweep("simclr_digits")
     table, curves = report.compare(results.load_runs(sweep_dir), sweep_dir)
-    figure = plotting.ablation_figure(
+    figure = figures.ablation_figure(
         table, curves, variant="simclr_ablation", metric="knn_accuracy",
         tolerance=terms.TOLERANCE["64-true"],
     )  # fmt: skip
-    for path in plotting.save(figure, FIGURES / "simclr_digits"):
+    for path in figures.save(figure, FIGURES / "simclr_digits"):
         print(path)
     publish(sweep_dir, {"comparison.csv": "simclr_digits.csv"})

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 from _sweep import run_sweep
 
-from gatherlab import runfiles
+from gatherlab.core import runfiles
 
 SWEEP = ("gather=old,fixed", "layout=cpu1,cpu2", "precision=64-true")
 VARIABLE = {"wall_s"}  # the only field allowed to differ

@@ -23,7 +23,8 @@ from pathlib import Path
 import pandas as pd
 from _sweep import REPO, run_sweep
 
-from gatherlab import report, runfiles
+from gatherlab import report
+from gatherlab.core import runfiles
 
 STEPS = 30
 FLOAT64_BOUND = 1e-10  # docs/design.md §2

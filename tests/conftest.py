@@ -11,7 +11,7 @@ from helpers import PR1531_SWEEP, Finished, descendants, run_command
 
 @pytest.fixture(scope="session", autouse=True)
 def worker_pools():
-    """The test session shares one worker pool per world size (``gatherlab.pool.pool``), so a
+    """The test session shares one worker pool per world size (``gatherlab.ranks.pool.pool``), so a
     distributed test costs its computation, not process start-up. At the end no worker survives.
 
     Lightning is imported before the first pool starts, so that the pools' fork server preloads it
@@ -20,7 +20,7 @@ def worker_pools():
     happened to start the pools first."""
     import lightning.pytorch  # noqa: F401
 
-    from gatherlab import pool as pools
+    from gatherlab.ranks import pool as pools
 
     yield
     workers = [psutil.Process(pid) for pool in pools._pools.values() for pid in pool.pids]
@@ -34,7 +34,7 @@ def no_leftover_processes():
     """Fails a test that leaves a process of its own running (a descendant of this test process)
     other than the session's pool workers. Processes of other programs on the machine, another
     gatherlab sweep included, are not this test's and are not counted."""
-    from gatherlab import pool as pools
+    from gatherlab.ranks import pool as pools
 
     before = set(descendants())
     yield

@@ -24,7 +24,7 @@ PR1531_SWEEP = (
 
 def compose(*overrides: str):
     """A run config composed from the real configs, with its config group choices."""
-    from gatherlab import config
+    from gatherlab.components import config
 
     with config.composed():
         return config.compose(list(overrides))
@@ -32,7 +32,7 @@ def compose(*overrides: str):
 
 def run_training(run_dir: Path, *overrides: str) -> dict:
     """One checked run in this process (its ranks in the shared pool unless ``launcher=spawn``)."""
-    from gatherlab import configcheck, jobs
+    from gatherlab.lab import configcheck, jobs
 
     cfg, choices = compose(*overrides)
     configcheck.check(cfg)
@@ -55,7 +55,8 @@ def run_command(module: str, *args: str) -> Finished:
     arguments = list(args)
     if module == "train" and ("-m" in arguments or "--multirun" in arguments):
         arguments.append("~hydra.callbacks.close_pools")
-    main = importlib.import_module(f"gatherlab.{module}").main
+    command = "gatherlab.check.__main__" if module == "check" else f"gatherlab.{module}"
+    main = importlib.import_module(command).main
     stdout, stderr, returncode = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         try:
@@ -66,20 +67,20 @@ def run_command(module: str, *args: str) -> Finished:
 
 
 def capture_figures(monkeypatch) -> dict[str, object]:
-    """Every figure that ``gatherlab.plotting.save`` writes from now on (still written), by the
-    name of its files without suffix: a test reads back what was drawn (a closed Figure keeps its
-    artists)."""
-    from gatherlab import plotting
+    """Every figure that ``gatherlab.analysis.figures.save`` writes from now on (still written), by
+    the name of its files without suffix: a test reads back what was drawn (a closed Figure keeps
+    its artists)."""
+    from gatherlab.analysis import figures
 
-    figures: dict[str, object] = {}
-    save = plotting.save
+    drawn: dict[str, object] = {}
+    save = figures.save
 
     def capturing(figure, path_without_suffix):
-        figures[Path(path_without_suffix).name] = figure
+        drawn[Path(path_without_suffix).name] = figure
         return save(figure, path_without_suffix)
 
-    monkeypatch.setattr(plotting, "save", capturing)
-    return figures
+    monkeypatch.setattr(figures, "save", capturing)
+    return drawn
 
 
 def descendants() -> dict[int, str]:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from gatherlab import ablate
-from gatherlab.batchnorm import GlobalBatchNorm
+from gatherlab.check import removals
+from gatherlab.components.batchnorm import GlobalBatchNorm
 
 EXACT = 1e-12  # float64, the same arithmetic up to summation order
 
@@ -43,12 +43,12 @@ def test_global_batch_norm_computes_what_torchs_computed(momentum, affine):
                 norm.bias.normal_()
     swapped = Net(momentum, affine).double()
     swapped.load_state_dict(original.state_dict())
-    assert ablate.batch_norms(swapped) == ["norm1", "head.1"]
-    assert ablate.global_batch_norm(swapped) == 2
-    assert ablate.batch_norms(swapped) == [] and isinstance(swapped.head[1], GlobalBatchNorm)
+    assert removals.batch_norms(swapped) == ["norm1", "head.1"]
+    assert removals.global_batch_norm(swapped) == 2
+    assert removals.batch_norms(swapped) == [] and isinstance(swapped.head[1], GlobalBatchNorm)
     assert swapped.head[1].eps == 1e-3 and swapped.norm1.momentum == momentum
-    ablate.no_dropout(original)
-    ablate.no_dropout(swapped)
+    removals.no_dropout(original)
+    removals.no_dropout(swapped)
     inputs = torch.randn(3, 8, 2, 5, dtype=torch.float64)
     for x in inputs:  # training: batch statistics, running statistics updated
         assert torch.allclose(swapped(x), original(x), rtol=0, atol=EXACT)
@@ -63,8 +63,8 @@ def test_global_batch_norm_computes_what_torchs_computed(momentum, affine):
 
 def test_no_dropout_leaves_the_identity():
     net = Net().double()
-    assert ablate.dropouts(net) == ["head.2", "drop"]
-    assert ablate.no_dropout(net) == 2 and ablate.dropouts(net) == []
+    assert removals.dropouts(net) == ["head.2", "drop"]
+    assert removals.no_dropout(net) == 2 and removals.dropouts(net) == []
     x = torch.randn(8, 2, 5, dtype=torch.float64)
     net.train()
     first = net(x)
@@ -83,7 +83,7 @@ class RandomItems(torch.utils.data.Dataset):
 
 
 def test_per_sample_seeding_makes_an_item_a_function_of_its_key():
-    seeded = ablate.PerSample(RandomItems(), seed=7, seeded=True)
+    seeded = removals.PerSample(RandomItems(), seed=7, seeded=True)
     torch.manual_seed(1)
     first = [seeded[(0, i)] for i in range(10)]
     torch.manual_seed(2)
@@ -91,11 +91,11 @@ def test_per_sample_seeding_makes_an_item_a_function_of_its_key():
     backwards = [seeded[(0, i)] for i in reversed(range(10))][::-1]
     assert first == backwards  # whichever order, rank or state loads them
     assert seeded[(1, 3)] != first[3]  # another epoch, other draws
-    assert ablate.PerSample(RandomItems(), seed=8, seeded=True)[(0, 3)] != first[3]
+    assert removals.PerSample(RandomItems(), seed=8, seeded=True)[(0, 3)] != first[3]
 
 
 def test_per_sample_seeding_leaves_the_process_streams_where_they_were():
-    seeded = ablate.PerSample(RandomItems(), seed=7, seeded=True)
+    seeded = removals.PerSample(RandomItems(), seed=7, seeded=True)
     random.seed(3)
     np.random.seed(3)
     torch.manual_seed(3)
@@ -108,7 +108,7 @@ def test_per_sample_seeding_leaves_the_process_streams_where_they_were():
 
 
 def test_unseeded_items_come_from_the_process_streams():
-    plain = ablate.PerSample(RandomItems(), seed=7, seeded=False)
+    plain = removals.PerSample(RandomItems(), seed=7, seeded=False)
     torch.manual_seed(1)
     first = plain[(0, 2)]
     torch.manual_seed(2)

@@ -12,8 +12,11 @@ import pytest
 import torch
 from helpers import capture_figures, compose
 
-from gatherlab import audit, config, gather, gradients, jobs
-from gatherlab.plotting import CLASS_COLORS
+from gatherlab import gather
+from gatherlab.analysis.figures import CLASS_COLORS
+from gatherlab.check import measure
+from gatherlab.components import config
+from gatherlab.lab import audit, jobs
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +52,8 @@ SAME = 1e-12
 def measured():
     """The audit's setting (experiment=gather_audit: 16 Gaussian view pairs, the MLP, the local,
     global and mixed losses): every built-in gather × loss on W = 2, 4, 8 real gloo ranks and in
-    the simulated world (``gatherlab.simworld``), `COLLECTIVES` × loss on the real ranks, and each
-    loss on one device."""
+    the simulated world (``gatherlab.ranks.simworld``), `COLLECTIVES` × loss on the real ranks, and
+    each loss on one device."""
     cfg, _ = compose("experiment=gather_audit")
     with config.composed():
         collectives = config.build_gathers(COLLECTIVES, ["experiment=gather_audit"])
@@ -68,21 +71,21 @@ def measured():
     }
     cells = {cell: factory for cell, factory in every_cell.items() if cell[0] in gather.NAMES}
     one_device = {
-        name: gradients.measure(loss.with_gather(None), *batch, seed=0)
+        name: measure.measure(loss.with_gather(None), *batch, seed=0)
         for name, loss in inputs.losses.items()
     }
-    real = {w: gradients.measure_on_ranks(every_cell, *batch, w, 0) for w in WORLD_SIZES}
+    real = {w: measure.measure_on_ranks(every_cell, *batch, w, 0) for w in WORLD_SIZES}
     simulated = {
-        w: gradients.measure_on_ranks(cells, *batch, w, 0, simulated=True) for w in WORLD_SIZES
+        w: measure.measure_on_ranks(cells, *batch, w, 0, simulated=True) for w in WORLD_SIZES
     }
-    styles = {name: gradients.style(loss) for name, loss in inputs.losses.items()}
+    styles = {name: measure.style(loss) for name, loss in inputs.losses.items()}
     return cells, one_device, real, simulated, styles, gathers
 
 
 def _classes(measured) -> dict:
     _, one_device, real, _, _, _ = measured
     return {
-        (name, loss, w): gradients.classify(
+        (name, loss, w): measure.classify(
             real[w][name, loss].gradient, one_device[loss].gradient, w
         )
         for w in WORLD_SIZES
@@ -121,7 +124,7 @@ def test_the_only_contradiction_is_nograd_on_the_global_loss(measured):
     differing = {
         (name, loss)
         for (name, loss, _), (measured_class, *_) in _classes(measured).items()
-        if measured_class != gradients.predicted(gathers[name], styles[loss])
+        if measured_class != measure.predicted(gathers[name], styles[loss])
     }
     assert differing == {("nograd", "ntxent_global")}
 
@@ -148,7 +151,7 @@ def test_files_are_written(tmp_path, monkeypatch):
     for name in ("audit.csv", "audit.md", "audit.png", "audit.pdf"):
         assert (tmp_path / name).stat().st_size > 0
     written = (tmp_path / "audit.csv").read_text().splitlines()
-    assert written[0].split(",")[: len(gradients.COLUMNS)] == list(gradients.COLUMNS)
+    assert written[0].split(",")[: len(measure.COLUMNS)] == list(measure.COLUMNS)
     assert len(written) == 1 + len(table) == 1 + 2 * 3
     assert set(table["world"]) == {"real"}
     assert "⚠ none (predicted biased)" in (tmp_path / "audit.md").read_text()
@@ -208,11 +211,11 @@ def _reference() -> torch.Tensor:
 )
 def test_classify(make, expected):
     reference = _reference()
-    assert gradients.classify(make(reference), reference, world_size=4)[0] == expected
+    assert measure.classify(make(reference), reference, world_size=4)[0] == expected
 
 
 def test_a_gather_or_loss_that_declares_nothing_has_no_prediction():
-    assert gradients.predicted(gather.Fixed(), "local") == "exact"
-    assert gradients.predicted(gather.Fixed(), None) == "no prediction"
-    assert gradients.predicted(lambda tensor: tensor, "global") == "no prediction"
-    assert gradients.style(torch.nn.MSELoss) is None
+    assert measure.predicted(gather.Fixed(), "local") == "exact"
+    assert measure.predicted(gather.Fixed(), None) == "no prediction"
+    assert measure.predicted(lambda tensor: tensor, "global") == "no prediction"
+    assert measure.style(torch.nn.MSELoss) is None

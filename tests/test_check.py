@@ -11,8 +11,12 @@ import standins
 from helpers import run_command
 from test_training import FLOAT64_BOUND, MISS_FACTOR
 
-from gatherlab import check, gradients, report, runfiles
-from gatherlab.factory import LossFactory
+from gatherlab import check
+from gatherlab.analysis import report
+from gatherlab.check import measure
+from gatherlab.check.diagnosis import TRAIN_COLUMN
+from gatherlab.components.factory import LossFactory
+from gatherlab.core import runfiles
 from gatherlab.testing import assert_layout_invariant
 
 pytestmark = pytest.mark.slow
@@ -37,16 +41,16 @@ def test_each_stand_in_gets_its_predicted_verdict(case):
     assert list(table["world_size"]) == [2, 4]
     assert list(table["verdict"]) == [expected, expected], table.to_string()
     if expected == "loss differs":
-        assert (table["loss_diff"] > MISS_FACTOR * gradients.FORWARD_RELATIVE_TOLERANCE).all()
+        assert (table["loss_diff"] > MISS_FACTOR * measure.FORWARD_RELATIVE_TOLERANCE).all()
         return
     assert (table["forward"] == "same").all()
-    assert (table["loss_diff"] <= gradients.FORWARD_RELATIVE_TOLERANCE).all()
+    assert (table["loss_diff"] <= measure.FORWARD_RELATIVE_TOLERANCE).all()
     if expected == "exact":
-        assert (table["max_rel_err"] <= gradients.EXACT_RELATIVE_ERROR).all()
+        assert (table["max_rel_err"] <= measure.EXACT_RELATIVE_ERROR).all()
     elif expected in ("1/W", "W"):
         scale = [1 / 2, 1 / 4] if expected == "1/W" else [2, 4]
         assert table["norm_ratio"].tolist() == pytest.approx(scale, rel=1e-12)
-        assert (table["cosine"] >= gradients.PARALLEL_COSINE).all()
+        assert (table["cosine"] >= measure.PARALLEL_COSINE).all()
     elif expected == "biased":  # far from parallel, not a rounding effect
         assert (table["cosine"] < 1 - 1e-6).all()
     elif expected == "none":
@@ -105,9 +109,9 @@ def test_the_command_line_prints_the_diagnosis_and_exits_1_with_training_steps(t
     assert "standins:ClipLossForCheck, W = 2: 1/W" in result.stdout
     assert "SGD's effective learning rate is divided by W" in result.stdout
     table = pd.read_csv(out / runfiles.CHECK)
-    assert table[check.TRAIN_COLUMN].iloc[0] > MISS_FACTOR * FLOAT64_BOUND
+    assert table[TRAIN_COLUMN].iloc[0] > MISS_FACTOR * FLOAT64_BOUND
     exact = check.check_loss(standins.ClipLossForCheck, (2,), steps=5, gather_with_grad=True)
-    assert exact[check.TRAIN_COLUMN].iloc[0] <= FLOAT64_BOUND
+    assert exact[TRAIN_COLUMN].iloc[0] <= FLOAT64_BOUND
 
 
 @pytest.mark.parametrize(
@@ -189,8 +193,8 @@ def test_the_command_line_trains_adamw_steps_exact_with_fixed_and_biased_with_ol
         tables[gather] = pd.read_csv(out / runfiles.CHECK).iloc[0]
     fixed, old = tables["fixed"], tables["old"]
     assert (fixed["gather"], fixed["forward"], fixed["verdict"]) == ("fixed", "same", "exact")
-    assert fixed["max_rel_err"] <= gradients.EXACT_RELATIVE_ERROR
-    assert fixed[check.TRAIN_COLUMN] <= FLOAT64_BOUND
+    assert fixed["max_rel_err"] <= measure.EXACT_RELATIVE_ERROR
+    assert fixed[TRAIN_COLUMN] <= FLOAT64_BOUND
     assert (old["gather"], old["forward"], old["verdict"]) == ("old", "same", "biased")
     assert old["cosine"] < 1 - 1e-6  # far from parallel, not a rounding effect
-    assert old[check.TRAIN_COLUMN] >= MISS_FACTOR * FLOAT64_BOUND
+    assert old[TRAIN_COLUMN] >= MISS_FACTOR * FLOAT64_BOUND

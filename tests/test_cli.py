@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 from helpers import capture_figures, run_command
 
-from gatherlab import report, runfiles
+from gatherlab.analysis import report
+from gatherlab.core import runfiles
 
 
 def test_multirun_writes_runs_and_comparison(pr1531_sweep):
@@ -117,7 +118,7 @@ def test_log_every_prints_a_progress_line_every_n_steps_and_at_the_last(tmp_path
     ``log_every=0``: none."""
     import re
 
-    from gatherlab import runfiles
+    from gatherlab.core import runfiles
 
     printed = {}
     for every in (2, 0):

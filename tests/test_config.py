@@ -6,9 +6,10 @@ import pytest
 from helpers import compose, run_command
 from omegaconf import OmegaConf
 
-from gatherlab import config, configcheck, train
 from gatherlab import gather as gathering
-from gatherlab.configcheck import ConfigError
+from gatherlab.components import config
+from gatherlab.lab import configcheck, train
+from gatherlab.lab.configcheck import ConfigError
 
 EXPERIMENTS = sorted(path.stem for path in (config.CONFIG_DIR / "experiment").glob("*.yaml"))
 assert EXPERIMENTS, f"no experiment configs in {config.CONFIG_DIR}"  # else the test would skip
@@ -112,7 +113,10 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
             "experiment=gather_scaling is run by 'python -m gatherlab.scaling', not by 'python -m "
             "gatherlab.train'; allowed: python -m gatherlab.scaling",
         ),
-        (["model.depth=0"], "model (gatherlab.models.MLP): model.depth must be at least 1"),
+        (
+            ["model.depth=0"],
+            "model (gatherlab.components.models.MLP): model.depth must be at least 1",
+        ),
         (
             ["gather=fixed_reduce_scatter", "gather.collective=bogus"],
             "gather (gatherlab.gather.Fixed): collective='bogus' is not allowed; allowed: "

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from gatherlab.data import GlobalBatchSampler, arange_pairs, gaussian_pairs
+from gatherlab.components.data import GlobalBatchSampler, arange_pairs, gaussian_pairs
 
 
 def _gathered_batches(world_size: int, **kwargs) -> list[list[int]]:
@@ -82,7 +82,7 @@ def test_gaussian_pairs_are_seeded():
 
 def test_the_few_shot_probe_is_seeded_and_not_saturated_on_raw_pixels():
     """docs/design.md §8: the same label draws for every model, and room above raw pixels."""
-    from gatherlab.data import digits_pairs
+    from gatherlab.components.data import digits_pairs
 
     dataset = digits_pairs()
     raw = dataset.few_shot_accuracy()

@@ -12,8 +12,10 @@ import pytest
 from helpers import compose
 from test_training import FLOAT32_BOUND, FLOAT64_BOUND, MISS_FACTOR, _differences
 
-from gatherlab import configcheck, jobs, report, results, runfiles
-from gatherlab.configcheck import ConfigError
+from gatherlab.analysis import report, results
+from gatherlab.core import runfiles
+from gatherlab.lab import configcheck, jobs
+from gatherlab.lab.configcheck import ConfigError
 
 pytestmark = pytest.mark.slow
 

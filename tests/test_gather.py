@@ -18,8 +18,8 @@ import torch.distributed as dist
 from standins import GatherLayerPre1531, Pre1531NTXent
 
 from gatherlab import gather
-from gatherlab import pool as pools
 from gatherlab.losses import NTXentGlobalLoss, NTXentLoss
+from gatherlab.ranks import pool as pools
 
 BATCH, DIM = 3, 4
 # Float64 results that differ only in summation order agree to a few ulps (~1e-16 relative).

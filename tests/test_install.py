@@ -31,7 +31,8 @@ import pytest
 from helpers import REPO
 from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 
-from gatherlab import report, runfiles
+from gatherlab.analysis import report
+from gatherlab.core import runfiles
 
 pytestmark = pytest.mark.slow
 
@@ -69,11 +70,11 @@ def terminal(module, *arguments):
 
 
 if __name__ == "__main__":  # the pool's ranks import this file again: nothing else at the top
-    import gatherlab.config
+    import gatherlab.components.config
     from gatherlab.testing import assert_layout_invariant
     from standins import GatherLayerNTXent
 
-    print("configs:", gatherlab.config.CONFIG_DIR, flush=True)
+    print("configs:", gatherlab.components.config.CONFIG_DIR, flush=True)
     # a bad value in a sweep stops it in one line
     status, stderr = terminal("gatherlab.train", "-m", "optim.lr=0.1,-1", "layout=cpu2",
                               "hydra.sweep.dir=refused")

@@ -9,8 +9,8 @@ import ranks
 import torch
 from helpers import descendants, run_training
 
-from gatherlab import pool as pools
-from gatherlab import runfiles
+from gatherlab.core import runfiles
+from gatherlab.ranks import pool as pools
 
 
 def test_pool_runs_functions_on_every_rank_of_one_group():

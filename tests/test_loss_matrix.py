@@ -15,7 +15,9 @@ from helpers import capture_figures, run_training
 from omegaconf import OmegaConf
 from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 
-from gatherlab import config, report, results, runfiles
+from gatherlab.analysis import report, results
+from gatherlab.components import config
+from gatherlab.core import runfiles
 
 # The module's fixture trains 44 jobs (11 losses × 4 runs, ~25 s on an idle 2-core machine); the
 # first test to use it pays for them within its own time limit. With the other test process and

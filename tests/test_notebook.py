@@ -16,7 +16,8 @@ from helpers import REPO
 from nbclient import NotebookClient
 from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 
-from gatherlab import results, runfiles
+from gatherlab.analysis import results
+from gatherlab.core import runfiles
 
 pytestmark = pytest.mark.slow
 NOTEBOOK = REPO / "notebooks" / "analysis.ipynb"

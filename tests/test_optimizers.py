@@ -1,6 +1,6 @@
-"""LARS (gatherlab.optimizers): the trust ratio cancels a constant factor on the gradient, except
-against the weight decay added to it (docs/design.md §7); bad arguments are refused. Every
-configured optimizer trains `fixed` on 2 ranks like one device."""
+"""LARS (gatherlab.components.optimizers): the trust ratio cancels a constant factor on the
+gradient, except against the weight decay added to it (docs/design.md §7); bad arguments are
+refused. Every configured optimizer trains `fixed` on 2 ranks like one device."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_training import FLOAT64_BOUND
 
-from gatherlab.optimizers import LARS
+from gatherlab.components.optimizers import LARS
 
 
 def _steps(scale: float, weight_decay: float) -> torch.Tensor:
@@ -52,7 +52,7 @@ def test_fixed_on_two_ranks_matches_one_device_under_every_optimizer(tmp_path):
     run on the warm pools and the report compares them, without a sweep's figures."""
     from helpers import run_training
 
-    from gatherlab import report, results
+    from gatherlab.analysis import report, results
 
     optimizers = ["sgd_momentum", "adam", "adam_l2", "adamw", "lars"]
     for number, (optim, layout) in enumerate(

@@ -20,7 +20,9 @@ import pytest
 from faulty import PAUSE
 from helpers import PR1531_SWEEP, REPO, run_command, run_training
 
-from gatherlab import jobs, report, runfiles
+from gatherlab.analysis import report
+from gatherlab.core import runfiles
+from gatherlab.lab import jobs
 
 pytestmark = pytest.mark.slow
 

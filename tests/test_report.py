@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from gatherlab import report
+from gatherlab.analysis import report
 
 
 def _table(rows: list[dict]) -> pd.DataFrame:

@@ -13,12 +13,12 @@ from helpers import run_training
 from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 from torch import nn
 
-from gatherlab import pool as pools
-from gatherlab import runfiles
-from gatherlab.augment import Augmentation, sample_generator
-from gatherlab.batchnorm import GlobalBatchNorm
-from gatherlab.data import DigitsPairs, GlobalBatchSampler, digits_pairs
-from gatherlab.models import SeededDropout, SimCLRNet
+from gatherlab.components.augment import Augmentation, sample_generator
+from gatherlab.components.batchnorm import GlobalBatchNorm
+from gatherlab.components.data import DigitsPairs, GlobalBatchSampler, digits_pairs
+from gatherlab.components.models import SeededDropout, SimCLRNet
+from gatherlab.core import runfiles
+from gatherlab.ranks import pool as pools
 
 # float64 results that differ only in summation order agree to a few ulps (~1e-15 here).
 EXACT = 1e-12

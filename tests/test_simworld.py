@@ -1,7 +1,7 @@
-"""The simulated world (``gatherlab.simworld``) is a model of the collectives, so it is validated
-against them: a training run on real gloo ranks and in the simulated world has the same curve and
-weights (the gradients of every built-in gather × loss style at W = 2, 4, 8 are compared in
-``test_audit.py``, beside the real audit's own measurements). Then its own guarantees (no hang,
+"""The simulated world (``gatherlab.ranks.simworld``) is a model of the collectives, so it is
+validated against them: a training run on real gloo ranks and in the simulated world has the same
+curve and weights (the gradients of every built-in gather × loss style at W = 2, 4, 8 are compared
+in ``test_audit.py``, beside the real audit's own measurements). Then its own guarantees (no hang,
 one line for what it cannot run) and the predictions of docs/design.md §9 that the scaling figure
 draws."""
 
@@ -14,9 +14,12 @@ import pytest
 import torch
 from helpers import compose
 
-from gatherlab import configcheck, gather, gradients, jobs, scaling, simworld
-from gatherlab.config import ConfigError
-from gatherlab.factory import LossFactory
+from gatherlab import gather
+from gatherlab.check import measure
+from gatherlab.components.config import ConfigError
+from gatherlab.components.factory import LossFactory
+from gatherlab.lab import configcheck, jobs, scaling
+from gatherlab.ranks import simworld
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +44,13 @@ def test_a_simulated_training_run_has_the_real_runs_curve(audit_setting, name):
     batches = [(inputs.view0, inputs.view1), (inputs.view1, inputs.view0)] * 5
     optimizer = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
     arguments = (loss, inputs.model_factory, batches, optimizer, 4, 0)
-    real = gradients.train(*arguments)
-    simulated = gradients.train(*arguments, simulated=True)
+    real = measure.train(*arguments)
+    simulated = measure.train(*arguments, simulated=True)
     assert len(real.losses) == 10
     difference = max(abs(a - b) for a, b in zip(real.losses, simulated.losses, strict=True))
     assert difference <= FLOAT64_BOUND
     assert float((real.parameters - simulated.parameters).abs().max()) <= FLOAT64_BOUND
-    one_device = gradients.train(loss, inputs.model_factory, batches, optimizer, 1, 0)
+    one_device = measure.train(loss, inputs.model_factory, batches, optimizer, 1, 0)
     off = max(abs(a - b) for a, b in zip(one_device.losses, simulated.losses, strict=True))
     assert (off <= FLOAT64_BOUND) == (name == "fixed"), off
 
@@ -87,12 +90,12 @@ def test_a_gather_without_a_rule_is_refused_in_one_line(audit_setting):
 
     cell = {"foreign": inputs.losses["ntxent"].with_gather(foreign)}
     with pytest.raises(ValueError, match=r"cannot be simulated; allowed: a gatherlab.gather"):
-        gradients.measure_on_ranks(
+        measure.measure_on_ranks(
             cell, inputs.model_factory, inputs.view0, inputs.view1, 2, 0, simulated=True
         )
     native = LossFactory(inputs.losses["ntxent"].factory)  # communicates by itself
     with pytest.raises(ValueError, match=r"cannot be simulated"):
-        gradients.check_simulatable(native)
+        measure.check_simulatable(native)
 
 
 def test_the_closed_form_predictions_hold_at_every_world_size(tmp_path, capsys):
@@ -168,13 +171,13 @@ def test_old_on_the_local_loss_is_its_predicted_expectation_on_real_ranks(
     partition alone (the audit's) is off by far more."""
     inputs, seed = audit_setting, 0
     loss = inputs.losses["ntxent"]
-    assert gradients.style(loss) == "local"
+    assert measure.style(loss) == "local"
     old = {"old": loss.with_gather(gather.get("old"))}
     batch = (inputs.model_factory, inputs.view0, inputs.view1)
     predictor = scaling.Predictor(loss, inputs, seed)
     samples = len(inputs.view0)
     assert samples == 16
-    predictor.own_sample = gradients.measure_on_ranks(old, *batch, samples, seed, simulated=True)[
+    predictor.own_sample = measure.measure_on_ranks(old, *batch, samples, seed, simulated=True)[
         "old"
     ].gradient
     predicted, how = predictor.gradient("own", world_size)
@@ -190,7 +193,7 @@ def test_old_on_the_local_loss_is_its_predicted_expectation_on_real_ranks(
         assert torch.bincount(partition).tolist() == [samples // world_size] * world_size
         order = torch.argsort(partition, stable=True)  # rank r holds the samples of slice r
         view0, view1 = inputs.view0[order], inputs.view1[order]
-        on_ranks = gradients.measure_on_ranks(
+        on_ranks = measure.measure_on_ranks(
             old, inputs.model_factory, view0, view1, world_size, seed
         )
         measured.append(on_ranks["old"].gradient)
@@ -198,7 +201,7 @@ def test_old_on_the_local_loss_is_its_predicted_expectation_on_real_ranks(
 
     scale = float(predicted.abs().max())
     assert float((average - predicted).abs().max()) <= SAME * scale
-    audited = gradients.measure_on_ranks(old, *batch, world_size, seed)["old"].gradient
+    audited = measure.measure_on_ranks(old, *batch, world_size, seed)["old"].gradient
     assert float((audited - predicted).abs().max()) > 1e-6 * scale  # one partition: not it
     assert float((predictor.full - predicted).abs().max()) > 1e-3 * scale  # not `fixed`'s
 

@@ -9,7 +9,8 @@ import pytest
 import wandb_offline
 from helpers import descendants, run_command
 
-from gatherlab import runfiles, tracking
+from gatherlab.core import runfiles
+from gatherlab.lab import tracking
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import run_training
 
-from gatherlab import runfiles
+from gatherlab.core import runfiles
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ import torch
 from helpers import run_command
 from test_training import FLOAT64_BOUND, MISS_FACTOR
 
-from gatherlab import check, runfiles
+from gatherlab import check
+from gatherlab.core import runfiles
 from gatherlab.testing import assert_training_invariant
 
 pytestmark = pytest.mark.slow
@@ -181,7 +182,7 @@ def test_assert_training_invariant_fails_with_the_diagnosis():
 def test_batches_are_collated_by_the_module_then_the_data_set_then_pytorch():
     from torch.utils.data import default_collate
 
-    from gatherlab.usermodule import collate_fn_of
+    from gatherlab.check.usermodule import collate_fn_of
 
     def by_module(items):
         return "module"

@@ -48,7 +48,7 @@ def local_offset(local: torch.Tensor, gathered: torch.Tensor) -> int:
 def own_columns(first: int, rows: int, device: torch.device) -> torch.Tensor:
     """Indices ``first .. first + rows - 1`` of this rank's samples among the columns a loss
     compares its rows with (the gathered batch, where ``first`` is ``local_offset``'s; which rows
-    a rank holds is ``gatherlab.terms.rows_of``): the positives' columns, as a tensor."""
+    a rank holds is ``gatherlab.core.terms.rows_of``): the positives' columns, as a tensor."""
     return first + torch.arange(rows, device=device)
 
 

@@ -3,10 +3,10 @@
 Hydra's basic sweeper composes each job twice (``validate_batch_is_legal``, then its launcher).
 This sweeper expands the sweep exactly as the basic sweeper does (it is one), composes each job
 once with Hydra's own ``load_sweep_config``, hands the jobs to the function its ``check`` names
-(``gatherlab.train.check_sweep``: a bad value is one line and exit status 2, before any directory
-is written or worker started), and lets the basic launcher run those same configs instead of
-composing them again. Everything else (``multirun.yaml``, job numbers, each run's ``.hydra/``, the
-callbacks) is the basic sweeper's and launcher's.
+(``gatherlab.lab.train.check_sweep``: a bad value is one line and exit status 2, before any
+directory is written or worker started), and lets the basic launcher run those same configs instead
+of composing them again. Everything else (``multirun.yaml``, job numbers, each run's ``.hydra/``,
+the callbacks) is the basic sweeper's and launcher's.
 """
 
 from __future__ import annotations

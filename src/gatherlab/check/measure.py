@@ -29,12 +29,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gatherlab import gather as gathering
-from gatherlab import simworld, terms
-from gatherlab.data import GlobalBatchSampler
-from gatherlab.factory import LossFactory
+from gatherlab.components.data import GlobalBatchSampler
+from gatherlab.components.factory import LossFactory
+from gatherlab.core import terms
+from gatherlab.core.terms import GradientClass, Style, World
 from gatherlab.gather import CLASSES, GatherFn
-from gatherlab.pool import pool
-from gatherlab.terms import GradientClass, Style, World
+from gatherlab.ranks import simworld
+from gatherlab.ranks.pool import pool
 
 log = logging.getLogger(__name__)
 

@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from gatherlab import terms
+from gatherlab.core import terms
 
 __all__ = ["RULES", "WorldBroken", "average", "gather", "rank", "run", "size"]
 
 RULES = tuple(terms.Rule)
-"""The backward rules a simulated gather obeys (see above; `gatherlab.terms.Rule`,
+"""The backward rules a simulated gather obeys (see above; `gatherlab.core.terms.Rule`,
 `gatherlab.gather.Gather.backward`)."""
 
 

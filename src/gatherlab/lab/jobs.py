@@ -23,11 +23,15 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gatherlab import cli, config, gradients, launch, runfiles, tracking, usermodule
-from gatherlab.config import ConfigError
-from gatherlab.factory import LossFactory
-from gatherlab.module import ContrastiveModule, PairDataModule, ProgressLog, RunRecorder
-from gatherlab.pool import RankError, pool
+from gatherlab.check import measure, usermodule
+from gatherlab.components import config
+from gatherlab.components.config import ConfigError
+from gatherlab.components.factory import LossFactory
+from gatherlab.components.module import ContrastiveModule, PairDataModule, ProgressLog, RunRecorder
+from gatherlab.core import cli, runfiles
+from gatherlab.lab import tracking
+from gatherlab.ranks import launch
+from gatherlab.ranks.pool import RankError, pool
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +293,7 @@ class AuditInputs:
 def audit_inputs(cfg: DictConfig) -> AuditInputs:
     """The global batch, losses and model of a checked ``experiment=gather_audit`` config."""
     dataset = config.build_dataset(cfg)
-    [(view0, view1)] = gradients.global_batches(
+    [(view0, view1)] = measure.global_batches(
         dataset, cfg.global_batch_size, cfg.seed, bool(cfg.data.shuffle), steps=1
     )
     losses = {
@@ -315,7 +319,7 @@ def run_audit(
     simulated_world_sizes = list(cfg.audit.get("simulated_world_sizes") or [])
     if inputs is None:
         inputs = audit_inputs(cfg)
-    table = gradients.audit(
+    table = measure.audit(
         inputs.losses,
         inputs.model_factory,
         inputs.view0,

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from gatherlab.augment import DROPOUT_STREAM, sample_generator
-from gatherlab.batchnorm import GlobalBatchNorm
+from gatherlab.components.augment import DROPOUT_STREAM, sample_generator
+from gatherlab.components.batchnorm import GlobalBatchNorm
 
 
 class Linear(nn.Module):

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gatherlab import forkstart
+from gatherlab.ranks import forkstart
 
 log = logging.getLogger(__name__)
 

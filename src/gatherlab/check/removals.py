@@ -27,8 +27,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from gatherlab.augment import sample_generator
-from gatherlab.batchnorm import GlobalBatchNorm
+from gatherlab.components.augment import sample_generator
+from gatherlab.components.batchnorm import GlobalBatchNorm
 
 CAUSES = ("batchnorm", "dropout", "data_randomness")
 # The stream of sample_generator that seeds a sample's global random streams (0, 1 and 2 + … are

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from gatherlab import runfiles
-from gatherlab.data import GlobalBatchSampler, PairDataset
+from gatherlab.components.data import GlobalBatchSampler, PairDataset
+from gatherlab.core import runfiles
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,9 @@ class NonFiniteLoss(FloatingPointError):
         super().__init__(f"the {what} is {value} at step {step} (rank {rank})")
         self.what, self.value, self.step, self.rank = what, value, step, rank
 
-    def __reduce__(self) -> tuple:  # sent from a rank to the command as it is (gatherlab.pool)
+    def __reduce__(
+        self,
+    ) -> tuple:  # sent from a rank to the command as it is (gatherlab.ranks.pool)
         return type(self), (self.what, self.value, self.step, self.rank)
 
 
@@ -45,9 +47,10 @@ class ContrastiveModule(L.LightningModule):
     recorded gradient norm is taken after DDP has averaged the gradients, right before the
     optimizer applies them.
 
-    ``loss`` is a module, or a factory (``gatherlab.factory.LossFactory``) that each rank calls in
-    ``setup``, once its process group exists and before DDP wraps the module, so a loss that reads
-    its rank and world size at construction gets them, and its parameters are trained.
+    ``loss`` is a module, or a factory (``gatherlab.components.factory.LossFactory``) that each
+    rank calls in ``setup``, once its process group exists and before DDP wraps the module, so a
+    loss that reads its rank and world size at construction gets them, and its parameters are
+    trained.
     """
 
     def __init__(

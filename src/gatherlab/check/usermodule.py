@@ -1,6 +1,7 @@
 """A user's own ``LightningModule`` and map-style data set, trained the way gatherlab trains its
 own module (docs/design.md §2, §10): every layout sees the same global batches in the same order,
-rank r its r-th contiguous slice, and the removals of ``gatherlab.ablate`` applied on request.
+rank r its r-th contiguous slice, and the removals of ``gatherlab.check.removals`` applied on
+request.
 
 - ``ItemsDataModule`` serves each rank its slice of the global batches of any map-style data set
   (``len``, ``dataset[index]``), collated by the module's or the data set's ``collate_fn`` when it
@@ -26,10 +27,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from gatherlab import ablate, launch, runfiles
 from gatherlab import gather as gathering
-from gatherlab.factory import LossFactory
-from gatherlab.module import NonFiniteLoss, rank_sampler
+from gatherlab.check import removals
+from gatherlab.components.factory import LossFactory
+from gatherlab.components.module import NonFiniteLoss, rank_sampler
+from gatherlab.core import runfiles
+from gatherlab.ranks import launch
 
 __all__ = [
     "ItemsDataModule",
@@ -92,7 +95,7 @@ def collate_fn_of(module: Any, dataset: Any) -> Callable[[list[Any]], Any]:
 class ItemsDataModule(L.LightningDataModule):
     """Each rank's slice of the same global batches of a map-style data set (docs/design.md §2),
     its items drawn with the data set's own randomness or, ``seeded``, with its global random
-    streams seeded per sample (``ablate.PerSample``)."""
+    streams seeded per sample (``removals.PerSample``)."""
 
     def __init__(
         self,
@@ -113,13 +116,13 @@ class ItemsDataModule(L.LightningDataModule):
             self.trainer, len(self.dataset), self.global_batch_size, self.steps, self.seed,
             self.shuffle,
         )  # fmt: skip
-        items = ablate.PerSample(self.dataset, self.seed, self.seeded)
+        items = removals.PerSample(self.dataset, self.seed, self.seeded)
         return DataLoader(items, batch_sampler=sampler, collate_fn=self.collate_fn)
 
 
 @dataclass(frozen=True)
 class Removals:
-    """Which causes of docs/design.md §10 are taken out of a run (``ablate.CAUSES``)."""
+    """Which causes of docs/design.md §10 are taken out of a run (``removals.CAUSES``)."""
 
     batchnorm: bool = False
     dropout: bool = False
@@ -127,18 +130,18 @@ class Removals:
 
     @classmethod
     def of(cls, variant: str) -> Removals:
-        """``baseline`` (none), one cause of ``ablate.CAUSES``, or ``all``."""
+        """``baseline`` (none), one cause of ``removals.CAUSES``, or ``all``."""
         if variant == "all":
             return cls(True, True, True)
-        return cls(**{cause: cause == variant for cause in ablate.CAUSES})
+        return cls(**{cause: cause == variant for cause in removals.CAUSES})
 
 
-def prepare(module: torch.nn.Module, removals: Removals) -> None:
+def prepare(module: torch.nn.Module, removed: Removals) -> None:
     """Apply the module's removals in place (batch norm over the global batch, dropout off)."""
-    if removals.batchnorm:
-        ablate.global_batch_norm(module)
-    if removals.dropout:
-        ablate.no_dropout(module)
+    if removed.batchnorm:
+        removals.global_batch_norm(module)
+    if removed.dropout:
+        removals.no_dropout(module)
 
 
 def _loss_value(output: Any) -> torch.Tensor:
@@ -243,7 +246,7 @@ def _seed_processes(seed: int) -> None:
 def train_on_rank(
     module: LossFactory,
     dataset: LossFactory,
-    removals: Removals,
+    removed: Removals,
     global_batch_size: int,
     steps: int,
     seed: int,
@@ -256,7 +259,7 @@ def train_on_rank(
     process group when there is one. Returns this rank's ``Trained``."""
     recorder = Recorder()
     fit_on_rank(
-        module, dataset, removals, global_batch_size, steps, seed, precision, shuffle, [recorder]
+        module, dataset, removed, global_batch_size, steps, seed, precision, shuffle, [recorder]
     )
     if recorder.first_gradient is None or recorder.parameters is None:
         raise RuntimeError(f"training stopped before its first step on rank {gathering.rank()}")
@@ -268,7 +271,7 @@ def train_on_rank(
 def fit_on_rank(
     module: LossFactory,
     dataset: LossFactory,
-    removals: Removals,
+    removed: Removals,
     global_batch_size: int,
     steps: int,
     seed: int,
@@ -280,10 +283,10 @@ def fit_on_rank(
     apply ``removals``, seed the global random streams from ``seed``, and fit ``steps`` steps on
     one device or on this rank of the process group when there is one."""
     lightning_module = module()
-    prepare(lightning_module, removals)
+    prepare(lightning_module, removed)
     data = dataset()
     datamodule = ItemsDataModule(
-        data, global_batch_size, steps, seed, shuffle, removals.data_randomness,
+        data, global_batch_size, steps, seed, shuffle, removed.data_randomness,
         collate_fn_of(lightning_module, data),
     )  # fmt: skip
     _seed_processes(seed)

@@ -19,9 +19,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gatherlab import cli, config, gradients, terms
 from gatherlab import gather as gathering
-from gatherlab.config import ConfigError
+from gatherlab.check import measure
+from gatherlab.components import config
+from gatherlab.components.config import ConfigError
+from gatherlab.core import cli, terms
 
 # Per accelerator, the precisions whose layouts gatherlab can judge (terms.TOLERANCE): float64
 # to ~1e-10, float32 to ~1e-5. Mixed precision rounds too coarsely to tell a bug from noise.
@@ -154,7 +156,7 @@ def _check_contrastive_only(cfg: DictConfig, removals: Mapping[str, bool]) -> No
 def _check_user_objects(cfg: DictConfig) -> int:
     """Build the user's module (as on one device: rank 0 of 1) and data set once, apply the
     removals, check both contracts; return the data set's number of samples."""
-    from gatherlab import usermodule
+    from gatherlab.check import usermodule
 
     factory = config.module_factory(cfg)
     target = cfg.module._target_
@@ -186,8 +188,8 @@ def _check_user_objects(cfg: DictConfig) -> int:
 
 def check_command(cfg: Mapping[str, Any], experiment: str | None, command: str) -> None:
     """Refuse a job that another command runs: an experiment whose config names its command
-    (``run_by``, e.g. a script that trains outside ``gatherlab.train``) runs only there, so that
-    no command silently runs something else under the experiment's name."""
+    (``run_by``, e.g. a script that trains outside ``python -m gatherlab.train``) runs only there,
+    so that no command silently runs something else under the experiment's name."""
     run_by = cfg.get("run_by")
     if run_by is not None and run_by != command:
         raise ConfigError(
@@ -245,7 +247,7 @@ def _check_objects(cfg: DictConfig) -> None:
             "torch.nn.Module whose forward(out0, out1) returns a scalar (docs/design.md §4)"
         )
     try:
-        gradients.style(factory)  # the style a loss declares is one of docs/design.md §1
+        measure.style(factory)  # the style a loss declares is one of docs/design.md §1
     except ValueError as error:
         raise ConfigError(f"loss ({cfg.loss._target_}): {error}") from None
     optimizer = config.build_optimizer(cfg)

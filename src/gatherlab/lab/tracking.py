@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gatherlab import runfiles
+from gatherlab.core import runfiles
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from gatherlab import gather as gathering
-from gatherlab.augment import VIEW_STREAMS, Augmentation, sample_generator
+from gatherlab.components.augment import VIEW_STREAMS, Augmentation, sample_generator
 
 SEEDINGS = ("per_sample", "per_process")
 

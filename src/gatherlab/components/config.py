@@ -23,9 +23,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gatherlab import cli
 from gatherlab import gather as gathering
-from gatherlab.factory import LossFactory, locate
+from gatherlab.components.factory import LossFactory, locate
+from gatherlab.core import cli
 
 # The configs: the repository's conf/, which the package carries as gatherlab.conf (pyproject.toml),
 # so a checkout and an installed wheel compose the same files.
@@ -40,7 +40,7 @@ CHOICE_GROUPS = (
     "logger",
 )  # fmt: skip
 # The removals a run can ask for (``ablate.<key>``, conf/config.yaml): per key, its values, the
-# first that of a run without it (``gatherlab.ablate``, ``usermodule.Removals``).
+# first that of a run without it (``gatherlab.check.removals``, ``usermodule.Removals``).
 ABLATE = {
     "batchnorm": ("as_is", "global"),
     "dropout": ("on", "off"),
@@ -162,7 +162,7 @@ def build_gather(cfg: DictConfig) -> Callable[[torch.Tensor], torch.Tensor] | No
 
 def loss_factory(cfg: DictConfig) -> LossFactory:
     """The loss of ``cfg.loss`` with the gather of ``cfg.gather``, as a factory that each rank
-    calls once its process group exists (``gatherlab.factory``)."""
+    calls once its process group exists (``gatherlab.components.factory``)."""
     return loss_factory_of(cfg.loss, build_gather(cfg), cfg.seed)
 
 
@@ -184,7 +184,8 @@ def _factory_of(
     exclude: Sequence[str] = (),
 ) -> LossFactory:
     """The factory of a node whose ``_target_`` is an import path and whose other keys (but
-    ``exclude``) are its keyword arguments; built where it runs (``gatherlab.factory``)."""
+    ``exclude``) are its keyword arguments; built where it runs (``gatherlab.components.factory``).
+    """
     if OmegaConf.is_missing(node, "_target_"):
         raise ConfigError(
             f"{key}._target_ is missing; allowed: an import path, e.g. "

@@ -36,7 +36,8 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from gatherlab import simworld, terms
+from gatherlab.core import terms
+from gatherlab.ranks import simworld
 
 __all__ = [
     "CLASSES",
@@ -66,11 +67,11 @@ GatherFn = Callable[[torch.Tensor], torch.Tensor]
 (W·B, ...) tensor."""
 
 STYLES = tuple(terms.Style)
-"""The loss styles of docs/design.md §1 (`gatherlab.terms.Style`): the keys of
+"""The loss styles of docs/design.md §1 (`gatherlab.core.terms.Style`): the keys of
 `Gather.predicted`."""
 CLASSES = tuple(terms.GradientClass)
 """The gradient classes a gather's backward can give after DDP's average (docs/design.md §1;
-`gatherlab.terms.GradientClass`)."""
+`gatherlab.core.terms.GradientClass`)."""
 
 
 class Gather:
@@ -103,8 +104,9 @@ class Gather:
     """The gradient class (`CLASSES`) predicted per loss style (`STYLES`); a style left out has no
     prediction."""
     backward: str | None = None
-    """The rule of the backward (``sum``, ``own``, ``mean``, ``none``; `gatherlab.simworld.RULES`),
-    or None when the gather names none and runs on real ranks only."""
+    """The rule of the backward (``sum``, ``own``, ``mean``, ``none``;
+    `gatherlab.ranks.simworld.RULES`), or None when the gather names none and runs on real ranks
+    only."""
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Gather ``tensor`` from every rank of the running process group.
@@ -469,7 +471,7 @@ def rule(gather: GatherFn | None) -> terms.Rule | None:
         gather: a gather (any callable) or None.
 
     Returns:
-        Its ``backward`` attribute when that is one of `gatherlab.simworld.RULES`, else None.
+        Its ``backward`` attribute when that is one of `gatherlab.ranks.simworld.RULES`, else None.
 
     Example:
         >>> from gatherlab.gather import get, rule

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # headless: matplotlib picks Agg; notebooks: th
 import numpy as np
 import pandas as pd
 
-from gatherlab.terms import World
+from gatherlab.core.terms import World
 
 GATHER_COLORS = {
     "fixed": "#1f77b4",
@@ -24,7 +24,7 @@ GATHER_COLORS = {
     "nograd": "#8c564b",
     "avg": "#e377c2",
 }
-# how a column of the simulated world (gatherlab.simworld) is labelled apart from real ranks
+# how a column of the simulated world (gatherlab.ranks.simworld) is labelled apart from real ranks
 SIMULATED_MARK = {World.REAL: "", World.SIMULATED: " sim"}
 REFERENCE_STYLE = {"color": "black", "linestyle": (0, (4, 3)), "linewidth": 2.0, "zorder": 5}
 DEVICE_STYLES = {2: "-", 4: "-.", 8: ":"}

@@ -1,7 +1,7 @@
 """The check of a training step (docs/design.md §10): a user's ``LightningModule`` and data set
 trained N steps on W ranks of the warm pool and on one device, compared step by step; when a W is
-not exact, the same again with each known cause removed (``gatherlab.ablate``) and with all of
-them removed, and the causes whose removal makes it exact named.
+not exact, the same again with each known cause removed (``gatherlab.check.removals``) and with all
+of them removed, and the causes whose removal makes it exact named.
 
 ``gatherlab.check.check_training`` is the API and ``python -m gatherlab.check --module`` the
 command line; this module trains and compares, and says nothing in words.
@@ -18,11 +18,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from gatherlab import ablate, gradients, terms, usermodule
-from gatherlab.factory import LossFactory
-from gatherlab.pool import pool
+from gatherlab.check import measure, removals, usermodule
+from gatherlab.components.factory import LossFactory
+from gatherlab.core import terms
+from gatherlab.ranks.pool import pool
 
-VARIANTS = ("baseline", *ablate.CAUSES, "all")
+VARIANTS = ("baseline", *removals.CAUSES, "all")
 # What remains when every removal has been made: the loss, or how it communicates.
 LOSS = "loss"
 PRECISIONS = ("64-true", "32-true")
@@ -78,8 +79,8 @@ def _same(a: Any, b: Any) -> bool:
 def _draws_randomness(data: Any) -> bool:
     """Whether the data set's items depend on the global random streams: item 0 read twice under
     two different seeds of them."""
-    first = ablate.PerSample(data, seed=1, seeded=True)[(0, 0)]
-    second = ablate.PerSample(data, seed=2, seeded=True)[(0, 0)]
+    first = removals.PerSample(data, seed=1, seeded=True)[(0, 0)]
+    second = removals.PerSample(data, seed=2, seeded=True)[(0, 0)]
     return not _same(first, second)
 
 
@@ -114,13 +115,13 @@ def validate(setting: Setting, world_sizes: Sequence[int]) -> tuple[str, ...]:
             f"--global-batch-size {batch} exceeds the {size} samples of the data set; allowed: at "
             f"most {size}"
         )
-    gradients.check_world_sizes(world_sizes, batch, f"--global-batch-size {batch}")
+    measure.check_world_sizes(world_sizes, batch, f"--global-batch-size {batch}")
     causes = {
-        "batchnorm": bool(ablate.batch_norms(module)),
-        "dropout": bool(ablate.dropouts(module)),
+        "batchnorm": bool(removals.batch_norms(module)),
+        "dropout": bool(removals.dropouts(module)),
         "data_randomness": _draws_randomness(data),
     }
-    return tuple(cause for cause in ablate.CAUSES if causes[cause])
+    return tuple(cause for cause in removals.CAUSES if causes[cause])
 
 
 def _train(setting: Setting, variant: str, world_size: int) -> _Run:
@@ -141,8 +142,8 @@ def _compare(run: _Run, reference: _Run, world_size: int, tolerance: float) -> d
     """A W-rank run against its 1-device reference: the row's numbers and its verdict."""
     differences = [abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True)]
     first = next((step for step, d in enumerate(differences) if d > tolerance), None)
-    same, loss_diff = gradients.same_forward(run.losses[0], reference.losses[0])
-    gradient, cosine, norm_ratio, max_rel_err = gradients.classify(
+    same, loss_diff = measure.same_forward(run.losses[0], reference.losses[0])
+    gradient, cosine, norm_ratio, max_rel_err = measure.classify(
         run.first_gradient, reference.first_gradient, world_size
     )
     parameters = float((run.parameters - reference.parameters).abs().max())

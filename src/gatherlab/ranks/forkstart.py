@@ -1,4 +1,4 @@
-"""The fork server that the ranks of every worker pool are forked from (``gatherlab.pool``).
+"""The fork server that the ranks of every worker pool are forked from (``gatherlab.ranks.pool``).
 
 It lives apart from the pools and imports nothing heavy, so that a command can start it before it
 imports torch itself: the server's imports (torch, ``torch._dynamo`` for DDP, the command's own
@@ -20,7 +20,7 @@ from multiprocessing import forkserver
 # failed job then runs its next job without importing them in every rank), a gradient check does
 # not need them and does not pay their seconds.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
-PRELOAD_IF_IMPORTED = ("lightning.pytorch", "gatherlab.launch", "gatherlab.gradients")
+PRELOAD_IF_IMPORTED = ("lightning.pytorch", "gatherlab.ranks.launch", "gatherlab.check.measure")
 
 __all__ = ["PRELOAD", "PRELOAD_IF_IMPORTED", "start"]
 

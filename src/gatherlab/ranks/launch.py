@@ -26,7 +26,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
-from gatherlab.pool import COLLECTIVE_TIMEOUT, pool
+from gatherlab.ranks.pool import COLLECTIVE_TIMEOUT, pool
 
 
 def quiet_frameworks() -> None:

@@ -1,0 +1,404 @@
+"""Compare every run of a sweep with its 1-device reference; write the table and the figure.
+
+``python -m gatherlab.report SWEEP_DIR`` re-runs the comparison of a finished sweep; the same
+comparison runs by itself when a multirun of ``python -m gatherlab.train`` ends.
+
+A run's reference is the 1-device run whose resolved config equals the run's in everything but
+``gather`` and ``layout`` (docs/design.md §2, §5). A run matches it when the loss at every step and
+every final parameter agree within the tolerance of the run's precision. The gradient audit's
+table is rendered here too (``write_audit``). Run files are read only through ``results``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from gatherlab.analysis import figures, results
+from gatherlab.core import cli, runfiles, terms
+from gatherlab.core.terms import RunVerdict
+from gatherlab.gather import CLASSES
+
+__all__ = [
+    "audit_markdown", "common_tolerance", "compare", "comparison_text", "loss_matrix", "main",
+    "matrix_markdown", "predicted_invariance", "scaling_markdown", "write_audit",
+    "write_loss_matrix", "write_report",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+# What may differ between a run and its reference: the split over devices, how its ranks were
+# started, the gather, and how the run is logged.
+SPLIT_KEYS = ("gather", "layout", "launcher", "logger", "log_every")
+COMPARISON = runfiles.COMPARISON
+FIGURE = "comparison"
+# Written too when the sweep varies the loss: one row per loss, one column per gather × layout.
+MATRIX = "loss_matrix"
+KEY_COLUMNS = (
+    "experiment", "model", "loss", "data", "optim", "gather", "layout", "devices", "batch_size",
+    "global_batch_size", "precision", "steps", "seed",
+)  # fmt: skip
+
+
+# Every row of the printed comparison is named by these, and by every other key the sweep varies.
+NAMING_KEYS = ("gather", "layout")
+DERIVED_KEYS = ("devices", "batch_size")  # follow from the layout and the global batch size
+
+
+def _comparable(config: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in config.items() if k not in SPLIT_KEYS}, sort_keys=True)
+
+
+def _max_param_diff(state: dict, reference: dict) -> float:
+    if state.keys() != reference.keys():
+        return float("nan")
+    return max(float((state[k].double() - reference[k].double()).abs().max()) for k in state)
+
+
+def _varying_overrides(runs: pd.DataFrame) -> pd.DataFrame:
+    """Overrides whose value differs between runs, other than the table's own columns (a config
+    group's choice, such as ``launcher=external`` in one run only, is its column already)."""
+    values = pd.DataFrame(list(runs["overrides"]), index=runs.index)
+    keep = [
+        c for c in values.columns if c not in runs.columns and values[c].nunique(dropna=False) > 1
+    ]
+    return values[keep]
+
+
+VERDICTS = tuple(RunVerdict)
+"""What a run's row says of it (``verdict``, `gatherlab.core.terms.RunVerdict`)."""
+
+
+def _read_run_files(run_dir: str) -> tuple[pd.DataFrame, dict] | str:
+    """A run's curves and final weights, or why they cannot be read."""
+    try:
+        curves = results.load_curves(run_dir)
+        state = results.load_final_state(run_dir)
+    except Exception as error:  # a missing or corrupt file: reported for this run only
+        return cli.one_line(error)
+    if curves.empty or not curves["loss"].notna().all():
+        return f"{runfiles.CURVES}: no steps or a missing loss"
+    return curves, state
+
+
+def _not_comparable(run: pd.Series, curves: pd.DataFrame, reference: pd.Series,
+                    reference_curves: pd.DataFrame) -> str | None:  # fmt: skip
+    """Why a run cannot be held against its reference, if it cannot."""
+    if run["steps"] != reference["steps"] or len(curves) != len(reference_curves):
+        return f"{len(curves)} steps against the reference's {len(reference_curves)}"
+    if list(curves["step"]) != list(reference_curves["step"]):
+        return "its steps are not the reference's"
+    return None
+
+
+def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
+    """The comparison table of ``runs`` (from ``results.load_runs``) and every readable run's
+    curves. Each row gets a ``verdict`` (``VERDICTS``); a run is compared only with a reference
+    that it can be held against, and ``matches_reference`` is true only with that evidence."""
+    table = runs.copy()
+    files: dict[str, tuple[pd.DataFrame, dict]] = {}
+    table["verdict"] = None
+    for index, run in table.iterrows():
+        if run["status"] != "ok":
+            table.loc[index, "verdict"] = run["status"]
+            continue
+        found = _read_run_files(run["run_dir"])
+        if isinstance(found, str):
+            table.loc[index, ["verdict", "error"]] = [RunVerdict.UNREADABLE, found]
+        else:
+            files[run["run_dir"]] = found
+    table["group"] = table["config"].map(_comparable).factorize()[0]
+    table["reference"] = None
+    table["max_abs_loss_diff"] = float("nan")
+    table["max_abs_param_diff"] = float("nan")
+    for _, group in table.groupby("group"):
+        usable = group[group["verdict"].isna()]
+        candidates = usable[usable["devices"] == 1]
+        if candidates.empty:
+            table.loc[usable.index, "verdict"] = RunVerdict.NO_REFERENCE
+            continue
+        reference = candidates.iloc[0]
+        reference_curves, reference_state = files[reference["run_dir"]]
+        for index, run in usable.iterrows():
+            run_curves, state = files[run["run_dir"]]
+            table.loc[index, "reference"] = reference["run_dir"]
+            why = _not_comparable(run, run_curves, reference, reference_curves)
+            if why is not None:
+                table.loc[index, ["verdict", "error"]] = [RunVerdict.NOT_COMPARABLE, why]
+                continue
+            loss = run_curves["loss"].to_numpy()
+            loss_diff = float(abs(loss - reference_curves["loss"].to_numpy()).max())
+            param_diff = _max_param_diff(state, reference_state)
+            tolerance = terms.TOLERANCE[run["precision"]]
+            table.loc[index, "max_abs_loss_diff"] = loss_diff
+            table.loc[index, "max_abs_param_diff"] = param_diff
+            if run["run_dir"] == reference["run_dir"]:
+                verdict = RunVerdict.REFERENCE
+            elif param_diff != param_diff:  # NaN: the final weights have other names
+                verdict = RunVerdict.NOT_COMPARABLE
+                table.loc[index, "error"] = "its final weights are not the reference's"
+            elif loss_diff <= tolerance and param_diff <= tolerance:
+                verdict = RunVerdict.MATCHES
+            else:
+                verdict = RunVerdict.DIFFERS
+            table.loc[index, "verdict"] = verdict
+    table["matches_reference"] = table["verdict"].isin([RunVerdict.REFERENCE, RunVerdict.MATCHES])
+    varying = _varying_overrides(table)
+    table = pd.concat([table, varying], axis=1)
+    for column in ("run_dir", "reference"):
+        table[column] = table[column].map(lambda path: _relative(path, root))
+    curves = {_relative(path, root): frame for path, (frame, _) in files.items()}
+    table = table.drop(columns=["overrides", "config"])
+    table.attrs["override_columns"] = list(varying.columns)
+    return table, curves
+
+
+def _relative(path: str | None, root: Path) -> str | None:
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def write_report(sweep_dir: str | Path) -> pd.DataFrame:
+    """Compare the runs below ``sweep_dir``; write ``comparison.csv``, ``.png``, ``.pdf`` there."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise FileNotFoundError(f"sweep directory {sweep_dir} does not exist")
+    runs = results.load_runs(sweep_dir)
+    if runs.empty:
+        raise FileNotFoundError(f"no finished run (no {runfiles.SUMMARY}) below {sweep_dir}")
+    table, curves = compare(runs, sweep_dir)
+    table.to_csv(sweep_dir / COMPARISON, index=False)
+    drawn = table[table["run_dir"].isin(curves)]  # failed and unreadable runs are not drawn
+    if not drawn.empty:
+        figure = figures.comparison_figure(drawn, curves, common_tolerance(table))
+        figures.save(figure, sweep_dir / FIGURE)
+    if table["loss"].nunique() > 1:
+        write_loss_matrix(table, runs, sweep_dir)
+    return table
+
+
+def common_tolerance(table: pd.DataFrame) -> float | None:
+    """The match tolerance of the table's runs, None when they mix precisions."""
+    tolerances = {terms.TOLERANCE[p] for p in table["precision"].dropna()}
+    return tolerances.pop() if len(tolerances) == 1 else None
+
+
+def write_loss_matrix(table: pd.DataFrame, runs: pd.DataFrame, sweep_dir: str | Path) -> None:
+    """``loss_matrix.{png,pdf,md}`` of a comparison ``table`` (``runs``: ``results.load_runs``)."""
+    sweep_dir = Path(sweep_dir)
+    tolerance = common_tolerance(table)
+    diff, matches, verdicts = loss_matrix(table)
+    predicted = predicted_invariance(runs)
+    steps = int(table["steps"].max())
+    figures.save(figures.matrix_figure(diff, matches, tolerance), sweep_dir / MATRIX)
+    markdown = matrix_markdown(diff, matches, verdicts, predicted, tolerance, steps)
+    (sweep_dir / f"{MATRIX}.md").write_text(markdown)
+
+
+def loss_matrix(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Max |Δloss|, whether the run matches, and its verdict, per loss (rows, in sweep order) and
+    gather × layout (columns ``(gather, devices, batch_size)``) of the multi-device runs."""
+    runs = table[table["devices"] > 1]
+    index = list(dict.fromkeys(runs["loss"]))
+    keys = zip(runs["gather"], runs["devices"], runs["batch_size"], strict=True)
+    columns = list(dict.fromkeys(keys))
+    diff = pd.DataFrame(float("nan"), index=index, columns=pd.MultiIndex.from_tuples(columns))
+    matches = pd.DataFrame(False, index=index, columns=diff.columns)
+    verdicts = pd.DataFrame(None, index=index, columns=diff.columns, dtype=object)
+    for _, run in runs.iterrows():
+        column = (run["gather"], run["devices"], run["batch_size"])
+        diff.loc[run["loss"], column] = run["max_abs_loss_diff"]
+        matches.loc[run["loss"], column] = bool(run["matches_reference"])
+        verdicts.loc[run["loss"], column] = run["verdict"]
+    return diff, matches, verdicts
+
+
+def predicted_invariance(runs: pd.DataFrame) -> dict[str, bool | None]:
+    """Per loss name, whether its class predicts it layout-invariant with an exact gather
+    (``layout_invariant``, docs/design.md §3, recorded in each run's summary), None when the class
+    does not say."""
+    predicted = {}
+    for loss, invariant in zip(runs["loss"], runs["loss_layout_invariant"], strict=True):
+        predicted[loss] = None if pd.isna(invariant) else bool(invariant)
+    return predicted
+
+
+def matrix_markdown(
+    diff: pd.DataFrame,
+    matches: pd.DataFrame,
+    verdicts: pd.DataFrame,
+    predicted: dict[str, bool | None],
+    tolerance: float | None,
+    steps: int,
+) -> str:
+    """The loss matrix as a Markdown table: ✓/✗ and max |Δloss| per cell."""
+    names = {True: "invariant", False: "**not** invariant", None: "?"}
+    header = ["loss", "predicted with an exact gather"] + [
+        f"`{gather}` {devices} × {batch}" for gather, devices, batch in diff.columns
+    ]
+    rows = []
+    for loss in diff.index:
+        cells = [
+            _matrix_cell(value, match, verdict)
+            for value, match, verdict in zip(
+                diff.loc[loss], matches.loc[loss], verdicts.loc[loss], strict=True
+            )
+        ]
+        rows.append([f"`{loss}`", names[predicted.get(loss)], *cells])
+    intro = (
+        f"Max |Δloss| over {steps} steps against each loss's 1-device reference; ✓ = the run "
+        f"matches it (loss at every step and final parameters within "
+        f"{tolerance if tolerance is not None else 'the tolerance of its precision'})."
+    )
+    return f"{intro}\n\n{runfiles.markdown_table(header, rows)}\n"
+
+
+def _matrix_cell(value: float, match: bool, verdict: str | None) -> str:
+    if not pd.isna(value):
+        return f"{'✓' if match else '✗'} {value:.2g}"
+    return verdict or ""  # a run without a number says why: failed, unreadable, not comparable
+
+
+def comparison_text(table: pd.DataFrame) -> str:
+    """The comparison as a short text table: run, devices × batch, max |Δloss|, verdict (and,
+    for a run that failed or could not be compared, why)."""
+    extra = table.attrs.get("override_columns", [])
+    keys = [
+        c for c in (*KEY_COLUMNS, *extra) if c in table and c not in (*NAMING_KEYS, *DERIVED_KEYS)
+    ]
+    varying = [c for c in keys if table[c].nunique(dropna=False) > 1]
+    shown = [*varying, *NAMING_KEYS]
+    names = [
+        f"{run['run_dir']}: " + " ".join("-" if pd.isna(run[c]) else str(run[c]) for c in shown)
+        for _, run in table.iterrows()
+    ]
+    width = max(28, *map(len, names))
+    lines = [f"{'run':<{width}} {'devices × batch':>15} {'max |Δloss|':>12}  matches"]
+    outcomes = {"reference": "(reference)", "matches": "yes", "differs": "NO"}
+    for name, (_, run) in zip(names, table.iterrows(), strict=True):
+        outcome = outcomes.get(run["verdict"], run["verdict"])
+        failed = (RunVerdict.FAILED, RunVerdict.UNREADABLE, RunVerdict.NOT_COMPARABLE)
+        if run["verdict"] in failed and run["error"]:
+            outcome = f"{outcome}: {run['error']}"
+        devices = "?" if pd.isna(run["devices"]) else int(run["devices"])
+        batch = "?" if pd.isna(run["batch_size"]) else int(run["batch_size"])
+        lines.append(
+            f"{name:<{width}} {devices:>7} × {batch!s:<5} "
+            f"{run['max_abs_loss_diff']:>12.3g}  {outcome}"
+        )
+    return "\n".join(lines)
+
+
+def write_audit(table: pd.DataFrame, out: str | Path) -> None:
+    """The audit's table (``audit.csv``, written by the audit job) as ``audit.md`` and the figure
+    ``audit.png`` / ``audit.pdf`` in ``out``."""
+    out = Path(out)
+    (out / "audit.md").write_text(audit_markdown(table))
+    figures.save(figures.audit_figure(table, CLASSES), out / "audit")
+
+
+def audit_markdown(table: pd.DataFrame) -> str:
+    """The audit as a Markdown table: rows gathers, columns loss × W, measured class per cell
+    (with the prediction where they differ)."""
+    losses = list(dict.fromkeys(table["loss"]))
+    columns = sorted(
+        dict.fromkeys(zip(table["loss"], table["world_size"], table["world"], strict=True)),
+        key=lambda column: (losses.index(column[0]), column[1], column[2]),
+    )
+    styles = dict(zip(table["loss"], table["style"], strict=True))
+    header = ["gather"] + [
+        f"`{loss}` ({styles[loss]}) W={world_size}{figures.SIMULATED_MARK[world]}"
+        for loss, world_size, world in columns
+    ]
+    cells = table.set_index(["gather", "loss", "world_size", "world"])
+    rows = []
+    for gather in dict.fromkeys(table["gather"]):
+        row = [f"`{gather}`"]
+        for loss, world_size, world in columns:
+            measured = cells.loc[(gather, loss, world_size, world)]
+            cell = measured["measured"]
+            if measured["measured"] != measured["predicted"]:
+                cell = f"⚠ {cell} (predicted {measured['predicted']})"
+            row.append(cell)
+        rows.append(row)
+    intro = (
+        "Measured class of the parameter gradient after DDP's average against the 1-device "
+        "gradient (float64); ⚠ marks a cell whose measurement differs from the gather's "
+        'prediction (docs/design.md §1), which follows it; "sim" marks a simulated world '
+        "(docs/design.md §9)."
+    )
+    return f"{intro}\n\n{runfiles.markdown_table(header, rows)}\n"
+
+
+def _cosine_and_ratio_cell(row: pd.Series) -> str:
+    if pd.isna(row["cosine"]):
+        return "none" if row["norm_ratio"] == 0 else "n/a"
+    return f"{row['cosine']:.4g} / {row['norm_ratio']:.3g}"
+
+
+def scaling_markdown(table: pd.DataFrame) -> str:
+    """The gradient against W (``scaling.csv``) as a Markdown table: per loss and gather, cosine
+    and norm ratio at each W (the simulated world's where it ran, else real ranks', marked r), and
+    how far the measurement is from the prediction."""
+    sizes = sorted(set(table["world_size"]))
+    header = ["loss (style)", "gather", *(f"W={size}" for size in sizes)]
+    header += ["max \\|Δcos\\|", "max \\|Δratio\\|/ratio", "prediction"]
+    rows = []
+    for (loss, gather), cells in table.groupby(["loss", "gather"], sort=False):
+        row = [f"`{loss}` ({cells['style'].iloc[0]})", f"`{gather}`"]
+        for size in sizes:
+            at = cells[cells["world_size"] == size]
+            simulated = at[at["world"] == "simulated"]
+            if len(simulated):
+                row.append(_cosine_and_ratio_cell(simulated.iloc[0]))
+            elif len(at):
+                row.append(f"{_cosine_and_ratio_cell(at.iloc[0])} r")
+            else:
+                row.append("")
+        predicted = cells[cells["prediction"] != "none"]
+        cosine = (predicted["cosine"] - predicted["predicted_cosine"]).abs().max()
+        ratio = (
+            (predicted["norm_ratio"] / predicted["predicted_norm_ratio"] - 1).abs().max()
+            if (predicted["predicted_norm_ratio"] > 0).all()
+            else (predicted["norm_ratio"] - predicted["predicted_norm_ratio"]).abs().max()
+        )
+        kinds = ", ".join(dict.fromkeys(cells["prediction"]))
+        row += [f"{cosine:.2g}" if len(predicted) else "", f"{ratio:.2g}" if len(predicted) else ""]
+        rows.append([*row, kinds])
+    intro = (
+        "Cosine / norm ratio of the parameter gradient after DDP's average to the 1-device "
+        "gradient (float64) against the world size W: the simulated world's, or real gloo "
+        "ranks' where marked r (docs/design.md §9). The last columns compare every row, real "
+        "and simulated, with its prediction (exact: a closed form; expectation: over the random "
+        'partition of the batch into slices); "none": no gradient at all.'
+    )
+    return f"{intro}\n\n{runfiles.markdown_table(header, rows)}\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m gatherlab.report", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("sweep_dir", type=Path, help="the directory of a finished multirun")
+    args = parser.parse_args(argv)
+    try:
+        table = write_report(args.sweep_dir)
+    except FileNotFoundError as error:
+        cli.fail("report", error)
+    print(comparison_text(table))
+    print(f"figure: {args.sweep_dir / FIGURE}.png")
+    if (args.sweep_dir / f"{MATRIX}.png").exists():
+        print(f"loss matrix: {args.sweep_dir / MATRIX}.png and .md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""``python -m gatherlab.check``: a loss, a gather or a training step on W ranks against one device
+(`gatherlab.check`); writes ``check.csv`` into ``--out`` and exits 0 when every W is exact, 1
+otherwise, 2 for bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from gatherlab.check.api import (
+    OPTIMIZERS,
+    CheckError,
+    LossFailed,
+    check_gather,
+    check_loss,
+    check_training,
+)
+from gatherlab.check.diagnosis import explain, explain_training
+from gatherlab.components.config import ConfigError
+from gatherlab.core import cli, runfiles
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of world sizes; allowed: e.g. 2,4"
+        ) from None
+
+
+def _kwargs(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of keyword arguments")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    as_program = argv is None
+    parser = argparse.ArgumentParser(
+        prog="python -m gatherlab.check", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("loss", nargs="?", help="the loss factory, module:attribute")
+    parser.add_argument("--kwargs", type=_kwargs, default={}, help="its keyword arguments (JSON)")
+    parser.add_argument(
+        "--gather",
+        help="pass gather= to the loss: a built-in name or module:function; without a loss: "
+        "check this gather with gatherlab's local, global and mixed losses",
+    )
+    parser.add_argument("--world-sizes", type=_world_sizes, default=(2, 4), help="e.g. 2,4")
+    parser.add_argument(
+        "--steps", type=int, help="train this many steps (a loss: 0 by default; --module: 20)"
+    )
+    parser.add_argument("--optim", choices=OPTIMIZERS, default="sgd", help="for a loss's --steps")
+    training = parser.add_argument_group("the check of a training step (docs/design.md §10)")
+    training.add_argument("--module", help="a LightningModule, module:attribute")
+    training.add_argument("--module-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
+    training.add_argument("--data", help="a map-style data set (class or factory), module:attr")
+    training.add_argument("--data-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
+    training.add_argument("--global-batch-size", type=int, default=32, help="over all ranks")
+    training.add_argument("--precision", default="64-true", help="64-true or 32-true")
+    training.add_argument("--loss-attr", help="the module's attribute holding its loss")
+    parser.add_argument("--out", type=Path, help="output directory (default: a new outputs/ dir)")
+    args = parser.parse_args(argv)
+    if args.module is not None and (args.loss is not None or args.gather is not None):
+        parser.error("--module checks a training step; a loss or --gather is checked without it")
+    if args.module is not None and args.data is None:
+        parser.error("--module needs --data (a map-style data set, module:attribute)")
+    if args.module is None and args.loss is None and args.gather is None:
+        parser.error("name a loss (module:attribute), a gather (--gather), or --module and --data")
+    out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
+    try:
+        if (out / runfiles.CHECK).exists():
+            raise CheckError(f"--out {out} already holds a check; it is never overwritten")
+        if args.module is not None:
+            table = check_training(
+                args.module,
+                args.data,
+                args.world_sizes,
+                steps=20 if args.steps is None else args.steps,
+                global_batch_size=args.global_batch_size,
+                module_kwargs=args.module_kwargs,
+                data_kwargs=args.data_kwargs,
+                precision=args.precision,
+                loss_attr=args.loss_attr,
+            )
+            exact = (table.loc[table["variant"] == "baseline", "verdict"] == "exact").all()
+            text = explain_training(table)
+        else:
+            if args.loss is None:
+                table = check_gather(
+                    args.gather, args.world_sizes, steps=args.steps or 0, optim=args.optim
+                )
+            else:
+                table = check_loss(
+                    args.loss,
+                    args.world_sizes,
+                    gather=args.gather,
+                    steps=args.steps or 0,
+                    optim=args.optim,
+                    **args.kwargs,
+                )
+            exact, text = (table["verdict"] == "exact").all(), explain(table)
+    except (CheckError, ConfigError) as error:
+        cli.fail("check", error)
+    except LossFailed as error:
+        failed = "a rank" if args.module is not None else "the loss"
+        print(f"gatherlab.check: {failed} failed: {error}", file=sys.stderr)
+        sys.exit(1)
+    out.mkdir(parents=True, exist_ok=True)
+    runfiles.write_table(table, out / runfiles.CHECK)
+    print(text)
+    print(f"written: {out / runfiles.CHECK}")
+    if as_program:
+        cli.exiting()
+    sys.exit(0 if exact else 1)
+
+
+if __name__ == "__main__":
+    main()

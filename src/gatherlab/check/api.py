@@ -1,0 +1,373 @@
+"""The check of a loss, a gather or a training step on W real ranks against one device: the
+functions `gatherlab.check` exports (docs/design.md §6, §10)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+from gatherlab import gather as gathering
+from gatherlab.check import measure
+from gatherlab.check.diagnosis import COLUMNS, TRAIN_COLUMN, verdict
+from gatherlab.components import config
+from gatherlab.components.factory import LossFactory, locate
+from gatherlab.core import cli, terms
+from gatherlab.ranks.pool import RankError
+
+OPTIMIZERS = ("sgd", "adamw")
+# The loss styles of docs/design.md §1, one loss each, for checking a gather (the audit's losses).
+STYLE_LOSSES = ("ntxent", "ntxent_global", "vicreg")
+
+__all__ = ["CheckError", "LossFailed", "check_gather", "check_loss", "check_training"]
+
+
+class CheckError(ValueError):
+    """Bad input, found before any rank runs: the message is one line naming the part.
+
+    Raised by `check_loss` and `check_gather` for a factory or gather that does not import or is
+    not callable, a world size that is not an integer ≥ 2 dividing the global batch of 16, an
+    unknown ``optim``, a ``steps`` that is not an integer ≥ 0, and a loss that fails on one device
+    (its arguments are refused, its forward raises, or it returns no finite scalar).
+    ``python -m gatherlab.check`` prints it and exits with status 2.
+    """
+
+
+class LossFailed(RuntimeError):
+    """The loss raised, or broke its contract, on a rank; the message names the rank.
+
+    Raised by `check_loss` and `check_gather` after the loss ran on one device, for example when
+    its forward raises on one rank only, or when a parameter gets no gradient on a rank (DDP could
+    not average it). The message starts with ``W=<world size>``, then the failing rank's first
+    line. ``python -m gatherlab.check`` prints it and exits with status 1.
+    """
+
+
+# --- the check ----------------------------------------------------------------------------------
+
+
+def _factory(target: str | Callable[..., Any], kind: str = "loss") -> Callable[..., Any]:
+    """The class or function an import path names (``kind`` names it in the error)."""
+    if isinstance(target, str):
+        try:
+            target = locate(target)
+        except ImportError as error:
+            raise CheckError(f"{kind} {target}: {error}") from None
+    if not callable(target):
+        raise CheckError(f"{kind} {target!r} is not callable; allowed: a class or function")
+    return target
+
+
+def _gather(gather: str | gathering.GatherFn | None) -> tuple[str, gathering.GatherFn | None]:
+    """The gather's name in the table and the gather (None: native)."""
+    if gather is None or gather == "native":
+        return "native", None
+    if isinstance(gather, str):
+        if gather in gathering.NAMES:
+            return gather, gathering.get(gather)
+        try:
+            return gather, locate(gather)
+        except ImportError as error:
+            allowed = ", ".join(gathering.NAMES)
+            raise CheckError(
+                f"--gather {gather}: {error}; allowed: {allowed}, native, or module:function"
+            ) from None
+    if not callable(gather):
+        raise CheckError(f"gather {gather!r} is not callable; allowed: a function x -> gathered x")
+    return getattr(gather, "__qualname__", type(gather).__name__), gather
+
+
+@functools.cache
+def _composed(optim: str) -> tuple[Any, ...]:
+    """The audit's config (experiment=gather_audit) with this optimizer, and the objects it names;
+    composed once per process (a test suite checks many losses)."""
+    with config.composed():
+        cfg, _ = config.compose(["experiment=gather_audit", f"optim={optim}"])
+    model = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
+    return cfg, model, config.build_optimizer(cfg), config.build_dataset(cfg)
+
+
+def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, ...]:
+    """The audit's model, data and global batch (experiment=gather_audit), the optimizer, and the
+    global batches of the check."""
+    if optim not in OPTIMIZERS:
+        raise CheckError(f"--optim {optim!r} is unknown; allowed: {', '.join(OPTIMIZERS)}")
+    if not terms.is_integer(steps, 0):
+        raise CheckError(f"--steps {steps!r} is not allowed; allowed: {terms.allowed_integer(0)}")
+    cfg, model, optimizer, dataset = _composed(optim)
+    size = cfg.global_batch_size
+    try:
+        measure.check_world_sizes(world_sizes, size, f"the global batch of {size}")
+    except ValueError as error:
+        raise CheckError(str(error)) from None
+    batches = measure.global_batches(dataset, size, cfg.seed, bool(cfg.data.shuffle), max(steps, 1))
+    return cfg, model, optimizer, batches
+
+
+def _run(
+    losses: Mapping[str, LossFactory],
+    gather_name: str,
+    world_sizes: Sequence[int],
+    steps: int,
+    optim: str,
+) -> pd.DataFrame:
+    world_sizes = list(world_sizes)
+    cfg, model, optimizer, batches = _setting(optim, world_sizes, steps)
+    view0, view1 = batches[0]
+    references, curves = {}, {}
+    for name, loss in losses.items():  # one device, in this process: bad input is found here
+        try:
+            references[name] = measure.measure(loss, model, view0, view1, cfg.seed)
+            if steps:
+                curves[name] = measure.train(loss, model, batches, optimizer, 1, cfg.seed).losses
+        except measure.LossContractError as error:
+            raise CheckError(f"loss {name}: {error}") from None
+        except Exception as error:  # the factory refuses its arguments, the forward raises
+            raise CheckError(f"loss {name}: {type(error).__name__}: {error}") from None
+    rows = []
+    for world_size in world_sizes:
+        try:
+            measured = measure.measure_on_ranks(losses, model, view0, view1, world_size, cfg.seed)
+            trained = {
+                name: measure.train(loss, model, batches, optimizer, world_size, cfg.seed).losses
+                for name, loss in losses.items()
+                if steps
+            }
+        except RankError as error:
+            raise LossFailed(f"W={world_size}, {cli.first_line(error)}") from None
+        for name in losses:
+            same, loss_diff = measure.same_forward(measured[name].loss, references[name].loss)
+            gradient, cosine, norm_ratio, max_rel_err = measure.classify(
+                measured[name].gradient, references[name].gradient, world_size
+            )
+            forward = terms.Forward.SAME if same else terms.Forward.DIFFERS
+            row = {
+                "loss": name,
+                "gather": gather_name,
+                "world_size": world_size,
+                "forward": forward,
+                "gradient": gradient,
+                "verdict": verdict(forward, gradient),
+                "loss_diff": loss_diff,
+                "cosine": cosine,
+                "norm_ratio": norm_ratio,
+                "max_rel_err": max_rel_err,
+            }
+            if steps:
+                row[TRAIN_COLUMN] = max(
+                    abs(a - b) for a, b in zip(trained[name], curves[name], strict=True)
+                )
+            rows.append(row)
+    return pd.DataFrame(rows, columns=list(COLUMNS) + ([TRAIN_COLUMN] if steps else []))
+
+
+def check_loss(
+    factory: str | Callable[..., Any],
+    world_sizes: Iterable[int] = (2, 4),
+    *,
+    gather: str | gathering.GatherFn | None = None,
+    steps: int = 0,
+    optim: str = "sgd",
+    seed: int = 0,
+    **kwargs: Any,
+) -> pd.DataFrame:
+    """Check a loss on real gloo ranks of the warm worker pool: one row per world size
+    (``COLUMNS``, and ``train_max_abs_loss_diff`` with ``steps``).
+
+    The loss is built in every rank as ``factory(**kwargs)``, with ``rank=``/``world_size=``
+    when its signature takes them and ``kwargs`` does not set them, and ``gather=`` when
+    ``gather`` is given. It runs in the gradient audit's setting (an MLP 8 → 64 → 16, Gaussian
+    view pairs, a global batch of 16 in float64) and is compared with the same loss on one device
+    in this process (docs/design.md §6).
+
+    Args:
+        factory: the loss class or function, or its import path (``module:attribute`` or a dotted
+            path).
+        world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
+        gather: passed to the loss as ``gather=``: a name of `gatherlab.gather.NAMES`, a function
+            ``x -> gathered x``, or its import path. ``None`` or ``"native"`` passes none: the
+            loss communicates by itself.
+        steps: also train this many steps of plain DDP and compare the losses with one device
+            (0: no training).
+        optim: the optimizer of those steps, ``"sgd"`` (lr 0.01) or ``"adamw"`` (lr 1e-3,
+            weight decay 0.01).
+        seed: the seed the loss's own parameters, if any, are drawn from, the same in every rank
+            and on one device.
+        **kwargs: the loss's own keyword arguments.
+
+    Returns:
+        A pandas DataFrame with the columns of `COLUMNS` (and ``train_max_abs_loss_diff`` when
+        ``steps`` > 0), one row per world size in the order given. Its ``loss`` column is the
+        import path when ``factory`` is one, else the factory's qualified name.
+
+    Raises:
+        CheckError: bad input, before any rank runs; also when the loss fails on one device.
+        LossFailed: the loss raised or broke its contract on a rank.
+
+    Example:
+        >>> from gatherlab.check import check_loss
+        >>> table = check_loss("gatherlab.losses:NTXentLoss", (2, 4), gather="old", temperature=0.5)
+        >>> table["verdict"].tolist()
+        ['biased', 'biased']
+    """
+    function = _factory(factory)
+    gather_name, gather_fn = _gather(gather)
+    name = factory if isinstance(factory, str) else getattr(function, "__qualname__", "loss")
+    loss = LossFactory(function, kwargs, gather_fn, seed)
+    return _run({name: loss}, gather_name, tuple(world_sizes), steps, optim)
+
+
+def check_gather(
+    gather: str | gathering.GatherFn,
+    world_sizes: Iterable[int] = (2, 4),
+    *,
+    steps: int = 0,
+    optim: str = "sgd",
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Check a gather with gatherlab's three loss styles (local ``ntxent``, global
+    ``ntxent_global``, mixed ``vicreg``, as the gradient audit configures them) against one
+    device: one row per loss × world size.
+
+    Args:
+        gather: a name of `gatherlab.gather.NAMES`, a function ``x -> gathered x``, or its import
+            path.
+        world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
+        steps: also train this many steps of plain DDP and compare the losses with one device
+            (0: no training).
+        optim: the optimizer of those steps, ``"sgd"`` or ``"adamw"``.
+        seed: the seed the losses are built with.
+
+    Returns:
+        A pandas DataFrame like `check_loss`'s, one row per world size and loss (for each world
+        size in the order given, the three losses in the order above); its ``gather`` column is
+        the name or import path given, or the function's qualified name.
+
+    Raises:
+        CheckError: bad input, before any rank runs: ``None`` or ``"native"`` (no gather), a
+            path that does not import, an object that is not callable, or a world size, ``steps``
+            or ``optim`` that is not allowed.
+        LossFailed: a loss raised or broke its contract on a rank.
+
+    Example:
+        >>> from gatherlab.check import check_gather
+        >>> table = check_gather("old", world_sizes=(2, 4))
+        >>> table["verdict"].tolist()
+        ['biased', '1/W', 'biased', 'biased', '1/W', 'biased']
+    """
+    gather_name, gather_fn = _gather(gather)
+    if gather_fn is None:
+        raise CheckError("--gather native is no gather; allowed: a name or module:function")
+    cfg = _composed("sgd")[0]
+    losses = {
+        name: config.loss_factory_of(cfg.audit.losses[name], gather_fn, seed)
+        for name in STYLE_LOSSES
+    }
+    return _run(losses, gather_name, tuple(world_sizes), steps, optim)
+
+
+# --- the check of a training step (docs/design.md §10) -------------------------------------------
+
+
+def _path_name(factory: str | Callable[..., Any]) -> str:
+    return factory if isinstance(factory, str) else getattr(factory, "__qualname__", "module")
+
+
+def check_training(
+    module: str | Callable[..., Any],
+    data: str | Callable[..., Any],
+    world_sizes: Iterable[int] = (2, 4),
+    *,
+    steps: int = 20,
+    global_batch_size: int = 32,
+    module_kwargs: Mapping[str, Any] | None = None,
+    data_kwargs: Mapping[str, Any] | None = None,
+    precision: str = "64-true",
+    seed: int = 0,
+    loss_attr: str | None = None,
+) -> pd.DataFrame:
+    """Check a training step: a ``LightningModule`` trained ``steps`` steps on W real gloo ranks
+    (Lightning's DDP strategy on the warm pool) against the same on one device, and, for a W that
+    is not exact, the part that breaks it (docs/design.md §10).
+
+    The module is built inside every rank as ``module(**module_kwargs)`` (with ``rank=`` and
+    ``world_size=`` when its constructor takes them; its initial weights drawn from ``seed``, the
+    same everywhere) and the data set as ``data(**data_kwargs)``, a map-style data set (``len``,
+    ``data[index]``) whose items the module's or the data set's ``collate_fn`` collates (else
+    PyTorch's default). Every layout takes the same global batches in the same order, rank r its
+    r-th contiguous slice (docs/design.md §2). A W that is not exact is trained again with each
+    cause that applies removed (``batchnorm``, ``dropout``, ``data_randomness``) and with all of
+    them removed; the causes whose removal makes it exact, or changes its verdict, are its
+    culprits, and ``loss`` when removing all of them is not enough.
+
+    Args:
+        module: the ``LightningModule`` class or factory, or its import path.
+        data: the data set class or factory, or its import path.
+        world_sizes: the numbers of ranks, each an integer ≥ 2 dividing ``global_batch_size``.
+        steps: optimizer steps of each run.
+        global_batch_size: samples per step, over all ranks.
+        module_kwargs: the module's keyword arguments.
+        data_kwargs: the data set's keyword arguments.
+        precision: ``"64-true"`` (judged to 1e-10) or ``"32-true"`` (to 1e-5).
+        seed: the module's initial weights, the data order and every process's random streams.
+        loss_attr: the attribute of the module that holds its loss; with ``loss`` among the
+            culprits, that loss is checked too (`check_loss`, on gatherlab's MLP), and its
+            verdict joins the diagnosis. It must be callable as ``loss(z0, z1)``.
+
+    Returns:
+        A pandas DataFrame: for each W the ``baseline`` row and, when it is not exact, one row
+        per variant run; the columns of `COLUMNS`, ``train_max_abs_loss_diff``, then
+        ``variant``, ``culprits`` (``;``-separated, empty when exact), ``first_diff_step`` and
+        ``max_abs_param_diff``. ``verdict`` is one of `check_loss`'s or ``diverges`` (the first
+        step agrees, a later one does not). With ``loss_attr``, ``table.attrs["loss_check"]``
+        holds the loss check's table when it ran.
+
+    Raises:
+        CheckError: bad input, before any rank runs: a module that is no LightningModule or
+            cannot be built, a data set without ``__len__``/``__getitem__``, a global batch that
+            a W does not divide or larger than the data set, a ``training_step`` that returns no
+            loss (found on one device).
+        LossFailed: a rank raised; the message names it.
+
+    Example:
+        >>> from gatherlab.check import check_training
+        >>> table = check_training("ssl_modules:SimCLRWithBatchNorm", "ssl_modules:GaussianPairs")
+        >>> table.groupby("world_size")["culprits"].first().tolist()
+        ['batchnorm', 'batchnorm']
+    """
+    # Lightning: imported when a training step is checked
+    from gatherlab.check import training, usermodule
+
+    module_factory, data_factory = _factory(module, "module"), _factory(data, "data")
+    name = _path_name(module)
+    setting = training.Setting(
+        module=LossFactory(module_factory, dict(module_kwargs or {}), None, seed),
+        data=LossFactory(data_factory, dict(data_kwargs or {}), None, seed),
+        name=name, global_batch_size=global_batch_size, steps=steps, seed=seed,
+        precision=precision,
+    )  # fmt: skip
+    world_sizes = tuple(world_sizes)
+    try:
+        causes = training.validate(setting, world_sizes)
+    except ValueError as error:
+        raise CheckError(str(error)) from None
+    if loss_attr is not None and not callable(getattr(setting.module(), loss_attr, None)):
+        raise CheckError(
+            f"--loss-attr {loss_attr}: {name} has no callable attribute {loss_attr!r}; allowed: "
+            "the attribute that holds its loss"
+        )
+    try:  # one device, in this process: a training_step without a loss is found here
+        references = {"baseline": training.reference(setting, "baseline")}
+    except Exception as error:
+        raise CheckError(f"--module {name} on one device: {cli.first_line(error)}") from None
+    try:
+        table = training.check(setting, world_sizes, causes, references)
+    except RankError as error:
+        raise LossFailed(cli.first_line(error)) from None
+    blamed = table.loc[table["culprits"].str.contains(training.LOSS), "world_size"]
+    if loss_attr is not None and len(blamed):
+        loss = usermodule.loss_of(setting.module, loss_attr)
+        table.attrs["loss_check"] = check_loss(loss, sorted(set(blamed)), seed=seed)
+    return table

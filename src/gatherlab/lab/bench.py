@@ -1,0 +1,319 @@
+"""Benchmarks, apart from the tests: ``python -m gatherlab.bench {launcher,gather,sweep,check}
+[options]``.
+
+Each benchmark measures everything it compares in one invocation and prints ratios; nothing here
+asserts a time.
+
+``launcher``: the same N distributed training jobs (``experiment=bug_demo``, cpu2) run through
+``gatherlab.lab.jobs.run`` once with ``launcher=spawn`` (fresh processes per job) and once with
+``launcher=pool`` (one warm group). The marginal cost of a job is the mean wall time of jobs 2..N;
+the first job is shown apart (for the pool it includes starting the group).
+
+``gather``: forward + backward of each exact gather (``fixed`` with each backward collective,
+``fixed[all_reduce]`` and ``fixed[reduce_scatter]``, the one ``fixed`` picks on the running backend
+marked ``*``; ``torch_nn``, ``functional``, ``lightning``) on W real ranks, for
+local embeddings from 256×128 to 4096×512 (float32), each the median of interleaved repetitions
+timed on rank 0 between barriers. Bytes sent per rank by the backward's collective are those of
+the ring algorithms (all_reduce of M bytes: 2(W−1)/W·M; reduce-scatter and all-to-all:
+(W−1)/W·M), computed from the sizes, not measured on the wire.
+
+``sweep``: a sweep as a user runs it (``python -m gatherlab.train -m experiment=<name>``, a fresh
+interpreter), by default the 60-job loss matrix and then the 6-job bug demo: its wall time against
+the jobs' own training time (each run's ``wall_s``), split into start-up (the command's start to
+its first job's log line), per-job overhead (between the first job's start and the last job's end,
+what is not training) and the report (the last job's end to the command's end), and the ratio of
+the two sweeps' start-ups.
+
+``check``: ``python -m gatherlab.check`` of a loss at W = 2, 4 from a fresh shell against the floor
+of one interpreter, ``python -c "import torch, torch.distributed"``, each run in turn several times
+in the same invocation; the ratio of their medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gatherlab import gather as gathering
+from gatherlab.components import config
+from gatherlab.lab import configcheck
+from gatherlab.lab.jobs import run as run_job
+from gatherlab.ranks import pool as pools
+
+
+def _job_times(launcher: str, jobs: int, steps: int, root: Path) -> list[float]:
+    overrides = ["experiment=bug_demo", "layout=cpu2", f"steps={steps}", f"launcher={launcher}"]
+    with config.composed():
+        cfg, choices = config.compose(overrides)
+    configcheck.check(cfg)
+    times = []
+    for job in range(jobs):
+        start = time.perf_counter()
+        run_job(cfg, root / f"{launcher}-{job}", choices, overrides)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def launcher(jobs: int, steps: int) -> float:
+    """Print the per-job cost of ``spawn`` and ``pool``; return their ratio."""
+    if jobs < 2:
+        raise SystemExit("gatherlab.bench: error: --jobs must be at least 2 (job 1 is start-up)")
+    pools.close_pools()
+    marginal = {}
+    with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
+        print(f"{jobs} jobs of {steps} steps each, 2 CPU ranks (experiment=bug_demo layout=cpu2)")
+        print(f"{'launcher':<8} {'first job [s]':>14} {'per job, jobs 2..N [s]':>23}")
+        for name in ("spawn", "pool"):
+            times = _job_times(name, jobs, steps, Path(root))
+            marginal[name] = statistics.mean(times[1:])
+            print(f"{name:<8} {times[0]:>14.3f} {marginal[name]:>23.3f}")
+    pools.close_pools()
+    ratio = marginal["pool"] / marginal["spawn"]
+    print(f"pool/spawn per-job cost ratio: {ratio:.4f}")
+    return ratio
+
+
+GATHER_SIZES = ((256, 128), (1024, 256), (4096, 512))
+EXACT_GATHERS = ("fixed", "torch_nn", "functional", "lightning")
+
+
+FIXED_VARIANTS = tuple(f"fixed[{c}]" for c in gathering.BACKWARD_COLLECTIVES)
+"""``fixed`` with each backward collective, both timed whatever the backend."""
+SHOWN_BACKENDS = ("gloo", "nccl", "xccl")
+
+
+def _variants() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """``fixed`` with each backward collective (`FIXED_VARIANTS`), then the other exact gathers."""
+    variants: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        name: gathering.Fixed(collective)
+        for name, collective in zip(FIXED_VARIANTS, gathering.BACKWARD_COLLECTIVES, strict=True)
+    }
+    for name in EXACT_GATHERS[1:]:
+        variants[name] = gathering.get(name)
+    return variants
+
+
+def _backward_bytes(name: str, world_size: int, local_bytes: int) -> tuple[str, int]:
+    """The backward's collective and the bytes a rank sends in it (ring algorithms)."""
+    if name in FIXED_VARIANTS:
+        collective = name[len("fixed[") : -1]
+    else:  # torch_nn and lightning: all-to-all on gloo, reduce-scatter on NCCL
+        reduce_scatter = str(dist.get_backend()) in gathering.REDUCE_SCATTER_BACKENDS
+        collective = "reduce_scatter" if name == "functional" or reduce_scatter else "all_to_all"
+    total = world_size * local_bytes  # every collective here moves the W slice gradients
+    factor = 2 if collective == "all_reduce" else 1
+    return collective, factor * (world_size - 1) * total // world_size
+
+
+def _time_gathers(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict] | None:
+    """On every rank: forward + backward of each variant per size; rank 0 returns the rows."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    variants = _variants()
+    default = f"fixed[{gathering.backward_collective()}]"  # what ``fixed`` runs on this backend
+    rows = []
+    for batch, dim in sizes:
+        generator = torch.Generator().manual_seed(rank)
+        local = torch.randn(batch, dim, generator=generator)
+        weight = torch.randn(world_size * batch, dim, generator=generator)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for repeat in range(repeats + 2):  # two warm-up rounds
+            for name, function in variants.items():
+                x = local.clone().requires_grad_()
+                dist.barrier()
+                start = time.perf_counter()
+                (function(x) * weight).sum().backward()
+                dist.barrier()
+                if repeat >= 2:
+                    times[name].append(time.perf_counter() - start)
+        for name in variants:
+            collective, sent = _backward_bytes(name, world_size, local.numel() * 4)
+            rows.append(
+                {
+                    "world_size": world_size,
+                    "size": f"{batch}×{dim}",
+                    "gather": name,
+                    "default": name == default,
+                    "ms": 1e3 * statistics.median(times[name]),
+                    "collective": collective,
+                    "sent_MB": sent / 2**20,
+                }
+            )
+    return rows if rank == 0 else None
+
+
+def gather(world_sizes: tuple[int, ...], repeats: int) -> float:
+    """Print forward + backward times of the exact gathers; return fastest/fixed at the largest
+    size and world size."""
+    rows = []
+    for world_size in world_sizes:
+        rows += pools.pool(world_size).run(_time_gathers, GATHER_SIZES, repeats)[0]
+        pools.close_pools()
+    print(f"forward + backward, float32, median of {repeats}; backend gloo on CPU")
+    choices = ", ".join(f"{b}: {gathering.backward_collective(b)}" for b in SHOWN_BACKENDS)
+    print(f"fixed's backward collective by backend: {choices} (* marks this run's)")
+    print(f"{'W':>2} {'local size':>10} {'gather':<24} {'ms':>9}  backward collective, sent/rank")
+    for row in rows:
+        name = f"{row['gather']}{' *' if row['default'] else ''}"
+        print(
+            f"{row['world_size']:>2} {row['size']:>10} {name:<24} {row['ms']:>9.2f}  "
+            f"{row['collective']}, {row['sent_MB']:.2f} MB"
+        )
+    world_size, (batch, dim) = max(world_sizes), GATHER_SIZES[-1]
+    last = [r for r in rows if r["world_size"] == world_size and r["size"] == f"{batch}×{dim}"]
+    (fixed,) = (row["gather"] for row in last if row["default"])
+    times = {
+        row["gather"]: row["ms"]
+        for row in last
+        if row["default"] or row["gather"] not in FIXED_VARIANTS
+    }
+    fastest = min(times, key=times.get)
+    ratio = times[fastest] / times[fixed]
+    where = f"W={world_size}, {batch}×{dim}"
+    print(f"fastest exact gather ({fastest}) / fixed ({fixed}) at {where}: {ratio:.3f}")
+    return ratio
+
+
+# The timestamp of a log line of python -m gatherlab.train (Hydra's job logging format).
+_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+
+
+def _stamp(line: str) -> float | None:
+    found = _STAMP.match(line)
+    if found is None:
+        return None
+    return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _sweep_times(experiment: str, overrides: list[str], root: Path) -> dict[str, float]:
+    """Run one sweep in a fresh interpreter; its wall time and where it went."""
+    sweep_dir = root / experiment
+    command = [sys.executable, "-m", "gatherlab.train", "-m", f"experiment={experiment}",
+               *overrides, f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+    started = time.time()
+    finished = subprocess.run(command, capture_output=True, text=True)
+    ended = time.time()
+    if finished.returncode != 0:
+        raise SystemExit(f"gatherlab.bench: error: the sweep failed: {finished.stderr[-2000:]}")
+    lines = (finished.stdout + finished.stderr).splitlines()
+    job_starts = [_stamp(line) for line in lines if re.search(r"\bjob 1/\d+:", line)]
+    summaries = sorted(sweep_dir.glob("*/summary.json"))
+    training = sum(json.loads(path.read_text())["wall_s"] for path in summaries)
+    last_end = max(path.stat().st_mtime for path in summaries)
+    first = job_starts[0] if job_starts and job_starts[0] is not None else started
+    return {
+        "jobs": len(summaries),
+        "wall": ended - started,
+        "training": training,
+        "startup": first - started,
+        "overhead": (last_end - first) - training,
+        "report": ended - last_end,
+    }
+
+
+def sweep(experiments: list[str], overrides: list[str]) -> float:
+    """Print each sweep's wall time, its training time and their ratio, broken down; return the
+    first sweep's wall ÷ training."""
+    measured = {}
+    with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
+        for experiment in experiments:
+            measured[experiment] = _sweep_times(experiment, overrides, Path(root))
+    print(f"{'sweep':<14} {'jobs':>5} {'wall [s]':>9} {'training':>9} {'wall/train':>11} "
+          f"{'start-up':>9} {'per job':>8} {'report':>7}")  # fmt: skip
+    for experiment, t in measured.items():
+        print(f"{experiment:<14} {t['jobs']:>5} {t['wall']:>9.1f} {t['training']:>9.1f} "
+              f"{t['wall'] / t['training']:>11.2f} {t['startup']:>9.1f} "
+              f"{t['overhead'] / t['jobs']:>8.2f} {t['report']:>7.1f}")  # fmt: skip
+    first, *rest = experiments
+    for other in rest:
+        ratio = measured[first]["startup"] / measured[other]["startup"]
+        print(f"start-up of {first} / start-up of {other}: {ratio:.2f}")
+    return measured[first]["wall"] / measured[first]["training"]
+
+
+def _seconds(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def check(repeats: int) -> float:
+    """Print the check command's time against one interpreter's start-up; return their ratio."""
+    floor_command = [sys.executable, "-c", "import torch, torch.distributed"]
+    floors, checks = [], []
+    with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
+        for repeat in range(repeats):
+            check_command = [
+                sys.executable, "-m", "gatherlab.check", "gatherlab.losses:NTXentLoss",
+                "--gather", "fixed", "--world-sizes", "2,4", "--out", f"{root}/{repeat}",
+            ]  # fmt: skip
+            floors.append(_seconds(floor_command))
+            checks.append(_seconds(check_command))
+    floor, checked = statistics.median(floors), statistics.median(checks)
+    print(f"python -c 'import torch, torch.distributed': {floor:.2f} s (median of {repeats})")
+    print(f"python -m gatherlab.check NTXentLoss --gather fixed, W = 2, 4: {checked:.2f} s")
+    print(f"check / one interpreter: {checked / floor:.2f}")
+    return checked / floor
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m gatherlab.bench", description=__doc__.splitlines()[0]
+    )
+    commands = parser.add_subparsers(dest="benchmark", required=True)
+    launcher_parser = commands.add_parser(
+        "launcher", help="per-job cost of the pool against ddp_spawn"
+    )
+    launcher_parser.add_argument(
+        "--jobs", type=int, default=6, help="jobs per launcher (default 6)"
+    )
+    launcher_parser.add_argument(
+        "--steps", type=int, default=50, help="optimizer steps per job (default 50)"
+    )
+    gather_parser = commands.add_parser(
+        "gather", help="forward + backward time of the exact gathers"
+    )
+    gather_parser.add_argument(
+        "--world-sizes", type=int, nargs="+", default=[2, 4], help="(default 2 4)"
+    )
+    gather_parser.add_argument(
+        "--repeats", type=int, default=15, help="timed repetitions (default 15)"
+    )
+    sweep_parser = commands.add_parser(
+        "sweep", help="a sweep's wall time against its jobs' training time, broken down"
+    )
+    sweep_parser.add_argument(
+        "--experiments", nargs="+", default=["loss_matrix", "bug_demo"],
+        help="the sweeps to run, each experiment=<name> (default loss_matrix bug_demo)",
+    )  # fmt: skip
+    sweep_parser.add_argument("overrides", nargs="*", help="Hydra overrides for every sweep")
+    check_parser = commands.add_parser(
+        "check", help="python -m gatherlab.check against one interpreter's start-up"
+    )
+    check_parser.add_argument("--repeats", type=int, default=5, help="runs of each (default 5)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if args.benchmark == "sweep":
+        sweep(args.experiments, args.overrides)
+    elif args.benchmark == "check":
+        check(args.repeats)
+    elif args.benchmark == "launcher":
+        launcher(args.jobs, args.steps)
+    elif args.benchmark == "gather":
+        gather(tuple(args.world_sizes), args.repeats)
+
+
+if __name__ == "__main__":
+    main()
