@@ -83,8 +83,7 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
         (["steps=0"], "steps=0 is not allowed; allowed: a positive integer"),
         (
             ["precision=16-mixed"],
-            "precision='16-mixed' is not supported on layout.accelerator=cpu; allowed: 32-true, "
-            "64-true",
+            "precision='16-mixed' is not allowed; allowed: 64-true, 32-true",
         ),
         (["global_batch_size=512"], "global_batch_size=512 exceeds the 256 samples of the data"),
         (["global_batch_size=0"], "global_batch_size=0 is not allowed; allowed: a positive"),

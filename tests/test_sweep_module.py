@@ -1,5 +1,5 @@
 """A user's own LightningModule in a sweep (``module=external``, ``data=external``): its runs are
-compared with their 1-device references exactly as gatherlab's own module's, and the ``ablate.*``
+compared with their 1-device references exactly as gatherlab's own module's, and the ``removals.*``
 keys make each removal a group of its own, drawn as curves (docs/design.md §4, §5)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ USER = (
     "data=external", "data.dataset._target_=ssl_modules:GaussianPairs",
 )  # fmt: skip
 SWEEP = (
-    "-m", *USER, "layout=cpu1,cpu2", "ablate.batchnorm=as_is,global", "steps=4",
+    "-m", *USER, "layout=cpu1,cpu2", "removals.batchnorm=as_is,global", "steps=4",
     "global_batch_size=16", "precision=64-true", "log_every=0",
 )  # fmt: skip
 
@@ -29,9 +29,9 @@ def test_a_sweep_over_a_removal_attributes_the_difference_to_batch_norm(tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
 
     table = pd.read_csv(sweep / report.COMPARISON)
-    assert list(table["ablate.batchnorm"]) == ["as_is", "global", "as_is", "global"]
+    assert list(table["removals.batchnorm"]) == ["as_is", "global", "as_is", "global"]
     assert set(table["model"]) == {"ssl_modules:SimCLRWithBatchNorm"}
-    by = {(row["ablate.batchnorm"], row["devices"]): row for _, row in table.iterrows()}
+    by = {(row["removals.batchnorm"], row["devices"]): row for _, row in table.iterrows()}
     # each value of the removal is a group with its own 1-device reference
     assert by["as_is", 1]["verdict"] == by["global", 1]["verdict"] == "reference"
     assert by["as_is", 2]["reference"] == by["as_is", 1]["run_dir"]
@@ -64,7 +64,7 @@ def test_a_sweep_over_a_removal_attributes_the_difference_to_batch_norm(tmp_path
     figure = figures.comparison_figure(compared, curves, terms.TOLERANCE["64-true"])
     titles = [axis.get_title() for axis in figure.axes[::2]]
     assert [title.rsplit(", ", 1)[-1] for title in titles] == [
-        "ablate.batchnorm=as_is", "ablate.batchnorm=global",
+        "removals.batchnorm=as_is", "removals.batchnorm=global",
     ]  # fmt: skip
     for loss_axis, value in zip(figure.axes[::2], ("as_is", "global"), strict=True):
         run_curves = results.load_curves(sweep / str(by[value, 2]["run_dir"]))
@@ -82,11 +82,11 @@ def test_a_sweep_over_a_removal_attributes_the_difference_to_batch_norm(tmp_path
         ((*USER, "module._target_=ssl_modules:NotALightningModule"),
          "module (ssl_modules:NotALightningModule) built a NotALightningModule; allowed: a "
          "lightning.LightningModule"),
-        ((*USER, "ablate.batchnorm=sync"),
-         "ablate.batchnorm='sync' is not allowed; allowed: as_is, global"),
-        (("ablate.dropout=off",),
-         "ablate.dropout=off applies to module=external; allowed with module=contrastive: "
-         "ablate.dropout=on"),
+        ((*USER, "removals.batchnorm=sync"),
+         "removals.batchnorm='sync' is not allowed; allowed: as_is, global"),
+        (("removals.dropout=off",),
+         "removals.dropout=off applies to module=external; allowed with module=contrastive: "
+         "removals.dropout=on"),
         (("data=external", "data.dataset._target_=ssl_modules:GaussianPairs"),
          "data=external (a map-style data set read by index) serves module=external"),
     ],

@@ -44,7 +44,7 @@ EXPECTED = {
 def test_each_module_gets_its_verdict_and_causes(case):
     module, data, verdict, culprits = EXPECTED[case]
     table = check.check_training(f"ssl_modules:{module}", f"ssl_modules:{data}", (2, 4), **RUN)
-    baseline = table[table["variant"] == "baseline"].set_index("world_size")
+    baseline = table[table["removed"] == "none"].set_index("world_size")
     assert list(baseline.index) == [2, 4]
     assert list(baseline["verdict"]) == [verdict, verdict], table.to_string()
     assert set(table["culprits"]) == {culprits}, table.to_string()
@@ -54,12 +54,12 @@ def test_each_module_gets_its_verdict_and_causes(case):
         assert len(table) == 2  # nothing else was run
         return
     assert (baseline["train_max_abs_loss_diff"] > MISS_FACTOR * FLOAT64_BOUND).all()
-    removed = table[table["variant"] == ("all" if ";" in culprits else culprits)]
+    removed = table[table["removed"] == ("all" if ";" in culprits else culprits)]
     if culprits != "loss":  # with the causes removed, the run is exact again
         assert list(removed["verdict"]) == ["exact", "exact"], table.to_string()
         assert (removed["train_max_abs_loss_diff"] <= FLOAT64_BOUND).all()
     if ";" in culprits:  # neither removal alone is enough: each leaves the other cause
-        alone = table[table["variant"].isin(culprits.split(";"))]
+        alone = table[table["removed"].isin(culprits.split(";"))]
         assert (alone["verdict"] == "loss differs").all(), table.to_string()
 
 
@@ -99,7 +99,7 @@ def test_the_command_line_exits_by_its_verdict_and_writes_its_table(tmp_path):
     assert broken.returncode == 1, broken.stderr
     assert "| 2 | loss differs | dropout | exact |" in broken.stdout
     table = pd.read_csv(tmp_path / "dropout" / runfiles.CHECK)
-    assert list(table["variant"]) == ["baseline", "dropout"]
+    assert list(table["removed"]) == ["none", "dropout"]
     assert list(table["culprits"]) == ["dropout", "dropout"]
     again = run_command(
         "check", "--module", "ssl_modules:SimCLR", "--data", "ssl_modules:GaussianPairs",

@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # headless: matplotlib picks Agg; notebooks: th
 import numpy as np
 import pandas as pd
 
+from gatherlab.core import terms
 from gatherlab.core.terms import World
 
 GATHER_COLORS = {
@@ -28,7 +29,6 @@ GATHER_COLORS = {
 SIMULATED_MARK = {World.REAL: "", World.SIMULATED: " sim"}
 REFERENCE_STYLE = {"color": "black", "linestyle": (0, (4, 3)), "linewidth": 2.0, "zorder": 5}
 DEVICE_STYLES = {2: "-", 4: "-.", 8: ":"}
-PRECISION_NAMES = {"64-true": "float64", "32-true": "float32"}
 # |Δloss| of exactly 0 cannot sit on a log axis; such points are drawn at this floor.
 ZERO_FLOOR = 1e-18
 
@@ -123,10 +123,10 @@ def comparison_figure(
                 )
             _style_difference_axis(diff_axis, tolerance, "|Δ loss| vs 1-device reference")
             first = runs.iloc[0]
-            precision = PRECISION_NAMES.get(first["precision"], first["precision"])
+            precision = terms.Precision(first["precision"]).dtype_name
             what = ", ".join(str(first[c]) for c in ("loss", "model") if not pd.isna(first[c]))
             what = f"{what}, {precision}" if what else precision
-            # the keys that tell this group from the others (e.g. ablate.batchnorm=global)
+            # the keys that tell this group from the others (e.g. removals.batchnorm=global)
             keys = [c for c in table.attrs.get("override_columns", []) if c in table]
             named = [c for c in keys if table[c].nunique() > 1 and runs[c].nunique() == 1]
             what += "".join(f", {c}={first[c]}" for c in named)

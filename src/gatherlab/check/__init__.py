@@ -37,8 +37,8 @@ if sys.argv[:1] == ["-m"]:
 
 __all__ = [
     "COLUMNS", "CheckError", "LossFailed", "check_gather", "check_loss", "check_training",
-    "explain", "explain_training",
+    "explain", "explain_training", "trains_like_one_device",
 ]  # fmt: skip
 
 from gatherlab.check.api import CheckError, LossFailed, check_gather, check_loss, check_training
-from gatherlab.check.diagnosis import COLUMNS, explain, explain_training
+from gatherlab.check.diagnosis import COLUMNS, explain, explain_training, trains_like_one_device

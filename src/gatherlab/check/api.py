@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 
 from gatherlab import gather as gathering
-from gatherlab.check import measure
+from gatherlab.check import measure, removals
 from gatherlab.check.diagnosis import COLUMNS, TRAIN_COLUMN, verdict
 from gatherlab.components import config
 from gatherlab.components.factory import LossFactory, locate
@@ -298,9 +298,9 @@ def check_training(
     ``data[index]``) whose items the module's or the data set's ``collate_fn`` collates (else
     PyTorch's default). Every layout takes the same global batches in the same order, rank r its
     r-th contiguous slice (docs/design.md §2). A W that is not exact is trained again with each
-    cause that applies removed (``batchnorm``, ``dropout``, ``data_randomness``) and with all of
-    them removed; the causes whose removal makes it exact, or changes its verdict, are its
-    culprits, and ``loss`` when removing all of them is not enough.
+    removal that applies made (``batchnorm``, ``dropout``, ``data_randomness``,
+    `gatherlab.check.removals`) and with all of them made; the removals that make it exact, or
+    change its verdict, are its culprits, and ``loss`` when all of them are not enough.
 
     Args:
         module: the ``LightningModule`` class or factory, or its import path.
@@ -317,9 +317,10 @@ def check_training(
             verdict joins the diagnosis. It must be callable as ``loss(z0, z1)``.
 
     Returns:
-        A pandas DataFrame: for each W the ``baseline`` row and, when it is not exact, one row
-        per variant run; the columns of `COLUMNS`, ``train_max_abs_loss_diff``, then
-        ``variant``, ``culprits`` (``;``-separated, empty when exact), ``first_diff_step`` and
+        A pandas DataFrame: for each W the row of its run without removals (``removed`` is
+        ``none``) and, when it is not exact, one row per run with removals (``removed`` names
+        the removal, or ``all``); the columns of `COLUMNS`, ``train_max_abs_loss_diff``, then
+        ``removed``, ``culprits`` (``;``-separated, empty when exact), ``first_diff_step`` and
         ``max_abs_param_diff``. ``verdict`` is one of `check_loss`'s or ``diverges`` (the first
         step agrees, a later one does not). With ``loss_attr``, ``table.attrs["loss_check"]``
         holds the loss check's table when it ran.
@@ -350,7 +351,7 @@ def check_training(
     )  # fmt: skip
     world_sizes = tuple(world_sizes)
     try:
-        causes = training.validate(setting, world_sizes)
+        applying = training.validate(setting, world_sizes)
     except ValueError as error:
         raise CheckError(str(error)) from None
     if loss_attr is not None and not callable(getattr(setting.module(), loss_attr, None)):
@@ -359,14 +360,14 @@ def check_training(
             "the attribute that holds its loss"
         )
     try:  # one device, in this process: a training_step without a loss is found here
-        references = {"baseline": training.reference(setting, "baseline")}
+        references = {removals.NONE: training.reference(setting, removals.NONE)}
     except Exception as error:
         raise CheckError(f"--module {name} on one device: {cli.first_line(error)}") from None
     try:
-        table = training.check(setting, world_sizes, causes, references)
+        table = training.check(setting, world_sizes, applying, references)
     except RankError as error:
         raise LossFailed(cli.first_line(error)) from None
-    blamed = table.loc[table["culprits"].str.contains(training.LOSS), "world_size"]
+    blamed = table.loc[table["culprits"].str.contains(removals.LOSS), "world_size"]
     if loss_attr is not None and len(blamed):
         loss = usermodule.loss_of(setting.module, loss_attr)
         table.attrs["loss_check"] = check_loss(loss, sorted(set(blamed)), seed=seed)

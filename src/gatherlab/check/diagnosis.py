@@ -1,5 +1,5 @@
 """The words of a check: its table's columns, each verdict's diagnosis (its meaning, usual cause
-in code and fix) and each cause's of docs/design.md §10, and the text the command prints."""
+in code and fix) and each removal's of docs/design.md §10, and the text the command prints."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from typing import Any
 
 import pandas as pd
 
+from gatherlab.check.removals import ALL, LOSS, NONE, Removal
 from gatherlab.core import runfiles, terms
+
+EXACT = terms.GradientClass.EXACT
 
 COLUMNS = (
     "loss", "gather", "world_size", "forward", "gradient", "verdict", "loss_diff", "cosine",
@@ -26,7 +29,7 @@ TRAIN_COLUMN = "train_max_abs_loss_diff"
 # --- what each verdict means --------------------------------------------------------------------
 
 DIAGNOSES = {
-    "loss differs": (
+    terms.LOSS_DIFFERS: (
         "the loss itself is not the 1-device loss: the mean over ranks of what the ranks return "
         "differs from the loss of the whole batch (relative difference {loss_diff:.2g}). Usual "
         "causes: statistics of the rank's own batch (mean, standard deviation, covariance, batch "
@@ -76,41 +79,42 @@ DIAGNOSES = {
         "1, 1/W nor W (norm ratio {norm_ratio:.6g}): some factor depends on the layout, e.g. a "
         "loss divided by the local batch size in one place and by the global one in another."
     ),
+    terms.DIVERGES: (
+        "the first step agrees with one device, a later one does not: something besides the "
+        "first step's loss and gradient depends on the layout (an optimizer state, a buffer "
+        "updated per rank, randomness drawn after the first step)."
+    ),
 }
 
 
-# What each cause of docs/design.md §10 means, and its fix (the check of a training step).
-CAUSE_DIAGNOSES = {
-    "batchnorm": (
+# What each culprit of docs/design.md §10 means, and its fix (the check of a training step): the
+# cause each removal takes out, and the loss, which remains when all of them are made.
+CULPRIT_DIAGNOSES = {
+    Removal.BATCHNORM: (
         "batch norm normalises each rank's batch with its own statistics (plain DDP's "
         "BatchNorm), so W ranks compute another function of the batch than one device. Fix: "
         "statistics over the global batch: torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) "
         "on GPUs (NCCL), gatherlab.components.batchnorm.GlobalBatchNorm on any backend; or no "
         "batch norm where the split batch passes."
     ),
-    "dropout": (
+    Removal.DROPOUT: (
         "dropout masks come from each process's random generator, so a sample's mask depends on "
         "the rank that holds it and on what that rank drew before. Fix: draw each sample's mask "
         "from a generator seeded by (seed, epoch, sample index) "
         "(gatherlab.components.models.SeededDropout), or accept the difference: noise of the "
         "same distribution, not a bias."
     ),
-    "data_randomness": (
+    Removal.DATA_RANDOMNESS: (
         "the data set's augmentations draw from each process's global random streams (random, "
         "numpy, torch), so a sample's views depend on the rank that loads it. Fix: seed each "
         "sample's augmentation from its index and the epoch, e.g. a torch.Generator seeded by "
         "(seed, epoch, index) in __getitem__."
     ),
-    "loss": (
+    LOSS: (
         "with batch norm, dropout and the data's randomness removed the run is still not exact: "
         "the loss itself, or how it communicates across ranks (its gather), breaks it."
     ),
 }
-DIAGNOSES["diverges"] = (
-    "the first step agrees with one device, a later one does not: something besides the first "
-    "step's loss and gradient depends on the layout (an optimizer state, a buffer updated per "
-    "rank, randomness drawn after the first step)."
-)
 
 
 def verdict(forward: str, gradient: str) -> str:
@@ -123,7 +127,7 @@ def verdict(forward: str, gradient: str) -> str:
 
 def diagnosis(row: Mapping[str, Any]) -> str:
     """What a row's verdict means, its usual cause in code and what would make it exact."""
-    return DIAGNOSES[row["verdict"]].format(**row) if row["verdict"] != "exact" else "exact"
+    return DIAGNOSES[row["verdict"]].format(**row) if row["verdict"] != EXACT else EXACT
 
 
 class _PerWorldSize:
@@ -134,6 +138,13 @@ class _PerWorldSize:
 
     def __format__(self, spec: str) -> str:
         return ", ".join(format(value, spec) for value in self.values)
+
+
+def _paragraph(text: str) -> str:
+    """A diagnosis as the printed paragraph: capitalised, wrapped at 100 columns, indented."""
+    return textwrap.fill(
+        text[0].upper() + text[1:], 100, initial_indent="  ", subsequent_indent="  "
+    )
 
 
 def explain(table: pd.DataFrame) -> str:
@@ -161,7 +172,7 @@ def explain(table: pd.DataFrame) -> str:
         >>> print(explain(check_loss("gatherlab.losses:NTXentLoss", gather="old")))  # diagnoses
     """
     lines = [markdown(table)]
-    failing = table[table["verdict"] != "exact"]
+    failing = table[table["verdict"] != EXACT]
     for (loss, gather, verdict_), rows in failing.groupby(
         ["loss", "gather", "verdict"], sort=False
     ):
@@ -169,11 +180,7 @@ def explain(table: pd.DataFrame) -> str:
         via = "" if gather == "native" else f" with gather {gather}"
         numbers = {"verdict": verdict_}
         numbers.update({c: _PerWorldSize(rows[c]) for c in ("loss_diff", "cosine", "norm_ratio")})
-        text = diagnosis(numbers)
-        text = textwrap.fill(
-            text[0].upper() + text[1:], 100, initial_indent="  ", subsequent_indent="  "
-        )
-        lines.append(f"{loss}{via}, W = {sizes}: {verdict_}\n{text}")
+        lines.append(f"{loss}{via}, W = {sizes}: {verdict_}\n{_paragraph(diagnosis(numbers))}")
     if failing.empty:
         lines.append("Every world size trains like one device (float64, to 1e-10).")
     return "\n\n".join(lines) + "\n"
@@ -181,7 +188,7 @@ def explain(table: pd.DataFrame) -> str:
 
 # The columns the check of a training step prints (check.csv has them all).
 TRAINING_COLUMNS = (
-    "world_size", "variant", "forward", "gradient", "verdict", "first_diff_step",
+    "world_size", "removed", "forward", "gradient", "verdict", "first_diff_step",
     "train_max_abs_loss_diff", "max_abs_param_diff", "cosine", "norm_ratio",
 )  # fmt: skip
 
@@ -198,10 +205,19 @@ def markdown(table: pd.DataFrame, columns: Sequence[str] = (*COLUMNS, TRAIN_COLU
     return runfiles.markdown_table(columns, rows)
 
 
+def trains_like_one_device(table: pd.DataFrame) -> bool:
+    """Whether a check's table says every world size trains like one device: every verdict
+    ``exact`` (`check_loss`, `check_gather`), or for `check_training` every run without
+    removals."""
+    if "removed" in table:
+        table = table[table["removed"] == NONE]
+    return bool((table["verdict"] == EXACT).all())
+
+
 def explain_training(table: pd.DataFrame) -> str:
-    """The check of a training step as text: one row per W (its baseline verdict, the causes
-    found, the verdict with all of them removed), the variants' table, then what each cause
-    means and its fix.
+    """The check of a training step as text: one row per W (its verdict, the culprits found, the
+    verdict with all removals made), the table of its runs, then what each culprit means and its
+    fix.
 
     Args:
         table: a table of `check_training`.
@@ -211,28 +227,31 @@ def explain_training(table: pd.DataFrame) -> str:
     """
     summary = []
     for world_size, rows in table.groupby("world_size", sort=False):
-        by_variant = rows.set_index("variant")["verdict"]
+        by_run = rows.set_index("removed")["verdict"]
         culprits = rows["culprits"].iloc[0]
-        removed = [v for v in ("all", *CAUSE_DIAGNOSES) if v in by_variant.index]
-        after = by_variant[removed[0]] if removed else "—"
-        summary.append([str(world_size), by_variant["baseline"], culprits or "—", after])
-    header = ["world_size", "verdict", "culprits", "verdict without the removable causes"]
+        made = [r for r in (ALL, *Removal) if r in by_run.index]
+        after = by_run[made[0]] if made else "—"
+        summary.append([str(world_size), by_run[NONE], culprits or "—", after])
+    header = ["world_size", "verdict", "culprits", "verdict with every removal made"]
     lines = [runfiles.markdown_table(header, summary), markdown(table, TRAINING_COLUMNS)]
+    kept = table[table["removed"] == NONE]
+    diverging = kept.loc[kept["verdict"] == terms.DIVERGES, "world_size"]
+    if len(diverging):
+        sizes = ", ".join(str(w) for w in diverging)
+        lines.append(f"W = {sizes}: {terms.DIVERGES}\n{_paragraph(DIAGNOSES[terms.DIVERGES])}")
     found = [c for c in table["culprits"].str.split(";").explode().unique() if c]
-    for cause in found:
+    for culprit in found:
         sizes = ", ".join(
-            str(w) for w in table.loc[table["culprits"].str.contains(cause), "world_size"].unique()
+            str(w)
+            for w in table.loc[table["culprits"].str.contains(culprit), "world_size"].unique()
         )
-        text = textwrap.fill(CAUSE_DIAGNOSES[cause][0].upper() + CAUSE_DIAGNOSES[cause][1:], 100,
-                             initial_indent="  ", subsequent_indent="  ")  # fmt: skip
-        lines.append(f"{cause}, W = {sizes}:\n{text}")
+        lines.append(f"{culprit}, W = {sizes}:\n{_paragraph(CULPRIT_DIAGNOSES[culprit])}")
     loss_check = table.attrs.get("loss_check")
     if loss_check is not None:
         lines.append("The loss on its own (gatherlab.check on the loss attribute):\n"
                      + explain(loss_check).rstrip())  # fmt: skip
-    elif "loss" in found:
+    elif LOSS in found:
         lines.append("  Name the module's loss attribute (--loss-attr) to check the loss alone.")
-    baseline = table[table["variant"] == "baseline"]
-    if (baseline["verdict"] == "exact").all():
+    if trains_like_one_device(table):
         lines.append("Every world size trains like one device.")
     return "\n\n".join(lines) + "\n"

@@ -10,15 +10,18 @@ training step can name the part that breaks it.
   own whichever rank loads it (the other streams are left as they were).
 
 Each removal works on objects it has never seen: it looks for the ``torch.nn`` classes, or wraps
-the data set's ``__getitem__``; it changes nothing else. ``CAUSES`` lists them in the order the
-check reports them.
+the data set's ``__getitem__``; it changes nothing else. `Removal` names them in the order the
+check reports them, `Removals` is which a run makes (a sweep's ``removals.*`` keys, or one run of
+the training check), and a new removal is one member there, one field here and its function.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -30,15 +33,81 @@ from torch.nn.modules.dropout import _DropoutNd
 from gatherlab.components.augment import sample_generator
 from gatherlab.components.batchnorm import GlobalBatchNorm
 
-CAUSES = ("batchnorm", "dropout", "data_randomness")
+
+class Removal(StrEnum):
+    """A cause of a difference between layouts that a training step may contain, taken out of a
+    run (docs/design.md §10), in the order the check reports them."""
+
+    BATCHNORM = "batchnorm"
+    DROPOUT = "dropout"
+    DATA_RANDOMNESS = "data_randomness"
+
+
+# A sweep's ``removals.<removal>`` keys (conf/config.yaml, module=external): per removal, its
+# values, the first that of a run that keeps the cause.
+CONFIG_VALUES = {
+    Removal.BATCHNORM: ("as_is", "global"),
+    Removal.DROPOUT: ("on", "off"),
+    Removal.DATA_RANDOMNESS: ("as_is", "per_sample"),
+}
+# The runs of the training check, by what each removes: nothing, one removal, or all of them.
+NONE, ALL = "none", "all"
+# The culprit left when every removal is made and the run is still not exact: the loss itself, or
+# how it communicates across ranks.
+LOSS = "loss"
 # The stream of sample_generator that seeds a sample's global random streams (0, 1 and 2 + … are
 # gatherlab's own augmentations and dropout masks, docs/design.md §2).
 DATA_STREAM = 1_000_003
 
 __all__ = [
-    "CAUSES", "PerSample", "batch_norms", "dropouts", "global_batch_norm", "no_dropout",
-    "seeded_streams",
+    "ALL", "CONFIG_VALUES", "LOSS", "NONE", "PerSample", "Removal", "Removals", "batch_norms",
+    "dropouts", "global_batch_norm", "no_dropout", "seeded_streams",
 ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Removals:
+    """Which removals a run makes (one field per `Removal`)."""
+
+    batchnorm: bool = False
+    dropout: bool = False
+    data_randomness: bool = False
+
+    @classmethod
+    def named(cls, removed: str) -> Removals:
+        """A run of the training check by what it removes: `NONE`, one `Removal`, or `ALL`."""
+        return cls(**{f.name: removed in (f.name, ALL) for f in fields(cls)})
+
+    @classmethod
+    def from_config(cls, chosen: Mapping[str, Any] | None) -> Removals:
+        """A sweep's ``removals.<removal>`` values (`CONFIG_VALUES`; a missing key keeps its
+        cause); a ValueError of one line names a key or value that is not allowed."""
+        chosen = dict(chosen or {})
+        unknown = sorted(set(chosen) - set(CONFIG_VALUES))
+        if unknown:
+            allowed = ", ".join(CONFIG_VALUES)
+            raise ValueError(f"removals.{unknown[0]} is unknown; allowed: {allowed}")
+        removed = {}
+        for removal, values in CONFIG_VALUES.items():
+            value = chosen.get(removal, values[0])
+            if value not in values:
+                raise ValueError(
+                    f"removals.{removal}={value!r} is not allowed; allowed: {', '.join(values)}"
+                )
+            removed[removal.value] = value != values[0]
+        return cls(**removed)
+
+    def made(self) -> tuple[Removal, ...]:
+        """The removals this run makes, in `Removal`'s order."""
+        return tuple(removal for removal in Removal if getattr(self, removal.value))
+
+    def apply(self, module: nn.Module) -> None:
+        """Make the module's removals in place (batch norm over the global batch, dropout off);
+        the data set's is made where it is read (`PerSample`)."""
+        if self.batchnorm:
+            global_batch_norm(module)
+        if self.dropout:
+            no_dropout(module)
 
 
 def batch_norms(module: nn.Module) -> list[str]:

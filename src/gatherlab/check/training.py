@@ -1,7 +1,7 @@
 """The check of a training step (docs/design.md §10): a user's ``LightningModule`` and data set
 trained N steps on W ranks of the warm pool and on one device, compared step by step; when a W is
-not exact, the same again with each known cause removed (``gatherlab.check.removals``) and with all
-of them removed, and the causes whose removal makes it exact named.
+not exact, the same again with each removal that applies made (``gatherlab.check.removals``) and
+with all of them made, and the culprits named: the removals that make it exact.
 
 ``gatherlab.check.check_training`` is the API and ``python -m gatherlab.check --module`` the
 command line; this module trains and compares, and says nothing in words.
@@ -23,18 +23,16 @@ from gatherlab.components.factory import LossFactory
 from gatherlab.core import terms
 from gatherlab.ranks.pool import pool
 
-VARIANTS = ("baseline", *removals.CAUSES, "all")
-# What remains when every removal has been made: the loss, or how it communicates.
-LOSS = "loss"
-PRECISIONS = ("64-true", "32-true")
+EXACT = terms.GradientClass.EXACT
+
 COLUMNS = (
     "loss", "gather", "world_size", "forward", "gradient", "verdict", "loss_diff", "cosine",
-    "norm_ratio", "max_rel_err", "train_max_abs_loss_diff", "variant", "culprits",
+    "norm_ratio", "max_rel_err", "train_max_abs_loss_diff", "removed", "culprits",
     "first_diff_step", "max_abs_param_diff",
 )  # fmt: skip
 
 __all__ = [
-    "COLUMNS", "LOSS", "PRECISIONS", "VARIANTS", "Setting", "check", "reference",
+    "COLUMNS", "Setting", "check", "reference",
     "validate",
 ]  # fmt: skip
 
@@ -84,14 +82,13 @@ def _draws_randomness(data: Any) -> bool:
     return not _same(first, second)
 
 
-def validate(setting: Setting, world_sizes: Sequence[int]) -> tuple[str, ...]:
+def validate(setting: Setting, world_sizes: Sequence[int]) -> tuple[removals.Removal, ...]:
     """Build the module and the data set here (rank 0 of 1) and check what can be checked before
-    any rank starts; a ValueError of one line otherwise. Returns the causes that apply: the
+    any rank starts; a ValueError of one line otherwise. Returns the removals that apply: the
     module's batch norms and dropout layers, the data set's own randomness."""
-    if setting.precision not in PRECISIONS:
-        raise ValueError(
-            f"--precision {setting.precision!r} is not allowed; allowed: {', '.join(PRECISIONS)}"
-        )
+    if setting.precision not in terms.PRECISIONS:
+        allowed = ", ".join(terms.PRECISIONS)
+        raise ValueError(f"--precision {setting.precision!r} is not allowed; allowed: {allowed}")
     for key, value, minimum in (
         ("--steps", setting.steps, 1), ("--global-batch-size", setting.global_batch_size, 1),
     ):  # fmt: skip
@@ -116,18 +113,19 @@ def validate(setting: Setting, world_sizes: Sequence[int]) -> tuple[str, ...]:
             f"most {size}"
         )
     measure.check_world_sizes(world_sizes, batch, f"--global-batch-size {batch}")
-    causes = {
-        "batchnorm": bool(removals.batch_norms(module)),
-        "dropout": bool(removals.dropouts(module)),
-        "data_randomness": _draws_randomness(data),
+    applies = {
+        removals.Removal.BATCHNORM: bool(removals.batch_norms(module)),
+        removals.Removal.DROPOUT: bool(removals.dropouts(module)),
+        removals.Removal.DATA_RANDOMNESS: _draws_randomness(data),
     }
-    return tuple(cause for cause in removals.CAUSES if causes[cause])
+    return tuple(removal for removal in removals.Removal if applies[removal])
 
 
-def _train(setting: Setting, variant: str, world_size: int) -> _Run:
-    """The run of a variant on one device (in this process) or on W ranks of the pool."""
+def _train(setting: Setting, removed: str, world_size: int) -> _Run:
+    """The run that makes the removals ``removed`` names on one device (in this process) or on W
+    ranks of the pool."""
     arguments = (
-        setting.module, setting.data, usermodule.Removals.of(variant), setting.global_batch_size,
+        setting.module, setting.data, removals.Removals.named(removed), setting.global_batch_size,
         setting.steps, setting.seed, setting.precision,
     )  # fmt: skip
     if world_size == 1:
@@ -147,14 +145,14 @@ def _compare(run: _Run, reference: _Run, world_size: int, tolerance: float) -> d
         run.first_gradient, reference.first_gradient, world_size
     )
     parameters = float((run.parameters - reference.parameters).abs().max())
-    if first is None and parameters <= tolerance and gradient == "exact":
-        verdict = "exact"
+    if first is None and parameters <= tolerance and gradient == EXACT:
+        verdict = EXACT
     elif not same:
         verdict = terms.LOSS_DIFFERS
-    elif gradient != "exact":
+    elif gradient != EXACT:
         verdict = gradient
     else:  # the first step agrees, a later one does not
-        verdict = "diverges"
+        verdict = terms.DIVERGES
     return {
         "forward": terms.Forward.SAME if same else terms.Forward.DIFFERS,
         "gradient": gradient,
@@ -169,54 +167,55 @@ def _compare(run: _Run, reference: _Run, world_size: int, tolerance: float) -> d
     }
 
 
-def _culprits(baseline: str, verdicts: dict[str, str], causes: Sequence[str]) -> list[str]:
-    """The causes whose removal alone makes the run exact or changes its verdict; when none does
-    but removing all of them does, all of them together; ``loss`` when removing all of them
-    leaves it inexact."""
-    found = [c for c in causes if verdicts[c] == "exact" or verdicts[c] != baseline]
-    everything = verdicts["all"] if len(causes) > 1 else verdicts[causes[0]] if causes else baseline
-    if not found and everything == "exact":
-        found = list(causes)
-    if everything != "exact":
-        found.append(LOSS)
+def _culprits(verdicts: dict[str, str], applying: Sequence[removals.Removal]) -> list[str]:
+    """The removals that alone make the run exact or change its verdict; when none does but all
+    of them together do, all of them; ``loss`` when all of them leave it inexact."""
+    kept = verdicts[removals.NONE]
+    found = [r for r in applying if verdicts[r] == EXACT or verdicts[r] != kept]
+    if len(applying) > 1:
+        everything = verdicts[removals.ALL]
+    else:
+        everything = verdicts[applying[0]] if applying else kept
+    if not found and everything == EXACT:
+        found = list(applying)
+    if everything != EXACT:
+        found.append(removals.LOSS)
     return found
 
 
-def reference(setting: Setting, variant: str) -> _Run:
-    """A variant's 1-device run, in this process."""
-    return _train(setting, variant, 1)
+def reference(setting: Setting, removed: str) -> _Run:
+    """The 1-device run that makes the removals ``removed`` names, in this process."""
+    return _train(setting, removed, 1)
 
 
 def check(
     setting: Setting,
     world_sizes: Sequence[int],
-    causes: Sequence[str],
+    applying: Sequence[removals.Removal],
     references: dict[str, _Run] | None = None,
 ) -> pd.DataFrame:
-    """The check's table (``COLUMNS``): for every W its baseline row and, when that is not exact,
-    a row per variant run; ``culprits`` on every row of a W. ``references`` holds the 1-device
-    runs already made, by variant."""
+    """The check's table (``COLUMNS``): for every W the row of its run without removals and, when
+    that is not exact, a row per run with removals (each that applies, then all); ``culprits`` on
+    every row of a W. ``references`` holds the 1-device runs already made, by what they remove."""
     tolerance = terms.TOLERANCE[setting.precision]
     references = dict(references or {})
     rows = []
 
-    def row(variant: str, world_size: int) -> dict[str, Any]:
-        if variant not in references:
-            references[variant] = reference(setting, variant)
-        numbers = _compare(_train(setting, variant, world_size), references[variant], world_size,
+    def row(removed: str, world_size: int) -> dict[str, Any]:
+        if removed not in references:
+            references[removed] = reference(setting, removed)
+        numbers = _compare(_train(setting, removed, world_size), references[removed], world_size,
                            tolerance)  # fmt: skip
         return {"loss": setting.name, "gather": "native", "world_size": world_size,
-                "variant": variant, **numbers}  # fmt: skip
+                "removed": removed, **numbers}  # fmt: skip
 
-    variants = [*causes, "all"] if len(causes) > 1 else list(causes)
+    with_removals = [*applying, removals.ALL] if len(applying) > 1 else list(applying)
     for world_size in world_sizes:
-        measured = [row("baseline", world_size)]
-        if measured[0]["verdict"] != "exact":
-            measured += [row(variant, world_size) for variant in variants]
-        verdicts = {r["variant"]: r["verdict"] for r in measured}
-        culprits = [] if verdicts["baseline"] == "exact" else _culprits(
-            verdicts["baseline"], verdicts, causes
-        )  # fmt: skip
+        measured = [row(removals.NONE, world_size)]
+        if measured[0]["verdict"] != EXACT:
+            measured += [row(removed, world_size) for removed in with_removals]
+        verdicts = {r["removed"]: r["verdict"] for r in measured}
+        culprits = [] if verdicts[removals.NONE] == EXACT else _culprits(verdicts, applying)
         rows += [{**r, "culprits": ";".join(culprits)} for r in measured]
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     table["first_diff_step"] = table["first_diff_step"].astype("Int64")  # none: every step agrees

@@ -37,7 +37,6 @@ from gatherlab.ranks import launch
 __all__ = [
     "ItemsDataModule",
     "Recorder",
-    "Removals",
     "RunFilesRecorder",
     "Trained",
     "check_module",
@@ -45,7 +44,6 @@ __all__ = [
     "data_size",
     "fit_on_rank",
     "loss_of",
-    "prepare",
     "train_on_rank",
 ]  # fmt: skip
 
@@ -118,30 +116,6 @@ class ItemsDataModule(L.LightningDataModule):
         )  # fmt: skip
         items = removals.PerSample(self.dataset, self.seed, self.seeded)
         return DataLoader(items, batch_sampler=sampler, collate_fn=self.collate_fn)
-
-
-@dataclass(frozen=True)
-class Removals:
-    """Which causes of docs/design.md §10 are taken out of a run (``removals.CAUSES``)."""
-
-    batchnorm: bool = False
-    dropout: bool = False
-    data_randomness: bool = False
-
-    @classmethod
-    def of(cls, variant: str) -> Removals:
-        """``baseline`` (none), one cause of ``removals.CAUSES``, or ``all``."""
-        if variant == "all":
-            return cls(True, True, True)
-        return cls(**{cause: cause == variant for cause in removals.CAUSES})
-
-
-def prepare(module: torch.nn.Module, removed: Removals) -> None:
-    """Apply the module's removals in place (batch norm over the global batch, dropout off)."""
-    if removed.batchnorm:
-        removals.global_batch_norm(module)
-    if removed.dropout:
-        removals.no_dropout(module)
 
 
 def _loss_value(output: Any) -> torch.Tensor:
@@ -246,7 +220,7 @@ def _seed_processes(seed: int) -> None:
 def train_on_rank(
     module: LossFactory,
     dataset: LossFactory,
-    removed: Removals,
+    removed: removals.Removals,
     global_batch_size: int,
     steps: int,
     seed: int,
@@ -271,7 +245,7 @@ def train_on_rank(
 def fit_on_rank(
     module: LossFactory,
     dataset: LossFactory,
-    removed: Removals,
+    removed: removals.Removals,
     global_batch_size: int,
     steps: int,
     seed: int,
@@ -283,7 +257,7 @@ def fit_on_rank(
     apply ``removals``, seed the global random streams from ``seed``, and fit ``steps`` steps on
     one device or on this rank of the process group when there is one."""
     lightning_module = module()
-    prepare(lightning_module, removed)
+    removed.apply(lightning_module)
     data = dataset()
     datamodule = ItemsDataModule(
         data, global_batch_size, steps, seed, shuffle, removed.data_randomness,

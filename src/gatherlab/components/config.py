@@ -39,15 +39,6 @@ CHOICE_GROUPS = (
     "experiment", "module", "model", "loss", "data", "optim", "gather", "layout", "launcher",
     "logger",
 )  # fmt: skip
-# The removals a run can ask for (``ablate.<key>``, conf/config.yaml): per key, its values, the
-# first that of a run without it (``gatherlab.check.removals``, ``usermodule.Removals``).
-ABLATE = {
-    "batchnorm": ("as_is", "global"),
-    "dropout": ("on", "off"),
-    "data_randomness": ("as_is", "per_sample"),
-}
-
-
 class ConfigError(ValueError):
     """A configuration value that cannot run; the message is one line that names the key, the
     value and what is allowed."""
@@ -234,24 +225,6 @@ def dataset_factory(cfg: DictConfig) -> LossFactory:
     return _factory_of(
         "data.dataset", cfg.data.dataset, None, cfg.seed, "mypkg.data:MyData", "a data set"
     )
-
-
-def removals(cfg: DictConfig) -> dict[str, bool]:
-    """``ablate.<key>`` as the removals it asks for (``usermodule.Removals``' fields): True where
-    the value is not the first of ``ABLATE[key]``. A value outside them is one line."""
-    chosen = cfg.get("ablate") or {}
-    unknown = sorted(set(chosen) - set(ABLATE))
-    if unknown:
-        raise ConfigError(f"ablate.{unknown[0]} is unknown; allowed: {', '.join(ABLATE)}")
-    asked = {}
-    for key, values in ABLATE.items():
-        value = chosen.get(key, values[0])
-        if value not in values:
-            raise ConfigError(
-                f"ablate.{key}={value!r} is not allowed; allowed: {', '.join(values)}"
-            )
-        asked[key] = value != values[0]
-    return asked
 
 
 def build_optimizer(cfg: DictConfig) -> Callable[..., torch.optim.Optimizer]:

@@ -14,11 +14,14 @@ from enum import StrEnum
 from typing import Any
 
 __all__ = [
+    "DIVERGES",
     "FLOAT64",
     "LOSS_DIFFERS",
+    "PRECISIONS",
     "TOLERANCE",
     "Forward",
     "GradientClass",
+    "Precision",
     "Rule",
     "RunVerdict",
     "Style",
@@ -53,6 +56,9 @@ class GradientClass(StrEnum):
 LOSS_DIFFERS = "loss differs"
 """A check's verdict at a world size is a `GradientClass`, or this when the global loss already
 differs from the 1-device loss (``gatherlab.check``)."""
+DIVERGES = "diverges"
+"""A training step's check at a world size: its first step agrees with one device (forward and
+gradient), a later one does not (``gatherlab.check.check_training``)."""
 
 
 class Forward(StrEnum):
@@ -92,14 +98,28 @@ class World(StrEnum):
     SIMULATED = "simulated"
 
 
+class Precision(StrEnum):
+    """A run's floating-point precision, by Lightning's name: what its layouts are judged in."""
+
+    FLOAT64 = "64-true"
+    FLOAT32 = "32-true"
+
+    @property
+    def dtype_name(self) -> str:
+        """The name of its torch dtype: ``float64`` or ``float32``."""
+        return self.name.lower()
+
+
 # Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
 # Over tens of steps that stays within ~1e-13 in float64 and ~1e-6 in float32; the bounds leave
 # room above that and stay far below what a wrong gradient produces (≥ 1e-6 after one step here).
 FLOAT64 = 1e-10
 """The float64 bound of docs/design.md §2: a loss, a gradient or a weight of W ranks against one
 device, relative or absolute as each comparison states."""
-TOLERANCE = {"64-true": FLOAT64, "32-true": 1e-5}
+TOLERANCE = {Precision.FLOAT64: FLOAT64, Precision.FLOAT32: 1e-5}
 """Per precision, the largest |Δloss| and |Δparameter| of a run that matches its reference."""
+PRECISIONS = tuple(TOLERANCE)
+"""The precisions whose layouts gatherlab can judge (float64 to 1e-10, float32 to 1e-5)."""
 
 
 def rows_of(rank: int, world_size: int, total: int) -> slice:

@@ -6,7 +6,7 @@ built, by ``check_audit_gathers``); what runs a job trusts it.
 Besides the values it builds the cheap objects of the job (data set, model, gather, loss, and the
 optimizer on a stand-in parameter), so that a constructor's refusal is one line too, and checks
 the data set and model contracts of docs/design.md §4; with ``module=external``, the user's
-LightningModule and map-style data set instead, and the ``ablate.*`` keys.
+LightningModule and map-style data set instead, and the ``removals.*`` keys.
 """
 
 from __future__ import annotations
@@ -20,14 +20,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gatherlab import gather as gathering
-from gatherlab.check import measure
+from gatherlab.check import measure, removals
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
 from gatherlab.core import cli, terms
 
-# Per accelerator, the precisions whose layouts gatherlab can judge (terms.TOLERANCE): float64
-# to ~1e-10, float32 to ~1e-5. Mixed precision rounds too coarsely to tell a bug from noise.
-PRECISIONS = {"cpu": ("32-true", "64-true"), "gpu": ("32-true", "64-true")}
+ACCELERATORS = ("cpu", "gpu")
 
 
 __all__ = ["ConfigError", "check", "check_audit_gathers", "check_command", "machine_warning"]
@@ -50,15 +48,14 @@ def check(cfg: Mapping[str, Any]) -> None:
     nodes = _integer("layout.nodes", cfg["layout"].get("nodes", 1), minimum=1)
     devices = _integer("layout.devices", cfg["layout"]["devices"], minimum=1) * nodes
     accelerator = cfg["layout"]["accelerator"]
-    if accelerator not in PRECISIONS:
+    if accelerator not in ACCELERATORS:
         raise ConfigError(
-            f"layout.accelerator={accelerator!r} is unknown; allowed: {', '.join(PRECISIONS)}"
+            f"layout.accelerator={accelerator!r} is unknown; allowed: {', '.join(ACCELERATORS)}"
         )
-    allowed = PRECISIONS[accelerator]
-    if cfg["precision"] not in allowed:
+    # Mixed precision rounds too coarsely to tell a bug from noise (terms.TOLERANCE).
+    if cfg["precision"] not in terms.PRECISIONS:
         raise ConfigError(
-            f"precision={cfg['precision']!r} is not supported on layout.accelerator="
-            f"{accelerator}; allowed: {', '.join(allowed)}"
+            f"precision={cfg['precision']!r} is not allowed; allowed: {', '.join(terms.PRECISIONS)}"
         )
     launcher = cfg["launcher"]["name"]
     if launcher == "pool" and accelerator != "cpu":
@@ -88,7 +85,7 @@ def check(cfg: Mapping[str, Any]) -> None:
             f"global_batch_size={global_batch_size} does not divide by layout.devices={devices}; "
             f"allowed: a multiple of {devices}"
         )
-    removals = config.removals(cfg)  # ablate.*: each value one of config.ABLATE's
+    removed = removals_of(cfg)
     if config.is_external(cfg):
         if devices > 1 and launcher != "pool":
             raise ConfigError(
@@ -98,7 +95,7 @@ def check(cfg: Mapping[str, Any]) -> None:
             )
         num_samples = _check_user_objects(cfg)
     else:
-        _check_contrastive_only(cfg, removals)
+        _check_contrastive_only(cfg, removed)
         num_samples = _dataset_size(OmegaConf.to_yaml(cfg["data"]["dataset"], resolve=True))
     if global_batch_size > num_samples:
         raise ConfigError(
@@ -134,17 +131,24 @@ def check_audit_gathers(cfg: DictConfig, gathers: Mapping[str, Any]) -> None:
         )
 
 
-def _check_contrastive_only(cfg: DictConfig, removals: Mapping[str, bool]) -> None:
+def removals_of(cfg: DictConfig) -> removals.Removals:
+    """The removals a run's ``removals.*`` keys ask for (``gatherlab.check.removals``)."""
+    try:
+        return removals.Removals.from_config(cfg.get("removals"))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _check_contrastive_only(cfg: DictConfig, removed: removals.Removals) -> None:
     """gatherlab's own module has its own switches for the removals (``model.norm``,
-    ``data.seeding``) and reads its data by ``(epoch, index)``: ``ablate.*`` and ``data=external``
-    are for ``module=external``."""
-    asked = [key for key, removed in removals.items() if removed]
-    if asked:
-        key = asked[0]
+    ``data.seeding``) and reads its data by ``(epoch, index)``: ``removals.*`` and
+    ``data=external`` are for ``module=external``."""
+    if removed.made():
+        key = removed.made()[0]
         raise ConfigError(
-            f"ablate.{key}={cfg.ablate[key]} applies to module=external; allowed with "
-            f"module=contrastive: ablate.{key}={config.ABLATE[key][0]} (gatherlab's own switches: "
-            "model.norm, data.seeding)"
+            f"removals.{key}={cfg.removals[key]} applies to module=external; allowed with "
+            f"module=contrastive: removals.{key}={removals.CONFIG_VALUES[key][0]} (gatherlab's "
+            "own switches: model.norm, data.seeding)"
         )
     if config.external_data(cfg):
         raise ConfigError(
@@ -168,7 +172,7 @@ def _check_user_objects(cfg: DictConfig) -> int:
         usermodule.check_module(module, f"module ({target})")
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    usermodule.prepare(module, usermodule.Removals(**config.removals(cfg)))
+    removals_of(cfg).apply(module)
     if not config.external_data(cfg):
         raise ConfigError(
             "module=external reads a map-style data set by index, not a data set of gatherlab's "

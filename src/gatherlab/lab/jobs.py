@@ -23,12 +23,12 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gatherlab.check import measure, usermodule
+from gatherlab.check import measure, removals, usermodule
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
 from gatherlab.components.factory import LossFactory
 from gatherlab.components.module import ContrastiveModule, PairDataModule, ProgressLog, RunRecorder
-from gatherlab.core import cli, runfiles
+from gatherlab.core import cli, runfiles, terms
 from gatherlab.lab import tracking
 from gatherlab.ranks import launch
 from gatherlab.ranks.pool import RankError, pool
@@ -227,7 +227,7 @@ def _fit_external(cfg: DictConfig, run_dir: Path, devices: int) -> None:
     arguments = (
         config.module_factory(cfg),
         config.dataset_factory(cfg),
-        usermodule.Removals(**config.removals(cfg)),
+        removals.Removals.from_config(cfg.get("removals")),
         cfg.global_batch_size,
         cfg.steps,
         cfg.seed,
@@ -271,7 +271,7 @@ def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, precision: str) ->
     evaluate = getattr(dataset, "evaluate", None)
     if evaluate is None:
         return {}
-    model = model.to(torch.float64 if precision == "64-true" else torch.float32)
+    model = model.to(getattr(torch, terms.Precision(precision).dtype_name))
     model.load_state_dict(runfiles.read_final_state(run_dir))
     return evaluate(model)
 

@@ -113,3 +113,22 @@ def test_unseeded_items_come_from_the_process_streams():
     first = plain[(0, 2)]
     torch.manual_seed(2)
     assert plain[(0, 2)][2] != first[2]
+
+
+def test_a_run_names_its_removals_and_a_sweep_asks_for_them_by_value():
+    # The training check's runs: nothing removed, one removal, every one (docs/design.md §10).
+    assert removals.Removals.named(removals.NONE).made() == ()
+    assert removals.Removals.named("dropout") == removals.Removals(dropout=True)
+    assert removals.Removals.named(removals.ALL).made() == tuple(removals.Removal)
+    # A sweep's removals.* keys: the first value of each keeps the cause.
+    assert removals.Removals.from_config(None) == removals.Removals()
+    chosen = {"batchnorm": "global", "dropout": "on", "data_randomness": "per_sample"}
+    assert removals.Removals.from_config(chosen).made() == ("batchnorm", "data_randomness")
+    with pytest.raises(
+        ValueError, match=r"^removals\.dropout='no' is not allowed; allowed: on, off$"
+    ):
+        removals.Removals.from_config({"dropout": "no"})
+    with pytest.raises(
+        ValueError, match=r"^removals\.bn is unknown; allowed: batchnorm, dropout, "
+    ):
+        removals.Removals.from_config({"bn": "global"})
