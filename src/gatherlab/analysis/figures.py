@@ -343,7 +343,7 @@ def scaling_figure(table: pd.DataFrame) -> plt.Figure:
     exact = [
         gather
         for gather, cells in table.groupby("gather", sort=False)
-        if (cells["measured"] == "exact").all()
+        if (cells["measured"] == terms.GradientClass.EXACT).all()
     ]
     drawn = table[~table["gather"].isin(exact)]
     with plt.rc_context({**STYLE, "font.size": 7, "axes.titlesize": 7}):

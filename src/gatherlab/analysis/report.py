@@ -39,14 +39,15 @@ COMPARISON = runfiles.COMPARISON
 FIGURE = "comparison"
 # Written too when the sweep varies the loss: one row per loss, one column per gather × layout.
 MATRIX = "loss_matrix"
-KEY_COLUMNS = (
-    "experiment", "model", "loss", "data", "optim", "gather", "layout", "devices", "batch_size",
-    "global_batch_size", "precision", "steps", "seed",
-)  # fmt: skip
-
-
 # Every row of the printed comparison is named by these, and by every other key the sweep varies.
 NAMING_KEYS = ("gather", "layout")
+# The keys that may name a row: the summary's choices and sizes, but how a run was started and
+# logged.
+KEY_COLUMNS = tuple(
+    key
+    for key in (*runfiles.SUMMARY_CHOICES, *runfiles.SUMMARY_SIZES)
+    if key in NAMING_KEYS or key not in SPLIT_KEYS
+)
 DERIVED_KEYS = ("devices", "batch_size")  # follow from the layout and the global batch size
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from gatherlab.components import config
 from gatherlab.core import runfiles
 
 __all__ = [
@@ -29,28 +30,11 @@ __all__ = [
 ]
 
 # Summary fields that become columns of the run table (the config itself stays in summary.json).
-RUN_COLUMNS = (
-    "experiment", "model", "loss", "data", "optim", "gather", "layout", "launcher", "logger",
-    "devices", "batch_size", "global_batch_size", "precision", "steps", "seed", "final_loss",
-    "wall_s", "loss_layout_invariant",
-)  # fmt: skip
+RUN_COLUMNS = runfiles.SUMMARY_COLUMNS
 
 
 # ``status``: ok, failed (training stopped; ``error`` says why) or unreadable (its summary).
 STATUS_COLUMNS = ("status", "error")
-
-
-def override_values(overrides: list[str]) -> dict[str, str]:
-    """``key=value`` command-line overrides as a mapping (``+``/``++`` prefixes dropped), read by
-    Hydra's own override parser."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    return {
-        override.key_or_group: override.get_value_element_as_str()
-        for override in parsed
-        if not override.is_delete()
-    }
 
 
 def load_runs(directory: str | Path) -> pd.DataFrame:
@@ -88,7 +72,7 @@ def load_runs(directory: str | Path) -> pd.DataFrame:
         row.update(_metrics(summary))
         row["status"] = summary.get("status", "ok")  # summaries before statuses were all ok
         row["error"] = summary.get("error")
-        row["overrides"] = override_values(summary.get("overrides", []))
+        row["overrides"] = config.override_values(summary.get("overrides", []))
         row["config"] = summary.get("config", {})
         row["run_dir"] = str(run_dir)
         rows.append(row)
@@ -168,7 +152,7 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
     curves = load_curves(run_dir)
     info = {column: summary.get(column) for column in RUN_COLUMNS} | _metrics(summary)
     info["loss_function"] = info.pop("loss")
-    for key, value in override_values(summary.get("overrides", [])).items():
+    for key, value in config.override_values(summary.get("overrides", [])).items():
         info.setdefault(key, value)
     info["run_dir"] = str(run_dir)
     for column, value in info.items():

@@ -32,6 +32,7 @@ from gatherlab import gather as gathering
 from gatherlab.components.data import GlobalBatchSampler
 from gatherlab.components.factory import LossFactory
 from gatherlab.core import terms
+from gatherlab.core.runfiles import Trained
 from gatherlab.core.terms import GradientClass, Style, World
 from gatherlab.gather import CLASSES, GatherFn
 from gatherlab.ranks import simworld
@@ -54,7 +55,7 @@ ModelFactory = Callable[[], nn.Module]
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 __all__ = [
-    "CLASSES", "COLUMNS", "LossContractError", "Measured", "Trained", "audit",
+    "CLASSES", "COLUMNS", "LossContractError", "Measured", "audit",
     "check_simulatable", "check_world_sizes", "classify", "global_batches", "measure",
     "measure_on_ranks", "train",
 ]  # fmt: skip
@@ -253,15 +254,6 @@ def _train_on_rank(
     return losses, parameters
 
 
-@dataclass(frozen=True)
-class Trained:
-    """A training run: the global loss before each step, and the final parameters (the model's,
-    then the loss's own, flattened; after DDP they are the same on every rank)."""
-
-    losses: list[float]
-    parameters: torch.Tensor
-
-
 def train(
     loss: LossFactory,
     model_factory: ModelFactory,
@@ -273,16 +265,18 @@ def train(
 ) -> Trained:
     """A training run on these global batches, on one device or on ``world_size`` ranks of the
     warm pool (plain DDP, no Lightning: the same arithmetic in a fraction of the start-up), or of
-    the simulated world."""
+    the simulated world. Its ``first_gradient`` is not kept (None); its parameters are the model's,
+    then the loss's own."""
     if world_size == 1:
-        return Trained(*_train_on_rank(loss, model_factory, batches, optimizer, seed))
+        losses, parameters = _train_on_rank(loss, model_factory, batches, optimizer, seed)
+        return Trained(losses, None, parameters)
     if simulated:
         check_simulatable(loss)
     ranks = _run(
         world_size, simulated, _train_on_rank, loss, model_factory, batches, optimizer, seed
     )
     losses = [math.fsum(values) / world_size for values in zip(*(r[0] for r in ranks), strict=True)]
-    return Trained(losses, ranks[0][1])
+    return Trained(losses, None, ranks[0][1])
 
 
 def check_world_sizes(world_sizes: Sequence[int], global_batch_size: int, batch: str) -> None:

@@ -9,7 +9,6 @@ command line; this module trains and compares, and says nothing in words.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from gatherlab.check import measure, removals, usermodule
 from gatherlab.components.factory import LossFactory
 from gatherlab.core import terms
+from gatherlab.core.runfiles import Trained
 from gatherlab.ranks.pool import pool
 
 EXACT = terms.GradientClass.EXACT
@@ -49,16 +49,6 @@ class Setting:
     steps: int
     seed: int
     precision: str
-
-
-@dataclass(frozen=True)
-class _Run:
-    """A layout's run: the global loss per step (the mean over ranks of what ``training_step``
-    returned), the first step's gradient after DDP's average, the final parameters."""
-
-    losses: list[float]
-    first_gradient: torch.Tensor
-    parameters: torch.Tensor
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -121,7 +111,7 @@ def validate(setting: Setting, world_sizes: Sequence[int]) -> tuple[removals.Rem
     return tuple(removal for removal in removals.Removal if applies[removal])
 
 
-def _train(setting: Setting, removed: str, world_size: int) -> _Run:
+def _train(setting: Setting, removed: str, world_size: int) -> Trained:
     """The run that makes the removals ``removed`` names on one device (in this process) or on W
     ranks of the pool."""
     arguments = (
@@ -129,14 +119,11 @@ def _train(setting: Setting, removed: str, world_size: int) -> _Run:
         setting.steps, setting.seed, setting.precision,
     )  # fmt: skip
     if world_size == 1:
-        trained = usermodule.train_on_rank(*arguments)
-        return _Run(trained.losses, trained.first_gradient, trained.parameters)
-    ranks = pool(world_size).run(usermodule.train_on_rank, *arguments)
-    losses = [math.fsum(step) / world_size for step in zip(*(r.losses for r in ranks), strict=True)]
-    return _Run(losses, ranks[0].first_gradient, ranks[0].parameters)
+        return usermodule.train_on_rank(*arguments)
+    return pool(world_size).run(usermodule.train_on_rank, *arguments)[0]
 
 
-def _compare(run: _Run, reference: _Run, world_size: int, tolerance: float) -> dict[str, Any]:
+def _compare(run: Trained, reference: Trained, world_size: int, tolerance: float) -> dict[str, Any]:
     """A W-rank run against its 1-device reference: the row's numbers and its verdict."""
     differences = [abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True)]
     first = next((step for step, d in enumerate(differences) if d > tolerance), None)
@@ -183,7 +170,7 @@ def _culprits(verdicts: dict[str, str], applying: Sequence[removals.Removal]) ->
     return found
 
 
-def reference(setting: Setting, removed: str) -> _Run:
+def reference(setting: Setting, removed: str) -> Trained:
     """The 1-device run that makes the removals ``removed`` names, in this process."""
     return _train(setting, removed, 1)
 
@@ -192,7 +179,7 @@ def check(
     setting: Setting,
     world_sizes: Sequence[int],
     applying: Sequence[removals.Removal],
-    references: dict[str, _Run] | None = None,
+    references: dict[str, Trained] | None = None,
 ) -> pd.DataFrame:
     """The check's table (``COLUMNS``): for every W the row of its run without removals and, when
     that is not exact, a row per run with removals (each that applies, then all); ``culprits`` on

@@ -6,20 +6,16 @@ request.
 - ``ItemsDataModule`` serves each rank its slice of the global batches of any map-style data set
   (``len``, ``dataset[index]``), collated by the module's or the data set's ``collate_fn`` when it
   has one, else PyTorch's default;
-- ``Recorder`` keeps what the check compares: the loss each step's ``training_step`` returned,
-  the parameter gradient of the first step after DDP's average, and the final parameters;
-- ``train_on_rank`` builds the module and the data set where it runs (inside each rank) and
-  trains them with Lightning on one device or in the rank's process group (``fit_on_rank``, which
-  ``module=external`` runs with ``RunFilesRecorder``: the run files of docs/design.md §5).
+- ``train_on_rank`` builds the module and the data set where it runs (inside each rank), trains
+  them with Lightning on one device or in the rank's process group (``fit_on_rank``) and returns
+  what the check compares, recorded by ``gatherlab.components.module.StepRecorder`` (which also
+  writes the run files of a ``module=external`` run, docs/design.md §5).
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -30,15 +26,12 @@ from torch.utils.data import DataLoader, default_collate
 from gatherlab import gather as gathering
 from gatherlab.check import removals
 from gatherlab.components.factory import LossFactory
-from gatherlab.components.module import NonFiniteLoss, rank_sampler
+from gatherlab.components.module import StepRecorder, rank_sampler
 from gatherlab.core import runfiles
 from gatherlab.ranks import launch
 
 __all__ = [
     "ItemsDataModule",
-    "Recorder",
-    "RunFilesRecorder",
-    "Trained",
     "check_module",
     "collate_fn_of",
     "data_size",
@@ -118,97 +111,6 @@ class ItemsDataModule(L.LightningDataModule):
         return DataLoader(items, batch_sampler=sampler, collate_fn=self.collate_fn)
 
 
-def _loss_value(output: Any) -> torch.Tensor:
-    """The loss a ``training_step`` returned: the tensor, or a mapping's ``"loss"``."""
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        if output is None or (isinstance(output, list | dict) and not output):
-            returned = "nothing"  # Lightning hands on a step that returned None as []
-        elif isinstance(output, dict):
-            returned = f"a dict of {sorted(output)}"
-        else:
-            returned = type(output).__name__
-        raise TypeError(
-            f"training_step returned {returned}; allowed: the loss tensor or a dict with 'loss'"
-        )
-    return loss
-
-
-class Recorder(L.Callback):
-    """Keeps each step's loss (what ``training_step`` returned on this rank), the parameter
-    gradient of the first step as DDP hands it to the optimizer, and the final parameters."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.first_gradient: torch.Tensor | None = None
-        self.parameters: torch.Tensor | None = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self.losses.append(float(_loss_value(outputs).detach()))
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.first_gradient is None:
-            self.first_gradient = torch.cat(
-                [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                    for p in pl_module.parameters()
-                    if p.requires_grad
-                ]
-            ).double()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.parameters = torch.cat(
-            [p.detach().reshape(-1) for p in pl_module.parameters()]
-        ).double()
-
-
-class RunFilesRecorder(L.Callback):
-    """A run's ``curves.csv`` and ``final_state.pt`` (docs/design.md §5) for any LightningModule,
-    as ``module.RunRecorder`` writes them for gatherlab's: per step the loss ``training_step``
-    returned on each rank, its mean over ranks taken once when training ends (the global loss,
-    docs/design.md §2), and the L2 norm of the gradient the optimizer applies (after DDP's
-    average); the module's ``state_dict`` at the end. Files from rank 0 only."""
-
-    def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir)
-        self.history: list[dict[str, float]] = []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        grads = [p.grad.reshape(-1) for p in pl_module.parameters() if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.cat(grads))) if grads else 0.0
-        if not math.isfinite(norm):
-            raise NonFiniteLoss("gradient norm", norm, trainer.global_step, trainer.global_rank)
-        self.history.append({"step": trainer.global_step, "grad_norm": norm})
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        value = float(_loss_value(outputs).detach())
-        if not math.isfinite(value):
-            raise NonFiniteLoss("loss", value, trainer.global_step - 1, trainer.global_rank)
-        self.history[-1]["local_loss"] = value
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        local = torch.tensor([row["local_loss"] for row in self.history], dtype=torch.float64)
-        global_loss = trainer.strategy.reduce(local, reduce_op="mean").tolist()
-        if trainer.global_rank == 0:
-            runfiles.write_curves(
-                self.run_dir,
-                [
-                    {"step": row["step"], "loss": loss, "grad_norm": row["grad_norm"]}
-                    for row, loss in zip(self.history, global_loss, strict=True)
-                ],
-            )
-            runfiles.write_final_state(self.run_dir, pl_module.state_dict())
-
-
-@dataclass(frozen=True)
-class Trained:
-    """One rank's run: its losses per step, the first step's gradient, the final parameters."""
-
-    losses: list[float]
-    first_gradient: torch.Tensor
-    parameters: torch.Tensor
-
-
 def _seed_processes(seed: int) -> None:
     """Every process's global random streams from ``seed``, as a training script seeds them
     (``lightning.seed_everything``): the same on every rank."""
@@ -226,20 +128,17 @@ def train_on_rank(
     seed: int,
     precision: str,
     shuffle: bool = True,
-) -> Trained:
+) -> runfiles.Trained:
     """Build the module and the data set here (with this rank's ``rank``/``world_size`` when
     their constructors take them; the module's initial weights drawn from ``seed``), apply
     ``removals``, and train ``steps`` steps with Lightning: on one device, or on this rank of the
-    process group when there is one. Returns this rank's ``Trained``."""
-    recorder = Recorder()
+    process group when there is one. Returns the run (``runfiles.Trained``: the global loss of each
+    step, the first step's gradient, the final parameters)."""
+    recorder = StepRecorder(keep_first_gradient=True)
     fit_on_rank(
         module, dataset, removed, global_batch_size, steps, seed, precision, shuffle, [recorder]
     )
-    if recorder.first_gradient is None or recorder.parameters is None:
-        raise RuntimeError(f"training stopped before its first step on rank {gathering.rank()}")
-    if not all(math.isfinite(value) for value in recorder.losses):
-        raise FloatingPointError(f"a non-finite loss on rank {gathering.rank()}")
-    return Trained(recorder.losses, recorder.first_gradient, recorder.parameters)
+    return recorder.trained()
 
 
 def fit_on_rank(

@@ -34,11 +34,6 @@ CONFIG_PATH = f"pkg://{CONFIG_MODULE}"
 CONFIG_NAME = "config"
 # Where those files are on disk (conf/ in a checkout, site-packages/gatherlab/conf in a wheel).
 CONFIG_DIR = Path(str(importlib.resources.files(CONFIG_MODULE)))
-# Config groups whose choice names a run in summary.json and comparison.csv.
-CHOICE_GROUPS = (
-    "experiment", "module", "model", "loss", "data", "optim", "gather", "layout", "launcher",
-    "logger",
-)  # fmt: skip
 class ConfigError(ValueError):
     """A configuration value that cannot run; the message is one line that names the key, the
     value and what is allowed."""
@@ -91,6 +86,17 @@ def _one_line(error: HydraException) -> ConfigError:
         return ConfigError(cli.first_line(error))
     group, _, value = missing.rpartition("/")
     return ConfigError(f"{group}={value!r} is unknown; allowed: {', '.join(sorted(options))}")
+
+
+def override_values(overrides: Sequence[str]) -> dict[str, str]:
+    """``key=value`` command-line overrides as a mapping (``+``/``++`` prefixes dropped), read by
+    Hydra's own override parser."""
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return {
+        override.key_or_group: override.get_value_element_as_str()
+        for override in parsed
+        if not override.is_delete()
+    }
 
 
 def job_overrides(overrides: Sequence[str], multirun: bool) -> list[list[str]]:

@@ -1,5 +1,6 @@
 """The LightningModule that trains a model with a contrastive loss, its data module, and the
-callback that records a run's files (docs/design.md §5) from rank 0."""
+callbacks of every training run: the recorder of its steps (and its files, docs/design.md §5) and
+its progress lines. The callbacks work with any LightningModule."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -39,13 +41,8 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class ContrastiveModule(L.LightningModule):
-    """Embeds both views, applies the loss, keeps the global loss and gradient norm of each step.
-
-    The loss returned by ``training_step`` is the rank's local loss (what its backward needs); the
-    recorded loss is the mean over ranks, which equals the single-device loss (docs/design.md §2),
-    reduced for all steps at once when training ends (``curves``). The
-    recorded gradient norm is taken after DDP has averaged the gradients, right before the
-    optimizer applies them.
+    """Embeds both views and applies the loss; ``training_step`` returns the rank's local loss
+    (what its backward needs; `StepRecorder` records the steps).
 
     ``loss`` is a module, or a factory (``gatherlab.components.factory.LossFactory``) that each
     rank calls in ``setup``, once its process group exists and before DDP wraps the module, so a
@@ -68,7 +65,6 @@ class ContrastiveModule(L.LightningModule):
             self.loss, self.loss_factory = None, loss
         self.optimizer_factory = optimizer
         self.encode_second_view = encode_second_view
-        self.history: list[dict[str, float]] = []
 
     def setup(self, stage: str) -> None:
         if self.loss is None:
@@ -88,33 +84,14 @@ class ContrastiveModule(L.LightningModule):
         keys = batch[2] if len(batch) > 2 else None
         out0 = self._embed(view0, keys, 0).flatten(1)
         out1 = (self._embed(view1, keys, 1) if self.encode_second_view else view1).flatten(1)
-        loss = self.loss(out0, out1)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise NonFiniteLoss("loss", value, self.global_step, self.global_rank)
-        self.history.append({"step": self.global_step, "local_loss": value})
-        return loss
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad.reshape(-1) for p in self.parameters() if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.cat(grads)))
-        if not math.isfinite(norm):
-            raise NonFiniteLoss("gradient norm", norm, self.global_step, self.global_rank)
-        self.history[-1]["grad_norm"] = norm
+        return self.loss(out0, out1)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer_factory(self.parameters())
 
-    def curves(self) -> list[dict[str, float]]:
-        """Per step: ``step``, the global ``loss`` and ``grad_norm``. A collective: call it on
-        every rank. One all-reduce for the whole run instead of one per step, since a collective
-        costs ~1 ms on gloo, as much as a training step of a small model."""
-        local = torch.tensor([row["local_loss"] for row in self.history], dtype=torch.float64)
-        global_loss = self.trainer.strategy.reduce(local, reduce_op="mean").tolist()
-        return [
-            {"step": row["step"], "loss": loss, "grad_norm": row["grad_norm"]}
-            for row, loss in zip(self.history, global_loss, strict=True)
-        ]
+    def run_state_dict(self) -> dict[str, torch.Tensor]:
+        """What ``final_state.pt`` holds (`StepRecorder`): the model's weights."""
+        return self.model.state_dict()
 
 
 class PairDataModule(L.LightningDataModule):
@@ -153,17 +130,87 @@ def rank_sampler(
     )
 
 
-class RunRecorder(L.Callback):
-    """Writes ``curves.csv`` and ``final_state.pt`` into the run directory, from rank 0 only."""
+def loss_of_step(output: Any) -> torch.Tensor:
+    """The loss a ``training_step`` returned: the tensor, or a mapping's ``"loss"``; a TypeError of
+    one line for anything else."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        if output is None or (isinstance(output, list | dict) and not output):
+            returned = "nothing"  # Lightning hands on a step that returned None as []
+        elif isinstance(output, dict):
+            returned = f"a dict of {sorted(output)}"
+        else:
+            returned = type(output).__name__
+        raise TypeError(
+            f"training_step returned {returned}; allowed: the loss tensor or a dict with 'loss'"
+        )
+    return loss
 
-    def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir)
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: ContrastiveModule) -> None:
-        curves = pl_module.curves()
-        if trainer.global_rank == 0:
-            runfiles.write_curves(self.run_dir, curves)
-            runfiles.write_final_state(self.run_dir, pl_module.model.state_dict())
+class StepRecorder(L.Callback):
+    """Records every optimizer step of any LightningModule on its rank: the loss ``training_step``
+    returned (checked before its backward), the L2 norm of the gradient the optimizer applies
+    (after DDP's average) and, with ``keep_first_gradient``, the first step's whole gradient. When
+    training ends it takes each step's global loss, the mean over ranks (docs/design.md §2: one
+    all-reduce for the run, since a collective costs as much as a small model's step), and the
+    final parameters (`trained`). With ``run_dir``, rank 0 writes ``curves.csv`` and
+    ``final_state.pt`` there (the module's ``run_state_dict()`` when it has one, else its
+    ``state_dict()``). A NaN or infinite loss or gradient norm stops the run (`NonFiniteLoss`)."""
+
+    def __init__(self, run_dir: str | Path | None = None, keep_first_gradient: bool = False):
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.keep_first_gradient = keep_first_gradient
+        self.steps: list[int] = []
+        self.local_losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.first_gradient: torch.Tensor | None = None
+        self.losses: list[float] | None = None
+        self.parameters: torch.Tensor | None = None
+
+    def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise NonFiniteLoss("loss", value, trainer.global_step, trainer.global_rank)
+        self.steps.append(trainer.global_step)
+        self.local_losses.append(value)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        trainable = [p for p in pl_module.parameters() if p.requires_grad]
+        grads = [p.grad.reshape(-1) for p in trainable if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.cat(grads))) if grads else 0.0
+        if not math.isfinite(norm):
+            raise NonFiniteLoss("gradient norm", norm, trainer.global_step, trainer.global_rank)
+        self.grad_norms.append(norm)
+        if self.keep_first_gradient and self.first_gradient is None:
+            self.first_gradient = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                 for p in trainable]
+            ).detach().double()  # fmt: skip
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        loss_of_step(outputs)  # the module's contract: a step returns its loss
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        local = torch.tensor(self.local_losses, dtype=torch.float64)
+        self.losses = trainer.strategy.reduce(local, reduce_op="mean").tolist()
+        self.parameters = torch.cat(
+            [p.detach().reshape(-1) for p in pl_module.parameters()]
+        ).double()
+        if self.run_dir is None or trainer.global_rank != 0:
+            return
+        rows = zip(self.steps, self.losses, self.grad_norms, strict=True)
+        runfiles.write_curves(
+            self.run_dir,
+            [{"step": step, "loss": loss, "grad_norm": norm} for step, loss, norm in rows],
+        )
+        state = getattr(pl_module, "run_state_dict", pl_module.state_dict)
+        runfiles.write_final_state(self.run_dir, state())
+
+    def trained(self) -> runfiles.Trained:
+        """The run as the checks compare it; a RuntimeError when it ended before its first step."""
+        if self.losses is None or self.parameters is None or not self.local_losses:
+            raise RuntimeError("training stopped before its first step")
+        return runfiles.Trained(self.losses, self.first_gradient, self.parameters)
 
 
 class ProgressLog(L.Callback):

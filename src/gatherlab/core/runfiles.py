@@ -11,6 +11,7 @@ import csv
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,33 @@ CURVES = "curves.csv"
 SUMMARY = "summary.json"
 FINAL_STATE = "final_state.pt"
 CURVE_COLUMNS = ("step", "loss", "grad_norm")
+# The fields of summary.json that describe a run (docs/design.md §5), which the run table of
+# gatherlab.results has as columns: the config groups' choices that name it, its sizes, and what
+# it gave.
+SUMMARY_CHOICES = (
+    "experiment", "module", "model", "loss", "data", "optim", "gather", "layout", "launcher",
+    "logger",
+)  # fmt: skip
+SUMMARY_SIZES = ("devices", "batch_size", "global_batch_size", "precision", "steps", "seed")
+SUMMARY_OUTCOMES = ("final_loss", "wall_s", "loss_layout_invariant")
+SUMMARY_COLUMNS = (*SUMMARY_CHOICES, *SUMMARY_SIZES, *SUMMARY_OUTCOMES)
 # What a sweep's report and an audit write into their directories.
 COMPARISON = "comparison.csv"
 AUDIT = "audit.csv"
 CHECK = "check.csv"
 SCALING = "scaling.csv"
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A trained run as the checks compare it, before or instead of its files: the global loss of
+    each step (the mean over ranks, docs/design.md §2), the first step's parameter gradient as the
+    optimizer got it (after DDP's average; None where it is not kept), and the final parameters,
+    flattened in float64 (the same on every rank after DDP)."""
+
+    losses: list[float]
+    first_gradient: torch.Tensor | None
+    parameters: torch.Tensor
 
 
 def write_curves(run_dir: Path, rows: Iterable[Mapping[str, float]]) -> None:

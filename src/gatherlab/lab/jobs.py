@@ -27,7 +27,7 @@ from gatherlab.check import measure, removals, usermodule
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
 from gatherlab.components.factory import LossFactory
-from gatherlab.components.module import ContrastiveModule, PairDataModule, ProgressLog, RunRecorder
+from gatherlab.components.module import ContrastiveModule, PairDataModule, ProgressLog, StepRecorder
 from gatherlab.core import cli, runfiles, terms
 from gatherlab.lab import tracking
 from gatherlab.ranks import launch
@@ -133,7 +133,7 @@ def _described(
     """The summary's description of the run (docs/design.md §5), known before it trains."""
     devices = _devices(cfg)
     return {
-        **{name: choices.get(name) for name in config.CHOICE_GROUPS},
+        **{name: choices.get(name) for name in runfiles.SUMMARY_CHOICES},
         **(_external_choices(cfg) if built is None else {}),
         "devices": devices,
         "batch_size": cfg.global_batch_size // devices,
@@ -167,7 +167,7 @@ def _fit(cfg: DictConfig, run_dir: Path, built: _Built | None) -> None:
         num_nodes=cfg.layout.get("nodes", 1),
         precision=cfg.precision,
         steps=cfg.steps,
-        callbacks=[RunRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
+        callbacks=[StepRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
         accelerator=cfg.layout.accelerator,
         launcher=cfg.launcher.name,
     )
@@ -233,7 +233,7 @@ def _fit_external(cfg: DictConfig, run_dir: Path, devices: int) -> None:
         cfg.seed,
         cfg.precision,
         bool(cfg.data.shuffle),
-        [usermodule.RunFilesRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
+        [StepRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
     )
     if devices == 1:
         usermodule.fit_on_rank(*arguments)

@@ -23,6 +23,7 @@ gather, the gradient that DDP hands to the optimizer is, by the rule of the gath
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
 from pathlib import Path
 
 import pandas as pd
@@ -35,10 +36,19 @@ from gatherlab.check import measure
 from gatherlab.components import config
 from gatherlab.components.factory import LossFactory
 from gatherlab.core import runfiles
+from gatherlab.core.terms import Rule, Style
 from gatherlab.lab import audit, configcheck, jobs
 
-# ``prediction``: how a row's prediction was made (exact: a closed form; expectation: over the
-# partitions of the batch; none)
+
+class Prediction(StrEnum):
+    """How a row's prediction was made: a closed form, an expectation over the partitions of the
+    batch, or none (the ``prediction`` column)."""
+
+    EXACT = "exact"
+    EXPECTATION = "expectation"
+    NONE = "none"
+
+
 COLUMNS = (*measure.COLUMNS, "prediction", "predicted_cosine", "predicted_norm_ratio")
 
 
@@ -63,22 +73,24 @@ class Predictor:
         self.samples = len(inputs.view0)
         self.own_sample: torch.Tensor | None = None
 
-    def gradient(self, rule: str | None, world_size: int) -> tuple[torch.Tensor | None, str]:
+    def gradient(
+        self, rule: Rule | None, world_size: int
+    ) -> tuple[torch.Tensor | None, Prediction]:
         full, direct = self.full, self.direct
         through_gather = full - direct
-        if rule == "sum":
-            return full, "exact"
-        if rule == "mean":
-            return direct + through_gather / world_size, "exact"
-        if rule == "none":
-            return direct, "exact"
-        if rule == "own" and self.style in ("global", "mixed"):
-            return direct + through_gather / world_size, "exact"
-        if rule == "own" and self.style == "local" and self.own_sample is not None:
+        if rule == Rule.SUM:
+            return full, Prediction.EXACT
+        if rule == Rule.MEAN:
+            return direct + through_gather / world_size, Prediction.EXACT
+        if rule == Rule.NONE:
+            return direct, Prediction.EXACT
+        if rule == Rule.OWN and self.style in (Style.GLOBAL, Style.MIXED):
+            return direct + through_gather / world_size, Prediction.EXACT
+        if rule == Rule.OWN and self.style == Style.LOCAL and self.own_sample is not None:
             own = self.own_sample - direct
             shared = (self.samples / world_size - 1) / (self.samples - 1)
-            return direct + own + shared * (through_gather - own), "expectation"
-        return None, "none"
+            return direct + own + shared * (through_gather - own), Prediction.EXPECTATION
+        return None, Prediction.NONE
 
 
 def predict(
@@ -92,15 +104,15 @@ def predict(
     For a local loss, the own-rule gradient at W = N is measured in the simulated world (one cell)
     to give C_self, when some gather of ``gathers`` has the own rule."""
     rows = []
-    own_gathers = [gather for gather in gathers.values() if gathering.rule(gather) == "own"]
+    own_gathers = [gather for gather in gathers.values() if gathering.rule(gather) == Rule.OWN]
     for name, loss in inputs.losses.items():
         predictor = Predictor(loss, inputs, seed)
-        if predictor.style == "local" and own_gathers:
-            cell = {"own": loss.with_gather(own_gathers[0])}
+        if predictor.style == Style.LOCAL and own_gathers:
+            cell = {Rule.OWN: loss.with_gather(own_gathers[0])}
             predictor.own_sample = measure.measure_on_ranks(
                 cell, inputs.model_factory, inputs.view0, inputs.view1, predictor.samples, seed,
                 simulated=True,
-            )["own"].gradient  # fmt: skip
+            )[Rule.OWN].gradient  # fmt: skip
         for _, row in table[table["loss"] == name].iterrows():
             rule = gathering.rule(gathers.get(row["gather"]))
             vector, how = predictor.gradient(rule, int(row["world_size"]))
