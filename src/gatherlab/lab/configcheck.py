@@ -45,6 +45,38 @@ def check(cfg: Mapping[str, Any]) -> None:
     _integer("seed", cfg["seed"], minimum=0)
     _integer("log_every", cfg.get("log_every", 0), minimum=0)
     global_batch_size = _integer("global_batch_size", cfg["global_batch_size"], minimum=1)
+    devices = _check_layout(cfg)
+    if global_batch_size % devices:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} does not divide by layout.devices={devices}; "
+            f"allowed: a multiple of {devices}"
+        )
+    removed = removals_of(cfg)
+    if config.is_external(cfg):
+        if devices > 1 and cfg["launcher"]["name"] != "pool":
+            raise ConfigError(
+                f"module=external builds the module inside each rank of the worker pools; "
+                f"launcher={cfg['launcher']['name']} with {devices} devices is not supported; "
+                "allowed: launcher=pool (CPU layouts), or one device"
+            )
+        num_samples = _check_user_objects(cfg)
+    else:
+        _check_contrastive_only(cfg, removed)
+        num_samples = _dataset_size(OmegaConf.to_yaml(cfg["data"]["dataset"], resolve=True))
+    if global_batch_size > num_samples:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} exceeds the {num_samples} samples of the data "
+            f"set; allowed: at most {num_samples}"
+        )
+    if not config.is_external(cfg):
+        _check_objects(cfg)
+    if "audit" in cfg:
+        _check_audit(cfg)
+
+
+def _check_layout(cfg: Mapping[str, Any]) -> int:
+    """The layout, precision and launcher, against each other and this machine; returns the
+    run's ranks in all (devices × nodes)."""
     nodes = _integer("layout.nodes", cfg["layout"].get("nodes", 1), minimum=1)
     devices = _integer("layout.devices", cfg["layout"]["devices"], minimum=1) * nodes
     accelerator = cfg["layout"]["accelerator"]
@@ -80,32 +112,7 @@ def check(cfg: Mapping[str, Any]) -> None:
             "model.norm='sync' (torch's SyncBatchNorm) refuses CPU tensors; allowed with "
             "layout.accelerator=cpu: global (the same statistics, on any backend), local"
         )
-    if global_batch_size % devices:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} does not divide by layout.devices={devices}; "
-            f"allowed: a multiple of {devices}"
-        )
-    removed = removals_of(cfg)
-    if config.is_external(cfg):
-        if devices > 1 and launcher != "pool":
-            raise ConfigError(
-                f"module=external builds the module inside each rank of the worker pools; "
-                f"launcher={launcher} with {devices} devices is not supported; allowed: "
-                "launcher=pool (CPU layouts), or one device"
-            )
-        num_samples = _check_user_objects(cfg)
-    else:
-        _check_contrastive_only(cfg, removed)
-        num_samples = _dataset_size(OmegaConf.to_yaml(cfg["data"]["dataset"], resolve=True))
-    if global_batch_size > num_samples:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} exceeds the {num_samples} samples of the data "
-            f"set; allowed: at most {num_samples}"
-        )
-    if not config.is_external(cfg):
-        _check_objects(cfg)
-    if "audit" in cfg:
-        _check_audit(cfg)
+    return devices
 
 
 def _check_audit(cfg: DictConfig) -> None:
