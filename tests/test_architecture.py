@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from helpers import REPO
@@ -20,6 +22,32 @@ def test_import_layers_are_kept():
     with contextlib.redirect_stdout(output):
         exit_code = lint_imports(config_filename=str(REPO / "pyproject.toml"), no_cache=True)
     assert exit_code == 0, output.getvalue()[-3000:]
+
+
+def _design_layers() -> list[set[str]]:
+    """The layers that docs/design.md §4's table draws, top first: per layer, the folders and
+    top-level modules its rows name in their second column (a row without a layer name continues
+    the layer above)."""
+    text = (REPO / "docs" / "design.md").read_text()
+    table = text.split("### Layers", 1)[1].split("###", 1)[0]
+    layers: list[set[str]] = []
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or cells[0] == "layer" or (cells[0] and set(cells[0]) <= {"-"}):
+            continue
+        # the folder or module names: `name/` or `name`, before any parenthesis
+        names = {name.rstrip("/") for name in re.findall(r"`([a-z_]+/?)`", cells[1].split("(")[0])}
+        if cells[0]:
+            layers.append(set())
+        layers[-1] |= names
+    return layers
+
+
+def test_design_draws_the_layers_that_import_linter_enforces():
+    contract = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layered,) = [c for c in contract["contracts"] if c["type"] == "layers"]
+    enforced = [{name.strip() for name in layer.split("|")} for layer in layered["layers"]]
+    assert _design_layers() == enforced
 
 
 def _deptry(project: Path) -> subprocess.CompletedProcess:
@@ -43,7 +71,7 @@ def test_an_undeclared_import_fails_the_dependency_check(tmp_path):
     # users: psutil is only a test dependency (the dev extra), PyYAML only comes with Hydra.
     shutil.copy(REPO / "pyproject.toml", tmp_path)
     shutil.copytree(REPO / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
-    with (tmp_path / "src" / "gatherlab" / "tracking.py").open("a") as module:
+    with (tmp_path / "src" / "gatherlab" / "lab" / "tracking.py").open("a") as module:
         module.write("\nimport psutil\nimport yaml\n")
     result = _deptry(tmp_path)
     assert result.returncode == 1
