@@ -278,60 +278,86 @@ def audit_figure(table: pd.DataFrame, classes: tuple[str, ...]) -> plt.Figure:
         key=lambda column: (losses.index(column[0]), column[1], column[2]),
     )
     styles = dict(zip(table["loss"], table["style"], strict=True))
-    codes = np.full((len(gathers), len(columns)), np.nan)
     colormap = matplotlib.colors.ListedColormap([CLASS_COLORS[c] for c in classes])
     with plt.rc_context({**STYLE, "axes.grid": False}):
         figure, axis = plt.subplots(
             figsize=(2.2 + 0.95 * len(columns), 1.3 + 0.5 * len(gathers)), layout="constrained"
         )
-        for _, cell in table.iterrows():
-            row = gathers.index(cell["gather"])
-            column = columns.index((cell["loss"], cell["world_size"], cell["world"]))
-            codes[row, column] = classes.index(cell["measured"])
-            surprise = cell["measured"] != cell["predicted"]
-            text = cell["measured"]
-            text += f"\npredicted {cell['predicted']}" if surprise else ""
-            axis.text(column, row, text, ha="center", va="center", fontsize=7.5)
-            if surprise:
-                axis.add_patch(
-                    matplotlib.patches.Rectangle(
-                        (column - 0.46, row - 0.44), 0.92, 0.88,
-                        fill=False, edgecolor="black", linewidth=2, linestyle="--",
-                    )
-                )  # fmt: skip
+        codes = _audit_cells(axis, table, gathers, columns, classes)
         axis.imshow(codes, cmap=colormap, vmin=-0.5, vmax=len(classes) - 0.5, aspect="auto")
         for column in range(1, len(columns)):
             if columns[column][0] != columns[column - 1][0]:
                 axis.axvline(column - 0.5, color="white", linewidth=6)
-        axis.xaxis.tick_top()
-        axis.set_xticks(
-            range(len(columns)),
-            [
-                f"{loss}\n({styles[loss]})\nW={size}{SIMULATED_MARK[world]}"
-                for loss, size, world in columns
-            ],
-        )
-        axis.set_yticks(range(len(gathers)), gathers)
-        for label, gather in zip(axis.get_yticklabels(), gathers, strict=True):
-            label.set_color(gather_color(gather))
-            label.set_fontweight("bold")
-        axis.tick_params(length=0)
-        for spine in axis.spines.values():
-            spine.set_visible(False)
-        handles = [matplotlib.patches.Patch(color=CLASS_COLORS[c], label=c) for c in classes]
-        handles.append(
-            matplotlib.patches.Patch(
-                fill=False, edgecolor="black", linestyle="--", label="differs from prediction"
-            )
-        )
-        axis.legend(
-            handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=len(handles),
-            fontsize=8, handlelength=1.2,
-        )  # fmt: skip
-        axis.set_title(
-            "gradient after DDP's average vs the 1-device gradient (float64)", fontsize=9, pad=6
-        )
+        _audit_axes(axis, gathers, columns, styles, classes)
     return figure
+
+
+def _audit_cells(
+    axis: plt.Axes,
+    table: pd.DataFrame,
+    gathers: list[str],
+    columns: list[tuple],
+    classes: tuple[str, ...],
+) -> np.ndarray:
+    """Each cell's text (and its outline where the measurement differs from the prediction);
+    returns the cells' class codes for the heat map."""
+    codes = np.full((len(gathers), len(columns)), np.nan)
+    for _, cell in table.iterrows():
+        row = gathers.index(cell["gather"])
+        column = columns.index((cell["loss"], cell["world_size"], cell["world"]))
+        codes[row, column] = classes.index(cell["measured"])
+        surprise = cell["measured"] != cell["predicted"]
+        text = cell["measured"]
+        text += f"\npredicted {cell['predicted']}" if surprise else ""
+        axis.text(column, row, text, ha="center", va="center", fontsize=7.5)
+        if surprise:
+            axis.add_patch(
+                matplotlib.patches.Rectangle(
+                    (column - 0.46, row - 0.44), 0.92, 0.88,
+                    fill=False, edgecolor="black", linewidth=2, linestyle="--",
+                )
+            )  # fmt: skip
+    return codes
+
+
+def _audit_axes(
+    axis: plt.Axes,
+    gathers: list[str],
+    columns: list[tuple],
+    styles: dict[str, str],
+    classes: tuple[str, ...],
+) -> None:
+    """The heat map's labels (loss, style and W above; gathers in their colours on the left),
+    its legend of classes and its title."""
+    axis.xaxis.tick_top()
+    axis.set_xticks(
+        range(len(columns)),
+        [
+            f"{loss}\n({styles[loss]})\nW={size}{SIMULATED_MARK[world]}"
+            for loss, size, world in columns
+        ],
+    )
+    axis.set_yticks(range(len(gathers)), gathers)
+    for label, gather in zip(axis.get_yticklabels(), gathers, strict=True):
+        label.set_color(gather_color(gather))
+        label.set_fontweight("bold")
+    axis.tick_params(length=0)
+    for spine in axis.spines.values():
+        spine.set_visible(False)
+    handles = [matplotlib.patches.Patch(color=CLASS_COLORS[c], label=c) for c in classes]
+    handles.append(
+        matplotlib.patches.Patch(
+            fill=False, edgecolor="black", linestyle="--", label="differs from prediction"
+        )
+    )
+    axis.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=len(handles),
+        fontsize=8, handlelength=1.2,
+    )  # fmt: skip
+
+    axis.set_title(
+        "gradient after DDP's average vs the 1-device gradient (float64)", fontsize=9, pad=6
+    )
 
 
 def scaling_figure(table: pd.DataFrame) -> plt.Figure:
