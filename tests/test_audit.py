@@ -69,7 +69,7 @@ def measured():
         for name in gathers
         for loss_name, loss in inputs.losses.items()
     }
-    cells = {cell: factory for cell, factory in every_cell.items() if cell[0] in gather.NAMES}
+    cells = {cell: factory for cell, factory in every_cell.items() if cell[0] not in COLLECTIVES}
     one_device = {
         name: measure.measure(loss.with_gather(None), *batch, seed=0)
         for name, loss in inputs.losses.items()

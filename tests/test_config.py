@@ -36,10 +36,7 @@ def test_group_options_count_every_search_path_entry(tmp_path, monkeypatch):
     searchpath = f"hydra.searchpath=[file://{tmp_path / 'folder'},pkg://userpkg.conf]"
     with config.composed():
         options = config.group_options("gather", [searchpath])
-    collectives = ["fixed_all_reduce", "fixed_reduce_scatter"]  # fixed with each collective
-    assert options == sorted(
-        [*gathering.NAMES, *collectives, "native", "from_folder", "from_package"]
-    )
+    assert options == sorted([*gathering.NAMES, "native", "from_folder", "from_package"])
 
 
 def test_pr1531_experiment_is_the_pr_test_case():

@@ -4,8 +4,9 @@ linear loss every gather's per-rank gradient equals its closed form (docs/design
 ``old`` equals lightly's own GatherLayer before PR #1531 (tests/standins.py) bit for bit.
 The backward collectives a GPU runs (``fixed``'s and ``avg``'s reduce-scatter, torch's
 reduce-scatter under ``torch_nn`` and ``lightning``) on gloo at W = 2, 4, 8; the backend →
-collective choice; a bad ``collective=``. (The parameter-gradient class of every gather is the
-audit's, tests/test_audit.py.)"""
+collective choice; a bad ``collective=``. The names are the YAML files of conf/gather/ (the one
+registry of gathers). (The parameter-gradient class of every gather is the audit's,
+tests/test_audit.py.)"""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import REPO
 from standins import GatherLayerPre1531, Pre1531NTXent
 
 from gatherlab import gather
+from gatherlab.analysis import figures
 from gatherlab.losses import NTXentGlobalLoss, NTXentLoss
 from gatherlab.ranks import pool as pools
 
@@ -182,8 +185,9 @@ def test_one_over_w_on_global_loss(ranks, name):
 # ("sum": Σ_r G_r[s], "own": G_s[s], "mean": (1/W) Σ_r G_r[s], "none": nothing). Stated here from
 # the table, not read from the gathers' declared ``backward``.
 BACKWARD_RULE = {
-    "fixed": "sum", "torch_nn": "sum", "functional": "sum", "lightning": "sum", "old": "own",
-    "nograd_swap": "own", "avg": "mean", "nograd": "none", PRE1531: "own",
+    "fixed": "sum", "fixed_all_reduce": "sum", "fixed_reduce_scatter": "sum", "torch_nn": "sum",
+    "functional": "sum", "lightning": "sum", "old": "own", "nograd_swap": "own", "avg": "mean",
+    "nograd": "none", PRE1531: "own",
 }  # fmt: skip
 
 
@@ -256,11 +260,44 @@ def test_without_process_group_every_gather_is_the_identity():
         assert gather.get(name)(x) is x
 
 
+# The options of conf/gather/ but native, in the order of docs/design.md §1's table (each class
+# of gatherlab.gather in the order it defines them, the options of one class by name).
+SHIPPED = (
+    "fixed", "fixed_all_reduce", "fixed_reduce_scatter", "torch_nn", "functional", "lightning",
+    "old", "nograd_swap", "avg", "nograd",
+)  # fmt: skip
+
+
+def test_the_names_are_the_yaml_files_of_the_gather_group():
+    """``conf/gather/*.yaml`` is the registry: NAMES is its files but native, each gather is what
+    its file names with the file's arguments."""
+    files = {path.stem for path in (REPO / "conf" / "gather").glob("*.yaml")}
+    assert set(gather.NAMES) == files - {"native"} and gather.NAMES == SHIPPED
+    assert gather.get("fixed_all_reduce") == gather.Fixed("all_reduce")
+    assert gather.get("fixed_reduce_scatter") == gather.Fixed("reduce_scatter")
+    assert not hasattr(gather, "register")
+
+
 def test_unknown_gather_names_what_is_allowed():
-    with pytest.raises(
-        ValueError, match=r"gather='nope' is unknown; allowed: fixed, torch_nn, functional"
-    ):
+    allowed = ", ".join(SHIPPED)
+    with pytest.raises(ValueError) as error:
         gather.get("nope")
+    assert str(error.value) == f"gather='nope' is unknown; allowed: {allowed}"
+    with pytest.raises(ValueError) as error:
+        gather.resolve("native")  # an option of the group, but no gather
+    assert str(error.value) == (
+        "gather='native' is no gather: the loss communicates by itself (its YAML file has "
+        f"_target_: null); allowed: {allowed}"
+    )
+
+
+def test_every_gather_gatherlab_ships_has_its_own_colour():
+    """The figures' colours are a style table keyed by name: one per option of the group, no name
+    that is none, no colour twice, none shared with the colours of a user's gathers."""
+    assert set(figures.GATHER_COLORS) == set(gather.NAMES)
+    colours = list(figures.GATHER_COLORS.values())
+    assert len(set(colours)) == len(colours)
+    assert not set(colours) & set(figures.OTHER_GATHER_COLORS)
 
 
 # The backward collectives a GPU takes, run on gloo. ``fixed`` and ``avg`` choose theirs by

@@ -15,8 +15,13 @@ import pandas as pd
 from gatherlab.core import terms
 from gatherlab.core.terms import World
 
+# A style table, not a list of gathers: which gathers exist is the gather config group's options
+# (gatherlab.gather.NAMES, conf/gather/*.yaml). A colour per option gatherlab ships, fixed's
+# variants in fixed's blues; any other name gets one of OTHER_GATHER_COLORS (gather_color).
 GATHER_COLORS = {
     "fixed": "#1f77b4",
+    "fixed_all_reduce": "#6baed6",
+    "fixed_reduce_scatter": "#08519c",
     "old": "#d62728",
     "torch_nn": "#2ca02c",
     "functional": "#17becf",
@@ -49,6 +54,8 @@ OTHER_GATHER_COLORS = ("#bcbd22", "#7f7f7f", "#393b79", "#637939", "#8c6d31", "#
 
 
 def gather_color(name: str) -> str:
+    """The colour of gather ``name`` in every figure: its entry of `GATHER_COLORS`, else one of
+    `OTHER_GATHER_COLORS` chosen by the name alone (the same in every figure and process)."""
     if name in GATHER_COLORS:
         return GATHER_COLORS[name]
     return OTHER_GATHER_COLORS[zlib.crc32(name.encode()) % len(OTHER_GATHER_COLORS)]

@@ -7,6 +7,8 @@ gradient with respect to the gathered tensor on rank r is G_r (N × D, N = W·B)
 
 - ``fixed``: Σ_r G_r[s], the gradient of every rank's loss with respect to its slice. After DDP's
   1/W average this is exactly the single-device gradient (lightly ≥ #1531, solo-learn, VISSL).
+  Its backward all-reduces on gloo and reduce-scatters on NCCL; ``fixed_all_reduce`` and
+  ``fixed_reduce_scatter`` force one collective (``Fixed(collective=...)``).
 - ``torch_nn``: the same sum, by ``torch.distributed.nn.functional.all_gather``'s backward
   (reduce-scatter on NCCL, all-to-all and a sum elsewhere).
 - ``functional``: the same sum, by ``_functional_collectives.all_gather_single_autograd``'s
@@ -22,16 +24,27 @@ gradient with respect to the gathered tensor on rank r is G_r (N × D, N = W·B)
   features).
 - ``avg``: (1/W) Σ_r G_r[s], the sum averaged by an all-reduce AVG (DisCo-CLIP, Horovod ≥ 0.21).
 
-Each is a ``Gather`` class that states its predicted gradient class per loss style; ``get(name)``
-returns one as a function ``x -> gathered x``; without an initialised process group (or
-with one rank) it returns its input, so the same loss code runs on one device.
+Each is a ``Gather`` class that states its predicted gradient class per loss style. The names
+are the options of the Hydra config group ``gather``, one YAML file each in ``conf/gather/`` (the
+package data ``gatherlab.conf``): that folder is the one registry of gathers, which sweeps, the
+audit, ``python -m gatherlab.check --gather NAME`` and this module all read. ``NAMES`` lists its
+options, ``get(name)`` builds the gather an option's file names (its ``_target_`` with the file's
+other keys, as Hydra builds it), a function ``x -> gathered x``; without an initialised process
+group (or with one rank) it returns its input, so the same loss code runs on one device.
+``native`` (``_target_: null``) is an option but no gather: the loss communicates by itself. A new
+gather is a callable anywhere importable, best a ``Gather`` subclass, plus one YAML file that
+names it (docs/design.md §4); nothing registers it in code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.resources
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,9 +67,9 @@ __all__ = [
     "Old",
     "TorchNN",
     "get",
+    "ordered",
     "own_rows",
     "rank",
-    "register",
     "resolve",
     "rule",
     "world_size",
@@ -88,9 +101,10 @@ class Gather:
     ``mean``, ``none``), from which the simulated world of ``simworld`` reproduces it without a
     process group; a gather that names none runs on real ranks only.
 
-    A subclass implements `Gather.gather` and sets `Gather.predicted` and `Gather.backward`;
-    `register` makes it available to `get`. Calling a gather whose ``backward`` is None in a
-    simulated world of more than one rank raises ``TypeError``.
+    A subclass implements `Gather.gather` and sets `Gather.predicted` and `Gather.backward`; a
+    YAML file in a ``gather/`` folder of the config search path that names it with ``_target_``
+    makes it an option of the ``gather`` group (docs/design.md §4). Calling a gather whose
+    ``backward`` is None in a simulated world of more than one rank raises ``TypeError``.
 
     Example:
         >>> import torch
@@ -144,54 +158,6 @@ class Gather:
     def __repr__(self) -> str:
         arguments = ", ".join(f"{key}={value!r}" for key, value in vars(self).items())
         return f"{type(self).__name__}({arguments})"
-
-
-_REGISTRY: dict[str, type[Gather]] = {}
-
-
-def register(name: str) -> Callable[[type[Gather]], type[Gather]]:
-    """Make a ``Gather`` class available to ``get(name)`` (the built-in gathers of §1). A config
-    needs no registration: ``conf/gather/<name>.yaml`` names the class with
-    ``_target_``.
-
-    Args:
-        name: the name `get` and `resolve` accept; it is added to `NAMES`.
-
-    Returns:
-        A class decorator that registers the class and returns it unchanged.
-
-    Raises:
-        ValueError: when the decorator is applied and ``name`` is registered already.
-
-    Example:
-        >>> from gatherlab.gather import Gather, register
-        >>> @register("mine")
-        ... class Mine(Gather):
-        ...     backward = "sum"
-        ...
-        ...     def gather(self, tensor):
-        ...         ...
-    """
-
-    def add(cls: type[Gather]) -> type[Gather]:
-        if name in _REGISTRY:
-            raise ValueError(f"gather {name!r} is registered twice")
-        _REGISTRY[name] = cls
-        return cls
-
-    return add
-
-
-NAMES: tuple[str, ...]  # annotated only: ``__getattr__`` computes it (no assignment here)
-"""The names of the registered gathers, in order of registration: the built-in ones are
-``("fixed", "torch_nn", "functional", "lightning", "old", "nograd_swap", "avg", "nograd")``.
-Computed on each access, so it also lists gathers that `register` added later."""
-
-
-def __getattr__(attribute: str) -> tuple[str, ...]:
-    if attribute == "NAMES":  # computed on access, so it lists every registration
-        return tuple(_REGISTRY)
-    raise AttributeError(f"module {__name__!r} has no attribute {attribute!r}")
 
 
 def world_size() -> int:
@@ -327,7 +293,6 @@ OWN_SLICE_ONLY = {_S.LOCAL: _C.BIASED, _S.GLOBAL: _C.ONE_OVER_W, _S.MIXED: _C.BI
 BIASED_EVERYWHERE = {_S.LOCAL: _C.BIASED, _S.GLOBAL: _C.BIASED, _S.MIXED: _C.BIASED}
 
 
-@register("fixed")
 class Fixed(Gather):
     """lightly's GatherLayer since #1531: every rank's gradient of each slice summed.
 
@@ -364,7 +329,6 @@ def _deprecated_all_gather_is_intended() -> Iterator[None]:
         yield
 
 
-@register("torch_nn")
 class TorchNN(Gather):
     """``torch.distributed.nn.functional.all_gather``."""
 
@@ -378,7 +342,6 @@ class TorchNN(Gather):
             return torch.cat(all_gather(tensor.contiguous()), dim=0)
 
 
-@register("functional")
 class Functional(Gather):
     """``_functional_collectives.all_gather_single_autograd``: a private torch module, and the one
     whose backward torch itself uses for tensor-parallel code; measured here for that reason."""
@@ -395,7 +358,6 @@ class Functional(Gather):
         return _functional_collectives.wait_tensor(gathered)
 
 
-@register("lightning")
 class Lightning(Gather):
     """What ``LightningModule.all_gather(tensor, sync_grads=True)`` runs under DDP. Its function
     is private to Lightning; it is called directly so that a loss needs no LightningModule."""
@@ -410,7 +372,6 @@ class Lightning(Gather):
             return _all_gather_ddp_if_available(tensor, sync_grads=True).flatten(0, 1)
 
 
-@register("old")
 class Old(Gather):
     """lightly's GatherLayer before #1531: the own slice's gradient only."""
 
@@ -421,7 +382,6 @@ class Old(Gather):
         return _OldGather.apply(tensor)
 
 
-@register("nograd_swap")
 class NogradSwap(Gather):
     """A no-grad all_gather with the live local tensor put back in its slot (OpenCLIP's default)."""
 
@@ -435,7 +395,6 @@ class NogradSwap(Gather):
         return torch.cat([gathered[: own.start], tensor, gathered[own.stop :]], dim=0)
 
 
-@register("avg")
 class Avg(Gather):
     """An all_reduce AVG of the slice gradients (DisCo-CLIP, Horovod ≥ 0.21)."""
 
@@ -446,7 +405,6 @@ class Avg(Gather):
         return _AvgGather.apply(tensor)
 
 
-@register("nograd")
 class Nograd(Gather):
     """A no-grad all_gather and nothing else (MoCo's ``concat_all_gather`` on live features).
 
@@ -486,33 +444,138 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def get(name: str) -> Gather:
-    """The built-in gather implementation called ``name`` (``NAMES``); it returns its input when
-    no process group of more than one rank is running.
+# --- the registry: the options of the config group ``gather`` ------------------------------------
+
+# The classes of this module in the order it defines them, the order of docs/design.md §1's table
+# (the exact gathers first, ``nograd`` last): how `ordered` sorts. Read from the module itself.
+_CLASSES = tuple(
+    value
+    for value in dict(globals()).values()
+    if isinstance(value, type) and issubclass(value, Gather) and value is not Gather
+)
+
+
+def _group_folder() -> Path:
+    """``conf/gather/`` as the package carries it: ``gatherlab.conf`` is the repository's
+    ``conf/`` (editable install) or its copy in a wheel, the folder Hydra composes too."""
+    return Path(str(importlib.resources.files("gatherlab.conf"))) / "gather"
+
+
+def _options() -> dict[str, Path]:
+    """Every option of gatherlab's ``gather`` group, ``native`` included: name → its YAML file."""
+    return {path.stem: path for path in sorted(_group_folder().glob("*.yaml"))}
+
+
+def _import(target: str) -> Any:
+    """The object a ``_target_`` names: ``package.module.attribute`` or
+    ``package.module:attribute``."""
+    module, _, attribute = target.partition(":") if ":" in target else target.rpartition(".")
+    value = importlib.import_module(module)
+    for part in attribute.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _build(name: str, path: Path) -> GatherFn | None:
+    """What the option's file names: its ``_target_`` called with the file's other keys as keyword
+    arguments (Hydra's ``instantiate`` of that file), None for ``_target_: null`` (``native``)."""
+    from omegaconf import OmegaConf  # imported here: only a gather built by name reads YAML
+
+    arguments = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    target = arguments.pop("_target_", None)
+    special = sorted(key for key in arguments if key.startswith("_"))
+    if special:
+        raise ValueError(
+            f"gather={name!r} ({path}) sets {special[0]}, which gatherlab.gather.get does not "
+            "read; allowed: _target_ and the keyword arguments of the gather it names"
+        )
+    return None if target is None else _import(target)(**arguments)
+
+
+def ordered(gathers: Mapping[str, Any]) -> dict[str, Any]:
+    """Name → gather in the order of docs/design.md §1's table: the gathers of this module's
+    classes in the order it defines them (``fixed`` and its variants first, ``nograd`` last),
+    then every other gather; the names of one class in alphabetical order.
+
+    Args:
+        gathers: name → gather, e.g. the options of the ``gather`` group built.
+
+    Returns:
+        The same items, in that order.
+
+    Example:
+        >>> from gatherlab.gather import Fixed, Old, ordered
+        >>> list(ordered({"mine": print, "old": Old(), "fixed_x": Fixed(), "fixed": Fixed()}))
+        ['fixed', 'fixed_x', 'old', 'mine']
+    """
+
+    def place(item: tuple[str, Any]) -> tuple[int, str]:
+        name, gather = item
+        kind = type(gather)
+        return (_CLASSES.index(kind) if kind in _CLASSES else len(_CLASSES), name)
+
+    return dict(sorted(gathers.items(), key=place))
+
+
+def _gathers() -> dict[str, GatherFn]:
+    """Every option of gatherlab's ``gather`` group that is a gather (not ``native``), built, in
+    `ordered`'s order."""
+    built = {name: _build(name, path) for name, path in _options().items()}
+    return ordered({name: gather for name, gather in built.items() if gather is not None})
+
+
+NAMES: tuple[str, ...]  # annotated only: ``__getattr__`` computes it (no assignment here)
+"""The gathers gatherlab ships: every option of the ``gather`` config group in
+``gatherlab.conf`` (the repository's ``conf/gather/*.yaml``) but ``native``, which is no gather,
+in `ordered`'s order: ``("fixed", "fixed_all_reduce", "fixed_reduce_scatter", "torch_nn",
+"functional", "lightning", "old", "nograd_swap", "avg", "nograd")``. Read from those files on each
+access, so a YAML file added there is listed too; options that a directory on
+``hydra.searchpath`` adds are Hydra's to list (``gatherlab.components.config.group_options``)."""
+
+
+def __getattr__(attribute: str) -> tuple[str, ...]:
+    if attribute == "NAMES":  # read on access: the YAML files are the registry
+        return tuple(_gathers())
+    raise AttributeError(f"module {__name__!r} has no attribute {attribute!r}")
+
+
+def get(name: str) -> GatherFn:
+    """The gather that the option ``name`` of the ``gather`` config group names
+    (``conf/gather/<name>.yaml`` in ``gatherlab.conf``), built as Hydra builds it; it returns its
+    input when no process group of more than one rank is running.
 
     Args:
         name: a name of `NAMES`.
 
     Returns:
-        A new instance of the `Gather` subclass registered as ``name`` (built with its default
-        arguments): a picklable callable that maps the local (B, ...) tensor to the gathered
-        (W·B, ...) tensor in rank order.
+        A new instance of what the file's ``_target_`` names, called with the file's other keys
+        (for gatherlab's files a `Gather` subclass): a picklable callable that maps the local
+        (B, ...) tensor to the gathered (W·B, ...) tensor in rank order.
 
     Raises:
-        ValueError: ``name`` is not registered; the message lists the allowed names.
+        ValueError: ``name`` is no option of the group, or is ``native`` (no gather: the loss
+            communicates by itself); the message lists the allowed names.
 
     Example:
         >>> from gatherlab.gather import get
-        >>> get("fixed")
-        Fixed(collective=None)
+        >>> get("fixed"), get("fixed_all_reduce")
+        (Fixed(collective=None), Fixed(collective='all_reduce'))
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"gather={name!r} is unknown; allowed: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name]()
+    options = _options()
+    gather = _build(name, options[name]) if isinstance(name, str) and name in options else None
+    if gather is None:
+        allowed = ", ".join(_gathers())
+        what = (
+            "is no gather: the loss communicates by itself (its YAML file has _target_: null)"
+            if name in options
+            else "is unknown"
+        )
+        raise ValueError(f"gather={name!r} {what}; allowed: {allowed}")
+    return gather
 
 
 def resolve(gather: str | GatherFn | None) -> GatherFn:
-    """What a loss's ``gather`` argument means: a built-in name, a callable, or None (identity).
+    """What a loss's ``gather`` argument means: a name of `NAMES`, a callable, or None (identity).
 
     Args:
         gather: a name of `NAMES`, a callable ``x -> gathered x``, or None.
@@ -522,7 +585,7 @@ def resolve(gather: str | GatherFn | None) -> GatherFn:
         input (no gathering).
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name, or ``"native"`` (no gather).
         TypeError: anything else than a string, a callable or None.
 
     Example:
@@ -538,5 +601,5 @@ def resolve(gather: str | GatherFn | None) -> GatherFn:
     if callable(gather):
         return gather
     raise TypeError(
-        f"gather must be a name ({', '.join(_REGISTRY)}), a callable or None, not {gather!r}"
+        f"gather must be a name ({', '.join(_gathers())}), a callable or None, not {gather!r}"
     )
