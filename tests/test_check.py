@@ -1,22 +1,27 @@
 """``gatherlab.check`` on real gloo ranks: stand-ins for public losses (``tests/standins.py``) get
-the verdict the mathematics of docs/design.md §1 predicts, at W = 2 and 4; the built-in gathers
-through ``--gather``; bad input is one line; ``assert_layout_invariant`` fails with its diagnosis;
-a foreign loss trains in a sweep with ``loss=external gather=native``."""
+the verdict the mathematics of docs/design.md §1 predicts, at W = 2 and 4; every option of the
+``gather`` config group (conf/gather/, the one registry of gathers) through ``--gather``; bad input
+is one line; ``assert_layout_invariant`` fails with its diagnosis; a foreign loss trains in a sweep
+with ``loss=external gather=native``, and gatherlab's own losses are refused with it."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 import standins
-from helpers import run_command
+from helpers import compose, run_command
 from test_training import FLOAT64_BOUND, MISS_FACTOR
 
 from gatherlab import check
+from gatherlab import gather as gathering
 from gatherlab.analysis import report
-from gatherlab.check import measure
+from gatherlab.check import api, measure
 from gatherlab.check.diagnosis import TRAIN_COLUMN
+from gatherlab.components import config
+from gatherlab.components.config import ConfigError
 from gatherlab.components.factory import LossFactory
 from gatherlab.core import runfiles
+from gatherlab.lab import configcheck
 from gatherlab.testing import assert_layout_invariant
 
 pytestmark = pytest.mark.slow
@@ -68,6 +73,25 @@ def test_a_loss_gets_rank_and_world_size_when_it_takes_them_and_the_user_did_not
     assert LossFactory(standins.PerSampleLoss, {}, gather).arguments() == {"gather": gather}
 
 
+def test_every_option_of_the_gather_group_is_a_gather_the_check_takes():
+    """conf/gather/ is the one registry of gathers: every option of the group is a name that
+    ``check_gather``/``--gather`` takes (``api._gather``: built by Hydra as the audit composes it,
+    ``config.build_gather_option``), the same gather ``gatherlab.gather.get`` reads from the file;
+    ``native`` is an option but no gather, refused in one line. (No ranks: the real run is the
+    command line's, ``--gather fixed_all_reduce`` below.)"""
+    with config.composed():
+        options = config.group_options("gather", list(api.GATHER_SETTING))
+    gathers = [name for name in options if name != "native"]
+    assert set(gathers) == set(gathering.NAMES) and "fixed_all_reduce" in gathers
+    for name in gathers:
+        assert api._gather(name) == (name, gathering.get(name)), name
+    with pytest.raises(check.CheckError) as refusal:
+        check.check_gather("native")
+    message = str(refusal.value)
+    assert message.startswith("--gather native is no gather (the loss communicates by itself); ")
+    assert "\n" not in message and f"allowed: {', '.join(sorted(gathers))}, or" in message
+
+
 def test_built_in_gathers_through_gather():
     fixed = check.check_gather("fixed", (2, 4))
     assert set(fixed["verdict"]) == {"exact"}
@@ -88,6 +112,14 @@ def test_the_command_line_checks_a_foreign_gather_and_writes_check_csv(tmp_path)
     assert list(table.columns) == list(check.COLUMNS)
     assert len(table) == 6 and set(table["verdict"]) == {"exact"}
     assert "Every world size trains like one device" in result.stdout
+    forced = tmp_path / "fixed_all_reduce"  # an option of conf/gather/ that only its YAML names
+    result = run_command(
+        "check", "--gather", "fixed_all_reduce", "--world-sizes", "2", "--out", str(forced)
+    )
+    assert result.returncode == 0, result.stderr
+    table = pd.read_csv(forced / runfiles.CHECK)
+    assert set(table["gather"]) == {"fixed_all_reduce"} and set(table["verdict"]) == {"exact"}
+    assert list(table["loss"]) == ["ntxent", "ntxent_global", "vicreg"]
     again = run_command("check", "--gather", "fixed", "--out", str(out))
     assert again.returncode == 2
     assert "already holds a check; it is never overwritten" in again.stderr
@@ -133,6 +165,14 @@ def test_the_command_line_prints_the_diagnosis_and_exits_1_with_training_steps(t
             "does not divide the global batch",
         ),
         (["--gather", "nowhere:gather"], 2, "--gather nowhere:gather: cannot import nowhere"),
+        (["--gather", "nope"], 2, "--gather nope is unknown; allowed: avg, fixed, fixed_all"),
+        (["--gather", "native"], 2, "--gather native is no gather (the loss communicates by"),
+        (
+            ["gatherlab.losses:NTXentLoss"],
+            2,
+            "--gather native passes no gather, but gatherlab.losses:NTXentLoss takes gather= and "
+            "would gather with its default, 'fixed', not by itself; allowed: --gather fixed",
+        ),
         ([], 2, "name a loss (module:attribute), a gather (--gather), or --module and --data"),
         (["standins:FailsOnRankOne"], 1, "rank 1: RuntimeError: rank-local failure"),
     ],
@@ -174,6 +214,21 @@ def test_a_foreign_loss_trains_in_a_sweep_with_gather_native(tmp_path):
     ]
     assert table["max_abs_loss_diff"].max() <= FLOAT64_BOUND
     assert set(table["gather"]) == {"native"} and set(table["loss"]) == {"external"}
+
+
+def test_gather_native_is_refused_with_a_loss_that_would_gather_with_its_default():
+    """``native`` is for a loss that communicates by itself. gatherlab's losses never do: given no
+    gather they would gather with their default, ``fixed``, under a sweep table's ``native``. So
+    the check of a command's configs (``configcheck``, before any worker starts) refuses it in
+    one line."""
+    cfg, _ = compose("gather=native")
+    with pytest.raises(ConfigError) as refusal:
+        configcheck.check(cfg)
+    assert str(refusal.value) == (
+        "gather=native passes no gather, but loss (gatherlab.losses.NTXentLoss) takes gather= and "
+        "would gather with its default, 'fixed', not by itself; allowed: gather=fixed (or another "
+        "option of the gather group), or native with a loss that communicates by itself"
+    )
 
 
 def test_the_command_line_trains_adamw_steps_exact_with_fixed_and_biased_with_old(tmp_path):

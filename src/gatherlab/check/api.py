@@ -28,9 +28,11 @@ class CheckError(ValueError):
     """Bad input, found before any rank runs: the message is one line naming the part.
 
     Raised by `check_loss` and `check_gather` for a factory or gather that does not import or is
-    not callable, a world size that is not an integer ≥ 2 dividing the global batch of 16, an
-    unknown ``optim``, a ``steps`` that is not an integer ≥ 0, and a loss that fails on one device
-    (its arguments are refused, its forward raises, or it returns no finite scalar).
+    not callable, a gather name that is no option of the ``gather`` config group, ``native``
+    where it cannot run (no loss, or a loss that would gather with its own default), a world size
+    that is not an integer ≥ 2 dividing the global batch of 16, an unknown ``optim``, a ``steps``
+    that is not an integer ≥ 0, and a loss that fails on one device (its arguments are refused,
+    its forward raises, or it returns no finite scalar).
     ``python -m gatherlab.check`` prints it and exits with status 2.
     """
 
@@ -60,23 +62,61 @@ def _factory(target: str | Callable[..., Any], kind: str = "loss") -> Callable[.
     return target
 
 
-def _gather(gather: str | gathering.GatherFn | None) -> tuple[str, gathering.GatherFn | None]:
-    """The gather's name in the table and the gather (None: native)."""
+# The setting in which a gather is built by name: the gradient audit's, as the audit builds its own.
+GATHER_SETTING = ("experiment=gather_audit",)
+
+
+def _gather(
+    gather: str | gathering.GatherFn | None,
+    loss: Callable[..., Any] | None = None,
+    loss_name: str = "the loss",
+) -> tuple[str, gathering.GatherFn | None]:
+    """The gather's name in the table and the gather (None: native).
+
+    A name is an option of the ``gather`` config group (``conf/gather/<name>.yaml``, the one
+    registry of gathers), built as the gradient audit builds it (``config.build_gather_option``);
+    any other string is an import path. ``None`` or ``"native"`` passes no gather: refused without
+    a loss (`check_gather`) and for a loss that would gather with its own default instead of
+    communicating by itself (``config.native_refusal``).
+    """
     if gather is None or gather == "native":
+        if loss is None:
+            gathers = ", ".join(option for option in _gather_options() if option != "native")
+            raise CheckError(
+                "--gather native is no gather (the loss communicates by itself); allowed: "
+                f"{gathers}, or module:function"
+            )
+        refusal = config.native_refusal(loss, loss_name, "--gather ")
+        if refusal is not None:
+            raise CheckError(refusal)
         return "native", None
     if isinstance(gather, str):
-        if gather in gathering.NAMES:
-            return gather, gathering.get(gather)
+        try:
+            with config.composed():
+                options = config.group_options("gather", GATHER_SETTING)
+                if gather in options:
+                    return gather, config.build_gather_option(gather, GATHER_SETTING)
+        except config.ConfigError as error:
+            raise CheckError(f"--gather {gather}: {error}") from None
+        allowed = f"{', '.join(options)}, or module:function"
+        if not any(separator in gather for separator in ".:"):  # a name, not an import path
+            raise CheckError(f"--gather {gather} is unknown; allowed: {allowed}")
         try:
             return gather, locate(gather)
         except ImportError as error:
-            allowed = ", ".join(gathering.NAMES)
-            raise CheckError(
-                f"--gather {gather}: {error}; allowed: {allowed}, native, or module:function"
-            ) from None
+            raise CheckError(f"--gather {gather}: {error}; allowed: {allowed}") from None
     if not callable(gather):
         raise CheckError(f"gather {gather!r} is not callable; allowed: a function x -> gathered x")
     return getattr(gather, "__qualname__", type(gather).__name__), gather
+
+
+def _gather_options() -> list[str]:
+    """The options of the ``gather`` config group, ``native`` included, as Hydra lists them."""
+    try:
+        with config.composed():
+            return config.group_options("gather", GATHER_SETTING)
+    except config.ConfigError as error:
+        raise CheckError(f"--gather: {error}") from None
 
 
 @functools.cache
@@ -186,9 +226,12 @@ def check_loss(
         factory: the loss class or function, or its import path (``module:attribute`` or a dotted
             path).
         world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
-        gather: passed to the loss as ``gather=``: a name of `gatherlab.gather.NAMES`, a function
-            ``x -> gathered x``, or its import path. ``None`` or ``"native"`` passes none: the
-            loss communicates by itself.
+        gather: passed to the loss as ``gather=``: the name of an option of the ``gather``
+            config group (``conf/gather/<name>.yaml``, built as the gradient audit builds it;
+            gatherlab's are `gatherlab.gather.NAMES`), a function ``x -> gathered x``, or its
+            import path. ``None`` or ``"native"`` passes none, for a loss that communicates by
+            itself; a loss whose constructor takes ``gather=`` with a default (gatherlab's
+            losses: ``"fixed"``) would gather with that default instead, and is refused.
         steps: also train this many steps of plain DDP and compare the losses with one device
             (0: no training).
         optim: the optimizer of those steps, ``"sgd"`` (lr 0.01) or ``"adamw"`` (lr 1e-3,
@@ -203,7 +246,8 @@ def check_loss(
         import path when ``factory`` is one, else the factory's qualified name.
 
     Raises:
-        CheckError: bad input, before any rank runs; also when the loss fails on one device.
+        CheckError: bad input, before any rank runs (also ``native`` for a loss that would
+            gather with its own default); also when the loss fails on one device.
         LossFailed: the loss raised or broke its contract on a rank.
 
     Example:
@@ -213,8 +257,8 @@ def check_loss(
         ['biased', 'biased']
     """
     function = _factory(factory)
-    gather_name, gather_fn = _gather(gather)
     name = factory if isinstance(factory, str) else getattr(function, "__qualname__", "loss")
+    gather_name, gather_fn = _gather(gather, function, name)
     loss = LossFactory(function, kwargs, gather_fn, seed)
     return _run({name: loss}, gather_name, tuple(world_sizes), steps, optim)
 
@@ -232,8 +276,9 @@ def check_gather(
     device: one row per loss × world size.
 
     Args:
-        gather: a name of `gatherlab.gather.NAMES`, a function ``x -> gathered x``, or its import
-            path.
+        gather: the name of an option of the ``gather`` config group but ``native``
+            (``conf/gather/<name>.yaml``, built as the gradient audit builds it; gatherlab's are
+            `gatherlab.gather.NAMES`), a function ``x -> gathered x``, or its import path.
         world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
         steps: also train this many steps of plain DDP and compare the losses with one device
             (0: no training).
@@ -247,8 +292,9 @@ def check_gather(
 
     Raises:
         CheckError: bad input, before any rank runs: ``None`` or ``"native"`` (no gather), a
-            path that does not import, an object that is not callable, or a world size, ``steps``
-            or ``optim`` that is not allowed.
+            name that is no option of the ``gather`` group, a path that does not import, an
+            object that is not callable, or a world size, ``steps`` or ``optim`` that is not
+            allowed.
         LossFailed: a loss raised or broke its contract on a rank.
 
     Example:
@@ -258,8 +304,6 @@ def check_gather(
         ['biased', '1/W', 'biased', 'biased', '1/W', 'biased']
     """
     gather_name, gather_fn = _gather(gather)
-    if gather_fn is None:
-        raise CheckError("--gather native is no gather; allowed: a name or module:function")
     cfg = _composed("sgd")[0]
     losses = {
         name: config.loss_factory_of(cfg.audit.losses[name], gather_fn, seed)

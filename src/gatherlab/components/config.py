@@ -9,6 +9,7 @@ take those and know nothing of configs. docs/design.md §4 lists the extension p
 from __future__ import annotations
 
 import importlib.resources
+import inspect
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -157,10 +158,59 @@ def build_gather(cfg: DictConfig) -> Callable[[torch.Tensor], torch.Tensor] | No
     return instantiate("gather", cfg.gather)
 
 
+def build_gather_option(
+    name: str, overrides: Sequence[str] = ()
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The gather that the option ``name`` of the ``gather`` group builds as ``overrides``
+    compose it (``build_gather``; None for ``native``). The options are the group's YAML files
+    (``group_options``), the one registry of gathers. Must run inside ``composed()``."""
+    return build_gather(compose([*overrides, f"gather={name}"])[0])
+
+
+def native_refusal(factory: Callable[..., Any], loss: str, option: str) -> str | None:
+    """Why ``gather=native`` cannot run ``factory``, or None when it can.
+
+    ``native`` passes no gather, for a loss that communicates by itself. A loss whose constructor
+    takes ``gather=`` with a default (gatherlab's losses: ``"fixed"``) would gather with that
+    default instead, and its run would be recorded as native: refused, naming the default. A
+    loss without that parameter, or whose default is None, runs as given.
+
+    Args:
+        factory: the loss class or function.
+        loss: how the message names the loss.
+        option: how the message names the gather option (``gather=`` or ``--gather ``).
+
+    Returns:
+        The one-line message, or None.
+    """
+    try:
+        parameter = inspect.signature(factory).parameters.get("gather")
+    except (TypeError, ValueError):  # a builtin without a signature takes no gather=
+        return None
+    if parameter is None or parameter.default is None or parameter.default is parameter.empty:
+        return None
+    default = parameter.default
+    named = default if isinstance(default, str) else getattr(default, "__qualname__", default)
+    instead = f"{option}{default}" if isinstance(default, str) else f"{option}<a gather>"
+    return (
+        f"{option}native passes no gather, but {loss} takes gather= and would gather with its "
+        f"default, {named!r}, not by itself; allowed: {instead} (or another option of the gather "
+        "group), or native with a loss that communicates by itself"
+    )
+
+
 def loss_factory(cfg: DictConfig) -> LossFactory:
     """The loss of ``cfg.loss`` with the gather of ``cfg.gather``, as a factory that each rank
-    calls once its process group exists (``gatherlab.components.factory``)."""
-    return loss_factory_of(cfg.loss, build_gather(cfg), cfg.seed)
+    calls once its process group exists (``gatherlab.components.factory``). ``gather=native``
+    with a loss that would gather with its own default (gatherlab's losses) is refused
+    (``native_refusal``)."""
+    gather = build_gather(cfg)
+    factory = loss_factory_of(cfg.loss, gather, cfg.seed)
+    if gather is None:
+        refusal = native_refusal(factory.factory, f"loss ({cfg.loss._target_})", "gather=")
+        if refusal is not None:
+            raise ConfigError(refusal)
+    return factory
 
 
 def loss_factory_of(
@@ -256,20 +306,19 @@ def group_options(group: str, overrides: Sequence[str] = ()) -> list[str]:
 
 
 def build_gathers(names: Sequence[str] | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Name → gather for each option of the ``gather`` group in ``names`` (all when None: the
-    built-in ones in the order of ``gatherlab.gather.NAMES``, then the others by name, without
-    ``native``, which is no gather), each built from its YAML file as ``overrides`` compose it.
-    Must run inside ``composed()``."""
+    """Name → gather for each option of the ``gather`` group in ``names`` (all when None, in the
+    order of docs/design.md §1's table, ``gatherlab.gather.ordered``, without ``native``, which is
+    no gather), each built from its YAML file as ``overrides`` compose it
+    (``build_gather_option``). Must run inside ``composed()``."""
     every = names is None
     if every:
-        options = group_options("gather", overrides)
-        built_in = gathering.NAMES
-        names = sorted(options, key=lambda n: (built_in.index(n) if n in built_in else 99, n))
-    gathers = {name: build_gather(compose([*overrides, f"gather={name}"])[0]) for name in names}
+        names = group_options("gather", overrides)
+    gathers = {name: build_gather_option(name, overrides) for name in names}
     if not every and None in gathers.values():
         native = [name for name, gather in gathers.items() if gather is None]
         raise ConfigError(
             f"audit.gathers names {', '.join(native)}, which is no gather (the loss communicates "
             "by itself); allowed: gathers with a _target_"
         )
-    return {name: gather for name, gather in gathers.items() if gather is not None}
+    built = {name: gather for name, gather in gathers.items() if gather is not None}
+    return gathering.ordered(built) if every else built

@@ -1,5 +1,7 @@
-"""Losses, one family per file (docs/design.md §3); each takes ``gather`` (a name, a callable, or
-None) and its ``forward(out0, out1)`` returns the rank's scalar loss."""
+"""Losses, one family per file (docs/design.md §3); each takes ``gather`` (a name of
+`gatherlab.gather.NAMES`, by default ``fixed``: ``_common.DEFAULT_GATHER``; a callable; or None,
+no gathering) and its ``forward(out0, out1)`` returns the rank's scalar loss. None of them
+communicates by itself, so ``gather=native`` is refused with them."""
 
 from gatherlab.losses.barlowtwins import BarlowTwinsGlobalLoss, BarlowTwinsLoss
 from gatherlab.losses.clip import CLIPLoss

@@ -6,6 +6,13 @@ import torch
 
 from gatherlab import gather as gathering
 
+DEFAULT_GATHER = "fixed"
+"""The gather every loss of this package uses when its ``gather`` argument is not given: ``fixed``,
+the exact one (docs/design.md §1), an option of the ``gather`` config group. These losses never
+communicate by themselves, so ``gather=native`` (which passes no gather) is refused with them
+rather than run as this default (``gatherlab.components.config.native_refusal``);
+``gather=None`` gathers nothing (one device)."""
+
 
 def check_positive(name: str, value: float) -> float:
     """``value`` as a float, or a ValueError naming the argument."""

@@ -8,6 +8,7 @@ from torch import nn
 
 from gatherlab import gather as gathering
 from gatherlab.losses._common import (
+    DEFAULT_GATHER,
     check_non_negative,
     check_views,
     gather_views,
@@ -28,7 +29,7 @@ def redundancy_reduction(correlation: torch.Tensor, lambda_param: float) -> torc
 
 class _BarlowTwinsBase(nn.Module):
     def __init__(
-        self, lambda_param: float = 5e-3, gather: str | gathering.GatherFn | None = "fixed"
+        self, lambda_param: float = 5e-3, gather: str | gathering.GatherFn | None = DEFAULT_GATHER
     ):
         super().__init__()
         self.lambda_param = check_non_negative("lambda_param", lambda_param)

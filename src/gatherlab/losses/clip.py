@@ -11,6 +11,7 @@ from torch import nn
 
 from gatherlab import gather as gathering
 from gatherlab.losses._common import (
+    DEFAULT_GATHER,
     check_positive,
     check_views,
     gather_views,
@@ -39,7 +40,7 @@ class CLIPLoss(nn.Module):
         self,
         temperature: float = 0.07,
         learn_logit_scale: bool = True,
-        gather: str | gathering.GatherFn | None = "fixed",
+        gather: str | gathering.GatherFn | None = DEFAULT_GATHER,
     ):
         super().__init__()
         temperature = check_positive("temperature", temperature)

@@ -9,6 +9,7 @@ from torch import nn
 
 from gatherlab import gather as gathering
 from gatherlab.losses._common import (
+    DEFAULT_GATHER,
     check_positive,
     check_views,
     gather_views,
@@ -70,7 +71,9 @@ class DCLLoss(nn.Module):
     style = "local"  # how it splits over ranks (docs/design.md §1)
     layout_invariant = True  # docs/design.md §3: predicted with an exact gather
 
-    def __init__(self, temperature: float = 0.1, gather: str | gathering.GatherFn | None = "fixed"):
+    def __init__(
+        self, temperature: float = 0.1, gather: str | gathering.GatherFn | None = DEFAULT_GATHER
+    ):
         super().__init__()
         self.temperature = check_positive("temperature", temperature)
         self.gather = gathering.resolve(gather)
@@ -105,7 +108,7 @@ class DCLWLoss(DCLLoss):
         self,
         temperature: float = 0.1,
         sigma: float = 0.5,
-        gather: str | gathering.GatherFn | None = "fixed",
+        gather: str | gathering.GatherFn | None = DEFAULT_GATHER,
     ):
         super().__init__(temperature, gather)
         self.sigma = check_positive("sigma", sigma)

@@ -9,6 +9,7 @@ from torch import nn
 
 from gatherlab import gather as gathering
 from gatherlab.losses._common import (
+    DEFAULT_GATHER,
     check_positive,
     check_views,
     gather_views,
@@ -47,7 +48,9 @@ def ntxent(
 class _NTXentBase(nn.Module):
     layout_invariant = True  # docs/design.md §3: predicted with an exact gather
 
-    def __init__(self, temperature: float = 0.5, gather: str | gathering.GatherFn | None = "fixed"):
+    def __init__(
+        self, temperature: float = 0.5, gather: str | gathering.GatherFn | None = DEFAULT_GATHER
+    ):
         super().__init__()
         self.temperature = check_positive("temperature", temperature)
         self.gather = gathering.resolve(gather)

@@ -8,7 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from gatherlab import gather as gathering
-from gatherlab.losses._common import check_non_negative, check_views, gather_views
+from gatherlab.losses._common import (
+    DEFAULT_GATHER,
+    check_non_negative,
+    check_views,
+    gather_views,
+)
 
 
 class TiCoLoss(nn.Module):
@@ -27,7 +32,7 @@ class TiCoLoss(nn.Module):
         self,
         beta: float = 0.9,
         rho: float = 20.0,
-        gather: str | gathering.GatherFn | None = "fixed",
+        gather: str | gathering.GatherFn | None = DEFAULT_GATHER,
     ):
         super().__init__()
         if not isinstance(beta, int | float) or not 0 <= beta < 1:

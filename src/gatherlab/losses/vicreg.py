@@ -9,6 +9,7 @@ from torch import nn
 
 from gatherlab import gather as gathering
 from gatherlab.losses._common import (
+    DEFAULT_GATHER,
     check_non_negative,
     check_positive,
     check_views,
@@ -49,7 +50,7 @@ class VICRegLoss(nn.Module):
         mu_param: float = 25.0,
         nu_param: float = 1.0,
         eps: float = 1e-4,
-        gather: str | gathering.GatherFn | None = "fixed",
+        gather: str | gathering.GatherFn | None = DEFAULT_GATHER,
     ):
         super().__init__()
         self.lambda_param = check_non_negative("lambda_param", lambda_param)
