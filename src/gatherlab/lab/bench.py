@@ -9,10 +9,11 @@ asserts a time.
 ``launcher=pool`` (one warm group). The marginal cost of a job is the mean wall time of jobs 2..N;
 the first job is shown apart (for the pool it includes starting the group).
 
-``gather``: forward + backward of each exact gather (``fixed`` with each backward collective,
-``fixed[all_reduce]`` and ``fixed[reduce_scatter]``, the one ``fixed`` picks on the running backend
-marked ``*``; ``torch_nn``, ``functional``, ``lightning``) on W real ranks, for
-local embeddings from 256×128 to 4096×512 (float32), each the median of interleaved repetitions
+``gather``: forward + backward of each exact gather, every option of the ``gather`` config group
+(``gatherlab.gather.NAMES``) whose gather declares ``exact`` for every loss style (``fixed``, the
+default, marked ``*``; ``fixed_all_reduce`` and ``fixed_reduce_scatter``, ``fixed`` forced to each
+backward collective; ``torch_nn``, ``functional``, ``lightning``) on W real ranks, for local
+embeddings from 256×128 to 4096×512 (float32), each the median of interleaved repetitions
 timed on rank 0 between barriers. Bytes sent per rank by the backward's collective are those of
 the ring algorithms (all_reduce of M bytes: 2(W−1)/W·M; reduce-scatter and all-to-all:
 (W−1)/W·M), computed from the sizes, not measured on the wire.
@@ -49,6 +50,7 @@ import torch.distributed as dist
 
 from gatherlab import gather as gathering
 from gatherlab.components import config
+from gatherlab.core import terms
 from gatherlab.lab import configcheck
 from gatherlab.lab.jobs import run as run_job
 from gatherlab.ranks import pool as pools
@@ -87,42 +89,52 @@ def launcher(jobs: int, steps: int) -> float:
 
 
 GATHER_SIZES = ((256, 128), (1024, 256), (4096, 512))
-EXACT_GATHERS = ("fixed", "torch_nn", "functional", "lightning")
-
-
-FIXED_VARIANTS = tuple(f"fixed[{c}]" for c in gathering.BACKWARD_COLLECTIVES)
-"""``fixed`` with each backward collective, both timed whatever the backend."""
 SHOWN_BACKENDS = ("gloo", "nccl", "xccl")
 
 
-def _variants() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """``fixed`` with each backward collective (`FIXED_VARIANTS`), then the other exact gathers."""
-    variants: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        name: gathering.Fixed(collective)
-        for name, collective in zip(FIXED_VARIANTS, gathering.BACKWARD_COLLECTIVES, strict=True)
+def _exact_gathers() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Every option of the ``gather`` group (``gatherlab.gather.NAMES``, in its order) whose gather
+    declares ``exact`` for every loss style: ``fixed``, ``fixed`` forced to each backward
+    collective, and the other exact gathers."""
+    gathers = {name: gathering.get(name) for name in gathering.NAMES}
+    return {
+        name: gather
+        for name, gather in gathers.items()
+        if all(
+            getattr(gather, "predicted", {}).get(style) == terms.GradientClass.EXACT
+            for style in gathering.STYLES
+        )
     }
-    for name in EXACT_GATHERS[1:]:
-        variants[name] = gathering.get(name)
-    return variants
 
 
-def _backward_bytes(name: str, world_size: int, local_bytes: int) -> tuple[str, int]:
-    """The backward's collective and the bytes a rank sends in it (ring algorithms)."""
-    if name in FIXED_VARIANTS:
-        collective = name[len("fixed[") : -1]
-    else:  # torch_nn and lightning: all-to-all on gloo, reduce-scatter on NCCL
+def _backward_collective(gather: Callable[[torch.Tensor], torch.Tensor]) -> str:
+    """The collective of ``gather``'s backward on the running backend."""
+    if isinstance(gather, gathering.Fixed):
+        return gather.collective or gathering.backward_collective()
+    if isinstance(gather, gathering.Functional):
+        return "reduce_scatter"
+    if isinstance(gather, gathering.TorchNN | gathering.Lightning):  # torch's all_gather
         reduce_scatter = str(dist.get_backend()) in gathering.REDUCE_SCATTER_BACKENDS
-        collective = "reduce_scatter" if name == "functional" or reduce_scatter else "all_to_all"
+        return "reduce_scatter" if reduce_scatter else "all_to_all"
+    return "unknown"
+
+
+def _backward_bytes(collective: str, world_size: int, local_bytes: int) -> float:
+    """The bytes a rank sends in the backward's collective (ring algorithms)."""
+    if collective == "unknown":
+        return float("nan")
     total = world_size * local_bytes  # every collective here moves the W slice gradients
     factor = 2 if collective == "all_reduce" else 1
-    return collective, factor * (world_size - 1) * total // world_size
+    return factor * (world_size - 1) * total / world_size
 
 
-def _time_gathers(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict] | None:
-    """On every rank: forward + backward of each variant per size; rank 0 returns the rows."""
+def _time_gathers(
+    sizes: tuple[tuple[int, int], ...], repeats: int, default: str
+) -> list[dict] | None:
+    """On every rank: forward + backward of each exact gather per size; rank 0 returns the rows
+    (``default``: the name of the default gather, marked)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    variants = _variants()
-    default = f"fixed[{gathering.backward_collective()}]"  # what ``fixed`` runs on this backend
+    variants = _exact_gathers()
     rows = []
     for batch, dim in sizes:
         generator = torch.Generator().manual_seed(rank)
@@ -138,8 +150,9 @@ def _time_gathers(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict
                 dist.barrier()
                 if repeat >= 2:
                     times[name].append(time.perf_counter() - start)
-        for name in variants:
-            collective, sent = _backward_bytes(name, world_size, local.numel() * 4)
+        for name, function in variants.items():
+            collective = _backward_collective(function)
+            sent = _backward_bytes(collective, world_size, local.numel() * 4)
             rows.append(
                 {
                     "world_size": world_size,
@@ -155,15 +168,17 @@ def _time_gathers(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict
 
 
 def gather(world_sizes: tuple[int, ...], repeats: int) -> float:
-    """Print forward + backward times of the exact gathers; return fastest/fixed at the largest
-    size and world size."""
+    """Print forward + backward times of the exact gathers; return fastest / the default gather
+    (``fixed``) at the largest size and world size."""
+    with config.composed():
+        default = config.compose([])[1]["gather"]  # the gather a run gets unless it names one
     rows = []
     for world_size in world_sizes:
-        rows += pools.pool(world_size).run(_time_gathers, GATHER_SIZES, repeats)[0]
+        rows += pools.pool(world_size).run(_time_gathers, GATHER_SIZES, repeats, default)[0]
         pools.close_pools()
     print(f"forward + backward, float32, median of {repeats}; backend gloo on CPU")
     choices = ", ".join(f"{b}: {gathering.backward_collective(b)}" for b in SHOWN_BACKENDS)
-    print(f"fixed's backward collective by backend: {choices} (* marks this run's)")
+    print(f"fixed's backward collective by backend: {choices}; * marks the default gather")
     print(f"{'W':>2} {'local size':>10} {'gather':<24} {'ms':>9}  backward collective, sent/rank")
     for row in rows:
         name = f"{row['gather']}{' *' if row['default'] else ''}"
@@ -173,16 +188,11 @@ def gather(world_sizes: tuple[int, ...], repeats: int) -> float:
         )
     world_size, (batch, dim) = max(world_sizes), GATHER_SIZES[-1]
     last = [r for r in rows if r["world_size"] == world_size and r["size"] == f"{batch}×{dim}"]
-    (fixed,) = (row["gather"] for row in last if row["default"])
-    times = {
-        row["gather"]: row["ms"]
-        for row in last
-        if row["default"] or row["gather"] not in FIXED_VARIANTS
-    }
+    times = {row["gather"]: row["ms"] for row in last}
     fastest = min(times, key=times.get)
-    ratio = times[fastest] / times[fixed]
+    ratio = times[fastest] / times[default]
     where = f"W={world_size}, {batch}×{dim}"
-    print(f"fastest exact gather ({fastest}) / fixed ({fixed}) at {where}: {ratio:.3f}")
+    print(f"fastest exact gather ({fastest}) / {default} at {where}: {ratio:.3f}")
     return ratio
 
 
