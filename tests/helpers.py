@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,5 +98,19 @@ def descendants() -> dict[int, str]:
                 continue
             found[child.pid] = " ".join(child.cmdline())
         except psutil.Error:  # it ended meanwhile
+            continue
+    return found
+
+
+def process_group(pgid: int) -> dict[int, str]:
+    """The live processes of process group ``pgid`` (pid → command line), zombies not counted: a
+    command started in a session of its own and whatever it started, also once they have lost
+    their parent and are no longer anyone's descendants here."""
+    found = {}
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                found[process.pid] = " ".join(process.cmdline())
+        except (psutil.Error, ProcessLookupError):  # it ended meanwhile
             continue
     return found

@@ -13,12 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import psutil
 import pytest
 from faulty import PAUSE
-from helpers import PR1531_SWEEP, REPO, run_command, run_training
+from helpers import PR1531_SWEEP, REPO, process_group, run_command, run_training
 
 from gatherlab.analysis import report
 from gatherlab.core import runfiles
@@ -197,28 +198,50 @@ def _sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_ctrl_c_mid_sweep_prints_the_resume_command_and_the_sweep_resumes(
-    tmp_path, no_leftover_processes
-):
-    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the command, its
-    pools' fork server and ranks. A fresh interpreter in a session of its own is the point: only a
-    real process group shows what each of them prints and leaves behind. The command stops with
-    one line and status 130; the command that line prints resumes the sweep to a full report (run
-    here, in this process on the warm pools: a second fresh interpreter would add its seconds of
-    imports and pool start and show nothing more)."""
-    sweep, paused, terminal = tmp_path / "sweep", tmp_path / "paused", tmp_path / "terminal.txt"
+def _paused(command: list[str], paused: Path, terminal: Path) -> subprocess.Popen:
+    """``command`` started in a fresh interpreter, in a session (so a process group) of its own,
+    what it and its processes print going into ``terminal`` as a terminal shows it (stdout and
+    stderr together); returned once its job 3 is training, paused (pytest-timeout bounds a hang)."""
     path = [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), PAUSE: str(paused)}
-    command = [sys.executable, "-m", "gatherlab.train", *PAUSED_SWEEP, f"hydra.sweep.dir={sweep}"]
-    with open(terminal, "w") as output:  # stdout and stderr together, as a terminal shows them
+    with open(terminal, "w") as output:
         process = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_sigint_as_in_a_terminal,
         )  # fmt: skip
     try:
-        while not paused.exists():  # job 3 is training (pytest-timeout bounds a hang)
+        while not paused.exists():
             assert process.poll() is None, terminal.read_text()[-3000:]
             time.sleep(0.05)
+    except BaseException:
+        _end_session(process)
+        raise
+    return process
+
+
+def _end_session(process: subprocess.Popen) -> None:
+    """Whatever a failed test left in ``process``'s session (its group) is killed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def test_ctrl_c_or_kill_mid_sweep_ends_it_quietly_and_the_sweep_resumes(
+    tmp_path, no_leftover_processes
+):
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the command, its
+    pools' fork server and ranks. The command stops with one line and status 130; the command
+    that line prints, started as a shell would, pauses in job 3 again and is killed (``kill -9``,
+    the command alone): its ranks find it gone and end without a word, its fork server with them.
+    The sweep then resumes to a full report (here, in this process on the warm pools: another
+    fresh interpreter would add its seconds of imports and pool start and show nothing more).
+    Fresh interpreters in sessions of their own are the point: only a real process group shows
+    what each process prints and leaves behind, and only a process apart from the tests can be
+    killed."""
+    sweep, terminal = tmp_path / "sweep", tmp_path / "terminal.txt"
+    command = [sys.executable, "-m", "gatherlab.train", *PAUSED_SWEEP, f"hydra.sweep.dir={sweep}"]
+    process = _paused(command, tmp_path / "paused", terminal)
+    try:
         ours = psutil.Process(process.pid).children(recursive=True)  # fork server, ranks, ...
         assert len(ours) >= 6, ours  # 6 ranks
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C
@@ -226,9 +249,7 @@ def test_ctrl_c_mid_sweep_prints_the_resume_command_and_the_sweep_resumes(
         printed = terminal.read_text()
         _, alive = psutil.wait_procs(ours, timeout=10)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # whatever a failed test left in its session
-        process.wait()
+        _end_session(process)
 
     assert returncode == 130, printed[-3000:]
     assert "Traceback" not in printed and "KeyboardInterrupt" not in printed, printed[-3000:]
@@ -244,9 +265,24 @@ def test_ctrl_c_mid_sweep_prints_the_resume_command_and_the_sweep_resumes(
 
     pasted = shlex.split(said.split("resume with: ", 1)[1])  # as a shell reads it
     assert pasted[:3] == [sys.executable, "-m", "gatherlab.train"]
+    killed = _paused(pasted, tmp_path / "paused-again", tmp_path / "killed.txt")
+    try:
+        killed.kill()  # kill -9: the command closes nothing, and nothing else is signalled
+        killed.wait()
+        deadline = time.monotonic() + 30  # a bound for a hang, not a measured time
+        while (left := process_group(killed.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        printed = (tmp_path / "killed.txt").read_text()  # the ranks' last words, had they any
+    finally:
+        _end_session(killed)
+    assert not left, f"processes left behind: { {pid: cmd[:100] for pid, cmd in left.items()} }"
+    assert "Traceback" not in printed and "EOFError" not in printed, printed[-3000:]
+    assert (sweep / "2" / runfiles.LOCK).exists()  # the killed command's, taken over below
+
     resumed = run_command("train", *pasted[3:])  # no $GATHERLAB_TEST_PAUSE here: rank 3 trains on
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "job 2: complete" in resumed.stdout + resumed.stderr
+    assert [runfiles.read_summary(sweep / job)["status"] for job in "012"] == ["ok"] * 3
     table = pd.read_csv(sweep / report.COMPARISON)
     assert list(table["verdict"]) == ["reference", "matches", "matches"]
 

@@ -3,6 +3,10 @@
 It lives apart from the pools and imports nothing heavy, so that a command can start it before it
 imports torch itself: the server's imports (torch, ``torch._dynamo`` for DDP, the command's own
 modules) then run beside the command's instead of after them (``python -m gatherlab.check``).
+
+It ends by itself once the command and every rank forked from it are gone (multiprocessing hands
+each rank the pipe whose end tells the server that its last client has left), so a command that is
+killed leaves no fork server once its ranks have ended (``pool``: they end with the command).
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ A terminal's Ctrl-C sends SIGINT to every process of its foreground group, the w
 fork server too. They ignore it: the process that started the pools answers it (a
 ``KeyboardInterrupt`` there ends the pool it waits on at once), so a rank never prints a traceback
 of its own.
+
+A process that is killed (``kill -9``) closes nothing: each rank watches it (``_end_with_parent``)
+and, once it is gone, ends at once with status ``ORPHANED_STATUS`` and prints nothing, whatever
+it was doing (waiting for work, computing, waiting in a collective for a peer): nobody is left to
+report to. The fork server ends when its last rank has (``forkstart``).
 """
 
 from __future__ import annotations
@@ -17,18 +22,20 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import multiprocessing
 import os
 import pickle
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -41,6 +48,8 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 # How long a new pool may take to start its processes and join them in a group.
 POOL_START_TIMEOUT_S = 300.0
+# The exit status of a rank that ended because the process that started its pool is gone.
+ORPHANED_STATUS = 1
 
 
 class RankError(RuntimeError):
@@ -54,9 +63,10 @@ class RankError(RuntimeError):
 
 
 def _pool_worker(rank: int, world_size: int, store: str, connection: Connection) -> None:
-    """A pool rank: join the group once, then run each job it receives until told to stop."""
+    """A pool rank: join the group once, then run each job it receives until told to stop; a job's
+    error goes back to the pool. Once the pool's process is gone, end at once and quietly."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the starting process answers Ctrl-C
-    parent = os.getppid()
+    _end_with_parent()
     # Join only when the pool says so: a worker forked after its pool's start was interrupted
     # finds its pipe closed (or the stop) and ends here, instead of waiting for ranks that never
     # come.
@@ -78,14 +88,12 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
         world_size=world_size,
         timeout=COLLECTIVE_TIMEOUT,
     )
-    connection.send(("ready", None))
+    _answer(connection, ("ready", None))
     while True:
-        # Poll so that a worker whose parent died (killed, not closed) exits instead of lingering.
-        if not connection.poll(1.0):
-            if os.getppid() != parent:
-                return
-            continue
-        payload = connection.recv_bytes()
+        try:
+            payload = connection.recv_bytes()
+        except EOFError:  # the pool's process is gone (its end is closed only after the stop)
+            _orphaned()
         if not payload:
             break
         try:
@@ -94,15 +102,45 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
             search_path, job = pickle.loads(payload)
             sys.path.extend(entry for entry in search_path if entry not in sys.path)
             function, args = pickle.loads(job)
-            connection.send(("ok", function(*args)))
-        except BaseException as error:
+            _answer(connection, ("ok", function(*args)))
+        except BaseException as error:  # the job's own error, or a result that does not pickle
             detail = "".join(traceback.format_exception(error)[-6:])
             message = f"rank {rank}: {type(error).__name__}: {error}\n{detail}"
             try:
-                connection.send(("error", (message, error)))
+                _answer(connection, ("error", (message, error)))
             except Exception:  # an exception that does not pickle: its message only
-                connection.send(("error", (message, None)))
+                _answer(connection, ("error", (message, None)))
     dist.destroy_process_group()
+
+
+def _answer(connection: Connection, answer: tuple[str, Any]) -> None:
+    """Send ``answer`` to the pool; if the pool's process is gone (a broken pipe), end quietly.
+    What does not pickle raises, before anything is sent."""
+    try:
+        connection.send(answer)
+    except OSError:
+        _orphaned()
+
+
+def _end_with_parent() -> None:
+    """End this rank once the process that started it is gone, whatever the rank is doing: a
+    thread waits for that process (``multiprocessing.parent_process``: a pipe that it holds
+    open, closed by its death). A pool stops its ranks before it lets go of them: only a process
+    that ended without closing its pools (killed, crashed) sets the thread off."""
+    parent = multiprocessing.parent_process()
+
+    def watch() -> None:
+        parent.join()
+        _orphaned()
+
+    threading.Thread(target=watch, name="gatherlab-parent-watch", daemon=True).start()
+
+
+def _orphaned() -> NoReturn:
+    """End this rank now, without a traceback and without its exit handlers: its pool's process is
+    gone, its peers are ending too (a collective with them would fail or wait), and there is
+    nobody to report to."""
+    os._exit(ORPHANED_STATUS)
 
 
 class WorkerPool:
