@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kwargs", type=_kwargs, default={}, help="its keyword arguments (JSON)")
     parser.add_argument(
         "--gather",
-        help="pass gather= to the loss: a built-in name or module:function; without a loss: "
+        help="pass gather= to the loss: an option of the gather config group or module:function; "
+        "without a loss: "
         "check this gather with gatherlab's local, global and mixed losses",
     )
     parser.add_argument("--world-sizes", type=_world_sizes, default=(2, 4), help="e.g. 2,4")
