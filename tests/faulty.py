@@ -15,8 +15,8 @@ import signal
 import time
 from pathlib import Path
 
-from gatherlab import gather
 from gatherlab.losses import NTXentLoss
+from gatherlab.ranks import world
 
 PAUSE = "GATHERLAB_TEST_PAUSE"
 
@@ -29,7 +29,7 @@ class RankFault(NTXentLoss):
 
     def forward(self, out0, out1):
         self.calls += 1
-        if gather.rank() == self.rank and self.calls == self.step:
+        if world.rank() == self.rank and self.calls == self.step:
             if self.how == "pause":
                 if os.environ.get(PAUSE):
                     Path(os.environ[PAUSE]).touch()

@@ -19,7 +19,7 @@ from gatherlab.check import measure
 from gatherlab.components.config import ConfigError
 from gatherlab.components.factory import LossFactory
 from gatherlab.lab import configcheck, jobs, scaling
-from gatherlab.ranks import simworld
+from gatherlab.ranks import simworld, world
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_a_simulated_training_run_has_the_real_runs_curve(audit_setting, name):
 
 def test_each_rank_knows_its_place():
     def where():
-        return gather.rank(), gather.world_size()
+        return world.rank(), world.size()
 
     assert simworld.run(3, where) == [(0, 3), (1, 3), (2, 3)]
     assert where() == (0, 1)  # outside the world: one device again
@@ -65,7 +65,7 @@ def test_each_rank_knows_its_place():
 
 def test_a_rank_that_raises_ends_the_world_with_its_rank():
     def fails_on_two():
-        if gather.rank() == 2:
+        if world.rank() == 2:
             raise ValueError("broken")
         return gather.get("fixed")(torch.ones(1, 1))
 
@@ -75,7 +75,7 @@ def test_a_rank_that_raises_ends_the_world_with_its_rank():
 
 def test_a_rank_that_skips_a_collective_breaks_the_world_instead_of_hanging():
     def rank_one_skips():
-        if gather.rank() != 1:
+        if world.rank() != 1:
             gather.get("fixed")(torch.ones(1, 1))
 
     with pytest.raises(RuntimeError, match=r"rank 1 returned while others wait at a collective"):

@@ -9,12 +9,12 @@ from typing import Any
 
 import pandas as pd
 
-from gatherlab import gather as gathering
 from gatherlab.check import measure, removals
 from gatherlab.check.diagnosis import COLUMNS, TRAIN_COLUMN, verdict
 from gatherlab.components import config
 from gatherlab.components.factory import LossFactory, locate
 from gatherlab.core import cli, terms
+from gatherlab.gather import GatherFn
 from gatherlab.ranks.pool import RankError
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -67,10 +67,10 @@ GATHER_SETTING = ("experiment=gather_audit",)
 
 
 def _gather(
-    gather: str | gathering.GatherFn | None,
+    gather: str | GatherFn | None,
     loss: Callable[..., Any] | None = None,
     loss_name: str = "the loss",
-) -> tuple[str, gathering.GatherFn | None]:
+) -> tuple[str, GatherFn | None]:
     """The gather's name in the table and the gather (None: native).
 
     A name is an option of the ``gather`` config group (``conf/gather/<name>.yaml``, the one
@@ -207,7 +207,7 @@ def check_loss(
     factory: str | Callable[..., Any],
     world_sizes: Iterable[int] = (2, 4),
     *,
-    gather: str | gathering.GatherFn | None = None,
+    gather: str | GatherFn | None = None,
     steps: int = 0,
     optim: str = "sgd",
     seed: int = 0,
@@ -264,7 +264,7 @@ def check_loss(
 
 
 def check_gather(
-    gather: str | gathering.GatherFn,
+    gather: str | GatherFn,
     world_sizes: Iterable[int] = (2, 4),
     *,
     steps: int = 0,

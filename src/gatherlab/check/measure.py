@@ -28,14 +28,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gatherlab import gather as gathering
 from gatherlab.components.data import GlobalBatchSampler
 from gatherlab.components.factory import LossFactory
 from gatherlab.core import terms
 from gatherlab.core.runfiles import Trained
 from gatherlab.core.terms import GradientClass, Style, World
-from gatherlab.gather import CLASSES, GatherFn
-from gatherlab.ranks import simworld
+from gatherlab.gather import CLASSES, STYLES, GatherFn, rule
+from gatherlab.ranks import simworld, world
 from gatherlab.ranks.pool import pool
 
 log = logging.getLogger(__name__)
@@ -119,7 +118,7 @@ def _check_every_parameter_has_a_gradient(whole: nn.Module) -> None:
     missing = [name for name, p in whole.named_parameters() if p.requires_grad and p.grad is None]
     if missing and len(missing) < sum(1 for p in whole.parameters() if p.requires_grad):
         raise LossContractError(
-            f"parameter {missing[0]} gets no gradient on rank {gathering.rank()} while others "
+            f"parameter {missing[0]} gets no gradient on rank {world.rank()} while others "
             "do; DDP cannot average such a model (use every parameter in the forward)"
         )
 
@@ -176,11 +175,11 @@ def _on_rank(
 ) -> dict[Hashable, Measured]:
     """On every rank: its slice of the global batch; its local loss, and on rank 0 the gradient
     (after DDP's average it is the same on every rank)."""
-    rows = gathering.own_rows(len(view0))
+    rows = world.own_rows(len(view0))
     measured = {}
     for cell, loss in cells.items():
         result = measure(loss, model_factory, view0[rows], view1[rows], seed, distributed=True)
-        keep = result.gradient if gathering.rank() == 0 else torch.empty(0)
+        keep = result.gradient if world.rank() == 0 else torch.empty(0)
         measured[cell] = Measured(result.loss, keep)
     return measured
 
@@ -197,7 +196,7 @@ def check_simulatable(loss: LossFactory) -> None:
     """A ValueError in one line unless the simulated world can run ``loss``: its gather must be
     a ``Gather`` that names the rule of its backward (a loss without a gather communicates by
     itself, through a process group the simulated world does not have)."""
-    if gathering.rule(loss.gather) is None:
+    if rule(loss.gather) is None:
         raise ValueError(
             f"gather {loss.gather!r} of {loss.name} cannot be simulated; allowed: a "
             f"gatherlab.gather.Gather whose backward names a rule ({', '.join(simworld.RULES)})"
@@ -237,8 +236,8 @@ def _train_on_rank(
     optimizer: Callable[..., torch.optim.Optimizer],
     seed: int,
 ) -> tuple[list[float], torch.Tensor]:
-    distributed = gathering.world_size() > 1
-    rows = gathering.own_rows(len(batches[0][0])) if distributed else slice(None)
+    distributed = world.size() > 1
+    rows = world.own_rows(len(batches[0][0])) if distributed else slice(None)
     whole, wrapped = _build(loss, model_factory, seed, distributed)
     step = optimizer(whole.parameters())
     losses = []
@@ -341,11 +340,11 @@ def style(factory: LossFactory | Callable[..., nn.Module]) -> Style | None:
     ValueError of one line for another value."""
     target = getattr(factory, "factory", factory)
     declared = getattr(target, "style", None)
-    if declared is None or declared in gathering.STYLES:
+    if declared is None or declared in STYLES:
         return None if declared is None else Style(declared)
     raise ValueError(
         f"{getattr(target, '__qualname__', target)} declares style={declared!r}; allowed: "
-        f"{', '.join(gathering.STYLES)} (docs/design.md §1), or no style"
+        f"{', '.join(STYLES)} (docs/design.md §1), or no style"
     )
 
 
@@ -381,9 +380,9 @@ def audit(
     rows = []
     worlds = [(w, World.REAL) for w in world_sizes]
     worlds += [(w, World.SIMULATED) for w in simulated_world_sizes]
-    for world_size, world in worlds:
-        log.info("auditing %d cells on %d %s ranks", len(cells), world_size, world)
-        simulated = world == World.SIMULATED
+    for world_size, kind in worlds:
+        log.info("auditing %d cells on %d %s ranks", len(cells), world_size, kind)
+        simulated = kind == World.SIMULATED
         measured = measure_on_ranks(cells, model_factory, view0, view1, world_size, seed, simulated)
         for gather, name in cells:
             gradient_class, cosine, norm_ratio, max_rel_err = classify(
@@ -396,7 +395,7 @@ def audit(
                     "loss": name,
                     "style": loss_style or "unknown",
                     "world_size": world_size,
-                    "world": world,
+                    "world": kind,
                     "predicted": predicted(gathers[gather], loss_style),
                     "measured": gradient_class,
                     "cosine": cosine,

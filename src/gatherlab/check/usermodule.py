@@ -23,12 +23,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from gatherlab import gather as gathering
 from gatherlab.check import removals
 from gatherlab.components.factory import LossFactory
 from gatherlab.components.module import StepRecorder, rank_sampler
 from gatherlab.core import runfiles
-from gatherlab.ranks import launch
+from gatherlab.ranks import launch, world
 
 __all__ = [
     "ItemsDataModule",
@@ -163,7 +162,7 @@ def fit_on_rank(
         collate_fn_of(lightning_module, data),
     )  # fmt: skip
     _seed_processes(seed)
-    if gathering.world_size() > 1:
+    if world.size() > 1:
         launch.fit_in_group(lightning_module, datamodule, precision, steps, callbacks)
     else:
         launch.fit(lightning_module, datamodule, 1, precision, steps, callbacks)

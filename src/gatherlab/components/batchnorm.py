@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gatherlab import gather as gathering
+from gatherlab.ranks import world
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -36,7 +36,7 @@ class _AllReduceSum(torch.autograd.Function):
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of ``tensor`` over all ranks, differentiable; the identity on one process."""
-    return _AllReduceSum.apply(tensor) if gathering.world_size() > 1 else tensor
+    return _AllReduceSum.apply(tensor) if world.size() > 1 else tensor
 
 
 class GlobalBatchNorm(nn.Module):

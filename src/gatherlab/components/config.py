@@ -24,9 +24,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gatherlab import gather as gathering
 from gatherlab.components.factory import LossFactory, locate
 from gatherlab.core import cli
+from gatherlab.gather import ordered
 
 # The configs: the repository's conf/, which the package carries as gatherlab.conf (pyproject.toml),
 # so a checkout and an installed wheel compose the same files.
@@ -35,6 +35,8 @@ CONFIG_PATH = f"pkg://{CONFIG_MODULE}"
 CONFIG_NAME = "config"
 # Where those files are on disk (conf/ in a checkout, site-packages/gatherlab/conf in a wheel).
 CONFIG_DIR = Path(str(importlib.resources.files(CONFIG_MODULE)))
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot run; the message is one line that names the key, the
     value and what is allowed."""
@@ -321,4 +323,4 @@ def build_gathers(names: Sequence[str] | None, overrides: Sequence[str] = ()) ->
             "by itself); allowed: gathers with a _target_"
         )
     built = {name: gather for name, gather in gathers.items() if gather is not None}
-    return gathering.ordered(built) if every else built
+    return ordered(built) if every else built

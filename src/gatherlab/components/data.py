@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from gatherlab import gather as gathering
 from gatherlab.components.augment import VIEW_STREAMS, Augmentation, sample_generator
+from gatherlab.ranks import world
 
 SEEDINGS = ("per_sample", "per_process")
 
@@ -110,7 +110,7 @@ class DigitsPairs(Dataset):
         if self.seeding == "per_sample":
             return tuple(sample_generator(self.seed, epoch, index, s) for s in VIEW_STREAMS)
         if self._process_generator is None:
-            rank_seed = np.random.SeedSequence([self.seed, gathering.rank()]).generate_state(1)
+            rank_seed = np.random.SeedSequence([self.seed, world.rank()]).generate_state(1)
             self._process_generator = torch.Generator().manual_seed(int(rank_seed[0]))
         return self._process_generator, self._process_generator
 

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gatherlab import gather as gathering
+from gatherlab.gather import GatherFn
+from gatherlab.ranks import world
 
 __all__ = ["LossFactory", "locate"]
 
@@ -88,7 +89,7 @@ class LossFactory:
 
     factory: Callable[..., nn.Module]
     kwargs: Mapping[str, Any] = field(default_factory=dict)
-    gather: gathering.GatherFn | None = None
+    gather: GatherFn | None = None
     seed: int = 0
 
     def arguments(self) -> dict[str, Any]:
@@ -96,9 +97,9 @@ class LossFactory:
         arguments = dict(self.kwargs)
         accepted = _parameters(self.factory)
         if "rank" in accepted and "rank" not in arguments:
-            arguments["rank"] = gathering.rank()
+            arguments["rank"] = world.rank()
         if "world_size" in accepted and "world_size" not in arguments:
-            arguments["world_size"] = gathering.world_size()
+            arguments["world_size"] = world.size()
         if self.gather is not None:
             arguments["gather"] = self.gather
         return arguments
@@ -108,7 +109,7 @@ class LossFactory:
             torch.manual_seed(self.seed)
             return self.factory(**self.arguments())
 
-    def with_gather(self, gather: gathering.GatherFn | None) -> LossFactory:
+    def with_gather(self, gather: GatherFn | None) -> LossFactory:
         return LossFactory(self.factory, self.kwargs, gather, self.seed)
 
     def declared(self, attribute: str) -> Any:

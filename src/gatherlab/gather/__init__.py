@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from gatherlab.core import terms
-from gatherlab.ranks import simworld
+from gatherlab.ranks import simworld, world
 
 __all__ = [
     "CLASSES",
@@ -68,11 +68,8 @@ __all__ = [
     "TorchNN",
     "get",
     "ordered",
-    "own_rows",
-    "rank",
     "resolve",
     "rule",
-    "world_size",
 ]
 
 GatherFn = Callable[[torch.Tensor], torch.Tensor]
@@ -141,7 +138,7 @@ class Gather:
         raise NotImplementedError
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        if world_size() == 1:
+        if world.size() == 1:
             return tensor
         if simworld.size() is None:
             return self.gather(tensor)
@@ -160,32 +157,6 @@ class Gather:
         return f"{type(self).__name__}({arguments})"
 
 
-def world_size() -> int:
-    """Number of ranks: of the simulated world in one of its ranks (``simworld``), else of the
-    default process group, 1 when there is none.
-
-    Returns:
-        The world size, an integer ≥ 1.
-    """
-    simulated = simworld.size()
-    if simulated is not None:
-        return simulated
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank() -> int:
-    """This rank: in the simulated world (``simworld``), else in the default process group, 0
-    when there is none.
-
-    Returns:
-        The rank, an integer from 0 to `world_size` − 1.
-    """
-    simulated = simworld.rank()
-    if simulated is not None:
-        return simulated
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's tensor, concatenated along the first dimension in rank order, gathered straight
     into one preallocated tensor (no list of slices, no concatenation)."""
@@ -193,12 +164,6 @@ def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
     gathered = tensor.new_empty((dist.get_world_size() * tensor.shape[0], *tensor.shape[1:]))
     dist.all_gather_single(gathered, tensor)
     return gathered
-
-
-def own_rows(total: int) -> slice:
-    """This rank's rows of a global batch or a gathered tensor of ``total`` rows (`rank` of
-    `world_size`: in the simulated world too)."""
-    return terms.rows_of(rank(), world_size(), total)
 
 
 # The two collectives that deliver Σ_r G_r[s] to rank s in ``fixed``'s backward. NCCL's
@@ -230,7 +195,7 @@ def _sum_over_ranks_of_own_slice(grad: torch.Tensor, collective: str | None = No
         return own
     summed = grad.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-    return summed[own_rows(summed.shape[0])]
+    return summed[world.own_rows(summed.shape[0])]
 
 
 class _FixedGather(torch.autograd.Function):
@@ -265,7 +230,7 @@ class _OldGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad[own_rows(grad.shape[0])]
+        return grad[world.own_rows(grad.shape[0])]
 
 
 class _AvgGather(torch.autograd.Function):
@@ -391,7 +356,7 @@ class NogradSwap(Gather):
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             gathered = _all_gather(tensor)
-        own = own_rows(gathered.shape[0])
+        own = world.own_rows(gathered.shape[0])
         return torch.cat([gathered[: own.start], tensor, gathered[own.stop :]], dim=0)
 
 

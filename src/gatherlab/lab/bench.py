@@ -48,9 +48,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gatherlab import gather as gathering
 from gatherlab.components import config
 from gatherlab.core import terms
+from gatherlab.gather import (
+    NAMES,
+    REDUCE_SCATTER_BACKENDS,
+    STYLES,
+    Fixed,
+    Functional,
+    Lightning,
+    TorchNN,
+    backward_collective,
+    get,
+)
 from gatherlab.lab import configcheck
 from gatherlab.lab.jobs import run as run_job
 from gatherlab.ranks import pool as pools
@@ -96,25 +106,25 @@ def _exact_gathers() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Every option of the ``gather`` group (``gatherlab.gather.NAMES``, in its order) whose gather
     declares ``exact`` for every loss style: ``fixed``, ``fixed`` forced to each backward
     collective, and the other exact gathers."""
-    gathers = {name: gathering.get(name) for name in gathering.NAMES}
+    gathers = {name: get(name) for name in NAMES}
     return {
         name: gather
         for name, gather in gathers.items()
         if all(
             getattr(gather, "predicted", {}).get(style) == terms.GradientClass.EXACT
-            for style in gathering.STYLES
+            for style in STYLES
         )
     }
 
 
 def _backward_collective(gather: Callable[[torch.Tensor], torch.Tensor]) -> str:
     """The collective of ``gather``'s backward on the running backend."""
-    if isinstance(gather, gathering.Fixed):
-        return gather.collective or gathering.backward_collective()
-    if isinstance(gather, gathering.Functional):
+    if isinstance(gather, Fixed):
+        return gather.collective or backward_collective()
+    if isinstance(gather, Functional):
         return "reduce_scatter"
-    if isinstance(gather, gathering.TorchNN | gathering.Lightning):  # torch's all_gather
-        reduce_scatter = str(dist.get_backend()) in gathering.REDUCE_SCATTER_BACKENDS
+    if isinstance(gather, TorchNN | Lightning):  # torch's all_gather
+        reduce_scatter = str(dist.get_backend()) in REDUCE_SCATTER_BACKENDS
         return "reduce_scatter" if reduce_scatter else "all_to_all"
     return "unknown"
 
@@ -177,7 +187,7 @@ def gather(world_sizes: tuple[int, ...], repeats: int) -> float:
         rows += pools.pool(world_size).run(_time_gathers, GATHER_SIZES, repeats, default)[0]
         pools.close_pools()
     print(f"forward + backward, float32, median of {repeats}; backend gloo on CPU")
-    choices = ", ".join(f"{b}: {gathering.backward_collective(b)}" for b in SHOWN_BACKENDS)
+    choices = ", ".join(f"{b}: {backward_collective(b)}" for b in SHOWN_BACKENDS)
     print(f"fixed's backward collective by backend: {choices}; * marks the default gather")
     print(f"{'W':>2} {'local size':>10} {'gather':<24} {'ms':>9}  backward collective, sent/rank")
     for row in rows:

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gatherlab import gather as gathering
 from gatherlab.check import measure, removals
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
 from gatherlab.core import cli, terms
+from gatherlab.gather import rule
 
 ACCELERATORS = ("cpu", "gpu")
 
@@ -129,7 +129,7 @@ def _check_audit(cfg: DictConfig) -> None:
 def check_audit_gathers(cfg: DictConfig, gathers: Mapping[str, Any]) -> None:
     """The gathers an audit measures (name → gather, built from ``audit.gathers``): with
     simulated world sizes, each must name the backward rule the simulated world reproduces."""
-    unsimulatable = [name for name, gather in gathers.items() if gathering.rule(gather) is None]
+    unsimulatable = [name for name, gather in gathers.items() if rule(gather) is None]
     if cfg.audit.get("simulated_world_sizes") and unsimulatable:
         raise ConfigError(
             f"audit.simulated_world_sizes: gather {unsimulatable[0]} names no backward rule to "

@@ -30,13 +30,13 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig
 
-from gatherlab import gather as gathering
 from gatherlab.analysis import figures, report
 from gatherlab.check import measure
 from gatherlab.components import config
 from gatherlab.components.factory import LossFactory
 from gatherlab.core import runfiles
 from gatherlab.core.terms import Rule, Style
+from gatherlab.gather import GatherFn, rule
 from gatherlab.lab import audit, configcheck, jobs
 
 
@@ -96,7 +96,7 @@ class Predictor:
 def predict(
     table: pd.DataFrame,
     inputs: jobs.AuditInputs,
-    gathers: Mapping[str, gathering.GatherFn],
+    gathers: Mapping[str, GatherFn],
     seed: int,
 ) -> pd.DataFrame:
     """``table`` (an audit's) with the predicted cosine and norm ratio of every row (``COLUMNS``).
@@ -104,7 +104,7 @@ def predict(
     For a local loss, the own-rule gradient at W = N is measured in the simulated world (one cell)
     to give C_self, when some gather of ``gathers`` has the own rule."""
     rows = []
-    own_gathers = [gather for gather in gathers.values() if gathering.rule(gather) == Rule.OWN]
+    own_gathers = [gather for gather in gathers.values() if rule(gather) == Rule.OWN]
     for name, loss in inputs.losses.items():
         predictor = Predictor(loss, inputs, seed)
         if predictor.style == Style.LOCAL and own_gathers:
@@ -114,8 +114,8 @@ def predict(
                 simulated=True,
             )[Rule.OWN].gradient  # fmt: skip
         for _, row in table[table["loss"] == name].iterrows():
-            rule = gathering.rule(gathers.get(row["gather"]))
-            vector, how = predictor.gradient(rule, int(row["world_size"]))
+            backward = rule(gathers.get(row["gather"]))
+            vector, how = predictor.gradient(backward, int(row["world_size"]))
             cosine, ratio = (None, None)
             if vector is not None:
                 cosine, ratio = measure.cosine_and_norm_ratio(vector, predictor.full)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gatherlab import gather as gathering
+from gatherlab.gather import GatherFn
+from gatherlab.ranks import world
 
 DEFAULT_GATHER = "fixed"
 """The gather every loss of this package uses when its ``gather`` argument is not given: ``fixed``,
@@ -40,7 +41,7 @@ def check_views(out0: torch.Tensor, out1: torch.Tensor, min_rows: int = 1) -> No
 
 
 def gather_views(
-    gather: gathering.GatherFn, out0: torch.Tensor, out1: torch.Tensor
+    gather: GatherFn, out0: torch.Tensor, out1: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both views gathered in one collective (side by side), then split again."""
     gathered = gather(torch.cat([out0, out1], dim=1))
@@ -49,7 +50,7 @@ def gather_views(
 
 def local_offset(local: torch.Tensor, gathered: torch.Tensor) -> int:
     """Index of this rank's first sample in the gathered batch (0 when nothing was gathered)."""
-    return gathering.rank() * local.shape[0] if gathered.shape[0] > local.shape[0] else 0
+    return world.rank() * local.shape[0] if gathered.shape[0] > local.shape[0] else 0
 
 
 def own_columns(first: int, rows: int, device: torch.device) -> torch.Tensor:

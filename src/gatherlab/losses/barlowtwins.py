@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gatherlab import gather as gathering
+from gatherlab.gather import GatherFn, resolve
 from gatherlab.losses._common import (
     DEFAULT_GATHER,
     check_non_negative,
@@ -28,12 +28,10 @@ def redundancy_reduction(correlation: torch.Tensor, lambda_param: float) -> torc
 
 
 class _BarlowTwinsBase(nn.Module):
-    def __init__(
-        self, lambda_param: float = 5e-3, gather: str | gathering.GatherFn | None = DEFAULT_GATHER
-    ):
+    def __init__(self, lambda_param: float = 5e-3, gather: str | GatherFn | None = DEFAULT_GATHER):
         super().__init__()
         self.lambda_param = check_non_negative("lambda_param", lambda_param)
-        self.gather = gathering.resolve(gather)
+        self.gather = resolve(gather)
 
 
 class BarlowTwinsLoss(_BarlowTwinsBase):

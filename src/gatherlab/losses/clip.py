@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gatherlab import gather as gathering
+from gatherlab.gather import GatherFn, resolve
 from gatherlab.losses._common import (
     DEFAULT_GATHER,
     check_positive,
@@ -40,14 +40,14 @@ class CLIPLoss(nn.Module):
         self,
         temperature: float = 0.07,
         learn_logit_scale: bool = True,
-        gather: str | gathering.GatherFn | None = DEFAULT_GATHER,
+        gather: str | GatherFn | None = DEFAULT_GATHER,
     ):
         super().__init__()
         temperature = check_positive("temperature", temperature)
         # float64, so that a run in either precision starts from log(1/τ) correctly rounded
         log_scale = torch.tensor(math.log(1 / temperature), dtype=torch.float64)
         self.logit_scale = nn.Parameter(log_scale, requires_grad=bool(learn_logit_scale))
-        self.gather = gathering.resolve(gather)
+        self.gather = resolve(gather)
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
         check_views(out0, out1)

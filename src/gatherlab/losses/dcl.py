@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gatherlab import gather as gathering
+from gatherlab.gather import GatherFn, resolve
 from gatherlab.losses._common import (
     DEFAULT_GATHER,
     check_positive,
@@ -71,12 +71,10 @@ class DCLLoss(nn.Module):
     style = "local"  # how it splits over ranks (docs/design.md §1)
     layout_invariant = True  # docs/design.md §3: predicted with an exact gather
 
-    def __init__(
-        self, temperature: float = 0.1, gather: str | gathering.GatherFn | None = DEFAULT_GATHER
-    ):
+    def __init__(self, temperature: float = 0.1, gather: str | GatherFn | None = DEFAULT_GATHER):
         super().__init__()
         self.temperature = check_positive("temperature", temperature)
-        self.gather = gathering.resolve(gather)
+        self.gather = resolve(gather)
 
     def _weights(
         self, out0: torch.Tensor, out1: torch.Tensor, columns0: torch.Tensor,
@@ -108,7 +106,7 @@ class DCLWLoss(DCLLoss):
         self,
         temperature: float = 0.1,
         sigma: float = 0.5,
-        gather: str | gathering.GatherFn | None = DEFAULT_GATHER,
+        gather: str | GatherFn | None = DEFAULT_GATHER,
     ):
         super().__init__(temperature, gather)
         self.sigma = check_positive("sigma", sigma)

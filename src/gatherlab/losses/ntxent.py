@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gatherlab import gather as gathering
+from gatherlab.gather import GatherFn, resolve
 from gatherlab.losses._common import (
     DEFAULT_GATHER,
     check_positive,
@@ -48,12 +48,10 @@ def ntxent(
 class _NTXentBase(nn.Module):
     layout_invariant = True  # docs/design.md §3: predicted with an exact gather
 
-    def __init__(
-        self, temperature: float = 0.5, gather: str | gathering.GatherFn | None = DEFAULT_GATHER
-    ):
+    def __init__(self, temperature: float = 0.5, gather: str | GatherFn | None = DEFAULT_GATHER):
         super().__init__()
         self.temperature = check_positive("temperature", temperature)
-        self.gather = gathering.resolve(gather)
+        self.gather = resolve(gather)
 
 
 class NTXentLoss(_NTXentBase):

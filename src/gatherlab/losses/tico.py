@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gatherlab import gather as gathering
+from gatherlab.gather import GatherFn, resolve
 from gatherlab.losses._common import (
     DEFAULT_GATHER,
     check_non_negative,
@@ -32,14 +32,14 @@ class TiCoLoss(nn.Module):
         self,
         beta: float = 0.9,
         rho: float = 20.0,
-        gather: str | gathering.GatherFn | None = DEFAULT_GATHER,
+        gather: str | GatherFn | None = DEFAULT_GATHER,
     ):
         super().__init__()
         if not isinstance(beta, int | float) or not 0 <= beta < 1:
             raise ValueError(f"beta must be a number in [0, 1), got {beta!r}")
         self.beta = float(beta)
         self.rho = check_non_negative("rho", rho)
-        self.gather = gathering.resolve(gather)
+        self.gather = resolve(gather)
         self.covariance: torch.Tensor | None = None
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gatherlab import gather as gathering
+from gatherlab.gather import GatherFn, resolve
 from gatherlab.losses._common import (
     DEFAULT_GATHER,
     check_non_negative,
@@ -50,14 +50,14 @@ class VICRegLoss(nn.Module):
         mu_param: float = 25.0,
         nu_param: float = 1.0,
         eps: float = 1e-4,
-        gather: str | gathering.GatherFn | None = DEFAULT_GATHER,
+        gather: str | GatherFn | None = DEFAULT_GATHER,
     ):
         super().__init__()
         self.lambda_param = check_non_negative("lambda_param", lambda_param)
         self.mu_param = check_non_negative("mu_param", mu_param)
         self.nu_param = check_non_negative("nu_param", nu_param)
         self.eps = check_positive("eps", eps)
-        self.gather = gathering.resolve(gather)
+        self.gather = resolve(gather)
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
         check_views(out0, out1)

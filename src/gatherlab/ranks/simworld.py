@@ -2,7 +2,7 @@
 
 ``run(W, function, *args)`` calls ``function(*args)`` on W virtual ranks and returns their results
 in rank order, like ``pool(W).run``. A virtual rank is a thread: ``rank()`` and ``size()`` say
-which rank of which world it is (``gatherlab.gather.rank``/``world_size`` ask them first), and
+which rank of which world it is (``gatherlab.ranks.world.rank``/``size`` ask them first), and
 its collectives meet the other threads at a rendezvous instead of a network. Only one rank
 computes at a time; a rank hands the turn on when it waits at a collective, so one rank's
 temporaries are alive at a time, not W of them, and the global RNG is used by one rank at a time.
@@ -316,7 +316,7 @@ def run(world_size: int, function: Callable[..., Any], *args: Any) -> list[Any]:
     raised with its rank.
 
     Each rank is a thread of this process; inside it `rank`, `size` and
-    `gatherlab.gather.rank`/`gatherlab.gather.world_size` name the simulated world, and a
+    `gatherlab.ranks.world.rank`/`size` name the simulated world, and a
     `gatherlab.gather.Gather` with a ``backward`` rule gathers through it. One rank computes at a
     time.
 
