@@ -19,7 +19,7 @@ from gatherlab.check import api, measure
 from gatherlab.check.diagnosis import TRAIN_COLUMN
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
-from gatherlab.components.factory import LossFactory
+from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles
 from gatherlab.lab import configcheck
 from gatherlab.testing import assert_layout_invariant
@@ -63,14 +63,14 @@ def test_each_stand_in_gets_its_predicted_verdict(case):
 
 
 def test_a_loss_gets_rank_and_world_size_when_it_takes_them_and_the_user_did_not_set_them():
-    assert LossFactory(standins.ClipLossForCheck).arguments() == {"rank": 0, "world_size": 1}
-    assert LossFactory(standins.ClipLossForCheck, {"world_size": 3}).arguments() == {
+    assert Recipe(standins.ClipLossForCheck).arguments() == {"rank": 0, "world_size": 1}
+    assert Recipe(standins.ClipLossForCheck, {"world_size": 3}).arguments() == {
         "world_size": 3,
         "rank": 0,
     }
-    assert LossFactory(standins.GatherLayerNTXent).arguments() == {}
+    assert Recipe(standins.GatherLayerNTXent).arguments() == {}
     gather = standins.gather_with_grad
-    assert LossFactory(standins.PerSampleLoss, {}, gather).arguments() == {"gather": gather}
+    assert Recipe(standins.PerSampleLoss, {}, gather).arguments() == {"gather": gather}
 
 
 def test_every_option_of_the_gather_group_is_a_gather_the_check_takes():

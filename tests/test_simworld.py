@@ -17,7 +17,7 @@ from helpers import compose
 from gatherlab import gather
 from gatherlab.check import measure
 from gatherlab.components.config import ConfigError
-from gatherlab.components.factory import LossFactory
+from gatherlab.components.factory import Recipe
 from gatherlab.lab import configcheck, jobs, scaling
 from gatherlab.ranks import simworld, world
 
@@ -93,7 +93,7 @@ def test_a_gather_without_a_rule_is_refused_in_one_line(audit_setting):
         measure.measure_on_ranks(
             cell, inputs.model_factory, inputs.view0, inputs.view1, 2, 0, simulated=True
         )
-    native = LossFactory(inputs.losses["ntxent"].factory)  # communicates by itself
+    native = Recipe(inputs.losses["ntxent"].factory)  # communicates by itself
     with pytest.raises(ValueError, match=r"cannot be simulated"):
         measure.check_simulatable(native)
 

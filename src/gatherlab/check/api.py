@@ -12,7 +12,7 @@ import pandas as pd
 from gatherlab.check import measure, removals
 from gatherlab.check.diagnosis import COLUMNS, TRAIN_COLUMN, verdict
 from gatherlab.components import config
-from gatherlab.components.factory import LossFactory, locate
+from gatherlab.components.factory import Recipe, locate
 from gatherlab.core import cli, terms
 from gatherlab.gather import GatherFn
 from gatherlab.ranks.pool import RankError
@@ -147,7 +147,7 @@ def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, .
 
 
 def _run(
-    losses: Mapping[str, LossFactory],
+    losses: Mapping[str, Recipe],
     gather_name: str,
     world_sizes: Sequence[int],
     steps: int,
@@ -259,7 +259,7 @@ def check_loss(
     function = _factory(factory)
     name = factory if isinstance(factory, str) else getattr(function, "__qualname__", "loss")
     gather_name, gather_fn = _gather(gather, function, name)
-    loss = LossFactory(function, kwargs, gather_fn, seed)
+    loss = Recipe(function, kwargs, gather_fn, seed)
     return _run({name: loss}, gather_name, tuple(world_sizes), steps, optim)
 
 
@@ -388,8 +388,8 @@ def check_training(
     module_factory, data_factory = _factory(module, "module"), _factory(data, "data")
     name = _path_name(module)
     setting = training.Setting(
-        module=LossFactory(module_factory, dict(module_kwargs or {}), None, seed),
-        data=LossFactory(data_factory, dict(data_kwargs or {}), None, seed),
+        module=Recipe(module_factory, dict(module_kwargs or {}), None, seed),
+        data=Recipe(data_factory, dict(data_kwargs or {}), None, seed),
         name=name, global_batch_size=global_batch_size, steps=steps, seed=seed,
         precision=precision,
     )  # fmt: skip

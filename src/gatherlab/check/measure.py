@@ -11,7 +11,7 @@ classified:
 - ``other``: anything else: the same direction at another scale.
 
 ``audit`` measures every gather × loss × world size (the gradient audit); ``gatherlab.check``
-measures any loss. Losses are ``LossFactory`` objects, built inside each rank; the ranks run in
+measures any loss. Losses are ``Recipe`` objects, built inside each rank; the ranks run in
 the warm worker pools, or, with ``simulated=True``, as the virtual ranks of ``simworld`` (any
 world size, the gathers simulated from their backward rules).
 """
@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gatherlab.components.data import GlobalBatchSampler
-from gatherlab.components.factory import LossFactory
+from gatherlab.components.factory import Recipe
 from gatherlab.core import terms
 from gatherlab.core.runfiles import Trained
 from gatherlab.core.terms import GradientClass, Style, World
@@ -85,7 +85,7 @@ class _Whole(nn.Module):
         return self.loss(self.model(view0), self.model(view1))
 
 
-def _build(loss: LossFactory, model_factory: ModelFactory, seed: int, distributed: bool):
+def _build(loss: Recipe, model_factory: ModelFactory, seed: int, distributed: bool):
     torch.manual_seed(seed)
     model = model_factory()
     whole = _Whole(model, loss()).double()
@@ -148,7 +148,7 @@ def _flat_gradient(module: nn.Module) -> torch.Tensor:
 
 
 def measure(
-    loss: LossFactory,
+    loss: Recipe,
     model_factory: ModelFactory,
     view0: torch.Tensor,
     view1: torch.Tensor,
@@ -167,7 +167,7 @@ def measure(
 
 
 def _on_rank(
-    cells: Mapping[Hashable, LossFactory],
+    cells: Mapping[Hashable, Recipe],
     model_factory: ModelFactory,
     view0: torch.Tensor,
     view1: torch.Tensor,
@@ -192,7 +192,7 @@ def _run(world_size: int, simulated: bool, function: Callable[..., object], *arg
     return pool(world_size).run(function, *args)
 
 
-def check_simulatable(loss: LossFactory) -> None:
+def check_simulatable(loss: Recipe) -> None:
     """A ValueError in one line unless the simulated world can run ``loss``: its gather must be
     a ``Gather`` that names the rule of its backward (a loss without a gather communicates by
     itself, through a process group the simulated world does not have)."""
@@ -204,7 +204,7 @@ def check_simulatable(loss: LossFactory) -> None:
 
 
 def measure_on_ranks(
-    cells: Mapping[Hashable, LossFactory],
+    cells: Mapping[Hashable, Recipe],
     model_factory: ModelFactory,
     view0: torch.Tensor,
     view1: torch.Tensor,
@@ -230,7 +230,7 @@ def measure_on_ranks(
 
 
 def _train_on_rank(
-    loss: LossFactory,
+    loss: Recipe,
     model_factory: ModelFactory,
     batches: Sequence[Batch],
     optimizer: Callable[..., torch.optim.Optimizer],
@@ -254,7 +254,7 @@ def _train_on_rank(
 
 
 def train(
-    loss: LossFactory,
+    loss: Recipe,
     model_factory: ModelFactory,
     batches: Sequence[Batch],
     optimizer: Callable[..., torch.optim.Optimizer],
@@ -335,7 +335,7 @@ def classify(
     return measured, cosine, norm_ratio, max_rel_err
 
 
-def style(factory: LossFactory | Callable[..., nn.Module]) -> Style | None:
+def style(factory: Recipe | Callable[..., nn.Module]) -> Style | None:
     """The loss style a loss class declares (``style``: local, global or mixed), if any; a
     ValueError of one line for another value."""
     target = getattr(factory, "factory", factory)
@@ -355,7 +355,7 @@ def predicted(gather: GatherFn, loss_style: str | None) -> str:
 
 
 def audit(
-    losses: Mapping[str, LossFactory],
+    losses: Mapping[str, Recipe],
     model_factory: ModelFactory,
     view0: torch.Tensor,
     view1: torch.Tensor,

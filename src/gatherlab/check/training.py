@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from gatherlab.check import measure, removals, usermodule
-from gatherlab.components.factory import LossFactory
+from gatherlab.components.factory import Recipe
 from gatherlab.core import terms
 from gatherlab.core.runfiles import Trained
 from gatherlab.ranks.pool import pool
@@ -42,8 +42,8 @@ class Setting:
     """What is trained: the module and the data set as factories built inside each rank, and the
     run's size (``steps`` optimizer steps of ``global_batch_size`` samples, ``precision``)."""
 
-    module: LossFactory
-    data: LossFactory
+    module: Recipe
+    data: Recipe
     name: str
     global_batch_size: int
     steps: int

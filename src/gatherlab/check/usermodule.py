@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from gatherlab.check import removals
-from gatherlab.components.factory import LossFactory
+from gatherlab.components.factory import Recipe
 from gatherlab.components.module import StepRecorder, rank_sampler
 from gatherlab.core import runfiles
 from gatherlab.ranks import launch, world
@@ -119,8 +119,8 @@ def _seed_processes(seed: int) -> None:
 
 
 def train_on_rank(
-    module: LossFactory,
-    dataset: LossFactory,
+    module: Recipe,
+    dataset: Recipe,
     removed: removals.Removals,
     global_batch_size: int,
     steps: int,
@@ -141,8 +141,8 @@ def train_on_rank(
 
 
 def fit_on_rank(
-    module: LossFactory,
-    dataset: LossFactory,
+    module: Recipe,
+    dataset: Recipe,
     removed: removals.Removals,
     global_batch_size: int,
     steps: int,
@@ -172,7 +172,7 @@ class _LossOf:
     """The loss a module holds as an attribute, built by building the module (picklable: a
     factory for ``gatherlab.check.check_loss``)."""
 
-    def __init__(self, module: LossFactory, attribute: str):
+    def __init__(self, module: Recipe, attribute: str):
         self.module, self.attribute = module, attribute
         self.__qualname__ = f"{module.name}.{attribute}"
 
@@ -180,6 +180,6 @@ class _LossOf:
         return getattr(self.module(), self.attribute)
 
 
-def loss_of(module: LossFactory, attribute: str) -> Callable[[], torch.nn.Module]:
+def loss_of(module: Recipe, attribute: str) -> Callable[[], torch.nn.Module]:
     """A factory of the loss that ``module``'s objects hold as ``attribute``."""
     return _LossOf(module, attribute)

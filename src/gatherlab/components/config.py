@@ -24,7 +24,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gatherlab.components.factory import LossFactory, locate
+from gatherlab.components.factory import Recipe, locate
 from gatherlab.core import cli
 from gatherlab.gather import ordered
 
@@ -201,7 +201,7 @@ def native_refusal(factory: Callable[..., Any], loss: str, option: str) -> str |
     )
 
 
-def loss_factory(cfg: DictConfig) -> LossFactory:
+def loss_factory(cfg: DictConfig) -> Recipe:
     """The loss of ``cfg.loss`` with the gather of ``cfg.gather``, as a factory that each rank
     calls once its process group exists (``gatherlab.components.factory``). ``gather=native``
     with a loss that would gather with its own default (gatherlab's losses) is refused
@@ -217,7 +217,7 @@ def loss_factory(cfg: DictConfig) -> LossFactory:
 
 def loss_factory_of(
     node: DictConfig, gather: Callable[[torch.Tensor], torch.Tensor] | None, seed: int
-) -> LossFactory:
+) -> Recipe:
     """A loss config node as a factory: ``_target_`` is any import path (``package.module:Class``
     or ``package.module.Class``), the other keys are the constructor's keyword arguments."""
     return _factory_of("loss", node, gather, seed, "mypkg.losses:MyLoss", "the loss module")
@@ -231,7 +231,7 @@ def _factory_of(
     example: str,
     returns: str,
     exclude: Sequence[str] = (),
-) -> LossFactory:
+) -> Recipe:
     """The factory of a node whose ``_target_`` is an import path and whose other keys (but
     ``exclude``) are its keyword arguments; built where it runs (``gatherlab.components.factory``).
     """
@@ -253,7 +253,7 @@ def _factory_of(
     arguments = OmegaConf.to_container(node, resolve=True)
     for name in ("_target_", *exclude):
         arguments.pop(name, None)
-    return LossFactory(factory, arguments, gather, seed)
+    return Recipe(factory, arguments, gather, seed)
 
 
 # --- a user's LightningModule and data set (module=external, data=external) ----------------------
@@ -269,7 +269,7 @@ def external_data(cfg: DictConfig) -> bool:
     return cfg.data.get("name") == "external"
 
 
-def module_factory(cfg: DictConfig) -> LossFactory:
+def module_factory(cfg: DictConfig) -> Recipe:
     """The user's LightningModule of ``module=external`` as a factory that each rank calls once its
     process group exists (with ``rank=``/``world_size=`` when it takes them; its weights drawn
     from ``cfg.seed``)."""
@@ -278,7 +278,7 @@ def module_factory(cfg: DictConfig) -> LossFactory:
     )
 
 
-def dataset_factory(cfg: DictConfig) -> LossFactory:
+def dataset_factory(cfg: DictConfig) -> Recipe:
     """The user's map-style data set of ``data=external`` as a factory, built where it runs."""
     return _factory_of(
         "data.dataset", cfg.data.dataset, None, cfg.seed, "mypkg.data:MyData", "a data set"

@@ -1,8 +1,9 @@
-"""Building a loss where it runs: inside each rank, after the process group exists.
+"""Building a loss, a module or a data set where it runs: inside each rank, after the process group
+exists.
 
 Losses from other projects are built the way their own training scripts build them: OpenCLIP's
 ``ClipLoss(rank=, world_size=)`` reads the layout at construction, lightly's losses with
-``gather_distributed=True`` communicate by themselves. A ``LossFactory`` carries what the loss is
+``gather_distributed=True`` communicate by themselves. A ``Recipe`` carries what the loss is
 made of (an importable factory and its keyword arguments) to the ranks and builds it there
 (docs/design.md §4):
 
@@ -28,7 +29,7 @@ from torch import nn
 from gatherlab.gather import GatherFn
 from gatherlab.ranks import world
 
-__all__ = ["LossFactory", "locate"]
+__all__ = ["Recipe", "locate"]
 
 
 def locate(path: str) -> Any:
@@ -80,11 +81,15 @@ def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
 
 
 @dataclass(frozen=True)
-class LossFactory:
-    """A loss to build in the process that uses it (``factory()``); picklable when ``factory``
-    and ``gather`` are (a class or function of an importable module is).
+class Recipe:
+    """An object to build in the process that uses it (``recipe()``): a loss, a user's
+    LightningModule or a data set, as ``factory(**kwargs)`` with this rank's ``rank=`` and
+    ``world_size=`` when the factory takes them, ``gather=`` when one is given, and its initial
+    parameters drawn from ``seed``. Picklable when ``factory`` and ``gather`` are (a class or
+    function of an importable module is).
 
-    ``gather=None`` builds the loss without a ``gather`` argument: it communicates by itself.
+    ``gather=None`` builds the object without a ``gather`` argument: a loss then communicates by
+    itself.
     """
 
     factory: Callable[..., nn.Module]
@@ -109,8 +114,8 @@ class LossFactory:
             torch.manual_seed(self.seed)
             return self.factory(**self.arguments())
 
-    def with_gather(self, gather: GatherFn | None) -> LossFactory:
-        return LossFactory(self.factory, self.kwargs, gather, self.seed)
+    def with_gather(self, gather: GatherFn | None) -> Recipe:
+        return Recipe(self.factory, self.kwargs, gather, self.seed)
 
     def declared(self, attribute: str) -> Any:
         """What the loss class declares (``style``, ``layout_invariant``), None when it does not."""

@@ -44,7 +44,7 @@ class ContrastiveModule(L.LightningModule):
     """Embeds both views and applies the loss; ``training_step`` returns the rank's local loss
     (what its backward needs; `StepRecorder` records the steps).
 
-    ``loss`` is a module, or a factory (``gatherlab.components.factory.LossFactory``) that each
+    ``loss`` is a module, or a factory (``gatherlab.components.factory.Recipe``) that each
     rank calls in ``setup``, once its process group exists and before DDP wraps the module, so a
     loss that reads its rank and world size at construction gets them, and its parameters are
     trained.

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from gatherlab.check import measure, removals, usermodule
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
-from gatherlab.components.factory import LossFactory
+from gatherlab.components.factory import Recipe
 from gatherlab.components.module import ContrastiveModule, PairDataModule, ProgressLog, StepRecorder
 from gatherlab.core import cli, runfiles, terms
 from gatherlab.lab import tracking
@@ -286,7 +286,7 @@ class AuditInputs:
 
     view0: torch.Tensor
     view1: torch.Tensor
-    losses: dict[str, LossFactory]
+    losses: dict[str, Recipe]
     model_factory: Callable[[], torch.nn.Module]
 
 

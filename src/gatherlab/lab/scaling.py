@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from gatherlab.analysis import figures, report
 from gatherlab.check import measure
 from gatherlab.components import config
-from gatherlab.components.factory import LossFactory
+from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles
 from gatherlab.core.terms import Rule, Style
 from gatherlab.gather import GatherFn, rule
@@ -61,7 +61,7 @@ class Predictor:
     """The predicted DDP gradient of each gather rule, loss style and W for one loss on one batch
     (the module docstring); ``own_sample`` is the own-rule gradient at W = N when known."""
 
-    def __init__(self, loss: LossFactory, inputs: jobs.AuditInputs, seed: int):
+    def __init__(self, loss: Recipe, inputs: jobs.AuditInputs, seed: int):
         def one_device(gather):
             measured = measure.measure(
                 loss.with_gather(gather), inputs.model_factory, inputs.view0, inputs.view1, seed
