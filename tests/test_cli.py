@@ -98,6 +98,11 @@ def _one_error_line(result, expected: str) -> None:
         (["-m", "gather=fixed,nope", "layout=cpu2"], "gather='nope' is unknown"),
         (["-m", "layout=cpu1,cpu4", "global_batch_size=6"], "global_batch_size=6 does not divide"),
         (["-m", "loss.temperature=0.5,0"], "temperature must be a positive number, got 0"),
+        # Hydra's refusal to compose the sweep's own config, before the sweeper: one line too
+        (["-m", "gather=nope", "seed=0,1"], "gather='nope' is unknown"),
+        # the mode is Hydra's (here set by the config, without -m): the jobs are a sweep's
+        (["hydra.mode=MULTIRUN", "gather=fixed,nope"], "gather='nope' is unknown"),
+        (["-m", "+resume=missing"], "resume=missing does not exist; allowed: a sweep directory"),
     ],
 )
 def test_bad_training_input_fails_in_one_line(tmp_path, args, expected, no_leftover_processes):

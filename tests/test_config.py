@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from gatherlab import gather as gathering
 from gatherlab.components import config
-from gatherlab.lab import configcheck, train
+from gatherlab.lab import configcheck, preflight
 from gatherlab.lab.configcheck import ConfigError
 
 EXPERIMENTS = sorted(path.stem for path in (config.CONFIG_DIR / "experiment").glob("*.yaml"))
@@ -125,34 +125,60 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
     ],
 )
 def test_bad_values_raise_one_line(overrides, message):
-    with pytest.raises(ConfigError) as error:
-        train.preflight(overrides)
+    # As the command checks a job: Hydra composes it (its refusal is one line too), then the
+    # check reads that config (a single run's in Hydra's callback before the run's directory is
+    # made, which ends the command with this line; a sweep's all before the first starts).
+    with pytest.raises(ConfigError) as error, config.composed():
+        preflight.check_job(config.compose_with_hydra(overrides))
     assert message in str(error.value)
     assert "\n" not in str(error.value)
 
 
-def _compositions(monkeypatch) -> list[list[str]]:
-    """The jobs Hydra composes from now on in this process (``load_sweep_config``), in order."""
+def _compositions(monkeypatch) -> dict[str, list[list[str]]]:
+    """What Hydra's config loader composes from now on in this process, in order: whole configs
+    (``load_configuration``: a single run's, a sweep's own) and sweep jobs (``load_sweep_config``).
+    No public API counts compositions: the test patches the loader's class, Hydra's one
+    implementation of ``hydra.core.config_loader.ConfigLoader``."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
-    composed, original = [], ConfigLoaderImpl.load_sweep_config
+    composed: dict[str, list[list[str]]] = {"load_configuration": [], "load_sweep_config": []}
+    configuration = ConfigLoaderImpl.load_configuration
+    sweep_config = ConfigLoaderImpl.load_sweep_config
+    in_job = []
 
-    def counted(self, master_config, sweep_overrides):
-        composed.append(list(sweep_overrides))
-        return original(self, master_config, sweep_overrides)
+    def counted_configuration(self, config_name, overrides, *args, **kwargs):
+        if not in_job:  # a job's composition calls load_configuration once more: counted there
+            composed["load_configuration"].append(list(overrides))
+        return configuration(self, config_name, overrides, *args, **kwargs)
 
-    monkeypatch.setattr(ConfigLoaderImpl, "load_sweep_config", counted)
+    def counted_sweep_config(self, master_config, sweep_overrides):
+        composed["load_sweep_config"].append(list(sweep_overrides))
+        in_job.append(True)
+        try:
+            return sweep_config(self, master_config, sweep_overrides)
+        finally:
+            in_job.pop()
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counted_configuration)
+    monkeypatch.setattr(ConfigLoaderImpl, "load_sweep_config", counted_sweep_config)
     return composed
 
 
-def test_a_sweep_composes_each_job_once_and_runs_that_config(tmp_path, monkeypatch):
-    # Hydra's basic sweeper composes each job to validate it and its launcher again to run it;
-    # gatherlab's sweeper composes it once, checks it, and hands the launcher that config.
+def test_each_job_is_composed_once_and_runs_that_config(tmp_path, monkeypatch):
+    # A sweep: gatherlab's sweeper composes each job once (2 compositions for 2 jobs), the command
+    # checks them all, and the launcher runs each job on that config: its request for the job's
+    # config is answered from the sweeper's compositions (Hydra's basic sweeper composes each job
+    # twice: to validate the batch, and again in its launcher). Besides, Hydra composes the
+    # sweep's own config twice (to read its mode, and to run it).
     composed = _compositions(monkeypatch)
     sweep = tmp_path / "s"
     result = run_command("train", "-m", "seed=0,1", "steps=1", f"hydra.sweep.dir={sweep}")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert composed == [["seed=0", "steps=1"], ["seed=1", "steps=1"]]
+    typed = ["seed=0,1", "steps=1", f"hydra.sweep.dir={sweep}", "~hydra.callbacks.close_pools"]
+    assert composed == {
+        "load_configuration": [typed, [*typed, "hydra.mode=MULTIRUN"]],
+        "load_sweep_config": [["seed=0", "steps=1"], ["seed=1", "steps=1"]],
+    }
     for number, seed in ((0, 0), (1, 1)):
         ran = OmegaConf.load(sweep / str(number) / ".hydra" / "config.yaml")
         assert (ran.seed, ran.steps) == (seed, 1)
@@ -160,18 +186,31 @@ def test_a_sweep_composes_each_job_once_and_runs_that_config(tmp_path, monkeypat
             f"seed={seed}",
             "steps=1",
         ]
+    # A single run: only Hydra composes it (to read its mode, and to run it); the check is of the
+    # config Hydra hands its callback before it makes the run's directory.
+    composed["load_configuration"].clear()
+    composed["load_sweep_config"].clear()
+    run = tmp_path / "r"
+    result = run_command("train", "seed=2", "steps=1", f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    typed = ["seed=2", "steps=1", f"hydra.run.dir={run}"]
+    assert composed == {
+        "load_configuration": [typed, [*typed, "hydra.mode=RUN"]],
+        "load_sweep_config": [],
+    }
+    assert OmegaConf.load(run / ".hydra" / "config.yaml").seed == 2
 
 
 def test_a_large_sweep_composed_on_all_cores_runs_in_one_directory(tmp_path, monkeypatch):
     # The sweep directory's ${now:...} is resolved once, before the jobs are composed (in forked
     # processes here), and each job's config carries that value: else each resolves its own.
-    monkeypatch.setattr(train, "PARALLEL_COMPOSITION", 3)
-    monkeypatch.setattr(train, "_cores", lambda: 2)
+    monkeypatch.setattr(preflight, "PARALLEL_COMPOSITION", 3)
+    monkeypatch.setattr(preflight, "_cores", lambda: 2)
     monkeypatch.chdir(tmp_path)  # the default directory: multirun/${now:...}
     composed = _compositions(monkeypatch)
     result = run_command("train", "-m", "seed=0,1,2", "steps=1")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert composed == [["seed=0", "steps=1"]]  # the others in the forked processes
+    assert composed["load_sweep_config"] == [["seed=0", "steps=1"]]  # the others: forked
     (sweep,) = (tmp_path / "multirun").glob("*/*")
     assert sorted(path.name for path in sweep.iterdir() if path.is_dir()) == ["0", "1", "2"]
     seeds = [OmegaConf.load(sweep / str(n) / ".hydra" / "config.yaml").seed for n in range(3)]
@@ -202,12 +241,3 @@ def test_more_cpu_ranks_than_cores_is_a_warning_with_the_count():
     warning = configcheck.machine_warning(cfg)
     assert f"layout.devices={cores + 1} CPU ranks on {cores} core(s)" in warning
     assert configcheck.machine_warning(compose("layout=cpu1")[0]) is None
-
-
-def test_the_command_line_reads_hydras_flags_as_hydra_does():
-    # train._hydra_arguments calls Hydra's own parser (hydra._internal.utils.get_args_parser: no
-    # public API exposes it); a Hydra upgrade that renames or changes it fails here.
-    args = train._hydra_arguments(["-m", "--cfg", "job", "seed=1,2", "steps=3"])
-    assert (args.multirun, args.cfg, args.overrides) == (True, "job", ["seed=1,2", "steps=3"])
-    args = train._hydra_arguments(["seed=1"])
-    assert (args.multirun, args.cfg, args.help, args.overrides) == (False, None, False, ["seed=1"])
