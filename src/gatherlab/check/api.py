@@ -187,9 +187,10 @@ def _run(
                 "loss": name,
                 "gather": gather_name,
                 "world_size": world_size,
-                "forward": forward,
-                "gradient": gradient,
-                "verdict": verdict(forward, gradient),
+                # the table holds the words as plain strings (each a member's value)
+                "forward": str(forward),
+                "gradient": str(gradient),
+                "verdict": str(verdict(forward, gradient)),
                 "loss_diff": loss_diff,
                 "cosine": cosine,
                 "norm_ratio": norm_ratio,

@@ -141,9 +141,10 @@ def _compare(run: Trained, reference: Trained, world_size: int, tolerance: float
     else:  # the first step agrees, a later one does not
         verdict = terms.DIVERGES
     return {
-        "forward": terms.Forward.SAME if same else terms.Forward.DIFFERS,
-        "gradient": gradient,
-        "verdict": verdict,
+        # the table holds the words as plain strings (each a member's value)
+        "forward": str(terms.Forward.SAME if same else terms.Forward.DIFFERS),
+        "gradient": str(gradient),
+        "verdict": str(verdict),
         "loss_diff": loss_diff,
         "cosine": cosine,
         "norm_ratio": norm_ratio,

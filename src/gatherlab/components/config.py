@@ -1,9 +1,11 @@
 """From Hydra configs to objects: composing a job's config, expanding a sweep into its jobs, the
 options of a config group, and building the objects a config names with ``_target_``.
 
-This is the one module below the entry points that speaks Hydra. Everything it builds is a plain
-Python object (a data set, a model, a gather, a loss, an optimizer factory); the layers below it
-take those and know nothing of configs. docs/design.md §4 lists the extension points.
+This is the one module of the library that speaks Hydra; above it, only the lab's command lines
+(``lab.train``, ``lab.preflight``, ``lab.sweepend``) and gatherlab's sweeper
+(``hydra_plugins.gatherlab_sweeper``) do. Everything it builds is a plain Python object (a data
+set, a model, a gather, a loss, an optimizer factory); the layers below it take those and know
+nothing of configs. docs/design.md §4 lists the extension points.
 """
 
 from __future__ import annotations
@@ -102,28 +104,46 @@ def override_values(overrides: Sequence[str]) -> dict[str, str]:
     }
 
 
+def sweep_jobs(
+    params: Mapping[str, str],
+    overrides: Sequence[str],
+    parser: OverridesParser | None = None,
+) -> list[list[str]]:
+    """Each job's overrides, as Hydra's basic sweeper expands a sweep: the sweeper's ``params``
+    first, then the command line's ``overrides`` (a later value of a key replaces an earlier one
+    in its place), each sweep expanded into a Cartesian product, the first varying slowest. A
+    sweep that is not a list of choices (``interval(...)``) is a ConfigError of one line.
+    gatherlab's sweeper and ``job_overrides`` both expand through here."""
+    parser = parser or OverridesParser.create()
+    combined = parser.parse_overrides(
+        [*(f"{key}={value}" for key, value in params.items()), *overrides]
+    )
+    by_key: dict[str, list[str]] = {}
+    for override in combined:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            by_key[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            by_key[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            raise ConfigError(
+                f"the sweep {override.input_line} cannot be expanded into jobs; allowed: "
+                "choices, range(...), glob(...)"
+            )
+    return [list(job) for job in itertools.product(*by_key.values())]
+
+
 def job_overrides(overrides: Sequence[str], multirun: bool) -> list[list[str]]:
-    """The overrides of every job the command runs, in the order of Hydra's basic sweeper: the
-    ``hydra.sweeper.params`` of the composed config first, then the command line's, each sweep
-    expanded into a Cartesian product (the first varying slowest)."""
+    """The overrides of every job a command runs (``sweep_jobs`` with the composed config's
+    ``hydra.sweeper.params``), without running Hydra's app: for scripts and tests that need a
+    sweep's jobs."""
     if not multirun:
         return [list(overrides)]
     parser = OverridesParser.create()
     fixed = [
         o.input_line for o in parser.parse_overrides(list(overrides)) if not o.is_sweep_override()
     ]
-    params = compose_with_hydra(fixed).hydra.sweeper.params or {}
-    combined = parser.parse_overrides(
-        [f"{key}={value}" for key, value in params.items()] + list(overrides)
-    )
-    by_key: dict[str, list[str]] = {}
-    for override in combined:  # a later value of a key replaces an earlier one in its place
-        key = override.get_key_element()
-        if override.is_sweep_override():
-            by_key[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
-        else:
-            by_key[key] = [f"{key}={override.get_value_element_as_str()}"]
-    return [list(job) for job in itertools.product(*by_key.values())]
+    return sweep_jobs(compose_with_hydra(fixed).hydra.sweeper.params or {}, overrides, parser)
 
 
 # --- building what a config names ----------------------------------------------------------------

@@ -18,7 +18,6 @@ launcher's.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -60,24 +59,14 @@ class GatherlabSweeper(Sweeper):
 
     def jobs(self, arguments: Sequence[str]) -> list[list[str]]:
         """Each job's overrides, as Hydra's basic sweeper expands ``params`` and ``arguments``."""
+        from gatherlab.components.config import sweep_jobs  # a gatherlab sweep runs: import it
+
         assert self.hydra_context is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        parsed = parser.parse_overrides(
-            [*(f"{key}={value}" for key, value in self.params.items()), *arguments]
-        )
-        by_key: dict[str, list[str]] = {}
-        for override in parsed:
-            key = override.get_key_element()
-            if not override.is_sweep_override():
-                by_key[key] = [f"{key}={override.get_value_element_as_str()}"]
-            elif override.is_discrete_sweep():
-                by_key[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
-            else:
-                raise HydraException(
-                    f"{type(self).__name__} does not support the sweep {override.input_line}; "
-                    "allowed: choices, range(...), glob(...)"
-                )
-        return [list(job) for job in itertools.product(*by_key.values())]
+        try:
+            return sweep_jobs(self.params, arguments, parser)
+        except ValueError as error:
+            raise HydraException(str(error)) from None
 
     def sweep(self, arguments: list[str]) -> list[Sequence[Any]]:
         assert self.hydra_context is not None and self.config is not None
