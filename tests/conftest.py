@@ -62,15 +62,35 @@ def pr1531_sweep(tmp_path_factory, worker_id):
     return sweep, Finished(**json.loads(printed.read_text()))
 
 
-# The files that take longest (seconds of test time each, measured with ``--durations=0`` on the
-# 2-core machine), longest first. ``make test`` hands whole files to two test processes in the
-# order they come; starting the longest first lets both processes finish together (30 s sooner than
-# file order, where a 50 s file could start last). Only the order depends on it, never a result.
+# The files that take longest (seconds of test time each, the mean of four runs with
+# ``--durations=0`` on the 2-core machine), longest first: every file of a second or more, whether
+# its tests are marked slow or not. ``make test`` hands whole files to two test processes in the
+# order they come (``--dist loadfile``), each process taking the next file as it runs out; starting
+# the longest first and ending with the shortest lets both finish together (30 s sooner than file
+# order, where a 50 s file could start last). A file not named here comes after them (its slow
+# tests first). Only the order depends on it, never a result.
 LONGEST_FILES = (
-    "test_reliability.py", "test_install.py", "test_launch.py", "test_loss_matrix.py",
-    "test_extend.py", "test_fuzz.py", "test_config.py", "test_training_check.py", "test_gather.py",
-    "test_audit.py", "test_simworld.py", "test_check.py", "test_notebook.py",
-)  # fmt: skip
+    "test_reliability.py",  # 55 s
+    "test_launch.py",  # 24 s
+    "test_install.py",  # 21 s
+    "test_loss_matrix.py",  # 15 s
+    "test_fuzz.py",  # 10 s
+    "test_training_check.py",  # 10 s
+    "test_config.py",  # 10 s
+    "test_extend.py",  # 9 s
+    "test_check.py",  # 8 s
+    "test_simclr.py",  # 8 s
+    "test_audit.py",  # 6 s
+    "test_notebook.py",  # 5 s
+    "test_simworld.py",  # 5 s
+    "test_tracking.py",  # 5 s
+    "test_gather.py",  # 5 s
+    "test_sweep_module.py",  # 4 s
+    "test_training.py",  # 3 s
+    "test_cli.py",  # 3 s
+    "test_optimizers.py",  # 2 s
+    "test_processes.py",  # 1.6 s
+)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -90,11 +110,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest files first, then the other slow tests (in file order), then the rest."""
+    """The files in ``LONGEST_FILES``' order, then the other files' slow tests (in file order),
+    then the rest; within a file its slow tests first."""
 
-    def order(item: pytest.Item) -> tuple[int, int]:
+    def order(item: pytest.Item) -> tuple[int, bool]:
         name = item.path.name
         rank = LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
-        return item.get_closest_marker("slow") is None, rank
+        return rank, item.get_closest_marker("slow") is None
 
     items.sort(key=order)
