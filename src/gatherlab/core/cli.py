@@ -2,16 +2,35 @@
 
 Every command line (``train``, ``audit``, ``scaling``, ``check``, ``report``) answers bad input
 with one line, ``gatherlab.<command>: error: <what, which value, what is allowed>``, and exit
-status 2 (``fail``), before any worker starts.
+status 2 (``fail``), before any worker starts. An error becomes one line with ``error_line``, which
+is never empty after the error's type: an error without a message (a bare ``assert``) is named by
+where the user's code raised it.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import sys
+import sysconfig
+import traceback
+from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["exiting", "fail", "first_line", "one_line"]
+__all__ = [
+    "error_line",
+    "exiting",
+    "fail",
+    "first_line",
+    "is_users",
+    "one_line",
+    "place",
+    "user_frame",
+]
+
+# The installed packages whose frames are never the user's (with gatherlab's own and Python's
+# standard library): located through their modules' ``__file__`` once they are imported.
+FRAMEWORKS = ("torch", "lightning", "lightning_fabric", "numpy", "pandas", "hydra", "omegaconf")
 
 
 def first_line(error: BaseException) -> str:
@@ -31,6 +50,70 @@ def one_line(error: BaseException) -> str:
     if not str(error).strip():
         return type(error).__name__
     return f"{type(error).__name__}: {first_line(error)}"
+
+
+def error_line(error: BaseException) -> str:
+    """An error as one line that is never empty after its type: ``Type: first line of the
+    message`` (``first_line``'s rule); when the message is empty, ``Type at <file>:<line>``, the
+    deepest frame of its traceback that is the user's (``user_frame``); ``Type`` alone when it has
+    no traceback."""
+    name = type(error).__name__
+    if str(error).strip():
+        return f"{name}: {first_line(error)}"
+    frame = user_frame(error)
+    return name if frame is None else f"{name} at {place(*frame)}"
+
+
+def user_frame(error: BaseException) -> tuple[str, int] | None:
+    """The file and line of the deepest frame of ``error``'s traceback that is the user's
+    (``is_users``); the deepest frame when none is; None when the error has no traceback."""
+    frames = [
+        (frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(error.__traceback__)
+    ]
+    for filename, line in reversed(frames):
+        if is_users(filename):
+            return filename, line
+    return frames[-1] if frames else None
+
+
+def is_users(filename: str) -> bool:
+    """Whether a frame's file is the user's code: not inside gatherlab, not in Python's standard
+    library (``sysconfig``'s stdlib and platstdlib, frozen modules included; installed packages
+    are not the standard library even where a virtual environment puts them below it), not inside
+    an installed package of ``FRAMEWORKS`` that this process has imported."""
+    if filename.startswith("<frozen "):
+        return False
+    path = os.path.realpath(filename)
+    if any(_below(path, directory) for directory in _framework_directories()):
+        return False
+    paths = sysconfig.get_paths()
+    if any(_below(path, paths[key]) for key in ("purelib", "platlib")):
+        return True
+    return not any(_below(path, paths[key]) for key in ("stdlib", "platstdlib"))
+
+
+def place(filename: str, line: int) -> str:
+    """``<file>:<line>``, the file relative to the current directory when it is below it."""
+    path, here = os.path.realpath(filename), os.path.realpath(os.getcwd())
+    if _below(path, here):
+        filename = os.path.relpath(path, here)
+    return f"{filename}:{line}"
+
+
+def _framework_directories() -> list[str]:
+    """gatherlab's directory and those of the ``FRAMEWORKS`` imported in this process (none is
+    imported here: core is below them all)."""
+    directories = [str(Path(__file__).resolve().parents[1])]
+    for name in FRAMEWORKS:
+        filename = getattr(sys.modules.get(name), "__file__", None)
+        if filename:
+            directories.append(os.path.dirname(os.path.realpath(filename)))
+    return directories
+
+
+def _below(path: str, directory: str) -> bool:
+    directory = os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
 def fail(command: str, message: object, status: int = 2) -> NoReturn:

@@ -15,12 +15,25 @@ A process that is killed (``kill -9``) closes nothing: each rank watches it (``_
 and, once it is gone, ends at once with status ``ORPHANED_STATUS`` and prints nothing, whatever
 it was doing (waiting for work, computing, waiting in a collective for a peer): nobody is left to
 report to. The fork server ends when its last rank has (``forkstart``).
+
+A rank prints no warnings either: each job records those its code raises (as the rank's own
+filters let them through) and sends them back with its answer. The pool's process gives each
+distinct warning of a ``run`` once, with the number of ranks that raised it
+(``warnings.warn_explicit``: ``... (on 2 of 4 ranks)``), or, inside ``ranks_warnings()``, adds
+them to that collector, which counts them over all its runs.
+
+A rank's error comes back as ``RankError``: its ``rank`` and its ``line``, the error in one line
+(``cli.error_line``, computed in the rank, where its traceback is: a bare ``assert`` is named by
+the user's file and line).
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
+import contextvars
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -32,7 +45,8 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn
@@ -40,7 +54,21 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from gatherlab.core import cli
 from gatherlab.ranks import forkstart
+
+__all__ = [
+    "COLLECTIVE_TIMEOUT",
+    "ORPHANED_STATUS",
+    "POOL_START_TIMEOUT_S",
+    "RankError",
+    "RankWarning",
+    "RanksWarnings",
+    "WorkerPool",
+    "close_pools",
+    "pool",
+    "ranks_warnings",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +81,30 @@ ORPHANED_STATUS = 1
 
 
 class RankError(RuntimeError):
-    """A rank of a distributed job raised or died; the message names the rank and its error, and
-    ``error`` is the rank's exception itself when it could be sent (None when the rank died, or
-    its exception does not pickle)."""
+    """A rank of a distributed job raised or died; the message's first line is ``rank {rank}:
+    {line}`` (a raised error's traceback follows it). ``rank`` is the rank (None when the error is
+    the pool's, not one rank's: closed, no answer in time); ``line`` the rank's error in one line
+    (``cli.error_line``, computed in the rank: ``AssertionError at mypkg/losses.py:12``; ``process
+    exited with code 3`` for a rank that died); ``error`` the rank's exception itself when it could
+    be sent (None when the rank died, or its exception does not pickle)."""
 
-    def __init__(self, message: str, error: BaseException | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        error: BaseException | None = None,
+        rank: int | None = None,
+        line: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.error = error
+        self.rank = rank
+        if line is None:
+            line = message.strip().split("\n", 1)[0]
+            line = line.removeprefix(f"rank {rank}: ") if rank is not None else line
+        self.line = line
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.error, self.rank, self.line)
 
 
 def _pool_worker(rank: int, world_size: int, store: str, connection: Connection) -> None:
@@ -88,7 +133,7 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
         world_size=world_size,
         timeout=COLLECTIVE_TIMEOUT,
     )
-    _answer(connection, ("ready", None))
+    _answer(connection, ("ready", None, []))
     while True:
         try:
             payload = connection.recv_bytes()
@@ -96,21 +141,44 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
             _orphaned()
         if not payload:
             break
+        caught: list[warnings.WarningMessage] = []
         try:
-            # The caller's import path first: a job may name code from a directory that was put
-            # on the path after this worker started (a user's loss, gather, model or data set).
-            search_path, job = pickle.loads(payload)
-            sys.path.extend(entry for entry in search_path if entry not in sys.path)
-            function, args = pickle.loads(job)
-            _answer(connection, ("ok", function(*args)))
+            # The job's warnings go back with its answer, as this rank's filters let them through.
+            with warnings.catch_warnings(record=True) as caught:
+                # The caller's import path first: a job may name code from a directory that was
+                # put on the path after this worker started (a user's loss, gather, model or data
+                # set).
+                search_path, job = pickle.loads(payload)
+                sys.path.extend(entry for entry in search_path if entry not in sys.path)
+                function, args = pickle.loads(job)
+                result = function(*args)
+            _answer(connection, ("ok", result, _sendable(caught)))
         except BaseException as error:  # the job's own error, or a result that does not pickle
+            line = cli.error_line(error)
             detail = "".join(traceback.format_exception(error)[-6:])
-            message = f"rank {rank}: {type(error).__name__}: {error}\n{detail}"
+            message = f"rank {rank}: {line}\n{detail}"
             try:
-                _answer(connection, ("error", (message, error)))
+                _answer(connection, ("error", (message, error, rank, line), _sendable(caught)))
             except Exception:  # an exception that does not pickle: its message only
-                _answer(connection, ("error", (message, None)))
+                _answer(connection, ("error", (message, None, rank, line), _sendable(caught)))
     dist.destroy_process_group()
+
+
+# A warning as it travels from a rank: its category's module, qualified name and nearest built-in
+# base (the pool's process finds the category among its imported modules, else uses that base),
+# its message, file and line.
+_SentWarning = tuple[str, str, str, str, str, int]
+
+
+def _sendable(caught: list[warnings.WarningMessage]) -> list[_SentWarning]:
+    """A job's distinct warnings (by category, message, file and line), first seen first."""
+    distinct: dict[_SentWarning, None] = {}
+    for record in caught:
+        category = record.category
+        base = next(c.__name__ for c in category.__mro__ if c.__module__ == "builtins")
+        sent = (category.__module__, category.__qualname__, base)
+        distinct[(*sent, str(record.message), record.filename, record.lineno)] = None
+    return list(distinct)
 
 
 def _answer(connection: Connection, answer: tuple[str, Any]) -> None:
@@ -141,6 +209,112 @@ def _orphaned() -> NoReturn:
     gone, its peers are ending too (a collective with them would fail or wait), and there is
     nobody to report to."""
     os._exit(ORPHANED_STATUS)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWarning:
+    """A distinct warning the ranks raised (by category, message, file and line): ``count`` rank
+    jobs raised it, of the ``total`` rank jobs that ran while it was collected."""
+
+    category: type[Warning]
+    message: str
+    filename: str
+    lineno: int
+    count: int
+    total: int
+
+    def line(self) -> str:
+        """``Category: first line of the message (file:line), in count of total rank jobs``."""
+        lines = self.message.strip().splitlines()
+        text = f"{self.category.__name__}: {lines[0]}" if lines else self.category.__name__
+        where = cli.place(self.filename, self.lineno)
+        return f"{text} ({where}), in {self.count} of {self.total} rank jobs"
+
+
+class RanksWarnings:
+    """The warnings of the ranks' jobs while ``ranks_warnings()`` is active, each distinct warning
+    once. A *rank job* is one rank's part of one ``run``: a run on a 2-rank pool and one on a
+    4-rank pool are 6 rank jobs; a run that failed counts the ranks that answered. A warning's
+    count is the number of rank jobs that raised it (once per job, however often the job raised
+    it, as the rank's filters let it through: a warning shown "default" once per location is raised
+    again by each job, one an import raises only by the first job of each rank)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[type[Warning], str, str, int], int] = {}
+        self.total = 0
+
+    def add(self, per_rank: list[list[_SentWarning]]) -> None:
+        """One run's warnings, a list per rank that answered."""
+        self.total += len(per_rank)
+        for key, count in _counted(per_rank).items():
+            self._counts[key] = self._counts.get(key, 0) + count
+
+    def records(self) -> list[RankWarning]:
+        """Each distinct warning with its count and the total, first raised first."""
+        return [RankWarning(*key, count, self.total) for key, count in self._counts.items()]
+
+    def lines(self) -> list[str]:
+        """Each distinct warning as one line: ``FutureWarning: <first line of the message>
+        (<file>:<line>), in 6 of 6 rank jobs`` (the file relative to the current directory when
+        it is below it)."""
+        return [record.line() for record in self.records()]
+
+
+_collector: contextvars.ContextVar[RanksWarnings | None] = contextvars.ContextVar(
+    "gatherlab_ranks_warnings", default=None
+)
+
+
+@contextlib.contextmanager
+def ranks_warnings() -> Iterator[RanksWarnings]:
+    """Collect the warnings of every ``run`` (of any pool) in its block instead of showing them:
+    ``with ranks_warnings() as collected: ...; collected.lines()``. Nested, the innermost
+    collects."""
+    collector = RanksWarnings()
+    token = _collector.set(collector)
+    try:
+        yield collector
+    finally:
+        _collector.reset(token)
+
+
+def _counted(per_rank: list[list[_SentWarning]]) -> dict[tuple[type[Warning], str, str, int], int]:
+    """Each distinct warning of one run and the number of ranks that raised it."""
+    counts: dict[tuple[type[Warning], str, str, int], int] = {}
+    for sent in per_rank:
+        for key in dict.fromkeys((_category(*w[:3]), *w[3:]) for w in sent):
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _category(module: str, qualname: str, base: str) -> type[Warning]:
+    """A rank's warning category, as this process knows it: the class itself where its module is
+    imported here (nothing is imported for it), else its nearest built-in base."""
+    found: Any = sys.modules.get(module)
+    for name in qualname.split("."):
+        found = getattr(found, name, None)
+    if isinstance(found, type) and issubclass(found, Warning):
+        return found
+    found = getattr(builtins, base, None)
+    return found if isinstance(found, type) and issubclass(found, Warning) else UserWarning
+
+
+# The registry of the ranks' warnings given again in this process: its filters' "default" action
+# shows each (message, category, line) once per process, as each rank showed its own before.
+_registry: dict[Any, Any] = {}
+
+
+def _deliver(per_rank: list[list[_SentWarning]]) -> None:
+    """One run's warnings: to the active collector (``ranks_warnings``), else each distinct one
+    once in this process (``warnings.warn_explicit``, under this process's filters), ``(on k of W
+    ranks)`` appended to its message."""
+    collector = _collector.get()
+    if collector is not None:
+        collector.add(per_rank)
+        return
+    for (category, message, filename, lineno), count in _counted(per_rank).items():
+        text = f"{message} (on {count} of {len(per_rank)} ranks)"
+        warnings.warn_explicit(text, category, filename, lineno, registry=_registry)
 
 
 class WorkerPool:
@@ -199,18 +373,31 @@ class WorkerPool:
         payload = pickle.dumps((sys.path, pickle.dumps((function, args))))
         for connection in self._connections:
             connection.send_bytes(payload)
-        return self._collect(timeout_s)
-
-    def _collect(self, timeout_s: float | None) -> list[Any]:
-        """Each rank's answer, in rank order; on the first failure, or when this process is
-        interrupted (Ctrl-C) while it waits, close the pool and raise."""
+        warned: dict[int, list[_SentWarning]] = {}
         try:
-            return self._answers(timeout_s)
+            results = self._collect(timeout_s, warned)
+        except RankError:
+            # The warnings of the ranks that answered, also of the one that failed; a warning
+            # that this process's filters turn into an error does not hide the rank's.
+            with contextlib.suppress(Warning):
+                _deliver(list(warned.values()))
+            raise
+        _deliver([warned[rank] for rank in range(self.world_size)])
+        return results
+
+    def _collect(
+        self, timeout_s: float | None, warned: dict[int, list[_SentWarning]] | None = None
+    ) -> list[Any]:
+        """Each rank's answer, in rank order (each rank's warnings into ``warned``); on the first
+        failure, or when this process is interrupted (Ctrl-C) while it waits, close the pool and
+        raise."""
+        try:
+            return self._answers(timeout_s, {} if warned is None else warned)
         except KeyboardInterrupt:
             self._abandon()
             raise
 
-    def _answers(self, timeout_s: float | None) -> list[Any]:
+    def _answers(self, timeout_s: float | None, warned: dict[int, list[_SentWarning]]) -> list[Any]:
         results: dict[int, Any] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         by_connection = {connection: rank for rank, connection in enumerate(self._connections)}
@@ -228,9 +415,11 @@ class WorkerPool:
                 if item in by_connection:
                     rank = by_connection[item]
                     try:
-                        status, value = item.recv()
+                        status, value, warned[rank] = item.recv()
                     except (EOFError, ConnectionResetError):  # the process died
-                        status, value = "error", (self._death(rank), None)
+                        error = self._death(rank)
+                        self._abandon()
+                        raise error from None
                     if status == "error":
                         self._abandon()
                         raise RankError(*value)
@@ -238,15 +427,16 @@ class WorkerPool:
                 else:
                     rank = by_sentinel.pop(item)
                     if rank not in results:
-                        message = self._death(rank)
+                        error = self._death(rank)
                         self._abandon()
-                        raise RankError(message)
+                        raise error
         return [results[rank] for rank in range(self.world_size)]
 
-    def _death(self, rank: int) -> str:
+    def _death(self, rank: int) -> RankError:
         # A dead process closes its pipes a moment before it can be reaped: wait for its exit code.
         self._processes[rank].join(timeout=5.0)
-        return f"rank {rank}: process exited with code {self._processes[rank].exitcode}"
+        line = f"process exited with code {self._processes[rank].exitcode}"
+        return RankError(f"rank {rank}: {line}", None, rank, line)
 
     def _abandon(self) -> None:
         """After a failure: the other ranks may wait in a collective for the failed one, and would
