@@ -1,15 +1,20 @@
 """What a rank knows of its world: its rank, the number of ranks, and which rows of a global batch
-it holds, in a real process group or in the simulated world (`simworld`), and 0 of 1 outside any.
+it holds, in a real process group or in the simulated world (`simworld`), and 0 of 1 outside any;
+and a one-rank process group for code that runs as "one device" but asks for one (`alone`).
 """
 
 from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
 from gatherlab.core import terms
 from gatherlab.ranks import simworld
 
-__all__ = ["own_rows", "rank", "size"]
+__all__ = ["alone", "own_rows", "rank", "size"]
 
 
 def size() -> int:
@@ -42,3 +47,23 @@ def own_rows(total: int) -> slice:
     """This rank's rows of a global batch or a gathered tensor of ``total`` rows (`rank` of
     `size`: in the simulated world too)."""
     return terms.rows_of(rank(), size(), total)
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """This process as rank 0 of a one-rank gloo process group while the block runs, when it has
+    no default process group: code that asks for its rank or world size, or calls a collective,
+    runs unchanged on one device as on W ranks (~20 ms; the store is in this process). A group
+    that exists already is left as it is."""
+    if not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    # init_process_group wraps sys.excepthook to prefix tracebacks with the rank, and never
+    # unwraps it: the process's own hook is put back with the group's end
+    hook = sys.excepthook
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
