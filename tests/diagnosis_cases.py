@@ -139,7 +139,7 @@ class ViewsConcatenatedThenGathered(nn.Module):
 
 def asserting_gather(x: torch.Tensor) -> torch.Tensor:
     """The gathered x of all ranks, in rank order, with gradients summed over ranks."""
-    assert dist.is_initialized(), "call torch.distributed.init_process_group() first"
+    assert dist.is_initialized()
     return _AllGather.apply(x)
 
 

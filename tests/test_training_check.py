@@ -44,6 +44,7 @@ EXPECTED = {
 def test_each_module_gets_its_verdict_and_causes(case):
     module, data, verdict, culprits = EXPECTED[case]
     table = check.check_training(f"ssl_modules:{module}", f"ssl_modules:{data}", (2, 4), **RUN)
+    table = table[table["part"] == "all"]  # the runs (their parts: tests/test_diagnosis.py)
     baseline = table[table["removed"] == "none"].set_index("world_size")
     assert list(baseline.index) == [2, 4]
     assert list(baseline["verdict"]) == [verdict, verdict], table.to_string()
@@ -70,7 +71,7 @@ def test_the_gather_that_breaks_a_module_is_checked_as_a_loss_on_its_own():
     )  # fmt: skip
     # the module's first step is the first step of the loss on the module's embeddings: the same
     # loss value, a gradient that is not the 1-device one
-    first = table.set_index("world_size")
+    first = table[table["part"] == "all"].set_index("world_size")
     assert (first["forward"] == "same").all() and (first["first_diff_step"] == 1).all()
     # the loss attribute checked alone equals the stand-in checked directly (same class, same
     # embeddings of gatherlab's MLP): biased, as lightly's issue #1528 describes
@@ -99,6 +100,7 @@ def test_the_command_line_exits_by_its_verdict_and_writes_its_table(tmp_path):
     assert broken.returncode == 1, broken.stderr
     assert "| 2 | loss differs | dropout | exact |" in broken.stdout
     table = pd.read_csv(tmp_path / "dropout" / runfiles.CHECK)
+    table = table[table["part"] == "all"]
     assert list(table["removed"]) == ["none", "dropout"]
     assert list(table["culprits"]) == ["dropout", "dropout"]
     again = run_command(
@@ -119,15 +121,17 @@ class RaisesOnRankOne(ssl_modules.SimCLR):
         return super().training_step(batch, batch_index)
 
 
-def test_a_rank_that_raises_fails_the_check_with_its_rank_named(tmp_path, no_leftover_processes):
+def test_a_rank_that_raises_fails_its_w_with_its_rank_named(tmp_path, no_leftover_processes):
     failed = run_command(
         "check", "--module", "test_training_check:RaisesOnRankOne", "--data",
         "ssl_modules:GaussianPairs", "--world-sizes", "2", "--steps", "2", "--global-batch-size",
         "8", "--data-kwargs", '{"size": 16}', "--out", str(tmp_path / "check"),
     )  # fmt: skip
-    assert failed.returncode == 1
-    assert failed.stderr.startswith("gatherlab.check: a rank failed: rank 1: ValueError: rank one")
-    assert len(failed.stderr.strip().splitlines()) == 1
+    assert failed.returncode == 1 and failed.stderr == ""
+    table = pd.read_csv(tmp_path / "check" / runfiles.CHECK, keep_default_na=False)
+    assert list(table["verdict"]) == ["failed"]
+    assert table["error"][0] == "rank 1: ValueError: rank one refuses"
+    assert "W = 2: failed" in failed.stdout
 
 
 class NoLoss(ssl_modules.SimCLR):

@@ -47,7 +47,6 @@ def assert_layout_invariant(
         AssertionError: some world size's verdict is not ``exact``; the message is
             `gatherlab.check.explain` of the table (the table, then each diagnosis).
         gatherlab.check.CheckError: bad input, before any rank runs.
-        gatherlab.check.LossFailed: the loss raised or broke its contract on a rank.
 
     Example:
         >>> from gatherlab.testing import assert_layout_invariant
@@ -91,7 +90,6 @@ def assert_training_invariant(
         AssertionError: some world size is not exact; the message is
             `gatherlab.check.explain_training` of the table (the culprits and their fixes).
         gatherlab.check.CheckError: bad input, before any rank runs.
-        gatherlab.check.LossFailed: a rank raised.
 
     Example:
         >>> from gatherlab.testing import assert_training_invariant

@@ -36,9 +36,9 @@ if sys.argv[:1] == ["-m"]:
     forkstart.start(("gatherlab.check.measure", "gatherlab.components.config", *_training))
 
 __all__ = [
-    "COLUMNS", "CheckError", "LossFailed", "check_gather", "check_loss", "check_training",
+    "COLUMNS", "CheckError", "check_gather", "check_loss", "check_training",
     "explain", "explain_training", "trains_like_one_device",
 ]  # fmt: skip
 
-from gatherlab.check.api import CheckError, LossFailed, check_gather, check_loss, check_training
+from gatherlab.check.api import CheckError, check_gather, check_loss, check_training
 from gatherlab.check.diagnosis import COLUMNS, explain, explain_training, trains_like_one_device

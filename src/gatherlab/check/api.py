@@ -3,25 +3,28 @@ functions `gatherlab.check` exports (docs/design.md §6, §10)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
 
-from gatherlab.check import measure, removals
-from gatherlab.check.diagnosis import COLUMNS, TRAIN_COLUMN, verdict
+from gatherlab.check import hypotheses, measure, removals
+from gatherlab.check.diagnosis import ALL_PARTS, COLUMNS, EXACT, TRAIN_COLUMN, verdict
 from gatherlab.components import config
 from gatherlab.components.factory import Recipe, locate
 from gatherlab.core import cli, terms
 from gatherlab.gather import GatherFn
+from gatherlab.ranks import pool, world
 from gatherlab.ranks.pool import RankError
 
 OPTIMIZERS = ("sgd", "adamw")
 # The loss styles of docs/design.md §1, one loss each, for checking a gather (the audit's losses).
 STYLE_LOSSES = ("ntxent", "ntxent_global", "vicreg")
 
-__all__ = ["CheckError", "LossFailed", "check_gather", "check_loss", "check_training"]
+__all__ = ["CheckError", "check_gather", "check_loss", "check_training"]
 
 
 class CheckError(ValueError):
@@ -37,14 +40,28 @@ class CheckError(ValueError):
     """
 
 
-class LossFailed(RuntimeError):
-    """The loss raised, or broke its contract, on a rank; the message names the rank.
-
-    Raised by `check_loss` and `check_gather` after the loss ran on one device, for example when
-    its forward raises on one rank only, or when a parameter gets no gradient on a rank (DDP could
-    not average it). The message starts with ``W=<world size>``, then the failing rank's first
-    line. ``python -m gatherlab.check`` prints it and exits with status 1.
-    """
+@contextlib.contextmanager
+def warnings_once() -> Iterator[None]:
+    """The warnings of a check, each distinct one (category, message, file, line) shown once in
+    the caller when the check ends, with where it was raised: ``(in 6 of 6 rank jobs, and on one
+    device)``. A rank job is one rank's part of one run on the pool (``pool.ranks_warnings``);
+    one device is this process (the reference, whose filters decide as usual)."""
+    with warnings.catch_warnings(record=True) as here, pool.ranks_warnings() as ranks:
+        try:
+            yield
+        finally:
+            local = {(w.category, str(w.message), w.filename, w.lineno) for w in here}
+    found = {}
+    for w in here:
+        found.setdefault((w.category, str(w.message), w.filename, w.lineno), [])
+    for record in ranks.records():
+        key = (record.category, record.message, record.filename, record.lineno)
+        found.setdefault(key, []).append(f"in {record.count} of {record.total} rank jobs")
+    for (category, message, filename, lineno), where in found.items():
+        if (category, message, filename, lineno) in local and where:
+            where.append("on one device")
+        suffix = f" ({', and '.join(where)})" if where else ""
+        warnings.warn_explicit(message + suffix, category, filename, lineno)
 
 
 # --- the check ----------------------------------------------------------------------------------
@@ -142,10 +159,11 @@ def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, .
         measure.check_world_sizes(world_sizes, size, f"the global batch of {size}")
     except ValueError as error:
         raise CheckError(str(error)) from None
-    batches = measure.global_batches(dataset, size, cfg.seed, bool(cfg.data.shuffle), max(steps, 1))
+    batches = measure.global_batches(dataset, size, cfg.seed, bool(cfg.data.shuffle), max(steps, 2))
     return cfg, model, optimizer, batches
 
 
+@warnings_once()
 def _run(
     losses: Mapping[str, Recipe],
     gather_name: str,
@@ -155,53 +173,105 @@ def _run(
 ) -> pd.DataFrame:
     world_sizes = list(world_sizes)
     cfg, model, optimizer, batches = _setting(optim, world_sizes, steps)
-    view0, view1 = batches[0]
+    # the batches whose global loss is compared: the first (with the gradient) and the second
+    # (forward only), so that a cause holds on two batches, not on one number
+    probed = batches[:2]
+    (view0, view1), further = probed[0], probed[1:]
     references, curves = {}, {}
     for name, loss in losses.items():  # one device, in this process: bad input is found here
         try:
-            references[name] = measure.measure(loss, model, view0, view1, cfg.seed)
-            if steps:
-                curves[name] = measure.train(loss, model, batches, optimizer, 1, cfg.seed).losses
+            with world.alone():
+                references[name] = measure.measure(loss, model, view0, view1, cfg.seed, False,
+                                                   further)  # fmt: skip
+                if steps:
+                    trained = measure.train(loss, model, batches[:steps], optimizer, 1, cfg.seed)
+                    curves[name] = trained.losses
         except measure.LossContractError as error:
             raise CheckError(f"loss {name}: {error}") from None
         except Exception as error:  # the factory refuses its arguments, the forward raises
-            raise CheckError(f"loss {name}: {type(error).__name__}: {error}") from None
+            raise CheckError(f"loss {name}: {cli.error_line(error)}") from None
     rows = []
     for world_size in world_sizes:
         try:
-            measured = measure.measure_on_ranks(losses, model, view0, view1, world_size, cfg.seed)
+            measured = measure.measure_on_ranks(
+                losses, model, view0, view1, world_size, cfg.seed, further=further
+            )
             trained = {
-                name: measure.train(loss, model, batches, optimizer, world_size, cfg.seed).losses
+                name: measure.train(
+                    loss, model, batches[:steps], optimizer, world_size, cfg.seed
+                ).losses
                 for name, loss in losses.items()
                 if steps
             }
         except RankError as error:
-            raise LossFailed(f"W={world_size}, {cli.first_line(error)}") from None
-        for name in losses:
-            same, loss_diff = measure.same_forward(measured[name].loss, references[name].loss)
-            gradient, cosine, norm_ratio, max_rel_err = measure.classify(
-                measured[name].gradient, references[name].gradient, world_size
-            )
-            forward = terms.Forward.SAME if same else terms.Forward.DIFFERS
-            row = {
-                "loss": name,
-                "gather": gather_name,
-                "world_size": world_size,
-                # the table holds the words as plain strings (each a member's value)
-                "forward": str(forward),
-                "gradient": str(gradient),
-                "verdict": str(verdict(forward, gradient)),
-                "loss_diff": loss_diff,
-                "cosine": cosine,
-                "norm_ratio": norm_ratio,
-                "max_rel_err": max_rel_err,
-            }
-            if steps:
-                row[TRAIN_COLUMN] = max(
-                    abs(a - b) for a, b in zip(trained[name], curves[name], strict=True)
-                )
-            rows.append(row)
+            rows += [_failed(name, gather_name, world_size, error) for name in losses]
+            continue
+        for name, loss in losses.items():
+
+            def forward(a, b, loss=loss):  # the loss of two views on one device
+                with world.alone():
+                    return measure.forward(loss, model, a, b, cfg.seed)
+
+            rows += _rows(
+                {"loss": name, "gather": gather_name, "world_size": world_size},
+                measured[name], references[name], forward, probed,
+                (trained[name], curves[name]) if steps else None,
+            )  # fmt: skip
     return pd.DataFrame(rows, columns=list(COLUMNS) + ([TRAIN_COLUMN] if steps else []))
+
+
+def _failed(name: str, gather_name: str, world_size: int, error: RankError) -> dict[str, Any]:
+    """The row of a W whose ranks raised: ``failed``, and the rank's error line."""
+    return {
+        "loss": name, "gather": gather_name, "world_size": world_size, "part": ALL_PARTS,
+        "forward": "", "gradient": "", "verdict": terms.FAILED, "cause": "",
+        "error": cli.first_line(error),
+    }  # fmt: skip
+
+
+def _rows(
+    key: dict[str, Any],
+    measured: measure.Measured,
+    reference: measure.Measured,
+    forward: hypotheses.Forward,
+    probed: Sequence[measure.Batch],
+    curves: tuple[Sequence[float], Sequence[float]] | None,
+) -> list[dict[str, Any]]:
+    """A loss's rows at one W: the whole gradient's (``part`` ``all``), then each part's when
+    the gradient has several (docs/design.md §5, §6)."""
+    world_size = key["world_size"]
+    same, loss_diff = measure.same_forward(measured.loss, reference.loss)
+    forward_word = terms.Forward.SAME if same else terms.Forward.DIFFERS
+    cause, scale = None, None
+    if not same:  # reproduce it on one device
+        cause, scale = hypotheses.cause(
+            (measured.loss, *measured.forwards), (reference.loss, *reference.forwards), forward,
+            probed, world_size,
+        )  # fmt: skip
+    whole = measure.classify(measured.gradient, reference.gradient, world_size)
+    parts = measure.classify_parts(measured.gradient, reference.gradient, reference.parts,
+                                   world_size)  # fmt: skip
+    if whole[0] == terms.GradientClass.BIASED and measure.single_factors(parts):
+        cause = terms.Cause.PARTS
+    shared = {**key, "forward": str(forward_word), "scale": scale, "cause": str(cause or ""),
+              "loss_diff": loss_diff, "error": ""}  # fmt: skip
+
+    def row(part: str, classified: tuple[str, float, float, float]) -> dict[str, Any]:
+        gradient, cosine, norm_ratio, max_rel_err = classified
+        return {**shared, "part": part, "gradient": str(gradient),
+                "verdict": str(verdict(forward_word, gradient, scale)), "cosine": cosine,
+                "norm_ratio": norm_ratio, "max_rel_err": max_rel_err}  # fmt: skip
+
+    rows = [row(ALL_PARTS, whole)] + [row(part, numbers) for part, numbers in parts.items()]
+    if curves is not None:  # the curve as one device would log it: divided by the scale
+        trained, reference_curve = curves
+        factor = scale or 1.0
+        difference = max(abs(a / factor - b) for a, b in zip(trained, reference_curve, strict=True))
+        for r in rows:
+            r[TRAIN_COLUMN] = difference
+            if r["verdict"] in (EXACT, terms.LOSS_SCALED) and difference > terms.FLOAT64:
+                r["verdict"] = terms.DIVERGES
+    return rows
 
 
 def check_loss(
@@ -243,13 +313,16 @@ def check_loss(
 
     Returns:
         A pandas DataFrame with the columns of `COLUMNS` (and ``train_max_abs_loss_diff`` when
-        ``steps`` > 0), one row per world size in the order given. Its ``loss`` column is the
-        import path when ``factory`` is one, else the factory's qualified name.
+        ``steps`` > 0): per world size in the order given, the row of the whole gradient
+        (``part`` ``all``), then, when the gradient has several parts, one row per part
+        (``model``, ``loss.<name>`` per trainable parameter of the loss). A world size whose
+        ranks raise, or break the loss's contract, has one ``failed`` row with the rank's error
+        line in ``error``; the others have their verdicts. Its ``loss`` column is the import path
+        when ``factory`` is one, else the factory's qualified name.
 
     Raises:
         CheckError: bad input, before any rank runs (also ``native`` for a loss that would
             gather with its own default); also when the loss fails on one device.
-        LossFailed: the loss raised or broke its contract on a rank.
 
     Example:
         >>> from gatherlab.check import check_loss
@@ -288,15 +361,15 @@ def check_gather(
 
     Returns:
         A pandas DataFrame like `check_loss`'s, one row per world size and loss (for each world
-        size in the order given, the three losses in the order above); its ``gather`` column is
-        the name or import path given, or the function's qualified name.
+        size in the order given, the three losses in the order above; a world size whose ranks
+        raise, one ``failed`` row per loss); its ``gather`` column is the name or import path
+        given, or the function's qualified name.
 
     Raises:
         CheckError: bad input, before any rank runs: ``None`` or ``"native"`` (no gather), a
             name that is no option of the ``gather`` group, a path that does not import, an
             object that is not callable, or a world size, ``steps`` or ``optim`` that is not
             allowed.
-        LossFailed: a loss raised or broke its contract on a rank.
 
     Example:
         >>> from gatherlab.check import check_gather
@@ -363,19 +436,21 @@ def check_training(
 
     Returns:
         A pandas DataFrame: for each W the row of its run without removals (``removed`` is
-        ``none``) and, when it is not exact, one row per run with removals (``removed`` names
-        the removal, or ``all``); the columns of `COLUMNS`, ``train_max_abs_loss_diff``, then
-        ``removed``, ``culprits`` (``;``-separated, empty when exact), ``first_diff_step`` and
-        ``max_abs_param_diff``. ``verdict`` is one of `check_loss`'s or ``diverges`` (the first
-        step agrees, a later one does not). With ``loss_attr``, ``table.attrs["loss_check"]``
-        holds the loss check's table when it ran.
+        ``none``, ``part`` ``all``), one row per part of its first gradient when it has several
+        (each top-level child module of the module, and each parameter it holds directly), and,
+        when it is not exact, one row per run with removals (``removed`` names the removal, or
+        ``all``); the columns of `COLUMNS`, ``train_max_abs_loss_diff``, then ``removed``,
+        ``culprits`` (``;``-separated, empty when exact), ``first_diff_step`` and
+        ``max_abs_param_diff``. ``verdict`` is one of `check_loss`'s (``loss scaled`` when every
+        step's loss is c × one device's and the rest is exact) or ``diverges`` (the first step
+        agrees, a later one does not); a W whose ranks raise has one ``failed`` row. With
+        ``loss_attr``, ``table.attrs["loss_check"]`` holds the loss check's table when it ran.
 
     Raises:
         CheckError: bad input, before any rank runs: a module that is no LightningModule or
             cannot be built, a data set without ``__len__``/``__getitem__``, a global batch that
             a W does not divide or larger than the data set, a ``training_step`` that returns no
             loss (found on one device).
-        LossFailed: a rank raised; the message names it.
 
     Example:
         >>> from gatherlab.check import check_training
@@ -396,22 +471,22 @@ def check_training(
     )  # fmt: skip
     world_sizes = tuple(world_sizes)
     try:
-        applying = training.validate(setting, world_sizes)
+        with world.alone():  # built as on one device: the module may ask for its rank
+            applying, layout = training.validate(setting, world_sizes)
+            attribute = None if loss_attr is None else getattr(setting.module(), loss_attr, None)
     except ValueError as error:
         raise CheckError(str(error)) from None
-    if loss_attr is not None and not callable(getattr(setting.module(), loss_attr, None)):
+    if loss_attr is not None and not callable(attribute):
         raise CheckError(
             f"--loss-attr {loss_attr}: {name} has no callable attribute {loss_attr!r}; allowed: "
             "the attribute that holds its loss"
         )
-    try:  # one device, in this process: a training_step without a loss is found here
-        references = {removals.NONE: training.reference(setting, removals.NONE)}
-    except Exception as error:
-        raise CheckError(f"--module {name} on one device: {cli.first_line(error)}") from None
-    try:
-        table = training.check(setting, world_sizes, applying, references)
-    except RankError as error:
-        raise LossFailed(cli.first_line(error)) from None
+    with warnings_once():
+        try:  # one device, in this process: a training_step without a loss is found here
+            references = {removals.NONE: training.reference(setting, removals.NONE)}
+        except Exception as error:
+            raise CheckError(f"--module {name} on one device: {cli.error_line(error)}") from None
+        table = training.check(setting, world_sizes, applying, references, layout)
     blamed = table.loc[table["culprits"].str.contains(removals.LOSS), "world_size"]
     if loss_attr is not None and len(blamed):
         loss = usermodule.loss_of(setting.module, loss_attr)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
@@ -64,13 +64,47 @@ class LossContractError(ValueError):
     """The loss broke its contract: ``loss(out0, out1)`` must return a finite scalar tensor."""
 
 
+Layout = dict[str, list[tuple[int, int]]]
+"""The parts of a flattened gradient: each part's name and its ranges (start, stop) in it."""
+
+
 @dataclass(frozen=True)
 class Measured:
     """One loss on one layout: the global loss and the parameter gradient after DDP's average
-    (the model's parameters, then the loss's own, flattened)."""
+    (the model's parameters, then the loss's own, flattened; ``parts`` names their ranges:
+    ``model`` and ``loss.<name>`` per trainable parameter of the loss), and the global loss on
+    further batches (``forwards``, forward only, the same weights)."""
 
     loss: float
     gradient: torch.Tensor
+    forwards: tuple[float, ...] = ()
+    parts: Layout | None = None
+
+
+def layout(named: Iterable[tuple[str, nn.Parameter]], part_of: Callable[[str], str]) -> Layout:
+    """The parts of the gradient flattened from these parameters in order: each trainable
+    parameter's range under its part's name, ``part_of(parameter name)``."""
+    parts: Layout = {}
+    start = 0
+    for name, parameter in named:
+        stop = start + parameter.numel()
+        if parameter.requires_grad:
+            parts.setdefault(part_of(name), []).append((start, stop))
+        start = stop
+    return parts
+
+
+def _part_of_loss_check(name: str) -> str:
+    """A parameter of ``_Whole``: the model's are one part, each of the loss's its own."""
+    return "model" if name.startswith("model.") else name
+
+
+def split(gradient: torch.Tensor, parts: Layout) -> dict[str, torch.Tensor]:
+    """Each part's gradient, in the order of ``parts``."""
+    return {
+        name: torch.cat([gradient[start:stop] for start, stop in ranges])
+        for name, ranges in parts.items()
+    }
 
 
 class _Whole(nn.Module):
@@ -154,16 +188,32 @@ def measure(
     view1: torch.Tensor,
     seed: int,
     distributed: bool = False,
+    further: Sequence[Batch] = (),
 ) -> Measured:
     """The loss value and parameter gradient (DDP-averaged when ``distributed``) of ``loss`` on
-    these views; a zero gradient when no gradient reaches the parameters at all."""
+    these views, a zero gradient when no gradient reaches the parameters at all; and the loss on
+    each of the ``further`` batches, forward only, with the same weights."""
     whole, wrapped = _build(loss, model_factory, seed, distributed)
     value = _value(wrapped, view0.double(), view1.double())
     _backward(whole, value, distributed)
     loss_value = float(value.detach())
     del value
     _average(whole, distributed)
-    return Measured(loss_value, _flat_gradient(whole))
+    with torch.no_grad():
+        forwards = tuple(
+            float(_value(whole, other0.double(), other1.double())) for other0, other1 in further
+        )
+    parts = layout(whole.named_parameters(), _part_of_loss_check)
+    return Measured(loss_value, _flat_gradient(whole), forwards, parts)
+
+
+def forward(
+    loss: Recipe, model_factory: ModelFactory, view0: torch.Tensor, view1: torch.Tensor, seed: int
+) -> float:
+    """The loss of these views on one device, forward only (the weights of ``measure``)."""
+    whole, _ = _build(loss, model_factory, seed, distributed=False)
+    with torch.no_grad():
+        return float(_value(whole, view0.double(), view1.double()))
 
 
 def _on_rank(
@@ -172,15 +222,17 @@ def _on_rank(
     view0: torch.Tensor,
     view1: torch.Tensor,
     seed: int,
+    further: Sequence[Batch] = (),
 ) -> dict[Hashable, Measured]:
-    """On every rank: its slice of the global batch; its local loss, and on rank 0 the gradient
-    (after DDP's average it is the same on every rank)."""
+    """On every rank: its slice of the global batch (and of the ``further`` batches); its local
+    losses, and on rank 0 the gradient (after DDP's average it is the same on every rank)."""
     rows = world.own_rows(len(view0))
+    mine = [(other0[rows], other1[rows]) for other0, other1 in further]
     measured = {}
     for cell, loss in cells.items():
-        result = measure(loss, model_factory, view0[rows], view1[rows], seed, distributed=True)
+        result = measure(loss, model_factory, view0[rows], view1[rows], seed, True, mine)
         keep = result.gradient if world.rank() == 0 else torch.empty(0)
-        measured[cell] = Measured(result.loss, keep)
+        measured[cell] = Measured(result.loss, keep, result.forwards, result.parts)
     return measured
 
 
@@ -211,19 +263,33 @@ def measure_on_ranks(
     world_size: int,
     seed: int,
     simulated: bool = False,
+    further: Sequence[Batch] = (),
 ) -> dict[Hashable, Measured]:
     """Each cell's global loss (the mean over ranks of the ranks' losses) and DDP's gradient, on
     ``world_size`` ranks of the warm pool (or of the simulated world), each holding its slice of
-    the global batch."""
+    the global batch; and its global loss on each of the ``further`` global batches."""
     if len(view0) % world_size:
         raise ValueError(f"the global batch of {len(view0)} does not split over {world_size}")
     if simulated:
         for loss in cells.values():
             check_simulatable(loss)
-    ranks = _run(world_size, simulated, _on_rank, dict(cells), model_factory, view0, view1, seed)
+    ranks = _run(
+        world_size, simulated, _on_rank, dict(cells), model_factory, view0, view1, seed,
+        tuple(further),
+    )  # fmt: skip
+
+    def mean(values: Iterable[float]) -> float:
+        return math.fsum(values) / world_size
+
     return {
         cell: Measured(
-            math.fsum(rank[cell].loss for rank in ranks) / world_size, ranks[0][cell].gradient
+            mean(rank[cell].loss for rank in ranks),
+            ranks[0][cell].gradient,
+            tuple(
+                mean(values)
+                for values in zip(*(rank[cell].forwards for rank in ranks), strict=True)
+            ),
+            ranks[0][cell].parts,
         )
         for cell in cells
     }
@@ -417,3 +483,27 @@ def global_batches(dataset, global_batch_size: int, seed: int, shuffle: bool, st
         items = [dataset[key] for key in keys]
         batches.append((torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])))
     return batches
+
+
+def classify_parts(
+    gradient: torch.Tensor, reference: torch.Tensor, parts: Layout | None, world_size: int
+) -> dict[str, tuple[str, float, float, float]]:
+    """Each part's class against the reference's same part (`classify`), when the gradient has
+    more than one part; nothing for one part (the whole is that part)."""
+    if parts is None or len(parts) < 2:
+        return {}
+    mine, theirs = split(gradient, parts), split(reference, parts)
+    return {name: classify(mine[name], theirs[name], world_size) for name in parts}
+
+
+SINGLE_FACTORS = {
+    GradientClass.EXACT, GradientClass.ONE_OVER_W, GradientClass.W, GradientClass.NONE,
+}  # fmt: skip
+
+
+def single_factors(parts: Mapping[str, tuple[str, float, float, float]]) -> bool:
+    """Whether every part's gradient (`classify_parts`) is one factor of one device's (exact,
+    1/W, W or none) and the factors differ: their sum then points elsewhere (``biased``), and the
+    parts say why."""
+    classes = {numbers[0] for numbers in parts.values()}
+    return len(classes) > 1 and classes <= SINGLE_FACTORS

@@ -17,18 +17,19 @@ import numpy as np
 import pandas as pd
 import torch
 
-from gatherlab.check import measure, removals, usermodule
+from gatherlab.check import hypotheses, measure, removals, usermodule
+from gatherlab.check.diagnosis import ALL_PARTS, TRAIN_COLUMN, verdict
+from gatherlab.check.diagnosis import COLUMNS as LOSS_COLUMNS
 from gatherlab.components.factory import Recipe
-from gatherlab.core import terms
+from gatherlab.core import cli, terms
 from gatherlab.core.runfiles import Trained
-from gatherlab.ranks.pool import pool
+from gatherlab.ranks import world
+from gatherlab.ranks.pool import RankError, pool
 
 EXACT = terms.GradientClass.EXACT
 
 COLUMNS = (
-    "loss", "gather", "world_size", "forward", "gradient", "verdict", "loss_diff", "cosine",
-    "norm_ratio", "max_rel_err", "train_max_abs_loss_diff", "removed", "culprits",
-    "first_diff_step", "max_abs_param_diff",
+    *LOSS_COLUMNS, TRAIN_COLUMN, "removed", "culprits", "first_diff_step", "max_abs_param_diff",
 )  # fmt: skip
 
 __all__ = [
@@ -72,10 +73,27 @@ def _draws_randomness(data: Any) -> bool:
     return not _same(first, second)
 
 
-def validate(setting: Setting, world_sizes: Sequence[int]) -> tuple[removals.Removal, ...]:
+def _top_level(name: str) -> str:
+    """A parameter's part in a training step's check: the module's child that holds it (its
+    backbone, projection head, criterion, …), or the parameter itself when the module holds it
+    directly."""
+    return name.split(".", 1)[0]
+
+
+def parts(module: torch.nn.Module) -> measure.Layout:
+    """The parts of the first step's gradient (its trainable parameters in order, as
+    ``StepRecorder`` flattens them): each top-level child module, and each direct parameter."""
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return measure.layout(trainable, _top_level)
+
+
+def validate(
+    setting: Setting, world_sizes: Sequence[int]
+) -> tuple[tuple[removals.Removal, ...], measure.Layout]:
     """Build the module and the data set here (rank 0 of 1) and check what can be checked before
-    any rank starts; a ValueError of one line otherwise. Returns the removals that apply: the
-    module's batch norms and dropout layers, the data set's own randomness."""
+    any rank starts; a ValueError of one line otherwise. Returns the removals that apply (the
+    module's batch norms and dropout layers, the data set's own randomness) and the parts of the
+    module's gradient (`parts`)."""
     if setting.precision not in terms.PRECISIONS:
         allowed = ", ".join(terms.PRECISIONS)
         raise ValueError(f"--precision {setting.precision!r} is not allowed; allowed: {allowed}")
@@ -108,7 +126,7 @@ def validate(setting: Setting, world_sizes: Sequence[int]) -> tuple[removals.Rem
         removals.Removal.DROPOUT: bool(removals.dropouts(module)),
         removals.Removal.DATA_RANDOMNESS: _draws_randomness(data),
     }
-    return tuple(removal for removal in removals.Removal if applies[removal])
+    return tuple(removal for removal in removals.Removal if applies[removal]), parts(module)
 
 
 def _train(setting: Setting, removed: str, world_size: int) -> Trained:
@@ -119,40 +137,69 @@ def _train(setting: Setting, removed: str, world_size: int) -> Trained:
         setting.steps, setting.seed, setting.precision,
     )  # fmt: skip
     if world_size == 1:
-        return usermodule.train_on_rank(*arguments)
+        with world.alone():  # the module may ask for its rank or call a collective
+            return usermodule.train_on_rank(*arguments)
     return pool(world_size).run(usermodule.train_on_rank, *arguments)[0]
 
 
-def _compare(run: Trained, reference: Trained, world_size: int, tolerance: float) -> dict[str, Any]:
-    """A W-rank run against its 1-device reference: the row's numbers and its verdict."""
-    differences = [abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True)]
+def _compare(
+    run: Trained, reference: Trained, world_size: int, tolerance: float, layout: measure.Layout
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A W-rank run against its 1-device reference: the row's numbers and its verdict, and the
+    numbers of each part of the first gradient when it has several. Losses that are c × one
+    device's at every step are compared divided by c (``loss scaled`` when the rest is exact)."""
+    scale = hypotheses.scale(run.losses, reference.losses, tolerance)
+    factor = scale or 1.0
+    differences = [abs(a / factor - b) for a, b in zip(run.losses, reference.losses, strict=True)]
     first = next((step for step, d in enumerate(differences) if d > tolerance), None)
     same, loss_diff = measure.same_forward(run.losses[0], reference.losses[0])
-    gradient, cosine, norm_ratio, max_rel_err = measure.classify(
-        run.first_gradient, reference.first_gradient, world_size
-    )
+    forward = terms.Forward.SAME if same else terms.Forward.DIFFERS
+    classified = measure.classify(run.first_gradient, reference.first_gradient, world_size)
+    gradient = classified[0]
     parameters = float((run.parameters - reference.parameters).abs().max())
     if first is None and parameters <= tolerance and gradient == EXACT:
-        verdict = EXACT
+        verdict_ = EXACT if scale is None else terms.LOSS_SCALED
     elif not same:
-        verdict = terms.LOSS_DIFFERS
+        verdict_ = terms.LOSS_DIFFERS
     elif gradient != EXACT:
-        verdict = gradient
+        verdict_ = gradient
     else:  # the first step agrees, a later one does not
-        verdict = terms.DIVERGES
-    return {
+        verdict_ = terms.DIVERGES
+    numbers = {
         # the table holds the words as plain strings (each a member's value)
-        "forward": str(terms.Forward.SAME if same else terms.Forward.DIFFERS),
-        "gradient": str(gradient),
-        "verdict": str(verdict),
+        "forward": str(forward),
+        "verdict": str(verdict_),
+        "scale": scale,
+        "cause": str(terms.Cause.SCALED) if scale is not None else "",
         "loss_diff": loss_diff,
-        "cosine": cosine,
-        "norm_ratio": norm_ratio,
-        "max_rel_err": max_rel_err,
-        "train_max_abs_loss_diff": max(differences),
+        "error": "",
+        TRAIN_COLUMN: max(differences),
         "first_diff_step": first,
         "max_abs_param_diff": parameters,
+        **_gradient_numbers(classified),
     }
+    by_part = []
+    total = sum(stop - start for ranges in layout.values() for start, stop in ranges)
+    classified_parts = {}
+    if len(run.first_gradient) == total:  # the removals keep the module's parameters
+        classified_parts = measure.classify_parts(
+            run.first_gradient, reference.first_gradient, layout, world_size
+        )
+    if gradient == terms.GradientClass.BIASED and measure.single_factors(classified_parts):
+        numbers["cause"] = str(terms.Cause.PARTS)
+    if classified_parts:
+        for part, part_numbers in classified_parts.items():
+            by_part.append({
+                "part": part, **_gradient_numbers(part_numbers),
+                "verdict": str(verdict(forward, part_numbers[0], scale)),
+            })  # fmt: skip
+    return numbers, by_part
+
+
+def _gradient_numbers(classified: tuple[str, float, float, float]) -> dict[str, Any]:
+    gradient, cosine, norm_ratio, max_rel_err = classified
+    return {"gradient": str(gradient), "cosine": cosine, "norm_ratio": norm_ratio,
+            "max_rel_err": max_rel_err}  # fmt: skip
 
 
 def _culprits(verdicts: dict[str, str], applying: Sequence[removals.Removal]) -> list[str]:
@@ -181,30 +228,46 @@ def check(
     world_sizes: Sequence[int],
     applying: Sequence[removals.Removal],
     references: dict[str, Trained] | None = None,
+    layout: measure.Layout | None = None,
 ) -> pd.DataFrame:
-    """The check's table (``COLUMNS``): for every W the row of its run without removals and, when
-    that is not exact, a row per run with removals (each that applies, then all); ``culprits`` on
-    every row of a W. ``references`` holds the 1-device runs already made, by what they remove."""
+    """The check's table (``COLUMNS``): for every W the row of its run without removals, its
+    parts' rows (``layout``, when the gradient has several) and, when that run is not exact, a
+    row per run with removals (each that applies, then all); ``culprits`` on every row of a W; a
+    W whose ranks raised has one ``failed`` row. ``references`` holds the 1-device runs already
+    made, by what they remove."""
     tolerance = terms.TOLERANCE[setting.precision]
     references = dict(references or {})
     rows = []
 
-    def row(removed: str, world_size: int) -> dict[str, Any]:
+    def row(removed: str, world_size: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         if removed not in references:
             references[removed] = reference(setting, removed)
-        numbers = _compare(_train(setting, removed, world_size), references[removed], world_size,
-                           tolerance)  # fmt: skip
-        return {"loss": setting.name, "gather": "native", "world_size": world_size,
-                "removed": removed, **numbers}  # fmt: skip
+        numbers, by_part = _compare(_train(setting, removed, world_size), references[removed],
+                                    world_size, tolerance, layout or {})  # fmt: skip
+        key = {"loss": setting.name, "gather": "native", "world_size": world_size,
+               "removed": removed}  # fmt: skip
+        whole = {**key, "part": ALL_PARTS, **numbers}
+        return whole, [{**whole, **part} for part in by_part]
 
     with_removals = [*applying, removals.ALL] if len(applying) > 1 else list(applying)
     for world_size in world_sizes:
-        measured = [row(removals.NONE, world_size)]
-        if measured[0]["verdict"] != EXACT:
-            measured += [row(removed, world_size) for removed in with_removals]
+        try:
+            kept, by_part = row(removals.NONE, world_size)
+            measured = [kept]
+            if kept["verdict"] not in (EXACT, terms.LOSS_SCALED):
+                measured += [row(removed, world_size)[0] for removed in with_removals]
+        except RankError as error:
+            rows.append({
+                "loss": setting.name, "gather": "native", "world_size": world_size,
+                "removed": removals.NONE, "part": ALL_PARTS, "forward": "", "gradient": "",
+                "verdict": terms.FAILED, "cause": "", "error": cli.first_line(error),
+                "culprits": "",
+            })  # fmt: skip
+            continue
         verdicts = {r["removed"]: r["verdict"] for r in measured}
-        culprits = [] if verdicts[removals.NONE] == EXACT else _culprits(verdicts, applying)
-        rows += [{**r, "culprits": ";".join(culprits)} for r in measured]
+        exact = verdicts[removals.NONE] in (EXACT, terms.LOSS_SCALED)
+        culprits = ";".join([] if exact else _culprits(verdicts, applying))
+        rows += [{**r, "culprits": culprits} for r in [kept, *by_part, *measured[1:]]]
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     table["first_diff_step"] = table["first_diff_step"].astype("Int64")  # none: every step agrees
     return table

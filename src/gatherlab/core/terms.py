@@ -15,10 +15,13 @@ from typing import Any
 
 __all__ = [
     "DIVERGES",
+    "FAILED",
     "FLOAT64",
     "LOSS_DIFFERS",
+    "LOSS_SCALED",
     "PRECISIONS",
     "TOLERANCE",
+    "Cause",
     "Forward",
     "GradientClass",
     "Precision",
@@ -56,9 +59,31 @@ class GradientClass(StrEnum):
 LOSS_DIFFERS = "loss differs"
 """A check's verdict at a world size is a `GradientClass`, or this when the global loss already
 differs from the 1-device loss (``gatherlab.check``)."""
+LOSS_SCALED = "loss scaled"
+"""A check's verdict when the global loss is a constant multiple c ≠ 1 of the 1-device loss and
+the gradient is exact: the logged value is scaled, the training is exact."""
 DIVERGES = "diverges"
-"""A training step's check at a world size: its first step agrees with one device (forward and
-gradient), a later one does not (``gatherlab.check.check_training``)."""
+"""A check's verdict at a world size: its first step agrees with one device (forward and
+gradient), a later one does not (``gatherlab.check.check_training``, and a loss's check with
+``steps``)."""
+FAILED = "failed"
+"""A check's verdict at a world size whose ranks raised: its ``error`` names the rank and the
+error."""
+
+
+class Cause(StrEnum):
+    """Why a check's global loss differs, as reproduced on one device (docs/design.md §6), or why
+    its gradient is biased: ``scaled`` (c × the 1-device loss), ``local_negatives`` (the mean over
+    ranks of the 1-device loss of each rank's slice alone), ``pair_order`` (the 1-device loss of
+    the rows in the order that concatenating the views per rank and gathering produces),
+    ``unexplained`` (none of these reproduces it); ``parts`` (a biased gradient whose parts each
+    have one factor, different ones)."""
+
+    SCALED = "scaled"
+    LOCAL_NEGATIVES = "local_negatives"
+    PAIR_ORDER = "pair_order"
+    UNEXPLAINED = "unexplained"
+    PARTS = "parts"
 
 
 class Forward(StrEnum):

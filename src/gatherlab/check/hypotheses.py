@@ -1,0 +1,94 @@
+"""Why a global loss on W ranks differs from one device's: causes reproduced, not guessed
+(docs/design.md §6). Each hypothesis computes, on one device, what the W-rank global loss would
+be if that cause were at work; a hypothesis holds when it reproduces the measured global loss to a
+relative 1e-10 on every batch the check measured (two). Only one-device forwards are run.
+
+- ``scaled``: c × the 1-device loss, with one c for every batch (c ≠ 1);
+- ``local_negatives``: the mean over ranks of the 1-device loss of each rank's slice alone (each
+  rank's loss sees only its own rows: its negatives, targets or statistics are local);
+- ``pair_order``: the 1-device loss of the rows in the order that concatenating the two views per
+  rank and gathering produces ([view 0 of rank 0; view 1 of rank 0; view 0 of rank 1; …], split
+  in halves as the two views), i.e. positives paired by position in that order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from gatherlab.core import terms
+from gatherlab.core.terms import Cause
+
+Forward = Callable[[torch.Tensor, torch.Tensor], float]
+"""The loss of two views on one device, forward only."""
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+TOLERANCE = terms.FLOAT64
+
+__all__ = ["TOLERANCE", "cause", "local_negatives", "pair_order", "scale"]
+
+
+def _close(value: float, target: float, tolerance: float = TOLERANCE) -> bool:
+    return abs(value - target) <= tolerance * max(abs(target), torch.finfo(torch.float64).tiny)
+
+
+def scale(
+    losses: Sequence[float], references: Sequence[float], tolerance: float = TOLERANCE
+) -> float | None:
+    """c when every loss is c × its reference to a relative ``tolerance``, one c for all (c ≠ 1
+    by more than that); None otherwise (also when a reference is 0)."""
+    if not losses or any(reference == 0 for reference in references):
+        return None
+    c = losses[0] / references[0]
+    if _close(c, 1.0, tolerance) or not all(
+        _close(loss, c * reference, tolerance)
+        for loss, reference in zip(losses, references, strict=True)
+    ):
+        return None
+    return c
+
+
+def local_negatives(forward: Forward, batch: Batch, world_size: int) -> float:
+    """The mean over ranks of the 1-device loss of each rank's slice of ``batch`` alone."""
+    view0, view1 = batch
+    slices = [terms.rows_of(rank, world_size, len(view0)) for rank in range(world_size)]
+    return math.fsum(forward(view0[rows], view1[rows]) for rows in slices) / world_size
+
+
+def pair_order(forward: Forward, batch: Batch, world_size: int) -> float:
+    """The 1-device loss of the rows in the order that concatenating the views per rank, then
+    gathering, produces, split in halves as the two views."""
+    view0, view1 = batch
+    slices = [terms.rows_of(rank, world_size, len(view0)) for rank in range(world_size)]
+    rows = torch.cat([torch.cat([view0[s], view1[s]]) for s in slices])
+    return forward(rows[: len(view0)], rows[len(view0) :])
+
+
+HYPOTHESES: dict[Cause, Callable[[Forward, Batch, int], float]] = {
+    Cause.LOCAL_NEGATIVES: local_negatives,
+    Cause.PAIR_ORDER: pair_order,
+}
+
+
+def cause(
+    losses: Sequence[float],
+    references: Sequence[float],
+    forward: Forward,
+    batches: Sequence[Batch],
+    world_size: int,
+) -> tuple[Cause, float | None]:
+    """The first hypothesis that reproduces the W-rank global ``losses`` of these ``batches``
+    (``references``: one device's), in the order ``scaled``, ``local_negatives``, ``pair_order``;
+    ``unexplained`` when none does. With ``scaled``, its c; else None."""
+    c = scale(losses, references)
+    if c is not None:
+        return Cause.SCALED, c
+    for name, hypothesis in HYPOTHESES.items():
+        if all(
+            _close(loss, hypothesis(forward, batch, world_size))
+            for loss, batch in zip(losses, batches, strict=True)
+        ):
+            return name, None
+    return Cause.UNEXPLAINED, None
