@@ -178,6 +178,26 @@ def test_each_distinct_warning_of_the_ranks_is_shown_once_with_its_count(recwarn
     assert shown[0].category is FutureWarning
 
 
+# case → the verdicts at W = 2, 4 and the exit status of the command line (docs/design.md §5)
+COMMAND_LINE = {
+    "LearntTemperatureOwnSlice": (["biased", "biased"], 1),
+    "ScaledToUndoAverage": (["loss scaled", "loss scaled"], 0),
+    "ViewsConcatenatedThenGathered": (["loss differs", "loss differs"], 1),
+    "NeedsProcessGroup": (["exact", "exact"], 0),
+    "FailsAtFourRanks": (["exact", "failed"], 1),
+    "LocalNegativesOnly": (["loss differs", "loss differs"], 1),
+}
+
+
+def test_the_command_line_exits_by_the_verdicts_of_each_pattern(tmp_path):
+    for case, (verdicts, status) in COMMAND_LINE.items():
+        out = tmp_path / case
+        result = run_command("check", f"diagnosis_cases:{case}", "--out", str(out))
+        assert result.returncode == status, (case, result.stdout, result.stderr)
+        table = pd.read_csv(out / runfiles.CHECK)
+        assert list(table.loc[table["part"] == "all", "verdict"]) == verdicts, case
+
+
 class LearntTemperatureSimCLR(ssl_modules.SimCLR):
     def loss(self, temperature):
         return diagnosis_cases.LearntTemperatureOwnSlice(temperature)
@@ -208,6 +228,24 @@ def test_a_training_step_is_split_in_its_top_level_parts():
             )
     assert list(part(kept, "criterion")["gradient"]) == ["exact", "exact"]
     assert "W = 2, 4: biased (parts)" in check.explain_training(table)
+
+
+class ConcatenatedViewsSimCLR(ssl_modules.SimCLR):
+    def loss(self, temperature):
+        return diagnosis_cases.ViewsConcatenatedThenGathered(temperature)
+
+
+def test_a_training_step_whose_loss_pairs_rows_wrongly_names_the_cause_through_its_loss():
+    table = check.check_training(
+        "test_diagnosis:ConcatenatedViewsSimCLR", "ssl_modules:GaussianPairs", W,
+        loss_attr="criterion", **RUN,
+    )  # fmt: skip
+    rows = whole(table)
+    assert list(rows["verdict"]) == ["loss differs", "loss differs"]
+    assert set(table["culprits"]) == {"loss"}
+    loss_check = whole(table.attrs["loss_check"])
+    assert list(loss_check["cause"]) == ["pair_order", "pair_order"]
+    assert "loss differs (pair_order)" in check.explain_training(table)
 
 
 def test_a_training_step_whose_logged_loss_is_scaled_trains_like_one_device():

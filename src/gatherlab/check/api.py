@@ -178,6 +178,8 @@ def _run(
     probed = batches[:2]
     (view0, view1), further = probed[0], probed[1:]
     references, curves = {}, {}
+    # the loss on one device, forward only, for the hypotheses (built once, when one is tested)
+    forwards = {name: measure.one_device(loss, model, cfg.seed) for name, loss in losses.items()}
     for name, loss in losses.items():  # one device, in this process: bad input is found here
         try:
             with world.alone():
@@ -206,15 +208,10 @@ def _run(
         except RankError as error:
             rows += [_failed(name, gather_name, world_size, error) for name in losses]
             continue
-        for name, loss in losses.items():
-
-            def forward(a, b, loss=loss):  # the loss of two views on one device
-                with world.alone():
-                    return measure.forward(loss, model, a, b, cfg.seed)
-
+        for name in losses:
             rows += _rows(
                 {"loss": name, "gather": gather_name, "world_size": world_size},
-                measured[name], references[name], forward, probed,
+                measured[name], references[name], forwards[name], probed,
                 (trained[name], curves[name]) if steps else None,
             )  # fmt: skip
     return pd.DataFrame(rows, columns=list(COLUMNS) + ([TRAIN_COLUMN] if steps else []))
@@ -243,11 +240,12 @@ def _rows(
     same, loss_diff = measure.same_forward(measured.loss, reference.loss)
     forward_word = terms.Forward.SAME if same else terms.Forward.DIFFERS
     cause, scale = None, None
-    if not same:  # reproduce it on one device
-        cause, scale = hypotheses.cause(
-            (measured.loss, *measured.forwards), (reference.loss, *reference.forwards), forward,
-            probed, world_size,
-        )  # fmt: skip
+    if not same:  # reproduce it on one device (where the loss may ask for its process group)
+        with world.alone():
+            cause, scale = hypotheses.cause(
+                (measured.loss, *measured.forwards), (reference.loss, *reference.forwards),
+                forward, probed, world_size,
+            )  # fmt: skip
     whole = measure.classify(measured.gradient, reference.gradient, world_size)
     parts = measure.classify_parts(measured.gradient, reference.gradient, reference.parts,
                                    world_size)  # fmt: skip

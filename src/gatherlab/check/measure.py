@@ -207,13 +207,21 @@ def measure(
     return Measured(loss_value, _flat_gradient(whole), forwards, parts)
 
 
-def forward(
-    loss: Recipe, model_factory: ModelFactory, view0: torch.Tensor, view1: torch.Tensor, seed: int
-) -> float:
-    """The loss of these views on one device, forward only (the weights of ``measure``)."""
-    whole, _ = _build(loss, model_factory, seed, distributed=False)
-    with torch.no_grad():
-        return float(_value(whole, view0.double(), view1.double()))
+def one_device(
+    loss: Recipe, model_factory: ModelFactory, seed: int
+) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """The loss of two views on one device, forward only, with the weights of ``measure``: the
+    model and the loss are built at the first call (in the caller's process group, if any) and
+    kept for the next."""
+    built: list[nn.Module] = []
+
+    def forward(view0: torch.Tensor, view1: torch.Tensor) -> float:
+        if not built:
+            built.append(_build(loss, model_factory, seed, distributed=False)[0])
+        with torch.no_grad():
+            return float(_value(built[0], view0.double(), view1.double()))
+
+    return forward
 
 
 def _on_rank(
