@@ -25,6 +25,11 @@ B, global batch N = W·B, L the loss of one device on the whole batch):
 - ``FailsAtFourRanks(temperature=0.5, block_size=8)``: an exact view-wise NT-Xent (z0 and z1
   gathered separately) that raises ValueError when its local batch has fewer than ``block_size``
   rows. On the global batch of 16: exact at W = 2, fails on every rank at W = 4.
+- ``CenterFromOwnRows(temperature=0.5, momentum=0.9)``: an exact view-wise NT-Xent of the
+  embeddings minus a center (a buffer, as DINO-style code keeps one), the center then moved
+  towards the mean of the rank's own rows only (no all_reduce). The first step is exact (the
+  center starts at 0 everywhere); from the second on the center is rank 0's local mean (DDP
+  broadcasts buffers from rank 0), not the global one: the training diverges.
 - ``LocalNegativesOnly(temperature=0.5)``: a plain NT-Xent of the rank's own rows, no
   communication. The loss differs: it is the mean over ranks of one device's loss on each rank's
   slice alone ("local_negatives"), and the gradient is that loss's gradient (biased against L's).
@@ -163,6 +168,20 @@ class FailsAtFourRanks(nn.Module):
                 f"needs at least {self.block_size} rows per rank (its block size), got {len(z0)}"
             )
         return _nt_xent(_gather(z0), _gather(z1), self.temperature)
+
+
+class CenterFromOwnRows(nn.Module):
+    def __init__(self, temperature: float = 0.5, momentum: float = 0.9):
+        super().__init__()
+        self.temperature, self.momentum = temperature, momentum
+        self.register_buffer("center", torch.zeros(()))
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        loss = _nt_xent(_gather(z0) - self.center, _gather(z1) - self.center, self.temperature)
+        with torch.no_grad():  # the rank's own rows: the mean is not all-reduced
+            own = torch.cat([z0, z1]).mean()
+            self.center.mul_(self.momentum).add_((1 - self.momentum) * own)
+        return loss
 
 
 class LocalNegativesOnly(nn.Module):

@@ -47,7 +47,7 @@ def part(table: pd.DataFrame, name: str) -> pd.DataFrame:
 
 
 def test_a_learnt_temperature_after_an_own_slice_gather_is_split_in_parts():
-    table = check.check_loss(diagnosis_cases.LearntTemperatureOwnSlice, W)
+    table = check.check_loss(diagnosis_cases.LearntTemperatureOwnSlice, W, steps=2)
     assert list(table["part"]) == ["all", "model", "loss.log_temperature"] * 2
     rows = whole(table)
     assert list(rows["verdict"]) == ["biased", "biased"] and set(rows["cause"]) == {"parts"}
@@ -57,7 +57,9 @@ def test_a_learnt_temperature_after_an_own_slice_gather_is_split_in_parts():
         assert model.loc[world_size, "norm_ratio"] == pytest.approx(1 / world_size, rel=RATIO)
         assert model.loc[world_size, "cosine"] == pytest.approx(1, rel=1e-12)
     assert list(temperature["gradient"]) == ["exact", "exact"]
+    assert list(temperature["verdict"]) == ["exact", "exact"]  # a part has no curve to diverge
     assert (temperature["max_rel_err"] <= RATIO).all()
+    assert table.loc[table["part"] != "all", "train_max_abs_loss_diff"].isna().all()
     assert not check.trains_like_one_device(table)
     text = " ".join(check.explain(table).split())
     assert "W = 2, 4: biased (parts)" in text
@@ -78,6 +80,15 @@ def test_a_loss_times_w_on_a_local_slot_gather_is_loss_scaled_and_trains_exactly
     assert check.trains_like_one_device(table)
     assert_layout_invariant(diagnosis_cases.ScaledToUndoAverage, W)  # passes: exit 0
     assert "| ×2 |" in check.explain(table) and "| ×4 |" in check.explain(table)
+
+
+def test_a_buffer_moved_by_the_ranks_own_rows_diverges_after_an_exact_first_step():
+    table = check.check_loss(diagnosis_cases.CenterFromOwnRows, W, steps=3)
+    rows = whole(table)
+    assert list(rows["forward"]) == ["same", "same"] and list(rows["gradient"]) == ["exact"] * 2
+    assert list(rows["verdict"]) == ["diverges", "diverges"]
+    assert not check.trains_like_one_device(table)
+    assert "W = 2, 4: diverges" in check.explain(table)
 
 
 @pytest.mark.parametrize(

@@ -261,14 +261,13 @@ def _rows(
                 "norm_ratio": norm_ratio, "max_rel_err": max_rel_err}  # fmt: skip
 
     rows = [row(ALL_PARTS, whole)] + [row(part, numbers) for part, numbers in parts.items()]
-    if curves is not None:  # the curve as one device would log it: divided by the scale
+    if curves is not None:  # the run's curve as one device would log it: divided by the scale
         trained, reference_curve = curves
         factor = scale or 1.0
         difference = max(abs(a / factor - b) for a, b in zip(trained, reference_curve, strict=True))
-        for r in rows:
-            r[TRAIN_COLUMN] = difference
-            if r["verdict"] in (EXACT, terms.LOSS_SCALED) and difference > terms.FLOAT64:
-                r["verdict"] = terms.DIVERGES
+        rows[0][TRAIN_COLUMN] = difference  # of the whole run: its parts have no curve of their own
+        if rows[0]["verdict"] in (EXACT, terms.LOSS_SCALED) and difference > terms.FLOAT64:
+            rows[0]["verdict"] = terms.DIVERGES
     return rows
 
 
