@@ -140,7 +140,7 @@ def test_the_command_line_prints_the_diagnosis_and_exits_1_with_training_steps(t
     )
     assert result.returncode == 1, result.stderr
     assert "standins:ClipLossForCheck, W = 2: 1/W" in result.stdout
-    assert "SGD's effective learning rate is divided by W" in result.stdout
+    assert "SGD's effective learning rate is divided by W" in " ".join(result.stdout.split())
     table = pd.read_csv(out / runfiles.CHECK)
     assert table[TRAIN_COLUMN].iloc[0] > MISS_FACTOR * FLOAT64_BOUND
     exact = check.check_loss(standins.ClipLossForCheck, (2,), steps=5, gather_with_grad=True)

@@ -65,6 +65,8 @@ def test_a_learnt_temperature_after_an_own_slice_gather_is_split_in_parts():
     assert "W = 2, 4: biased (parts)" in text
     assert "Measured per part: model 1/W (norm ratio 0.5, 0.25;" in text
     assert "loss.log_temperature exact (norm ratio 1, 1;" in text
+    with pytest.raises(AssertionError, match="Measured per part: model 1/W"):
+        assert_layout_invariant(diagnosis_cases.LearntTemperatureOwnSlice, W)
 
 
 def test_a_loss_times_w_on_a_local_slot_gather_is_loss_scaled_and_trains_exactly():
@@ -156,6 +158,8 @@ def test_a_loss_failing_at_one_w_gets_a_failed_row_and_the_others_their_verdicts
         table["error"][1],
     )
     assert "W = 4: failed" in result.stdout
+    with pytest.raises(AssertionError, match="W = 4: failed"):
+        assert_layout_invariant(diagnosis_cases.FailsAtFourRanks, W)
     # an exception without a message: its type and the user's file:line, never an empty line
     table = check.check_loss(BareAssertBelowEightRows, W)
     line = inspect.getsourcelines(BareAssertBelowEightRows.forward)[1] + 1

@@ -58,8 +58,8 @@ DIAGNOSES = {
         + " without the factor, which logs the 1-device value too."
     ),
     "1/W": (
-        "every rank's gradient reaches the embeddings as 1/W of one device's: the gradient is 1/W "
-        "(norm ratio {norm_ratio:.6g}, cosine {cosine:.12g}); SGD's effective learning rate is "
+        "the gradient is 1/W of one device's (norm ratio {norm_ratio:.6g}, cosine "
+        "{cosine:.12g}): SGD's effective learning rate is "
         "divided by W, and anything added to the gradient outside the loss (L2 weight decay, "
         "another loss term) weighs W times more. Usual causes (not tested here): an all_gather "
         "without gradient with the live local tensor put back in its slot, or a gather whose "
