@@ -174,7 +174,7 @@ def test_the_command_line_prints_the_diagnosis_and_exits_1_with_training_steps(t
             "--gather native passes no gather, but gatherlab.losses:NTXentLoss takes gather= and "
             "would gather with its default, 'fixed', not by itself; allowed: --gather fixed",
         ),
-        ([], 2, "name a loss (module:attribute), a gather (--gather), or --module and --data"),
+        ([], 2, "name a loss (module:attribute), a gather (--gather), --module and --data, or"),
     ],
 )
 def test_bad_input_is_one_line(arguments, status, message, tmp_path, no_leftover_processes):

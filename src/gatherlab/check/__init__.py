@@ -32,7 +32,7 @@ if sys.argv[:1] == ["-m"]:
 
     _training = (
         ("lightning.pytorch", "gatherlab.check.usermodule") if "--module" in sys.argv else ()
-    )
+    ) + (("gatherlab.check.steprun",) if "--step" in sys.argv else ())
     forkstart.start(("gatherlab.check.measure", "gatherlab.components.config", *_training))
 
 __all__ = [

@@ -65,6 +65,17 @@ def _parser() -> argparse.ArgumentParser:
     training = parser.add_argument_group("the check of a training step (docs/design.md §10)")
     training.add_argument("--module", help="a LightningModule, module:attribute")
     training.add_argument("--module-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
+    training.add_argument(
+        "--step", help="or a plain PyTorch step: training_step(model, batch) -> loss, module:attr"
+    )
+    training.add_argument("--model", help="for --step: the function building the nn.Module")
+    training.add_argument("--model-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
+    training.add_argument(
+        "--optimizer", default="torch.optim:SGD", help="for --step (default torch.optim:SGD)"
+    )
+    training.add_argument(
+        "--optimizer-kwargs", type=_kwargs, help='its arguments (JSON; default {"lr": 0.01})'
+    )
     training.add_argument("--data", help="a map-style data set (class or factory), module:attr")
     training.add_argument("--data-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
     training.add_argument("--global-batch-size", type=int, default=32, help="over all ranks")
@@ -80,22 +91,35 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line's arguments, or its usage error (exit status 2)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.module is not None and (args.loss is not None or args.gather is not None):
-        parser.error("--module checks a training step; a loss or --gather is checked without it")
-    if args.module is not None and args.data is None:
-        parser.error("--module needs --data (a map-style data set, module:attribute)")
-    if args.module is None and args.loss is None and args.gather is None:
-        parser.error("name a loss (module:attribute), a gather (--gather), or --module and --data")
+    trains = args.module is not None or args.step is not None
+    if args.module is not None and args.step is not None:
+        parser.error("--module and --step are two forms of one check; name one of them")
+    if trains and (args.loss is not None or args.gather is not None):
+        parser.error("--module/--step check a training step; a loss or --gather without them")
+    if trains and args.data is None:
+        parser.error("--module and --step need --data (a map-style data set, module:attribute)")
+    if args.step is not None and args.model is None:
+        parser.error("--step needs --model (a function or class returning the nn.Module)")
+    if not trains and args.loss is None and args.gather is None:
+        parser.error(
+            "name a loss (module:attribute), a gather (--gather), --module and --data, or --step, "
+            "--model and --data"
+        )
     return args
 
 
 def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     """The check the arguments ask for: its table and its text."""
-    if args.module is not None:
+    if args.module is not None or args.step is not None:
         table = check_training(
             args.module,
             args.data,
             args.world_sizes,
+            step=args.step,
+            model=args.model,
+            model_kwargs=args.model_kwargs,
+            optimizer=args.optimizer,
+            optimizer_kwargs=args.optimizer_kwargs,
             steps=20 if args.steps is None else args.steps,
             global_batch_size=args.global_batch_size,
             module_kwargs=args.module_kwargs,

@@ -14,7 +14,7 @@ import pandas as pd
 from gatherlab.check import hypotheses, measure, removals
 from gatherlab.check.diagnosis import ALL_PARTS, COLUMNS, EXACT, TRAIN_COLUMN, verdict
 from gatherlab.components import config
-from gatherlab.components.factory import Recipe, locate
+from gatherlab.components.factory import AttributeOf, Recipe, locate
 from gatherlab.core import cli, terms
 from gatherlab.gather import GatherFn
 from gatherlab.ranks import pool, world
@@ -390,11 +390,44 @@ def _path_name(factory: str | Callable[..., Any]) -> str:
     return factory if isinstance(factory, str) else getattr(factory, "__qualname__", "module")
 
 
+DEFAULT_OPTIMIZER, DEFAULT_OPTIMIZER_KWARGS = "torch.optim:SGD", {"lr": 0.01}
+"""The optimizer of a plain PyTorch step's check when none is given (as the loss check's SGD)."""
+
+
+def _step(
+    step: str | Callable[..., Any],
+    model: str | Callable[..., Any] | None,
+    model_kwargs: Mapping[str, Any] | None,
+    optimizer: str | Callable[..., Any],
+    optimizer_kwargs: Mapping[str, Any] | None,
+    seed: int,
+) -> Any:
+    """The plain PyTorch step to check (``steprun.Step``), its parts imported; CheckError for a
+    path that does not import or an object that is not callable."""
+    from gatherlab.check import steprun
+
+    if model is None:
+        raise CheckError("--step needs --model (a function or class returning the nn.Module)")
+    if optimizer_kwargs is None:
+        optimizer_kwargs = DEFAULT_OPTIMIZER_KWARGS if optimizer == DEFAULT_OPTIMIZER else {}
+    return steprun.Step(
+        _factory(step, "step"),
+        Recipe(_factory(model, "model"), dict(model_kwargs or {}), None, seed),
+        _factory(optimizer, "optimizer"),
+        dict(optimizer_kwargs),
+    )
+
+
 def check_training(
-    module: str | Callable[..., Any],
-    data: str | Callable[..., Any],
+    module: str | Callable[..., Any] | None = None,
+    data: str | Callable[..., Any] | None = None,
     world_sizes: Iterable[int] = (2, 4),
     *,
+    step: str | Callable[..., Any] | None = None,
+    model: str | Callable[..., Any] | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    optimizer: str | Callable[..., Any] = DEFAULT_OPTIMIZER,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
     steps: int = 20,
     global_batch_size: int = 32,
     module_kwargs: Mapping[str, Any] | None = None,
@@ -403,9 +436,17 @@ def check_training(
     seed: int = 0,
     loss_attr: str | None = None,
 ) -> pd.DataFrame:
-    """Check a training step: a ``LightningModule`` trained ``steps`` steps on W real gloo ranks
-    (Lightning's DDP strategy on the warm pool) against the same on one device, and, for a W that
-    is not exact, the part that breaks it (docs/design.md §10).
+    """Check a training step: a ``LightningModule`` (``module``), or a plain PyTorch step
+    (``step`` with ``model`` and ``optimizer``, no Lightning), trained ``steps`` steps on W real
+    gloo ranks of the warm pool (Lightning's DDP strategy; torch's ``DistributedDataParallel``
+    for a plain step) against the same on one device, and, for a W that is not exact, the part
+    that breaks it (docs/design.md §10).
+
+    A plain step is ``step(model, batch)`` returning the loss tensor, where ``model`` is what
+    ``model(**model_kwargs)`` builds (an ``nn.Module``, built inside every rank after the same
+    seed), wrapped in ``DistributedDataParallel`` on W ranks and bare on one device, optimised by
+    ``optimizer(model.parameters(), **optimizer_kwargs)``; its batches are collated by the data
+    set's ``collate_fn`` or PyTorch's default, their floating tensors in ``precision``.
 
     The module is built inside every rank as ``module(**module_kwargs)`` (with ``rank=`` and
     ``world_size=`` when its constructor takes them; its initial weights drawn from ``seed``, the
@@ -415,12 +456,21 @@ def check_training(
     r-th contiguous slice (docs/design.md §2). A W that is not exact is trained again with each
     removal that applies made (``batchnorm``, ``dropout``, ``data_randomness``,
     `gatherlab.check.removals`) and with all of them made; the removals that make it exact, or
-    change its verdict, are its culprits, and ``loss`` when all of them are not enough.
+    change its verdict, are its culprits, and ``loss`` when all of them are not enough, or
+    ``step_randomness`` when the step itself draws from the global random streams (its first
+    loss on one device changes with only their seed changed).
 
     Args:
-        module: the ``LightningModule`` class or factory, or its import path.
+        module: the ``LightningModule`` class or factory, or its import path (or None with
+            ``step``).
         data: the data set class or factory, or its import path.
         world_sizes: the numbers of ranks, each an integer ≥ 2 dividing ``global_batch_size``.
+        step: the plain PyTorch step ``step(model, batch) -> loss``, or its import path.
+        model: with ``step``: the function or class building the ``nn.Module``, or its path.
+        model_kwargs: the model factory's keyword arguments.
+        optimizer: with ``step``: the optimizer class (default ``torch.optim:SGD``).
+        optimizer_kwargs: its keyword arguments besides the parameters (default for SGD:
+            ``{"lr": 0.01}``).
         steps: optimizer steps of each run.
         global_batch_size: samples per step, over all ranks.
         module_kwargs: the module's keyword arguments.
@@ -445,7 +495,9 @@ def check_training(
 
     Raises:
         CheckError: bad input, before any rank runs: a module that is no LightningModule or
-            cannot be built, a data set without ``__len__``/``__getitem__``, a global batch that
+            cannot be built, a model factory that returns no ``nn.Module``, a step, model or
+            optimizer path that does not import, a step that returns no scalar tensor (found on
+            one device), a data set without ``__len__``/``__getitem__``, a global batch that
             a W does not divide or larger than the data set, a ``training_step`` that returns no
             loss (found on one device).
 
@@ -455,22 +507,33 @@ def check_training(
         >>> table.groupby("world_size")["culprits"].first().tolist()
         ['batchnorm', 'batchnorm']
     """
-    # Lightning: imported when a training step is checked
-    from gatherlab.check import training, usermodule
+    from gatherlab.check import training  # Lightning is imported only for a LightningModule
 
-    module_factory, data_factory = _factory(module, "module"), _factory(data, "data")
-    name = _path_name(module)
+    if (module is None) == (step is None):
+        raise CheckError(
+            "name a LightningModule (--module) or a plain PyTorch step (--step with --model), "
+            "not both"
+        )
+    if data is None:
+        raise CheckError("--data is needed: a map-style data set (class or factory), module:attr")
+    data_factory = _factory(data, "data")
+    trained = None if step is None else _step(step, model, model_kwargs, optimizer,
+                                              optimizer_kwargs, seed)  # fmt: skip
+    name = _path_name(module if step is None else step)
     setting = training.Setting(
-        module=Recipe(module_factory, dict(module_kwargs or {}), None, seed),
+        module=None if module is None else Recipe(
+            _factory(module, "module"), dict(module_kwargs or {}), None, seed
+        ),
         data=Recipe(data_factory, dict(data_kwargs or {}), None, seed),
         name=name, global_batch_size=global_batch_size, steps=steps, seed=seed,
-        precision=precision,
+        precision=precision, step=trained,
     )  # fmt: skip
+    built = setting.module if trained is None else trained.model
     world_sizes = tuple(world_sizes)
     try:
         with world.alone():  # built as on one device: the module may ask for its rank
             applying, layout = training.validate(setting, world_sizes)
-            attribute = None if loss_attr is None else getattr(setting.module(), loss_attr, None)
+            attribute = None if loss_attr is None else getattr(built(), loss_attr, None)
     except ValueError as error:
         raise CheckError(str(error)) from None
     if loss_attr is not None and not callable(attribute):
@@ -482,10 +545,10 @@ def check_training(
         try:  # one device, in this process: a training_step without a loss is found here
             references = {removals.NONE: training.reference(setting, removals.NONE)}
         except Exception as error:
-            raise CheckError(f"--module {name} on one device: {cli.error_line(error)}") from None
+            raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
         table = training.check(setting, world_sizes, applying, references, layout)
     blamed = table.loc[table["culprits"].str.contains(removals.LOSS), "world_size"]
     if loss_attr is not None and len(blamed):
-        loss = usermodule.loss_of(setting.module, loss_attr)
+        loss = AttributeOf(built, loss_attr)
         table.attrs["loss_check"] = check_loss(loss, sorted(set(blamed)), seed=seed)
     return table

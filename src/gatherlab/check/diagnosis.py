@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from gatherlab.check.removals import ALL, LOSS, NONE, Removal
+from gatherlab.check.removals import ALL, LOSS, NONE, STEP_RANDOMNESS, Removal
 from gatherlab.core import runfiles, terms
 
 EXACT = terms.GradientClass.EXACT
@@ -176,6 +176,15 @@ CULPRIT_DIAGNOSES = {
         "numpy, torch), so a sample's views depend on the rank that loads it. Fix: seed each "
         "sample's augmentation from its index and the epoch, e.g. a torch.Generator seeded by "
         "(seed, epoch, index) in __getitem__."
+    ),
+    STEP_RANDOMNESS: (
+        "the training step draws from the global random streams (measured: its first loss on "
+        "one device changes when only the streams' seed changes, dropout layers off), e.g. "
+        "augmentations applied to the batch in the step: W ranks draw other numbers for a sample "
+        "than one device, and no removal takes that out (with it, the check cannot see whether "
+        "the loss is exact too). Fix: draw each sample's randomness from a generator seeded by "
+        "(seed, step, sample index), e.g. torch.Generator().manual_seed(...) per sample, or "
+        "augment in the data set and check with the data_randomness removal."
     ),
     LOSS: (
         "with batch norm, dropout and the data's randomness removed the run is still not exact: "

@@ -55,6 +55,9 @@ NONE, ALL = "none", "all"
 # The culprit left when every removal is made and the run is still not exact: the loss itself, or
 # how it communicates across ranks.
 LOSS = "loss"
+# The culprit named instead of ``loss`` when the training step itself draws from the global random
+# streams (an augmentation applied to the batch in the step): no removal takes that out.
+STEP_RANDOMNESS = "step_randomness"
 # The stream of sample_generator that seeds a sample's global random streams (0, 1 and 2 + … are
 # gatherlab's own augmentations and dropout masks, docs/design.md §2).
 DATA_STREAM = 1_000_003

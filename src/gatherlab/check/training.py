@@ -9,6 +9,8 @@ command line; this module trains and compares, and says nothing in words.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from gatherlab.check import hypotheses, measure, removals, usermodule
+from gatherlab.check import hypotheses, measure, removals, steprun
 from gatherlab.check.diagnosis import ALL_PARTS, TRAIN_COLUMN, verdict
 from gatherlab.check.diagnosis import COLUMNS as LOSS_COLUMNS
 from gatherlab.components.factory import Recipe
@@ -40,16 +42,38 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Setting:
-    """What is trained: the module and the data set as factories built inside each rank, and the
-    run's size (``steps`` optimizer steps of ``global_batch_size`` samples, ``precision``)."""
+    """What is trained: a ``LightningModule`` (``module``) or a plain PyTorch step (``step``: its
+    function, model and optimizer), and the data set, as factories built inside each rank; and
+    the run's size (``steps`` optimizer steps of ``global_batch_size`` samples, ``precision``)."""
 
-    module: Recipe
+    module: Recipe | None
     data: Recipe
     name: str
     global_batch_size: int
     steps: int
     seed: int
     precision: str
+    step: steprun.Step | None = None
+
+    @property
+    def label(self) -> str:
+        """How the command line names what is trained (``--module M`` or ``--step S``)."""
+        return f"--step {self.name}" if self.step is not None else f"--module {self.name}"
+
+    def checked(self, built: Any) -> torch.nn.Module:
+        """What the module's or the model's factory built, when it keeps its contract (a
+        LightningModule with ``training_step`` and ``configure_optimizers``; an ``nn.Module``);
+        a ValueError of one line otherwise."""
+        if self.step is not None:
+            if not isinstance(built, torch.nn.Module):
+                raise ValueError(
+                    f"--model {self.step.model.name} returned a {type(built).__name__}; "
+                    "allowed: a torch.nn.Module"
+                )
+            return built
+        from gatherlab.check import usermodule  # Lightning: only for a LightningModule
+
+        return usermodule.check_module(built, self.label)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -103,18 +127,18 @@ def validate(
         if not terms.is_integer(value, minimum):
             allowed = terms.allowed_integer(minimum)
             raise ValueError(f"{key} {value!r} is not allowed; allowed: {allowed}")
+    recipe = setting.module if setting.step is None else setting.step.model
+    label = setting.label if setting.step is None else f"--model {recipe.name}"
     try:
-        module = setting.module()
+        built = recipe()
     except Exception as error:
-        raise ValueError(
-            f"--module {setting.name}: cannot be built: {type(error).__name__}: {error}"
-        ) from None
-    usermodule.check_module(module, f"--module {setting.name}")
+        raise ValueError(f"{label}: cannot be built: {type(error).__name__}: {error}") from None
+    module = setting.checked(built)
     try:
         data = setting.data()
     except Exception as error:
         raise ValueError(f"--data: cannot be built: {type(error).__name__}: {error}") from None
-    size, batch = usermodule.data_size(data, "--data"), setting.global_batch_size
+    size, batch = steprun.data_size(data, "--data"), setting.global_batch_size
     if batch > size:
         raise ValueError(
             f"--global-batch-size {batch} exceeds the {size} samples of the data set; allowed: at "
@@ -136,10 +160,16 @@ def _train(setting: Setting, removed: str, world_size: int) -> Trained:
         setting.module, setting.data, removals.Removals.named(removed), setting.global_batch_size,
         setting.steps, setting.seed, setting.precision,
     )  # fmt: skip
+    if setting.step is not None:
+        function, arguments = steprun.train_on_rank, (setting.step, *arguments[1:])
+    else:
+        from gatherlab.check import usermodule  # Lightning: only for a LightningModule
+
+        function = usermodule.train_on_rank
     if world_size == 1:
         with world.alone():  # the module may ask for its rank or call a collective
-            return usermodule.train_on_rank(*arguments)
-    return pool(world_size).run(usermodule.train_on_rank, *arguments)[0]
+            return function(*arguments)
+    return pool(world_size).run(function, *arguments)[0]
 
 
 def _compare(
@@ -202,9 +232,12 @@ def _gradient_numbers(classified: tuple[str, float, float, float]) -> dict[str, 
             "max_rel_err": max_rel_err}  # fmt: skip
 
 
-def _culprits(verdicts: dict[str, str], applying: Sequence[removals.Removal]) -> list[str]:
+def _culprits(
+    verdicts: dict[str, str], applying: Sequence[removals.Removal], step_random: bool
+) -> list[str]:
     """The removals that alone make the run exact or change its verdict; when none does but all
-    of them together do, all of them; ``loss`` when all of them leave it inexact."""
+    of them together do, all of them; when all of them leave it inexact, ``step_randomness`` if
+    the step draws from the global random streams (``step_random``), else ``loss``."""
     kept = verdicts[removals.NONE]
     found = [r for r in applying if verdicts[r] == EXACT or verdicts[r] != kept]
     if len(applying) > 1:
@@ -214,8 +247,44 @@ def _culprits(verdicts: dict[str, str], applying: Sequence[removals.Removal]) ->
     if not found and everything == EXACT:
         found = list(applying)
     if everything != EXACT:
-        found.append(removals.LOSS)
+        found.append(removals.STEP_RANDOMNESS if step_random else removals.LOSS)
     return found
+
+
+def step_draws_randomness(setting: Setting) -> bool:
+    """Whether the training step draws from the global random streams (``random``, ``numpy``,
+    ``torch``): the first step's loss on one device, computed twice from the same weights and the
+    same global batch, with only the streams' seed changed. Dropout layers are off for it (they
+    are a removal of their own); a step that cannot run outside training says no."""
+    recipe = setting.module if setting.step is None else setting.step.model
+    data = setting.data()
+    if setting.step is not None:
+        collate = getattr(data, "collate_fn", None)
+    else:
+        from gatherlab.check import usermodule  # Lightning: only for a LightningModule
+
+        collate = usermodule.collate_fn_of(recipe(), data)
+    batch = steprun.first_batch(data, setting.global_batch_size, setting.seed, collate)
+    batch = steprun.as_precision(batch, setting.precision)
+    values = []
+    with world.alone(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log outside a Trainer
+        for streams in (1, 2):
+            module = setting.checked(recipe())
+            removals.Removals(dropout=True).apply(module)
+            if setting.precision == terms.Precision.FLOAT64:
+                module = module.double()
+            steprun.seed_processes(setting.seed + streams)
+            try:
+                if setting.step is not None:
+                    output = setting.step.step(module, batch)
+                else:
+                    output = module.training_step(batch, 0)
+                loss = output.get("loss") if isinstance(output, dict) else output
+                values.append(float(loss.detach()))
+            except Exception:
+                return False
+    return values[0] != values[1]
 
 
 def reference(setting: Setting, removed: str) -> Trained:
@@ -250,6 +319,7 @@ def check(
         return whole, [{**whole, **part} for part in by_part]
 
     with_removals = [*applying, removals.ALL] if len(applying) > 1 else list(applying)
+    step_random = functools.cache(lambda: step_draws_randomness(setting))  # once, if needed
     for world_size in world_sizes:
         try:
             kept, by_part = row(removals.NONE, world_size)
@@ -266,7 +336,7 @@ def check(
             continue
         verdicts = {r["removed"]: r["verdict"] for r in measured}
         exact = verdicts[removals.NONE] in (EXACT, terms.LOSS_SCALED)
-        culprits = ";".join([] if exact else _culprits(verdicts, applying))
+        culprits = ";".join([] if exact else _culprits(verdicts, applying, step_random()))
         rows += [{**r, "culprits": culprits} for r in [kept, *by_part, *measured[1:]]]
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     table["first_diff_step"] = table["first_diff_step"].astype("Int64")  # none: every step agrees

@@ -14,16 +14,14 @@ request.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
-import numpy as np
-import torch
 from torch.utils.data import DataLoader, default_collate
 
 from gatherlab.check import removals
+from gatherlab.check.steprun import seed_processes
 from gatherlab.components.factory import Recipe
 from gatherlab.components.module import StepRecorder, rank_sampler
 from gatherlab.core import runfiles
@@ -33,9 +31,7 @@ __all__ = [
     "ItemsDataModule",
     "check_module",
     "collate_fn_of",
-    "data_size",
     "fit_on_rank",
-    "loss_of",
     "train_on_rank",
 ]  # fmt: skip
 
@@ -52,25 +48,6 @@ def check_module(module: Any, label: str) -> L.LightningModule:
         if getattr(type(module), method) is getattr(L.LightningModule, method):
             raise ValueError(f"{label} has no {method}; allowed: a LightningModule with one")
     return module
-
-
-def data_size(data: Any, label: str) -> int:
-    """The number of samples of a map-style data set (``len`` and ``data[index]``, item 0 read
-    once); a ValueError of one line, starting with ``label``, otherwise."""
-    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-        raise ValueError(
-            f"{label} built a {type(data).__name__} without __len__ and __getitem__; allowed: a "
-            "map-style data set"
-        )
-    try:
-        size = len(data)
-        data[0]
-    except Exception as error:
-        raise ValueError(
-            f"{label} breaks the map-style contract: {type(error).__name__}: {error}; allowed: "
-            "len(data set) and data set[index]"
-        ) from None
-    return size
 
 
 def collate_fn_of(module: Any, dataset: Any) -> Callable[[list[Any]], Any]:
@@ -108,14 +85,6 @@ class ItemsDataModule(L.LightningDataModule):
         )  # fmt: skip
         items = removals.PerSample(self.dataset, self.seed, self.seeded)
         return DataLoader(items, batch_sampler=sampler, collate_fn=self.collate_fn)
-
-
-def _seed_processes(seed: int) -> None:
-    """Every process's global random streams from ``seed``, as a training script seeds them
-    (``lightning.seed_everything``): the same on every rank."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def train_on_rank(
@@ -161,25 +130,8 @@ def fit_on_rank(
         data, global_batch_size, steps, seed, shuffle, removed.data_randomness,
         collate_fn_of(lightning_module, data),
     )  # fmt: skip
-    _seed_processes(seed)
+    seed_processes(seed)
     if world.size() > 1:
         launch.fit_in_group(lightning_module, datamodule, precision, steps, callbacks)
     else:
         launch.fit(lightning_module, datamodule, 1, precision, steps, callbacks)
-
-
-class _LossOf:
-    """The loss a module holds as an attribute, built by building the module (picklable: a
-    factory for ``gatherlab.check.check_loss``)."""
-
-    def __init__(self, module: Recipe, attribute: str):
-        self.module, self.attribute = module, attribute
-        self.__qualname__ = f"{module.name}.{attribute}"
-
-    def __call__(self) -> torch.nn.Module:
-        return getattr(self.module(), self.attribute)
-
-
-def loss_of(module: Recipe, attribute: str) -> Callable[[], torch.nn.Module]:
-    """A factory of the loss that ``module``'s objects hold as ``attribute``."""
-    return _LossOf(module, attribute)

@@ -29,7 +29,7 @@ from torch import nn
 from gatherlab.gather import GatherFn
 from gatherlab.ranks import world
 
-__all__ = ["Recipe", "locate"]
+__all__ = ["AttributeOf", "Recipe", "locate"]
 
 
 def locate(path: str) -> Any:
@@ -124,3 +124,15 @@ class Recipe:
     @property
     def name(self) -> str:
         return f"{self.factory.__module__}:{self.factory.__qualname__}"
+
+
+class AttributeOf:
+    """A factory of what ``recipe``'s objects hold as ``attribute`` (a module's loss, say), built
+    by building the object: picklable as the recipe is, for a check that builds it in each rank."""
+
+    def __init__(self, recipe: Recipe, attribute: str):
+        self.recipe, self.attribute = recipe, attribute
+        self.__qualname__ = f"{recipe.name}.{attribute}"
+
+    def __call__(self) -> Any:
+        return getattr(self.recipe(), self.attribute)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gatherlab.check import measure, removals
+from gatherlab.check import measure, removals, steprun
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
 from gatherlab.core import cli, terms
@@ -192,7 +192,7 @@ def _check_user_objects(cfg: DictConfig) -> int:
     except Exception as error:  # the constructor's own refusal
         raise ConfigError(f"data.dataset ({data_target}): {cli.first_line(error)}") from None
     try:
-        return usermodule.data_size(dataset, f"data.dataset ({data_target})")
+        return steprun.data_size(dataset, f"data.dataset ({data_target})")
     except ValueError as error:
         raise ConfigError(cli.first_line(error)) from None
 

@@ -1,0 +1,191 @@
+"""A user's plain PyTorch training step (no Lightning), trained the way gatherlab trains its own
+runs (docs/design.md §2, §10): the model that ``build_model(**kwargs)`` returns, built inside every
+rank after the same seed, wrapped in torch's ``DistributedDataParallel`` on W ranks (the bare
+module on one device), the user's optimizer, and ``training_step(model, batch)`` called on each
+rank's slice of the same global batches; the removals of ``gatherlab.check.removals`` applied on
+request.
+
+- ``Step`` says what is trained (the step, the model, the optimizer); ``train_on_rank`` trains it
+  here (on one device, or on this rank of the process group when there is one) and returns what
+  the check compares (``runfiles.Trained``);
+- ``step_loss`` holds the step's contract: a scalar tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import default_collate
+
+from gatherlab.check import removals
+from gatherlab.components.data import GlobalBatchSampler
+from gatherlab.components.factory import Recipe
+from gatherlab.core import runfiles, terms
+from gatherlab.ranks import world
+
+__all__ = [
+    "Step", "as_precision", "build", "data_size", "first_batch", "seed_processes", "step_loss",
+    "train_on_rank",
+]  # fmt: skip
+
+StepFunction = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Step:
+    """A plain PyTorch training step: ``step(model, batch)`` returns the loss tensor; the model is
+    built by ``model`` (a `Recipe` of the user's factory) and optimised by ``optimizer(params,
+    **optimizer_kwargs)``."""
+
+    step: StepFunction
+    model: Recipe
+    optimizer: Callable[..., torch.optim.Optimizer]
+    optimizer_kwargs: dict[str, Any]
+
+
+def seed_processes(seed: int) -> None:
+    """Every process's global random streams from ``seed``, as a training script seeds them
+    (``lightning.seed_everything``): the same on every rank."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def data_size(data: Any, label: str) -> int:
+    """The number of samples of a map-style data set (``len`` and ``data[index]``, item 0 read
+    once); a ValueError of one line, starting with ``label``, otherwise."""
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise ValueError(
+            f"{label} built a {type(data).__name__} without __len__ and __getitem__; allowed: a "
+            "map-style data set"
+        )
+    try:
+        size = len(data)
+        data[0]
+    except Exception as error:
+        raise ValueError(
+            f"{label} breaks the map-style contract: {type(error).__name__}: {error}; allowed: "
+            "len(data set) and data set[index]"
+        ) from None
+    return size
+
+
+def step_loss(value: Any) -> torch.Tensor:
+    """What the step returned, when it is a scalar tensor; a TypeError of one line otherwise."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        if value is None:
+            returned = "nothing"
+        elif isinstance(value, torch.Tensor):
+            returned = f"a tensor of shape {tuple(value.shape)}"
+        else:
+            returned = f"a {type(value).__name__}"
+        raise TypeError(f"the step returned {returned}; allowed: the loss, a scalar tensor")
+    return value.reshape(())
+
+
+def build(step: Step, removed: removals.Removals, precision: str) -> nn.Module:
+    """The user's model, built here after the seed, its removals made, in the run's precision; a
+    TypeError of one line when the factory returns no ``nn.Module``."""
+    model = step.model()
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"--model {step.model.name} returned a {type(model).__name__}; allowed: a "
+            "torch.nn.Module"
+        )
+    removed.apply(model)
+    return model.double() if precision == terms.Precision.FLOAT64 else model
+
+
+def as_precision(batch: Any, precision: str) -> Any:
+    """The batch with its floating tensors in the run's precision (as Lightning's 64-true does)."""
+    if isinstance(batch, torch.Tensor):
+        wanted = torch.float64 if precision == terms.Precision.FLOAT64 else batch.dtype
+        return batch.to(wanted) if batch.is_floating_point() else batch
+    if isinstance(batch, tuple | list):
+        return type(batch)(as_precision(item, precision) for item in batch)
+    if isinstance(batch, dict):
+        return {key: as_precision(item, precision) for key, item in batch.items()}
+    return batch
+
+
+def _batches(
+    dataset: Any, removed: removals.Removals, global_batch_size: int, steps: int, seed: int,
+    shuffle: bool, collate: Callable[[list[Any]], Any] | None = None, one_device: bool = False,
+):  # fmt: skip
+    """This rank's slice of each global batch (docs/design.md §2), or the whole batch with
+    ``one_device``, collated by ``collate``, else the data set's ``collate_fn``, else PyTorch's
+    default."""
+    rank, size = (0, 1) if one_device else (world.rank(), world.size())
+    sampler = GlobalBatchSampler(
+        num_samples=len(dataset), global_batch_size=global_batch_size, num_batches=steps,
+        rank=rank, world_size=size, seed=seed, shuffle=shuffle, with_epoch=True,
+    )  # fmt: skip
+    items = removals.PerSample(dataset, seed, removed.data_randomness)
+    collate = collate or getattr(dataset, "collate_fn", None) or default_collate
+    for keys in sampler:
+        yield collate([items[key] for key in keys])
+
+
+def first_batch(
+    dataset: Any, global_batch_size: int, seed: int,
+    collate: Callable[[list[Any]], Any] | None = None, shuffle: bool = True,
+) -> Any:  # fmt: skip
+    """The first global batch, as one device takes it (the data set's own randomness as is)."""
+    batches = _batches(
+        dataset, removals.Removals(), global_batch_size, 1, seed, shuffle, collate, one_device=True
+    )
+    return next(batches)
+
+
+def train_on_rank(
+    step: Step,
+    dataset: Recipe,
+    removed: removals.Removals,
+    global_batch_size: int,
+    steps: int,
+    seed: int,
+    precision: str,
+    shuffle: bool = True,
+) -> runfiles.Trained:
+    """Build the model and the data set here, make the removals, seed the global random streams
+    from ``seed`` (as a training script does), and train ``steps`` steps: DDP over this rank's
+    process group when there is one, the bare model on one device. Returns each step's global
+    loss (the mean over ranks, one all-reduce for the run), the first step's gradient as the
+    optimizer gets it, and the final parameters."""
+    model = build(step, removed, precision)
+    data = dataset()
+    distributed = world.size() > 1
+    wrapped = DistributedDataParallel(model) if distributed else model
+    optimizer = step.optimizer(model.parameters(), **step.optimizer_kwargs)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    seed_processes(seed)
+    local, first_gradient = [], None
+    for batch in _batches(data, removed, global_batch_size, steps, seed, shuffle):
+        optimizer.zero_grad()
+        loss = step_loss(step.step(wrapped, as_precision(batch, precision)))
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise ValueError(f"the step returned {value} at step {len(local)} on rank "
+                             f"{world.rank()}; allowed: a finite loss")  # fmt: skip
+        loss.backward()
+        local.append(value)
+        if first_gradient is None:
+            first_gradient = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                 for p in trainable]
+            ).detach().double()  # fmt: skip
+        optimizer.step()
+    losses = torch.tensor(local, dtype=torch.float64)
+    if distributed:
+        torch.distributed.all_reduce(losses)
+        losses /= world.size()
+    parameters = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    return runfiles.Trained(losses.tolist(), first_gradient, parameters)

@@ -1,0 +1,125 @@
+"""The check of a plain PyTorch training step (``--step``, docs/design.md §10) on steps written the
+way public code writes them (``tests/plain_steps.py``), on real gloo ranks at W = 2 and 4: each
+gets the verdict and the culprits its code predicts, from Python and from the command line; a step
+that draws augmentations from the global generator is named ``step_randomness``, for a
+LightningModule too; bad input is one line, exit status 2, before any rank runs."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import ssl_modules
+import torch
+from helpers import run_command
+from test_training import FLOAT64_BOUND, MISS_FACTOR
+
+from gatherlab import check
+from gatherlab.core import runfiles
+from gatherlab.testing import assert_training_invariant
+
+pytestmark = pytest.mark.slow
+
+RUN = {"steps": 4, "global_batch_size": 16}
+W = (2, 4)
+
+# step, model arguments, data → the verdict at W = 2 and 4 and the culprits, from what each step's
+# code does (plain_steps' docstring), not from a run
+EXPECTED = {
+    "exact": ("training_step", {}, "Pairs", "exact", ""),
+    "batch_norm": ("training_step", {"batchnorm": True}, "Pairs", "loss differs", "batchnorm"),
+    "dropout": ("training_step", {"dropout": 0.2}, "Pairs", "loss differs", "dropout"),
+    "augments_in_the_step": ("augmenting_step", {}, "Points", "loss differs", "step_randomness"),
+}
+
+
+def runs(table: pd.DataFrame) -> pd.DataFrame:
+    return table[table["part"] == "all"]
+
+
+@pytest.mark.parametrize("case", EXPECTED)
+def test_each_plain_step_gets_its_verdict_and_culprits(case):
+    step, model_kwargs, data, verdict, culprits = EXPECTED[case]
+    table = check.check_training(
+        step=f"plain_steps:{step}", model="plain_steps:build_model", model_kwargs=model_kwargs,
+        data=f"plain_steps:{data}", world_sizes=W, **RUN,
+    )  # fmt: skip
+    kept = runs(table)[runs(table)["removed"] == "none"].set_index("world_size")
+    assert list(kept["verdict"]) == [verdict, verdict], table.to_string()
+    assert set(table["culprits"]) == {culprits}, table.to_string()
+    # the model's parts: its backbone and its projection head (nn.Sequential's children)
+    assert set(table.loc[table["removed"] == "none", "part"]) == {"all", "0", "1"}
+    if verdict == "exact":
+        assert (kept["train_max_abs_loss_diff"] <= FLOAT64_BOUND).all()
+        assert (kept["max_abs_param_diff"] <= FLOAT64_BOUND).all()
+        return
+    assert (kept["train_max_abs_loss_diff"] > MISS_FACTOR * FLOAT64_BOUND).all()
+    if culprits != "step_randomness":  # with the cause removed, every step is exact again
+        removed = runs(table)[runs(table)["removed"] == culprits]
+        assert list(removed["verdict"]) == ["exact", "exact"], table.to_string()
+        assert (removed["max_abs_param_diff"] <= FLOAT64_BOUND).all()
+
+
+def test_the_command_line_checks_a_step_and_exits_by_its_verdict(tmp_path):
+    common = ["--model", "plain_steps:build_model", "--world-sizes", "2", "--steps", "3",
+              "--global-batch-size", "16"]  # fmt: skip
+    exact = run_command(
+        "check", "--step", "plain_steps:training_step", "--data", "plain_steps:Pairs", *common,
+        "--optimizer", "torch.optim:AdamW", "--optimizer-kwargs", '{"lr": 0.001}',
+        "--out", str(tmp_path / "exact"),
+    )  # fmt: skip
+    assert exact.returncode == 0, exact.stdout + exact.stderr
+    assert "Every world size trains like one device." in exact.stdout
+    random = run_command(
+        "check", "--step", "plain_steps:augmenting_step", "--data", "plain_steps:Points",
+        *common, "--out", str(tmp_path / "random"),
+    )  # fmt: skip
+    assert random.returncode == 1
+    assert "| 2 | loss differs | step_randomness | — |" in random.stdout
+    assert "step_randomness, W = 2:" in random.stdout
+    written = pd.read_csv(tmp_path / "random" / runfiles.CHECK, keep_default_na=False)
+    assert set(written["culprits"]) == {"step_randomness"}
+
+
+class AugmentingSimCLR(ssl_modules.SimCLR):
+    """A LightningModule that draws its two views in ``training_step`` (global generator)."""
+
+    def training_step(self, batch, batch_index):
+        x = batch
+        x0, x1 = x + 0.1 * torch.randn_like(x), x + 0.1 * torch.randn_like(x)
+        return self.criterion(self(x0), self(x1))
+
+
+def test_a_lightning_step_that_draws_randomness_is_named_too():
+    with pytest.raises(AssertionError, match="step_randomness, W = 2:"):
+        assert_training_invariant(
+            "test_step_check:AugmentingSimCLR", "plain_steps:Points", (2,), **RUN
+        )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--step", "plain_steps:returns_nothing"],
+         "--step plain_steps:returns_nothing on one device: TypeError: the step returned nothing; "
+         "allowed: the loss, a scalar tensor"),
+        (["--step", "plain_steps:returns_per_sample"],
+         "the step returned a tensor of shape (16,); allowed: the loss, a scalar tensor"),
+        (["--step", "plain_steps:training_step", "--model", "plain_steps:builds_a_dict"],
+         "--model plain_steps:builds_a_dict returned a dict; allowed: a torch.nn.Module"),
+        (["--step", "plain_steps:training_step", "--optimizer", "torch.optim:Nope"],
+         "optimizer torch.optim:Nope: torch.optim has no attribute 'Nope'"),
+    ],
+)  # fmt: skip
+def test_bad_input_to_a_step_is_one_line_before_any_rank(
+    arguments, message, tmp_path, no_leftover_processes
+):
+    if "--model" not in arguments:
+        arguments = [*arguments, "--model", "plain_steps:build_model"]
+    result = run_command(
+        "check", *arguments, "--data", "plain_steps:Pairs", "--world-sizes", "2,4",
+        "--steps", "2", "--global-batch-size", "16", "--out", str(tmp_path / "check"),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not (tmp_path / "check").exists()
