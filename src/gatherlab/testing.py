@@ -63,23 +63,25 @@ def assert_layout_invariant(
 
 
 def assert_training_invariant(
-    module: str | Callable[..., Any],
-    data: str | Callable[..., Any],
+    module: str | Callable[..., Any] | None = None,
+    data: str | Callable[..., Any] | None = None,
     world_sizes: Iterable[int] = (2, 4),
     **arguments: Any,
 ) -> pd.DataFrame:
     """Fail with the check's tables and the causes it names unless, at every world size, the
-    ``LightningModule`` trains on the data set exactly as on one device; return the table when it
-    does (docs/design.md §10).
+    ``LightningModule`` (or the plain PyTorch step: ``step=``, ``model=``) trains on the data set
+    exactly as on one device; return the table when it does (docs/design.md §10).
 
     It runs `gatherlab.check.check_training` and passes when every world size's run without
     removals is ``exact``.
 
     Args:
-        module: the ``LightningModule`` class or factory, or its import path.
+        module: the ``LightningModule`` class or factory, or its import path (None with
+            ``step=``).
         data: the map-style data set's class or factory, or its import path.
         world_sizes: the numbers of ranks, each an integer ≥ 2 dividing the global batch.
-        **arguments: `gatherlab.check.check_training`'s keyword arguments (``steps=``,
+        **arguments: `gatherlab.check.check_training`'s keyword arguments (``step=``,
+            ``model=``, ``model_kwargs=``, ``optimizer=``, ``optimizer_kwargs=``, ``steps=``,
             ``global_batch_size=``, ``module_kwargs=``, ``data_kwargs=``, ``precision=``,
             ``seed=``, ``loss_attr=``).
 
