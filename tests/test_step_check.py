@@ -6,6 +6,8 @@ LightningModule too; bad input is one line, exit status 2, before any rank runs.
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 import ssl_modules
@@ -59,25 +61,24 @@ def test_each_plain_step_gets_its_verdict_and_culprits(case):
         assert (removed["max_abs_param_diff"] <= FLOAT64_BOUND).all()
 
 
-def test_the_command_line_checks_a_step_and_exits_by_its_verdict(tmp_path):
-    common = ["--model", "plain_steps:build_model", "--world-sizes", "2", "--steps", "3",
-              "--global-batch-size", "16"]  # fmt: skip
-    exact = run_command(
-        "check", "--step", "plain_steps:training_step", "--data", "plain_steps:Pairs", *common,
-        "--optimizer", "torch.optim:AdamW", "--optimizer-kwargs", '{"lr": 0.001}',
-        "--out", str(tmp_path / "exact"),
-    )  # fmt: skip
-    assert exact.returncode == 0, exact.stdout + exact.stderr
-    assert "Every world size trains like one device." in exact.stdout
-    random = run_command(
-        "check", "--step", "plain_steps:augmenting_step", "--data", "plain_steps:Points",
-        *common, "--out", str(tmp_path / "random"),
-    )  # fmt: skip
-    assert random.returncode == 1
-    assert "| 2 | loss differs | step_randomness | — |" in random.stdout
-    assert "step_randomness, W = 2:" in random.stdout
-    written = pd.read_csv(tmp_path / "random" / runfiles.CHECK, keep_default_na=False)
-    assert set(written["culprits"]) == {"step_randomness"}
+def test_the_command_line_checks_each_step_and_exits_by_its_verdict(tmp_path):
+    for case, (step, model_kwargs, data, verdict, culprits) in EXPECTED.items():
+        out = tmp_path / case
+        result = run_command(
+            "check", "--step", f"plain_steps:{step}", "--model", "plain_steps:build_model",
+            "--model-kwargs", json.dumps(model_kwargs), "--data", f"plain_steps:{data}",
+            "--world-sizes", "2,4", "--steps", "3", "--global-batch-size", "16",
+            "--optimizer", "torch.optim:AdamW", "--optimizer-kwargs", '{"lr": 0.001}',
+            "--out", str(out),
+        )  # fmt: skip
+        assert result.returncode == (0 if verdict == "exact" else 1), result.stdout
+        written = runs(pd.read_csv(out / runfiles.CHECK, keep_default_na=False))
+        kept = written[written["removed"] == "none"]
+        assert list(kept["verdict"]) == [verdict, verdict], (case, result.stdout)
+        assert set(written["culprits"]) == {culprits}, (case, result.stdout)
+        if culprits:
+            assert f"| 2 | {verdict} | {culprits} |" in result.stdout
+            assert f"{culprits}, W = 2, 4:" in result.stdout
 
 
 class AugmentingSimCLR(ssl_modules.SimCLR):
