@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import sys
 
-if sys.argv[:1] == ["-m"]:
+_external = "--launcher=external" in sys.argv or any(
+    pair == ("--launcher", "external") for pair in zip(sys.argv, sys.argv[1:], strict=False)
+)
+if sys.argv[:1] == ["-m"] and not _external:
     # ``python -m gatherlab.check``: Python imports this package to find its ``__main__`` while
     # ``sys.argv[0]`` is "-m" (documented for -m). The ranks' fork server starts first and imports
     # torch and the modules the ranks run beside this process's own imports (~1 s sooner); the
-    # ranks of a training step's check (--module) run Lightning too.
+    # ranks of a training step's check (--module) run Lightning too. Under --launcher external
+    # this process is a rank itself: no pool, no fork server.
     from gatherlab.ranks import forkstart
 
     _training = (

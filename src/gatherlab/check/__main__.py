@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from gatherlab.check import external
 from gatherlab.check.api import (
     OPTIMIZERS,
     CheckError,
@@ -24,6 +25,10 @@ from gatherlab.check.api import (
 from gatherlab.check.diagnosis import explain, explain_training, trains_like_one_device
 from gatherlab.components.config import ConfigError
 from gatherlab.core import cli, runfiles, terms
+from gatherlab.ranks.external import DEVICES
+
+DEFAULT_WORLD_SIZES = (2, 4)
+LAUNCHERS = ("pool", "external")
 
 
 def _world_sizes(text: str) -> tuple[int, ...]:
@@ -57,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
         "without a loss: "
         "check this gather with gatherlab's local, global and mixed losses",
     )
-    parser.add_argument("--world-sizes", type=_world_sizes, default=(2, 4), help="e.g. 2,4")
+    parser.add_argument(
+        "--world-sizes", type=_world_sizes,
+        help="e.g. 2,4 (default 2,4; with --launcher external the launcher's WORLD_SIZE)",
+    )  # fmt: skip
     parser.add_argument(
         "--steps", type=int, help="train this many steps (a loss: 0 by default; --module: 20)"
     )
@@ -84,6 +92,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     training.add_argument("--loss-attr", help="the module's attribute holding its loss")
     parser.add_argument("--out", type=Path, help="output directory (default: a new outputs/ dir)")
+    ranks = parser.add_argument_group("where the ranks run (docs/design.md §10)")
+    ranks.add_argument(
+        "--launcher", choices=LAUNCHERS, default="pool",
+        help="pool: warm worker processes started here (CPU, gloo); external: the ranks torchrun "
+        "or srun started, this process one of them",
+    )  # fmt: skip
+    ranks.add_argument(
+        "--device", choices=DEVICES, default="cpu",
+        help="cuda: NCCL and each rank's own GPU (only with --launcher external)",
+    )  # fmt: skip
     return parser
 
 
@@ -105,6 +123,9 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
             "name a loss (module:attribute), a gather (--gather), --module and --data, or --step, "
             "--model and --data"
         )
+    if args.device != "cpu" and args.launcher != "external":
+        parser.error(f"--device {args.device} runs on the ranks a launcher started; allowed: "
+                     "--launcher external with it, or --device cpu")  # fmt: skip
     return args
 
 
@@ -142,25 +163,36 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     return table, explain(table)
 
 
+def _written(args: argparse.Namespace) -> int:
+    """The check, its ``check.csv`` written and its text printed: the exit status (0 when every W
+    trains like one device, else 1). Bad input raises (``CheckError``, ``ConfigError``)."""
+    out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
+    if (out / runfiles.CHECK).exists():
+        raise CheckError(f"--out {out} already holds a check; it is never overwritten")
+    table, text = _check(args)
+    out.mkdir(parents=True, exist_ok=True)
+    runfiles.write_table(table, out / runfiles.CHECK)
+    print(text)
+    print(f"written: {out / runfiles.CHECK}")
+    return 0 if trains_like_one_device(table) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """The command line (``argv``: its arguments, ``sys.argv`` when not given): exit status 0 when
     every W trains like one device, 1 when one does not or a rank failed, 2 for bad input."""
     as_program = argv is None
     args = _arguments(argv)
-    out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
-    try:
-        if (out / runfiles.CHECK).exists():
-            raise CheckError(f"--out {out} already holds a check; it is never overwritten")
-        table, text = _check(args)
-    except (CheckError, ConfigError) as error:
-        cli.fail("check", error)
-    out.mkdir(parents=True, exist_ok=True)
-    runfiles.write_table(table, out / runfiles.CHECK)
-    print(text)
-    print(f"written: {out / runfiles.CHECK}")
+    if args.launcher == "external":  # this process is one of the ranks; rank 0 writes
+        status = external.run(args, _written)
+    else:
+        args.world_sizes = args.world_sizes or DEFAULT_WORLD_SIZES
+        try:
+            status = _written(args)
+        except (CheckError, ConfigError) as error:
+            cli.fail("check", error)
     if as_program:
         cli.exiting()
-    sys.exit(0 if trains_like_one_device(table) else 1)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from gatherlab.core.runfiles import Trained
 from gatherlab.core.terms import GradientClass, Style, World
 from gatherlab.gather import CLASSES, STYLES, GatherFn, rule
 from gatherlab.ranks import simworld, world
-from gatherlab.ranks.pool import pool
+from gatherlab.ranks.external import ranks_for
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class _Whole(nn.Module):
 def _build(loss: Recipe, model_factory: ModelFactory, seed: int, distributed: bool):
     torch.manual_seed(seed)
     model = model_factory()
-    whole = _Whole(model, loss()).double()
+    whole = _Whole(model, loss()).to(world.device(), torch.float64)  # a rank's GPU on NCCL
     # DDP as Lightning configures it (every parameter must get a gradient: ``_backward`` checks);
     # a simulated rank averages the gradients itself after its backward (``_backward``)
     real_ddp = distributed and simworld.size() is None
@@ -194,6 +194,9 @@ def measure(
     these views, a zero gradient when no gradient reaches the parameters at all; and the loss on
     each of the ``further`` batches, forward only, with the same weights."""
     whole, wrapped = _build(loss, model_factory, seed, distributed)
+    device = world.device()
+    view0, view1 = view0.to(device), view1.to(device)
+    further = [(other0.to(device), other1.to(device)) for other0, other1 in further]
     value = _value(wrapped, view0.double(), view1.double())
     _backward(whole, value, distributed)
     loss_value = float(value.detach())
@@ -204,7 +207,7 @@ def measure(
             float(_value(whole, other0.double(), other1.double())) for other0, other1 in further
         )
     parts = layout(whole.named_parameters(), _part_of_loss_check)
-    return Measured(loss_value, _flat_gradient(whole), forwards, parts)
+    return Measured(loss_value, _flat_gradient(whole).cpu(), forwards, parts)
 
 
 def one_device(
@@ -245,11 +248,11 @@ def _on_rank(
 
 
 def _run(world_size: int, simulated: bool, function: Callable[..., object], *args) -> list:
-    """``function(*args)`` on every rank of a world: W ranks of the warm pool, or W simulated
-    ranks in this process."""
+    """``function(*args)`` on every rank of a world: W ranks of the warm pool (or the ranks a
+    launcher started, ``ranks.external``), or W simulated ranks in this process."""
     if simulated:
         return simworld.run(world_size, function, *args)
-    return pool(world_size).run(function, *args)
+    return ranks_for(world_size).run(function, *args)
 
 
 def check_simulatable(loss: Recipe) -> None:
@@ -317,13 +320,14 @@ def _train_on_rank(
     losses = []
     for view0, view1 in batches:
         step.zero_grad()
-        value = _value(wrapped, view0[rows].double(), view1[rows].double())
+        device = world.device()
+        value = _value(wrapped, view0[rows].to(device).double(), view1[rows].to(device).double())
         _backward(whole, value, distributed)
         losses.append(float(value.detach()))
         del value
         _average(whole, distributed)
         step.step()
-    parameters = torch.cat([p.detach().reshape(-1) for p in whole.parameters()])
+    parameters = torch.cat([p.detach().reshape(-1) for p in whole.parameters()]).cpu()
     return losses, parameters
 
 

@@ -32,6 +32,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from gatherlab.components.augment import sample_generator
 from gatherlab.components.batchnorm import GlobalBatchNorm
+from gatherlab.ranks import world
 
 
 class Removal(StrEnum):
@@ -156,9 +157,20 @@ def _global(norm: _BatchNorm) -> GlobalBatchNorm:
 
 
 def global_batch_norm(module: nn.Module) -> int:
-    """Replace every batch norm of ``module`` in place by ``GlobalBatchNorm`` (statistics over the
-    global batch, as ``SyncBatchNorm`` computes them, on any backend); return how many."""
+    """Replace every batch norm of ``module`` in place by one with the statistics of the global
+    batch; return how many. By where this rank computes (``world.device``): on a GPU of an NCCL
+    group ``torch.nn.SyncBatchNorm`` (which refuses CPU tensors), elsewhere ``GlobalBatchNorm``
+    (the same statistics on any backend, and one device's ``BatchNorm`` in a one-rank world)."""
+    if world.device().type == "cuda":
+        return _replace(module, _BatchNorm, _synchronised)
     return _replace(module, _BatchNorm, _global)
+
+
+def _synchronised(norm: _BatchNorm) -> nn.SyncBatchNorm:
+    """``norm`` as a ``SyncBatchNorm``, its parameters, buffers and settings carried over."""
+    replacement = nn.SyncBatchNorm.convert_sync_batchnorm(norm)
+    replacement.train(norm.training)
+    return replacement
 
 
 def no_dropout(module: nn.Module) -> int:

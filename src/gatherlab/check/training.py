@@ -26,7 +26,8 @@ from gatherlab.components.factory import Recipe
 from gatherlab.core import cli, terms
 from gatherlab.core.runfiles import Trained
 from gatherlab.ranks import world
-from gatherlab.ranks.pool import RankError, pool
+from gatherlab.ranks.external import ranks_for
+from gatherlab.ranks.pool import RankError
 
 EXACT = terms.GradientClass.EXACT
 
@@ -169,7 +170,7 @@ def _train(setting: Setting, removed: str, world_size: int) -> Trained:
     if world_size == 1:
         with world.alone():  # the module may ask for its rank or call a collective
             return function(*arguments)
-    return pool(world_size).run(function, *arguments)[0]
+    return ranks_for(world_size).run(function, *arguments)[0]
 
 
 def _compare(

@@ -22,6 +22,7 @@ import warnings
 from typing import Any
 
 import lightning as L
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
@@ -129,9 +130,10 @@ def _fit_interruptibly(
 class _ExistingGroup(ClusterEnvironment):
     """Lightning's view of a process group that is already initialised (the pool's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, local_rank: int | None = None) -> None:
         super().__init__()
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        self._local_rank = self._rank if local_rank is None else local_rank
 
     @property
     def creates_processes_externally(self) -> bool:
@@ -162,7 +164,7 @@ class _ExistingGroup(ClusterEnvironment):
         pass
 
     def local_rank(self) -> int:
-        return self._rank
+        return self._local_rank
 
     def node_rank(self) -> int:
         return 0
@@ -175,14 +177,20 @@ def fit_in_group(
     steps: int,
     callbacks: list[L.Callback],
 ) -> None:
-    """``Trainer.fit`` on this rank of the already initialised default process group."""
+    """``Trainer.fit`` on this rank of the already initialised default process group: on the CPU
+    (gloo), or on an NCCL group on the GPU ``torch.cuda.set_device`` chose for this rank."""
     quiet_frameworks()
+    if dist.get_backend() == "nccl":
+        accelerator, devices = "cuda", torch.cuda.device_count()
+        environment = _ExistingGroup(local_rank=torch.cuda.current_device())
+    else:
+        accelerator, devices, environment = "cpu", dist.get_world_size(), _ExistingGroup()
     strategy = _QuietDDPStrategy(
-        cluster_environment=_ExistingGroup(),
+        cluster_environment=environment,
         process_group_backend=dist.get_backend(),
         timeout=COLLECTIVE_TIMEOUT,
     )
-    trainer = _trainer(dist.get_world_size(), strategy, precision, steps, callbacks, "cpu")
+    trainer = _trainer(devices, strategy, precision, steps, callbacks, accelerator)
     trainer.fit(module, datamodule=datamodule)
 
 

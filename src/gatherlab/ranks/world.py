@@ -9,12 +9,13 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 
 from gatherlab.core import terms
 from gatherlab.ranks import simworld
 
-__all__ = ["alone", "own_rows", "rank", "size"]
+__all__ = ["alone", "device", "own_rows", "rank", "size"]
 
 
 def size() -> int:
@@ -41,6 +42,14 @@ def rank() -> int:
     if simulated is not None:
         return simulated
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def device() -> torch.device:
+    """Where this rank computes: its GPU in an NCCL process group (the one
+    ``torch.cuda.set_device`` chose), else the CPU (gloo, the simulated world, no group)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def own_rows(total: int) -> slice:

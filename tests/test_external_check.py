@@ -1,0 +1,164 @@
+"""``python -m gatherlab.check ... --launcher external``: the check on the ranks that torchrun or
+srun started (docs/design.md §10), on gloo here, 2 ranks. Its ``check.csv`` equals the pooled
+check's (the same global batches, the same summation order on gloo: every word equal, every number
+to 1e-12); rank 0 alone prints the table and writes the file; bad input stops every rank with the
+same one line and status 2, nothing written.
+
+Every test starts fresh interpreters, and that is the point: torchrun (or srun) starts each rank as
+a new process that runs the whole command, which the warm pools never do."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from helpers import REPO
+
+from gatherlab import check
+from gatherlab.core import runfiles
+
+pytestmark = pytest.mark.slow
+
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    ),
+}
+# the header lines of the tables the two checks print: once, by rank 0
+LOSS_HEADER = "| loss | gather | world_size | part |"
+TRAINING_HEADER = "| world_size | verdict | culprits |"
+NUMBERS = (
+    "scale", "loss_diff", "cosine", "norm_ratio", "max_rel_err", "train_max_abs_loss_diff",
+    "max_abs_param_diff", "first_diff_step",
+)  # fmt: skip
+
+
+def _torchrun(out, *arguments: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node 2 -m gatherlab.check ARGUMENTS --launcher external
+    --out OUT``, its output captured (a hang fails here, with the ranks' output)."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "gatherlab.check", *arguments, "--launcher", "external", "--out", str(out)],
+        cwd=out.parent, env=ENV, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+
+
+def _same_table(external: pd.DataFrame, pooled: pd.DataFrame) -> None:
+    """Every word equal, every number within 1e-12 (absent where the other's is)."""
+    assert list(external.columns) == list(pooled.columns)
+    assert len(external) == len(pooled)
+    for column in external.columns:
+        if column in NUMBERS:
+            mine, theirs = external[column].astype(float), pooled[column].astype(float)
+            assert (mine.isna() == theirs.isna()).all(), column
+            assert ((mine - theirs).abs().fillna(0) <= 1e-12).all(), (column, mine, theirs)
+        else:
+            mine = ["" if pd.isna(value) else str(value) for value in external[column]]
+            theirs = ["" if pd.isna(value) else str(value) for value in pooled[column]]
+            assert mine == theirs, column
+
+
+def _written_once(out, started: subprocess.CompletedProcess, header: str) -> pd.DataFrame:
+    """The one ``check.csv`` (nothing else in ``out``), the table printed once (rank 0 only)."""
+    assert [path.name for path in out.iterdir()] == [runfiles.CHECK]
+    assert started.stdout.count(header) == 1, started.stdout
+    assert started.stdout.count("written: ") == 1
+    return pd.read_csv(out / runfiles.CHECK)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_loss_check_equals_the_pooled_check(tmp_path, no_leftover_processes):
+    out = tmp_path / "torchrun"
+    loss = "diagnosis_cases:LearntTemperatureOwnSlice"
+    started = _torchrun(out, loss, "--steps", "3")
+    # biased: both ranks exit 1 (torchrun reports it as its own failure)
+    assert started.returncode == 1, started.stdout[-3000:] + started.stderr[-3000:]
+    assert "exitcode  : 1" in started.stderr and "exitcode  : 2" not in started.stderr
+    table = _written_once(out, started, LOSS_HEADER)
+    pooled = check.check_loss(loss, (2,), steps=3)
+    assert table["verdict"].tolist() == ["biased", "1/W", "exact"]
+    _same_table(table, pooled.reset_index(drop=True))
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_module_check_names_batchnorm_like_the_pool(tmp_path, no_leftover_processes):
+    out = tmp_path / "torchrun"
+    run = {"steps": 3, "global_batch_size": 16, "data_kwargs": {"size": 64}}
+    started = _torchrun(
+        out, "--module", "ssl_modules:SimCLRWithBatchNorm", "--data", "ssl_modules:GaussianPairs",
+        "--world-sizes", "2", "--steps", "3", "--global-batch-size", "16",
+        "--data-kwargs", json.dumps(run["data_kwargs"]),
+    )  # fmt: skip
+    assert started.returncode == 1, started.stdout[-3000:] + started.stderr[-3000:]
+    table = _written_once(out, started, TRAINING_HEADER)
+    pooled = check.check_training(
+        "ssl_modules:SimCLRWithBatchNorm", "ssl_modules:GaussianPairs", (2,), **run
+    )
+    kept = table[(table["removed"] == "none") & (table["part"] == "all")]
+    assert kept["verdict"].tolist() == ["loss differs"]
+    assert set(table["culprits"]) == {"batchnorm"}
+    _same_table(table, pooled.reset_index(drop=True))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _srun(out, *arguments: str) -> list[subprocess.CompletedProcess]:
+    """The two ranks as srun starts them (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; MASTER_ADDR
+    and MASTER_PORT given by the user), each rank's status and output its own."""
+    port = _free_port()
+
+    def rank_env(rank: int) -> dict[str, str]:
+        return {**ENV, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+
+    command = [sys.executable, "-m", "gatherlab.check", *arguments, "--launcher", "external",
+               "--out", str(out)]  # fmt: skip
+    processes = [
+        subprocess.Popen(
+            command,
+            cwd=out.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=rank_env(rank),
+        )
+        for rank in range(2)
+    ]
+    finished = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=240)
+        finished.append(
+            subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        )
+    return finished
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("arguments", "line"),
+    [
+        (("nopkg.losses:Loss",),
+         "gatherlab.check: error: loss nopkg.losses:Loss: cannot import nopkg.losses: "
+         "ModuleNotFoundError: No module named 'nopkg'"),
+        (("gatherlab.losses:NTXentLoss", "--gather", "fixed", "--world-sizes", "4"),
+         "gatherlab.check: error: --world-sizes 4 under srun, which started 2 ranks; allowed: 2, "
+         "or no --world-sizes"),
+    ],
+    ids=["no_module", "world_sizes"],
+)  # fmt: skip
+def test_srun_bad_input_is_one_line_on_every_rank(arguments, line, tmp_path, no_leftover_processes):
+    out = tmp_path / "srun"
+    for rank, finished in enumerate(_srun(out, *arguments)):
+        assert (finished.returncode, finished.stdout) == (2, ""), (rank, finished)
+        assert finished.stderr.splitlines() == [line], (rank, finished.stderr)
+    assert not out.exists()
