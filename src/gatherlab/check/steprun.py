@@ -104,15 +104,17 @@ def build(step: Step, removed: removals.Removals, precision: str) -> nn.Module:
     return model.double() if precision == terms.Precision.FLOAT64 else model
 
 
-def as_precision(batch: Any, precision: str) -> Any:
-    """The batch with its floating tensors in the run's precision (as Lightning's 64-true does)."""
+def as_precision(batch: Any, precision: str, device: torch.device | None = None) -> Any:
+    """The batch with its floating tensors in the run's precision (as Lightning's 64-true does),
+    every tensor on ``device`` when one is given."""
     if isinstance(batch, torch.Tensor):
         wanted = torch.float64 if precision == terms.Precision.FLOAT64 else batch.dtype
-        return batch.to(wanted) if batch.is_floating_point() else batch
+        batch = batch.to(wanted) if batch.is_floating_point() else batch
+        return batch if device is None else batch.to(device)
     if isinstance(batch, tuple | list):
-        return type(batch)(as_precision(item, precision) for item in batch)
+        return type(batch)(as_precision(item, precision, device) for item in batch)
     if isinstance(batch, dict):
-        return {key: as_precision(item, precision) for key, item in batch.items()}
+        return {key: as_precision(item, precision, device) for key, item in batch.items()}
     return batch
 
 
@@ -160,17 +162,23 @@ def train_on_rank(
     process group when there is one, the bare model on one device. Returns each step's global
     loss (the mean over ranks, one all-reduce for the run), the first step's gradient as the
     optimizer gets it, and the final parameters."""
-    model = build(step, removed, precision)
+    device = world.device()  # a rank's own GPU in an NCCL group, else the CPU
+    model = build(step, removed, precision).to(device)
     data = dataset()
     distributed = world.size() > 1
-    wrapped = DistributedDataParallel(model) if distributed else model
+    on_gpu = device.type == "cuda"
+    wrapped = (
+        DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
+        if distributed
+        else model
+    )
     optimizer = step.optimizer(model.parameters(), **step.optimizer_kwargs)
     trainable = [p for p in model.parameters() if p.requires_grad]
     seed_processes(seed)
     local, first_gradient = [], None
     for batch in _batches(data, removed, global_batch_size, steps, seed, shuffle):
         optimizer.zero_grad()
-        loss = step_loss(step.step(wrapped, as_precision(batch, precision)))
+        loss = step_loss(step.step(wrapped, as_precision(batch, precision, device)))
         value = float(loss.detach())
         if not math.isfinite(value):
             raise ValueError(f"the step returned {value} at step {len(local)} on rank "
@@ -181,11 +189,11 @@ def train_on_rank(
             first_gradient = torch.cat(
                 [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                  for p in trainable]
-            ).detach().double()  # fmt: skip
+            ).detach().double().cpu()  # fmt: skip
         optimizer.step()
-    losses = torch.tensor(local, dtype=torch.float64)
+    losses = torch.tensor(local, dtype=torch.float64, device=device)
     if distributed:
         torch.distributed.all_reduce(losses)
         losses /= world.size()
-    parameters = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
-    return runfiles.Trained(losses.tolist(), first_gradient, parameters)
+    parameters = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().cpu()
+    return runfiles.Trained(losses.cpu().tolist(), first_gradient, parameters)
