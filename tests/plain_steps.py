@@ -48,9 +48,9 @@ def gather(rows: torch.Tensor) -> torch.Tensor:
 def nt_xent(z0: torch.Tensor, z1: torch.Tensor, temperature: float = 0.5) -> torch.Tensor:
     z = F.normalize(torch.cat([gather(z0), gather(z1)]), dim=1)
     logits = z @ z.T / temperature
-    logits = logits.masked_fill(torch.eye(len(z), dtype=torch.bool), float("-inf"))
+    logits = logits.masked_fill(torch.eye(len(z), dtype=torch.bool, device=z.device), -torch.inf)
     n = len(z) // 2
-    targets = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+    targets = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(z.device)
     return F.cross_entropy(logits, targets)
 
 

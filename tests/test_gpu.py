@@ -41,9 +41,10 @@ def test_demo_on_two_gpus(tmp_path):
 @pytest.mark.timeout(600)
 def test_torchrun_check_on_two_gpus_equals_the_pooled_check(tmp_path):
     """``torchrun --nproc_per_node=2 -m gatherlab.check ... --launcher external --device cuda``:
-    NCCL, each rank on its own GPU; the loss check and the training step's check (its batchnorm
-    removal with ``SyncBatchNorm``) give the pooled CPU check's verdicts and, in float64, its
-    numbers to the check's tolerance. Fresh interpreters: torchrun starts every rank."""
+    NCCL, each rank on its own GPU; the loss check and the training step's check, as a
+    LightningModule and as a plain step (the batchnorm removal with ``SyncBatchNorm``), give the
+    pooled CPU check's verdicts and, in float64, its numbers to the check's tolerance. Fresh
+    interpreters: torchrun starts every rank."""
     from test_external_check import ENV, NUMBERS
 
     from gatherlab import check
@@ -58,6 +59,14 @@ def test_torchrun_check_on_two_gpus_equals_the_pooled_check(tmp_path):
                    lambda: check.check_training("ssl_modules:SimCLRWithBatchNorm",
                                                 "ssl_modules:GaussianPairs", (2,), steps=3,
                                                 global_batch_size=16, data_kwargs={"size": 64})),
+        "step": (("--step", "plain_steps:training_step", "--model", "plain_steps:build_model",
+                  "--model-kwargs", '{"batchnorm": true}', "--data", "plain_steps:Pairs",
+                  "--steps", "3", "--global-batch-size", "16"),
+                 lambda: check.check_training(step="plain_steps:training_step",
+                                              model="plain_steps:build_model",
+                                              model_kwargs={"batchnorm": True},
+                                              data="plain_steps:Pairs", world_sizes=(2,),
+                                              steps=3, global_batch_size=16)),
     }  # fmt: skip
     for name, (arguments, pooled) in runs.items():
         out = tmp_path / name
