@@ -106,6 +106,25 @@ def test_torchrun_module_check_names_batchnorm_like_the_pool(tmp_path, no_leftov
     _same_table(table, pooled.reset_index(drop=True))
 
 
+@pytest.mark.timeout(300)
+def test_torchrun_plain_step_check_names_batchnorm_like_the_pool(tmp_path, no_leftover_processes):
+    """A plain PyTorch step (no Lightning on this path) under torchrun: its table equals the
+    pooled check's, the batchnorm removal made on the model in each rank."""
+    out = tmp_path / "torchrun"
+    arguments = {"step": "plain_steps:training_step", "model": "plain_steps:build_model",
+                 "model_kwargs": {"batchnorm": True}, "data": "plain_steps:Pairs"}  # fmt: skip
+    started = _torchrun(
+        out, "--step", arguments["step"], "--model", arguments["model"], "--model-kwargs",
+        json.dumps(arguments["model_kwargs"]), "--data", arguments["data"], "--steps", "3",
+        "--global-batch-size", "16",
+    )  # fmt: skip
+    assert started.returncode == 1, started.stdout[-3000:] + started.stderr[-3000:]
+    table = _written_once(out, started, TRAINING_HEADER)
+    pooled = check.check_training(world_sizes=(2,), steps=3, global_batch_size=16, **arguments)
+    assert set(table["culprits"]) == {"batchnorm"}
+    _same_table(table, pooled.reset_index(drop=True))
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
