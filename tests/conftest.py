@@ -71,6 +71,7 @@ def pr1531_sweep(tmp_path_factory, worker_id):
 # tests first). Only the order depends on it, never a result.
 LONGEST_FILES = (
     "test_reliability.py",  # 55 s
+    "test_external_check.py",  # 31 s (torchrun's fresh interpreters)
     "test_launch.py",  # 24 s
     "test_install.py",  # 21 s
     "test_loss_matrix.py",  # 15 s
@@ -79,12 +80,15 @@ LONGEST_FILES = (
     "test_config.py",  # 10 s
     "test_extend.py",  # 9 s
     "test_check.py",  # 8 s
+    "test_diagnosis.py",  # 8 s
+    "test_step_check.py",  # 7 s
     "test_simclr.py",  # 8 s
     "test_audit.py",  # 6 s
     "test_notebook.py",  # 5 s
     "test_simworld.py",  # 5 s
     "test_tracking.py",  # 5 s
     "test_gather.py",  # 5 s
+    "test_rank_messages.py",  # 4 s
     "test_sweep_module.py",  # 4 s
     "test_training.py",  # 3 s
     "test_cli.py",  # 3 s
