@@ -71,7 +71,7 @@ def pr1531_sweep(tmp_path_factory, worker_id):
 # tests first). Only the order depends on it, never a result.
 LONGEST_FILES = (
     "test_reliability.py",  # 55 s
-    "test_external_check.py",  # 31 s (torchrun's fresh interpreters)
+    "test_external_check.py",  # 20 s (torchrun's fresh interpreters)
     "test_launch.py",  # 24 s
     "test_install.py",  # 21 s
     "test_loss_matrix.py",  # 15 s
