@@ -186,7 +186,7 @@ def _job(
             if dist.is_initialized():
                 dist.destroy_process_group()
             sys.excepthook = hook
-    return _Answer(place.rank, ok, value, order, pools._sendable(caught))
+    return _Answer(place.rank, ok, value, order, pools.sendable_warnings(caught))
 
 
 def _wait(store: dist.Store, key: str, limit: timedelta | None = None) -> bytes | None:
@@ -254,7 +254,9 @@ class Ranks:
             answers[rank] = None if payload is None else pickle.loads(payload)
             failed = failed or answers[rank] is None or not answers[rank].ok
         with contextlib.suppress(Warning) if failed else contextlib.nullcontext():
-            pools._deliver([answer.warned for answer in answers.values() if answer is not None])
+            pools.deliver_warnings(
+                [answer.warned for answer in answers.values() if answer is not None]
+            )
         return _results(answers, self.world_size)
 
     def stop(self, status: int, line: str | None = None) -> None:

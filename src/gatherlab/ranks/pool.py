@@ -66,8 +66,10 @@ __all__ = [
     "RanksWarnings",
     "WorkerPool",
     "close_pools",
+    "deliver_warnings",
     "pool",
     "ranks_warnings",
+    "sendable_warnings",
 ]
 
 log = logging.getLogger(__name__)
@@ -152,15 +154,19 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
                 sys.path.extend(entry for entry in search_path if entry not in sys.path)
                 function, args = pickle.loads(job)
                 result = function(*args)
-            _answer(connection, ("ok", result, _sendable(caught)))
+            _answer(connection, ("ok", result, sendable_warnings(caught)))
         except BaseException as error:  # the job's own error, or a result that does not pickle
             line = cli.error_line(error)
             detail = "".join(traceback.format_exception(error)[-6:])
             message = f"rank {rank}: {line}\n{detail}"
             try:
-                _answer(connection, ("error", (message, error, rank, line), _sendable(caught)))
+                _answer(
+                    connection, ("error", (message, error, rank, line), sendable_warnings(caught))
+                )
             except Exception:  # an exception that does not pickle: its message only
-                _answer(connection, ("error", (message, None, rank, line), _sendable(caught)))
+                _answer(
+                    connection, ("error", (message, None, rank, line), sendable_warnings(caught))
+                )
     dist.destroy_process_group()
 
 
@@ -170,7 +176,7 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
 _SentWarning = tuple[str, str, str, str, str, int]
 
 
-def _sendable(caught: list[warnings.WarningMessage]) -> list[_SentWarning]:
+def sendable_warnings(caught: list[warnings.WarningMessage]) -> list[_SentWarning]:
     """A job's distinct warnings (by category, message, file and line), first seen first."""
     distinct: dict[_SentWarning, None] = {}
     for record in caught:
@@ -304,7 +310,7 @@ def _category(module: str, qualname: str, base: str) -> type[Warning]:
 _registry: dict[Any, Any] = {}
 
 
-def _deliver(per_rank: list[list[_SentWarning]]) -> None:
+def deliver_warnings(per_rank: list[list[_SentWarning]]) -> None:
     """One run's warnings: to the active collector (``ranks_warnings``), else each distinct one
     once in this process (``warnings.warn_explicit``, under this process's filters), ``(on k of W
     ranks)`` appended to its message."""
@@ -380,9 +386,9 @@ class WorkerPool:
             # The warnings of the ranks that answered, also of the one that failed; a warning
             # that this process's filters turn into an error does not hide the rank's.
             with contextlib.suppress(Warning):
-                _deliver(list(warned.values()))
+                deliver_warnings(list(warned.values()))
             raise
-        _deliver([warned[rank] for rank in range(self.world_size)])
+        deliver_warnings([warned[rank] for rank in range(self.world_size)])
         return results
 
     def _collect(
