@@ -2,12 +2,14 @@
 check of a training step (``gatherlab.check.check_training``, docs/design.md §10). Each is what a
 researcher would bring; none knows gatherlab.
 
-- ``SimCLR``: a backbone and a projection head, NT-Xent over the batch gathered with lightly's
-  autograd-aware ``GatherLayer`` (after PR #1531): exact on any number of ranks.
+- ``SimCLR``: a backbone and a projection head, a local-style NT-Xent over the batch gathered by
+  a gather whose backward sums every rank's gradient (tests/standins.py, the pattern of lightly
+  after PR #1531): exact on any number of ranks.
 - ``SimCLRWithBatchNorm``: the projection head of the SimCLR paper, with ``BatchNorm1d``: per-rank
   statistics (plain DDP), so W ranks see other normalised embeddings than one device.
 - ``SimCLRWithDropout``: dropout in the head; masks drawn from each process's own generator.
-- ``SimCLRPre1531``: NT-Xent with lightly's ``GatherLayer`` before PR #1531.
+- ``SimCLRPre1531``: the same NT-Xent, gathered by a backward that keeps the own slice (the
+  pattern of lightly before PR #1531).
 - ``BYOL``: an online network with a predictor and an EMA target network (no batch norm), a
   per-sample loss: exact, the target follows the exact gradient it is given.
 - ``NotALightningModule``: a plain ``nn.Module`` (no ``training_step``), a mistake to refuse.

@@ -1,28 +1,36 @@
-"""Stand-ins for losses found in public code, written the way that code writes them (its own
-gathers, its own constructor arguments, no gatherlab imports), for ``gatherlab.check`` to diagnose.
-The verdict each should get follows from docs/design.md §1; the tests state it independently.
+"""Stand-ins for patterns found in public losses, written here in our own words and code (plain
+torch and torch.distributed, their own gathers and constructor arguments, no gatherlab imports),
+for ``gatherlab.check`` to diagnose. Each states a pattern; none is a released file. Whether the
+released code behaves as its pattern does is checked on the released files themselves, by
+``experiments/public_code.py`` (docs/results.md, "Checks of public code"). The verdict each should
+get follows from docs/design.md §1; the tests state it independently.
 
-- ``GatherLayerNTXent``: lightly's NT-Xent with ``gather_distributed=True`` since PR #1531: an
-  autograd Function whose backward sums every rank's gradient of each slice. Exact.
-- ``ClipStyleLoss``: OpenCLIP's ``ClipLoss`` pattern: ``rank``/``world_size`` at construction,
-  features gathered without gradient and the live local tensor put back in its slot
-  (``gather_with_grad=False``), ``forward(image_features, text_features, logit_scale)``; checked
-  through ``ClipLossForCheck``, the wrapper of docs/results.md (checks of public code). With
-  ``local_loss=False`` every rank computes the full loss: 1/W. With ``local_loss=True`` each rank
-  takes its own rows against all columns: biased. With ``gather_with_grad=True``
-  (``torch.distributed.nn``'s all_gather): exact. With a learnt logit scale and the default flags:
-  biased, since the scale's own gradient is complete on every rank while the embeddings' is 1/W.
-- ``LocallyStandardisedBarlowTwins``: Barlow Twins whose embeddings are standardised with the rank's
-  own batch statistics before an exact gather: the loss itself differs.
-- ``MocoStyleGlobalLoss``: MoCo's ``concat_all_gather`` (no gradient at all), then a loss of the
-  gathered tensors only: no gradient reaches the model.
+- ``GatherLayerNTXent``: NT-Xent in the local style (the pattern of lightly's ``NTXentLoss`` with
+  ``gather_distributed=True``): the loss pairs the rank's own rows, both views, with the gathered
+  columns of both views, leaves each row's own embedding out, and finds each row's positive at the
+  rank's offset. Its gather's backward sums every rank's gradient of each slice (the pattern
+  lightly adopted in PR #1531). Exact.
+- ``Pre1531NTXent``: the same loss, gathered by a backward that keeps the own slice: the rank gets
+  the gradient its own loss gives its own rows, none of what the other ranks' losses give them
+  (lightly's pattern before PR #1531). Biased. ``OwnSliceGather`` is that gather alone.
+- ``ClipStyleLoss``: the pattern of OpenCLIP's ``ClipLoss``: ``rank``/``world_size`` at
+  construction, ``forward(image_features, text_features, logit_scale)``, a symmetric
+  cross-entropy between the two towers; by default the features are gathered without gradient and
+  the live local tensor is put back in its slot. Checked through ``ClipLossForCheck``, a wrapper
+  that normalises the features and holds the scale. With ``local_loss=False`` every rank computes
+  the full loss: 1/W. With ``local_loss=True`` each rank scores its own rows against all columns:
+  biased. With ``gather_with_grad=True`` (a gather whose backward sums): exact. With a learnt logit
+  scale and the default flags: biased, since the scale's own gradient is complete on every rank
+  while the embeddings' is 1/W.
+- ``LocallyStandardisedBarlowTwins``: Barlow Twins whose embeddings are standardised with the
+  rank's own batch statistics before an exact gather: the loss itself differs.
+- ``MocoStyleGlobalLoss``: features gathered without any gradient (the pattern of MoCo's
+  ``concat_all_gather``), then a loss of the gathered tensors only: no gradient reaches the model.
 - ``CompensatedGlobalLoss``: a gather whose backward multiplies by W "to undo DDP's average" on
   top of a sum: W.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -36,67 +44,81 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-class GatherLayer(torch.autograd.Function):
-    """lightly's GatherLayer after PR #1531."""
+def _concatenated(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x`` stacked along the rows in rank order (no autograd of its own)."""
+    pieces = [torch.empty_like(x) for _ in range(_world()[1])]
+    dist.all_gather(pieces, x.contiguous())
+    return torch.cat(pieces)
+
+
+def _own_rows(ctx, x: torch.Tensor) -> None:
+    """Remembers which rows of the gathered tensor are this rank's."""
+    rank = _world()[0]
+    ctx.own = slice(rank * len(x), (rank + 1) * len(x))
+
+
+class SummedGather(torch.autograd.Function):
+    """Forward: every rank's rows, in rank order. Backward: the gradients that every rank's loss
+    gives the gathered tensor, summed over the ranks; the rank keeps those of its own rows."""
 
     @staticmethod
-    def forward(ctx, input):
-        output = [torch.empty_like(input) for _ in range(dist.get_world_size())]
-        dist.all_gather(output, input)
-        return tuple(output)
+    def forward(ctx, x):
+        _own_rows(ctx, x)
+        return _concatenated(x)
 
     @staticmethod
-    def backward(ctx, *grads):
-        all_gradients = torch.stack(grads)
-        dist.all_reduce(all_gradients)
-        return all_gradients[dist.get_rank()]
+    def backward(ctx, grad):
+        summed = grad.contiguous().clone()
+        dist.all_reduce(summed)
+        return summed[ctx.own]
 
 
-class GatherLayerPre1531(torch.autograd.Function):
-    """lightly's GatherLayer before PR #1531, as lightly wrote it: the backward keeps only the
-    gradient of the own slice that this rank's loss computed."""
-
-    @staticmethod
-    def forward(ctx, input):
-        ctx.save_for_backward(input)
-        output = [torch.empty_like(input) for _ in range(dist.get_world_size())]
-        dist.all_gather(output, input)
-        return tuple(output)
+class OwnSliceGather(torch.autograd.Function):
+    """Forward: every rank's rows, in rank order. Backward: the rank keeps the own slice of the
+    gradient its own loss gave; what the other ranks' losses give its rows is never sent."""
 
     @staticmethod
-    def backward(ctx, *grads):
-        (input,) = ctx.saved_tensors
-        grad_out = torch.empty_like(input)
-        grad_out[:] = grads[dist.get_rank()]
-        return grad_out
+    def forward(ctx, x):
+        _own_rows(ctx, x)
+        return _concatenated(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.own]
+
+
+class TimesWGather(torch.autograd.Function):
+    """``SummedGather`` whose backward also multiplies by the world size "to undo DDP's average",
+    on top of a sum that already does: every gradient is W times one device's."""
+
+    @staticmethod
+    def forward(ctx, x):
+        _own_rows(ctx, x)
+        return _concatenated(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return SummedGather.backward(ctx, grad) * _world()[1]
 
 
 def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     """A gather function ``x -> gathered x`` as a user writes one (for ``--gather``)."""
     if _world()[1] == 1:
         return tensor
-    return torch.cat(GatherLayer.apply(tensor.contiguous()), dim=0)
+    return SummedGather.apply(tensor)
 
 
 @torch.no_grad()
-def concat_all_gather(tensor: torch.Tensor) -> torch.Tensor:
-    """MoCo's helper: all_gather without gradient."""
-    gathered = [torch.ones_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, tensor, async_op=False)
-    return torch.cat(gathered, dim=0)
-
-
-def eye_rank(n: int) -> torch.Tensor:
-    """lightly's ``eye_rank``: an (n, n·W) mask, True at (i, rank·n + i)."""
-    rank, world_size = _world()
-    rows = torch.arange(n)
-    mask = torch.zeros((n, n * world_size), dtype=torch.bool)
-    mask[rows, rank * n + rows] = True
-    return mask
+def gather_without_gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows, detached: nothing flows back through them."""
+    return _concatenated(tensor)
 
 
 class GatherLayerNTXent(nn.Module):
-    gather_layer = GatherLayer
+    """NT-Xent, local style: this rank's rows against the gathered columns (see the module's
+    docstring); ``gather_distributed=False`` scores the rank's rows against themselves."""
+
+    gather = staticmethod(SummedGather.apply)
 
     def __init__(self, temperature: float = 0.5, gather_distributed: bool = True):
         super().__init__()
@@ -104,42 +126,41 @@ class GatherLayerNTXent(nn.Module):
         self.gather_distributed = gather_distributed
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
-        out0, out1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
+        n = len(out0)
+        view0, view1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
         rank, world_size = _world()
-        if self.gather_distributed and world_size > 1:
-            out0_large = torch.cat(self.gather_layer.apply(out0), 0)
-            out1_large = torch.cat(self.gather_layer.apply(out1), 0)
-            diag_mask = eye_rank(len(out0))
-        else:
-            out0_large, out1_large = out0, out1
-            diag_mask = torch.eye(len(out0), dtype=torch.bool)
-        logits_00 = out0 @ out0_large.T / self.temperature
-        logits_01 = out0 @ out1_large.T / self.temperature
-        logits_10 = out1 @ out0_large.T / self.temperature
-        logits_11 = out1 @ out1_large.T / self.temperature
-        logits_00 = logits_00[~diag_mask].view(len(out0), -1)
-        logits_11 = logits_11[~diag_mask].view(len(out0), -1)
-        logits_0100 = torch.cat([logits_01, logits_00], dim=1)
-        logits_1011 = torch.cat([logits_10, logits_11], dim=1)
-        logits = torch.cat([logits_0100, logits_1011], dim=0)
-        labels = torch.arange(len(out0)) + rank * len(out0)
-        return F.cross_entropy(logits, labels.repeat(2))
+        if not (self.gather_distributed and world_size > 1):
+            rank, world_size = 0, 1
+        columns0, columns1 = (
+            (self.gather(view0), self.gather(view1)) if world_size > 1 else (view0, view1)
+        )
+        m = n * world_size  # the columns of one view
+        rows = torch.cat([view0, view1])  # 2n rows: the own samples' view 0, then their view 1
+        similarity = rows @ torch.cat([columns0, columns1]).T / self.temperature  # (2n, 2m)
+        samples = torch.arange(n) + rank * n  # the own samples' place in the global batch
+        itself = torch.cat([samples, samples + m])  # the column of each row's own embedding
+        positive = torch.cat([samples + m, samples])  # the column of its other view
+        kept = torch.ones_like(similarity, dtype=torch.bool)
+        kept[torch.arange(2 * n), itself] = False
+        similarity = similarity[kept].view(2 * n, 2 * m - 1)
+        # with ``itself`` left out, a positive to its right moves one column to the left
+        target = positive - (positive > itself).long()
+        return F.cross_entropy(similarity, target)
 
 
 class Pre1531NTXent(GatherLayerNTXent):
-    """lightly's NT-Xent with the GatherLayer it had before PR #1531."""
+    """The same NT-Xent, gathered by ``OwnSliceGather``."""
 
-    gather_layer = GatherLayerPre1531
+    gather = staticmethod(OwnSliceGather.apply)
 
 
 class ClipStyleLoss(nn.Module):
-    """OpenCLIP's ``ClipLoss``: its constructor flags and its forward signature."""
+    """The CLIP-style loss of the module's docstring: its flags, its signature, its gathers."""
 
     def __init__(
         self,
         local_loss: bool = False,
         gather_with_grad: bool = False,
-        cache_labels: bool = False,
         rank: int = 0,
         world_size: int = 1,
     ):
@@ -147,48 +168,36 @@ class ClipStyleLoss(nn.Module):
         self.local_loss, self.gather_with_grad = local_loss, gather_with_grad
         self.rank, self.world_size = rank, world_size
 
-    def gather_features(self, image_features, text_features):
+    def columns(self, features: torch.Tensor) -> torch.Tensor:
+        """Every rank's features. Without ``gather_with_grad`` they carry no gradient, except,
+        for the full matrix, this rank's own, put back live into its slot."""
         if self.gather_with_grad:
-            with warnings.catch_warnings():  # torch 2.13 deprecates torch.distributed.nn
-                warnings.simplefilter("ignore")
-                all_image = torch.cat(torch.distributed.nn.all_gather(image_features), dim=0)
-                all_text = torch.cat(torch.distributed.nn.all_gather(text_features), dim=0)
-            return all_image, all_text
-        gathered_image = [torch.zeros_like(image_features) for _ in range(self.world_size)]
-        gathered_text = [torch.zeros_like(text_features) for _ in range(self.world_size)]
-        dist.all_gather(gathered_image, image_features)
-        dist.all_gather(gathered_text, text_features)
+            return SummedGather.apply(features)
+        gathered = list(gather_without_gradient(features).split(len(features)))
         if not self.local_loss:
-            # ensure grads for local rank when all_* features don't have a gradient
-            gathered_image[self.rank] = image_features
-            gathered_text[self.rank] = text_features
-        return torch.cat(gathered_image, dim=0), torch.cat(gathered_text, dim=0)
+            gathered[self.rank] = features
+        return torch.cat(gathered)
 
     def forward(self, image_features, text_features, logit_scale):
+        images, texts, first = image_features, text_features, 0
+        all_images, all_texts = images, texts
         if self.world_size > 1:
-            all_image, all_text = self.gather_features(image_features, text_features)
-            if self.local_loss:
-                logits_per_image = logit_scale * image_features @ all_text.T
-                logits_per_text = logit_scale * text_features @ all_image.T
-            else:
-                logits_per_image = logit_scale * all_image @ all_text.T
-                logits_per_text = logits_per_image.T
-        else:
-            logits_per_image = logit_scale * image_features @ text_features.T
-            logits_per_text = logit_scale * text_features @ image_features.T
-        labels = torch.arange(logits_per_image.shape[0])
-        if self.world_size > 1 and self.local_loss:
-            labels = labels + logits_per_image.shape[0] * self.rank
-        loss_image = F.cross_entropy(logits_per_image, labels)
-        loss_text = F.cross_entropy(logits_per_text, labels)
-        return (loss_image + loss_text) / 2
+            all_images, all_texts = self.columns(images), self.columns(texts)
+            if self.local_loss:  # own rows, every column; the positives at the rank's offset
+                first = self.rank * len(images)
+            else:  # every rank scores the full matrix
+                images, texts = all_images, all_texts
+        target = torch.arange(len(images)) + first
+        image_to_text = F.cross_entropy(logit_scale * images @ all_texts.T, target)
+        text_to_image = F.cross_entropy(logit_scale * texts @ all_images.T, target)
+        return (image_to_text + text_to_image) / 2
 
 
-# The wrapper of docs/results.md ("Checks of public code"), with the stand-in in place of
-# open_clip's ClipLoss.
 class ClipLossForCheck(nn.Module):
-    """gatherlab calls loss(z0, z1); ClipLoss also takes the logit scale, and the model normally
-    normalises the features. rank and world_size are named so that gatherlab passes them."""
+    """The wrapper a CLIP-style loss needs for the check (the one ``experiments/public_code.py``
+    writes for OpenCLIP's released ``ClipLoss``, here around ``ClipStyleLoss``): gatherlab calls
+    ``loss(z0, z1)``; the CLIP-style loss also takes the logit scale, and the model normally
+    normalises the features. ``rank`` and ``world_size`` are named so that gatherlab passes them."""
 
     def __init__(self, rank=0, world_size=1, learn_logit_scale=False, **flags):
         super().__init__()
@@ -205,23 +214,27 @@ class ClipLossForCheck(nn.Module):
 
 
 class LocallyStandardisedBarlowTwins(nn.Module):
+    """Barlow Twins: the cross-correlation of the two views' standardised embeddings pushed to the
+    identity (off the diagonal weighted by ``lambda_param``); the statistics are the rank's own."""
+
     def __init__(self, lambda_param: float = 5e-3):
         super().__init__()
         self.lambda_param = lambda_param
 
     def forward(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
-        z_a_norm = (z_a - z_a.mean(0)) / z_a.std(0)  # this rank's batch statistics
-        z_b_norm = (z_b - z_b.mean(0)) / z_b.std(0)
+        standardised = [(z - z.mean(0)) / z.std(0) for z in (z_a, z_b)]  # this rank's statistics
         if _world()[1] > 1:
-            z_a_norm = torch.cat(GatherLayer.apply(z_a_norm), 0)
-            z_b_norm = torch.cat(GatherLayer.apply(z_b_norm), 0)
-        c = z_a_norm.T @ z_b_norm / len(z_a_norm)
-        on_diag = (torch.diagonal(c) - 1).pow(2).sum()
-        off_diag = (c - torch.diag(torch.diagonal(c))).pow(2).sum()
-        return on_diag + self.lambda_param * off_diag
+            standardised = [SummedGather.apply(z) for z in standardised]
+        a, b = standardised
+        correlation = a.T @ b / len(a)
+        identity = torch.eye(len(correlation), dtype=torch.bool)
+        squared = (correlation - identity.to(correlation.dtype)).pow(2)
+        return squared[identity].sum() + self.lambda_param * squared[~identity].sum()
 
 
 class MocoStyleGlobalLoss(nn.Module):
+    """A global InfoNCE of queries against keys over the batch gathered without any gradient."""
+
     def __init__(self, temperature: float = 0.2):
         super().__init__()
         self.temperature = temperature
@@ -229,7 +242,7 @@ class MocoStyleGlobalLoss(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         q, k = F.normalize(q, dim=1), F.normalize(k, dim=1)
         if _world()[1] > 1:
-            q, k = concat_all_gather(q), concat_all_gather(k)
+            q, k = gather_without_gradient(q), gather_without_gradient(k)
         logits = q @ k.T / self.temperature
         return F.cross_entropy(logits, torch.arange(len(q)))
 
@@ -258,20 +271,10 @@ class FailsOnRankOne(nn.Module):
         return gather_with_grad(out0 - out1).pow(2).mean()
 
 
-class GatherLayerTimesW(GatherLayer):
-    """A GatherLayer whose backward also multiplies by the world size "to undo DDP's average", on
-    top of a sum that already does: every gradient is W times one device's."""
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return GatherLayer.backward(ctx, *grads) * dist.get_world_size()
-
-
 class CompensatedGlobalLoss(nn.Module):
-    """A global loss (every rank computes it in full) through ``GatherLayerTimesW``."""
+    """A global loss (every rank computes it in full) through ``TimesWGather``."""
 
     def forward(self, out0, out1):
         if _world()[1] > 1:
-            out0 = torch.cat(GatherLayerTimesW.apply(out0), 0)
-            out1 = torch.cat(GatherLayerTimesW.apply(out1), 0)
+            out0, out1 = TimesWGather.apply(out0), TimesWGather.apply(out1)
         return (out0 - out1).pow(2).mean()

@@ -1,7 +1,8 @@
 """Each gather on real 2- and 4-rank gloo groups: forward equals torch.cat of the ranks' tensors;
 the input gradients of the exact gathers equal the single-device gradients, ``old``'s do not; on a
 linear loss every gather's per-rank gradient equals its closed form (docs/design.md §1's table);
-``old`` equals lightly's own GatherLayer before PR #1531 (tests/standins.py) bit for bit.
+``old`` equals the own-slice pattern (tests/standins.py: a gather whose backward keeps the own
+slice, the pattern of lightly's GatherLayer before PR #1531) bit for bit.
 The backward collectives a GPU runs (``fixed``'s and ``avg``'s reduce-scatter, torch's
 reduce-scatter under ``torch_nn`` and ``lightning``) on gloo at W = 2, 4, 8; the backend →
 collective choice; a bad ``collective=``. The names are the YAML files of conf/gather/ (the one
@@ -17,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import REPO
-from standins import GatherLayerPre1531, Pre1531NTXent
+from standins import OwnSliceGather, Pre1531NTXent
 
 from gatherlab import gather
 from gatherlab.analysis import figures
@@ -27,17 +28,13 @@ from gatherlab.ranks import pool as pools
 BATCH, DIM = 3, 4
 # Float64 results that differ only in summation order agree to a few ulps (~1e-16 relative).
 EXACT = 1e-12
-# lightly's GatherLayer before PR #1531, verbatim (tests/standins.py), run beside the gathers.
-PRE1531 = "lightly_pre1531"
-
-
-def _lightly_pre1531(tensor: torch.Tensor) -> torch.Tensor:
-    """lightly's GatherLayer before PR #1531 as lightly's losses call it: the tuple concatenated."""
-    return torch.cat(GatherLayerPre1531.apply(tensor.contiguous()), dim=0)
+# The own-slice pattern, written independently of gatherlab.gather (tests/standins.py), run beside
+# the gathers.
+PRE1531 = "own_slice_standin"
 
 
 def _gathers_on_ranks() -> dict[str, gather.GatherFn]:
-    return {**{name: gather.get(name) for name in gather.NAMES}, PRE1531: _lightly_pre1531}
+    return {**{name: gather.get(name) for name in gather.NAMES}, PRE1531: OwnSliceGather.apply}
 
 
 def _global_batch(world_size: int, seed: int) -> torch.Tensor:
@@ -67,9 +64,9 @@ def _grad(x: torch.Tensor) -> torch.Tensor:
 
 
 def _per_rank_case(world_size: int) -> dict[str, dict[str, torch.Tensor]]:
-    """On every rank, for every gather (and lightly's pre-#1531 GatherLayer, `PRE1531`): the
-    gathered tensor and the local input gradients of a linear local-loss (L_r = <c_r, Z>),
-    NT-Xent (local) and NT-Xent (global); and lightly's own NT-Xent on its pre-#1531 layer."""
+    """On every rank, for every gather (and the own-slice stand-in, `PRE1531`): the gathered
+    tensor and the local input gradients of a linear local-loss (L_r = <c_r, Z>), NT-Xent (local)
+    and NT-Xent (global); and the stand-in's own local-style NT-Xent on that gather."""
     rank = torch.distributed.get_rank()
     features0, features1 = _global_batch(world_size, 0), _global_batch(world_size, 1)
     weights = _linear_loss_weights(world_size)
@@ -87,10 +84,10 @@ def _per_rank_case(world_size: int) -> dict[str, dict[str, torch.Tensor]]:
             result[f"{key}_grad"] = torch.cat([_grad(out0), _grad(out1)], dim=1)
         outcome[name] = result
     out0, out1 = _own_rows(features0, rank), _own_rows(features1, rank)
-    loss = Pre1531NTXent(temperature=0.5)(out0, out1)  # lightly's NTXentLoss, its own code
+    loss = Pre1531NTXent(temperature=0.5)(out0, out1)  # its own NT-Xent, not gatherlab's
     loss.backward()
-    outcome[PRE1531]["lightly_ntxent_loss"] = loss.detach()
-    outcome[PRE1531]["lightly_ntxent_grad"] = torch.cat([out0.grad, out1.grad], dim=1)
+    outcome[PRE1531]["standin_ntxent_loss"] = loss.detach()
+    outcome[PRE1531]["standin_ntxent_grad"] = torch.cat([out0.grad, out1.grad], dim=1)
     return outcome
 
 
@@ -230,27 +227,28 @@ def test_linear_loss_gradient_is_the_closed_form_of_each_backward(ranks, name):
 
 
 @pytest.mark.parametrize("key", ["linear_grad", "ntxent_grad", "ntxent_global_grad"])
-def test_old_is_lightly_s_gather_layer_before_pr1531_bit_for_bit(ranks, key):
-    """gatherlab's ``old`` against lightly's own pre-#1531 GatherLayer (tests/standins.py, its code
-    verbatim), in the same losses on the same real ranks: the same numbers, bit for bit (both
-    copy one slice of the same gradient)."""
+def test_old_is_the_own_slice_pattern_bit_for_bit(ranks, key):
+    """gatherlab's ``old`` against the own-slice stand-in (tests/standins.py: its backward keeps
+    the own slice, written apart from gatherlab.gather), in the same losses on the same real ranks:
+    the same numbers, bit for bit (both copy one slice of the same gradient)."""
     _, per_rank = ranks
     for outcome in per_rank:
         assert torch.equal(outcome["old"][key], outcome[PRE1531][key])
         assert torch.equal(outcome["old"]["gathered"], outcome[PRE1531]["gathered"])
 
 
-def test_old_gives_lightly_s_own_ntxent_before_pr1531(ranks):
-    """lightly's NT-Xent with its pre-#1531 GatherLayer, both as lightly wrote them, against
-    gatherlab's NT-Xent with ``old``: the same loss and local gradients per rank up to the order of
-    float64 sums (lightly drops the self-similarities, gatherlab masks them with -inf)."""
+def test_old_gives_the_local_style_ntxent_of_the_own_slice_pattern(ranks):
+    """The stand-ins' local-style NT-Xent (the pattern of lightly's NTXentLoss: own rows against
+    gathered columns) on the own-slice gather, against gatherlab's NT-Xent with ``old``: the same
+    loss and local gradients per rank up to the order of float64 sums (the stand-in drops the
+    self-similarities, gatherlab masks them with -inf)."""
     _, per_rank = ranks
     for outcome in per_rank:
-        expected, lightly = outcome["old"], outcome[PRE1531]
+        expected, standin = outcome["old"], outcome[PRE1531]
         scale = float(expected["ntxent_grad"].abs().max())
-        difference = float((lightly["lightly_ntxent_grad"] - expected["ntxent_grad"]).abs().max())
+        difference = float((standin["standin_ntxent_grad"] - expected["ntxent_grad"]).abs().max())
         assert difference <= EXACT * scale
-        loss_difference = abs(float(lightly["lightly_ntxent_loss"] - expected["ntxent_loss"]))
+        loss_difference = abs(float(standin["standin_ntxent_loss"] - expected["ntxent_loss"]))
         assert loss_difference <= EXACT * abs(float(expected["ntxent_loss"]))
 
 
