@@ -39,13 +39,13 @@ NUMBERS = (
 )  # fmt: skip
 
 
-def _torchrun(out, *arguments: str) -> subprocess.CompletedProcess:
+def _torchrun(out, *arguments: str, env=ENV) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node 2 -m gatherlab.check ARGUMENTS --launcher external
     --out OUT``, its output captured (a hang fails here, with the ranks' output)."""
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "gatherlab.check", *arguments, "--launcher", "external", "--out", str(out)],
-        cwd=out.parent, env=ENV, capture_output=True, text=True, timeout=240,
+        cwd=out.parent, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
 
 
@@ -74,9 +74,14 @@ def _written_once(out, started: subprocess.CompletedProcess, header: str) -> pd.
 
 @pytest.mark.timeout(300)
 def test_torchrun_loss_check_equals_the_pooled_check(tmp_path, no_leftover_processes):
+    """Who wrote and logged is recorded in every process (tests/who_writes.py): rank 0 wrote
+    check.csv once, rank 1 and torchrun nothing, and no gatherlab log line came from rank 1; the
+    file's name and content alone would not tell a second writer of the same table."""
+    import who_writes
+
     out = tmp_path / "torchrun"
     loss = "diagnosis_cases:LearntTemperatureOwnSlice"
-    started = _torchrun(out, loss, "--steps", "3")
+    started = _torchrun(out, loss, "--steps", "3", env=who_writes.recording(ENV, tmp_path / "who"))
     # biased: both ranks exit 1 (torchrun reports it as its own failure)
     assert started.returncode == 1, started.stdout[-3000:] + started.stderr[-3000:]
     assert "exitcode  : 1" in started.stderr and "exitcode  : 2" not in started.stderr
@@ -84,6 +89,12 @@ def test_torchrun_loss_check_equals_the_pooled_check(tmp_path, no_leftover_proce
     pooled = check.check_loss(loss, (2,), steps=3)
     assert table["verdict"].tolist() == ["biased", "1/W", "exact"]
     _same_table(table, pooled.reset_index(drop=True))
+    # who wrote: rank 0 check.csv once, nothing else below tmp_path; rank 1 and torchrun nothing
+    recorded = who_writes.records(tmp_path / "who")
+    written = str((out / runfiles.CHECK).resolve())
+    assert who_writes.written(recorded) == [(0, "write_table", written)]
+    assert who_writes.opened_below(recorded, tmp_path) == {0: [f"torchrun/{runfiles.CHECK}"]}
+    assert set(who_writes.logged(recorded)) <= {0}, who_writes.logged(recorded)
 
 
 @pytest.mark.timeout(300)

@@ -96,11 +96,14 @@ def test_torchrun_ranks_write_the_run_once_and_equal_the_pooled_run(tmp_path):
     Fresh interpreters are the point: torchrun starts every rank as a new process that runs the
     whole command (Hydra included) in one shared run directory, which the pools never do. Only
     rank 0 writes the run files: one summary, one row per step; they equal the pooled run of the
-    same config bit for bit (the same global batches, the same summation order on gloo)."""
+    same config bit for bit (the same global batches, the same summation order on gloo). Who
+    wrote and logged is recorded in every process (tests/who_writes.py): rank 0 each run file
+    once, rank 1 none of them, and no gatherlab log line; equal contents alone would not tell."""
     import os
     import subprocess
     import sys
 
+    import who_writes
     from helpers import REPO
 
     steps = 10
@@ -110,13 +113,30 @@ def test_torchrun_ranks_write_the_run_once_and_equal_the_pooled_run(tmp_path):
     path = os.pathsep.join(
         [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
     )
+    env = who_writes.recording({**os.environ, "PYTHONPATH": path}, tmp_path / "who")
     started = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "gatherlab.train", *config, "launcher=external", f"hydra.run.dir={external}"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+        cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=240,  # a hang fails here, with the ranks' output, not at the test's limit
     )  # fmt: skip
     assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+
+    # who wrote: rank 0 each run file once; rank 1 and torchrun itself nothing of gatherlab's
+    recorded = who_writes.records(tmp_path / "who")
+    run = str(external.resolve())
+    assert who_writes.written(recorded) == [
+        (0, "write_curves", run), (0, "write_final_state", run), (0, "write_summary", run),
+    ]  # fmt: skip
+    opened = who_writes.opened_below(recorded, external)
+    # Hydra's own files (its log and its config copies) are written by every process it starts
+    hydra = [".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log"]
+    assert sorted(opened[0]) == sorted([*hydra, runfiles.LOCK, runfiles.CURVES, runfiles.SUMMARY])
+    assert sorted(opened.pop(1, [])) == hydra and set(opened) == {0}, opened
+    # who logged: rank 0 its progress and the run's line; rank 1 nothing
+    logged = who_writes.logged(recorded)
+    assert set(logged) == {0}, logged
+    assert logged[0][-1].startswith(f"gatherlab.lab.jobs: {external}: {steps} steps on 2 device")
 
     # no second copy, no failed summary; train.log is Hydra's log of the command
     assert {p.name for p in external.iterdir()} == {
@@ -133,3 +153,36 @@ def test_torchrun_ranks_write_the_run_once_and_equal_the_pooled_run(tmp_path):
     assert state.keys() == pooled_state.keys()
     for key in state:
         assert torch.equal(state[key], pooled_state[key]), key
+
+
+@pytest.mark.parametrize(
+    ("environment", "rank_zero"),
+    [({"RANK": "0"}, True), ({"RANK": "1"}, False), ({"SLURM_PROCID": "1"}, False)],
+    ids=["torchrun_rank_0", "torchrun_rank_1", "srun_task_1"],
+)
+def test_only_rank_zero_writes_the_summary_and_logs_the_run_to_wandb(
+    environment, rank_zero, tmp_path, monkeypatch
+):
+    """The rank-0 decision of ``launcher=external`` (``launch.is_rank_zero``: torchrun's RANK,
+    srun's SLURM_PROCID), taken in this process on a 1-device run with ``logger=wandb``: as rank 0
+    the job writes the summary and logs the run to wandb once, as any other rank neither. Here and
+    not in the torchrun test above, whose every rank would import wandb (~3 s); wandb itself is not
+    started: ``tracking.log_run`` is recorded instead (tests/test_tracking.py logs real runs)."""
+    from helpers import compose
+
+    from gatherlab.lab import jobs, tracking
+
+    logged = []
+    monkeypatch.setattr(tracking, "log_run", lambda run_dir, *_, **__: logged.append(run_dir))
+    for name in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    overrides = ("experiment=bug_demo", "layout=cpu1", "steps=2", "logger=wandb", "log_every=0")
+    cfg, choices = compose(*overrides)
+    summary = jobs.run(cfg, tmp_path / "run", choices, overrides)
+    if rank_zero:
+        assert (summary["status"], logged) == ("ok", [tmp_path / "run"])
+    else:
+        assert (summary, logged) == ({}, [])
+    assert (tmp_path / "run" / runfiles.SUMMARY).exists() == rank_zero
