@@ -84,6 +84,20 @@ def test_a_loss_times_w_on_a_local_slot_gather_is_loss_scaled_and_trains_exactly
     assert "| ×2 |" in check.explain(table) and "| ×4 |" in check.explain(table)
 
 
+def test_assert_layout_invariant_fails_a_1_over_w_gradient_with_its_diagnosis():
+    """gatherlab's global NT-Xent with `old`: every rank computes the full loss and the backward
+    keeps only the own slice, so the gradient is one device's divided by W, exactly parallel
+    (docs/design.md §1). The public assertion fails, its message the verdict, the norm ratio 1/W
+    and the fix; a version that let 1/W through (as ``loss scaled`` is) would return the table."""
+    with pytest.raises(AssertionError) as failure:
+        assert_layout_invariant("gatherlab.losses:NTXentGlobalLoss", W, gather="old")
+    text = " ".join(str(failure.value).split())
+    assert "| gatherlab.losses:NTXentGlobalLoss | old | 4 | same | 1/W | 1/W |" in text
+    assert "gatherlab.losses:NTXentGlobalLoss with gather old, W = 2, 4: 1/W" in text
+    assert "The gradient is 1/W of one device's (norm ratio 0.5, 0.25, cosine 1, 1)" in text
+    assert "Fix: a gather whose backward sums every rank's gradient of each slice" in text
+
+
 def test_a_buffer_moved_by_the_ranks_own_rows_diverges_after_an_exact_first_step():
     table = check.check_loss(diagnosis_cases.CenterFromOwnRows, W, steps=3)
     rows = whole(table)

@@ -97,6 +97,23 @@ def test_a_lightning_step_that_draws_randomness_is_named_too():
         )
 
 
+def test_assert_training_invariant_fails_a_plain_step_naming_its_culprit():
+    """The public assertion on a plain PyTorch step (``step=``, ``model=``) that must fail: a model
+    with dropout draws each sample's mask on the rank that holds it (docs/design.md §10). The
+    message names the culprit at both W, the run with it removed exact, and the fix; the rows
+    with the removal made (exact) must not let the step pass."""
+    with pytest.raises(AssertionError) as failure:
+        assert_training_invariant(
+            step="plain_steps:training_step", model="plain_steps:build_model",
+            model_kwargs={"dropout": 0.2}, data="plain_steps:Pairs", world_sizes=W, **RUN,
+        )  # fmt: skip
+    text = " ".join(str(failure.value).split())
+    assert "| 2 | loss differs | dropout | exact |" in text
+    assert "| 4 | loss differs | dropout | exact |" in text
+    assert "dropout, W = 2, 4: Dropout masks come from each process's random generator" in text
+    assert "Fix: draw each sample's mask from a generator seeded by" in text
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
