@@ -139,6 +139,28 @@ def test_per_process_seeds_do_not():
     assert not torch.equal(torch.cat([rank[0] for rank in per_rank]), single[0])
 
 
+def _views_of(key: tuple[int, int], seeding: str, seed: int = 5) -> torch.Tensor:
+    """The two views of the sample ``key`` as this rank loads it from a data set of its own."""
+    return torch.cat(digits_pairs(seed=seed, seeding=seeding)[key][:2])
+
+
+def test_ranks_draw_their_own_views_per_process_and_one_sample_the_same_views_per_sample():
+    """One sample, (epoch 0, index 7), loaded by rank 0 and by rank 1 of the 2-rank pool: with
+    ``per_process`` seeding, by (seed, rank), the ranks draw different views of it (the defect
+    the setting exists to show), rank 0 those a process without ranks draws, and another seed
+    others; with ``per_sample`` seeding, by (seed, epoch, index, view), every rank draws the same
+    views."""
+    key = (0, 7)
+    own = pools.pool(2).run(_views_of, key, "per_process")
+    assert not torch.equal(own[0], own[1]), "per_process: ranks 0 and 1 drew the same views"
+    assert torch.equal(own[0], _views_of(key, "per_process"))
+    other_seed = pools.pool(2).run(_views_of, key, "per_process", 6)
+    assert not any(torch.equal(a, b) for a, b in zip(own, other_seed, strict=True))
+    shared = pools.pool(2).run(_views_of, key, "per_sample")
+    assert torch.equal(shared[0], shared[1]), "per_sample: ranks 0 and 1 drew other views"
+    assert torch.equal(shared[0], _views_of(key, "per_sample"))
+
+
 def test_views_depend_on_seed_epoch_index_and_view_only():
     dataset = digits_pairs(seed=1)
     first = dataset[(2, 7)]
