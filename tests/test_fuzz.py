@@ -2,7 +2,10 @@
 with a bad value stops in one line before anything starts, naming the value; one without trains,
 except where docs/design.md §1 says training must fail (then it fails there, for that reason); a
 run on 2 or 4 ranks is compared with its 1-device reference and gets the verdict its gather and
-loss call for, with the differences measured from the run files."""
+loss call for, with the differences measured from the run files. The valid configurations are
+stratified over the gathers: each takes the option of conf/gather (but native, which gatherlab's
+losses refuse) held to its verdict least so far, with a loss that tells the verdict (an exact
+gather with a layout-invariant loss), and every gather is held to it once."""
 
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 # docs/design.md §1 (the classes) and §3 (which losses are layout-invariant), stated here
 # independently of what the classes declare
-EXACT_GATHERS = {"fixed", "torch_nn", "functional", "lightning"}
+EXACT_GATHERS = {"fixed", "fixed_all_reduce", "fixed_reduce_scatter", "torch_nn", "functional",
+                 "lightning"}  # fmt: skip
 INVARIANT_LOSSES = {"ntxent", "ntxent_global", "dcl", "dclw_global", "barlowtwins_global",
                     "vicreg", "tico", "clip"}  # fmt: skip
 # docs/design.md §3's "distributed style" column: the losses that use their embeddings only
@@ -38,18 +42,20 @@ MISS = {"64-true": MISS_FACTOR, "32-true": 10}
 
 VALID = {
     "loss": ["ntxent", "ntxent_global", "dcl", "dclw", "barlowtwins", "vicreg", "tico", "clip"],
-    "gather": ["fixed", "old", "torch_nn", "functional", "avg", "nograd_swap", "nograd"],
+    # every option of conf/gather but native, which gatherlab's losses refuse (INVALID)
+    "gather": ["fixed", "fixed_all_reduce", "fixed_reduce_scatter", "torch_nn", "functional",
+               "lightning", "old", "nograd_swap", "avg", "nograd"],
     # every run is held against its 1-device reference (layout=cpu1), which trains too
     "layout": ["cpu2", "cpu4"],
     "global_batch_size": ["8", "16"],
     "steps": ["1", "2"],
     "precision": ["64-true", "32-true"],
     "seed": ["0", "7"],
-}
+}  # fmt: skip
 # Each bad value with what makes it bad: the other keys it needs (valid values), if any.
 INVALID = {
     "loss": [("infonce", {})],
-    "gather": [("nope", {})],
+    "gather": [("nope", {}), ("native", {})],
     "layout": [("cpu3", {})],
     "global_batch_size": [
         ("6", {"layout": "cpu4"}),
@@ -62,8 +68,11 @@ INVALID = {
     "precision": [("16-mixed", {})],
     "seed": [("-1", {})],
 }
-MAX_EXAMPLES = 30
-MIN_COMPARED = 8  # measured: 10 (the original fuzzer of 40 examples compared 5)
+# Drawn: valid configurations, stratified over the gathers (one each), and configurations with
+# one bad value each (refused before any run: cheap).
+VALID_EXAMPLES = len(VALID["gather"])
+INVALID_EXAMPLES = 20
+MIN_COMPARED = len(VALID["gather"])
 
 
 def _overrides(draw_value, broken: str | None) -> dict[str, str]:
@@ -76,6 +85,17 @@ def _overrides(draw_value, broken: str | None) -> dict[str, str]:
 
 def _must_fail(drawn: dict[str, str]) -> bool:  # on 2 or 4 ranks
     return drawn["gather"] == "nograd" and drawn["loss"] in GLOBAL_STYLE_LOSSES
+
+
+def _telling(gather: str) -> list[str]:
+    """The losses whose run against its reference tells the gather's verdict: with an exact
+    gather the layout-invariant ones (a loss that depends on the split differs with any gather),
+    with `nograd` those it trains with (with the others training fails: EXAMPLES), else any."""
+    if gather in EXACT_GATHERS:
+        return [loss for loss in VALID["loss"] if loss in INVARIANT_LOSSES]
+    if gather == "nograd":
+        return [loss for loss in VALID["loss"] if loss not in GLOBAL_STYLE_LOSSES]
+    return VALID["loss"]
 
 
 @pytest.fixture(scope="module")
@@ -146,28 +166,63 @@ def _check_one(drawn: dict[str, str], broken: str | None, run_dir, seen: dict[st
 
 
 def test_random_configurations_run_compare_or_fail_in_one_line(fuzz_root):
+    import collections
     import itertools
 
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
 
+    from gatherlab.components import config
+
+    with config.composed():  # the fuzzer draws every gather of the config group
+        assert set(VALID["gather"]) | {"native"} == set(config.group_options("gather"))
     counter = itertools.count()
     seen = {"ran": 0, "refused": 0, "failed": 0, "compared": 0}  # ran: references included
+    # by gather: the valid configurations, and those held against their reference with a loss
+    # that tells the gather's verdict (_telling)
+    gathers, held = collections.Counter(), collections.Counter()
+
+    def check_valid(drawn: dict[str, str], run_dir) -> None:
+        before = seen["compared"]
+        _check_one(drawn, None, run_dir, seen)
+        gathers[drawn["gather"]] += 1
+        if drawn["loss"] in _telling(drawn["gather"]):
+            held[drawn["gather"]] += seen["compared"] - before
+
     for drawn in EXAMPLES:
-        _check_one(drawn, None, fuzz_root / f"example-{next(counter)}", seen)
+        check_valid(drawn, fuzz_root / f"example-{next(counter)}")
 
     # no shrinking: a failing example is reported as drawn, within the test's time limit
-    @settings(
-        max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+    drawing = settings(
+        deadline=None, derandomize=True, database=None,
         phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
     )  # fmt: skip
-    @given(st.data(), st.sampled_from([None] * 7 + list(VALID)))  # at most one key broken
-    def check(data, broken):
+
+    @settings(drawing, max_examples=VALID_EXAMPLES)
+    @given(st.data())
+    def check_valid_drawn(data):
+        # stratified: the gather held to its verdict least so far (ties: VALID's order), with a
+        # loss that tells it, the other values drawn (the draws' strategies must not depend on the
+        # gather: the loss is drawn as an index below 840, which every list length up to 8 divides)
+        gather = min(VALID["gather"], key=held.__getitem__)
+        telling, index = _telling(gather), data.draw(st.integers(0, 839))
+        drawn = {"loss": telling[index % len(telling)], "gather": gather}
+        drawn.update(
+            {key: data.draw(st.sampled_from(VALID[key])) for key in VALID if key not in drawn}
+        )
+        check_valid(drawn, fuzz_root / str(next(counter)))
+
+    @settings(drawing, max_examples=INVALID_EXAMPLES)
+    @given(st.data(), st.sampled_from(list(VALID)))  # one key broken
+    def check_invalid_drawn(data, broken):
         drawn = _overrides(lambda values: data.draw(st.sampled_from(values)), broken)
         _check_one(drawn, broken, fuzz_root / str(next(counter)), seen)
 
-    check()
-    print(seen)
+    check_valid_drawn()
+    check_invalid_drawn()
+    print(seen, dict(gathers), dict(held))
     # every side of the surface was exercised, and enough runs were held against one device
     assert seen["refused"] and seen["ran"] and seen["failed"], seen
     assert seen["compared"] >= MIN_COMPARED, seen
+    # every gather trained in a valid configuration and was held to its verdict
+    assert set(held) == set(VALID["gather"]) and all(held.values()), (gathers, held)
