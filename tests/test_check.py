@@ -236,15 +236,21 @@ def test_the_command_line_trains_adamw_steps_exact_with_fixed_and_biased_with_ol
     style) with `fixed` trains 20 AdamW steps on 2 ranks like one device to the float64 bound
     (README; the verdict is the first gradient's, docs/design.md §6: a later step that went wrong
     shows only in the training column, asserted here); with `old` its first gradient is biased
-    (§1, local style) and 5 steps leave the bound."""
+    (§1, local style) and 5 steps leave the bound. AdamW ran: the 1-device runs, which train in
+    this process, step torch's AdamW with lr 1e-3 and weight decay 0.01 (the README's), keeping
+    its moments (test_optimizers.optimizer_steps), and the 2-rank `fixed` run matches them."""
+    from test_optimizers import STEPPED, optimizer_steps
+
     tables = {}
     for gather, steps, status in (("fixed", 20, 0), ("old", 5, 1)):
         out = tmp_path / gather
-        result = run_command(
-            "check", "gatherlab.losses:NTXentLoss", "--gather", gather, "--world-sizes", "2",
-            "--optim", "adamw", "--steps", str(steps), "--out", str(out),
-        )  # fmt: skip
+        with optimizer_steps() as stepped:
+            result = run_command(
+                "check", "gatherlab.losses:NTXentLoss", "--gather", gather, "--world-sizes", "2",
+                "--optim", "adamw", "--steps", str(steps), "--out", str(out),
+            )  # fmt: skip
         assert result.returncode == status, result.stderr[-3000:]
+        assert stepped == [STEPPED["adamw"]] * steps, stepped
         tables[gather] = pd.read_csv(out / runfiles.CHECK).iloc[0]
     fixed, old = tables["fixed"], tables["old"]
     assert (fixed["gather"], fixed["forward"], fixed["verdict"]) == ("fixed", "same", "exact")

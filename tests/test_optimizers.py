@@ -1,14 +1,54 @@
 """LARS (gatherlab.components.optimizers): the trust ratio cancels a constant factor on the
 gradient, except against the weight decay added to it (docs/design.md §7); bad arguments are
-refused. Every configured optimizer trains `fixed` on 2 ranks like one device."""
+refused. Every configured optimizer trains `fixed` on 2 ranks like one device, and each run is
+shown to have stepped its own optimizer (``optimizer_steps``)."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 from test_training import FLOAT64_BOUND
 
 from gatherlab.components.optimizers import LARS
+
+HYPERPARAMETERS = ("lr", "momentum", "weight_decay")
+ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")  # the moments only Adam and AdamW keep
+# each option of conf/optim: the optimizer class, its settings and the state it keeps per
+# parameter after a step, as the YAML files and torch's documentation state them
+STEPPED = {
+    "sgd_momentum": ("SGD", {"lr": 0.01, "momentum": 0.9, "weight_decay": 0}, ("momentum_buffer",)),
+    "adam": ("Adam", {"lr": 1e-3, "weight_decay": 0}, ADAM_STATE),
+    "adam_l2": ("Adam", {"lr": 1e-3, "weight_decay": 0.01}, ADAM_STATE),
+    "adamw": ("AdamW", {"lr": 1e-3, "weight_decay": 0.01}, ADAM_STATE),
+    "lars": ("LARS", {"lr": 1.0, "momentum": 0.9, "weight_decay": 1e-4}, ("momentum_buffer",)),
+}
+
+
+@contextlib.contextmanager
+def optimizer_steps() -> Iterator[list[tuple[str, dict, tuple[str, ...]]]]:
+    """Every optimizer step this process takes meanwhile (torch's hook on every optimizer's
+    step, ``torch.optim.optimizer.register_optimizer_step_post_hook``): the optimizer's class, its
+    first group's settings of ``HYPERPARAMETERS``, and the names of the state it then keeps for
+    its first parameter (AdamW's ``exp_avg_sq``, SGD's ``momentum_buffer``: only that kind of
+    optimizer keeps them)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = []
+
+    def record(optimizer, args, kwargs) -> None:
+        group = optimizer.param_groups[0]
+        state = optimizer.state.get(group["params"][0], {})
+        settings = {name: group[name] for name in HYPERPARAMETERS if name in group}
+        steps.append((type(optimizer).__name__, settings, tuple(sorted(state))))
+
+    handle = register_optimizer_step_post_hook(record)
+    try:
+        yield steps
+    finally:
+        handle.remove()
 
 
 def _steps(scale: float, weight_decay: float) -> torch.Tensor:
@@ -49,7 +89,10 @@ def test_fixed_on_two_ranks_matches_one_device_under_every_optimizer(tmp_path):
     """Every configured optimizer other than plain SGD (which test_training.py trains): `fixed` on
     2 ranks against each optimizer's own 1-device run, 5 steps in float64, to the report's
     tolerance (docs/design.md §2 and §7: an exact gradient matches under any optimizer). The jobs
-    run on the warm pools and the report compares them, without a sweep's figures."""
+    run on the warm pools and the report compares them, without a sweep's figures. Which
+    optimizer ran: each 1-device run, which trains in this process, steps its own optimizer five
+    times (its class, settings and state, ``optimizer_steps``), and each 2-rank run matches that
+    run and no other optimizer's (the references' final losses all differ)."""
     from helpers import run_training
 
     from gatherlab.analysis import report, results
@@ -58,10 +101,13 @@ def test_fixed_on_two_ranks_matches_one_device_under_every_optimizer(tmp_path):
     for number, (optim, layout) in enumerate(
         (optim, layout) for optim in optimizers for layout in ("cpu1", "cpu2")
     ):
-        run_training(
-            tmp_path / f"{number}-{optim}-{layout}", f"optim={optim}", f"layout={layout}",
-            "gather=fixed", "steps=5", "precision=64-true", "log_every=0",
-        )  # fmt: skip
+        with optimizer_steps() as steps:
+            run_training(
+                tmp_path / f"{number}-{optim}-{layout}", f"optim={optim}", f"layout={layout}",
+                "gather=fixed", "steps=5", "precision=64-true", "log_every=0",
+            )  # fmt: skip
+        if layout == "cpu1":  # in this process (the 2-rank runs step in the pool's ranks)
+            assert steps == [STEPPED[optim]] * 5, (optim, steps)
     table = report.compare(results.load_runs(tmp_path), tmp_path)[0]
     assert list(zip(table["optim"], table["devices"], strict=True)) == [
         (optim, devices) for optim in optimizers for devices in (1, 2)

@@ -62,16 +62,22 @@ def test_each_plain_step_gets_its_verdict_and_culprits(case):
 
 
 def test_the_command_line_checks_each_step_and_exits_by_its_verdict(tmp_path):
+    """Each step with ``--optimizer torch.optim:AdamW``: the 1-device runs, in this process, step
+    AdamW with lr 1e-3 and its default weight decay 0.01 (test_optimizers.optimizer_steps)."""
+    from test_optimizers import STEPPED, optimizer_steps
+
     for case, (step, model_kwargs, data, verdict, culprits) in EXPECTED.items():
         out = tmp_path / case
-        result = run_command(
-            "check", "--step", f"plain_steps:{step}", "--model", "plain_steps:build_model",
-            "--model-kwargs", json.dumps(model_kwargs), "--data", f"plain_steps:{data}",
-            "--world-sizes", "2,4", "--steps", "3", "--global-batch-size", "16",
-            "--optimizer", "torch.optim:AdamW", "--optimizer-kwargs", '{"lr": 0.001}',
-            "--out", str(out),
-        )  # fmt: skip
+        with optimizer_steps() as stepped:
+            result = run_command(
+                "check", "--step", f"plain_steps:{step}", "--model", "plain_steps:build_model",
+                "--model-kwargs", json.dumps(model_kwargs), "--data", f"plain_steps:{data}",
+                "--world-sizes", "2,4", "--steps", "3", "--global-batch-size", "16",
+                "--optimizer", "torch.optim:AdamW", "--optimizer-kwargs", '{"lr": 0.001}',
+                "--out", str(out),
+            )  # fmt: skip
         assert result.returncode == (0 if verdict == "exact" else 1), result.stdout
+        assert stepped and all(one == STEPPED["adamw"] for one in stepped), (case, stepped)
         written = runs(pd.read_csv(out / runfiles.CHECK, keep_default_na=False))
         kept = written[written["removed"] == "none"]
         assert list(kept["verdict"]) == [verdict, verdict], (case, result.stdout)
