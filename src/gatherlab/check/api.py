@@ -47,21 +47,18 @@ def warnings_once() -> Iterator[None]:
     device)``. A rank job is one rank's part of one run on the pool (``pool.ranks_warnings``);
     one device is this process (the reference, whose filters decide as usual)."""
     with warnings.catch_warnings(record=True) as here, pool.ranks_warnings() as ranks:
-        try:
-            yield
-        finally:
-            local = {(w.category, str(w.message), w.filename, w.lineno) for w in here}
-    found = {}
-    for w in here:
-        found.setdefault((w.category, str(w.message), w.filename, w.lineno), [])
-    for record in ranks.records():
-        key = (record.category, record.message, record.filename, record.lineno)
-        found.setdefault(key, []).append(f"in {record.count} of {record.total} rank jobs")
-    for (category, message, filename, lineno), where in found.items():
-        if (category, message, filename, lineno) in local and where:
-            where.append("on one device")
-        suffix = f" ({', and '.join(where)})" if where else ""
-        warnings.warn_explicit(message + suffix, category, filename, lineno)
+        yield
+    on_ranks: dict[tuple, str] = {
+        (r.category, r.message, r.filename, r.lineno): f"in {r.count} of {r.total} rank jobs"
+        for r in ranks.records()
+    }
+    here_keys = dict.fromkeys((w.category, str(w.message), w.filename, w.lineno) for w in here)
+    for key in {**here_keys, **on_ranks}:
+        category, message, filename, lineno = key
+        if key in on_ranks:
+            where = on_ranks[key] + (", and on one device" if key in here_keys else "")
+            message = f"{message} ({where})"
+        warnings.warn_explicit(message, category, filename, lineno)
 
 
 # --- the check ----------------------------------------------------------------------------------
@@ -180,18 +177,18 @@ def _run(
     references, curves = {}, {}
     # the loss on one device, forward only, for the hypotheses (built once, when one is tested)
     forwards = {name: measure.one_device(loss, model, cfg.seed) for name, loss in losses.items()}
-    for name, loss in losses.items():  # one device, in this process: bad input is found here
-        try:
-            with world.alone():
+    with world.alone():  # one device, in this process: bad input is found here
+        for name, loss in losses.items():
+            try:
                 references[name] = measure.measure(loss, model, view0, view1, cfg.seed, False,
                                                    further)  # fmt: skip
                 if steps:
                     trained = measure.train(loss, model, batches[:steps], optimizer, 1, cfg.seed)
                     curves[name] = trained.losses
-        except measure.LossContractError as error:
-            raise CheckError(f"loss {name}: {error}") from None
-        except Exception as error:  # the factory refuses its arguments, the forward raises
-            raise CheckError(f"loss {name}: {cli.error_line(error)}") from None
+            except measure.LossContractError as error:
+                raise CheckError(f"loss {name}: {error}") from None
+            except Exception as error:  # the factory refuses its arguments, the forward raises
+                raise CheckError(f"loss {name}: {cli.error_line(error)}") from None
     rows = []
     for world_size in world_sizes:
         try:
