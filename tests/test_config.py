@@ -217,6 +217,28 @@ def test_a_large_sweep_composed_on_all_cores_runs_in_one_directory(tmp_path, mon
     assert seeds == [0, 1, 2]
 
 
+def test_a_large_sweep_of_a_data_set_built_with_threads_is_checked_without_hanging(monkeypatch):
+    # The first job is checked here, building the digits in torch's OpenMP threads; the others in
+    # processes forked after that, where a parallel region of the parent's (libgomp's) threads
+    # would wait forever for threads that were not forked. The last job's batch is too large for
+    # the data set: the check that builds the data set answers for it, from a fork.
+    import torch
+
+    monkeypatch.setattr(preflight, "PARALLEL_COMPOSITION", 3)
+    monkeypatch.setattr(preflight, "_cores", lambda: 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a user's process: OpenMP on every core
+    try:
+        result = run_command(
+            "train", "-m", "data=digits", "model=simclr", "seed=0,1", "global_batch_size=16,4096"
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert "global_batch_size=4096" in line and "1437" in line, line
+
+
 def test_the_downstream_experiment_is_every_run_its_figure_reads():
     # experiments/downstream.py runs `-m experiment=downstream` alone: the sweep must hold each
     # cell of the figure (1 device; ntxent fixed and old; ntxent_global old) for seeds 0..4

@@ -121,8 +121,13 @@ def _import_job_modules() -> None:
 
 
 def _quiet_composer() -> None:
-    """A forked composer leaves Ctrl-C to the command, which ends it (the pool's pipes close)."""
+    """A forked composer leaves Ctrl-C to the command, which ends it (the pool's pipes close), and
+    runs torch on one thread: OpenMP (libgomp) does not survive a fork, and a parallel region in
+    the fork of a process whose OpenMP threads ran (building a data set to check its size does)
+    waits forever for threads that were not forked."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if "torch" in sys.modules:  # imported by a check the first job ran here; else not needed
+        sys.modules["torch"].set_num_threads(1)
 
 
 def _checked_one(job: Sequence[str], compose: Compose | None = None) -> DictConfig:
