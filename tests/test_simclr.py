@@ -326,3 +326,92 @@ def test_simclr_net_shapes_and_norm_choice():
     assert model.features(torch.zeros(3, 1, 8, 8)).shape == (3, 16)
     with pytest.raises(ValueError, match=r"model\.norm='batch' is unknown; allowed: global"):
         SimCLRNet(norm="batch")
+
+
+# --- W times the learning rate: old on the global loss is fixed, step for step --------------------
+
+# docs/design.md §7: with plain SGD and every parameter's gradient reaching it through the gather,
+# old on a global loss (1/W) at lr·W takes fixed's steps at lr, so its curve and final weights
+# equal fixed's to the float64 bound; on the local loss (biased) no learning rate does, and a
+# gradient term outside the gather (weight decay, λ·p, not divided by W) breaks the equality.
+LR = 0.5
+LR_RUNS = {
+    "fixed_global": ["loss=ntxent_global", "gather=fixed", f"optim.lr={LR}"],
+    "old_global_lr_w": ["loss=ntxent_global", "gather=old", f"optim.lr={2 * LR}"],
+    "old_global_lr": ["loss=ntxent_global", "gather=old", f"optim.lr={LR}"],
+    "fixed_local": ["loss=ntxent", "gather=fixed", f"optim.lr={LR}"],
+    **{
+        f"old_local_{factor}": ["loss=ntxent", "gather=old", f"optim.lr={factor * LR}"]
+        for factor in (0.5, 1, 2, 4)
+    },
+    "fixed_global_momentum": ["loss=ntxent_global", "gather=fixed", "optim=sgd_momentum",
+                              f"optim.lr={LR}"],
+    "old_global_lr_w_momentum": ["loss=ntxent_global", "gather=old", "optim=sgd_momentum",
+                                 f"optim.lr={2 * LR}"],
+    "fixed_global_decay": ["loss=ntxent_global", "gather=fixed", f"optim.lr={LR}",
+                           "+optim.weight_decay=0.01"],
+    "old_global_lr_w_decay": ["loss=ntxent_global", "gather=old", f"optim.lr={2 * LR}",
+                              "+optim.weight_decay=0.01"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lr_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lr")
+    common = ("experiment=lr_sweep", "layout=cpu2", "steps=4", "global_batch_size=32")
+    for name, overrides in LR_RUNS.items():
+        run_training(root / name, *common, *overrides)
+    return root
+
+
+@pytest.mark.slow
+def test_old_on_the_global_loss_at_w_times_the_lr_is_fixed_at_the_lr_step_for_step(lr_runs):
+    loss_diff, param_diff = _differences(lr_runs / "old_global_lr_w", lr_runs / "fixed_global")
+    assert loss_diff <= FLOAT64_BOUND and param_diff <= FLOAT64_BOUND, (loss_diff, param_diff)
+    # every step's gradient is 1/W of fixed's: the grad norms' ratio 1/2 to a relative 1e-12
+    old = np.array(runfiles.read_curves(lr_runs / "old_global_lr_w")["grad_norm"])
+    fixed = np.array(runfiles.read_curves(lr_runs / "fixed_global")["grad_norm"])
+    assert np.abs(2 * old / fixed - 1).max() <= 1e-12
+    # the batch norms' weights and biases (initialised to 1 and 0) are in the gather's path too:
+    # they trained, and are among the equal weights above
+    state = runfiles.read_final_state(lr_runs / "old_global_lr_w")
+    affine = {
+        key: 1.0 if key.endswith("weight") else 0.0
+        for key in state
+        if key.endswith(("weight", "bias")) and f"{key.rsplit('.', 1)[0]}.running_mean" in state
+    }
+    assert len(affine) == 8  # 4 batch norms
+    for key, initial in affine.items():
+        assert float((state[key] - initial).abs().max()) >= 1e-4, f"{key} did not train"
+
+
+@pytest.mark.slow
+def test_old_at_w_times_the_lr_is_fixed_with_momentum_too(lr_runs):
+    # the momentum buffer is linear in the gradient: old's is 1/W of fixed's at every step
+    loss_diff, param_diff = _differences(
+        lr_runs / "old_global_lr_w_momentum", lr_runs / "fixed_global_momentum"
+    )
+    assert loss_diff <= FLOAT64_BOUND and param_diff <= FLOAT64_BOUND, (loss_diff, param_diff)
+    moved, _ = _differences(lr_runs / "fixed_global_momentum", lr_runs / "fixed_global")
+    assert moved >= MISS_FACTOR * FLOAT64_BOUND  # momentum 0.9 took other steps than plain SGD
+
+
+@pytest.mark.slow
+def test_old_on_the_global_loss_at_the_same_lr_is_not_fixed(lr_runs):
+    loss_diff, param_diff = _differences(lr_runs / "old_global_lr", lr_runs / "fixed_global")
+    assert loss_diff >= MISS_FACTOR * FLOAT64_BOUND and param_diff >= MISS_FACTOR * FLOAT64_BOUND
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factor", [0.5, 1, 2, 4])
+def test_no_learning_rate_makes_old_on_the_local_loss_fixed(lr_runs, factor):
+    loss_diff, param_diff = _differences(lr_runs / f"old_local_{factor}", lr_runs / "fixed_local")
+    assert loss_diff >= MISS_FACTOR * FLOAT64_BOUND and param_diff >= MISS_FACTOR * FLOAT64_BOUND
+
+
+@pytest.mark.slow
+def test_weight_decay_outside_the_gather_breaks_the_learning_rate_equivalence(lr_runs):
+    loss_diff, param_diff = _differences(
+        lr_runs / "old_global_lr_w_decay", lr_runs / "fixed_global_decay"
+    )
+    assert loss_diff >= MISS_FACTOR * FLOAT64_BOUND and param_diff >= MISS_FACTOR * FLOAT64_BOUND
