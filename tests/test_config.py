@@ -239,20 +239,49 @@ def test_a_large_sweep_of_a_data_set_built_with_threads_is_checked_without_hangi
     assert "global_batch_size=4096" in line and "1437" in line, line
 
 
+def _sweep_jobs(experiment: str) -> list[dict[str, str]]:
+    """The overrides of each job of ``-m experiment=<experiment>``, as key → value."""
+    with config.composed():
+        jobs = config.job_overrides([f"experiment={experiment}"], multirun=True)
+    return [dict(override.split("=") for override in job) for job in jobs]
+
+
 def test_the_downstream_experiment_is_every_run_its_figure_reads():
     # experiments/downstream.py runs `-m experiment=downstream` alone: the sweep must hold each
-    # cell of the figure (1 device; ntxent fixed and old; ntxent_global old) for seeds 0..4
-    with config.composed():
-        jobs = config.job_overrides(["experiment=downstream"], multirun=True)
-    values = [dict(override.split("=") for override in job) for job in jobs]
-    cells = {(job["seed"], job["loss"], job["gather"], job["layout"]) for job in values}
-    assert cells == {
-        (str(seed), loss, gather, layout)
+    # cell of the figure for seeds 0..29: the 1-device run of each loss; on 4 ranks ntxent with
+    # fixed and with old, ntxent_global with old (each cell one option of conf/downstream_cell)
+    jobs = _sweep_jobs("downstream")
+    cells = {"reference", "reference_global", "fixed", "old_local", "old_global"}
+    assert len(jobs) == 150
+    assert {(job["seed"], job["downstream_cell"]) for job in jobs} == {
+        (str(seed), cell) for seed in range(30) for cell in cells
+    }
+    composed = {}
+    for cell in cells:
+        _, choices = compose("experiment=downstream", f"downstream_cell={cell}")
+        composed[cell] = (choices["loss"], choices["gather"], choices["layout"])
+    assert composed == {
+        "reference": ("ntxent", "fixed", "cpu1"),
+        "reference_global": ("ntxent_global", "fixed", "cpu1"),
+        "fixed": ("ntxent", "fixed", "cpu4"),
+        "old_local": ("ntxent", "old", "cpu4"),
+        "old_global": ("ntxent_global", "old", "cpu4"),
+    }
+
+
+def test_the_learning_rate_sweep_is_every_run_its_figure_reads():
+    # experiments/lr_sweep.py: 4 ranks, fixed and old × both NT-Xent styles × six learning rates
+    # log-spaced by 2, holding the experiment's lr 0.5 and lr·W = 2, over seeds 0..4
+    jobs = _sweep_jobs("lr_sweep")
+    assert sorted((j["seed"], j["loss"], j["gather"], float(j["optim.lr"])) for j in jobs) == [
+        (str(seed), loss, gather, lr)
         for seed in range(5)
         for loss in ("ntxent", "ntxent_global")
         for gather in ("fixed", "old")
-        for layout in ("cpu1", "cpu4")
-    }
+        for lr in (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+    ]
+    cfg, choices = compose("experiment=lr_sweep")
+    assert (choices["layout"], cfg.optim.lr, cfg.optim._target_) == ("cpu4", 0.5, "torch.optim.SGD")
 
 
 def test_more_cpu_ranks_than_cores_is_a_warning_with_the_count():
