@@ -109,9 +109,12 @@ def draw(summary: pd.DataFrame, table: pd.DataFrame, base_lr: float, world_size:
         for axis, loss in zip(axes, PANELS, strict=True):
             for gather in ("fixed", "old"):
                 cell = summary[(summary["loss"] == loss) & (summary["gather"] == gather)]
-                axis.errorbar(cell["lr"], cell["mean"], yerr=cell["ci95"], fmt="o-", capsize=3,
-                              color=figures.gather_color(gather), markersize=4,
-                              label=f"{gather}, 4 ranks")  # fmt: skip
+                color = figures.gather_color(gather)
+                axis.plot(cell["lr"], cell["mean"], "o-", color=color, markersize=4,
+                          label=f"{gather}, 4 ranks")  # fmt: skip
+                axis.fill_between(cell["lr"], cell["mean"] - cell["ci95"],
+                                  cell["mean"] + cell["ci95"], color=color, alpha=0.15,
+                                  linewidth=0)  # fmt: skip
             if STYLES[loss] == "global":  # the prediction: old's curve is fixed's, lr × W
                 old = summary[(summary["loss"] == loss) & (summary["gather"] == "old")]
                 axis.plot(old["lr"] / world_size, old["mean"], "o", mfc="none", markersize=9,
@@ -125,15 +128,10 @@ def draw(summary: pd.DataFrame, table: pd.DataFrame, base_lr: float, world_size:
             axis.set(title=f"{PANELS[loss]}\n{_verdict(table, loss, base_lr)}",
                      xlabel="SGD learning rate")  # fmt: skip
         axes[0].set_ylabel("1-shot probe accuracy (test)")
-        handles, labels = axes[0].get_legend_handles_labels()
-        order = sorted(
-            range(len(labels)), key=lambda i: ("fixed" not in labels[i], "lr/" in labels[i])
-        )
-        axes[0].legend([handles[i] for i in order], [labels[i] for i in order], loc="lower right",
-                       fontsize=7)  # fmt: skip
+        axes[0].legend(loc="lower right", fontsize=7)  # in the order drawn
         seeds = summary["seeds"].min()
-        figure.suptitle(f"SimCLR on the digits, 4 ranks, 55 SGD steps: mean and 95% interval over "
-                        f"{seeds} seeds")  # fmt: skip
+        figure.suptitle(f"SimCLR on the digits, 4 ranks, 55 SGD steps: mean and 95% interval "
+                        f"(band) over {seeds} seeds")  # fmt: skip
     figures.save(figure, FIGURES / "lr_sweep")
 
 
