@@ -143,9 +143,8 @@ def _verdict(table: pd.DataFrame, loss: str, base_lr: float) -> str:
         largest = paired[["max_abs_loss_diff", "max_abs_param_diff"]].to_numpy().max()
         within = "to the bit" if largest == 0 else f"to {largest:.0e}"
         return f"old at lr·W = fixed at lr, loss and weights {within} ({len(paired)} runs)"
-    return (
-        f"no lr of old gives fixed at {base_lr:g}: |Δweight| ≥ {old['base_param_diff'].min():.2f}"
-    )
+    nearest = np.floor(old["base_param_diff"].min() * 100) / 100  # a lower bound, as printed
+    return f"no lr of old gives fixed at {base_lr:g}: |Δweight| ≥ {nearest:.2f}"
 
 
 def markdown(summary: pd.DataFrame, table: pd.DataFrame, base_lr: float) -> str:
