@@ -58,6 +58,29 @@ def test_a_failed_run_shows_as_failed_in_its_loss_matrix_cell():
     assert rows["dcl"].endswith("| failed |")
 
 
+def test_a_loss_matrix_cell_holds_the_largest_difference_of_its_runs_and_no_run_is_a_dash():
+    # a sweep that is not a full product (experiment=downstream: old alone on ntxent_global), over
+    # seeds: a cell's runs are shown by the largest |Δloss| of them
+    table = _table([
+        _run(0, loss="ntxent", gather="fixed", verdict="reference"),
+        _run(1, loss="ntxent", gather="fixed", layout="cpu4", verdict="matches"),
+        _run(2, loss="ntxent", gather="old", layout="cpu4", verdict="differs",
+             max_abs_loss_diff=0.3, matches_reference=False),
+        _run(3, loss="ntxent_global", gather="fixed", verdict="reference"),
+        _run(4, loss="ntxent_global", gather="old", layout="cpu4", verdict="differs",
+             max_abs_loss_diff=0.2, matches_reference=False),
+        _run(5, loss="ntxent", gather="old", layout="cpu4", verdict="differs", seed=1,
+             max_abs_loss_diff=0.1, matches_reference=False),  # another seed: the larger shown
+        _run(6, loss="ntxent", gather="fixed", layout="cpu4", verdict="matches", seed=1,
+             max_abs_loss_diff=1e-15),
+    ])  # fmt: skip
+    diff, matches, verdicts = report.loss_matrix(table)
+    markdown = report.matrix_markdown(diff, matches, verdicts, {}, 1e-10, 5)
+    rows = {line.split("|")[1].strip(" `"): line for line in markdown.splitlines()[2:]}
+    assert rows["ntxent"].endswith("| ✓ 1e-15 | ✗ 0.3 |")
+    assert rows["ntxent_global"].endswith("| — | ✗ 0.2 |")
+
+
 def test_an_override_of_a_config_group_is_not_a_second_column():
     """``launcher=external`` in one run only (the two-node torchrun run beside pooled runs) is the
     ``launcher`` column already; a varying plain override gets its own column."""

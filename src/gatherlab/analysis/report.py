@@ -206,20 +206,26 @@ def write_loss_matrix(table: pd.DataFrame, runs: pd.DataFrame, sweep_dir: str | 
 
 
 def loss_matrix(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """Max |Δloss|, whether the run matches, and its verdict, per loss (rows, in sweep order) and
-    gather × layout (columns ``(gather, devices, batch_size)``) of the multi-device runs."""
+    """Max |Δloss|, whether the runs match, and a verdict, per loss (rows, in sweep order) and
+    gather × layout (columns ``(gather, devices, batch_size)``) of the multi-device runs. A cell
+    of several runs (a sweep over seeds, say) has their largest |Δloss|, matches only if every
+    run does, and the first run's verdict; a cell of no run has NaN, False and None."""
     runs = table[table["devices"] > 1]
     index = list(dict.fromkeys(runs["loss"]))
     keys = zip(runs["gather"], runs["devices"], runs["batch_size"], strict=True)
-    columns = list(dict.fromkeys(keys))
-    diff = pd.DataFrame(float("nan"), index=index, columns=pd.MultiIndex.from_tuples(columns))
-    matches = pd.DataFrame(False, index=index, columns=diff.columns)
-    verdicts = pd.DataFrame(None, index=index, columns=diff.columns, dtype=object)
-    for _, run in runs.iterrows():
-        column = (run["gather"], run["devices"], run["batch_size"])
-        diff.loc[run["loss"], column] = run["max_abs_loss_diff"]
-        matches.loc[run["loss"], column] = bool(run["matches_reference"])
-        verdicts.loc[run["loss"], column] = run["verdict"]
+    columns = pd.MultiIndex.from_tuples(list(dict.fromkeys(keys)))
+    cells = runs.groupby(["loss", "gather", "devices", "batch_size"], sort=False).agg(
+        diff=("max_abs_loss_diff", "max"),
+        matches=("matches_reference", lambda values: bool(values.astype(bool).all())),
+        verdict=("verdict", "first"),
+    )
+    diff = pd.DataFrame(float("nan"), index=index, columns=columns)
+    matches = pd.DataFrame(False, index=index, columns=columns)
+    verdicts = pd.DataFrame(None, index=index, columns=columns, dtype=object)
+    for (loss, *column), cell in cells.iterrows():
+        diff.loc[loss, tuple(column)] = cell["diff"]
+        matches.loc[loss, tuple(column)] = cell["matches"]
+        verdicts.loc[loss, tuple(column)] = cell["verdict"]
     return diff, matches, verdicts
 
 
@@ -266,7 +272,9 @@ def matrix_markdown(
 def _matrix_cell(value: float, match: bool, verdict: str | None) -> str:
     if not pd.isna(value):
         return f"{'✓' if match else '✗'} {value:.2g}"
-    return verdict or ""  # a run without a number says why: failed, unreadable, not comparable
+    if pd.isna(verdict):  # no run of the sweep has this loss, gather and layout
+        return "—"
+    return verdict  # a run without a number says why: failed, unreadable, not comparable
 
 
 def comparison_text(table: pd.DataFrame) -> str:
