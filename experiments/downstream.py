@@ -98,12 +98,10 @@ def main() -> None:
             if devices > 1:
                 bottom.errorbar(row["paired_diff"], len(distributed), xerr=row["paired_ci95"],
                                 fmt="o", color=color, capsize=3, markersize=4)  # fmt: skip
-                if row["detectable_80"] > 0:
-                    bottom.annotate(f"detectable: ±{row['detectable_80']:.3f}",
-                                    (row["paired_diff"] + row["paired_ci95"], len(distributed)),
-                                    xytext=(4, 0), textcoords="offset points", va="center",
-                                    fontsize=6, color="0.3")  # fmt: skip
-                distributed.append(row["cell"])
+                detectable = row["detectable_80"]
+                distributed.append(
+                    row["cell"] + (f"\ndetectable (80%) ±{detectable:.3f}" if detectable else "")
+                )
         top.axvline(raw, color="0.5", linestyle=":", label=f"raw pixels {raw:.3f}")
         top.axvline(np.mean(untrained), color="0.5", linestyle="--",
                     label=f"untrained network {np.mean(untrained):.3f}")  # fmt: skip
@@ -115,7 +113,7 @@ def main() -> None:
         top.set(xlabel="1-shot probe accuracy (test, 50 label draws)",
                 title=f"{len(untrained)} seeds (dots), mean and 95% interval")  # fmt: skip
         bottom.set(xlabel="Δ accuracy vs 1 device, same seed",
-                   title="paired difference, 95% interval; detectable at 80% power")  # fmt: skip
+                   title="paired difference, 95% interval")  # fmt: skip
         top.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.4, -0.2), ncol=2)
     figures.save(figure, FIGURES / "downstream")
     header = ["cell", "seeds", "mean ± 95%", "paired difference ± 95%", "sd of the differences",
