@@ -62,38 +62,37 @@ def pr1531_sweep(tmp_path_factory, worker_id):
     return sweep, Finished(**json.loads(printed.read_text()))
 
 
-# The files that take longest (seconds of test time each, the mean of four runs with
-# ``--durations=0`` on the 2-core machine), longest first: every file of a second or more, whether
-# its tests are marked slow or not. ``make test`` hands whole files to two test processes in the
-# order they come (``--dist loadfile``), each process taking the next file as it runs out; starting
-# the longest first and ending with the shortest lets both finish together (30 s sooner than file
-# order, where a 50 s file could start last). A file not named here comes after them (its slow
-# tests first). Only the order depends on it, never a result.
+# The files that take longest (seconds of test time each, one run with ``--durations=0`` on the
+# 2-core machine, on a day it ran the whole suite in ~245 s), longest first: every file of a second
+# or more, whether its tests are marked slow or not. ``make test`` hands whole files to two test
+# processes in the order they come (``--dist loadfile``), each process taking the next file as it
+# runs out; starting the longest first and ending with the shortest lets both finish together (30 s
+# sooner than file order, where a 50 s file could start last). A file not named here comes after
+# them (its slow tests first). Only the order depends on it, never a result.
 LONGEST_FILES = (
-    "test_reliability.py",  # 55 s
-    "test_external_check.py",  # 20 s (torchrun's fresh interpreters)
-    "test_launch.py",  # 24 s
-    "test_install.py",  # 21 s
-    "test_loss_matrix.py",  # 15 s
-    "test_fuzz.py",  # 10 s
-    "test_training_check.py",  # 10 s
-    "test_config.py",  # 10 s
-    "test_extend.py",  # 9 s
-    "test_check.py",  # 8 s
-    "test_diagnosis.py",  # 8 s
-    "test_step_check.py",  # 7 s
-    "test_simclr.py",  # 8 s
-    "test_audit.py",  # 6 s
-    "test_notebook.py",  # 5 s
-    "test_simworld.py",  # 5 s
-    "test_tracking.py",  # 5 s
-    "test_gather.py",  # 5 s
-    "test_rank_messages.py",  # 4 s
-    "test_sweep_module.py",  # 4 s
-    "test_training.py",  # 3 s
-    "test_cli.py",  # 3 s
-    "test_optimizers.py",  # 2 s
-    "test_processes.py",  # 1.6 s
+    "test_reliability.py",  # 96 s
+    "test_external_check.py",  # 50 s (torchrun's fresh interpreters)
+    "test_install.py",  # 42 s
+    "test_launch.py",  # 35 s
+    "test_loss_matrix.py",  # 27 s
+    "test_simclr.py",  # 25 s
+    "test_config.py",  # 22 s
+    "test_extend.py",  # 20 s
+    "test_training_check.py",  # 17 s
+    "test_fuzz.py",  # 16 s
+    "test_check.py",  # 15 s
+    "test_audit.py",  # 12 s
+    "test_tracking.py",  # 12 s
+    "test_diagnosis.py",  # 11 s
+    "test_sweep_module.py",  # 10 s
+    "test_notebook.py",  # 9 s
+    "test_simworld.py",  # 9 s
+    "test_gather.py",  # 7 s
+    "test_training.py",  # 7 s
+    "test_step_check.py",  # 6 s
+    "test_cli.py",  # 6 s
+    "test_optimizers.py",  # 5 s
+    "test_processes.py",  # 2 s
 )
 
 
