@@ -26,6 +26,13 @@ def _run(number: int, **row) -> dict:
             "batch_size": 16 // devices, **row}  # fmt: skip
 
 
+def _matrix_rows(table: pd.DataFrame) -> dict[str, str]:
+    """The loss matrix's Markdown rows of ``table``, by loss."""
+    diff, matches, verdicts = report.loss_matrix(table)
+    markdown = report.matrix_markdown(diff, matches, verdicts, {}, 1e-10, 5)
+    return {line.split("|")[1].strip(" `"): line for line in markdown.splitlines()[2:]}
+
+
 def test_the_printed_comparison_names_every_key_the_sweep_varies():
     table = _table([
         _run(0, gather="old", optim="sgd", verdict="reference"),
@@ -51,9 +58,7 @@ def test_a_failed_run_shows_as_failed_in_its_loss_matrix_cell():
         _run(3, loss="dcl", gather="fixed", layout="cpu2", verdict="failed",
              max_abs_loss_diff=nan, matches_reference=False, error="NonFiniteLoss: ..."),
     ])  # fmt: skip
-    diff, matches, verdicts = report.loss_matrix(table)
-    markdown = report.matrix_markdown(diff, matches, verdicts, {}, 1e-10, 5)
-    rows = {line.split("|")[1].strip(" `"): line for line in markdown.splitlines()[2:]}
+    rows = _matrix_rows(table)
     assert rows["ntxent"].endswith("| ✓ 0 |")
     assert rows["dcl"].endswith("| failed |")
 
@@ -74,9 +79,7 @@ def test_a_loss_matrix_cell_holds_the_largest_difference_of_its_runs_and_no_run_
         _run(6, loss="ntxent", gather="fixed", layout="cpu4", verdict="matches", seed=1,
              max_abs_loss_diff=1e-15),
     ])  # fmt: skip
-    diff, matches, verdicts = report.loss_matrix(table)
-    markdown = report.matrix_markdown(diff, matches, verdicts, {}, 1e-10, 5)
-    rows = {line.split("|")[1].strip(" `"): line for line in markdown.splitlines()[2:]}
+    rows = _matrix_rows(table)
     assert rows["ntxent"].endswith("| ✓ 1e-15 | ✗ 0.3 |")
     assert rows["ntxent_global"].endswith("| — | ✗ 0.2 |")
 
