@@ -101,7 +101,7 @@ def _checked_in_parallel(
     global _compose
     _compose = compose
     try:
-        with multiprocessing.get_context("fork").Pool(cores, initializer=_quiet_composer) as pool:
+        with multiprocessing.get_context("fork").Pool(cores, initializer=_start_composer) as pool:
             chunk = -(-(len(jobs) - 1) // cores)
             pending = pool.map_async(_checked_one, jobs[1:], chunksize=chunk)
             _import_job_modules()
@@ -120,7 +120,7 @@ def _import_job_modules() -> None:
     from gatherlab.lab import audit, jobs  # noqa: F401
 
 
-def _quiet_composer() -> None:
+def _start_composer() -> None:
     """A forked composer leaves Ctrl-C to the command, which ends it (the pool's pipes close), and
     runs torch on one thread: OpenMP (libgomp) does not survive a fork, and a parallel region in
     the fork of a process whose OpenMP threads ran (building a data set to check its size does)
