@@ -11,7 +11,7 @@ the smallest difference a paired t-test of these seeds detects with 80% power, f
 differences' measured spread. Baselines: raw pixels, and the untrained network of each seed.
 Writes ``figures/downstream.{png,pdf,csv,md}``.
 
-Usage: ``python experiments/downstream.py`` (about 25 minutes here, 150 runs), or
+Usage: ``python experiments/downstream.py`` (about 28 minutes here, 150 runs), or
 ``python experiments/downstream.py SWEEP_DIR [SWEEP_DIR ...]`` to redraw from finished sweeps.
 """
 
