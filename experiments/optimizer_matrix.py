@@ -25,6 +25,7 @@ from gatherlab.analysis import figures
 from gatherlab.check import measure
 from gatherlab.components import config
 from gatherlab.core import runfiles, terms
+from gatherlab.core.terms import GradientClass
 
 EXACT = terms.FLOAT64  # the float64 bound of docs/design.md §2
 
@@ -45,7 +46,7 @@ def main() -> None:
 def measured(cfg, start: float) -> tuple[pd.DataFrame, dict[str, list[float]], list]:
     """Every optimizer × cell × world size trained against one device: the table, the |Δloss|
     curves of the 1/W cell at the largest world, and the worlds. (Not the audit's inputs,
-    ``jobs.audit_inputs``: those are one batch of ``audit.losses``; these train ``steps``
+    ``audit.audit_inputs``: those are one batch of ``audit.losses``; these train ``steps``
     batches of ``optimizer_matrix.losses``.)"""
     spec = cfg.optimizer_matrix
     model = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
@@ -87,7 +88,10 @@ def measured(cfg, start: float) -> tuple[pd.DataFrame, dict[str, list[float]], l
                     ),
                     "final_loss": run.losses[-1], "reference_final_loss": reference.losses[-1],
                 })  # fmt: skip
-                if cell.measured == "1/W" and (world_size, simulated) == worlds[-1]:
+                if (
+                    cell.measured == GradientClass.ONE_OVER_W
+                    and (world_size, simulated) == worlds[-1]
+                ):
                     curves[optimizer_name] = differences
         print(f"{optimizer_name}: done, {time.perf_counter() - start:.0f} s", flush=True)
     return pd.DataFrame(rows), curves, worlds

@@ -16,7 +16,7 @@ from gatherlab import gather
 from gatherlab.analysis.figures import CLASS_COLORS
 from gatherlab.check import measure
 from gatherlab.components import config
-from gatherlab.lab import audit, jobs
+from gatherlab.lab import audit
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def measured():
         "fixed_all_reduce": gather.Fixed("all_reduce"),
         "fixed_reduce_scatter": gather.Fixed("reduce_scatter"),
     }
-    inputs = jobs.audit_inputs(cfg)
+    inputs = audit.audit_inputs(cfg)
     batch = (inputs.model_factory, inputs.view0, inputs.view1)
     gathers = {**{name: gather.get(name) for name in gather.NAMES}, **collectives}
     every_cell = {

@@ -6,14 +6,15 @@ process's random streams go on as before. (The global batch norm across ranks: t
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from gatherlab.check import removals
 from gatherlab.components.batchnorm import GlobalBatchNorm
+from gatherlab.runs import removals
 
 EXACT = 1e-12  # float64, the same arithmetic up to summation order
 
@@ -118,7 +119,9 @@ def test_unseeded_items_come_from_the_process_streams():
 def test_a_run_names_its_removals_and_a_sweep_asks_for_them_by_value():
     # The training check's runs: nothing removed, one removal, every one (docs/design.md §10).
     assert removals.Removals.named(removals.NONE).made() == ()
-    assert removals.Removals.named("dropout") == removals.Removals(dropout=True)
+    assert removals.Removals.named("dropout") == removals.Removals(
+        frozenset({removals.Removal.DROPOUT})
+    )
     assert removals.Removals.named(removals.ALL).made() == tuple(removals.Removal)
     # A sweep's removals.* keys: the first value of each keeps the cause.
     assert removals.Removals.from_config(None) == removals.Removals()
@@ -132,3 +135,21 @@ def test_a_run_names_its_removals_and_a_sweep_asks_for_them_by_value():
         ValueError, match=r"^removals\.bn is unknown; allowed: batchnorm, dropout, "
     ):
         removals.Removals.from_config({"bn": "global"})
+
+
+def test_a_removal_is_one_member_and_its_config_line():
+    # docs/design.md §4: a new removal is its member of Removal and its line in conf/config.yaml;
+    # the sweep's keys, their defaults and the check's words all come from the member.
+    from omegaconf import OmegaConf
+
+    from gatherlab.check.diagnosis import CULPRIT_DIAGNOSES
+
+    conf = Path(__file__).parents[1] / "conf" / "config.yaml"
+    configured = OmegaConf.to_container(OmegaConf.load(conf)["removals"])
+    assert configured == {removal.value: removal.config_values[0] for removal in removals.Removal}
+    assert [str(r) for r in removals.Removal] == ["batchnorm", "dropout", "data_randomness"]
+    for removal in removals.Removal:
+        assert CULPRIT_DIAGNOSES[removal] == removal.diagnosis and "Fix:" in removal.diagnosis
+    assert [r.make for r in removals.Removal] == [
+        removals.global_batch_norm, removals.no_dropout, None
+    ]

@@ -18,7 +18,7 @@ from gatherlab import gather
 from gatherlab.check import measure
 from gatherlab.components.config import ConfigError
 from gatherlab.components.factory import Recipe
-from gatherlab.lab import configcheck, jobs, scaling
+from gatherlab.lab import audit, configcheck, scaling
 from gatherlab.ranks import simworld, world
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def audit_setting():
     """The gradient audit's setting (experiment=gather_audit): 16 Gaussian view pairs, the MLP,
     the local, global and mixed losses."""
     cfg, _ = compose("experiment=gather_audit")
-    return jobs.audit_inputs(cfg)
+    return audit.audit_inputs(cfg)
 
 
 @pytest.mark.parametrize("name", ["fixed", "old"])

@@ -22,17 +22,22 @@ from typing import Any
 import pandas as pd
 
 from gatherlab import check
+from gatherlab.check import defaults
 
 __all__ = ["assert_layout_invariant", "assert_training_invariant"]
 
 
 def assert_layout_invariant(
-    factory: str | Callable[..., Any], world_sizes: Iterable[int] = (2, 4), **arguments: Any
+    factory: str | Callable[..., Any],
+    world_sizes: Iterable[int] = defaults.WORLD_SIZES,
+    **arguments: Any,
 ) -> pd.DataFrame:
     """Fail with the check's table and diagnosis unless, at every world size, the loss built by
     ``factory`` gives the 1-device loss and gradient; return the table when it does.
 
-    It runs `gatherlab.check.check_loss` and passes when every verdict is ``exact``.
+    It runs `gatherlab.check.check_loss` and passes when every world size trains like one device
+    (`gatherlab.check.trains_like_one_device`: every verdict ``exact`` or ``loss scaled``, a loss
+    that logs a constant multiple of one device's value and trains exactly).
 
     Args:
         factory: the loss class or function, or its import path (``module:attribute``).
@@ -41,11 +46,12 @@ def assert_layout_invariant(
             ``optim=``, ``seed=`` and the loss's own keyword arguments.
 
     Returns:
-        The check's table (a pandas DataFrame, one row per world size), every verdict ``exact``.
+        The check's table (a pandas DataFrame, one row per world size), every verdict ``exact``
+        or ``loss scaled``.
 
     Raises:
-        AssertionError: some world size's verdict is not ``exact``; the message is
-            `gatherlab.check.explain` of the table (the table, then each diagnosis).
+        AssertionError: some world size's verdict is neither ``exact`` nor ``loss scaled``; the
+            message is `gatherlab.check.explain` of the table (the table, then each diagnosis).
         gatherlab.check.CheckError: bad input, before any rank runs.
 
     Example:
@@ -65,7 +71,7 @@ def assert_layout_invariant(
 def assert_training_invariant(
     module: str | Callable[..., Any] | None = None,
     data: str | Callable[..., Any] | None = None,
-    world_sizes: Iterable[int] = (2, 4),
+    world_sizes: Iterable[int] = defaults.WORLD_SIZES,
     **arguments: Any,
 ) -> pd.DataFrame:
     """Fail with the check's tables and the causes it names unless, at every world size, the
@@ -73,7 +79,7 @@ def assert_training_invariant(
     exactly as on one device; return the table when it does (docs/design.md §10).
 
     It runs `gatherlab.check.check_training` and passes when every world size's run without
-    removals is ``exact``.
+    removals trains like one device (``exact`` or ``loss scaled``).
 
     Args:
         module: the ``LightningModule`` class or factory, or its import path (None with
@@ -86,10 +92,10 @@ def assert_training_invariant(
             ``seed=``, ``loss_attr=``).
 
     Returns:
-        The check's table, every verdict ``exact`` (one row per world size).
+        The check's table, every run without removals ``exact`` or ``loss scaled``.
 
     Raises:
-        AssertionError: some world size is not exact; the message is
+        AssertionError: some world size does not train like one device; the message is
             `gatherlab.check.explain_training` of the table (the culprits and their fixes).
         gatherlab.check.CheckError: bad input, before any rank runs.
 

@@ -1,4 +1,4 @@
-"""Check your own loss or gather: does it train on W ranks exactly like one device?
+"""Check your own loss, gather or training step: does it train on W ranks exactly like one device?
 
 ``python -m gatherlab.check mypkg.losses:MyLoss --kwargs '{"temperature": 0.1}' --world-sizes 2,4``
 builds the loss inside every rank of a real gloo group (``gatherlab.components.factory``: with
@@ -13,36 +13,44 @@ docs/design.md §2), and compares with the same loss on one device:
   ``other`` (``measure.classify``);
 - with ``--steps N``, a short training run's largest |Δloss|.
 
-The verdict per W is ``exact`` when both are, ``loss differs`` when the forward already differs,
-and otherwise the gradient's class; every other verdict comes with a diagnosis in plain words.
-``--gather mod:fn`` without a loss checks a gather with gatherlab's three loss styles. It writes
-``check.csv`` into ``--out`` and exits 0 when every W is exact, 1 otherwise, 2 for bad input.
+The verdict per W (`gatherlab.check.table.verdict`) is ``exact`` when both are, ``loss scaled``
+when the global loss is a constant multiple of one device's and the gradient is exact, ``loss
+differs`` when the forward differs otherwise, ``diverges`` when it would be exact but the training
+run departs, ``failed`` when the W's ranks raised, and otherwise the gradient's class; every
+verdict but ``exact`` comes with a diagnosis in plain words. ``--gather mod:fn`` without a loss
+checks a gather with gatherlab's three loss styles; ``--module`` and ``--step`` check a training
+step (docs/design.md §10). It writes ``check.csv`` into ``--out`` and exits 0 when every W trains
+like one device (``exact`` or ``loss scaled``), 1 otherwise, 2 for bad input.
+
+The names below are imported when first used, so that ``python -m gatherlab.check`` starts its
+ranks' fork server before it imports torch (`gatherlab.check.__main__`).
 """
 
 from __future__ import annotations
 
-import sys
-
-_external = "--launcher=external" in sys.argv or any(
-    pair == ("--launcher", "external") for pair in zip(sys.argv, sys.argv[1:], strict=False)
-)
-if sys.argv[:1] == ["-m"] and not _external:
-    # ``python -m gatherlab.check``: Python imports this package to find its ``__main__`` while
-    # ``sys.argv[0]`` is "-m" (documented for -m). The ranks' fork server starts first and imports
-    # torch and the modules the ranks run beside this process's own imports (~1 s sooner); the
-    # ranks of a training step's check (--module) run Lightning too. Under --launcher external
-    # this process is a rank itself: no pool, no fork server.
-    from gatherlab.ranks import forkstart
-
-    _training = (
-        ("lightning.pytorch", "gatherlab.check.usermodule") if "--module" in sys.argv else ()
-    ) + (("gatherlab.check.steprun",) if "--step" in sys.argv else ())
-    forkstart.start(("gatherlab.check.measure", "gatherlab.components.config", *_training))
+import importlib
+from typing import Any
 
 __all__ = [
     "COLUMNS", "CheckError", "check_gather", "check_loss", "check_training",
     "explain", "explain_training", "trains_like_one_device",
 ]  # fmt: skip
 
-from gatherlab.check.api import CheckError, check_gather, check_loss, check_training
-from gatherlab.check.diagnosis import COLUMNS, explain, explain_training, trains_like_one_device
+# Where each public name lives (module of this package).
+_HOMES = {
+    "CheckError": "api", "check_gather": "api", "check_loss": "api", "check_training": "api",
+    "COLUMNS": "table", "trains_like_one_device": "table",
+    "explain": "diagnosis", "explain_training": "diagnosis",
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,6 +1,10 @@
 """``python -m gatherlab.check``: a loss, a gather or a training step on W ranks against one device
-(`gatherlab.check`); writes ``check.csv`` into ``--out`` and exits 0 when every W is exact, 1
-otherwise, 2 for bad input."""
+(`gatherlab.check`); writes ``check.csv`` into ``--out`` and exits 0 when every W trains like one
+device (``exact`` or ``loss scaled``), 1 otherwise, 2 for bad input.
+
+The arguments are parsed first, and on the warm pool the ranks' fork server started (it imports
+torch and the modules the ranks run beside this process's own imports, ~1 s sooner); only then
+does this process import the check itself (torch, pandas, Lightning for ``--module``)."""
 
 from __future__ import annotations
 
@@ -10,25 +14,17 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+from gatherlab.check import defaults
+from gatherlab.core import cli, terms
+from gatherlab.ranks import forkstart
 
-from gatherlab.check import external
-from gatherlab.check.api import (
-    OPTIMIZERS,
-    CheckError,
-    check_gather,
-    check_loss,
-    check_training,
-)
-from gatherlab.check.diagnosis import explain, explain_training, trains_like_one_device
-from gatherlab.components.config import ConfigError
-from gatherlab.core import cli, runfiles, terms
-from gatherlab.ranks.external import DEVICES
+if TYPE_CHECKING:
+    import pandas as pd
 
-DEFAULT_WORLD_SIZES = (2, 4)
-LAUNCHERS = ("pool", "external")
+# The launchers of the check: the warm pool, or the ranks a launcher started (not spawn's).
+LAUNCHERS = (terms.Launcher.POOL, terms.Launcher.EXTERNAL)
 
 
 def _world_sizes(text: str) -> tuple[int, ...]:
@@ -64,12 +60,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--world-sizes", type=_world_sizes,
-        help="e.g. 2,4 (default 2,4; with --launcher external the launcher's WORLD_SIZE)",
+        help=f"e.g. 2,4 (default {','.join(map(str, defaults.WORLD_SIZES))}; with --launcher "
+        "external the launcher's WORLD_SIZE)",
     )  # fmt: skip
     parser.add_argument(
-        "--steps", type=int, help="train this many steps (a loss: 0 by default; --module: 20)"
+        "--steps", type=int,
+        help=f"train this many steps (a loss: {defaults.LOSS_STEPS} by default; --module, "
+        f"--step: {defaults.TRAINING_STEPS})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--optim", choices=defaults.OPTIMIZERS, default=defaults.OPTIM, help="for a loss's --steps"
     )
-    parser.add_argument("--optim", choices=OPTIMIZERS, default="sgd", help="for a loss's --steps")
     training = parser.add_argument_group("the check of a training step (docs/design.md §10)")
     training.add_argument("--module", help="a LightningModule, module:attribute")
     training.add_argument("--module-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
@@ -79,27 +80,30 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("--model", help="for --step: the function building the nn.Module")
     training.add_argument("--model-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
     training.add_argument(
-        "--optimizer", default="torch.optim:SGD", help="for --step (default torch.optim:SGD)"
+        "--optimizer", default=defaults.OPTIMIZER, help=f"for --step (default {defaults.OPTIMIZER})"
     )
     training.add_argument(
-        "--optimizer-kwargs", type=_kwargs, help='its arguments (JSON; default {"lr": 0.01})'
-    )
+        "--optimizer-kwargs", type=_kwargs,
+        help=f"its arguments (JSON; default {json.dumps(defaults.OPTIMIZER_KWARGS)})",
+    )  # fmt: skip
     training.add_argument("--data", help="a map-style data set (class or factory), module:attr")
     training.add_argument("--data-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
-    training.add_argument("--global-batch-size", type=int, default=32, help="over all ranks")
     training.add_argument(
-        "--precision", default=terms.Precision.FLOAT64, help=" or ".join(terms.PRECISIONS)
+        "--global-batch-size", type=int, default=defaults.GLOBAL_BATCH_SIZE, help="over all ranks"
+    )
+    training.add_argument(
+        "--precision", default=defaults.PRECISION, help=" or ".join(terms.PRECISIONS)
     )
     training.add_argument("--loss-attr", help="the module's attribute holding its loss")
     parser.add_argument("--out", type=Path, help="output directory (default: a new outputs/ dir)")
     ranks = parser.add_argument_group("where the ranks run (docs/design.md §10)")
     ranks.add_argument(
-        "--launcher", choices=LAUNCHERS, default="pool",
+        "--launcher", choices=LAUNCHERS, default=terms.Launcher.POOL,
         help="pool: warm worker processes started here (CPU, gloo); external: the ranks torchrun "
         "or srun started, this process one of them",
     )  # fmt: skip
     ranks.add_argument(
-        "--device", choices=DEVICES, default="cpu",
+        "--device", choices=tuple(terms.Device), default=terms.Device.CPU,
         help="cuda: NCCL and each rank's own GPU (only with --launcher external)",
     )  # fmt: skip
     return parser
@@ -123,7 +127,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
             "name a loss (module:attribute), a gather (--gather), --module and --data, or --step, "
             "--model and --data"
         )
-    if args.device != "cpu" and args.launcher != "external":
+    if args.device != terms.Device.CPU and args.launcher != terms.Launcher.EXTERNAL:
         parser.error(f"--device {args.device} runs on the ranks a launcher started; allowed: "
                      "--launcher external with it, or --device cpu")  # fmt: skip
     return args
@@ -131,6 +135,9 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     """The check the arguments ask for: its table and its text."""
+    from gatherlab.check.api import check_gather, check_loss, check_training
+    from gatherlab.check.diagnosis import explain, explain_training
+
     if args.module is not None or args.step is not None:
         table = check_training(
             args.module,
@@ -141,7 +148,7 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
             model_kwargs=args.model_kwargs,
             optimizer=args.optimizer,
             optimizer_kwargs=args.optimizer_kwargs,
-            steps=20 if args.steps is None else args.steps,
+            steps=defaults.TRAINING_STEPS if args.steps is None else args.steps,
             global_batch_size=args.global_batch_size,
             module_kwargs=args.module_kwargs,
             data_kwargs=args.data_kwargs,
@@ -150,13 +157,14 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
         )
         return table, explain_training(table)
     if args.loss is None:
-        table = check_gather(args.gather, args.world_sizes, steps=args.steps or 0, optim=args.optim)
+        steps = defaults.LOSS_STEPS if args.steps is None else args.steps
+        table = check_gather(args.gather, args.world_sizes, steps=steps, optim=args.optim)
     else:
         table = check_loss(
             args.loss,
             args.world_sizes,
             gather=args.gather,
-            steps=args.steps or 0,
+            steps=defaults.LOSS_STEPS if args.steps is None else args.steps,
             optim=args.optim,
             **args.kwargs,
         )
@@ -166,6 +174,10 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
 def _written(args: argparse.Namespace) -> int:
     """The check, its ``check.csv`` written and its text printed: the exit status (0 when every W
     trains like one device, else 1). Bad input raises (``CheckError``, ``ConfigError``)."""
+    from gatherlab.check.api import CheckError
+    from gatherlab.check.table import trains_like_one_device
+    from gatherlab.core import runfiles
+
     out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
     if (out / runfiles.CHECK).exists():
         raise CheckError(f"--out {out} already holds a check; it is never overwritten")
@@ -177,15 +189,32 @@ def _written(args: argparse.Namespace) -> int:
     return 0 if trains_like_one_device(table) else 1
 
 
+def _ranks_run(args: argparse.Namespace) -> tuple[str, ...]:
+    """The modules the ranks of this check run, for the fork server to import once: the
+    measurement and the configs, and the training layer's for a training step."""
+    common = ("gatherlab.check.measure", "gatherlab.components.config")
+    if args.module is not None:
+        return *common, "lightning.pytorch", "gatherlab.runs.lightning"
+    if args.step is not None:
+        return *common, "gatherlab.runs.plainstep"
+    return common
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """The command line (``argv``: its arguments, ``sys.argv`` when not given): exit status 0 when
     every W trains like one device, 1 when one does not or a rank failed, 2 for bad input."""
     as_program = argv is None
     args = _arguments(argv)
-    if args.launcher == "external":  # this process is one of the ranks; rank 0 writes
+    if args.launcher == terms.Launcher.EXTERNAL:  # this process is one of the ranks; rank 0 writes
+        from gatherlab.check import external
+
         status = external.run(args, _written)
     else:
-        args.world_sizes = args.world_sizes or DEFAULT_WORLD_SIZES
+        forkstart.start(_ranks_run(args))
+        from gatherlab.check.api import CheckError
+        from gatherlab.components.config import ConfigError
+
+        args.world_sizes = args.world_sizes or defaults.WORLD_SIZES
         try:
             status = _written(args)
         except (CheckError, ConfigError) as error:

@@ -11,16 +11,23 @@ from typing import Any
 
 import pandas as pd
 
-from gatherlab.check import hypotheses, measure, removals
-from gatherlab.check.diagnosis import ALL_PARTS, COLUMNS, EXACT, TRAIN_COLUMN, verdict
+from gatherlab.check import defaults, hypotheses, measure
+from gatherlab.check.table import (
+    ALL_PARTS,
+    COLUMNS,
+    LOSS,
+    TRAIN_COLUMN,
+    failed_row,
+    verdict,
+)  # fmt: skip
 from gatherlab.components import config
 from gatherlab.components.factory import AttributeOf, Recipe, locate
 from gatherlab.core import cli, terms
 from gatherlab.gather import GatherFn
 from gatherlab.ranks import pool, world
 from gatherlab.ranks.pool import RankError
+from gatherlab.runs import removals
 
-OPTIMIZERS = ("sgd", "adamw")
 # The loss styles of docs/design.md §1, one loss each, for checking a gather (the audit's losses).
 STYLE_LOSSES = ("ntxent", "ntxent_global", "vicreg")
 
@@ -146,8 +153,9 @@ def _composed(optim: str) -> tuple[Any, ...]:
 def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, ...]:
     """The audit's model, data and global batch (experiment=gather_audit), the optimizer, and the
     global batches of the check."""
-    if optim not in OPTIMIZERS:
-        raise CheckError(f"--optim {optim!r} is unknown; allowed: {', '.join(OPTIMIZERS)}")
+    if optim not in defaults.OPTIMIZERS:
+        allowed = ", ".join(defaults.OPTIMIZERS)
+        raise CheckError(f"--optim {optim!r} is unknown; allowed: {allowed}")
     if not terms.is_integer(steps, 0):
         raise CheckError(f"--steps {steps!r} is not allowed; allowed: {terms.allowed_integer(0)}")
     cfg, model, optimizer, dataset = _composed(optim)
@@ -203,7 +211,10 @@ def _run(
                 if steps
             }
         except RankError as error:
-            rows += [_failed(name, gather_name, world_size, error) for name in losses]
+            rows += [
+                failed_row({"loss": name, "gather": gather_name, "world_size": world_size}, error)
+                for name in losses
+            ]
             continue
         for name in losses:
             rows += _rows(
@@ -212,15 +223,6 @@ def _run(
                 (trained[name], curves[name]) if steps else None,
             )  # fmt: skip
     return pd.DataFrame(rows, columns=list(COLUMNS) + ([TRAIN_COLUMN] if steps else []))
-
-
-def _failed(name: str, gather_name: str, world_size: int, error: RankError) -> dict[str, Any]:
-    """The row of a W whose ranks raised: ``failed``, and the rank's error line."""
-    return {
-        "loss": name, "gather": gather_name, "world_size": world_size, "part": ALL_PARTS,
-        "forward": "", "gradient": "", "verdict": terms.FAILED, "cause": "",
-        "error": cli.first_line(error),
-    }  # fmt: skip
 
 
 def _rows(
@@ -254,7 +256,7 @@ def _rows(
     def row(part: str, classified: tuple[str, float, float, float]) -> dict[str, Any]:
         gradient, cosine, norm_ratio, max_rel_err = classified
         return {**shared, "part": part, "gradient": str(gradient),
-                "verdict": str(verdict(forward_word, gradient, scale)), "cosine": cosine,
+                "verdict": verdict(forward_word, gradient, scale), "cosine": cosine,
                 "norm_ratio": norm_ratio, "max_rel_err": max_rel_err}  # fmt: skip
 
     rows = [row(ALL_PARTS, whole)] + [row(part, numbers) for part, numbers in parts.items()]
@@ -263,19 +265,19 @@ def _rows(
         factor = scale or 1.0
         difference = max(abs(a / factor - b) for a, b in zip(trained, reference_curve, strict=True))
         rows[0][TRAIN_COLUMN] = difference  # of the whole run: its parts have no curve of their own
-        if rows[0]["verdict"] in (EXACT, terms.LOSS_SCALED) and difference > terms.FLOAT64:
-            rows[0]["verdict"] = terms.DIVERGES
+        apart = difference > terms.FLOAT64
+        rows[0]["verdict"] = verdict(forward_word, whole[0], scale, apart)
     return rows
 
 
 def check_loss(
     factory: str | Callable[..., Any],
-    world_sizes: Iterable[int] = (2, 4),
+    world_sizes: Iterable[int] = defaults.WORLD_SIZES,
     *,
     gather: str | GatherFn | None = None,
-    steps: int = 0,
-    optim: str = "sgd",
-    seed: int = 0,
+    steps: int = defaults.LOSS_STEPS,
+    optim: str = defaults.OPTIM,
+    seed: int = defaults.SEED,
     **kwargs: Any,
 ) -> pd.DataFrame:
     """Check a loss on real gloo ranks of the warm worker pool: one row per world size
@@ -333,11 +335,11 @@ def check_loss(
 
 def check_gather(
     gather: str | GatherFn,
-    world_sizes: Iterable[int] = (2, 4),
+    world_sizes: Iterable[int] = defaults.WORLD_SIZES,
     *,
-    steps: int = 0,
-    optim: str = "sgd",
-    seed: int = 0,
+    steps: int = defaults.LOSS_STEPS,
+    optim: str = defaults.OPTIM,
+    seed: int = defaults.SEED,
 ) -> pd.DataFrame:
     """Check a gather with gatherlab's three loss styles (local ``ntxent``, global
     ``ntxent_global``, mixed ``vicreg``, as the gradient audit configures them) against one
@@ -387,10 +389,6 @@ def _path_name(factory: str | Callable[..., Any]) -> str:
     return factory if isinstance(factory, str) else getattr(factory, "__qualname__", "module")
 
 
-DEFAULT_OPTIMIZER, DEFAULT_OPTIMIZER_KWARGS = "torch.optim:SGD", {"lr": 0.01}
-"""The optimizer of a plain PyTorch step's check when none is given (as the loss check's SGD)."""
-
-
 def _step(
     step: str | Callable[..., Any],
     model: str | Callable[..., Any] | None,
@@ -399,15 +397,16 @@ def _step(
     optimizer_kwargs: Mapping[str, Any] | None,
     seed: int,
 ) -> Any:
-    """The plain PyTorch step to check (``steprun.Step``), its parts imported; CheckError for a
+    """The plain PyTorch step to check (`gatherlab.runs.plainstep.Step`), its parts imported;
+    CheckError for a
     path that does not import or an object that is not callable."""
-    from gatherlab.check import steprun
-
     if model is None:
         raise CheckError("--step needs --model (a function or class returning the nn.Module)")
     if optimizer_kwargs is None:
-        optimizer_kwargs = DEFAULT_OPTIMIZER_KWARGS if optimizer == DEFAULT_OPTIMIZER else {}
-    return steprun.Step(
+        optimizer_kwargs = defaults.OPTIMIZER_KWARGS if optimizer == defaults.OPTIMIZER else {}
+    from gatherlab.runs import plainstep
+
+    return plainstep.Step(
         _factory(step, "step"),
         Recipe(_factory(model, "model"), dict(model_kwargs or {}), None, seed),
         _factory(optimizer, "optimizer"),
@@ -418,19 +417,19 @@ def _step(
 def check_training(
     module: str | Callable[..., Any] | None = None,
     data: str | Callable[..., Any] | None = None,
-    world_sizes: Iterable[int] = (2, 4),
+    world_sizes: Iterable[int] = defaults.WORLD_SIZES,
     *,
     step: str | Callable[..., Any] | None = None,
     model: str | Callable[..., Any] | None = None,
     model_kwargs: Mapping[str, Any] | None = None,
-    optimizer: str | Callable[..., Any] = DEFAULT_OPTIMIZER,
+    optimizer: str | Callable[..., Any] = defaults.OPTIMIZER,
     optimizer_kwargs: Mapping[str, Any] | None = None,
-    steps: int = 20,
-    global_batch_size: int = 32,
+    steps: int = defaults.TRAINING_STEPS,
+    global_batch_size: int = defaults.GLOBAL_BATCH_SIZE,
     module_kwargs: Mapping[str, Any] | None = None,
     data_kwargs: Mapping[str, Any] | None = None,
-    precision: str = "64-true",
-    seed: int = 0,
+    precision: str = defaults.PRECISION,
+    seed: int = defaults.SEED,
     loss_attr: str | None = None,
 ) -> pd.DataFrame:
     """Check a training step: a ``LightningModule`` (``module``), or a plain PyTorch step
@@ -452,7 +451,7 @@ def check_training(
     PyTorch's default). Every layout takes the same global batches in the same order, rank r its
     r-th contiguous slice (docs/design.md §2). A W that is not exact is trained again with each
     removal that applies made (``batchnorm``, ``dropout``, ``data_randomness``,
-    `gatherlab.check.removals`) and with all of them made; the removals that make it exact, or
+    `gatherlab.runs.removals`) and with all of them made; the removals that make it exact, or
     change its verdict, are its culprits, and ``loss`` when all of them are not enough, or
     ``step_randomness`` when the step itself draws from the global random streams (its first
     loss on one device changes with only their seed changed).
@@ -506,6 +505,44 @@ def check_training(
     """
     from gatherlab.check import training  # Lightning is imported only for a LightningModule
 
+    setting = _training_setting(
+        module, data, step, model, model_kwargs, optimizer, optimizer_kwargs, steps,
+        global_batch_size, module_kwargs, data_kwargs, precision, seed,
+    )  # fmt: skip
+    world_sizes = tuple(world_sizes)
+    applying, layout = _validated(setting, world_sizes, loss_attr)
+    with warnings_once():
+        try:  # one device, in this process: a training_step without a loss is found here
+            references = {removals.NONE: training.reference(setting, removals.NONE)}
+        except Exception as error:
+            raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
+        table = training.check(setting, world_sizes, applying, references, layout)
+    blamed = table.loc[table["culprits"].str.contains(LOSS), "world_size"]
+    if loss_attr is not None and len(blamed):
+        loss = AttributeOf(setting.built, loss_attr)
+        table.attrs["loss_check"] = check_loss(loss, sorted(set(blamed)), seed=seed)
+    return table
+
+
+def _training_setting(
+    module: str | Callable[..., Any] | None,
+    data: str | Callable[..., Any] | None,
+    step: str | Callable[..., Any] | None,
+    model: str | Callable[..., Any] | None,
+    model_kwargs: Mapping[str, Any] | None,
+    optimizer: str | Callable[..., Any],
+    optimizer_kwargs: Mapping[str, Any] | None,
+    steps: int,
+    global_batch_size: int,
+    module_kwargs: Mapping[str, Any] | None,
+    data_kwargs: Mapping[str, Any] | None,
+    precision: str,
+    seed: int,
+) -> Any:
+    """What `check_training` trains (``training.Setting``), its parts imported; CheckError for
+    neither or both forms, no data set, or a path that does not import."""
+    from gatherlab.check import training
+
     if (module is None) == (step is None):
         raise CheckError(
             "name a LightningModule (--module) or a plain PyTorch step (--step with --model), "
@@ -516,36 +553,33 @@ def check_training(
     data_factory = _factory(data, "data")
     trained = None if step is None else _step(step, model, model_kwargs, optimizer,
                                               optimizer_kwargs, seed)  # fmt: skip
-    name = _path_name(module if step is None else step)
-    setting = training.Setting(
+    return training.Setting(
         module=None if module is None else Recipe(
             _factory(module, "module"), dict(module_kwargs or {}), None, seed
         ),
         data=Recipe(data_factory, dict(data_kwargs or {}), None, seed),
-        name=name, global_batch_size=global_batch_size, steps=steps, seed=seed,
-        precision=precision, step=trained,
+        name=_path_name(module if step is None else step), global_batch_size=global_batch_size,
+        steps=steps, seed=seed, precision=precision, step=trained,
     )  # fmt: skip
-    built = setting.module if trained is None else trained.model
-    world_sizes = tuple(world_sizes)
+
+
+def _validated(
+    setting: Any, world_sizes: tuple[int, ...], loss_attr: str | None
+) -> tuple[tuple[removals.Removal, ...], measure.Layout]:
+    """The setting validated as on one device (``training.validate``: the removals that apply
+    and the parts of the gradient), and ``loss_attr`` a callable attribute of what it builds;
+    CheckError otherwise."""
+    from gatherlab.check import training
+
     try:
         with world.alone():  # built as on one device: the module may ask for its rank
             applying, layout = training.validate(setting, world_sizes)
-            attribute = None if loss_attr is None else getattr(built(), loss_attr, None)
+            attribute = None if loss_attr is None else getattr(setting.built(), loss_attr, None)
     except ValueError as error:
         raise CheckError(str(error)) from None
     if loss_attr is not None and not callable(attribute):
         raise CheckError(
-            f"--loss-attr {loss_attr}: {name} has no callable attribute {loss_attr!r}; allowed: "
-            "the attribute that holds its loss"
+            f"--loss-attr {loss_attr}: {setting.name} has no callable attribute {loss_attr!r}; "
+            "allowed: the attribute that holds its loss"
         )
-    with warnings_once():
-        try:  # one device, in this process: a training_step without a loss is found here
-            references = {removals.NONE: training.reference(setting, removals.NONE)}
-        except Exception as error:
-            raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
-        table = training.check(setting, world_sizes, applying, references, layout)
-    blamed = table.loc[table["culprits"].str.contains(removals.LOSS), "world_size"]
-    if loss_attr is not None and len(blamed):
-        loss = AttributeOf(built, loss_attr)
-        table.attrs["loss_check"] = check_loss(loss, sorted(set(blamed)), seed=seed)
-    return table
+    return applying, layout

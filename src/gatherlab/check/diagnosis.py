@@ -1,5 +1,6 @@
-"""The words of a check: its table's columns, each verdict's diagnosis (its meaning, usual cause
-in code and fix) and each removal's of docs/design.md §10, and the text the command prints."""
+"""The words of a check: each verdict's diagnosis (its meaning, usual cause in code and fix), each
+culprit's of docs/design.md §10 (a removal's is its own, `gatherlab.runs.removals.Removal`), and
+the text the command prints; the table they describe is `gatherlab.check.table`'s."""
 
 from __future__ import annotations
 
@@ -9,33 +10,21 @@ from typing import Any
 
 import pandas as pd
 
-from gatherlab.check.removals import ALL, LOSS, NONE, STEP_RANDOMNESS, Removal
-from gatherlab.core import runfiles, terms
-
-EXACT = terms.GradientClass.EXACT
-ALL_PARTS = "all"
-"""The ``part`` of a row about the whole gradient (the rows of a check before parts existed)."""
-
-COLUMNS = (
-    "loss", "gather", "world_size", "part", "forward", "gradient", "verdict", "scale", "cause",
-    "loss_diff", "cosine", "norm_ratio", "max_rel_err", "error",
+from gatherlab.check.table import (
+    ALL_PARTS,
+    COLUMNS,
+    EXACT,
+    LOSS,
+    STEP_RANDOMNESS,
+    TRAIN_COLUMN,
+    trains_like_one_device,
 )  # fmt: skip
-"""The columns of a check's table (``check.csv``), in order; with ``steps`` a last column,
-``train_max_abs_loss_diff``, follows. ``part`` is ``all`` for the whole gradient, then, when the
-gradient has several parts, ``model`` and ``loss.<name>`` per trainable parameter of the loss;
-``forward`` is ``same`` or ``differs``; ``gradient`` one of ``exact``, ``1/W``, ``W``,
-``biased``, ``none``, ``other``; ``verdict`` is ``exact``, ``loss scaled``, ``loss differs``,
-the gradient's class, ``diverges`` (with ``steps``) or ``failed``; ``scale`` the constant c of a
-loss that is c × one device's; ``cause`` what reproduced a ``loss differs`` (``scaled``,
-``local_negatives``, ``pair_order``, ``unexplained``) or split a ``biased`` gradient
-(``parts``); ``error`` the failing rank's error line; ``loss_diff`` the relative difference of
-the global loss; ``gather`` is ``native`` when the loss communicates by itself (docs/design.md
-§5, §6)."""
-TRAIN_COLUMN = "train_max_abs_loss_diff"
-
+from gatherlab.core import runfiles, terms
+from gatherlab.runs.removals import ALL, NONE, Removal
 
 # --- what each verdict means --------------------------------------------------------------------
 
+_FLOAT64 = f"{terms.FLOAT64:g}"  # the float64 bound of docs/design.md §2, as the texts write it
 _GATHER_FIX = (
     "a gather whose backward sums every rank's gradient of each slice (gatherlab.gather.Fixed, "
     "torch.distributed.nn.functional.all_gather)"
@@ -50,14 +39,16 @@ DIAGNOSES = {
     ),
     terms.LOSS_SCALED: (
         "the global loss is {scale:.6g} times the 1-device loss on every batch compared (to a "
-        "relative 1e-10) and the gradient is exact (max relative error {max_rel_err:.2g}): "
+        "relative "
+        + _FLOAT64
+        + ") and the gradient is exact (max relative error {max_rel_err:.2g}): "
         "training is exact, only the logged value is scaled; divide it by the factor to compare "
         "it with one device. Usual cause (not tested here): a loss multiplied by W to undo "
         "DDP's average, on a gather whose backward keeps only the rank's own slot. Cleaner: "
         + _GATHER_FIX
         + " without the factor, which logs the 1-device value too."
     ),
-    "1/W": (
+    terms.GradientClass.ONE_OVER_W: (
         "the gradient is 1/W of one device's (norm ratio {norm_ratio:.6g}, cosine "
         "{cosine:.12g}): SGD's effective learning rate is "
         "divided by W, and anything added to the gradient outside the loss (L2 weight decay, "
@@ -67,13 +58,13 @@ DIAGNOSES = {
         + _GATHER_FIX
         + "."
     ),
-    "W": (
+    terms.GradientClass.W: (
         "the gradient is W times one device's (norm ratio {norm_ratio:.6g}): SGD's effective "
         "learning rate is multiplied by W. Usual cause (not tested here): the loss multiplied by "
         "the world size to undo DDP's average, on top of a gather whose backward already sums "
         "the ranks' gradients. Fix: drop the factor."
     ),
-    "biased": (
+    terms.GradientClass.BIASED: (
         "the gradient points in another direction than one device's (cosine {cosine:.6g}, norm "
         "ratio {norm_ratio:.4g}): no learning rate repairs that. Usual causes (not tested here): "
         "a loss over the rank's own rows (its anchors against the gathered batch) with a gather "
@@ -81,14 +72,14 @@ DIAGNOSES = {
         "slice only), or a gather that averages the gathered path while the direct use of the "
         "local embeddings keeps its size. Fix: " + _GATHER_FIX + "."
     ),
-    "none": (
+    terms.GradientClass.NONE: (
         "no gradient reaches the model's parameters on W ranks, while one device has one: "
         "nothing connects the loss to the model, and DDP training fails at its first backward. "
         "Usual cause (not tested here): the embeddings used only through a gather without "
         "gradient (a torch.no_grad all_gather). Fix: " + _GATHER_FIX + "; putting the live local "
         "tensor back in its slot gives 1/W."
     ),
-    "other": (
+    terms.GradientClass.OTHER: (
         "the gradient has the right direction (cosine {cosine:.12g}) but a scale that is neither "
         "1, 1/W nor W (norm ratio {norm_ratio:.6g}): some factor depends on the layout. Usual "
         "cause (not tested here): a loss divided by the local batch size in one place and by the "
@@ -109,20 +100,24 @@ DIAGNOSES = {
 CAUSES = {
     terms.Cause.SCALED: (
         "Reproduced on one device: the global loss is {scale:.6g} times the 1-device loss on both "
-        "batches checked (to a relative 1e-10), while the gradient is {gradient} (norm ratio "
+        "batches checked (to a relative "
+        + _FLOAT64
+        + "), while the gradient is {gradient} (norm ratio "
         "{norm_ratio:.6g}, cosine {cosine:.12g}): a factor that depends on W scales the loss and "
         "its gradient is not one device's either, e.g. a loss multiplied by W on a gather whose "
         "backward already sums the ranks' gradients. Fix: drop the factor."
     ),
     terms.Cause.LOCAL_NEGATIVES: (
-        "Reproduced on one device to a relative 1e-10 on both batches checked: the global loss "
+        "Reproduced on one device to a relative " + _FLOAT64 + " on both batches checked: the "
+        "global loss "
         "is the mean over ranks of the 1-device loss of each rank's slice alone. Each rank's "
         "loss sees only its own rows: its negatives, targets or batch statistics are local. Fix: "
         "gather every rank's embeddings through " + _GATHER_FIX + ", and compute the loss, or "
         "its statistics, over the gathered batch."
     ),
     terms.Cause.PAIR_ORDER: (
-        "Reproduced on one device to a relative 1e-10 on both batches checked: the global loss "
+        "Reproduced on one device to a relative " + _FLOAT64 + " on both batches checked: the "
+        "global loss "
         "is the 1-device loss of the rows in the order that concatenating the two views per rank "
         "and then gathering produces ([view 0 of rank 0; view 1 of rank 0; view 0 of rank 1; "
         "…]). The loss pairs rows by position as if the gathered tensor were view-major, so its "
@@ -140,43 +135,29 @@ CAUSES = {
 
 # What a part's class says when the parts of a biased gradient differ (cause ``parts``).
 PART_MEANINGS = {
-    "exact": (
+    terms.GradientClass.EXACT: (
         "a part that is exact gets the 1-device gradient on every rank, e.g. a parameter of the "
         "loss used after the gather, alike on every rank (DDP's average of identical gradients "
         "is that gradient)"
     ),
-    "1/W": (
+    terms.GradientClass.ONE_OVER_W: (
         "a part at 1/W gets its gradient only through the rank's own slice of the gathered "
         "embeddings (usually, not tested here: a gather whose backward keeps only its own slice, "
         "or a no-grad gather with the live local tensor in its slot, while every rank computes "
         "the full loss)"
     ),
-    "W": "a part at W gets W times one device's gradient (usually: a factor of W in the loss)",
-    "none": "a part with no gradient is reached only through a gather without gradient",
+    terms.GradientClass.W: (
+        "a part at W gets W times one device's gradient (usually: a factor of W in the loss)"
+    ),
+    terms.GradientClass.NONE: (
+        "a part with no gradient is reached only through a gather without gradient"
+    ),
 }
 # What each culprit of docs/design.md §10 means, and its fix (the check of a training step): the
-# cause each removal takes out, and the loss, which remains when all of them are made.
+# cause each removal takes out (its own words), the step's randomness, and the loss, which remains
+# when all of them are made.
 CULPRIT_DIAGNOSES = {
-    Removal.BATCHNORM: (
-        "batch norm normalises each rank's batch with its own statistics (plain DDP's "
-        "BatchNorm), so W ranks compute another function of the batch than one device. Fix: "
-        "statistics over the global batch: torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) "
-        "on GPUs (NCCL), gatherlab.components.batchnorm.GlobalBatchNorm on any backend; or no "
-        "batch norm where the split batch passes."
-    ),
-    Removal.DROPOUT: (
-        "dropout masks come from each process's random generator, so a sample's mask depends on "
-        "the rank that holds it and on what that rank drew before. Fix: draw each sample's mask "
-        "from a generator seeded by (seed, epoch, sample index) "
-        "(gatherlab.components.models.SeededDropout), or accept the difference: noise of the "
-        "same distribution, not a bias."
-    ),
-    Removal.DATA_RANDOMNESS: (
-        "the data set's augmentations draw from each process's global random streams (random, "
-        "numpy, torch), so a sample's views depend on the rank that loads it. Fix: seed each "
-        "sample's augmentation from its index and the epoch, e.g. a torch.Generator seeded by "
-        "(seed, epoch, index) in __getitem__."
-    ),
+    **{removal: removal.diagnosis for removal in Removal},
     STEP_RANDOMNESS: (
         "the training step draws from the global random streams (measured: its first loss on "
         "one device changes when only the streams' seed changes, dropout layers off), e.g. "
@@ -191,15 +172,6 @@ CULPRIT_DIAGNOSES = {
         "the loss itself, or how it communicates across ranks (its gather), breaks it."
     ),
 }
-
-
-def verdict(forward: str, gradient: str, scale: float | None = None) -> str:
-    """``exact`` when forward and gradient are; ``loss scaled`` when the forward is a constant
-    multiple ``scale`` of one device's and the gradient is exact; ``loss differs`` when the
-    forward differs otherwise; else the gradient's class."""
-    if forward == terms.Forward.DIFFERS:
-        return terms.LOSS_SCALED if scale is not None and gradient == EXACT else terms.LOSS_DIFFERS
-    return gradient
 
 
 class _PerWorldSize:
@@ -335,7 +307,7 @@ def explain(table: pd.DataFrame) -> str:
         lines.append(f"{loss}{via}, W = {sizes}: {verdict_}{named}\n"
                      f"{_paragraph(diagnosis(rows, parts))}")  # fmt: skip
     if trains_like_one_device(table):
-        lines.append("Every world size trains like one device (float64, to 1e-10).")
+        lines.append(f"Every world size trains like one device (float64, to {_FLOAT64}).")
     return "\n\n".join(lines) + "\n"
 
 
@@ -371,22 +343,6 @@ def markdown(table: pd.DataFrame, columns: Sequence[str] = (*COLUMNS, TRAIN_COLU
 
 def _filled(value: Any) -> bool:
     return not (value is None or value == "" or (isinstance(value, float) and pd.isna(value)))
-
-
-TRAINS_LIKE_ONE_DEVICE = (EXACT, terms.LOSS_SCALED)
-"""The verdicts of a world size that trains like one device: ``loss scaled`` only logs a scaled
-value."""
-
-
-def trains_like_one_device(table: pd.DataFrame) -> bool:
-    """Whether a check's table says every world size trains like one device: every verdict of
-    the whole gradient ``exact`` or ``loss scaled`` (`check_loss`, `check_gather`), or for
-    `check_training` every run without removals."""
-    if "removed" in table:
-        table = table[table["removed"] == NONE]
-    if "part" in table:
-        table = table[table["part"] == ALL_PARTS]
-    return bool(table["verdict"].isin(TRAINS_LIKE_ONE_DEVICE).all())
 
 
 def explain_training(table: pd.DataFrame) -> str:

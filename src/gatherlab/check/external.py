@@ -20,7 +20,7 @@ import torch
 
 from gatherlab.check.api import CheckError
 from gatherlab.components.config import ConfigError
-from gatherlab.core import cli
+from gatherlab.core import cli, terms
 from gatherlab.ranks import external
 
 __all__ = ["run"]
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace, written: Callable[[argparse.Namespace], int]) 
     try:
         with external.active(ranks):
             args.world_sizes = _world_sizes(args.world_sizes, place)
-            if args.device == "cuda" and not torch.cuda.is_available():
+            if args.device == terms.Device.CUDA and not torch.cuda.is_available():
                 raise CheckError("--device cuda: rank 0 sees no CUDA GPU; allowed: --device cpu")
             status = written(args)
     except (CheckError, ConfigError) as error:

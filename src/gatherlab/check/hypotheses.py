@@ -13,13 +13,13 @@ relative 1e-10 on every batch the check measured (two). Only one-device forwards
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 
 from gatherlab.core import terms
 from gatherlab.core.terms import Cause
+from gatherlab.runs.record import mean_over_ranks
 
 Forward = Callable[[torch.Tensor, torch.Tensor], float]
 """The loss of two views on one device, forward only."""
@@ -54,7 +54,7 @@ def local_negatives(forward: Forward, batch: Batch, world_size: int) -> float:
     """The mean over ranks of the 1-device loss of each rank's slice of ``batch`` alone."""
     view0, view1 = batch
     slices = [terms.rows_of(rank, world_size, len(view0)) for rank in range(world_size)]
-    return math.fsum(forward(view0[rows], view1[rows]) for rows in slices) / world_size
+    return mean_over_ranks([[forward(view0[rows], view1[rows])] for rows in slices])[0]
 
 
 def pair_order(forward: Forward, batch: Batch, world_size: int) -> float:

@@ -19,7 +19,6 @@ world size, the gathers simulated from their backward rules).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +35,7 @@ from gatherlab.core.terms import GradientClass, Style, World
 from gatherlab.gather import CLASSES, STYLES, GatherFn, rule
 from gatherlab.ranks import simworld, world
 from gatherlab.ranks.external import ranks_for
+from gatherlab.runs.record import flat_gradient, flat_parameters, mean_over_ranks
 
 log = logging.getLogger(__name__)
 
@@ -172,15 +172,6 @@ def _value(wrapped: nn.Module, view0: torch.Tensor, view1: torch.Tensor) -> torc
     return value.reshape(())
 
 
-def _flat_gradient(module: nn.Module) -> torch.Tensor:
-    return torch.cat(
-        [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-            for p in module.parameters()
-        ]
-    )
-
-
 def measure(
     loss: Recipe,
     model_factory: ModelFactory,
@@ -207,7 +198,7 @@ def measure(
             float(_value(whole, other0.double(), other1.double())) for other0, other1 in further
         )
     parts = layout(whole.named_parameters(), _part_of_loss_check)
-    return Measured(loss_value, _flat_gradient(whole).cpu(), forwards, parts)
+    return Measured(loss_value, flat_gradient(whole.parameters()).cpu(), forwards, parts)
 
 
 def one_device(
@@ -289,18 +280,12 @@ def measure_on_ranks(
         tuple(further),
     )  # fmt: skip
 
-    def mean(values: Iterable[float]) -> float:
-        return math.fsum(values) / world_size
+    def losses(cell: Hashable) -> list[float]:  # the global loss of each batch, in order
+        return mean_over_ranks([(rank[cell].loss, *rank[cell].forwards) for rank in ranks])
 
     return {
         cell: Measured(
-            mean(rank[cell].loss for rank in ranks),
-            ranks[0][cell].gradient,
-            tuple(
-                mean(values)
-                for values in zip(*(rank[cell].forwards for rank in ranks), strict=True)
-            ),
-            ranks[0][cell].parts,
+            losses(cell)[0], ranks[0][cell].gradient, tuple(losses(cell)[1:]), ranks[0][cell].parts
         )
         for cell in cells
     }
@@ -327,8 +312,7 @@ def _train_on_rank(
         del value
         _average(whole, distributed)
         step.step()
-    parameters = torch.cat([p.detach().reshape(-1) for p in whole.parameters()]).cpu()
-    return losses, parameters
+    return losses, flat_parameters(whole.parameters())
 
 
 def train(
@@ -352,8 +336,7 @@ def train(
     ranks = _run(
         world_size, simulated, _train_on_rank, loss, model_factory, batches, optimizer, seed
     )
-    losses = [math.fsum(values) / world_size for values in zip(*(r[0] for r in ranks), strict=True)]
-    return Trained(losses, None, ranks[0][1])
+    return Trained(mean_over_ranks([losses for losses, _ in ranks]), None, ranks[0][1])
 
 
 def check_world_sizes(world_sizes: Sequence[int], global_batch_size: int, batch: str) -> None:

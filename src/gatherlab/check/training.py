@@ -1,7 +1,8 @@
 """The check of a training step (docs/design.md §10): a user's ``LightningModule`` and data set
 trained N steps on W ranks of the warm pool and on one device, compared step by step; when a W is
-not exact, the same again with each removal that applies made (``gatherlab.check.removals``) and
-with all of them made, and the culprits named: the removals that make it exact.
+not exact, the same again with each removal that applies made (`gatherlab.runs.removals`) and
+with all of them made, and the culprits named: the removals that make it exact. The runs are
+trained by the training layer (`gatherlab.runs.plainstep`, `gatherlab.runs.lightning`).
 
 ``gatherlab.check.check_training`` is the API and ``python -m gatherlab.check --module`` the
 command line; this module trains and compares, and says nothing in words.
@@ -15,21 +16,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 
-from gatherlab.check import hypotheses, measure, removals, steprun
-from gatherlab.check.diagnosis import ALL_PARTS, TRAIN_COLUMN, verdict
-from gatherlab.check.diagnosis import COLUMNS as LOSS_COLUMNS
+from gatherlab.check import hypotheses, measure
+from gatherlab.check.table import (
+    ALL_PARTS,
+    EXACT,
+    LOSS,
+    STEP_RANDOMNESS,
+    TRAIN_COLUMN,
+    TRAINS_LIKE_ONE_DEVICE,
+    failed_row,
+    verdict,
+)  # fmt: skip
+from gatherlab.check.table import COLUMNS as LOSS_COLUMNS
 from gatherlab.components.factory import Recipe
-from gatherlab.core import cli, terms
+from gatherlab.core import terms
 from gatherlab.core.runfiles import Trained
 from gatherlab.ranks import world
 from gatherlab.ranks.external import ranks_for
 from gatherlab.ranks.pool import RankError
-
-EXACT = terms.GradientClass.EXACT
+from gatherlab.runs import plainstep, removals
 
 COLUMNS = (
     *LOSS_COLUMNS, TRAIN_COLUMN, "removed", "culprits", "first_diff_step", "max_abs_param_diff",
@@ -54,7 +62,12 @@ class Setting:
     steps: int
     seed: int
     precision: str
-    step: steprun.Step | None = None
+    step: plainstep.Step | None = None
+
+    @property
+    def built(self) -> Recipe:
+        """The factory of what the step trains: the module, or the plain step's model."""
+        return self.module if self.step is None else self.step.model
 
     @property
     def label(self) -> str:
@@ -72,30 +85,9 @@ class Setting:
                     "allowed: a torch.nn.Module"
                 )
             return built
-        from gatherlab.check import usermodule  # Lightning: only for a LightningModule
+        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
 
-        return usermodule.check_module(built, self.label)
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two data set items are equal (tensors, arrays, numbers, nested containers)."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool(torch.equal(a, b))
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return a.shape == b.shape and bool(np.array_equal(a, b))
-    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return bool(a == b)
-
-
-def _draws_randomness(data: Any) -> bool:
-    """Whether the data set's items depend on the global random streams: item 0 read twice under
-    two different seeds of them."""
-    first = removals.PerSample(data, seed=1, seeded=True)[(0, 0)]
-    second = removals.PerSample(data, seed=2, seeded=True)[(0, 0)]
-    return not _same(first, second)
+        return lightning.check_module(built, self.label)
 
 
 def _top_level(name: str) -> str:
@@ -128,7 +120,7 @@ def validate(
         if not terms.is_integer(value, minimum):
             allowed = terms.allowed_integer(minimum)
             raise ValueError(f"{key} {value!r} is not allowed; allowed: {allowed}")
-    recipe = setting.module if setting.step is None else setting.step.model
+    recipe = setting.built
     label = setting.label if setting.step is None else f"--model {recipe.name}"
     try:
         built = recipe()
@@ -139,19 +131,14 @@ def validate(
         data = setting.data()
     except Exception as error:
         raise ValueError(f"--data: cannot be built: {type(error).__name__}: {error}") from None
-    size, batch = steprun.data_size(data, "--data"), setting.global_batch_size
+    size, batch = plainstep.data_size(data, "--data"), setting.global_batch_size
     if batch > size:
         raise ValueError(
             f"--global-batch-size {batch} exceeds the {size} samples of the data set; allowed: at "
             f"most {size}"
         )
     measure.check_world_sizes(world_sizes, batch, f"--global-batch-size {batch}")
-    applies = {
-        removals.Removal.BATCHNORM: bool(removals.batch_norms(module)),
-        removals.Removal.DROPOUT: bool(removals.dropouts(module)),
-        removals.Removal.DATA_RANDOMNESS: _draws_randomness(data),
-    }
-    return tuple(removal for removal in removals.Removal if applies[removal]), parts(module)
+    return removals.found_in(module, data), parts(module)
 
 
 def _train(setting: Setting, removed: str, world_size: int) -> Trained:
@@ -162,15 +149,28 @@ def _train(setting: Setting, removed: str, world_size: int) -> Trained:
         setting.steps, setting.seed, setting.precision,
     )  # fmt: skip
     if setting.step is not None:
-        function, arguments = steprun.train_on_rank, (setting.step, *arguments[1:])
+        function, arguments = plainstep.train_on_rank, (setting.step, *arguments[1:])
     else:
-        from gatherlab.check import usermodule  # Lightning: only for a LightningModule
+        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
 
-        function = usermodule.train_on_rank
+        function = lightning.train_on_rank
     if world_size == 1:
         with world.alone():  # the module may ask for its rank or call a collective
             return function(*arguments)
     return ranks_for(world_size).run(function, *arguments)[0]
+
+
+def _curves(
+    run: Trained, reference: Trained, tolerance: float
+) -> tuple[float | None, list[float], int | None]:
+    """The training curves compared: the constant c when every step's loss is c × one device's
+    (else None), each step's |Δloss| with the run's loss divided by c, and the first step where
+    that exceeds ``tolerance`` (None when every step agrees)."""
+    scale = hypotheses.scale(run.losses, reference.losses, tolerance)
+    factor = scale or 1.0
+    differences = [abs(a / factor - b) for a, b in zip(run.losses, reference.losses, strict=True)]
+    first = next((step for step, d in enumerate(differences) if d > tolerance), None)
+    return scale, differences, first
 
 
 def _compare(
@@ -178,28 +178,20 @@ def _compare(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A W-rank run against its 1-device reference: the row's numbers and its verdict, and the
     numbers of each part of the first gradient when it has several. Losses that are c × one
-    device's at every step are compared divided by c (``loss scaled`` when the rest is exact)."""
-    scale = hypotheses.scale(run.losses, reference.losses, tolerance)
-    factor = scale or 1.0
-    differences = [abs(a / factor - b) for a, b in zip(run.losses, reference.losses, strict=True)]
-    first = next((step for step, d in enumerate(differences) if d > tolerance), None)
-    same, loss_diff = measure.same_forward(run.losses[0], reference.losses[0])
+    device's at every step are compared divided by c (``loss scaled`` when the rest is exact).
+    The forward is the first step's loss, ``same`` within ``tolerance`` as every step's is."""
+    scale, differences, first = _curves(run, reference, tolerance)
+    same = abs(run.losses[0] - reference.losses[0]) <= tolerance
     forward = terms.Forward.SAME if same else terms.Forward.DIFFERS
+    loss_diff = measure.same_forward(run.losses[0], reference.losses[0])[1]
     classified = measure.classify(run.first_gradient, reference.first_gradient, world_size)
     gradient = classified[0]
     parameters = float((run.parameters - reference.parameters).abs().max())
-    if first is None and parameters <= tolerance and gradient == EXACT:
-        verdict_ = EXACT if scale is None else terms.LOSS_SCALED
-    elif not same:
-        verdict_ = terms.LOSS_DIFFERS
-    elif gradient != EXACT:
-        verdict_ = gradient
-    else:  # the first step agrees, a later one does not
-        verdict_ = terms.DIVERGES
+    apart = first is not None or parameters > tolerance
     numbers = {
         # the table holds the words as plain strings (each a member's value)
         "forward": str(forward),
-        "verdict": str(verdict_),
+        "verdict": verdict(forward, gradient, scale, apart),
         "scale": scale,
         "cause": str(terms.Cause.SCALED) if scale is not None else "",
         "loss_diff": loss_diff,
@@ -209,22 +201,29 @@ def _compare(
         "max_abs_param_diff": parameters,
         **_gradient_numbers(classified),
     }
-    by_part = []
-    total = sum(stop - start for ranges in layout.values() for start, stop in ranges)
-    classified_parts = {}
-    if len(run.first_gradient) == total:  # the removals keep the module's parameters
-        classified_parts = measure.classify_parts(
-            run.first_gradient, reference.first_gradient, layout, world_size
-        )
+    classified_parts = _classified_parts(run, reference, layout, world_size)
     if gradient == terms.GradientClass.BIASED and measure.single_factors(classified_parts):
         numbers["cause"] = str(terms.Cause.PARTS)
-    if classified_parts:
-        for part, part_numbers in classified_parts.items():
-            by_part.append({
-                "part": part, **_gradient_numbers(part_numbers),
-                "verdict": str(verdict(forward, part_numbers[0], scale)),
-            })  # fmt: skip
+    by_part = [
+        {
+            "part": part,
+            **_gradient_numbers(numbers_),
+            "verdict": verdict(forward, numbers_[0], scale),
+        }
+        for part, numbers_ in classified_parts.items()
+    ]
     return numbers, by_part
+
+
+def _classified_parts(
+    run: Trained, reference: Trained, layout: measure.Layout, world_size: int
+) -> dict[str, tuple[str, float, float, float]]:
+    """Each part's class of the first gradient (`measure.classify_parts`), when the run kept the
+    module's parameters (a removal may replace a layer and its parameters with it)."""
+    total = sum(stop - start for ranges in layout.values() for start, stop in ranges)
+    if len(run.first_gradient) != total:
+        return {}
+    return measure.classify_parts(run.first_gradient, reference.first_gradient, layout, world_size)
 
 
 def _gradient_numbers(classified: tuple[str, float, float, float]) -> dict[str, Any]:
@@ -248,7 +247,7 @@ def _culprits(
     if not found and everything == EXACT:
         found = list(applying)
     if everything != EXACT:
-        found.append(removals.STEP_RANDOMNESS if step_random else removals.LOSS)
+        found.append(STEP_RANDOMNESS if step_random else LOSS)
     return found
 
 
@@ -257,25 +256,25 @@ def step_draws_randomness(setting: Setting) -> bool:
     ``torch``): the first step's loss on one device, computed twice from the same weights and the
     same global batch, with only the streams' seed changed. Dropout layers are off for it (they
     are a removal of their own); a step that cannot run outside training says no."""
-    recipe = setting.module if setting.step is None else setting.step.model
+    recipe = setting.built
     data = setting.data()
     if setting.step is not None:
         collate = getattr(data, "collate_fn", None)
     else:
-        from gatherlab.check import usermodule  # Lightning: only for a LightningModule
+        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
 
-        collate = usermodule.collate_fn_of(recipe(), data)
-    batch = steprun.first_batch(data, setting.global_batch_size, setting.seed, collate)
-    batch = steprun.as_precision(batch, setting.precision)
+        collate = lightning.collate_fn_of(recipe(), data)
+    batch = plainstep.first_batch(data, setting.global_batch_size, setting.seed, collate)
+    batch = plainstep.as_precision(batch, setting.precision)
     values = []
     with world.alone(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log outside a Trainer
         for streams in (1, 2):
             module = setting.checked(recipe())
-            removals.Removals(dropout=True).apply(module)
+            removals.Removals.named(removals.Removal.DROPOUT).apply(module)
             if setting.precision == terms.Precision.FLOAT64:
                 module = module.double()
-            steprun.seed_processes(setting.seed + streams)
+            plainstep.seed_processes(setting.seed + streams)
             try:
                 if setting.step is not None:
                     output = setting.step.step(module, batch)
@@ -325,18 +324,15 @@ def check(
         try:
             kept, by_part = row(removals.NONE, world_size)
             measured = [kept]
-            if kept["verdict"] not in (EXACT, terms.LOSS_SCALED):
+            if kept["verdict"] not in TRAINS_LIKE_ONE_DEVICE:
                 measured += [row(removed, world_size)[0] for removed in with_removals]
         except RankError as error:
-            rows.append({
-                "loss": setting.name, "gather": "native", "world_size": world_size,
-                "removed": removals.NONE, "part": ALL_PARTS, "forward": "", "gradient": "",
-                "verdict": terms.FAILED, "cause": "", "error": cli.first_line(error),
-                "culprits": "",
-            })  # fmt: skip
+            key = {"loss": setting.name, "gather": "native", "world_size": world_size,
+                   "removed": removals.NONE}  # fmt: skip
+            rows.append({**failed_row(key, error), "culprits": ""})
             continue
         verdicts = {r["removed"]: r["verdict"] for r in measured}
-        exact = verdicts[removals.NONE] in (EXACT, terms.LOSS_SCALED)
+        exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
         culprits = ";".join([] if exact else _culprits(verdicts, applying, step_random()))
         rows += [{**r, "culprits": culprits} for r in [kept, *by_part, *measured[1:]]]
     table = pd.DataFrame(rows, columns=list(COLUMNS))

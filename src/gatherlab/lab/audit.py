@@ -1,30 +1,89 @@
 """The gradient audit: for every gather × loss style × world size, which gradient do the ranks get?
 
 ``python -m gatherlab.audit [--out DIR] [overrides]`` composes ``experiment=gather_audit`` with the
-overrides (the same job as ``python -m gatherlab.train experiment=gather_audit``), takes one
-global batch, computes the parameter gradient that DDP hands to the optimizer on W real gloo ranks
-and compares it with the 1-device gradient of the same batch, in float64 (``gradients``). Each
-gather of the ``gather`` group is audited (also one a directory on ``hydra.searchpath`` adds), with
-the prediction it declares. It writes ``audit.csv``, ``audit.md`` and ``audit.png``/``.pdf`` into
-the output directory (rows gathers, columns loss × W, the measured class, marked where it differs
-from the prediction).
+overrides (the same job as ``python -m gatherlab.train experiment=gather_audit``), takes one global
+batch, computes the parameter gradient that DDP hands to the optimizer on W real gloo ranks and
+compares it with the 1-device gradient of the same batch, in float64 (``run_audit``, measured by
+``gatherlab.check.measure.audit``). Each gather of the ``gather`` group is audited (also one a
+directory on ``hydra.searchpath`` adds), with the prediction it declares. It writes ``audit.csv``,
+``audit.md`` and ``audit.png``/``.pdf`` into the output directory (rows gathers, columns loss × W,
+the measured class, marked where it differs from the prediction).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
+import torch
 from omegaconf import DictConfig
 
 from gatherlab.analysis import report
+from gatherlab.check import measure
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
-from gatherlab.core import cli
-from gatherlab.lab import configcheck, jobs
+from gatherlab.components.factory import Recipe
+from gatherlab.core import cli, runfiles
+from gatherlab.lab import configcheck
+
+
+@dataclass(frozen=True)
+class AuditInputs:
+    """What an audit measures on: one global batch, the losses (name → factory, each rank builds
+    its own with the gather under audit) and the model factory."""
+
+    view0: torch.Tensor
+    view1: torch.Tensor
+    losses: dict[str, Recipe]
+    model_factory: Callable[[], torch.nn.Module]
+
+
+def audit_inputs(cfg: DictConfig) -> AuditInputs:
+    """The global batch, losses and model of a checked ``experiment=gather_audit`` config."""
+    dataset = config.build_dataset(cfg)
+    [(view0, view1)] = measure.global_batches(
+        dataset, cfg.global_batch_size, cfg.seed, bool(cfg.data.shuffle), steps=1
+    )
+    losses = {
+        name: config.loss_factory_of(spec, None, cfg.seed)
+        for name, spec in cfg.audit.losses.items()
+    }
+    model_factory = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
+    return AuditInputs(view0, view1, losses, model_factory)
+
+
+def run_audit(
+    cfg: DictConfig,
+    out: Path,
+    gathers: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
+    inputs: AuditInputs | None = None,
+) -> pd.DataFrame:
+    """The audit a checked ``experiment=gather_audit`` config describes, for ``gathers`` (name →
+    gather, checked with it: ``configcheck.check_audit_gathers``), on ``inputs`` (built from the
+    config when not given); writes ``audit.csv`` into ``out`` and returns the table."""
+    out = Path(out)
+    if (out / runfiles.AUDIT).exists():
+        raise ConfigError(f"{out} already holds an audit; it is never overwritten")
+    simulated_world_sizes = list(cfg.audit.get("simulated_world_sizes") or [])
+    if inputs is None:
+        inputs = audit_inputs(cfg)
+    table = measure.audit(
+        inputs.losses,
+        inputs.model_factory,
+        inputs.view0,
+        inputs.view1,
+        gathers=gathers,
+        world_sizes=list(cfg.audit.world_sizes),
+        seed=cfg.seed,
+        simulated_world_sizes=simulated_world_sizes,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    runfiles.write_table(table, out / runfiles.AUDIT)
+    return table
 
 
 def run(cfg: DictConfig, overrides: Sequence[str], out: Path) -> pd.DataFrame:
@@ -35,7 +94,7 @@ def run(cfg: DictConfig, overrides: Sequence[str], out: Path) -> pd.DataFrame:
     with config.composed():
         gathers = config.build_gathers(None if names is None else list(names), overrides)
     configcheck.check_audit_gathers(cfg, gathers)
-    table = jobs.run_audit(cfg, out, gathers)
+    table = run_audit(cfg, out, gathers)
     report.write_audit(table, out)
     return table
 

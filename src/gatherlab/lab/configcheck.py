@@ -19,13 +19,14 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gatherlab.check import measure, removals, steprun
+from gatherlab.check import measure
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
 from gatherlab.core import cli, terms
 from gatherlab.gather import rule
+from gatherlab.runs import plainstep, removals
 
-ACCELERATORS = ("cpu", "gpu")
+ACCELERATORS = tuple(terms.Accelerator)
 
 
 __all__ = ["ConfigError", "check", "check_audit_gathers", "check_command", "machine_warning"]
@@ -53,7 +54,7 @@ def check(cfg: Mapping[str, Any]) -> None:
         )
     removed = removals_of(cfg)
     if config.is_external(cfg):
-        if devices > 1 and cfg["launcher"]["name"] != "pool":
+        if devices > 1 and cfg["launcher"]["name"] != terms.Launcher.POOL:
             raise ConfigError(
                 f"module=external builds the module inside each rank of the worker pools; "
                 f"launcher={cfg['launcher']['name']} with {devices} devices is not supported; "
@@ -90,24 +91,24 @@ def _check_layout(cfg: Mapping[str, Any]) -> int:
             f"precision={cfg['precision']!r} is not allowed; allowed: {', '.join(terms.PRECISIONS)}"
         )
     launcher = cfg["launcher"]["name"]
-    if launcher == "pool" and accelerator != "cpu":
+    if launcher == terms.Launcher.POOL and accelerator != terms.Accelerator.CPU:
         raise ConfigError(
             f"launcher=pool is not allowed with layout.accelerator={accelerator!r}; "
             "allowed: launcher=spawn or launcher=external"
         )
-    if nodes > 1 and launcher != "external":
+    if nodes > 1 and launcher != terms.Launcher.EXTERNAL:
         raise ConfigError(
             f"layout.nodes={nodes} needs ranks started on every node; allowed: launcher=external "
             "(torchrun or SLURM), or layout.nodes=1"
         )
-    if accelerator == "gpu" and launcher != "external":
+    if accelerator == terms.Accelerator.GPU and launcher != terms.Launcher.EXTERNAL:
         available = torch.cuda.device_count()
         if available < cfg["layout"]["devices"]:
             raise ConfigError(
                 f"layout.devices={cfg['layout']['devices']} GPUs asked for, this machine has "
                 f"{available}; allowed: a cpu layout, or at most {available} GPUs"
             )
-    if cfg["model"].get("norm") == "sync" and accelerator == "cpu":
+    if cfg["model"].get("norm") == "sync" and accelerator == terms.Accelerator.CPU:
         raise ConfigError(
             "model.norm='sync' (torch's SyncBatchNorm) refuses CPU tensors; allowed with "
             "layout.accelerator=cpu: global (the same statistics, on any backend), local"
@@ -139,7 +140,7 @@ def check_audit_gathers(cfg: DictConfig, gathers: Mapping[str, Any]) -> None:
 
 
 def removals_of(cfg: DictConfig) -> removals.Removals:
-    """The removals a run's ``removals.*`` keys ask for (``gatherlab.check.removals``)."""
+    """The removals a run's ``removals.*`` keys ask for (`gatherlab.runs.removals`)."""
     try:
         return removals.Removals.from_config(cfg.get("removals"))
     except ValueError as error:
@@ -154,7 +155,7 @@ def _check_contrastive_only(cfg: DictConfig, removed: removals.Removals) -> None
         key = removed.made()[0]
         raise ConfigError(
             f"removals.{key}={cfg.removals[key]} applies to module=external; allowed with "
-            f"module=contrastive: removals.{key}={removals.CONFIG_VALUES[key][0]} (gatherlab's "
+            f"module=contrastive: removals.{key}={key.config_values[0]} (gatherlab's "
             "own switches: model.norm, data.seeding)"
         )
     if config.external_data(cfg):
@@ -167,7 +168,7 @@ def _check_contrastive_only(cfg: DictConfig, removed: removals.Removals) -> None
 def _check_user_objects(cfg: DictConfig) -> int:
     """Build the user's module (as on one device: rank 0 of 1) and data set once, apply the
     removals, check both contracts; return the data set's number of samples."""
-    from gatherlab.check import usermodule
+    from gatherlab.runs import lightning
 
     factory = config.module_factory(cfg)
     target = cfg.module._target_
@@ -176,7 +177,7 @@ def _check_user_objects(cfg: DictConfig) -> int:
     except Exception as error:  # the constructor's own refusal
         raise ConfigError(f"module ({target}): {cli.first_line(error)}") from None
     try:
-        usermodule.check_module(module, f"module ({target})")
+        lightning.check_module(module, f"module ({target})")
     except ValueError as error:
         raise ConfigError(str(error)) from None
     removals_of(cfg).apply(module)
@@ -192,7 +193,7 @@ def _check_user_objects(cfg: DictConfig) -> int:
     except Exception as error:  # the constructor's own refusal
         raise ConfigError(f"data.dataset ({data_target}): {cli.first_line(error)}") from None
     try:
-        return steprun.data_size(dataset, f"data.dataset ({data_target})")
+        return plainstep.data_size(dataset, f"data.dataset ({data_target})")
     except ValueError as error:
         raise ConfigError(cli.first_line(error)) from None
 
@@ -271,7 +272,7 @@ def _check_objects(cfg: DictConfig) -> None:
 
 def machine_warning(cfg: Mapping[str, Any]) -> str | None:
     """A warning, not an error: more CPU ranks than this machine has cores run, sharing them."""
-    if cfg["layout"]["accelerator"] != "cpu":
+    if cfg["layout"]["accelerator"] != terms.Accelerator.CPU:
         return None
     ranks, cores = cfg["layout"]["devices"], len(os.sched_getaffinity(0))
     if ranks <= cores:

@@ -1,37 +1,36 @@
-"""Running one job of a checked config: a training run (``run``) or a gradient audit
-(``run_audit``). The config (and an audit's gathers) was checked by ``configcheck`` before any
-job started; nothing here checks it again, but what only running finds out (a directory that
-already holds a run, a rank that fails).
+"""Running one training job of a checked config (``run``; an audit's job is
+`gatherlab.lab.audit`'s). The config was checked by ``configcheck`` before any job started; nothing
+here checks it again, but what only running finds out (a directory that already holds a run, a rank
+that fails).
 
 A training run builds data, model, gather, loss and optimizer from the config (``config``), trains
-on the layout's ranks (``launch``), and writes its run files (docs/design.md §5) into its
-directory: ``curves.csv`` and ``final_state.pt`` from rank 0 during training, ``summary.json``
-when it ends, failed or not. With ``module=external`` the user's LightningModule and data set
-are built inside each rank instead (``usermodule.fit_on_rank``), with the same run files.
+on the layout's ranks (``launch``), and writes its run files (docs/design.md §5) into its directory:
+``curves.csv`` and ``final_state.pt`` from rank 0 during training, ``summary.json`` when it ends,
+failed or not. With ``module=external`` the user's LightningModule and data set are built inside
+each rank instead (`gatherlab.runs.lightning.fit_on_rank`), with the same run files.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gatherlab.check import measure, removals, usermodule
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
-from gatherlab.components.factory import Recipe
-from gatherlab.components.module import ContrastiveModule, PairDataModule, ProgressLog, StepRecorder
+from gatherlab.components.module import ContrastiveModule, PairDataModule
 from gatherlab.core import cli, runfiles, terms
 from gatherlab.lab import tracking
 from gatherlab.ranks import launch
 from gatherlab.ranks.pool import RankError, pool
+from gatherlab.runs import lightning, removals
+from gatherlab.runs.lightning import ProgressLog, StepRecorder
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +221,7 @@ def _external_choices(cfg: DictConfig) -> dict[str, str | None]:
 
 def _fit_external(cfg: DictConfig, run_dir: Path, devices: int) -> None:
     """Train the user's module of ``module=external`` on its data set: each rank builds both in its
-    process group and records the run files (``usermodule.fit_on_rank``); one device trains here.
+    process group and records the run files (``lightning.fit_on_rank``); one device trains here.
     The config was checked: several ranks only on the worker pools."""
     arguments = (
         config.module_factory(cfg),
@@ -236,9 +235,9 @@ def _fit_external(cfg: DictConfig, run_dir: Path, devices: int) -> None:
         [StepRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
     )
     if devices == 1:
-        usermodule.fit_on_rank(*arguments)
+        lightning.fit_on_rank(*arguments)
     else:
-        pool(devices).run(usermodule.fit_on_rank, *arguments)
+        pool(devices).run(lightning.fit_on_rank, *arguments)
 
 
 def _rank_exception(error: BaseException) -> BaseException | None:
@@ -274,61 +273,3 @@ def _evaluate(dataset, model: torch.nn.Module, run_dir: Path, precision: str) ->
     model = model.to(getattr(torch, terms.Precision(precision).dtype_name))
     model.load_state_dict(runfiles.read_final_state(run_dir))
     return evaluate(model)
-
-
-# --- the gradient audit ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AuditInputs:
-    """What an audit measures on: one global batch, the losses (name → factory, each rank builds
-    its own with the gather under audit) and the model factory."""
-
-    view0: torch.Tensor
-    view1: torch.Tensor
-    losses: dict[str, Recipe]
-    model_factory: Callable[[], torch.nn.Module]
-
-
-def audit_inputs(cfg: DictConfig) -> AuditInputs:
-    """The global batch, losses and model of a checked ``experiment=gather_audit`` config."""
-    dataset = config.build_dataset(cfg)
-    [(view0, view1)] = measure.global_batches(
-        dataset, cfg.global_batch_size, cfg.seed, bool(cfg.data.shuffle), steps=1
-    )
-    losses = {
-        name: config.loss_factory_of(spec, None, cfg.seed)
-        for name, spec in cfg.audit.losses.items()
-    }
-    model_factory = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
-    return AuditInputs(view0, view1, losses, model_factory)
-
-
-def run_audit(
-    cfg: DictConfig,
-    out: Path,
-    gathers: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
-    inputs: AuditInputs | None = None,
-) -> pd.DataFrame:
-    """The audit a checked ``experiment=gather_audit`` config describes, for ``gathers`` (name →
-    gather, checked with it: ``configcheck.check_audit_gathers``), on ``inputs`` (built from the
-    config when not given); writes ``audit.csv`` into ``out`` and returns the table."""
-    out = Path(out)
-    if (out / runfiles.AUDIT).exists():
-        raise ConfigError(f"{out} already holds an audit; it is never overwritten")
-    simulated_world_sizes = list(cfg.audit.get("simulated_world_sizes") or [])
-    if inputs is None:
-        inputs = audit_inputs(cfg)
-    table = measure.audit(
-        inputs.losses,
-        inputs.model_factory,
-        inputs.view0,
-        inputs.view1,
-        gathers=gathers,
-        world_sizes=list(cfg.audit.world_sizes),
-        seed=cfg.seed,
-        simulated_world_sizes=simulated_world_sizes,
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    runfiles.write_table(table, out / runfiles.AUDIT)
-    return table

@@ -37,7 +37,7 @@ from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles
 from gatherlab.core.terms import Rule, Style
 from gatherlab.gather import GatherFn, rule
-from gatherlab.lab import audit, configcheck, jobs
+from gatherlab.lab import audit, configcheck
 
 
 class Prediction(StrEnum):
@@ -61,7 +61,7 @@ class Predictor:
     """The predicted DDP gradient of each gather rule, loss style and W for one loss on one batch
     (the module docstring); ``own_sample`` is the own-rule gradient at W = N when known."""
 
-    def __init__(self, loss: Recipe, inputs: jobs.AuditInputs, seed: int):
+    def __init__(self, loss: Recipe, inputs: audit.AuditInputs, seed: int):
         def one_device(gather):
             measured = measure.measure(
                 loss.with_gather(gather), inputs.model_factory, inputs.view0, inputs.view1, seed
@@ -95,7 +95,7 @@ class Predictor:
 
 def predict(
     table: pd.DataFrame,
-    inputs: jobs.AuditInputs,
+    inputs: audit.AuditInputs,
     gathers: Mapping[str, GatherFn],
     seed: int,
 ) -> pd.DataFrame:
@@ -137,9 +137,9 @@ def run(cfg: DictConfig, overrides: Sequence[str], out: Path) -> pd.DataFrame:
     with config.composed():
         gathers = config.build_gathers(None if names is None else list(names), overrides)
     configcheck.check_audit_gathers(cfg, gathers)
-    inputs = jobs.audit_inputs(cfg)
-    audit = jobs.run_audit(cfg, out, gathers, inputs)
-    table = predict(audit, inputs, gathers, cfg.seed)
+    inputs = audit.audit_inputs(cfg)
+    audited = audit.run_audit(cfg, out, gathers, inputs)
+    table = predict(audited, inputs, gathers, cfg.seed)
     write(table, out)
     return table
 

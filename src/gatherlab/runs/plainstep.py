@@ -2,8 +2,8 @@
 runs (docs/design.md §2, §10): the model that ``build_model(**kwargs)`` returns, built inside every
 rank after the same seed, wrapped in torch's ``DistributedDataParallel`` on W ranks (the bare
 module on one device), the user's optimizer, and ``training_step(model, batch)`` called on each
-rank's slice of the same global batches; the removals of ``gatherlab.check.removals`` applied on
-request.
+rank's slice of the same global batches; the removals of `gatherlab.runs.removals` made on
+request; every step recorded by `gatherlab.runs.record.Recorder`.
 
 - ``Step`` says what is trained (the step, the model, the optimizer); ``train_on_rank`` trains it
   here (on one device, or on this rank of the process group when there is one) and returns what
@@ -13,7 +13,6 @@ request.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,11 +24,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
-from gatherlab.check import removals
 from gatherlab.components.data import GlobalBatchSampler
 from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles, terms
 from gatherlab.ranks import world
+from gatherlab.runs import removals
+from gatherlab.runs.record import Recorder
 
 __all__ = [
     "Step", "as_precision", "build", "data_size", "first_batch", "seed_processes", "step_loss",
@@ -130,7 +130,7 @@ def _batches(
         num_samples=len(dataset), global_batch_size=global_batch_size, num_batches=steps,
         rank=rank, world_size=size, seed=seed, shuffle=shuffle, with_epoch=True,
     )  # fmt: skip
-    items = removals.PerSample(dataset, seed, removed.data_randomness)
+    items = removals.PerSample(dataset, seed, removals.Removal.DATA_RANDOMNESS in removed)
     collate = collate or getattr(dataset, "collate_fn", None) or default_collate
     for keys in sampler:
         yield collate([items[key] for key in keys])
@@ -160,40 +160,27 @@ def train_on_rank(
     """Build the model and the data set here, make the removals, seed the global random streams
     from ``seed`` (as a training script does), and train ``steps`` steps: DDP over this rank's
     process group when there is one, the bare model on one device. Returns each step's global
-    loss (the mean over ranks, one all-reduce for the run), the first step's gradient as the
-    optimizer gets it, and the final parameters."""
+    loss (`gatherlab.runs.record`), the first step's gradient as the optimizer gets it, and the
+    final parameters."""
     device = world.device()  # a rank's own GPU in an NCCL group, else the CPU
     model = build(step, removed, precision).to(device)
     data = dataset()
-    distributed = world.size() > 1
-    on_gpu = device.type == "cuda"
+    on_gpu = device.type == terms.Device.CUDA
     wrapped = (
         DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
-        if distributed
+        if world.size() > 1
         else model
     )
     optimizer = step.optimizer(model.parameters(), **step.optimizer_kwargs)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    recorder = Recorder(keep_first_gradient=True)
     seed_processes(seed)
-    local, first_gradient = [], None
-    for batch in _batches(data, removed, global_batch_size, steps, seed, shuffle):
+    batches = _batches(data, removed, global_batch_size, steps, seed, shuffle)
+    for index, batch in enumerate(batches):
         optimizer.zero_grad()
         loss = step_loss(step.step(wrapped, as_precision(batch, precision, device)))
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise ValueError(f"the step returned {value} at step {len(local)} on rank "
-                             f"{world.rank()}; allowed: a finite loss")  # fmt: skip
+        recorder.loss(loss, index, world.rank())
         loss.backward()
-        local.append(value)
-        if first_gradient is None:
-            first_gradient = torch.cat(
-                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                 for p in trainable]
-            ).detach().double().cpu()  # fmt: skip
+        recorder.gradient(model.parameters(), index, world.rank())
         optimizer.step()
-    losses = torch.tensor(local, dtype=torch.float64, device=device)
-    if distributed:
-        torch.distributed.all_reduce(losses)
-        losses /= world.size()
-    parameters = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().cpu()
-    return runfiles.Trained(losses.cpu().tolist(), first_gradient, parameters)
+    recorder.finish(model.parameters())
+    return recorder.trained()

@@ -1,0 +1,91 @@
+"""The table of a check (``check.csv``): its columns, the verdict of a row, the row of a world size
+whose ranks raised, and whether a table says "trains like one device". Each is decided here and
+only here, for the check of a loss or gather (`gatherlab.check.api`) and of a training step
+(`gatherlab.check.training`); `gatherlab.check.diagnosis` puts them into words."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from gatherlab.core import cli, terms
+from gatherlab.runs.removals import NONE
+
+__all__ = [
+    "ALL_PARTS", "COLUMNS", "EXACT", "LOSS", "STEP_RANDOMNESS", "TRAINS_LIKE_ONE_DEVICE",
+    "TRAIN_COLUMN", "failed_row", "trains_like_one_device", "verdict",
+]  # fmt: skip
+
+EXACT = terms.GradientClass.EXACT
+ALL_PARTS = "all"
+"""The ``part`` of a row about the whole gradient (the rows of a check before parts existed)."""
+
+COLUMNS = (
+    "loss", "gather", "world_size", "part", "forward", "gradient", "verdict", "scale", "cause",
+    "loss_diff", "cosine", "norm_ratio", "max_rel_err", "error",
+)  # fmt: skip
+"""The columns of a check's table (``check.csv``), in order; with ``steps`` a last column,
+``train_max_abs_loss_diff``, follows. ``part`` is ``all`` for the whole gradient, then, when the
+gradient has several parts, ``model`` and ``loss.<name>`` per trainable parameter of the loss;
+``forward`` is ``same`` or ``differs``; ``gradient`` one of ``exact``, ``1/W``, ``W``,
+``biased``, ``none``, ``other``; ``verdict`` is ``exact``, ``loss scaled``, ``loss differs``,
+the gradient's class, ``diverges`` (with ``steps``) or ``failed``; ``scale`` the constant c of a
+loss that is c × one device's; ``cause`` what reproduced a ``loss differs`` (``scaled``,
+``local_negatives``, ``pair_order``, ``unexplained``) or split a ``biased`` gradient
+(``parts``); ``error`` the failing rank's error line; ``loss_diff`` the relative difference of
+the global loss; ``gather`` is ``native`` when the loss communicates by itself (docs/design.md
+§5, §6)."""
+TRAIN_COLUMN = "train_max_abs_loss_diff"
+
+# The culprits of a training step that are no removal (docs/design.md §10): the loss itself (or
+# how it communicates across ranks), left when every removal is made and the run is still not
+# exact; the step's own draws from the global random streams, named instead of the loss when the
+# step makes them (no removal takes that out).
+LOSS = "loss"
+STEP_RANDOMNESS = "step_randomness"
+
+TRAINS_LIKE_ONE_DEVICE = frozenset({EXACT, terms.LOSS_SCALED})
+"""The verdicts of a world size that trains like one device: ``loss scaled`` only logs a scaled
+value."""
+
+
+def verdict(forward: str, gradient: str, scale: float | None = None, apart: bool = False) -> str:
+    """The verdict of a row: ``exact`` when forward and gradient are; ``loss scaled`` when the
+    forward is a constant multiple ``scale`` of one device's and the gradient is exact; ``loss
+    differs`` when the forward differs otherwise; else the gradient's class; and ``diverges``
+    where it would be ``exact`` or ``loss scaled`` but a training run compared (``apart``) leaves
+    the 1-device one: a later step's loss (divided by ``scale``) or the final weights.
+
+    >>> verdict("same", "exact"), verdict("differs", "exact", 2.0), verdict("same", "1/W")
+    ('exact', 'loss scaled', '1/W')
+    >>> verdict("differs", "biased", 2.0), verdict("differs", "exact", 2.0, apart=True)
+    ('loss differs', 'diverges')
+    """
+    if forward == terms.Forward.DIFFERS:
+        first = terms.LOSS_SCALED if scale is not None and gradient == EXACT else terms.LOSS_DIFFERS
+    else:
+        first = gradient
+    if apart and first in TRAINS_LIKE_ONE_DEVICE:
+        return str(terms.DIVERGES)
+    return str(first)
+
+
+def failed_row(key: dict[str, Any], error: BaseException) -> dict[str, Any]:
+    """The row of a world size whose ranks raised (``key``: its loss, gather, world size and, for
+    a training step, its run): ``failed``, and the rank's error line."""
+    return {
+        **key, "part": ALL_PARTS, "forward": "", "gradient": "", "verdict": str(terms.FAILED),
+        "cause": "", "error": cli.first_line(error),
+    }  # fmt: skip
+
+
+def trains_like_one_device(table: pd.DataFrame) -> bool:
+    """Whether a check's table says every world size trains like one device: every verdict of
+    the whole gradient in `TRAINS_LIKE_ONE_DEVICE` (`check_loss`, `check_gather`), or for
+    `check_training` every run without removals."""
+    if "removed" in table:
+        table = table[table["removed"] == NONE]
+    if "part" in table:
+        table = table[table["part"] == ALL_PARTS]
+    return bool(table["verdict"].isin(TRAINS_LIKE_ONE_DEVICE).all())

@@ -1,0 +1,234 @@
+"""Training with Lightning on a rank: the callbacks of every Lightning run (gatherlab's own module
+and a user's), and a user's own ``LightningModule`` and map-style data set trained the way
+gatherlab trains its own module (docs/design.md §2, §10): every layout sees the same global batches
+in the same order, rank r its r-th contiguous slice, and the removals of `gatherlab.runs.removals`
+made on request.
+
+- ``StepRecorder`` records every step of any LightningModule (`gatherlab.runs.record.Recorder`)
+  and, with a run directory, rank 0 writes the run files there (docs/design.md §5);
+  ``ProgressLog`` logs a line every few steps;
+- ``ItemsDataModule`` serves each rank its slice of the global batches of any map-style data set
+  (``len``, ``dataset[index]``), collated by the module's or the data set's ``collate_fn`` when it
+  has one, else PyTorch's default;
+- ``train_on_rank`` builds the module and the data set where it runs (inside each rank), trains
+  them on one device or in the rank's process group (``fit_on_rank``, which also trains a
+  ``module=external`` run) and returns what the check compares.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from gatherlab.components.factory import Recipe
+from gatherlab.components.module import rank_sampler
+from gatherlab.core import runfiles
+from gatherlab.ranks import launch, world
+from gatherlab.runs import removals
+from gatherlab.runs.plainstep import seed_processes
+from gatherlab.runs.record import Recorder
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ItemsDataModule", "ProgressLog", "StepRecorder", "check_module", "collate_fn_of",
+    "fit_on_rank", "loss_of_step", "train_on_rank",
+]  # fmt: skip
+
+
+def check_module(module: Any, label: str) -> L.LightningModule:
+    """``module`` when it is a ``LightningModule`` with its own ``training_step`` and
+    ``configure_optimizers``; a ValueError of one line, starting with ``label``, otherwise."""
+    if not isinstance(module, L.LightningModule):
+        raise ValueError(
+            f"{label} built a {type(module).__name__}; allowed: a lightning.LightningModule with "
+            "training_step and configure_optimizers"
+        )
+    for method in ("training_step", "configure_optimizers"):
+        if getattr(type(module), method) is getattr(L.LightningModule, method):
+            raise ValueError(f"{label} has no {method}; allowed: a LightningModule with one")
+    return module
+
+
+def collate_fn_of(module: Any, dataset: Any) -> Callable[[list[Any]], Any]:
+    """The module's ``collate_fn``, else the data set's, else PyTorch's ``default_collate``."""
+    return (
+        getattr(module, "collate_fn", None)
+        or getattr(dataset, "collate_fn", None)
+        or (default_collate)
+    )
+
+
+class ItemsDataModule(L.LightningDataModule):
+    """Each rank's slice of the same global batches of a map-style data set (docs/design.md §2),
+    its items drawn with the data set's own randomness or, ``seeded``, with its global random
+    streams seeded per sample (``removals.PerSample``)."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        global_batch_size: int,
+        steps: int,
+        seed: int,
+        shuffle: bool,
+        seeded: bool,
+        collate_fn: Callable[[list[Any]], Any],
+    ):
+        super().__init__()
+        self.dataset, self.global_batch_size, self.steps = dataset, global_batch_size, steps
+        self.seed, self.shuffle, self.seeded, self.collate_fn = seed, shuffle, seeded, collate_fn
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = rank_sampler(
+            self.trainer, len(self.dataset), self.global_batch_size, self.steps, self.seed,
+            self.shuffle,
+        )  # fmt: skip
+        items = removals.PerSample(self.dataset, self.seed, self.seeded)
+        return DataLoader(items, batch_sampler=sampler, collate_fn=self.collate_fn)
+
+
+def train_on_rank(
+    module: Recipe,
+    dataset: Recipe,
+    removed: removals.Removals,
+    global_batch_size: int,
+    steps: int,
+    seed: int,
+    precision: str,
+    shuffle: bool = True,
+) -> runfiles.Trained:
+    """Build the module and the data set here (with this rank's ``rank``/``world_size`` when
+    their constructors take them; the module's initial weights drawn from ``seed``), apply
+    ``removals``, and train ``steps`` steps with Lightning: on one device, or on this rank of the
+    process group when there is one. Returns the run (``runfiles.Trained``: the global loss of each
+    step, the first step's gradient, the final parameters)."""
+    recorder = StepRecorder(keep_first_gradient=True)
+    fit_on_rank(
+        module, dataset, removed, global_batch_size, steps, seed, precision, shuffle, [recorder]
+    )
+    return recorder.trained()
+
+
+def fit_on_rank(
+    module: Recipe,
+    dataset: Recipe,
+    removed: removals.Removals,
+    global_batch_size: int,
+    steps: int,
+    seed: int,
+    precision: str,
+    shuffle: bool,
+    callbacks: list[L.Callback],
+) -> None:
+    """``train_on_rank``'s training with ``callbacks``: build the module and the data set here,
+    apply ``removals``, seed the global random streams from ``seed``, and fit ``steps`` steps on
+    one device or on this rank of the process group when there is one."""
+    lightning_module = module()
+    removed.apply(lightning_module)
+    data = dataset()
+    datamodule = ItemsDataModule(
+        data, global_batch_size, steps, seed, shuffle, removals.Removal.DATA_RANDOMNESS in removed,
+        collate_fn_of(lightning_module, data),
+    )  # fmt: skip
+    seed_processes(seed)
+    if world.size() > 1:
+        launch.fit_in_group(lightning_module, datamodule, precision, steps, callbacks)
+    else:
+        launch.fit(lightning_module, datamodule, 1, precision, steps, callbacks)
+
+
+def loss_of_step(output: Any) -> torch.Tensor:
+    """The loss a ``training_step`` returned: the tensor, or a mapping's ``"loss"``; a TypeError of
+    one line for anything else."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        if output is None or (isinstance(output, list | dict) and not output):
+            returned = "nothing"  # Lightning hands on a step that returned None as []
+        elif isinstance(output, dict):
+            returned = f"a dict of {sorted(output)}"
+        else:
+            returned = type(output).__name__
+        raise TypeError(
+            f"training_step returned {returned}; allowed: the loss tensor or a dict with 'loss'"
+        )
+    return loss
+
+
+class StepRecorder(L.Callback):
+    """Records every optimizer step of any LightningModule on its rank (`Recorder`: the loss
+    ``training_step`` returned, checked before its backward; the norm of the gradient the
+    optimizer applies, after DDP's average; with ``keep_first_gradient`` the first step's whole
+    gradient; when training ends each step's global loss and the final parameters). With
+    ``run_dir``, rank 0 writes ``curves.csv`` and ``final_state.pt`` there (the module's
+    ``run_state_dict()`` when it has one, else its ``state_dict()``). A NaN or infinite loss or
+    gradient norm stops the run (`gatherlab.runs.record.NonFiniteLoss`)."""
+
+    def __init__(self, run_dir: str | Path | None = None, keep_first_gradient: bool = False):
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.recorder = Recorder(keep_first_gradient)
+
+    def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        self.recorder.loss(loss, trainer.global_step, trainer.global_rank)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.recorder.gradient(pl_module.parameters(), trainer.global_step, trainer.global_rank)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        loss_of_step(outputs)  # the module's contract: a step returns its loss
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.recorder.finish(pl_module.parameters())
+        if self.run_dir is not None and trainer.global_rank == 0:
+            self.recorder.write(
+                self.run_dir, getattr(pl_module, "run_state_dict", pl_module.state_dict)()
+            )
+
+    def trained(self) -> runfiles.Trained:
+        """The run as the checks compare it (`Recorder.trained`)."""
+        return self.recorder.trained()
+
+
+class ProgressLog(L.Callback):
+    """A line every ``every`` optimizer steps (and at the last) from rank 0: the step, rank 0's
+    local loss (what ``training_step`` returned; the global loss is reduced once, when training
+    ends), the time so far. Works with any LightningModule."""
+
+    def __init__(self, every: int, steps: int):
+        self.every, self.steps = every, steps
+        self.start = 0.0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # A rank in a worker process has no logging configured; its progress goes to stderr.
+        package = logging.getLogger("gatherlab")
+        if trainer.global_rank == 0 and not package.hasHandlers():
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][rank 0] %(message)s"))
+            package.addHandler(handler)
+            package.setLevel(logging.INFO)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if trainer.global_rank != 0 or not self.every:
+            return
+        if step % self.every == 0 or step == self.steps:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            log.info(
+                "step %d/%d: local loss %.6g, %.1f s",
+                step,
+                self.steps,
+                float(loss),
+                time.perf_counter() - self.start,
+            )

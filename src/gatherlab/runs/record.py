@@ -1,0 +1,129 @@
+"""The one record of a training run's steps, whatever trains it (gatherlab's module and a user's
+LightningModule through `gatherlab.runs.lightning.StepRecorder`, a plain PyTorch step in
+`gatherlab.runs.plainstep`): each optimizer step's local loss (checked finite before its backward),
+the L2 norm of the gradient the optimizer applies (after DDP's average), optionally the first step's
+whole gradient, and when training ends each step's global loss and the final parameters
+(`gatherlab.core.runfiles.Trained`).
+
+The global loss of a step is the mean over ranks of the ranks' local losses (docs/design.md §2),
+computed one way everywhere: `mean_over_ranks` (``math.fsum`` of the ranks' values over W, the
+correctly rounded sum), in the calling process from the ranks' results or inside the ranks after
+one all-gather for the whole run (`global_losses`; a collective costs as much as a small model's
+step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gatherlab.core import runfiles
+from gatherlab.ranks import world
+
+__all__ = [
+    "NonFiniteLoss", "Recorder", "flat_gradient", "flat_parameters", "global_losses",
+    "mean_over_ranks",
+]  # fmt: skip
+
+
+class NonFiniteLoss(FloatingPointError):
+    """A NaN or infinite loss or gradient norm (``what``, ``value``): the run stops at ``step``
+    on ``rank``; the step is data (``summary.json``'s ``failed_step``), the message names it."""
+
+    def __init__(self, what: str, value: float, step: int, rank: int) -> None:
+        super().__init__(f"the {what} is {value} at step {step} (rank {rank})")
+        self.what, self.value, self.step, self.rank = what, value, step, rank
+
+    def __reduce__(self) -> tuple:  # sent from a rank to the command as it is (ranks.pool)
+        return type(self), (self.what, self.value, self.step, self.rank)
+
+
+def flat_gradient(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """The gradients of ``parameters`` flattened into one vector, in their order; a parameter
+    that got no gradient contributes zeros."""
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in parameters]
+    ).detach()
+
+
+def flat_parameters(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """The values of ``parameters`` flattened into one float64 vector on the CPU."""
+    return torch.cat([p.detach().reshape(-1) for p in parameters]).double().cpu()
+
+
+def mean_over_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Each step's global loss from every rank's local losses (``per_rank[r][step]``): their
+    mean over the ranks, summed correctly rounded (``math.fsum``)."""
+    return [math.fsum(values) / len(per_rank) for values in zip(*per_rank, strict=True)]
+
+
+def global_losses(local: Sequence[float]) -> list[float]:
+    """Inside a rank: each step's global loss (`mean_over_ranks`) from this rank's local losses
+    and every other rank's, all-gathered once for the run; on one device, the losses as they
+    are."""
+    if world.size() == 1:
+        return list(local)
+    mine = torch.tensor(local, dtype=torch.float64, device=world.device())
+    every = [torch.empty_like(mine) for _ in range(world.size())]
+    dist.all_gather(every, mine)
+    return mean_over_ranks([values.cpu().tolist() for values in every])
+
+
+class Recorder:
+    """Records every optimizer step of a run on its rank (see the module): call `loss` before the
+    step's backward, `gradient` before the optimizer's step, and `trained` when training ends."""
+
+    def __init__(self, keep_first_gradient: bool = False):
+        self.keep_first_gradient = keep_first_gradient
+        self.steps: list[int] = []
+        self.local_losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.first_gradient: torch.Tensor | None = None
+        self.losses: list[float] | None = None
+        self.parameters: torch.Tensor | None = None
+
+    def loss(self, loss: torch.Tensor, step: int, rank: int) -> None:
+        """The step's local loss; `NonFiniteLoss` for a NaN or an infinity."""
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise NonFiniteLoss("loss", value, step, rank)
+        self.steps.append(step)
+        self.local_losses.append(value)
+
+    def gradient(self, parameters: Iterable[nn.Parameter], step: int, rank: int) -> None:
+        """The gradient the optimizer is about to apply: its norm, and the whole of it at the
+        first step with ``keep_first_gradient``; `NonFiniteLoss` for a non-finite norm."""
+        trainable = [p for p in parameters if p.requires_grad]
+        gradient = flat_gradient(trainable) if trainable else torch.zeros(0)
+        norm = float(torch.linalg.vector_norm(gradient)) if len(gradient) else 0.0
+        if not math.isfinite(norm):
+            raise NonFiniteLoss("gradient norm", norm, step, rank)
+        self.grad_norms.append(norm)
+        if self.keep_first_gradient and self.first_gradient is None:
+            self.first_gradient = gradient.double().cpu()
+
+    def finish(self, parameters: Iterable[nn.Parameter]) -> None:
+        """Training ended: each step's global loss (a collective on W ranks: every rank calls
+        this) and the final parameters."""
+        self.losses = global_losses(self.local_losses)
+        self.parameters = flat_parameters(parameters)
+
+    def write(self, run_dir: str | Path, state: dict[str, torch.Tensor]) -> None:
+        """Write the run's ``curves.csv`` (step, global loss, rank 0's gradient norm) and its
+        ``final_state.pt`` (``state``) into ``run_dir`` (docs/design.md §5): rank 0's task."""
+        rows = zip(self.steps, self.losses or [], self.grad_norms, strict=True)
+        runfiles.write_curves(
+            run_dir, [{"step": step, "loss": loss, "grad_norm": norm} for step, loss, norm in rows]
+        )
+        runfiles.write_final_state(run_dir, state)
+
+    def trained(self) -> runfiles.Trained:
+        """The run as the checks compare it; a RuntimeError when it ended before its first step."""
+        if self.losses is None or self.parameters is None or not self.local_losses:
+            raise RuntimeError("training stopped before its first step")
+        return runfiles.Trained(self.losses, self.first_gradient, self.parameters)

@@ -1,0 +1,47 @@
+"""The one record of a run's steps (gatherlab.runs.record, docs/design.md §4): the global loss as
+the mean over ranks, computed one way in the calling process and inside the ranks, and what the
+recorder keeps of a step."""
+
+from __future__ import annotations
+
+import pytest
+import ranks
+import torch
+from torch import nn
+
+from gatherlab.ranks import pool as pools
+from gatherlab.runs.record import NonFiniteLoss, Recorder, mean_over_ranks
+
+
+def test_the_global_loss_is_the_correctly_rounded_mean_over_ranks():
+    assert mean_over_ranks([[1.0, 2.0], [3.0, 5.0]]) == [2.0, 3.5]
+    # 1e16 + 1 rounds to 1e16 in float64: summed left to right these four give 1/4, the exact
+    # sum is 2, so the mean is 1/2.
+    assert mean_over_ranks([[1e16], [1.0], [-1e16], [1.0]]) == [0.5]
+
+
+def test_the_ranks_compute_the_same_mean_after_one_all_gather():
+    # Rank 0's local losses [1e16, 3, 0.25], rank 1's [1, 5, 0.5]: (1e16 + 1) / 2 is 5e15 + 0.5,
+    # which float64 holds exactly; 4 and 0.375 exactly too. Both ranks return all three.
+    expected = [5e15 + 0.5, 4.0, 0.375]
+    assert pools.pool(2).run(ranks.global_losses_of_rank) == [expected, expected]
+
+
+def test_the_recorder_keeps_the_first_gradient_with_zeros_where_none_arrived():
+    model = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 1, bias=False)).double()
+    recorder = Recorder(keep_first_gradient=True)
+    for step in range(2):
+        model.zero_grad()
+        loss = model[0](torch.ones(1, 2, dtype=torch.float64)).sum() * (step + 1)  # layer 1 unused
+        recorder.loss(loss, step, rank=0)
+        loss.backward()
+        recorder.gradient(model.parameters(), step, rank=0)
+    recorder.finish(model.parameters())
+    trained = recorder.trained()
+    # d(sum W x)/dW = 1 for each of layer 0's four weights at step 0, nothing for layer 1's two
+    assert trained.first_gradient.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    assert recorder.grad_norms == [2.0, 4.0]  # ‖(1,1,1,1)‖ and ‖(2,2,2,2)‖
+    expected = float(model[0].weight.detach().sum())
+    assert trained.losses == pytest.approx([expected, 2 * expected], abs=0)
+    with pytest.raises(NonFiniteLoss, match=r"^the loss is nan at step 2 \(rank 1\)$"):
+        recorder.loss(torch.tensor(float("nan")), 2, rank=1)
