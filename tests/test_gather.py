@@ -6,8 +6,9 @@ slice, the pattern of lightly's GatherLayer before PR #1531) bit for bit.
 The backward collectives a GPU runs (``fixed``'s and ``avg``'s reduce-scatter, torch's
 reduce-scatter under ``torch_nn`` and ``lightning``) on gloo at W = 2, 4, 8; the backend →
 collective choice; a bad ``collective=``. The names are the YAML files of conf/gather/ (the one
-registry of gathers). (The parameter-gradient class of every gather is the audit's,
-tests/test_audit.py.)"""
+registry of gathers), in the order of ``IMPLEMENTATIONS``, which holds every gather class of the
+package in the order of docs/design.md §1's table. (The parameter-gradient class of every gather
+is the audit's, tests/test_audit.py.)"""
 
 from __future__ import annotations
 
@@ -274,6 +275,53 @@ def test_the_names_are_the_yaml_files_of_the_gather_group():
     assert gather.get("fixed_all_reduce") == gather.Fixed("all_reduce")
     assert gather.get("fixed_reduce_scatter") == gather.Fixed("reduce_scatter")
     assert not hasattr(gather, "register")
+
+
+def _classes_defined_in_the_package() -> set[type]:
+    """Every `Gather` subclass a module of ``gatherlab.gather`` defines (imported, not read off
+    the package face): what `gather.IMPLEMENTATIONS` must list."""
+    import importlib
+    import pkgutil
+
+    defined = set()
+    for module_info in pkgutil.iter_modules(gather.__path__, prefix=f"{gather.__name__}."):
+        module = importlib.import_module(module_info.name)
+        defined |= {
+            value
+            for value in vars(module).values()
+            if isinstance(value, type)
+            and issubclass(value, gather.Gather)
+            and value is not gather.Gather
+            and value.__module__ == module.__name__
+        }
+    return defined
+
+
+def test_every_gather_class_of_the_package_has_its_place_in_the_order():
+    """A class added to any file of ``gatherlab.gather`` and not to ``IMPLEMENTATIONS`` would be
+    sorted after every other gather by ``ordered``, silently: it fails here instead."""
+    assert len(gather.IMPLEMENTATIONS) == len(set(gather.IMPLEMENTATIONS)) == 8
+    assert _classes_defined_in_the_package() == set(gather.IMPLEMENTATIONS)
+
+
+def _design_table_names() -> list[str]:
+    """The first column of docs/design.md §1's table "What each gather returns", top to bottom."""
+    text = (REPO / "docs" / "design.md").read_text()
+    table = text.split("### What each gather returns", 1)[1].split("\n\n", 2)[1]
+    return [row.split("|")[1].strip().strip("`") for row in table.splitlines()[2:]]
+
+
+def test_names_follow_the_order_of_the_classes_and_of_design_s_table():
+    """``NAMES`` lists the options by the place of their class in ``IMPLEMENTATIONS`` (the options
+    of one class by name), and that order is docs/design.md §1's table, one row per class."""
+    place = {kind: index for index, kind in enumerate(gather.IMPLEMENTATIONS)}
+    by_class = sorted(gather.NAMES, key=lambda name: (place[type(gather.get(name))], name))
+    assert tuple(by_class) == gather.NAMES
+    table = _design_table_names()
+    assert table == ["fixed", "torch_nn", "functional", "lightning", "old", "nograd_swap", "avg",
+                     "nograd"]  # fmt: skip
+    assert [type(gather.get(name)) for name in table] == list(gather.IMPLEMENTATIONS)
+    assert [name for name in gather.NAMES if name in table] == table
 
 
 def test_unknown_gather_names_what_is_allowed():
