@@ -26,8 +26,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gatherlab.components.factory import Recipe, locate
+from gatherlab.components.factory import Recipe
 from gatherlab.core import cli
+from gatherlab.core.imports import locate
 from gatherlab.gather import ordered
 
 # The configs: the repository's conf/, which the package carries as gatherlab.conf (pyproject.toml),
