@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from gatherlab.components.augment import VIEW_STREAMS, Augmentation, sample_generator
+from gatherlab.core import terms
 from gatherlab.ranks import world
 
 SEEDINGS = ("per_sample", "per_process")
@@ -213,12 +214,12 @@ class GlobalBatchSampler:
     def __iter__(self) -> Iterator[list[int] | list[tuple[int, int]]]:
         """Each step's indices, or ``(epoch, index)`` keys ``with_epoch``."""
         batches_per_epoch = self.num_samples // self.global_batch_size
-        local = self.global_batch_size // self.world_size
+        own = terms.rows_of(self.rank, self.world_size, self.global_batch_size)
         order = None
         for step in range(self.num_batches):
             epoch, block = divmod(step, batches_per_epoch)
             if block == 0:
                 order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
-            start = block * self.global_batch_size + self.rank * local
-            indices = order[start : start + local].tolist()
+            start = block * self.global_batch_size
+            indices = order[start + own.start : start + own.stop].tolist()
             yield [(epoch, index) for index in indices] if self.with_epoch else indices

@@ -21,16 +21,19 @@ CURVES = "curves.csv"
 SUMMARY = "summary.json"
 FINAL_STATE = "final_state.pt"
 CURVE_COLUMNS = ("step", "loss", "grad_norm")
-# The fields of summary.json that describe a run (docs/design.md §5), which the run table of
-# gatherlab.results has as columns: the config groups' choices that name it, its sizes, and what
-# it gave.
 SUMMARY_CHOICES = (
     "experiment", "module", "model", "loss", "data", "optim", "gather", "layout", "launcher",
     "logger",
 )  # fmt: skip
+"""The fields of summary.json that name a run: its config groups' choices (docs/design.md §5)."""
 SUMMARY_SIZES = ("devices", "batch_size", "global_batch_size", "precision", "steps", "seed")
+"""The fields of summary.json that size a run."""
 SUMMARY_OUTCOMES = ("final_loss", "wall_s", "loss_layout_invariant")
+"""The fields of summary.json that say what a run gave."""
 SUMMARY_COLUMNS = (*SUMMARY_CHOICES, *SUMMARY_SIZES, *SUMMARY_OUTCOMES)
+"""The fields of summary.json that describe a run, the first columns of the run table of
+``gatherlab.results`` and of ``comparison.csv``: `SUMMARY_CHOICES`, then `SUMMARY_SIZES`, then
+`SUMMARY_OUTCOMES`, each in its own order."""
 # What a sweep's report and an audit write into their directories.
 COMPARISON = "comparison.csv"
 AUDIT = "audit.csv"

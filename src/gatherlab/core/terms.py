@@ -21,9 +21,13 @@ __all__ = [
     "LOSS_SCALED",
     "PRECISIONS",
     "TOLERANCE",
+    "Accelerator",
+    "Backend",
     "Cause",
+    "Device",
     "Forward",
     "GradientClass",
+    "Launcher",
     "Precision",
     "Rule",
     "RunVerdict",
@@ -121,6 +125,51 @@ class World(StrEnum):
 
     REAL = "real"
     SIMULATED = "simulated"
+
+
+class Launcher(StrEnum):
+    """How a run's W ranks are started (the options of ``conf/launcher/``,
+    `gatherlab.ranks.launch`): the warm worker pools (``pool``, CPU only), a fresh Lightning
+    ``ddp_spawn`` run per job (``spawn``), or ranks that torchrun or SLURM started
+    (``external``)."""
+
+    POOL = "pool"
+    SPAWN = "spawn"
+    EXTERNAL = "external"
+
+
+class Backend(StrEnum):
+    """A process group's backend, by ``torch.distributed``'s name."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+    XCCL = "xccl"
+
+
+class Device(StrEnum):
+    """Where a rank computes, by torch's device type (``torch.device``, ``--device`` of
+    ``python -m gatherlab.check``)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+    @property
+    def backend(self) -> Backend:
+        """The backend of a process group between ranks on this device: gloo between CPUs, NCCL
+        between GPUs."""
+        return Backend.GLOO if self is Device.CPU else Backend.NCCL
+
+
+class Accelerator(StrEnum):
+    """A layout's accelerator, by Lightning's name (``layout.accelerator`` of ``conf/layout/``)."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+
+    @property
+    def device(self) -> Device:
+        """Its torch device type: ``cpu``, or ``cuda`` for ``gpu``."""
+        return Device.CPU if self is Accelerator.CPU else Device.CUDA
 
 
 class Precision(StrEnum):

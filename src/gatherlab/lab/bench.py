@@ -88,18 +88,18 @@ def launcher(jobs: int, steps: int) -> float:
     with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
         print(f"{jobs} jobs of {steps} steps each, 2 CPU ranks (experiment=bug_demo layout=cpu2)")
         print(f"{'launcher':<8} {'first job [s]':>14} {'per job, jobs 2..N [s]':>23}")
-        for name in ("spawn", "pool"):
+        for name in (terms.Launcher.SPAWN, terms.Launcher.POOL):
             times = _job_times(name, jobs, steps, Path(root))
             marginal[name] = statistics.mean(times[1:])
             print(f"{name:<8} {times[0]:>14.3f} {marginal[name]:>23.3f}")
     pools.close_pools()
-    ratio = marginal["pool"] / marginal["spawn"]
+    ratio = marginal[terms.Launcher.POOL] / marginal[terms.Launcher.SPAWN]
     print(f"pool/spawn per-job cost ratio: {ratio:.4f}")
     return ratio
 
 
 GATHER_SIZES = ((256, 128), (1024, 256), (4096, 512))
-SHOWN_BACKENDS = ("gloo", "nccl", "xccl")
+SHOWN_BACKENDS = tuple(terms.Backend)
 
 
 def _exact_gathers() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:

@@ -49,14 +49,16 @@ def gather_views(
 
 
 def local_offset(local: torch.Tensor, gathered: torch.Tensor) -> int:
-    """Index of this rank's first sample in the gathered batch (0 when nothing was gathered)."""
-    return world.rank() * local.shape[0] if gathered.shape[0] > local.shape[0] else 0
+    """Index of this rank's first sample in the gathered batch: where its own rows start
+    (``gatherlab.ranks.world.own_rows``, from ``gatherlab.core.terms.rows_of``); 0 when nothing
+    was gathered."""
+    return world.own_rows(gathered.shape[0]).start if gathered.shape[0] > local.shape[0] else 0
 
 
 def own_columns(first: int, rows: int, device: torch.device) -> torch.Tensor:
     """Indices ``first .. first + rows - 1`` of this rank's samples among the columns a loss
-    compares its rows with (the gathered batch, where ``first`` is ``local_offset``'s; which rows
-    a rank holds is ``gatherlab.core.terms.rows_of``): the positives' columns, as a tensor."""
+    compares its rows with (the gathered batch, where ``first`` is ``local_offset``'s): the
+    positives' columns, as a tensor."""
     return first + torch.arange(rows, device=device)
 
 

@@ -37,17 +37,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gatherlab.core import cli
+from gatherlab.core import cli, terms
 from gatherlab.ranks import pool as pools
 from gatherlab.ranks.pool import COLLECTIVE_TIMEOUT, RankError
 
 __all__ = [
-    "BACKENDS", "DEVICES", "Launched", "RankZeroGone", "Ranks", "active", "connect", "launched",
-    "ranks_for", "serve",
+    "BACKENDS", "DEVICES", "SLURM_VARIABLES", "TORCHRUN_VARIABLES", "Launched", "RankZeroGone",
+    "Ranks", "active", "connect", "launched", "launched_rank", "ranks_for", "serve",
 ]  # fmt: skip
 
-DEVICES = ("cpu", "cuda")
-BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+DEVICES = tuple(terms.Device)
+"""Where the ranks compute (`gatherlab.core.terms.Device`): ``cpu`` or ``cuda``."""
+BACKENDS = {device: device.backend for device in terms.Device}
+"""Each device's process group backend (`gatherlab.core.terms.Device.backend`)."""
 # How long a rank waits for one answer of the store before it asks again (a job of rank 0's may
 # take hours: the waiting rank only checks that rank 0's store is still there).
 POLL = timedelta(seconds=60)
@@ -75,8 +77,22 @@ class Launched:
     launcher: str
 
 
-_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-_SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+"""torchrun's environment variables of a rank: its rank, the number of ranks, its rank on its
+node."""
+SLURM_VARIABLES = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+"""SLURM's (srun's) environment variables of a rank, in the order of `TORCHRUN_VARIABLES`."""
+
+
+def launched_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank as its launcher set it in ``environ`` (the process's environment):
+    torchrun's ``RANK`` first, else SLURM's ``SLURM_PROCID``; None when neither is set. A value
+    that is no integer raises ``ValueError``."""
+    environ = os.environ if environ is None else environ
+    for name in (TORCHRUN_VARIABLES[0], SLURM_VARIABLES[0]):
+        if name in environ:
+            return int(environ[name])
+    return None
 
 
 def launched(environ: Mapping[str, str] | None = None) -> Launched | None:
@@ -85,10 +101,10 @@ def launched(environ: Mapping[str, str] | None = None) -> Launched | None:
     SLURM's; None when neither launcher started it. A ValueError of one line for a variable that
     is missing or not an integer."""
     environ = os.environ if environ is None else environ
-    if "RANK" in environ or "WORLD_SIZE" in environ:
-        names, launcher = _TORCHRUN, "torchrun"
-    elif "SLURM_PROCID" in environ:
-        names, launcher = _SLURM, "srun"
+    if TORCHRUN_VARIABLES[0] in environ or TORCHRUN_VARIABLES[1] in environ:
+        names, launcher = TORCHRUN_VARIABLES, "torchrun"
+    elif SLURM_VARIABLES[0] in environ:
+        names, launcher = SLURM_VARIABLES, "srun"
     else:
         return None
     values = []
@@ -132,7 +148,7 @@ def connect(place: Launched, timeout: timedelta = COLLECTIVE_TIMEOUT) -> dist.St
 def use_device(place: Launched, device: str) -> None:
     """With ``cuda``: this rank's own GPU, ``LOCAL_RANK`` among the GPUs it sees (each rank sees
     one where the launcher binds one GPU per task)."""
-    if device == "cuda":
+    if device == terms.Device.CUDA:
         torch.cuda.set_device(place.local_rank % torch.cuda.device_count())
 
 
@@ -207,7 +223,9 @@ def _wait(store: dist.Store, key: str, limit: timedelta | None = None) -> bytes 
     return None
 
 
-def serve(place: Launched, store: dist.Store, device: str = "cpu") -> tuple[int, str | None]:
+def serve(
+    place: Launched, store: dist.Store, device: str = terms.Device.CPU
+) -> tuple[int, str | None]:
     """A rank other than 0: run rank 0's jobs until it stops this rank; return the exit status
     and the line to print (None: nothing) that rank 0 sent. Raises `RankZeroGone`."""
     number = 0
@@ -233,7 +251,7 @@ class Ranks:
     results in rank order, ``RankError`` naming a failed rank), ``stop(status, line)`` once at the
     end."""
 
-    def __init__(self, place: Launched, store: dist.Store, device: str = "cpu"):
+    def __init__(self, place: Launched, store: dist.Store, device: str = terms.Device.CPU):
         if place.rank != 0:
             raise ValueError(f"rank {place.rank} serves; only rank 0 drives the ranks")
         self.place, self.store, self.device = place, store, device

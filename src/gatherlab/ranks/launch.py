@@ -15,7 +15,6 @@ One device needs no launcher: it trains in the calling process.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import warnings
@@ -27,6 +26,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
+from gatherlab.core import terms
+from gatherlab.ranks.external import launched_rank
 from gatherlab.ranks.pool import COLLECTIVE_TIMEOUT, pool
 
 
@@ -76,8 +77,8 @@ def _trainer(
     )
 
 
-def _backend(accelerator: str) -> str:
-    return "gloo" if accelerator == "cpu" else "nccl"
+def _backend(accelerator: str) -> terms.Backend:
+    return terms.Accelerator(accelerator).device.backend
 
 
 class _ReleaseProcessGroup(L.Callback):
@@ -180,11 +181,12 @@ def fit_in_group(
     """``Trainer.fit`` on this rank of the already initialised default process group: on the CPU
     (gloo), or on an NCCL group on the GPU ``torch.cuda.set_device`` chose for this rank."""
     quiet_frameworks()
-    if dist.get_backend() == "nccl":
-        accelerator, devices = "cuda", torch.cuda.device_count()
+    if dist.get_backend() == terms.Backend.NCCL:
+        accelerator, devices = terms.Device.CUDA, torch.cuda.device_count()
         environment = _ExistingGroup(local_rank=torch.cuda.current_device())
     else:
-        accelerator, devices, environment = "cpu", dist.get_world_size(), _ExistingGroup()
+        accelerator, devices = terms.Device.CPU, dist.get_world_size()
+        environment = _ExistingGroup()
     strategy = _QuietDDPStrategy(
         cluster_environment=environment,
         process_group_backend=dist.get_backend(),
@@ -201,20 +203,20 @@ def fit(
     precision: str,
     steps: int,
     callbacks: list[L.Callback],
-    accelerator: str = "cpu",
-    launcher: str = "pool",
+    accelerator: str = terms.Accelerator.CPU,
+    launcher: str = terms.Launcher.POOL,
     num_nodes: int = 1,
 ) -> None:
     """Train ``module`` for ``steps`` steps on ``devices`` ranks per node (rank 0's callbacks
     record). The config was checked (``configcheck``): several nodes only with
     ``launcher="external"``, ``pool`` only on the CPU."""
     quiet_frameworks()
-    if devices == 1 and launcher != "external":
+    if devices == 1 and launcher != terms.Launcher.EXTERNAL:
         trainer = _trainer(1, "auto", precision, steps, callbacks, accelerator)
-    elif launcher == "pool":
+    elif launcher == terms.Launcher.POOL:
         pool(devices).run(fit_in_group, module, datamodule, precision, steps, callbacks)
         return
-    elif launcher == "spawn":
+    elif launcher == terms.Launcher.SPAWN:
         strategy = _QuietDDPStrategy(
             start_method="spawn",
             process_group_backend=_backend(accelerator),
@@ -232,5 +234,6 @@ def fit(
 
 
 def is_rank_zero() -> bool:
-    """False only in a rank other than 0 that torchrun or SLURM started (launcher=external)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0
+    """False only in a rank other than 0 that torchrun or SLURM started (launcher=external;
+    `gatherlab.ranks.external.launched_rank`)."""
+    return launched_rank() in (None, 0)

@@ -2,9 +2,9 @@
 jobs. ``pool(W).run(function, *args)`` calls ``function(*args)`` on every rank and returns the
 ranks' results in rank order; a rank that raises or dies ends the call at once with ``RankError``.
 
-The training launcher (``launch``), the gradient measurements (``gradients``), the benchmarks and
-the test suite all run their distributed work here, so a job costs its computation, not the
-seconds of starting W Python processes that import torch and Lightning.
+The training launcher (``launch``), the gradient measurements (``gatherlab.check.measure``), the
+benchmarks and the test suite all run their distributed work here, so a job costs its computation,
+not the seconds of starting W Python processes that import torch and Lightning.
 
 A terminal's Ctrl-C sends SIGINT to every process of its foreground group, the workers and their
 fork server too. They ignore it: the process that started the pools answers it (a
@@ -54,7 +54,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from gatherlab.core import cli
+from gatherlab.core import cli, terms
 from gatherlab.ranks import forkstart
 
 __all__ = [
@@ -129,7 +129,7 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
         torch.set_num_threads(1)  # more threads than its one core would only contend for it
     dist.init_process_group(
-        "gloo",
+        terms.Backend.GLOO,
         init_method=f"file://{store}",
         rank=rank,
         world_size=world_size,

@@ -190,7 +190,7 @@ def rank() -> int | None:
         The rank (0 to W − 1) inside a rank of `run`, else None.
 
     Example:
-        >>> from gatherlab import simworld
+        >>> from gatherlab.ranks import simworld
         >>> simworld.run(4, simworld.rank)
         [0, 1, 2, 3]
     """
@@ -336,9 +336,10 @@ def run(world_size: int, function: Callable[..., Any], *args: Any) -> list[Any]:
 
     Example:
         >>> import torch
-        >>> from gatherlab import gather, simworld
+        >>> from gatherlab import gather
+        >>> from gatherlab.ranks import simworld
         >>> def gathered():
-        ...     return gather.get("fixed")(torch.full((1, 2), float(gather.rank())))
+        ...     return gather.get("fixed")(torch.full((1, 2), float(simworld.rank())))
         >>> simworld.run(2, gathered)[0].tolist()
         [[0.0, 0.0], [1.0, 1.0]]
     """

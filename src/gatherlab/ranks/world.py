@@ -47,9 +47,9 @@ def rank() -> int:
 def device() -> torch.device:
     """Where this rank computes: its GPU in an NCCL process group (the one
     ``torch.cuda.set_device`` chose), else the CPU (gloo, the simulated world, no group)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == terms.Backend.NCCL:
+        return torch.device(terms.Device.CUDA, torch.cuda.current_device())
+    return torch.device(terms.Device.CPU)
 
 
 def own_rows(total: int) -> slice:
@@ -70,7 +70,7 @@ def alone() -> Iterator[None]:
     # init_process_group wraps sys.excepthook to prefix tracebacks with the rank, and never
     # unwraps it: the process's own hook is put back with the group's end
     hook = sys.excepthook
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(terms.Backend.GLOO, store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
