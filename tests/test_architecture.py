@@ -4,6 +4,7 @@ third-party package the package imports is declared in its metadata (deptry, pyp
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import re
@@ -48,6 +49,55 @@ def test_design_draws_the_layers_that_import_linter_enforces():
     (layered,) = [c for c in contract["contracts"] if c["type"] == "layers"]
     enforced = [{name.strip() for name in layer.split("|")} for layer in layered["layers"]]
     assert _design_layers() == enforced
+
+
+def _imports_through_faces(source: Path) -> dict[str, set[str]]:
+    """module → the modules of the package under ``source`` (``src/``) it imports, where ``from
+    P import name`` imports the package P itself (its ``__init__``, the package's face) and, when
+    ``name`` is a submodule, that submodule too; ``from P.module import name`` imports P.module."""
+    modules = {}
+    for path in (source / "gatherlab").rglob("*.py"):
+        parts = path.relative_to(source).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module)
+                imported |= {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[module] = {name for name in imported if name in modules and name != module}
+    return graph
+
+
+def _cycles_through_faces(source: Path) -> list[list[str]]:
+    """Every import cycle that passes through a package's ``__init__``: a module that imports from
+    package P's face while P's ``__init__`` imports, directly or not, that module."""
+    graph = _imports_through_faces(source)
+    packages = {module for module in graph if (source / module.replace(".", "/")).is_dir()}
+    cycles = []
+    for module, imported in sorted(graph.items()):
+        for package in sorted(imported & packages):
+            path, seen = [package], {package: None}
+            while path and path[-1] != module:  # depth-first: a path from the face to the module
+                nxt = next((m for m in sorted(graph[path[-1]]) if m not in seen), None)
+                if nxt is None:
+                    path.pop()
+                else:
+                    seen[nxt] = None
+                    path.append(nxt)
+            if path:
+                cycles.append([module, *path])
+    return cycles
+
+
+def test_no_import_cycle_passes_through_a_package_s_face():
+    """A module of a package takes what it needs from the module that defines it, never through
+    a package's ``__init__`` that imports the module back: that import works only as long as the
+    names arrive in the right order."""
+    assert _cycles_through_faces(REPO / "src") == []
 
 
 def _deptry(project: Path) -> subprocess.CompletedProcess:
