@@ -12,7 +12,9 @@ differences' measured spread. Baselines: raw pixels, and the untrained network o
 Writes ``figures/downstream.{png,pdf,csv,md}``.
 
 Usage: ``python experiments/downstream.py`` (about 28 minutes here, 150 runs), or
-``python experiments/downstream.py SWEEP_DIR [SWEEP_DIR ...]`` to redraw from finished sweeps.
+``python experiments/downstream.py SWEEP_DIR [SWEEP_DIR ...]`` to redraw from finished sweeps, or
+``python experiments/downstream.py --redraw`` to draw the figure and write the Markdown again from
+``figures/downstream.csv`` (nothing trained; the baselines recomputed, under a minute here).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from _stats import detectable_difference, interval
@@ -31,6 +32,7 @@ from gatherlab import results
 from gatherlab.analysis import figures
 from gatherlab.components import config
 from gatherlab.core import runfiles
+from gatherlab.core.terms import GradientClass
 
 
 def baselines(seeds: list[int]) -> tuple[float, list[float]]:
@@ -46,23 +48,24 @@ def baselines(seeds: list[int]) -> tuple[float, list[float]]:
     return dataset.few_shot_accuracy(), untrained
 
 
-def main() -> None:
-    start = time.perf_counter()
-    sweeps = [Path(path) for path in sys.argv[1:]] or [run_sweep("downstream")]
-    runs = pd.concat([results.load_runs(sweep) for sweep in sweeps], ignore_index=True)
-    runs = runs[runs["status"] == "ok"]
-    raw, untrained = baselines(sorted(runs["seed"].unique()))
+# the figure's rows: loss, gather (of a multi-device cell), devices, label
+CELLS = (
+    ("ntxent", "fixed", 1, "1 device (ntxent)"),
+    ("ntxent", "fixed", 4, f"fixed, 4 ranks ({GradientClass.EXACT})"),
+    ("ntxent", "old", 4, f"old, 4 ranks ({GradientClass.BIASED})"),
+    ("ntxent_global", "fixed", 1, "1 device (ntxent_global)"),
+    ("ntxent_global", "old", 4, f"old, 4 ranks ({GradientClass.ONE_OVER_W})"),
+)
+
+
+def cell_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell of ``CELLS``: its seeds' accuracies, their mean and 95% interval, and for
+    a multi-device cell the paired difference from the 1-device run of the same seed and loss
+    (mean, interval, sd, whether the interval excludes 0, the difference detectable at 80%)."""
     one_device = runs[runs["devices"] == 1].drop_duplicates(["loss", "seed"])
     reference = one_device.set_index(["loss", "seed"])["few_shot_accuracy"]
-    cells = [
-        ("ntxent", "fixed", 1, "1 device (ntxent)"),
-        ("ntxent", "fixed", 4, "fixed, 4 ranks (exact)"),
-        ("ntxent", "old", 4, "old, 4 ranks (biased)"),
-        ("ntxent_global", "fixed", 1, "1 device (ntxent_global)"),
-        ("ntxent_global", "old", 4, "old, 4 ranks (1/W)"),
-    ]
     rows = []
-    for loss, gather, devices, label in cells:
+    for loss, gather, devices, label in CELLS:
         chosen = runs[(runs["loss"] == loss) & (runs["devices"] == devices)]
         if devices > 1:
             chosen = chosen[chosen["gather"] == gather]
@@ -80,42 +83,11 @@ def main() -> None:
             "detectable_80": detectable_difference(spread, len(paired)) if spread > 0 else 0.0,
             "per_seed": " ".join(f"{a:.4f}" for a in accuracy),
         })  # fmt: skip
-    table = pd.DataFrame(rows)
-    table.to_csv(FIGURES / "downstream.csv", index=False, float_format="%.6g")
+    return pd.DataFrame(rows)
 
-    # one paper column: the accuracies above, the paired differences of the 4-rank cells below
-    with plt.rc_context({**figures.STYLE, "font.size": 7, "axes.titlesize": 7}):
-        figure, (top, bottom) = plt.subplots(
-            2, 1, figsize=(3.5, 4.3), layout="constrained", gridspec_kw={"height_ratios": [5, 3]}
-        )
-        distributed = []
-        for y, (row, (_, gather, devices, _label)) in enumerate(zip(rows, cells, strict=True)):
-            color = "black" if devices == 1 else figures.gather_color(gather)
-            accuracies = np.array(row["per_seed"].split(), dtype=float)
-            top.scatter(accuracies, [y] * len(accuracies), color=color, alpha=0.5, s=9)
-            top.errorbar(row["mean"], y, xerr=row["ci95"], fmt="o", color=color, capsize=3,
-                         markersize=4)  # fmt: skip
-            if devices > 1:
-                bottom.errorbar(row["paired_diff"], len(distributed), xerr=row["paired_ci95"],
-                                fmt="o", color=color, capsize=3, markersize=4)  # fmt: skip
-                detectable = row["detectable_80"]
-                distributed.append(
-                    row["cell"] + (f"\ndetectable (80%) ±{detectable:.3f}" if detectable else "")
-                )
-        top.axvline(raw, color="0.5", linestyle=":", label=f"raw pixels {raw:.3f}")
-        top.axvline(np.mean(untrained), color="0.5", linestyle="--",
-                    label=f"untrained network {np.mean(untrained):.3f}")  # fmt: skip
-        top.set_yticks(range(len(rows)), [row["cell"] for row in rows])
-        bottom.set_yticks(range(len(distributed)), distributed)
-        for axis in (top, bottom):
-            axis.invert_yaxis()
-        bottom.axvline(0, color="black", linewidth=1)
-        top.set(xlabel="1-shot probe accuracy (test, 50 label draws)",
-                title=f"{len(untrained)} seeds (dots), mean and 95% interval")  # fmt: skip
-        bottom.set(xlabel="Δ accuracy vs 1 device, same seed",
-                   title="paired difference, 95% interval")  # fmt: skip
-        top.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.4, -0.2), ncol=2)
-    figures.save(figure, FIGURES / "downstream")
+
+def markdown(table: pd.DataFrame, raw: float, untrained: list[float]) -> str:
+    """``figures/downstream.md``: the baselines, then one row per cell of ``table``."""
     header = ["cell", "seeds", "mean ± 95%", "paired difference ± 95%", "sd of the differences",
               "significant", "detectable at 80% power"]  # fmt: skip
     body = [
@@ -123,9 +95,9 @@ def main() -> None:
          *([f"{row['paired_diff']:+.4f} ± {row['paired_ci95']:.4f}", f"{row['paired_sd']:.4f}",
             "yes" if row["significant"] else "no", f"±{row['detectable_80']:.4f}"]
            if row["devices"] > 1 else ["—"] * 4)]
-        for row in rows
+        for _, row in table.iterrows()
     ]  # fmt: skip
-    text = (
+    return (
         f"1-shot probe accuracy; raw pixels {raw:.4f}, untrained network {np.mean(untrained):.4f} "
         f"({min(untrained):.4f}–{max(untrained):.4f} over the seeds). Detectable: the smallest "
         "true paired difference a two-sided paired t-test at 5% rejects with 80% power, from "
@@ -133,6 +105,23 @@ def main() -> None:
         + runfiles.markdown_table(header, body)
         + "\n"
     )
+
+
+def main() -> None:
+    start = time.perf_counter()
+    if "--redraw" in sys.argv[1:]:  # the sweep's seeds are 0 … n-1 (conf/experiment/downstream)
+        table = pd.read_csv(FIGURES / "downstream.csv")
+        seeds = list(range(int(table["seeds"].max())))
+    else:
+        sweeps = [Path(path) for path in sys.argv[1:]] or [run_sweep("downstream")]
+        runs = pd.concat([results.load_runs(sweep) for sweep in sweeps], ignore_index=True)
+        runs = runs[runs["status"] == "ok"]
+        table = cell_table(runs)
+        table.to_csv(FIGURES / "downstream.csv", index=False, float_format="%.6g")
+        seeds = sorted(runs["seed"].unique())
+    raw, untrained = baselines(seeds)
+    figures.save(figures.downstream_figure(table, raw, untrained), FIGURES / "downstream")
+    text = markdown(table, raw, untrained)
     (FIGURES / "downstream.md").write_text(text)
     print(text)
     print(f"wall time {time.perf_counter() - start:.0f} s")

@@ -13,7 +13,9 @@ Each run's backbone is probed by the 1-shot nearest-class-mean classifier
 figure and docs/results.md read.
 
 Usage: ``python experiments/lr_sweep.py`` (about 27 minutes here, 120 runs), or
-``python experiments/lr_sweep.py SWEEP_DIR`` to redraw from a finished sweep.
+``python experiments/lr_sweep.py SWEEP_DIR`` to redraw from a finished sweep, or
+``python experiments/lr_sweep.py --redraw`` to draw the figure and write the Markdown again from
+``figures/lr_sweep.csv`` (nothing trained, seconds).
 """
 
 from __future__ import annotations
@@ -22,23 +24,24 @@ import sys
 import time
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from _stats import interval
 from _sweep import FIGURES, run_sweep
 
-from gatherlab import results
+from gatherlab import report, results
 from gatherlab.analysis import figures
 from gatherlab.components import config
 from gatherlab.core import runfiles, terms
+from gatherlab.core.terms import GradientClass, Style
 
-STYLES = {"ntxent_global": "global", "ntxent": "local"}  # docs/design.md §1's loss styles
+STYLES = {"ntxent_global": Style.GLOBAL, "ntxent": Style.LOCAL}  # docs/design.md §1's loss styles
 PANELS = {
-    "ntxent_global": "global NT-Xent: old's gradient is 1/W",
-    "ntxent": "local NT-Xent (lightly's): old's gradient is biased",
+    "ntxent_global": f"global NT-Xent: old's gradient is {GradientClass.ONE_OVER_W}",
+    "ntxent": f"local NT-Xent (lightly's): old's gradient is {GradientClass.BIASED}",
 }
-BOUND = terms.TOLERANCE["64-true"]
+GATHERS = ("fixed", "old")
+BOUND = terms.FLOAT64
 # what max_differences measures, in the order of the Markdown table's columns
 DIFFERENCES = ("max_abs_loss_diff", "max_abs_param_diff", "max_abs_affine_diff",
                "grad_norm_ratio_err")  # fmt: skip
@@ -53,18 +56,19 @@ def max_differences(run_dir: str, other_dir: str, world_size: int) -> dict[str, 
     assert list(curves["step"]) == list(other["step"]) and state.keys() == other_state.keys()
     return {
         "max_abs_loss_diff": float((curves["loss"] - other["loss"]).abs().max()),
-        "max_abs_param_diff": max(
-            float((state[key].double() - other_state[key].double()).abs().max()) for key in state
-        ),
-        "max_abs_affine_diff": max(  # the batch norms' weight and bias (docs/design.md §7)
-            float((state[key] - other_state[key]).abs().max())
-            for key in state
-            if f"{key.rsplit('.', 1)[0]}.running_mean" in state and key.endswith(("weight", "bias"))
+        "max_abs_param_diff": report.max_abs_weight_difference(state, other_state),
+        "max_abs_affine_diff": report.max_abs_weight_difference(  # docs/design.md §7
+            state, other_state, keys=[key for key in state if _batch_norm_affine(key, state)]
         ),
         "grad_norm_ratio_err": float(
             (world_size * curves["grad_norm"] / other["grad_norm"] - 1).abs().max()
         ),
     }
+
+
+def _batch_norm_affine(key: str, state: dict) -> bool:
+    """Whether ``key`` of a state is a batch norm's weight or bias."""
+    return f"{key.rsplit('.', 1)[0]}.running_mean" in state and key.endswith(("weight", "bias"))
 
 
 def compare(runs: pd.DataFrame, base_lr: float) -> pd.DataFrame:
@@ -102,43 +106,25 @@ def cells(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def draw(summary: pd.DataFrame, table: pd.DataFrame, base_lr: float, world_size: int) -> None:
-    grid = sorted(summary["lr"].unique())
-    ticks = 2.0 ** np.arange(np.log2(grid[0] / world_size), np.log2(grid[-1]) + 1)
-    with plt.rc_context({**figures.STYLE, "font.size": 8, "axes.titlesize": 8}):
-        figure, axes = plt.subplots(1, 2, figsize=(7.2, 3.1), sharey=True, layout="constrained")
-        for axis, loss in zip(axes, PANELS, strict=True):
-            for gather in ("fixed", "old"):
-                cell = summary[(summary["loss"] == loss) & (summary["gather"] == gather)]
-                color = figures.gather_color(gather)
-                axis.plot(cell["lr"], cell["mean"], "o-", color=color, markersize=4,
-                          label=f"{gather}, 4 ranks")  # fmt: skip
-                axis.fill_between(cell["lr"], cell["mean"] - cell["ci95"],
-                                  cell["mean"] + cell["ci95"], color=color, alpha=0.15,
-                                  linewidth=0)  # fmt: skip
-            if STYLES[loss] == "global":  # the prediction: old's curve is fixed's, lr × W
-                old = summary[(summary["loss"] == loss) & (summary["gather"] == "old")]
-                axis.plot(old["lr"] / world_size, old["mean"], "o", mfc="none", markersize=9,
-                          color=figures.gather_color("old"),
-                          label=f"old, drawn at lr/{world_size}")  # fmt: skip
-            axis.axvline(base_lr, color="0.5", linestyle=":", linewidth=1,
-                         label=f"the experiment's lr, {base_lr:g}")  # fmt: skip
-            axis.set_xscale("log", base=2)
-            axis.set_xticks(ticks, [f"{lr:g}" for lr in ticks])
-            axis.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
-            axis.set(title=f"{PANELS[loss]}\n{_verdict(table, loss, base_lr)}",
-                     xlabel="SGD learning rate")  # fmt: skip
-        axes[0].set_ylabel("1-shot probe accuracy (test)")
-        axes[0].legend(loc="lower right", fontsize=7)  # in the order drawn
-        seeds = summary["seeds"].min()
-        figure.suptitle(f"SimCLR on the digits, 4 ranks, 55 SGD steps: mean and 95% interval "
-                        f"(band) over {seeds} seeds")  # fmt: skip
+    """``figures/lr_sweep.{png,pdf}``: a panel per loss, each titled with its exact check."""
+    seeds = summary["seeds"].min()
+    figure = figures.lr_sweep_figure(
+        summary,
+        {loss: f"{title}\n{_verdict(table, loss, base_lr)}" for loss, title in PANELS.items()},
+        gathers=GATHERS,
+        shifted={loss: "old" for loss in PANELS if STYLES[loss] == Style.GLOBAL},
+        base_lr=base_lr,
+        world_size=world_size,
+        title=f"SimCLR on the digits, {world_size} ranks, 55 SGD steps: mean and 95% interval "
+        f"(band) over {seeds} seeds",
+    )
     figures.save(figure, FIGURES / "lr_sweep")
 
 
 def _verdict(table: pd.DataFrame, loss: str, base_lr: float) -> str:
     """The panel's exact check, in a line."""
     old = table[(table["loss"] == loss) & (table["gather"] == "old")]
-    if STYLES[loss] == "global":
+    if STYLES[loss] == Style.GLOBAL:
         paired = old.dropna(subset=["fixed_lr"])
         largest = paired[["max_abs_loss_diff", "max_abs_param_diff"]].to_numpy().max()
         within = "to the bit" if largest == 0 else f"to {largest:.0e}"
@@ -150,7 +136,7 @@ def _verdict(table: pd.DataFrame, loss: str, base_lr: float) -> str:
 def markdown(summary: pd.DataFrame, table: pd.DataFrame, base_lr: float) -> str:
     grid = sorted(summary["lr"].unique())
     value = summary.set_index(["loss", "gather", "lr"])
-    columns = [(loss, gather) for loss in PANELS for gather in ("fixed", "old")]
+    columns = [(loss, gather) for loss in PANELS for gather in GATHERS]
     accuracy = [
         [
             f"{lr:g}",
@@ -199,16 +185,19 @@ def _mean_and_interval(cell: pd.Series) -> str:
 
 def main() -> None:
     start = time.perf_counter()
-    sweeps = [Path(path) for path in sys.argv[1:]] or [run_sweep("lr_sweep")]
-    runs = pd.concat([results.load_runs(sweep) for sweep in sweeps], ignore_index=True)
-    failed = runs[runs["status"] != "ok"]
-    if len(failed):
-        sys.exit(f"lr_sweep: {len(failed)} runs did not finish: {', '.join(failed['run_dir'])}")
-    runs["lr"] = [config["optim"]["lr"] for config in runs["config"]]
-    (world_size,) = runs["devices"].unique()
-    base_lr = experiment_lr()
-    table = compare(runs, base_lr)
-    table.to_csv(FIGURES / "lr_sweep.csv", index=False, float_format="%.6g")
+    base_lr, world_size = experiment_lr_and_world_size()
+    if "--redraw" in sys.argv[1:]:
+        table = pd.read_csv(FIGURES / "lr_sweep.csv")
+    else:
+        sweeps = [Path(path) for path in sys.argv[1:]] or [run_sweep("lr_sweep")]
+        runs = pd.concat([results.load_runs(sweep) for sweep in sweeps], ignore_index=True)
+        failed = runs[runs["status"] != "ok"]
+        if len(failed):
+            sys.exit(f"lr_sweep: {len(failed)} runs did not finish: {', '.join(failed['run_dir'])}")
+        runs["lr"] = [config["optim"]["lr"] for config in runs["config"]]
+        (world_size,) = runs["devices"].unique()
+        table = compare(runs, base_lr)
+        table.to_csv(FIGURES / "lr_sweep.csv", index=False, float_format="%.6g")
     summary = cells(table)
     draw(summary, table, base_lr, world_size)
     text = markdown(summary, table, base_lr)
@@ -217,10 +206,12 @@ def main() -> None:
     print(f"wall time {time.perf_counter() - start:.0f} s")
 
 
-def experiment_lr() -> float:
-    """The learning rate of ``experiment=lr_sweep`` without its sweep (the downstream run's)."""
+def experiment_lr_and_world_size() -> tuple[float, int]:
+    """The learning rate of ``experiment=lr_sweep`` without its sweep (the downstream run's), and
+    its world size."""
     with config.composed():
-        return config.compose(["experiment=lr_sweep"])[0].optim.lr
+        cfg, _ = config.compose(["experiment=lr_sweep"])
+    return cfg.optim.lr, cfg.layout.devices * cfg.layout.nodes
 
 
 if __name__ == "__main__":

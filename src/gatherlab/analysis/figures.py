@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from gatherlab.core import terms
-from gatherlab.core.terms import World
+from gatherlab.core.terms import GradientClass, World
 
 # A style table, not a list of gathers: which gathers exist is the gather config group's options
 # (gatherlab.gather.NAMES, conf/gather/*.yaml). A colour per option gatherlab ships, fixed's
@@ -94,55 +94,66 @@ def comparison_figure(
         )
         for (loss_axis, diff_axis), group in zip(axes, groups, strict=True):
             runs = table[table["group"] == group]
-            reference_dir = (
-                runs["reference"].dropna().iloc[0] if runs["reference"].notna().any() else None
-            )
-            for _, run in runs[runs["devices"] > 1].iterrows():
-                style = {
-                    "color": gather_color(run["gather"]),
-                    "linestyle": DEVICE_STYLES.get(run["devices"], "--"),
-                    "linewidth": 1.6,
-                    "marker": "o" if len(curves[run["run_dir"]]) < 3 else None,  # visible alone
-                }
-                label = f"{run['gather']}, {run['devices']} × {run['batch_size']}"
-                run_curves = curves[run["run_dir"]]
-                loss_axis.plot(run_curves["step"], run_curves["loss"], label=label, **style)
-                if reference_dir is not None:
-                    reference = curves[reference_dir]
-                    steps = min(len(reference), len(run_curves))
-                    diff = np.abs(
-                        run_curves["loss"].to_numpy()[:steps] - reference["loss"].to_numpy()[:steps]
-                    )
-                    diff_axis.plot(
-                        reference["step"][:steps],
-                        np.maximum(diff, ZERO_FLOOR),
-                        label=label,
-                        **style,
-                    )
-            if reference_dir is not None:
-                reference = curves[reference_dir]
-                global_batch = runs["global_batch_size"].iloc[0]
-                loss_axis.plot(
-                    reference["step"],
-                    reference["loss"],
-                    label=f"reference, 1 × {global_batch}",
-                    **REFERENCE_STYLE,
-                )
+            _draw_group_against_reference(loss_axis, diff_axis, runs, curves)
             _style_difference_axis(diff_axis, tolerance, "|Δ loss| vs 1-device reference")
-            first = runs.iloc[0]
-            precision = terms.Precision(first["precision"]).dtype_name
-            what = ", ".join(str(first[c]) for c in ("loss", "model") if not pd.isna(first[c]))
-            what = f"{what}, {precision}" if what else precision
-            # the keys that tell this group from the others (e.g. removals.batchnorm=global)
-            keys = [c for c in table.attrs.get("override_columns", []) if c in table]
-            named = [c for c in keys if table[c].nunique() > 1 and runs[c].nunique() == 1]
-            what += "".join(f", {c}={first[c]}" for c in named)
-            title = f"{first['experiment']} — {what}" if first["experiment"] else what
+            title = _group_title(table, runs)
             loss_axis.set(title=title, xlabel="optimizer step", ylabel="global loss")
             loss_axis.legend(fontsize=8)
             if diff_axis.get_legend_handles_labels()[0]:  # a group may hold no compared run
                 diff_axis.legend(fontsize=8, loc="center right")
     return figure
+
+
+def _draw_group_against_reference(
+    loss_axis: plt.Axes,
+    diff_axis: plt.Axes,
+    runs: pd.DataFrame,
+    curves: Mapping[str, pd.DataFrame],
+) -> None:
+    """One group's panels of `comparison_figure`: each multi-device run's loss (left) and its
+    |Δloss| against the group's reference (right), then the reference's loss."""
+    reference_dir = runs["reference"].dropna().iloc[0] if runs["reference"].notna().any() else None
+    for _, run in runs[runs["devices"] > 1].iterrows():
+        run_curves = curves[run["run_dir"]]
+        style = {
+            "color": gather_color(run["gather"]),
+            "linestyle": DEVICE_STYLES.get(run["devices"], "--"),
+            "linewidth": 1.6,
+            "marker": "o" if len(run_curves) < 3 else None,  # visible alone
+        }
+        label = f"{run['gather']}, {run['devices']} × {run['batch_size']}"
+        loss_axis.plot(run_curves["step"], run_curves["loss"], label=label, **style)
+        if reference_dir is not None:
+            reference = curves[reference_dir]
+            steps = min(len(reference), len(run_curves))
+            diff = np.abs(
+                run_curves["loss"].to_numpy()[:steps] - reference["loss"].to_numpy()[:steps]
+            )
+            diff_axis.plot(
+                reference["step"][:steps], np.maximum(diff, ZERO_FLOOR), label=label, **style
+            )
+    if reference_dir is not None:
+        reference = curves[reference_dir]
+        global_batch = runs["global_batch_size"].iloc[0]
+        loss_axis.plot(
+            reference["step"],
+            reference["loss"],
+            label=f"reference, 1 × {global_batch}",
+            **REFERENCE_STYLE,
+        )
+
+
+def _group_title(table: pd.DataFrame, runs: pd.DataFrame) -> str:
+    """What one group of `comparison_figure` is: its experiment, loss, model and precision, and
+    the keys that tell it from the table's other groups (e.g. ``removals.batchnorm=global``)."""
+    first = runs.iloc[0]
+    precision = terms.Precision(first["precision"]).dtype_name
+    what = ", ".join(str(first[c]) for c in ("loss", "model") if not pd.isna(first[c]))
+    what = f"{what}, {precision}" if what else precision
+    keys = [c for c in table.attrs.get("override_columns", []) if c in table]
+    named = [c for c in keys if table[c].nunique() > 1 and runs[c].nunique() == 1]
+    what += "".join(f", {c}={first[c]}" for c in named)
+    return f"{first['experiment']} — {what}" if first["experiment"] else what
 
 
 def matrix_figure(
@@ -269,8 +280,8 @@ def difference_curves(
 
 
 CLASS_COLORS = {
-    "exact": "#4c9f70", "1/W": "#f2c14e", "W": "#f08a4b", "biased": "#d1495b", "none": "#c3c8d0",
-    "other": "#8d99ae",
+    GradientClass.EXACT: "#4c9f70", GradientClass.ONE_OVER_W: "#f2c14e", GradientClass.W: "#f08a4b",
+    GradientClass.BIASED: "#d1495b", GradientClass.NONE: "#c3c8d0", GradientClass.OTHER: "#8d99ae",
 }  # fmt: skip
 
 
@@ -376,7 +387,7 @@ def scaling_figure(table: pd.DataFrame) -> plt.Figure:
     exact = [
         gather
         for gather, cells in table.groupby("gather", sort=False)
-        if (cells["measured"] == terms.GradientClass.EXACT).all()
+        if (cells["measured"] == GradientClass.EXACT).all()
     ]
     drawn = table[~table["gather"].isin(exact)]
     with plt.rc_context({**STYLE, "font.size": 7, "axes.titlesize": 7}):
@@ -494,53 +505,186 @@ def ablation_figure(
         figure, (loss_axis, diff_axis, metric_axis) = plt.subplots(
             1, 3, figsize=(15, 4.6), layout="constrained", width_ratios=[1.1, 1.1, 0.8]
         )
-        reference_drawn = False
-        for _, run in table.iterrows():
-            run_curves = curves[run["run_dir"]]
-            style = {
-                "color": colors[run[variant]],
-                "linestyle": DEVICE_STYLES.get(run["devices"], "--"),
-                "linewidth": 1.4,
-            }
-            label = f"{run[variant]}, {run['devices']} × {run['batch_size']}"
-            if run["devices"] == 1:
-                if not reference_drawn:
-                    loss_axis.plot(
-                        run_curves["step"], run_curves["loss"],
-                        label=f"{run[variant]}, 1 × {run['global_batch_size']}", **REFERENCE_STYLE,
-                    )  # fmt: skip
-                    reference_drawn = True
-                continue
-            loss_axis.plot(run_curves["step"], run_curves["loss"], label=label, **style)
-            if run["reference"] is not None:
-                reference = curves[run["reference"]]["loss"].to_numpy()
-                diff = np.abs(run_curves["loss"].to_numpy() - reference)
-                diff_axis.plot(
-                    run_curves["step"], np.maximum(diff, ZERO_FLOOR), label=label, **style
-                )
+        _draw_variants_against_reference(loss_axis, diff_axis, table, curves, variant, colors)
         _style_difference_axis(
             diff_axis, tolerance, "|Δ loss| vs the 1-device run of the same config"
         )
         loss_axis.set(xlabel="optimizer step", ylabel="global loss", title="loss")
         loss_axis.legend(fontsize=7, ncol=2)
-        labels, values, bar_colors = [], [], []
-        for _, run in table.iterrows():
-            labels.append(f"{run[variant]}, {run['devices']} × {run['batch_size']}")
-            values.append(run[metric])
-            bar_colors.append(colors[run[variant]])
-        positions = np.arange(len(labels))[::-1]
-        metric_axis.barh(positions, values, color=bar_colors, height=0.7)
-        for position, value in zip(positions, values, strict=True):
-            metric_axis.annotate(
-                f"{value:.3f}", (value, position), xytext=(3, 0), textcoords="offset points",
-                va="center", fontsize=8,
-            )  # fmt: skip
-        low = min(values)
-        metric_axis.set_xlim(max(0.0, low - 0.03), min(1.0, max(values) + 0.012))
-        metric_axis.set_yticks(positions, labels, fontsize=8)
-        name = metric.replace("_", " ").replace("knn", "k-NN")
-        metric_axis.set(xlabel=f"{name} (test split)", title=f"{name} of each run")
-        metric_axis.grid(axis="y", visible=False)
+        _draw_metric_bars(metric_axis, table, variant, metric, colors)
+    return figure
+
+
+def _draw_variants_against_reference(
+    loss_axis: plt.Axes,
+    diff_axis: plt.Axes,
+    table: pd.DataFrame,
+    curves: Mapping[str, pd.DataFrame],
+    variant: str,
+    colors: Mapping[str, str],
+) -> None:
+    """The curves of `ablation_figure`: each multi-device run's loss (left) and its |Δloss|
+    against its own 1-device reference (middle), in its variant's colour; the first 1-device run
+    drawn as the reference."""
+    reference_drawn = False
+    for _, run in table.iterrows():
+        run_curves = curves[run["run_dir"]]
+        if run["devices"] == 1:
+            if not reference_drawn:
+                loss_axis.plot(
+                    run_curves["step"], run_curves["loss"],
+                    label=f"{run[variant]}, 1 × {run['global_batch_size']}", **REFERENCE_STYLE,
+                )  # fmt: skip
+                reference_drawn = True
+            continue
+        style = {
+            "color": colors[run[variant]],
+            "linestyle": DEVICE_STYLES.get(run["devices"], "--"),
+            "linewidth": 1.4,
+        }
+        label = f"{run[variant]}, {run['devices']} × {run['batch_size']}"
+        loss_axis.plot(run_curves["step"], run_curves["loss"], label=label, **style)
+        if run["reference"] is not None:
+            reference = curves[run["reference"]]["loss"].to_numpy()
+            diff = np.abs(run_curves["loss"].to_numpy() - reference)
+            diff_axis.plot(run_curves["step"], np.maximum(diff, ZERO_FLOOR), label=label, **style)
+
+
+def _draw_metric_bars(
+    metric_axis: plt.Axes,
+    table: pd.DataFrame,
+    variant: str,
+    metric: str,
+    colors: Mapping[str, str],
+) -> None:
+    """The right panel of `ablation_figure`: one bar per run, its ``metric`` written beside it."""
+    labels, values, bar_colors = [], [], []
+    for _, run in table.iterrows():
+        labels.append(f"{run[variant]}, {run['devices']} × {run['batch_size']}")
+        values.append(run[metric])
+        bar_colors.append(colors[run[variant]])
+    positions = np.arange(len(labels))[::-1]
+    metric_axis.barh(positions, values, color=bar_colors, height=0.7)
+    for position, value in zip(positions, values, strict=True):
+        metric_axis.annotate(
+            f"{value:.3f}", (value, position), xytext=(3, 0), textcoords="offset points",
+            va="center", fontsize=8,
+        )  # fmt: skip
+    low = min(values)
+    metric_axis.set_xlim(max(0.0, low - 0.03), min(1.0, max(values) + 0.012))
+    metric_axis.set_yticks(positions, labels, fontsize=8)
+    name = metric.replace("_", " ").replace("knn", "k-NN")
+    metric_axis.set(xlabel=f"{name} (test split)", title=f"{name} of each run")
+    metric_axis.grid(axis="y", visible=False)
+
+
+def downstream_figure(table: pd.DataFrame, raw: float, untrained: Sequence[float]) -> plt.Figure:
+    """Seed-averaged probe accuracy, sized for one column of a paper: every seed's accuracy and
+    each cell's mean with its 95% interval (top; a 1-device cell in the reference's colour, a
+    multi-device one in its gather's), against the accuracy of raw pixels ``raw`` and the mean of
+    the untrained networks ``untrained`` (one per seed); below, each multi-device cell's paired
+    difference from the 1-device run of the same seed, with its interval and the smallest
+    difference detectable at 80% power.
+
+    ``table`` has one row per cell: ``cell`` (its label), ``gather``, ``devices``, ``mean``,
+    ``ci95``, ``paired_diff``, ``paired_ci95``, ``detectable_80`` and ``per_seed`` (the
+    accuracies, separated by spaces), as ``experiments/downstream.py`` writes them."""
+    with plt.rc_context({**STYLE, "font.size": 7, "axes.titlesize": 7}):
+        figure, (top, bottom) = plt.subplots(
+            2, 1, figsize=(3.5, 4.3), layout="constrained", gridspec_kw={"height_ratios": [5, 3]}
+        )
+        _draw_seed_accuracies(top, table, raw, untrained)
+        _draw_paired_differences(bottom, table)
+        top.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.4, -0.2), ncol=2)
+    return figure
+
+
+def _cell_color(gather: str, devices: int) -> str:
+    """A cell of `downstream_figure` in its gather's colour, a 1-device cell as the reference."""
+    return REFERENCE_STYLE["color"] if devices == 1 else gather_color(gather)
+
+
+def _draw_seed_accuracies(
+    axis: plt.Axes, table: pd.DataFrame, raw: float, untrained: Sequence[float]
+) -> None:
+    """The top panel of `downstream_figure`: each cell's seeds, mean and interval; baselines."""
+    for y, (_, row) in enumerate(table.iterrows()):
+        color = _cell_color(row["gather"], row["devices"])
+        accuracies = np.array(row["per_seed"].split(), dtype=float)
+        axis.scatter(accuracies, [y] * len(accuracies), color=color, alpha=0.5, s=9)
+        axis.errorbar(row["mean"], y, xerr=row["ci95"], fmt="o", color=color, capsize=3,
+                      markersize=4)  # fmt: skip
+    axis.axvline(raw, color="0.5", linestyle=":", label=f"raw pixels {raw:.3f}")
+    axis.axvline(np.mean(untrained), color="0.5", linestyle="--",
+                 label=f"untrained network {np.mean(untrained):.3f}")  # fmt: skip
+    axis.set_yticks(range(len(table)), list(table["cell"]))
+    axis.invert_yaxis()
+    axis.set(xlabel="1-shot probe accuracy (test, 50 label draws)",
+             title=f"{len(untrained)} seeds (dots), mean and 95% interval")  # fmt: skip
+
+
+def _draw_paired_differences(axis: plt.Axes, table: pd.DataFrame) -> None:
+    """The bottom panel of `downstream_figure`: each multi-device cell's paired difference."""
+    distributed = table[table["devices"] > 1]
+    labels = []
+    for y, (_, row) in enumerate(distributed.iterrows()):
+        axis.errorbar(row["paired_diff"], y, xerr=row["paired_ci95"], fmt="o",
+                      color=_cell_color(row["gather"], row["devices"]), capsize=3,
+                      markersize=4)  # fmt: skip
+        detectable = row["detectable_80"]
+        labels.append(row["cell"] + (f"\ndetectable (80%) ±{detectable:.3f}" if detectable else ""))
+    axis.set_yticks(range(len(labels)), labels)
+    axis.invert_yaxis()
+    axis.axvline(0, color="black", linewidth=1)
+    axis.set(xlabel="Δ accuracy vs 1 device, same seed", title="paired difference, 95% interval")
+
+
+def lr_sweep_figure(
+    summary: pd.DataFrame,
+    panels: Mapping[str, str],
+    *,
+    gathers: Sequence[str],
+    shifted: Mapping[str, str],
+    base_lr: float,
+    world_size: int,
+    title: str,
+) -> plt.Figure:
+    """Probe accuracy against the SGD learning rate on ``world_size`` ranks: one panel per loss
+    (``panels``: loss → the panel's title), in each the mean over the seeds of every gather of
+    ``gathers`` in its colour, with its 95% interval as a band (``summary``: one row per loss,
+    gather and ``lr``, with ``mean`` and ``ci95``), and the experiment's learning rate
+    ``base_lr``. Where ``shifted`` maps a loss to a gather, that gather's points are drawn again,
+    open, at lr/W: the prediction that it trains as the others at W times the learning rate."""
+    grid = sorted(summary["lr"].unique())
+    ticks = 2.0 ** np.arange(np.log2(grid[0] / world_size), np.log2(grid[-1]) + 1)
+    with plt.rc_context({**STYLE, "font.size": 8, "axes.titlesize": 8}):
+        figure, axes = plt.subplots(
+            1, len(panels), figsize=(7.2, 3.1), sharey=True, layout="constrained"
+        )
+        for axis, (loss, panel_title) in zip(axes, panels.items(), strict=True):
+            cells = summary[summary["loss"] == loss]
+            for gather in gathers:
+                cell = cells[cells["gather"] == gather]
+                color = gather_color(gather)
+                axis.plot(cell["lr"], cell["mean"], "o-", color=color, markersize=4,
+                          label=f"{gather}, {world_size} ranks")  # fmt: skip
+                axis.fill_between(cell["lr"], cell["mean"] - cell["ci95"],
+                                  cell["mean"] + cell["ci95"], color=color, alpha=0.15,
+                                  linewidth=0)  # fmt: skip
+            if loss in shifted:
+                cell = cells[cells["gather"] == shifted[loss]]
+                axis.plot(cell["lr"] / world_size, cell["mean"], "o", mfc="none", markersize=9,
+                          color=gather_color(shifted[loss]),
+                          label=f"{shifted[loss]}, drawn at lr/{world_size}")  # fmt: skip
+            axis.axvline(base_lr, color="0.5", linestyle=":", linewidth=1,
+                         label=f"the experiment's lr, {base_lr:g}")  # fmt: skip
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(ticks, [f"{lr:g}" for lr in ticks])
+            axis.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
+            axis.set(title=panel_title, xlabel="SGD learning rate")
+        axes[0].set_ylabel("1-shot probe accuracy (test)")
+        axes[0].legend(loc="lower right", fontsize=7)  # in the order drawn
+        figure.suptitle(title)
     return figure
 
 
