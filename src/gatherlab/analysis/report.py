@@ -3,9 +3,11 @@
 ``python -m gatherlab.report SWEEP_DIR`` re-runs the comparison of a finished sweep; the same
 comparison runs by itself when a multirun of ``python -m gatherlab.train`` ends.
 
-A run's reference is the 1-device run whose resolved config equals the run's in everything but
-``gather`` and ``layout`` (docs/design.md §2, §5). A run matches it when the loss at every step and
-every final parameter agree within the tolerance of the run's precision. The gradient audit's
+A run's reference is the first 1-device run of the sweep (in ``results.load_runs``' order) that
+finished and is readable, and whose resolved config equals the run's in everything but
+``SPLIT_KEYS``: ``gather``, ``layout``, ``launcher``, ``logger`` and ``log_every`` (docs/design.md
+§2, §5). A run matches it when the loss at every step and every final parameter agree within the
+tolerance of the run's precision (``terms.TOLERANCE``). The gradient audit's
 table is rendered here too (``write_audit``). Run files are read only through ``results``.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +24,13 @@ import pandas as pd
 
 from gatherlab.analysis import figures, results
 from gatherlab.core import cli, runfiles, terms
-from gatherlab.core.terms import RunVerdict
+from gatherlab.core.terms import GradientClass, RunVerdict, World
 from gatherlab.gather import CLASSES
 
 __all__ = [
     "audit_markdown", "common_tolerance", "compare", "comparison_text", "loss_matrix", "main",
-    "matrix_markdown", "predicted_invariance", "scaling_markdown", "write_audit",
-    "write_loss_matrix", "write_report",
+    "matrix_markdown", "max_abs_weight_difference", "predicted_invariance", "scaling_markdown",
+    "write_audit", "write_loss_matrix", "write_report",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -55,10 +58,28 @@ def _comparable(config: dict[str, Any]) -> str:
     return json.dumps({k: v for k, v in config.items() if k not in SPLIT_KEYS}, sort_keys=True)
 
 
-def _max_param_diff(state: dict, reference: dict) -> float:
+def max_abs_weight_difference(
+    state: dict, reference: dict, keys: Iterable[str] | None = None
+) -> float:
+    """The largest |Δ| between two final states (``results.load_final_state``), in float64: over
+    every entry, or over ``keys`` alone; NaN when the states do not name the same entries.
+
+    >>> import torch
+    >>> state = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
+    >>> max_abs_weight_difference(state, {"w": torch.tensor([1.0, 2.25]), "b": torch.tensor([0.0])})
+    0.5
+    >>> max_abs_weight_difference(state, {"w": torch.tensor([1.0, 2.25]), "b": torch.tensor([0.0])},
+    ...                           keys=["w"])
+    0.25
+    >>> max_abs_weight_difference(state, {"w": torch.tensor([1.0, 2.0])})
+    nan
+    """
     if state.keys() != reference.keys():
         return float("nan")
-    return max(float((state[k].double() - reference[k].double()).abs().max()) for k in state)
+    return max(
+        float((state[key].double() - reference[key].double()).abs().max())
+        for key in (state if keys is None else keys)
+    )
 
 
 def _varying_overrides(runs: pd.DataFrame) -> pd.DataFrame:
@@ -124,30 +145,11 @@ def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.
             table.loc[usable.index, "verdict"] = RunVerdict.NO_REFERENCE
             continue
         reference = candidates.iloc[0]
-        reference_curves, reference_state = files[reference["run_dir"]]
         for index, run in usable.iterrows():
-            run_curves, state = files[run["run_dir"]]
             table.loc[index, "reference"] = reference["run_dir"]
-            why = _not_comparable(run, run_curves, reference, reference_curves)
-            if why is not None:
-                table.loc[index, ["verdict", "error"]] = [RunVerdict.NOT_COMPARABLE, why]
-                continue
-            loss = run_curves["loss"].to_numpy()
-            loss_diff = float(abs(loss - reference_curves["loss"].to_numpy()).max())
-            param_diff = _max_param_diff(state, reference_state)
-            tolerance = terms.TOLERANCE[run["precision"]]
-            table.loc[index, "max_abs_loss_diff"] = loss_diff
-            table.loc[index, "max_abs_param_diff"] = param_diff
-            if run["run_dir"] == reference["run_dir"]:
-                verdict = RunVerdict.REFERENCE
-            elif param_diff != param_diff:  # NaN: the final weights have other names
-                verdict = RunVerdict.NOT_COMPARABLE
-                table.loc[index, "error"] = "its final weights are not the reference's"
-            elif loss_diff <= tolerance and param_diff <= tolerance:
-                verdict = RunVerdict.MATCHES
-            else:
-                verdict = RunVerdict.DIFFERS
-            table.loc[index, "verdict"] = verdict
+            held = _held_against(run, files[run["run_dir"]], reference, files[reference["run_dir"]])
+            for column, value in held.items():
+                table.loc[index, column] = value
     table["matches_reference"] = table["verdict"].isin([RunVerdict.REFERENCE, RunVerdict.MATCHES])
     varying = _varying_overrides(table)
     table = pd.concat([table, varying], axis=1)
@@ -157,6 +159,33 @@ def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.
     table = table.drop(columns=["overrides", "config"])
     table.attrs["override_columns"] = list(varying.columns)
     return table, curves
+
+
+def _held_against(
+    run: pd.Series,
+    run_files: tuple[pd.DataFrame, dict],
+    reference: pd.Series,
+    reference_files: tuple[pd.DataFrame, dict],
+) -> dict[str, Any]:
+    """A run held against its reference (the files of each: its curves and final weights): its
+    ``verdict``, its largest |Δloss| and |Δparameter| where the two can be compared, and an
+    ``error`` that says why where they cannot."""
+    (run_curves, state), (reference_curves, reference_state) = run_files, reference_files
+    why = _not_comparable(run, run_curves, reference, reference_curves)
+    if why is not None:
+        return {"verdict": RunVerdict.NOT_COMPARABLE, "error": why}
+    loss = run_curves["loss"].to_numpy()
+    loss_diff = float(abs(loss - reference_curves["loss"].to_numpy()).max())
+    param_diff = max_abs_weight_difference(state, reference_state)
+    held = {"max_abs_loss_diff": loss_diff, "max_abs_param_diff": param_diff}
+    if run["run_dir"] == reference["run_dir"]:
+        return {**held, "verdict": RunVerdict.REFERENCE}
+    if param_diff != param_diff:  # NaN: the final weights have other names
+        error = "its final weights are not the reference's"
+        return {**held, "verdict": RunVerdict.NOT_COMPARABLE, "error": error}
+    tolerance = terms.TOLERANCE[run["precision"]]
+    matches = loss_diff <= tolerance and param_diff <= tolerance
+    return {**held, "verdict": RunVerdict.MATCHES if matches else RunVerdict.DIFFERS}
 
 
 def _relative(path: str | None, root: Path) -> str | None:
@@ -292,7 +321,11 @@ def comparison_text(table: pd.DataFrame) -> str:
     ]
     width = max(28, *map(len, names))
     lines = [f"{'run':<{width}} {'devices × batch':>15} {'max |Δloss|':>12}  matches"]
-    outcomes = {"reference": "(reference)", "matches": "yes", "differs": "NO"}
+    outcomes = {
+        RunVerdict.REFERENCE: "(reference)",
+        RunVerdict.MATCHES: "yes",
+        RunVerdict.DIFFERS: "NO",
+    }
     for name, (_, run) in zip(names, table.iterrows(), strict=True):
         outcome = outcomes.get(run["verdict"], run["verdict"])
         failed = (RunVerdict.FAILED, RunVerdict.UNREADABLE, RunVerdict.NOT_COMPARABLE)
@@ -350,7 +383,7 @@ def audit_markdown(table: pd.DataFrame) -> str:
 
 def _cosine_and_ratio_cell(row: pd.Series) -> str:
     if pd.isna(row["cosine"]):
-        return "none" if row["norm_ratio"] == 0 else "n/a"
+        return GradientClass.NONE if row["norm_ratio"] == 0 else "n/a"
     return f"{row['cosine']:.4g} / {row['norm_ratio']:.3g}"
 
 
@@ -366,7 +399,7 @@ def scaling_markdown(table: pd.DataFrame) -> str:
         row = [f"`{loss}` ({cells['style'].iloc[0]})", f"`{gather}`"]
         for size in sizes:
             at = cells[cells["world_size"] == size]
-            simulated = at[at["world"] == "simulated"]
+            simulated = at[at["world"] == World.SIMULATED]
             if len(simulated):
                 row.append(_cosine_and_ratio_cell(simulated.iloc[0]))
             elif len(at):
