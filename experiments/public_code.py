@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gatherlab.check import check_loss
+from gatherlab.core.terms import GradientClass
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results.md"
@@ -255,7 +256,7 @@ class Case:
     files: tuple[str, ...]
     factory: str  # a top-level name of this module
     label: str
-    predicted: str  # docs/design.md §1, from the released code read before the run
+    predicted: GradientClass  # docs/design.md §1, from the released code read before the run
     why: str
     kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -264,26 +265,27 @@ NTXENT = {"temperature": 0.5, "gather_distributed": True}
 CLIP = ("open-clip-torch", OPEN_CLIP, OPEN_CLIP_FILES, "OpenClipForCheck")
 CASES = (
     Case("lightly", "1.5.2", LIGHTLY_FILES, "lightly_ntxent", "NTXentLoss, gather_distributed",
-         "biased", "local style; GatherLayer's backward keeps the own slice", NTXENT),
+         GradientClass.BIASED, "local style; GatherLayer's backward keeps the own slice", NTXENT),
     Case("lightly", "1.5.3", LIGHTLY_FILES, "lightly_ntxent", "NTXentLoss, gather_distributed",
-         "biased", "as 1.5.2: the last release before PR #1531", NTXENT),
+         GradientClass.BIASED, "as 1.5.2: the last release before PR #1531", NTXENT),
     Case("lightly", "1.5.4", LIGHTLY_FILES, "lightly_ntxent", "NTXentLoss, gather_distributed",
-         "exact", "local style; backward all-reduces, then keeps the own slice", NTXENT),
+         GradientClass.EXACT, "local style; backward all-reduces, then keeps the own slice",
+         NTXENT),
     Case("lightly", "1.6.0", LIGHTLY_FILES, "lightly_ntxent", "NTXentLoss, gather_distributed",
-         "exact", "as 1.5.4", NTXENT),
-    Case(*CLIP, "ClipLoss, default flags", "1/W",
+         GradientClass.EXACT, "as 1.5.4", NTXENT),
+    Case(*CLIP, "ClipLoss, default flags", GradientClass.ONE_OVER_W,
          "no-grad gather, live local slot, full loss on every rank"),
-    Case(*CLIP, "ClipLoss, local_loss", "biased",
+    Case(*CLIP, "ClipLoss, local_loss", GradientClass.BIASED,
          "own rows against no-grad columns (no live slot)", {"local_loss": True}),
-    Case(*CLIP, "ClipLoss, gather_with_grad", "exact",
+    Case(*CLIP, "ClipLoss, gather_with_grad", GradientClass.EXACT,
          "full loss; torch.distributed.nn.all_gather sums in its backward",
          {"gather_with_grad": True}),
-    Case(*CLIP, "ClipLoss, local_loss, gather_with_grad", "exact",
+    Case(*CLIP, "ClipLoss, local_loss, gather_with_grad", GradientClass.EXACT,
          "own rows against gathered columns whose backward sums",
          {"local_loss": True, "gather_with_grad": True}),
-    Case(*CLIP, "ClipLoss, default flags, learnt logit scale", "biased",
+    Case(*CLIP, "ClipLoss, default flags, learnt logit scale", GradientClass.BIASED,
          "model 1/W, the scale complete on every rank", {"learn_logit_scale": True}),
-    Case(*CLIP, "ClipLoss, gather_with_grad, learnt logit scale", "exact",
+    Case(*CLIP, "ClipLoss, gather_with_grad, learnt logit scale", GradientClass.EXACT,
          "every part exact", {"gather_with_grad": True, "learn_logit_scale": True}),
 )  # fmt: skip
 

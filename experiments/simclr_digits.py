@@ -18,7 +18,7 @@ if __name__ == "__main__":
     table, curves = report.compare(results.load_runs(sweep_dir), sweep_dir)
     figure = figures.ablation_figure(
         table, curves, variant="simclr_ablation", metric="knn_accuracy",
-        tolerance=terms.TOLERANCE["64-true"],
+        tolerance=terms.FLOAT64,
     )  # fmt: skip
     for path in figures.save(figure, FIGURES / "simclr_digits"):
         print(path)

@@ -24,10 +24,9 @@ import pandas as pd
 from _sweep import REPO, run_sweep
 
 from gatherlab import report
-from gatherlab.core import runfiles
+from gatherlab.core import runfiles, terms
 
 STEPS = 30
-FLOAT64_BOUND = 1e-10  # docs/design.md §2
 
 
 def free_port() -> int:
@@ -74,8 +73,8 @@ def main() -> None:
         f"max |Δparam| {param_diff:.3g}; verdicts: cpu4 {verdicts['1']}, two nodes "
         f"{verdicts['two_nodes']}"
     )
-    same = verdicts["1"] == verdicts["two_nodes"] == "matches"
-    if not (same and loss_diff <= FLOAT64_BOUND and param_diff <= FLOAT64_BOUND):
+    same = verdicts["1"] == verdicts["two_nodes"] == terms.RunVerdict.MATCHES
+    if not (same and loss_diff <= terms.FLOAT64 and param_diff <= terms.FLOAT64):
         sys.exit(1)
 
 
