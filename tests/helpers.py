@@ -33,10 +33,10 @@ def compose(*overrides: str):
 
 def run_training(run_dir: Path, *overrides: str) -> dict:
     """One checked run in this process (its ranks in the shared pool unless ``launcher=spawn``)."""
-    from gatherlab.lab import configcheck, jobs
+    from gatherlab.lab import jobs, validation
 
     cfg, choices = compose(*overrides)
-    configcheck.check(cfg)
+    validation.validate(cfg)
     return jobs.run(cfg, run_dir, choices, overrides)
 
 

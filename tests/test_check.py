@@ -2,7 +2,7 @@
 the verdict the mathematics of docs/design.md §1 predicts, at W = 2 and 4; every option of the
 ``gather`` config group (conf/gather/, the one registry of gathers) through ``--gather``; bad input
 is one line; ``assert_layout_invariant`` fails with its diagnosis; a foreign loss trains in a sweep
-with ``loss=external gather=native``, and gatherlab's own losses are refused with it."""
+with ``loss=user gather=native``, and gatherlab's own losses are refused with it."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from gatherlab import check
 from gatherlab import gather as gathering
 from gatherlab.analysis import report
 from gatherlab.check import api, measure
-from gatherlab.check.diagnosis import TRAIN_COLUMN
+from gatherlab.check.table import TRAIN_COLUMN
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
 from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles
-from gatherlab.lab import configcheck
+from gatherlab.lab import validation
 from gatherlab.testing import assert_layout_invariant
 
 pytestmark = pytest.mark.slow
@@ -196,13 +196,13 @@ def test_assert_layout_invariant_fails_with_the_diagnosis():
 
 
 def test_a_foreign_loss_trains_in_a_sweep_with_gather_native(tmp_path):
-    """``loss=external`` names any loss class; ``gather=native`` passes no gather, so the loss
+    """``loss=user`` names any loss class; ``gather=native`` passes no gather, so the loss
     communicates by itself and is built inside each rank (with its rank and world size, without
     which each rank would compute a 1-device loss of its slice and differ). Its default flags give
     1/W, which the check above measures."""
     sweep = tmp_path / "sweep"
     result = run_command(
-        "train", "-m", "loss=external", "loss._target_=standins:ClipLossForCheck", "gather=native",
+        "train", "-m", "loss=user", "loss._target_=standins:ClipLossForCheck", "gather=native",
         "+loss.gather_with_grad=true", "layout=cpu1,cpu2", "steps=5",
         f"hydra.sweep.dir={sweep}",
     )  # fmt: skip
@@ -213,17 +213,17 @@ def test_a_foreign_loss_trains_in_a_sweep_with_gather_native(tmp_path):
         (2, "matches"),
     ]
     assert table["max_abs_loss_diff"].max() <= FLOAT64_BOUND
-    assert set(table["gather"]) == {"native"} and set(table["loss"]) == {"external"}
+    assert set(table["gather"]) == {"native"} and set(table["loss"]) == {"user"}
 
 
 def test_gather_native_is_refused_with_a_loss_that_would_gather_with_its_default():
     """``native`` is for a loss that communicates by itself. gatherlab's losses never do: given no
     gather they would gather with their default, ``fixed``, under a sweep table's ``native``. So
-    the check of a command's configs (``configcheck``, before any worker starts) refuses it in
+    the check of a command's configs (``validation``, before any worker starts) refuses it in
     one line."""
     cfg, _ = compose("gather=native")
     with pytest.raises(ConfigError) as refusal:
-        configcheck.check(cfg)
+        validation.validate(cfg)
     assert str(refusal.value) == (
         "gather=native passes no gather, but loss (gatherlab.losses.NTXentLoss) takes gather= and "
         "would gather with its default, 'fixed', not by itself; allowed: gather=fixed (or another "

@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 
 from gatherlab import gather as gathering
 from gatherlab.components import config
-from gatherlab.lab import configcheck, preflight
-from gatherlab.lab.configcheck import ConfigError
+from gatherlab.lab import preflight, validation
+from gatherlab.lab.validation import ConfigError
 
 EXPERIMENTS = sorted(path.stem for path in (config.CONFIG_DIR / "experiment").glob("*.yaml"))
 assert EXPERIMENTS, f"no experiment configs in {config.CONFIG_DIR}"  # else the test would skip
@@ -18,7 +18,7 @@ assert EXPERIMENTS, f"no experiment configs in {config.CONFIG_DIR}"  # else the 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes_and_checks(experiment):
     cfg, choices = compose(f"experiment={experiment}")
-    configcheck.check(cfg)
+    validation.validate(cfg)
     assert choices["experiment"] == experiment
     assert cfg.global_batch_size % cfg.layout.devices == 0
 
@@ -85,8 +85,8 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
         (["global_batch_size=512"], "global_batch_size=512 exceeds the 256 samples of the data"),
         (["global_batch_size=0"], "global_batch_size=0 is not allowed; allowed: a positive"),
         (["loss=infonce"], "loss='infonce' is unknown; allowed: barlowtwins"),
-        (["loss=external"], "loss._target_ is missing; allowed: an import path"),
-        (["loss=external", "loss._target_=nopkg:Loss"], "loss._target_=nopkg:Loss: cannot import"),
+        (["loss=user"], "loss._target_ is missing; allowed: an import path"),
+        (["loss=user", "loss._target_=nopkg:Loss"], "loss._target_=nopkg:Loss: cannot import"),
         (["model=resnet"], "model='resnet' is unknown; allowed: linear, mlp, simclr"),
         (["layout.accelerator=tpu"], "layout.accelerator='tpu' is unknown; allowed: cpu, gpu"),
         (["layout=gpu2", "launcher=pool"], "launcher=pool is not allowed with"),
@@ -129,7 +129,7 @@ def test_bad_values_raise_one_line(overrides, message):
     # check reads that config (a single run's in Hydra's callback before the run's directory is
     # made, which ends the command with this line; a sweep's all before the first starts).
     with pytest.raises(ConfigError) as error, config.composed():
-        preflight.check_job(config.compose_with_hydra(overrides))
+        preflight.validate_job(config.compose_with_hydra(overrides))
     assert message in str(error.value)
     assert "\n" not in str(error.value)
 
@@ -292,6 +292,6 @@ def test_more_cpu_ranks_than_cores_is_a_warning_with_the_count():
 
     cores = len(os.sched_getaffinity(0))
     cfg, _ = compose(f"layout.devices={cores + 1}", f"global_batch_size={4 * (cores + 1)}")
-    warning = configcheck.machine_warning(cfg)
+    warning = validation.machine_warning(cfg)
     assert f"layout.devices={cores + 1} CPU ranks on {cores} core(s)" in warning
-    assert configcheck.machine_warning(compose("layout=cpu1")[0]) is None
+    assert validation.machine_warning(compose("layout=cpu1")[0]) is None

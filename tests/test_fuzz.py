@@ -17,8 +17,8 @@ from test_training import FLOAT32_BOUND, FLOAT64_BOUND, MISS_FACTOR, _difference
 
 from gatherlab.analysis import report, results
 from gatherlab.core import runfiles
-from gatherlab.lab import configcheck, jobs
-from gatherlab.lab.configcheck import ConfigError
+from gatherlab.lab import jobs, validation
+from gatherlab.lab.validation import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +117,7 @@ def _check_one(drawn: dict[str, str], broken: str | None, run_dir, seen: dict[st
     overrides = [f"{key}={value}" for key, value in drawn.items()]
     try:
         cfg, choices = compose(*overrides)
-        configcheck.check(cfg)
+        validation.validate(cfg)
     except ConfigError as error:  # refused before anything starts, in one line
         message = str(error)
         assert broken is not None, (message, drawn)  # a valid configuration is not refused

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def _predictions() -> dict[str, bool]:
     """Every configured loss (its YAML files: a new one is tested without editing this file), with
-    the invariance its class declares (``layout_invariant``, docs/design.md §3); ``external`` is
+    the invariance its class declares (``layout_invariant``, docs/design.md §3); ``user`` is
     a template for a loss named on the command line, not a loss. The files are read, not
     composed: this runs when each test process collects the tests."""
     files = (config.CONFIG_DIR / "loss").glob("*.yaml")
@@ -38,7 +38,7 @@ def _predictions() -> dict[str, bool]:
         for name, node in sorted(nodes.items())
         if not OmegaConf.is_missing(node, "_target_")
     }
-    assert "ntxent" in targets and "external" not in targets
+    assert "ntxent" in targets and "user" not in targets
     return {
         name: hydra.utils.get_class(target).layout_invariant for name, target in targets.items()
     }

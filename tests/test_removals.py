@@ -151,5 +151,7 @@ def test_a_removal_is_one_member_and_its_config_line():
     for removal in removals.Removal:
         assert CULPRIT_DIAGNOSES[removal] == removal.diagnosis and "Fix:" in removal.diagnosis
     assert [r.make for r in removals.Removal] == [
-        removals.global_batch_norm, removals.no_dropout, None
+        removals.global_batch_norm,
+        removals.no_dropout,
+        None,
     ]

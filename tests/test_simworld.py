@@ -18,7 +18,7 @@ from gatherlab import gather
 from gatherlab.check import measure
 from gatherlab.components.config import ConfigError
 from gatherlab.components.factory import Recipe
-from gatherlab.lab import audit, configcheck, scaling
+from gatherlab.lab import audit, scaling, validation
 from gatherlab.ranks import simworld, world
 
 pytestmark = pytest.mark.slow
@@ -95,7 +95,7 @@ def test_a_gather_without_a_rule_is_refused_in_one_line(audit_setting):
         )
     native = Recipe(inputs.losses["ntxent"].factory)  # communicates by itself
     with pytest.raises(ValueError, match=r"cannot be simulated"):
-        measure.check_simulatable(native)
+        measure.require_simulatable(native)
 
 
 def test_the_closed_form_predictions_hold_at_every_world_size(tmp_path, capsys):
@@ -208,13 +208,13 @@ def test_old_on_the_local_loss_is_its_predicted_expectation_on_real_ranks(
 
 def test_an_audit_refuses_unsimulatable_gathers_and_bad_sizes_in_the_check():
     cfg, _ = compose("experiment=gather_audit", "audit.simulated_world_sizes=[4]")
-    configcheck.check(cfg)
+    validation.validate(cfg)
     with pytest.raises(ConfigError, match=r"^audit.simulated_world_sizes: gather mine names no "):
-        configcheck.check_audit_gathers(cfg, {"fixed": gather.get("fixed"), "mine": _identity})
-    configcheck.check_audit_gathers(cfg, {"fixed": gather.get("fixed")})
+        validation.validate_audit_gathers(cfg, {"fixed": gather.get("fixed"), "mine": _identity})
+    validation.validate_audit_gathers(cfg, {"fixed": gather.get("fixed")})
     cfg, _ = compose("experiment=gather_audit", "audit.simulated_world_sizes=[3]")
     with pytest.raises(ConfigError, match=r"holds 3; allowed: integers ≥ 2 that divide "):
-        configcheck.check(cfg)
+        validation.validate(cfg)
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A user's own LightningModule in a sweep (``module=external``, ``data=external``): its runs are
+"""A user's own LightningModule in a sweep (``module=user``, ``data=user``): its runs are
 compared with their 1-device references exactly as gatherlab's own module's, and the ``removals.*``
 keys make each removal a group of its own, drawn as curves (docs/design.md §4, §5)."""
 
@@ -13,8 +13,8 @@ from gatherlab.analysis import figures, report, results
 from gatherlab.core import terms
 
 USER = (
-    "module=external", "module._target_=ssl_modules:SimCLRWithBatchNorm",
-    "data=external", "data.dataset._target_=ssl_modules:GaussianPairs",
+    "module=user", "module._target_=ssl_modules:SimCLRWithBatchNorm",
+    "data=user", "data.dataset._target_=ssl_modules:GaussianPairs",
 )  # fmt: skip
 SWEEP = (
     "-m", *USER, "layout=cpu1,cpu2", "removals.batchnorm=as_is,global", "steps=4",
@@ -85,10 +85,10 @@ def test_a_sweep_over_a_removal_attributes_the_difference_to_batch_norm(tmp_path
         ((*USER, "removals.batchnorm=sync"),
          "removals.batchnorm='sync' is not allowed; allowed: as_is, global"),
         (("removals.dropout=off",),
-         "removals.dropout=off applies to module=external; allowed with module=contrastive: "
+         "removals.dropout=off applies to module=user; allowed with module=contrastive: "
          "removals.dropout=on"),
-        (("data=external", "data.dataset._target_=ssl_modules:GaussianPairs"),
-         "data=external (a map-style data set read by index) serves module=external"),
+        (("data=user", "data.dataset._target_=ssl_modules:GaussianPairs"),
+         "data=user (a map-style data set read by index) serves module=user"),
     ],
     ids=["not-a-lightning-module", "unknown-value", "contrastive-removal", "contrastive-data"],
 )  # fmt: skip

@@ -161,7 +161,7 @@ def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, .
     cfg, model, optimizer, dataset = _composed(optim)
     size = cfg.global_batch_size
     try:
-        measure.check_world_sizes(world_sizes, size, f"the global batch of {size}")
+        measure.validate_world_sizes(world_sizes, size, f"the global batch of {size}")
     except ValueError as error:
         raise CheckError(str(error)) from None
     batches = measure.global_batches(dataset, size, cfg.seed, bool(cfg.data.shuffle), max(steps, 2))

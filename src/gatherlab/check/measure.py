@@ -54,9 +54,18 @@ ModelFactory = Callable[[], nn.Module]
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 __all__ = [
-    "CLASSES", "COLUMNS", "LossContractError", "Measured", "audit",
-    "check_simulatable", "check_world_sizes", "classify", "global_batches", "measure",
-    "measure_on_ranks", "train",
+    "CLASSES",
+    "COLUMNS",
+    "LossContractError",
+    "Measured",
+    "audit",
+    "classify",
+    "global_batches",
+    "measure",
+    "measure_on_ranks",
+    "require_simulatable",
+    "train",
+    "validate_world_sizes",
 ]  # fmt: skip
 
 
@@ -246,7 +255,7 @@ def _run(world_size: int, simulated: bool, function: Callable[..., object], *arg
     return ranks_for(world_size).run(function, *args)
 
 
-def check_simulatable(loss: Recipe) -> None:
+def require_simulatable(loss: Recipe) -> None:
     """A ValueError in one line unless the simulated world can run ``loss``: its gather must be
     a ``Gather`` that names the rule of its backward (a loss without a gather communicates by
     itself, through a process group the simulated world does not have)."""
@@ -274,7 +283,7 @@ def measure_on_ranks(
         raise ValueError(f"the global batch of {len(view0)} does not split over {world_size}")
     if simulated:
         for loss in cells.values():
-            check_simulatable(loss)
+            require_simulatable(loss)
     ranks = _run(
         world_size, simulated, _on_rank, dict(cells), model_factory, view0, view1, seed,
         tuple(further),
@@ -332,14 +341,14 @@ def train(
         losses, parameters = _train_on_rank(loss, model_factory, batches, optimizer, seed)
         return Trained(losses, None, parameters)
     if simulated:
-        check_simulatable(loss)
+        require_simulatable(loss)
     ranks = _run(
         world_size, simulated, _train_on_rank, loss, model_factory, batches, optimizer, seed
     )
     return Trained(mean_over_ranks([losses for losses, _ in ranks]), None, ranks[0][1])
 
 
-def check_world_sizes(world_sizes: Sequence[int], global_batch_size: int, batch: str) -> None:
+def validate_world_sizes(world_sizes: Sequence[int], global_batch_size: int, batch: str) -> None:
     """A ValueError of one line unless every world size is an integer ≥ 2 that divides the global
     batch (``batch`` names it in the message, e.g. "the global batch of 16")."""
     for world_size in world_sizes:

@@ -87,7 +87,7 @@ class Setting:
             return built
         from gatherlab.runs import lightning  # Lightning: only for a LightningModule
 
-        return lightning.check_module(built, self.label)
+        return lightning.validated_module(built, self.label)
 
 
 def _top_level(name: str) -> str:
@@ -137,7 +137,7 @@ def validate(
             f"--global-batch-size {batch} exceeds the {size} samples of the data set; allowed: at "
             f"most {size}"
         )
-    measure.check_world_sizes(world_sizes, batch, f"--global-batch-size {batch}")
+    measure.validate_world_sizes(world_sizes, batch, f"--global-batch-size {batch}")
     return removals.found_in(module, data), parts(module)
 
 

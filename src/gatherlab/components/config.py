@@ -277,21 +277,27 @@ def _factory_of(
     return Recipe(factory, arguments, gather, seed)
 
 
-# --- a user's LightningModule and data set (module=external, data=external) ----------------------
+# --- a user's LightningModule and data set (module=user, data=user) ----------------------
 
 
-def is_external(cfg: DictConfig) -> bool:
-    """Whether the run trains a user's LightningModule (``module=external``)."""
-    return cfg.module.get("name") == "external"
+USER = "user"
+"""The option of the ``module``, ``data`` and ``loss`` groups that names the user's own code by its
+import path (``module=user module._target_=mypkg.ssl:MyModule``); "external" names only ranks
+that a launcher outside gatherlab started (``launcher=external``)."""
 
 
-def external_data(cfg: DictConfig) -> bool:
-    """Whether the data is a user's map-style data set (``data=external``)."""
-    return cfg.data.get("name") == "external"
+def is_user_module(cfg: DictConfig) -> bool:
+    """Whether the run trains a user's LightningModule (``module=user``)."""
+    return cfg.module.get("name") == USER
+
+
+def is_user_data(cfg: DictConfig) -> bool:
+    """Whether the data is a user's map-style data set (``data=user``)."""
+    return cfg.data.get("name") == USER
 
 
 def module_factory(cfg: DictConfig) -> Recipe:
-    """The user's LightningModule of ``module=external`` as a factory that each rank calls once its
+    """The user's LightningModule of ``module=user`` as a factory that each rank calls once its
     process group exists (with ``rank=``/``world_size=`` when it takes them; its weights drawn
     from ``cfg.seed``)."""
     return _factory_of(
@@ -300,7 +306,7 @@ def module_factory(cfg: DictConfig) -> Recipe:
 
 
 def dataset_factory(cfg: DictConfig) -> Recipe:
-    """The user's map-style data set of ``data=external`` as a factory, built where it runs."""
+    """The user's map-style data set of ``data=user`` as a factory, built where it runs."""
     return _factory_of(
         "data.dataset", cfg.data.dataset, None, cfg.seed, "mypkg.data:MyData", "a data set"
     )

@@ -28,7 +28,7 @@ from gatherlab.components import config
 from gatherlab.components.config import ConfigError
 from gatherlab.components.factory import Recipe
 from gatherlab.core import cli, runfiles
-from gatherlab.lab import configcheck
+from gatherlab.lab import validation
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def run_audit(
     inputs: AuditInputs | None = None,
 ) -> pd.DataFrame:
     """The audit a checked ``experiment=gather_audit`` config describes, for ``gathers`` (name →
-    gather, checked with it: ``configcheck.check_audit_gathers``), on ``inputs`` (built from the
+    gather, checked with it: ``validation.validate_audit_gathers``), on ``inputs`` (built from the
     config when not given); writes ``audit.csv`` into ``out`` and returns the table."""
     out = Path(out)
     if (out / runfiles.AUDIT).exists():
@@ -93,7 +93,7 @@ def run(cfg: DictConfig, overrides: Sequence[str], out: Path) -> pd.DataFrame:
     names = cfg.audit.gathers
     with config.composed():
         gathers = config.build_gathers(None if names is None else list(names), overrides)
-    configcheck.check_audit_gathers(cfg, gathers)
+    validation.validate_audit_gathers(cfg, gathers)
     table = run_audit(cfg, out, gathers)
     report.write_audit(table, out)
     return table
@@ -124,8 +124,8 @@ def command_line(
             raise ConfigError(f"--out {out} already holds {name}.csv; it is never overwritten")
         with config.composed():
             cfg, choices = config.compose(overrides)
-        configcheck.check_command(cfg, choices["experiment"], f"python -m gatherlab.{name}")
-        configcheck.check(cfg)
+        validation.validate_command(cfg, choices["experiment"], f"python -m gatherlab.{name}")
+        validation.validate(cfg)
         table = run(cfg, overrides, out)
     except ConfigError as error:
         cli.fail(name, error)

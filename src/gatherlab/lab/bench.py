@@ -61,7 +61,7 @@ from gatherlab.gather import (
     backward_collective,
     get,
 )
-from gatherlab.lab import configcheck
+from gatherlab.lab import validation
 from gatherlab.lab.jobs import run as run_job
 from gatherlab.ranks import pool as pools
 
@@ -70,7 +70,7 @@ def _job_times(launcher: str, jobs: int, steps: int, root: Path) -> list[float]:
     overrides = ["experiment=bug_demo", "layout=cpu2", f"steps={steps}", f"launcher={launcher}"]
     with config.composed():
         cfg, choices = config.compose(overrides)
-    configcheck.check(cfg)
+    validation.validate(cfg)
     times = []
     for job in range(jobs):
         start = time.perf_counter()
@@ -275,12 +275,12 @@ def check(repeats: int) -> float:
     floors, checks = [], []
     with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
         for repeat in range(repeats):
-            check_command = [
+            validate_command = [
                 sys.executable, "-m", "gatherlab.check", "gatherlab.losses:NTXentLoss",
                 "--gather", "fixed", "--world-sizes", "2,4", "--out", f"{root}/{repeat}",
             ]  # fmt: skip
             floors.append(_seconds(floor_command))
-            checks.append(_seconds(check_command))
+            checks.append(_seconds(validate_command))
     floor, checked = statistics.median(floors), statistics.median(checks)
     print(f"python -c 'import torch, torch.distributed': {floor:.2f} s (median of {repeats})")
     print(f"python -m gatherlab.check NTXentLoss --gather fixed, W = 2, 4: {checked:.2f} s")

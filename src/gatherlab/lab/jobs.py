@@ -1,12 +1,12 @@
 """Running one training job of a checked config (``run``; an audit's job is
-`gatherlab.lab.audit`'s). The config was checked by ``configcheck`` before any job started; nothing
+`gatherlab.lab.audit`'s). The config was checked by ``validation`` before any job started; nothing
 here checks it again, but what only running finds out (a directory that already holds a run, a rank
 that fails).
 
 A training run builds data, model, gather, loss and optimizer from the config (``config``), trains
 on the layout's ranks (``launch``), and writes its run files (docs/design.md §5) into its directory:
 ``curves.csv`` and ``final_state.pt`` from rank 0 during training, ``summary.json`` when it ends,
-failed or not. With ``module=external`` the user's LightningModule and data set are built inside
+failed or not. With ``module=user`` the user's LightningModule and data set are built inside
 each rank instead (`gatherlab.runs.lightning.fit_on_rank`), with the same run files.
 """
 
@@ -74,7 +74,7 @@ def _train(
     group: str | None,
 ) -> dict[str, Any]:
     """Build, train, and write the summary (rank 0): what ``run`` does in its directory."""
-    built = None if config.is_external(cfg) else _Built.of(cfg)
+    built = None if config.is_user_module(cfg) else _Built.of(cfg)
     described = _described(cfg, choices, overrides, built)
     start = time.perf_counter()
     try:
@@ -133,7 +133,7 @@ def _described(
     devices = _devices(cfg)
     return {
         **{name: choices.get(name) for name in runfiles.SUMMARY_CHOICES},
-        **(_external_choices(cfg) if built is None else {}),
+        **(_user_choices(cfg) if built is None else {}),
         "devices": devices,
         "batch_size": cfg.global_batch_size // devices,
         "global_batch_size": cfg.global_batch_size,
@@ -155,9 +155,9 @@ def _devices(cfg: DictConfig) -> int:
 
 def _fit(cfg: DictConfig, run_dir: Path, built: _Built | None) -> None:
     """Train on the layout's ranks: gatherlab's module (``launch.fit``) or, with
-    ``module=external``, the user's (``_fit_external``)."""
+    ``module=user``, the user's (``_fit_user_module``)."""
     if built is None:
-        _fit_external(cfg, run_dir, _devices(cfg))
+        _fit_user_module(cfg, run_dir, _devices(cfg))
         return
     launch.fit(
         built.module,
@@ -212,15 +212,15 @@ def _finished(
     return summary
 
 
-def _external_choices(cfg: DictConfig) -> dict[str, str | None]:
-    """What a run of ``module=external`` records for the groups it does not use: as ``model`` the
+def _user_choices(cfg: DictConfig) -> dict[str, str | None]:
+    """What a run of ``module=user`` records for the groups it does not use: as ``model`` the
     module's import path, ``native`` as its gather (it communicates by itself), no loss and no
     optimizer of gatherlab's."""
     return {"model": str(cfg.module._target_), "gather": "native", "loss": None, "optim": None}
 
 
-def _fit_external(cfg: DictConfig, run_dir: Path, devices: int) -> None:
-    """Train the user's module of ``module=external`` on its data set: each rank builds both in its
+def _fit_user_module(cfg: DictConfig, run_dir: Path, devices: int) -> None:
+    """Train the user's module of ``module=user`` on its data set: each rank builds both in its
     process group and records the run files (``lightning.fit_on_rank``); one device trains here.
     The config was checked: several ranks only on the worker pools."""
     arguments = (

@@ -1,11 +1,11 @@
 """Every job of ``python -m gatherlab.train`` checked before the first starts.
 
-A bad value fails with ``ConfigError`` (one line; the command line prints it and exits with
-status 2) before Hydra writes a run or sweep directory and before any worker starts. Each job's
-config is Hydra's own composition, checked as it will run (``check_job``): a single run's by the
-``CheckRun`` callback (Hydra calls ``on_run_start`` with the run's config before it creates the
-run's directory), a sweep's by ``checked_configs``, which the command's ``compose_sweep`` calls when
-gatherlab's sweeper (src/hydra_plugins/gatherlab_sweeper) shows it the jobs before their
+A bad value fails with ``ConfigError`` (one line; the command line prints it and exits with status
+2) before Hydra writes a run or sweep directory and before any worker starts. Each job's config is
+Hydra's own composition, checked as it will run (``validate_job``): a single run's by the
+``ValidateRun`` callback (Hydra calls ``on_run_start`` with the run's config before it creates the
+run's directory), a sweep's by ``validated_configs``, which the command's ``compose_sweep`` calls
+when gatherlab's sweeper (src/hydra_plugins/gatherlab_sweeper) shows it the jobs before their
 directory exists. A large sweep is composed and checked on all cores.
 """
 
@@ -24,56 +24,56 @@ from omegaconf import DictConfig
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
 from gatherlab.core import cli
-from gatherlab.lab import configcheck
+from gatherlab.lab import validation
 
 # What a job needs (Lightning, pandas, matplotlib: seconds to import) is imported once the checks
 # have passed, or beside the composers of a large sweep, so that a bad value is answered at once.
 
-__all__ = ["COMMAND", "CheckRun", "check_job", "checked_configs", "warn"]
+__all__ = ["COMMAND", "ValidateRun", "validate_job", "validated_configs", "warn"]
 
 # How a user starts the command line these jobs are checked for (an experiment's run_by names the
 # one that runs it).
 COMMAND = "python -m gatherlab.train"
-# A sweep of at least this many jobs is composed and checked on all cores (``checked_configs``):
+# A sweep of at least this many jobs is composed and checked on all cores (``validated_configs``):
 # composing a job takes Hydra ~0.08 s, checking it ~0.02 s, forking and sending configs back ~0.1 s.
 PARALLEL_COMPOSITION = 16
 
 Compose = Callable[[Sequence[str]], DictConfig]
 
 
-def check_job(cfg: DictConfig) -> DictConfig:
+def validate_job(cfg: DictConfig) -> DictConfig:
     """A composed job config (with its ``hydra`` node), checked: the first bad value raises
     ``ConfigError``."""
-    configcheck.check_command(cfg, cfg.hydra.runtime.choices.get("experiment"), COMMAND)
-    configcheck.check(cfg)
+    validation.validate_command(cfg, cfg.hydra.runtime.choices.get("experiment"), COMMAND)
+    validation.validate(cfg)
     return cfg
 
 
 def warn(configs: Sequence[DictConfig]) -> None:
     """Warn, once per warning, of what runs but runs slowly."""
-    warnings = (configcheck.machine_warning(cfg) for cfg in configs)
+    warnings = (validation.machine_warning(cfg) for cfg in configs)
     for warning in dict.fromkeys(w for w in warnings if w):
         print(f"gatherlab.train: warning: {warning}", file=sys.stderr)
 
 
-class CheckRun(Callback):
+class ValidateRun(Callback):
     """Hydra callback (conf/config.yaml): a single run's config checked before Hydra creates its
     directory; a bad value ends the command there (``cli.fail``: Hydra turns a callback's
     exception into a warning and goes on, not an exit). A sweep's jobs are checked before its
     directory exists by gatherlab's sweeper, which shows them to the command
-    (``checked_configs``)."""
+    (``validated_configs``)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            check_job(config)
+            validate_job(config)
         except ConfigError as error:
             cli.fail("train", error)
         warn([config])
 
 
-def checked_configs(jobs: Sequence[Sequence[str]], compose: Compose) -> list[DictConfig]:
-    """Each job's config, composed by ``compose`` and checked (``check_job``), in the jobs' order,
-    and the warnings of them all; the first bad value raises ``ConfigError``.
+def validated_configs(jobs: Sequence[Sequence[str]], compose: Compose) -> list[DictConfig]:
+    """Each job's config, composed by ``compose`` and validated (``validate_job``), in the jobs'
+    order, and the warnings of them all; the first bad value raises ``ConfigError``.
 
     A large sweep on a machine of several cores is split among processes forked from this one
     (each does its share as this one would: the same Hydra state, copied by the fork), while this
@@ -133,4 +133,4 @@ def _start_composer() -> None:
 def _checked_one(job: Sequence[str], compose: Compose | None = None) -> DictConfig:
     compose = compose or _compose
     assert compose is not None
-    return check_job(config.hydra_errors_as_one_line(compose, job))
+    return validate_job(config.hydra_errors_as_one_line(compose, job))

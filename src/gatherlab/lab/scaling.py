@@ -37,7 +37,7 @@ from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles
 from gatherlab.core.terms import Rule, Style
 from gatherlab.gather import GatherFn, rule
-from gatherlab.lab import audit, configcheck
+from gatherlab.lab import audit, validation
 
 
 class Prediction(StrEnum):
@@ -136,7 +136,7 @@ def run(cfg: DictConfig, overrides: Sequence[str], out: Path) -> pd.DataFrame:
     names = cfg.audit.gathers
     with config.composed():
         gathers = config.build_gathers(None if names is None else list(names), overrides)
-    configcheck.check_audit_gathers(cfg, gathers)
+    validation.validate_audit_gathers(cfg, gathers)
     inputs = audit.audit_inputs(cfg)
     audited = audit.run_audit(cfg, out, gathers, inputs)
     table = predict(audited, inputs, gathers, cfg.seed)

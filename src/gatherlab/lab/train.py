@@ -70,7 +70,7 @@ class Command:
         must be the ones it ran."""
         if self.resume_dir is not None:
             resume.check_jobs(self.resume_dir, jobs)
-        configs = preflight.checked_configs(jobs, compose)
+        configs = preflight.validated_configs(jobs, compose)
         self.jobs_total = len(configs)
         return configs
 

@@ -1,11 +1,12 @@
-"""The one check of a composed job config (layout × launcher × batch × data × precision × the
+"""The one validation of a composed job config (layout × launcher × batch × data × precision × the
 objects it names), failing with one line that names the key, the value and what is allowed.
 
 It runs before any worker process starts, for every job of a command (an audit's gathers, once
-built, by ``check_audit_gathers``); what runs a job trusts it.
+built, by ``validate_audit_gathers``); what runs a job trusts it. ("Check" names gatherlab's
+check of a loss, gather or training step, `gatherlab.check`, and nothing else.)
 Besides the values it builds the cheap objects of the job (data set, model, gather, loss, and the
 optimizer on a stand-in parameter), so that a constructor's refusal is one line too, and checks
-the data set and model contracts of docs/design.md §4; with ``module=external``, the user's
+the data set and model contracts of docs/design.md §4; with ``module=user``, the user's
 LightningModule and map-style data set instead, and the ``removals.*`` keys.
 """
 
@@ -29,7 +30,9 @@ from gatherlab.runs import plainstep, removals
 ACCELERATORS = tuple(terms.Accelerator)
 
 
-__all__ = ["ConfigError", "check", "check_audit_gathers", "check_command", "machine_warning"]
+__all__ = [
+    "ConfigError", "machine_warning", "validate", "validate_audit_gathers", "validate_command",
+]  # fmt: skip
 
 
 def _integer(key: str, value: Any, minimum: int) -> int:
@@ -40,42 +43,42 @@ def _integer(key: str, value: Any, minimum: int) -> int:
     return value
 
 
-def check(cfg: Mapping[str, Any]) -> None:
+def validate(cfg: Mapping[str, Any]) -> None:
     """Raise ``ConfigError`` for the first value of ``cfg`` that cannot run."""
     _integer("steps", cfg["steps"], minimum=1)
     _integer("seed", cfg["seed"], minimum=0)
     _integer("log_every", cfg.get("log_every", 0), minimum=0)
     global_batch_size = _integer("global_batch_size", cfg["global_batch_size"], minimum=1)
-    devices = _check_layout(cfg)
+    devices = _validate_layout(cfg)
     if global_batch_size % devices:
         raise ConfigError(
             f"global_batch_size={global_batch_size} does not divide by layout.devices={devices}; "
             f"allowed: a multiple of {devices}"
         )
     removed = removals_of(cfg)
-    if config.is_external(cfg):
+    if config.is_user_module(cfg):
         if devices > 1 and cfg["launcher"]["name"] != terms.Launcher.POOL:
             raise ConfigError(
-                f"module=external builds the module inside each rank of the worker pools; "
+                f"module=user builds the module inside each rank of the worker pools; "
                 f"launcher={cfg['launcher']['name']} with {devices} devices is not supported; "
                 "allowed: launcher=pool (CPU layouts), or one device"
             )
-        num_samples = _check_user_objects(cfg)
+        num_samples = _validate_user_objects(cfg)
     else:
-        _check_contrastive_only(cfg, removed)
+        _validate_contrastive_only(cfg, removed)
         num_samples = _dataset_size(OmegaConf.to_yaml(cfg["data"]["dataset"], resolve=True))
     if global_batch_size > num_samples:
         raise ConfigError(
             f"global_batch_size={global_batch_size} exceeds the {num_samples} samples of the data "
             f"set; allowed: at most {num_samples}"
         )
-    if not config.is_external(cfg):
-        _check_objects(cfg)
+    if not config.is_user_module(cfg):
+        _validate_objects(cfg)
     if "audit" in cfg:
-        _check_audit(cfg)
+        _validate_audit(cfg)
 
 
-def _check_layout(cfg: Mapping[str, Any]) -> int:
+def _validate_layout(cfg: Mapping[str, Any]) -> int:
     """The layout, precision and launcher, against each other and this machine; returns the
     run's ranks in all (devices × nodes)."""
     nodes = _integer("layout.nodes", cfg["layout"].get("nodes", 1), minimum=1)
@@ -116,7 +119,7 @@ def _check_layout(cfg: Mapping[str, Any]) -> int:
     return devices
 
 
-def _check_audit(cfg: DictConfig) -> None:
+def _validate_audit(cfg: DictConfig) -> None:
     """An audit's world sizes: real and simulated, each an integer ≥ 2 dividing the batch."""
     for key in ("world_sizes", "simulated_world_sizes"):
         for size in cfg.audit.get(key) or []:
@@ -127,7 +130,7 @@ def _check_audit(cfg: DictConfig) -> None:
                 )
 
 
-def check_audit_gathers(cfg: DictConfig, gathers: Mapping[str, Any]) -> None:
+def validate_audit_gathers(cfg: DictConfig, gathers: Mapping[str, Any]) -> None:
     """The gathers an audit measures (name → gather, built from ``audit.gathers``): with
     simulated world sizes, each must name the backward rule the simulated world reproduces."""
     unsimulatable = [name for name, gather in gathers.items() if rule(gather) is None]
@@ -147,25 +150,25 @@ def removals_of(cfg: DictConfig) -> removals.Removals:
         raise ConfigError(str(error)) from None
 
 
-def _check_contrastive_only(cfg: DictConfig, removed: removals.Removals) -> None:
+def _validate_contrastive_only(cfg: DictConfig, removed: removals.Removals) -> None:
     """gatherlab's own module has its own switches for the removals (``model.norm``,
     ``data.seeding``) and reads its data by ``(epoch, index)``: ``removals.*`` and
-    ``data=external`` are for ``module=external``."""
+    ``data=user`` are for ``module=user``."""
     if removed.made():
         key = removed.made()[0]
         raise ConfigError(
-            f"removals.{key}={cfg.removals[key]} applies to module=external; allowed with "
+            f"removals.{key}={cfg.removals[key]} applies to module=user; allowed with "
             f"module=contrastive: removals.{key}={key.config_values[0]} (gatherlab's "
             "own switches: model.norm, data.seeding)"
         )
-    if config.external_data(cfg):
+    if config.is_user_data(cfg):
         raise ConfigError(
-            "data=external (a map-style data set read by index) serves module=external; allowed "
+            "data=user (a map-style data set read by index) serves module=user; allowed "
             "with module=contrastive: a data set of docs/design.md §4 (data=gaussian, digits, ...)"
         )
 
 
-def _check_user_objects(cfg: DictConfig) -> int:
+def _validate_user_objects(cfg: DictConfig) -> int:
     """Build the user's module (as on one device: rank 0 of 1) and data set once, apply the
     removals, check both contracts; return the data set's number of samples."""
     from gatherlab.runs import lightning
@@ -177,14 +180,14 @@ def _check_user_objects(cfg: DictConfig) -> int:
     except Exception as error:  # the constructor's own refusal
         raise ConfigError(f"module ({target}): {cli.first_line(error)}") from None
     try:
-        lightning.check_module(module, f"module ({target})")
+        lightning.validated_module(module, f"module ({target})")
     except ValueError as error:
         raise ConfigError(str(error)) from None
     removals_of(cfg).apply(module)
-    if not config.external_data(cfg):
+    if not config.is_user_data(cfg):
         raise ConfigError(
-            "module=external reads a map-style data set by index, not a data set of gatherlab's "
-            "contract; allowed: data=external data.dataset._target_=mypkg.data:MyData"
+            "module=user reads a map-style data set by index, not a data set of gatherlab's "
+            "contract; allowed: data=user data.dataset._target_=mypkg.data:MyData"
         )
     factory = config.dataset_factory(cfg)
     data_target = cfg.data.dataset._target_
@@ -198,7 +201,7 @@ def _check_user_objects(cfg: DictConfig) -> int:
         raise ConfigError(cli.first_line(error)) from None
 
 
-def check_command(cfg: Mapping[str, Any], experiment: str | None, command: str) -> None:
+def validate_command(cfg: Mapping[str, Any], experiment: str | None, command: str) -> None:
     """Refuse a job that another command runs: an experiment whose config names its command
     (``run_by``, e.g. a script that trains outside ``python -m gatherlab.train``) runs only there,
     so that no command silently runs something else under the experiment's name."""
@@ -232,7 +235,7 @@ def _dataset_size(dataset_yaml: str) -> int:
     return size
 
 
-def _check_objects(cfg: DictConfig) -> None:
+def _validate_objects(cfg: DictConfig) -> None:
     """Build the job's model, gather, loss and optimizer; their constructors' refusals and broken
     contracts become one line."""
     model = config.build_model(cfg)

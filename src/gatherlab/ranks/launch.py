@@ -208,7 +208,7 @@ def fit(
     num_nodes: int = 1,
 ) -> None:
     """Train ``module`` for ``steps`` steps on ``devices`` ranks per node (rank 0's callbacks
-    record). The config was checked (``configcheck``): several nodes only with
+    record). The config was checked (``validation``): several nodes only with
     ``launcher="external"``, ``pool`` only on the CPU."""
     quiet_frameworks()
     if devices == 1 and launcher != terms.Launcher.EXTERNAL:

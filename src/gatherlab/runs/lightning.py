@@ -12,7 +12,7 @@ made on request.
   has one, else PyTorch's default;
 - ``train_on_rank`` builds the module and the data set where it runs (inside each rank), trains
   them on one device or in the rank's process group (``fit_on_rank``, which also trains a
-  ``module=external`` run) and returns what the check compares.
+  ``module=user`` run) and returns what the check compares.
 """
 
 from __future__ import annotations
@@ -39,12 +39,18 @@ from gatherlab.runs.record import Recorder
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ItemsDataModule", "ProgressLog", "StepRecorder", "check_module", "collate_fn_of",
-    "fit_on_rank", "loss_of_step", "train_on_rank",
+    "ItemsDataModule",
+    "ProgressLog",
+    "StepRecorder",
+    "collate_fn_of",
+    "fit_on_rank",
+    "loss_of_step",
+    "train_on_rank",
+    "validated_module",
 ]  # fmt: skip
 
 
-def check_module(module: Any, label: str) -> L.LightningModule:
+def validated_module(module: Any, label: str) -> L.LightningModule:
     """``module`` when it is a ``LightningModule`` with its own ``training_step`` and
     ``configure_optimizers``; a ValueError of one line, starting with ``label``, otherwise."""
     if not isinstance(module, L.LightningModule):
