@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help demo test notebook figures lint docs install-check clean
+.PHONY: help demo test notebook figures examples lint docs install-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -34,6 +34,11 @@ figures: $(STAMP)  ## RE-RUN every experiment (~75 min here) and overwrite figur
 	    experiments/gather_scaling.py \
 	    experiments/optimizer_matrix.py experiments/downstream.py experiments/lr_sweep.py \
 	    experiments/simclr_digits.py; do $(PY) $$script || exit 1; done
+
+# docs/examples.py: each block between <!-- example: NAME --> and <!-- /example --> is rewritten with
+# what its command prints today; python docs/examples.py --check [NAME ...] only compares.
+examples: $(STAMP)  ## re-run the commands whose output README.md and docs/usage.md print; rewrite it
+	$(PY) docs/examples.py
 
 lint: $(STAMP)  ## ruff, the import layers of docs/design.md §4, undeclared imports (deptry)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports
