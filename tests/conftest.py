@@ -63,7 +63,7 @@ def pr1531_sweep(tmp_path_factory, worker_id):
 
 
 # The files that take longest (seconds of test time each, one run with ``--durations=0`` on the
-# 2-core machine, on a day it ran the whole suite in ~245 s), longest first: every file of a second
+# 2-core machine, issue 32's run in docs/testing.md), longest first: every file of a second
 # or more, whether its tests are marked slow or not. ``make test`` hands whole files to two test
 # processes in the order they come (``--dist loadfile``), each process taking the next file as it
 # runs out; starting the longest first and ending with the shortest lets both finish together (30 s

@@ -101,7 +101,11 @@ def assert_training_invariant(
 
     Example:
         >>> from gatherlab.testing import assert_training_invariant
-        >>> table = assert_training_invariant("mypkg.ssl:MyModule", "mypkg.data:make_dataset")
+        >>> table = assert_training_invariant(  # tests/ssl_modules.py: SimCLR with an exact gather
+        ...     "ssl_modules:SimCLR", "ssl_modules:GaussianPairs", (2, 4), steps=2
+        ... )
+        >>> table["verdict"].unique().tolist()
+        ['exact']
     """
     table = check.check_training(module, data, world_sizes, **arguments)
     if not check.trains_like_one_device(table):

@@ -48,17 +48,27 @@ def load_runs(directory: str | Path) -> pd.DataFrame:
 
     Returns:
         A pandas DataFrame, one row per run in a stable order (numbered directories by number),
-        with the columns ``experiment, model, loss, data, optim, gather, layout, launcher,
-        logger, devices, batch_size, global_batch_size, precision, steps, seed, final_loss,
-        wall_s, loss_layout_invariant``, then any further numeric summary field (such as
-        ``knn_accuracy``, ``failed_step``) sorted by name, then ``status, error, overrides``
-        (a dict ``key → value``), ``config`` (the resolved config as a dict) and ``run_dir``.
+        with the columns ``experiment, module, model, loss, data, optim, gather, layout,
+        launcher, logger, devices, batch_size, global_batch_size, precision, steps, seed,
+        final_loss, wall_s, loss_layout_invariant`` (``runfiles.SUMMARY_COLUMNS``), then any
+        further numeric summary field (such as ``knn_accuracy``, ``failed_step``) sorted by name,
+        then ``status, error, overrides`` (a dict ``key → value``), ``config`` (the resolved
+        config as a dict) and ``run_dir``.
         Failed runs are rows too. No run gives an empty table with these columns.
 
     Example:
         >>> from gatherlab.analysis.results import load_runs
-        >>> runs = load_runs("multirun")
-        >>> runs[runs["status"] != "ok"][["run_dir", "error"]]
+        >>> runs = load_runs("multirun")  # every run below multirun/: here, one sweep of 4
+        >>> runs[["gather", "layout", "status"]]
+          gather layout status
+        0    old   cpu1     ok
+        1    old   cpu2     ok
+        2  fixed   cpu1     ok
+        3  fixed   cpu2     ok
+        >>> runs[runs["status"] != "ok"][["run_dir", "error"]]  # the failed runs, and why: none
+        Empty DataFrame
+        Columns: [run_dir, error]
+        Index: []
     """
     rows = []
     for run_dir in runfiles.find_runs(Path(directory)):
@@ -143,9 +153,14 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
         ValueError: ``summary.json`` is not valid JSON (``json.JSONDecodeError``).
 
     Example:
-        >>> from gatherlab.analysis.results import load_run
-        >>> run = load_run("outputs/2026-01-01/12-00-00")
-        >>> run.plot(x="step", y="loss")
+        >>> from gatherlab.analysis.results import load_run, newest_sweep
+        >>> run = load_run(newest_sweep() / "1")  # or a single run's outputs/<date>/<time>
+        >>> run[["step", "loss", "gather", "layout"]].head(3)
+           step      loss gather layout
+        0     0  2.725138    old   cpu2
+        1     1  2.724713    old   cpu2
+        2     2  2.724292    old   cpu2
+        >>> axes = run.plot(x="step", y="loss")
     """
     run_dir = Path(run_dir)
     summary = runfiles.read_summary(run_dir)
@@ -182,7 +197,13 @@ def load_sweep(paths: str | Path | Iterable[str | Path]) -> pd.DataFrame:
     Example:
         >>> from gatherlab.analysis.results import load_sweep, newest_sweep
         >>> curves = load_sweep(newest_sweep())
-        >>> curves.groupby("run_dir")["loss"].last()
+        >>> curves.groupby(["gather", "layout"])["loss"].last()
+        gather  layout
+        fixed   cpu1      2.722102
+                cpu2      2.722102
+        old     cpu1      2.722102
+                cpu2      2.721418
+        Name: loss, dtype: float64
     """
     paths = [paths] if isinstance(paths, str | Path) else list(paths)
     frames = []
@@ -215,7 +236,12 @@ def load_comparison(sweep_dir: str | Path) -> pd.DataFrame:
     Example:
         >>> from gatherlab.analysis.results import load_comparison, newest_sweep
         >>> table = load_comparison(newest_sweep())
-        >>> table[["run_dir", "verdict", "max_abs_loss_diff"]]
+        >>> table[["run_dir", "gather", "layout", "verdict", "reference"]]
+           run_dir gather layout    verdict  reference
+        0        0    old   cpu1  reference          0
+        1        1    old   cpu2    differs          0
+        2        2  fixed   cpu1    matches          0
+        3        3  fixed   cpu2    matches          0
     """
     path = Path(sweep_dir) / runfiles.COMPARISON
     if not path.exists():
@@ -243,6 +269,8 @@ def newest_sweep(root: str | Path | None = None) -> Path:
     Example:
         >>> from gatherlab.analysis.results import newest_sweep
         >>> sweep = newest_sweep()  # multirun/ here or in a parent directory
+        >>> (sweep / "comparison.csv").exists()
+        True
     """
     if root is None:
         here = Path.cwd()

@@ -499,7 +499,9 @@ def check_training(
 
     Example:
         >>> from gatherlab.check import check_training
-        >>> table = check_training("ssl_modules:SimCLRWithBatchNorm", "ssl_modules:GaussianPairs")
+        >>> table = check_training(  # tests/ssl_modules.py
+        ...     "ssl_modules:SimCLRWithBatchNorm", "ssl_modules:GaussianPairs", steps=2
+        ... )
         >>> table.groupby("world_size")["culprits"].first().tolist()
         ['batchnorm', 'batchnorm']
     """

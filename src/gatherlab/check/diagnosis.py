@@ -289,7 +289,12 @@ def explain(table: pd.DataFrame) -> str:
         >>> text = explain(check_loss("gatherlab.losses:NTXentLoss", gather="fixed"))
         >>> text.splitlines()[-1]
         'Every world size trains like one device (float64, to 1e-10).'
-        >>> print(explain(check_loss("gatherlab.losses:NTXentLoss", gather="old")))  # diagnoses
+        >>> print(explain(check_loss("gatherlab.losses:NTXentLoss", gather="old")))
+        | loss | gather | world_size | forward | gradient | verdict | loss_diff | cosine | ...
+        ...
+        gatherlab.losses:NTXentLoss with gather old, W = 2, 4: biased
+          The gradient points in another direction than one device's (cosine 0.980813, 0.928893, ...
+        ...
     """
     lines = [markdown(_shown_parts(table))]
     whole = table[table["part"] == ALL_PARTS]
