@@ -74,6 +74,7 @@ LONGEST_FILES = (
     "test_external_check.py",  # 50 s (torchrun's fresh interpreters)
     "test_install.py",  # 42 s
     "test_launch.py",  # 35 s
+    "test_docs.py",  # 36 s alone (issue 37: a shared sweep, two printed blocks, the doctests)
     "test_loss_matrix.py",  # 27 s
     "test_simclr.py",  # 25 s
     "test_config.py",  # 22 s
@@ -87,6 +88,7 @@ LONGEST_FILES = (
     "test_sweep_module.py",  # 10 s
     "test_notebook.py",  # 9 s
     "test_simworld.py",  # 9 s
+    "test_figures.py",  # 8 s alone (issue 37)
     "test_gather.py",  # 7 s
     "test_training.py",  # 7 s
     "test_step_check.py",  # 6 s
