@@ -1,0 +1,489 @@
+"""Where a run on W ranks departs from one device: the first recorded operation whose result
+(forward) or whose result's gradient (backward) on a rank is not the corresponding part of one
+device's, named by the code's ``file:line`` and the operation, with what differs in words
+(docs/design.md §6, "Where it departs"). The records are `gatherlab.runs.trace`'s, of the same
+code with the same weights: one device on the whole global batch of N rows, each rank r on its
+rows r·B … (r+1)·B − 1.
+
+- **Alignment.** Each rank's records are aligned with one device's by (operation, file:line) as a
+  longest common subsequence: an operation only one side runs (a gather, where one device has no
+  process group) is left out, its neighbours still paired.
+- **The corresponding part.** A rank's result is compared with the same tensor of one device
+  (equal shapes), or with the rank's part of it: in each dimension that is W times larger on one
+  device, the rank's contiguous block r, or, for a dimension of k·B rows (two views concatenated),
+  the rank's B rows of each of the k blocks of N. A scalar on the path of linear operations to the
+  returned loss (a mean, a sum, a scale of it) is compared as the global loss is (§2): the mean over
+  ranks. Integer and boolean results (indices, masks) are positional and not compared.
+- **Forward.** The first operation, in call order, whose result differs on some rank beyond the
+  tolerance; when one of its inputs comes from an operation only the ranks run and already differs,
+  that operation.
+- **Backward.** Over the operations whose results agree, in backward order: the first whose
+  gradient differs from one device's, the ranks' gradients of its parts summed, each divided by W
+  (DDP's average: a rank's loss is 1/W of the global loss). Named is the operation whose backward
+  produced that gradient on the ranks: a custom autograd Function's backward, else a collective or
+  another operation that ran without gradient, else the consumer whose own gradient agrees.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gatherlab.runs.trace import INPUT, Op
+
+__all__ = ["Departure", "align", "backward", "departure", "forward", "part_of"]
+
+# Operations through which a scalar on the way to the returned loss stays what the global loss
+# takes the mean over ranks of (§2): sums, means and constant scales of the loss.
+_LINEAR = frozenset({
+    "add", "sub", "mul", "div", "neg", "mean", "sum", "true_divide", "__add__", "__radd__",
+    "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__neg__", "reshape", "view",
+    "squeeze", "flatten", "clone", "to", "double", "float", "__getitem__",
+})  # fmt: skip
+PARALLEL_COSINE = 1 - 1e-12
+# The most blocks of N rows a tensor is taken to stack (views or crops concatenated); more is taken
+# as a flattened tensor, whose rows are lost.
+_MAX_BLOCKS = 16
+
+
+@dataclass(frozen=True)
+class Departure:
+    """Where a run departs: ``where`` is ``file:line  op`` (the ``where`` column of check.csv),
+    ``words`` what differs, in a sentence; ``kind`` what sort of departure: ``statistic`` (a
+    reduction or normalisation over the rank's part of one device's input), ``order`` (one
+    device's rows in another order), ``input`` (what the code is given differs), ``scalar`` (a
+    scalar on the loss's path whose mean over ranks differs), ``rank`` (the same inputs, another
+    result), ``gradient`` (the backward)."""
+
+    where: str
+    words: str
+    kind: str
+
+
+Index = tuple[torch.Tensor | slice, ...]
+
+
+def align(one: Sequence[Op], other: Sequence[Op]) -> dict[int, int]:
+    """The records of ``other`` paired with those of ``one`` (index in one → index in other): the
+    longest common subsequence of (operation, file:line)."""
+
+    def keys(ops: Sequence[Op]) -> list[tuple[str, str]]:
+        return [(op.name, op.where) for op in ops]
+
+    matcher = difflib.SequenceMatcher(None, keys(one), keys(other), autojunk=False)
+    return {
+        block.a + k: block.b + k
+        for block in matcher.get_matching_blocks()
+        for k in range(block.size)
+    }
+
+
+def part_of(
+    one: tuple[int, ...], mine: tuple[int, ...], world_size: int, rank: int, batch: int
+) -> list[Index]:
+    """The indices of one device's tensor (shape ``one``) that may correspond to a rank's (shape
+    ``mine``): per dimension all of it (equal sizes), or, where one device's is W times the rank's,
+    the rank's block, or its B rows of each block of N (``batch`` = N); none when the shapes are
+    otherwise apart."""
+    if len(one) != len(mine):
+        return []
+    local = batch // world_size
+    options: list[list[torch.Tensor | slice]] = []
+    for size, own in zip(one, mine, strict=True):
+        if size == own:
+            options.append([slice(None)])
+            continue
+        if size != world_size * own:
+            return []
+        choices: list[torch.Tensor | slice] = [slice(rank * own, (rank + 1) * own)]
+        blocks = own // local if local else 0
+        if 1 < blocks <= _MAX_BLOCKS and own == blocks * local and size == blocks * batch:
+            choices.append(torch.cat([
+                torch.arange(j * batch + rank * local, j * batch + (rank + 1) * local)
+                for j in range(blocks)
+            ]))  # fmt: skip
+        options.append(choices)
+    return [tuple(combination) for combination in itertools.product(*options)]
+
+
+def _take(tensor: torch.Tensor, index: Index) -> torch.Tensor:
+    for dim, part in enumerate(index):
+        if isinstance(part, torch.Tensor):
+            tensor = tensor.index_select(dim, part)
+        elif part != slice(None):
+            tensor = tensor.narrow(dim, part.start, part.stop - part.start)
+    return tensor
+
+
+def _add_into(total: torch.Tensor, index: Index, value: torch.Tensor) -> None:
+    """``total[index] += value`` for an `Index` of blocks and index tensors."""
+    ranges = [
+        part if isinstance(part, torch.Tensor) else torch.arange(size)[part]
+        for part, size in zip(index, total.shape, strict=True)
+    ]
+    if not ranges:
+        total += value
+        return
+    total.index_put_(torch.meshgrid(*ranges, indexing="ij"), value, accumulate=True)
+
+
+def _scale(tensor: torch.Tensor) -> float:
+    return max(float(tensor.abs().max()) if tensor.numel() else 0.0, torch.finfo(tensor.dtype).tiny)
+
+
+def _difference(mine: torch.Tensor, theirs: torch.Tensor, scale: float) -> float:
+    return float((mine - theirs).abs().max()) / scale if mine.numel() else 0.0
+
+
+def _all_reduced(ops: Sequence[Op]) -> set[int]:
+    """The records whose result an all_reduce takes (a rank's part of a sum or mean over ranks)."""
+    return {i for op in ops if op.short == "all_reduce" for i in op.inputs}
+
+
+def _loss_path(ops: Sequence[Op]) -> set[int]:
+    """The records from which the returned loss follows by linear operations only."""
+    path = {op.index for op in ops if op.returned}
+    for op in reversed(ops):
+        if op.index in path and op.short in _LINEAR:
+            path.update(op.inputs)
+    return path
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    """How one device's record i corresponds on the ranks: each rank's record and its index into
+    one device's result (None: the mean over ranks, a scalar on the loss's path)."""
+
+    theirs: tuple[Op, ...]
+    indices: tuple[Index, ...] | None
+
+
+@dataclass(frozen=True)
+class _Differs:
+    rank: int
+    mine: Op
+    index: Index | None
+    difference: float
+
+
+def _mean_agrees(
+    op: Op, theirs: Sequence[Op], world_size: int, tolerance: float, scale: float
+) -> bool:
+    if any(t.value.shape != op.value.shape for t in theirs):
+        return False
+    mean = sum(t.value for t in theirs) / world_size
+    return _difference(mean, op.value, scale) <= tolerance
+
+
+def _compare(
+    op: Op,
+    theirs: Sequence[Op],
+    world_size: int,
+    batch: int,
+    tolerance: float,
+    on_path: bool,
+    all_reduced: bool = False,
+) -> _Agreed | _Differs | None:
+    """One device's record against the ranks': agreed (and how), differs (on which rank first),
+    or None when they cannot be compared. A result the ranks all-reduce (``all_reduced``) agrees
+    when its mean over ranks is one device's."""
+    scale = _scale(op.value)
+    if on_path and op.value.numel() == 1 and all(t.value.numel() == 1 for t in theirs):
+        mean = math.fsum(float(t.value) for t in theirs) / world_size
+        if abs(mean - float(op.value)) <= tolerance * scale:
+            return _Agreed(tuple(theirs), None)
+        return _Differs(0, theirs[0], None, abs(mean - float(op.value)) / scale)
+    flattened = op.input_shapes and op.value.dim() < len(op.input_shapes[0]) and op.dims is None
+    if all_reduced and _mean_agrees(op, theirs, world_size, tolerance, scale):
+        return _Agreed(tuple(theirs), None)  # each rank's part, then the mean over ranks
+    indices = []
+    for rank, mine in enumerate(theirs):
+        if flattened and mine.value.shape != op.value.shape:
+            return None  # a mask or reshape that flattens the rank's part: its rows are lost
+        candidates = part_of(tuple(op.value.shape), tuple(mine.value.shape), world_size, rank,
+                             batch)  # fmt: skip
+        if not candidates:
+            return None
+        differences = [_difference(mine.value, _take(op.value, c), scale) for c in candidates]
+        best = min(range(len(candidates)), key=differences.__getitem__)
+        if differences[best] > tolerance:
+            return _Differs(rank, mine, candidates[0], differences[0])
+        indices.append(candidates[best])
+    return _Agreed(tuple(theirs), tuple(indices))
+
+
+def _matched(one: Sequence[Op], ranks: Sequence[Sequence[Op]]) -> list[dict[int, int]]:
+    return [align(one, theirs) for theirs in ranks]
+
+
+def forward(
+    one: Sequence[Op],
+    ranks: Sequence[Sequence[Op]],
+    world_size: int,
+    batch: int,
+    tolerance: float,
+) -> tuple[Departure | None, dict[int, _Agreed]]:
+    """The first operation whose result departs on a rank (None when none does), and how each
+    record before it corresponds (for `backward`)."""
+    matches = _matched(one, ranks)
+    path = _loss_path(one)
+    reducing = [_all_reduced(theirs) for theirs in ranks]
+    agreed: dict[int, _Agreed] = {}
+    for op in one:
+        if op.value is None or any(op.index not in m for m in matches):
+            continue
+        theirs = [ranks[r][m[op.index]] for r, m in enumerate(matches)]
+        if any(t.value is None for t in theirs):
+            continue
+        reduced = all(t.index in reducing[r] for r, t in enumerate(theirs))
+        compared = _compare(op, theirs, world_size, batch, tolerance, op.index in path, reduced)
+        if isinstance(compared, _Agreed):
+            agreed[op.index] = compared
+        elif isinstance(compared, _Differs):
+            return _forward_words(
+                one, op, compared, ranks, matches, world_size, batch, tolerance
+            ), agreed
+    return None, agreed
+
+
+def _forward_words(
+    one: Sequence[Op],
+    op: Op,
+    differs: _Differs,
+    ranks: Sequence[Sequence[Op]],
+    matches: Sequence[dict[int, int]],
+    world_size: int,
+    batch: int,
+    tolerance: float,
+) -> Departure:
+    rank, mine = differs.rank, differs.mine
+    theirs = ranks[rank]
+    matched_back = set(matches[rank].values())
+    # an input from an operation only the ranks run (a gather) that already holds other rows
+    for position, input_index in enumerate(mine.inputs):
+        producer = theirs[input_index]
+        if input_index in matched_back or producer.value is None or position >= len(op.inputs):
+            continue
+        counterpart = one[op.inputs[position]]
+        if counterpart.value is None:
+            continue
+        order = _other_order(producer.value, counterpart.value, tolerance)
+        if order is not None:
+            return Departure(producer.label, _order_words(producer, order, rank), "order")
+    if mine.name == INPUT:
+        words = (
+            f"the {op.where} that rank {rank} is given is not its part of what one device is given "
+            f"(max relative difference {differs.difference:.2g}): the data differs before any "
+            "code runs"
+        )
+        return Departure(mine.label, words, "input")
+    reduced = _reduced_part(op, mine, world_size)
+    if reduced is not None:
+        return Departure(mine.label, reduced + _updated(theirs, mine), "statistic")
+    if differs.index is None:  # a scalar on the loss's path: the mean over ranks
+        mean = math.fsum(float(t[matches[r][op.index]].value) for r, t in enumerate(ranks))
+        mean /= world_size
+        words = (
+            f"a {mine.short} on the loss's path: the mean over ranks of its value is {mean:.6g}, "
+            f"one device's {float(op.value):.6g} ({mean / float(op.value):.6g} times)"
+            if float(op.value) else f"a {mine.short} on the loss's path: the mean over ranks of "
+            f"its value is {mean:.6g}, one device's 0"
+        )  # fmt: skip
+        return Departure(mine.label, words, "scalar")
+    order = _other_order(mine.value, op.value, tolerance)
+    if order is not None:
+        return Departure(mine.label, _order_words(mine, order, rank), "order")
+    words = (
+        f"a {mine.short} whose inputs agree with one device's gives another result on rank {rank} "
+        f"(max relative difference {differs.difference:.2g}): it depends on the rank or the "
+        "number of rows, or draws random numbers"
+    )
+    return Departure(mine.label, words + _updated(theirs, mine), "rank")
+
+
+def _updated(theirs: Sequence[Op], start: Op) -> str:
+    """ ", from which Tensor.add_ at x.py:12 updates the buffer center" when a record that the
+    departing one flows into writes a buffer."""
+    reached = {start.index}
+    for op in theirs[start.index + 1 :]:
+        if reached.intersection(op.inputs):
+            reached.add(op.index)
+            if op.updates is not None:
+                return f", from which {op.short} at {op.where} updates the buffer {op.updates}"
+    return ""
+
+
+def _reduced_part(op: Op, mine: Op, world_size: int) -> str | None:
+    """ "a mean over dim 0 of the rank's 8 rows, where one device takes all 16" when the operation
+    reduces or normalises over a dimension in which the rank holds its part of one device's
+    input."""
+    for one_shape, rank_shape in zip(op.input_shapes, mine.input_shapes, strict=False):
+        if len(one_shape) != len(rank_shape):
+            continue
+        parts = [d for d, (a, b) in enumerate(zip(one_shape, rank_shape, strict=True))
+                 if a == world_size * b and a != b]  # fmt: skip
+        if not parts:
+            continue
+        dims = op.dims if op.dims else tuple(range(len(one_shape)))
+        if op.dims is None and op.value is not None and op.value.numel() > 1:
+            continue  # names no dimension and reduces none
+        for dim in dims:
+            if dim in parts:
+                what = "rows" if dim == 0 else "entries"
+                over = f"over dim {dim}" if op.dims else "over all entries"
+                return (
+                    f"a {mine.short} {over} of the rank's {rank_shape[dim]} {what}, where one "
+                    f"device takes all {one_shape[dim]}"
+                )
+    return None
+
+
+def _other_order(mine: torch.Tensor, theirs: torch.Tensor, tolerance: float) -> list[int] | None:
+    """For each row of ``mine`` the row of ``theirs`` it equals, when ``mine`` holds the rows of
+    ``theirs`` in another order; None otherwise."""
+    if mine.shape != theirs.shape or mine.dim() < 1 or len(mine) < 2:
+        return None
+    rows, other = mine.reshape(len(mine), -1), theirs.reshape(len(theirs), -1)
+    distances = torch.cdist(rows, other, p=float("inf"))
+    nearest = distances.argmin(dim=1)
+    if len(set(nearest.tolist())) != len(mine):
+        return None
+    if float(distances.gather(1, nearest[:, None]).max()) > tolerance * _scale(theirs):
+        return None
+    order = nearest.tolist()
+    return None if order == list(range(len(mine))) else order
+
+
+def _order_words(op: Op, order: list[int], rank: int) -> str:
+    first = next(i for i, j in enumerate(order) if i != j)
+    return (
+        f"a {op.short} whose result on rank {rank} holds one device's rows in another order "
+        f"(its row {first} is one device's row {order[first]}): rows are paired by position in "
+        "an order one device does not have"
+    )
+
+
+def backward(
+    one: Sequence[Op],
+    ranks: Sequence[Sequence[Op]],
+    agreed: dict[int, _Agreed],
+    world_size: int,
+    tolerance: float,
+) -> Departure | None:
+    """The first operation, in backward order, whose result's gradient departs (the ranks' parts
+    summed, each divided by W), named by the operation whose backward produced it."""
+    matches = _matched(one, ranks)
+    fine: set[int] = set()  # rank 0's records whose gradient agrees
+    for index in sorted(agreed, reverse=True):
+        op, how = one[index], agreed[index]
+        if op.grad is None and all(t.grad is None for t in how.theirs):
+            continue
+        total = torch.zeros_like(op.value)
+        for rank, mine in enumerate(how.theirs):
+            if mine.grad is None:
+                continue
+            if how.indices is None:
+                total += mine.grad / world_size
+            else:
+                _add_into(total, how.indices[rank], mine.grad / world_size)
+        expected = op.grad if op.grad is not None else torch.zeros_like(op.value)
+        if _difference(total, expected, _scale(expected)) <= tolerance:
+            fine.add(matches[0][index])
+            continue
+        if not total.any():  # no gradient on the ranks: cut where the value was made
+            culprit = _cut(ranks[0], matches[0][index])
+        else:
+            culprit = _culprit(ranks[0], matches[0][index], fine, set(matches[0].values()))
+        what = op.where if op.name == INPUT else f"the result of {op.short} at {op.where}"
+        words = f"the gradient of {what} on the ranks is {_factor(total, expected, world_size)}"
+        if culprit is None:
+            return Departure(op.label, words, "gradient")
+        label, how_named = culprit
+        return Departure(label, f"{words}: {how_named}", "gradient")
+    return None
+
+
+def _factor(total: torch.Tensor, expected: torch.Tensor, world_size: int) -> str:
+    norm, reference = float(total.norm()), float(expected.norm())
+    if norm == 0:
+        return f"0, where one device's has norm {reference:.3g}"
+    if reference == 0:
+        return f"of norm {norm:.3g}, where one device's is 0"
+    cosine = float(total.flatten() @ expected.flatten()) / (norm * reference)
+    ratio = norm / reference
+    if cosine >= PARALLEL_COSINE:
+        for factor, name in ((1 / world_size, "1/W"), (world_size, "W")):
+            if abs(ratio - factor) <= 1e-10 * factor:
+                return f"{name} of one device's (norm ratio {ratio:.6g}, cosine 1)"
+        return f"{ratio:.6g} times one device's (cosine 1)"
+    return f"in another direction than one device's (cosine {cosine:.6g}, norm ratio {ratio:.4g})"
+
+
+def _culprit(
+    theirs: Sequence[Op], start: int, fine: set[int], matched: set[int]
+) -> tuple[str, str] | None:
+    """The record of rank 0 whose backward gave record ``start`` its gradient: among the records
+    its result flows into before one whose gradient agrees, a custom autograd Function's
+    backward, else a collective or another operation without gradient, else the consumer."""
+    reached, frontier, consumers = [], {start}, []
+    for op in theirs[start + 1 :]:
+        if not frontier.intersection(op.inputs):
+            continue
+        if start in op.inputs:
+            consumers.append(op)
+        if op.index in fine:
+            continue
+        reached.append(op)
+        frontier.add(op.index)
+    for op in reached:
+        if op.backward is not None:
+            name, _, place = op.backward.partition(" at ")
+            return f"{place or op.where}  {name}", f"{op.backward} produces it"
+    without = [op for op in reached if op.no_grad]
+    for op in sorted(without, key=lambda op: not op.name.startswith("torch.distributed")):
+        return op.label, (
+            f"{op.short} at {op.where} runs without gradient, so what it passes on carries no "
+            "gradient back"
+        )
+    for op in consumers:
+        if op.index in fine or op.index not in matched:
+            return op.label, f"the backward of {op.short} at {op.where} produces it"
+    return None
+
+
+def _cut(theirs: Sequence[Op], start: int) -> tuple[str, str] | None:
+    """The operation, among those rank 0's record ``start`` was made from, that ran without
+    gradient (a collective first): where the gradient is cut."""
+    made_from, stack = set(), [start]
+    while stack:
+        index = stack.pop()
+        for i in theirs[index].inputs:
+            if i not in made_from:
+                made_from.add(i)
+                stack.append(i)
+    without = [theirs[i] for i in sorted(made_from) if theirs[i].no_grad]
+    for op in sorted(without, key=lambda op: not op.name.startswith("torch.distributed")):
+        return op.label, (
+            f"{op.short} at {op.where} runs without gradient, so what it passes on carries no "
+            "gradient back"
+        )
+    return None
+
+
+def departure(
+    one: Sequence[Op],
+    ranks: Sequence[Sequence[Op]],
+    world_size: int,
+    batch: int,
+    tolerance: float,
+) -> Departure | None:
+    """The forward departure when there is one, else the backward one, else None."""
+    found, agreed = forward(one, ranks, world_size, batch, tolerance)
+    if found is not None:
+        return found
+    return backward(one, ranks, agreed, world_size, tolerance)
