@@ -54,7 +54,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from gatherlab.core import cli, terms
+from gatherlab.core import cli, imports, terms
 from gatherlab.ranks import forkstart
 
 __all__ = [
@@ -147,9 +147,11 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
         try:
             # The job's warnings go back with its answer, as this rank's filters let them through.
             with warnings.catch_warnings(record=True) as caught:
-                # The caller's import path first: a job may name code from a directory that was
-                # put on the path after this worker started (a user's loss, gather, model or data
-                # set).
+                # The caller's import path first (`imports.search_path`: its entries absolute,
+                # and the directory of a module it imported that no entry finds): a job may name
+                # code from a directory that was put on the path after this worker started, or
+                # relative to a current directory that is not this worker's (a user's loss,
+                # gather, model or data set).
                 search_path, job = pickle.loads(payload)
                 sys.path.extend(entry for entry in search_path if entry not in sys.path)
                 function, args = pickle.loads(job)
@@ -376,7 +378,8 @@ class WorkerPool:
     ) -> list[Any]:
         if not self.alive:
             raise RankError(f"the {self.world_size}-rank pool is closed")
-        payload = pickle.dumps((sys.path, pickle.dumps((function, args))))
+        job, modules = imports.pickled((function, args))
+        payload = pickle.dumps((imports.search_path(modules), job))
         for connection in self._connections:
             connection.send_bytes(payload)
         warned: dict[int, list[_SentWarning]] = {}
