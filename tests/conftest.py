@@ -80,6 +80,7 @@ LONGEST_FILES = (
     "test_config.py",  # 22 s
     "test_extend.py",  # 20 s
     "test_training_check.py",  # 17 s
+    "test_where.py",  # 17 s alone (issue 38: five checks at W = 2, 4, one with 3 steps)
     "test_fuzz.py",  # 16 s
     "test_check.py",  # 15 s
     "test_audit.py",  # 12 s

@@ -33,6 +33,23 @@ B, global batch N = W·B, L the loss of one device on the whole batch):
 - ``LocalNegativesOnly(temperature=0.5)``: a plain NT-Xent of the rank's own rows, no
   communication. The loss differs: it is the mean over ranks of one device's loss on each rank's
   slice alone ("local_negatives"), and the gradient is that loss's gradient (biased against L's).
+- ``NoGradGatherNegatives(temperature=0.5)``: an InfoNCE of the rank's own rows of view 0 (the
+  queries) against every rank's rows of view 1 (the keys, the positive of query i at row
+  r·B + i), the keys gathered by ``concat_all_gather`` as MoCo-style code writes it: an
+  all_gather under ``torch.no_grad`` into ``torch.ones_like`` buffers when a process group is
+  initialised, the input itself (with its gradient) when none is. The forward is L on W ranks
+  and on one device. Without a group (a user's plain one-GPU run) the gradient flows through
+  queries and keys; in any group, one rank or W, only through the queries: the one-device run
+  differs inside a one-rank group from the plain run, and the W-rank gradient, judged against
+  the plain run, is biased (it was "exact" against a reference in a one-rank group, which lost
+  the keys' gradient too).
+- ``GlobalNoGradGather(temperature=0.5)``: every rank the full NT-Xent over the gathered rows of
+  both views, both through ``concat_all_gather``. Without a group it is L with its gradient; in
+  any group no gradient reaches the model: ``none`` on W ranks against the plain run (it was
+  "exact" against a one-rank group's, zero too), and the one-rank group differs (``none``).
+- ``TrainsNothing()``: the mean squared distance of the two views' embeddings, computed from
+  detached copies. The forward is the same on W ranks (a mean of equal-sized means); no gradient
+  reaches the model on either side: ``none`` (never ``exact``), and the check's exit status is 1.
 """
 
 from __future__ import annotations
@@ -191,3 +208,40 @@ class LocalNegativesOnly(nn.Module):
 
     def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
         return _nt_xent(z0, z1, self.temperature)
+
+
+def concat_all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of ``tensor`` in rank order, without gradient; ``tensor`` itself (with
+    its gradient) when no process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    gathered = [torch.ones_like(tensor) for _ in range(dist.get_world_size())]
+    with torch.no_grad():
+        dist.all_gather(gathered, tensor)
+    return torch.cat(gathered)
+
+
+class NoGradGatherNegatives(nn.Module):
+    def __init__(self, temperature: float = 0.5):
+        super().__init__()
+        self.temperature = temperature
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        queries, keys = F.normalize(z0, dim=1), concat_all_gather(F.normalize(z1, dim=1))
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        positives = torch.arange(len(queries), device=queries.device) + rank * len(queries)
+        return F.cross_entropy(queries @ keys.T / self.temperature, positives)
+
+
+class GlobalNoGradGather(nn.Module):
+    def __init__(self, temperature: float = 0.5):
+        super().__init__()
+        self.temperature = temperature
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        return _nt_xent(concat_all_gather(z0), concat_all_gather(z1), self.temperature)
+
+
+class TrainsNothing(nn.Module):
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        return (z0.detach() - z1.detach()).pow(2).sum(dim=1).mean()

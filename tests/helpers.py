@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import io
 import os
 from dataclasses import dataclass
@@ -21,6 +22,23 @@ REPO = Path(__file__).resolve().parents[1]
 PR1531_SWEEP = (
     "-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1,cpu2", "precision=64-true",
 )  # fmt: skip
+
+
+def line_of(module, text: str) -> str:
+    """``<file>:<line>`` of the first line of a test module's source that contains ``text``: the
+    place a check must name (relative to ``tests/``, the import path entry the module is found
+    under), read from the source, not from the code under test."""
+    path = Path(module.__file__)
+    lines = path.read_text().splitlines()
+    line = next(number for number, line in enumerate(lines, 1) if text in line)
+    return f"{path.name}:{line}"
+
+
+def def_line(function) -> str:
+    """``<file>:<line>`` of a test module's function's ``def`` line (below its decorators)."""
+    lines, first = inspect.getsourcelines(function)
+    offset = next(i for i, line in enumerate(lines) if line.lstrip().startswith("def "))
+    return f"{Path(inspect.getsourcefile(function)).name}:{first + offset}"
 
 
 def compose(*overrides: str):

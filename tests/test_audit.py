@@ -6,6 +6,8 @@ construction."""
 
 from __future__ import annotations
 
+import math
+
 import matplotlib
 import numpy as np
 import pytest
@@ -212,6 +214,14 @@ def _reference() -> torch.Tensor:
 def test_classify(make, expected):
     reference = _reference()
     assert measure.classify(make(reference), reference, world_size=4)[0] == expected
+
+
+def test_no_gradient_on_either_side_is_none_and_a_gradient_against_none_is_other():
+    """Nothing trains on either side: ``none``, never ``exact``; its numbers are undefined."""
+    zero = torch.zeros(50, dtype=torch.float64)
+    measured, *numbers = measure.classify(zero, zero.clone(), world_size=4)
+    assert measured == "none" and all(math.isnan(number) for number in numbers)
+    assert measure.classify(_reference(), zero, world_size=4)[0] == "other"
 
 
 def test_a_gather_or_loss_that_declares_nothing_has_no_prediction():

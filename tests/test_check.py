@@ -6,6 +6,9 @@ with ``loss=user gather=native``, and gatherlab's own losses are refused with it
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import pandas as pd
 import pytest
 import standins
@@ -22,6 +25,7 @@ from gatherlab.components.config import ConfigError
 from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles
 from gatherlab.lab import validation
+from gatherlab.ranks import pool
 from gatherlab.testing import assert_layout_invariant
 
 pytestmark = pytest.mark.slow
@@ -46,6 +50,7 @@ def test_each_stand_in_gets_its_predicted_verdict(case):
     table = table[table["part"] == "all"]  # a learnt scale's parts: tests/test_diagnosis.py
     assert list(table["world_size"]) == [2, 4]
     assert list(table["verdict"]) == [expected, expected], table.to_string()
+    assert set(table["reference"]) == {"no group"}  # each runs without a group on one device
     if expected == "loss differs":
         assert (table["loss_diff"] > MISS_FACTOR * measure.FORWARD_RELATIVE_TOLERANCE).all()
         return
@@ -158,6 +163,23 @@ def test_the_command_line_prints_the_diagnosis_and_exits_1_with_training_steps(t
             2,
             "unexpected keyword argument 'temperature'",
         ),
+        (
+            ["gatherlab.losses:NTXentLoss", "--gather", "fixed", "--kwargs", '{"gather": "old"}'],
+            2,
+            "--kwargs holds 'gather', which the check passes to the loss itself; allowed: "
+            "--gather NAME or module:function",
+        ),
+        (
+            ["standins:ClipLossForCheck", "--kwargs", '{"gather": "old"}'],
+            2,
+            "--kwargs holds 'gather', which the check passes to the loss itself",
+        ),
+        # a key named like a parameter of check_loss is the loss's: refused by the loss itself
+        (
+            ["standins:ClipLossForCheck", "--kwargs", '{"seed": 3}'],
+            2,
+            "unexpected keyword argument 'seed'",
+        ),
         (["standins:PerSampleLoss"], 2, "the loss returned (16,); allowed: a scalar tensor"),
         (["standins:NanLoss"], 2, "the loss returned nan; allowed: a finite value"),
         (
@@ -237,8 +259,10 @@ def test_the_command_line_trains_adamw_steps_exact_with_fixed_and_biased_with_ol
     (README; the verdict is the first gradient's, docs/design.md §6: a later step that went wrong
     shows only in the training column, asserted here); with `old` its first gradient is biased
     (§1, local style) and 5 steps leave the bound. AdamW ran: the 1-device runs, which train in
-    this process, step torch's AdamW with lr 1e-3 and weight decay 0.01 (the README's), keeping
-    its moments (test_optimizers.optimizer_steps), and the 2-rank `fixed` run matches them."""
+    this process (twice: the reference without a process group, and the same in a one-rank group
+    to compare with it, §6), step torch's AdamW with lr 1e-3 and weight decay 0.01 (the
+    README's), keeping its moments (test_optimizers.optimizer_steps), and the 2-rank `fixed` run
+    matches them."""
     from test_optimizers import STEPPED, optimizer_steps
 
     tables = {}
@@ -250,7 +274,7 @@ def test_the_command_line_trains_adamw_steps_exact_with_fixed_and_biased_with_ol
                 "--optim", "adamw", "--steps", str(steps), "--out", str(out),
             )  # fmt: skip
         assert result.returncode == status, result.stderr[-3000:]
-        assert stepped == [STEPPED["adamw"]] * steps, stepped
+        assert stepped == [STEPPED["adamw"]] * 2 * steps, stepped
         tables[gather] = pd.read_csv(out / runfiles.CHECK).iloc[0]
     fixed, old = tables["fixed"], tables["old"]
     assert (fixed["gather"], fixed["forward"], fixed["verdict"]) == ("fixed", "same", "exact")
@@ -259,3 +283,97 @@ def test_the_command_line_trains_adamw_steps_exact_with_fixed_and_biased_with_ol
     assert (old["gather"], old["forward"], old["verdict"]) == ("old", "same", "biased")
     assert old["cosine"] < 1 - 1e-6  # far from parallel, not a rounding effect
     assert old[TRAIN_COLUMN] >= MISS_FACTOR * FLOAT64_BOUND
+
+
+# A gather in a module of its own, and a module that names it: by an alias, through an entry of
+# the import path that it removes again, and under another module name (loaded from its file).
+GATHER_MODULE = """
+import torch
+import torch.distributed as dist
+
+
+class AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.rank, ctx.rows = dist.get_rank(), len(x)
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)  # every rank's gradient of each slice
+        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]
+
+
+def gather(x):
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return x
+    return AllGather.apply(x)
+"""
+NAMING_MODULE = """
+import importlib.util
+import sys
+
+sys.path.insert(0, {directory!r})
+from checked_gather_module import gather as alias
+sys.path.remove({directory!r})
+
+spec = importlib.util.spec_from_file_location("renamed_gather_module", {file!r})
+renamed_module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = renamed_module
+spec.loader.exec_module(renamed_module)
+renamed = renamed_module.gather
+
+
+def direct(x):
+    return alias(x)
+"""
+NAMED = ("checked_gather_module", "naming_module", "renamed_gather_module")
+
+
+def test_the_ranks_import_a_gather_as_the_caller_imported_it(tmp_path, monkeypatch):
+    """The ranks import by name the module of each function a job holds (pickle names a function
+    by its module), with the import path and the directory the caller had when their pool
+    started. An alias whose own module the caller found through an entry since removed, and a
+    module found through a relative entry of the caller's import path ('' as python -c and
+    Jupyter have it) after the caller changed directory, are imported there as here
+    (`core.imports.search_path`); a module imported from a file under another name is found by
+    no directory, and refused in one line before any rank runs."""
+    pool.pool(2)  # started here, before the change of directory (as the suite's may be)
+    library, work = tmp_path / "library", tmp_path / "work"
+    library.mkdir(), work.mkdir()
+    (library / "checked_gather_module.py").write_text(GATHER_MODULE)
+    (work / "naming_module.py").write_text(NAMING_MODULE.format(
+        directory=str(library), file=str(library / "checked_gather_module.py")
+    ))  # fmt: skip
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    importlib.invalidate_caches()
+    try:
+        for name in ("alias", "direct"):  # the alias first: `direct` imports its module too
+            out = tmp_path / name
+            result = run_command(
+                "check", "gatherlab.losses:NTXentLoss", "--gather", f"naming_module:{name}",
+                "--world-sizes", "2", "--out", str(out),
+            )  # fmt: skip
+            assert result.returncode == 0, (name, result.stdout, result.stderr)
+            table = pd.read_csv(out / runfiles.CHECK, keep_default_na=False)
+            assert (list(table["verdict"]), list(table["error"])) == (["exact"], [""]), name
+        result = run_command(
+            "check", "gatherlab.losses:NTXentLoss", "--gather", "naming_module:renamed",
+            "--world-sizes", "2", "--out", str(tmp_path / "renamed"),
+        )  # fmt: skip
+        assert result.returncode == 2
+        assert result.stderr.strip() == (
+            "gatherlab.check: error: --gather naming_module:renamed: the ranks import its module "
+            "'renamed_gather_module' (imported here from "
+            f"{library / 'checked_gather_module.py'}) by that name, and no directory of the "
+            "import path holds it under that name; allowed: a module that `import "
+            "renamed_gather_module` finds (on sys.path or PYTHONPATH)"
+        )
+        assert not (tmp_path / "renamed").exists()
+    finally:
+        for name in NAMED:
+            sys.modules.pop(name, None)

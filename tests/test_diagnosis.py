@@ -145,11 +145,130 @@ def test_hypotheses_reproduce_what_they_state_and_nothing_else():
 
 
 def test_code_that_asserts_a_process_group_runs_unchanged_on_one_device():
+    """Without a group the reference raises (its bare assert), so it runs in a one-rank group,
+    and the column and the text say so with the plain run's error."""
     table = check.check_loss(diagnosis_cases.NeedsProcessGroup, W)
     assert list(whole(table)["verdict"]) == ["exact", "exact"]
+    assert set(table["reference"]) == {"one-rank group"}
+    lines, start = inspect.getsourcelines(diagnosis_cases.asserting_gather)
+    line = start + next(i for i, text in enumerate(lines) if "assert dist.is_initialized()" in text)
+    assert (
+        "Its one-device reference ran in a one-rank process group: without one it raises "
+        f"AssertionError at tests/diagnosis_cases.py:{line}."
+    ) in " ".join(check.explain(table).split())
     gathered = check.check_gather(diagnosis_cases.asserting_gather, W)
     assert set(gathered["verdict"]) == {"exact"}
+    assert set(gathered["reference"]) == {"one-rank group"}  # each of the three losses
     assert not dist.is_initialized()  # the one-rank group is gone afterwards
+
+
+@pytest.fixture(scope="module")
+def no_grad_gathers() -> dict[str, pd.DataFrame]:
+    """The check of the two losses whose ``concat_all_gather`` drops the gradient whenever a
+    process group exists, at W = 2, 4."""
+    cases = ("NoGradGatherNegatives", "GlobalNoGradGather")
+    return {case: check.check_loss(getattr(diagnosis_cases, case), W) for case in cases}
+
+
+def test_a_gather_without_gradient_under_a_group_is_judged_against_the_plain_run(
+    no_grad_gathers,
+):
+    """The reference is the plain run (no group), whose keys keep their gradient; in a one-rank
+    group they lose it, as on W ranks. So the W-rank gradient is biased, by the very numbers of
+    the one-rank group's against the plain run (the W-rank gradient is the query path's only,
+    the one-rank group's too: docs/design.md §6), and the text reports that finding. A reference
+    run in a one-rank group would call it exact."""
+    table = no_grad_gathers["NoGradGatherNegatives"]
+    rows = whole(table)
+    assert list(rows["forward"]) == ["same", "same"]
+    assert list(rows["verdict"]) == ["biased", "biased"]
+    assert set(table["reference"]) == {"no group"}
+    cosine, norm_ratio = rows.loc[2, "cosine"], rows.loc[2, "norm_ratio"]
+    assert cosine < 1 - 1e-3 and abs(norm_ratio - 1) > 1e-3  # far from exact
+    assert rows.loc[4, "cosine"] == pytest.approx(cosine, rel=RATIO)  # the same at every W
+    assert rows.loc[4, "norm_ratio"] == pytest.approx(norm_ratio, rel=RATIO)
+    text = " ".join(check.explain(table).split())
+    assert (
+        "NoGradGatherNegatives: differs in a one-rank process group This loss "
+        "trains differently on one device inside a process group than without one: the gradient "
+        f"in a one-rank group is biased (cosine {cosine:.3g}, norm ratio {norm_ratio:.3g}) "
+        "against the plain run's; the W-rank runs are judged against the plain run (no group)."
+    ) in text
+    assert "W = 2, 4: biased" in text
+
+
+def test_a_global_loss_of_rows_gathered_without_gradient_gets_none_against_the_plain_run(
+    no_grad_gathers,
+):
+    table = no_grad_gathers["GlobalNoGradGather"]
+    rows = whole(table)
+    assert list(rows["verdict"]) == ["none", "none"] and (rows["norm_ratio"] == 0).all()
+    assert set(table["reference"]) == {"no group"}
+    text = " ".join(check.explain(table).split())
+    assert "the gradient in a one-rank group is none (norm ratio 0) against the plain run's" in text
+    assert "while one device has one" in text  # no gradient on W ranks only
+
+
+def test_a_loss_that_trains_nothing_is_none_not_exact():
+    """No gradient on either side: ``none`` (never ``exact``), its numbers undefined, and the
+    diagnosis says that nothing trains, not that W ranks lost a gradient one device has."""
+    table = check.check_loss(diagnosis_cases.TrainsNothing, W)
+    rows = whole(table)
+    assert list(rows["forward"]) == ["same", "same"]
+    assert list(rows["verdict"]) == ["none", "none"]
+    assert rows[["cosine", "norm_ratio", "max_rel_err"]].isna().all().all()
+    assert not check.trains_like_one_device(table)
+    text = " ".join(check.explain(table).split())
+    assert "W = 2, 4: none No gradient reaches the model's parameters, on W ranks or on one" in text
+    assert "differs in a one-rank process group" not in text  # both have none: they agree
+
+
+def no_grad_negatives_step(model, batch):
+    """A plain PyTorch step whose loss takes its negatives through ``concat_all_gather``."""
+    x0, x1 = batch
+    return diagnosis_cases.NoGradGatherNegatives()(model(x0), model(x1))
+
+
+def needs_a_group_step(model, batch):
+    """A plain PyTorch step whose loss gathers behind ``assert dist.is_initialized()``."""
+    x0, x1 = batch
+    return diagnosis_cases.NeedsProcessGroup()(model(x0), model(x1))
+
+
+def test_a_training_step_that_needs_a_group_runs_every_one_device_run_in_one():
+    """Its reference, and the reference of each removal, run in a one-rank group: the batch
+    norm of its head is named, the removal's run exact against a reference that could not run
+    without a group."""
+    table = check.check_training(
+        step="test_diagnosis:needs_a_group_step", model="plain_steps:build_model",
+        model_kwargs={"batchnorm": True}, data="plain_steps:Pairs", world_sizes=W, steps=2,
+        global_batch_size=16,
+    )  # fmt: skip
+    assert set(table["reference"]) == {"one-rank group"} and set(table["culprits"]) == {"batchnorm"}
+    removed = whole(table[table["removed"] == "batchnorm"])
+    assert list(removed["verdict"]) == ["exact", "exact"]
+    assert "needs_a_group_step: reference in a one-rank process group" in check.explain_training(
+        table
+    )
+
+
+def test_a_training_step_is_judged_against_its_plain_one_device_run():
+    """The check of a training step chooses its reference as the loss check does: the plain
+    run, and the one-rank group's difference from it in words, with its numbers."""
+    table = check.check_training(
+        step="test_diagnosis:no_grad_negatives_step", model="plain_steps:build_model",
+        data="plain_steps:Pairs", world_sizes=W, steps=2, global_batch_size=16,
+    )  # fmt: skip
+    assert set(table["reference"]) == {"no group"}
+    rows = whole(table[table["removed"] == "none"])
+    assert list(rows["verdict"]) == ["biased", "biased"] and set(table["culprits"]) == {"loss"}
+    cosine, norm_ratio = rows.loc[2, "cosine"], rows.loc[2, "norm_ratio"]
+    text = " ".join(check.explain_training(table).split())
+    assert (
+        "This training step trains differently on one device inside a process group than "
+        f"without one: the gradient in a one-rank group is biased (cosine {cosine:.3g}, norm "
+        f"ratio {norm_ratio:.3g}) against the plain run's; its losses depart from step 1 on"
+    ) in text
 
 
 class BareAssertBelowEightRows(diagnosis_cases.LocalNegativesOnly):
@@ -215,6 +334,7 @@ COMMAND_LINE = {
     "NeedsProcessGroup": (["exact", "exact"], 0),
     "FailsAtFourRanks": (["exact", "failed"], 1),
     "LocalNegativesOnly": (["loss differs", "loss differs"], 1),
+    "TrainsNothing": (["none", "none"], 1),
 }
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import plain_steps
 import pytest
 import ssl_modules
 import torch
-from helpers import run_command
+from helpers import line_of, run_command
 from test_training import FLOAT64_BOUND, MISS_FACTOR
 
 from gatherlab import check
@@ -38,6 +39,18 @@ def runs(table: pd.DataFrame) -> pd.DataFrame:
     return table[table["part"] == "all"]
 
 
+# case → where its run without removals departs first (docs/design.md §6, "Where it departs"): the
+# line of the step's code, the operation, and what differs at W = 2 (two views of 16 concatenated)
+WHERE = {
+    "batch_norm": ("model(torch.cat([x0, x1]))", "batch_norm", "a batch_norm over dim 0 of the "
+                   "rank's 16 rows, where one device takes all 32"),
+    "dropout": ("model(torch.cat([x0, x1]))", "dropout", "a dropout whose inputs agree with one "
+                "device's gives another result on rank 0"),
+    "augments_in_the_step": ("x0 = batch + 0.1 * torch.randn_like(batch)", "randn_like",
+                             "a randn_like whose inputs agree with one device's gives another"),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("case", EXPECTED)
 def test_each_plain_step_gets_its_verdict_and_culprits(case):
     step, model_kwargs, data, verdict, culprits = EXPECTED[case]
@@ -55,6 +68,9 @@ def test_each_plain_step_gets_its_verdict_and_culprits(case):
         assert (kept["max_abs_param_diff"] <= FLOAT64_BOUND).all()
         return
     assert (kept["train_max_abs_loss_diff"] > MISS_FACTOR * FLOAT64_BOUND).all()
+    text, op, words = WHERE[case]
+    assert list(kept["where"]) == [f"{line_of(plain_steps, text)}  {op}"] * 2, table.to_string()
+    assert kept.loc[2, "departs"].startswith(words), kept.loc[2, "departs"]
     if culprits != "step_randomness":  # with the cause removed, every step is exact again
         removed = runs(table)[runs(table)["removed"] == culprits]
         assert list(removed["verdict"]) == ["exact", "exact"], table.to_string()

@@ -10,7 +10,7 @@ import pytest
 import ssl_modules
 import standins
 import torch
-from helpers import run_command
+from helpers import def_line, line_of, run_command
 from test_training import FLOAT64_BOUND, MISS_FACTOR
 
 from gatherlab import check
@@ -40,6 +40,24 @@ EXPECTED = {
 }
 
 
+# case → where its run without removals departs first (docs/design.md §6, "Where it departs"): the
+# line of the module's code and the operation, and what differs at W = 2 (each view through the
+# model on its own: 16 rows on one device, 8 per rank; rank 0 draws from the streams what one device
+# draws for its first rows, so randomness shows on rank 1 first)
+FORWARD = "return self.projection_head(self.backbone(x))"
+WHERE = {
+    "batch_norm": (FORWARD, "batch_norm", "a batch_norm over dim 0 of the rank's 8 rows, where "
+                   "one device takes all 16"),
+    "dropout": (FORWARD, "dropout", "a dropout whose inputs agree with one device's gives another "
+                "result on rank 1"),
+    "global_rng_data": (None, "input", "the batch[0] that rank 1 is given is not its part of what "
+                        "one device is given"),
+    "two_causes": (None, "input", "the batch[0] that rank 1 is given is not its part"),
+    "pre_1531_gather": (standins.OwnSliceGather.backward, "OwnSliceGather.backward",
+                        "the gradient of the result of normalize at standins.py"),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("case", EXPECTED)
 def test_each_module_gets_its_verdict_and_causes(case):
     module, data, verdict, culprits = EXPECTED[case]
@@ -55,6 +73,13 @@ def test_each_module_gets_its_verdict_and_causes(case):
         assert len(table) == 2  # nothing else was run
         return
     assert (baseline["train_max_abs_loss_diff"] > MISS_FACTOR * FLOAT64_BOUND).all()
+    text, op, words = WHERE[case]
+    if text is None or isinstance(text, str):
+        place = "batch[0]" if text is None else line_of(ssl_modules, text)
+    else:  # a custom backward: its def line
+        place = def_line(text)
+    assert list(baseline["where"]) == [f"{place}  {op}"] * 2, table.to_string()
+    assert baseline.loc[2, "departs"].startswith(words), baseline.loc[2, "departs"]
     removed = table[table["removed"] == ("all" if ";" in culprits else culprits)]
     if culprits != "loss":  # with the causes removed, the run is exact again
         assert list(removed["verdict"]) == ["exact", "exact"], table.to_string()

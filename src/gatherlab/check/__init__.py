@@ -5,7 +5,9 @@ builds the loss inside every rank of a real gloo group (``gatherlab.components.f
 ``rank=`` and ``world_size=`` when its constructor takes them, ``gather=`` only with ``--gather``;
 without it the loss communicates by itself), calls ``loss(z0, z1)`` on the rank's slice of the two
 views' embeddings (the gradient audit's MLP and Gaussian view pairs, float64, the data order of
-docs/design.md §2), and compares with the same loss on one device:
+docs/design.md §2), and compares with the same loss on one device (without a process group, as a
+one-GPU script runs it; in a one-rank group only for code that raises without one, which the text
+says, as it says where the two differ):
 
 - ``forward``: the global loss (the mean over ranks of what each rank returns) is ``same`` or
   ``differs`` (relative tolerance 1e-10);

@@ -135,7 +135,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     """The check the arguments ask for: its table and its text."""
-    from gatherlab.check.api import check_gather, check_loss, check_training
+    from gatherlab.check.api import check_gather, check_training, loss_check
     from gatherlab.check.diagnosis import explain, explain_training
 
     if args.module is not None or args.step is not None:
@@ -160,13 +160,13 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
         steps = defaults.LOSS_STEPS if args.steps is None else args.steps
         table = check_gather(args.gather, args.world_sizes, steps=steps, optim=args.optim)
     else:
-        table = check_loss(
+        table = loss_check(  # --kwargs as one mapping: each of its keys goes to the loss
             args.loss,
             args.world_sizes,
+            args.kwargs,
             gather=args.gather,
             steps=defaults.LOSS_STEPS if args.steps is None else args.steps,
             optim=args.optim,
-            **args.kwargs,
         )
     return table, explain(table)
 

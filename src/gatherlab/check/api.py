@@ -5,33 +5,39 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
 
-from gatherlab.check import defaults, hypotheses, measure
+from gatherlab.check import defaults, hypotheses, measure, where
+from gatherlab.check.reference import Reference, choose, loss_differs, one_device
 from gatherlab.check.table import (
     ALL_PARTS,
     COLUMNS,
+    EXACT,
     LOSS,
+    REFERENCE,
     TRAIN_COLUMN,
     failed_row,
     verdict,
+    with_reference_notes,
 )  # fmt: skip
 from gatherlab.components import config
 from gatherlab.components.factory import AttributeOf, Recipe, locate
-from gatherlab.core import cli, terms
+from gatherlab.core import cli, imports, terms
+from gatherlab.core.runfiles import Trained
 from gatherlab.gather import GatherFn
-from gatherlab.ranks import pool, world
+from gatherlab.ranks import pool
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import removals
 
 # The loss styles of docs/design.md §1, one loss each, for checking a gather (the audit's losses).
 STYLE_LOSSES = ("ntxent", "ntxent_global", "vicreg")
 
-__all__ = ["CheckError", "check_gather", "check_loss", "check_training"]
+__all__ = ["CheckError", "check_gather", "check_loss", "check_training", "loss_check"]
 
 
 class CheckError(ValueError):
@@ -41,8 +47,11 @@ class CheckError(ValueError):
     not callable, a gather name that is no option of the ``gather`` config group, ``native``
     where it cannot run (no loss, or a loss that would gather with its own default), a world size
     that is not an integer ≥ 2 dividing the global batch of 16, an unknown ``optim``, a ``steps``
-    that is not an integer ≥ 0, and a loss that fails on one device (its arguments are refused,
-    its forward raises, or it returns no finite scalar).
+    that is not an integer ≥ 0, a loss keyword argument that the check passes itself
+    (``gather``), a factory or gather that the ranks cannot receive (it does not pickle, or its
+    module is found under its name in no directory), and a loss that fails on one device (its
+    arguments are refused, its forward raises, or it returns no finite scalar; without a process
+    group and in a one-rank group alike).
     ``python -m gatherlab.check`` prints it and exits with status 2.
     """
 
@@ -72,15 +81,42 @@ def warnings_once() -> Iterator[None]:
 
 
 def _factory(target: str | Callable[..., Any], kind: str = "loss") -> Callable[..., Any]:
-    """The class or function an import path names (``kind`` names it in the error)."""
+    """The class or function an import path names (``kind`` names it in the error), one the
+    ranks can receive (`_sendable`)."""
+    named = f"{kind} {target}" if isinstance(target, str) else kind
     if isinstance(target, str):
         try:
             target = locate(target)
         except ImportError as error:
-            raise CheckError(f"{kind} {target}: {error}") from None
+            raise CheckError(f"{named}: {error}") from None
     if not callable(target):
         raise CheckError(f"{kind} {target!r} is not callable; allowed: a class or function")
+    _sendable(target, named)
     return target
+
+
+def _sendable(target: Any, named: str) -> None:
+    """CheckError unless the ranks can receive ``target``: it pickles, and every module it is
+    pickled by (the module of each class and function it holds, imported by name in each rank)
+    is found by its name on the import path the ranks get (`imports.search_path`). A module
+    imported from a file under another name (``importlib.util.spec_from_file_location``) is
+    not."""
+    try:
+        _, modules = imports.pickled(target)
+    except Exception as error:  # a lambda, a local function, an object that does not pickle
+        raise CheckError(
+            f"{named}: the ranks cannot receive it ({cli.error_line(error)}); allowed: a class "
+            "or function of an importable module"
+        ) from None
+    missing = imports.unfindable(modules, imports.search_path(modules))
+    if missing:
+        file = getattr(sys.modules.get(missing[0]), "__file__", None)
+        where = f" (imported here from {file})" if file else ""
+        raise CheckError(
+            f"{named}: the ranks import its module {missing[0]!r}{where} by that name, and no "
+            f"directory of the import path holds it under that name; allowed: a module that "
+            f"`import {missing[0]}` finds (on sys.path or PYTHONPATH)"
+        )
 
 
 # The setting in which a gather is built by name: the gradient audit's, as the audit builds its own.
@@ -123,12 +159,16 @@ def _gather(
         if not any(separator in gather for separator in ".:"):  # a name, not an import path
             raise CheckError(f"--gather {gather} is unknown; allowed: {allowed}")
         try:
-            return gather, locate(gather)
+            located = locate(gather)
         except ImportError as error:
             raise CheckError(f"--gather {gather}: {error}; allowed: {allowed}") from None
+        _sendable(located, f"--gather {gather}")
+        return gather, located
     if not callable(gather):
         raise CheckError(f"gather {gather!r} is not callable; allowed: a function x -> gathered x")
-    return getattr(gather, "__qualname__", type(gather).__name__), gather
+    name = getattr(gather, "__qualname__", type(gather).__name__)
+    _sendable(gather, f"gather {name}")
+    return name, gather
 
 
 def _gather_options() -> list[str]:
@@ -182,21 +222,30 @@ def _run(
     # (forward only), so that a cause holds on two batches, not on one number
     probed = batches[:2]
     (view0, view1), further = probed[0], probed[1:]
-    references, curves = {}, {}
     # the loss on one device, forward only, for the hypotheses (built once, when one is tested)
     forwards = {name: measure.one_device(loss, model, cfg.seed) for name, loss in losses.items()}
-    with world.alone():  # one device, in this process: bad input is found here
-        for name, loss in losses.items():
-            try:
-                references[name] = measure.measure(loss, model, view0, view1, cfg.seed, False,
-                                                   further)  # fmt: skip
-                if steps:
-                    trained = measure.train(loss, model, batches[:steps], optimizer, 1, cfg.seed)
-                    curves[name] = trained.losses
-            except measure.LossContractError as error:
-                raise CheckError(f"loss {name}: {error}") from None
-            except Exception as error:  # the factory refuses its arguments, the forward raises
-                raise CheckError(f"loss {name}: {cli.error_line(error)}") from None
+    chosen: dict[str, Reference[tuple[measure.Measured, Trained | None]]] = {}
+    for name, loss in losses.items():  # one device, in this process: bad input is found here
+
+        def on_one_device(loss: Recipe = loss) -> tuple[measure.Measured, Trained | None]:
+            measured = measure.measure(loss, model, view0, view1, cfg.seed, False, further)
+            if not steps:
+                return measured, None
+            return measured, measure.train(loss, model, batches[:steps], optimizer, 1, cfg.seed)
+
+        try:
+            chosen[name] = choose(on_one_device, loss_differs)
+        except measure.LossContractError as error:
+            raise CheckError(f"loss {name}: {error}") from None
+        except Exception as error:  # the factory refuses its arguments, the forward raises
+            raise CheckError(f"loss {name}: {cli.error_line(error)}") from None
+    references = {name: one.value[0] for name, one in chosen.items()}
+    curves = {name: one.value[1].losses for name, one in chosen.items() if steps}
+
+    def key(name: str, world_size: int) -> dict[str, Any]:
+        return {"loss": name, "gather": gather_name, "world_size": world_size,
+                REFERENCE: str(chosen[name].mode)}  # fmt: skip
+
     rows = []
     for world_size in world_sizes:
         try:
@@ -211,18 +260,63 @@ def _run(
                 if steps
             }
         except RankError as error:
-            rows += [
-                failed_row({"loss": name, "gather": gather_name, "world_size": world_size}, error)
-                for name in losses
-            ]
+            rows += [failed_row(key(name, world_size), error) for name in losses]
             continue
+        found = []
         for name in losses:
-            rows += _rows(
-                {"loss": name, "gather": gather_name, "world_size": world_size},
-                measured[name], references[name], forwards[name], probed,
-                (trained[name], curves[name]) if steps else None,
-            )  # fmt: skip
-    return pd.DataFrame(rows, columns=list(COLUMNS) + ([TRAIN_COLUMN] if steps else []))
+            found.append(_rows(
+                key(name, world_size), measured[name], references[name], forwards[name], probed,
+                (trained[name], curves[name]) if steps else None, chosen[name].in_group,
+            ))  # fmt: skip
+        rows += _located(found, losses, model, (view0, view1), world_size, cfg.seed, chosen)
+    table = pd.DataFrame(rows, columns=list(COLUMNS) + ([TRAIN_COLUMN] if steps else []))
+    return with_reference_notes(table, {name: (one.why, one.group_differs)
+                                        for name, one in chosen.items()})  # fmt: skip
+
+
+def _located(
+    found: list[list[dict[str, Any]]],
+    losses: Mapping[str, Recipe],
+    model: measure.ModelFactory,
+    batch: measure.Batch,
+    world_size: int,
+    seed: int,
+    chosen: Mapping[str, Reference[Any]],
+) -> list[dict[str, Any]]:
+    """The rows of each loss at one W (``found``, `_rows`), with ``where`` and ``departs`` filled
+    for each loss whose verdict is not exact: its operations recorded on one device (as its
+    reference ran) and on the W ranks, and the first that departs (`gatherlab.check.where`). A
+    loss whose verdict is exact is not recorded; nor is one whose recording fails on a rank (its
+    verdict stands, without a place)."""
+    departing = [rows[0]["loss"] for rows in found if rows[0]["verdict"] != EXACT]
+    if not departing:
+        return [row for rows in found for row in rows]
+    view0, view1 = batch
+    try:
+        on_ranks = measure.traced_on_ranks(
+            {name: losses[name] for name in departing}, model, view0, view1, world_size, seed
+        )
+    except RankError:
+        on_ranks = {}
+    for rows in found:
+        name = rows[0]["loss"]
+        if name not in on_ranks:
+            continue
+        with one_device(chosen[name].in_group):
+            one = measure.traced(losses[name], model, view0, view1, seed)
+        departure = where.departure(one, on_ranks[name], world_size, len(view0), terms.FLOAT64)
+        if departure is None:
+            continue
+        if rows[0]["cause"] == terms.Cause.UNEXPLAINED and departure.kind == "statistic":
+            cause = {"cause": str(terms.Cause.LOCAL_STATISTIC)}
+        else:
+            cause = {}
+        words = departure.words
+        if isinstance(rows[0].get("departs"), str):  # diverges: the step, then what departs first
+            words = f"{rows[0]['departs']}; at step 0: {words}"
+        for row in rows:
+            row.update(where=departure.where, departs=words, **cause)
+    return [row for rows in found for row in rows]
 
 
 def _rows(
@@ -232,15 +326,17 @@ def _rows(
     forward: hypotheses.Forward,
     probed: Sequence[measure.Batch],
     curves: tuple[Sequence[float], Sequence[float]] | None,
+    in_group: bool = False,
 ) -> list[dict[str, Any]]:
     """A loss's rows at one W: the whole gradient's (``part`` ``all``), then each part's when
-    the gradient has several (docs/design.md §5, §6)."""
+    the gradient has several (docs/design.md §5, §6). ``in_group``: the reference ran in a
+    one-rank process group, and so do the hypotheses' one-device forwards."""
     world_size = key["world_size"]
     same, loss_diff = measure.same_forward(measured.loss, reference.loss)
     forward_word = terms.Forward.SAME if same else terms.Forward.DIFFERS
     cause, scale = None, None
-    if not same:  # reproduce it on one device (where the loss may ask for its process group)
-        with world.alone():
+    if not same:  # reproduce it on one device, as the reference ran
+        with one_device(in_group):
             cause, scale = hypotheses.cause(
                 (measured.loss, *measured.forwards), (reference.loss, *reference.forwards),
                 forward, probed, world_size,
@@ -267,6 +363,10 @@ def _rows(
         rows[0][TRAIN_COLUMN] = difference  # of the whole run: its parts have no curve of their own
         apart = difference > terms.FLOAT64
         rows[0]["verdict"] = verdict(forward_word, whole[0], scale, apart)
+        if rows[0]["verdict"] == terms.DIVERGES:  # its first step, before where it departs
+            steps = zip(trained, reference_curve, strict=True)
+            first = next(k for k, (a, b) in enumerate(steps) if abs(a / factor - b) > terms.FLOAT64)
+            rows[0]["departs"] = f"step {first} is the first whose loss leaves one device's"
     return rows
 
 
@@ -305,7 +405,8 @@ def check_loss(
             weight decay 0.01).
         seed: the seed the loss's own parameters, if any, are drawn from, the same in every rank
             and on one device.
-        **kwargs: the loss's own keyword arguments.
+        **kwargs: the loss's own keyword arguments (`loss_check` takes them as one mapping, so
+            that a key named like a parameter above goes to the loss).
 
     Returns:
         A pandas DataFrame with the columns of `COLUMNS` (and ``train_max_abs_loss_diff`` when
@@ -318,7 +419,8 @@ def check_loss(
 
     Raises:
         CheckError: bad input, before any rank runs (also ``native`` for a loss that would
-            gather with its own default); also when the loss fails on one device.
+            gather with its own default, and a loss keyword argument the check passes itself,
+            ``gather``); also when the loss fails on one device.
 
     Example:
         >>> from gatherlab.check import check_loss
@@ -326,10 +428,41 @@ def check_loss(
         >>> table["verdict"].tolist()
         ['biased', 'biased']
     """
+    return loss_check(factory, world_sizes, kwargs, gather=gather, steps=steps, optim=optim,
+                      seed=seed)  # fmt: skip
+
+
+# The keyword arguments the check itself passes to a loss (`Recipe.arguments`), each with the
+# option that sets it. ``rank=`` and ``world_size=`` are not among them: they are passed only
+# where the loss's own arguments do not set them, so a user may set them.
+PASSED_BY_THE_CHECK = {"gather": "--gather NAME or module:function (gather= in Python)"}
+
+
+def loss_check(
+    factory: str | Callable[..., Any],
+    world_sizes: Iterable[int],
+    kwargs: Mapping[str, Any],
+    *,
+    gather: str | GatherFn | None = None,
+    steps: int = defaults.LOSS_STEPS,
+    optim: str = defaults.OPTIM,
+    seed: int = defaults.SEED,
+) -> pd.DataFrame:
+    """`check_loss` with the loss's keyword arguments as one mapping, ``kwargs`` (the command
+    line's ``--kwargs``): a key named like one of `check_loss`'s parameters (``seed``,
+    ``steps``, …) goes to the loss; a key the check passes to the loss itself
+    (`PASSED_BY_THE_CHECK`: ``gather``) is refused in one line (CheckError), before any rank
+    runs."""
+    for key, option in PASSED_BY_THE_CHECK.items():
+        if key in kwargs:
+            raise CheckError(
+                f"--kwargs holds {key!r}, which the check passes to the loss itself; allowed: "
+                f"{option}, and the loss's other keyword arguments in --kwargs"
+            )
     function = _factory(factory)
     name = factory if isinstance(factory, str) else getattr(function, "__qualname__", "loss")
     gather_name, gather_fn = _gather(gather, function, name)
-    loss = Recipe(function, kwargs, gather_fn, seed)
+    loss = Recipe(function, dict(kwargs), gather_fn, seed)
     return _run({name: loss}, gather_name, tuple(world_sizes), steps, optim)
 
 
@@ -515,10 +648,10 @@ def check_training(
     applying, layout = _validated(setting, world_sizes, loss_attr)
     with warnings_once():
         try:  # one device, in this process: a training_step without a loss is found here
-            references = {removals.NONE: training.reference(setting, removals.NONE)}
+            first = training.first_reference(setting)
         except Exception as error:
             raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
-        table = training.check(setting, world_sizes, applying, references, layout)
+        table = training.check(setting, world_sizes, applying, first, layout)
     blamed = table.loc[table["culprits"].str.contains(LOSS), "world_size"]
     if loss_attr is not None and len(blamed):
         loss = AttributeOf(setting.built, loss_attr)
@@ -570,13 +703,17 @@ def _validated(
 ) -> tuple[tuple[removals.Removal, ...], measure.Layout]:
     """The setting validated as on one device (``training.validate``: the removals that apply
     and the parts of the gradient), and ``loss_attr`` a callable attribute of what it builds;
-    CheckError otherwise."""
+    CheckError otherwise. Built as the reference runs (`reference.choose`): without a process
+    group, or in a one-rank group when the module's construction raises without one."""
     from gatherlab.check import training
 
+    def validated() -> tuple[tuple[removals.Removal, ...], measure.Layout, Any]:
+        applying, layout = training.validate(setting, world_sizes)
+        attribute = None if loss_attr is None else getattr(setting.built(), loss_attr, None)
+        return applying, layout, attribute
+
     try:
-        with world.alone():  # built as on one device: the module may ask for its rank
-            applying, layout = training.validate(setting, world_sizes)
-            attribute = None if loss_attr is None else getattr(setting.built(), loss_attr, None)
+        applying, layout, attribute = choose(validated).value
     except ValueError as error:
         raise CheckError(str(error)) from None
     if loss_attr is not None and not callable(attribute):

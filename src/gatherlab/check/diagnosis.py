@@ -15,6 +15,8 @@ from gatherlab.check.table import (
     COLUMNS,
     EXACT,
     LOSS,
+    REFERENCE,
+    REFERENCE_NOTES,
     STEP_RANDOMNESS,
     TRAIN_COLUMN,
     trains_like_one_device,
@@ -28,6 +30,15 @@ _FLOAT64 = f"{terms.FLOAT64:g}"  # the float64 bound of docs/design.md §2, as t
 _GATHER_FIX = (
     "a gather whose backward sums every rank's gradient of each slice (gatherlab.gather.Fixed, "
     "torch.distributed.nn.functional.all_gather)"
+)
+
+# The diagnosis of ``none`` where one device has no gradient either (its norm ratio is NaN).
+TRAINS_NOTHING = (
+    "no gradient reaches the model's parameters, on W ranks or on one device: the loss trains "
+    "nothing (its value does not depend on the parameters through anything with a gradient: "
+    "inputs detached, a value computed under torch.no_grad, a constant), so a training run's "
+    "backward raises or leaves the parameters as they are. Fix: compute the loss from the "
+    "embeddings themselves, not from detached copies."
 )
 
 # What was measured, what it means, and (labelled) the usual causes, which the check does not test.
@@ -124,6 +135,15 @@ CAUSES = {
         "positives are other samples' rows. Fix: gather each view separately, or reorder the "
         "gathered rows to [every rank's view 0; every rank's view 1] before pairing."
     ),
+    terms.Cause.LOCAL_STATISTIC: (
+        "None of the causes the check reproduces on one device (scaled, local_negatives, "
+        "pair_order) gives the global loss; followed operation by operation (below: where it "
+        "departs), the first whose result leaves one device's takes a statistic over the rank's "
+        "own rows where one device takes all of them (a mean, a standard deviation, a softmax or "
+        "a batch norm over the batch). Fix: take it over the gathered batch (gathered through "
+        + _GATHER_FIX
+        + "), or all-reduce its sums and counts before dividing."
+    ),
     terms.Cause.UNEXPLAINED: (
         "None of the causes the check reproduces on one device (scaled, local_negatives, "
         "pair_order) gives the global loss. Usual causes (not tested here): statistics of the "
@@ -150,7 +170,8 @@ PART_MEANINGS = {
         "a part at W gets W times one device's gradient (usually: a factor of W in the loss)"
     ),
     terms.GradientClass.NONE: (
-        "a part with no gradient is reached only through a gather without gradient"
+        "a part with no gradient where one device has one is reached only through a gather "
+        "without gradient (one with none on one device either trains on neither)"
     ),
 }
 # What each culprit of docs/design.md §10 means, and its fix (the check of a training step): the
@@ -237,7 +258,8 @@ def diagnosis(rows: pd.DataFrame, parts: pd.DataFrame | None = None) -> str:
     what reproduced it or what its parts show, and what would make it exact."""
     first = rows.iloc[0]
     numbers = _numbers(rows)
-    text = DIAGNOSES[first["verdict"]].format(**numbers)
+    nothing = first["verdict"] == terms.GradientClass.NONE and rows["norm_ratio"].isna().all()
+    text = (TRAINS_NOTHING if nothing else DIAGNOSES[first["verdict"]]).format(**numbers)
     cause = first["cause"]
     if first["verdict"] == terms.LOSS_DIFFERS and cause:
         text += " " + CAUSES[terms.Cause(cause)].format(**numbers)
@@ -248,6 +270,37 @@ def diagnosis(rows: pd.DataFrame, parts: pd.DataFrame | None = None) -> str:
             + _parts_text(parts)
         )
     return text
+
+
+# The words of a one-device reference that says more than its ``reference`` column (docs/design.md
+# §6): it needed a process group, or it runs otherwise inside one than without.
+NEEDED_A_GROUP = (
+    "its one-device reference ran in a one-rank process group: without one it raises {why}"
+)
+GROUP_DIFFERS = (
+    "this {what} trains differently on one device inside a process group than without one: "
+    "{differs}; the W-rank runs are judged against the plain run (no group)."
+)
+
+
+def _via(gather: str) -> str:
+    """How a loss's heading names its gather: nothing for one that communicates by itself."""
+    return "" if gather in ("native", "") else f" with gather {gather}"
+
+
+def _reference_notes(table: pd.DataFrame, what: str, heading: Any = None) -> list[str]:
+    """The printed paragraphs of each loss's (or step's) reference notes (``table.attrs``,
+    `table.with_reference_notes`), headed ``heading(name)`` (the name itself by default)."""
+    lines = []
+    for name, notes in table.attrs.get(REFERENCE_NOTES, {}).items():
+        title = name if heading is None else heading(name)
+        if notes["why"]:
+            text = NEEDED_A_GROUP.format(why=notes["why"]).rstrip(".") + "."
+            lines.append(f"{title}: reference in a one-rank process group\n{_paragraph(text)}")
+        if notes["group_differs"]:
+            text = GROUP_DIFFERS.format(what=what, differs=notes["group_differs"])
+            lines.append(f"{title}: differs in a one-rank process group\n{_paragraph(text)}")
+    return lines
 
 
 def _shown_parts(table: pd.DataFrame) -> pd.DataFrame:
@@ -279,7 +332,12 @@ def explain(table: pd.DataFrame) -> str:
 
     Returns:
         The table as Markdown (the parts of a loss and W only where one differs in class from
-        the whole gradient), then one paragraph per loss, gather, verdict and cause other than
+        the whole gradient; its ``reference`` column left out), then, for a loss whose
+        one-device reference needed a one-rank process group, a paragraph saying so with the
+        plain run's error, and for one whose one-device run differs in a one-rank group from
+        the plain run, a paragraph with what differs and its numbers (``table.attrs``,
+        `gatherlab.check.table.REFERENCE_NOTES`); then one paragraph per loss, gather, verdict
+        and cause other than
         ``exact``: the world sizes, the verdict, what was measured or reproduced, the usual
         causes in code (labelled as not tested) and the fix. When every verdict is exact (or
         ``loss scaled``), the last paragraph says so. The text ends with a newline.
@@ -297,20 +355,22 @@ def explain(table: pd.DataFrame) -> str:
         ...
     """
     lines = [markdown(_shown_parts(table))]
+    gathers = dict(zip(table["loss"], table["gather"], strict=True))
+    lines += _reference_notes(table, "loss", lambda name: name + _via(gathers.get(name, "")))
     whole = table[table["part"] == ALL_PARTS]
     failing = whole[whole["verdict"] != EXACT]
     for (loss, gather, verdict_, cause), rows in failing.groupby(
         ["loss", "gather", "verdict", "cause"], sort=False
     ):
         sizes = ", ".join(str(size) for size in rows["world_size"])
-        via = "" if gather == "native" else f" with gather {gather}"
+        via = _via(gather)
         parts = table[
             (table["loss"] == loss) & (table["gather"] == gather)
             & table["world_size"].isin(rows["world_size"]) & (table["part"] != ALL_PARTS)
         ]  # fmt: skip
         named = f" ({cause})" if cause and verdict_ != terms.LOSS_SCALED else ""
         lines.append(f"{loss}{via}, W = {sizes}: {verdict_}{named}\n"
-                     f"{_paragraph(diagnosis(rows, parts))}")  # fmt: skip
+                     f"{_paragraph(diagnosis(rows, parts))}{_departs(rows)}")  # fmt: skip
     if trains_like_one_device(table):
         lines.append(f"Every world size trains like one device (float64, to {_FLOAT64}).")
     return "\n\n".join(lines) + "\n"
@@ -323,12 +383,17 @@ TRAINING_COLUMNS = (
 )  # fmt: skip
 
 
+# The columns of where a run departs: printed below the table, one line per W (check.csv has them).
+PLACE = ("where", "departs")
+
 # Columns printed only when a row has something in them.
 OPTIONAL = ("part", "scale", "cause", "error")
 
 
 def markdown(table: pd.DataFrame, columns: Sequence[str] = (*COLUMNS, TRAIN_COLUMN)) -> str:
-    columns = [c for c in columns if c in table.columns]
+    """The table as Markdown, in ``columns`` (but ``reference``: the text says when the group
+    was needed), the optional ones only when a row fills them."""
+    columns = [c for c in columns if c in table.columns and c not in (REFERENCE, *PLACE)]
     if "part" in table.columns and (table["part"] == ALL_PARTS).all():
         columns.remove("part")
     for column in ("scale", "cause", "error"):
@@ -346,6 +411,18 @@ def markdown(table: pd.DataFrame, columns: Sequence[str] = (*COLUMNS, TRAIN_COLU
     return runfiles.markdown_table(columns, rows)
 
 
+def _departs(rows: pd.DataFrame) -> str:
+    """The lines "where it departs, W = 2: <file:line  op>: <what differs>" of the rows that have
+    a place (`gatherlab.check.where`), empty when none has."""
+    lines = [
+        f"\n  where it departs, W = {row['world_size']}: {row['where']}\n"
+        + textwrap.indent(textwrap.fill(str(row["departs"]), 96), "    ")
+        for _, row in rows.iterrows()
+        if "where" in rows.columns and _filled(row["where"])
+    ]
+    return "".join(lines)
+
+
 def _filled(value: Any) -> bool:
     return not (value is None or value == "" or (isinstance(value, float) and pd.isna(value)))
 
@@ -359,7 +436,8 @@ def explain_training(table: pd.DataFrame) -> str:
         table: a table of `check_training`.
 
     Returns:
-        The text ``python -m gatherlab.check --module`` prints, ending with a newline.
+        The text ``python -m gatherlab.check --module`` prints, ending with a newline; the
+        reference's paragraphs as `explain` has them (needed a one-rank group, or differs in one).
     """
     summary = []
     runs = table[table["part"] == ALL_PARTS]
@@ -372,6 +450,7 @@ def explain_training(table: pd.DataFrame) -> str:
     header = ["world_size", "verdict", "culprits", "verdict with every removal made"]
     lines = [runfiles.markdown_table(header, summary),
              markdown(_shown_parts(table), TRAINING_COLUMNS)]  # fmt: skip
+    lines += _reference_notes(table, "training step")
     kept = runs[runs["removed"] == NONE]
     # the verdicts that say more than their culprits: measured, reproduced or split in parts
     said = kept[
@@ -383,6 +462,9 @@ def explain_training(table: pd.DataFrame) -> str:
         parts = table[table["world_size"].isin(rows["world_size"]) & (table["part"] != ALL_PARTS)]
         named = f" ({cause})" if cause == terms.Cause.PARTS else ""
         lines.append(f"W = {sizes}: {verdict_}{named}\n{_paragraph(diagnosis(rows, parts))}")
+    departing = kept[kept["where"].map(_filled)]
+    if len(departing):
+        lines.append("Where the run without removals departs first:" + _departs(departing))
     found = [c for c in table["culprits"].str.split(";").explode().unique() if c]
     for culprit in found:
         sizes = ", ".join(

@@ -1,10 +1,11 @@
 """``python -m gatherlab.check ... --launcher external``: the check on the ranks that torchrun or
 srun started, this process one of them (docs/design.md §10, the external launcher).
 
-Rank 0 runs the check as the command runs it on the warm pool: its one-device references in a
-one-rank group of its own (``ranks.world.alone``, while no other group exists), its W-rank runs on
-the launcher's ranks (``ranks.external.Ranks``: gloo on CPUs, NCCL and each rank's own GPU with
-``--device cuda``), and it alone writes ``check.csv`` and prints the table. Every other rank runs
+Rank 0 runs the check as the command runs it on the warm pool: its one-device references without
+a process group (between jobs none exists), or, for code that needs one, in a one-rank group of
+its own (``check.reference``), its W-rank runs on the launcher's ranks (``ranks.external.Ranks``:
+gloo on CPUs, NCCL and each rank's own GPU with ``--device cuda``), and it alone writes
+``check.csv`` and prints the table. Every other rank runs
 rank 0's jobs, prints and writes nothing, and exits with rank 0's status. The world size checked
 is the launcher's (``--world-sizes`` omitted or equal to it). Bad input, found by rank 0 before any
 process group is joined, stops every rank with the same one line and status 2.

@@ -4,7 +4,8 @@ the optimizer, and optionally a short training run (docs/design.md §1, §6). Th
 classified:
 
 - ``exact``: max |g − g₁| / max |g₁| ≤ 1e-10 (summation order only);
-- ``none``: no gradient reaches the parameters at all (g = 0);
+- ``none``: no gradient reaches the parameters at all (g = 0), whether one device has one or
+  not (nothing trains: never ``exact``);
 - ``1/W``: same direction (cosine ≥ 1 − 1e-12) and norm ratio 1/W to a relative 1e-10;
 - ``W``: same direction and norm ratio W to a relative 1e-10;
 - ``biased``: a different direction (no rescaling repairs it);
@@ -35,6 +36,7 @@ from gatherlab.core.terms import GradientClass, Style, World
 from gatherlab.gather import CLASSES, STYLES, GatherFn, rule
 from gatherlab.ranks import simworld, world
 from gatherlab.ranks.external import ranks_for
+from gatherlab.runs import trace
 from gatherlab.runs.record import flat_gradient, flat_parameters, mean_over_ranks
 
 log = logging.getLogger(__name__)
@@ -247,6 +249,62 @@ def _on_rank(
     return measured
 
 
+# The names of the loss's two arguments in its records (`gatherlab.runs.trace`).
+TRACED_INPUTS = (
+    "loss's argument out0 (view 0's embeddings)",
+    "loss's argument out1 (view 1's embeddings)",
+)
+
+
+def traced(
+    loss: Recipe, model_factory: ModelFactory, view0: torch.Tensor, view1: torch.Tensor, seed: int
+) -> list[trace.Op]:
+    """The operations of the loss's forward on these views, as `gatherlab.runs.trace` records
+    them, with their gradients: the model and the loss built as `measure` builds them (no DDP:
+    only the loss's own tensors are compared), in this process's group, if any."""
+    whole, _ = _build(loss, model_factory, seed, distributed=False)
+    device = world.device()
+    out0, out1 = whole.model(view0.to(device).double()), whole.model(view1.to(device).double())
+    modules = [("", whole.loss)]
+    before = trace.buffer_state(modules)
+    with trace.traced(dict(zip(TRACED_INPUTS, (out0, out1), strict=True))) as tracer:
+        value = whole.loss(out0, out1)
+    tracer.returned(value)
+    tracer.buffers(modules, before)
+    tracer.keep_gradients()
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        value.sum().backward()
+    return tracer.detached()
+
+
+def _traced_on_rank(
+    cells: Mapping[Hashable, Recipe],
+    model_factory: ModelFactory,
+    view0: torch.Tensor,
+    view1: torch.Tensor,
+    seed: int,
+) -> dict[Hashable, list[trace.Op]]:
+    rows = world.own_rows(len(view0))
+    return {
+        cell: traced(loss, model_factory, view0[rows], view1[rows], seed)
+        for cell, loss in cells.items()
+    }
+
+
+def traced_on_ranks(
+    cells: Mapping[Hashable, Recipe],
+    model_factory: ModelFactory,
+    view0: torch.Tensor,
+    view1: torch.Tensor,
+    world_size: int,
+    seed: int,
+) -> dict[Hashable, list[list[trace.Op]]]:
+    """Each cell's records (`traced`) on every rank of ``world_size`` ranks of the warm pool, each
+    on its slice of the global batch: per cell, rank 0's, rank 1's, …"""
+    ranks = _run(world_size, False, _traced_on_rank, dict(cells), model_factory, view0, view1, seed)
+    return {cell: [rank[cell] for rank in ranks] for cell in cells}
+
+
 def _run(world_size: int, simulated: bool, function: Callable[..., object], *args) -> list:
     """``function(*args)`` on every rank of a world: W ranks of the warm pool (or the ranks a
     launcher started, ``ranks.external``), or W simulated ranks in this process."""
@@ -383,9 +441,11 @@ def cosine_and_norm_ratio(vector: torch.Tensor, reference: torch.Tensor) -> tupl
 def classify(
     gradient: torch.Tensor, reference: torch.Tensor, world_size: int
 ) -> tuple[str, float, float, float]:
-    """The class of ``gradient`` against ``reference``, with cosine, norm ratio, max rel. error."""
+    """The class of ``gradient`` against ``reference``, with cosine, norm ratio, max rel. error.
+    No gradient on either side is ``none``, never ``exact``: nothing trains (cosine, norm ratio
+    and max rel. error NaN, as for any zero reference)."""
     if float(torch.linalg.vector_norm(reference)) == 0:  # no gradient on one device either
-        measured = GradientClass.EXACT if gradient.abs().max() == 0 else GradientClass.OTHER
+        measured = GradientClass.NONE if gradient.abs().max() == 0 else GradientClass.OTHER
         return measured, float("nan"), float("nan"), float("nan")
     cosine, norm_ratio = cosine_and_norm_ratio(gradient, reference)
     norm = float(torch.linalg.vector_norm(gradient))

@@ -5,6 +5,7 @@ only here, for the check of a loss or gather (`gatherlab.check.api`) and of a tr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
@@ -13,17 +14,21 @@ from gatherlab.core import cli, terms
 from gatherlab.runs.removals import NONE
 
 __all__ = [
-    "ALL_PARTS", "COLUMNS", "EXACT", "LOSS", "STEP_RANDOMNESS", "TRAINS_LIKE_ONE_DEVICE",
-    "TRAIN_COLUMN", "failed_row", "trains_like_one_device", "verdict",
+    "ALL_PARTS", "COLUMNS", "EXACT", "LOSS", "REFERENCE", "REFERENCE_NOTES", "STEP_RANDOMNESS",
+    "TRAINS_LIKE_ONE_DEVICE", "TRAIN_COLUMN", "failed_row", "trains_like_one_device", "verdict",
+    "with_reference_notes",
 ]  # fmt: skip
 
 EXACT = terms.GradientClass.EXACT
 ALL_PARTS = "all"
 """The ``part`` of a row about the whole gradient (the rows of a check before parts existed)."""
 
+REFERENCE = "reference"
+"""The column that says how the one-device reference ran (`gatherlab.check.reference.Mode`)."""
+
 COLUMNS = (
     "loss", "gather", "world_size", "part", "forward", "gradient", "verdict", "scale", "cause",
-    "loss_diff", "cosine", "norm_ratio", "max_rel_err", "error",
+    "loss_diff", "cosine", "norm_ratio", "max_rel_err", "error", REFERENCE, "where", "departs",
 )  # fmt: skip
 """The columns of a check's table (``check.csv``), in order; with ``steps`` a last column,
 ``train_max_abs_loss_diff``, follows. ``part`` is ``all`` for the whole gradient, then, when the
@@ -34,9 +39,19 @@ the gradient's class, ``diverges`` (with ``steps``) or ``failed``; ``scale`` the
 loss that is c × one device's; ``cause`` what reproduced a ``loss differs`` (``scaled``,
 ``local_negatives``, ``pair_order``, ``unexplained``) or split a ``biased`` gradient
 (``parts``); ``error`` the failing rank's error line; ``loss_diff`` the relative difference of
-the global loss; ``gather`` is ``native`` when the loss communicates by itself (docs/design.md
-§5, §6)."""
+the global loss; ``gather`` is ``native`` when the loss communicates by itself; ``reference``
+how the one-device reference ran, the same on every row of a loss: ``no group`` (the plain run,
+as a one-GPU script runs it) or ``one-rank group`` (rank 0 of a one-rank gloo process group, for
+code that raises without one; `gatherlab.check.reference`); ``where`` the first operation that
+departs from one device (``file:line  op``) and ``departs`` what differs there, in words, empty
+where the verdict is exact or nothing departs (`gatherlab.check.where`) (docs/design.md §5, §6)."""
 TRAIN_COLUMN = "train_max_abs_loss_diff"
+
+REFERENCE_NOTES = "reference_notes"
+"""The key of ``table.attrs`` that holds, per loss (or step) whose reference says more than its
+``reference`` column, the words the printed text adds: ``why`` (the plain run's error line, when
+the reference needed a group) and ``group_differs`` (what differs in a one-rank group). Words to
+print only: ``check.csv`` holds the ``reference`` column, not these."""
 
 # The culprits of a training step that are no removal (docs/design.md §10): the loss itself (or
 # how it communicates across ranks), left when every removal is made and the run is still not
@@ -78,6 +93,22 @@ def failed_row(key: dict[str, Any], error: BaseException) -> dict[str, Any]:
         **key, "part": ALL_PARTS, "forward": "", "gradient": "", "verdict": str(terms.FAILED),
         "cause": "", "error": cli.first_line(error),
     }  # fmt: skip
+
+
+def with_reference_notes(
+    table: pd.DataFrame, notes: Mapping[str, tuple[str, str | None]]
+) -> pd.DataFrame:
+    """``table`` with ``attrs[REFERENCE_NOTES]``: for each loss of ``notes`` (its name → the
+    reference's ``why`` and ``group_differs``, `gatherlab.check.reference.Reference`) that has
+    either, both as strings."""
+    kept = {
+        name: {"why": why, "group_differs": differs or ""}
+        for name, (why, differs) in notes.items()
+        if why or differs
+    }
+    if kept:
+        table.attrs[REFERENCE_NOTES] = kept
+    return table
 
 
 def trains_like_one_device(table: pd.DataFrame) -> bool:

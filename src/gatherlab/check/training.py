@@ -19,22 +19,24 @@ from typing import Any
 import pandas as pd
 import torch
 
-from gatherlab.check import hypotheses, measure
+from gatherlab.check import hypotheses, measure, where
+from gatherlab.check.reference import Reference, choose, one_device, training_differs
 from gatherlab.check.table import (
     ALL_PARTS,
     EXACT,
     LOSS,
+    REFERENCE,
     STEP_RANDOMNESS,
     TRAIN_COLUMN,
     TRAINS_LIKE_ONE_DEVICE,
     failed_row,
     verdict,
+    with_reference_notes,
 )  # fmt: skip
 from gatherlab.check.table import COLUMNS as LOSS_COLUMNS
 from gatherlab.components.factory import Recipe
 from gatherlab.core import terms
 from gatherlab.core.runfiles import Trained
-from gatherlab.ranks import world
 from gatherlab.ranks.external import ranks_for
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import plainstep, removals
@@ -44,7 +46,7 @@ COLUMNS = (
 )  # fmt: skip
 
 __all__ = [
-    "COLUMNS", "Setting", "check", "reference",
+    "COLUMNS", "Setting", "check", "first_reference", "located", "reference",
     "validate",
 ]  # fmt: skip
 
@@ -141,9 +143,9 @@ def validate(
     return removals.found_in(module, data), parts(module)
 
 
-def _train(setting: Setting, removed: str, world_size: int) -> Trained:
-    """The run that makes the removals ``removed`` names on one device (in this process) or on W
-    ranks of the pool."""
+def _train(setting: Setting, removed: str, world_size: int, in_group: bool = False) -> Trained:
+    """The run that makes the removals ``removed`` names on one device (in this process; in a
+    one-rank process group with ``in_group``) or on W ranks of the pool."""
     arguments = (
         setting.module, setting.data, removals.Removals.named(removed), setting.global_batch_size,
         setting.steps, setting.seed, setting.precision,
@@ -155,7 +157,7 @@ def _train(setting: Setting, removed: str, world_size: int) -> Trained:
 
         function = lightning.train_on_rank
     if world_size == 1:
-        with world.alone():  # the module may ask for its rank or call a collective
+        with one_device(in_group):  # as the reference ran (`first_reference`)
             return function(*arguments)
     return ranks_for(world_size).run(function, *arguments)[0]
 
@@ -251,11 +253,12 @@ def _culprits(
     return found
 
 
-def step_draws_randomness(setting: Setting) -> bool:
+def step_draws_randomness(setting: Setting, in_group: bool = False) -> bool:
     """Whether the training step draws from the global random streams (``random``, ``numpy``,
-    ``torch``): the first step's loss on one device, computed twice from the same weights and the
-    same global batch, with only the streams' seed changed. Dropout layers are off for it (they
-    are a removal of their own); a step that cannot run outside training says no."""
+    ``torch``): the first step's loss on one device (as the reference ran: in a one-rank process
+    group with ``in_group``), computed twice from the same weights and the same global batch,
+    with only the streams' seed changed. Dropout layers are off for it (they are a removal of
+    their own); a step that cannot run outside training says no."""
     recipe = setting.built
     data = setting.data()
     if setting.step is not None:
@@ -267,7 +270,7 @@ def step_draws_randomness(setting: Setting) -> bool:
     batch = plainstep.first_batch(data, setting.global_batch_size, setting.seed, collate)
     batch = plainstep.as_precision(batch, setting.precision)
     values = []
-    with world.alone(), warnings.catch_warnings():
+    with one_device(in_group), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log outside a Trainer
         for streams in (1, 2):
             module = setting.checked(recipe())
@@ -287,39 +290,77 @@ def step_draws_randomness(setting: Setting) -> bool:
     return values[0] != values[1]
 
 
-def reference(setting: Setting, removed: str) -> Trained:
-    """The 1-device run that makes the removals ``removed`` names, in this process."""
-    return _train(setting, removed, 1)
+def reference(setting: Setting, removed: str, in_group: bool = False) -> Trained:
+    """The 1-device run that makes the removals ``removed`` names, in this process (in a one-rank
+    process group with ``in_group``: as `first_reference` chose)."""
+    return _train(setting, removed, 1, in_group)
+
+
+def first_reference(setting: Setting) -> Reference[Trained]:
+    """The 1-device run without removals, as the reference of the check (`reference.choose`):
+    without a process group, or in a one-rank group when the step raises without one; when both
+    run, what differs between them (`reference.training_differs`, to the precision's
+    tolerance)."""
+    tolerance = terms.TOLERANCE[setting.precision]
+    return choose(
+        lambda: _train(setting, removals.NONE, 1),
+        lambda grouped, plain: training_differs(grouped, plain, tolerance),
+    )
+
+
+def located(setting: Setting, world_size: int, in_group: bool) -> where.Departure | None:
+    """Where the first step of the run without removals departs on W ranks from one device (as
+    the reference ran, in a one-rank group with ``in_group``): the step's operations recorded on
+    both (`gatherlab.runs.trace`) and compared (`gatherlab.check.where`); None when no operation
+    departs, or when the recording fails on a rank (the verdict stands without a place)."""
+    if setting.step is not None:
+        function, first = plainstep.trace_on_rank, setting.step
+    else:
+        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
+
+        function, first = lightning.trace_on_rank, setting.module
+    arguments = (first, setting.data, setting.global_batch_size, setting.seed, setting.precision)
+    try:
+        ranks = ranks_for(world_size).run(function, *arguments)
+    except RankError:
+        return None
+    with one_device(in_group):
+        one = function(*arguments)
+    tolerance = terms.TOLERANCE[setting.precision]
+    return where.departure(one, ranks, world_size, setting.global_batch_size, tolerance)
 
 
 def check(
     setting: Setting,
     world_sizes: Sequence[int],
     applying: Sequence[removals.Removal],
-    references: dict[str, Trained] | None = None,
+    first: Reference[Trained] | None = None,
     layout: measure.Layout | None = None,
 ) -> pd.DataFrame:
     """The check's table (``COLUMNS``): for every W the row of its run without removals, its
     parts' rows (``layout``, when the gradient has several) and, when that run is not exact, a
     row per run with removals (each that applies, then all); ``culprits`` on every row of a W; a
-    W whose ranks raised has one ``failed`` row. ``references`` holds the 1-device runs already
-    made, by what they remove."""
+    W whose ranks raised has one ``failed`` row. ``first`` is the 1-device run without removals
+    as `first_reference` chose it (made here when None); the runs with removals on one device
+    run as it ran, and its notes go to ``table.attrs`` (`table.with_reference_notes`)."""
     tolerance = terms.TOLERANCE[setting.precision]
-    references = dict(references or {})
+    first = first_reference(setting) if first is None else first
+    references = {removals.NONE: first.value}
+    mode = str(first.mode)
     rows = []
 
     def row(removed: str, world_size: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         if removed not in references:
-            references[removed] = reference(setting, removed)
+            references[removed] = reference(setting, removed, first.in_group)
         numbers, by_part = _compare(_train(setting, removed, world_size), references[removed],
                                     world_size, tolerance, layout or {})  # fmt: skip
         key = {"loss": setting.name, "gather": "native", "world_size": world_size,
-               "removed": removed}  # fmt: skip
+               "removed": removed, REFERENCE: mode}  # fmt: skip
         whole = {**key, "part": ALL_PARTS, **numbers}
         return whole, [{**whole, **part} for part in by_part]
 
     with_removals = [*applying, removals.ALL] if len(applying) > 1 else list(applying)
-    step_random = functools.cache(lambda: step_draws_randomness(setting))  # once, if needed
+    step_random = functools.cache(lambda: step_draws_randomness(setting, first.in_group))  # once
     for world_size in world_sizes:
         try:
             kept, by_part = row(removals.NONE, world_size)
@@ -328,13 +369,18 @@ def check(
                 measured += [row(removed, world_size)[0] for removed in with_removals]
         except RankError as error:
             key = {"loss": setting.name, "gather": "native", "world_size": world_size,
-                   "removed": removals.NONE}  # fmt: skip
+                   "removed": removals.NONE, REFERENCE: mode}  # fmt: skip
             rows.append({**failed_row(key, error), "culprits": ""})
             continue
         verdicts = {r["removed"]: r["verdict"] for r in measured}
         exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
         culprits = ";".join([] if exact else _culprits(verdicts, applying, step_random()))
+        if kept["verdict"] != EXACT:  # where the run without removals departs first
+            departure = located(setting, world_size, first.in_group)
+            if departure is not None:
+                for r in [kept, *by_part]:
+                    r.update(where=departure.where, departs=departure.words)
         rows += [{**r, "culprits": culprits} for r in [kept, *by_part, *measured[1:]]]
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     table["first_diff_step"] = table["first_diff_step"].astype("Int64")  # none: every step agrees
-    return table
+    return with_reference_notes(table, {setting.name: (first.why, first.group_differs)})

@@ -80,12 +80,15 @@ class Cause(StrEnum):
     its gradient is biased: ``scaled`` (c × the 1-device loss), ``local_negatives`` (the mean over
     ranks of the 1-device loss of each rank's slice alone), ``pair_order`` (the 1-device loss of
     the rows in the order that concatenating the views per rank and gathering produces),
-    ``unexplained`` (none of these reproduces it); ``parts`` (a biased gradient whose parts each
-    have one factor, different ones)."""
+    ``local_statistic`` (none of these reproduces it, and the first operation whose result departs
+    reduces or normalises over the rank's part of the batch: ``gatherlab.check.where``),
+    ``unexplained`` (none of these); ``parts`` (a biased gradient whose parts each have one
+    factor, different ones)."""
 
     SCALED = "scaled"
     LOCAL_NEGATIVES = "local_negatives"
     PAIR_ORDER = "pair_order"
+    LOCAL_STATISTIC = "local_statistic"
     UNEXPLAINED = "unexplained"
     PARTS = "parts"
 

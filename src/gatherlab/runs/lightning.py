@@ -32,7 +32,7 @@ from gatherlab.components.factory import Recipe
 from gatherlab.components.module import rank_sampler
 from gatherlab.core import runfiles
 from gatherlab.ranks import launch, world
-from gatherlab.runs import removals
+from gatherlab.runs import removals, trace
 from gatherlab.runs.plainstep import seed_processes
 from gatherlab.runs.record import Recorder
 
@@ -42,9 +42,11 @@ __all__ = [
     "ItemsDataModule",
     "ProgressLog",
     "StepRecorder",
+    "TraceFirstStep",
     "collate_fn_of",
     "fit_on_rank",
     "loss_of_step",
+    "trace_on_rank",
     "train_on_rank",
     "validated_module",
 ]  # fmt: skip
@@ -121,6 +123,63 @@ def train_on_rank(
         module, dataset, removed, global_batch_size, steps, seed, precision, shuffle, [recorder]
     )
     return recorder.trained()
+
+
+class TraceFirstStep(L.Callback):
+    """Records the operations of the first ``training_step`` (`gatherlab.runs.trace`), from the
+    batch it is given to the loss it returns, and their gradients in its backward."""
+
+    def __init__(self) -> None:
+        self.tracer: trace.Tracer | None = None
+        self.before: dict[str, tuple] = {}
+        self.ops: list[trace.Op] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step != 0:
+            return
+        self.before = trace.buffer_state([("", pl_module)])
+        self.tracer = tracer = trace.Tracer(trace.batch_tensors(batch))
+        step = pl_module.training_step
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:  # marks the loss it returns
+            output = step(*args, **kwargs)
+            tracer.returned(loss_of_step(output))
+            return output
+
+        pl_module.training_step = training_step  # this instance's, for its first step only
+        tracer.__enter__()
+
+    def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        if self.tracer is not None and trainer.global_step == 0:
+            self._stop(pl_module)
+            self.tracer.buffers([("", pl_module)], self.before)
+            self.tracer.keep_gradients()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.tracer is not None and not self.ops:
+            self.ops = self.tracer.detached()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if self.tracer is not None and not self.ops:  # the step raised inside the recording
+            self._stop(pl_module)
+
+    def _stop(self, pl_module) -> None:
+        self.tracer.__exit__(None, None, None)
+        vars(pl_module).pop("training_step", None)
+
+
+def trace_on_rank(
+    module: Recipe, dataset: Recipe, global_batch_size: int, seed: int, precision: str,
+    shuffle: bool = True,
+) -> list[trace.Op]:  # fmt: skip
+    """The operations of the first ``training_step`` on this rank (or one device), with their
+    gradients: the module trained one step as `train_on_rank` trains it (`TraceFirstStep`)."""
+    tracing = TraceFirstStep()
+    fit_on_rank(
+        module, dataset, removals.Removals(), global_batch_size, 1, seed, precision, shuffle,
+        [tracing],
+    )  # fmt: skip
+    return tracing.ops
 
 
 def fit_on_rank(

@@ -28,12 +28,12 @@ from gatherlab.components.data import GlobalBatchSampler
 from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles, terms
 from gatherlab.ranks import world
-from gatherlab.runs import removals
+from gatherlab.runs import removals, trace
 from gatherlab.runs.record import Recorder
 
 __all__ = [
     "Step", "as_precision", "build", "data_size", "first_batch", "seed_processes", "step_loss",
-    "train_on_rank",
+    "trace_on_rank", "train_on_rank",
 ]  # fmt: skip
 
 StepFunction = Callable[[nn.Module, Any], torch.Tensor]
@@ -145,6 +145,32 @@ def first_batch(
         dataset, removals.Removals(), global_batch_size, 1, seed, shuffle, collate, one_device=True
     )
     return next(batches)
+
+
+def trace_on_rank(
+    step: Step, dataset: Recipe, global_batch_size: int, seed: int, precision: str,
+    shuffle: bool = True,
+) -> list[trace.Op]:  # fmt: skip
+    """The operations of the first step's forward (`gatherlab.runs.trace`), with their gradients:
+    the model built, wrapped and seeded as `train_on_rank` does, on this rank's slice of the first
+    global batch (the whole batch on one device)."""
+    device = world.device()
+    model = build(step, removals.Removals(), precision).to(device)
+    data = dataset()
+    wrapped = DistributedDataParallel(model) if world.size() > 1 else model
+    seed_processes(seed)
+    batch = next(_batches(data, removals.Removals(), global_batch_size, 1, seed, shuffle))
+    batch = as_precision(batch, precision, device)
+    modules = [("", model)]
+    before = trace.buffer_state(modules)
+    with trace.traced(trace.batch_tensors(batch)) as tracer:
+        loss = step_loss(step.step(wrapped, batch))
+    tracer.returned(loss)
+    tracer.buffers(modules, before)
+    tracer.keep_gradients()
+    if loss.requires_grad:
+        loss.backward()
+    return tracer.detached()
 
 
 def train_on_rank(
