@@ -32,8 +32,8 @@ from gatherlab.runs import removals, trace
 from gatherlab.runs.record import Recorder
 
 __all__ = [
-    "Step", "as_precision", "build", "data_size", "first_batch", "seed_processes", "step_loss",
-    "trace_on_rank", "train_on_rank",
+    "Step", "as_precision", "build", "data_size", "first_batch", "rank_batches", "seed_processes",
+    "step_loss", "trace_on_rank", "train_on_rank",
 ]  # fmt: skip
 
 StepFunction = Callable[[nn.Module, Any], torch.Tensor]
@@ -118,7 +118,7 @@ def as_precision(batch: Any, precision: str, device: torch.device | None = None)
     return batch
 
 
-def _batches(
+def rank_batches(
     dataset: Any, removed: removals.Removals, global_batch_size: int, steps: int, seed: int,
     shuffle: bool, collate: Callable[[list[Any]], Any] | None = None, one_device: bool = False,
 ):  # fmt: skip
@@ -141,7 +141,7 @@ def first_batch(
     collate: Callable[[list[Any]], Any] | None = None, shuffle: bool = True,
 ) -> Any:  # fmt: skip
     """The first global batch, as one device takes it (the data set's own randomness as is)."""
-    batches = _batches(
+    batches = rank_batches(
         dataset, removals.Removals(), global_batch_size, 1, seed, shuffle, collate, one_device=True
     )
     return next(batches)
@@ -159,7 +159,7 @@ def trace_on_rank(
     data = dataset()
     wrapped = DistributedDataParallel(model) if world.size() > 1 else model
     seed_processes(seed)
-    batch = next(_batches(data, removals.Removals(), global_batch_size, 1, seed, shuffle))
+    batch = next(rank_batches(data, removals.Removals(), global_batch_size, 1, seed, shuffle))
     batch = as_precision(batch, precision, device)
     modules = [("", model)]
     before = trace.buffer_state(modules)
@@ -200,7 +200,7 @@ def train_on_rank(
     optimizer = step.optimizer(model.parameters(), **step.optimizer_kwargs)
     recorder = Recorder(keep_first_gradient=True)
     seed_processes(seed)
-    batches = _batches(data, removed, global_batch_size, steps, seed, shuffle)
+    batches = rank_batches(data, removed, global_batch_size, steps, seed, shuffle)
     for index, batch in enumerate(batches):
         optimizer.zero_grad()
         loss = step_loss(step.step(wrapped, as_precision(batch, precision, device)))
