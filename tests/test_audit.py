@@ -216,6 +216,49 @@ def test_classify(make, expected):
     assert measure.classify(make(reference), reference, world_size=4)[0] == expected
 
 
+@pytest.mark.parametrize(
+    ("factor", "world_size", "micro_batches", "expected"),
+    [
+        (0.25, 2, 2, "1/(W·K)"),
+        (4.0, 2, 2, "W·K"),
+        (0.5, 2, 2, "1/W = 1/K"),  # W = K: one number, both names
+        (2.0, 2, 2, "W = K"),
+        (2.0, 1, 2, "K"),  # accumulation on one device: no name with W
+        (0.5, 1, 2, "1/K"),
+        (0.5, 4, 2, "1/K"),  # also K/W: the name of one axis is kept
+        (2.0, 4, 2, "K"),  # also W/K
+        (0.25, 4, 2, "1/W"),
+        (0.125, 4, 2, "1/(W·K)"),
+        (0.5, 2, 4, "1/W"),  # also W/K
+        (4.0, 2, 4, "K"),
+        (1.5, 3, 2, "W/K"),
+        (2 / 3, 3, 2, "K/W"),
+        (0.3, 2, 2, "other"),  # parallel at a factor no name gives
+        (0.5, 2, 1, "1/W"),  # micro_batches=1: the verdicts of ranks alone
+        (2.0, 2, 1, "W"),
+        (0.25, 2, 1, "other"),
+        (2.0, 1, 1, "other"),
+    ],
+)
+def test_classify_names_a_constant_factor_of_ranks_and_micro_batches(
+    factor, world_size, micro_batches, expected
+):
+    reference = _reference()
+    measured, cosine, norm_ratio, _ = measure.classify(
+        reference * factor, reference, world_size, micro_batches
+    )
+    assert (measured, cosine) == (expected, pytest.approx(1, abs=1e-12))
+    assert norm_ratio == pytest.approx(factor, rel=1e-12)
+
+
+def test_without_micro_batches_no_name_needs_k():
+    """micro_batches=1, every caller before accumulation: 1/W and W only, at each W."""
+    for world_size in range(1, 9):
+        expected = {"1/W": 1 / world_size, "W": world_size} if world_size > 1 else {}
+        assert measure.factors(world_size) == pytest.approx(expected)
+    assert measure.factor_name(4.0, 2, 2) == "W·K" and measure.factor_name(3.0, 2, 2) is None
+
+
 def test_no_gradient_on_either_side_is_none_and_a_gradient_against_none_is_other():
     """Nothing trains on either side: ``none``, never ``exact``; its numbers are undefined."""
     zero = torch.zeros(50, dtype=torch.float64)

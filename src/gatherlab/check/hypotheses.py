@@ -6,13 +6,20 @@ relative 1e-10 on every batch the check measured (two). Only one-device forwards
 - ``scaled``: c × the 1-device loss, with one c for every batch (c ≠ 1);
 - ``local_negatives``: the mean over ranks of the 1-device loss of each rank's slice alone (each
   rank's loss sees only its own rows: its negatives, targets or statistics are local);
+- ``micro_negatives`` (with K > 1 micro-batches per rank): the mean over the W·K micro-batches of
+  the 1-device loss of each micro-batch alone (what naive accumulation computes: each
+  micro-batch's loss sees only its own rows);
 - ``pair_order``: the 1-device loss of the rows in the order that concatenating the two views per
   rank and gathering produces ([view 0 of rank 0; view 1 of rank 0; view 0 of rank 1; …], split
   in halves as the two views), i.e. positives paired by position in that order.
+
+A loss not divided by K when accumulating K micro-batches, or divided by it twice, is ``scaled``
+with c = K or 1/K.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,7 +34,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 TOLERANCE = terms.FLOAT64
 
-__all__ = ["TOLERANCE", "cause", "local_negatives", "pair_order", "scale"]
+__all__ = ["TOLERANCE", "cause", "local_negatives", "micro_negatives", "pair_order", "scale"]
 
 
 def _close(value: float, target: float, tolerance: float = TOLERANCE) -> bool:
@@ -57,6 +64,24 @@ def local_negatives(forward: Forward, batch: Batch, world_size: int) -> float:
     return mean_over_ranks([[forward(view0[rows], view1[rows])] for rows in slices])[0]
 
 
+def micro_negatives(forward: Forward, batch: Batch, world_size: int, micro_batches: int) -> float:
+    """The mean over the W·K micro-batches of ``batch`` (W = ``world_size``, K =
+    ``micro_batches``) of the 1-device loss of each micro-batch alone. The N rows split into W·K
+    contiguous blocks of b = N/(W·K) rows: rank r holds rows r·K·b … (r+1)·K·b − 1
+    (docs/design.md §2), and its micro-batch k is rows (r·K + k)·b … (r·K + k + 1)·b − 1. With
+    equal blocks the mean over ranks of each rank's mean over its micro-batches is this mean over
+    all W·K of them."""
+    view0, view1 = batch
+    blocks = world_size * micro_batches
+    if len(view0) % blocks:
+        raise ValueError(
+            f"the global batch of {len(view0)} does not split into {world_size} ranks × "
+            f"{micro_batches} micro-batches"
+        )
+    slices = [terms.rows_of(block, blocks, len(view0)) for block in range(blocks)]
+    return mean_over_ranks([[forward(view0[rows], view1[rows])] for rows in slices])[0]
+
+
 def pair_order(forward: Forward, batch: Batch, world_size: int) -> float:
     """The 1-device loss of the rows in the order that concatenating the views per rank, then
     gathering, produces, split in halves as the two views."""
@@ -78,14 +103,21 @@ def cause(
     forward: Forward,
     batches: Sequence[Batch],
     world_size: int,
+    micro_batches: int = 1,
 ) -> tuple[Cause, float | None]:
-    """The first hypothesis that reproduces the W-rank global ``losses`` of these ``batches``
-    (``references``: one device's), in the order ``scaled``, ``local_negatives``, ``pair_order``;
-    ``unexplained`` when none does. With ``scaled``, its c; else None."""
+    """The first hypothesis that reproduces the global ``losses`` of these ``batches`` on
+    ``world_size`` ranks that each accumulate ``micro_batches`` micro-batches (``references``:
+    one device's, the whole batch at once), in the order ``scaled``, ``local_negatives``,
+    ``micro_negatives`` (only when ``micro_batches`` > 1: at 1 it is ``local_negatives``),
+    ``pair_order``; ``unexplained`` when none does. With ``scaled``, its c; else None."""
     c = scale(losses, references)
     if c is not None:
         return Cause.SCALED, c
-    for name, hypothesis in HYPOTHESES.items():
+    tested = dict(HYPOTHESES)
+    if micro_batches > 1:  # at K = 1 it is local_negatives; tested right after it
+        micro = functools.partial(micro_negatives, micro_batches=micro_batches)
+        tested = {Cause.LOCAL_NEGATIVES: local_negatives, Cause.MICRO_NEGATIVES: micro, **tested}
+    for name, hypothesis in tested.items():
         if all(
             _close(loss, hypothesis(forward, batch, world_size))
             for loss, batch in zip(losses, batches, strict=True)

@@ -25,6 +25,7 @@ __all__ = [
     "Backend",
     "Cause",
     "Device",
+    "Factor",
     "Forward",
     "GradientClass",
     "Launcher",
@@ -50,7 +51,9 @@ class Style(StrEnum):
 
 class GradientClass(StrEnum):
     """The parameter gradient after DDP's average against the 1-device gradient (docs/design.md
-    §1): the same, 1/W or W times it, another direction, zero, or none of these."""
+    §1): the same, 1/W or W times it, another direction, zero, or none of these (``other``: the
+    right direction at a factor that no name gives, or a gradient where one device has none).
+    With K micro-batches per rank the factors that involve K have their names in `Factor`."""
 
     EXACT = "exact"
     ONE_OVER_W = "1/W"
@@ -60,9 +63,27 @@ class GradientClass(StrEnum):
     OTHER = "other"
 
 
+class Factor(StrEnum):
+    """The names of the constant factors c of a gradient (c × the 1-device gradient, cosine 1)
+    that involve K, the micro-batches each rank accumulates (docs/design.md §1): a gradient's class
+    is a `GradientClass` or one of these. They stand apart because a gather's backward alone never
+    gives them (`gatherlab.gather.CLASSES`, the audit's classes): they appear only where
+    ``micro_batches`` > 1. At W = K the factors 1/W and 1/K (W and K) are one number, named
+    together: ``1/W = 1/K`` (``W = K``)."""
+
+    ONE_OVER_K = "1/K"
+    K = "K"
+    ONE_OVER_W_K = "1/(W·K)"
+    W_K = "W·K"
+    W_OVER_K = "W/K"
+    K_OVER_W = "K/W"
+    ONE_OVER_W_OR_K = "1/W = 1/K"
+    W_OR_K = "W = K"
+
+
 LOSS_DIFFERS = "loss differs"
-"""A check's verdict at a world size is a `GradientClass`, or this when the global loss already
-differs from the 1-device loss (``gatherlab.check``)."""
+"""A check's verdict at a world size is a `GradientClass` (or a `Factor`), or this when the global
+loss already differs from the 1-device loss (``gatherlab.check``)."""
 LOSS_SCALED = "loss scaled"
 """A check's verdict when the global loss is a constant multiple c ≠ 1 of the 1-device loss and
 the gradient is exact: the logged value is scaled, the training is exact."""
@@ -78,7 +99,9 @@ error."""
 class Cause(StrEnum):
     """Why a check's global loss differs, as reproduced on one device (docs/design.md §6), or why
     its gradient is biased: ``scaled`` (c × the 1-device loss), ``local_negatives`` (the mean over
-    ranks of the 1-device loss of each rank's slice alone), ``pair_order`` (the 1-device loss of
+    ranks of the 1-device loss of each rank's slice alone), ``micro_negatives`` (with K
+    micro-batches per rank: the mean over the W·K micro-batches of the 1-device loss of each
+    micro-batch alone), ``pair_order`` (the 1-device loss of
     the rows in the order that concatenating the views per rank and gathering produces),
     ``local_statistic`` (none of these reproduces it, and the first operation whose result departs
     reduces or normalises over the rank's part of the batch: ``gatherlab.check.where``),
@@ -87,6 +110,7 @@ class Cause(StrEnum):
 
     SCALED = "scaled"
     LOCAL_NEGATIVES = "local_negatives"
+    MICRO_NEGATIVES = "micro_negatives"
     PAIR_ORDER = "pair_order"
     LOCAL_STATISTIC = "local_statistic"
     UNEXPLAINED = "unexplained"
