@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gatherlab.components import config
+from gatherlab.components.accumulation import Accumulation
 from gatherlab.components.config import ConfigError
 from gatherlab.components.module import ContrastiveModule, PairDataModule
 from gatherlab.core import cli, runfiles, terms
@@ -115,7 +116,12 @@ class _Built:
         model = config.build_model(cfg)
         loss = config.loss_factory(cfg)  # each rank builds the loss in its process group
         module = ContrastiveModule(
-            model, loss, config.build_optimizer(cfg), getattr(dataset, "encode_second_view", True)
+            model,
+            loss,
+            config.build_optimizer(cfg),
+            getattr(dataset, "encode_second_view", True),
+            accumulation=cfg.layout.get("accumulation", Accumulation.NONE),
+            micro_batches=cfg.layout.get("micro_batches", 1),
         )
         datamodule = PairDataModule(
             dataset, cfg.global_batch_size, cfg.steps, seed=cfg.seed, shuffle=cfg.data.shuffle

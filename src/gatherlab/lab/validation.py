@@ -22,12 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from gatherlab.check import measure
 from gatherlab.components import config
+from gatherlab.components.accumulation import Accumulation
 from gatherlab.components.config import ConfigError
 from gatherlab.core import cli, terms
 from gatherlab.gather import rule
 from gatherlab.runs import plainstep, removals
 
 ACCELERATORS = tuple(terms.Accelerator)
+ACCUMULATIONS = tuple(Accumulation)
 
 
 __all__ = [
@@ -55,6 +57,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
             f"global_batch_size={global_batch_size} does not divide by layout.devices={devices}; "
             f"allowed: a multiple of {devices}"
         )
+    _validate_micro_batches(cfg, global_batch_size // devices)
     removed = removals_of(cfg)
     if config.is_user_module(cfg):
         if devices > 1 and cfg["launcher"]["name"] != terms.Launcher.POOL:
@@ -117,6 +120,44 @@ def _validate_layout(cfg: Mapping[str, Any]) -> int:
             "layout.accelerator=cpu: global (the same statistics, on any backend), local"
         )
     return devices
+
+
+def _validate_micro_batches(cfg: Mapping[str, Any], rows: int) -> None:
+    """``layout.micro_batches`` (K) divides each rank's ``rows``; ``layout.accumulation`` is one
+    of `Accumulation`, ``none`` only with K = 1, and only for gatherlab's own module (a user's
+    module accumulates by itself) on a model without batch norm (its statistics would be a
+    micro-batch's)."""
+    layout = cfg["layout"]
+    count = _integer("layout.micro_batches", layout.get("micro_batches", 1), minimum=1)
+    accumulation = layout.get("accumulation", Accumulation.NONE)
+    if accumulation not in ACCUMULATIONS:
+        raise ConfigError(
+            f"layout.accumulation={accumulation!r} is unknown; allowed: {', '.join(ACCUMULATIONS)}"
+        )
+    if rows % count:
+        divisors = [d for d in range(1, rows + 1) if rows % d == 0]
+        raise ConfigError(
+            f"layout.micro_batches={count} does not divide the {rows} rows of each rank "
+            f"(global_batch_size / devices); allowed: {', '.join(map(str, divisors))}"
+        )
+    if accumulation == Accumulation.NONE:
+        if count > 1:
+            raise ConfigError(
+                f"layout.micro_batches={count} with layout.accumulation=none; allowed: "
+                "layout.accumulation=naive or cached, or layout.micro_batches=1"
+            )
+        return
+    if config.is_user_module(cfg):
+        raise ConfigError(
+            f"layout.accumulation={accumulation} is gatherlab's own module's (module=contrastive); "
+            "allowed with module=user: layout.accumulation=none (the module accumulates itself)"
+        )
+    if cfg["model"].get("norm") is not None:
+        raise ConfigError(
+            f"layout.accumulation={accumulation} with model.norm={cfg['model']['norm']!r}: batch "
+            "norm would see a micro-batch's statistics; allowed: a model without batch norm "
+            "(model=mlp, linear), or layout.accumulation=none"
+        )
 
 
 def _validate_audit(cfg: DictConfig) -> None:
