@@ -94,3 +94,16 @@ def test_an_override_of_a_config_group_is_not_a_second_column():
     ])  # fmt: skip
     varying = report._varying_overrides(runs)
     assert list(varying.columns) == ["layout.nodes"]
+
+
+def test_a_reference_is_one_device_taking_the_whole_batch_at_once():
+    """A 1-device run that accumulates K > 1 micro-batches is a layout like any other, not a
+    reference (docs/design.md §2)."""
+
+    def run(devices: int, layout: dict) -> pd.Series:
+        return pd.Series({"devices": devices, "config": {"layout": layout}})
+
+    assert report.one_device_whole_batch(run(1, {"devices": 1, "micro_batches": 1}))
+    assert report.one_device_whole_batch(run(1, {"devices": 1}))  # before micro-batches existed
+    assert not report.one_device_whole_batch(run(1, {"devices": 1, "micro_batches": 2}))
+    assert not report.one_device_whole_batch(run(2, {"devices": 2, "micro_batches": 1}))

@@ -29,7 +29,8 @@ from gatherlab.gather import CLASSES
 
 __all__ = [
     "audit_markdown", "common_tolerance", "compare", "comparison_text", "loss_matrix", "main",
-    "matrix_markdown", "max_abs_weight_difference", "predicted_invariance", "scaling_markdown",
+    "matrix_markdown", "max_abs_weight_difference", "one_device_whole_batch",
+    "predicted_invariance", "scaling_markdown",
     "write_audit", "write_loss_matrix", "write_report",
 ]  # fmt: skip
 
@@ -52,6 +53,13 @@ KEY_COLUMNS = tuple(
     if key in NAMING_KEYS or key not in SPLIT_KEYS
 )
 DERIVED_KEYS = ("devices", "batch_size")  # follow from the layout and the global batch size
+
+
+def one_device_whole_batch(run: pd.Series) -> bool:
+    """Whether a run can be a reference: one device, taking the whole batch at once (no
+    micro-batches: ``layout.micro_batches`` 1, where its config has the key)."""
+    layout = run["config"].get("layout", {}) if isinstance(run["config"], dict) else {}
+    return run["devices"] == 1 and layout.get("micro_batches", 1) == 1
 
 
 def _comparable(config: dict[str, Any]) -> str:
@@ -140,7 +148,7 @@ def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.
     table["max_abs_param_diff"] = float("nan")
     for _, group in table.groupby("group"):
         usable = group[group["verdict"].isna()]
-        candidates = usable[usable["devices"] == 1]
+        candidates = usable[usable.apply(one_device_whole_batch, axis=1)]
         if candidates.empty:
             table.loc[usable.index, "verdict"] = RunVerdict.NO_REFERENCE
             continue
