@@ -133,6 +133,19 @@ EXAMPLES = {
         "--data plain_steps:Points --world-sizes 2,4 --steps 20",
         pythonpath=("tests",),
     ),
+    "update": Example(
+        f"{CHECK} --update updates:naive --model plain_steps:build_model --data plain_steps:Pairs "
+        "--world-sizes 1,2 --micro-batches 1,2 --steps 5 --global-batch-size 16",
+        pythonpath=("tests",),
+        status=True,
+    ),
+    # README, journey 2: the whole update's first table
+    "update_table": Example(
+        f"{CHECK} --update updates:naive --model plain_steps:build_model --data plain_steps:Pairs "
+        "--world-sizes 1,2 --micro-batches 1,2 --steps 5 --global-batch-size 16",
+        "table",
+        ("tests",),
+    ),
     # docs/usage.md, when things go wrong
     "bad_value": Example("-m gatherlab.train -m layout=cpu1,cpu4 global_batch_size=6", "stderr"),
 }

@@ -81,6 +81,8 @@ LONGEST_FILES = (
     "test_extend.py",  # 20 s
     "test_training_check.py",  # 17 s
     "test_where.py",  # 17 s alone (issue 38: five checks at W = 2, 4, one with 3 steps)
+    "test_update.py",  # 15 s alone (issue 39: whole updates at up to nine layouts each)
+    "test_accumulation.py",  # 15 s alone (issue 39: the lab's naive and cached accumulation)
     "test_fuzz.py",  # 16 s
     "test_check.py",  # 15 s
     "test_audit.py",  # 12 s

@@ -77,10 +77,24 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument(
         "--step", help="or a plain PyTorch step: training_step(model, batch) -> loss, module:attr"
     )
-    training.add_argument("--model", help="for --step: the function building the nn.Module")
+    training.add_argument(
+        "--update",
+        help="or a whole optimizer update: update(model, optimizer, batch, micro_batches) -> loss, "
+        "module:attr",
+    )
+    training.add_argument(
+        "--micro-batches", type=_world_sizes, default=(1,),
+        help="for --update: the micro-batches K of each rank's update, e.g. 1,2,4 (each crossed "
+        "with --world-sizes, which may then include 1)",
+    )  # fmt: skip
+    training.add_argument(
+        "--model", help="for --step, --update: the function building the nn.Module"
+    )
     training.add_argument("--model-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
     training.add_argument(
-        "--optimizer", default=defaults.OPTIMIZER, help=f"for --step (default {defaults.OPTIMIZER})"
+        "--optimizer",
+        default=defaults.OPTIMIZER,
+        help=f"for --step, --update (default {defaults.OPTIMIZER})",
     )
     training.add_argument(
         "--optimizer-kwargs", type=_kwargs,
@@ -113,19 +127,22 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line's arguments, or its usage error (exit status 2)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    trains = args.module is not None or args.step is not None
-    if args.module is not None and args.step is not None:
-        parser.error("--module and --step are two forms of one check; name one of them")
+    forms = [f"--{f}" for f in ("module", "step", "update") if getattr(args, f) is not None]
+    trains = bool(forms)
+    if len(forms) > 1:
+        parser.error(f"{' and '.join(forms)} are forms of one check; name one of them")
     if trains and (args.loss is not None or args.gather is not None):
-        parser.error("--module/--step check a training step; a loss or --gather without them")
+        parser.error(f"{forms[0]} checks a training step; a loss or --gather without it")
     if trains and args.data is None:
-        parser.error("--module and --step need --data (a map-style data set, module:attribute)")
-    if args.step is not None and args.model is None:
-        parser.error("--step needs --model (a function or class returning the nn.Module)")
+        parser.error(f"{forms[0]} needs --data (a map-style data set, module:attribute)")
+    if (args.step is not None or args.update is not None) and args.model is None:
+        parser.error(f"{forms[0]} needs --model (a function or class returning the nn.Module)")
+    if args.micro_batches != (1,) and args.update is None:
+        parser.error("--micro-batches are a whole update's; allowed: with --update")
     if not trains and args.loss is None and args.gather is None:
         parser.error(
-            "name a loss (module:attribute), a gather (--gather), --module and --data, or --step, "
-            "--model and --data"
+            "name a loss (module:attribute), a gather (--gather), --module and --data, or --step "
+            "(or --update), --model and --data"
         )
     if args.device != terms.Device.CPU and args.launcher != terms.Launcher.EXTERNAL:
         parser.error(f"--device {args.device} runs on the ranks a launcher started; allowed: "
@@ -138,12 +155,14 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     from gatherlab.check.api import check_gather, check_training, loss_check
     from gatherlab.check.diagnosis import explain, explain_training
 
-    if args.module is not None or args.step is not None:
+    if args.module is not None or args.step is not None or args.update is not None:
         table = check_training(
             args.module,
             args.data,
             args.world_sizes,
             step=args.step,
+            update=args.update,
+            micro_batches=args.micro_batches,
             model=args.model,
             model_kwargs=args.model_kwargs,
             optimizer=args.optimizer,
@@ -197,6 +216,8 @@ def _ranks_run(args: argparse.Namespace) -> tuple[str, ...]:
         return *common, "lightning.pytorch", "gatherlab.runs.lightning"
     if args.step is not None:
         return *common, "gatherlab.runs.plainstep"
+    if args.update is not None:
+        return *common, "gatherlab.runs.update"
     return common
 
 

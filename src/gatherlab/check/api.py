@@ -522,25 +522,27 @@ def _path_name(factory: str | Callable[..., Any]) -> str:
     return factory if isinstance(factory, str) else getattr(factory, "__qualname__", "module")
 
 
-def _step(
-    step: str | Callable[..., Any],
+def _plain(
+    form: str,
+    function: str | Callable[..., Any],
     model: str | Callable[..., Any] | None,
     model_kwargs: Mapping[str, Any] | None,
     optimizer: str | Callable[..., Any],
     optimizer_kwargs: Mapping[str, Any] | None,
     seed: int,
 ) -> Any:
-    """The plain PyTorch step to check (`gatherlab.runs.plainstep.Step`), its parts imported;
-    CheckError for a
-    path that does not import or an object that is not callable."""
+    """The plain PyTorch form to check, its parts imported: ``form`` ``step``
+    (`gatherlab.runs.plainstep.Step`) or ``update`` (`gatherlab.runs.update.Update`); CheckError
+    for a path that does not import or an object that is not callable."""
     if model is None:
-        raise CheckError("--step needs --model (a function or class returning the nn.Module)")
+        raise CheckError(f"--{form} needs --model (a function or class returning the nn.Module)")
     if optimizer_kwargs is None:
         optimizer_kwargs = defaults.OPTIMIZER_KWARGS if optimizer == defaults.OPTIMIZER else {}
-    from gatherlab.runs import plainstep
+    from gatherlab.runs import plainstep, update
 
-    return plainstep.Step(
-        _factory(step, "step"),
+    kind = plainstep.Step if form == "step" else update.Update
+    return kind(
+        _factory(function, form),
         Recipe(_factory(model, "model"), dict(model_kwargs or {}), None, seed),
         _factory(optimizer, "optimizer"),
         dict(optimizer_kwargs),
@@ -553,6 +555,8 @@ def check_training(
     world_sizes: Iterable[int] = defaults.WORLD_SIZES,
     *,
     step: str | Callable[..., Any] | None = None,
+    update: str | Callable[..., Any] | None = None,
+    micro_batches: Iterable[int] = (1,),
     model: str | Callable[..., Any] | None = None,
     model_kwargs: Mapping[str, Any] | None = None,
     optimizer: str | Callable[..., Any] = defaults.OPTIMIZER,
@@ -642,16 +646,21 @@ def check_training(
 
     setting = _training_setting(
         module, data, step, model, model_kwargs, optimizer, optimizer_kwargs, steps,
-        global_batch_size, module_kwargs, data_kwargs, precision, seed,
+        global_batch_size, module_kwargs, data_kwargs, precision, seed, update,
     )  # fmt: skip
-    world_sizes = tuple(world_sizes)
-    applying, layout = _validated(setting, world_sizes, loss_attr)
+    world_sizes, micro_batches = tuple(world_sizes), tuple(micro_batches)
+    if setting.update is None and micro_batches != (1,):
+        raise CheckError(
+            f"--micro-batches {','.join(map(str, micro_batches))}: micro-batches are the whole "
+            "update's (--update); allowed: --update with them, or 1"
+        )
+    applying, layout = _validated(setting, world_sizes, loss_attr, micro_batches)
     with warnings_once():
         try:  # one device, in this process: a training_step without a loss is found here
             first = training.first_reference(setting)
         except Exception as error:
             raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
-        table = training.check(setting, world_sizes, applying, first, layout)
+        table = training.check(setting, world_sizes, applying, first, layout, micro_batches)
     blamed = table.loc[table["culprits"].str.contains(LOSS), "world_size"]
     if loss_attr is not None and len(blamed):
         loss = AttributeOf(setting.built, loss_attr)
@@ -673,33 +682,40 @@ def _training_setting(
     data_kwargs: Mapping[str, Any] | None,
     precision: str,
     seed: int,
+    update: str | Callable[..., Any] | None = None,
 ) -> Any:
     """What `check_training` trains (``training.Setting``), its parts imported; CheckError for
-    neither or both forms, no data set, or a path that does not import."""
+    none or several forms, no data set, or a path that does not import."""
     from gatherlab.check import training
 
-    if (module is None) == (step is None):
+    if sum(form is not None for form in (module, step, update)) != 1:
         raise CheckError(
-            "name a LightningModule (--module) or a plain PyTorch step (--step with --model), "
-            "not both"
+            "name one of a LightningModule (--module), a plain PyTorch step (--step with "
+            "--model) or a whole update (--update with --model)"
         )
     if data is None:
         raise CheckError("--data is needed: a map-style data set (class or factory), module:attr")
     data_factory = _factory(data, "data")
-    trained = None if step is None else _step(step, model, model_kwargs, optimizer,
-                                              optimizer_kwargs, seed)  # fmt: skip
+    arguments = (model, model_kwargs, optimizer, optimizer_kwargs, seed)
+    plain = next(((form, function) for form, function in (("step", step), ("update", update))
+                  if function is not None), None)  # fmt: skip
+    built = None if plain is None else _plain(*plain, *arguments)
     return training.Setting(
         module=None if module is None else Recipe(
             _factory(module, "module"), dict(module_kwargs or {}), None, seed
         ),
         data=Recipe(data_factory, dict(data_kwargs or {}), None, seed),
-        name=_path_name(module if step is None else step), global_batch_size=global_batch_size,
-        steps=steps, seed=seed, precision=precision, step=trained,
+        name=_path_name(module if plain is None else plain[1]),
+        global_batch_size=global_batch_size, steps=steps, seed=seed, precision=precision,
+        step=built if step is not None else None, update=built if update is not None else None,
     )  # fmt: skip
 
 
 def _validated(
-    setting: Any, world_sizes: tuple[int, ...], loss_attr: str | None
+    setting: Any,
+    world_sizes: tuple[int, ...],
+    loss_attr: str | None,
+    micro_batches: tuple[int, ...] = (1,),
 ) -> tuple[tuple[removals.Removal, ...], measure.Layout]:
     """The setting validated as on one device (``training.validate``: the removals that apply
     and the parts of the gradient), and ``loss_attr`` a callable attribute of what it builds;
@@ -708,7 +724,7 @@ def _validated(
     from gatherlab.check import training
 
     def validated() -> tuple[tuple[removals.Removal, ...], measure.Layout, Any]:
-        applying, layout = training.validate(setting, world_sizes)
+        applying, layout = training.validate(setting, world_sizes, micro_batches)
         attribute = None if loss_attr is None else getattr(setting.built(), loss_attr, None)
         return applying, layout, attribute
 

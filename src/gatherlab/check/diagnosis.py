@@ -32,6 +32,30 @@ _GATHER_FIX = (
     "torch.distributed.nn.functional.all_gather)"
 )
 
+# What a constant factor of the whole gradient does to training, per optimizer (docs/design.md §1).
+UNIFORM_FACTOR = (
+    "A factor c of the whole gradient is, under SGD with or without momentum, the learning rate "
+    "multiplied by c (momentum sums c times the gradients); under Adam and AdamW it almost "
+    "cancels, since they divide by a running estimate of the gradient's magnitude: only ε, and "
+    "any term added to the gradient outside this loss (Adam's weight_decay, an L2 penalty, "
+    "another loss term), weigh 1/c times as much as on one device (AdamW's decoupled weight "
+    "decay is untouched)."
+)
+# What factors that differ between parts do to training.
+PART_FACTORS = (
+    "Different factors per part are no learning rate: under SGD, with or without momentum, no "
+    "single learning rate repairs them (each part trains at its own factor times the rate); "
+    "under Adam and AdamW, which divide each parameter's step by its own gradient's magnitude, "
+    "each part's factor mostly cancels (up to ε and any term added to the gradient), so the run "
+    "is close to one device's without being it."
+)
+_ACCUMULATION_FIX = (
+    "divide the loss by K exactly once per update (each micro-batch's loss of a mean when "
+    "accumulating naively; nothing when a cached recomputation backpropagates the whole batch's "
+    "loss), and backpropagate a parameter of the loss, such as a learnt temperature, once per "
+    "update, not once per micro-batch"
+)
+
 # The diagnosis of ``none`` where one device has no gradient either (its norm ratio is NaN).
 TRAINS_NOTHING = (
     "no gradient reaches the model's parameters, on W ranks or on one device: the loss trains "
@@ -40,6 +64,75 @@ TRAINS_NOTHING = (
     "backward raises or leaves the parameters as they are. Fix: compute the loss from the "
     "embeddings themselves, not from detached copies."
 )
+
+# The usual causes (not tested) and the fix of each factor that involves K, the micro-batches each
+# rank accumulates (`terms.Factor`); `_factor_text` adds what was measured and what it does.
+FACTOR_CAUSES = {
+    terms.Factor.ONE_OVER_K: (
+        "the loss divided by K twice (by the loop and by a trainer that already divides, such as "
+        "Lightning's accumulate_grad_batches), or a cached recomputation that backpropagates the "
+        "whole batch's loss divided by K. Fix: " + _ACCUMULATION_FIX + "."
+    ),
+    terms.Factor.K: (
+        "K micro-batches each backpropagating their mean loss undivided (their gradients add up "
+        "over the K backwards), or the whole batch's cached loss backpropagated in each of the K "
+        "passes where it belongs once. Fix: " + _ACCUMULATION_FIX + "."
+    ),
+    terms.Factor.ONE_OVER_W_K: (
+        "a factor 1/W (a gather whose backward keeps only the own slice while every rank "
+        "computes the full loss) and 1/K (the loss divided by K twice) at once, or a loss "
+        "divided by the W·K micro-batches of the update on top of DDP's average over W. Fix: "
+        + _GATHER_FIX
+        + ", and "
+        + _ACCUMULATION_FIX
+        + "."
+    ),
+    terms.Factor.W_K: (
+        "the loss multiplied by W to undo DDP's average and not divided by K, or the micro-"
+        "batches' losses summed over all W·K where one device takes their mean. Fix: drop the "
+        "factor W, and " + _ACCUMULATION_FIX + "."
+    ),
+    terms.Factor.W_OVER_K: (
+        "a factor W (the loss multiplied by W on a gather whose backward already sums) and 1/K "
+        "(the loss divided by K twice) at once. Fix: drop the factor W, and "
+        + _ACCUMULATION_FIX
+        + "."
+    ),
+    terms.Factor.K_OVER_W: (
+        "a factor 1/W (a gather whose backward keeps only the own slice while every rank "
+        "computes the full loss) and K (the micro-batches' losses not divided by K) at once. "
+        "Fix: " + _GATHER_FIX + ", and " + _ACCUMULATION_FIX + "."
+    ),
+    terms.Factor.ONE_OVER_W_OR_K: (
+        "at W = K the check cannot tell 1/W from 1/K: the same check at a W other than K names "
+        "it. Of 1/W: a gather whose backward keeps only the own slice while every rank computes "
+        "the full loss (fix: "
+        + _GATHER_FIX
+        + "); of 1/K: the loss divided by K twice (fix: "
+        + _ACCUMULATION_FIX
+        + ")."
+    ),
+    terms.Factor.W_OR_K: (
+        "at W = K the check cannot tell W from K: the same check at a W other than K names it. "
+        "Of W: the loss multiplied by W on a gather whose backward already sums (fix: drop the "
+        "factor); of K: the micro-batches' losses not divided by K (fix: "
+        + _ACCUMULATION_FIX
+        + ")."
+    ),
+}
+
+
+def _factor_text(factor: terms.Factor, causes: str) -> str:
+    """A factor's diagnosis: what was measured (K is the micro-batches each rank accumulates),
+    what the factor does under each optimizer, its usual causes (labelled) and fix."""
+    return (
+        "the gradient is " + factor + " times one device's (norm ratio {norm_ratio:.6g}, cosine "
+        "{cosine:.12g}), K being the micro-batches each rank accumulates per update. "
+        + UNIFORM_FACTOR
+        + " Usual causes (not tested here): "
+        + causes
+    )
+
 
 # What was measured, what it means, and (labelled) the usual causes, which the check does not test.
 DIAGNOSES = {
@@ -91,11 +184,13 @@ DIAGNOSES = {
         "tensor back in its slot gives 1/W."
     ),
     terms.GradientClass.OTHER: (
-        "the gradient has the right direction (cosine {cosine:.12g}) but a scale that is neither "
-        "1, 1/W nor W (norm ratio {norm_ratio:.6g}): some factor depends on the layout. Usual "
-        "cause (not tested here): a loss divided by the local batch size in one place and by the "
-        "global one in another."
+        "the gradient has the right direction (cosine {cosine:.12g}) but a factor that no name "
+        "of the layout gives (norm ratio {norm_ratio:.6g}; named are 1/W and W, and with K "
+        "micro-batches per rank 1/K, K and their products with W): some factor depends on the "
+        "layout. Usual cause (not tested here): a loss divided by the local batch size in one "
+        "place and by the global one in another."
     ),
+    **{factor: _factor_text(factor, words) for factor, words in FACTOR_CAUSES.items()},
     terms.DIVERGES: (
         "the first step agrees with one device, a later one does not: something besides the "
         "first step's loss and gradient depends on the layout (an optimizer state, a buffer "
@@ -114,9 +209,11 @@ CAUSES = {
         "batches checked (to a relative "
         + _FLOAT64
         + "), while the gradient is {gradient} (norm ratio "
-        "{norm_ratio:.6g}, cosine {cosine:.12g}): a factor that depends on W scales the loss and "
-        "its gradient is not one device's either, e.g. a loss multiplied by W on a gather whose "
-        "backward already sums the ranks' gradients. Fix: drop the factor."
+        "{norm_ratio:.6g}, cosine {cosine:.12g}): a factor that depends on the layout (W ranks, "
+        "K micro-batches accumulated per rank) scales the loss and its gradient is not one "
+        "device's either, e.g. a loss multiplied by W on a gather whose backward already sums "
+        "the ranks' gradients, or K micro-batches' losses not divided by K (c = K) or divided by "
+        "K twice (c = 1/K). Fix: drop the factor; divide by K exactly once per update."
     ),
     terms.Cause.LOCAL_NEGATIVES: (
         "Reproduced on one device to a relative " + _FLOAT64 + " on both batches checked: the "
@@ -125,6 +222,17 @@ CAUSES = {
         "loss sees only its own rows: its negatives, targets or batch statistics are local. Fix: "
         "gather every rank's embeddings through " + _GATHER_FIX + ", and compute the loss, or "
         "its statistics, over the gathered batch."
+    ),
+    terms.Cause.MICRO_NEGATIVES: (
+        "Reproduced on one device: the global loss is the mean over the micro-batches of the "
+        "1-device loss of each micro-batch's rows alone (a rank's micro-batch k: the (r·K + "
+        "k)-th block of N/(W·K) rows; or, for a loss that gathers each micro-batch over the "
+        "ranks, the k-th micro-batch of every rank together). That is naive accumulation: each "
+        "micro-batch's loss sees only its own rows as negatives, targets or batch statistics. "
+        "Fix: accumulate through a feature cache (GradCache-style: every micro-batch's "
+        "embeddings without gradient, the whole batch's loss and its gradient with respect to "
+        "the embeddings, then one recomputation per micro-batch backpropagating that gradient), "
+        "with the embeddings gathered across ranks through " + _GATHER_FIX + "."
     ),
     terms.Cause.PAIR_ORDER: (
         "Reproduced on one device to a relative " + _FLOAT64 + " on both batches checked: the "
@@ -173,6 +281,23 @@ PART_MEANINGS = {
         "a part with no gradient where one device has one is reached only through a gather "
         "without gradient (one with none on one device either trains on neither)"
     ),
+    terms.Factor.K: (
+        "a part at K gets K times one device's gradient (usually, not tested here: a parameter "
+        "of the loss, such as a learnt temperature, accumulated once per micro-batch: the whole "
+        "batch's loss recomputed in each of the K passes of a cached accumulation, where its "
+        "gradient belongs once)"
+    ),
+    terms.Factor.ONE_OVER_K: (
+        "a part at 1/K gets 1/K of one device's gradient (usually, not tested here: its loss "
+        "divided by K where its gradient is already the whole batch's, as in a cached "
+        "recomputation)"
+    ),
+    **{
+        factor: f"a part at {factor} carries both of its factors (the words of the whole gradient "
+        f"at {factor} say which causes give each)"
+        for factor in terms.Factor
+        if factor not in (terms.Factor.K, terms.Factor.ONE_OVER_K)
+    },
 }
 # What each culprit of docs/design.md §10 means, and its fix (the check of a training step): the
 # cause each removal takes out (its own words), the step's randomness, and the loss, which remains
@@ -241,14 +366,20 @@ def _parts_text(parts: pd.DataFrame) -> str:
         numbers = _PerWorldSize(rows["norm_ratio"])
         cosines = _PerWorldSize(rows["cosine"])
         measured.append(f"{part} {classes} (norm ratio {numbers:.10g}; cosine {cosines:.12g})")
+    classes = set(parts["gradient"].unique())
     meanings = [PART_MEANINGS[c] for c in parts["gradient"].unique() if c in PART_MEANINGS]
+    accumulation_only = {terms.GradientClass.EXACT, terms.Factor.K, terms.Factor.ONE_OVER_K}
+    fixes = [] if classes <= accumulation_only else [_GATHER_FIX]
+    fixes += [_ACCUMULATION_FIX] if classes & set(terms.Factor) else []
     return (
         "Measured per part: " + "; ".join(measured) + ". The parts carry different factors of "
         "one device's gradient, so their sum points elsewhere. "
         + "; ".join(meanings).capitalize()[:1]
         + "; ".join(meanings)[1:]
-        + ". Fix: "
-        + _GATHER_FIX
+        + ". "
+        + PART_FACTORS
+        + " Fix: "
+        + "; and ".join(fixes)
         + ": then every part is exact."
     )
 
@@ -378,8 +509,9 @@ def explain(table: pd.DataFrame) -> str:
 
 # The columns the check of a training step prints (check.csv has them all).
 TRAINING_COLUMNS = (
-    "world_size", "removed", "part", "forward", "gradient", "verdict", "scale", "first_diff_step",
-    "train_max_abs_loss_diff", "max_abs_param_diff", "cosine", "norm_ratio", "error",
+    "world_size", "micro_batches", "removed", "part", "forward", "gradient", "verdict", "scale",
+    "first_diff_step", "train_max_abs_loss_diff", "max_abs_param_diff", "cosine", "norm_ratio",
+    "error",
 )  # fmt: skip
 
 
@@ -399,6 +531,8 @@ def markdown(table: pd.DataFrame, columns: Sequence[str] = (*COLUMNS, TRAIN_COLU
     for column in ("scale", "cause", "error"):
         if column in columns and not table[column].map(_filled).any():
             columns.remove(column)
+    if "micro_batches" in columns and not _has_micro_batches(table):
+        columns.remove("micro_batches")
 
     def cell(column: str, value: Any) -> str:
         if column == "scale":
@@ -409,6 +543,21 @@ def markdown(table: pd.DataFrame, columns: Sequence[str] = (*COLUMNS, TRAIN_COLU
 
     rows = [[cell(c, row[c]) for c in columns] for _, row in table.iterrows()]
     return runfiles.markdown_table(columns, rows)
+
+
+def _has_micro_batches(table: pd.DataFrame) -> bool:
+    """Whether a training check's layouts have micro-batches (a whole update with K > 1)."""
+    return "micro_batches" in table.columns and bool((table["micro_batches"] != 1).any())
+
+
+def _layouts(rows: pd.DataFrame) -> str:
+    """``W = 2, 4`` for the rows' world sizes, or ``(W, K) = (2, 1), (2, 4)`` when their table
+    has micro-batches."""
+    if "micro_batches" in rows.columns and (rows["micro_batches"] != 1).any():
+        pairs = ", ".join(f"({w}, {k})" for w, k in zip(rows["world_size"], rows["micro_batches"],
+                                                         strict=True))  # fmt: skip
+        return f"(W, K) = {pairs}"
+    return "W = " + ", ".join(str(w) for w in dict.fromkeys(rows["world_size"]))
 
 
 def _departs(rows: pd.DataFrame) -> str:
@@ -441,13 +590,18 @@ def explain_training(table: pd.DataFrame) -> str:
     """
     summary = []
     runs = table[table["part"] == ALL_PARTS]
-    for world_size, rows in runs.groupby("world_size", sort=False):
+    micro = _has_micro_batches(table)
+    keys = ["world_size", "micro_batches"] if micro else ["world_size"]
+    causes = runs.loc[runs["removed"] == NONE, "cause"].map(_filled).any()
+    for key, rows in runs.groupby(keys, sort=False):
         by_run = rows.set_index("removed")["verdict"]
         culprits = rows["culprits"].iloc[0]
         made = [r for r in (ALL, *Removal) if r in by_run.index]
         after = by_run[made[0]] if made else "—"
-        summary.append([str(world_size), by_run[NONE], culprits or "—", after])
-    header = ["world_size", "verdict", "culprits", "verdict with every removal made"]
+        cause = [rows.set_index("removed")["cause"].get(NONE) or "—"] if causes else []
+        summary.append([*map(str, key), by_run[NONE], *cause, culprits or "—", after])
+    header = [*keys, "verdict", *(["cause"] if causes else []), "culprits",
+              "verdict with every removal made"]  # fmt: skip
     lines = [runfiles.markdown_table(header, summary),
              markdown(_shown_parts(table), TRAINING_COLUMNS)]  # fmt: skip
     lines += _reference_notes(table, "training step")
@@ -455,23 +609,21 @@ def explain_training(table: pd.DataFrame) -> str:
     # the verdicts that say more than their culprits: measured, reproduced or split in parts
     said = kept[
         kept["verdict"].isin((terms.DIVERGES, terms.LOSS_SCALED, terms.FAILED))
-        | (kept["cause"] == terms.Cause.PARTS)
+        | kept["cause"].isin((terms.Cause.PARTS, terms.Cause.MICRO_NEGATIVES))
     ]
     for (verdict_, cause), rows in said.groupby(["verdict", "cause"], sort=False):
-        sizes = ", ".join(str(w) for w in rows["world_size"])
-        parts = table[table["world_size"].isin(rows["world_size"]) & (table["part"] != ALL_PARTS)]
-        named = f" ({cause})" if cause == terms.Cause.PARTS else ""
-        lines.append(f"W = {sizes}: {verdict_}{named}\n{_paragraph(diagnosis(rows, parts))}")
+        parts = table[table[keys].apply(tuple, axis=1).isin(rows[keys].apply(tuple, axis=1))
+                      & (table["part"] != ALL_PARTS)]  # fmt: skip
+        named = f" ({cause})" if cause in (terms.Cause.PARTS, terms.Cause.MICRO_NEGATIVES) else ""
+        lines.append(f"{_layouts(rows)}: {verdict_}{named}\n"
+                     f"{_paragraph(diagnosis(rows, parts))}")  # fmt: skip
     departing = kept[kept["where"].map(_filled)]
     if len(departing):
         lines.append("Where the run without removals departs first:" + _departs(departing))
     found = [c for c in table["culprits"].str.split(";").explode().unique() if c]
     for culprit in found:
-        sizes = ", ".join(
-            str(w)
-            for w in table.loc[table["culprits"].str.contains(culprit), "world_size"].unique()
-        )
-        lines.append(f"{culprit}, W = {sizes}:\n{_paragraph(CULPRIT_DIAGNOSES[culprit])}")
+        blamed = runs[(runs["removed"] == NONE) & runs["culprits"].str.contains(culprit)]
+        lines.append(f"{culprit}, {_layouts(blamed)}:\n{_paragraph(CULPRIT_DIAGNOSES[culprit])}")
     loss_check = table.attrs.get("loss_check")
     if loss_check is not None:
         lines.append("The loss on its own (gatherlab.check on the loss attribute):\n"

@@ -34,10 +34,12 @@ COLUMNS = (
 ``train_max_abs_loss_diff``, follows. ``part`` is ``all`` for the whole gradient, then, when the
 gradient has several parts, ``model`` and ``loss.<name>`` per trainable parameter of the loss;
 ``forward`` is ``same`` or ``differs``; ``gradient`` one of ``exact``, ``1/W``, ``W``,
-``biased``, ``none``, ``other``; ``verdict`` is ``exact``, ``loss scaled``, ``loss differs``,
+``biased``, ``none``, ``other``, or with micro-batches a factor of `gatherlab.core.terms.Factor`
+(``1/K``, ``K``, …); ``verdict`` is ``exact``, ``loss scaled``, ``loss differs``,
 the gradient's class, ``diverges`` (with ``steps``) or ``failed``; ``scale`` the constant c of a
 loss that is c × one device's; ``cause`` what reproduced a ``loss differs`` (``scaled``,
-``local_negatives``, ``pair_order``, ``unexplained``) or split a ``biased`` gradient
+``local_negatives``, ``micro_negatives``, ``pair_order``, ``local_statistic``,
+``unexplained``) or split a ``biased`` gradient
 (``parts``); ``error`` the failing rank's error line; ``loss_diff`` the relative difference of
 the global loss; ``gather`` is ``native`` when the loss communicates by itself; ``reference``
 how the one-device reference ran, the same on every row of a loss: ``no group`` (the plain run,

@@ -11,6 +11,7 @@ command line; this module trains and compares, and says nothing in words.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,15 +36,20 @@ from gatherlab.check.table import (
 )  # fmt: skip
 from gatherlab.check.table import COLUMNS as LOSS_COLUMNS
 from gatherlab.components.factory import Recipe
-from gatherlab.core import terms
+from gatherlab.core import cli, terms
 from gatherlab.core.runfiles import Trained
 from gatherlab.ranks.external import ranks_for
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import plainstep, removals
+from gatherlab.runs import update as update_form
 
+MICRO_BATCHES = "micro_batches"
 COLUMNS = (
-    *LOSS_COLUMNS, TRAIN_COLUMN, "removed", "culprits", "first_diff_step", "max_abs_param_diff",
+    *LOSS_COLUMNS[:3], MICRO_BATCHES, *LOSS_COLUMNS[3:], TRAIN_COLUMN, "removed", "culprits",
+    "first_diff_step", "max_abs_param_diff",
 )  # fmt: skip
+"""The columns of a training step's check: the loss check's, with ``micro_batches`` (K, the
+micro-batches of each rank's update: 1 but for the whole-update form) after ``world_size``."""
 
 __all__ = [
     "COLUMNS", "Setting", "check", "first_reference", "located", "reference",
@@ -65,25 +71,34 @@ class Setting:
     seed: int
     precision: str
     step: plainstep.Step | None = None
+    update: update_form.Update | None = None
+
+    @property
+    def plain(self) -> plainstep.Step | update_form.Update | None:
+        """The plain PyTorch form (a step or a whole update), None for a LightningModule."""
+        return self.step if self.update is None else self.update
 
     @property
     def built(self) -> Recipe:
-        """The factory of what the step trains: the module, or the plain step's model."""
-        return self.module if self.step is None else self.step.model
+        """The factory of what the step trains: the module, or the plain form's model."""
+        return self.module if self.plain is None else self.plain.model
 
     @property
     def label(self) -> str:
-        """How the command line names what is trained (``--module M`` or ``--step S``)."""
+        """How the command line names what is trained (``--module M``, ``--step S`` or
+        ``--update U``)."""
+        if self.update is not None:
+            return f"--update {self.name}"
         return f"--step {self.name}" if self.step is not None else f"--module {self.name}"
 
     def checked(self, built: Any) -> torch.nn.Module:
         """What the module's or the model's factory built, when it keeps its contract (a
         LightningModule with ``training_step`` and ``configure_optimizers``; an ``nn.Module``);
         a ValueError of one line otherwise."""
-        if self.step is not None:
+        if self.plain is not None:
             if not isinstance(built, torch.nn.Module):
                 raise ValueError(
-                    f"--model {self.step.model.name} returned a {type(built).__name__}; "
+                    f"--model {self.plain.model.name} returned a {type(built).__name__}; "
                     "allowed: a torch.nn.Module"
                 )
             return built
@@ -107,12 +122,13 @@ def parts(module: torch.nn.Module) -> measure.Layout:
 
 
 def validate(
-    setting: Setting, world_sizes: Sequence[int]
+    setting: Setting, world_sizes: Sequence[int], micro_batches: Sequence[int] = (1,)
 ) -> tuple[tuple[removals.Removal, ...], measure.Layout]:
     """Build the module and the data set here (rank 0 of 1) and check what can be checked before
     any rank starts; a ValueError of one line otherwise. Returns the removals that apply (the
     module's batch norms and dropout layers, the data set's own randomness) and the parts of the
-    module's gradient (`parts`)."""
+    module's gradient (`parts`). A whole update is also run once on one device with each number
+    of micro-batches (`update_form.UpdateBroken` otherwise), and W = 1 is a layout of its own."""
     if setting.precision not in terms.PRECISIONS:
         allowed = ", ".join(terms.PRECISIONS)
         raise ValueError(f"--precision {setting.precision!r} is not allowed; allowed: {allowed}")
@@ -123,7 +139,7 @@ def validate(
             allowed = terms.allowed_integer(minimum)
             raise ValueError(f"{key} {value!r} is not allowed; allowed: {allowed}")
     recipe = setting.built
-    label = setting.label if setting.step is None else f"--model {recipe.name}"
+    label = setting.label if setting.plain is None else f"--model {recipe.name}"
     try:
         built = recipe()
     except Exception as error:
@@ -139,18 +155,27 @@ def validate(
             f"--global-batch-size {batch} exceeds the {size} samples of the data set; allowed: at "
             f"most {size}"
         )
-    measure.validate_world_sizes(world_sizes, batch, f"--global-batch-size {batch}")
+    if setting.update is None:
+        measure.validate_world_sizes(world_sizes, batch, f"--global-batch-size {batch}")
+    else:
+        _validate_layouts(setting, world_sizes, micro_batches)
     return removals.found_in(module, data), parts(module)
 
 
-def _train(setting: Setting, removed: str, world_size: int, in_group: bool = False) -> Trained:
+def _train(
+    setting: Setting, removed: str, world_size: int, in_group: bool = False, micro_batches: int = 1
+) -> Trained:
     """The run that makes the removals ``removed`` names on one device (in this process; in a
-    one-rank process group with ``in_group``) or on W ranks of the pool."""
+    one-rank process group with ``in_group``) or on W ranks of the pool; a whole update with
+    ``micro_batches`` per rank."""
     arguments = (
         setting.module, setting.data, removals.Removals.named(removed), setting.global_batch_size,
         setting.steps, setting.seed, setting.precision,
     )  # fmt: skip
-    if setting.step is not None:
+    if setting.update is not None:
+        function = update_form.train_on_rank
+        arguments = (setting.update, *arguments[1:], micro_batches)
+    elif setting.step is not None:
         function, arguments = plainstep.train_on_rank, (setting.step, *arguments[1:])
     else:
         from gatherlab.runs import lightning  # Lightning: only for a LightningModule
@@ -175,8 +200,50 @@ def _curves(
     return scale, differences, first
 
 
+def _validate_layouts(
+    setting: Setting, world_sizes: Sequence[int], micro_batches: Sequence[int]
+) -> None:
+    """A whole update's layouts: integers W ≥ 1 and K ≥ 1 whose product divides the global batch
+    (each rank splits its rows into K micro-batches), at least one layout besides (1, 1); and the
+    update honest with each K on one device (one step after a backward)."""
+    batch = setting.global_batch_size
+    for key, values in (("--world-sizes", world_sizes), ("--micro-batches", micro_batches)):
+        for value in values:
+            if not terms.is_integer(value, 1):
+                raise ValueError(f"{key} {value!r} is not allowed; allowed: integers ≥ 1")
+    for w in world_sizes:
+        for k in micro_batches:
+            if batch % (w * k):
+                raise ValueError(
+                    f"--micro-batches {k} does not divide the {batch // w} rows of each of {w} "
+                    f"ranks (--global-batch-size {batch}); allowed: W × K dividing {batch}"
+                )
+    if not layouts(world_sizes, micro_batches):
+        raise ValueError(
+            "--world-sizes 1 with --micro-batches 1 is the reference itself; allowed: a world "
+            "size ≥ 2 or a number of micro-batches ≥ 2"
+        )
+    for k in sorted(set(micro_batches)):
+        try:
+            choose(lambda k=k: update_form.train_on_rank(
+                setting.update, setting.data, removals.Removals(), batch, 1, setting.seed,
+                setting.precision, k,
+            ))  # fmt: skip
+        except update_form.UpdateBroken as error:
+            raise ValueError(f"{setting.label}: {error}") from None
+        except Exception as error:  # the update raises with K micro-batches
+            raise ValueError(
+                f"{setting.label} with micro_batches={k} on one device: {cli.error_line(error)}"
+            ) from None
+
+
 def _compare(
-    run: Trained, reference: Trained, world_size: int, tolerance: float, layout: measure.Layout
+    run: Trained,
+    reference: Trained,
+    world_size: int,
+    tolerance: float,
+    layout: measure.Layout,
+    micro_batches: int = 1,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A W-rank run against its 1-device reference: the row's numbers and its verdict, and the
     numbers of each part of the first gradient when it has several. Losses that are c × one
@@ -186,7 +253,9 @@ def _compare(
     same = abs(run.losses[0] - reference.losses[0]) <= tolerance
     forward = terms.Forward.SAME if same else terms.Forward.DIFFERS
     loss_diff = measure.same_forward(run.losses[0], reference.losses[0])[1]
-    classified = measure.classify(run.first_gradient, reference.first_gradient, world_size)
+    classified = measure.classify(
+        run.first_gradient, reference.first_gradient, world_size, micro_batches
+    )
     gradient = classified[0]
     parameters = float((run.parameters - reference.parameters).abs().max())
     apart = first is not None or parameters > tolerance
@@ -197,13 +266,14 @@ def _compare(
         "scale": scale,
         "cause": str(terms.Cause.SCALED) if scale is not None else "",
         "loss_diff": loss_diff,
+        "first_loss": run.losses[0],
         "error": "",
         TRAIN_COLUMN: max(differences),
         "first_diff_step": first,
         "max_abs_param_diff": parameters,
         **_gradient_numbers(classified),
     }
-    classified_parts = _classified_parts(run, reference, layout, world_size)
+    classified_parts = _classified_parts(run, reference, layout, world_size, micro_batches)
     if gradient == terms.GradientClass.BIASED and measure.single_factors(classified_parts):
         numbers["cause"] = str(terms.Cause.PARTS)
     by_part = [
@@ -218,14 +288,20 @@ def _compare(
 
 
 def _classified_parts(
-    run: Trained, reference: Trained, layout: measure.Layout, world_size: int
+    run: Trained,
+    reference: Trained,
+    layout: measure.Layout,
+    world_size: int,
+    micro_batches: int = 1,
 ) -> dict[str, tuple[str, float, float, float]]:
     """Each part's class of the first gradient (`measure.classify_parts`), when the run kept the
     module's parameters (a removal may replace a layer and its parameters with it)."""
     total = sum(stop - start for ranges in layout.values() for start, stop in ranges)
     if len(run.first_gradient) != total:
         return {}
-    return measure.classify_parts(run.first_gradient, reference.first_gradient, layout, world_size)
+    return measure.classify_parts(
+        run.first_gradient, reference.first_gradient, layout, world_size, micro_batches
+    )
 
 
 def _gradient_numbers(classified: tuple[str, float, float, float]) -> dict[str, Any]:
@@ -261,7 +337,7 @@ def step_draws_randomness(setting: Setting, in_group: bool = False) -> bool:
     their own); a step that cannot run outside training says no."""
     recipe = setting.built
     data = setting.data()
-    if setting.step is not None:
+    if setting.plain is not None:
         collate = getattr(data, "collate_fn", None)
     else:
         from gatherlab.runs import lightning  # Lightning: only for a LightningModule
@@ -279,7 +355,13 @@ def step_draws_randomness(setting: Setting, in_group: bool = False) -> bool:
                 module = module.double()
             plainstep.seed_processes(setting.seed + streams)
             try:
-                if setting.step is not None:
+                if setting.update is not None:
+                    optimizer = setting.update.optimizer(
+                        module.parameters(), **setting.update.optimizer_kwargs
+                    )
+                    output = setting.update.update(module, optimizer, batch, 1)
+                    output = torch.tensor(float(output), dtype=torch.float64)
+                elif setting.step is not None:
                     output = setting.step.step(module, batch)
                 else:
                     output = module.training_step(batch, 0)
@@ -312,7 +394,10 @@ def located(setting: Setting, world_size: int, in_group: bool) -> where.Departur
     """Where the first step of the run without removals departs on W ranks from one device (as
     the reference ran, in a one-rank group with ``in_group``): the step's operations recorded on
     both (`gatherlab.runs.trace`) and compared (`gatherlab.check.where`); None when no operation
-    departs, or when the recording fails on a rank (the verdict stands without a place)."""
+    departs, or when the recording fails on a rank (the verdict stands without a place), and for a
+    whole update (its backwards run inside the user's function: not recorded)."""
+    if setting.update is not None:
+        return None
     if setting.step is not None:
         function, first = plainstep.trace_on_rank, setting.step
     else:
@@ -330,17 +415,78 @@ def located(setting: Setting, world_size: int, in_group: bool) -> where.Departur
     return where.departure(one, ranks, world_size, setting.global_batch_size, tolerance)
 
 
+def micro_negatives(setting: Setting, world_size: int, k: int, in_group: bool) -> list[float]:
+    """What a whole update's first logged loss would be at (W, K) if each micro-batch's loss saw
+    only its micro-batch's rows (naive accumulation, docs/design.md §10): on one device, the
+    update with one micro-batch on each group of rows alone, from the initial weights, averaged.
+    Two groupings, each a value: the W·K micro-batches one by one (rank r's micro-batch j: its
+    rows r·B + j·B/K …, a loss of the rank's own rows), and the K micro-batches of all ranks
+    together (micro-batch j of every rank: a loss that gathers each micro-batch over the
+    ranks)."""
+    data = setting.data()
+    collate = getattr(data, "collate_fn", None)
+    batch = plainstep.first_batch(data, setting.global_batch_size, setting.seed, collate)
+    local = setting.global_batch_size // (world_size * k)
+
+    def block(rank: int, j: int) -> torch.Tensor:
+        start = (rank * k + j) * local
+        return torch.arange(start, start + local)
+
+    groupings = (
+        [[block(r, j)] for r in range(world_size) for j in range(k)],
+        [[block(r, j) for r in range(world_size)] for j in range(k)],
+    )
+    values = []
+    with one_device(in_group):
+        for groups in groupings:
+            losses = [
+                update_form.first_loss(setting.update, update_form.rows_of(batch, torch.cat(g)),
+                                       setting.seed, setting.precision)
+                for g in groups
+            ]  # fmt: skip
+            values.append(math.fsum(losses) / len(losses))
+    return values
+
+
+def layouts(world_sizes: Sequence[int], micro_batches: Sequence[int]) -> list[tuple[int, int]]:
+    """The (W, K) layouts of a check, W major: every world size with every number of micro-batches,
+    but (1, 1), the reference itself."""
+    return [(w, k) for w in world_sizes for k in micro_batches if (w, k) != (1, 1)]
+
+
+def _reproduce_accumulation(
+    setting: Setting,
+    kept: dict[str, Any],
+    by_part: list[dict[str, Any]],
+    first: Reference[Trained],
+    tolerance: float,
+) -> None:
+    """The cause of a whole update's differing first loss when no constant factor explains it:
+    ``micro_negatives`` when `micro_negatives` reproduces it (to ``tolerance``, relative)."""
+    if kept["cause"] or kept["micro_batches"] == 1:
+        return
+    measured = kept["first_loss"]  # the layout's first global loss (no column of its own)
+    for value in micro_negatives(setting, kept["world_size"], kept["micro_batches"],
+                                 first.in_group):  # fmt: skip
+        if abs(value - measured) <= tolerance * max(abs(value), 1e-300):
+            for row in [kept, *by_part]:
+                row["cause"] = str(terms.Cause.MICRO_NEGATIVES)
+            return
+
+
 def check(
     setting: Setting,
     world_sizes: Sequence[int],
     applying: Sequence[removals.Removal],
     first: Reference[Trained] | None = None,
     layout: measure.Layout | None = None,
+    micro_batches: Sequence[int] = (1,),
 ) -> pd.DataFrame:
-    """The check's table (``COLUMNS``): for every W the row of its run without removals, its
-    parts' rows (``layout``, when the gradient has several) and, when that run is not exact, a
-    row per run with removals (each that applies, then all); ``culprits`` on every row of a W; a
-    W whose ranks raised has one ``failed`` row. ``first`` is the 1-device run without removals
+    """The check's table (``COLUMNS``): for every layout (W, K) (`layouts`; K, the micro-batches
+    of a whole update, is 1 for the other forms) the row of its run without removals, its parts'
+    rows (``layout``, when the gradient has several) and, when that run is not exact, a row per
+    run with removals (each that applies, then all); ``culprits`` on every row of a layout; a
+    layout whose ranks raised has one ``failed`` row. ``first`` is the 1-device run without removals
     as `first_reference` chose it (made here when None); the runs with removals on one device
     run as it ran, and its notes go to ``table.attrs`` (`table.with_reference_notes`)."""
     tolerance = terms.TOLERANCE[setting.precision]
@@ -349,33 +495,36 @@ def check(
     mode = str(first.mode)
     rows = []
 
-    def row(removed: str, world_size: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def row(removed: str, world_size: int, k: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         if removed not in references:
             references[removed] = reference(setting, removed, first.in_group)
-        numbers, by_part = _compare(_train(setting, removed, world_size), references[removed],
-                                    world_size, tolerance, layout or {})  # fmt: skip
+        run = _train(setting, removed, world_size, first.in_group, k)
+        numbers, by_part = _compare(run, references[removed], world_size, tolerance, layout or {},
+                                    k)  # fmt: skip
         key = {"loss": setting.name, "gather": "native", "world_size": world_size,
-               "removed": removed, REFERENCE: mode}  # fmt: skip
+               MICRO_BATCHES: k, "removed": removed, REFERENCE: mode}  # fmt: skip
         whole = {**key, "part": ALL_PARTS, **numbers}
         return whole, [{**whole, **part} for part in by_part]
 
     with_removals = [*applying, removals.ALL] if len(applying) > 1 else list(applying)
     step_random = functools.cache(lambda: step_draws_randomness(setting, first.in_group))  # once
-    for world_size in world_sizes:
+    for world_size, k in layouts(world_sizes, micro_batches):
         try:
-            kept, by_part = row(removals.NONE, world_size)
+            kept, by_part = row(removals.NONE, world_size, k)
             measured = [kept]
             if kept["verdict"] not in TRAINS_LIKE_ONE_DEVICE:
-                measured += [row(removed, world_size)[0] for removed in with_removals]
+                measured += [row(removed, world_size, k)[0] for removed in with_removals]
         except RankError as error:
             key = {"loss": setting.name, "gather": "native", "world_size": world_size,
-                   "removed": removals.NONE, REFERENCE: mode}  # fmt: skip
+                   MICRO_BATCHES: k, "removed": removals.NONE, REFERENCE: mode}  # fmt: skip
             rows.append({**failed_row(key, error), "culprits": ""})
             continue
+        if setting.update is not None and kept["forward"] == terms.Forward.DIFFERS:
+            _reproduce_accumulation(setting, kept, by_part, first, tolerance)
         verdicts = {r["removed"]: r["verdict"] for r in measured}
         exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
         culprits = ";".join([] if exact else _culprits(verdicts, applying, step_random()))
-        if kept["verdict"] != EXACT:  # where the run without removals departs first
+        if kept["verdict"] != EXACT and world_size > 1:  # where the run without removals departs
             departure = located(setting, world_size, first.in_group)
             if departure is not None:
                 for r in [kept, *by_part]:

@@ -1,0 +1,154 @@
+"""A user's whole optimizer update (no Lightning), trained the way gatherlab trains a plain step
+(docs/design.md §10, "The whole update"): ``update(model, optimizer, batch, micro_batches)``
+performs one complete update on the rows this rank holds of one global batch — its forwards and
+backwards over ``micro_batches`` micro-batches, any clipping or gradient scaler, and
+``optimizer.step()`` — and returns the loss it logs. The model is built as for a plain step (the
+same seed everywhere, ``DistributedDataParallel`` on W ranks, the bare module on one device); the
+optimizer is built here and handed to the update.
+
+What the optimizer sees is measured at ``optimizer.step()`` by torch's public step hook
+(``Optimizer.register_step_pre_hook``): the first update's gradient as the step takes it, after the
+user's clipping, unscaling and divisions. The update must be honest: exactly one optimizer step
+per call, after at least one backward (`UpdateBroken` otherwise, found on one device before any
+rank starts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gatherlab.components.factory import Recipe
+from gatherlab.core import runfiles, terms
+from gatherlab.ranks import world
+from gatherlab.runs import removals
+from gatherlab.runs.plainstep import as_precision, build, rank_batches, seed_processes, step_loss
+from gatherlab.runs.record import Recorder
+
+__all__ = ["Update", "UpdateBroken", "first_loss", "rows_of", "train_on_rank"]
+
+UpdateFunction = Callable[[nn.Module, torch.optim.Optimizer, Any, int], Any]
+
+
+@dataclass(frozen=True)
+class Update:
+    """A whole optimizer update: ``update(model, optimizer, batch, micro_batches)`` returns the
+    loss it logs; the model is built by ``model`` (a `Recipe` of the user's factory) and optimised
+    by ``optimizer(params, **optimizer_kwargs)``."""
+
+    update: UpdateFunction
+    model: Recipe
+    optimizer: Callable[..., torch.optim.Optimizer]
+    optimizer_kwargs: dict[str, Any]
+
+
+class UpdateBroken(ValueError):
+    """The update broke its contract: one optimizer step per call, after a backward."""
+
+
+class _Steps:
+    """The optimizer's steps during one update, seen by its step pre-hook: how many, and whether a
+    gradient had reached the parameters; the first update's gradient goes to the recorder."""
+
+    def __init__(self, model: nn.Module, recorder: Recorder) -> None:
+        self.model, self.recorder = model, recorder
+        self.count, self.without_gradient, self.update = 0, False, 0
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.count += 1
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if all(p.grad is None for p in trainable):
+            self.without_gradient = True
+            return
+        if self.count == 1:  # what the step applies: clipped, unscaled, divided as the user does
+            self.recorder.gradient(self.model.parameters(), self.update, world.rank())
+
+
+def _honest(steps: _Steps, micro_batches: int) -> None:
+    if steps.without_gradient:
+        raise UpdateBroken(
+            "the update called optimizer.step() before any backward reached the parameters; "
+            "allowed: an update whose backward(s) come before its one step"
+        )
+    if steps.count != 1:
+        times = "never calls" if not steps.count else f"calls {steps.count} times"
+        raise UpdateBroken(
+            f"the update {times} optimizer.step() with micro_batches={micro_batches}; allowed: "
+            "exactly one step per update (accumulate the micro-batches' gradients, then step once)"
+        )
+
+
+def rows_of(batch: Any, rows: torch.Tensor) -> Any:
+    """The batch's ``rows`` (indices into its first dimension), in every tensor it holds."""
+    if isinstance(batch, torch.Tensor):
+        return batch[rows]
+    if isinstance(batch, tuple | list):
+        return type(batch)(rows_of(item, rows) for item in batch)
+    if isinstance(batch, dict):
+        return {key: rows_of(item, rows) for key, item in batch.items()}
+    return batch
+
+
+def first_loss(update: Update, batch: Any, seed: int, precision: str) -> float:
+    """The loss one update logs on ``batch`` on one device with one micro-batch, from the initial
+    weights (the model built and the streams seeded as `train_on_rank` does)."""
+    model = build(update, removals.Removals(), precision).to(world.device())
+    optimizer = update.optimizer(model.parameters(), **update.optimizer_kwargs)
+    seed_processes(seed)
+    loss = update.update(model, optimizer, as_precision(batch, precision, world.device()), 1)
+    return float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+
+
+def train_on_rank(
+    update: Update,
+    dataset: Recipe,
+    removed: removals.Removals,
+    global_batch_size: int,
+    steps: int,
+    seed: int,
+    precision: str,
+    micro_batches: int = 1,
+    shuffle: bool = True,
+) -> runfiles.Trained:
+    """Build the model, its optimizer and the data set here, make the removals, seed the global
+    random streams from ``seed``, and run ``steps`` updates, each on this rank's rows of one
+    global batch (the whole batch on one device) with ``micro_batches``. Returns each update's
+    global loss, the first update's gradient as its optimizer step took it, and the final
+    parameters; `UpdateBroken` for an update that does not step exactly once after a backward."""
+    device = world.device()
+    model = build(update, removed, precision).to(device)
+    data = dataset()
+    on_gpu = device.type == terms.Device.CUDA
+    wrapped = (
+        DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
+        if world.size() > 1
+        else model
+    )
+    optimizer = update.optimizer(model.parameters(), **update.optimizer_kwargs)
+    recorder = Recorder(keep_first_gradient=True)
+    seen = _Steps(model, recorder)
+    hook = optimizer.register_step_pre_hook(seen)
+    seed_processes(seed)
+    try:
+        batches = rank_batches(data, removed, global_batch_size, steps, seed, shuffle)
+        for index, batch in enumerate(batches):
+            optimizer.zero_grad(set_to_none=True)
+            seen.count, seen.without_gradient, seen.update = 0, False, index
+            loss = update.update(wrapped, optimizer, as_precision(batch, precision, device),
+                                 micro_batches)  # fmt: skip
+            _honest(seen, micro_batches)
+            value = (
+                loss
+                if isinstance(loss, torch.Tensor)
+                else torch.tensor(float(loss), dtype=torch.float64)
+            )
+            recorder.loss(step_loss(value.detach()), index, world.rank())
+    finally:
+        hook.remove()
+    recorder.finish(model.parameters())
+    return recorder.trained()
