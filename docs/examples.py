@@ -142,7 +142,7 @@ EXAMPLES = {
     # README, journey 2: the whole update's first table
     "update_table": Example(
         f"{CHECK} --update updates:naive --model plain_steps:build_model --data plain_steps:Pairs "
-        "--world-sizes 1,2 --micro-batches 1,2 --steps 5 --global-batch-size 16",
+        "--world-sizes 1,2 --micro-batches 1,2",
         "table",
         ("tests",),
     ),
