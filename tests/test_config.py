@@ -134,6 +134,28 @@ def test_bad_values_raise_one_line(overrides, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("launcher", ["spawn", "external"])
+def test_a_gpu_layout_on_too_few_gpus_is_refused_for_every_launcher(launcher, monkeypatch):
+    # torchrun's and SLURM's ranks (launcher=external) included: each refuses before Lightning
+    # starts. layout.devices counts one node's GPUs, so two nodes of 2 need 2 here, not 4.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError) as error, config.composed():
+        preflight.validate_job(config.compose_with_hydra(["layout=gpu4", f"launcher={launcher}"]))
+    assert str(error.value) == (
+        "layout.devices=4 GPUs asked for, this machine has 1; allowed: a cpu layout, or at most "
+        "1 GPUs"
+    )
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match=r"has 0; allowed: a cpu layout$"), config.composed():
+        preflight.validate_job(config.compose_with_hydra(["layout=gpu1", f"launcher={launcher}"]))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with config.composed():
+        overrides = ["layout=gpu2", "layout.nodes=2", "launcher=external"]
+        preflight.validate_job(config.compose_with_hydra(overrides))
+
+
 def _compositions(monkeypatch) -> dict[str, list[list[str]]]:
     """What Hydra's config loader composes from now on in this process, in order: whole configs
     (``load_configuration``: a single run's, a sweep's own) and sweep jobs (``load_sweep_config``).

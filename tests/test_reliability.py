@@ -323,7 +323,7 @@ def test_a_directory_held_by_a_live_process_is_refused_in_one_line(tmp_path):
     finished = run_command("train", "steps=2", f"hydra.run.dir={held}")
     assert finished.returncode == 0, finished.stderr[-2000:]
     again = run_command("train", "steps=2", f"hydra.run.dir={held}")
-    assert again.returncode == 1 and "already holds a finished run" in again.stderr
+    assert again.returncode == 2 and "already holds a finished run" in again.stderr
     assert runfiles.read_summary(held)["status"] == "ok"
 
 

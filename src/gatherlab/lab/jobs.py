@@ -27,7 +27,7 @@ from gatherlab.components.accumulation import Accumulation
 from gatherlab.components.config import ConfigError
 from gatherlab.components.module import ContrastiveModule, PairDataModule
 from gatherlab.core import cli, runfiles, terms
-from gatherlab.lab import tracking
+from gatherlab.lab import preflight, tracking
 from gatherlab.ranks import launch
 from gatherlab.ranks.pool import RankError, pool
 from gatherlab.runs import lightning, removals
@@ -53,10 +53,7 @@ def run(
     ``group`` names the sweep the run belongs to (its wandb group with ``logger=wandb``).
     """
     run_dir = Path(run_dir)
-    if (run_dir / runfiles.SUMMARY).exists():
-        raise ConfigError(
-            f"run directory {run_dir} already holds a finished run; it is never overwritten"
-        )
+    preflight.finished_run(run_dir)  # a single run: already refused by preflight, before Hydra
     run_dir.mkdir(parents=True, exist_ok=True)
     if not launch.is_rank_zero():  # under torchrun or SLURM: rank 0 holds the directory
         return _train(cfg, run_dir, choices, overrides, group)

@@ -182,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         arguments, resume_dir = resume.arguments(typed)
     except ConfigError as error:
         cli.fail("train", error)
+    arguments = [*arguments, *_rank_arguments(arguments)]
     command = Command(typed=typed, resume_dir=resume_dir)
     handler = signal.signal(signal.SIGINT, command.on_sigint) if as_program else None
     try:
@@ -208,6 +209,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             else "the run"
         )
         cli.fail("train", f"{jobs_failed} failed; first: {command.failures[0]}", status=1)
+
+
+# Hydra's public config of what a job writes into its directory: no copy of the config
+# (``.hydra/``) and no log file (``train.log``), for the ranks that do not own the run directory.
+RANK_NOT_ZERO = {"hydra.output_subdir": "null", "hydra/job_logging": "none"}
+
+
+def _rank_arguments(arguments: Sequence[str]) -> list[str]:
+    """The overrides of a rank other than 0 that torchrun or SLURM started, which shares rank 0's
+    run directory: it writes nothing there (``RANK_NOT_ZERO``, each unless typed). None for
+    rank 0 or a process no launcher started."""
+    from gatherlab.ranks.external import launched_rank
+
+    try:
+        if launched_rank() in (None, 0):
+            return []
+    except ValueError:  # a malformed RANK: the launcher's own check says so, in one line
+        return []
+    typed = {argument.lstrip("+~").split("=", 1)[0] for argument in arguments}
+    return [f"{key}={value}" for key, value in RANK_NOT_ZERO.items() if key not in typed]
 
 
 def _run_app(command: Command, arguments: list[str]) -> None:

@@ -107,12 +107,15 @@ def _validate_layout(cfg: Mapping[str, Any]) -> int:
             f"layout.nodes={nodes} needs ranks started on every node; allowed: launcher=external "
             "(torchrun or SLURM), or layout.nodes=1"
         )
-    if accelerator == terms.Accelerator.GPU and launcher != terms.Launcher.EXTERNAL:
+    # Every launcher, torchrun's and SLURM's ranks too: each rank refuses in one line (exit 2)
+    # before Lightning finds no GPU in every rank. layout.devices counts a node's GPUs.
+    if accelerator == terms.Accelerator.GPU:
         available = torch.cuda.device_count()
         if available < cfg["layout"]["devices"]:
+            fewer = f", or at most {available} GPUs" if available else ""
             raise ConfigError(
                 f"layout.devices={cfg['layout']['devices']} GPUs asked for, this machine has "
-                f"{available}; allowed: a cpu layout, or at most {available} GPUs"
+                f"{available}; allowed: a cpu layout{fewer}"
             )
     if cfg["model"].get("norm") == "sync" and accelerator == terms.Accelerator.CPU:
         raise ConfigError(
