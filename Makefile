@@ -52,7 +52,7 @@ docs: $(STAMP)  ## build the API reference of the public Python API into build/d
 # What a user of the package gets: the wheel installed into an empty environment with dependency
 # resolution (every dependency downloaded, constrained by the lock), then the check, the testing
 # assertion and a 2-job sweep from a directory outside the repository. The suite does the same
-# offline (tests/test_install.py).
+# offline (tests/test_install.py), and runs INSTALL_CHECK_TESTING below as it is written here.
 CHECK_DIR := build/install-check
 install-check: $(STAMP)  ## install the built wheel into an empty venv and use it from outside the repo
 	rm -rf dist $(CHECK_DIR) && mkdir -p $(CHECK_DIR)/elsewhere
@@ -69,7 +69,7 @@ define INSTALL_CHECK_TESTING
 from gatherlab.losses import NTXentLoss
 from gatherlab.testing import assert_layout_invariant
 
-assert_layout_invariant(NTXentLoss, world_sizes=(2,), temperature=0.5)
+assert_layout_invariant(NTXentLoss, world_sizes=(2,), gather="fixed", temperature=0.5)
 print("gatherlab.testing: NTXentLoss with the fixed gather is layout-invariant on 2 ranks")
 endef
 export INSTALL_CHECK_TESTING

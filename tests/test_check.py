@@ -29,6 +29,7 @@ from gatherlab.ranks import pool
 from gatherlab.testing import assert_layout_invariant
 
 pytestmark = pytest.mark.slow
+pytest_plugins = ["pytester"]  # a user's failing test run by pytest in this process
 
 # stand-in, its arguments → the verdict at W = 2 and 4, from docs/design.md §1 (not from a run)
 EXPECTED = {
@@ -94,7 +95,7 @@ def test_every_option_of_the_gather_group_is_a_gather_the_check_takes():
     with pytest.raises(check.CheckError) as refusal:
         check.check_gather("native")
     message = str(refusal.value)
-    assert message.startswith("--gather native is no gather (the loss communicates by itself); ")
+    assert message.startswith("gather=native is no gather (the loss communicates by itself); ")
     assert "\n" not in message and f"allowed: {', '.join(sorted(gathers))}, or" in message
 
 
@@ -187,14 +188,14 @@ def test_the_command_line_prints_the_diagnosis_and_exits_1_with_training_steps(t
             2,
             "does not divide the global batch",
         ),
-        (["--gather", "nowhere:gather"], 2, "--gather nowhere:gather: cannot import nowhere"),
-        (["--gather", "nope"], 2, "--gather nope is unknown; allowed: avg, fixed, fixed_all"),
-        (["--gather", "native"], 2, "--gather native is no gather (the loss communicates by"),
+        (["--gather", "nowhere:gather"], 2, "gather=nowhere:gather: cannot import nowhere"),
+        (["--gather", "nope"], 2, "gather=nope is unknown; allowed: avg, fixed, fixed_all"),
+        (["--gather", "native"], 2, "gather=native is no gather (the loss communicates by"),
         (
             ["gatherlab.losses:NTXentLoss"],
             2,
-            "--gather native passes no gather, but gatherlab.losses:NTXentLoss takes gather= and "
-            "would gather with its default, 'fixed', not by itself; allowed: --gather fixed",
+            "gather=native passes no gather, but gatherlab.losses:NTXentLoss takes gather= and "
+            "would gather with its default, 'fixed', not by itself; allowed: gather=fixed",
         ),
         ([], 2, "name a loss (module:attribute), a gather (--gather), --module and --data, or"),
     ],
@@ -207,6 +208,38 @@ def test_bad_input_is_one_line(arguments, status, message, tmp_path, no_leftover
     assert not (tmp_path / "check" / runfiles.CHECK).exists()
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["x:y", "--kwargs", "{oops"], "argument --kwargs: '{oops' is not JSON: Expecting"),
+        (["x:y", "--kwargs", "[1]"], "argument --kwargs: '[1]' is not a JSON object of keyword"),
+        (["x:y", "--world-sizes", "2,x"], "argument --world-sizes: '2,x' is not a list of world"),
+        (["x:y", "--gathr", "fixed"], "unrecognized arguments: --gathr fixed"),
+        (["x:y", "--world-size", "2"], "unrecognized arguments: --world-size 2"),  # no abbrev.
+        (
+            ["mypkg/losses.py"],
+            "loss mypkg/losses.py is a file path; allowed: module:attribute, e.g. "
+            "mypkg.losses:MyLoss",
+        ),
+    ],
+)
+def test_a_usage_error_is_one_line_without_the_usage_block(arguments, message):
+    result = run_command("check", *arguments)
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"gatherlab.check: error: {message}"), result.stderr
+
+
+def test_the_help_is_plain_text():
+    result = run_command("check", "--help")
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.startswith("usage: python -m gatherlab.check [-h]")
+    assert "Check a loss, a gather or a training step on W ranks against one device;" in (
+        result.stdout
+    )
+    assert "`" not in result.stdout
+
+
 def test_assert_layout_invariant_fails_with_the_diagnosis():
     table = assert_layout_invariant(standins.GatherLayerNTXent, (2,), temperature=0.2)
     assert list(table["verdict"]) == ["exact"]
@@ -215,6 +248,27 @@ def test_assert_layout_invariant_fails_with_the_diagnosis():
     message = str(failure.value)
     assert "| standins:ClipLossForCheck | native | 2 | same | biased | biased |" in message
     assert "points in another direction than one device's" in message
+
+
+def test_a_failing_assert_layout_invariant_shows_the_callers_line_not_gatherlabs(pytester):
+    """pytest's traceback of a failing `assert_layout_invariant` is the test's call and the
+    diagnosis: the helper's own frame is hidden (``__tracebackhide__``), not printed as source."""
+    pytester.makepyfile(
+        test_user="""
+        from gatherlab.testing import assert_layout_invariant
+
+
+        def test_clip_local_loss():
+            assert_layout_invariant("standins:ClipLossForCheck", (2,), local_loss=True)
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    output = result.stdout.str()
+    call = 'assert_layout_invariant("standins:ClipLossForCheck", (2,), local_loss=True)'
+    assert f">       {call}\nE       AssertionError: | loss | gather |" in output
+    assert "points in another direction" in output and "test_user.py:5: AssertionError" in output
+    assert "table = check.check_loss(" not in output and "gatherlab/testing.py" not in output
 
 
 def test_a_foreign_loss_trains_in_a_sweep_with_gather_native(tmp_path):
@@ -367,7 +421,7 @@ def test_the_ranks_import_a_gather_as_the_caller_imported_it(tmp_path, monkeypat
         )  # fmt: skip
         assert result.returncode == 2
         assert result.stderr.strip() == (
-            "gatherlab.check: error: --gather naming_module:renamed: the ranks import its module "
+            "gatherlab.check: error: gather=naming_module:renamed: the ranks import its module "
             "'renamed_gather_module' (imported here from "
             f"{library / 'checked_gather_module.py'}) by that name, and no directory of the "
             "import path holds it under that name; allowed: a module that `import "

@@ -139,3 +139,29 @@ def test_log_every_prints_a_progress_line_every_n_steps_and_at_the_last(tmp_path
     for step, loss in printed[2]:  # after step k (1-based) the loss of curves' row k - 1
         assert float(loss) == float(f"{curves['loss'][int(step) - 1]:.6g}")
     assert printed[0] == []
+
+
+@pytest.mark.parametrize(
+    ("environment", "typed", "added"),
+    [
+        ({}, [], []),
+        ({"RANK": "0"}, [], []),
+        ({"RANK": "1"}, [], ["hydra.output_subdir=null", "hydra/job_logging=none"]),
+        ({"SLURM_PROCID": "3"}, [], ["hydra.output_subdir=null", "hydra/job_logging=none"]),
+        ({"RANK": "1"}, ["hydra/job_logging=stdout"], ["hydra.output_subdir=null"]),
+    ],
+    ids=["no_launcher", "rank_0", "torchrun_rank_1", "srun_task_3", "typed_logging_kept"],
+)
+def test_ranks_other_than_zero_write_nothing_into_the_run_directory(
+    environment, typed, added, monkeypatch
+):
+    """The overrides ``gatherlab.train`` adds for a rank other than 0 that torchrun or SLURM
+    started (tests/test_launch.py's torchrun test sees their effect: rank 1 opens no file in the
+    run directory); an override the user typed is kept, not doubled (Hydra refuses two)."""
+    from gatherlab.lab import train
+
+    for name in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert train._rank_arguments(["experiment=bug_demo", *typed]) == added

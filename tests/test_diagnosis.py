@@ -95,7 +95,12 @@ def test_assert_layout_invariant_fails_a_1_over_w_gradient_with_its_diagnosis():
     assert "| gatherlab.losses:NTXentGlobalLoss | old | 4 | same | 1/W | 1/W |" in text
     assert "gatherlab.losses:NTXentGlobalLoss with gather old, W = 2, 4: 1/W" in text
     assert "The gradient is 1/W of one device's (norm ratio 0.5, 0.25, cosine 1, 1)" in text
-    assert "Fix: a gather whose backward sums every rank's gradient of each slice" in text
+    assert (
+        "Fix: a gather whose backward sums every rank's gradient of each slice "
+        "(gatherlab.gather.Fixed, or an autograd Function whose backward sums the gradient over "
+        "the ranks (torch.distributed.all_reduce) and returns the rank's own slice)" in text
+    )
+    assert "torch.distributed.nn" not in text  # deprecated by this torch: never recommended
 
 
 def test_a_buffer_moved_by_the_ranks_own_rows_diverges_after_an_exact_first_step():

@@ -86,6 +86,7 @@ if __name__ == "__main__":  # the pool's ranks import this file again: nothing e
         "layout=cpu1,cpu2", "steps=3", "precision=64-true", "hydra.sweep.dir=sweep",
     ), flush=True)
     assert_layout_invariant(GatherLayerNTXent, world_sizes=(2,), temperature=0.2)
+    runpy.run_path("install_check.py", run_name="install_check")  # make install-check's Python
     print("check:", python_m(
         "gatherlab.check", "standins:ClipLossForCheck", "--kwargs", '{"gather_with_grad": true}',
         "--world-sizes", "2", "--out", "check",
@@ -152,11 +153,20 @@ def installed(tmp_path_factory) -> Path:
     return python
 
 
+def _install_check_python() -> str:
+    """The Python that ``make install-check`` runs in its new environment: the Makefile's
+    ``INSTALL_CHECK_TESTING``, which its recipe passes to ``python -c``."""
+    makefile = (REPO / "Makefile").read_text()
+    assert '../venv/bin/python -c "$$INSTALL_CHECK_TESTING"' in makefile
+    return re.search(r"^define INSTALL_CHECK_TESTING\n(.*?)^endef$", makefile, re.M | re.S)[1]
+
+
 def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
     elsewhere = tmp_path  # a user's directory outside the repository, with their own code
     for name in ("standins.py", "ssl_modules.py"):  # their own losses and LightningModules
         shutil.copy(REPO / "tests" / name, elsewhere)
     (elsewhere / "use_gatherlab.py").write_text(USER_SCRIPT)
+    (elsewhere / "install_check.py").write_text(_install_check_python())
     result = _run(installed, "use_gatherlab.py", cwd=elsewhere)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     output = result.stdout + result.stderr
@@ -172,6 +182,9 @@ def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
     assert config_dir.is_relative_to(installed.parents[1]), output  # the wheel's, not the repo's
     assert (config_dir / "gather" / "native.yaml").exists()
 
+    assert "gatherlab.testing: NTXentLoss with the fixed gather is layout-invariant on 2 ranks" in (
+        output
+    )
     assert "check: 0" in output
     assert "training check: ['exact']" in output
     assert list(pd.read_csv(elsewhere / "check" / runfiles.CHECK)["verdict"]) == ["exact"]

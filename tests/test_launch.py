@@ -129,10 +129,11 @@ def test_torchrun_ranks_write_the_run_once_and_equal_the_pooled_run(tmp_path):
         (0, "write_curves", run), (0, "write_final_state", run), (0, "write_summary", run),
     ]  # fmt: skip
     opened = who_writes.opened_below(recorded, external)
-    # Hydra's own files (its log and its config copies) are written by every process it starts
+    # Hydra's own files (its log and its config copies) too are rank 0's alone: the other ranks
+    # run Hydra with hydra.output_subdir=null and no log file (train.RANK_NOT_ZERO)
     hydra = [".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log"]
     assert sorted(opened[0]) == sorted([*hydra, runfiles.LOCK, runfiles.CURVES, runfiles.SUMMARY])
-    assert sorted(opened.pop(1, [])) == hydra and set(opened) == {0}, opened
+    assert set(opened) == {0}, opened
     # who logged: rank 0 its progress and the run's line; rank 1 nothing
     logged = who_writes.logged(recorded)
     assert set(logged) == {0}, logged
@@ -153,6 +154,26 @@ def test_torchrun_ranks_write_the_run_once_and_equal_the_pooled_run(tmp_path):
     assert state.keys() == pooled_state.keys()
     for key in state:
         assert torch.equal(state[key], pooled_state[key]), key
+
+    # the same command again: every rank refuses the finished run in one line, before Lightning
+    # starts (exit status 2, no traceback of a rank), and the run is left as it was
+    again = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "gatherlab.train", *config, "launcher=external", f"hydra.run.dir={external}"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    refusal = (
+        f"gatherlab.train: error: run directory {external} already holds a finished run; it is "
+        "never overwritten"
+    )
+    # torchrun ends the other ranks once one has exited: rank 1 prints the same line unless
+    # torchrun's SIGTERM reaches it first (both ranks printed it in every run here)
+    output = again.stdout + again.stderr
+    assert again.returncode != 0 and output.count(refusal) in (1, 2), output[-3000:]
+    assert "exitcode  : 2 (pid" in output, output[-3000:]  # torchrun's report of the first rank
+    assert "src/gatherlab" not in output, output[-3000:]  # no rank's traceback, only torchrun's
+    assert runfiles.read_summary(external) == summary
 
 
 @pytest.mark.parametrize(

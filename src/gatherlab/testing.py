@@ -11,7 +11,9 @@ ranks like one device?
 
 The check runs on real gloo ranks of gatherlab's warm worker pool (``gatherlab.check``), so a
 test session pays the pool's start-up once. A test module that calls it from a script, not from
-pytest, needs ``if __name__ == "__main__":`` (the ranks are forked from a fork server).
+pytest, needs ``if __name__ == "__main__":`` (the ranks are forked from a fork server). In a
+failing pytest test, pytest's traceback leaves out these helpers' own frames
+(``__tracebackhide__``): it shows the test's call and the check's diagnosis.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def assert_layout_invariant(
         >>> table["verdict"].tolist()
         ['exact', 'exact']
     """
+    __tracebackhide__ = True  # pytest shows the caller's line and the message, not this frame
     table = check.check_loss(factory, world_sizes, **arguments)
     if not check.trains_like_one_device(table):
         raise AssertionError(check.explain(table))
@@ -107,6 +110,7 @@ def assert_training_invariant(
         >>> table["verdict"].unique().tolist()
         ['exact']
     """
+    __tracebackhide__ = True  # pytest shows the caller's line and the message, not this frame
     table = check.check_training(module, data, world_sizes, **arguments)
     if not check.trains_like_one_device(table):
         raise AssertionError(check.explain_training(table))

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gatherlab.check import defaults
 from gatherlab.core import cli, terms
@@ -46,10 +46,25 @@ def _kwargs(text: str) -> dict[str, Any]:
     return value
 
 
+# The help's description, plain text as a terminal shows it (the module's docstring is markup).
+DESCRIPTION = (
+    "Check a loss, a gather or a training step on W ranks against one device; write check.csv "
+    "into --out and exit 0 when every W trains like one device (exact or loss scaled), 1 "
+    "otherwise, 2 for bad input."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose every usage error is one line, ``gatherlab.check: error: ...``,
+    and exit status 2 (`cli.fail`), as every other bad input of the command line; the usage is
+    ``--help``'s."""
+
+    def error(self, message: str) -> NoReturn:
+        cli.fail("check", message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m gatherlab.check", description=__doc__.splitlines()[0]
-    )
+    parser = _Parser(prog="python -m gatherlab.check", description=DESCRIPTION, allow_abbrev=False)
     parser.add_argument("loss", nargs="?", help="the loss factory, module:attribute")
     parser.add_argument("--kwargs", type=_kwargs, default={}, help="its keyword arguments (JSON)")
     parser.add_argument(
@@ -131,6 +146,10 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     trains = bool(forms)
     if len(forms) > 1:
         parser.error(f"{' and '.join(forms)} are forms of one check; name one of them")
+    if args.loss is not None and (args.loss.endswith(".py") or "/" in args.loss):
+        parser.error(
+            f"loss {args.loss} is a file path; allowed: module:attribute, e.g. mypkg.losses:MyLoss"
+        )
     if trains and (args.loss is not None or args.gather is not None):
         parser.error(f"{forms[0]} checks a training step; a loss or --gather without it")
     if trains and args.data is None:

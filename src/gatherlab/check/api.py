@@ -134,16 +134,17 @@ def _gather(
     registry of gathers), built as the gradient audit builds it (``config.build_gather_option``);
     any other string is an import path. ``None`` or ``"native"`` passes no gather: refused without
     a loss (`check_gather`) and for a loss that would gather with its own default instead of
-    communicating by itself (``config.native_refusal``).
+    communicating by itself (``config.native_refusal``). Its refusals name the Python argument,
+    ``gather=``, which the command line's ``--gather`` passes.
     """
     if gather is None or gather == "native":
         if loss is None:
             gathers = ", ".join(option for option in _gather_options() if option != "native")
             raise CheckError(
-                "--gather native is no gather (the loss communicates by itself); allowed: "
+                "gather=native is no gather (the loss communicates by itself); allowed: "
                 f"{gathers}, or module:function"
             )
-        refusal = config.native_refusal(loss, loss_name, "--gather ")
+        refusal = config.native_refusal(loss, loss_name, "gather=")
         if refusal is not None:
             raise CheckError(refusal)
         return "native", None
@@ -154,15 +155,15 @@ def _gather(
                 if gather in options:
                     return gather, config.build_gather_option(gather, GATHER_SETTING)
         except config.ConfigError as error:
-            raise CheckError(f"--gather {gather}: {error}") from None
+            raise CheckError(f"gather={gather}: {error}") from None
         allowed = f"{', '.join(options)}, or module:function"
         if not any(separator in gather for separator in ".:"):  # a name, not an import path
-            raise CheckError(f"--gather {gather} is unknown; allowed: {allowed}")
+            raise CheckError(f"gather={gather} is unknown; allowed: {allowed}")
         try:
             located = locate(gather)
         except ImportError as error:
-            raise CheckError(f"--gather {gather}: {error}; allowed: {allowed}") from None
-        _sendable(located, f"--gather {gather}")
+            raise CheckError(f"gather={gather}: {error}; allowed: {allowed}") from None
+        _sendable(located, f"gather={gather}")
         return gather, located
     if not callable(gather):
         raise CheckError(f"gather {gather!r} is not callable; allowed: a function x -> gathered x")
@@ -177,7 +178,7 @@ def _gather_options() -> list[str]:
         with config.composed():
             return config.group_options("gather", GATHER_SETTING)
     except config.ConfigError as error:
-        raise CheckError(f"--gather: {error}") from None
+        raise CheckError(f"gather=: {error}") from None
 
 
 @functools.cache

@@ -29,7 +29,8 @@ from gatherlab.runs.removals import ALL, NONE, Removal
 _FLOAT64 = f"{terms.FLOAT64:g}"  # the float64 bound of docs/design.md §2, as the texts write it
 _GATHER_FIX = (
     "a gather whose backward sums every rank's gradient of each slice (gatherlab.gather.Fixed, "
-    "torch.distributed.nn.functional.all_gather)"
+    "or an autograd Function whose backward sums the gradient over the ranks "
+    "(torch.distributed.all_reduce) and returns the rank's own slice)"
 )
 
 # What a constant factor of the whole gradient does to training, per optimizer (docs/design.md §1).
