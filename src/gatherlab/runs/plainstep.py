@@ -33,7 +33,7 @@ from gatherlab.runs.record import Recorder
 
 __all__ = [
     "Step", "as_precision", "build", "data_size", "first_batch", "rank_batches", "seed_processes",
-    "step_loss", "trace_on_rank", "train_on_rank",
+    "step_loss", "trace_on_rank", "train_on_rank", "wrapped_for_rank",
 ]  # fmt: skip
 
 StepFunction = Callable[[nn.Module, Any], torch.Tensor]
@@ -118,6 +118,15 @@ def as_precision(batch: Any, precision: str, device: torch.device | None = None)
     return batch
 
 
+def wrapped_for_rank(model: nn.Module, device: torch.device) -> nn.Module:
+    """The model as this rank trains it: in ``DistributedDataParallel`` over the rank's process
+    group when there is one (on the rank's own GPU in an NCCL group), bare on one device."""
+    if world.size() == 1:
+        return model
+    on_gpu = device.type == terms.Device.CUDA
+    return DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
+
+
 def rank_batches(
     dataset: Any, removed: removals.Removals, global_batch_size: int, steps: int, seed: int,
     shuffle: bool, collate: Callable[[list[Any]], Any] | None = None, one_device: bool = False,
@@ -157,7 +166,7 @@ def trace_on_rank(
     device = world.device()
     model = build(step, removals.Removals(), precision).to(device)
     data = dataset()
-    wrapped = DistributedDataParallel(model) if world.size() > 1 else model
+    wrapped = wrapped_for_rank(model, device)
     seed_processes(seed)
     batch = next(rank_batches(data, removals.Removals(), global_batch_size, 1, seed, shuffle))
     batch = as_precision(batch, precision, device)
@@ -191,12 +200,7 @@ def train_on_rank(
     device = world.device()  # a rank's own GPU in an NCCL group, else the CPU
     model = build(step, removed, precision).to(device)
     data = dataset()
-    on_gpu = device.type == terms.Device.CUDA
-    wrapped = (
-        DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
-        if world.size() > 1
-        else model
-    )
+    wrapped = wrapped_for_rank(model, device)
     optimizer = step.optimizer(model.parameters(), **step.optimizer_kwargs)
     recorder = Recorder(keep_first_gradient=True)
     seed_processes(seed)

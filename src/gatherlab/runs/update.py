@@ -21,13 +21,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from gatherlab.components.factory import Recipe
-from gatherlab.core import runfiles, terms
+from gatherlab.core import runfiles
 from gatherlab.ranks import world
 from gatherlab.runs import removals
-from gatherlab.runs.plainstep import as_precision, build, rank_batches, seed_processes, step_loss
+from gatherlab.runs.plainstep import (
+    as_precision,
+    build,
+    rank_batches,
+    seed_processes,
+    step_loss,
+    wrapped_for_rank,
+)  # fmt: skip
 from gatherlab.runs.record import Recorder
 
 __all__ = ["Update", "UpdateBroken", "first_loss", "rows_of", "train_on_rank"]
@@ -123,12 +129,7 @@ def train_on_rank(
     device = world.device()
     model = build(update, removed, precision).to(device)
     data = dataset()
-    on_gpu = device.type == terms.Device.CUDA
-    wrapped = (
-        DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
-        if world.size() > 1
-        else model
-    )
+    wrapped = wrapped_for_rank(model, device)
     optimizer = update.optimizer(model.parameters(), **update.optimizer_kwargs)
     recorder = Recorder(keep_first_gradient=True)
     seen = _Steps(model, recorder)
