@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from datetime import datetime
@@ -135,6 +136,12 @@ def _parser() -> argparse.ArgumentParser:
         "--device", choices=tuple(terms.Device), default=terms.Device.CPU,
         help="cuda: NCCL and each rank's own GPU (only with --launcher external)",
     )  # fmt: skip
+    ranks.add_argument(
+        "--collective-timeout", type=float, default=defaults.COLLECTIVE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long a rank waits at a collective for its peers before its W fails "
+        f"(default {defaults.COLLECTIVE_TIMEOUT_S:g})",
+    )  # fmt: skip
     return parser
 
 
@@ -162,6 +169,10 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(
             "name a loss (module:attribute), a gather (--gather), --module and --data, or --step "
             "(or --update), --model and --data"
+        )
+    if not 0 < args.collective_timeout < math.inf:
+        parser.error(
+            f"--collective-timeout {args.collective_timeout:g}; allowed: a number of seconds > 0"
         )
     if args.device != terms.Device.CPU and args.launcher != terms.Launcher.EXTERNAL:
         parser.error(f"--device {args.device} runs on the ranks a launcher started; allowed: "
@@ -192,11 +203,15 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
             data_kwargs=args.data_kwargs,
             precision=args.precision,
             loss_attr=args.loss_attr,
+            collective_timeout_s=args.collective_timeout,
         )
         return table, explain_training(table)
     if args.loss is None:
         steps = defaults.LOSS_STEPS if args.steps is None else args.steps
-        table = check_gather(args.gather, args.world_sizes, steps=steps, optim=args.optim)
+        table = check_gather(
+            args.gather, args.world_sizes, steps=steps, optim=args.optim,
+            collective_timeout_s=args.collective_timeout,
+        )  # fmt: skip
     else:
         table = loss_check(  # --kwargs as one mapping: each of its keys goes to the loss
             args.loss,
@@ -205,6 +220,7 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
             gather=args.gather,
             steps=defaults.LOSS_STEPS if args.steps is None else args.steps,
             optim=args.optim,
+            collective_timeout_s=args.collective_timeout,
         )
     return table, explain(table)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -30,7 +31,7 @@ from gatherlab.components.factory import AttributeOf, Recipe, locate
 from gatherlab.core import cli, imports, terms
 from gatherlab.core.runfiles import Trained
 from gatherlab.gather import GatherFn
-from gatherlab.ranks import pool
+from gatherlab.ranks import collectives, pool
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import removals
 
@@ -379,6 +380,7 @@ def check_loss(
     steps: int = defaults.LOSS_STEPS,
     optim: str = defaults.OPTIM,
     seed: int = defaults.SEED,
+    collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
     **kwargs: Any,
 ) -> pd.DataFrame:
     """Check a loss on real gloo ranks of the warm worker pool: one row per world size
@@ -406,6 +408,9 @@ def check_loss(
             weight decay 0.01).
         seed: the seed the loss's own parameters, if any, are drawn from, the same in every rank
             and on one device.
+        collective_timeout_s: how long a rank waits at a collective for its peers to enter it
+            before the W fails with a line that names who did not come (docs/design.md §10,
+            "Collectives that differ"); the process group's own timeout in the check's jobs.
         **kwargs: the loss's own keyword arguments (`loss_check` takes them as one mapping, so
             that a key named like a parameter above goes to the loss).
 
@@ -430,7 +435,7 @@ def check_loss(
         ['biased', 'biased']
     """
     return loss_check(factory, world_sizes, kwargs, gather=gather, steps=steps, optim=optim,
-                      seed=seed)  # fmt: skip
+                      seed=seed, collective_timeout_s=collective_timeout_s)  # fmt: skip
 
 
 # The keyword arguments the check itself passes to a loss (`Recipe.arguments`), each with the
@@ -448,6 +453,7 @@ def loss_check(
     steps: int = defaults.LOSS_STEPS,
     optim: str = defaults.OPTIM,
     seed: int = defaults.SEED,
+    collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
 ) -> pd.DataFrame:
     """`check_loss` with the loss's keyword arguments as one mapping, ``kwargs`` (the command
     line's ``--kwargs``): a key named like one of `check_loss`'s parameters (``seed``,
@@ -464,7 +470,8 @@ def loss_check(
     name = factory if isinstance(factory, str) else getattr(function, "__qualname__", "loss")
     gather_name, gather_fn = _gather(gather, function, name)
     loss = Recipe(function, dict(kwargs), gather_fn, seed)
-    return _run({name: loss}, gather_name, tuple(world_sizes), steps, optim)
+    with _watching(collective_timeout_s):
+        return _run({name: loss}, gather_name, tuple(world_sizes), steps, optim)
 
 
 def check_gather(
@@ -474,6 +481,7 @@ def check_gather(
     steps: int = defaults.LOSS_STEPS,
     optim: str = defaults.OPTIM,
     seed: int = defaults.SEED,
+    collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
 ) -> pd.DataFrame:
     """Check a gather with gatherlab's three loss styles (local ``ntxent``, global
     ``ntxent_global``, mixed ``vicreg``, as the gradient audit configures them) against one
@@ -488,6 +496,9 @@ def check_gather(
             (0: no training).
         optim: the optimizer of those steps, ``"sgd"`` or ``"adamw"``.
         seed: the seed the losses are built with.
+        collective_timeout_s: how long a rank waits at a collective for its peers to enter it
+            before the W fails with a line that names who did not come (docs/design.md §10,
+            "Collectives that differ"); the process group's own timeout in the check's jobs.
 
     Returns:
         A pandas DataFrame like `check_loss`'s, one row per world size and loss (for each world
@@ -513,10 +524,23 @@ def check_gather(
         name: config.loss_factory_of(cfg.audit.losses[name], gather_fn, seed)
         for name in STYLE_LOSSES
     }
-    return _run(losses, gather_name, tuple(world_sizes), steps, optim)
+    with _watching(collective_timeout_s):
+        return _run(losses, gather_name, tuple(world_sizes), steps, optim)
 
 
 # --- the check of a training step (docs/design.md §10) -------------------------------------------
+
+
+def _watching(timeout_s: float) -> contextlib.AbstractContextManager[None]:
+    """The check's jobs watched (``ranks.collectives``), or CheckError for a timeout that is no
+    positive number of seconds, before any rank runs."""
+    number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+    if not number or not 0 < timeout_s < math.inf:
+        raise CheckError(
+            f"collective_timeout_s={timeout_s!r} (--collective-timeout); allowed: a number of "
+            "seconds > 0"
+        )
+    return collectives.watching(timeout_s)
 
 
 def _path_name(factory: str | Callable[..., Any]) -> str:
@@ -569,6 +593,7 @@ def check_training(
     precision: str = defaults.PRECISION,
     seed: int = defaults.SEED,
     loss_attr: str | None = None,
+    collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
 ) -> pd.DataFrame:
     """Check a training step: a ``LightningModule`` (``module``), or a plain PyTorch step
     (``step`` with ``model`` and ``optimizer``, no Lightning), trained ``steps`` steps on W real
@@ -614,6 +639,9 @@ def check_training(
         loss_attr: the attribute of the module that holds its loss; with ``loss`` among the
             culprits, that loss is checked too (`check_loss`, on gatherlab's MLP), and its
             verdict joins the diagnosis. It must be callable as ``loss(z0, z1)``.
+        collective_timeout_s: how long a rank waits at a collective for its peers to enter it
+            before the W fails with a line that names who did not come (docs/design.md §10,
+            "Collectives that differ"); the process group's own timeout in the check's jobs.
 
     Returns:
         A pandas DataFrame: for each W the row of its run without removals (``removed`` is
@@ -656,7 +684,7 @@ def check_training(
             "update's (--update); allowed: --update with them, or 1"
         )
     applying, layout = _validated(setting, world_sizes, loss_attr, micro_batches)
-    with warnings_once():
+    with warnings_once(), _watching(collective_timeout_s):
         try:  # one device, in this process: a training_step without a loss is found here
             first = training.first_reference(setting)
         except Exception as error:
@@ -665,7 +693,9 @@ def check_training(
     blamed = table.loc[table["culprits"].str.contains(LOSS), "world_size"]
     if loss_attr is not None and len(blamed):
         loss = AttributeOf(setting.built, loss_attr)
-        table.attrs["loss_check"] = check_loss(loss, sorted(set(blamed)), seed=seed)
+        table.attrs["loss_check"] = check_loss(
+            loss, sorted(set(blamed)), seed=seed, collective_timeout_s=collective_timeout_s
+        )
     return table
 
 

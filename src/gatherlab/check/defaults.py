@@ -25,5 +25,11 @@ OPTIMIZER = "torch.optim:SGD"
 """The optimizer of a plain PyTorch step's check when none is given (as the loss check's SGD)."""
 OPTIMIZER_KWARGS = {"lr": 0.01}
 """Its keyword arguments when the optimizer is the default one and none are given."""
+COLLECTIVE_TIMEOUT_S = 30.0
+"""How long a rank of the check waits at a collective for its peers to enter it before its W fails
+with a line that says who did not come (``--collective-timeout``). A collective of the check's
+small batches takes milliseconds, and ranks reach the same one within a fraction of a second of
+each other (a rank's first job within its imports' seconds); ranks whose collectives differ, or a
+peer that returned or raised instead, end the W at once, without waiting for it."""
 SEED = 0
 """The seed of every initial weight, data order and random stream of a check."""

@@ -38,7 +38,7 @@ from gatherlab.core import terms
 from gatherlab.core.runfiles import Trained
 from gatherlab.core.terms import Factor, GradientClass, Style, World
 from gatherlab.gather import CLASSES, STYLES, GatherFn, rule
-from gatherlab.ranks import simworld, world
+from gatherlab.ranks import collectives, simworld, world
 from gatherlab.ranks.external import ranks_for
 from gatherlab.runs import trace
 from gatherlab.runs.record import flat_gradient, flat_parameters, mean_over_ranks
@@ -143,7 +143,7 @@ def _build(loss: Recipe, model_factory: ModelFactory, seed: int, distributed: bo
     # DDP as Lightning configures it (every parameter must get a gradient: ``_backward`` checks);
     # a simulated rank averages the gradients itself after its backward (``_backward``)
     real_ddp = distributed and simworld.size() is None
-    wrapped = DistributedDataParallel(whole) if real_ddp else whole
+    wrapped = collectives.visible(DistributedDataParallel(whole)) if real_ddp else whole
     return whole, wrapped
 
 

@@ -1,9 +1,11 @@
 """The object an import path names (a config's ``_target_``, ``--gather mod:fn``, a check's
 ``package.module:Class``): one resolver for every layer; and the import path on which another
-process (a rank) imports what this one imported (`pickled`, `search_path`, `unfindable`)."""
+process (a rank) imports what this one imported (`pickled`, `search_path`, `unfindable`); and a
+place in the code as every rank shows it (`place`)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.machinery
 import io
@@ -14,7 +16,7 @@ import types
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["locate", "pickled", "search_path", "unfindable"]
+__all__ = ["locate", "pickled", "place", "search_path", "unfindable"]
 
 
 def locate(path: str) -> Any:
@@ -152,3 +154,24 @@ def unfindable(modules: Iterable[str], path: Sequence[str]) -> list[str]:
     modules = list(modules)
     found = {top: _findable(top, path) for top in {name.partition(".")[0] for name in modules}}
     return [name for name in modules if name != "__main__" and not found[name.partition(".")[0]]]
+
+
+@functools.cache
+def _shown(filename: str, search_path: tuple[str, ...], here: str) -> str:
+    path = os.path.realpath(filename)
+    roots = [os.path.realpath(os.path.join(here, entry)) + os.sep for entry in search_path]
+    below = [root for root in roots if path.startswith(root)]
+    if below:
+        return os.path.relpath(path, max(below, key=len))
+    package = os.path.dirname(path)  # loaded from a file: from its outermost package's parent
+    while os.path.exists(os.path.join(package, "__init__.py")):
+        package = os.path.dirname(package)
+    return os.path.relpath(path, package)
+
+
+def place(filename: str, line: int) -> str:
+    """``file:line`` as the code's place is shown: relative to the import path entry it is found
+    under, the nearest one (``pkg/module.py:12``: the same on every machine, from any directory,
+    on every rank); a file no entry holds (loaded from its path) from its outermost package's
+    parent directory."""
+    return f"{_shown(filename, tuple(sys.path), os.getcwd())}:{line}"

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from gatherlab.core import cli, terms
+from gatherlab.ranks import collectives
 from gatherlab.ranks import pool as pools
 from gatherlab.ranks.pool import COLLECTIVE_TIMEOUT, RankError
 
@@ -160,6 +161,9 @@ class _Answer:
     order: int  # a failure's place among the job's failures (1: first; a peer's collective
     # fails only after the first failing rank has left the group); 0 for a result
     warned: list[Any]
+    named: int | None = None  # the rank a failure's line is about, where not this one's own
+    # (``collectives.CollectiveError``: a peer raised, or several ranks' collectives differ)
+    own: bool = True  # whether the line is the named rank's own error (else it names the ranks)
 
 
 def _cpu(value: Any) -> Any:
@@ -180,29 +184,45 @@ def _cpu(value: Any) -> Any:
 
 def _job(
     store: dist.Store, number: int, place: Launched, device: str,
-    function: Callable[..., Any], args: tuple[Any, ...],
+    function: Callable[..., Any], args: tuple[Any, ...], watch_s: float | None = None,
 ) -> _Answer:  # fmt: skip
-    """One rank's part of job ``number``: join its group, run, leave; the answer, not sent."""
+    """One rank's part of job ``number``: join its group, run (with ``watch_s``, its collectives
+    compared with the peers' before they run: ``collectives``), leave once no peer is in a
+    collective; the answer, not sent."""
     hook = sys.excepthook  # init_process_group wraps it and never unwraps it
+    peers = None
+    if watch_s is not None:
+        peers = collectives.Peers(store, f"watch_{number}", place.rank, watch_s)
+    timeout = COLLECTIVE_TIMEOUT if watch_s is None else timedelta(seconds=watch_s)
+    named, own = None, True
     with warnings.catch_warnings(record=True) as caught:
         try:
             use_device(place, device)
             dist.init_process_group(
                 BACKENDS[device], store=dist.PrefixStore(f"group_{number}/", store),
-                rank=place.rank, world_size=place.world_size, timeout=COLLECTIVE_TIMEOUT,
+                rank=place.rank, world_size=place.world_size, timeout=timeout,
             )  # fmt: skip
-            value = _cpu(function(*args))
-            dist.barrier()  # nobody leaves the group while a peer is still in a collective
+            with collectives.watched(peers):
+                value = _cpu(function(*args))
             pickle.dumps(value)  # a result that does not pickle is this rank's error
             ok, order = True, 0
         except Exception as error:
             ok, value = False, cli.error_line(error)
+            if isinstance(error, collectives.CollectiveError):
+                value, named, own = error.line, error.rank, error.own
             order = store.add(f"failures_{number}", 1)  # before this rank leaves the group
         finally:
+            # Nobody leaves the group while a peer is still in a collective (a gloo peer that
+            # leaves aborts the process of one that waits for it).
             if dist.is_initialized():
+                if peers is None:
+                    with contextlib.suppress(Exception):
+                        dist.barrier()
+                else:
+                    peers.wait_ended(range(place.world_size))
                 dist.destroy_process_group()
             sys.excepthook = hook
-    return _Answer(place.rank, ok, value, order, pools.sendable_warnings(caught))
+    return _Answer(place.rank, ok, value, order, pools.sendable_warnings(caught), named, own)
 
 
 def _wait(store: dist.Store, key: str, limit: timedelta | None = None) -> bytes | None:
@@ -264,8 +284,11 @@ class Ranks:
             raise RankError(f"the {self.world_size} ranks of {self.place.launcher} were stopped")
         number = self._jobs
         self._jobs += 1
-        self.store.set(f"job_{number}", pickle.dumps(("run", function, args)))
-        answers = {0: _job(self.store, number, self.place, self.device, function, args)}
+        self.store.set(
+            f"job_{number}", pickle.dumps(("run", function, args, collectives.watch_timeout()))
+        )
+        watch_s = collectives.watch_timeout()
+        answers = {0: _job(self.store, number, self.place, self.device, function, args, watch_s)}
         failed = not answers[0].ok
         for rank in range(1, self.world_size):
             payload = _wait(self.store, f"answer_{number}_{rank}", ANSWER_GRACE if failed else None)
@@ -300,8 +323,15 @@ def _results(answers: Mapping[int, _Answer | None], world_size: int) -> list[Any
         line = f"no answer within {ANSWER_GRACE.total_seconds():.0f} s: the process died or hangs"
     else:
         failed = [answer for answer in answers.values() if answer is not None and not answer.ok]
-        first = min(failed, key=lambda answer: (answer.order, answer.rank))
-        rank, line = first.rank, first.value
+        # A rank's own error first (a peer that passes it on, or several ranks' disagreement,
+        # only after it), then the one that failed first.
+        first = min(
+            failed, key=lambda answer: (answer.named is not None, answer.order, answer.rank)
+        )
+        rank = first.rank if first.named is None else first.named
+        line = first.value
+        if not first.own:  # the line names the ranks itself
+            raise RankError(line, None, rank, line)
     raise RankError(f"rank {rank}: {line}", None, rank, line)
 
 

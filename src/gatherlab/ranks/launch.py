@@ -27,6 +27,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
 from gatherlab.core import terms
+from gatherlab.ranks import collectives
 from gatherlab.ranks.external import launched_rank
 from gatherlab.ranks.pool import COLLECTIVE_TIMEOUT, pool
 
@@ -46,6 +47,10 @@ class _QuietDDPStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         quiet_frameworks()
         super().setup_environment()
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        collectives.visible(self.model)  # in a check's watched job, its all-reduce is compared
 
 
 def _trainer(

@@ -34,6 +34,7 @@ import builtins
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 import logging
 import multiprocessing
 import os
@@ -55,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from gatherlab.core import cli, imports, terms
-from gatherlab.ranks import forkstart
+from gatherlab.ranks import collectives, forkstart
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",
@@ -80,6 +81,10 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 POOL_START_TIMEOUT_S = 300.0
 # The exit status of a rank that ended because the process that started its pool is gone.
 ORPHANED_STATUS = 1
+# How often the pool's process relays what its ranks wrote to their standard error while it waits.
+_RELAY_S = 0.2
+# How many of a dead rank's last lines on its standard error its error shows.
+_LAST_WORDS = 5
 
 
 class RankError(RuntimeError):
@@ -114,6 +119,11 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
     error goes back to the pool. Once the pool's process is gone, end at once and quietly."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the starting process answers Ctrl-C
     _end_with_parent()
+    # What the rank writes to its standard error (its own prints, torch's C++ messages, the last
+    # words of a process that aborts) goes to a file that the pool's process relays (`_relay`).
+    errors = os.open(_stderr_file(store, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(errors, 2)
+    os.close(errors)
     # Join only when the pool says so: a worker forked after its pool's start was interrupted
     # finds its pipe closed (or the stop) and ends here, instead of waiting for ranks that never
     # come.
@@ -128,15 +138,16 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
         torch.set_num_threads(1)  # more threads than its one core would only contend for it
+    peers_store = dist.FileStore(store, world_size)  # the group's, and the watch's (`collectives`)
     dist.init_process_group(
         terms.Backend.GLOO,
-        init_method=f"file://{store}",
+        store=peers_store,
         rank=rank,
         world_size=world_size,
         timeout=COLLECTIVE_TIMEOUT,
     )
     _answer(connection, ("ready", None, []))
-    while True:
+    for number in itertools.count():
         try:
             payload = connection.recv_bytes()
         except EOFError:  # the pool's process is gone (its end is closed only after the stop)
@@ -152,24 +163,51 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
                 # code from a directory that was put on the path after this worker started, or
                 # relative to a current directory that is not this worker's (a user's loss,
                 # gather, model or data set).
-                search_path, job = pickle.loads(payload)
+                search_path, job, watch_s = pickle.loads(payload)
                 sys.path.extend(entry for entry in search_path if entry not in sys.path)
                 function, args = pickle.loads(job)
-                result = function(*args)
+                result = _watched_call(
+                    function, args, collectives.Peers(peers_store, f"job{number}", rank, watch_s)
+                )
             _answer(connection, ("ok", result, sendable_warnings(caught)))
         except BaseException as error:  # the job's own error, or a result that does not pickle
-            line = cli.error_line(error)
             detail = "".join(traceback.format_exception(error)[-6:])
-            message = f"rank {rank}: {line}\n{detail}"
+            if isinstance(error, collectives.CollectiveError):  # a peer's error, or several ranks'
+                named, line = error.rank, error.line
+                message = f"rank {named}: {line}" if error.own else f"{line}\n{detail}"
+            else:
+                named, line = rank, cli.error_line(error)
+                message = f"rank {named}: {line}\n{detail}"
             try:
                 _answer(
-                    connection, ("error", (message, error, rank, line), sendable_warnings(caught))
+                    connection, ("error", (message, error, named, line), sendable_warnings(caught))
                 )
             except Exception:  # an exception that does not pickle: its message only
                 _answer(
-                    connection, ("error", (message, None, rank, line), sendable_warnings(caught))
+                    connection, ("error", (message, None, named, line), sendable_warnings(caught))
                 )
     dist.destroy_process_group()
+
+
+def _watched_call(
+    function: Callable[..., Any], args: tuple[Any, ...], peers: collectives.Peers
+) -> Any:
+    """``function(*args)``; in a watched job (``peers.timeout_s`` set), its collectives compared
+    with the peers' before they run, and the group's own timeout that long (``collectives``)."""
+    if peers.timeout_s is None:
+        return function(*args)
+    group = dist.group.WORLD
+    group.set_timeout(timedelta(seconds=peers.timeout_s))
+    try:
+        with collectives.watched(peers):
+            return function(*args)
+    finally:
+        group.set_timeout(COLLECTIVE_TIMEOUT)
+
+
+def _stderr_file(store: str, rank: int) -> str:
+    """Where a rank of the pool whose group's store is ``store`` writes its standard error."""
+    return f"{store}.stderr.{rank}"
 
 
 # A warning as it travels from a rank: its category's module, qualified name and nearest built-in
@@ -339,6 +377,9 @@ class WorkerPool:
             raise ValueError(f"a pool needs at least 2 ranks, got {world_size}")
         self.world_size = world_size
         self._store_dir = tempfile.mkdtemp(prefix="gatherlab-pool-")
+        self._store = f"{self._store_dir}/store"
+        self._relayed = [0] * world_size  # bytes of each rank's stderr relayed (`_relay`)
+        self._stderr_tail: list[list[str]] = [[] for _ in range(world_size)]
         context = torch.multiprocessing.get_context("forkserver")
         # The fork server imports torch (and Lightning where this process has) once; every worker
         # of every pool (the next one after a failure too) is forked from it with them loaded, in
@@ -351,7 +392,7 @@ class WorkerPool:
                 self._connections.append(ours)
                 process = context.Process(
                     target=_pool_worker,
-                    args=(rank, world_size, f"{self._store_dir}/store", theirs),
+                    args=(rank, world_size, self._store, theirs),
                     name=f"gatherlab-pool-{world_size}-rank{rank}",
                     daemon=True,
                 )
@@ -379,7 +420,7 @@ class WorkerPool:
         if not self.alive:
             raise RankError(f"the {self.world_size}-rank pool is closed")
         job, modules = imports.pickled((function, args))
-        payload = pickle.dumps((imports.search_path(modules), job))
+        payload = pickle.dumps((imports.search_path(modules), job, collectives.watch_timeout()))
         for connection in self._connections:
             connection.send_bytes(payload)
         warned: dict[int, list[_SentWarning]] = {}
@@ -414,7 +455,10 @@ class WorkerPool:
         while len(results) < self.world_size:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             pending = [c for c, rank in by_connection.items() if rank not in results]
-            ready = wait(pending + list(by_sentinel), timeout=remaining)
+            ready = wait(pending + list(by_sentinel), timeout=min(remaining or _RELAY_S, _RELAY_S))
+            self._relay()
+            if not ready and (deadline is None or time.monotonic() < deadline):
+                continue
             if not ready:
                 self._abandon()
                 raise RankError(
@@ -442,10 +486,41 @@ class WorkerPool:
         return [results[rank] for rank in range(self.world_size)]
 
     def _death(self, rank: int) -> RankError:
+        """A rank that died: its exit code, or the signal that killed it, and the last lines it
+        wrote to its standard error (a C++ abort's reason is there)."""
         # A dead process closes its pipes a moment before it can be reaped: wait for its exit code.
         self._processes[rank].join(timeout=5.0)
-        line = f"process exited with code {self._processes[rank].exitcode}"
-        return RankError(f"rank {rank}: {line}", None, rank, line)
+        code = self._processes[rank].exitcode
+        last = self._relay().get(rank, [])[-_LAST_WORDS:]
+        if code is not None and code < 0:
+            line = f"process killed by {signal.Signals(-code).name}"
+        else:
+            line = f"process exited with code {code}"
+        if last:
+            line += f"; its last line on stderr: {last[-1].strip()[:300]}"
+        detail = "".join(f"  {text}\n" for text in last)
+        return RankError(f"rank {rank}: {line}\n{detail}", None, rank, line)
+
+    def _relay(self) -> dict[int, list[str]]:
+        """Write what the ranks wrote to their standard error since the last relay to this
+        process's (``sys.stderr``); return each rank's lines of it."""
+        lines = {}
+        for rank in range(len(self._processes)):
+            path = _stderr_file(self._store, rank)
+            try:
+                with open(path, "rb") as file:
+                    file.seek(self._relayed[rank])
+                    new = file.read()
+            except OSError:
+                continue
+            self._relayed[rank] += len(new)
+            if new:
+                text = new.decode(errors="replace")
+                sys.stderr.write(text)
+                sys.stderr.flush()
+                self._stderr_tail[rank] = (self._stderr_tail[rank] + text.splitlines())[-50:]
+            lines[rank] = [line for line in self._stderr_tail[rank] if line.strip()]
+        return lines
 
     def _abandon(self) -> None:
         """After a failure: the other ranks may wait in a collective for the failed one, and would
@@ -465,6 +540,7 @@ class WorkerPool:
             if process.is_alive():
                 process.kill()
                 process.join()
+        self._relay()
         for connection in self._connections:
             connection.close()
         self._processes, self._connections = [], []

@@ -27,7 +27,7 @@ from torch.utils.data import default_collate
 from gatherlab.components.data import GlobalBatchSampler
 from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles, terms
-from gatherlab.ranks import world
+from gatherlab.ranks import collectives, world
 from gatherlab.runs import removals, trace
 from gatherlab.runs.record import Recorder
 
@@ -124,7 +124,8 @@ def wrapped_for_rank(model: nn.Module, device: torch.device) -> nn.Module:
     if world.size() == 1:
         return model
     on_gpu = device.type == terms.Device.CUDA
-    return DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
+    ddp = DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
+    return collectives.visible(ddp)  # its all-reduce seen by the check's watch
 
 
 def rank_batches(

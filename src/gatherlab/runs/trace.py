@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import sys
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from gatherlab.core import cli
+from gatherlab.core import cli, imports
 
 __all__ = ["INPUT", "Op", "Tracer", "batch_tensors", "buffer_state", "traced"]
 
@@ -118,28 +117,7 @@ def _caller() -> str | None:
         frame = frame.f_back
     if frame is None or _machinery(frame.f_code.co_filename):
         return None
-    return place(frame.f_code.co_filename, frame.f_lineno)
-
-
-@functools.cache
-def _shown(filename: str, search_path: tuple[str, ...], here: str) -> str:
-    path = os.path.realpath(filename)
-    roots = [os.path.realpath(os.path.join(here, entry)) + os.sep for entry in search_path]
-    below = [root for root in roots if path.startswith(root)]
-    if below:
-        return os.path.relpath(path, max(below, key=len))
-    package = os.path.dirname(path)  # loaded from a file: from its outermost package's parent
-    while os.path.exists(os.path.join(package, "__init__.py")):
-        package = os.path.dirname(package)
-    return os.path.relpath(path, package)
-
-
-def place(filename: str, line: int) -> str:
-    """``file:line`` as the code's place is shown: relative to the import path entry it is found
-    under, the nearest one (``pkg/module.py:12``: the same on every machine, from any directory,
-    on every rank); a file no entry holds (loaded from its path) from its outermost package's
-    parent directory."""
-    return f"{_shown(filename, tuple(sys.path), os.getcwd())}:{line}"
+    return imports.place(frame.f_code.co_filename, frame.f_lineno)
 
 
 def _collective(name: str) -> bool:
@@ -340,7 +318,7 @@ def _custom_backward(node) -> str | None:
         line += next(i for i, text in enumerate(lines) if text.lstrip().startswith("def "))
     except (OSError, TypeError, StopIteration):
         return f"{cls.__qualname__}.backward"
-    return f"{cls.__qualname__}.backward at {place(filename, line)}"
+    return f"{cls.__qualname__}.backward at {imports.place(filename, line)}"
 
 
 def _named_buffers(modules: Iterable[tuple[str, nn.Module]]) -> Iterator[tuple[str, torch.Tensor]]:
