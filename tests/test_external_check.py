@@ -118,6 +118,31 @@ def test_torchrun_plain_step_check_names_batchnorm_like_the_pool(tmp_path, no_le
     _same_table(table, pooled.reset_index(drop=True))
 
 
+@pytest.mark.timeout(300)
+def test_torchrun_names_collectives_that_differ_with_both_call_sites(
+    tmp_path, no_leftover_processes
+):
+    """Rank 0 all-gathers where rank 1 all-reduces (tests/collective_cases.py): under torchrun
+    the row names both calls, as on the pool (tests/test_collectives.py), with a collective
+    timeout of 10 minutes: the line cannot have come from a timeout."""
+    import collective_cases
+    from helpers import line_of
+
+    out = tmp_path / "torchrun"
+    started = _torchrun(
+        out, "collective_cases:GatherOnZeroReduceElsewhere", "--collective-timeout", "600"
+    )
+    assert started.returncode == 1, started.stdout[-3000:] + started.stderr[-3000:]
+    table = _written_once(out, started, "| loss | gather | world_size |")
+    gather = line_of(collective_cases, "# enters: GatherOnZeroReduceElsewhere (rank 0)")
+    reduce = line_of(collective_cases, "# enters: GatherOnZeroReduceElsewhere (others)")
+    assert table["error"].tolist() == [
+        f"collectives differ: rank 0 entered all_gather at {gather} ((2, 8, 16) float64); "
+        f"rank 1 entered all_reduce at {reduce} ((8, 16) float64)"
+    ]
+    assert "Every rank must enter the same collectives" in " ".join(started.stdout.split())
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

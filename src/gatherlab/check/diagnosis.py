@@ -198,8 +198,8 @@ DIAGNOSES = {
         "updated per rank, randomness drawn after the first step)."
     ),
     terms.FAILED: (
-        "a rank raised ({error}): the check has no verdict at this world size; the other world "
-        "sizes have theirs."
+        "the ranks failed ({error}): the check has no verdict at this world size; the other "
+        "world sizes have theirs.{collectives_fix}"
     ),
 }
 
@@ -339,6 +339,14 @@ def scale_text(scale: Any) -> str:
     return "—" if pd.isna(scale) else f"×{scale:.6g}"
 
 
+# What fixes ranks whose collectives differ (``gatherlab.ranks.collectives``).
+_COLLECTIVES_FIX = (
+    " Every rank must enter the same collectives in the same order, with tensors of the same "
+    "shape and dtype: the calls named above depend on the rank (a branch on the rank, a return "
+    "before a collective its peers enter)."
+)
+
+
 def _paragraph(text: str) -> str:
     """A diagnosis as the printed paragraph: capitalised, wrapped at 100 columns, indented."""
     return textwrap.fill(
@@ -356,6 +364,8 @@ def _numbers(rows: pd.DataFrame) -> dict[str, Any]:
     numbers["error"] = "; ".join(
         f"W = {w}: {e}" for w, e in zip(rows["world_size"], rows["error"], strict=True)
     )
+    differ = rows["error"].astype(str).str.startswith(terms.COLLECTIVES_DIFFER).any()
+    numbers["collectives_fix"] = _COLLECTIVES_FIX if differ else ""
     return numbers
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "DIVERGES",
+    "COLLECTIVES_DIFFER",
     "FAILED",
     "FLOAT64",
     "LOSS_DIFFERS",
@@ -93,7 +94,10 @@ gradient), a later one does not (``gatherlab.check.check_training``, and a loss'
 ``steps``)."""
 FAILED = "failed"
 """A check's verdict at a world size whose ranks raised: its ``error`` names the rank and the
-error."""
+error, or starts with `COLLECTIVES_DIFFER`."""
+COLLECTIVES_DIFFER = "collectives differ:"
+"""The start of a ``failed`` row's error when its ranks did not enter the same collectives: the
+rest names each rank's call (``gatherlab.ranks.collectives``, docs/design.md §10)."""
 
 
 class Cause(StrEnum):

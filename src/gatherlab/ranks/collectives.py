@@ -39,7 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
-from gatherlab.core import cli, imports
+from gatherlab.core import cli, imports, terms
 
 __all__ = [
     "NAMES", "CollectiveError", "Ended", "Entered", "Peers", "disagreement",
@@ -326,7 +326,7 @@ class _Watch(TorchFunctionMode):
         raised = [item for item in seen.values() if isinstance(item, Ended) and item.error]
         if raised:  # a peer raised: its error is the job's, as if this rank had not waited
             return CollectiveError(raised[0].error, raised[0].rank, own=True)
-        line = f"collectives differ: {disagreement(mine, seen) or first}"
+        line = f"{terms.COLLECTIVES_DIFFER} {disagreement(mine, seen) or first}"
         return CollectiveError(line, min([mine.rank, *seen]))
 
 

@@ -83,6 +83,8 @@ POOL_START_TIMEOUT_S = 300.0
 ORPHANED_STATUS = 1
 # How often the pool's process relays what its ranks wrote to their standard error while it waits.
 _RELAY_S = 0.2
+# After a failed watched job: how long the other ranks have to answer before the pool is closed.
+_SETTLE_S = 1.0
 # How many of a dead rank's last lines on its standard error its error shows.
 _LAST_WORDS = 5
 
@@ -420,12 +422,13 @@ class WorkerPool:
         if not self.alive:
             raise RankError(f"the {self.world_size}-rank pool is closed")
         job, modules = imports.pickled((function, args))
-        payload = pickle.dumps((imports.search_path(modules), job, collectives.watch_timeout()))
+        watch_s = collectives.watch_timeout()
+        payload = pickle.dumps((imports.search_path(modules), job, watch_s))
         for connection in self._connections:
             connection.send_bytes(payload)
         warned: dict[int, list[_SentWarning]] = {}
         try:
-            results = self._collect(timeout_s, warned)
+            results = self._collect(timeout_s, warned, watched=watch_s is not None)
         except RankError:
             # The warnings of the ranks that answered, also of the one that failed; a warning
             # that this process's filters turn into an error does not hide the rank's.
@@ -436,18 +439,22 @@ class WorkerPool:
         return results
 
     def _collect(
-        self, timeout_s: float | None, warned: dict[int, list[_SentWarning]] | None = None
-    ) -> list[Any]:
+        self, timeout_s: float | None, warned: dict[int, list[_SentWarning]] | None = None,
+        watched: bool = False,
+    ) -> list[Any]:  # fmt: skip
         """Each rank's answer, in rank order (each rank's warnings into ``warned``); on the first
         failure, or when this process is interrupted (Ctrl-C) while it waits, close the pool and
-        raise."""
+        raise. A failed ``watched`` job (``collectives``) whose every rank answers within
+        ``_SETTLE_S`` leaves the pool open: no rank is left in a collective."""
         try:
-            return self._answers(timeout_s, {} if warned is None else warned)
+            return self._answers(timeout_s, {} if warned is None else warned, watched)
         except KeyboardInterrupt:
             self._abandon()
             raise
 
-    def _answers(self, timeout_s: float | None, warned: dict[int, list[_SentWarning]]) -> list[Any]:
+    def _answers(
+        self, timeout_s: float | None, warned: dict[int, list[_SentWarning]], watched: bool
+    ) -> list[Any]:
         results: dict[int, Any] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         by_connection = {connection: rank for rank, connection in enumerate(self._connections)}
@@ -474,7 +481,9 @@ class WorkerPool:
                         self._abandon()
                         raise error from None
                     if status == "error":
-                        self._abandon()
+                        answered = {*results, rank}
+                        if not (watched and self._settled(by_connection, answered, warned)):
+                            self._abandon()
                         raise RankError(*value)
                     results[rank] = value
                 else:
@@ -484,6 +493,23 @@ class WorkerPool:
                         self._abandon()
                         raise error
         return [results[rank] for rank in range(self.world_size)]
+
+    def _settled(
+        self, by_connection: dict[Connection, int], answered: set[int],
+        warned: dict[int, list[_SentWarning]],
+    ) -> bool:  # fmt: skip
+        """Whether every rank that has not ``answered`` answers (anything) within ``_SETTLE_S``:
+        after a failed watched job, the ranks whose peer failed end at their next collective."""
+        pending = {c: rank for c, rank in by_connection.items() if rank not in answered}
+        deadline = time.monotonic() + _SETTLE_S
+        while pending and time.monotonic() < deadline:
+            for connection in wait(list(pending), timeout=deadline - time.monotonic()):
+                rank = pending.pop(connection)
+                try:
+                    _, _, warned[rank] = connection.recv()
+                except (EOFError, ConnectionResetError):  # it died
+                    return False
+        return not pending
 
     def _death(self, rank: int) -> RankError:
         """A rank that died: its exit code, or the signal that killed it, and the last lines it
