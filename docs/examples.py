@@ -148,6 +148,11 @@ EXAMPLES = {
     ),
     # docs/usage.md, when things go wrong
     "bad_value": Example("-m gatherlab.train -m layout=cpu1,cpu4 global_batch_size=6", "stderr"),
+    "collectives": Example(
+        f"{CHECK} collective_cases:GatherOnZeroReduceElsewhere --world-sizes 2,4",
+        pythonpath=("tests",),
+        status=True,
+    ),
 }
 
 

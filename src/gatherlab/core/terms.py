@@ -14,8 +14,8 @@ from enum import StrEnum
 from typing import Any
 
 __all__ = [
-    "DIVERGES",
     "COLLECTIVES_DIFFER",
+    "DIVERGES",
     "FAILED",
     "FLOAT64",
     "LOSS_DIFFERS",
