@@ -242,7 +242,7 @@ def _run(
         except Exception as error:  # the factory refuses its arguments, the forward raises
             raise CheckError(f"loss {name}: {cli.error_line(error)}") from None
     references = {name: one.value[0] for name, one in chosen.items()}
-    curves = {name: one.value[1].losses for name, one in chosen.items() if steps}
+    curves = {name: one.value[1] for name, one in chosen.items() if steps}
 
     def key(name: str, world_size: int) -> dict[str, Any]:
         return {"loss": name, "gather": gather_name, "world_size": world_size,
@@ -255,9 +255,7 @@ def _run(
                 losses, model, view0, view1, world_size, cfg.seed, further=further
             )
             trained = {
-                name: measure.train(
-                    loss, model, batches[:steps], optimizer, world_size, cfg.seed
-                ).losses
+                name: measure.train(loss, model, batches[:steps], optimizer, world_size, cfg.seed)
                 for name, loss in losses.items()
                 if steps
             }
@@ -327,12 +325,14 @@ def _rows(
     reference: measure.Measured,
     forward: hypotheses.Forward,
     probed: Sequence[measure.Batch],
-    curves: tuple[Sequence[float], Sequence[float]] | None,
+    curves: tuple[Trained, Trained] | None,
     in_group: bool = False,
 ) -> list[dict[str, Any]]:
     """A loss's rows at one W: the whole gradient's (``part`` ``all``), then each part's when
-    the gradient has several (docs/design.md §5, §6). ``in_group``: the reference ran in a
-    one-rank process group, and so do the hypotheses' one-device forwards."""
+    the gradient has several (docs/design.md §5, §6). ``curves``: the W-rank training run and
+    one device's, whose losses (divided by the scale) and final weights are compared.
+    ``in_group``: the reference ran in a one-rank process group, and so do the hypotheses'
+    one-device forwards."""
     world_size = key["world_size"]
     same, loss_diff = measure.same_forward(measured.loss, reference.loss)
     forward_word = terms.Forward.SAME if same else terms.Forward.DIFFERS
@@ -359,16 +359,26 @@ def _rows(
 
     rows = [row(ALL_PARTS, whole)] + [row(part, numbers) for part, numbers in parts.items()]
     if curves is not None:  # the run's curve as one device would log it: divided by the scale
-        trained, reference_curve = curves
+        run, one = curves
+        trained, reference_curve = run.losses, one.losses
         factor = scale or 1.0
         difference = max(abs(a / factor - b) for a, b in zip(trained, reference_curve, strict=True))
         rows[0][TRAIN_COLUMN] = difference  # of the whole run: its parts have no curve of their own
-        apart = difference > terms.FLOAT64
+        # the last update shows in no loss: the final weights are compared too
+        weights = float((run.parameters - one.parameters).abs().max())
+        apart = difference > terms.FLOAT64 or weights > terms.FLOAT64
         rows[0]["verdict"] = verdict(forward_word, whole[0], scale, apart)
         if rows[0]["verdict"] == terms.DIVERGES:  # its first step, before where it departs
             steps = zip(trained, reference_curve, strict=True)
-            first = next(k for k, (a, b) in enumerate(steps) if abs(a / factor - b) > terms.FLOAT64)
-            rows[0]["departs"] = f"step {first} is the first whose loss leaves one device's"
+            first = next(
+                (k for k, (a, b) in enumerate(steps) if abs(a / factor - b) > terms.FLOAT64), None
+            )
+            rows[0]["departs"] = (
+                f"step {first} is the first whose loss leaves one device's"
+                if first is not None
+                else f"every step's loss is one device's, the final weights are not (max |Δ| "
+                f"{weights:.3g})"
+            )
     return rows
 
 
