@@ -199,3 +199,20 @@ def test_srun_bad_input_is_one_line_on_every_rank(arguments, line, tmp_path, no_
         assert (finished.returncode, finished.stdout) == (2, ""), (rank, finished)
         assert finished.stderr.splitlines() == [line], (rank, finished.stderr)
     assert not out.exists()
+
+
+@pytest.mark.timeout(300)
+def test_srun_names_the_rank_that_raised_not_the_one_waiting_for_it(
+    tmp_path, no_leftover_processes
+):
+    """Rank 1 raises before the all_reduce that rank 0 enters (tests/collective_cases.py): the
+    row names rank 1 by its own error, with a collective timeout of 10 minutes, so that the line
+    cannot have come from rank 0's wait; both ranks exit 1, rank 1 printing nothing."""
+    out = tmp_path / "srun"
+    zero, one = _srun(out, "collective_cases:LastRankRaises", "--collective-timeout", "600")
+    assert (zero.returncode, one.returncode) == (1, 1), (zero, one)
+    assert one.stdout == "", one.stdout
+    table = _written_once(out, zero, "| loss | gather | world_size |")
+    assert table["verdict"].tolist() == ["failed"]
+    assert table["error"].tolist() == ["rank 1: ValueError: the last rank stops here"]
+    assert "W = 2: failed" in zero.stdout
