@@ -107,3 +107,40 @@ def test_a_reference_is_one_device_taking_the_whole_batch_at_once():
     assert report.one_device_whole_batch(run(1, {"devices": 1}))  # before micro-batches existed
     assert not report.one_device_whole_batch(run(1, {"devices": 1, "micro_batches": 2}))
     assert not report.one_device_whole_batch(run(2, {"devices": 2, "micro_batches": 1}))
+
+
+def test_a_cell_of_several_runs_shows_a_match_only_when_every_run_matched():
+    """Cells of three runs each (a sweep over seeds): one run that failed (no number, its
+    ``matches_reference`` false or missing) or one that differs keeps the cell from ✓, and a run
+    without a number is named in the cell even when the others have numbers."""
+    nan = float("nan")
+
+    def cell(loss: str, *runs: dict) -> list[dict]:
+        return [_run(0, loss=loss, gather="fixed", verdict="reference")] + [
+            _run(seed + 1, loss=loss, gather="fixed", layout="cpu2", seed=seed, **run)
+            for seed, run in enumerate(runs)
+        ]
+
+    matches = {"verdict": "matches", "max_abs_loss_diff": 1e-15}
+    failed = {"verdict": "failed", "max_abs_loss_diff": nan, "error": "NonFiniteLoss: ..."}
+    table = _table([
+        *cell("all_match", matches, matches, matches),
+        *cell("one_differs", matches, {"verdict": "differs", "max_abs_loss_diff": 0.02,
+                                       "matches_reference": False}, matches),
+        *cell("failed_false", matches, {**failed, "matches_reference": False}, matches),
+        *cell("failed_missing", matches, {**failed, "matches_reference": nan}, matches),
+        *cell("failed_first", {**failed, "matches_reference": nan}, matches, matches),
+        *cell("none_readable", {"verdict": "unreadable", "max_abs_loss_diff": nan,
+                                "matches_reference": False}, {**failed, "matches_reference": nan}),
+    ])  # fmt: skip
+    _, matched, _ = report.loss_matrix(table)
+    assert matched[("fixed", 2, 8)].to_dict() == {
+        "all_match": True, "one_differs": False, "failed_false": False, "failed_missing": False,
+        "failed_first": False, "none_readable": False,
+    }  # fmt: skip
+    rows = _matrix_rows(table)
+    assert rows["all_match"].endswith("| ✓ 1e-15 |")
+    assert rows["one_differs"].endswith("| ✗ 0.02 |")
+    for loss in ("failed_false", "failed_missing", "failed_first"):
+        assert rows[loss].endswith("| ✗ 1e-15 (failed) |"), rows[loss]
+    assert rows["none_readable"].endswith("| unreadable, failed |")

@@ -246,15 +246,17 @@ def loss_matrix(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.Dat
     """Max |Δloss|, whether the runs match, and a verdict, per loss (rows, in sweep order) and
     gather × layout (columns ``(gather, devices, batch_size)``) of the multi-device runs. A cell
     of several runs (a sweep over seeds, say) has their largest |Δloss|, matches only if every
-    run does, and the first run's verdict; a cell of no run has NaN, False and None."""
+    run's ``matches_reference`` is true (a missing one is no match), and as its verdict those of
+    its runs that neither match nor differ (a run that failed, could not be read or compared),
+    each once (`_unmatched`); a cell of no run has NaN, False and None."""
     runs = table[table["devices"] > 1]
     index = list(dict.fromkeys(runs["loss"]))
     keys = zip(runs["gather"], runs["devices"], runs["batch_size"], strict=True)
     columns = pd.MultiIndex.from_tuples(list(dict.fromkeys(keys)))
     cells = runs.groupby(["loss", "gather", "devices", "batch_size"], sort=False).agg(
         diff=("max_abs_loss_diff", "max"),
-        matches=("matches_reference", lambda values: bool(values.astype(bool).all())),
-        verdict=("verdict", "first"),
+        matches=("matches_reference", lambda values: bool(values.eq(True).all())),
+        verdict=("verdict", _unmatched),
     )
     diff = pd.DataFrame(float("nan"), index=index, columns=columns)
     matches = pd.DataFrame(False, index=index, columns=columns)
@@ -264,6 +266,18 @@ def loss_matrix(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.Dat
         matches.loc[loss, tuple(column)] = cell["matches"]
         verdicts.loc[loss, tuple(column)] = cell["verdict"]
     return diff, matches, verdicts
+
+
+def _unmatched(verdicts: pd.Series) -> str | None:
+    """The verdicts of a cell's runs other than ``reference``, ``matches`` and ``differs`` (those
+    have their number in the cell), each once in order, joined by commas; None when none.
+
+    >>> _unmatched(pd.Series(["matches", "failed", "differs", "failed", "unreadable"]))
+    'failed, unreadable'
+    """
+    shown = (RunVerdict.REFERENCE, RunVerdict.MATCHES, RunVerdict.DIFFERS)
+    kept = [str(verdict) for verdict in dict.fromkeys(verdicts.dropna()) if verdict not in shown]
+    return ", ".join(kept) or None
 
 
 def predicted_invariance(runs: pd.DataFrame) -> dict[str, bool | None]:
@@ -284,7 +298,8 @@ def matrix_markdown(
     tolerance: float | None,
     steps: int,
 ) -> str:
-    """The loss matrix as a Markdown table: ✓/✗ and max |Δloss| per cell."""
+    """The loss matrix as a Markdown table: ✓/✗ and max |Δloss| per cell, with the verdicts of
+    its runs that have no number."""
     names = {True: "invariant", False: "**not** invariant", None: "?"}
     header = ["loss", "predicted with an exact gather"] + [
         f"`{gather}` {devices} × {batch}" for gather, devices, batch in diff.columns
@@ -307,8 +322,9 @@ def matrix_markdown(
 
 
 def _matrix_cell(value: float, match: bool, verdict: str | None) -> str:
-    if not pd.isna(value):
-        return f"{'✓' if match else '✗'} {value:.2g}"
+    if not pd.isna(value):  # with the runs that have no number, when some have none
+        shown = f"{'✓' if match else '✗'} {value:.2g}"
+        return shown if pd.isna(verdict) else f"{shown} ({verdict})"
     if pd.isna(verdict):  # no run of the sweep has this loss, gather and layout
         return "—"
     return verdict  # a run without a number says why: failed, unreadable, not comparable
