@@ -21,6 +21,8 @@ def detectable_difference(sd: float, n: int, power: float = 0.8, alpha: float = 
 
     def missing_power(difference: float) -> float:
         shift = difference / sd * np.sqrt(n)
-        return stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift) - power
+        # the far tail: scipy's nct.cdf returns NaN at some large shifts (df 2, 4) where it is 0
+        below = np.nan_to_num(stats.nct.cdf(-critical, df, shift))
+        return stats.nct.sf(critical, df, shift) + below - power
 
     return float(optimize.brentq(missing_power, 1e-12 * sd, 10 * sd))

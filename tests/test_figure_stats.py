@@ -22,7 +22,7 @@ def test_interval_is_scipys_95_percent_t_interval():
     assert (mean - half, mean + half) == pytest.approx((low, high), abs=1e-12)
 
 
-@pytest.mark.parametrize("n", [5, 20, 30])
+@pytest.mark.parametrize("n", [3, 5, 20, 30])
 def test_the_detectable_difference_is_rejected_with_80_percent_power(n):
     # 40,000 simulated paired experiments with the true difference at the detectable one: the
     # two-sided t-test at 5% rejects 80% of them (binomial sd 0.002; 0.01 is five of them)

@@ -1,0 +1,240 @@
+"""The experiments' own logic (experiments/*.py), imported and run on small tables and run
+directories written here, each expected value worked out by hand: the learning-rate sweep's
+pairing of `old` at lr·W with `fixed` at lr (and with `fixed` at the experiment's lr), its
+differences, its cells and their 95% t-intervals, its panel lines and tables; the downstream
+figure's pairing of each multi-device run with the 1-device run of its seed; the accumulation
+figure's differences; the public-code table's rows. (The statistics themselves:
+``test_figure_stats.py``; the Markdown from the committed tables: ``test_figures.py``.)"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from helpers import REPO
+from scipy import stats
+
+sys.path.insert(0, str(REPO / "experiments"))
+import accumulation
+import downstream
+import lr_sweep
+import public_code
+
+from gatherlab.core import runfiles
+
+W = 4
+GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+BASE_LR = 0.5
+
+
+def _sweep_runs() -> pd.DataFrame:
+    """An lr sweep's runs as ``lr_sweep.compare`` takes them: both losses × both gathers × the
+    grid × seeds 0, 1, on W ranks, each run directory named by its cell."""
+    rows = [
+        {"loss": loss, "gather": gather, "lr": lr, "seed": seed, "devices": W,
+         "few_shot_accuracy": 0.5, "final_loss": 1.0, "run_dir": f"{loss}/{gather}/{lr:g}/{seed}"}
+        for loss in ("ntxent_global", "ntxent") for gather in ("fixed", "old") for lr in GRID
+        for seed in (0, 1)
+    ]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_old_at_lr_times_w_is_paired_with_fixed_at_lr_and_each_with_fixed_at_the_base_lr(
+    monkeypatch,
+):
+    """``compare`` holds each `old` run against `fixed` at lr/W of its loss and seed (where the
+    grid has it) and against `fixed` at the experiment's lr: every pair it measures is recorded."""
+    pairs = []
+
+    def differences(run_dir: str, other_dir: str, world_size: int) -> dict[str, float]:
+        pairs.append((run_dir, other_dir, world_size))
+        return dict.fromkeys(lr_sweep.DIFFERENCES, float(len(pairs)))
+
+    monkeypatch.setattr(lr_sweep, "max_differences", differences)
+    table = lr_sweep.compare(_sweep_runs(), BASE_LR)
+    shifted = {(1.0, 0.25), (2.0, 0.5), (4.0, 1.0), (8.0, 2.0)}  # old's lr → fixed's lr = lr/4
+    expected = {
+        (f"{loss}/old/{lr:g}/{seed}", f"{loss}/fixed/{other:g}/{seed}", W)
+        for loss in ("ntxent_global", "ntxent") for seed in (0, 1)
+        for lr, other in [*shifted, *((lr, BASE_LR) for lr in GRID)]
+    }  # fmt: skip
+    # old at 2 meets fixed at 0.5 twice: as its lr/W and as the base lr
+    assert sorted(pairs) == sorted([*expected, *(
+        (f"{loss}/old/2/{seed}", f"{loss}/fixed/0.5/{seed}", W)
+        for loss in ("ntxent_global", "ntxent") for seed in (0, 1)
+    )])  # fmt: skip
+    old = table[table["gather"] == "old"].set_index(["loss", "lr", "seed"])
+    for lr in GRID:
+        paired = old.loc[("ntxent_global", lr, 0), "fixed_lr"]
+        assert (paired == lr / W) if lr / W in GRID else math.isnan(paired), (lr, paired)
+    fixed = table[table["gather"] == "fixed"]
+    assert fixed[["fixed_lr", "base_loss_diff"]].isna().all().all()  # only old rows are paired
+    assert list(table["style"].unique()) == ["global", "local"]  # sorted by style, then gather
+
+
+def _run_dir(path, losses, grad_norms, state) -> str:
+    path.mkdir()
+    rows = [{"step": step, "loss": loss, "grad_norm": norm}
+            for step, (loss, norm) in enumerate(zip(losses, grad_norms, strict=True))]  # fmt: skip
+    runfiles.write_curves(path, rows)
+    runfiles.write_final_state(path, state)
+    return str(path)
+
+
+def test_the_differences_of_two_runs_are_their_largest_gaps_and_the_grad_norm_ratio_error(tmp_path):
+    """|Δloss| 0.125 at step 1; |Δweight| 2 in a batch norm's running mean (a buffer: among the
+    weights, not among the batch norm's affine weight and bias, whose largest is 0.25); and
+    W·(0.25, 0.5)/(1, 1.6) − 1 = (0, 0.25)."""
+    state = {"fc.weight": torch.tensor([1.0, 2.0]), "bn.weight": torch.tensor([1.0]),
+             "bn.bias": torch.tensor([0.0]), "bn.running_mean": torch.tensor([0.0])}  # fmt: skip
+    other = {"fc.weight": torch.tensor([1.0, 2.0625]), "bn.weight": torch.tensor([1.25]),
+             "bn.bias": torch.tensor([0.125]), "bn.running_mean": torch.tensor([2.0])}  # fmt: skip
+    run = _run_dir(tmp_path / "old", [1.0, 0.875], [0.25, 0.5], state)
+    fixed = _run_dir(tmp_path / "fixed", [1.0, 0.75], [1.0, 1.6], other)
+    assert lr_sweep.max_differences(run, fixed, W) == pytest.approx({
+        "max_abs_loss_diff": 0.125, "max_abs_param_diff": 2.0, "max_abs_affine_diff": 0.25,
+        "grad_norm_ratio_err": 0.25,
+    }, abs=1e-15)  # fmt: skip
+    assert accumulation._differences(tmp_path / "old", tmp_path / "fixed") == (0.125, 2.0, 0.875)
+
+
+def _accuracies() -> pd.DataFrame:
+    """Two cells of an lr sweep's table: (ntxent, fixed, 0.5) over 5 seeds, (ntxent, old, 1) over
+    3."""
+    fixed = [0.71, 0.79, 0.75, 0.72, 0.75]
+    old = [0.60, 0.64, 0.65]
+    rows = [{"loss": "ntxent", "gather": "fixed", "lr": 0.5, "seed": seed, "few_shot_accuracy": a}
+            for seed, a in enumerate(fixed)]  # fmt: skip
+    rows += [{"loss": "ntxent", "gather": "old", "lr": 1.0, "seed": seed, "few_shot_accuracy": a}
+             for seed, a in enumerate(old)]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_each_cell_is_the_mean_of_its_seeds_with_scipys_95_percent_t_interval():
+    summary = lr_sweep.cells(_accuracies()).set_index(["gather", "lr"])
+    for (gather, lr), values in (
+        (("fixed", 0.5), [0.71, 0.79, 0.75, 0.72, 0.75]), (("old", 1.0), [0.60, 0.64, 0.65]),
+    ):  # fmt: skip
+        cell = summary.loc[(gather, lr)]
+        low, high = stats.t.interval(0.95, len(values) - 1, loc=np.mean(values),
+                                     scale=stats.sem(values))  # fmt: skip
+        assert cell["seeds"] == len(values)
+        assert cell["mean"] == pytest.approx(np.mean(values), abs=1e-15)
+        assert cell["ci95"] == pytest.approx((high - low) / 2, rel=1e-12)
+    # fixed: mean 0.744, sd 0.031305 (sum of squares 0.00392), t₀.₉₇₅,₄ 2.776445
+    assert lr_sweep._mean_and_interval(summary.loc[("fixed", 0.5)]) == "0.7440 ± 0.0389"
+
+
+def _compared(old: dict[float, tuple[float, float, float]]) -> pd.DataFrame:
+    """An lr sweep's compared table of both losses: `old` rows, lr → (fixed_lr, each difference
+    against it, the differences against fixed at the base lr), for seeds 0 and 1 (seed 1's
+    differences twice seed 0's), and `fixed` rows at the same lrs."""
+    rows = []
+    for loss, style in lr_sweep.STYLES.items():
+        for lr, (fixed_lr, paired, base) in old.items():
+            for seed in (0, 1):
+                rows.append({
+                    "loss": loss, "style": str(style), "gather": "old", "lr": lr, "seed": seed,
+                    "few_shot_accuracy": 0.5 + lr / 100 + seed / 1000, "fixed_lr": fixed_lr,
+                    **dict.fromkeys(lr_sweep.DIFFERENCES, paired * (1 + seed)),
+                    "base_loss_diff": base * (1 + seed), "base_param_diff": base * (1 + seed),
+                })  # fmt: skip
+            rows += [{"loss": loss, "style": str(style), "gather": "fixed", "lr": lr,
+                      "seed": seed, "few_shot_accuracy": 0.6 - lr / 100 + seed / 1000}
+                     for seed in (0, 1)]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_each_panel_states_its_exact_check_in_a_line():
+    bitwise = _compared({0.5: (float("nan"), 0.0, 0.129), 2.0: (0.5, 0.0, 0.5)})
+    assert lr_sweep._verdict(bitwise, "ntxent_global", BASE_LR) == (
+        "old at lr·W = fixed at lr, loss and weights to the bit (2 runs)"
+    )
+    close = _compared({0.5: (float("nan"), 0.0, 0.129), 2.0: (0.5, 3e-16, 0.5)})
+    assert lr_sweep._verdict(close, "ntxent_global", BASE_LR) == (
+        "old at lr·W = fixed at lr, loss and weights to 6e-16 (2 runs)"  # seed 1's: 2 × 3e-16
+    )
+    # the smallest |Δweight| against fixed at 0.5, 0.129, printed rounded down as a bound
+    assert lr_sweep._verdict(close, "ntxent", BASE_LR) == (
+        "no lr of old gives fixed at 0.5: |Δweight| ≥ 0.12"
+    )
+
+
+def test_the_markdown_tables_hold_the_pairs_the_nearest_and_the_best_cells():
+    table = _compared({0.5: (float("nan"), 0.0, 0.129), 2.0: (0.5, 3e-16, 0.5)})
+    lines = lr_sweep.markdown(lr_sweep.cells(table), table, BASE_LR).splitlines()
+    # pairs: old at 2 against fixed at 0.5, 2 seeds, the largest (seed 1's) of each difference
+    assert "| global | 2 | 0.5 | 2 | 6.00e-16 | 6.00e-16 | 6.00e-16 | 6.00e-16 |" in lines
+    assert "| local | 2 | 0.5 | 2 | 6.00e-16 | 6.00e-16 | 6.00e-16 | 6.00e-16 |" in lines
+    assert not [line for line in lines if line.startswith("| global | 0.5 | nan")]  # unpaired
+    # nearest: the smallest over the seeds (seed 0's)
+    assert "| global | 0.5 | 0.129 | 0.129 |" in lines and "| local | 2 | 0.5 | 0.5 |" in lines
+    # best: old's mean rises with lr (0.5 + lr/100 + seed/1000), fixed's falls (0.6 − lr/100)
+    assert "| global | old | 2 | 0.5205 ± 0.0064 |" in lines
+    # two seeds 0.001 apart: sd 0.001/√2, half-width t₀.₉₇₅,₁ · 0.001/2 = 0.0064
+    assert "| global | fixed | 0.5 | 0.5955 ± 0.0064 |" in lines
+
+
+def test_each_multi_device_run_is_paired_with_the_one_device_run_of_its_seed():
+    """Seeds listed out of order, a repeated run dropped: old's accuracy is the 1-device one of
+    its seed minus (0.02, 0.03, 0.025) for seeds (0, 1, 2), fixed's equal to it. The paired
+    differences have mean −0.025 and sd 0.005, so a 95% half-width of t₀.₉₇₅,₂ · 0.005/√3 =
+    0.0124: significant; fixed's are all 0: not."""
+    one = {0: 0.70, 1: 0.80, 2: 0.75}
+    drop = {0: 0.02, 1: 0.03, 2: 0.025}
+    rows = []
+    for loss in ("ntxent", "ntxent_global"):
+        for seed in (2, 0, 1):
+            rows.append({"loss": loss, "gather": "fixed", "devices": 1, "seed": seed,
+                         "few_shot_accuracy": one[seed]})  # fmt: skip
+            rows.append({"loss": loss, "gather": "old", "devices": 4, "seed": seed,
+                         "few_shot_accuracy": one[seed] - drop[seed]})  # fmt: skip
+            rows.append({"loss": loss, "gather": "fixed", "devices": 4, "seed": seed,
+                         "few_shot_accuracy": one[seed]})  # fmt: skip
+    rows.append({**rows[1], "few_shot_accuracy": 0.0})  # a second run of a cell: the first kept
+    table = downstream.cell_table(pd.DataFrame(rows)).set_index("cell")
+    half = stats.t.ppf(0.975, 2) * 0.005 / math.sqrt(3)
+    for cell in ("old, 4 ranks (biased)", "old, 4 ranks (1/W)"):
+        old = table.loc[cell]
+        assert old["seeds"] == 3 and old["per_seed"] == "0.6800 0.7700 0.7250"  # seeds 0, 1, 2
+        assert old["paired_diff"] == pytest.approx(-0.025, abs=1e-12)
+        assert old["paired_sd"] == pytest.approx(0.005, rel=1e-9)
+        assert old["paired_ci95"] == pytest.approx(half, rel=1e-9)
+        assert old["mean"] == pytest.approx(0.725, abs=1e-12)
+        assert bool(old["significant"])
+    fixed = table.loc["fixed, 4 ranks (exact)"]
+    assert (fixed["paired_diff"], fixed["paired_sd"], fixed["paired_ci95"]) == (0.0, 0.0, 0.0)
+    assert not fixed["significant"] and fixed["detectable_80"] == 0.0
+    assert table.loc["1 device (ntxent)", "per_seed"] == "0.7000 0.8000 0.7500"
+
+
+def test_the_public_code_table_has_a_row_per_w_with_the_parts_only_when_they_differ():
+    case = public_code.CASES[0]
+    table = pd.DataFrame([
+        {"world_size": 2, "part": "all", "verdict": "biased", "cause": "parts",
+         "norm_ratio": 0.123456, "cosine": 0.99},
+        {"world_size": 2, "part": "model", "gradient": "1/W"},
+        {"world_size": 2, "part": "loss.t", "gradient": "exact"},
+        {"world_size": 4, "part": "all", "verdict": "exact", "cause": "", "norm_ratio": 1.0,
+         "cosine": float("nan")},
+        {"world_size": 4, "part": "model", "gradient": "exact"},
+        {"world_size": 4, "part": "loss.t", "gradient": "exact"},
+    ])  # fmt: skip
+    start = [case.package, case.version, case.label]
+    assert public_code.rows_of(case, table) == [
+        [
+            *start,
+            "2",
+            "biased",
+            "parts",
+            "model 1/W, loss.t exact",
+            "0.1235",
+            "0.99",
+            case.predicted,
+        ],
+        [*start, "4", "exact", "", "", "1", "—", case.predicted],
+    ]
