@@ -96,3 +96,19 @@ def test_an_error_without_a_message_names_the_users_line_in_this_process():
     assert cli.error_line(empty.value) == f"Empty at {where}"
     assert cli.error_line(ValueError("first\nsecond")) == "ValueError: first"
     assert cli.error_line(AssertionError()) == "AssertionError"  # never raised: no traceback
+
+
+def test_a_job_runs_in_the_callers_current_directory_and_names_places_from_it(
+    tmp_path, monkeypatch
+):
+    """The ranks were forked where the pool started; a caller that has since moved gets its own
+    directory on every rank (a relative path opens there, a bare assert is named from there)."""
+    pools.pool(2).run(os.getcwd)  # the pool is up before the caller moves
+    monkeypatch.chdir(tmp_path)
+    assert pools.pool(2).run(os.getcwd) == [str(tmp_path)] * 2
+    monkeypatch.undo()
+    with pytest.raises(pools.RankError) as raised:
+        pools.pool(2).run(rank_messages.bare_assert_on_rank_one)
+    assert raised.value.line == (
+        f"AssertionError at {_place(rank_messages.bare_assert_on_rank_one, 'assert ')}"
+    )

@@ -2,6 +2,9 @@
 jobs. ``pool(W).run(function, *args)`` calls ``function(*args)`` on every rank and returns the
 ranks' results in rank order; a rank that raises or dies ends the call at once with ``RankError``.
 
+A job runs in the caller's current directory and import path, whatever they were when the pool
+started (a rank is forked from the fork server, which stays where it started).
+
 The training launcher (``launch``), the gradient measurements (``gatherlab.check.measure``), the
 benchmarks and the test suite all run their distributed work here, so a job costs its computation,
 not the seconds of starting W Python processes that import torch and Lightning.
@@ -165,8 +168,12 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
                 # code from a directory that was put on the path after this worker started, or
                 # relative to a current directory that is not this worker's (a user's loss,
                 # gather, model or data set).
-                search_path, job, watch_s = pickle.loads(payload)
+                search_path, job, watch_s, here = pickle.loads(payload)
                 sys.path.extend(entry for entry in search_path if entry not in sys.path)
+                # The caller's current directory: a relative path in the job (a file the user's
+                # code opens, a place shown relative to it: `cli.place`) reads as in the caller.
+                with contextlib.suppress(OSError):  # a directory since removed: stay
+                    os.chdir(here)
                 function, args = pickle.loads(job)
                 result = _watched_call(
                     function, args, collectives.Peers(peers_store, f"job{number}", rank, watch_s)
@@ -423,7 +430,7 @@ class WorkerPool:
             raise RankError(f"the {self.world_size}-rank pool is closed")
         job, modules = imports.pickled((function, args))
         watch_s = collectives.watch_timeout()
-        payload = pickle.dumps((imports.search_path(modules), job, watch_s))
+        payload = pickle.dumps((imports.search_path(modules), job, watch_s, os.getcwd()))
         for connection in self._connections:
             connection.send_bytes(payload)
         warned: dict[int, list[_SentWarning]] = {}
