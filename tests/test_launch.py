@@ -7,9 +7,10 @@ import psutil
 import pytest
 import ranks
 import torch
-from helpers import descendants, run_training
+from helpers import descendants, run_command, run_training
 
 from gatherlab.core import runfiles
+from gatherlab.lab import jobs
 from gatherlab.ranks import pool as pools
 
 
@@ -91,7 +92,7 @@ def test_pool_jobs_after_other_jobs_equal_fresh_spawn_runs_bit_for_bit(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # two fresh ranks import torch and Lightning: ~15 s idle, more on load
-def test_torchrun_ranks_write_the_run_once_and_equal_the_pooled_run(tmp_path):
+def test_torchrun_ranks_write_the_run_once_and_equal_the_pooled_run(tmp_path, monkeypatch, capfd):
     """``launcher=external`` as the README starts it, through torchrun on gloo, 2 ranks here.
     Fresh interpreters are the point: torchrun starts every rank as a new process that runs the
     whole command (Hydra included) in one shared run directory, which the pools never do. Only
@@ -155,25 +156,37 @@ def test_torchrun_ranks_write_the_run_once_and_equal_the_pooled_run(tmp_path):
     for key in state:
         assert torch.equal(state[key], pooled_state[key]), key
 
-    # the same command again: every rank refuses the finished run in one line, before Lightning
-    # starts (exit status 2, no traceback of a rank), and the run is left as it was
-    again = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "gatherlab.train", *config, "launcher=external", f"hydra.run.dir={external}"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
+    # the same command again, on each rank as torchrun starts it (its variables): every rank
+    # refuses the finished run in one line, exit status 2, before Hydra writes or Lightning
+    # starts, and the run is left as it was. Each rank reads only its own environment and the run
+    # directory to refuse, so each runs in this process: a second torchrun (three fresh
+    # interpreters, ~10 s of CPU) would add only torchrun's own report of the status
+    files = {path: path.stat().st_mtime_ns for path in external.rglob("*")}
     refusal = (
         f"gatherlab.train: error: run directory {external} already holds a finished run; it is "
         "never overwritten"
     )
-    # torchrun ends the other ranks once one has exited: rank 1 prints the same line unless
-    # torchrun's SIGTERM reaches it first (both ranks printed it in every run here)
-    output = again.stdout + again.stderr
-    assert again.returncode != 0 and output.count(refusal) in (1, 2), output[-3000:]
-    assert "exitcode  : 2 (pid" in output, output[-3000:]  # torchrun's report of the first rank
-    assert "src/gatherlab" not in output, output[-3000:]  # no rank's traceback, only torchrun's
+    for rank in range(2):
+        torchrun = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}  # fmt: skip
+        with monkeypatch.context() as patched:
+            patched.delenv("SLURM_PROCID", raising=False)
+            for name, value in torchrun.items():
+                patched.setenv(name, str(value))
+            # a job started past the refusal fails here at once, not at a collective's timeout
+            patched.setattr(jobs, "run", _no_job)
+            capfd.readouterr()
+            again = run_command("train", *config, "launcher=external", f"hydra.run.dir={external}")
+            written = capfd.readouterr()  # what reached the terminal besides the command's own
+        assert (again.returncode, again.stdout) == (2, ""), (rank, again)
+        assert again.stderr.splitlines() == [refusal], (rank, again.stderr)
+        assert "Traceback" not in written.out + written.err, (rank, written)
+    assert {path: path.stat().st_mtime_ns for path in external.rglob("*")} == files
     assert runfiles.read_summary(external) == summary
+
+
+def _no_job(*_, **__):
+    raise AssertionError("a job started after the refusal")
 
 
 @pytest.mark.parametrize(
