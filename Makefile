@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help demo test notebook figures examples lint docs install-check clean
+.PHONY: help demo test mutants notebook figures examples lint docs install-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -20,6 +20,31 @@ demo: $(STAMP)  ## reproduce the GatherLayer bug and its fix, print the verdict,
 
 test: $(STAMP)  ## run the test suite (real gloo process groups on the CPU), in 2 test processes
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+
+# Mutation testing, a habit and not CI (docs/testing.md, "Mutation testing"): mutmut (its config in
+# pyproject.toml) changes one operator, constant or name at a time in the functions that decide
+# what a user is told, and runs the tests of [tool.mutmut] that call that function; a mutant they
+# pass survives. MUTANTS names the functions (module.x_function, globs); a fresh copy each time
+# (mutants/). One torch thread: a mutant runs in a process forked from the one that ran the tests,
+# where a second thread pool would hang. Survivors: $(VENV)/bin/mutmut show NAME prints the change.
+MUTANTS ?= gatherlab.core.terms.* gatherlab.check.hypotheses.* \
+    gatherlab.check.measure.x_same_forward* gatherlab.check.measure.x__near* \
+    gatherlab.check.measure.x_cosine_and_norm_ratio* gatherlab.check.measure.x_factor* \
+    gatherlab.check.measure.x_classify* gatherlab.check.measure.x_single_factors* \
+    gatherlab.check.table.x_verdict* gatherlab.check.table.x_trains_like_one_device* \
+    gatherlab.check.diagnosis.x_diagnosis* gatherlab.check.diagnosis.x_explain__* \
+    gatherlab.analysis.report.x_one_device_whole_batch* gatherlab.analysis.report.x__held_against* \
+    gatherlab.analysis.report.x__not_comparable* gatherlab.analysis.report.x_max_abs_weight_* \
+    gatherlab.analysis.report.x_common_tolerance* gatherlab.analysis.report.x_loss_matrix* \
+    gatherlab.analysis.report.x__matrix_cell*
+mutants: $(STAMP)  ## mutation testing of the code of the verdicts (~2 min here; MUTANTS= to choose)
+	rm -rf mutants && mkdir -p build
+	(OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children 2 $(MUTANTS); echo $$? > \
+	    build/mutants.status) | tee build/mutants.log; exit "$$(cat build/mutants.status)"
+	@echo "per module: 🎉 killed, ⏰ timeout (killed), 🙁 survived, 🫥 no test calls it"
+	@tr '\r' '\n' < build/mutants.log | awk '/^[^ ]+ gatherlab\./ { module = $$2; \
+	    sub(/\.x[_ǁ].*/, "", module); count[module " " $$1]++ } \
+	    END { for (key in count) print "  " key, count[key] }' | sort
 
 # The notebook server runs in this environment, so its default kernel (python3) is the project's;
 # the notebook finds the newest sweep under multirun/ by itself. NOTEBOOK_ARGS=--no-browser on a
@@ -75,4 +100,4 @@ endef
 export INSTALL_CHECK_TESTING
 
 clean:  ## remove the virtual environment and all run outputs
-	rm -rf $(VENV) outputs multirun build dist
+	rm -rf $(VENV) outputs multirun build dist mutants
