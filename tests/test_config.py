@@ -317,3 +317,25 @@ def test_more_cpu_ranks_than_cores_is_a_warning_with_the_count():
     warning = validation.machine_warning(cfg)
     assert f"layout.devices={cores + 1} CPU ranks on {cores} core(s)" in warning
     assert validation.machine_warning(compose("layout=cpu1")[0]) is None
+
+
+@pytest.mark.parametrize(
+    ("override", "allowed"),
+    [
+        # the groups (directories of conf/) and the primary config's keys (conf/config.yaml)
+        ("layuot=cpu2", ["global_batch_size", "layout", "model", "seed", "steps"]),
+        # below a group: the keys of any of its options (conf/model/*.yaml)
+        ("model.nrom=global", ["depth", "dropout", "norm", "weight"]),
+    ],
+)
+def test_a_key_the_config_lacks_is_one_line_naming_the_keys_it_has(override, allowed):
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError) as error, config.composed():
+        config.compose_with_hydra([override])
+    line = str(error.value)
+    start, _, rest = line.partition("; allowed: ")
+    assert start == f"{key} is not a key of the config"
+    assert rest.endswith(f", or +{key}=VALUE to add it") and "\n" not in line
+    named = rest.removesuffix(f", or +{key}=VALUE to add it").split(", ")
+    assert set(allowed) <= set(named) and key not in named
+    assert named == sorted(named)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.resources
 import inspect
 import itertools
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,10 +89,38 @@ def hydra_errors_as_one_line(compose: Callable[..., DictConfig], *args, **kwargs
 def _one_line(error: HydraException) -> ConfigError:
     missing = getattr(error, "missing_cfg_file", None) or ""
     options = getattr(error, "options", None)
+    unknown = re.match(r"Could not override '([^']+)'", str(error))
+    if unknown:  # a key the config does not have: the keys it has there
+        key = unknown.group(1)
+        keys = known_keys(key)
+        allowed = f"{', '.join(keys)}, or " if keys else ""
+        return ConfigError(
+            f"{key} is not a key of the config; allowed: {allowed}+{key}=VALUE to add it"
+        )
     if not isinstance(error, MissingConfigException) or "/" not in missing or not options:
         return ConfigError(cli.first_line(error))
     group, _, value = missing.rpartition("/")
     return ConfigError(f"{group}={value!r} is unknown; allowed: {', '.join(sorted(options))}")
+
+
+def known_keys(key: str) -> list[str]:
+    """The keys beside ``key`` (dotted) in gatherlab's config files: at the top, the config groups
+    and the primary config's keys; below a group or a key, the keys that any of its options or
+    its node has there."""
+    primary = OmegaConf.load(CONFIG_DIR / f"{CONFIG_NAME}.yaml")
+    parent = key.rpartition(".")[0]
+    if not parent:
+        groups = {p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name.isidentifier()}
+        return sorted(groups | {str(k) for k in primary if k != "defaults"} - {"__pycache__"})
+    head, _, rest = parent.partition(".")
+    nodes = [OmegaConf.load(path) for path in sorted((CONFIG_DIR / head).glob("*.yaml"))]
+    nodes += [primary[head]] if head in primary else []
+    keys: set[str] = set()
+    for node in nodes:
+        below = OmegaConf.select(node, rest) if rest else node
+        if isinstance(below, DictConfig):
+            keys |= {str(k) for k in below if k != "defaults"}
+    return sorted(keys)
 
 
 def override_values(overrides: Sequence[str]) -> dict[str, str]:
