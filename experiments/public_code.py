@@ -83,7 +83,10 @@ def download(package: str, version: str) -> Path:
         "--disable-pip-version-check", "--quiet", f"{package}=={version}", "-d", str(wheels),
     ]  # fmt: skip
     subprocess.run(command, check=True)
-    found = sorted(wheels.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
+    name = package.replace("-", "_").lower()  # a wheel's name keeps the project's capitals
+    found = sorted(
+        w for w in wheels.glob(f"*-{version}-*.whl") if w.name.lower().startswith(name + "-")
+    )
     if len(found) != 1:
         raise RuntimeError(f"pip download {package}=={version}: expected one wheel, found {found}")
     return found[0]
@@ -324,15 +327,16 @@ def markdown(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_into_results(text: str) -> None:
-    """Replaces what lies between the markers of docs/results.md with ``text``."""
+def write_into_results(text: str, start: str = START, end: str = END) -> None:
+    """Replaces what lies between the markers ``start`` and ``end`` of docs/results.md (by
+    default this script's) with ``text``."""
     document = RESULTS.read_text()
-    if document.count(START) != 1 or document.count(END) != 1:
-        raise RuntimeError(f"{RESULTS}: expected one {START} and one {END}")
-    before, rest = document.split(START)
-    _, after = rest.split(END)
+    if document.count(start) != 1 or document.count(end) != 1:
+        raise RuntimeError(f"{RESULTS}: expected one {start} and one {end}")
+    before, rest = document.split(start)
+    _, after = rest.split(end)
     with tempfile.NamedTemporaryFile("w", dir=RESULTS.parent, delete=False) as new:
-        new.write(f"{before}{START}\n{text}\n{END}{after}")
+        new.write(f"{before}{start}\n{text}\n{end}{after}")
     os.replace(new.name, RESULTS)
 
 
