@@ -1,0 +1,220 @@
+"""Table (docs/results.md, "A census of released code"): ``gatherlab.check`` on every
+distributed loss of the released packages the census could load, at W = 2 and 4, with the
+released defaults and each distributed flag on and off; every row that is not exact checked again
+with its fix applied to a local copy of the released file.
+
+The cases, their adapters, stubs and fixes are in ``experiments/census_cases.py``. This script
+downloads each release's wheel as ``experiments/public_code.py`` does (``pip download --no-deps``
+into ``~/.cache/gatherlab/public_code``: it needs the package registry; the test suite does not),
+unpacks it whole into ``<cache>/<package>-<version>``, copies it to
+``<cache>/<package>-<version>+<fix>`` with a case's fix applied (each edit replaces the one
+occurrence of its text, or the script stops; a case's ``patch``, a change the check itself needs
+such as float64 or CPU, is applied the same way before its first check and said in the notes
+under the table), and runs ``check_loss`` on each case in the ranks
+of the warm pool, which import ``census_cases`` and load only the files each loss needs. It prints
+the table and writes it into docs/results.md between ``<!-- census:start -->`` and
+``<!-- census:end -->``.
+
+Usage: ``python experiments/census.py`` (``--only TEXT``: only the cases whose
+``package version loss`` contains TEXT, printed, not written)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import hashlib
+import shutil
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the ranks import census_cases and public_code from here too
+    sys.path.insert(0, str(HERE))
+
+import census_cases  # noqa: E402
+from census_cases import CASES, NOT_RUN, Case, Fix  # noqa: E402
+from public_code import download, release_root, sha256, write_into_results  # noqa: E402
+
+from gatherlab.check import check_loss  # noqa: E402
+from gatherlab.check.api import CheckError  # noqa: E402
+
+START, END = "<!-- census:start -->", "<!-- census:end -->"
+WORLD_SIZES = (2, 4)
+REPRO = "experiments/census_repro"
+
+
+def unpack_all(wheel: Path, package: str, version: str) -> Path:
+    """Every file of ``wheel`` extracted into the release's folder, once."""
+    root = release_root(package, version)
+    done = root / ".unpacked"
+    if not done.is_file():
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(root)
+        done.write_text(wheel.name)
+    return root
+
+
+def fixed_copy(root: Path, fix: Fix, label: str) -> Path:
+    """A copy of the release at ``root`` with ``fix`` applied, made afresh each run."""
+    copy = root.with_name(f"{root.name}+{label}")
+    if copy.exists():
+        shutil.rmtree(copy)
+    shutil.copytree(root, copy)
+    for file, old, new in fix.edits:
+        text = (copy / file).read_text()
+        if text.count(old) != 1:
+            raise RuntimeError(f"{fix.summary}: {file} holds {text.count(old)} copies of {old!r}")
+        (copy / file).write_text(text.replace(old, new))
+    return copy
+
+
+def check(case: Case, root: Path) -> pd.DataFrame | str:
+    """The check's table of ``case`` on the release at ``root``, or the error that stopped it."""
+    if case.gather:  # the released gather, checked with a loss of gatherlab's
+        factory, kwargs = case.factory, dict(case.kwargs)
+        gather = functools.partial(getattr(census_cases, case.gather), root=str(root))
+    else:
+        factory, kwargs, gather = (
+            f"census_cases:{case.factory}",
+            {**case.kwargs, "root": str(root)},
+            None,
+        )
+    try:
+        return check_loss(factory, WORLD_SIZES, gather=gather, steps=case.steps, **kwargs)
+    except CheckError as error:
+        return f"failed on one device: {str(error).splitlines()[0]}"
+
+
+def _number(value: Any) -> str:
+    return "—" if value is None or pd.isna(value) else f"{value:.3g}"
+
+
+def verdicts(table: pd.DataFrame | str) -> list[str]:
+    """Per W, the verdict with its numbers (cosine, norm ratio; the loss's relative difference
+    when the forward differs)."""
+    if isinstance(table, str):
+        return [table] * len(WORLD_SIZES)
+    cells = []
+    for _, at_w in table.groupby("world_size", sort=False):
+        whole = at_w[at_w["part"] == "all"].iloc[0]
+        verdict = str(whole["verdict"])
+        if verdict == "exact":
+            cells.append(verdict)
+        elif verdict == "failed":
+            cells.append(f"failed: {whole['error']}")
+        else:
+            numbers = f"cos {_number(whole['cosine'])}, norm {_number(whole['norm_ratio'])}"
+            if whole["forward"] == "differs":
+                numbers = f"Δloss {_number(whole['loss_diff'])}, " + numbers
+            if verdict == "loss scaled":
+                numbers = f"×{_number(whole['scale'])}"
+            cells.append(f"{verdict} ({numbers})")
+    return cells
+
+
+def named(table: pd.DataFrame | str) -> str:
+    """The cause and the ``where`` line the check named, at the first W that is not exact."""
+    if isinstance(table, str):
+        return ""
+    for _, row in table[table["part"] == "all"].iterrows():
+        if row["verdict"] in ("exact", "failed"):
+            continue
+        words = [str(row["cause"])] if isinstance(row["cause"], str) and row["cause"] else []
+        if isinstance(row["where"], str) and row["where"]:
+            words.append(f"`{row['where'].strip()}`")
+        return "; ".join(words)
+    return ""
+
+
+def exact(table: pd.DataFrame | str) -> bool:
+    if isinstance(table, str):
+        return False
+    whole = table[table["part"] == "all"]
+    return bool(whole["verdict"].isin(["exact", "loss scaled"]).all())
+
+
+COLUMNS = ("package", "version", "loss", "flags", "W = 2", "W = 4", "cause; where",
+           "fix", "with the fix (W = 2, 4)", "reproducer")  # fmt: skip
+
+
+def row_of(case: Case, table: pd.DataFrame | str, fixed: pd.DataFrame | str | None) -> list[str]:
+    fix, after = "", ""
+    if not exact(table):
+        if case.fix is not None:
+            fix = case.fix.summary
+            after = "exact" if exact(fixed) else " / ".join(verdicts(fixed))
+        else:
+            fix = case.note
+    repro = f"[{case.repro}]({'../' + REPRO}/{case.repro})" if case.repro else ""
+    return [case.package, case.version, f"`{case.loss}`", case.flags, *verdicts(table),
+            named(table), fix, after, repro]  # fmt: skip
+
+
+def markdown(rows: list[list[str]]) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(text) for text in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="only the cases whose 'package version loss' has this")
+    only = parser.parse_args().only
+    cases = [c for c in CASES if not only or only in f"{c.package} {c.version} {c.loss}"]
+    started = time.perf_counter()
+    releases: dict[tuple[str, str], Path] = {}
+    provenance = []
+    for case in cases:
+        key = (case.package, case.version)
+        if key not in releases:
+            for package, version in (key, *case.needs):
+                if (package, version) in releases:  # a dependency of two packages: once
+                    continue
+                wheel = download(package, version)
+                releases[(package, version)] = unpack_all(wheel, package, version)
+                provenance.append(f"{wheel.name} (sha256 {sha256(wheel)[:16]}…)")
+    rows = []
+    for number, case in enumerate(cases, 1):
+        root = releases[(case.package, case.version)]
+        label = hashlib.sha256(f"{case.loss} {case.flags}".encode()).hexdigest()[:8]
+        if case.patch is not None:
+            root = fixed_copy(root, case.patch, f"{case.patch.name}-{label}")
+        table = check(case, root)
+        fixed = None
+        if case.fix is not None and not exact(table):
+            fixed = check(case, fixed_copy(root, case.fix, f"{case.fix.name}-{label}"))
+        rows.append(row_of(case, table, fixed))
+        print(f"[{number}/{len(cases)}] {' | '.join(rows[-1][:8])}", flush=True)
+    for skipped in NOT_RUN:
+        rows.append([skipped.package, skipped.version, f"`{skipped.loss}`", "—",
+                     "not run", "not run", skipped.reason, "", "", ""])  # fmt: skip
+    notes = [f"- {case.package} {case.version} `{case.loss}` ({case.flags}): {case.remark}."
+             for case in cases if case.remark]  # fmt: skip
+    seconds = time.perf_counter() - started
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    text = (
+        markdown(rows)
+        + ("\n\nNotes:\n\n" + "\n".join(notes) if notes else "")
+        + f"\n\nRun on {today} in {seconds:.0f} s, from the wheels "
+        + ", ".join(provenance)
+        + "."
+    )
+    print(text)
+    if only:
+        return
+    write_into_results(text, START, END)
+    print(f"written: docs/results.md (between {START} and {END}); {seconds:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
