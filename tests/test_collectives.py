@@ -86,6 +86,12 @@ def test_a_rank_that_raises_is_named_by_its_own_error_not_by_its_waiting_peers()
         assert found[size] == f"rank {size - 1}: ValueError: the last rank stops here"
 
 
+def test_ranks_that_all_raise_are_named_by_the_lowest_whichever_answers_first():
+    found = errors("EveryRankRaises")
+    for size in W:
+        assert found[size] == "rank 0: NameError: name 'exists' is not defined (rank 0)"
+
+
 def test_a_rank_that_never_comes_is_named_after_the_collective_timeout():
     found = errors("LastRankSleeps", timeout_s=1.0)
     for size in W:

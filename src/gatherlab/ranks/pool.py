@@ -488,10 +488,12 @@ class WorkerPool:
                         self._abandon()
                         raise error from None
                     if status == "error":
+                        errors = [value]
                         answered = {*results, rank}
-                        if not (watched and self._settled(by_connection, answered, warned)):
+                        if not (watched and self._settled(by_connection, answered, warned, errors)):
                             self._abandon()
-                        raise RankError(*value)
+                        # ranks that all raised: the lowest one named, whichever answered first
+                        raise RankError(*min(errors, key=lambda error: error[2]))
                     results[rank] = value
                 else:
                     rank = by_sentinel.pop(item)
@@ -503,19 +505,22 @@ class WorkerPool:
 
     def _settled(
         self, by_connection: dict[Connection, int], answered: set[int],
-        warned: dict[int, list[_SentWarning]],
+        warned: dict[int, list[_SentWarning]], errors: list[Any],
     ) -> bool:  # fmt: skip
-        """Whether every rank that has not ``answered`` answers (anything) within ``_SETTLE_S``:
-        after a failed watched job, the ranks whose peer failed end at their next collective."""
+        """Whether every rank that has not ``answered`` answers (anything) within ``_SETTLE_S``
+        (their errors added to ``errors``): after a failed watched job, the ranks whose peer
+        failed end at their next collective."""
         pending = {c: rank for c, rank in by_connection.items() if rank not in answered}
         deadline = time.monotonic() + _SETTLE_S
         while pending and time.monotonic() < deadline:
             for connection in wait(list(pending), timeout=deadline - time.monotonic()):
                 rank = pending.pop(connection)
                 try:
-                    _, _, warned[rank] = connection.recv()
+                    status, value, warned[rank] = connection.recv()
                 except (EOFError, ConnectionResetError):  # it died
                     return False
+                if status == "error":
+                    errors.append(value)
         return not pending
 
     def _death(self, rank: int) -> RankError:
