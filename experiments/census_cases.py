@@ -44,7 +44,10 @@ from torch import nn
 @dataclass(frozen=True)
 class Fix:
     """A fix tried on a local copy of the released files: each ``(file, old, new)`` replaces the
-    one occurrence of ``old`` in ``file`` (relative to the wheel's root) before loading."""
+    one occurrence of ``old`` in ``file`` (relative to the wheel's root) before loading. Code
+    that needs a collective whose backward sums the ranks' gradients imports it from
+    ``census_fixes`` (``all_reduce_sum``, ``all_gather_rows``), on the ranks' import path with
+    this module."""
 
     summary: str  # the fix in one line, for the table
     edits: tuple[tuple[str, str, str], ...]
@@ -205,23 +208,27 @@ class LightlyDINO(nn.Module):
 
 
 MSN_MEAN = Fix(
-    "all-reduce the mean anchor probabilities of the me-max regularisation (with "
-    "torch.distributed.nn, then / W) when gather_distributed, instead of the rank's mean",
+    "all-reduce the mean anchor probabilities of the me-max regularisation, then / W, when "
+    "gather_distributed (with an all-reduce whose backward sums the gradients: "
+    "census_fixes.all_reduce_sum), instead of the rank's mean",
     (
         (
             "lightly/loss/msn_loss.py",
             "            mean_anchor_probs = torch.mean(anchor_probs, dim=0)\n",
             "            mean_anchor_probs = torch.mean(anchor_probs, dim=0)\n"
             "            if self.gather_distributed and dist.is_initialized():\n"
-            "                mean_anchor_probs = torch.distributed.nn.all_reduce(\n"
+            "                from census_fixes import all_reduce_sum\n"
+            "\n"
+            "                mean_anchor_probs = all_reduce_sum(\n"
             "                    mean_anchor_probs / dist.get_world_size()\n"
             "                )\n",
         ),
     ),
 )
 BARLOW_GLOBAL = Fix(
-    "standardise with the mean and variance of the whole batch (all-reduced with "
-    "torch.distributed.nn) instead of the rank's F.batch_norm",
+    "standardise with the mean and variance of the whole batch, all-reduced with an "
+    "all-reduce whose backward sums the gradients (census_fixes.all_reduce_sum), instead of "
+    "the rank's F.batch_norm",
     (
         (
             "lightly/loss/barlow_twins_loss.py",
@@ -235,9 +242,11 @@ BARLOW_GLOBAL = Fix(
             "lightly/loss/barlow_twins_loss.py",
             "def _normalize(z: torch.Tensor) -> torch.Tensor:\n",
             "def _normalize_global(z: torch.Tensor) -> torch.Tensor:\n"
+            "    from census_fixes import all_reduce_sum\n"
+            "\n"
             "    world_size = dist.get_world_size()\n"
-            "    mean = dist_nn.all_reduce(z.mean(0)) / world_size\n"
-            "    var = dist_nn.all_reduce((z - mean).pow(2).mean(0)) / world_size\n"
+            "    mean = all_reduce_sum(z.mean(0)) / world_size\n"
+            "    var = all_reduce_sum((z - mean).pow(2).mean(0)) / world_size\n"
             "    return (z - mean) / torch.sqrt(var + 1e-5)\n"
             "\n\n"
             "def _normalize(z: torch.Tensor) -> torch.Tensor:\n",
@@ -265,19 +274,16 @@ DCLW_GLOBAL = Fix(
 
 
 BARLOW_1977 = Fix(
-    "PR #1977 (1.5.26: the cross-correlation all-reduced with torch.distributed.nn, whose "
-    "backward sums, instead of dist.all_reduce, which autograd does not see), and "
-    + BARLOW_GLOBAL.summary,
+    "the cross-correlation all-reduced with an all-reduce whose backward sums the gradients "
+    "(census_fixes.all_reduce_sum; what PR #1977 changed in 1.5.26) instead of dist.all_reduce, "
+    "which autograd does not see, and " + BARLOW_GLOBAL.summary,
     (
         (
             "lightly/loss/barlow_twins_loss.py",
-            "from torch import Tensor\n",
-            "from torch import Tensor\nfrom torch.distributed import nn as dist_nn\n",
-        ),
-        (
-            "lightly/loss/barlow_twins_loss.py",
             "                c = c / world_size\n                dist.all_reduce(c)\n",
-            "                c = dist_nn.all_reduce(c / world_size)\n",
+            "                from census_fixes import all_reduce_sum\n"
+            "\n"
+            "                c = all_reduce_sum(c / world_size)\n",
         ),
         *BARLOW_GLOBAL.edits,
     ),
@@ -578,9 +584,9 @@ class PmlDistributed(nn.Module):
 
 
 PML_EFFICIENT = Fix(
-    "with efficient=True, gather the references with torch.distributed.nn.all_gather (its "
-    "backward sums), the own rows first as before, instead of the no-grad all_gather, and "
-    "return the loss not multiplied by W",
+    "with efficient=True, gather the references with a gather whose backward sums the "
+    "gradients (census_fixes.all_gather_rows), the own rows first as before, instead of the "
+    "no-grad all_gather, and return the loss not multiplied by W",
     (
         (
             "pytorch_metric_learning/utils/distributed.py",
@@ -594,7 +600,9 @@ PML_EFFICIENT = Fix(
             "            if indices_tuple is None:\n",
             "            all_emb = select_ref_or_regular(all_emb, all_ref_emb)\n"
             "            if all_ref_emb is None:\n"
-            "                gathered = list(torch.distributed.nn.all_gather(emb))\n"
+            "                from census_fixes import all_gather_rows\n"
+            "\n"
+            "                gathered = list(all_gather_rows(emb).split(len(emb)))\n"
             "                own = gathered.pop(torch.distributed.get_rank())\n"
             "                all_emb = torch.cat([own, *gathered], dim=0)\n"
             "            if indices_tuple is None:\n",
@@ -717,19 +725,22 @@ class SoloDINO(nn.Module):
 
 SOLO_BARLOW_FIX = Fix(
     "standardise with the whole batch's mean and variance (all-reduced), and all-reduce corr "
-    "with torch.distributed.nn (its backward sums) instead of dist.all_reduce (none)",
+    "with an all-reduce whose backward sums the gradients (census_fixes.all_reduce_sum) instead "
+    "of dist.all_reduce (no backward)",
     (
         (
             "solo/losses/barlow.py",
             "    bn = torch.nn.BatchNorm1d(D, affine=False).to(z1.device, z1.dtype)\n"
             "    z1 = bn(z1)\n"
             "    z2 = bn(z2)\n",
+            "    from census_fixes import all_reduce_sum\n"
+            "\n"
             "    def bn(z):\n"
             "        if not (dist.is_available() and dist.is_initialized()):\n"
             "            return torch.nn.functional.batch_norm(z, None, None, training=True)\n"
             "        w = dist.get_world_size()\n"
-            "        mean = torch.distributed.nn.all_reduce(z.mean(0)) / w\n"
-            "        var = torch.distributed.nn.all_reduce((z - mean).pow(2).mean(0)) / w\n"
+            "        mean = all_reduce_sum(z.mean(0)) / w\n"
+            "        var = all_reduce_sum((z - mean).pow(2).mean(0)) / w\n"
             "        return (z - mean) / torch.sqrt(var + 1e-5)\n"
             "\n"
             "    z1 = bn(z1)\n"
@@ -740,7 +751,7 @@ SOLO_BARLOW_FIX = Fix(
             "        dist.all_reduce(corr)\n        world_size = dist.get_world_size()\n"
             "        corr /= world_size\n",
             "        world_size = dist.get_world_size()\n"
-            "        corr = torch.distributed.nn.all_reduce(corr / world_size)\n",
+            "        corr = all_reduce_sum(corr / world_size)\n",
         ),
     ),
 )
@@ -988,9 +999,30 @@ class TmmBlip2Itc(nn.Module):
 
 
 TMM_LOCAL = "backprop_type=GLOBAL (its default; next rows)"
-BLIP2_GLOBAL = Fix(
-    "gather the image and text features with BackpropType.GLOBAL (torch.distributed.nn's "
-    "all_gather, whose backward sums) instead of NONE",
+BLIP2_GATHER = Fix(
+    "gather the image and text features with a gather whose backward sums the gradients, made "
+    "contiguous (census_fixes.all_gather_rows), instead of concat_gather_all_gpu with "
+    "BackpropType.NONE",
+    (
+        (
+            "torchmultimodal/modules/losses/blip2_losses.py",
+            "    image_features_all = concat_gather_all_gpu(\n"
+            "        image_features, backprop_type=BackpropType.NONE\n",
+            "    from census_fixes import all_gather_rows\n"
+            "\n"
+            "    image_features_all = all_gather_rows(\n"
+            "        image_features\n",
+        ),
+        (
+            "torchmultimodal/modules/losses/blip2_losses.py",
+            "    text_features_all = concat_gather_all_gpu(\n"
+            "        text_features, backprop_type=BackpropType.NONE\n",
+            "    text_features_all = all_gather_rows(\n        text_features\n",
+        ),
+    ),
+)
+BLIP2_GLOBAL = Fix(  # the released flag in place of NONE: a row of its own, not the fix
+    "the image and text features gathered with BackpropType.GLOBAL instead of NONE",
     (
         (
             "torchmultimodal/modules/losses/blip2_losses.py",
@@ -1007,14 +1039,19 @@ BLIP2_GLOBAL = Fix(
             "        text_features, backprop_type=BackpropType.GLOBAL\n",
         ),
     ),
+    "global",
 )
 TMM_CASES = [
     *(Case(TMM_PACKAGE, TMM, "ContrastiveLossWithTemperature", f"backprop_type={kind}",
            "TmmContrastive", {"backprop_type": kind}, note="" if kind == "GLOBAL" else TMM_LOCAL)
       for kind in ("GLOBAL", "LOCAL", "NONE")),
     Case(TMM_PACKAGE, TMM, "itc_loss(compute_image_text_similarity) (BLIP-2)",
-         "defaults (gathers in any group)", "TmmBlip2Itc", fix=BLIP2_GLOBAL,
+         "defaults (gathers in any group)", "TmmBlip2Itc", fix=BLIP2_GATHER,
          repro="blip2_itc.py"),
+    Case(TMM_PACKAGE, TMM, "itc_loss(compute_image_text_similarity) (BLIP-2)",
+         "BackpropType.GLOBAL in place of NONE (patched: see the notes)", "TmmBlip2Itc",
+         repro="blip2_itc.py", patch=BLIP2_GLOBAL,
+         note="not a fix on gloo (see the notes); the fix is the row above's"),
 ]  # fmt: skip
 
 
@@ -1298,15 +1335,17 @@ class VisslBarlow(nn.Module):
 
 
 VISSL_BARLOW_FIX = Fix(
-    "average the cross-correlation with torch.distributed.nn.all_reduce (its backward sums) "
-    "instead of classy_vision's all_reduce_mean (an in-place all_reduce that autograd does "
-    "not see)",
+    "average the cross-correlation with an all-reduce whose backward sums the gradients "
+    "(census_fixes.all_reduce_sum) instead of classy_vision's all_reduce_mean (an in-place "
+    "all_reduce that autograd does not see)",
     (
         (
             "vissl/losses/barlow_twins_loss.py",
             "        correlation_matrix = all_reduce_mean(correlation_matrix)\n",
             "        if torch.distributed.is_available() and torch.distributed.is_initialized():\n"
-            "            correlation_matrix = torch.distributed.nn.all_reduce(\n"
+            "            from census_fixes import all_reduce_sum\n"
+            "\n"
+            "            correlation_matrix = all_reduce_sum(\n"
             "                correlation_matrix / torch.distributed.get_world_size()\n"
             "            )\n",
         ),
@@ -1342,14 +1381,16 @@ REMARKS = {  # (package, loss, flags) → a note under the table
         "patched for CPU and float64 (the sinkhorns' `.cuda()` and `.float()`); with two "
         "nodes the column marginal is 1/(gpus·B), not 1/(gpus·num_nodes·B), a uniform scale "
         "that the final column normalisation cancels: exact",
-    (TMM_PACKAGE, TMM_CASES[3].loss, TMM_CASES[3].flags):
-        "with the fix the gradient is still biased on gloo: `torch.distributed.nn.all_gather`'s "
-        "backward receives non-contiguous gradients here (the image features are permuted "
-        "after the gather) and scatters them into buffers of the same strides, which gloo "
-        "mishandles ([torch_gloo_all_gather.py](../experiments/census_repro/"
-        "torch_gloo_all_gather.py), pytorch/pytorch#192920); a gather that stacks the "
-        "gradients before summing them is exact ([blip2_itc.py](../experiments/census_repro/"
-        "blip2_itc.py))",
+    (TMM_PACKAGE, TMM_CASES[4].loss, TMM_CASES[4].flags):
+        "the release with its own flag, `BackpropType.GLOBAL` (torch.distributed.nn's "
+        "`all_gather`, whose backward sums), in place of `NONE` in both gathers: still biased "
+        "on gloo, because that backward receives gradients that are not contiguous here (the "
+        "image features are permuted after the gather) and scatters them into buffers of the "
+        "same strides, and gloo's scatter gives a wrong result for them (measured by "
+        "[torch_gloo_all_gather.py](../experiments/census_repro/torch_gloo_all_gather.py): the "
+        "same gather's gradient has cosine 0.267 when it is not contiguous, 1 when it is); the "
+        "fix, census_fixes.all_gather_rows, makes the gradient contiguous before summing it "
+        "(the row above)",
     ("pytorch-metric-learning", "DistributedLossWrapper(NTXentLoss)", "efficient=False"):
         "`loss scaled`: the loss is W × one device's (`return loss * world_size`) and the "
         "gradient exact after DDP's average: training is one device's, the logged loss W "

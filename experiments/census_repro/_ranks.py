@@ -5,18 +5,31 @@ differ. Plain torch; no gatherlab.
 The gradient compared is of the embeddings z0 and z1 themselves, after DDP's average: each
 rank's gradient of its rows divided by W (DDP averages the parameters' gradients; on embeddings
 this is the same factor), gathered, against one device's gradient of all rows.
+
+The fixed versions communicate with ``all_reduce_sum`` and ``all_gather_rows`` (autograd-aware
+collectives whose backward sums the ranks' gradients), imported from
+``experiments/census_fixes.py``, the module the census's fixes use, and importable from here.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+EXPERIMENTS = str(Path(__file__).resolve().parents[1])  # where census_fixes is
+if EXPERIMENTS not in sys.path:
+    sys.path.insert(0, EXPERIMENTS)
+from census_fixes import all_gather_rows, all_reduce_sum  # noqa: E402
+
+__all__ = ["Loss", "all_gather_rows", "all_reduce_sum", "compare"]
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -2,11 +2,12 @@
 ``compute_image_text_similarity`` gathers the image and text features with
 ``BackpropType.NONE`` (``modules/losses/blip2_losses.py:43``, 46): the rank's rows are scored
 against every rank's, but no gradient reaches the gathered columns, not even the rank's own:
-the gradient is biased. The fix: ``BackpropType.GLOBAL`` (``torch.distributed.nn``'s
-all_gather, whose backward sums). On gloo that backward is itself wrong here: the gradients it
-receives are not contiguous (the image features are permuted after the gather) and gloo's
-scatter, which it uses, mishandles them (``torch_gloo_all_gather.py``); a gather whose backward
-stacks the gradients (contiguous) before summing them is exact.
+the gradient is biased. The fix: gather with ``census_fixes.all_gather_rows``, whose backward
+sums the gradients (made contiguous) over ranks, then takes the rank's slice: exact. The
+release's own flag, ``BackpropType.GLOBAL`` (``torch.distributed.nn``'s all_gather), is measured
+too, not as the fix: on gloo its backward is wrong here, because the gradients it receives are
+not contiguous (the image features are permuted after the gather) and gloo's scatter, which it
+uses, gives a wrong result for them (``torch_gloo_all_gather.py``).
 
 ``python experiments/census_repro/blip2_itc.py`` (the two functions, written here: image 2
 query tokens of 4, text 4 values, temperature 0.07, label smoothing 0.1);
@@ -16,8 +17,7 @@ query tokens of 4, text 4 values, temperature 0.07, label smoothing 0.1);
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _ranks import compare
-from simclr_nt_xent import Summed
+from _ranks import all_gather_rows, compare
 from torch.distributed.nn import all_gather
 
 
@@ -27,12 +27,8 @@ def no_grad_gather(x):  # BackpropType.NONE
     return torch.cat(out)
 
 
-def torch_gather(x):  # BackpropType.GLOBAL
+def torch_gather(x):  # BackpropType.GLOBAL, the release's other flag: measured, not the fix
     return torch.cat(all_gather(x))
-
-
-def summed_gather(x):  # the own slice of every rank's gradient, stacked and summed
-    return torch.cat(Summed.apply(x))
 
 
 def itc(z0, z1, gather=no_grad_gather, temp=0.07):
@@ -53,11 +49,11 @@ def itc_torch_gather(z0, z1):
     return itc(z0, z1, gather=torch_gather)
 
 
-def itc_summed_gather(z0, z1):
-    return itc(z0, z1, gather=summed_gather)
+def itc_fixed(z0, z1):
+    return itc(z0, z1, gather=all_gather_rows)
 
 
 if __name__ == "__main__":
     compare("released: BackpropType.NONE", itc)
-    compare("fixed, BackpropType.GLOBAL (torch.distributed.nn, on gloo)", itc_torch_gather)
-    compare("fixed, a gather that sums contiguous gradients", itc_summed_gather)
+    compare("released flag BackpropType.GLOBAL (torch.distributed.nn, on gloo)", itc_torch_gather)
+    compare("fixed: census_fixes.all_gather_rows", itc_fixed)

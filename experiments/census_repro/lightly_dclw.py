@@ -2,7 +2,8 @@
 are a softmax over the rank's own rows (``lightly/loss/dcl_loss.py:38``,
 ``2 - out0.shape[0] * softmax(similarity, dim=0)``), so W ranks weigh each positive otherwise
 than one device does, though the negatives are gathered. The fix: the softmax over the gathered
-batch, then the rank's slice.
+batch, then the rank's slice. (Both versions gather with ``census_fixes.all_gather_rows``,
+whose backward sums the gradients, as lightly's ``GatherLayer`` does since 1.5.4.)
 
 ``python experiments/census_repro/lightly_dclw.py`` (plain torch, gloo ranks on this machine);
 ``python -m gatherlab.check census_cases:lightly_loss --kwargs
@@ -13,8 +14,7 @@ released class itself once ``python experiments/census.py`` has unpacked it.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _ranks import compare
-from torch.distributed.nn import all_gather
+from _ranks import all_gather_rows, compare
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -22,7 +22,7 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def gathered(x: torch.Tensor) -> torch.Tensor:  # every rank's rows; the backward sums
-    return torch.cat(all_gather(x)) if dist.is_initialized() else x
+    return all_gather_rows(x)
 
 
 def weights(z0, z1, sigma=0.5, over_everyone=False):

@@ -2,7 +2,8 @@
 all-reduced, but the me-max regularisation takes the mean anchor probabilities over the rank's
 rows (``mean_anchor_probs = torch.mean(anchor_probs, dim=0)``, ``lightly/loss/msn_loss.py:236``)
 and its entropy: a function of the batch mean that is not linear, so the mean over ranks is not
-one device's. The fix: all-reduce that mean (``torch.distributed.nn``, then / W). (gatherlab's
+one device's. The fix: all-reduce that mean, then / W, with an all-reduce whose backward sums
+the gradients (``census_fixes.all_reduce_sum``). (gatherlab's
 ``where`` names ``msn_loss.py:83``, the Sinkhorn's ``torch.sum``, whose local partial sum the
 in-place ``dist.all_reduce`` on the next line completes.)
 
@@ -16,8 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _ranks import compare
-from torch.distributed.nn import all_reduce
+from _ranks import all_reduce_sum, compare
 
 PROTOTYPES = F.normalize(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), dim=1)
 
@@ -26,7 +26,7 @@ def me_max(z0, z1, temperature=0.1, fixed=False):
     anchor_probs = F.softmax(F.normalize(z1, dim=1) @ PROTOTYPES.double().T / temperature, 1)
     mean_anchor_probs = torch.mean(anchor_probs, dim=0)
     if fixed and dist.is_initialized():
-        mean_anchor_probs = all_reduce(mean_anchor_probs / dist.get_world_size())
+        mean_anchor_probs = all_reduce_sum(mean_anchor_probs / dist.get_world_size())
     loss = -torch.sum(torch.log(mean_anchor_probs ** (-mean_anchor_probs)))
     return loss + math.log(float(len(mean_anchor_probs)))
 

@@ -3,7 +3,8 @@ embeddings are scored against references gathered with ``torch.distributed.all_g
 carries no gradient (``utils/distributed.py:22``; the own rows are the live tensor), and the
 loss is multiplied by W. The other ranks' loss terms never reach the rank's rows as references:
 the gradient is biased, and the loss is W × one device's. The fix: gather the references with
-``torch.distributed.nn.all_gather`` (whose backward sums) and do not multiply by W.
+a gather whose backward sums the gradients (``census_fixes.all_gather_rows``) and do not
+multiply by W.
 (``efficient=False`` computes the whole loss on every rank, multiplied by W: the gradient is
 exact after DDP's average and only the logged loss is W × one device's.)
 
@@ -15,8 +16,7 @@ census_cases:PmlDistributed --kwargs '{"efficient": true}'``.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _ranks import compare
-from torch.distributed.nn import all_gather
+from _ranks import all_gather_rows, compare
 
 
 def ntxent(emb, labels, ref, ref_labels, own, temperature=0.5):
@@ -37,7 +37,7 @@ def efficient(z0, z1, fixed=False):
     if world_size == 1:
         return ntxent(emb, labels, emb, labels, torch.eye(len(emb), dtype=torch.bool))
     if fixed:
-        refs = list(all_gather(emb))
+        refs = list(all_gather_rows(emb).split(len(emb)))
     else:  # the release: no gradient but the live own rows
         refs = [torch.zeros_like(emb) for _ in range(world_size)]
         dist.all_gather(refs, emb)

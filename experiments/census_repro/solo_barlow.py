@@ -3,7 +3,8 @@ view with the rank's own batch (a ``BatchNorm1d`` built in the function,
 ``solo/losses/barlow.py:45``) and averages the cross-correlation with ``dist.all_reduce(corr)``
 (barlow.py:52), an in-place collective autograd does not see: the loss is not one device's, and
 its gradient reaches only the rank's own share of the correlation. The fix: the whole batch's
-mean and variance, and ``torch.distributed.nn.all_reduce`` (whose backward sums).
+mean and variance, and an all-reduce whose backward sums the gradients
+(``census_fixes.all_reduce_sum``).
 
 ``python experiments/census_repro/solo_barlow.py``; ``PYTHONPATH=experiments python -m
 gatherlab.check census_cases:SoloBarlow`` (in float64 the released BatchNorm1d refuses the
@@ -12,9 +13,8 @@ input: the census patches its dtype, see docs/results.md).
 
 import torch
 import torch.distributed as dist
-from _ranks import compare
+from _ranks import all_reduce_sum, compare
 from lightly_barlow_twins import standardised
-from torch.distributed.nn import all_reduce
 
 
 def barlow(z1, z2, lamb=5e-3, scale_loss=0.025, fixed=False):
@@ -22,7 +22,7 @@ def barlow(z1, z2, lamb=5e-3, scale_loss=0.025, fixed=False):
     corr = torch.einsum("bi, bj -> ij", z1, z2) / len(z1)
     if dist.is_initialized():
         if fixed:
-            corr = all_reduce(corr / dist.get_world_size())
+            corr = all_reduce_sum(corr / dist.get_world_size())
         else:  # the release: in place, unseen by autograd
             dist.all_reduce(corr)
             corr /= dist.get_world_size()
@@ -38,4 +38,4 @@ def barlow_fixed(z1, z2):
 
 if __name__ == "__main__":
     compare("released: the rank's statistics, dist.all_reduce(corr)", barlow)
-    compare("fixed: the whole batch's statistics, torch.distributed.nn.all_reduce", barlow_fixed)
+    compare("fixed: the whole batch's statistics, census_fixes.all_reduce_sum", barlow_fixed)

@@ -3,7 +3,7 @@ classy_vision's ``all_reduce_mean`` (``vissl/losses/barlow_twins_loss.py:140``),
 ``torch.distributed.all_reduce`` autograd does not see: each rank's gradient reaches only its
 own share of the correlation, while every rank computes the whole loss: the gradient is 1/W of
 one device's (its standardisation, ``SyncNormalizeFunction``, is synchronised and exact). The
-fix: ``torch.distributed.nn.all_reduce`` (whose backward sums).
+fix: an all-reduce whose backward sums the gradients (``census_fixes.all_reduce_sum``).
 
 ``python experiments/census_repro/vissl_barlow.py`` (the criterion written here, each view
 standardised over the whole batch: vissl standardises both views together, over all ranks
@@ -12,9 +12,8 @@ too); ``PYTHONPATH=experiments python -m gatherlab.check census_cases:VisslBarlo
 
 import torch
 import torch.distributed as dist
-from _ranks import compare
+from _ranks import all_reduce_sum, compare
 from lightly_barlow_twins import standardised
-from torch.distributed.nn import all_reduce
 
 
 def criterion(z0, z1, lambda_=0.0051, scale_loss=0.024, fixed=False):
@@ -22,7 +21,7 @@ def criterion(z0, z1, lambda_=0.0051, scale_loss=0.024, fixed=False):
     correlation = a.T @ b / len(a)
     if dist.is_initialized():
         if fixed:
-            correlation = all_reduce(correlation) / dist.get_world_size()
+            correlation = all_reduce_sum(correlation) / dist.get_world_size()
         else:  # the release: classy_vision's all_reduce_mean, in place
             dist.all_reduce(correlation)
             correlation = correlation / dist.get_world_size()
@@ -37,4 +36,4 @@ def criterion_fixed(z0, z1):
 
 if __name__ == "__main__":
     compare("released: the correlation averaged in place", criterion)
-    compare("fixed: torch.distributed.nn.all_reduce", criterion_fixed)
+    compare("fixed: census_fixes.all_reduce_sum", criterion_fixed)
