@@ -6,7 +6,7 @@ gradient with respect to the gathered tensor on rank r is G_r (N × D, N = W·B)
 (docs/design.md §1):
 
 - ``fixed``: Σ_r G_r[s], the gradient of every rank's loss with respect to its slice. After DDP's
-  1/W average this is exactly the single-device gradient (lightly ≥ #1531, solo-learn, VISSL).
+  1/W average this is exactly the single-device gradient (lightly ≥ #1531, VISSL).
   Its backward all-reduces on gloo and reduce-scatters on NCCL; ``fixed_all_reduce`` and
   ``fixed_reduce_scatter`` force one collective (``Fixed(collective=...)``).
 - ``torch_nn``: the same sum, by ``torch.distributed.nn.functional.all_gather``'s backward
@@ -16,7 +16,7 @@ gradient with respect to the gathered tensor on rank r is G_r (N × D, N = W·B)
 - ``lightning``: the same sum, by what ``LightningModule.all_gather(sync_grads=True)`` runs under
   DDP (``torch_nn`` underneath, stacked to (W, B, ...), flattened here).
 - ``old``: G_s[s], only its own loss's gradient of its own slice; the terms that other ranks'
-  losses put on this slice are dropped (lightly < #1531, Spijkervet SimCLR, early solo-learn).
+  losses put on this slice are dropped (lightly < #1531, Spijkervet SimCLR, solo-learn 1.0.2).
 - ``nograd_swap``: a no-grad all_gather whose own slot is replaced by the live local tensor, so
   the gradient is again G_s[s] (OpenCLIP's default ``gather_with_grad=False``).
 - ``avg``: (1/W) Σ_r G_r[s], the sum averaged by an all-reduce AVG (DisCo-CLIP, Horovod ≥ 0.21).
