@@ -278,3 +278,22 @@ class CompensatedGlobalLoss(nn.Module):
         if _world()[1] > 1:
             out0, out1 = TimesWGather.apply(out0), TimesWGather.apply(out1)
         return (out0 - out1).pow(2).mean()
+
+
+class PermutedGatheredFeatures(nn.Module):
+    """A loss that uses its gathered features through a permutation, as an image-text loss that
+    gathers (B, tokens, D) features and transposes them does: each rank's rows (B, 2, 8) gathered
+    with the gather given, then every rank the same weighted sum of the transposed (N, 8, 2)
+    batch, divided by N. The gradient the gather's backward receives is not contiguous."""
+
+    def __init__(self, gather):
+        super().__init__()
+        self.gather = gather
+        self.register_buffer(
+            "weights", torch.randn(16, 8, 2, generator=torch.Generator().manual_seed(1)).double()
+        )
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        gathered = self.gather(z0.reshape(len(z0), 2, 8))
+        transposed = gathered.permute(0, 2, 1)
+        return (transposed * self.weights[: len(gathered)]).sum() / len(gathered) + 0 * z1.sum()

@@ -431,3 +431,22 @@ def test_the_ranks_import_a_gather_as_the_caller_imported_it(tmp_path, monkeypat
     finally:
         for name in NAMED:
             sys.modules.pop(name, None)
+
+
+def test_torchs_autograd_all_gather_is_wrong_on_gloo_when_its_gradient_is_not_contiguous():
+    """A finding of the census (docs/results.md): on gloo, ``torch.distributed.nn``'s all_gather
+    (the ``torch_nn`` gather, and ``lightning``'s, which runs it) scatters a gradient that is not
+    contiguous into buffers of the same strides, and the sum comes out wrong; gatherlab's ``fixed``
+    and torch's ``functional`` are exact. Should torch fix it, this test fails, and design §1 and
+    docs/results.md's words on ``torch_nn`` change with it."""
+    loss = "standins:PermutedGatheredFeatures"
+    verdicts = {
+        name: check.check_loss(loss, (2, 4), gather=name).set_index("world_size")
+        for name in ("fixed", "functional", "torch_nn", "lightning")
+    }
+    for name in ("fixed", "functional"):
+        assert verdicts[name]["verdict"].tolist() == ["exact", "exact"], name
+        assert (verdicts[name]["max_rel_err"] <= 1e-10).all(), name
+    for name in ("torch_nn", "lightning"):
+        assert verdicts[name]["verdict"].tolist() == ["biased", "biased"], name
+        assert (verdicts[name]["cosine"] < 0.5).all(), verdicts[name]["cosine"]
