@@ -141,6 +141,14 @@ class Peers:
     def publish(self, key: str, value: Any) -> None:
         self.store.set(key, pickle.dumps(value))
 
+    def told(self, group: str, index: int, ranks: Sequence[int]) -> list[Entered | Ended | None]:
+        """What each of ``ranks`` told at the ``index``-th collective of ``group``: what it
+        entered there, else that it ended, else None (not yet)."""
+        return [
+            self.read(self.entered_key(group, index, r)) or self.read(self.ended_key(r))
+            for r in ranks
+        ]
+
     def wait_ended(self, ranks: Sequence[int]) -> list[Ended]:
         """Every rank's end once each of ``ranks`` has ended (or after the timeout, what ended):
         a rank leaves its group only when its peers are out of their collectives."""
@@ -285,17 +293,10 @@ class _Watch(TorchFunctionMode):
         peers = self.peers
         peers.publish(peers.entered_key(key, index, mine.rank), mine)
         others = [r for r in ranks if r != mine.rank]
-
-        def look() -> list[Entered | Ended | None]:
-            return [
-                peers.read(peers.entered_key(key, index, r)) or peers.read(peers.ended_key(r))
-                for r in others
-            ]
-
         deadline = time.monotonic() + peers.timeout_s
         pause = 0.0002
         while True:
-            seen = dict(zip(others, look(), strict=True))
+            seen = dict(zip(others, peers.told(key, index, others), strict=True))
             line = disagreement(mine, seen)
             if line is not None:
                 raise self._ended(mine, others, line)
@@ -313,16 +314,8 @@ class _Watch(TorchFunctionMode):
 
     def _ended(self, mine: Entered, others: list[int], first: str) -> CollectiveError:
         """The error of a disagreement, its line naming every rank that told in time."""
-        peers = self.peers
-
-        def look() -> list[Entered | Ended | None]:
-            return [
-                peers.read(peers.entered_key(mine.group, mine.index, r))
-                or peers.read(peers.ended_key(r))
-                for r in others
-            ]
-
-        seen = dict(zip(others, _until(look, _GATHER_WORDS_S), strict=True))
+        told = _until(lambda: self.peers.told(mine.group, mine.index, others), _GATHER_WORDS_S)
+        seen = dict(zip(others, told, strict=True))
         raised = [item for item in seen.values() if isinstance(item, Ended) and item.error]
         if raised:  # a peer raised: its error is the job's, as if this rank had not waited
             return CollectiveError(raised[0].error, raised[0].rank, own=True)
