@@ -3,29 +3,30 @@ distributed loss of the released packages the census could load, at W = 2 and 4,
 released defaults and each distributed flag on and off; every row that is not exact checked again
 with its fix applied to a local copy of the released file.
 
-The cases, their adapters, stubs and fixes are in ``experiments/census_cases.py``. This script
-downloads each release's wheel as ``experiments/public_code.py`` does (``pip download --no-deps``
-into ``~/.cache/gatherlab/public_code``: it needs the package registry; the test suite does not),
+The cases, one module per package, their adapters, stubs, remarks and fixes (patch files) are in
+``experiments/census_cases/``. This script downloads each release's wheel as
+``experiments/public_code.py`` does (``pip download --no-deps`` into
+``~/.cache/gatherlab/public_code``: it needs the package registry; the test suite does not),
 unpacks it whole into ``<cache>/<package>-<version>``, copies it to
-``<cache>/<package>-<version>+<fix>`` with a case's fix applied (each edit replaces the one
-occurrence of its text, or the script stops; a case's ``patch``, a change the check itself needs
-such as float64 or CPU, is applied the same way before its first check and said in the notes
-under the table), and runs ``check_loss`` on each case in the ranks
-of the warm pool, which import ``census_cases`` and load only the files each loss needs. It prints
-the table and writes it into docs/results.md between ``<!-- census:start -->`` and
-``<!-- census:end -->``.
+``<cache>/<package>-<version>+<fix>`` with a case's fix applied by ``git apply`` (a patch that
+does not apply stops the script; a case's ``patch``, a change the check itself needs such as
+float64 or CPU, is applied the same way before its first check and said in the notes under the
+table), and runs ``check_loss`` on each case in the ranks of the warm pool, which import the
+case's module and load only the files each loss needs. It prints the table and the run time,
+and writes the table into docs/results.md between ``<!-- census:start -->`` and
+``<!-- census:end -->`` when it differs from what is there.
 
-Usage: ``python experiments/census.py`` (``--only TEXT``: only the cases whose
+Usage: ``python experiments/census.py`` (``--check``: write nothing, print the difference and
+exit 1 when the committed table is not today's; ``--only TEXT``: only the cases whose
 ``package version loss`` contains TEXT, printed, not written)
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import difflib
 import functools
 import hashlib
-import shutil
 import sys
 import time
 import zipfile
@@ -38,9 +39,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the ranks import census_cases and public_code from here too
     sys.path.insert(0, str(HERE))
 
-import census_cases  # noqa: E402
-from census_cases import CASES, NOT_RUN, Case, Fix  # noqa: E402
-from public_code import download, release_root, sha256, write_into_results  # noqa: E402
+from census_cases import CASES, NOT_RUN  # noqa: E402
+from census_cases.common import Case, fixed_copy  # noqa: E402
+from public_code import RESULTS, download, release_root, sha256, write_into_results  # noqa: E402
 
 from gatherlab.check import check_loss  # noqa: E402
 from gatherlab.check.api import CheckError  # noqa: E402
@@ -61,28 +62,14 @@ def unpack_all(wheel: Path, package: str, version: str) -> Path:
     return root
 
 
-def fixed_copy(root: Path, fix: Fix, label: str) -> Path:
-    """A copy of the release at ``root`` with ``fix`` applied, made afresh each run."""
-    copy = root.with_name(f"{root.name}+{label}")
-    if copy.exists():
-        shutil.rmtree(copy)
-    shutil.copytree(root, copy)
-    for file, old, new in fix.edits:
-        text = (copy / file).read_text()
-        if text.count(old) != 1:
-            raise RuntimeError(f"{fix.summary}: {file} holds {text.count(old)} copies of {old!r}")
-        (copy / file).write_text(text.replace(old, new))
-    return copy
-
-
 def check(case: Case, root: Path) -> pd.DataFrame | str:
     """The check's table of ``case`` on the release at ``root``, or the error that stopped it."""
     if case.gather:  # the released gather, checked with a loss of gatherlab's
         factory, kwargs = case.factory, dict(case.kwargs)
-        gather = functools.partial(getattr(census_cases, case.gather), root=str(root))
+        gather = functools.partial(case.gather, root=str(root))
     else:
         factory, kwargs, gather = (
-            f"census_cases:{case.factory}",
+            f"{case.factory.__module__}:{case.factory.__qualname__}",
             {**case.kwargs, "root": str(root)},
             None,
         )
@@ -166,10 +153,47 @@ def markdown(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def notes(cases: list[Case]) -> list[str]:
+    """The notes under the table: each case's remark, in the cases' order."""
+    return [f"- {case.package} {case.version} `{case.loss}` ({case.flags}): {case.remark}."
+            for case in cases if case.remark]  # fmt: skip
+
+
+def committed() -> str:
+    """What docs/results.md holds between the census's markers."""
+    document = RESULTS.read_text()
+    return document.split(START, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def publish(text: str, check: bool) -> int:
+    """``text`` into docs/results.md if it is not what the file holds; with ``check``, nothing
+    written: the difference printed and 1 returned when there is one."""
+    old = committed()
+    if text == old:
+        print(f"current: docs/results.md (between {START} and {END})")
+        return 0
+    if check:
+        diff = difflib.unified_diff(
+            (old + "\n").splitlines(keepends=True), (text + "\n").splitlines(keepends=True),
+            "docs/results.md (census, committed)", "census (today)",
+        )  # fmt: skip
+        print("".join(diff))
+        return 1
+    write_into_results(text, START, END)
+    print(f"written: docs/results.md (between {START} and {END})")
+    return 0
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="only the cases whose 'package version loss' has this")
-    only = parser.parse_args().only
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 when the table is stale"
+    )
+    args = parser.parse_args()
+    if args.check and args.only:
+        parser.error("--check compares the whole table: without --only")
+    only = args.only
     cases = [c for c in CASES if not only or only in f"{c.package} {c.version} {c.loss}"]
     started = time.perf_counter()
     releases: dict[tuple[str, str], Path] = {}
@@ -198,23 +222,21 @@ def main() -> None:
     for skipped in NOT_RUN:
         rows.append([skipped.package, skipped.version, f"`{skipped.loss}`", "—",
                      "not run", "not run", skipped.reason, "", "", ""])  # fmt: skip
-    notes = [f"- {case.package} {case.version} `{case.loss}` ({case.flags}): {case.remark}."
-             for case in cases if case.remark]  # fmt: skip
-    seconds = time.perf_counter() - started
-    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    below = notes(cases)
     text = (
         markdown(rows)
-        + ("\n\nNotes:\n\n" + "\n".join(notes) if notes else "")
-        + f"\n\nRun on {today} in {seconds:.0f} s, from the wheels "
+        + ("\n\nNotes:\n\n" + "\n".join(below) if below else "")
+        + "\n\nFrom the wheels "
         + ", ".join(provenance)
         + "."
     )
     print(text)
+    seconds = time.perf_counter() - started
+    print(f"the census ran in {seconds:.0f} s")
     if only:
-        return
-    write_into_results(text, START, END)
-    print(f"written: docs/results.md (between {START} and {END}); {seconds:.0f} s")
+        return 0
+    return publish(text, args.check)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

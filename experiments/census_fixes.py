@@ -1,8 +1,8 @@
-"""The two autograd-aware collectives the census's fixes use (``Fix`` in
-``experiments/census_cases.py``) and its reproducers (``experiments/census_repro/``): an
+"""The two autograd-aware collectives the census's fixes use (the patch files of
+``experiments/census_cases/fixes/``) and its reproducers (``experiments/census_repro/``): an
 all-reduce and an all-gather whose backward sums every rank's gradient, in plain torch.
 
-A fix is a text edit of a copy of a released file; the code it inserts imports these with
+A fix is a patch applied to a copy of a released file; the code it adds imports these with
 ``from census_fixes import ...``, which the census's ranks can do because the census puts
 ``experiments/`` on the import path the pool sends them (``python -m gatherlab.check`` needs
 ``PYTHONPATH=experiments``, as for the adapters).

@@ -116,7 +116,7 @@ _LOADED: dict[tuple[str, str], types.ModuleType] = {}
 """(release root, file) → the module loaded from it, once per process (each rank loads its own)."""
 
 
-def _synthetic(root: Path) -> str:
+def synthetic(root: Path) -> str:
     """The package name a release's files are loaded under: its folder's name as an identifier."""
     return "_released_" + "".join(c if c.isalnum() else "_" for c in root.name)
 
@@ -127,7 +127,7 @@ def _package(name: str) -> types.ModuleType:
     return package
 
 
-def _absent(name: str, why: str) -> types.ModuleType:
+def absent(name: str, why: str) -> types.ModuleType:
     """A module that is not loaded: any attribute asked of it raises, saying why."""
     stub = types.ModuleType(name)
 
@@ -139,7 +139,7 @@ def _absent(name: str, why: str) -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def _as_imported(modules: dict[str, types.ModuleType], loaded: list[str]) -> Iterator[None]:
+def as_imported(modules: dict[str, types.ModuleType], loaded: list[str]) -> Iterator[None]:
     """``sys.modules`` answers the released files' own absolute imports (``from lightly.utils
     import dist``) with the modules given and, once each is loaded, the ``loaded`` names, while
     they execute; all those names are restored after, so that two releases of one package load in
@@ -166,7 +166,7 @@ def load(
     key = (str(root), files[-1])
     if key in _LOADED:
         return _LOADED[key]
-    prefix = _synthetic(root)
+    prefix = synthetic(root)
     names: dict[str, types.ModuleType] = dict(stubs)
     for file in files:  # the packages above each file, empty
         parts = file.removesuffix(".py").split("/")
@@ -177,7 +177,7 @@ def load(
         setattr(names[parent], attribute, module)
     module = None
     owns = [file.removesuffix(".py").replace("/", ".") for file in files]
-    with _as_imported(names, owns):
+    with as_imported(names, owns):
         for file, own in zip(files, owns, strict=True):
             spec = importlib.util.spec_from_file_location(f"{prefix}.{own}", root / file)
             module = importlib.util.module_from_spec(spec)
@@ -201,7 +201,7 @@ def lightly_loss_module(root: str | Path) -> types.ModuleType:
     (``memory_bank_size`` > 0), which the NT-Xent checked here has not; it is irrelevant to the
     loss, and any use of it raises."""
     why = "it imports torchvision; memory_bank.py uses it only to fill a memory bank"
-    stubs = {"lightly.models.utils": _absent("lightly.models.utils", why)}
+    stubs = {"lightly.models.utils": absent("lightly.models.utils", why)}
     return load(Path(root), LIGHTLY_FILES, stubs)
 
 

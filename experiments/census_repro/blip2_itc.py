@@ -11,7 +11,7 @@ uses, gives a wrong result for them (``torch_gloo_all_gather.py``).
 
 ``python experiments/census_repro/blip2_itc.py`` (the two functions, written here: image 2
 query tokens of 4, text 4 values, temperature 0.07, label smoothing 0.1);
-``PYTHONPATH=experiments python -m gatherlab.check census_cases:TmmBlip2Itc``.
+``PYTHONPATH=experiments python -m gatherlab.check census_cases.torchmultimodal:TmmBlip2Itc``.
 """
 
 import torch

@@ -7,7 +7,7 @@ rank's tokens, divide by the non-pad tokens of all ranks (all_reduce), times W.
 
 ``python experiments/census_repro/coca_caption.py`` (the caption part, written here: 4 tokens of
 4 classes from z1, labels from z0's signs, class 0 the pad); ``PYTHONPATH=experiments python -m
-gatherlab.check census_cases:CoCaForCheck --kwargs '{"gather_with_grad": true}'``.
+gatherlab.check census_cases.open_clip:CoCaForCheck --kwargs '{"gather_with_grad": true}'``.
 """
 
 import torch.distributed as dist

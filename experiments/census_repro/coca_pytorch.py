@@ -8,8 +8,8 @@ gradient is 1/W of one device's, beside a caption loss that is exact. The fix: `
 the gathered rows and the gradient summed over ranks (all_reduce) before the own slice.
 
 ``python experiments/census_repro/coca_pytorch.py`` (the contrastive part, written here);
-``PYTHONPATH=experiments python -m gatherlab.check census_cases:CocaPytorch`` runs the released
-model's loss.
+``PYTHONPATH=experiments python -m gatherlab.check census_cases.coca_pytorch:CocaPytorch`` runs the
+released model's loss.
 """
 
 import torch

@@ -8,7 +8,7 @@ the gradients (``census_fixes.all_reduce_sum``). The cross-correlation's all-red
 ``all_reduce_sum`` (the same forward and backward).
 
 ``python experiments/census_repro/lightly_barlow_twins.py``; ``PYTHONPATH=experiments python -m
-gatherlab.check census_cases:lightly_loss --kwargs '{"loss": "BarlowTwinsLoss",
+gatherlab.check census_cases.lightly:lightly_loss --kwargs '{"loss": "BarlowTwinsLoss",
 "gather_distributed": true}'``.
 """
 

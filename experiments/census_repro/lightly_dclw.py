@@ -6,7 +6,7 @@ batch, then the rank's slice. (Both versions gather with ``census_fixes.all_gath
 whose backward sums the gradients, as lightly's ``GatherLayer`` does since 1.5.4.)
 
 ``python experiments/census_repro/lightly_dclw.py`` (plain torch, gloo ranks on this machine);
-``python -m gatherlab.check census_cases:lightly_loss --kwargs
+``python -m gatherlab.check census_cases.lightly:lightly_loss --kwargs
 '{"loss": "DCLWLoss", "gather_distributed": true}'`` with ``PYTHONPATH=experiments`` checks the
 released class itself once ``python experiments/census.py`` has unpacked it.
 """

@@ -9,7 +9,7 @@ in-place ``dist.all_reduce`` on the next line completes.)
 
 ``python experiments/census_repro/lightly_msn.py`` (the regularisation alone, written here: the
 entropy of the mean softmax over 8 prototypes); ``PYTHONPATH=experiments python -m
-gatherlab.check census_cases:LightlyMSN --kwargs '{"gather_distributed": true}'``.
+gatherlab.check census_cases.lightly:LightlyMSN --kwargs '{"gather_distributed": true}'``.
 """
 
 import math

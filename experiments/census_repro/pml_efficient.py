@@ -10,7 +10,7 @@ exact after DDP's average and only the logged loss is W × one device's.)
 
 ``python experiments/census_repro/pml_efficient.py`` (pml's NTXentLoss, temperature 0.5, on both
 views labelled by sample, written here); ``PYTHONPATH=experiments python -m gatherlab.check
-census_cases:PmlDistributed --kwargs '{"efficient": true}'``.
+census_cases.pytorch_metric_learning:PmlDistributed --kwargs '{"efficient": true}'``.
 """
 
 import torch

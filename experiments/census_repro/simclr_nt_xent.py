@@ -13,7 +13,7 @@ gradient in the backward. Each rank computes the whole loss; this script keeps t
 arithmetic with those three lines switched.
 
 ``python experiments/census_repro/simclr_nt_xent.py``; ``PYTHONPATH=experiments python -m
-gatherlab.check census_cases:SimclrNTXent``.
+gatherlab.check census_cases.simclr:SimclrNTXent``.
 """
 
 import torch

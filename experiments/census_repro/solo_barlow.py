@@ -7,8 +7,8 @@ mean and variance, and an all-reduce whose backward sums the gradients
 (``census_fixes.all_reduce_sum``).
 
 ``python experiments/census_repro/solo_barlow.py``; ``PYTHONPATH=experiments python -m
-gatherlab.check census_cases:SoloBarlow`` (in float64 the released BatchNorm1d refuses the
-input: the census patches its dtype, see docs/results.md).
+gatherlab.check census_cases.solo_learn:SoloBarlow`` (in float64 the released BatchNorm1d refuses
+the input: the census patches its dtype, see docs/results.md).
 """
 
 import torch

@@ -6,7 +6,8 @@ biased (as lightly's before 1.5.4). The fix: all-reduce the gradients, then take
 
 ``python experiments/census_repro/solo_gather.py`` (an NT-Xent of the rank's rows against the
 gathered batch, written here); ``PYTHONPATH=experiments python -m gatherlab.check
-gatherlab.losses:NTXentLoss --gather census_cases:solo_gather --kwargs '{"temperature": 0.5}'``.
+gatherlab.losses:NTXentLoss --gather census_cases.solo_learn:solo_gather --kwargs
+'{"temperature": 0.5}'``.
 """
 
 import torch

@@ -7,7 +7,7 @@ fix: an all-reduce whose backward sums the gradients (``census_fixes.all_reduce_
 
 ``python experiments/census_repro/vissl_barlow.py`` (the criterion written here, each view
 standardised over the whole batch: vissl standardises both views together, over all ranks
-too); ``PYTHONPATH=experiments python -m gatherlab.check census_cases:VisslBarlow``.
+too); ``PYTHONPATH=experiments python -m gatherlab.check census_cases.vissl:VisslBarlow``.
 """
 
 import torch

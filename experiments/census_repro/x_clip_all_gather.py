@@ -8,7 +8,7 @@ rank's gradient (all_reduce) before taking the own slice.
 
 ``python experiments/census_repro/x_clip_all_gather.py`` (a CLIP loss over the gathered
 latents, written here, on the two gathers); ``PYTHONPATH=experiments python -m gatherlab.check
-gatherlab.losses:NTXentGlobalLoss --gather census_cases:x_clip_gather --kwargs
+gatherlab.losses:NTXentGlobalLoss --gather census_cases.x_clip:x_clip_gather --kwargs
 '{"temperature": 0.5}'`` checks the released gather itself.
 """
 

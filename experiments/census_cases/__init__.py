@@ -1,0 +1,46 @@
+"""The census's cases (``experiments/census.py``), one module per released package: the files
+each loss needs, what is stubbed, the adapter that makes the loss ``loss(z0, z1)``, the flags
+checked, the remark under the table, and for a loss that is not exact its fix, a patch file in
+``fixes/<package>/`` (``common.Fix``) tried on a copy of the released files.
+
+An adapter is a top-level name of its module: the check's ranks import it (the pool sends them
+the census's import path, ``experiments/``) and build the loss themselves, each loading the
+released files on its first build (``public_code.load``). ``root`` is the folder the release (or
+its fixed copy) was unpacked into; the census passes it.
+
+Inputs: the check gives every loss two views (``z0``, ``z1``: the MLP's 16-dimensional embeddings
+of a pair of Gaussian views, float64, 16 rows over all ranks). An adapter that needs anything
+else builds it from them in its forward, and its docstring says how.
+
+A new package is one module here with its ``CASES`` (and ``NOT_RUN``), its patches under
+``fixes/<module>/``, and its name in ``PACKAGES``. The census needs the package registry; the
+test suite imports these modules (no released file is loaded until an adapter is built).
+"""
+
+from __future__ import annotations
+
+from census_cases import (
+    coca_pytorch,
+    lavis,
+    lightly,
+    lightning_bolts,
+    open_clip,
+    pytorch_metric_learning,
+    sentence_transformers,
+    simclr,
+    solo_learn,
+    torchmultimodal,
+    vissl,
+    x_clip,
+)
+from census_cases.common import Case, NotRun
+
+PACKAGES = (  # in the table's order
+    lightly, open_clip, sentence_transformers, pytorch_metric_learning, solo_learn, simclr,
+    x_clip, coca_pytorch, torchmultimodal, lavis, lightning_bolts, vissl,
+)  # fmt: skip
+CASES: list[Case] = [case for package in PACKAGES for case in package.CASES]
+NOT_RUN: list[NotRun] = [  # in the committed table's order
+    *lightly.NOT_RUN, *sentence_transformers.NOT_RUN, *solo_learn.NOT_RUN, *vissl.NOT_RUN,
+    *torchmultimodal.NOT_RUN, *lavis.NOT_RUN, *lightning_bolts.NOT_RUN,
+]  # fmt: skip
