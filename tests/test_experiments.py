@@ -3,7 +3,8 @@ directories written here, each expected value worked out by hand: the learning-r
 pairing of `old` at lr·W with `fixed` at lr (and with `fixed` at the experiment's lr), its
 differences, its cells and their 95% t-intervals, its panel lines and tables; the downstream
 figure's pairing of each multi-device run with the 1-device run of its seed; the accumulation
-figure's differences; the public-code table's rows. (The statistics themselves:
+figure's differences; the public-code table's rows; the census's patch files (applied to a fake
+release), remarks and ``--check``. (The statistics themselves:
 ``test_figure_stats.py``; the Markdown from the committed tables: ``test_figures.py``.)"""
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from scipy import stats
 
 sys.path.insert(0, str(REPO / "experiments"))
 import accumulation
+import census
+import census_cases
 import downstream
 import lr_sweep
 import public_code
+from census_cases import common as census_common
 
 from gatherlab.core import runfiles
 
@@ -238,3 +242,89 @@ def test_the_public_code_table_has_a_row_per_w_with_the_parts_only_when_they_dif
         ],
         [*start, "4", "exact", "", "", "1", "—", case.predicted],
     ]
+
+
+def test_a_census_fix_is_a_patch_that_git_apply_puts_on_a_copy_of_the_release(
+    tmp_path, monkeypatch
+):
+    """A fake release of one file and a unified diff of it: the copy holds the patched text, the
+    release its own; a patch whose context the release does not hold stops the census."""
+    release = tmp_path / "cache" / "toy-1.0"
+    (release / "toy").mkdir(parents=True)
+    (release / "toy" / "loss.py").write_text("def loss(z):\n    m = z.mean(0)\n    return m\n")
+    fixes = tmp_path / "fixes" / "toy"
+    fixes.mkdir(parents=True)
+    (fixes / "mean.patch").write_text(
+        "--- a/toy/loss.py\n+++ b/toy/loss.py\n@@ -1,3 +1,4 @@\n def loss(z):\n"
+        "     m = z.mean(0)\n+    m = all_reduce_sum(m) / 2\n     return m\n"
+    )
+    (fixes / "stale.patch").write_text(
+        "--- a/toy/loss.py\n+++ b/toy/loss.py\n@@ -1,3 +1,3 @@\n def loss(z):\n"
+        "-    m = z.sum(0)\n+    m = z.mean(0)\n     return m\n"
+    )
+    monkeypatch.setattr(census_common, "FIXES", tmp_path / "fixes")
+    fix = census_common.Fix("all-reduce the mean", "toy/mean.patch")
+    copy = census_common.fixed_copy(release, fix, f"{fix.name}-1")
+    assert copy == tmp_path / "cache" / "toy-1.0+mean-1"
+    assert (copy / "toy" / "loss.py").read_text() == (
+        "def loss(z):\n    m = z.mean(0)\n    m = all_reduce_sum(m) / 2\n    return m\n"
+    )
+    assert (release / "toy" / "loss.py").read_text().count("all_reduce_sum") == 0
+    stale = census_common.Fix("a fix of another release", "toy/stale.patch")
+    with pytest.raises(RuntimeError, match=r"toy/stale\.patch does not apply"):
+        census_common.fixed_copy(release, stale, "stale-1")
+
+
+def test_every_census_fix_is_a_patch_file_of_its_package_and_every_patch_file_a_fix():
+    used = {f.patch for case in census_cases.CASES for f in (case.fix, case.patch) if f}
+    on_disk = {str(p.relative_to(census_common.FIXES)) for p in census_common.FIXES.rglob("*")
+               if p.is_file()}  # fmt: skip
+    assert used == on_disk and len(used) == 18
+    for module in census_cases.PACKAGES:
+        for case in module.CASES:
+            for fix in (case.fix, case.patch):
+                if fix is not None:  # fixes/<the case's module>/<what>.patch, a unified diff
+                    assert fix.patch.split("/")[0] == module.__name__.split(".")[-1]
+                    text = (census_common.FIXES / fix.patch).read_text()
+                    assert text.startswith("--- a/") and "\n+++ b/" in text and "\n@@ -" in text
+
+
+def test_a_census_remark_travels_with_its_case_into_the_notes():
+    """``--only PMSNLoss`` selects PMSN's two rows; the note under the table is the remark of
+    the one with the flag on, whatever else is selected."""
+    selected = [c for c in census_cases.CASES if "PMSNLoss" in f"{c.package} {c.version} {c.loss}"]
+    assert [c.flags for c in selected] == [
+        "defaults (gather_distributed=False)", "gather_distributed=True",
+    ]  # fmt: skip
+    assert census.notes(selected) == [
+        "- lightly 1.6.0 `PMSNLoss` (gather_distributed=True): as MSNLoss's: the "
+        "regularisation's mean over the rank's rows (msn_loss.py:236, inherited); `where` names "
+        "the Sinkhorn's partial `sum`."
+    ]
+    two_nodes = [c for c in census_cases.CASES if c.loss == "SWAVLoss" and "num_nodes=2" in c.flags]
+    assert len(two_nodes) == 1 and two_nodes[0].remark.startswith("patched for CPU and float64")
+    everything = census.notes(census_cases.CASES)
+    assert len(everything) == 6 and everything[2].startswith(
+        "- pytorch-metric-learning 2.9.0 `DistributedLossWrapper(NTXentLoss)` (efficient=False): "
+        "`loss scaled`"
+    )
+
+
+def test_the_census_writes_its_table_only_when_it_changed_and_check_writes_nothing(
+    monkeypatch, capsys
+):
+    written = []
+    monkeypatch.setattr(census, "committed", lambda: "| a |\n| 1 |")
+    monkeypatch.setattr(census, "write_into_results", lambda *args: written.append(args))
+    assert census.publish("| a |\n| 1 |", check=True) == 0
+    assert census.publish("| a |\n| 1 |", check=False) == 0 and written == []
+    capsys.readouterr()
+    assert census.publish("| a |\n| 2 |", check=True) == 1 and written == []
+    assert "-| 1 |\n+| 2 |\n" in capsys.readouterr().out
+    assert census.publish("| a |\n| 2 |", check=False) == 0
+    assert written == [("| a |\n| 2 |", census.START, census.END)]
+
+
+def test_importing_the_census_loads_no_released_file():
+    assert not [name for name in sys.modules if name.startswith("_released_")]
+    assert "pytorch_metric_learning" not in sys.modules and "einops" not in sys.modules
