@@ -34,6 +34,7 @@ from gatherlab.gather import GatherFn
 from gatherlab.ranks import collectives, pool
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import removals
+from gatherlab.runs.spec import RunSpec
 
 # The loss styles of docs/design.md §1, one loss each, for checking a gather (the audit's losses).
 STYLE_LOSSES = ("ntxent", "ntxent_global", "vicreg")
@@ -740,16 +741,18 @@ def _training_setting(
     arguments = (model, model_kwargs, optimizer, optimizer_kwargs, seed)
     plain = next(((form, function) for form, function in (("step", step), ("update", update))
                   if function is not None), None)  # fmt: skip
-    built = None if plain is None else _plain(*plain, *arguments)
-    return training.Setting(
-        module=None if module is None else Recipe(
-            _factory(module, "module"), dict(module_kwargs or {}), None, seed
-        ),
+    if plain is None:
+        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
+
+        recipe = Recipe(_factory(module, "module"), dict(module_kwargs or {}), None, seed)
+        form = lightning.Module(recipe)
+    else:
+        form = _plain(*plain, *arguments)
+    spec = RunSpec(
         data=Recipe(data_factory, dict(data_kwargs or {}), None, seed),
-        name=_path_name(module if plain is None else plain[1]),
         global_batch_size=global_batch_size, steps=steps, seed=seed, precision=precision,
-        step=built if step is not None else None, update=built if update is not None else None,
     )  # fmt: skip
+    return training.Setting(form, spec, _path_name(module if plain is None else plain[1]))
 
 
 def _validated(

@@ -35,8 +35,9 @@ from gatherlab.runs.plainstep import (
     wrapped_for_rank,
 )  # fmt: skip
 from gatherlab.runs.record import Recorder
+from gatherlab.runs.spec import RunSpec
 
-__all__ = ["Update", "UpdateBroken", "first_loss", "rows_of", "train_on_rank"]
+__all__ = ["Update", "UpdateBroken", "first_loss", "rows_of"]
 
 UpdateFunction = Callable[[nn.Module, torch.optim.Optimizer, Any, int], Any]
 
@@ -51,6 +52,40 @@ class Update:
     model: Recipe
     optimizer: Callable[..., torch.optim.Optimizer]
     optimizer_kwargs: dict[str, Any]
+
+    def train_on_rank(self, spec: RunSpec) -> runfiles.Trained:
+        """Build the model, its optimizer and the data set here, make the removals, seed the
+        global random streams from the seed, and run ``spec.steps`` updates, each on this rank's
+        rows of one global batch (the whole batch on one device) with ``spec.micro_batches``.
+        Returns each update's global loss, the first update's gradient as its optimizer step took
+        it, and the final parameters; `UpdateBroken` for an update that does not step exactly
+        once after a backward. Not traced: its backwards run inside the user's function."""
+        device = world.device()
+        model = build(self, spec.removals, spec.precision).to(device)
+        data = spec.data()
+        wrapped = wrapped_for_rank(model, device)
+        optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
+        recorder = Recorder(keep_first_gradient=True)
+        seen = _Steps(model, recorder)
+        hook = optimizer.register_step_pre_hook(seen)
+        seed_processes(spec.seed)
+        try:
+            for index, batch in enumerate(rank_batches(data, spec)):
+                optimizer.zero_grad(set_to_none=True)
+                seen.count, seen.without_gradient, seen.update = 0, False, index
+                loss = self.update(wrapped, optimizer, as_precision(batch, spec.precision, device),
+                                   spec.micro_batches)  # fmt: skip
+                _honest(seen, spec.micro_batches)
+                value = (
+                    loss
+                    if isinstance(loss, torch.Tensor)
+                    else torch.tensor(float(loss), dtype=torch.float64)
+                )
+                recorder.loss(step_loss(value.detach()), index, world.rank())
+        finally:
+            hook.remove()
+        recorder.finish(model.parameters())
+        return recorder.trained()
 
 
 class UpdateBroken(ValueError):
@@ -102,54 +137,9 @@ def rows_of(batch: Any, rows: torch.Tensor) -> Any:
 
 def first_loss(update: Update, batch: Any, seed: int, precision: str) -> float:
     """The loss one update logs on ``batch`` on one device with one micro-batch, from the initial
-    weights (the model built and the streams seeded as `train_on_rank` does)."""
+    weights (the model built and the streams seeded as `Update.train_on_rank` does)."""
     model = build(update, removals.Removals(), precision).to(world.device())
     optimizer = update.optimizer(model.parameters(), **update.optimizer_kwargs)
     seed_processes(seed)
     loss = update.update(model, optimizer, as_precision(batch, precision, world.device()), 1)
     return float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-
-
-def train_on_rank(
-    update: Update,
-    dataset: Recipe,
-    removed: removals.Removals,
-    global_batch_size: int,
-    steps: int,
-    seed: int,
-    precision: str,
-    micro_batches: int = 1,
-    shuffle: bool = True,
-) -> runfiles.Trained:
-    """Build the model, its optimizer and the data set here, make the removals, seed the global
-    random streams from ``seed``, and run ``steps`` updates, each on this rank's rows of one
-    global batch (the whole batch on one device) with ``micro_batches``. Returns each update's
-    global loss, the first update's gradient as its optimizer step took it, and the final
-    parameters; `UpdateBroken` for an update that does not step exactly once after a backward."""
-    device = world.device()
-    model = build(update, removed, precision).to(device)
-    data = dataset()
-    wrapped = wrapped_for_rank(model, device)
-    optimizer = update.optimizer(model.parameters(), **update.optimizer_kwargs)
-    recorder = Recorder(keep_first_gradient=True)
-    seen = _Steps(model, recorder)
-    hook = optimizer.register_step_pre_hook(seen)
-    seed_processes(seed)
-    try:
-        batches = rank_batches(data, removed, global_batch_size, steps, seed, shuffle)
-        for index, batch in enumerate(batches):
-            optimizer.zero_grad(set_to_none=True)
-            seen.count, seen.without_gradient, seen.update = 0, False, index
-            loss = update.update(wrapped, optimizer, as_precision(batch, precision, device),
-                                 micro_batches)  # fmt: skip
-            _honest(seen, micro_batches)
-            value = (
-                loss
-                if isinstance(loss, torch.Tensor)
-                else torch.tensor(float(loss), dtype=torch.float64)
-            )
-            recorder.loss(step_loss(value.detach()), index, world.rank())
-    finally:
-        hook.remove()
-    recorder.finish(model.parameters())
-    return recorder.trained()

@@ -1,0 +1,68 @@
+"""One run, as every training form trains it on a rank (docs/design.md §2, §10): `RunSpec`, the
+facts every form needs, documented once, and `Form`, what a training form is.
+
+A form says *what* is trained (a LightningModule, `runs.lightning.Module`; a plain step,
+`runs.plainstep.Step`; a whole update, `runs.update.Update`; a loss on gatherlab's MLP,
+`runs.loss.Loss`); the spec says *how* (the data, the removals, the batch, the steps, the seed,
+…). Both are picklable and travel whole to the ranks: ``ranks_for(W).run(form.train_on_rank,
+spec)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from gatherlab.components.factory import Recipe
+from gatherlab.runs.removals import Removals
+
+if TYPE_CHECKING:
+    from gatherlab.core.runfiles import Trained
+    from gatherlab.runs.trace import Op
+
+__all__ = ["Form", "RunSpec", "TracedForm"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """How a run is trained, whatever form trains it."""
+
+    data: Recipe | None
+    """The map-style data set (``len``, ``data[index]``), built inside each rank; None for the
+    loss form, which holds its global batches itself (`runs.loss.Loss`)."""
+    global_batch_size: int
+    """Samples per optimizer step over all ranks; rank r takes the r-th contiguous slice of each
+    global batch (docs/design.md §2)."""
+    steps: int
+    """Optimizer steps (updates) of the run."""
+    seed: int
+    """The seed of the initial weights, the data order and every process's global random
+    streams: the same on every rank and on one device."""
+    precision: str
+    """Lightning's precision name (``"64-true"`` or ``"32-true"``, `core.terms.Precision`)."""
+    removals: Removals = field(default_factory=Removals)
+    """The removals made on the module and the data set (docs/design.md §10)."""
+    shuffle: bool = True
+    """Whether the global batches are drawn in a seeded random order (else in index order)."""
+    micro_batches: int = 1
+    """K, the micro-batches of each rank's update (the whole-update form only; 1 for others)."""
+
+
+@runtime_checkable
+class Form(Protocol):
+    """A training form: what is trained, trained on this rank by `train_on_rank` (on one device
+    without a process group, else on this rank of its group)."""
+
+    def train_on_rank(self, spec: RunSpec) -> Trained:
+        """Train the run ``spec`` describes here; returns each step's global loss, the first
+        step's gradient as the optimizer takes it, and the final parameters."""
+        ...
+
+
+@runtime_checkable
+class TracedForm(Form, Protocol):
+    """A form whose first step can be recorded (`runs.trace`), for where it departs."""
+
+    def trace_on_rank(self, spec: RunSpec) -> list[Op]:
+        """The operations of the first step on this rank, with their gradients."""
+        ...
