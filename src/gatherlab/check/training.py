@@ -2,7 +2,9 @@
 trained N steps on W ranks of the warm pool and on one device, compared step by step; when a W is
 not exact, the same again with each removal that applies made (`gatherlab.runs.removals`) and
 with all of them made, and the culprits named: the removals that make it exact. The runs are
-trained by the training layer (`gatherlab.runs.plainstep`, `gatherlab.runs.lightning`).
+trained by the training layer, whichever form they are (`gatherlab.runs.spec.StepForm`:
+`runs.lightning.Module`, `runs.plainstep.Step`, `runs.update.Update`), as
+``ranks_for(W).run(form.train_on_rank, spec)``.
 
 ``gatherlab.check.check_training`` is the API and ``python -m gatherlab.check --module`` the
 command line; this module trains and compares, and says nothing in words.
@@ -43,7 +45,7 @@ from gatherlab.ranks.external import ranks_for
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import plainstep, removals
 from gatherlab.runs import update as update_form
-from gatherlab.runs.spec import Form, RunSpec, TracedForm
+from gatherlab.runs.spec import RunSpec, StepForm, TracedForm
 
 MICRO_BATCHES = "micro_batches"
 COLUMNS = (
@@ -65,32 +67,25 @@ class Setting:
     inside every rank) and how (``spec``: the data, the batch, the steps, the seed, …), with the
     name the table gives it."""
 
-    form: Form
+    form: StepForm
     spec: RunSpec
     name: str
 
     @property
-    def plain(self) -> plainstep.Step | update_form.Update | None:
-        """The plain PyTorch form (a step or a whole update), None for a LightningModule."""
-        return self.form if isinstance(self.form, plainstep.Step | update_form.Update) else None
-
-    @property
     def update(self) -> update_form.Update | None:
-        """The whole update, when that is the form."""
+        """The whole update, when that is the form (micro-batches are its alone)."""
         return self.form if isinstance(self.form, update_form.Update) else None
 
     @property
     def built(self) -> Recipe:
         """The factory of what the step trains: the module, or the plain form's model."""
-        return self.form.model if self.plain is not None else self.form.module
+        return self.form.recipe
 
     @property
     def label(self) -> str:
         """How the command line names what is trained (``--module M``, ``--step S`` or
         ``--update U``)."""
-        if self.update is not None:
-            return f"--update {self.name}"
-        return f"--step {self.name}" if self.plain is not None else f"--module {self.name}"
+        return f"{self.form.option} {self.name}"
 
     def removed(self, removed: str, **changes: Any) -> RunSpec:
         """The spec of the run that makes the removals ``removed`` names (`removals.Removals
@@ -98,19 +93,10 @@ class Setting:
         return dataclasses.replace(self.spec, removals=removals.Removals.named(removed), **changes)
 
     def checked(self, built: Any) -> torch.nn.Module:
-        """What the module's or the model's factory built, when it keeps its contract (a
+        """What the module's or the model's factory built, when it keeps the form's contract (a
         LightningModule with ``training_step`` and ``configure_optimizers``; an ``nn.Module``);
         a ValueError of one line otherwise."""
-        if self.plain is not None:
-            if not isinstance(built, torch.nn.Module):
-                raise ValueError(
-                    f"--model {self.plain.model.name} returned a {type(built).__name__}; "
-                    "allowed: a torch.nn.Module"
-                )
-            return built
-        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
-
-        return lightning.validated_module(built, self.label)
+        return self.form.checked(built, self.label)
 
 
 def _top_level(name: str) -> str:
@@ -146,7 +132,7 @@ def validate(
             allowed = terms.allowed_integer(minimum)
             raise ValueError(f"{key} {value!r} is not allowed; allowed: {allowed}")
     recipe = setting.built
-    label = setting.label if setting.plain is None else f"--model {recipe.name}"
+    label = setting.form.built_label(setting.label)
     try:
         built = recipe()
     except Exception as error:
@@ -330,12 +316,7 @@ def step_draws_randomness(setting: Setting, in_group: bool = False) -> bool:
     their own); a step that cannot run outside training says no."""
     recipe, spec = setting.built, setting.spec
     data = spec.data()
-    if setting.plain is not None:
-        collate = getattr(data, "collate_fn", None)
-    else:
-        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
-
-        collate = lightning.collate_fn_of(recipe(), data)
+    collate = setting.form.collate(data)
     batch = plainstep.as_precision(plainstep.first_batch(data, spec, collate), spec.precision)
     values = []
     with one_device(in_group), warnings.catch_warnings():
@@ -347,15 +328,7 @@ def step_draws_randomness(setting: Setting, in_group: bool = False) -> bool:
                 module = module.double()
             plainstep.seed_processes(spec.seed + streams)
             try:
-                form = setting.form
-                if isinstance(form, update_form.Update):
-                    optimizer = form.optimizer(module.parameters(), **form.optimizer_kwargs)
-                    output = form.update(module, optimizer, batch, 1)
-                    output = torch.tensor(float(output), dtype=torch.float64)
-                elif isinstance(form, plainstep.Step):
-                    output = form.step(module, batch)
-                else:
-                    output = module.training_step(batch, 0)
+                output = setting.form.one_step(module, batch)
                 loss = output.get("loss") if isinstance(output, dict) else output
                 values.append(float(loss.detach()))
             except Exception:
@@ -410,7 +383,7 @@ def micro_negatives(setting: Setting, world_size: int, k: int, in_group: bool) -
     ranks)."""
     spec = setting.spec
     data = spec.data()
-    batch = plainstep.first_batch(data, spec, getattr(data, "collate_fn", None))
+    batch = plainstep.first_batch(data, spec, setting.form.collate(data))
     local = spec.global_batch_size // (world_size * k)
 
     def block(rank: int, j: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -154,6 +154,28 @@ class Module:
     takes them; its initial weights drawn from the recipe's seed), trained by Lightning."""
 
     module: Recipe
+    option: ClassVar[str] = "--module"
+
+    @property
+    def recipe(self) -> Recipe:
+        """The module's factory."""
+        return self.module
+
+    def built_label(self, label: str) -> str:
+        """The form's own label."""
+        return label
+
+    def checked(self, built: Any, label: str) -> L.LightningModule:
+        """`validated_module`."""
+        return validated_module(built, label)
+
+    def collate(self, data: Any) -> Callable[[list[Any]], Any]:
+        """`collate_fn_of` a module built here and the data set."""
+        return collate_fn_of(self.module(), data)
+
+    def one_step(self, built: L.LightningModule, batch: Any) -> Any:
+        """What ``training_step`` returns on ``batch`` (index 0)."""
+        return built.training_step(batch, 0)
 
     def train_on_rank(self, spec: RunSpec) -> runfiles.Trained:
         """Train the run ``spec`` describes (`fit_on_rank`) and return it

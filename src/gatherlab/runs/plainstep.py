@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -33,8 +33,8 @@ from gatherlab.runs.record import Recorder
 from gatherlab.runs.spec import RunSpec
 
 __all__ = [
-    "Step", "as_precision", "build", "data_size", "first_batch", "rank_batches", "seed_processes",
-    "step_loss", "wrapped_for_rank",
+    "Step", "as_precision", "build", "checked_model", "data_size", "first_batch", "rank_batches",
+    "seed_processes", "step_loss", "wrapped_for_rank",
 ]  # fmt: skip
 
 StepFunction = Callable[[nn.Module, Any], torch.Tensor]
@@ -50,6 +50,28 @@ class Step:
     model: Recipe
     optimizer: Callable[..., torch.optim.Optimizer]
     optimizer_kwargs: dict[str, Any]
+    option: ClassVar[str] = "--step"
+
+    @property
+    def recipe(self) -> Recipe:
+        """The model's factory."""
+        return self.model
+
+    def built_label(self, label: str) -> str:
+        """``--model`` and the factory's name."""
+        return f"--model {self.model.name}"
+
+    def checked(self, built: Any, label: str) -> nn.Module:
+        """The model, when it is an ``nn.Module``; a ValueError of one line otherwise."""
+        return checked_model(self.model, built)
+
+    def collate(self, data: Any) -> Callable[[list[Any]], Any] | None:
+        """The data set's ``collate_fn``, if any."""
+        return getattr(data, "collate_fn", None)
+
+    def one_step(self, built: nn.Module, batch: Any) -> Any:
+        """The loss the step returns on ``batch``."""
+        return self.step(built, batch)
 
     def train_on_rank(self, spec: RunSpec) -> runfiles.Trained:
         """Build the model and the data set here, make the removals, seed the global random
@@ -95,6 +117,16 @@ class Step:
         if loss.requires_grad:
             loss.backward()
         return tracer.detached()
+
+
+def checked_model(recipe: Recipe, built: Any) -> nn.Module:
+    """What a plain form's model factory built, when it is an ``nn.Module``; a ValueError of one
+    line otherwise."""
+    if not isinstance(built, nn.Module):
+        raise ValueError(
+            f"--model {recipe.name} returned a {type(built).__name__}; allowed: a torch.nn.Module"
+        )
+    return built
 
 
 def seed_processes(seed: int) -> None:

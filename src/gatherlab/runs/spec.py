@@ -10,17 +10,20 @@ spec)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from gatherlab.components.factory import Recipe
 from gatherlab.runs.removals import Removals
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from gatherlab.core.runfiles import Trained
     from gatherlab.runs.trace import Op
 
-__all__ = ["Form", "RunSpec", "TracedForm"]
+__all__ = ["Form", "RunSpec", "StepForm", "TracedForm"]
 
 
 @dataclass(frozen=True)
@@ -65,4 +68,35 @@ class TracedForm(Form, Protocol):
 
     def trace_on_rank(self, spec: RunSpec) -> list[Op]:
         """The operations of the first step on this rank, with their gradients."""
+        ...
+
+
+class StepForm(Form, Protocol):
+    """A form of the check of a training step (docs/design.md §10: a LightningModule, a plain
+    step, a whole update): what the check asks of it on one device, before any rank starts."""
+
+    option: ClassVar[str]
+    """The command line's option that names it (``--module``, ``--step``, ``--update``)."""
+
+    @property
+    def recipe(self) -> Recipe:
+        """The factory of what it trains: the module, or the model."""
+        ...
+
+    def built_label(self, label: str) -> str:
+        """How an error in building `recipe` names it (``label`` names the form)."""
+        ...
+
+    def checked(self, built: Any, label: str) -> nn.Module:
+        """What `recipe` built, when it keeps the form's contract; a ValueError of one line,
+        starting with ``label``, otherwise."""
+        ...
+
+    def collate(self, data: Any) -> Callable[[list[Any]], Any] | None:
+        """What collates its batches of ``data`` (None: PyTorch's default)."""
+        ...
+
+    def one_step(self, built: nn.Module, batch: Any) -> Any:
+        """What one step of it returns on ``batch`` from ``built``'s weights, outside training
+        (the loss, or a mapping holding it as ``"loss"``)."""
         ...

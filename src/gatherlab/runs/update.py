@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from gatherlab.runs import removals
 from gatherlab.runs.plainstep import (
     as_precision,
     build,
+    checked_model,
     rank_batches,
     seed_processes,
     step_loss,
@@ -52,6 +53,30 @@ class Update:
     model: Recipe
     optimizer: Callable[..., torch.optim.Optimizer]
     optimizer_kwargs: dict[str, Any]
+    option: ClassVar[str] = "--update"
+
+    @property
+    def recipe(self) -> Recipe:
+        """The model's factory."""
+        return self.model
+
+    def built_label(self, label: str) -> str:
+        """``--model`` and the factory's name."""
+        return f"--model {self.model.name}"
+
+    def checked(self, built: Any, label: str) -> nn.Module:
+        """The model, when it is an ``nn.Module``; a ValueError of one line otherwise."""
+        return checked_model(self.model, built)
+
+    def collate(self, data: Any) -> Callable[[list[Any]], Any] | None:
+        """The data set's ``collate_fn``, if any."""
+        return getattr(data, "collate_fn", None)
+
+    def one_step(self, built: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss one update with one micro-batch logs on ``batch`` (it steps ``built``'s own
+        optimizer, built here), as a float64 tensor."""
+        optimizer = self.optimizer(built.parameters(), **self.optimizer_kwargs)
+        return torch.tensor(float(self.update(built, optimizer, batch, 1)), dtype=torch.float64)
 
     def train_on_rank(self, spec: RunSpec) -> runfiles.Trained:
         """Build the model, its optimizer and the data set here, make the removals, seed the
