@@ -1,6 +1,7 @@
 """The options of the check of a training step cannot drift: `check_training`'s keyword arguments,
 ``python -m gatherlab.check``'s options and `assert_training_invariant`'s are the fields of one
-spec, `gatherlab.check.defaults.TrainingOptions` (no ranks run here)."""
+spec, `gatherlab.check.defaults.TrainingOptions`; and what the loss check trains, stated in Python
+(`defaults.LossSetting`), is what the lab's gradient audit composes (no ranks run here)."""
 
 from __future__ import annotations
 
@@ -87,3 +88,34 @@ def test_assert_training_invariant_names_and_passes_every_keyword_argument(recei
     arguments = {option.name: object() for option in OPTIONS[3:]}
     testing.assert_training_invariant("m:M", "d:D", (2,), **arguments)
     assert received == {**arguments, "positional": ("m:M", "d:D", (2,))}
+
+
+@pytest.mark.parametrize("optim", defaults.OPTIMIZERS)
+def test_the_loss_checks_setting_is_the_gradient_audits(optim):
+    """`defaults.LossSetting` states in Python what the lab's ``experiment=gather_audit`` composes
+    (the audit and the loss check measure the same thing): the same model, data, batch, seed,
+    optimizers and style losses."""
+    import torch
+
+    from gatherlab.components import config
+
+    with config.composed():
+        cfg, _ = config.compose(["experiment=gather_audit", f"optim={optim}"])
+    setting = defaults.LOSS_SETTING
+    model, optimizer, data = api._built(optim)
+    composed = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
+    assert (model.func, model.keywords) == (composed.func, composed.keywords)
+    composed = config.build_optimizer(cfg)
+    assert (optimizer.func, optimizer.keywords) == (composed.func, composed.keywords)
+    composed = config.build_dataset(cfg)
+    assert len(data) == len(composed)
+    for index in range(len(data)):
+        assert all(torch.equal(a, b) for a, b in zip(data[index], composed[index], strict=True))
+    assert (setting.global_batch_size, setting.seed, setting.shuffle) == (
+        cfg.global_batch_size, cfg.seed, cfg.data.shuffle,
+    )  # fmt: skip
+    assert cfg.precision == "64-true"  # the loss form trains in float64
+    assert tuple(cfg.audit.losses) == api.STYLE_LOSSES
+    for name, target, kwargs in setting.style_losses:
+        recipe = config.loss_factory_of(cfg.audit.losses[name], None, 0)
+        assert (recipe.factory, dict(recipe.kwargs)) == (api.locate(target), kwargs)
