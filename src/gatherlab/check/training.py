@@ -87,7 +87,7 @@ class Setting:
         ``--update U``)."""
         return f"{self.form.option} {self.name}"
 
-    def removed(self, removed: str, **changes: Any) -> RunSpec:
+    def run_spec(self, removed: str, **changes: Any) -> RunSpec:
         """The spec of the run that makes the removals ``removed`` names (`removals.Removals
         .named`), with ``changes``."""
         return dataclasses.replace(self.spec, removals=removals.Removals.named(removed), **changes)
@@ -161,7 +161,7 @@ def _train(
     """The run that makes the removals ``removed`` names on one device (in this process; in a
     one-rank process group with ``in_group``) or on W ranks of the pool; a whole update with
     ``micro_batches`` per rank."""
-    spec = setting.removed(removed, micro_batches=micro_batches)
+    spec = setting.run_spec(removed, micro_batches=micro_batches)
     if world_size == 1:
         with one_device(in_group):  # as the reference ran (`first_reference`)
             return setting.form.train_on_rank(spec)
