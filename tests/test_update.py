@@ -16,6 +16,8 @@ the mathematics, not from a run:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import updates
@@ -24,8 +26,8 @@ from plain_steps import Pairs, build_model, nt_xent
 from gatherlab import check
 from gatherlab.check import api, training
 from gatherlab.check.__main__ import main
+from gatherlab.check.defaults import TrainingOptions
 from gatherlab.runs import plainstep
-from gatherlab.runs import update as update_form
 
 pytestmark = pytest.mark.slow
 
@@ -77,10 +79,11 @@ def test_naive_accumulation_is_the_mean_of_each_micro_batchs_own_loss():
             "micro_negatives",
         )
     # the reproduced loss against one device's loss of each micro-batch's rows, computed here
-    setting = api._training_setting(None, "plain_steps:Pairs", None, "plain_steps:build_model",
-                                    None, "torch.optim:SGD", None, 2, BATCH, None, None,
-                                    "64-true", 0, "updates:naive")  # fmt: skip
-    view0, view1 = plainstep.first_batch(Pairs(), BATCH, 0)
+    setting = api._training_setting(TrainingOptions(
+        data="plain_steps:Pairs", model="plain_steps:build_model", steps=2,
+        global_batch_size=BATCH, update="updates:naive",
+    ))  # fmt: skip
+    view0, view1 = plainstep.first_batch(Pairs(), setting.spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = build_model().double()
@@ -122,16 +125,13 @@ def test_a_temperature_counted_in_each_pass_is_k_times_and_the_network_exact():
 def test_the_gradient_measured_is_the_one_the_step_takes_after_clipping():
     """torch's ``clip_grad_norm_`` multiplies a gradient of norm n > CLIP by CLIP / (n + 1e-6):
     the step hook sees the clipped norm CLIP·n/(n + 1e-6), n the unclipped update's norm."""
-    setting = api._training_setting(None, "plain_steps:Pairs", None, "plain_steps:build_model",
-                                    None, "torch.optim:SGD", None, 1, BATCH, None, None,
-                                    "64-true", 0, "updates:cached_clipped")  # fmt: skip
-    unclipped = api._training_setting(None, "plain_steps:Pairs", None, "plain_steps:build_model",
-                                      None, "torch.optim:SGD", None, 1, BATCH, None, None,
-                                      "64-true", 0, "updates:cached")  # fmt: skip
+    options = TrainingOptions(data="plain_steps:Pairs", model="plain_steps:build_model", steps=1,
+                              global_batch_size=BATCH)  # fmt: skip
+    setting = api._training_setting(replace(options, update="updates:cached_clipped"))
+    unclipped = api._training_setting(replace(options, update="updates:cached"))
 
     def first_norm(update, k: int) -> float:
-        trained = update_form.train_on_rank(update, setting.data, update_form.removals.Removals(),
-                                            BATCH, 1, 0, "64-true", k)  # fmt: skip
+        trained = update.train_on_rank(replace(setting.spec, micro_batches=k))
         return float(trained.first_gradient.norm())
 
     for k in (1, 2):

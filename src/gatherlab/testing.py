@@ -18,7 +18,9 @@ failing pytest test, pytest's traceback leaves out these helpers' own frames
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable, Iterable
+from dataclasses import fields
 from typing import Any
 
 import pandas as pd
@@ -78,8 +80,9 @@ def assert_training_invariant(
     **arguments: Any,
 ) -> pd.DataFrame:
     """Fail with the check's tables and the causes it names unless, at every world size, the
-    ``LightningModule`` (or the plain PyTorch step: ``step=``, ``model=``) trains on the data set
-    exactly as on one device; return the table when it does (docs/design.md §10).
+    ``LightningModule`` (or the plain PyTorch step ``step=``, or the whole update ``update=``, with
+    ``model=``) trains on the data set exactly as on one device; return the table when it does
+    (docs/design.md §10).
 
     It runs `gatherlab.check.check_training` and passes when every world size's run without
     removals trains like one device (``exact`` or ``loss scaled``).
@@ -89,10 +92,9 @@ def assert_training_invariant(
             ``step=``).
         data: the map-style data set's class or factory, or its import path.
         world_sizes: the numbers of ranks, each an integer ≥ 2 dividing the global batch.
-        **arguments: `gatherlab.check.check_training`'s keyword arguments (``step=``,
-            ``model=``, ``model_kwargs=``, ``optimizer=``, ``optimizer_kwargs=``, ``steps=``,
-            ``global_batch_size=``, ``module_kwargs=``, ``data_kwargs=``, ``precision=``,
-            ``seed=``, ``loss_attr=``).
+        **arguments: `gatherlab.check.check_training`'s keyword arguments, each documented as a
+            field of `gatherlab.check.defaults.TrainingOptions`:
+            {arguments}.
 
     Returns:
         The check's table, every run without removals ``exact`` or ``loss scaled``.
@@ -115,3 +117,15 @@ def assert_training_invariant(
     if not check.trains_like_one_device(table):
         raise AssertionError(check.explain_training(table))
     return table
+
+
+def _keyword_options() -> str:
+    """`check_training`'s keyword arguments beyond the first three, as the docstring lists them."""
+    names = [f"``{option.name}=``" for option in fields(defaults.TrainingOptions)][3:]
+    return textwrap.fill(", ".join(names), 84, subsequent_indent=" " * 12)
+
+
+if assert_training_invariant.__doc__:  # None under python -OO
+    assert_training_invariant.__doc__ = assert_training_invariant.__doc__.replace(
+        "{arguments}", _keyword_options()
+    )

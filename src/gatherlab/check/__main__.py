@@ -13,6 +13,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -64,8 +65,35 @@ class _Parser(argparse.ArgumentParser):
         cli.fail("check", message)
 
 
+# How the command line reads each kind of option of `defaults.TrainingOptions`.
+_KINDS = {"text": None, "int": int, "float": float, "ints": _world_sizes, "json": _kwargs}
+
+
+def _add(parser: Any, option: Any) -> None:
+    """The command line's option of a field of `defaults.TrainingOptions`: its flag, kind,
+    default (the command line's where it has its own), help (the field's doc, or the command
+    line's own text) and metavar."""
+    meta = option.metadata
+    extra = {"metavar": meta["metavar"]} if "metavar" in meta else {}
+    parser.add_argument(
+        meta["flag"],
+        dest=defaults.dest(option),
+        type=_KINDS[meta.get("kind", "text")],
+        default=meta.get("cli_default", option.default),
+        help=meta.get("help", meta["doc"]),
+        **extra,
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
+    """The command line's parser: a loss's and a gather's options here, a training step's
+    generated from `defaults.TrainingOptions` (``_add``), in its groups."""
     parser = _Parser(prog="python -m gatherlab.check", description=DESCRIPTION, allow_abbrev=False)
+    options = [option for option in fields(defaults.TrainingOptions) if option.metadata["flag"]]
+
+    def group(name: str) -> list[Any]:
+        return [option for option in options if option.metadata["group"] == name]
+
     parser.add_argument("loss", nargs="?", help="the loss factory, module:attribute")
     parser.add_argument("--kwargs", type=_kwargs, default={}, help="its keyword arguments (JSON)")
     parser.add_argument(
@@ -74,59 +102,16 @@ def _parser() -> argparse.ArgumentParser:
         "without a loss: "
         "check this gather with gatherlab's local, global and mixed losses",
     )
-    parser.add_argument(
-        "--world-sizes", type=_world_sizes,
-        help=f"e.g. 2,4 (default {','.join(map(str, defaults.WORLD_SIZES))}; with --launcher "
-        "external the launcher's WORLD_SIZE)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--steps", type=int,
-        help=f"train this many steps (a loss: {defaults.LOSS_STEPS} by default; --module, "
-        f"--step: {defaults.TRAINING_STEPS})",
-    )  # fmt: skip
+    for option in group(defaults.COMMON):
+        _add(parser, option)
     parser.add_argument(
         "--optim", choices=defaults.OPTIMIZERS, default=defaults.OPTIM, help="for a loss's --steps"
     )
-    training = parser.add_argument_group("the check of a training step (docs/design.md §10)")
-    training.add_argument("--module", help="a LightningModule, module:attribute")
-    training.add_argument("--module-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
-    training.add_argument(
-        "--step", help="or a plain PyTorch step: training_step(model, batch) -> loss, module:attr"
-    )
-    training.add_argument(
-        "--update",
-        help="or a whole optimizer update: update(model, optimizer, batch, micro_batches) -> loss, "
-        "module:attr",
-    )
-    training.add_argument(
-        "--micro-batches", type=_world_sizes, default=(1,),
-        help="for --update: the micro-batches K of each rank's update, e.g. 1,2,4 (each crossed "
-        "with --world-sizes, which may then include 1)",
-    )  # fmt: skip
-    training.add_argument(
-        "--model", help="for --step, --update: the function building the nn.Module"
-    )
-    training.add_argument("--model-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
-    training.add_argument(
-        "--optimizer",
-        default=defaults.OPTIMIZER,
-        help=f"for --step, --update (default {defaults.OPTIMIZER})",
-    )
-    training.add_argument(
-        "--optimizer-kwargs", type=_kwargs,
-        help=f"its arguments (JSON; default {json.dumps(defaults.OPTIMIZER_KWARGS)})",
-    )  # fmt: skip
-    training.add_argument("--data", help="a map-style data set (class or factory), module:attr")
-    training.add_argument("--data-kwargs", type=_kwargs, default={}, help="its arguments (JSON)")
-    training.add_argument(
-        "--global-batch-size", type=int, default=defaults.GLOBAL_BATCH_SIZE, help="over all ranks"
-    )
-    training.add_argument(
-        "--precision", default=defaults.PRECISION, help=" or ".join(terms.PRECISIONS)
-    )
-    training.add_argument("--loss-attr", help="the module's attribute holding its loss")
+    training = parser.add_argument_group(defaults.TRAINING)
+    for option in group(defaults.TRAINING):
+        _add(training, option)
     parser.add_argument("--out", type=Path, help="output directory (default: a new outputs/ dir)")
-    ranks = parser.add_argument_group("where the ranks run (docs/design.md §10)")
+    ranks = parser.add_argument_group(defaults.RANKS)
     ranks.add_argument(
         "--launcher", choices=LAUNCHERS, default=terms.Launcher.POOL,
         help="pool: warm worker processes started here (CPU, gloo); external: the ranks torchrun "
@@ -136,13 +121,23 @@ def _parser() -> argparse.ArgumentParser:
         "--device", choices=tuple(terms.Device), default=terms.Device.CPU,
         help="cuda: NCCL and each rank's own GPU (only with --launcher external)",
     )  # fmt: skip
-    ranks.add_argument(
-        "--collective-timeout", type=float, default=defaults.COLLECTIVE_TIMEOUT_S,
-        metavar="SECONDS",
-        help="how long a rank waits at a collective for its peers before its W fails "
-        f"(default {defaults.COLLECTIVE_TIMEOUT_S:g})",
-    )  # fmt: skip
+    for option in group(defaults.RANKS):
+        _add(ranks, option)
     return parser
+
+
+def training_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`check_training`'s keyword arguments from the parsed arguments: every field of
+    `defaults.TrainingOptions` the command line has (``--steps`` omitted: the training check's
+    default)."""
+    chosen = {
+        option.name: getattr(args, defaults.dest(option))
+        for option in fields(defaults.TrainingOptions)
+        if option.metadata["flag"]
+    }
+    if chosen["steps"] is None:
+        chosen["steps"] = defaults.TRAINING_STEPS
+    return chosen
 
 
 def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -186,25 +181,7 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     from gatherlab.check.diagnosis import explain, explain_training
 
     if args.module is not None or args.step is not None or args.update is not None:
-        table = check_training(
-            args.module,
-            args.data,
-            args.world_sizes,
-            step=args.step,
-            update=args.update,
-            micro_batches=args.micro_batches,
-            model=args.model,
-            model_kwargs=args.model_kwargs,
-            optimizer=args.optimizer,
-            optimizer_kwargs=args.optimizer_kwargs,
-            steps=defaults.TRAINING_STEPS if args.steps is None else args.steps,
-            global_batch_size=args.global_batch_size,
-            module_kwargs=args.module_kwargs,
-            data_kwargs=args.data_kwargs,
-            precision=args.precision,
-            loss_attr=args.loss_attr,
-            collective_timeout_s=args.collective_timeout,
-        )
+        table = check_training(**training_options(args))
         return table, explain_training(table)
     if args.loss is None:
         steps = defaults.LOSS_STEPS if args.steps is None else args.steps

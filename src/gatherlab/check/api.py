@@ -34,9 +34,10 @@ from gatherlab.gather import GatherFn
 from gatherlab.ranks import collectives, pool
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import removals
+from gatherlab.runs.spec import RunSpec
 
-# The loss styles of docs/design.md §1, one loss each, for checking a gather (the audit's losses).
-STYLE_LOSSES = ("ntxent", "ntxent_global", "vicreg")
+# The loss styles of docs/design.md §1, one loss each, for checking a gather.
+STYLE_LOSSES = tuple(name for name, _, _ in defaults.LOSS_SETTING.style_losses)
 
 __all__ = ["CheckError", "check_gather", "check_loss", "check_training", "loss_check"]
 
@@ -120,8 +121,9 @@ def _sendable(target: Any, named: str) -> None:
         )
 
 
-# The setting in which a gather is built by name: the gradient audit's, as the audit builds its own.
-GATHER_SETTING = ("experiment=gather_audit",)
+# The overrides with which a gather is built by name: none (a gather's YAML file is its whole
+# config; the gradient audit composes the same file).
+GATHER_SETTING: tuple[str, ...] = ()
 
 
 def _gather(
@@ -132,11 +134,12 @@ def _gather(
     """The gather's name in the table and the gather (None: native).
 
     A name is an option of the ``gather`` config group (``conf/gather/<name>.yaml``, the one
-    registry of gathers), built as the gradient audit builds it (``config.build_gather_option``);
-    any other string is an import path. ``None`` or ``"native"`` passes no gather: refused without
-    a loss (`check_gather`) and for a loss that would gather with its own default instead of
-    communicating by itself (``config.native_refusal``). Its refusals name the Python argument,
-    ``gather=``, which the command line's ``--gather`` passes.
+    registry of gathers), built from its file as the audit builds it
+    (``config.build_gather_option``); any other string is an import path. ``None`` or
+    ``"native"`` passes no gather: refused without a loss (`check_gather`) and for a loss that
+    would gather with its own default instead of communicating by itself
+    (``config.native_refusal``). Its refusals name the Python argument, ``gather=``, which the
+    command line's ``--gather`` passes.
     """
     if gather is None or gather == "native":
         if loss is None:
@@ -183,31 +186,37 @@ def _gather_options() -> list[str]:
 
 
 @functools.cache
-def _composed(optim: str) -> tuple[Any, ...]:
-    """The audit's config (experiment=gather_audit) with this optimizer, and the objects it names;
-    composed once per process (a test suite checks many losses)."""
-    with config.composed():
-        cfg, _ = config.compose(["experiment=gather_audit", f"optim={optim}"])
-    model = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
-    return cfg, model, config.build_optimizer(cfg), config.build_dataset(cfg)
+def _built(optim: str) -> tuple[measure.ModelFactory, Callable[..., Any], Any]:
+    """The objects of the loss check's setting (`defaults.LOSS_SETTING`) with this optimizer: the
+    model factory, the optimizer factory and the data set; built once per process (a test suite
+    checks many losses)."""
+    setting = defaults.LOSS_SETTING
+    (model, model_kwargs), (data, data_kwargs) = setting.model, setting.data
+    optimizer, optimizer_kwargs = defaults.LOSS_OPTIMIZERS[optim]
+    return (
+        functools.partial(locate(model), **model_kwargs),
+        functools.partial(locate(optimizer), **optimizer_kwargs),
+        locate(data)(**data_kwargs),
+    )
 
 
 def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, ...]:
-    """The audit's model, data and global batch (experiment=gather_audit), the optimizer, and the
-    global batches of the check."""
+    """The loss check's setting (`defaults.LOSS_SETTING`: the model, the data and the global
+    batch), the model factory, the optimizer, and the global batches of the check."""
     if optim not in defaults.OPTIMIZERS:
         allowed = ", ".join(defaults.OPTIMIZERS)
         raise CheckError(f"--optim {optim!r} is unknown; allowed: {allowed}")
     if not terms.is_integer(steps, 0):
         raise CheckError(f"--steps {steps!r} is not allowed; allowed: {terms.allowed_integer(0)}")
-    cfg, model, optimizer, dataset = _composed(optim)
-    size = cfg.global_batch_size
+    setting = defaults.LOSS_SETTING
+    model, optimizer, dataset = _built(optim)
+    size = setting.global_batch_size
     try:
         measure.validate_world_sizes(world_sizes, size, f"the global batch of {size}")
     except ValueError as error:
         raise CheckError(str(error)) from None
-    batches = measure.global_batches(dataset, size, cfg.seed, bool(cfg.data.shuffle), max(steps, 2))
-    return cfg, model, optimizer, batches
+    batches = measure.global_batches(dataset, size, setting.seed, setting.shuffle, max(steps, 2))
+    return setting, model, optimizer, batches
 
 
 @warnings_once()
@@ -398,8 +407,9 @@ def check_loss(
 
     The loss is built in every rank as ``factory(**kwargs)``, with ``rank=``/``world_size=``
     when its signature takes them and ``kwargs`` does not set them, and ``gather=`` when
-    ``gather`` is given. It runs in the gradient audit's setting (an MLP 8 → 64 → 16, Gaussian
-    view pairs, a global batch of 16 in float64) and is compared with the same loss on one device
+    ``gather`` is given. It runs in the setting of `gatherlab.check.defaults.LossSetting` (the
+    gradient audit's: an MLP 8 → 64 → 16, Gaussian view pairs, a global batch of 16 in float64)
+    and is compared with the same loss on one device
     in this process (docs/design.md §6).
 
     Args:
@@ -494,7 +504,7 @@ def check_gather(
     collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
 ) -> pd.DataFrame:
     """Check a gather with gatherlab's three loss styles (local ``ntxent``, global
-    ``ntxent_global``, mixed ``vicreg``, as the gradient audit configures them) against one
+    ``ntxent_global``, mixed ``vicreg``, `defaults.LossSetting.style_losses`) against one
     device: one row per loss × world size.
 
     Args:
@@ -529,10 +539,9 @@ def check_gather(
         ['biased', '1/W', 'biased', 'biased', '1/W', 'biased']
     """
     gather_name, gather_fn = _gather(gather)
-    cfg = _composed("sgd")[0]
     losses = {
-        name: config.loss_factory_of(cfg.audit.losses[name], gather_fn, seed)
-        for name in STYLE_LOSSES
+        name: Recipe(locate(target), dict(kwargs), gather_fn, seed)
+        for name, target, kwargs in defaults.LOSS_SETTING.style_losses
     }
     with _watching(collective_timeout_s):
         return _run(losses, gather_name, tuple(world_sizes), steps, optim)
@@ -557,20 +566,13 @@ def _path_name(factory: str | Callable[..., Any]) -> str:
     return factory if isinstance(factory, str) else getattr(factory, "__qualname__", "module")
 
 
-def _plain(
-    form: str,
-    function: str | Callable[..., Any],
-    model: str | Callable[..., Any] | None,
-    model_kwargs: Mapping[str, Any] | None,
-    optimizer: str | Callable[..., Any],
-    optimizer_kwargs: Mapping[str, Any] | None,
-    seed: int,
-) -> Any:
+def _plain(form: str, function: str | Callable[..., Any], options: defaults.TrainingOptions) -> Any:
     """The plain PyTorch form to check, its parts imported: ``form`` ``step``
     (`gatherlab.runs.plainstep.Step`) or ``update`` (`gatherlab.runs.update.Update`); CheckError
     for a path that does not import or an object that is not callable."""
-    if model is None:
+    if options.model is None:
         raise CheckError(f"--{form} needs --model (a function or class returning the nn.Module)")
+    optimizer, optimizer_kwargs = options.optimizer, options.optimizer_kwargs
     if optimizer_kwargs is None:
         optimizer_kwargs = defaults.OPTIMIZER_KWARGS if optimizer == defaults.OPTIMIZER else {}
     from gatherlab.runs import plainstep, update
@@ -578,10 +580,11 @@ def _plain(
     kind = plainstep.Step if form == "step" else update.Update
     return kind(
         _factory(function, form),
-        Recipe(_factory(model, "model"), dict(model_kwargs or {}), None, seed),
+        Recipe(_factory(options.model, "model"), dict(options.model_kwargs or {}), None,
+               options.seed),
         _factory(optimizer, "optimizer"),
         dict(optimizer_kwargs),
-    )
+    )  # fmt: skip
 
 
 def check_training(
@@ -591,7 +594,7 @@ def check_training(
     *,
     step: str | Callable[..., Any] | None = None,
     update: str | Callable[..., Any] | None = None,
-    micro_batches: Iterable[int] = (1,),
+    micro_batches: Iterable[int] = defaults.ONE_MICRO_BATCH,
     model: str | Callable[..., Any] | None = None,
     model_kwargs: Mapping[str, Any] | None = None,
     optimizer: str | Callable[..., Any] = defaults.OPTIMIZER,
@@ -605,73 +608,11 @@ def check_training(
     loss_attr: str | None = None,
     collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
 ) -> pd.DataFrame:
-    """Check a training step: a ``LightningModule`` (``module``), or a plain PyTorch step
-    (``step`` with ``model`` and ``optimizer``, no Lightning), trained ``steps`` steps on W real
-    gloo ranks of the warm pool (Lightning's DDP strategy; torch's ``DistributedDataParallel``
-    for a plain step) against the same on one device, and, for a W that is not exact, the part
-    that breaks it (docs/design.md §10).
-
-    A plain step is ``step(model, batch)`` returning the loss tensor, where ``model`` is what
-    ``model(**model_kwargs)`` builds (an ``nn.Module``, built inside every rank after the same
-    seed), wrapped in ``DistributedDataParallel`` on W ranks and bare on one device, optimised by
-    ``optimizer(model.parameters(), **optimizer_kwargs)``; its batches are collated by the data
-    set's ``collate_fn`` or PyTorch's default, their floating tensors in ``precision``.
-
-    The module is built inside every rank as ``module(**module_kwargs)`` (with ``rank=`` and
-    ``world_size=`` when its constructor takes them; its initial weights drawn from ``seed``, the
-    same everywhere) and the data set as ``data(**data_kwargs)``, a map-style data set (``len``,
-    ``data[index]``) whose items the module's or the data set's ``collate_fn`` collates (else
-    PyTorch's default). Every layout takes the same global batches in the same order, rank r its
-    r-th contiguous slice (docs/design.md §2). A W that is not exact is trained again with each
-    removal that applies made (``batchnorm``, ``dropout``, ``data_randomness``,
-    `gatherlab.runs.removals`) and with all of them made; the removals that make it exact, or
-    change its verdict, are its culprits, and ``loss`` when all of them are not enough, or
-    ``step_randomness`` when the step itself draws from the global random streams (its first
-    loss on one device changes with only their seed changed).
-
-    Args:
-        module: the ``LightningModule`` class or factory, or its import path (or None with
-            ``step``).
-        data: the data set class or factory, or its import path.
-        world_sizes: the numbers of ranks, each an integer ≥ 2 dividing ``global_batch_size``.
-        step: the plain PyTorch step ``step(model, batch) -> loss``, or its import path.
-        model: with ``step``: the function or class building the ``nn.Module``, or its path.
-        model_kwargs: the model factory's keyword arguments.
-        optimizer: with ``step``: the optimizer class (default ``torch.optim:SGD``).
-        optimizer_kwargs: its keyword arguments besides the parameters (default for SGD:
-            ``{"lr": 0.01}``).
-        steps: optimizer steps of each run.
-        global_batch_size: samples per step, over all ranks.
-        module_kwargs: the module's keyword arguments.
-        data_kwargs: the data set's keyword arguments.
-        precision: ``"64-true"`` (judged to 1e-10) or ``"32-true"`` (to 1e-5).
-        seed: the module's initial weights, the data order and every process's random streams.
-        loss_attr: the attribute of the module that holds its loss; with ``loss`` among the
-            culprits, that loss is checked too (`check_loss`, on gatherlab's MLP), and its
-            verdict joins the diagnosis. It must be callable as ``loss(z0, z1)``.
-        collective_timeout_s: how long a rank waits at a collective for its peers to enter it
-            before the W fails with a line that names who did not come (docs/design.md §10,
-            "Collectives that differ"); the process group's own timeout in the check's jobs.
-
-    Returns:
-        A pandas DataFrame: for each W the row of its run without removals (``removed`` is
-        ``none``, ``part`` ``all``), one row per part of its first gradient when it has several
-        (each top-level child module of the module, and each parameter it holds directly), and,
-        when it is not exact, one row per run with removals (``removed`` names the removal, or
-        ``all``); the columns of `COLUMNS`, ``train_max_abs_loss_diff``, then ``removed``,
-        ``culprits`` (``;``-separated, empty when exact), ``first_diff_step`` and
-        ``max_abs_param_diff``. ``verdict`` is one of `check_loss`'s (``loss scaled`` when every
-        step's loss is c × one device's and the rest is exact) or ``diverges`` (the first step
-        agrees, a later one does not); a W whose ranks raise has one ``failed`` row. With
-        ``loss_attr``, ``table.attrs["loss_check"]`` holds the loss check's table when it ran.
-
-    Raises:
-        CheckError: bad input, before any rank runs: a module that is no LightningModule or
-            cannot be built, a model factory that returns no ``nn.Module``, a step, model or
-            optimizer path that does not import, a step that returns no scalar tensor (found on
-            one device), a data set without ``__len__``/``__getitem__``, a global batch that
-            a W does not divide or larger than the data set, a ``training_step`` that returns no
-            loss (found on one device).
+    """Check a training step (a ``LightningModule``, a plain PyTorch step or a whole update)
+    trained on W real ranks against the same on one device, and name the part that breaks it:
+    docs/design.md §10 says how and what the table holds. Each argument is documented once, as a
+    field of `gatherlab.check.defaults.TrainingOptions`. Raises `CheckError` for bad input,
+    before any rank runs.
 
     Example:
         >>> from gatherlab.check import check_training
@@ -681,75 +622,62 @@ def check_training(
         >>> table.groupby("world_size")["culprits"].first().tolist()
         ['batchnorm', 'batchnorm']
     """
+    options = defaults.TrainingOptions(**locals())  # the arguments above, nothing else yet
     from gatherlab.check import training  # Lightning is imported only for a LightningModule
 
-    setting = _training_setting(
-        module, data, step, model, model_kwargs, optimizer, optimizer_kwargs, steps,
-        global_batch_size, module_kwargs, data_kwargs, precision, seed, update,
-    )  # fmt: skip
-    world_sizes, micro_batches = tuple(world_sizes), tuple(micro_batches)
+    setting = _training_setting(options)
+    world_sizes, micro_batches = tuple(options.world_sizes), tuple(options.micro_batches)
     if setting.update is None and micro_batches != (1,):
         raise CheckError(
             f"--micro-batches {','.join(map(str, micro_batches))}: micro-batches are the whole "
             "update's (--update); allowed: --update with them, or 1"
         )
-    applying, layout = _validated(setting, world_sizes, loss_attr, micro_batches)
-    with warnings_once(), _watching(collective_timeout_s):
+    applying, layout = _validated(setting, world_sizes, options.loss_attr, micro_batches)
+    with warnings_once(), _watching(options.collective_timeout_s):
         try:  # one device, in this process: a training_step without a loss is found here
             first = training.first_reference(setting)
         except Exception as error:
             raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
         table = training.check(setting, world_sizes, applying, first, layout, micro_batches)
     blamed = table.loc[table["culprits"].str.contains(LOSS), "world_size"]
-    if loss_attr is not None and len(blamed):
-        loss = AttributeOf(setting.built, loss_attr)
+    if options.loss_attr is not None and len(blamed):
+        loss = AttributeOf(setting.built, options.loss_attr)
         table.attrs["loss_check"] = check_loss(
-            loss, sorted(set(blamed)), seed=seed, collective_timeout_s=collective_timeout_s
-        )
+            loss, sorted(set(blamed)), seed=options.seed,
+            collective_timeout_s=options.collective_timeout_s,
+        )  # fmt: skip
     return table
 
 
-def _training_setting(
-    module: str | Callable[..., Any] | None,
-    data: str | Callable[..., Any] | None,
-    step: str | Callable[..., Any] | None,
-    model: str | Callable[..., Any] | None,
-    model_kwargs: Mapping[str, Any] | None,
-    optimizer: str | Callable[..., Any],
-    optimizer_kwargs: Mapping[str, Any] | None,
-    steps: int,
-    global_batch_size: int,
-    module_kwargs: Mapping[str, Any] | None,
-    data_kwargs: Mapping[str, Any] | None,
-    precision: str,
-    seed: int,
-    update: str | Callable[..., Any] | None = None,
-) -> Any:
-    """What `check_training` trains (``training.Setting``), its parts imported; CheckError for
-    none or several forms, no data set, or a path that does not import."""
+def _training_setting(options: defaults.TrainingOptions) -> Any:
+    """What `check_training` trains (``training.Setting``: the form and its `RunSpec`), its parts
+    imported; CheckError for none or several forms, no data set, or a path that does not import."""
     from gatherlab.check import training
 
-    if sum(form is not None for form in (module, step, update)) != 1:
+    forms = {"module": options.module, "step": options.step, "update": options.update}
+    if sum(function is not None for function in forms.values()) != 1:
         raise CheckError(
             "name one of a LightningModule (--module), a plain PyTorch step (--step with "
             "--model) or a whole update (--update with --model)"
         )
-    if data is None:
+    if options.data is None:
         raise CheckError("--data is needed: a map-style data set (class or factory), module:attr")
-    data_factory = _factory(data, "data")
-    arguments = (model, model_kwargs, optimizer, optimizer_kwargs, seed)
-    plain = next(((form, function) for form, function in (("step", step), ("update", update))
-                  if function is not None), None)  # fmt: skip
-    built = None if plain is None else _plain(*plain, *arguments)
-    return training.Setting(
-        module=None if module is None else Recipe(
-            _factory(module, "module"), dict(module_kwargs or {}), None, seed
-        ),
-        data=Recipe(data_factory, dict(data_kwargs or {}), None, seed),
-        name=_path_name(module if plain is None else plain[1]),
-        global_batch_size=global_batch_size, steps=steps, seed=seed, precision=precision,
-        step=built if step is not None else None, update=built if update is not None else None,
+    data_factory = _factory(options.data, "data")
+    kind, function = next((kind, f) for kind, f in forms.items() if f is not None)
+    seed = options.seed
+    if kind == "module":
+        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
+
+        module = Recipe(_factory(function, "module"), dict(options.module_kwargs or {}), None, seed)
+        form = lightning.Module(module)
+    else:
+        form = _plain(kind, function, options)
+    spec = RunSpec(
+        data=Recipe(data_factory, dict(options.data_kwargs or {}), None, seed),
+        global_batch_size=options.global_batch_size, steps=options.steps, seed=seed,
+        precision=options.precision,
     )  # fmt: skip
+    return training.Setting(form, spec, _path_name(function))
 
 
 def _validated(

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from gatherlab.components.data import GlobalBatchSampler
 from gatherlab.components.factory import Recipe
@@ -38,10 +37,12 @@ from gatherlab.core import terms
 from gatherlab.core.runfiles import Trained
 from gatherlab.core.terms import Factor, GradientClass, Style, World
 from gatherlab.gather import CLASSES, STYLES, GatherFn, rule
-from gatherlab.ranks import collectives, simworld, world
+from gatherlab.ranks import simworld, world
 from gatherlab.ranks.external import ranks_for
+from gatherlab.runs import loss as runs_loss
 from gatherlab.runs import trace
-from gatherlab.runs.record import flat_gradient, flat_parameters, mean_over_ranks
+from gatherlab.runs.record import flat_gradient, mean_over_ranks
+from gatherlab.runs.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,9 @@ COLUMNS = (
     "norm_ratio", "max_rel_err",
 )  # fmt: skip
 
-ModelFactory = Callable[[], nn.Module]
-Batch = tuple[torch.Tensor, torch.Tensor]
+ModelFactory = runs_loss.ModelFactory
+Batch = runs_loss.Batch
+LossContractError = runs_loss.LossContractError
 
 __all__ = [
     "CLASSES",
@@ -75,10 +77,6 @@ __all__ = [
     "train",
     "validate_world_sizes",
 ]  # fmt: skip
-
-
-class LossContractError(ValueError):
-    """The loss broke its contract: ``loss(out0, out1)`` must return a finite scalar tensor."""
 
 
 Layout = dict[str, list[tuple[int, int]]]
@@ -112,7 +110,7 @@ def layout(named: Iterable[tuple[str, nn.Parameter]], part_of: Callable[[str], s
 
 
 def _part_of_loss_check(name: str) -> str:
-    """A parameter of ``_Whole``: the model's are one part, each of the loss's its own."""
+    """A parameter of ``runs.loss.Whole``: the model's are one part, each of the loss's its own."""
     return "model" if name.startswith("model.") else name
 
 
@@ -122,71 +120,6 @@ def split(gradient: torch.Tensor, parts: Layout) -> dict[str, torch.Tensor]:
         name: torch.cat([gradient[start:stop] for start, stop in ranges])
         for name, ranges in parts.items()
     }
-
-
-class _Whole(nn.Module):
-    """The model and the loss as one module, as the LightningModule holds them: DDP sees one
-    forward per backward, and averages the loss's own parameters (a learnt temperature) too."""
-
-    def __init__(self, model: nn.Module, loss: nn.Module):
-        super().__init__()
-        self.model, self.loss = model, loss
-
-    def forward(self, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
-        return self.loss(self.model(view0), self.model(view1))
-
-
-def _build(loss: Recipe, model_factory: ModelFactory, seed: int, distributed: bool):
-    torch.manual_seed(seed)
-    model = model_factory()
-    whole = _Whole(model, loss()).to(world.device(), torch.float64)  # a rank's GPU on NCCL
-    # DDP as Lightning configures it (every parameter must get a gradient: ``_backward`` checks);
-    # a simulated rank averages the gradients itself after its backward (``_backward``)
-    real_ddp = distributed and simworld.size() is None
-    wrapped = collectives.visible(DistributedDataParallel(whole)) if real_ddp else whole
-    return whole, wrapped
-
-
-def _backward(whole: nn.Module, value: torch.Tensor, distributed: bool) -> None:
-    """``value.backward()`` when a gradient can flow at all. Under DDP, a parameter left without a
-    gradient while others have one means its bucket was never averaged: that is refused (a DDP
-    training run of such a model fails at its next step) instead of measured."""
-    if value.requires_grad:
-        value.backward()
-        if distributed:
-            _check_every_parameter_has_a_gradient(whole)
-
-
-def _average(whole: nn.Module, distributed: bool) -> None:
-    """A simulated rank's DDP: the gradients averaged over ranks, which a real rank's DDP did
-    during its backward. The caller has let go of the loss's graph first: the other ranks compute
-    while this one waits, and W graphs kept alive would hold W times the memory."""
-    if distributed and simworld.size() is not None:
-        simworld.average(list(whole.parameters()))
-
-
-def _check_every_parameter_has_a_gradient(whole: nn.Module) -> None:
-    missing = [name for name, p in whole.named_parameters() if p.requires_grad and p.grad is None]
-    if missing and len(missing) < sum(1 for p in whole.parameters() if p.requires_grad):
-        raise LossContractError(
-            f"parameter {missing[0]} gets no gradient on rank {world.rank()} while others "
-            "do; DDP cannot average such a model (use every parameter in the forward)"
-        )
-
-
-def _value(wrapped: nn.Module, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
-    value = wrapped(view0, view1)
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise LossContractError(
-            f"the loss returned {shape}; allowed: a scalar tensor (wrap a loss of another "
-            "signature in a module whose forward(out0, out1) returns one)"
-        )
-    if not torch.isfinite(value).all():
-        raise LossContractError(
-            f"the loss returned {float(value.detach())}; allowed: a finite value"
-        )
-    return value.reshape(())
 
 
 def measure(
@@ -201,18 +134,19 @@ def measure(
     """The loss value and parameter gradient (DDP-averaged when ``distributed``) of ``loss`` on
     these views, a zero gradient when no gradient reaches the parameters at all; and the loss on
     each of the ``further`` batches, forward only, with the same weights."""
-    whole, wrapped = _build(loss, model_factory, seed, distributed)
+    whole, wrapped = runs_loss.build(loss, model_factory, seed, distributed)
     device = world.device()
     view0, view1 = view0.to(device), view1.to(device)
     further = [(other0.to(device), other1.to(device)) for other0, other1 in further]
-    value = _value(wrapped, view0.double(), view1.double())
-    _backward(whole, value, distributed)
+    value = runs_loss.value(wrapped, view0.double(), view1.double())
+    runs_loss.backward(whole, value, distributed)
     loss_value = float(value.detach())
     del value
-    _average(whole, distributed)
+    runs_loss.average(whole, distributed)
     with torch.no_grad():
         forwards = tuple(
-            float(_value(whole, other0.double(), other1.double())) for other0, other1 in further
+            float(runs_loss.value(whole, other0.double(), other1.double()))
+            for other0, other1 in further
         )
     parts = layout(whole.named_parameters(), _part_of_loss_check)
     return Measured(loss_value, flat_gradient(whole.parameters()).cpu(), forwards, parts)
@@ -228,9 +162,9 @@ def one_device(
 
     def forward(view0: torch.Tensor, view1: torch.Tensor) -> float:
         if not built:
-            built.append(_build(loss, model_factory, seed, distributed=False)[0])
+            built.append(runs_loss.build(loss, model_factory, seed, distributed=False)[0])
         with torch.no_grad():
-            return float(_value(built[0], view0.double(), view1.double()))
+            return float(runs_loss.value(built[0], view0.double(), view1.double()))
 
     return forward
 
@@ -268,7 +202,7 @@ def traced(
     """The operations of the loss's forward on these views, as `gatherlab.runs.trace` records
     them, with their gradients: the model and the loss built as `measure` builds them (no DDP:
     only the loss's own tensors are compared), in this process's group, if any."""
-    whole, _ = _build(loss, model_factory, seed, distributed=False)
+    whole, _ = runs_loss.build(loss, model_factory, seed, distributed=False)
     device = world.device()
     out0, out1 = whole.model(view0.to(device).double()), whole.model(view1.to(device).double())
     modules = [("", whole.loss)]
@@ -364,30 +298,6 @@ def measure_on_ranks(
     }
 
 
-def _train_on_rank(
-    loss: Recipe,
-    model_factory: ModelFactory,
-    batches: Sequence[Batch],
-    optimizer: Callable[..., torch.optim.Optimizer],
-    seed: int,
-) -> tuple[list[float], torch.Tensor]:
-    distributed = world.size() > 1
-    rows = world.own_rows(len(batches[0][0])) if distributed else slice(None)
-    whole, wrapped = _build(loss, model_factory, seed, distributed)
-    step = optimizer(whole.parameters())
-    losses = []
-    for view0, view1 in batches:
-        step.zero_grad()
-        device = world.device()
-        value = _value(wrapped, view0[rows].to(device).double(), view1[rows].to(device).double())
-        _backward(whole, value, distributed)
-        losses.append(float(value.detach()))
-        del value
-        _average(whole, distributed)
-        step.step()
-    return losses, flat_parameters(whole.parameters())
-
-
 def train(
     loss: Recipe,
     model_factory: ModelFactory,
@@ -397,19 +307,17 @@ def train(
     seed: int,
     simulated: bool = False,
 ) -> Trained:
-    """A training run on these global batches, on one device or on ``world_size`` ranks of the
-    warm pool (plain DDP, no Lightning: the same arithmetic in a fraction of the start-up), or of
-    the simulated world. Its ``first_gradient`` is not kept (None); its parameters are the model's,
+    """A training run of the loss form (`gatherlab.runs.loss.Loss`) on these global batches, on
+    one device or on ``world_size`` ranks of the warm pool (plain DDP, no Lightning), or of the
+    simulated world. Its ``first_gradient`` is not kept (None); its parameters are the model's,
     then the loss's own."""
+    form = runs_loss.Loss(loss, model_factory, optimizer, tuple(batches))
+    spec = RunSpec(None, len(batches[0][0]), len(batches), seed, terms.Precision.FLOAT64)
     if world_size == 1:
-        losses, parameters = _train_on_rank(loss, model_factory, batches, optimizer, seed)
-        return Trained(losses, None, parameters)
+        return form.train_on_rank(spec)
     if simulated:
         require_simulatable(loss)
-    ranks = _run(
-        world_size, simulated, _train_on_rank, loss, model_factory, batches, optimizer, seed
-    )
-    return Trained(mean_over_ranks([losses for losses, _ in ranks]), None, ranks[0][1])
+    return _run(world_size, simulated, form.train_on_rank, spec)[0]
 
 
 def validate_world_sizes(world_sizes: Sequence[int], global_batch_size: int, batch: str) -> None:

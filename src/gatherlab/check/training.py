@@ -2,7 +2,9 @@
 trained N steps on W ranks of the warm pool and on one device, compared step by step; when a W is
 not exact, the same again with each removal that applies made (`gatherlab.runs.removals`) and
 with all of them made, and the culprits named: the removals that make it exact. The runs are
-trained by the training layer (`gatherlab.runs.plainstep`, `gatherlab.runs.lightning`).
+trained by the training layer, whichever form they are (`gatherlab.runs.spec.StepForm`:
+`runs.lightning.Module`, `runs.plainstep.Step`, `runs.update.Update`), as
+``ranks_for(W).run(form.train_on_rank, spec)``.
 
 ``gatherlab.check.check_training`` is the API and ``python -m gatherlab.check --module`` the
 command line; this module trains and compares, and says nothing in words.
@@ -10,6 +12,7 @@ command line; this module trains and compares, and says nothing in words.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -42,6 +45,7 @@ from gatherlab.ranks.external import ranks_for
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import plainstep, removals
 from gatherlab.runs import update as update_form
+from gatherlab.runs.spec import RunSpec, StepForm, TracedForm
 
 MICRO_BATCHES = "micro_batches"
 COLUMNS = (
@@ -59,52 +63,40 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Setting:
-    """What is trained: a ``LightningModule`` (``module``) or a plain PyTorch step (``step``: its
-    function, model and optimizer), and the data set, as factories built inside each rank; and
-    the run's size (``steps`` optimizer steps of ``global_batch_size`` samples, ``precision``)."""
+    """What is trained (``form``: a LightningModule, a plain step or a whole update, each built
+    inside every rank) and how (``spec``: the data, the batch, the steps, the seed, …), with the
+    name the table gives it."""
 
-    module: Recipe | None
-    data: Recipe
+    form: StepForm
+    spec: RunSpec
     name: str
-    global_batch_size: int
-    steps: int
-    seed: int
-    precision: str
-    step: plainstep.Step | None = None
-    update: update_form.Update | None = None
 
     @property
-    def plain(self) -> plainstep.Step | update_form.Update | None:
-        """The plain PyTorch form (a step or a whole update), None for a LightningModule."""
-        return self.step if self.update is None else self.update
+    def update(self) -> update_form.Update | None:
+        """The whole update, when that is the form (micro-batches are its alone)."""
+        return self.form if isinstance(self.form, update_form.Update) else None
 
     @property
     def built(self) -> Recipe:
         """The factory of what the step trains: the module, or the plain form's model."""
-        return self.module if self.plain is None else self.plain.model
+        return self.form.recipe
 
     @property
     def label(self) -> str:
         """How the command line names what is trained (``--module M``, ``--step S`` or
         ``--update U``)."""
-        if self.update is not None:
-            return f"--update {self.name}"
-        return f"--step {self.name}" if self.step is not None else f"--module {self.name}"
+        return f"{self.form.option} {self.name}"
+
+    def run_spec(self, removed: str, **changes: Any) -> RunSpec:
+        """The spec of the run that makes the removals ``removed`` names (`removals.Removals
+        .named`), with ``changes``."""
+        return dataclasses.replace(self.spec, removals=removals.Removals.named(removed), **changes)
 
     def checked(self, built: Any) -> torch.nn.Module:
-        """What the module's or the model's factory built, when it keeps its contract (a
+        """What the module's or the model's factory built, when it keeps the form's contract (a
         LightningModule with ``training_step`` and ``configure_optimizers``; an ``nn.Module``);
         a ValueError of one line otherwise."""
-        if self.plain is not None:
-            if not isinstance(built, torch.nn.Module):
-                raise ValueError(
-                    f"--model {self.plain.model.name} returned a {type(built).__name__}; "
-                    "allowed: a torch.nn.Module"
-                )
-            return built
-        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
-
-        return lightning.validated_module(built, self.label)
+        return self.form.checked(built, self.label)
 
 
 def _top_level(name: str) -> str:
@@ -129,27 +121,28 @@ def validate(
     module's batch norms and dropout layers, the data set's own randomness) and the parts of the
     module's gradient (`parts`). A whole update is also run once on one device with each number
     of micro-batches (`update_form.UpdateBroken` otherwise), and W = 1 is a layout of its own."""
-    if setting.precision not in terms.PRECISIONS:
+    spec = setting.spec
+    if spec.precision not in terms.PRECISIONS:
         allowed = ", ".join(terms.PRECISIONS)
-        raise ValueError(f"--precision {setting.precision!r} is not allowed; allowed: {allowed}")
+        raise ValueError(f"--precision {spec.precision!r} is not allowed; allowed: {allowed}")
     for key, value, minimum in (
-        ("--steps", setting.steps, 1), ("--global-batch-size", setting.global_batch_size, 1),
+        ("--steps", spec.steps, 1), ("--global-batch-size", spec.global_batch_size, 1),
     ):  # fmt: skip
         if not terms.is_integer(value, minimum):
             allowed = terms.allowed_integer(minimum)
             raise ValueError(f"{key} {value!r} is not allowed; allowed: {allowed}")
     recipe = setting.built
-    label = setting.label if setting.plain is None else f"--model {recipe.name}"
+    label = setting.form.built_label(setting.label)
     try:
         built = recipe()
     except Exception as error:
         raise ValueError(f"{label}: cannot be built: {type(error).__name__}: {error}") from None
     module = setting.checked(built)
     try:
-        data = setting.data()
+        data = spec.data()
     except Exception as error:
         raise ValueError(f"--data: cannot be built: {type(error).__name__}: {error}") from None
-    size, batch = plainstep.data_size(data, "--data"), setting.global_batch_size
+    size, batch = plainstep.data_size(data, "--data"), spec.global_batch_size
     if batch > size:
         raise ValueError(
             f"--global-batch-size {batch} exceeds the {size} samples of the data set; allowed: at "
@@ -168,23 +161,11 @@ def _train(
     """The run that makes the removals ``removed`` names on one device (in this process; in a
     one-rank process group with ``in_group``) or on W ranks of the pool; a whole update with
     ``micro_batches`` per rank."""
-    arguments = (
-        setting.module, setting.data, removals.Removals.named(removed), setting.global_batch_size,
-        setting.steps, setting.seed, setting.precision,
-    )  # fmt: skip
-    if setting.update is not None:
-        function = update_form.train_on_rank
-        arguments = (setting.update, *arguments[1:], micro_batches)
-    elif setting.step is not None:
-        function, arguments = plainstep.train_on_rank, (setting.step, *arguments[1:])
-    else:
-        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
-
-        function = lightning.train_on_rank
+    spec = setting.run_spec(removed, micro_batches=micro_batches)
     if world_size == 1:
         with one_device(in_group):  # as the reference ran (`first_reference`)
-            return function(*arguments)
-    return ranks_for(world_size).run(function, *arguments)[0]
+            return setting.form.train_on_rank(spec)
+    return ranks_for(world_size).run(setting.form.train_on_rank, spec)[0]
 
 
 def _curves(
@@ -206,7 +187,7 @@ def _validate_layouts(
     """A whole update's layouts: integers W ≥ 1 and K ≥ 1 whose product divides the global batch
     (each rank splits its rows into K micro-batches), at least one layout besides (1, 1); and the
     update honest with each K on one device (one step after a backward)."""
-    batch = setting.global_batch_size
+    batch = setting.spec.global_batch_size
     for key, values in (("--world-sizes", world_sizes), ("--micro-batches", micro_batches)):
         for value in values:
             if not terms.is_integer(value, 1):
@@ -225,10 +206,8 @@ def _validate_layouts(
         )
     for k in sorted(set(micro_batches)):
         try:
-            choose(lambda k=k: update_form.train_on_rank(
-                setting.update, setting.data, removals.Removals(), batch, 1, setting.seed,
-                setting.precision, k,
-            ))  # fmt: skip
+            once = dataclasses.replace(setting.spec, steps=1, micro_batches=k)
+            choose(lambda once=once: setting.form.train_on_rank(once))
         except update_form.UpdateBroken as error:
             raise ValueError(f"{setting.label}: {error}") from None
         except Exception as error:  # the update raises with K micro-batches
@@ -335,36 +314,21 @@ def step_draws_randomness(setting: Setting, in_group: bool = False) -> bool:
     group with ``in_group``), computed twice from the same weights and the same global batch,
     with only the streams' seed changed. Dropout layers are off for it (they are a removal of
     their own); a step that cannot run outside training says no."""
-    recipe = setting.built
-    data = setting.data()
-    if setting.plain is not None:
-        collate = getattr(data, "collate_fn", None)
-    else:
-        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
-
-        collate = lightning.collate_fn_of(recipe(), data)
-    batch = plainstep.first_batch(data, setting.global_batch_size, setting.seed, collate)
-    batch = plainstep.as_precision(batch, setting.precision)
+    recipe, spec = setting.built, setting.spec
+    data = spec.data()
+    collate = setting.form.collate(data)
+    batch = plainstep.as_precision(plainstep.first_batch(data, spec, collate), spec.precision)
     values = []
     with one_device(in_group), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log outside a Trainer
         for streams in (1, 2):
             module = setting.checked(recipe())
             removals.Removals.named(removals.Removal.DROPOUT).apply(module)
-            if setting.precision == terms.Precision.FLOAT64:
+            if spec.precision == terms.Precision.FLOAT64:
                 module = module.double()
-            plainstep.seed_processes(setting.seed + streams)
+            plainstep.seed_processes(spec.seed + streams)
             try:
-                if setting.update is not None:
-                    optimizer = setting.update.optimizer(
-                        module.parameters(), **setting.update.optimizer_kwargs
-                    )
-                    output = setting.update.update(module, optimizer, batch, 1)
-                    output = torch.tensor(float(output), dtype=torch.float64)
-                elif setting.step is not None:
-                    output = setting.step.step(module, batch)
-                else:
-                    output = module.training_step(batch, 0)
+                output = setting.form.one_step(module, batch)
                 loss = output.get("loss") if isinstance(output, dict) else output
                 values.append(float(loss.detach()))
             except Exception:
@@ -383,7 +347,7 @@ def first_reference(setting: Setting) -> Reference[Trained]:
     without a process group, or in a one-rank group when the step raises without one; when both
     run, what differs between them (`reference.training_differs`, to the precision's
     tolerance)."""
-    tolerance = terms.TOLERANCE[setting.precision]
+    tolerance = terms.TOLERANCE[setting.spec.precision]
     return choose(
         lambda: _train(setting, removals.NONE, 1),
         lambda grouped, plain: training_differs(grouped, plain, tolerance),
@@ -396,23 +360,17 @@ def located(setting: Setting, world_size: int, in_group: bool) -> where.Departur
     both (`gatherlab.runs.trace`) and compared (`gatherlab.check.where`); None when no operation
     departs, or when the recording fails on a rank (the verdict stands without a place), and for a
     whole update (its backwards run inside the user's function: not recorded)."""
-    if setting.update is not None:
+    if not isinstance(setting.form, TracedForm):
         return None
-    if setting.step is not None:
-        function, first = plainstep.trace_on_rank, setting.step
-    else:
-        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
-
-        function, first = lightning.trace_on_rank, setting.module
-    arguments = (first, setting.data, setting.global_batch_size, setting.seed, setting.precision)
     try:
-        ranks = ranks_for(world_size).run(function, *arguments)
+        ranks = ranks_for(world_size).run(setting.form.trace_on_rank, setting.spec)
     except RankError:
         return None
     with one_device(in_group):
-        one = function(*arguments)
-    tolerance = terms.TOLERANCE[setting.precision]
-    return where.departure(one, ranks, world_size, setting.global_batch_size, tolerance)
+        one = setting.form.trace_on_rank(setting.spec)
+    spec = setting.spec
+    tolerance = terms.TOLERANCE[spec.precision]
+    return where.departure(one, ranks, world_size, spec.global_batch_size, tolerance)
 
 
 def micro_negatives(setting: Setting, world_size: int, k: int, in_group: bool) -> list[float]:
@@ -423,10 +381,10 @@ def micro_negatives(setting: Setting, world_size: int, k: int, in_group: bool) -
     rows r·B + j·B/K …, a loss of the rank's own rows), and the K micro-batches of all ranks
     together (micro-batch j of every rank: a loss that gathers each micro-batch over the
     ranks)."""
-    data = setting.data()
-    collate = getattr(data, "collate_fn", None)
-    batch = plainstep.first_batch(data, setting.global_batch_size, setting.seed, collate)
-    local = setting.global_batch_size // (world_size * k)
+    spec = setting.spec
+    data = spec.data()
+    batch = plainstep.first_batch(data, spec, setting.form.collate(data))
+    local = spec.global_batch_size // (world_size * k)
 
     def block(rank: int, j: int) -> torch.Tensor:
         start = (rank * k + j) * local
@@ -441,7 +399,7 @@ def micro_negatives(setting: Setting, world_size: int, k: int, in_group: bool) -
         for groups in groupings:
             losses = [
                 update_form.first_loss(setting.update, update_form.rows_of(batch, torch.cat(g)),
-                                       setting.seed, setting.precision)
+                                       spec.seed, spec.precision)
                 for g in groups
             ]  # fmt: skip
             values.append(math.fsum(losses) / len(losses))
@@ -489,7 +447,7 @@ def check(
     layout whose ranks raised has one ``failed`` row. ``first`` is the 1-device run without removals
     as `first_reference` chose it (made here when None); the runs with removals on one device
     run as it ran, and its notes go to ``table.attrs`` (`table.with_reference_notes`)."""
-    tolerance = terms.TOLERANCE[setting.precision]
+    tolerance = terms.TOLERANCE[setting.spec.precision]
     first = first_reference(setting) if first is None else first
     references = {removals.NONE: first.value}
     mode = str(first.mode)

@@ -7,7 +7,7 @@ A training run builds data, model, gather, loss and optimizer from the config (`
 on the layout's ranks (``launch``), and writes its run files (docs/design.md §5) into its directory:
 ``curves.csv`` and ``final_state.pt`` from rank 0 during training, ``summary.json`` when it ends,
 failed or not. With ``module=user`` the user's LightningModule and data set are built inside
-each rank instead (`gatherlab.runs.lightning.fit_on_rank`), with the same run files.
+each rank instead (`gatherlab.runs.lightning.Module.fit_on_rank`), with the same run files.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from gatherlab.ranks import launch
 from gatherlab.ranks.pool import RankError, pool
 from gatherlab.runs import lightning, removals
 from gatherlab.runs.lightning import ProgressLog, StepRecorder
+from gatherlab.runs.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -224,23 +225,23 @@ def _user_choices(cfg: DictConfig) -> dict[str, str | None]:
 
 def _fit_user_module(cfg: DictConfig, run_dir: Path, devices: int) -> None:
     """Train the user's module of ``module=user`` on its data set: each rank builds both in its
-    process group and records the run files (``lightning.fit_on_rank``); one device trains here.
-    The config was checked: several ranks only on the worker pools."""
-    arguments = (
-        config.module_factory(cfg),
-        config.dataset_factory(cfg),
-        removals.Removals.from_config(cfg.get("removals")),
-        cfg.global_batch_size,
-        cfg.steps,
-        cfg.seed,
-        cfg.precision,
-        bool(cfg.data.shuffle),
-        [StepRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
+    process group and records the run files (``lightning.Module.fit_on_rank``); one device trains
+    here. The config was checked: several ranks only on the worker pools."""
+    form = lightning.Module(config.module_factory(cfg))
+    spec = RunSpec(
+        data=config.dataset_factory(cfg),
+        removals=removals.Removals.from_config(cfg.get("removals")),
+        global_batch_size=cfg.global_batch_size,
+        steps=cfg.steps,
+        seed=cfg.seed,
+        precision=cfg.precision,
+        shuffle=bool(cfg.data.shuffle),
     )
+    callbacks = [StepRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)]
     if devices == 1:
-        lightning.fit_on_rank(*arguments)
+        form.fit_on_rank(spec, callbacks)
     else:
-        pool(devices).run(lightning.fit_on_rank, *arguments)
+        pool(devices).run(form.fit_on_rank, spec, callbacks)
 
 
 def _rank_exception(error: BaseException) -> BaseException | None:

@@ -10,9 +10,10 @@ made on request.
 - ``ItemsDataModule`` serves each rank its slice of the global batches of any map-style data set
   (``len``, ``dataset[index]``), collated by the module's or the data set's ``collate_fn`` when it
   has one, else PyTorch's default;
-- ``train_on_rank`` builds the module and the data set where it runs (inside each rank), trains
-  them on one device or in the rank's process group (``fit_on_rank``, which also trains a
-  ``module=user`` run) and returns what the check compares.
+- ``Module`` is the LightningModule form (`gatherlab.runs.spec.Form`): ``train_on_rank(spec)``
+  builds the module and the data set where it runs (inside each rank), trains them on one device
+  or in the rank's process group (``fit_on_rank``, which also trains a ``module=user`` run) and
+  returns what the check compares.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -35,19 +37,18 @@ from gatherlab.ranks import launch, world
 from gatherlab.runs import removals, trace
 from gatherlab.runs.plainstep import seed_processes
 from gatherlab.runs.record import Recorder
+from gatherlab.runs.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "ItemsDataModule",
+    "Module",
     "ProgressLog",
     "StepRecorder",
     "TraceFirstStep",
     "collate_fn_of",
-    "fit_on_rank",
     "loss_of_step",
-    "trace_on_rank",
-    "train_on_rank",
     "validated_module",
 ]  # fmt: skip
 
@@ -103,28 +104,6 @@ class ItemsDataModule(L.LightningDataModule):
         return DataLoader(items, batch_sampler=sampler, collate_fn=self.collate_fn)
 
 
-def train_on_rank(
-    module: Recipe,
-    dataset: Recipe,
-    removed: removals.Removals,
-    global_batch_size: int,
-    steps: int,
-    seed: int,
-    precision: str,
-    shuffle: bool = True,
-) -> runfiles.Trained:
-    """Build the module and the data set here (with this rank's ``rank``/``world_size`` when
-    their constructors take them; the module's initial weights drawn from ``seed``), apply
-    ``removals``, and train ``steps`` steps with Lightning: on one device, or on this rank of the
-    process group when there is one. Returns the run (``runfiles.Trained``: the global loss of each
-    step, the first step's gradient, the final parameters)."""
-    recorder = StepRecorder(keep_first_gradient=True)
-    fit_on_rank(
-        module, dataset, removed, global_batch_size, steps, seed, precision, shuffle, [recorder]
-    )
-    return recorder.trained()
-
-
 class TraceFirstStep(L.Callback):
     """Records the operations of the first ``training_step`` (`gatherlab.runs.trace`), from the
     batch it is given to the loss it returns, and their gradients in its backward."""
@@ -168,46 +147,70 @@ class TraceFirstStep(L.Callback):
         vars(pl_module).pop("training_step", None)
 
 
-def trace_on_rank(
-    module: Recipe, dataset: Recipe, global_batch_size: int, seed: int, precision: str,
-    shuffle: bool = True,
-) -> list[trace.Op]:  # fmt: skip
-    """The operations of the first ``training_step`` on this rank (or one device), with their
-    gradients: the module trained one step as `train_on_rank` trains it (`TraceFirstStep`)."""
-    tracing = TraceFirstStep()
-    fit_on_rank(
-        module, dataset, removals.Removals(), global_batch_size, 1, seed, precision, shuffle,
-        [tracing],
-    )  # fmt: skip
-    return tracing.ops
+@dataclass(frozen=True)
+class Module:
+    """The LightningModule form (`gatherlab.runs.spec.Form`): a user's ``LightningModule``, built
+    inside each rank by ``module`` (with this rank's ``rank``/``world_size`` when its constructor
+    takes them; its initial weights drawn from the recipe's seed), trained by Lightning."""
 
+    module: Recipe
+    option: ClassVar[str] = "--module"
 
-def fit_on_rank(
-    module: Recipe,
-    dataset: Recipe,
-    removed: removals.Removals,
-    global_batch_size: int,
-    steps: int,
-    seed: int,
-    precision: str,
-    shuffle: bool,
-    callbacks: list[L.Callback],
-) -> None:
-    """``train_on_rank``'s training with ``callbacks``: build the module and the data set here,
-    apply ``removals``, seed the global random streams from ``seed``, and fit ``steps`` steps on
-    one device or on this rank of the process group when there is one."""
-    lightning_module = module()
-    removed.apply(lightning_module)
-    data = dataset()
-    datamodule = ItemsDataModule(
-        data, global_batch_size, steps, seed, shuffle, removals.Removal.DATA_RANDOMNESS in removed,
-        collate_fn_of(lightning_module, data),
-    )  # fmt: skip
-    seed_processes(seed)
-    if world.size() > 1:
-        launch.fit_in_group(lightning_module, datamodule, precision, steps, callbacks)
-    else:
-        launch.fit(lightning_module, datamodule, 1, precision, steps, callbacks)
+    @property
+    def recipe(self) -> Recipe:
+        """The module's factory."""
+        return self.module
+
+    def built_label(self, label: str) -> str:
+        """The form's own label."""
+        return label
+
+    def checked(self, built: Any, label: str) -> L.LightningModule:
+        """`validated_module`."""
+        return validated_module(built, label)
+
+    def collate(self, data: Any) -> Callable[[list[Any]], Any]:
+        """`collate_fn_of` a module built here and the data set."""
+        return collate_fn_of(self.module(), data)
+
+    def one_step(self, built: L.LightningModule, batch: Any) -> Any:
+        """What ``training_step`` returns on ``batch`` (index 0)."""
+        return built.training_step(batch, 0)
+
+    def train_on_rank(self, spec: RunSpec) -> runfiles.Trained:
+        """Train the run ``spec`` describes (`fit_on_rank`) and return it
+        (``runfiles.Trained``: the global loss of each step, the first step's gradient, the final
+        parameters)."""
+        recorder = StepRecorder(keep_first_gradient=True)
+        self.fit_on_rank(spec, [recorder])
+        return recorder.trained()
+
+    def trace_on_rank(self, spec: RunSpec) -> list[trace.Op]:
+        """The operations of the first ``training_step`` on this rank (or one device), with their
+        gradients: the module trained one step as `train_on_rank` trains it, without removals
+        (`TraceFirstStep`)."""
+        tracing = TraceFirstStep()
+        self.fit_on_rank(replace(spec, removals=removals.Removals(), steps=1), [tracing])
+        return tracing.ops
+
+    def fit_on_rank(self, spec: RunSpec, callbacks: list[L.Callback]) -> None:
+        """`train_on_rank`'s training with ``callbacks``: build the module and the data set here,
+        make the removals, seed the global random streams from the seed, and fit ``spec.steps``
+        steps on one device or on this rank of the process group when there is one (also a
+        ``module=user`` run of the lab)."""
+        lightning_module = self.module()
+        spec.removals.apply(lightning_module)
+        data = spec.data()
+        seeded = removals.Removal.DATA_RANDOMNESS in spec.removals
+        datamodule = ItemsDataModule(
+            data, spec.global_batch_size, spec.steps, spec.seed, spec.shuffle, seeded,
+            collate_fn_of(lightning_module, data),
+        )  # fmt: skip
+        seed_processes(spec.seed)
+        if world.size() > 1:
+            launch.fit_in_group(lightning_module, datamodule, spec.precision, spec.steps, callbacks)
+        else:
+            launch.fit(lightning_module, datamodule, 1, spec.precision, spec.steps, callbacks)
 
 
 def loss_of_step(output: Any) -> torch.Tensor:

@@ -5,9 +5,9 @@ module on one device), the user's optimizer, and ``training_step(model, batch)``
 rank's slice of the same global batches; the removals of `gatherlab.runs.removals` made on
 request; every step recorded by `gatherlab.runs.record.Recorder`.
 
-- ``Step`` says what is trained (the step, the model, the optimizer); ``train_on_rank`` trains it
-  here (on one device, or on this rank of the process group when there is one) and returns what
-  the check compares (``runfiles.Trained``);
+- ``Step`` is the form (`gatherlab.runs.spec.Form`): what is trained (the step, the model, the
+  optimizer); ``Step.train_on_rank(spec)`` trains it here (on one device, or on this rank of the
+  process group when there is one) and returns what the check compares (``runfiles.Trained``);
 - ``step_loss`` holds the step's contract: a scalar tensor.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -30,10 +30,11 @@ from gatherlab.core import runfiles, terms
 from gatherlab.ranks import collectives, world
 from gatherlab.runs import removals, trace
 from gatherlab.runs.record import Recorder
+from gatherlab.runs.spec import RunSpec
 
 __all__ = [
-    "Step", "as_precision", "build", "data_size", "first_batch", "rank_batches", "seed_processes",
-    "step_loss", "trace_on_rank", "train_on_rank", "wrapped_for_rank",
+    "Step", "as_precision", "build", "checked_model", "data_size", "first_batch", "rank_batches",
+    "seed_processes", "step_loss", "wrapped_for_rank",
 ]  # fmt: skip
 
 StepFunction = Callable[[nn.Module, Any], torch.Tensor]
@@ -49,6 +50,83 @@ class Step:
     model: Recipe
     optimizer: Callable[..., torch.optim.Optimizer]
     optimizer_kwargs: dict[str, Any]
+    option: ClassVar[str] = "--step"
+
+    @property
+    def recipe(self) -> Recipe:
+        """The model's factory."""
+        return self.model
+
+    def built_label(self, label: str) -> str:
+        """``--model`` and the factory's name."""
+        return f"--model {self.model.name}"
+
+    def checked(self, built: Any, label: str) -> nn.Module:
+        """The model, when it is an ``nn.Module``; a ValueError of one line otherwise."""
+        return checked_model(self.model, built)
+
+    def collate(self, data: Any) -> Callable[[list[Any]], Any] | None:
+        """The data set's ``collate_fn``, if any."""
+        return getattr(data, "collate_fn", None)
+
+    def one_step(self, built: nn.Module, batch: Any) -> Any:
+        """The loss the step returns on ``batch``."""
+        return self.step(built, batch)
+
+    def train_on_rank(self, spec: RunSpec) -> runfiles.Trained:
+        """Build the model and the data set here, make the removals, seed the global random
+        streams from the seed (as a training script does), and train ``spec.steps`` steps: DDP
+        over this rank's process group when there is one, the bare model on one device. Returns
+        each step's global loss (`gatherlab.runs.record`), the first step's gradient as the
+        optimizer gets it, and the final parameters."""
+        device = world.device()  # a rank's own GPU in an NCCL group, else the CPU
+        model = build(self, spec.removals, spec.precision).to(device)
+        data = spec.data()
+        wrapped = wrapped_for_rank(model, device)
+        optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
+        recorder = Recorder(keep_first_gradient=True)
+        seed_processes(spec.seed)
+        for index, batch in enumerate(rank_batches(data, spec)):
+            optimizer.zero_grad()
+            loss = step_loss(self.step(wrapped, as_precision(batch, spec.precision, device)))
+            recorder.loss(loss, index, world.rank())
+            loss.backward()
+            recorder.gradient(model.parameters(), index, world.rank())
+            optimizer.step()
+        recorder.finish(model.parameters())
+        return recorder.trained()
+
+    def trace_on_rank(self, spec: RunSpec) -> list[trace.Op]:
+        """The operations of the first step's forward (`gatherlab.runs.trace`), with their
+        gradients: the model built, wrapped and seeded as `train_on_rank` does (no removals), on
+        this rank's slice of the first global batch (the whole batch on one device)."""
+        spec = replace(spec, removals=removals.Removals(), steps=1)
+        device = world.device()
+        model = build(self, spec.removals, spec.precision).to(device)
+        data = spec.data()
+        wrapped = wrapped_for_rank(model, device)
+        seed_processes(spec.seed)
+        batch = as_precision(next(rank_batches(data, spec)), spec.precision, device)
+        modules = [("", model)]
+        before = trace.buffer_state(modules)
+        with trace.traced(trace.batch_tensors(batch)) as tracer:
+            loss = step_loss(self.step(wrapped, batch))
+        tracer.returned(loss)
+        tracer.buffers(modules, before)
+        tracer.keep_gradients()
+        if loss.requires_grad:
+            loss.backward()
+        return tracer.detached()
+
+
+def checked_model(recipe: Recipe, built: Any) -> nn.Module:
+    """What a plain form's model factory built, when it is an ``nn.Module``; a ValueError of one
+    line otherwise."""
+    if not isinstance(built, nn.Module):
+        raise ValueError(
+            f"--model {recipe.name} returned a {type(built).__name__}; allowed: a torch.nn.Module"
+        )
+    return built
 
 
 def seed_processes(seed: int) -> None:
@@ -129,89 +207,29 @@ def wrapped_for_rank(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def rank_batches(
-    dataset: Any, removed: removals.Removals, global_batch_size: int, steps: int, seed: int,
-    shuffle: bool, collate: Callable[[list[Any]], Any] | None = None, one_device: bool = False,
+    dataset: Any, spec: RunSpec, collate: Callable[[list[Any]], Any] | None = None,
+    one_device: bool = False,
 ):  # fmt: skip
-    """This rank's slice of each global batch (docs/design.md §2), or the whole batch with
-    ``one_device``, collated by ``collate``, else the data set's ``collate_fn``, else PyTorch's
-    default."""
+    """This rank's slice of each of the spec's global batches (docs/design.md §2), or the whole
+    batch with ``one_device``, collated by ``collate``, else the data set's ``collate_fn``, else
+    PyTorch's default."""
     rank, size = (0, 1) if one_device else (world.rank(), world.size())
     sampler = GlobalBatchSampler(
-        num_samples=len(dataset), global_batch_size=global_batch_size, num_batches=steps,
-        rank=rank, world_size=size, seed=seed, shuffle=shuffle, with_epoch=True,
+        num_samples=len(dataset), global_batch_size=spec.global_batch_size,
+        num_batches=spec.steps, rank=rank, world_size=size, seed=spec.seed, shuffle=spec.shuffle,
+        with_epoch=True,
     )  # fmt: skip
-    items = removals.PerSample(dataset, seed, removals.Removal.DATA_RANDOMNESS in removed)
+    seeded = removals.Removal.DATA_RANDOMNESS in spec.removals
+    items = removals.PerSample(dataset, spec.seed, seeded)
     collate = collate or getattr(dataset, "collate_fn", None) or default_collate
     for keys in sampler:
         yield collate([items[key] for key in keys])
 
 
 def first_batch(
-    dataset: Any, global_batch_size: int, seed: int,
-    collate: Callable[[list[Any]], Any] | None = None, shuffle: bool = True,
-) -> Any:  # fmt: skip
-    """The first global batch, as one device takes it (the data set's own randomness as is)."""
-    batches = rank_batches(
-        dataset, removals.Removals(), global_batch_size, 1, seed, shuffle, collate, one_device=True
-    )
-    return next(batches)
-
-
-def trace_on_rank(
-    step: Step, dataset: Recipe, global_batch_size: int, seed: int, precision: str,
-    shuffle: bool = True,
-) -> list[trace.Op]:  # fmt: skip
-    """The operations of the first step's forward (`gatherlab.runs.trace`), with their gradients:
-    the model built, wrapped and seeded as `train_on_rank` does, on this rank's slice of the first
-    global batch (the whole batch on one device)."""
-    device = world.device()
-    model = build(step, removals.Removals(), precision).to(device)
-    data = dataset()
-    wrapped = wrapped_for_rank(model, device)
-    seed_processes(seed)
-    batch = next(rank_batches(data, removals.Removals(), global_batch_size, 1, seed, shuffle))
-    batch = as_precision(batch, precision, device)
-    modules = [("", model)]
-    before = trace.buffer_state(modules)
-    with trace.traced(trace.batch_tensors(batch)) as tracer:
-        loss = step_loss(step.step(wrapped, batch))
-    tracer.returned(loss)
-    tracer.buffers(modules, before)
-    tracer.keep_gradients()
-    if loss.requires_grad:
-        loss.backward()
-    return tracer.detached()
-
-
-def train_on_rank(
-    step: Step,
-    dataset: Recipe,
-    removed: removals.Removals,
-    global_batch_size: int,
-    steps: int,
-    seed: int,
-    precision: str,
-    shuffle: bool = True,
-) -> runfiles.Trained:
-    """Build the model and the data set here, make the removals, seed the global random streams
-    from ``seed`` (as a training script does), and train ``steps`` steps: DDP over this rank's
-    process group when there is one, the bare model on one device. Returns each step's global
-    loss (`gatherlab.runs.record`), the first step's gradient as the optimizer gets it, and the
-    final parameters."""
-    device = world.device()  # a rank's own GPU in an NCCL group, else the CPU
-    model = build(step, removed, precision).to(device)
-    data = dataset()
-    wrapped = wrapped_for_rank(model, device)
-    optimizer = step.optimizer(model.parameters(), **step.optimizer_kwargs)
-    recorder = Recorder(keep_first_gradient=True)
-    seed_processes(seed)
-    batches = rank_batches(data, removed, global_batch_size, steps, seed, shuffle)
-    for index, batch in enumerate(batches):
-        optimizer.zero_grad()
-        loss = step_loss(step.step(wrapped, as_precision(batch, precision, device)))
-        recorder.loss(loss, index, world.rank())
-        loss.backward()
-        recorder.gradient(model.parameters(), index, world.rank())
-        optimizer.step()
-    recorder.finish(model.parameters())
-    return recorder.trained()
+    dataset: Any, spec: RunSpec, collate: Callable[[list[Any]], Any] | None = None
+) -> Any:
+    """The spec's first global batch, as one device takes it (the data set's own randomness as
+    is)."""
+    first = replace(spec, removals=removals.Removals(), steps=1)
+    return next(rank_batches(dataset, first, collate, one_device=True))

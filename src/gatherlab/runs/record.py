@@ -1,9 +1,9 @@
 """The one record of a training run's steps, whatever trains it (gatherlab's module and a user's
-LightningModule through `gatherlab.runs.lightning.StepRecorder`, a plain PyTorch step in
-`gatherlab.runs.plainstep`): each optimizer step's local loss (checked finite before its backward),
-the L2 norm of the gradient the optimizer applies (after DDP's average), optionally the first step's
-whole gradient, and when training ends each step's global loss and the final parameters
-(`gatherlab.core.runfiles.Trained`).
+LightningModule through `gatherlab.runs.lightning.StepRecorder`; a plain PyTorch step, a
+whole update and the loss check's loss in `plainstep`, `update` and `loss`): each optimizer step's
+local loss (checked finite before its backward), the L2 norm of the gradient the optimizer applies
+(after DDP's average), optionally the first step's whole gradient, and when training ends each
+step's global loss and the final parameters (`gatherlab.core.runfiles.Trained`).
 
 The global loss of a step is the mean over ranks of the ranks' local losses (docs/design.md §2),
 computed one way everywhere: `mean_over_ranks` (``math.fsum`` of the ranks' values over W, the
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gatherlab.core import runfiles
-from gatherlab.ranks import world
+from gatherlab.ranks import simworld, world
 
 __all__ = [
     "NonFiniteLoss", "Recorder", "flat_gradient", "flat_parameters", "global_losses",
@@ -64,11 +64,14 @@ def mean_over_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
 
 def global_losses(local: Sequence[float]) -> list[float]:
     """Inside a rank: each step's global loss (`mean_over_ranks`) from this rank's local losses
-    and every other rank's, all-gathered once for the run; on one device, the losses as they
-    are."""
+    and every other rank's, all-gathered once for the run (in the simulated world too); on one
+    device, the losses as they are."""
     if world.size() == 1:
         return list(local)
     mine = torch.tensor(local, dtype=torch.float64, device=world.device())
+    if simworld.size() is not None:  # the virtual ranks' all-gather (rank order)
+        every = simworld.gather(mine.reshape(1, -1), "none")
+        return mean_over_ranks(every.tolist())
     every = [torch.empty_like(mine) for _ in range(world.size())]
     dist.all_gather(every, mine)
     return mean_over_ranks([values.cpu().tolist() for values in every])

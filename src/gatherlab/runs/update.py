@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -29,14 +29,16 @@ from gatherlab.runs import removals
 from gatherlab.runs.plainstep import (
     as_precision,
     build,
+    checked_model,
     rank_batches,
     seed_processes,
     step_loss,
     wrapped_for_rank,
 )  # fmt: skip
 from gatherlab.runs.record import Recorder
+from gatherlab.runs.spec import RunSpec
 
-__all__ = ["Update", "UpdateBroken", "first_loss", "rows_of", "train_on_rank"]
+__all__ = ["Update", "UpdateBroken", "first_loss", "rows_of"]
 
 UpdateFunction = Callable[[nn.Module, torch.optim.Optimizer, Any, int], Any]
 
@@ -51,6 +53,64 @@ class Update:
     model: Recipe
     optimizer: Callable[..., torch.optim.Optimizer]
     optimizer_kwargs: dict[str, Any]
+    option: ClassVar[str] = "--update"
+
+    @property
+    def recipe(self) -> Recipe:
+        """The model's factory."""
+        return self.model
+
+    def built_label(self, label: str) -> str:
+        """``--model`` and the factory's name."""
+        return f"--model {self.model.name}"
+
+    def checked(self, built: Any, label: str) -> nn.Module:
+        """The model, when it is an ``nn.Module``; a ValueError of one line otherwise."""
+        return checked_model(self.model, built)
+
+    def collate(self, data: Any) -> Callable[[list[Any]], Any] | None:
+        """The data set's ``collate_fn``, if any."""
+        return getattr(data, "collate_fn", None)
+
+    def one_step(self, built: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss one update with one micro-batch logs on ``batch`` (it steps ``built``'s own
+        optimizer, built here), as a float64 tensor."""
+        optimizer = self.optimizer(built.parameters(), **self.optimizer_kwargs)
+        return torch.tensor(float(self.update(built, optimizer, batch, 1)), dtype=torch.float64)
+
+    def train_on_rank(self, spec: RunSpec) -> runfiles.Trained:
+        """Build the model, its optimizer and the data set here, make the removals, seed the
+        global random streams from the seed, and run ``spec.steps`` updates, each on this rank's
+        rows of one global batch (the whole batch on one device) with ``spec.micro_batches``.
+        Returns each update's global loss, the first update's gradient as its optimizer step took
+        it, and the final parameters; `UpdateBroken` for an update that does not step exactly
+        once after a backward. Not traced: its backwards run inside the user's function."""
+        device = world.device()
+        model = build(self, spec.removals, spec.precision).to(device)
+        data = spec.data()
+        wrapped = wrapped_for_rank(model, device)
+        optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
+        recorder = Recorder(keep_first_gradient=True)
+        seen = _Steps(model, recorder)
+        hook = optimizer.register_step_pre_hook(seen)
+        seed_processes(spec.seed)
+        try:
+            for index, batch in enumerate(rank_batches(data, spec)):
+                optimizer.zero_grad(set_to_none=True)
+                seen.count, seen.without_gradient, seen.update = 0, False, index
+                loss = self.update(wrapped, optimizer, as_precision(batch, spec.precision, device),
+                                   spec.micro_batches)  # fmt: skip
+                _honest(seen, spec.micro_batches)
+                value = (
+                    loss
+                    if isinstance(loss, torch.Tensor)
+                    else torch.tensor(float(loss), dtype=torch.float64)
+                )
+                recorder.loss(step_loss(value.detach()), index, world.rank())
+        finally:
+            hook.remove()
+        recorder.finish(model.parameters())
+        return recorder.trained()
 
 
 class UpdateBroken(ValueError):
@@ -102,54 +162,9 @@ def rows_of(batch: Any, rows: torch.Tensor) -> Any:
 
 def first_loss(update: Update, batch: Any, seed: int, precision: str) -> float:
     """The loss one update logs on ``batch`` on one device with one micro-batch, from the initial
-    weights (the model built and the streams seeded as `train_on_rank` does)."""
+    weights (the model built and the streams seeded as `Update.train_on_rank` does)."""
     model = build(update, removals.Removals(), precision).to(world.device())
     optimizer = update.optimizer(model.parameters(), **update.optimizer_kwargs)
     seed_processes(seed)
     loss = update.update(model, optimizer, as_precision(batch, precision, world.device()), 1)
     return float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-
-
-def train_on_rank(
-    update: Update,
-    dataset: Recipe,
-    removed: removals.Removals,
-    global_batch_size: int,
-    steps: int,
-    seed: int,
-    precision: str,
-    micro_batches: int = 1,
-    shuffle: bool = True,
-) -> runfiles.Trained:
-    """Build the model, its optimizer and the data set here, make the removals, seed the global
-    random streams from ``seed``, and run ``steps`` updates, each on this rank's rows of one
-    global batch (the whole batch on one device) with ``micro_batches``. Returns each update's
-    global loss, the first update's gradient as its optimizer step took it, and the final
-    parameters; `UpdateBroken` for an update that does not step exactly once after a backward."""
-    device = world.device()
-    model = build(update, removed, precision).to(device)
-    data = dataset()
-    wrapped = wrapped_for_rank(model, device)
-    optimizer = update.optimizer(model.parameters(), **update.optimizer_kwargs)
-    recorder = Recorder(keep_first_gradient=True)
-    seen = _Steps(model, recorder)
-    hook = optimizer.register_step_pre_hook(seen)
-    seed_processes(seed)
-    try:
-        batches = rank_batches(data, removed, global_batch_size, steps, seed, shuffle)
-        for index, batch in enumerate(batches):
-            optimizer.zero_grad(set_to_none=True)
-            seen.count, seen.without_gradient, seen.update = 0, False, index
-            loss = update.update(wrapped, optimizer, as_precision(batch, precision, device),
-                                 micro_batches)  # fmt: skip
-            _honest(seen, micro_batches)
-            value = (
-                loss
-                if isinstance(loss, torch.Tensor)
-                else torch.tensor(float(loss), dtype=torch.float64)
-            )
-            recorder.loss(step_loss(value.detach()), index, world.rank())
-    finally:
-        hook.remove()
-    recorder.finish(model.parameters())
-    return recorder.trained()

@@ -1,0 +1,142 @@
+"""The loss form (`gatherlab.runs.spec.Form`): a loss trained on a small model with plain DDP, no
+Lightning (the same arithmetic in a fraction of the start-up), in float64 (docs/design.md §6).
+
+The model and the loss are one module (`Whole`), as a LightningModule holds them: DDP sees one
+forward per backward and averages the loss's own parameters (a learnt temperature) too. On a
+simulated rank (`gatherlab.ranks.simworld`) there is no DDP: the gradients are averaged after the
+backward (`average`). `build`, `value`, `backward` and `average` are also the steps of the check's
+measurement of one gradient (`gatherlab.check.measure`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gatherlab.components.factory import Recipe
+from gatherlab.core import runfiles
+from gatherlab.ranks import collectives, simworld, world
+from gatherlab.runs.record import Recorder
+from gatherlab.runs.spec import RunSpec
+
+__all__ = [
+    "Batch", "Loss", "LossContractError", "ModelFactory", "Whole", "average", "backward", "build",
+    "value",
+]  # fmt: skip
+
+ModelFactory = Callable[[], nn.Module]
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class LossContractError(ValueError):
+    """The loss broke its contract: ``loss(out0, out1)`` must return a finite scalar tensor."""
+
+
+class Whole(nn.Module):
+    """The model and the loss as one module, as the LightningModule holds them: DDP sees one
+    forward per backward, and averages the loss's own parameters (a learnt temperature) too."""
+
+    def __init__(self, model: nn.Module, loss: nn.Module):
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.model(view0), self.model(view1))
+
+
+def build(
+    loss: Recipe, model_factory: ModelFactory, seed: int, distributed: bool
+) -> tuple[Whole, nn.Module]:
+    """The model (its weights drawn from ``seed``) and the loss as one float64 module on this
+    rank's device, and the module as this rank trains it: in DDP when ``distributed`` on real
+    ranks, bare on one device and on a simulated rank."""
+    torch.manual_seed(seed)
+    model = model_factory()
+    whole = Whole(model, loss()).to(world.device(), torch.float64)  # a rank's GPU on NCCL
+    # DDP as Lightning configures it (every parameter must get a gradient: ``backward`` checks);
+    # a simulated rank averages the gradients itself after its backward (``average``)
+    real_ddp = distributed and simworld.size() is None
+    wrapped = collectives.visible(DistributedDataParallel(whole)) if real_ddp else whole
+    return whole, wrapped
+
+
+def backward(whole: nn.Module, loss: torch.Tensor, distributed: bool) -> None:
+    """``loss.backward()`` when a gradient can flow at all. Under DDP, a parameter left without a
+    gradient while others have one means its bucket was never averaged: that is refused (a DDP
+    training run of such a model fails at its next step) instead of measured."""
+    if loss.requires_grad:
+        loss.backward()
+        if distributed:
+            _check_every_parameter_has_a_gradient(whole)
+
+
+def average(whole: nn.Module, distributed: bool) -> None:
+    """A simulated rank's DDP: the gradients averaged over ranks, which a real rank's DDP did
+    during its backward. The caller has let go of the loss's graph first: the other ranks compute
+    while this one waits, and W graphs kept alive would hold W times the memory."""
+    if distributed and simworld.size() is not None:
+        simworld.average(list(whole.parameters()))
+
+
+def _check_every_parameter_has_a_gradient(whole: nn.Module) -> None:
+    missing = [name for name, p in whole.named_parameters() if p.requires_grad and p.grad is None]
+    if missing and len(missing) < sum(1 for p in whole.parameters() if p.requires_grad):
+        raise LossContractError(
+            f"parameter {missing[0]} gets no gradient on rank {world.rank()} while others "
+            "do; DDP cannot average such a model (use every parameter in the forward)"
+        )
+
+
+def value(wrapped: nn.Module, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
+    """The loss of two views through ``wrapped``, a scalar; `LossContractError` when it is no
+    finite scalar tensor."""
+    result = wrapped(view0, view1)
+    if not isinstance(result, torch.Tensor) or result.numel() != 1:
+        shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+        raise LossContractError(
+            f"the loss returned {shape}; allowed: a scalar tensor (wrap a loss of another "
+            "signature in a module whose forward(out0, out1) returns one)"
+        )
+    if not torch.isfinite(result).all():
+        raise LossContractError(
+            f"the loss returned {float(result.detach())}; allowed: a finite value"
+        )
+    return result.reshape(())
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A loss trained on a small model (``model``, built after the spec's seed) by
+    ``optimizer(parameters)`` on fixed global batches of view pairs (``batches``, one per step:
+    the spec's data is None); rank r takes the r-th contiguous slice of each."""
+
+    loss: Recipe
+    model: ModelFactory
+    optimizer: Callable[..., torch.optim.Optimizer]
+    batches: Sequence[Batch]
+
+    def train_on_rank(self, spec: RunSpec) -> runfiles.Trained:
+        """Train ``spec.steps`` steps here: plain DDP on this rank of the process group (or of the
+        simulated world), the bare module on one device. Returns each step's global loss
+        (`gatherlab.runs.record`), no first gradient (None), and the final parameters (the
+        model's, then the loss's own)."""
+        distributed = world.size() > 1
+        rows = world.own_rows(len(self.batches[0][0])) if distributed else slice(None)
+        whole, wrapped = build(self.loss, self.model, spec.seed, distributed)
+        step = self.optimizer(whole.parameters())
+        recorder = Recorder()
+        device = world.device()
+        for index, (view0, view1) in enumerate(self.batches[: spec.steps]):
+            step.zero_grad()
+            loss = value(wrapped, view0[rows].to(device).double(), view1[rows].to(device).double())
+            backward(whole, loss, distributed)
+            recorder.loss(loss, index, world.rank())
+            del loss
+            average(whole, distributed)
+            step.step()
+        recorder.finish(whole.parameters())
+        return recorder.trained()

@@ -1,0 +1,102 @@
+"""One run, as every training form trains it on a rank (docs/design.md §2, §10): `RunSpec`, the
+facts every form needs, documented once, and `Form`, what a training form is.
+
+A form says *what* is trained (a LightningModule, `runs.lightning.Module`; a plain step,
+`runs.plainstep.Step`; a whole update, `runs.update.Update`; a loss on gatherlab's MLP,
+`runs.loss.Loss`); the spec says *how* (the data, the removals, the batch, the steps, the seed,
+…). Both are picklable and travel whole to the ranks: ``ranks_for(W).run(form.train_on_rank,
+spec)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from gatherlab.components.factory import Recipe
+from gatherlab.runs.removals import Removals
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from gatherlab.core.runfiles import Trained
+    from gatherlab.runs.trace import Op
+
+__all__ = ["Form", "RunSpec", "StepForm", "TracedForm"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """How a run is trained, whatever form trains it."""
+
+    data: Recipe | None
+    """The map-style data set (``len``, ``data[index]``), built inside each rank; None for the
+    loss form, which holds its global batches itself (`runs.loss.Loss`)."""
+    global_batch_size: int
+    """Samples per optimizer step over all ranks; rank r takes the r-th contiguous slice of each
+    global batch (docs/design.md §2)."""
+    steps: int
+    """Optimizer steps (updates) of the run."""
+    seed: int
+    """The seed of the initial weights, the data order and every process's global random
+    streams: the same on every rank and on one device."""
+    precision: str
+    """Lightning's precision name (``"64-true"`` or ``"32-true"``, `core.terms.Precision`)."""
+    removals: Removals = field(default_factory=Removals)
+    """The removals made on the module and the data set (docs/design.md §10)."""
+    shuffle: bool = True
+    """Whether the global batches are drawn in a seeded random order (else in index order)."""
+    micro_batches: int = 1
+    """K, the micro-batches of each rank's update (the whole-update form only; 1 for others)."""
+
+
+@runtime_checkable
+class Form(Protocol):
+    """A training form: what is trained, trained on this rank by `train_on_rank` (on one device
+    without a process group, else on this rank of its group)."""
+
+    def train_on_rank(self, spec: RunSpec) -> Trained:
+        """Train the run ``spec`` describes here; returns each step's global loss, the first
+        step's gradient as the optimizer takes it, and the final parameters."""
+        ...
+
+
+@runtime_checkable
+class TracedForm(Form, Protocol):
+    """A form whose first step can be recorded (`runs.trace`), for where it departs."""
+
+    def trace_on_rank(self, spec: RunSpec) -> list[Op]:
+        """The operations of the first step on this rank, with their gradients."""
+        ...
+
+
+class StepForm(Form, Protocol):
+    """A form of the check of a training step (docs/design.md §10: a LightningModule, a plain
+    step, a whole update): what the check asks of it on one device, before any rank starts."""
+
+    option: ClassVar[str]
+    """The command line's option that names it (``--module``, ``--step``, ``--update``)."""
+
+    @property
+    def recipe(self) -> Recipe:
+        """The factory of what it trains: the module, or the model."""
+        ...
+
+    def built_label(self, label: str) -> str:
+        """How an error in building `recipe` names it (``label`` names the form)."""
+        ...
+
+    def checked(self, built: Any, label: str) -> nn.Module:
+        """What `recipe` built, when it keeps the form's contract; a ValueError of one line,
+        starting with ``label``, otherwise."""
+        ...
+
+    def collate(self, data: Any) -> Callable[[list[Any]], Any] | None:
+        """What collates its batches of ``data`` (None: PyTorch's default)."""
+        ...
+
+    def one_step(self, built: nn.Module, batch: Any) -> Any:
+        """What one step of it returns on ``batch`` from ``built``'s weights, outside training
+        (the loss, or a mapping holding it as ``"loss"``)."""
+        ...
