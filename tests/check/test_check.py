@@ -12,8 +12,8 @@ import sys
 import pandas as pd
 import pytest
 import standins
+from bounds import FLOAT64_BOUND, MISS_FACTOR
 from helpers import compose, run_command
-from test_training import FLOAT64_BOUND, MISS_FACTOR
 
 from gatherlab import check
 from gatherlab import gather as gathering

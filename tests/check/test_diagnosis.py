@@ -159,7 +159,7 @@ def test_code_that_asserts_a_process_group_runs_unchanged_on_one_device():
     line = start + next(i for i, text in enumerate(lines) if "assert dist.is_initialized()" in text)
     assert (
         "Its one-device reference ran in a one-rank process group: without one it raises "
-        f"AssertionError at tests/diagnosis_cases.py:{line}."
+        f"AssertionError at examples/diagnosis_cases.py:{line}."
     ) in " ".join(check.explain(table).split())
     gathered = check.check_gather(diagnosis_cases.asserting_gather, W)
     assert set(gathered["verdict"]) == {"exact"}
@@ -302,7 +302,7 @@ def test_a_loss_failing_at_one_w_gets_a_failed_row_and_the_others_their_verdicts
     table = check.check_loss(BareAssertBelowEightRows, W)
     line = inspect.getsourcelines(BareAssertBelowEightRows.forward)[1] + 1
     assert list(table["verdict"]) == ["loss differs", "failed"]
-    assert re.fullmatch(f"rank [0-3]: AssertionError at tests/test_diagnosis.py:{line}",
+    assert re.fullmatch(f"rank [0-3]: AssertionError at tests/check/test_diagnosis.py:{line}",
                         table["error"][1])  # fmt: skip
 
 

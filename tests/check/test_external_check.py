@@ -17,7 +17,7 @@ import sys
 
 import pandas as pd
 import pytest
-from helpers import REPO
+from helpers import pythonpath
 
 from gatherlab import check
 from gatherlab.core import runfiles
@@ -26,9 +26,7 @@ pytestmark = pytest.mark.slow
 
 ENV = {
     **os.environ,
-    "PYTHONPATH": os.pathsep.join(
-        [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
-    ),
+    "PYTHONPATH": pythonpath(),
 }
 # the header lines of the tables the two checks print: once, by rank 0
 LOSS_HEADER = "| loss | gather | world_size | part |"

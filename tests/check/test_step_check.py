@@ -13,8 +13,8 @@ import plain_steps
 import pytest
 import ssl_modules
 import torch
+from bounds import FLOAT64_BOUND, MISS_FACTOR
 from helpers import line_of, run_command
-from test_training import FLOAT64_BOUND, MISS_FACTOR
 
 from gatherlab import check
 from gatherlab.core import runfiles

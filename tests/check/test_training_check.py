@@ -10,8 +10,8 @@ import pytest
 import ssl_modules
 import standins
 import torch
+from bounds import FLOAT64_BOUND, MISS_FACTOR
 from helpers import def_line, line_of, run_command
-from test_training import FLOAT64_BOUND, MISS_FACTOR
 
 from gatherlab import check
 from gatherlab.core import runfiles

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_training import FLOAT64_BOUND
+from bounds import FLOAT64_BOUND
 
 from gatherlab.components.optimizers import LARS
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from bounds import FLOAT64_BOUND, MISS_FACTOR, differences
 from helpers import run_training
-from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 from torch import nn
 
 from gatherlab.components.augment import Augmentation, sample_generator
@@ -311,7 +311,7 @@ def simclr_runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_short_simclr_run_matches_on_two_devices(simclr_runs):
-    loss_diff, param_diff = _differences(simclr_runs / "cpu2", simclr_runs / "reference")
+    loss_diff, param_diff = differences(simclr_runs / "cpu2", simclr_runs / "reference")
     assert loss_diff <= FLOAT64_BOUND and param_diff <= FLOAT64_BOUND
 
 
@@ -345,7 +345,7 @@ ABLATIONS = {
 @pytest.mark.parametrize("run", ABLATIONS)
 def test_each_simclr_ablation_breaks_the_match_where_predicted(simclr_runs, run):
     reference, where = ABLATIONS[run]
-    loss_diff, param_diff = _differences(simclr_runs / run, simclr_runs / reference)
+    loss_diff, param_diff = differences(simclr_runs / run, simclr_runs / reference)
     assert loss_diff >= MISS_FACTOR * FLOAT64_BOUND and param_diff >= MISS_FACTOR * FLOAT64_BOUND
     per_step = _loss_diffs(simclr_runs / run, simclr_runs / reference)
     if where == "step 0":
@@ -376,7 +376,7 @@ def test_simclr_net_shapes_and_norm_choice():
 @pytest.mark.slow
 def test_old_on_the_global_loss_at_w_times_the_lr_is_fixed_at_the_lr_step_for_step(simclr_runs):
     runs = simclr_runs
-    loss_diff, param_diff = _differences(runs / "old_global_lr_w", runs / "fixed_global")
+    loss_diff, param_diff = differences(runs / "old_global_lr_w", runs / "fixed_global")
     assert loss_diff <= FLOAT64_BOUND and param_diff <= FLOAT64_BOUND, (loss_diff, param_diff)
     # every step's gradient is 1/W of fixed's: the grad norms' ratio 1/2 to a relative 1e-12
     old = np.array(runfiles.read_curves(runs / "old_global_lr_w")["grad_norm"])
@@ -398,11 +398,11 @@ def test_old_on_the_global_loss_at_w_times_the_lr_is_fixed_at_the_lr_step_for_st
 @pytest.mark.slow
 def test_old_at_w_times_the_lr_is_fixed_with_momentum_too(simclr_runs):
     # the momentum buffer is linear in the gradient: old's is 1/W of fixed's at every step
-    loss_diff, param_diff = _differences(
+    loss_diff, param_diff = differences(
         simclr_runs / "old_global_lr_w_momentum", simclr_runs / "fixed_global_momentum"
     )
     assert loss_diff <= FLOAT64_BOUND and param_diff <= FLOAT64_BOUND, (loss_diff, param_diff)
-    moved, _ = _differences(simclr_runs / "fixed_global_momentum", simclr_runs / "fixed_global")
+    moved, _ = differences(simclr_runs / "fixed_global_momentum", simclr_runs / "fixed_global")
     assert moved >= MISS_FACTOR * FLOAT64_BOUND  # momentum 0.9 took other steps than plain SGD
 
 
@@ -419,5 +419,5 @@ MISSES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("run", MISSES)
 def test_nothing_else_makes_old_the_fixed_run(simclr_runs, run):
-    loss_diff, param_diff = _differences(simclr_runs / run, simclr_runs / MISSES[run])
+    loss_diff, param_diff = differences(simclr_runs / run, simclr_runs / MISSES[run])
     assert loss_diff >= MISS_FACTOR * FLOAT64_BOUND and param_diff >= MISS_FACTOR * FLOAT64_BOUND

@@ -7,28 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bounds import FLOAT32_BOUND, FLOAT64_BOUND, MISS_FACTOR, differences
 from helpers import run_training
 
 from gatherlab.core import runfiles
 
 pytestmark = pytest.mark.slow
-
-# Stated in docs/design.md and terms.TOLERANCE: layouts differ only in summation order.
-FLOAT64_BOUND = 1e-10
-FLOAT32_BOUND = 1e-5
-# `old` must miss by far more than rounding: at least 100 times the bound.
-MISS_FACTOR = 100
-
-
-def _differences(run_dir: Path, reference_dir: Path) -> tuple[float, float]:
-    """Max |Δloss| over all steps and max |Δparameter| of the final weights."""
-    loss = np.array(runfiles.read_curves(run_dir)["loss"])
-    reference_loss = np.array(runfiles.read_curves(reference_dir)["loss"])
-    assert len(loss) == len(reference_loss)
-    state, reference = runfiles.read_final_state(run_dir), runfiles.read_final_state(reference_dir)
-    assert state.keys() == reference.keys()
-    param_diff = max(float((state[k] - reference[k]).abs().max()) for k in state)
-    return float(np.abs(loss - reference_loss).max()), param_diff
 
 
 def _train_cases(root: Path, cases: dict[str, list[str]], *common: str) -> dict[str, Path]:
@@ -53,14 +37,14 @@ def demo_runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("run", ["fixed_cpu2", "fixed_cpu4"])
 def test_fixed_matches_one_device_in_float64(demo_runs, run):
-    loss_diff, param_diff = _differences(demo_runs[run], demo_runs["reference"])
+    loss_diff, param_diff = differences(demo_runs[run], demo_runs["reference"])
     assert loss_diff <= FLOAT64_BOUND
     assert param_diff <= FLOAT64_BOUND
 
 
 @pytest.mark.parametrize("run", ["old_cpu2", "old_cpu4"])
 def test_old_misses_one_device_in_float64(demo_runs, run):
-    loss_diff, param_diff = _differences(demo_runs[run], demo_runs["reference"])
+    loss_diff, param_diff = differences(demo_runs[run], demo_runs["reference"])
     assert loss_diff >= MISS_FACTOR * FLOAT64_BOUND
     assert param_diff >= MISS_FACTOR * FLOAT64_BOUND
 
@@ -87,12 +71,12 @@ def pr1531_runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_pr1531_case_fixed_matches_in_float32(pr1531_runs):
-    loss_diff, param_diff = _differences(pr1531_runs["fixed_cpu2"], pr1531_runs["reference"])
+    loss_diff, param_diff = differences(pr1531_runs["fixed_cpu2"], pr1531_runs["reference"])
     assert loss_diff <= FLOAT32_BOUND
     assert param_diff <= FLOAT32_BOUND
 
 
 def test_pr1531_case_old_misses_in_float32(pr1531_runs):
     """The case is tiny (10 steps, lr 0.01): the loss moves by 7e-4 only, the weights by 2e-3."""
-    _, param_diff = _differences(pr1531_runs["old_cpu2"], pr1531_runs["reference"])
+    _, param_diff = differences(pr1531_runs["old_cpu2"], pr1531_runs["reference"])
     assert param_diff >= MISS_FACTOR * FLOAT32_BOUND

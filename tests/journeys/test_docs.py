@@ -22,7 +22,7 @@ import pytest
 import gatherlab
 from gatherlab.core import runfiles, terms
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DESIGN = REPO / "docs" / "design.md"
 MARKDOWN = (
     REPO / "README.md",
@@ -32,7 +32,8 @@ MARKDOWN = (
 # Where code and docs cite design.md: the package, its tests, experiments, configs, notebooks and
 # build files, and the Markdown docs.
 CITING = (
-    *(path for folder in ("src", "tests", "experiments", "conf", "notebooks", "docs")
+    *(path for folder in ("src", "tests", "examples", "experiments", "conf", "notebooks",
+                                   "docs")
       for path in sorted((REPO / folder).rglob("*"))
       if path.suffix in {".py", ".yaml", ".ipynb", ".md"}),
     REPO / "Makefile", REPO / "pyproject.toml", REPO / "README.md",

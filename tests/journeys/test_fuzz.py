@@ -12,8 +12,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from bounds import FLOAT32_BOUND, FLOAT64_BOUND, MISS_FACTOR, differences
 from helpers import compose
-from test_training import FLOAT32_BOUND, FLOAT64_BOUND, MISS_FACTOR, _differences
 
 from gatherlab.analysis import report, results
 from gatherlab.core import runfiles
@@ -150,8 +150,8 @@ def _check_one(drawn: dict[str, str], broken: str | None, run_dir, seen: dict[st
     table = report.compare(results.load_runs(pair), pair)[0].set_index("run_dir")
     assert table.loc["reference", "verdict"] == "reference"
     assert table.loc["run", "reference"] == "reference", drawn
-    loss_diff, param_diff = _differences(run_dir, reference)  # read here, not by the report
-    # the report subtracts float32 weights in float64, _differences in their own precision
+    loss_diff, param_diff = differences(run_dir, reference)  # read here, not by the report
+    # the report subtracts float32 weights in float64, differences in their own precision
     assert table.loc["run", "max_abs_loss_diff"] == loss_diff
     assert table.loc["run", "max_abs_param_diff"] == pytest.approx(param_diff, rel=1e-6, abs=1e-12)
     bound = BOUND[drawn["precision"]]

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from bounds import FLOAT64_BOUND, MISS_FACTOR, differences
 from helpers import REPO
-from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 
 from gatherlab.analysis import report
 from gatherlab.core import runfiles
@@ -163,8 +163,8 @@ def _install_check_python() -> str:
 
 def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
     elsewhere = tmp_path  # a user's directory outside the repository, with their own code
-    for name in ("standins.py", "ssl_modules.py"):  # their own losses and LightningModules
-        shutil.copy(REPO / "tests" / name, elsewhere)
+    for name in ("tests/cases/standins.py", "examples/ssl_modules.py"):  # their own losses and
+        shutil.copy(REPO / name, elsewhere)  # LightningModules
     (elsewhere / "use_gatherlab.py").write_text(USER_SCRIPT)
     (elsewhere / "install_check.py").write_text(_install_check_python())
     result = _run(installed, "use_gatherlab.py", cwd=elsewhere)
@@ -204,7 +204,7 @@ def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
         ("fixed", 2, "matches"),
     ]  # fmt: skip
     for job, (loss_diff, param_diff) in {
-        job: _differences(sweep / str(job), sweep / "0") for job in (1, 2, 3)
+        job: differences(sweep / str(job), sweep / "0") for job in (1, 2, 3)
     }.items():
         assert table.loc[job, "max_abs_loss_diff"] == loss_diff
         assert table.loc[job, "max_abs_param_diff"] == param_diff

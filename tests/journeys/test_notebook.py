@@ -12,8 +12,8 @@ import shutil
 import sys
 
 import pytest
+from bounds import FLOAT64_BOUND, MISS_FACTOR, differences
 from helpers import REPO
-from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 
 from gatherlab.analysis import results
 from gatherlab.core import runfiles
@@ -105,7 +105,7 @@ def test_every_cell_runs_and_shows_the_verdict(executed, root):
     ]  # fmt: skip
     sweep = root / "multirun" / "2026-01-02" / "00-00-00"
     for run in (1, 2, 3):  # the printed max |Δloss| (3 digits) is the run files' own
-        loss_diff, param_diff = _differences(sweep / str(run), sweep / "0")
+        loss_diff, param_diff = differences(sweep / str(run), sweep / "0")
         assert rows[run][2] == float(f"{loss_diff:.3g}"), (run, rows[run], loss_diff)
         if rows[run][3] == "yes":
             assert loss_diff <= FLOAT64_BOUND and param_diff <= FLOAT64_BOUND

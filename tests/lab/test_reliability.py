@@ -19,7 +19,7 @@ import pandas as pd
 import psutil
 import pytest
 from faulty import PAUSE
-from helpers import PR1531_SWEEP, REPO, process_group, run_command, run_training
+from helpers import PR1531_SWEEP, REPO, process_group, pythonpath, run_command, run_training
 
 from gatherlab.analysis import report
 from gatherlab.core import runfiles
@@ -202,8 +202,7 @@ def _paused(command: list[str], paused: Path, terminal: Path) -> subprocess.Pope
     """``command`` started in a fresh interpreter, in a session (so a process group) of its own,
     what it and its processes print going into ``terminal`` as a terminal shows it (stdout and
     stderr together); returned once its job 3 is training, paused (pytest-timeout bounds a hang)."""
-    path = [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), PAUSE: str(paused)}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), PAUSE: str(paused)}
     with open(terminal, "w") as output:
         process = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,

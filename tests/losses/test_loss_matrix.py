@@ -11,9 +11,9 @@ import hydra.utils
 import numpy as np
 import pandas as pd
 import pytest
+from bounds import FLOAT64_BOUND, MISS_FACTOR, differences
 from helpers import capture_figures, run_training
 from omegaconf import OmegaConf
-from test_training import FLOAT64_BOUND, MISS_FACTOR, _differences
 
 from gatherlab.analysis import report, results
 from gatherlab.components import config
@@ -82,7 +82,7 @@ def test_the_built_in_losses_declare_the_predictions_of_the_design():
 def test_fixed_on_two_and_four_ranks_is_invariant_exactly_where_predicted(
     matrix_runs, loss, layout
 ):
-    loss_diff, param_diff = _differences(
+    loss_diff, param_diff = differences(
         matrix_runs / f"{loss}-fixed-{layout}", matrix_runs / f"{loss}-fixed-cpu1"
     )
     if PREDICTED_INVARIANT[loss]:
@@ -94,7 +94,7 @@ def test_fixed_on_two_and_four_ranks_is_invariant_exactly_where_predicted(
 
 @pytest.mark.parametrize("loss", PREDICTED_INVARIANT)
 def test_old_on_two_ranks_breaks_every_loss(matrix_runs, loss):
-    loss_diff, param_diff = _differences(
+    loss_diff, param_diff = differences(
         matrix_runs / f"{loss}-old-cpu2", matrix_runs / f"{loss}-fixed-cpu1"
     )
     assert loss_diff >= MISS_FACTOR * FLOAT64_BOUND
@@ -120,7 +120,7 @@ def test_the_report_writes_the_matrix_as_measured(matrix_runs, monkeypatch):
     assert sorted(diff.columns) == sorted(cells)
     for loss in PREDICTED_INVARIANT:
         for cell, run in cells.items():
-            measured, _ = _differences(
+            measured, _ = differences(
                 matrix_runs / f"{loss}-{run}", matrix_runs / f"{loss}-fixed-cpu1"
             )
             assert diff.loc[loss, cell] == measured
@@ -152,7 +152,7 @@ def _assert_matrix_figure_draws(figure, root: Path, losses: list[str]) -> None:
     for row, loss in enumerate(losses):
         for column, (gather, ranks) in enumerate(columns):
             run = root / f"{loss}-{gather}-cpu{ranks}"
-            measured, _ = _differences(run, root / f"{loss}-fixed-cpu1")
+            measured, _ = differences(run, root / f"{loss}-fixed-cpu1")
             assert drawn[row, column] == max(measured, 1e-18)
             match = gather == "fixed" and PREDICTED_INVARIANT[loss]
             assert texts[row, column] == (f"✓ {measured:.0e}" if match else f"✗ {measured:.2g}")

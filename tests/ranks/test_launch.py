@@ -105,16 +105,13 @@ def test_torchrun_ranks_write_the_run_once_and_equal_the_pooled_run(tmp_path, mo
     import sys
 
     import who_writes
-    from helpers import REPO
+    from helpers import pythonpath
 
     steps = 10
     config = ("experiment=bug_demo", "layout=cpu2", f"steps={steps}")
     pooled, external = tmp_path / "pool", tmp_path / "torchrun"
     run_training(pooled, *config)
-    path = os.pathsep.join(
-        [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
-    )
-    env = who_writes.recording({**os.environ, "PYTHONPATH": path}, tmp_path / "who")
+    env = who_writes.recording({**os.environ, "PYTHONPATH": pythonpath()}, tmp_path / "who")
     started = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "gatherlab.train", *config, "launcher=external", f"hydra.run.dir={external}"],

@@ -144,7 +144,7 @@ def test_a_removal_is_one_member_and_its_config_line():
 
     from gatherlab.check.diagnosis import CULPRIT_DIAGNOSES
 
-    conf = Path(__file__).parents[1] / "conf" / "config.yaml"
+    conf = Path(__file__).parents[2] / "conf" / "config.yaml"
     configured = OmegaConf.to_container(OmegaConf.load(conf)["removals"])
     assert configured == {removal.value: removal.config_values[0] for removal in removals.Removal}
     assert [str(r) for r in removals.Removal] == ["batchnorm", "dropout", "data_randomness"]

@@ -17,17 +17,27 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+# The folders that tests import support code, cases and the docs' examples from by module name
+# (``faulty``, ``standins:GatherLayerNTXent``, ``updates:naive``): pytest's ``pythonpath``
+# (pyproject.toml), and the PYTHONPATH of every fresh interpreter a test starts (``pythonpath``).
+IMPORT_PATH = tuple(str(REPO / folder) for folder in ("tests/support", "tests/cases", "examples"))
 # The small sweep the session shares (conftest.pr1531_sweep), and that resuming repeats.
 PR1531_SWEEP = (
     "-m", "experiment=lightly_pr1531", "gather=old,fixed", "layout=cpu1,cpu2", "precision=64-true",
 )  # fmt: skip
 
 
+def pythonpath(env=os.environ) -> str:
+    """PYTHONPATH for a fresh interpreter that imports the package's source and the tests' modules
+    by name as the test process does (``env``'s own entries last)."""
+    return os.pathsep.join([str(REPO / "src"), *IMPORT_PATH, env.get("PYTHONPATH", "")])
+
+
 def line_of(module, text: str) -> str:
     """``<file>:<line>`` of the first line of a test module's source that contains ``text``: the
-    place a check must name (relative to ``tests/``, the import path entry the module is found
-    under), read from the source, not from the code under test."""
+    place a check must name (relative to the import path entry the module is found under:
+    ``tests/cases/`` or ``examples/``), read from the source, not from the code under test."""
     path = Path(module.__file__)
     lines = path.read_text().splitlines()
     line = next(number for number, line in enumerate(lines, 1) if text in line)
