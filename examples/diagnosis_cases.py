@@ -59,6 +59,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from summing_gather import SummingGather
 from torch import nn
 
 
@@ -82,24 +83,6 @@ def _nt_xent(z0: torch.Tensor, z1: torch.Tensor, temperature: torch.Tensor | flo
     return _nt_xent_rows(torch.cat([z0, z1]), temperature)
 
 
-class _AllGather(torch.autograd.Function):
-    """all_gather with a backward that sums every rank's gradient of each slice, then keeps this
-    rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.rank, ctx.rows = dist.get_rank(), len(x)
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]
-
-
 class _AllGatherOwnGrad(torch.autograd.Function):
     """all_gather whose backward returns only this rank's slice of the gathered gradient."""
 
@@ -116,7 +99,7 @@ class _AllGatherOwnGrad(torch.autograd.Function):
 
 
 def _gather(x: torch.Tensor) -> torch.Tensor:
-    return _AllGather.apply(x) if _distributed() else x
+    return SummingGather.apply(x) if _distributed() else x
 
 
 class LearntTemperatureOwnSlice(nn.Module):
@@ -162,7 +145,7 @@ class ViewsConcatenatedThenGathered(nn.Module):
 def asserting_gather(x: torch.Tensor) -> torch.Tensor:
     """The gathered x of all ranks, in rank order, with gradients summed over ranks."""
     assert dist.is_initialized()
-    return _AllGather.apply(x)
+    return SummingGather.apply(x)
 
 
 class NeedsProcessGroup(nn.Module):

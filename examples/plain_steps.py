@@ -3,7 +3,8 @@ factory, a step function, torch's optimizer, no Lightning, no gatherlab imports)
 a training step's plain form (``--step``, docs/design.md §10). What a correct check finds:
 
 - ``training_step`` with ``build_model()``: SimCLR's NT-Xent over the batch gathered with an
-  autograd all-gather whose backward sums every rank's gradient of its slice: exact;
+  autograd all-gather whose backward sums every rank's gradient of its slice (``summing_gather``):
+  exact;
 - ``build_model(batchnorm=True)``: the projection head of the SimCLR paper with ``BatchNorm1d``,
   per-rank statistics under DDP: the loss differs, culprit ``batchnorm``;
 - ``build_model(dropout=0.2)``: dropout in the head, masks from each process's generator:
@@ -16,33 +17,32 @@ a training step's plain form (``--step``, docs/design.md §10). What a correct c
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from summing_gather import gather
 from torch import nn
 
 
-class _GatherWithGradient(torch.autograd.Function):
-    """All ranks' rows in rank order; the backward hands each rank the sum over ranks of the
-    gradient of its own rows."""
+# The data, then the model and the steps that train it.
+class Points(torch.utils.data.Dataset):
+    def __init__(self, size: int = 64, dim: int = 8):
+        self.points = torch.randn(size, dim, generator=torch.Generator().manual_seed(7))
 
-    @staticmethod
-    def forward(ctx, rows):
-        ctx.rank, ctx.rows = dist.get_rank(), rows.shape[0]
-        parts = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, rows.contiguous())
-        return torch.cat(parts)
+    def __len__(self) -> int:
+        return len(self.points)
 
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad)
-        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.points[index]
 
 
-def gather(rows: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return _GatherWithGradient.apply(rows)
-    return rows
+class Pairs(Points):
+    def __init__(self, size: int = 64, dim: int = 8):
+        super().__init__(size, dim)
+        noise = torch.Generator().manual_seed(8)
+        self.views = [self.points + 0.1 * torch.randn(self.points.shape, generator=noise)
+                      for _ in range(2)]  # fmt: skip
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.views[0][index], self.views[1][index]
 
 
 def nt_xent(z0: torch.Tensor, z1: torch.Tensor, temperature: float = 0.5) -> torch.Tensor:
@@ -90,25 +90,3 @@ def returns_per_sample(model: nn.Module, batch) -> torch.Tensor:
 
 def builds_a_dict(dim: int = 8) -> dict:
     return {"backbone": nn.Linear(dim, 32)}
-
-
-class Points(torch.utils.data.Dataset):
-    def __init__(self, size: int = 64, dim: int = 8):
-        self.points = torch.randn(size, dim, generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.points)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.points[index]
-
-
-class Pairs(Points):
-    def __init__(self, size: int = 64, dim: int = 8):
-        super().__init__(size, dim)
-        noise = torch.Generator().manual_seed(8)
-        self.views = [self.points + 0.1 * torch.randn(self.points.shape, generator=noise)
-                      for _ in range(2)]  # fmt: skip
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.views[0][index], self.views[1][index]

@@ -3,7 +3,7 @@ check of a training step (``gatherlab.check.check_training``, docs/design.md §1
 researcher would bring; none knows gatherlab.
 
 - ``SimCLR``: a backbone and a projection head, a local-style NT-Xent over the batch gathered by
-  a gather whose backward sums every rank's gradient (tests/standins.py, the pattern of lightly
+  a gather whose backward sums every rank's gradient (examples/standins.py, the pattern of lightly
   after PR #1531): exact on any number of ranks.
 - ``SimCLRWithBatchNorm``: the projection head of the SimCLR paper, with ``BatchNorm1d``: per-rank
   statistics (plain DDP), so W ranks see other normalised embeddings than one device.

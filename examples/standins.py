@@ -8,8 +8,8 @@ get follows from docs/design.md §1; the tests state it independently.
 - ``GatherLayerNTXent``: NT-Xent in the local style (the pattern of lightly's ``NTXentLoss`` with
   ``gather_distributed=True``): the loss pairs the rank's own rows, both views, with the gathered
   columns of both views, leaves each row's own embedding out, and finds each row's positive at the
-  rank's offset. Its gather's backward sums every rank's gradient of each slice (the pattern
-  lightly adopted in PR #1531). Exact.
+  rank's offset. Its gather's backward sums every rank's gradient of each slice
+  (``summing_gather``, the pattern lightly adopted in PR #1531). Exact.
 - ``Pre1531NTXent``: the same loss, gathered by a backward that keeps the own slice: the rank gets
   the gradient its own loss gives its own rows, none of what the other ranks' losses give them
   (lightly's pattern before PR #1531). Biased. ``OwnSliceGather`` is that gather alone.
@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from summing_gather import SummingGather
 from torch import nn
 
 
@@ -57,22 +58,6 @@ def _own_rows(ctx, x: torch.Tensor) -> None:
     ctx.own = slice(rank * len(x), (rank + 1) * len(x))
 
 
-class SummedGather(torch.autograd.Function):
-    """Forward: every rank's rows, in rank order. Backward: the gradients that every rank's loss
-    gives the gathered tensor, summed over the ranks; the rank keeps those of its own rows."""
-
-    @staticmethod
-    def forward(ctx, x):
-        _own_rows(ctx, x)
-        return _concatenated(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        summed = grad.contiguous().clone()
-        dist.all_reduce(summed)
-        return summed[ctx.own]
-
-
 class OwnSliceGather(torch.autograd.Function):
     """Forward: every rank's rows, in rank order. Backward: the rank keeps the own slice of the
     gradient its own loss gave; what the other ranks' losses give its rows is never sent."""
@@ -87,25 +72,20 @@ class OwnSliceGather(torch.autograd.Function):
         return grad[ctx.own]
 
 
-class TimesWGather(torch.autograd.Function):
-    """``SummedGather`` whose backward also multiplies by the world size "to undo DDP's average",
+class TimesWGather(SummingGather):
+    """``SummingGather`` whose backward also multiplies by the world size "to undo DDP's average",
     on top of a sum that already does: every gradient is W times one device's."""
 
     @staticmethod
-    def forward(ctx, x):
-        _own_rows(ctx, x)
-        return _concatenated(x)
-
-    @staticmethod
     def backward(ctx, grad):
-        return SummedGather.backward(ctx, grad) * _world()[1]
+        return SummingGather.backward(ctx, grad) * _world()[1]
 
 
 def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     """A gather function ``x -> gathered x`` as a user writes one (for ``--gather``)."""
     if _world()[1] == 1:
         return tensor
-    return SummedGather.apply(tensor)
+    return SummingGather.apply(tensor)
 
 
 @torch.no_grad()
@@ -118,7 +98,7 @@ class GatherLayerNTXent(nn.Module):
     """NT-Xent, local style: this rank's rows against the gathered columns (see the module's
     docstring); ``gather_distributed=False`` scores the rank's rows against themselves."""
 
-    gather = staticmethod(SummedGather.apply)
+    gather = staticmethod(SummingGather.apply)
 
     def __init__(self, temperature: float = 0.5, gather_distributed: bool = True):
         super().__init__()
@@ -172,7 +152,7 @@ class ClipStyleLoss(nn.Module):
         """Every rank's features. Without ``gather_with_grad`` they carry no gradient, except,
         for the full matrix, this rank's own, put back live into its slot."""
         if self.gather_with_grad:
-            return SummedGather.apply(features)
+            return SummingGather.apply(features)
         gathered = list(gather_without_gradient(features).split(len(features)))
         if not self.local_loss:
             gathered[self.rank] = features
@@ -224,7 +204,7 @@ class LocallyStandardisedBarlowTwins(nn.Module):
     def forward(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
         standardised = [(z - z.mean(0)) / z.std(0) for z in (z_a, z_b)]  # this rank's statistics
         if _world()[1] > 1:
-            standardised = [SummedGather.apply(z) for z in standardised]
+            standardised = [SummingGather.apply(z) for z in standardised]
         a, b = standardised
         correlation = a.T @ b / len(a)
         identity = torch.eye(len(correlation), dtype=torch.bool)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from summing_gather import SummingGather
+from summing_gather import gather as gathered
 from torch import nn
 
 
@@ -37,34 +39,12 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-class _Gather(torch.autograd.Function):
-    """Every rank's rows; the backward sums each slice's gradient over ranks."""
-
-    @staticmethod
-    def forward(ctx, rows):
-        rank, size = _world()
-        ctx.slice = slice(rank * len(rows), (rank + 1) * len(rows))
-        parts = [torch.empty_like(rows) for _ in range(size)]
-        dist.all_gather(parts, rows.contiguous())
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad[ctx.slice]
-
-
-class _OwnSliceGather(_Gather):
+class _OwnSliceGather(SummingGather):
     """Every rank's rows; the backward keeps the rank's own slice of its gradient only."""
 
     @staticmethod
     def backward(ctx, grad):  # departs: OwnSliceGatherGlobal
-        return grad[ctx.slice]
-
-
-def gathered(rows: torch.Tensor) -> torch.Tensor:
-    return _Gather.apply(rows) if _world()[1] > 1 else rows
+        return grad[ctx.own]
 
 
 def no_grad_gathered(rows: torch.Tensor) -> torch.Tensor:

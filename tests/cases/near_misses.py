@@ -1,9 +1,10 @@
 """Losses and plain steps built to just miss a verdict that exits 0 (``exact``, ``loss scaled``:
 `gatherlab.check.table.TRAINS_LIKE_ONE_DEVICE`), and one that fails at a single world size;
 plain torch and torch.distributed, no gatherlab imports. Each starts from one device's global
-NT-Xent computed on every rank over the gathered rows (``diagnosis_cases``' NT-Xent and gathers)
-and changes one thing. What a correct check finds follows from docs/design.md §1 (W ranks, L the
-loss of one device on the whole batch, ∇L its gradient; DDP averages the ranks' gradients):
+NT-Xent computed on every rank over the gathered rows (``diagnosis_cases``' NT-Xent,
+``summing_gather``'s gather) and changes one thing. What a correct check finds follows from
+docs/design.md §1 (W ranks, L the loss of one device on the whole batch, ∇L its gradient; DDP
+averages the ranks' gradients):
 
 - ``ScaledOverSummingGather()``: W·L over a gather whose backward sums every rank's gradient of
   each slice. That gather alone is exact (each rank's gradient of its own rows is W·∂L/∂rows,
@@ -43,6 +44,7 @@ import diagnosis_cases
 import plain_steps
 import torch
 import torch.distributed as dist
+from summing_gather import gather
 from torch import nn
 
 LAST_STEP = 2
@@ -58,7 +60,6 @@ def _world() -> tuple[int, int]:
 
 def _summed(z0: torch.Tensor, z1: torch.Tensor, temperature: float) -> torch.Tensor:
     """L on every rank: the NT-Xent of the gathered rows, the gather's backward summing."""
-    gather = diagnosis_cases._gather
     return diagnosis_cases._nt_xent(gather(z0), gather(z1), temperature)
 
 

@@ -1,5 +1,6 @@
-"""Functions that tests/test_rank_messages.py runs on every rank of a pool: warnings and an error
-without a message. Apart from the tests, so that a worker unpickling them imports torch alone."""
+"""Functions that tests/ranks/test_rank_messages.py runs on every rank of a pool: warnings and an
+error without a message. Apart from the tests, so that a worker unpickling them imports torch
+alone."""
 
 from __future__ import annotations
 

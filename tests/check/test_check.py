@@ -1,5 +1,5 @@
-"""``gatherlab.check`` on real gloo ranks: stand-ins for public losses (``tests/standins.py``) get
-the verdict the mathematics of docs/design.md §1 predicts, at W = 2 and 4; every option of the
+"""``gatherlab.check`` on real gloo ranks: stand-ins for public losses (``examples/standins.py``)
+get the verdict the mathematics of docs/design.md §1 predicts, at W = 2 and 4; every option of the
 ``gather`` config group (conf/gather/, the one registry of gathers) through ``--gather``; bad input
 is one line; ``assert_layout_invariant`` fails with its diagnosis; a foreign loss trains in a sweep
 with ``loss=user gather=native``, and gatherlab's own losses are refused with it."""
@@ -48,7 +48,7 @@ EXPECTED = {
 def test_each_stand_in_gets_its_predicted_verdict(case):
     name, kwargs, expected = EXPECTED[case]
     table = check.check_loss(f"standins:{name}", (2, 4), **kwargs)
-    table = table[table["part"] == "all"]  # a learnt scale's parts: tests/test_diagnosis.py
+    table = table[table["part"] == "all"]  # a learnt scale's parts: tests/check/test_diagnosis.py
     assert list(table["world_size"]) == [2, 4]
     assert list(table["verdict"]) == [expected, expected], table.to_string()
     assert set(table["reference"]) == {"no group"}  # each runs without a group on one device
@@ -315,9 +315,9 @@ def test_the_command_line_trains_adamw_steps_exact_with_fixed_and_biased_with_ol
     (§1, local style) and 5 steps leave the bound. AdamW ran: the 1-device runs, which train in
     this process (twice: the reference without a process group, and the same in a one-rank group
     to compare with it, §6), step torch's AdamW with lr 1e-3 and weight decay 0.01 (the
-    README's), keeping its moments (test_optimizers.optimizer_steps), and the 2-rank `fixed` run
+    README's), keeping its moments (stepped.optimizer_steps), and the 2-rank `fixed` run
     matches them."""
-    from test_optimizers import STEPPED, optimizer_steps
+    from stepped import STEPPED, optimizer_steps
 
     tables = {}
     for gather, steps, status in (("fixed", 20, 0), ("old", 5, 1)):

@@ -1,5 +1,5 @@
 """The check's diagnosis (docs/design.md §6): on losses written as public code writes them
-(``tests/diagnosis_cases.py``), at W = 2 and 4, the per-part gradients, ``loss scaled`` with its
+(``examples/diagnosis_cases.py``), at W = 2 and 4, the per-part gradients, ``loss scaled`` with its
 factor, the cause of a ``loss differs`` reproduced on one device, the reference run inside a
 one-rank process group, a row for every W (``failed`` for the one whose ranks raise), and the exit
 status, from Python, from ``gatherlab.testing`` and from the command line; then the same parts and

@@ -17,6 +17,7 @@ import sys
 
 import pandas as pd
 import pytest
+from bounds import NUMBERS
 from helpers import pythonpath
 
 from gatherlab import check
@@ -31,10 +32,6 @@ ENV = {
 # the header lines of the tables the two checks print: once, by rank 0
 LOSS_HEADER = "| loss | gather | world_size | part |"
 TRAINING_HEADER = "| world_size | verdict | culprits |"
-NUMBERS = (
-    "scale", "loss_diff", "cosine", "norm_ratio", "max_rel_err", "train_max_abs_loss_diff",
-    "max_abs_param_diff", "first_diff_step",
-)  # fmt: skip
 
 
 def _torchrun(out, *arguments: str, env=ENV) -> subprocess.CompletedProcess:
@@ -72,7 +69,7 @@ def _written_once(out, started: subprocess.CompletedProcess, header: str) -> pd.
 
 @pytest.mark.timeout(300)
 def test_torchrun_loss_check_equals_the_pooled_check(tmp_path, no_leftover_processes):
-    """Who wrote and logged is recorded in every process (tests/who_writes.py): rank 0 wrote
+    """Who wrote and logged is recorded in every process (tests/support/who_writes.py): rank 0 wrote
     check.csv once, rank 1 and torchrun nothing, and no gatherlab log line came from rank 1; the
     file's name and content alone would not tell a second writer of the same table."""
     import who_writes
@@ -100,7 +97,7 @@ def test_torchrun_plain_step_check_names_batchnorm_like_the_pool(tmp_path, no_le
     """A plain PyTorch step (no Lightning on this path) under torchrun: its table equals the
     pooled check's, the batchnorm removal made on the model in each rank. (The LightningModule
     form runs the same jobs through the same runner, with Lightning's import in every rank, ~10 s
-    more: it is checked under torchrun in tests/test_gpu.py, on NCCL.)"""
+    more: it is checked under torchrun in tests/journeys/test_gpu.py, on NCCL.)"""
     out = tmp_path / "torchrun"
     arguments = {"step": "plain_steps:training_step", "model": "plain_steps:build_model",
                  "model_kwargs": {"batchnorm": True}, "data": "plain_steps:Pairs"}  # fmt: skip
@@ -120,8 +117,8 @@ def test_torchrun_plain_step_check_names_batchnorm_like_the_pool(tmp_path, no_le
 def test_torchrun_names_collectives_that_differ_with_both_call_sites(
     tmp_path, no_leftover_processes
 ):
-    """Rank 0 all-gathers where rank 1 all-reduces (tests/collective_cases.py): under torchrun
-    the row names both calls, as on the pool (tests/test_collectives.py), with a collective
+    """Rank 0 all-gathers where rank 1 all-reduces (examples/collective_cases.py): under torchrun
+    the row names both calls, as on the pool (tests/ranks/test_collectives.py), with a collective
     timeout of 10 minutes: the line cannot have come from a timeout."""
     import collective_cases
     from helpers import line_of
@@ -203,7 +200,7 @@ def test_srun_bad_input_is_one_line_on_every_rank(arguments, line, tmp_path, no_
 def test_srun_names_the_rank_that_raised_not_the_one_waiting_for_it(
     tmp_path, no_leftover_processes
 ):
-    """Rank 1 raises before the all_reduce that rank 0 enters (tests/collective_cases.py): the
+    """Rank 1 raises before the all_reduce that rank 0 enters (examples/collective_cases.py): the
     row names rank 1 by its own error, with a collective timeout of 10 minutes, so that the line
     cannot have come from rank 0's wait; both ranks exit 1, rank 1 printing nothing."""
     out = tmp_path / "srun"

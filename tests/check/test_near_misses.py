@@ -1,5 +1,5 @@
 """The verdicts that exit 0 (``exact``, ``loss scaled``: `gatherlab.TRAINS_LIKE_ONE_DEVICE`)
-refused on cases built to just miss them (``tests/near_misses.py``): a loss W times one
+refused on cases built to just miss them (``tests/cases/near_misses.py``): a loss W times one
 device's whose gradient is W times too, one whose value is one device's (or W times it) while a
 term of value 0 gives rank 0 a gradient one device never has, a run equal to one device's except
 at its last update (the loss check with ``steps`` and a plain ``--step``); and a world size that

@@ -1,5 +1,5 @@
 """The check of a plain PyTorch training step (``--step``, docs/design.md §10) on steps written the
-way public code writes them (``tests/plain_steps.py``), on real gloo ranks at W = 2 and 4: each
+way public code writes them (``examples/plain_steps.py``), on real gloo ranks at W = 2 and 4: each
 gets the verdict and the culprits its code predicts, from Python and from the command line; a step
 that draws augmentations from the global generator is named ``step_randomness``, for a
 LightningModule too; bad input is one line, exit status 2, before any rank runs."""
@@ -79,8 +79,8 @@ def test_each_plain_step_gets_its_verdict_and_culprits(case):
 
 def test_the_command_line_checks_each_step_and_exits_by_its_verdict(tmp_path):
     """Each step with ``--optimizer torch.optim:AdamW``: the 1-device runs, in this process, step
-    AdamW with lr 1e-3 and its default weight decay 0.01 (test_optimizers.optimizer_steps)."""
-    from test_optimizers import STEPPED, optimizer_steps
+    AdamW with lr 1e-3 and its default weight decay 0.01 (stepped.optimizer_steps)."""
+    from stepped import STEPPED, optimizer_steps
 
     for case, (step, model_kwargs, data, verdict, culprits) in EXPECTED.items():
         out = tmp_path / case

@@ -1,5 +1,5 @@
 """The check of a training step (docs/design.md §10) on modules written the way public SSL code
-writes them (``tests/ssl_modules.py``), on real gloo ranks at W = 2 and 4: each gets the verdict
+writes them (``examples/ssl_modules.py``), on real gloo ranks at W = 2 and 4: each gets the verdict
 and the causes that its code predicts, an exact module agrees with one device to the float64 bound
 at every step, the command line exits 0, 1 or 2, and bad input is one line before any rank runs."""
 
@@ -62,7 +62,7 @@ WHERE = {
 def test_each_module_gets_its_verdict_and_causes(case):
     module, data, verdict, culprits = EXPECTED[case]
     table = check.check_training(f"ssl_modules:{module}", f"ssl_modules:{data}", (2, 4), **RUN)
-    table = table[table["part"] == "all"]  # the runs (their parts: tests/test_diagnosis.py)
+    table = table[table["part"] == "all"]  # the runs (their parts: tests/check/test_diagnosis.py)
     baseline = table[table["removed"] == "none"].set_index("world_size")
     assert list(baseline.index) == [2, 4]
     assert list(baseline["verdict"]) == [verdict, verdict], table.to_string()

@@ -1,14 +1,14 @@
 """Each gather on real 2- and 4-rank gloo groups: forward equals torch.cat of the ranks' tensors;
 the input gradients of the exact gathers equal the single-device gradients, ``old``'s do not; on a
 linear loss every gather's per-rank gradient equals its closed form (docs/design.md §1's table);
-``old`` equals the own-slice pattern (tests/standins.py: a gather whose backward keeps the own
+``old`` equals the own-slice pattern (examples/standins.py: a gather whose backward keeps the own
 slice, the pattern of lightly's GatherLayer before PR #1531) bit for bit.
 The backward collectives a GPU runs (``fixed``'s and ``avg``'s reduce-scatter, torch's
 reduce-scatter under ``torch_nn`` and ``lightning``) on gloo at W = 2, 4, 8; the backend →
 collective choice; a bad ``collective=``. The names are the YAML files of conf/gather/ (the one
 registry of gathers), in the order of ``IMPLEMENTATIONS``, which holds every gather class of the
 package in the order of docs/design.md §1's table. (The parameter-gradient class of every gather
-is the audit's, tests/test_audit.py.)"""
+is the audit's, tests/lab/test_audit.py.)"""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from gatherlab.ranks import pool as pools
 BATCH, DIM = 3, 4
 # Float64 results that differ only in summation order agree to a few ulps (~1e-16 relative).
 EXACT = 1e-12
-# The own-slice pattern, written independently of gatherlab.gather (tests/standins.py), run beside
-# the gathers.
+# The own-slice pattern, written independently of gatherlab.gather (examples/standins.py), run
+# beside the gathers.
 PRE1531 = "own_slice_standin"
 
 
@@ -229,7 +229,7 @@ def test_linear_loss_gradient_is_the_closed_form_of_each_backward(ranks, name):
 
 @pytest.mark.parametrize("key", ["linear_grad", "ntxent_grad", "ntxent_global_grad"])
 def test_old_is_the_own_slice_pattern_bit_for_bit(ranks, key):
-    """gatherlab's ``old`` against the own-slice stand-in (tests/standins.py: its backward keeps
+    """gatherlab's ``old`` against the own-slice stand-in (examples/standins.py: its backward keeps
     the own slice, written apart from gatherlab.gather), in the same losses on the same real ranks:
     the same numbers, bit for bit (both copy one slice of the same gradient)."""
     _, per_rank = ranks

@@ -156,8 +156,8 @@ def test_ranks_other_than_zero_write_nothing_into_the_run_directory(
     environment, typed, added, monkeypatch
 ):
     """The overrides ``gatherlab.train`` adds for a rank other than 0 that torchrun or SLURM
-    started (tests/test_launch.py's torchrun test sees their effect: rank 1 opens no file in the
-    run directory); an override the user typed is kept, not doubled (Hydra refuses two)."""
+    started (tests/ranks/test_launch.py's torchrun test sees their effect: rank 1 opens no file in
+    the run directory); an override the user typed is kept, not doubled (Hydra refuses two)."""
     from gatherlab.lab import train
 
     for name in ("RANK", "SLURM_PROCID"):

@@ -4,6 +4,7 @@ must match and ``old`` must not, as on the CPU."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -45,7 +46,8 @@ def test_torchrun_check_on_two_gpus_equals_the_pooled_check(tmp_path):
     LightningModule and as a plain step (the batchnorm removal with ``SyncBatchNorm``), give the
     pooled CPU check's verdicts and, in float64, its numbers to the check's tolerance. Fresh
     interpreters: torchrun starts every rank."""
-    from test_external_check import ENV, NUMBERS
+    from bounds import NUMBERS
+    from helpers import pythonpath
 
     from gatherlab import check
 
@@ -74,7 +76,8 @@ def test_torchrun_check_on_two_gpus_equals_the_pooled_check(tmp_path):
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
              "2", "-m", "gatherlab.check", *arguments, "--launcher", "external", "--device",
              "cuda", "--out", str(out)],
-            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=500,
+            cwd=tmp_path, env={**os.environ, "PYTHONPATH": pythonpath()}, capture_output=True,
+            text=True, timeout=500,
         )  # fmt: skip
         assert started.returncode == 1, started.stdout[-3000:] + started.stderr[-3000:]
         table, expected = pd.read_csv(out / "check.csv"), pooled().reset_index(drop=True)

@@ -10,8 +10,8 @@ The wheel is installed with dependency resolution, constrained by the lock (``pi
 requirements.txt``), offline: the new environment sees this one's packages through a ``.pth``
 file, so pip resolves every dependency the wheel's metadata declares against the locked versions
 and downloads nothing (a declared package missing from the lock fails the install), and ``pip
-check`` must find every requirement met. deptry (tests/test_architecture.py) checks the other
-direction: nothing is imported that the metadata does not declare. The install into an empty
+check`` must find every requirement met. deptry (tests/journeys/test_architecture.py) checks the
+other direction: nothing is imported that the metadata does not declare. The install into an empty
 environment, downloading every dependency, is ``make install-check`` (docs/testing.md).
 """
 
@@ -163,8 +163,8 @@ def _install_check_python() -> str:
 
 def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
     elsewhere = tmp_path  # a user's directory outside the repository, with their own code
-    for name in ("tests/cases/standins.py", "examples/ssl_modules.py"):  # their own losses and
-        shutil.copy(REPO / name, elsewhere)  # LightningModules
+    for name in ("standins.py", "ssl_modules.py", "summing_gather.py"):  # their own losses and
+        shutil.copy(REPO / "examples" / name, elsewhere)  # LightningModules
     (elsewhere / "use_gatherlab.py").write_text(USER_SCRIPT)
     (elsewhere / "install_check.py").write_text(_install_check_python())
     result = _run(installed, "use_gatherlab.py", cwd=elsewhere)

@@ -1,5 +1,5 @@
 """Collectives compared across ranks before they run (`gatherlab.ranks.collectives`,
-docs/design.md §10, "Collectives that differ"): each pattern of ``tests/collective_cases.py`` at
+docs/design.md §10, "Collectives that differ"): each pattern of ``examples/collective_cases.py`` at
 W = 2 and 4 ends its W with the line that names every rank's call, found here by reading the
 source's ``# enters:`` marks; a rank that raised is named by its own error, one that hangs after
 the collective timeout, one killed by a signal by the signal and its last line on stderr; the

@@ -98,8 +98,9 @@ def test_torchrun_ranks_write_the_run_once_and_equal_the_pooled_run(tmp_path, mo
     whole command (Hydra included) in one shared run directory, which the pools never do. Only
     rank 0 writes the run files: one summary, one row per step; they equal the pooled run of the
     same config bit for bit (the same global batches, the same summation order on gloo). Who
-    wrote and logged is recorded in every process (tests/who_writes.py): rank 0 each run file
-    once, rank 1 none of them, and no gatherlab log line; equal contents alone would not tell."""
+    wrote and logged is recorded in every process (tests/support/who_writes.py): rank 0 each run
+    file once, rank 1 none of them, and no gatherlab log line; equal contents alone would not
+    tell."""
     import os
     import subprocess
     import sys
@@ -198,7 +199,8 @@ def test_only_rank_zero_writes_the_summary_and_logs_the_run_to_wandb(
     srun's SLURM_PROCID), taken in this process on a 1-device run with ``logger=wandb``: as rank 0
     the job writes the summary and logs the run to wandb once, as any other rank neither. Here and
     not in the torchrun test above, whose every rank would import wandb (~3 s); wandb itself is not
-    started: ``tracking.log_run`` is recorded instead (tests/test_tracking.py logs real runs)."""
+    started: ``tracking.log_run`` is recorded instead (tests/lab/test_tracking.py logs real
+    runs)."""
     from helpers import compose
 
     from gatherlab.lab import jobs, tracking

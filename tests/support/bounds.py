@@ -13,6 +13,12 @@ FLOAT64_BOUND = 1e-10
 FLOAT32_BOUND = 1e-5
 # `old` must miss by far more than rounding: at least 100 times the bound.
 MISS_FACTOR = 100
+# The columns of check.csv that hold numbers: two launchers' checks agree on them to 1e-12
+# (tests/check/test_external_check.py, on gloo; tests/journeys/test_gpu.py, on NCCL).
+NUMBERS = (
+    "scale", "loss_diff", "cosine", "norm_ratio", "max_rel_err", "train_max_abs_loss_diff",
+    "max_abs_param_diff", "first_diff_step",
+)  # fmt: skip
 
 
 def differences(run_dir: Path, reference_dir: Path) -> tuple[float, float]:

@@ -1,7 +1,7 @@
 """Which process writes and logs, for the tests that start ranks under a launcher (torchrun, srun):
 ``recording(env, folder)`` is the environment that makes each started process record its writes,
-file opens and gatherlab log records (tests/record_site/sitecustomize.py); ``records(folder)``
-reads them back, each with the rank of the process that made it."""
+file opens and gatherlab log records (tests/support/record_site/sitecustomize.py);
+``records(folder)`` reads them back, each with the rank of the process that made it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Who writes and logs, in every process a test starts with this folder first on its PYTHONPATH
-and ``GATHERLAB_RECORD`` naming a folder (tests/who_writes.py starts and reads it). Each process
+"""Who writes and logs, in every process a test starts with this folder first on its PYTHONPATH and
+``GATHERLAB_RECORD`` naming a folder (tests/support/who_writes.py starts and reads it). Each process
 appends one JSON line per event, ``[rank, what, detail]``, to ``<folder>/<pid>.jsonl``; its rank is
 torchrun's ``RANK`` or srun's ``SLURM_PROCID``, None in a process that no launcher started (the
 launcher itself). Recorded, and then done as before (nothing is replaced, only wrapped):
