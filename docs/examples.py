@@ -195,23 +195,30 @@ def run(name: str) -> str:
             text=True,
             timeout=900,
         )
+    return block(name, done.stdout, done.stderr, done.returncode)
+
+
+def block(name: str, stdout: str, stderr: str, returncode: int) -> str:
+    """The block of example ``name`` from what its command printed and its exit status (``run``
+    runs the command; tests/journeys/test_docs.py runs a stdout example in the test process)."""
+    example = EXAMPLES[name]
     shown = {
-        "stdout": lambda: done.stdout,
-        "stderr": lambda: done.stderr,
-        "comparison": lambda: _comparison(done.stdout),
-        "table": lambda: _table(done.stdout),
+        "stdout": lambda: stdout,
+        "stderr": lambda: stderr,
+        "comparison": lambda: _comparison(stdout),
+        "table": lambda: _table(stdout),
     }
     try:
         text = shown[example.shows]()
     except StopIteration:
         raise RuntimeError(
-            f"{name}: no {example.shows} in what it printed (exit status {done.returncode}):\n"
-            f"{done.stdout}{done.stderr[-3000:]}"
+            f"{name}: no {example.shows} in what it printed (exit status {returncode}):\n"
+            f"{stdout}{stderr[-3000:]}"
         ) from None
     if example.prompt:
         text = f"{example.command_line()}\n{text}"
     if example.status:
-        text += f"$ echo $?\n{done.returncode}\n"
+        text += f"$ echo $?\n{returncode}\n"
     return normalise(text)
 
 
