@@ -77,7 +77,7 @@ docs: $(STAMP)  ## build the API reference of the public Python API into build/d
 # What a user of the package gets: the wheel installed into an empty environment with dependency
 # resolution (every dependency downloaded, constrained by the lock), then the check, the testing
 # assertion and a 2-job sweep from a directory outside the repository. The suite does the same
-# offline (tests/test_install.py), and runs INSTALL_CHECK_TESTING below as it is written here.
+# offline (tests/journeys/test_install.py), and runs INSTALL_CHECK_TESTING below as it is written here.
 CHECK_DIR := build/install-check
 install-check: $(STAMP)  ## install the built wheel into an empty venv and use it from outside the repo
 	rm -rf dist $(CHECK_DIR) && mkdir -p $(CHECK_DIR)/elsewhere

@@ -13,8 +13,8 @@ not show::
 ``python docs/examples.py`` runs every example and rewrites its block; ``--check`` writes nothing
 and exits with status 1 when a committed block is not what the code prints today (a unified diff
 per block); names choose examples (``python docs/examples.py --check bad_value plain_step``, what
-tests/test_docs.py runs). An example missing from the docs, or a marker naming no example, is an
-error.
+tests/journeys/test_docs.py runs). An example missing from the docs, or a marker naming no
+example, is an error.
 
 What varies from one run to the next is normalised in one way, ``normalise``: every command runs
 in a fresh temporary directory (so the paths it prints are relative to it), and the dates and times
@@ -121,22 +121,22 @@ EXAMPLES = {
     "scaled": Example(
         f"{CHECK} diagnosis_cases:ScaledToUndoAverage --world-sizes 2,4 --steps 20",
         "table",
-        ("tests",),
+        ("examples",),
     ),
     "module": Example(
         f"{CHECK} --module ssl_modules:SimCLRWithBatchNorm --data ssl_modules:AugmentedGaussians "
         "--world-sizes 2,4 --steps 20",
-        pythonpath=("tests",),
+        pythonpath=("examples",),
     ),
     "plain_step": Example(
         f"{CHECK} --step plain_steps:augmenting_step --model plain_steps:build_model "
         "--data plain_steps:Points --world-sizes 2,4 --steps 20",
-        pythonpath=("tests",),
+        pythonpath=("examples",),
     ),
     "update": Example(
         f"{CHECK} --update updates:naive --model plain_steps:build_model --data plain_steps:Pairs "
         "--world-sizes 1,2 --micro-batches 1,2 --steps 5 --global-batch-size 16",
-        pythonpath=("tests",),
+        pythonpath=("examples",),
         status=True,
     ),
     # README, journey 2: the whole update's first table
@@ -144,13 +144,13 @@ EXAMPLES = {
         f"{CHECK} --update updates:naive --model plain_steps:build_model --data plain_steps:Pairs "
         "--world-sizes 1,2 --micro-batches 1,2",
         "table",
-        ("tests",),
+        ("examples",),
     ),
     # docs/usage.md, when things go wrong
     "bad_value": Example("-m gatherlab.train -m layout=cpu1,cpu4 global_batch_size=6", "stderr"),
     "collectives": Example(
         f"{CHECK} collective_cases:GatherOnZeroReduceElsewhere --world-sizes 2,4",
-        pythonpath=("tests",),
+        pythonpath=("examples",),
         status=True,
     ),
 }
@@ -195,23 +195,30 @@ def run(name: str) -> str:
             text=True,
             timeout=900,
         )
+    return block(name, done.stdout, done.stderr, done.returncode)
+
+
+def block(name: str, stdout: str, stderr: str, returncode: int) -> str:
+    """The block of example ``name`` from what its command printed and its exit status (``run``
+    runs the command; tests/journeys/test_docs.py runs a stdout example in the test process)."""
+    example = EXAMPLES[name]
     shown = {
-        "stdout": lambda: done.stdout,
-        "stderr": lambda: done.stderr,
-        "comparison": lambda: _comparison(done.stdout),
-        "table": lambda: _table(done.stdout),
+        "stdout": lambda: stdout,
+        "stderr": lambda: stderr,
+        "comparison": lambda: _comparison(stdout),
+        "table": lambda: _table(stdout),
     }
     try:
         text = shown[example.shows]()
     except StopIteration:
         raise RuntimeError(
-            f"{name}: no {example.shows} in what it printed (exit status {done.returncode}):\n"
-            f"{done.stdout}{done.stderr[-3000:]}"
+            f"{name}: no {example.shows} in what it printed (exit status {returncode}):\n"
+            f"{stdout}{stderr[-3000:]}"
         ) from None
     if example.prompt:
         text = f"{example.command_line()}\n{text}"
     if example.status:
-        text += f"$ echo $?\n{done.returncode}\n"
+        text += f"$ echo $?\n{returncode}\n"
     return normalise(text)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+from pathlib import Path
 
 import psutil
 import pytest
@@ -68,38 +69,40 @@ def pr1531_sweep(tmp_path_factory, worker_id):
 # processes in the order they come (``--dist loadfile``), each process taking the next file as it
 # runs out; starting the longest first and ending with the shortest lets both finish together (30 s
 # sooner than file order, where a 50 s file could start last). A file not named here comes after
-# them (its slow tests first). Only the order depends on it, never a result.
+# them (its slow tests first). Only the order depends on it, never a result. Each file is named by
+# its path below tests/ (a name not found fails the collection: a file moved or renamed here too).
+TESTS = Path(__file__).resolve().parent
 LONGEST_FILES = (
-    "test_reliability.py",  # 96 s
-    "test_external_check.py",  # 50 s (torchrun's fresh interpreters)
-    "test_install.py",  # 42 s
-    "test_launch.py",  # 35 s
-    "test_docs.py",  # 36 s alone (issue 37: a shared sweep, two printed blocks, the doctests)
-    "test_loss_matrix.py",  # 27 s
-    "test_simclr.py",  # 25 s
-    "test_collectives.py",  # 13 s in issue 40's suite run at load 8 (test_simclr.py: 13 s there)
-    "test_config.py",  # 22 s
-    "test_near_misses.py",  # 15 s in the same run (test_config.py: 23 s, test_extend.py: 13 s)
-    "test_extend.py",  # 20 s
-    "test_training_check.py",  # 17 s
-    "test_where.py",  # 17 s alone (issue 38: five checks at W = 2, 4, one with 3 steps)
-    "test_update.py",  # 15 s alone (issue 39: whole updates at up to nine layouts each)
-    "test_accumulation.py",  # 15 s alone (issue 39: the lab's naive and cached accumulation)
-    "test_fuzz.py",  # 16 s
-    "test_check.py",  # 15 s
-    "test_audit.py",  # 12 s
-    "test_tracking.py",  # 12 s
-    "test_diagnosis.py",  # 11 s
-    "test_sweep_module.py",  # 10 s
-    "test_notebook.py",  # 9 s
-    "test_simworld.py",  # 9 s
-    "test_figures.py",  # 8 s alone (issue 37)
-    "test_gather.py",  # 7 s
-    "test_training.py",  # 7 s
-    "test_step_check.py",  # 6 s
-    "test_cli.py",  # 6 s
-    "test_optimizers.py",  # 5 s
-    "test_processes.py",  # 2 s
+    "lab/test_reliability.py",  # 96 s
+    "check/test_external_check.py",  # 50 s (torchrun's fresh interpreters)
+    "journeys/test_install.py",  # 42 s
+    "ranks/test_launch.py",  # 35 s
+    "journeys/test_docs.py",  # 36 s alone (issue 37: a shared sweep, two printed blocks)
+    "losses/test_loss_matrix.py",  # 27 s
+    "components/test_simclr.py",  # 25 s
+    "ranks/test_collectives.py",  # 13 s in issue 40s run at load 8 (test_simclr.py: 13 s)
+    "lab/test_config.py",  # 22 s
+    "check/test_near_misses.py",  # 15 s there (test_config.py: 23 s, test_extend.py: 13 s)
+    "journeys/test_extend.py",  # 20 s
+    "check/test_training_check.py",  # 17 s
+    "check/test_where.py",  # 17 s alone (issue 38: five checks at W = 2, 4, one with 3 steps)
+    "check/test_update.py",  # 15 s alone (issue 39: whole updates at up to nine layouts each)
+    "components/test_accumulation.py",  # 15 s alone (issue 39: naive and cached accumulation)
+    "journeys/test_fuzz.py",  # 16 s
+    "check/test_check.py",  # 15 s
+    "lab/test_audit.py",  # 12 s
+    "lab/test_tracking.py",  # 12 s
+    "check/test_diagnosis.py",  # 11 s
+    "lab/test_sweep_module.py",  # 10 s
+    "journeys/test_notebook.py",  # 9 s
+    "ranks/test_simworld.py",  # 9 s
+    "analysis/test_figures.py",  # 8 s alone (issue 37)
+    "gather/test_gather.py",  # 7 s
+    "gather/test_training.py",  # 7 s
+    "check/test_step_check.py",  # 6 s
+    "journeys/test_cli.py",  # 6 s
+    "components/test_optimizers.py",  # 5 s
+    "ranks/test_processes.py",  # 2 s
 )
 
 
@@ -122,9 +125,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The files in ``LONGEST_FILES``' order, then the other files' slow tests (in file order),
     then the rest; within a file its slow tests first."""
+    missing = [name for name in LONGEST_FILES if not (TESTS / name).is_file()]
+    assert not missing, f"conftest.LONGEST_FILES names no test file: {missing}"
 
     def order(item: pytest.Item) -> tuple[int, bool]:
-        name = item.path.name
+        name = item.path.relative_to(TESTS).as_posix()
         rank = LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
         return rank, item.get_closest_marker("slow") is None
 

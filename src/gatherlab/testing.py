@@ -106,7 +106,7 @@ def assert_training_invariant(
 
     Example:
         >>> from gatherlab.testing import assert_training_invariant
-        >>> table = assert_training_invariant(  # tests/ssl_modules.py: SimCLR with an exact gather
+        >>> table = assert_training_invariant(  # examples/ssl_modules.py: an exact SimCLR
         ...     "ssl_modules:SimCLR", "ssl_modules:GaussianPairs", (2, 4), steps=2
         ... )
         >>> table["verdict"].unique().tolist()

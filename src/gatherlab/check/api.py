@@ -616,7 +616,7 @@ def check_training(
 
     Example:
         >>> from gatherlab.check import check_training
-        >>> table = check_training(  # tests/ssl_modules.py
+        >>> table = check_training(  # examples/ssl_modules.py
         ...     "ssl_modules:SimCLRWithBatchNorm", "ssl_modules:GaussianPairs", steps=2
         ... )
         >>> table.groupby("world_size")["culprits"].first().tolist()

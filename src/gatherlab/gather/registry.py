@@ -24,7 +24,7 @@ IMPLEMENTATIONS: tuple[type[Gather], ...] = (
 )  # fmt: skip
 """gatherlab's own `Gather` classes, in the order of docs/design.md §1's table (the exact gathers
 first, ``nograd`` last): how `ordered` sorts. Every class of this package is here
-(``tests/test_gather.py`` fails on one that is not)."""
+(``tests/gather/test_gather.py`` fails on one that is not)."""
 
 
 def _group_folder() -> Path:

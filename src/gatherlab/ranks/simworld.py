@@ -18,8 +18,8 @@ hands rank s
 - ``none``: nothing, the gather is outside autograd (``nograd``).
 
 DDP's average of the parameter gradients is ``average``. The model is validated against real gloo
-ranks (``tests/test_audit.py``, ``tests/test_simworld.py``): same gradients to ≤ 1e-12 relative
-at W = 2, 4, 8 for every built-in gather × loss style, same training curves.
+ranks (``tests/lab/test_audit.py``, ``tests/ranks/test_simworld.py``): same gradients to ≤ 1e-12
+relative at W = 2, 4, 8 for every built-in gather × loss style, same training curves.
 """
 
 from __future__ import annotations

@@ -1,0 +1,137 @@
+"""Losses that each depart from one device at one line, written for the check of where a run
+departs (`gatherlab.check.where`, docs/design.md §6): plain torch and torch.distributed, no
+gatherlab imports. The line the check must name carries the comment ``# departs: <class>``;
+what a correct check says there follows from docs/design.md §1 (W ranks, B = N/W rows each):
+
+- ``OwnBatchStatistic``: each view standardised with the mean and standard deviation of the
+  rank's own rows, then gathered exactly into a global NT-Xent: the mean over dim 0 of the
+  rank's B rows, where one device takes all N.
+- ``SoftmaxWeightedRows``: each of the rank's rows scored against the gathered batch, the
+  per-row losses weighted by a softmax over the rank's rows: a softmax over dim 0 of B rows,
+  where one device takes N.
+- ``MeanOfRankStds``: a buffer ``scale`` moved each step towards the mean over ranks of each
+  rank's standard deviation of its rows per feature (an all_reduce of per-rank statistics), by
+  which the embeddings are divided feature-wise: the first step is exact (the scale starts at
+  1), the training diverges from the second; the std over dim 0 of the rank's B rows departs,
+  and the buffer's update names the line that writes it.
+- ``NoGradGatherNegatives``: each rank's queries (view 0) against keys gathered under
+  ``torch.no_grad`` (view 1, MoCo-style), which on one device without a process group are the
+  keys themselves, with their gradient: the forward agrees, the keys' gradient on the ranks is
+  only their own positives' share; the all_gather runs without gradient.
+- ``OwnSliceGatherGlobal``: a global NT-Xent (every rank the full loss over the gathered rows)
+  behind a gather whose backward keeps only the rank's own slice: the embeddings' gradient is
+  exactly 1/W of one device's, produced by that backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from summing_gather import SummingGather
+from summing_gather import gather as gathered
+from torch import nn
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _OwnSliceGather(SummingGather):
+    """Every rank's rows; the backward keeps the rank's own slice of its gradient only."""
+
+    @staticmethod
+    def backward(ctx, grad):  # departs: OwnSliceGatherGlobal
+        return grad[ctx.own]
+
+
+def no_grad_gathered(rows: torch.Tensor) -> torch.Tensor:
+    """The gathered rows without gradient; without a process group, the rows themselves."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return rows
+    with torch.no_grad():
+        parts = [torch.ones_like(rows) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, rows)  # departs: NoGradGatherNegatives
+    return torch.cat(parts)
+
+
+def nt_xent(z0: torch.Tensor, z1: torch.Tensor, temperature: float) -> torch.Tensor:
+    """NT-Xent of two views over all their rows: row i of z0 and of z1 are a positive pair."""
+    z = F.normalize(torch.cat([z0, z1]), dim=1)
+    logits = (z @ z.T / temperature).masked_fill(torch.eye(len(z), dtype=torch.bool), -1e9)
+    half = len(z0)
+    targets = torch.cat([torch.arange(half, 2 * half), torch.arange(half)])
+    return F.cross_entropy(logits, targets)
+
+
+class OwnBatchStatistic(nn.Module):
+    def __init__(self, temperature: float = 0.5):
+        super().__init__()
+        self.temperature = temperature
+
+    def standardised(self, z: torch.Tensor) -> torch.Tensor:
+        centred = z - z.mean(dim=0)  # departs: OwnBatchStatistic
+        return centred / centred.std(dim=0)
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        z0, z1 = self.standardised(z0), self.standardised(z1)
+        return nt_xent(gathered(z0), gathered(z1), self.temperature)
+
+
+class SoftmaxWeightedRows(nn.Module):
+    def __init__(self, temperature: float = 0.5):
+        super().__init__()
+        self.temperature = temperature
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        rank, _ = _world()
+        queries, keys = F.normalize(z0, dim=1), F.normalize(gathered(z1), dim=1)
+        logits = queries @ keys.T / self.temperature
+        targets = torch.arange(len(z0)) + rank * len(z0)
+        per_row = F.cross_entropy(logits, targets, reduction="none")
+        weights = torch.softmax(per_row.detach(), dim=0)  # departs: SoftmaxWeightedRows
+        return (weights * per_row).sum()
+
+
+class MeanOfRankStds(nn.Module):
+    def __init__(self, temperature: float = 0.5, momentum: float = 0.5):
+        super().__init__()
+        self.temperature, self.momentum = temperature, momentum
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        loss = nt_xent(gathered(z0) / self.scale, gathered(z1) / self.scale, self.temperature)
+        with torch.no_grad():
+            spread = torch.cat([z0, z1]).std(dim=0)  # departs: MeanOfRankStds
+            _, size = _world()
+            if size > 1:
+                dist.all_reduce(spread)
+                spread = spread / size
+            self.scale = self.momentum * self.scale + (1 - self.momentum) * spread
+        return loss
+
+
+class NoGradGatherNegatives(nn.Module):
+    def __init__(self, temperature: float = 0.5):
+        super().__init__()
+        self.temperature = temperature
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        rank, _ = _world()
+        queries = F.normalize(z0, dim=1)
+        keys = no_grad_gathered(F.normalize(z1, dim=1))
+        targets = torch.arange(len(z0)) + rank * len(z0)
+        return F.cross_entropy(queries @ keys.T / self.temperature, targets)
+
+
+class OwnSliceGatherGlobal(nn.Module):
+    def __init__(self, temperature: float = 0.5):
+        super().__init__()
+        self.temperature = temperature
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        if _world()[1] > 1:
+            z0, z1 = _OwnSliceGather.apply(z0), _OwnSliceGather.apply(z1)
+        return nt_xent(z0, z1, self.temperature)

@@ -1,0 +1,135 @@
+"""Where a run departs from one device (`gatherlab.check.where`, docs/design.md §6): the line and
+the operation of each pattern of ``tests/cases/departures.py`` at W = 2 and 4, and the words of what
+differs, with the numbers the mathematics gives (B = 16/W rows per rank, one device all 16; a
+gradient through the own slice only is exactly 1/W of one device's); then the alignment and the
+rank's part, on records built by hand.
+
+The expected line is the one the pattern marks ``# departs: <class>`` in its source, found here
+by reading the file, not by the code under test."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import departures
+import pytest
+import torch
+from helpers import line_of
+
+from gatherlab import check
+from gatherlab.check import where
+from gatherlab.runs.trace import Op
+
+pytestmark = pytest.mark.slow
+
+SOURCE = Path(departures.__file__)
+W = (2, 4)
+
+
+def marked(name: str) -> str:
+    """``departures.py:<line>`` of the line marked ``# departs: name`` (relative to ``tests/``,
+    the import path entry the module is found under)."""
+    return line_of(departures, f"# departs: {name}")
+
+
+def located(name: str, steps: int = 0) -> dict[int, tuple[str, str, str, str]]:
+    table = check.check_loss(f"departures:{name}", W, steps=steps)
+    rows = table[table["part"] == "all"].set_index("world_size")
+    return {w: tuple(rows.loc[w, ["verdict", "cause", "where", "departs"]]) for w in W}
+
+
+@pytest.mark.parametrize(
+    "name, op, words",
+    [
+        ("OwnBatchStatistic", "mean", "a mean over dim 0 of the rank's {b} rows, where one device "
+         "takes all 16"),
+        ("SoftmaxWeightedRows", "softmax", "a softmax over dim 0 of the rank's {b} rows, where one "
+         "device takes all 16"),
+    ],
+)  # fmt: skip
+def test_a_statistic_over_the_ranks_own_rows_is_named_at_its_line(name, op, words):
+    found = located(name)
+    for world_size in W:
+        verdict, cause, at, departs = found[world_size]
+        assert (verdict, cause) == ("loss differs", "local_statistic")
+        assert at == f"{marked(name)}  {op}"
+        assert departs == words.format(b=16 // world_size)
+
+
+def test_a_buffer_of_per_rank_statistics_names_its_step_line_and_buffer():
+    found = located("MeanOfRankStds", steps=3)
+    lines = SOURCE.read_text().splitlines()
+    update = next(i for i, text in enumerate(lines, 1) if text.strip().startswith("self.scale ="))
+    for world_size in W:
+        verdict, _, at, departs = found[world_size]
+        assert verdict == "diverges"
+        assert at == f"{marked('MeanOfRankStds')}  std"
+        assert departs == (
+            "step 1 is the first whose loss leaves one device's; at step 0: a std over dim 0 of "
+            f"the rank's {32 // world_size} rows, where one device takes all 32, from which add at "
+            f"departures.py:{update} updates the buffer scale"
+        )
+
+
+def test_a_gather_whose_backward_keeps_the_own_slice_is_named_with_its_factor():
+    found = located("OwnSliceGatherGlobal")
+    for world_size in W:
+        verdict, _, at, departs = found[world_size]
+        assert verdict == "1/W"
+        assert at == f"{marked('OwnSliceGatherGlobal')}  _OwnSliceGather.backward"
+        ratio = re.search(r"1/W of one device's \(norm ratio ([0-9.]+), cosine 1\)", departs)
+        assert ratio is not None, departs
+        assert float(ratio.group(1)) == pytest.approx(1 / world_size, rel=1e-6)
+
+
+def test_a_gather_without_gradient_under_a_group_is_named_against_the_plain_run():
+    found = located("NoGradGatherNegatives")
+    for world_size in W:
+        verdict, _, at, departs = found[world_size]
+        assert verdict == "biased"  # the plain run passes the keys their gradient; the ranks do not
+        assert at == f"{marked('NoGradGatherNegatives')}  all_gather"
+        assert departs.endswith(
+            f"all_gather at {marked('NoGradGatherNegatives')} runs without gradient, so what it "
+            "passes on carries no gradient back"
+        )
+
+
+# --- the alignment and the rank's part, on records built by hand ---------------------------------
+
+
+def op(index: int, name: str, line: int, value=None, inputs=()) -> Op:
+    return Op(index, name, f"x.py:{line}", value, tuple(inputs))
+
+
+def test_alignment_pairs_the_same_calls_around_an_operation_only_the_ranks_run():
+    one = [op(0, "input", 0), op(1, "torch.mean", 3), op(2, "Tensor.sum", 4)]
+    ranks = [op(0, "input", 0), op(1, "torch.distributed.all_gather", 2), op(2, "torch.mean", 3),
+             op(3, "Tensor.sum", 4)]  # fmt: skip
+    assert where.align(one, ranks) == {0: 0, 1: 2, 2: 3}
+
+
+def test_the_ranks_part_is_its_block_or_its_rows_of_each_view():
+    # 16 rows on one device, 2 ranks of 8: rank 1 holds rows 8..15
+    assert where.part_of((16, 4), (8, 4), 2, 1, 16) == [(slice(8, 16), slice(None))]
+    # two views of 16 concatenated (32 rows): rank 1 holds rows 8..15 and 24..31
+    (block, rows) = where.part_of((32, 4), (16, 4), 2, 1, 16)
+    assert block == (slice(16, 32), slice(None))
+    assert rows[0].tolist() == [*range(8, 16), *range(24, 32)]
+    assert where.part_of((16, 4), (5, 4), 2, 0, 16) == []
+
+
+def test_a_rank_whose_rows_equal_one_devices_rows_agrees_and_other_rows_depart():
+    values = torch.arange(32.0, dtype=torch.float64).reshape(16, 2)
+    one = [op(0, "input", 0, values), op(1, "torch.sin", 1, values.sin(), [0])]
+    ranks = [
+        [
+            op(0, "input", 0, values[r * 8 : (r + 1) * 8]),
+            op(1, "torch.sin", 1, values[r * 8 : (r + 1) * 8].sin(), [0]),
+        ]
+        for r in range(2)
+    ]
+    assert where.departure(one, ranks, 2, 16, 1e-10) is None
+    ranks[1][1] = op(1, "torch.sin", 1, values[:8].sin(), [0])  # rank 1 computes rank 0's rows
+    found = where.departure(one, ranks, 2, 16, 1e-10)
+    assert found is not None and found.where == "x.py:1  sin" and found.kind == "rank"

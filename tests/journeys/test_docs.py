@@ -1,0 +1,256 @@
+"""The docs cannot drift from the code: every citation of a section of docs/design.md names one that
+exists, every link with an anchor finds its heading, design §5 names every file and column the run
+files module defines, every example in a docstring runs and prints what it shows, and the printed
+outputs of README.md and docs/usage.md that need no float64 rounding are what the code prints
+today (docs/examples.py; ``make examples`` regenerates them all)."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import doctest
+import importlib
+import importlib.util
+import pkgutil
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import gatherlab
+from gatherlab.core import runfiles, terms
+
+REPO = Path(__file__).resolve().parents[2]
+DESIGN = REPO / "docs" / "design.md"
+MARKDOWN = (
+    REPO / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    REPO / "experiments" / "README.md",
+)
+# Where code and docs cite design.md: the package, its tests, experiments, configs, notebooks and
+# build files, and the Markdown docs.
+CITING = (
+    *(path for folder in ("src", "tests", "examples", "experiments", "conf", "notebooks",
+                                   "docs")
+      for path in sorted((REPO / folder).rglob("*"))
+      if path.suffix in {".py", ".yaml", ".ipynb", ".md"}),
+    REPO / "Makefile", REPO / "pyproject.toml", REPO / "README.md",
+)  # fmt: skip
+# "docs/design.md §5", "design §4", "[docs/design.md §6](...)", "design.md §2, §5", "§2 and §7", a
+# citation wrapped over a comment's or docstring's lines; inside design.md every "§N" cites it.
+CITATION = re.compile(r"\bdesign(?:\.md)?\)?[\s#*]*§(\d+)((?:[\s#]*(?:,|and|or)[\s#]*§\d+)*)")
+SECTION = re.compile(r"§(\d+)")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^ *```.*?^ *```", re.DOTALL | re.MULTILINE)
+# The cheap examples the suite checks (a few seconds each, no float64 rounding in what they print).
+CHECKED_EXAMPLES = ("bad_value", "plain_step")
+# Those whose block is what the command prints on stdout, run in the test process on the warm pools
+# (in an empty directory, the examples on the path as PYTHONPATH puts them): a fresh interpreter
+# adds to what a terminal shows only what it prints on stderr (a warning at import), which the
+# other block is; `make examples` runs every block in a fresh interpreter.
+IN_PROCESS_EXAMPLES = ("plain_step",)
+
+
+def design_sections() -> set[int]:
+    return {int(n) for n in re.findall(r"^## (\d+)\. ", DESIGN.read_text(), re.MULTILINE)}
+
+
+def citations(text: str, whole_file: bool) -> list[tuple[int, int]]:
+    """(line, section) of every citation of design.md in ``text``; ``whole_file``: every §N."""
+    found = []
+    if whole_file:
+        matches = [(m.start(), m.group(1)) for m in SECTION.finditer(text)]
+    else:
+        matches = []
+        for match in CITATION.finditer(text):
+            matches.append((match.start(), match.group(1)))
+            matches += [(match.start(), n) for n in SECTION.findall(match.group(2))]
+    for position, number in matches:
+        found.append((text.count("\n", 0, position) + 1, int(number)))
+    return found
+
+
+def test_every_citation_of_design_names_a_section_that_exists():
+    sections = design_sections()
+    assert sections == set(range(1, 11)), sections
+    stale = []
+    for path in CITING:
+        text = path.read_text(errors="replace")
+        for line, section in citations(text, whole_file=path == DESIGN):
+            if section not in sections:
+                stale.append(f"{path.relative_to(REPO)}:{line}: §{section}")
+    assert not stale, f"citations of docs/design.md sections it does not have: {stale}"
+
+
+def test_a_stale_citation_is_found():
+    """The pattern sees the forms the code uses, so the test above can fail."""
+    a, b = 42, 43  # not written out, so that this file cites no section design.md lacks
+    text = (
+        f"x (docs/design.md §{a})\n# docs/design.md §2,\n# §{b} and §5\n[design §6](d#a), design §7"
+    )
+    assert citations(text, whole_file=False) == [(1, 42), (2, 2), (2, 43), (2, 5), (4, 6), (4, 7)]
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: its text without Markdown marks, lowercase, punctuation but
+    '-' and '_' removed, each space a '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link: its text
+    text = text.replace("`", "").replace("*", "").strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings (outside fenced blocks), repeated ones numbered
+    as GitHub numbers them, and its explicit ``<a id=...>``/``<a name=...>``."""
+    text = FENCE.sub("", path.read_text())
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.MULTILINE):
+        slug = anchor(heading)
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        found.add(slug if count == 0 else f"{slug}-{count}")
+    found |= set(re.findall(r"<a (?:id|name)=\"([^\"]+)\"", text))
+    return found
+
+
+def test_the_anchor_rule_is_githubs():
+    assert anchor("7. Real optimizers: when a wrong gradient matters") == (
+        "7-real-optimizers-when-a-wrong-gradient-matters"
+    )
+    assert anchor("Weights & Biases") == "weights--biases"
+    assert anchor("Classification thresholds (the gradient audit)") == (
+        "classification-thresholds-the-gradient-audit"
+    )
+    assert anchor("The `check` at work") == "the-check-at-work"
+
+
+def test_every_link_finds_its_file_and_heading():
+    broken = []
+    for path in MARKDOWN:
+        text = FENCE.sub("", path.read_text())
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file, _, fragment = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists():
+                broken.append(f"{path.relative_to(REPO)}: {target} (no such file)")
+            elif fragment and linked.suffix == ".md" and fragment not in anchors(linked):
+                broken.append(f"{path.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, f"links that lead nowhere: {broken}"
+
+
+def test_design_section_5_names_every_run_file_and_column():
+    """The files, columns and verdicts of ``core.runfiles`` and ``terms.RunVerdict``, which eight
+    modules cite as "docs/design.md §5", are all in that section."""
+    text = DESIGN.read_text()
+    section = text[text.index("\n## 5. ") : text.index("\n## 6. ")]
+    names = (
+        runfiles.CURVES, runfiles.SUMMARY, runfiles.FINAL_STATE, runfiles.LOCK,
+        runfiles.COMPARISON, runfiles.AUDIT, runfiles.CHECK, runfiles.SCALING,
+        *runfiles.CURVE_COLUMNS, *runfiles.SUMMARY_COLUMNS, *terms.RunVerdict,
+    )  # fmt: skip
+    # what the section writes as code: `curves.csv`, `step, loss, grad_norm`, `no reference`, ...
+    spans = re.findall(r"`([^`]+)`", FENCE.sub("", section))
+    named = set(spans) | {word for span in spans for word in re.split(r"[,\s]+", span)}
+    missing = [name for name in names if name not in named]
+    assert not missing, f"docs/design.md §5 does not name {missing}"
+
+
+# --- the examples of the docstrings -------------------------------------------------------------
+
+
+def docstring_examples() -> list[doctest.DocTest]:
+    """Every docstring of the package that holds an example (``>>>``), once each. ``__main__``
+    modules are not imported: importing one runs its command."""
+    finder = doctest.DocTestFinder()
+    found: dict[tuple[str, int | None], doctest.DocTest] = {}
+    for info in pkgutil.walk_packages(gatherlab.__path__, "gatherlab."):
+        if info.name.rsplit(".", 1)[-1] == "__main__":
+            continue
+        for test in finder.find(importlib.import_module(info.name)):
+            if test.examples:
+                found.setdefault((str(test.filename), test.lineno), test)
+    return sorted(found.values(), key=lambda test: test.name)
+
+
+@pytest.fixture(scope="module")
+def examples_directory(pr1531_sweep, tmp_path_factory) -> Path:
+    """Where the docstrings' examples run: a directory whose ``multirun/`` holds one finished
+    sweep (lightly PR #1531's: ``old`` and ``fixed`` on cpu1 and cpu2), as a user's would."""
+    sweep, _ = pr1531_sweep
+    directory = tmp_path_factory.mktemp("examples")
+    shutil.copytree(sweep, directory / "multirun" / "pr1531")
+    return directory
+
+
+@pytest.mark.parametrize("example", docstring_examples(), ids=lambda test: test.name)
+def test_docstring_example(example: doctest.DocTest, examples_directory, monkeypatch):
+    """Each example runs in the directory above and prints what the docstring shows (``...``
+    matches any text)."""
+    monkeypatch.chdir(examples_directory)
+    test = copy.copy(example)
+    test.globs = dict(example.globs)
+    report: list[str] = []
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    result = runner.run(test, out=report.append)
+    assert result.failed == 0, "".join(report)
+
+
+def test_a_wrong_example_fails():
+    """The runner above fails an example whose output is not what the docstring shows."""
+
+    def shown():
+        """>>> 1 + 1
+        3
+        """
+
+    (test,) = doctest.DocTestFinder().find(shown, "shown", globs={})
+    result = doctest.DocTestRunner().run(test, out=lambda text: None)
+    assert (result.failed, result.attempted) == (1, 1)
+
+
+# --- the printed outputs of README.md and docs/usage.md -----------------------------------------
+
+
+def _examples_module():
+    spec = importlib.util.spec_from_file_location("docs_examples", REPO / "docs" / "examples.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_example_has_its_block():
+    examples = _examples_module()
+    assert set(examples.committed()) == set(examples.EXAMPLES)
+    assert set(CHECKED_EXAMPLES) <= set(examples.EXAMPLES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CHECKED_EXAMPLES)
+def test_the_committed_output_is_what_the_code_prints(name, tmp_path, monkeypatch):
+    """The block of the docs is what its command prints today, run as a user runs it: in an empty
+    directory, in a fresh interpreter where stderr is shown (``IN_PROCESS_EXAMPLES``: in this
+    process). Run ``make examples`` to regenerate every block."""
+    from helpers import run_command
+
+    examples = _examples_module()
+    path, committed = examples.committed()[name]
+    if name in IN_PROCESS_EXAMPLES:
+        example = examples.EXAMPLES[name]
+        assert set(example.pythonpath) <= {"examples"}  # on this process's path (pyproject.toml)
+        flag, module, *arguments = shlex.split(example.arguments)
+        assert (flag, module) == ("-m", "gatherlab.check"), example.arguments
+        monkeypatch.chdir(tmp_path)
+        done = run_command("check", *arguments)
+        printed = examples.block(name, done.stdout, done.stderr, done.returncode)
+    else:
+        printed = examples.run(name)
+    diff = difflib.unified_diff(committed.splitlines(), printed.splitlines(), "docs", "printed")
+    assert printed == committed, f"{path}, example {name} (make examples):\n" + "\n".join(diff)
