@@ -3,7 +3,8 @@ jobs. ``pool(W).run(function, *args)`` calls ``function(*args)`` on every rank a
 ranks' results in rank order; a rank that raises or dies ends the call at once with ``RankError``.
 
 A job runs in the caller's current directory and import path, whatever they were when the pool
-started (a rank is forked from the fork server, which stays where it started).
+started (a rank is forked from the fork server, which stays where it started): the caller's path
+goes first, in its order, so a rank imports a module from where the caller would.
 
 The training launcher (``launch``), the gradient measurements (``gatherlab.check.measure``), the
 benchmarks and the test suite all run their distributed work here, so a job costs its computation,
@@ -166,13 +167,15 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
         try:
             # The job's warnings go back with its answer, as this rank's filters let them through.
             with warnings.catch_warnings(record=True) as caught:
-                # The caller's import path first (`imports.search_path`: its entries absolute,
-                # and the directory of a module it imported that no entry finds): a job may name
-                # code from a directory that was put on the path after this worker started, or
-                # relative to a current directory that is not this worker's (a user's loss,
-                # gather, model or data set).
+                # The caller's import path first, in its order (`imports.search_path`: its
+                # entries absolute, and the directory of a module it imported that no entry
+                # finds), this rank's other entries after it: a job may name code from a
+                # directory that was put on the path after this worker started, or relative to a
+                # current directory that is not this worker's (a user's loss, gather, model or
+                # data set), and a module is found where the caller finds it, not in a directory
+                # an earlier job left on this rank's path.
                 search_path, job, watch_s, here = pickle.loads(payload)
-                sys.path.extend(entry for entry in search_path if entry not in sys.path)
+                sys.path[:] = [*search_path, *(e for e in sys.path if e not in search_path)]
                 # The caller's current directory: a relative path in the job (a file the user's
                 # code opens, a place shown relative to it: `cli.place`) reads as in the caller.
                 with contextlib.suppress(OSError):  # a directory since removed: stay
