@@ -663,7 +663,9 @@ def check_training(
         ``max_abs_param_diff``. ``verdict`` is one of `check_loss`'s (``loss scaled`` when every
         step's loss is c × one device's and the rest is exact) or ``diverges`` (the first step
         agrees, a later one does not); a W whose ranks raise has one ``failed`` row. With
-        ``loss_attr``, ``table.attrs["loss_check"]`` holds the loss check's table when it ran.
+        ``loss_attr``, ``table.attrs["loss_check"]`` holds the loss check's table when it ran;
+        ``table.attrs["trained"]`` is how the command line names what was trained (``--module
+        M``, ``--step S``, ``--update U``).
 
     Raises:
         CheckError: bad input, before any rank runs: a module that is no LightningModule or
@@ -700,6 +702,7 @@ def check_training(
         except Exception as error:
             raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
         table = training.check(setting, world_sizes, applying, first, layout, micro_batches)
+    table.attrs["trained"] = setting.label  # the diagnosis's advice depends on the form
     blamed = table.loc[table["culprits"].str.contains(LOSS), "world_size"]
     if loss_attr is not None and len(blamed):
         loss = AttributeOf(setting.built, loss_attr)
