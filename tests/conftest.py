@@ -77,6 +77,7 @@ LONGEST_FILES = (
     "check/test_external_check.py",  # 50 s (torchrun's fresh interpreters)
     "journeys/test_install.py",  # 42 s
     "ranks/test_launch.py",  # 35 s
+    "ranks/test_interrupt.py",  # ~30 s unloaded (issue 47: four commands in fresh interpreters)
     "journeys/test_docs.py",  # 36 s alone (issue 37: a shared sweep, two printed blocks)
     "losses/test_loss_matrix.py",  # 27 s
     "components/test_simclr.py",  # 25 s

@@ -411,3 +411,30 @@ def test_a_training_step_whose_logged_loss_is_scaled_trains_like_one_device():
     for world_size in W:
         assert rows.loc[world_size, "scale"] == pytest.approx(world_size, rel=RATIO)
     assert (rows["max_abs_param_diff"] <= RATIO).all()
+
+
+# The advice to name a loss attribute (--loss-attr): for a LightningModule whose culprit is its
+# loss, not for a plain step, which has no module to name it of.
+LOSS_ATTR_ADVICE = "Name the module's loss attribute (--loss-attr) to check the loss alone."
+
+
+def test_a_step_whose_culprit_is_its_loss_gets_no_loss_attribute_advice():
+    table = check.check_training(
+        step="test_diagnosis:no_grad_negatives_step", model="plain_steps:build_model",
+        data="plain_steps:Pairs", world_sizes=(2,), steps=2, global_batch_size=16,
+    )  # fmt: skip
+    assert set(table["culprits"]) == {"loss"}
+    text = check.explain_training(table)
+    assert "loss, W = 2:" in text  # the culprit is explained
+    assert "--loss-attr" not in text, text
+
+
+def test_a_module_whose_culprit_is_its_loss_is_told_to_name_its_loss_attribute():
+    table = check.check_training(
+        "ssl_modules:SimCLRPre1531", "ssl_modules:GaussianPairs", (2,), steps=2,
+        global_batch_size=16, data_kwargs={"size": 64},
+    )  # fmt: skip
+    assert set(table["culprits"]) == {"loss"}
+    text = check.explain_training(table)
+    assert "loss, W = 2:" in text
+    assert text.count(LOSS_ATTR_ADVICE) == 1, text

@@ -100,6 +100,68 @@ def test_no_import_cycle_passes_through_a_package_s_face():
     assert _cycles_through_faces(REPO / "src") == []
 
 
+def _cycles_inside_folders(source: Path) -> list[list[str]]:
+    """Every import cycle among the modules of one folder of the package under ``source``, an
+    import inside a function included (it runs later, but the two modules still each need the
+    other): each cycle's modules, sorted (the strongly connected components of the folder's
+    import graph, Tarjan's algorithm). A package's ``__init__`` is left out: the cycles through it
+    are ``_cycles_through_faces``'."""
+    graph = _imports_through_faces(source)
+    packages = {module for module in graph if (source / module.replace(".", "/")).is_dir()}
+
+    def folder(module: str) -> str:
+        return module.rpartition(".")[0]
+
+    edges = {
+        module: {m for m in imported - packages if folder(m) == folder(module)}
+        for module, imported in graph.items()
+        if module not in packages
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(edges[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return sorted(cycles)
+
+
+def test_no_import_cycle_inside_a_folder():
+    """docs/design.md §4: inside a folder, modules import each other freely, without cycles (a
+    fact two modules need belongs below both: ``lab.jobs`` and ``lab.preflight`` both read
+    ``core.runfiles.refuse_finished``)."""
+    assert _cycles_inside_folders(REPO / "src") == []
+
+
+def test_an_import_cycle_inside_a_folder_is_found(tmp_path):
+    folder = tmp_path / "gatherlab" / "lab"
+    folder.mkdir(parents=True)
+    (tmp_path / "gatherlab" / "__init__.py").write_text("")
+    (folder / "__init__.py").write_text("")
+    (folder / "first.py").write_text("from gatherlab.lab import second\n")
+    (folder / "second.py").write_text("def late():\n    from gatherlab.lab.first import x\n")
+    (folder / "third.py").write_text("from gatherlab.lab import first\n")
+    assert _cycles_inside_folders(tmp_path) == [["gatherlab.lab.first", "gatherlab.lab.second"]]
+
+
 def _deptry(project: Path) -> subprocess.CompletedProcess:
     """deptry (a command line, run on the package's code) with the project's configuration."""
     return subprocess.run(

@@ -117,6 +117,37 @@ def test_the_figures_are_drawn(executed):
     assert len(_outputs(executed, "image/png")) >= 2
 
 
+def test_the_final_loss_figure_shows_each_runs_difference_from_its_reference(pr1531_sweep):
+    """The notebook's second figure for a sweep over gathers and layouts, read back from the
+    Figure: one bar per compared run, its length |final loss − the 1-device reference's| from the
+    run files, on a log axis where `old` on 2 ranks lies beyond the match tolerance and `fixed`
+    below it (exactly 0 on 1 device, rounding on 2)."""
+    from gatherlab import report
+    from gatherlab.analysis import figures
+
+    notebook = json.loads(NOTEBOOK.read_text())
+    assert "figures.final_loss_figure(table, tolerance)" in "".join(notebook["cells"][10]["source"])
+    sweep, _ = pr1531_sweep
+    table, _ = report.compare(results.load_runs(sweep), sweep)
+    figure = figures.final_loss_figure(table, 1e-10)
+    (axis,) = figure.axes
+    ticks, names = axis.get_yticks(), [label.get_text() for label in axis.get_yticklabels()]
+    at = dict(zip(ticks, names, strict=True))
+    widths = {at[bar.get_y() + bar.get_height() / 2]: bar.get_width() for bar in axis.patches}
+    assert axis.get_xscale() == "log"
+    final = {run: runfiles.read_summary(sweep / run)["final_loss"] for run in "0123"}
+    assert [at[tick] for tick in sorted(at, reverse=True)] == [  # top first: the table's order
+        "old cpu2 (2 × 4)", "fixed cpu1 (1 × 8)", "fixed cpu2 (2 × 4)",
+    ]  # fmt: skip
+    assert len(widths) == 3
+    assert widths["old cpu2 (2 × 4)"] == abs(final["1"] - final["0"]) > 1e-10 * MISS_FACTOR
+    assert final["2"] == final["0"] and widths["fixed cpu1 (1 × 8)"] == figures.ZERO_FLOOR
+    assert widths["fixed cpu2 (2 × 4)"] == max(abs(final["3"] - final["0"]), figures.ZERO_FLOOR)
+    assert widths["fixed cpu2 (2 × 4)"] <= FLOAT64_BOUND
+    lines = {line.get_label(): line.get_xdata()[0] for line in axis.get_lines()}
+    assert lines["match tolerance 1e-10"] == 1e-10
+
+
 def test_a_sweep_with_a_failed_run_loads_with_the_others(pr1531_sweep, tmp_path):
     # the notebook's first table: a failed run (as training writes it: a failed summary, no
     # curves, no weights) has no steps, and the other runs load with every step

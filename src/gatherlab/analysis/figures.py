@@ -143,6 +143,58 @@ def _draw_group_against_reference(
         )
 
 
+# The rounding of a number near 1 in each precision a run trains in: the finest difference its
+# losses can show (`final_loss_figure` marks it at the reference's loss).
+EPSILON = {terms.Precision.FLOAT64: float(np.finfo(np.float64).eps),
+           terms.Precision.FLOAT32: float(np.finfo(np.float32).eps)}  # fmt: skip
+
+
+def final_loss_figure(table: pd.DataFrame, tolerance: float | None = None) -> plt.Figure:
+    """|final loss − its 1-device reference's final loss| of every compared run of a comparison
+    table (`gatherlab.report.compare`), one bar per run in its gather's colour, on a log axis: an
+    exact 0 drawn at `ZERO_FLOOR` and written ``0``; the match tolerance and the rounding of the
+    reference's loss in the runs' precision (`EPSILON`) marked. The final losses themselves agree
+    to two or three digits whether a run matches or not (bars of them look alike); their
+    differences from the reference span sixteen orders of magnitude."""
+    final = dict(zip(table["run_dir"], table["final_loss"], strict=True))
+    runs = table[(table["verdict"] != "reference") & table["reference"].notna()]
+    runs = runs[runs["final_loss"].notna() & runs["reference"].map(final).notna()]
+    labels = [f"{run.gather} {run.layout} ({run.devices} × {run.batch_size})"
+              for run in runs.itertuples()]  # fmt: skip
+    differences = [abs(run.final_loss - final[run.reference]) for run in runs.itertuples()]
+    precisions = set(runs["precision"])
+    epsilon = EPSILON.get(precisions.pop()) if len(precisions) == 1 else None
+    with plt.rc_context(STYLE):
+        figure, axis = plt.subplots(figsize=(7.5, 1.6 + 0.45 * max(len(runs), 1)),
+                                    layout="constrained")  # fmt: skip
+        positions = np.arange(len(runs))[::-1]
+        drawn = [max(d, ZERO_FLOOR) for d in differences]
+        axis.barh(positions, drawn, height=0.6, color=[gather_color(g) for g in runs["gather"]])
+        for position, difference, width in zip(positions, differences, drawn, strict=True):
+            axis.annotate(
+                "0" if difference == 0 else f"{difference:.2g}", (width, position),
+                xytext=(3, 0), textcoords="offset points", va="center", fontsize=8,
+            )  # fmt: skip
+        axis.set_yticks(positions, labels, fontsize=8)
+        axis.set_xscale("log")
+        axis.set_xlim(ZERO_FLOOR / 3, max([*drawn, 30 * (tolerance or ZERO_FLOOR)]) * 30)
+        axis.grid(axis="y", visible=False)
+        axis.set(
+            xlabel=f"|final loss − 1-device reference's| (exact 0 drawn at {ZERO_FLOOR:g})",
+            title="final loss: each run's difference from its 1-device reference",
+        )
+        if tolerance is not None:
+            axis.axvline(tolerance, color="0.3", linewidth=1, linestyle=":",
+                         label=f"match tolerance {tolerance:g}")  # fmt: skip
+        if epsilon is not None and len(runs):
+            rounding = epsilon * max(abs(final[r]) for r in runs["reference"])
+            axis.axvline(rounding, color="0.6", linewidth=1, linestyle="--",
+                         label=f"rounding of the reference's loss ({rounding:.1g})")  # fmt: skip
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncols=2)
+    return figure
+
+
 def _group_title(table: pd.DataFrame, runs: pd.DataFrame) -> str:
     """What one group of `comparison_figure` is: its experiment, loss, model and precision, and
     the keys that tell it from the table's other groups (e.g. ``removals.batchnorm=global``)."""

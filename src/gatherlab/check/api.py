@@ -612,7 +612,8 @@ def check_training(
     trained on W real ranks against the same on one device, and name the part that breaks it:
     docs/design.md §10 says how and what the table holds. Each argument is documented once, as a
     field of `gatherlab.check.defaults.TrainingOptions`. Raises `CheckError` for bad input,
-    before any rank runs.
+    before any rank runs. ``table.attrs["trained"]`` is how the command line names what was
+    trained (``--module M``, ``--step S``, ``--update U``).
 
     Example:
         >>> from gatherlab.check import check_training
@@ -639,6 +640,7 @@ def check_training(
         except Exception as error:
             raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
         table = training.check(setting, world_sizes, applying, first, layout, micro_batches)
+    table.attrs["trained"] = setting.label  # the diagnosis's advice depends on the form
     blamed = table.loc[table["culprits"].str.contains(LOSS), "world_size"]
     if options.loss_attr is not None and len(blamed):
         loss = AttributeOf(setting.built, options.loss_attr)

@@ -639,7 +639,8 @@ def explain_training(table: pd.DataFrame) -> str:
     if loss_check is not None:
         lines.append("The loss on its own (gatherlab.check on the loss attribute):\n"
                      + explain(loss_check).rstrip())  # fmt: skip
-    elif LOSS in found:
+    elif LOSS in found and str(table.attrs.get("trained", "")).startswith("--module "):
+        # only a module has a loss attribute to name (a plain step or update has none)
         lines.append("  Name the module's loss attribute (--loss-attr) to check the loss alone.")
     if trains_like_one_device(table):
         lines.append("Every world size trains like one device.")

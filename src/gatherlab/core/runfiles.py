@@ -116,6 +116,20 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
         return json.load(file)
 
 
+class RunFinished(ValueError):
+    """The directory holds a finished run (its summary): a run is never overwritten."""
+
+
+def refuse_finished(run_dir: Path) -> None:
+    """``RunFinished`` when ``run_dir`` holds a finished run (its summary). The command line
+    checks it before Hydra writes into the directory, so that every rank torchrun or SLURM
+    started refuses in the same one line, and a job again before it trains."""
+    if (Path(run_dir) / SUMMARY).exists():
+        raise RunFinished(
+            f"run directory {run_dir} already holds a finished run; it is never overwritten"
+        )
+
+
 LOCK = ".running"
 
 

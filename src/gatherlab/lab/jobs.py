@@ -27,7 +27,7 @@ from gatherlab.components.accumulation import Accumulation
 from gatherlab.components.config import ConfigError
 from gatherlab.components.module import ContrastiveModule, PairDataModule
 from gatherlab.core import cli, runfiles, terms
-from gatherlab.lab import preflight, tracking
+from gatherlab.lab import tracking
 from gatherlab.ranks import launch
 from gatherlab.ranks.pool import RankError, pool
 from gatherlab.runs import lightning, removals
@@ -54,7 +54,10 @@ def run(
     ``group`` names the sweep the run belongs to (its wandb group with ``logger=wandb``).
     """
     run_dir = Path(run_dir)
-    preflight.finished_run(run_dir)  # a single run: already refused by preflight, before Hydra
+    try:  # a single run: already refused by preflight, before Hydra
+        runfiles.refuse_finished(run_dir)
+    except runfiles.RunFinished as error:
+        raise ConfigError(str(error)) from None
     run_dir.mkdir(parents=True, exist_ok=True)
     if not launch.is_rank_zero():  # under torchrun or SLURM: rank 0 holds the directory
         return _train(cfg, run_dir, choices, overrides, group)

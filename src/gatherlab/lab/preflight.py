@@ -30,9 +30,7 @@ from gatherlab.lab import validation
 # What a job needs (Lightning, pandas, matplotlib: seconds to import) is imported once the checks
 # have passed, or beside the composers of a large sweep, so that a bad value is answered at once.
 
-__all__ = [
-    "COMMAND", "ValidateRun", "finished_run", "validate_job", "validated_configs", "warn",
-]  # fmt: skip
+__all__ = ["COMMAND", "ValidateRun", "validate_job", "validated_configs", "warn"]
 
 # How a user starts the command line these jobs are checked for (an experiment's run_by names the
 # one that runs it).
@@ -69,20 +67,10 @@ class ValidateRun(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             validate_job(config)
-            finished_run(Path(config.hydra.run.dir))
-        except ConfigError as error:
+            runfiles.refuse_finished(Path(config.hydra.run.dir))
+        except (ConfigError, runfiles.RunFinished) as error:
             cli.fail("train", error)
         warn([config])
-
-
-def finished_run(run_dir: Path) -> None:
-    """``ConfigError`` when ``run_dir`` holds a finished run (its summary): a run is never
-    overwritten. Checked before Hydra writes into it, so that every rank torchrun or SLURM started
-    refuses in the same one line."""
-    if (run_dir / runfiles.SUMMARY).exists():
-        raise ConfigError(
-            f"run directory {run_dir} already holds a finished run; it is never overwritten"
-        )
 
 
 def validated_configs(jobs: Sequence[Sequence[str]], compose: Compose) -> list[DictConfig]:

@@ -132,6 +132,8 @@ class Command:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C changes nothing
         if "gatherlab.ranks.pool" in sys.modules:
             sys.modules["gatherlab.ranks.pool"].close_pools()
+        if "gatherlab.ranks.forkstart" in sys.modules:  # its exit hook, which os._exit skips
+            sys.modules["gatherlab.ranks.forkstart"].stop()
         logging.shutdown()  # what the jobs logged is in their log files
         print(f"gatherlab.train: {interrupted_line(self)}", file=sys.stderr, flush=True)
         sys.stdout.flush()

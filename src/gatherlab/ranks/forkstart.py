@@ -4,19 +4,27 @@ It lives apart from the pools and imports nothing heavy, so that a command can s
 imports torch itself: the server's imports (torch, ``torch._dynamo`` for DDP, the command's own
 modules) then run beside the command's instead of after them (``python -m gatherlab.check``).
 
-It ends by itself once the command and every rank forked from it are gone (multiprocessing hands
-each rank the pipe whose end tells the server that its last client has left), so a command that is
-killed leaves no fork server once its ranks have ended (``pool``: they end with the command).
+A command that exits ends it, and multiprocessing's resource tracker, before it returns (``stop``,
+an exit hook registered by the first ``start``, run after the pools' own): left to themselves they
+end seconds later (the server's interpreter exit with torch loaded takes 3–6 s, and more on a busy
+machine; the tracker waits for the server). A command that is killed closes nothing: the server
+then ends by itself once every rank forked from it is gone (multiprocessing hands each rank the
+pipe whose end tells the server that its last client has left; ``pool``: the ranks end with the
+command).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import multiprocessing
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 
 # What the fork server imports before it forks any worker: what every job runs (DDP's first use
 # imports torch._dynamo, ~1–3 s), and of the rest what the starting process has imported itself: a
@@ -26,7 +34,14 @@ from multiprocessing import forkserver
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
 PRELOAD_IF_IMPORTED = ("lightning.pytorch", "gatherlab.ranks.launch", "gatherlab.check.measure")
 
-__all__ = ["PRELOAD", "PRELOAD_IF_IMPORTED", "start"]
+__all__ = ["PRELOAD", "PRELOAD_IF_IMPORTED", "start", "stop"]
+
+# How long ``stop`` waits for the resource tracker to end once its last client has (it ends in
+# milliseconds; a process that still holds its pipe would make it wait forever).
+TRACKER_EXIT_S = 5.0
+# The process that registered ``stop`` (a process forked from it inherits the fork server's pid,
+# not the server).
+_stopper: int | None = None
 
 
 def start(also: Sequence[str] = ()) -> None:
@@ -37,6 +52,10 @@ def start(also: Sequence[str] = ()) -> None:
     own handlers), so that every worker it forks inherits that too: the starting process answers
     Ctrl-C. Only the main thread can set a handler, and only one set from Python can be put back;
     elsewhere the server starts with the first worker, and the workers' own handler suffices."""
+    global _stopper
+    if _stopper is None:
+        _stopper = os.getpid()
+        atexit.register(stop)
     preload = [*PRELOAD, *(name for name in PRELOAD_IF_IMPORTED if name in sys.modules), *also]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     handler = signal.getsignal(signal.SIGINT)
@@ -47,3 +66,39 @@ def start(also: Sequence[str] = ()) -> None:
         forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGINT, handler)
+
+
+def stop() -> None:
+    """End this process's fork server and multiprocessing's resource tracker now, once its pools
+    are closed (the exit hook ``start`` registers; a Ctrl-C's ``os._exit`` calls it too). The
+    server, whose ranks have ended, is killed: it has nothing to finish, and its own exit would
+    take seconds. The tracker is waited for (``TRACKER_EXIT_S``, then killed): it ends once no
+    process holds its pipe, having removed what leaked.
+
+    multiprocessing has no public way to stop either; ``forkserver._forkserver`` and
+    ``resource_tracker._resource_tracker`` are its private singletons (docs/design.md §4;
+    tests/ranks/test_interrupt.py fails if they change)."""
+    if _stopper != os.getpid():
+        return
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            server._stop()  # closes its pipe and reaps it
+        server._forkserver_pid = None
+    tracker = resource_tracker._resource_tracker
+    if tracker._fd is None or tracker._pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.close(tracker._fd)
+    tracker._fd = None
+    deadline = time.monotonic() + TRACKER_EXIT_S
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(tracker._pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(tracker._pid, signal.SIGKILL)
+                os.waitpid(tracker._pid, 0)
+                break
+            time.sleep(0.005)
+    tracker._pid = None

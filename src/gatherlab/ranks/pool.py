@@ -3,7 +3,8 @@ jobs. ``pool(W).run(function, *args)`` calls ``function(*args)`` on every rank a
 ranks' results in rank order; a rank that raises or dies ends the call at once with ``RankError``.
 
 A job runs in the caller's current directory and import path, whatever they were when the pool
-started (a rank is forked from the fork server, which stays where it started).
+started (a rank is forked from the fork server, which stays where it started): the caller's path
+goes first, in its order, so a rank imports a module from where the caller would.
 
 The training launcher (``launch``), the gradient measurements (``gatherlab.check.measure``), the
 benchmarks and the test suite all run their distributed work here, so a job costs its computation,
@@ -126,7 +127,10 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
     _end_with_parent()
     # What the rank writes to its standard error (its own prints, torch's C++ messages, the last
     # words of a process that aborts) goes to a file that the pool's process relays (`_relay`).
-    errors = os.open(_stderr_file(store, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        errors = os.open(_stderr_file(store, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except FileNotFoundError:  # the pool's directory is gone: its start was abandoned
+        return
     os.dup2(errors, 2)
     os.close(errors)
     # Join only when the pool says so: a worker forked after its pool's start was interrupted
@@ -163,13 +167,15 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
         try:
             # The job's warnings go back with its answer, as this rank's filters let them through.
             with warnings.catch_warnings(record=True) as caught:
-                # The caller's import path first (`imports.search_path`: its entries absolute,
-                # and the directory of a module it imported that no entry finds): a job may name
-                # code from a directory that was put on the path after this worker started, or
-                # relative to a current directory that is not this worker's (a user's loss,
-                # gather, model or data set).
+                # The caller's import path first, in its order (`imports.search_path`: its
+                # entries absolute, and the directory of a module it imported that no entry
+                # finds), this rank's other entries after it: a job may name code from a
+                # directory that was put on the path after this worker started, or relative to a
+                # current directory that is not this worker's (a user's loss, gather, model or
+                # data set), and a module is found where the caller finds it, not in a directory
+                # an earlier job left on this rank's path.
                 search_path, job, watch_s, here = pickle.loads(payload)
-                sys.path.extend(entry for entry in search_path if entry not in sys.path)
+                sys.path[:] = [*search_path, *(e for e in sys.path if e not in search_path)]
                 # The caller's current directory: a relative path in the job (a file the user's
                 # code opens, a place shown relative to it: `cli.place`) reads as in the caller.
                 with contextlib.suppress(OSError):  # a directory since removed: stay
@@ -385,8 +391,6 @@ class WorkerPool:
         if world_size < 2:
             raise ValueError(f"a pool needs at least 2 ranks, got {world_size}")
         self.world_size = world_size
-        self._store_dir = tempfile.mkdtemp(prefix="gatherlab-pool-")
-        self._store = f"{self._store_dir}/store"
         self._relayed = [0] * world_size  # bytes of each rank's stderr relayed (`_relay`)
         self._stderr_tail: list[list[str]] = [[] for _ in range(world_size)]
         context = torch.multiprocessing.get_context("forkserver")
@@ -395,6 +399,8 @@ class WorkerPool:
         # milliseconds instead of the seconds a fresh interpreter spends importing them.
         forkstart.start()
         self._processes, self._connections = [], []
+        self._store_dir = tempfile.mkdtemp(prefix="gatherlab-pool-")
+        self._store = f"{self._store_dir}/store"
         try:  # interrupted (Ctrl-C) or failed: what was started ends with it
             for rank in range(world_size):
                 ours, theirs = context.Pipe()
@@ -405,9 +411,12 @@ class WorkerPool:
                     name=f"gatherlab-pool-{world_size}-rank{rank}",
                     daemon=True,
                 )
-                process.start()
+                # A Ctrl-C while the server forks the rank (it waits seconds for the server's
+                # imports) is answered once the rank is among those an interruption ends.
+                with _interrupt_deferred():
+                    process.start()
+                    self._processes.append(process)
                 theirs.close()
-                self._processes.append(process)
             for connection in self._connections:
                 connection.send_bytes(b"join")
             self._collect(timeout_s=POOL_START_TIMEOUT_S)
@@ -585,6 +594,24 @@ class WorkerPool:
         shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _interrupt_deferred() -> Iterator[None]:
+    """A SIGINT that arrives in the block is answered (by the handler it would have met) once the
+    block is over. Only the main thread receives Python's signals: elsewhere nothing is deferred."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if not main_thread or signal.getsignal(signal.SIGINT) is None:  # None: a handler set from C
+        yield
+        return
+    arrived: list[int] = []
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if arrived:
+            signal.raise_signal(signal.SIGINT)
+
+
 _pools: dict[int, WorkerPool] = {}
 
 
@@ -595,6 +622,9 @@ def pool(world_size: int) -> WorkerPool:
         if existing is not None:
             existing.close()
         if not _pools:
+            # The fork server's exit hook first (`forkstart.start` registers it once), so that it
+            # runs after this one: the server and the resource tracker end once the pools have.
+            forkstart.start()
             atexit.register(close_pools)  # registering twice is harmless: closing is idempotent
         log.info("starting a pool of %d ranks", world_size)
         _pools[world_size] = WorkerPool(world_size)
