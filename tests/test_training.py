@@ -13,7 +13,7 @@ from gatherlab.core import runfiles
 
 pytestmark = pytest.mark.slow
 
-# Stated in docs/design.md and terms.TOLERANCE: layouts differ only in summation order.
+# Stated in docs/design.md and gradients.TOLERANCE: layouts differ only in summation order.
 FLOAT64_BOUND = 1e-10
 FLOAT32_BOUND = 1e-5
 # `old` must miss by far more than rounding: at least 100 times the bound.

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gatherlab.analysis import report
-from gatherlab.check import diagnosis, hypotheses, measure, table
-from gatherlab.core import terms
+from gatherlab.check import diagnosis, hypotheses, table
+from gatherlab.core import gradients, terms
 from gatherlab.core.terms import RunVerdict
 
 # --- the integer options --------------------------------------------------------------------------
@@ -100,16 +100,16 @@ def test_trains_like_one_device_reads_the_whole_gradient_of_the_runs_without_rem
 
 
 def test_the_forward_is_the_same_to_a_relative_1e_10_inclusive():
-    assert measure.same_forward(2.0, 2.0) == (True, 0.0)
+    assert gradients.same_forward(2.0, 2.0) == (True, 0.0)
     # 1 + 2^-34: relative difference 5.8e-11; 1 + 2^-33: 1.16e-10 (both exact in binary)
-    assert measure.same_forward(1 + 2**-34, 1.0) == (True, 2**-34)
-    assert measure.same_forward(1 + 2**-33, 1.0) == (False, 2**-33)
-    assert measure.same_forward(-3.0, -2.0) == (False, 0.5)  # relative to |reference|
-    assert measure.same_forward(6.0, 4.0) == (False, 0.5)
-    assert measure.same_forward(0.0, 0.0) == (True, 0.0)
+    assert gradients.same_forward(1 + 2**-34, 1.0) == (True, 2**-34)
+    assert gradients.same_forward(1 + 2**-33, 1.0) == (False, 2**-33)
+    assert gradients.same_forward(-3.0, -2.0) == (False, 0.5)  # relative to |reference|
+    assert gradients.same_forward(6.0, 4.0) == (False, 0.5)
+    assert gradients.same_forward(0.0, 0.0) == (True, 0.0)
     # a pair whose relative difference is 1e-10 to the last bit (found by search): the same
-    assert measure.same_forward(9.313225747086108, 9.313225746154785) == (True, 1e-10)
-    same, difference = measure.same_forward(1e-300, 0.0)  # a reference of 0: never divided by 0
+    assert gradients.same_forward(9.313225747086108, 9.313225746154785) == (True, 1e-10)
+    same, difference = gradients.same_forward(1e-300, 0.0)  # a reference of 0: never divided by 0
     assert not same and difference == 1e-300 / torch.finfo(torch.float64).tiny
 
 
@@ -117,29 +117,29 @@ def test_cosine_and_norm_ratio_of_vectors_computed_by_hand():
     def tensor(*values):
         return torch.tensor(values, dtype=torch.float64)
 
-    assert measure.cosine_and_norm_ratio(tensor(3, 4), tensor(4, 3)) == (24 / 25, 1.0)
-    assert measure.cosine_and_norm_ratio(tensor(6, 8), tensor(3, 4)) == (1.0, 2.0)
-    assert measure.cosine_and_norm_ratio(tensor(-3, -4), tensor(6, 8)) == (-1.0, 0.5)
-    cosine, ratio = measure.cosine_and_norm_ratio(tensor(0, 0), tensor(3, 4))
+    assert gradients.cosine_and_norm_ratio(tensor(3, 4), tensor(4, 3)) == (24 / 25, 1.0)
+    assert gradients.cosine_and_norm_ratio(tensor(6, 8), tensor(3, 4)) == (1.0, 2.0)
+    assert gradients.cosine_and_norm_ratio(tensor(-3, -4), tensor(6, 8)) == (-1.0, 0.5)
+    cosine, ratio = gradients.cosine_and_norm_ratio(tensor(0, 0), tensor(3, 4))
     assert math.isnan(cosine) and ratio == 0.0
 
 
 def test_the_named_factors_of_each_layout_in_order():
     """Every name with its c; a c that an earlier name has, or 1, gets none (docs/design.md §1)."""
-    assert measure.factors(1) == {} and measure.factors(1, 1) == {}
-    assert list(measure.factors(3).items()) == [("1/W", 1 / 3), ("W", 3)]
-    assert list(measure.factors(1, 3).items()) == [("1/K", 1 / 3), ("K", 3)]
-    assert list(measure.factors(2, 2).items()) == [
+    assert gradients.factors(1) == {} and gradients.factors(1, 1) == {}
+    assert list(gradients.factors(3).items()) == [("1/W", 1 / 3), ("W", 3)]
+    assert list(gradients.factors(1, 3).items()) == [("1/K", 1 / 3), ("K", 3)]
+    assert list(gradients.factors(2, 2).items()) == [
         ("1/W = 1/K", 0.5), ("W = K", 2), ("1/(W·K)", 0.25), ("W·K", 4),
     ]  # W/K = K/W = 1: no name  # fmt: skip
-    assert list(measure.factors(3, 2).items()) == [
+    assert list(gradients.factors(3, 2).items()) == [
         ("1/W", 1 / 3), ("W", 3), ("1/K", 0.5), ("K", 2), ("1/(W·K)", 1 / 6), ("W·K", 6),
         ("W/K", 1.5), ("K/W", 2 / 3),
     ]  # fmt: skip
-    assert list(measure.factors(4, 2)) == ["1/W", "W", "1/K", "K", "1/(W·K)", "W·K"]  # W/K = K
-    assert measure.factor_name(0.5, 2) == "1/W"  # without micro-batches: no K
-    assert measure.factor_name(2.0, 2) == "W"
-    assert measure.factor_name(1.0, 2, 2) is None and measure.factor_name(1.0, 4) is None
+    assert list(gradients.factors(4, 2)) == ["1/W", "W", "1/K", "K", "1/(W·K)", "W·K"]  # W/K = K
+    assert gradients.factor_name(0.5, 2) == "1/W"  # without micro-batches: no K
+    assert gradients.factor_name(2.0, 2) == "W"
+    assert gradients.factor_name(1.0, 2, 2) is None and gradients.factor_name(1.0, 4) is None
 
 
 # --- the class of a gradient at the edges of its bounds -------------------------------------------
@@ -150,17 +150,17 @@ def _tensor(*values: float) -> torch.Tensor:
 
 
 def test_max_rel_err_is_the_largest_difference_over_the_largest_reference_entry():
-    measured, cosine, ratio, max_rel_err = measure.classify(_tensor(2, -3), _tensor(2, -4), 2)
+    measured, cosine, ratio, max_rel_err = gradients.classify(_tensor(2, -3), _tensor(2, -4), 2)
     assert max_rel_err == 0.25 and ratio == pytest.approx(math.sqrt(13 / 20), rel=1e-15)
     assert cosine == pytest.approx(16 / math.sqrt(13 * 20), rel=1e-15) and measured == "biased"
     # exact is relative: 1e-5 off on entries of a million is 1e-11 of the largest
     reference = 1e6 * _tensor(1, -2, 3)
-    assert measure.classify(reference + 1e-5, reference, 2)[0] == "exact"
-    assert measure.classify(reference + 1e-3, reference, 2)[0] == "other"  # 3.3e-10
+    assert gradients.classify(reference + 1e-5, reference, 2)[0] == "exact"
+    assert gradients.classify(reference + 1e-3, reference, 2)[0] == "other"  # 3.3e-10
 
 
 def test_exact_includes_a_relative_error_of_exactly_1e_10():
-    measured, *_, max_rel_err = measure.classify(_tensor(1, 1e-10), _tensor(1, 0), 2)
+    measured, *_, max_rel_err = gradients.classify(_tensor(1, 1e-10), _tensor(1, 0), 2)
     assert max_rel_err == 1e-10 and measured == "exact"
 
 
@@ -170,20 +170,20 @@ _ON_THE_COSINE_BOUND = (3.0, 4.24230976114569e-06)
 
 def test_a_cosine_of_exactly_one_minus_1e_12_is_parallel():
     vector, reference = _tensor(*_ON_THE_COSINE_BOUND), _tensor(1, 0)
-    cosine, _ = measure.cosine_and_norm_ratio(vector, reference)
-    assert cosine == measure.PARALLEL_COSINE == 1 - 1e-12
-    assert measure.classify(vector, reference, 3)[0] == "W"  # norm ratio 3 (to 1e-12)
-    assert measure.classify(vector, reference, 2)[0] == "other"  # parallel, no name gives 3
+    cosine, _ = gradients.cosine_and_norm_ratio(vector, reference)
+    assert cosine == gradients.PARALLEL_COSINE == 1 - 1e-12
+    assert gradients.classify(vector, reference, 3)[0] == "W"  # norm ratio 3 (to 1e-12)
+    assert gradients.classify(vector, reference, 2)[0] == "other"  # parallel, no name gives 3
 
 
 def test_a_reference_of_norm_one_is_a_gradient_like_any_other():
     unit = _tensor(1, 0, 0)
-    assert measure.classify(unit.clone(), unit, 2)[0] == "exact"
-    assert measure.classify(unit / 2, unit, 2)[:3] == ("1/W", 1.0, 0.5)
+    assert gradients.classify(unit.clone(), unit, 2)[0] == "exact"
+    assert gradients.classify(unit / 2, unit, 2)[:3] == ("1/W", 1.0, 0.5)
 
 
 def test_a_gradient_against_no_reference_gradient_has_no_numbers():
-    measured, *numbers = measure.classify(_tensor(1, 2), _tensor(0, 0), 2)
+    measured, *numbers = gradients.classify(_tensor(1, 2), _tensor(0, 0), 2)
     assert measured == "other" and all(math.isnan(n) for n in numbers)
 
 
@@ -192,16 +192,16 @@ def test_each_part_is_classified_against_the_references_same_part():
     # model: entries 0 and 3 (two ranges), exact; loss.t: entries 1, 2 at 1/2; loss.s: 4 at 2
     gradient = _tensor(1, 1, 1.5, 4, 10)
     parts = {"model": [(0, 1), (3, 4)], "loss.t": [(1, 3)], "loss.s": [(4, 5)]}
-    classes = measure.classify_parts(gradient, reference, parts, 2)
+    classes = gradients.classify_parts(gradient, reference, parts, 2)
     assert list(classes) == ["model", "loss.t", "loss.s"]
     assert classes["model"] == ("exact", pytest.approx(1.0), 1.0, 0.0)
     assert classes["loss.t"] == ("1/W", pytest.approx(1.0), 0.5, 0.5)  # |1.5 − 3| / 3
     assert classes["loss.s"] == ("W", pytest.approx(1.0), 2.0, 1.0)
     # with K = 2 micro-batches per rank at W = 2 the same factors are named for both axes
-    assert measure.classify_parts(gradient, reference, parts, 2, 2)["loss.t"][0] == "1/W = 1/K"
-    assert measure.classify_parts(gradient, reference, None, 2) == {}
-    assert measure.classify_parts(gradient, reference, {"model": [(0, 5)]}, 2) == {}
-    two = measure.classify_parts(gradient, reference, {"model": [(0, 1)], "loss.t": [(1, 5)]}, 2)
+    assert gradients.classify_parts(gradient, reference, parts, 2, 2)["loss.t"][0] == "1/W = 1/K"
+    assert gradients.classify_parts(gradient, reference, None, 2) == {}
+    assert gradients.classify_parts(gradient, reference, {"model": [(0, 5)]}, 2) == {}
+    two = gradients.classify_parts(gradient, reference, {"model": [(0, 1)], "loss.t": [(1, 5)]}, 2)
     assert [numbers[0] for numbers in two.values()] == ["exact", "biased"]  # [1, 1.5, 4, 10]
 
 
@@ -209,12 +209,12 @@ def test_single_factors_are_named_factors_that_differ():
     def parts(*classes):
         return {f"part{i}": (c, 1.0, 1.0, 0.0) for i, c in enumerate(classes)}
 
-    assert measure.single_factors(parts("exact", "1/W"))
-    assert measure.single_factors(parts("K", "exact", "none"))
-    assert not measure.single_factors(parts("exact", "exact"))  # one factor
-    assert not measure.single_factors(parts("exact", "biased"))  # a direction, not a factor
-    assert not measure.single_factors(parts("other", "1/W"))
-    assert not measure.single_factors({})
+    assert gradients.single_factors(parts("exact", "1/W"))
+    assert gradients.single_factors(parts("K", "exact", "none"))
+    assert not gradients.single_factors(parts("exact", "exact"))  # one factor
+    assert not gradients.single_factors(parts("exact", "biased"))  # a direction, not a factor
+    assert not gradients.single_factors(parts("other", "1/W"))
+    assert not gradients.single_factors({})
 
 
 # --- the hypotheses' constant and cause -----------------------------------------------------------
