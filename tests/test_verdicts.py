@@ -7,6 +7,7 @@ them (docs/testing.md, "Mutation testing")."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -15,9 +16,11 @@ import pytest
 import torch
 
 from gatherlab.analysis import report
-from gatherlab.check import diagnosis, hypotheses, table
+from gatherlab.check import diagnosis, hypotheses, judge, table, where
+from gatherlab.check.measure import Measured
 from gatherlab.core import gradients, terms
-from gatherlab.core.terms import RunVerdict
+from gatherlab.core.runfiles import Trained
+from gatherlab.core.terms import DepartureKind, RunVerdict
 
 # --- the integer options --------------------------------------------------------------------------
 
@@ -257,6 +260,177 @@ def test_a_loss_and_a_batch_missing_their_partners_are_refused():
         terms.Cause.LOCAL_NEGATIVES,
         None,
     )
+
+
+# --- the judge: a run against its reference, every form ------------------------------------------
+
+
+def _trained(losses, gradient, parameters=(0.0, 0.0)) -> Trained:
+    return Trained(list(losses), torch.tensor(gradient, dtype=torch.float64),
+                   torch.tensor(parameters, dtype=torch.float64))  # fmt: skip
+
+
+def _measured(loss, gradient, forwards=(), parts=None) -> Measured:
+    return Measured(loss, torch.tensor(gradient, dtype=torch.float64), tuple(forwards), parts)
+
+
+KEY = table.Row("L", "native", 2, "no group")
+
+
+def test_a_trained_run_equal_to_its_reference_is_exact_with_its_curves_numbers():
+    one = _trained([1.0, 0.5], [3.0, 4.0])
+    (row,) = judge.judge(one, one, KEY)
+    assert (row.verdict, row.forward, row.gradient, row.cause) == ("exact", "same", "exact", "")
+    assert row.first_diff_step is None and row.max_abs_param_diff == 0.0
+    assert row.train_max_abs_loss_diff == 0.0 and row.scale is None and row.first_loss == 1.0
+    assert (row.loss_diff, row.cosine, row.norm_ratio, row.max_rel_err) == (0.0, 1.0, 1.0, 0.0)
+    assert (row.part, row.error) == ("all", "") and math.isnan(row.where)
+
+
+def test_a_trained_runs_scaled_losses_are_loss_scaled_and_its_later_steps_divided():
+    run, one = _trained([2.0, 1.0], [1.0, -2.0]), _trained([1.0, 0.5], [1.0, -2.0])
+    (row,) = judge.judge(run, one, KEY)
+    assert (row.verdict, row.forward, row.cause, row.scale) == ("loss scaled", "differs",
+                                                                "scaled", 2.0)  # fmt: skip
+    assert row.train_max_abs_loss_diff == 0.0 and row.first_diff_step is None
+    assert row.loss_diff == 1.0  # relative: |2 − 1| / 1
+    later = _trained([2.0, 1.5], [1.0, -2.0])  # step 1 is 3 × one device's: no one constant
+    assert judge.judge(later, one, KEY)[0].verdict == "loss differs"
+
+
+def test_a_trained_run_apart_at_a_later_step_or_in_its_final_weights_diverges():
+    one = _trained([1.0, 0.5, 0.25], [1.0, -2.0])
+    step = judge.judge(_trained([1.0, 0.5, 0.25 + 1e-6], [1.0, -2.0]), one, KEY)[0]
+    assert (step.verdict, step.first_diff_step) == ("diverges", 2)
+    assert step.train_max_abs_loss_diff == pytest.approx(1e-6, rel=1e-6)
+    weights = judge.judge(_trained([1.0, 0.5, 0.25], [1.0, -2.0], (0.0, 1e-9)), one, KEY)[0]
+    assert (weights.verdict, weights.first_diff_step) == ("diverges", None)
+    assert weights.max_abs_param_diff == 1e-9
+    within = judge.judge(_trained([1.0, 0.5, 0.25 + 1e-11], [1.0, -2.0], (0.0, 1e-10)), one, KEY)
+    assert within[0].verdict == "exact"  # the tolerance inclusive, given as 1e-10
+    loose = judge.judge(_trained([1.0, 0.5, 0.25 + 1e-6], [1.0, -2.0]), one, KEY, tolerance=1e-5)
+    assert loose[0].verdict == "exact" and loose[0].first_diff_step is None
+    first = judge.judge(_trained([1.0 + 1e-6, 0.5, 0.25], [1.0, -2.0]), one, KEY, tolerance=1e-5)
+    assert first[0].forward == "same"  # a trained run's first loss: absolute, to its tolerance
+
+
+def test_a_biased_whole_of_single_factor_parts_is_caused_by_its_parts_each_classified():
+    layout = {"model": [(0, 2)], "loss.t": [(2, 3)]}
+    one = _trained([1.0], [1.0, -2.0, 3.0])
+    run = _trained([1.0], [1.0, -2.0, 6.0])  # the model's exact, the temperature's W = 2 times
+    rows = judge.judge(run, one, KEY, layout=layout)
+    assert [(r.part, r.gradient, r.verdict) for r in rows] == [
+        ("all", "biased", "biased"), ("model", "exact", "exact"), ("loss.t", "W", "W"),
+    ]  # fmt: skip
+    assert {r.cause for r in rows} == {"parts"}
+    assert {r.first_diff_step for r in rows} == {None}  # every row of a trained run: its curve
+    other = _trained([1.0], [1.0, -3.0, 6.0])  # the model's biased too: no single factors
+    assert {r.cause for r in judge.judge(other, one, KEY, layout=layout)} == {""}
+    removed = judge.judge(run, one, KEY, layout={"model": [(0, 2)], "loss.t": [(2, 4)]})
+    assert len(removed) == 1  # a layout the run no longer has: the whole alone
+
+
+def test_a_measured_losss_cause_is_reproduced_only_when_its_forward_differs():
+    asked = []
+
+    def reproduce():
+        asked.append(1)
+        return terms.Cause.LOCAL_NEGATIVES, None
+
+    one = _measured(1.0, [1.0, -2.0])
+    (row,) = judge.judge(_measured(1.0, [1.0, -2.0]), one, KEY, reproduce=reproduce)
+    assert (row.verdict, row.cause, asked) == ("exact", "", [])
+    (row,) = judge.judge(_measured(1.5, [1.0, -2.0]), one, KEY, reproduce=reproduce)
+    assert (row.verdict, row.cause, row.forward, asked) == ("loss differs", "local_negatives",
+                                                            "differs", [1])  # fmt: skip
+    assert math.isnan(row.train_max_abs_loss_diff)  # no training run given
+    scaled = judge.judge(_measured(2.0, [1.0, -2.0]), one, KEY,
+                         reproduce=lambda: (terms.Cause.SCALED, 2.0))  # fmt: skip
+    assert (scaled[0].verdict, scaled[0].scale) == ("loss scaled", 2.0)
+    parts = {"model": [(0, 1)], "loss.t": [(1, 2)]}
+    halves = judge.judge(_measured(1.0, [1.0, -1.0]), _measured(1.0, [1.0, -2.0], parts=parts),
+                         KEY)  # fmt: skip
+    assert [r.gradient for r in halves] == ["biased", "exact", "1/W"]
+    assert [r.cause for r in halves] == ["parts"] * 3
+
+
+def test_a_departure_is_placed_on_every_row_only_when_the_whole_is_not_exact():
+    one = _measured(1.0, [1.0, -2.0], parts={"model": [(0, 1)], "loss.t": [(1, 2)]})
+    found = where.Departure("x.py:1  mean", "a mean over the rank's rows", DepartureKind.STATISTIC)
+
+    def nowhere():
+        raise AssertionError("an exact run is not located")
+
+    assert math.isnan(judge.judge(one, one, KEY, where=nowhere)[0].departs)
+    unexplained = lambda: (terms.Cause.UNEXPLAINED, None)  # noqa: E731
+    rows = judge.judge(_measured(1.5, [1.0, 1.0]), one, KEY, reproduce=unexplained,
+                       where=lambda: found)  # fmt: skip
+    assert [(r.where, r.departs, r.cause) for r in rows] == [
+        ("x.py:1  mean", "a mean over the rank's rows", "local_statistic")
+    ] * 3
+    rank = where.Departure("x.py:2  sin", "another result", DepartureKind.RANK)
+    rows = judge.judge(_measured(1.5, [1.0, -1.0]), one, KEY, reproduce=unexplained,
+                       where=lambda: rank)  # fmt: skip
+    assert {r.cause for r in rows} == {"parts"} and {r.where for r in rows} == {"x.py:2  sin"}
+    rows = judge.judge(_measured(1.5, [1.0, -2.0]), one, KEY, reproduce=unexplained,
+                       where=lambda: rank)  # fmt: skip
+    assert [r.cause for r in rows] == ["unexplained"] * 3  # only a statistic explains it
+    assert math.isnan(judge.judge(_measured(1.5, [1.0, -2.0]), one, KEY,
+                                  where=lambda: None)[0].where)  # fmt: skip
+
+
+def test_a_measured_losss_training_run_that_leaves_one_device_says_where_in_departs():
+    one = _measured(1.0, [1.0, -2.0])
+    curve = _trained([1.0, 0.5], [1.0, -2.0])
+    later = (_trained([1.0, 0.5 + 1e-6], [1.0, -2.0]), curve)
+    (row,) = judge.judge(one, one, KEY, curves=later)
+    assert (row.verdict, row.departs) == ("diverges", "step 1 is the first whose loss leaves one "
+                                                      "device's")  # fmt: skip
+    assert row.train_max_abs_loss_diff == pytest.approx(1e-6, rel=1e-6)
+    assert math.isnan(row.first_diff_step)  # the loss check's table has no such column
+    last = (_trained([1.0, 0.5], [1.0, -2.0], (0.0, 0.25)), curve)
+    (row,) = judge.judge(one, one, KEY, curves=last)
+    assert (
+        row.departs == "every step's loss is one device's, the final weights are not (max |Δ| 0.25)"
+    )
+    place = where.Departure("x.py:3  add_", "a buffer", DepartureKind.GRADIENT)
+    (row,) = judge.judge(one, one, KEY, curves=later, where=lambda: place)
+    assert row.departs == "step 1 is the first whose loss leaves one device's; at step 0: a buffer"
+    parts = {"model": [(0, 1)], "loss.t": [(1, 2)]}
+    rows = judge.judge(one, _measured(1.0, [1.0, -2.0], parts=parts), KEY, curves=later)
+    assert rows[1].verdict == "exact" and math.isnan(rows[1].train_max_abs_loss_diff)
+    scaled = (_trained([2.0, 1.0], [1.0, -2.0]), curve)
+    (row,) = judge.judge(_measured(2.0, [1.0, -2.0]), one, KEY, curves=scaled,
+                         reproduce=lambda: (terms.Cause.SCALED, 2.0))  # fmt: skip
+    assert (row.verdict, row.train_max_abs_loss_diff) == ("loss scaled", 0.0)  # divided by c
+
+
+def test_an_updates_differing_first_loss_is_micro_negatives_when_accumulation_reproduces_it():
+    key = dataclasses.replace(KEY, micro_batches=2)
+    one = _trained([1.0, 0.5], [1.0, -2.0])
+    run = _trained([1.5, 0.5], [1.0, -2.0])  # no one constant: not scaled
+    assert judge.judge(run, one, key, accumulated=lambda: [0.5, 1.5])[0].cause == "micro_negatives"
+    near = lambda: [1.5 * (1 + 1e-11)]  # noqa: E731
+    assert judge.judge(run, one, key, accumulated=near)[0].cause == "micro_negatives"
+    far = lambda: [1.5 * (1 + 1e-9)]  # noqa: E731
+    assert judge.judge(run, one, key, accumulated=far)[0].cause == ""
+    assert judge.judge(one, one, key, accumulated=lambda: [1.0])[0].cause == ""  # the same loss
+    scaled = _trained([2.0, 1.0], [1.0, -2.0])
+    assert judge.judge(scaled, one, key, accumulated=lambda: [2.0])[0].cause == "scaled"
+
+
+def test_rows_become_the_table_in_their_columns_a_failed_rows_numbers_empty():
+    failed = table.failed_row(KEY, RuntimeError("rank 1: boom\nmore"))
+    (ok,) = judge.judge(_trained([1.0], [1.0, -2.0]), _trained([1.0], [1.0, -2.0]), KEY)
+    frame = table.frame([ok, failed], table.TRAINING_COLUMNS)
+    assert list(frame.columns) == list(table.TRAINING_COLUMNS)
+    assert frame["verdict"].tolist() == ["exact", "failed"]
+    assert frame["error"].tolist() == ["", "rank 1: boom"]
+    assert str(frame["first_diff_step"].dtype) == "Int64" and frame["cosine"].isna().tolist() == [
+        False, True,
+    ]  # fmt: skip
+    assert frame["where"].isna().all() and frame["part"].tolist() == ["all", "all"]
+    assert list(table.frame([ok], table.COLUMNS).columns) == list(table.COLUMNS)
 
 
 # --- the diagnosis of a verdict -------------------------------------------------------------------

@@ -229,21 +229,10 @@ def _run(
     forwards = {
         name: measure.forward_on_one_device(loss, model, cfg.seed) for name, loss in losses.items()
     }
-    chosen: dict[str, Reference[tuple[measure.Measured, Trained | None]]] = {}
-    for name, loss in losses.items():  # one device, in this process: bad input is found here
-
-        def reference_run(loss: Recipe = loss) -> tuple[measure.Measured, Trained | None]:
-            measured = measure.measure(loss, model, view0, view1, cfg.seed, False, further)
-            if not steps:
-                return measured, None
-            return measured, measure.train(loss, model, batches[:steps], optimizer, 1, cfg.seed)
-
-        try:
-            chosen[name] = choose(reference_run, loss_differs)
-        except measure.LossContractError as error:
-            raise CheckError(f"loss {name}: {error}") from None
-        except Exception as error:  # the factory refuses its arguments, the forward raises
-            raise CheckError(f"loss {name}: {cli.error_line(error)}") from None
+    chosen = {
+        name: _reference(name, loss, model, probed, batches[:steps], optimizer, cfg.seed)
+        for name, loss in losses.items()
+    }
 
     def key(name: str, world_size: int) -> Row:
         return Row(name, gather_name, world_size, str(chosen[name].mode))
@@ -279,6 +268,34 @@ def _run(
     table = frame(rows, list(COLUMNS) + ([TRAIN_COLUMN] if steps else []))
     return with_reference_notes(table, {name: (one.why, one.group_differs)
                                         for name, one in chosen.items()})  # fmt: skip
+
+
+def _reference(
+    name: str,
+    loss: Recipe,
+    model: measure.ModelFactory,
+    probed: Sequence[measure.Batch],
+    batches: Sequence[measure.Batch],
+    optimizer: Callable[..., Any],
+    seed: int,
+) -> Reference[tuple[measure.Measured, Trained | None]]:
+    """A loss's one-device reference (`reference.choose`): its measurement on the ``probed``
+    batches and, with ``batches`` (the steps), its training run; in this process, so that bad
+    input is found here (CheckError)."""
+    (view0, view1), further = probed[0], probed[1:]
+
+    def reference_run() -> tuple[measure.Measured, Trained | None]:
+        measured = measure.measure(loss, model, view0, view1, seed, False, further)
+        if not batches:
+            return measured, None
+        return measured, measure.train(loss, model, batches, optimizer, 1, seed)
+
+    try:
+        return choose(reference_run, loss_differs)
+    except measure.LossContractError as error:
+        raise CheckError(f"loss {name}: {error}") from None
+    except Exception as error:  # the factory refuses its arguments, the forward raises
+        raise CheckError(f"loss {name}: {cli.error_line(error)}") from None
 
 
 def _reproduce(

@@ -124,13 +124,8 @@ def judge(
     parts = _classified_parts(run, reference, layout, world_size, micro_batches)
     if whole.gradient == GradientClass.BIASED and gradients.single_factors(parts):
         cause = Cause.PARTS
-    elif (
-        cause is None
-        and not same
-        and accumulated is not None
-        and _reproduced(first, accumulated(), tolerance)
-    ):
-        cause = Cause.MICRO_NEGATIVES
+    elif cause is None and not same and accumulated is not None:
+        cause = Cause.MICRO_NEGATIVES if _reproduced(first, accumulated(), tolerance) else None
     shared = dataclasses.replace(
         key, forward=str(forward), scale=scale, cause=str(cause or ""), loss_diff=loss_diff,
         error="",
@@ -140,32 +135,39 @@ def judge(
             shared, first_loss=first, train_max_abs_loss_diff=max(compared.differences),
             first_diff_step=compared.first, max_abs_param_diff=compared.weights,
         )  # fmt: skip
-
-    def row(part: str, classified: Classified, apart: bool = False) -> Row:
-        return dataclasses.replace(
-            shared, part=part, gradient=str(classified.gradient),
-            verdict=verdict(forward, classified.gradient, scale, apart),
-            cosine=classified.cosine, norm_ratio=classified.norm_ratio,
-            max_rel_err=classified.max_rel_err,
-        )  # fmt: skip
-
-    head = row(ALL_PARTS, whole, compared is not None and compared.apart)
-    departs = None
+    head = _row(shared, ALL_PARTS, whole, compared is not None and compared.apart)
     if compared is not None and not trained:  # a measured loss's training run: on its row only
         head = dataclasses.replace(head, train_max_abs_loss_diff=max(compared.differences))
         if head.verdict == DIVERGES:  # no first_diff_step column: its step in words
-            departs = _diverges_words(compared)
-            head = dataclasses.replace(head, departs=departs)
-    rows = [head] + [row(part, classified) for part, classified in parts.items()]
+            head = dataclasses.replace(head, departs=_diverges_words(compared))
+    rows = [head] + [_row(shared, part, classified) for part, classified in parts.items()]
     if head.verdict == EXACT or where is None:
         return rows
-    departure = where()
+    return _located(rows, where())
+
+
+def _row(shared: Row, part: str, classified: Classified, apart: bool = False) -> Row:
+    """The row of one part (``all``: the whole) of a run's gradient: its class, its numbers and
+    its verdict (``diverges`` only for the whole, whose curves are ``apart``)."""
+    return dataclasses.replace(
+        shared, part=part, gradient=str(classified.gradient),
+        verdict=verdict(shared.forward, classified.gradient, shared.scale, apart),
+        cosine=classified.cosine, norm_ratio=classified.norm_ratio,
+        max_rel_err=classified.max_rel_err,
+    )  # fmt: skip
+
+
+def _located(rows: list[Row], departure: Departure | None) -> list[Row]:
+    """The rows with where the run departs (None: no place found), on every row; a ``diverges``
+    whose step is in words keeps them first. An ``unexplained`` cause whose departure is a
+    statistic over the rank's part is ``local_statistic``: that is why."""
     if departure is None:
         return rows
-    promoted = head.cause == Cause.UNEXPLAINED and departure.kind == DepartureKind.STATISTIC
-    words = departure.words if departs is None else f"{departs}; at step 0: {departure.words}"
+    head = rows[0]
+    steps = head.departs if isinstance(head.departs, str) else None
+    words = departure.words if steps is None else f"{steps}; at step 0: {departure.words}"
     located = {"where": departure.where, "departs": words}
-    if promoted:  # none of the hypotheses, and a statistic over the rank's part: that is why
+    if head.cause == Cause.UNEXPLAINED and departure.kind == DepartureKind.STATISTIC:
         located["cause"] = str(Cause.LOCAL_STATISTIC)
     return [dataclasses.replace(r, **located) for r in rows]
 

@@ -5,7 +5,8 @@ with all of them made, and the culprits named: the removals that make it exact. 
 trained by the training layer (`gatherlab.runs.plainstep`, `gatherlab.runs.lightning`).
 
 ``gatherlab.check.check_training`` is the API and ``python -m gatherlab.check --module`` the
-command line; this module trains and compares, and says nothing in words.
+command line; this module trains and names the culprits, `gatherlab.check.judge` judges each run,
+and nothing here says anything in words.
 """
 
 from __future__ import annotations
@@ -389,7 +390,7 @@ def check(
         accumulated = kept and setting.update is not None and k > 1
         located_here = kept and world_size > 1
         return judge(
-            run, references[removed], _key(removed, world_size, k),
+            run, references[removed], key(removed, world_size, k),
             tolerance=tolerance, layout=layout or {},
             accumulated=functools.partial(micro_negatives, setting, world_size, k, first.in_group)
             if accumulated else None,
@@ -397,7 +398,7 @@ def check(
             if located_here else None,
         )  # fmt: skip
 
-    def _key(removed: str, world_size: int, k: int) -> Row:
+    def key(removed: str, world_size: int, k: int) -> Row:
         return Row(setting.name, "native", world_size, mode, micro_batches=k, removed=removed)
 
     with_removals = [*applying, removals.ALL] if len(applying) > 1 else list(applying)
@@ -409,7 +410,7 @@ def check(
             if kept[0].verdict not in TRAINS_LIKE_ONE_DEVICE:
                 measured += [judged(removed, world_size, k)[0] for removed in with_removals]
         except RankError as error:
-            rows.append(failed_row(_key(removals.NONE, world_size, k), error))
+            rows.append(failed_row(key(removals.NONE, world_size, k), error))
             continue
         verdicts = {r.removed: r.verdict for r in measured}
         exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
