@@ -419,6 +419,47 @@ def test_an_updates_differing_first_loss_is_micro_negatives_when_accumulation_re
     assert judge.judge(scaled, one, key, accumulated=lambda: [2.0])[0].cause == "scaled"
 
 
+def test_the_judges_bounds_are_inclusive_and_its_curves_must_pair_every_step():
+    one = _trained([1.0, 5.0], [3.0, 4.0], (1.0, 2.0))
+    run = _trained([1.25, 1.0], [3.0, 4.0], (1.0, 2.0))  # step 0 at the tolerance, step 1 off
+    (row,) = judge.judge(run, one, KEY, tolerance=0.25)
+    assert (row.forward, row.first_diff_step, row.scale) == ("same", 1, None)
+    assert row.max_abs_param_diff == 0.0 and row.verdict == "diverges"
+    at = _trained([1.0, 5.25], [3.0, 4.0], (1.0, 2.0))  # every step within 0.25, one at it
+    (row,) = judge.judge(at, one, KEY, tolerance=0.25)
+    assert (row.verdict, row.first_diff_step, row.train_max_abs_loss_diff) == ("exact", None, 0.25)
+    with pytest.raises(ValueError):  # a step without its partner
+        judge.judge(_trained([1.0], [3.0, 4.0], (1.0, 2.0)), one, KEY)
+    noisy = _trained([2.0, 10.0 * (1 + 1e-8)], [3.0, 4.0], (1.0, 2.0))
+    (row,) = judge.judge(noisy, one, KEY, tolerance=1e-5)  # a constant to the tolerance given
+    assert (row.scale, row.cause, row.verdict) == (2.0, "scaled", "loss scaled")
+    tiny = _measured(2e-20, [3.0, 4.0])  # a measured loss: relative, whatever its size
+    assert judge.judge(tiny, _measured(1e-20, [3.0, 4.0]), KEY)[0].forward == "differs"
+
+
+def test_the_judge_names_the_factor_of_its_layout():
+    one = _trained([1.0], [3.0, 4.0])
+    half = _trained([1.0], [1.5, 2.0])
+    assert judge.judge(half, one, KEY)[0].gradient == "1/W"
+    accumulating = dataclasses.replace(KEY, micro_batches=2)
+    assert judge.judge(half, one, accumulating)[0].gradient == "1/W = 1/K"
+    quarter = _trained([1.0], [0.75, 1.0])
+    assert judge.judge(quarter, one, accumulating)[0].gradient == "1/(W·K)"
+    layout = {"model": [(0, 1)], "loss.t": [(1, 2)]}
+    parts = judge.judge(_trained([1.0], [3.0, 2.0]), one, accumulating, layout=layout)
+    assert [r.gradient for r in parts] == ["biased", "exact", "1/W = 1/K"]
+
+
+def test_micro_negatives_reproduce_a_first_loss_to_a_relative_tolerance_inclusive():
+    key = dataclasses.replace(KEY, micro_batches=2)
+    one = _trained([3.0, 30.0], [3.0, 4.0])
+    run = _trained([1.0, 1.0], [3.0, 4.0])  # differs from one device's, by no constant
+    at = judge.judge(run, one, key, tolerance=0.5, accumulated=lambda: [2.0])  # |1 − 2| = 0.5·2
+    assert at[0].cause == "micro_negatives"
+    small = _trained([1e-3 + 1e-12, 1.0], [3.0, 4.0])  # relative to the small value: 1e-9 apart
+    assert judge.judge(small, one, key, accumulated=lambda: [1e-3])[0].cause == ""
+
+
 def test_rows_become_the_table_in_their_columns_a_failed_rows_numbers_empty():
     failed = table.failed_row(KEY, RuntimeError("rank 1: boom\nmore"))
     (ok,) = judge.judge(_trained([1.0], [1.0, -2.0]), _trained([1.0], [1.0, -2.0]), KEY)

@@ -89,8 +89,9 @@ def judge(
     where: Callable[[], Departure | None] | None = None,
 ) -> list[Row]:
     """The rows of a run on ``key.world_size`` ranks (``key.micro_batches`` per rank) against its
-    one-device reference: the whole gradient's (``part`` ``all``), then each part's of ``layout``
-    when it has several. ``key`` names the rows (loss, gather, reference, removed).
+    one-device reference: the whole gradient's (``part`` ``all``), then each part's when it has
+    several (a measured loss's: its reference's parts; a trained run's: ``layout``'s). ``key``
+    names the rows (loss, gather, reference, removed).
 
     A run is a measured loss (`Measured`: its global loss relative to 1e-10, `same_forward`, and
     its training run in ``curves``, compared as a trained run's are) or a trained run (`Trained`:
@@ -127,9 +128,8 @@ def judge(
     elif cause is None and not same and accumulated is not None:
         cause = Cause.MICRO_NEGATIVES if _reproduced(first, accumulated(), tolerance) else None
     shared = dataclasses.replace(
-        key, forward=str(forward), scale=scale, cause=str(cause or ""), loss_diff=loss_diff,
-        error="",
-    )  # fmt: skip
+        key, forward=str(forward), scale=scale, cause=str(cause or ""), loss_diff=loss_diff
+    )
     if trained:  # every row of a trained run carries its curve's numbers
         shared = dataclasses.replace(
             shared, first_loss=first, train_max_abs_loss_diff=max(compared.differences),
@@ -184,11 +184,12 @@ def _classified_parts(
     world_size: int,
     micro_batches: int,
 ) -> dict[str, Classified]:
-    """Each part's class of the first gradient (`gradients.classify_parts`), when the run kept
-    the layout's parameters (a removal may replace a layer and its parameters with it)."""
+    """Each part's class of the first gradient (`gradients.classify_parts`): a measured loss's
+    parts are its reference's; a trained run's are ``layout``'s, when the run kept its parameters
+    (a removal may replace a layer and its parameters with it)."""
     gradient = _gradient(run)
     if isinstance(run, Measured):  # the parts its reference measured
-        layout = reference.parts if layout is None else layout
+        layout = reference.parts
     elif layout is None or len(gradient) != sum(b - a for r in layout.values() for a, b in r):
         return {}
     return gradients.classify_parts(
