@@ -27,11 +27,10 @@ test: $(STAMP)  ## run the test suite (real gloo process groups on the CPU), in 
 # pass survives. MUTANTS names the functions (module.x_function, globs); a fresh copy each time
 # (mutants/). One torch thread: a mutant runs in a process forked from the one that ran the tests,
 # where a second thread pool would hang. Survivors: $(VENV)/bin/mutmut show NAME prints the change.
-MUTANTS ?= gatherlab.core.terms.* gatherlab.check.hypotheses.* \
-    gatherlab.check.measure.x_same_forward* gatherlab.check.measure.x__near* \
-    gatherlab.check.measure.x_cosine_and_norm_ratio* gatherlab.check.measure.x_factor* \
-    gatherlab.check.measure.x_classify* gatherlab.check.measure.x_single_factors* \
+MUTANTS ?= gatherlab.core.terms.* gatherlab.check.hypotheses.* gatherlab.core.gradients.* \
+    gatherlab.check.judge.* \
     gatherlab.check.table.x_verdict* gatherlab.check.table.x_trains_like_one_device* \
+    gatherlab.check.table.x_failed_row* gatherlab.check.table.x_frame* \
     gatherlab.check.diagnosis.x_diagnosis* gatherlab.check.diagnosis.x_explain__* \
     gatherlab.analysis.report.x_one_device_whole_batch* gatherlab.analysis.report.x__held_against* \
     gatherlab.analysis.report.x__not_comparable* gatherlab.analysis.report.x_max_abs_weight_* \

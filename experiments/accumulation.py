@@ -24,10 +24,10 @@ from _sweep import FIGURES, REPO
 
 from gatherlab.analysis import figures
 from gatherlab.components import config
-from gatherlab.core import runfiles, terms
+from gatherlab.core import gradients, runfiles
 from gatherlab.lab import jobs, validation
 
-EXACT = terms.FLOAT64  # the float64 bound of docs/design.md §2
+EXACT = gradients.FLOAT64_TOLERANCE  # the float64 bound of docs/design.md §2
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from _sweep import FIGURES, run_sweep
 from gatherlab import report, results
 from gatherlab.analysis import figures
 from gatherlab.components import config
-from gatherlab.core import runfiles, terms
+from gatherlab.core import gradients, runfiles
 from gatherlab.core.terms import GradientClass, Style
 
 STYLES = {"ntxent_global": Style.GLOBAL, "ntxent": Style.LOCAL}  # docs/design.md §1's loss styles
@@ -41,7 +41,7 @@ PANELS = {
     "ntxent": f"local NT-Xent (lightly's): old's gradient is {GradientClass.BIASED}",
 }
 GATHERS = ("fixed", "old")
-BOUND = terms.FLOAT64
+BOUND = gradients.FLOAT64_TOLERANCE
 # what max_differences measures, in the order of the Markdown table's columns
 DIFFERENCES = ("max_abs_loss_diff", "max_abs_param_diff", "max_abs_affine_diff",
                "grad_norm_ratio_err")  # fmt: skip

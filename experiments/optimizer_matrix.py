@@ -24,10 +24,10 @@ from gatherlab import gather as gathering
 from gatherlab.analysis import figures
 from gatherlab.check import measure
 from gatherlab.components import config
-from gatherlab.core import runfiles, terms
+from gatherlab.core import gradients, runfiles, terms
 from gatherlab.core.terms import GradientClass
 
-EXACT = terms.FLOAT64  # the float64 bound of docs/design.md §2
+EXACT = gradients.FLOAT64_TOLERANCE  # the float64 bound of docs/design.md §2
 
 
 def main() -> None:

@@ -11,14 +11,14 @@ from _sweep import FIGURES, publish, run_sweep
 
 from gatherlab import report, results
 from gatherlab.analysis import figures
-from gatherlab.core import terms
+from gatherlab.core import gradients
 
 if __name__ == "__main__":
     sweep_dir = run_sweep("simclr_digits")
     table, curves = report.compare(results.load_runs(sweep_dir), sweep_dir)
     figure = figures.ablation_figure(
         table, curves, variant="simclr_ablation", metric="knn_accuracy",
-        tolerance=terms.FLOAT64,
+        tolerance=gradients.FLOAT64_TOLERANCE,
     )  # fmt: skip
     for path in figures.save(figure, FIGURES / "simclr_digits"):
         print(path)

@@ -24,7 +24,7 @@ import pandas as pd
 from _sweep import REPO, run_sweep
 
 from gatherlab import report
-from gatherlab.core import runfiles, terms
+from gatherlab.core import gradients, runfiles, terms
 
 STEPS = 30
 
@@ -74,7 +74,8 @@ def main() -> None:
         f"{verdicts['two_nodes']}"
     )
     same = verdicts["1"] == verdicts["two_nodes"] == terms.RunVerdict.MATCHES
-    if not (same and loss_diff <= terms.FLOAT64 and param_diff <= terms.FLOAT64):
+    bound = gradients.FLOAT64_TOLERANCE
+    if not (same and loss_diff <= bound and param_diff <= bound):
         sys.exit(1)
 
 

@@ -18,12 +18,12 @@ from helpers import compose, run_command
 from gatherlab import check
 from gatherlab import gather as gathering
 from gatherlab.analysis import report
-from gatherlab.check import api, measure
+from gatherlab.check import api
 from gatherlab.check.table import TRAIN_COLUMN
 from gatherlab.components import config
 from gatherlab.components.config import ConfigError
 from gatherlab.components.factory import Recipe
-from gatherlab.core import runfiles
+from gatherlab.core import gradients, runfiles
 from gatherlab.lab import validation
 from gatherlab.ranks import pool
 from gatherlab.testing import assert_layout_invariant
@@ -53,16 +53,16 @@ def test_each_stand_in_gets_its_predicted_verdict(case):
     assert list(table["verdict"]) == [expected, expected], table.to_string()
     assert set(table["reference"]) == {"no group"}  # each runs without a group on one device
     if expected == "loss differs":
-        assert (table["loss_diff"] > MISS_FACTOR * measure.FORWARD_RELATIVE_TOLERANCE).all()
+        assert (table["loss_diff"] > MISS_FACTOR * gradients.FLOAT64_TOLERANCE).all()
         return
     assert (table["forward"] == "same").all()
-    assert (table["loss_diff"] <= measure.FORWARD_RELATIVE_TOLERANCE).all()
+    assert (table["loss_diff"] <= gradients.FLOAT64_TOLERANCE).all()
     if expected == "exact":
-        assert (table["max_rel_err"] <= measure.EXACT_RELATIVE_ERROR).all()
+        assert (table["max_rel_err"] <= gradients.FLOAT64_TOLERANCE).all()
     elif expected in ("1/W", "W"):
         scale = [1 / 2, 1 / 4] if expected == "1/W" else [2, 4]
         assert table["norm_ratio"].tolist() == pytest.approx(scale, rel=1e-12)
-        assert (table["cosine"] >= measure.PARALLEL_COSINE).all()
+        assert (table["cosine"] >= gradients.PARALLEL_COSINE).all()
     elif expected == "biased":  # far from parallel, not a rounding effect
         assert (table["cosine"] < 1 - 1e-6).all()
     elif expected == "none":
@@ -332,7 +332,7 @@ def test_the_command_line_trains_adamw_steps_exact_with_fixed_and_biased_with_ol
         tables[gather] = pd.read_csv(out / runfiles.CHECK).iloc[0]
     fixed, old = tables["fixed"], tables["old"]
     assert (fixed["gather"], fixed["forward"], fixed["verdict"]) == ("fixed", "same", "exact")
-    assert fixed["max_rel_err"] <= measure.EXACT_RELATIVE_ERROR
+    assert fixed["max_rel_err"] <= gradients.FLOAT64_TOLERANCE
     assert fixed[TRAIN_COLUMN] <= FLOAT64_BOUND
     assert (old["gather"], old["forward"], old["verdict"]) == ("old", "same", "biased")
     assert old["cosine"] < 1 - 1e-6  # far from parallel, not a rounding effect

@@ -7,6 +7,7 @@ them (docs/testing.md, "Mutation testing")."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -15,9 +16,11 @@ import pytest
 import torch
 
 from gatherlab.analysis import report
-from gatherlab.check import diagnosis, hypotheses, measure, table
-from gatherlab.core import terms
-from gatherlab.core.terms import RunVerdict
+from gatherlab.check import diagnosis, hypotheses, judge, table, where
+from gatherlab.check.measure import Measured
+from gatherlab.core import gradients, terms
+from gatherlab.core.runfiles import Trained
+from gatherlab.core.terms import DepartureKind, RunVerdict
 
 # --- the integer options --------------------------------------------------------------------------
 
@@ -100,16 +103,16 @@ def test_trains_like_one_device_reads_the_whole_gradient_of_the_runs_without_rem
 
 
 def test_the_forward_is_the_same_to_a_relative_1e_10_inclusive():
-    assert measure.same_forward(2.0, 2.0) == (True, 0.0)
+    assert gradients.same_forward(2.0, 2.0) == (True, 0.0)
     # 1 + 2^-34: relative difference 5.8e-11; 1 + 2^-33: 1.16e-10 (both exact in binary)
-    assert measure.same_forward(1 + 2**-34, 1.0) == (True, 2**-34)
-    assert measure.same_forward(1 + 2**-33, 1.0) == (False, 2**-33)
-    assert measure.same_forward(-3.0, -2.0) == (False, 0.5)  # relative to |reference|
-    assert measure.same_forward(6.0, 4.0) == (False, 0.5)
-    assert measure.same_forward(0.0, 0.0) == (True, 0.0)
+    assert gradients.same_forward(1 + 2**-34, 1.0) == (True, 2**-34)
+    assert gradients.same_forward(1 + 2**-33, 1.0) == (False, 2**-33)
+    assert gradients.same_forward(-3.0, -2.0) == (False, 0.5)  # relative to |reference|
+    assert gradients.same_forward(6.0, 4.0) == (False, 0.5)
+    assert gradients.same_forward(0.0, 0.0) == (True, 0.0)
     # a pair whose relative difference is 1e-10 to the last bit (found by search): the same
-    assert measure.same_forward(9.313225747086108, 9.313225746154785) == (True, 1e-10)
-    same, difference = measure.same_forward(1e-300, 0.0)  # a reference of 0: never divided by 0
+    assert gradients.same_forward(9.313225747086108, 9.313225746154785) == (True, 1e-10)
+    same, difference = gradients.same_forward(1e-300, 0.0)  # a reference of 0: never divided by 0
     assert not same and difference == 1e-300 / torch.finfo(torch.float64).tiny
 
 
@@ -117,29 +120,29 @@ def test_cosine_and_norm_ratio_of_vectors_computed_by_hand():
     def tensor(*values):
         return torch.tensor(values, dtype=torch.float64)
 
-    assert measure.cosine_and_norm_ratio(tensor(3, 4), tensor(4, 3)) == (24 / 25, 1.0)
-    assert measure.cosine_and_norm_ratio(tensor(6, 8), tensor(3, 4)) == (1.0, 2.0)
-    assert measure.cosine_and_norm_ratio(tensor(-3, -4), tensor(6, 8)) == (-1.0, 0.5)
-    cosine, ratio = measure.cosine_and_norm_ratio(tensor(0, 0), tensor(3, 4))
+    assert gradients.cosine_and_norm_ratio(tensor(3, 4), tensor(4, 3)) == (24 / 25, 1.0)
+    assert gradients.cosine_and_norm_ratio(tensor(6, 8), tensor(3, 4)) == (1.0, 2.0)
+    assert gradients.cosine_and_norm_ratio(tensor(-3, -4), tensor(6, 8)) == (-1.0, 0.5)
+    cosine, ratio = gradients.cosine_and_norm_ratio(tensor(0, 0), tensor(3, 4))
     assert math.isnan(cosine) and ratio == 0.0
 
 
 def test_the_named_factors_of_each_layout_in_order():
     """Every name with its c; a c that an earlier name has, or 1, gets none (docs/design.md §1)."""
-    assert measure.factors(1) == {} and measure.factors(1, 1) == {}
-    assert list(measure.factors(3).items()) == [("1/W", 1 / 3), ("W", 3)]
-    assert list(measure.factors(1, 3).items()) == [("1/K", 1 / 3), ("K", 3)]
-    assert list(measure.factors(2, 2).items()) == [
+    assert gradients.factors(1) == {} and gradients.factors(1, 1) == {}
+    assert list(gradients.factors(3).items()) == [("1/W", 1 / 3), ("W", 3)]
+    assert list(gradients.factors(1, 3).items()) == [("1/K", 1 / 3), ("K", 3)]
+    assert list(gradients.factors(2, 2).items()) == [
         ("1/W = 1/K", 0.5), ("W = K", 2), ("1/(W·K)", 0.25), ("W·K", 4),
     ]  # W/K = K/W = 1: no name  # fmt: skip
-    assert list(measure.factors(3, 2).items()) == [
+    assert list(gradients.factors(3, 2).items()) == [
         ("1/W", 1 / 3), ("W", 3), ("1/K", 0.5), ("K", 2), ("1/(W·K)", 1 / 6), ("W·K", 6),
         ("W/K", 1.5), ("K/W", 2 / 3),
     ]  # fmt: skip
-    assert list(measure.factors(4, 2)) == ["1/W", "W", "1/K", "K", "1/(W·K)", "W·K"]  # W/K = K
-    assert measure.factor_name(0.5, 2) == "1/W"  # without micro-batches: no K
-    assert measure.factor_name(2.0, 2) == "W"
-    assert measure.factor_name(1.0, 2, 2) is None and measure.factor_name(1.0, 4) is None
+    assert list(gradients.factors(4, 2)) == ["1/W", "W", "1/K", "K", "1/(W·K)", "W·K"]  # W/K = K
+    assert gradients.factor_name(0.5, 2) == "1/W"  # without micro-batches: no K
+    assert gradients.factor_name(2.0, 2) == "W"
+    assert gradients.factor_name(1.0, 2, 2) is None and gradients.factor_name(1.0, 4) is None
 
 
 # --- the class of a gradient at the edges of its bounds -------------------------------------------
@@ -150,17 +153,17 @@ def _tensor(*values: float) -> torch.Tensor:
 
 
 def test_max_rel_err_is_the_largest_difference_over_the_largest_reference_entry():
-    measured, cosine, ratio, max_rel_err = measure.classify(_tensor(2, -3), _tensor(2, -4), 2)
+    measured, cosine, ratio, max_rel_err = gradients.classify(_tensor(2, -3), _tensor(2, -4), 2)
     assert max_rel_err == 0.25 and ratio == pytest.approx(math.sqrt(13 / 20), rel=1e-15)
     assert cosine == pytest.approx(16 / math.sqrt(13 * 20), rel=1e-15) and measured == "biased"
     # exact is relative: 1e-5 off on entries of a million is 1e-11 of the largest
     reference = 1e6 * _tensor(1, -2, 3)
-    assert measure.classify(reference + 1e-5, reference, 2)[0] == "exact"
-    assert measure.classify(reference + 1e-3, reference, 2)[0] == "other"  # 3.3e-10
+    assert gradients.classify(reference + 1e-5, reference, 2)[0] == "exact"
+    assert gradients.classify(reference + 1e-3, reference, 2)[0] == "other"  # 3.3e-10
 
 
 def test_exact_includes_a_relative_error_of_exactly_1e_10():
-    measured, *_, max_rel_err = measure.classify(_tensor(1, 1e-10), _tensor(1, 0), 2)
+    measured, *_, max_rel_err = gradients.classify(_tensor(1, 1e-10), _tensor(1, 0), 2)
     assert max_rel_err == 1e-10 and measured == "exact"
 
 
@@ -170,20 +173,20 @@ _ON_THE_COSINE_BOUND = (3.0, 4.24230976114569e-06)
 
 def test_a_cosine_of_exactly_one_minus_1e_12_is_parallel():
     vector, reference = _tensor(*_ON_THE_COSINE_BOUND), _tensor(1, 0)
-    cosine, _ = measure.cosine_and_norm_ratio(vector, reference)
-    assert cosine == measure.PARALLEL_COSINE == 1 - 1e-12
-    assert measure.classify(vector, reference, 3)[0] == "W"  # norm ratio 3 (to 1e-12)
-    assert measure.classify(vector, reference, 2)[0] == "other"  # parallel, no name gives 3
+    cosine, _ = gradients.cosine_and_norm_ratio(vector, reference)
+    assert cosine == gradients.PARALLEL_COSINE == 1 - 1e-12
+    assert gradients.classify(vector, reference, 3)[0] == "W"  # norm ratio 3 (to 1e-12)
+    assert gradients.classify(vector, reference, 2)[0] == "other"  # parallel, no name gives 3
 
 
 def test_a_reference_of_norm_one_is_a_gradient_like_any_other():
     unit = _tensor(1, 0, 0)
-    assert measure.classify(unit.clone(), unit, 2)[0] == "exact"
-    assert measure.classify(unit / 2, unit, 2)[:3] == ("1/W", 1.0, 0.5)
+    assert gradients.classify(unit.clone(), unit, 2)[0] == "exact"
+    assert gradients.classify(unit / 2, unit, 2)[:3] == ("1/W", 1.0, 0.5)
 
 
 def test_a_gradient_against_no_reference_gradient_has_no_numbers():
-    measured, *numbers = measure.classify(_tensor(1, 2), _tensor(0, 0), 2)
+    measured, *numbers = gradients.classify(_tensor(1, 2), _tensor(0, 0), 2)
     assert measured == "other" and all(math.isnan(n) for n in numbers)
 
 
@@ -192,16 +195,16 @@ def test_each_part_is_classified_against_the_references_same_part():
     # model: entries 0 and 3 (two ranges), exact; loss.t: entries 1, 2 at 1/2; loss.s: 4 at 2
     gradient = _tensor(1, 1, 1.5, 4, 10)
     parts = {"model": [(0, 1), (3, 4)], "loss.t": [(1, 3)], "loss.s": [(4, 5)]}
-    classes = measure.classify_parts(gradient, reference, parts, 2)
+    classes = gradients.classify_parts(gradient, reference, parts, 2)
     assert list(classes) == ["model", "loss.t", "loss.s"]
     assert classes["model"] == ("exact", pytest.approx(1.0), 1.0, 0.0)
     assert classes["loss.t"] == ("1/W", pytest.approx(1.0), 0.5, 0.5)  # |1.5 − 3| / 3
     assert classes["loss.s"] == ("W", pytest.approx(1.0), 2.0, 1.0)
     # with K = 2 micro-batches per rank at W = 2 the same factors are named for both axes
-    assert measure.classify_parts(gradient, reference, parts, 2, 2)["loss.t"][0] == "1/W = 1/K"
-    assert measure.classify_parts(gradient, reference, None, 2) == {}
-    assert measure.classify_parts(gradient, reference, {"model": [(0, 5)]}, 2) == {}
-    two = measure.classify_parts(gradient, reference, {"model": [(0, 1)], "loss.t": [(1, 5)]}, 2)
+    assert gradients.classify_parts(gradient, reference, parts, 2, 2)["loss.t"][0] == "1/W = 1/K"
+    assert gradients.classify_parts(gradient, reference, None, 2) == {}
+    assert gradients.classify_parts(gradient, reference, {"model": [(0, 5)]}, 2) == {}
+    two = gradients.classify_parts(gradient, reference, {"model": [(0, 1)], "loss.t": [(1, 5)]}, 2)
     assert [numbers[0] for numbers in two.values()] == ["exact", "biased"]  # [1, 1.5, 4, 10]
 
 
@@ -209,12 +212,12 @@ def test_single_factors_are_named_factors_that_differ():
     def parts(*classes):
         return {f"part{i}": (c, 1.0, 1.0, 0.0) for i, c in enumerate(classes)}
 
-    assert measure.single_factors(parts("exact", "1/W"))
-    assert measure.single_factors(parts("K", "exact", "none"))
-    assert not measure.single_factors(parts("exact", "exact"))  # one factor
-    assert not measure.single_factors(parts("exact", "biased"))  # a direction, not a factor
-    assert not measure.single_factors(parts("other", "1/W"))
-    assert not measure.single_factors({})
+    assert gradients.single_factors(parts("exact", "1/W"))
+    assert gradients.single_factors(parts("K", "exact", "none"))
+    assert not gradients.single_factors(parts("exact", "exact"))  # one factor
+    assert not gradients.single_factors(parts("exact", "biased"))  # a direction, not a factor
+    assert not gradients.single_factors(parts("other", "1/W"))
+    assert not gradients.single_factors({})
 
 
 # --- the hypotheses' constant and cause -----------------------------------------------------------
@@ -257,6 +260,218 @@ def test_a_loss_and_a_batch_missing_their_partners_are_refused():
         terms.Cause.LOCAL_NEGATIVES,
         None,
     )
+
+
+# --- the judge: a run against its reference, every form ------------------------------------------
+
+
+def _trained(losses, gradient, parameters=(0.0, 0.0)) -> Trained:
+    return Trained(list(losses), torch.tensor(gradient, dtype=torch.float64),
+                   torch.tensor(parameters, dtype=torch.float64))  # fmt: skip
+
+
+def _measured(loss, gradient, forwards=(), parts=None) -> Measured:
+    return Measured(loss, torch.tensor(gradient, dtype=torch.float64), tuple(forwards), parts)
+
+
+KEY = table.Row("L", "native", 2, "no group")
+
+
+def test_a_trained_run_equal_to_its_reference_is_exact_with_its_curves_numbers():
+    one = _trained([1.0, 0.5], [3.0, 4.0])
+    (row,) = judge.judge(one, one, KEY)
+    assert (row.verdict, row.forward, row.gradient, row.cause) == ("exact", "same", "exact", "")
+    assert row.first_diff_step is None and row.max_abs_param_diff == 0.0
+    assert row.train_max_abs_loss_diff == 0.0 and row.scale is None and row.first_loss == 1.0
+    assert (row.loss_diff, row.cosine, row.norm_ratio, row.max_rel_err) == (0.0, 1.0, 1.0, 0.0)
+    assert (row.part, row.error) == ("all", "") and math.isnan(row.where)
+
+
+def test_a_trained_runs_scaled_losses_are_loss_scaled_and_its_later_steps_divided():
+    run, one = _trained([2.0, 1.0], [1.0, -2.0]), _trained([1.0, 0.5], [1.0, -2.0])
+    (row,) = judge.judge(run, one, KEY)
+    assert (row.verdict, row.forward, row.cause, row.scale) == ("loss scaled", "differs",
+                                                                "scaled", 2.0)  # fmt: skip
+    assert row.train_max_abs_loss_diff == 0.0 and row.first_diff_step is None
+    assert row.loss_diff == 1.0  # relative: |2 − 1| / 1
+    later = _trained([2.0, 1.5], [1.0, -2.0])  # step 1 is 3 × one device's: no one constant
+    assert judge.judge(later, one, KEY)[0].verdict == "loss differs"
+
+
+def test_a_trained_run_apart_at_a_later_step_or_in_its_final_weights_diverges():
+    one = _trained([1.0, 0.5, 0.25], [1.0, -2.0])
+    step = judge.judge(_trained([1.0, 0.5, 0.25 + 1e-6], [1.0, -2.0]), one, KEY)[0]
+    assert (step.verdict, step.first_diff_step) == ("diverges", 2)
+    assert step.train_max_abs_loss_diff == pytest.approx(1e-6, rel=1e-6)
+    weights = judge.judge(_trained([1.0, 0.5, 0.25], [1.0, -2.0], (0.0, 1e-9)), one, KEY)[0]
+    assert (weights.verdict, weights.first_diff_step) == ("diverges", None)
+    assert weights.max_abs_param_diff == 1e-9
+    within = judge.judge(_trained([1.0, 0.5, 0.25 + 1e-11], [1.0, -2.0], (0.0, 1e-10)), one, KEY)
+    assert within[0].verdict == "exact"  # the tolerance inclusive, given as 1e-10
+    loose = judge.judge(_trained([1.0, 0.5, 0.25 + 1e-6], [1.0, -2.0]), one, KEY, tolerance=1e-5)
+    assert loose[0].verdict == "exact" and loose[0].first_diff_step is None
+    first = judge.judge(_trained([1.0 + 1e-6, 0.5, 0.25], [1.0, -2.0]), one, KEY, tolerance=1e-5)
+    assert first[0].forward == "same"  # a trained run's first loss: absolute, to its tolerance
+
+
+def test_a_biased_whole_of_single_factor_parts_is_caused_by_its_parts_each_classified():
+    layout = {"model": [(0, 2)], "loss.t": [(2, 3)]}
+    one = _trained([1.0], [1.0, -2.0, 3.0])
+    run = _trained([1.0], [1.0, -2.0, 6.0])  # the model's exact, the temperature's W = 2 times
+    rows = judge.judge(run, one, KEY, layout=layout)
+    assert [(r.part, r.gradient, r.verdict) for r in rows] == [
+        ("all", "biased", "biased"), ("model", "exact", "exact"), ("loss.t", "W", "W"),
+    ]  # fmt: skip
+    assert {r.cause for r in rows} == {"parts"}
+    assert {r.first_diff_step for r in rows} == {None}  # every row of a trained run: its curve
+    other = _trained([1.0], [1.0, -3.0, 6.0])  # the model's biased too: no single factors
+    assert {r.cause for r in judge.judge(other, one, KEY, layout=layout)} == {""}
+    removed = judge.judge(run, one, KEY, layout={"model": [(0, 2)], "loss.t": [(2, 4)]})
+    assert len(removed) == 1  # a layout the run no longer has: the whole alone
+
+
+def test_a_measured_losss_cause_is_reproduced_only_when_its_forward_differs():
+    asked = []
+
+    def reproduce():
+        asked.append(1)
+        return terms.Cause.LOCAL_NEGATIVES, None
+
+    one = _measured(1.0, [1.0, -2.0])
+    (row,) = judge.judge(_measured(1.0, [1.0, -2.0]), one, KEY, reproduce=reproduce)
+    assert (row.verdict, row.cause, asked) == ("exact", "", [])
+    (row,) = judge.judge(_measured(1.5, [1.0, -2.0]), one, KEY, reproduce=reproduce)
+    assert (row.verdict, row.cause, row.forward, asked) == ("loss differs", "local_negatives",
+                                                            "differs", [1])  # fmt: skip
+    assert math.isnan(row.train_max_abs_loss_diff)  # no training run given
+    scaled = judge.judge(_measured(2.0, [1.0, -2.0]), one, KEY,
+                         reproduce=lambda: (terms.Cause.SCALED, 2.0))  # fmt: skip
+    assert (scaled[0].verdict, scaled[0].scale) == ("loss scaled", 2.0)
+    parts = {"model": [(0, 1)], "loss.t": [(1, 2)]}
+    halves = judge.judge(_measured(1.0, [1.0, -1.0]), _measured(1.0, [1.0, -2.0], parts=parts),
+                         KEY)  # fmt: skip
+    assert [r.gradient for r in halves] == ["biased", "exact", "1/W"]
+    assert [r.cause for r in halves] == ["parts"] * 3
+
+
+def test_a_departure_is_placed_on_every_row_only_when_the_whole_is_not_exact():
+    one = _measured(1.0, [1.0, -2.0], parts={"model": [(0, 1)], "loss.t": [(1, 2)]})
+    found = where.Departure("x.py:1  mean", "a mean over the rank's rows", DepartureKind.STATISTIC)
+
+    def nowhere():
+        raise AssertionError("an exact run is not located")
+
+    assert math.isnan(judge.judge(one, one, KEY, where=nowhere)[0].departs)
+    unexplained = lambda: (terms.Cause.UNEXPLAINED, None)  # noqa: E731
+    rows = judge.judge(_measured(1.5, [1.0, 1.0]), one, KEY, reproduce=unexplained,
+                       where=lambda: found)  # fmt: skip
+    assert [(r.where, r.departs, r.cause) for r in rows] == [
+        ("x.py:1  mean", "a mean over the rank's rows", "local_statistic")
+    ] * 3
+    rank = where.Departure("x.py:2  sin", "another result", DepartureKind.RANK)
+    rows = judge.judge(_measured(1.5, [1.0, -1.0]), one, KEY, reproduce=unexplained,
+                       where=lambda: rank)  # fmt: skip
+    assert {r.cause for r in rows} == {"parts"} and {r.where for r in rows} == {"x.py:2  sin"}
+    rows = judge.judge(_measured(1.5, [1.0, -2.0]), one, KEY, reproduce=unexplained,
+                       where=lambda: rank)  # fmt: skip
+    assert [r.cause for r in rows] == ["unexplained"] * 3  # only a statistic explains it
+    assert math.isnan(judge.judge(_measured(1.5, [1.0, -2.0]), one, KEY,
+                                  where=lambda: None)[0].where)  # fmt: skip
+
+
+def test_a_measured_losss_training_run_that_leaves_one_device_says_where_in_departs():
+    one = _measured(1.0, [1.0, -2.0])
+    curve = _trained([1.0, 0.5], [1.0, -2.0])
+    later = (_trained([1.0, 0.5 + 1e-6], [1.0, -2.0]), curve)
+    (row,) = judge.judge(one, one, KEY, curves=later)
+    assert (row.verdict, row.departs) == ("diverges", "step 1 is the first whose loss leaves one "
+                                                      "device's")  # fmt: skip
+    assert row.train_max_abs_loss_diff == pytest.approx(1e-6, rel=1e-6)
+    assert math.isnan(row.first_diff_step)  # the loss check's table has no such column
+    last = (_trained([1.0, 0.5], [1.0, -2.0], (0.0, 0.25)), curve)
+    (row,) = judge.judge(one, one, KEY, curves=last)
+    assert (
+        row.departs == "every step's loss is one device's, the final weights are not (max |Δ| 0.25)"
+    )
+    place = where.Departure("x.py:3  add_", "a buffer", DepartureKind.GRADIENT)
+    (row,) = judge.judge(one, one, KEY, curves=later, where=lambda: place)
+    assert row.departs == "step 1 is the first whose loss leaves one device's; at step 0: a buffer"
+    parts = {"model": [(0, 1)], "loss.t": [(1, 2)]}
+    rows = judge.judge(one, _measured(1.0, [1.0, -2.0], parts=parts), KEY, curves=later)
+    assert rows[1].verdict == "exact" and math.isnan(rows[1].train_max_abs_loss_diff)
+    scaled = (_trained([2.0, 1.0], [1.0, -2.0]), curve)
+    (row,) = judge.judge(_measured(2.0, [1.0, -2.0]), one, KEY, curves=scaled,
+                         reproduce=lambda: (terms.Cause.SCALED, 2.0))  # fmt: skip
+    assert (row.verdict, row.train_max_abs_loss_diff) == ("loss scaled", 0.0)  # divided by c
+
+
+def test_an_updates_differing_first_loss_is_micro_negatives_when_accumulation_reproduces_it():
+    key = dataclasses.replace(KEY, micro_batches=2)
+    one = _trained([1.0, 0.5], [1.0, -2.0])
+    run = _trained([1.5, 0.5], [1.0, -2.0])  # no one constant: not scaled
+    assert judge.judge(run, one, key, accumulated=lambda: [0.5, 1.5])[0].cause == "micro_negatives"
+    near = lambda: [1.5 * (1 + 1e-11)]  # noqa: E731
+    assert judge.judge(run, one, key, accumulated=near)[0].cause == "micro_negatives"
+    far = lambda: [1.5 * (1 + 1e-9)]  # noqa: E731
+    assert judge.judge(run, one, key, accumulated=far)[0].cause == ""
+    assert judge.judge(one, one, key, accumulated=lambda: [1.0])[0].cause == ""  # the same loss
+    scaled = _trained([2.0, 1.0], [1.0, -2.0])
+    assert judge.judge(scaled, one, key, accumulated=lambda: [2.0])[0].cause == "scaled"
+
+
+def test_the_judges_bounds_are_inclusive_and_its_curves_must_pair_every_step():
+    one = _trained([1.0, 5.0], [3.0, 4.0], (1.0, 2.0))
+    run = _trained([1.25, 1.0], [3.0, 4.0], (1.0, 2.0))  # step 0 at the tolerance, step 1 off
+    (row,) = judge.judge(run, one, KEY, tolerance=0.25)
+    assert (row.forward, row.first_diff_step, row.scale) == ("same", 1, None)
+    assert row.max_abs_param_diff == 0.0 and row.verdict == "diverges"
+    at = _trained([1.0, 5.25], [3.0, 4.0], (1.0, 2.0))  # every step within 0.25, one at it
+    (row,) = judge.judge(at, one, KEY, tolerance=0.25)
+    assert (row.verdict, row.first_diff_step, row.train_max_abs_loss_diff) == ("exact", None, 0.25)
+    with pytest.raises(ValueError):  # a step without its partner
+        judge.judge(_trained([1.0], [3.0, 4.0], (1.0, 2.0)), one, KEY)
+    noisy = _trained([2.0, 10.0 * (1 + 1e-8)], [3.0, 4.0], (1.0, 2.0))
+    (row,) = judge.judge(noisy, one, KEY, tolerance=1e-5)  # a constant to the tolerance given
+    assert (row.scale, row.cause, row.verdict) == (2.0, "scaled", "loss scaled")
+    tiny = _measured(2e-20, [3.0, 4.0])  # a measured loss: relative, whatever its size
+    assert judge.judge(tiny, _measured(1e-20, [3.0, 4.0]), KEY)[0].forward == "differs"
+
+
+def test_the_judge_names_the_factor_of_its_layout():
+    one = _trained([1.0], [3.0, 4.0])
+    half = _trained([1.0], [1.5, 2.0])
+    assert judge.judge(half, one, KEY)[0].gradient == "1/W"
+    accumulating = dataclasses.replace(KEY, micro_batches=2)
+    assert judge.judge(half, one, accumulating)[0].gradient == "1/W = 1/K"
+    quarter = _trained([1.0], [0.75, 1.0])
+    assert judge.judge(quarter, one, accumulating)[0].gradient == "1/(W·K)"
+    layout = {"model": [(0, 1)], "loss.t": [(1, 2)]}
+    parts = judge.judge(_trained([1.0], [3.0, 2.0]), one, accumulating, layout=layout)
+    assert [r.gradient for r in parts] == ["biased", "exact", "1/W = 1/K"]
+
+
+def test_micro_negatives_reproduce_a_first_loss_to_a_relative_tolerance_inclusive():
+    key = dataclasses.replace(KEY, micro_batches=2)
+    one = _trained([3.0, 30.0], [3.0, 4.0])
+    run = _trained([1.0, 1.0], [3.0, 4.0])  # differs from one device's, by no constant
+    at = judge.judge(run, one, key, tolerance=0.5, accumulated=lambda: [2.0])  # |1 − 2| = 0.5·2
+    assert at[0].cause == "micro_negatives"
+    small = _trained([1e-3 + 1e-12, 1.0], [3.0, 4.0])  # relative to the small value: 1e-9 apart
+    assert judge.judge(small, one, key, accumulated=lambda: [1e-3])[0].cause == ""
+
+
+def test_rows_become_the_table_in_their_columns_a_failed_rows_numbers_empty():
+    failed = table.failed_row(KEY, RuntimeError("rank 1: boom\nmore"))
+    (ok,) = judge.judge(_trained([1.0], [1.0, -2.0]), _trained([1.0], [1.0, -2.0]), KEY)
+    frame = table.frame([ok, failed], table.TRAINING_COLUMNS)
+    assert list(frame.columns) == list(table.TRAINING_COLUMNS)
+    assert frame["verdict"].tolist() == ["exact", "failed"]
+    assert frame["error"].tolist() == ["", "rank 1: boom"]
+    assert str(frame["first_diff_step"].dtype) == "Int64" and frame["cosine"].isna().tolist() == [
+        False, True,
+    ]  # fmt: skip
+    assert frame["where"].isna().all() and frame["part"].tolist() == ["all", "all"]
+    assert list(table.frame([ok], table.COLUMNS).columns) == list(table.COLUMNS)
 
 
 # --- the diagnosis of a verdict -------------------------------------------------------------------

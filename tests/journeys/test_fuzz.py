@@ -34,7 +34,7 @@ INVARIANT_LOSSES = {"ntxent", "ntxent_global", "dcl", "dclw_global", "barlowtwin
 # loss to the parameters, and training fails at its first backward (§1, `nograd`).
 GLOBAL_STYLE_LOSSES = {"ntxent_global", "barlowtwins", "tico"}
 NO_GRAD_MESSAGE = "element 0 of tensors does not require grad"
-BOUND = {"64-true": FLOAT64_BOUND, "32-true": FLOAT32_BOUND}  # docs/design.md §2, terms.TOLERANCE
+BOUND = {"64-true": FLOAT64_BOUND, "32-true": FLOAT32_BOUND}  # design §2, gradients.TOLERANCE
 # How far outside the bound a run that must differ is, at least: in float64 MISS_FACTOR (100) times;
 # in float32, whose bound is 1e-5 (rounding after 2 steps: ~1e-7), 10 times, since in 1 or 2 steps
 # a loss that depends on the split moves by as little as 3.5e-4 (dclw, fixed, 2 ranks)

@@ -18,6 +18,7 @@ from gatherlab import gather
 from gatherlab.analysis.figures import CLASS_COLORS
 from gatherlab.check import measure
 from gatherlab.components import config
+from gatherlab.core import gradients
 from gatherlab.lab import audit
 
 pytestmark = pytest.mark.slow
@@ -87,7 +88,7 @@ def measured():
 def _classes(measured) -> dict:
     _, one_device, real, _, _, _ = measured
     return {
-        (name, loss, w): measure.classify(
+        (name, loss, w): gradients.classify(
             real[w][name, loss].gradient, one_device[loss].gradient, w
         )
         for w in WORLD_SIZES
@@ -213,7 +214,7 @@ def _reference() -> torch.Tensor:
 )
 def test_classify(make, expected):
     reference = _reference()
-    assert measure.classify(make(reference), reference, world_size=4)[0] == expected
+    assert gradients.classify(make(reference), reference, world_size=4)[0] == expected
 
 
 @pytest.mark.parametrize(
@@ -244,7 +245,7 @@ def test_classify_names_a_constant_factor_of_ranks_and_micro_batches(
     factor, world_size, micro_batches, expected
 ):
     reference = _reference()
-    measured, cosine, norm_ratio, _ = measure.classify(
+    measured, cosine, norm_ratio, _ = gradients.classify(
         reference * factor, reference, world_size, micro_batches
     )
     assert (measured, cosine) == (expected, pytest.approx(1, abs=1e-12))
@@ -255,16 +256,16 @@ def test_without_micro_batches_no_name_needs_k():
     """micro_batches=1, every caller before accumulation: 1/W and W only, at each W."""
     for world_size in range(1, 9):
         expected = {"1/W": 1 / world_size, "W": world_size} if world_size > 1 else {}
-        assert measure.factors(world_size) == pytest.approx(expected)
-    assert measure.factor_name(4.0, 2, 2) == "W·K" and measure.factor_name(3.0, 2, 2) is None
+        assert gradients.factors(world_size) == pytest.approx(expected)
+    assert gradients.factor_name(4.0, 2, 2) == "W·K" and gradients.factor_name(3.0, 2, 2) is None
 
 
 def test_no_gradient_on_either_side_is_none_and_a_gradient_against_none_is_other():
     """Nothing trains on either side: ``none``, never ``exact``; its numbers are undefined."""
     zero = torch.zeros(50, dtype=torch.float64)
-    measured, *numbers = measure.classify(zero, zero.clone(), world_size=4)
+    measured, *numbers = gradients.classify(zero, zero.clone(), world_size=4)
     assert measured == "none" and all(math.isnan(number) for number in numbers)
-    assert measure.classify(_reference(), zero, world_size=4)[0] == "other"
+    assert gradients.classify(_reference(), zero, world_size=4)[0] == "other"
 
 
 def test_a_gather_or_loss_that_declares_nothing_has_no_prediction():

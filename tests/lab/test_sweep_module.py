@@ -10,7 +10,7 @@ import pytest
 from helpers import run_command
 
 from gatherlab.analysis import figures, report, results
-from gatherlab.core import terms
+from gatherlab.core import gradients
 
 USER = (
     "module=user", "module._target_=ssl_modules:SimCLRWithBatchNorm",
@@ -61,7 +61,7 @@ def test_a_sweep_over_a_removal_attributes_the_difference_to_batch_norm(tmp_path
     )
     assert (sweep / f"{report.FIGURE}.png").stat().st_size > 10_000
     compared, curves = report.compare(results.load_runs(sweep), sweep)
-    figure = figures.comparison_figure(compared, curves, terms.TOLERANCE["64-true"])
+    figure = figures.comparison_figure(compared, curves, gradients.TOLERANCE["64-true"])
     titles = [axis.get_title() for axis in figure.axes[::2]]
     assert [title.rsplit(", ", 1)[-1] for title in titles] == [
         "removals.batchnorm=as_is", "removals.batchnorm=global",

@@ -1,5 +1,5 @@
 """How close two layouts of one run must be, and how far a run that must differ is: the bounds
-that the training tests of every folder assert (docs/design.md §2, ``terms.TOLERANCE``), and the
+that the training tests of every folder assert (docs/design.md §2, ``gradients.TOLERANCE``), and the
 differences of two run directories they are held to."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-# Stated in docs/design.md and terms.TOLERANCE: layouts differ only in summation order.
+# Stated in docs/design.md and gradients.TOLERANCE: layouts differ only in summation order.
 FLOAT64_BOUND = 1e-10
 FLOAT32_BOUND = 1e-5
 # `old` must miss by far more than rounding: at least 100 times the bound.

@@ -7,7 +7,7 @@ A run's reference is the first 1-device run of the sweep (in ``results.load_runs
 finished and is readable, and whose resolved config equals the run's in everything but
 ``SPLIT_KEYS``: ``gather``, ``layout``, ``launcher``, ``logger`` and ``log_every`` (docs/design.md
 §2, §5). A run matches it when the loss at every step and every final parameter agree within the
-tolerance of the run's precision (``terms.TOLERANCE``). The gradient audit's
+tolerance of the run's precision (``gradients.TOLERANCE``). The gradient audit's
 table is rendered here too (``write_audit``). Run files are read only through ``results``.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import pandas as pd
 
 from gatherlab.analysis import figures, results
-from gatherlab.core import cli, runfiles, terms
+from gatherlab.core import cli, gradients, runfiles
 from gatherlab.core.terms import GradientClass, RunVerdict, World
 from gatherlab.gather import CLASSES
 
@@ -191,7 +191,7 @@ def _held_against(
     if param_diff != param_diff:  # NaN: the final weights have other names
         error = "its final weights are not the reference's"
         return {**held, "verdict": RunVerdict.NOT_COMPARABLE, "error": error}
-    tolerance = terms.TOLERANCE[run["precision"]]
+    tolerance = gradients.TOLERANCE[run["precision"]]
     matches = loss_diff <= tolerance and param_diff <= tolerance
     return {**held, "verdict": RunVerdict.MATCHES if matches else RunVerdict.DIFFERS}
 
@@ -226,7 +226,7 @@ def write_report(sweep_dir: str | Path) -> pd.DataFrame:
 
 def common_tolerance(table: pd.DataFrame) -> float | None:
     """The match tolerance of the table's runs, None when they mix precisions."""
-    tolerances = {terms.TOLERANCE[p] for p in table["precision"].dropna()}
+    tolerances = {gradients.TOLERANCE[p] for p in table["precision"].dropna()}
     return tolerances.pop() if len(tolerances) == 1 else None
 
 

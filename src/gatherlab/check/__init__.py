@@ -1,28 +1,13 @@
 """Check your own loss, gather or training step: does it train on W ranks exactly like one device?
 
-``python -m gatherlab.check mypkg.losses:MyLoss --kwargs '{"temperature": 0.1}' --world-sizes 2,4``
-builds the loss inside every rank of a real gloo group (``gatherlab.components.factory``: with
-``rank=`` and ``world_size=`` when its constructor takes them, ``gather=`` only with ``--gather``;
-without it the loss communicates by itself), calls ``loss(z0, z1)`` on the rank's slice of the two
-views' embeddings (the gradient audit's MLP and Gaussian view pairs, float64, the data order of
-docs/design.md §2), and compares with the same loss on one device (without a process group, as a
-one-GPU script runs it; in a one-rank group only for code that raises without one, which the text
-says, as it says where the two differ):
-
-- ``forward``: the global loss (the mean over ranks of what each rank returns) is ``same`` or
-  ``differs`` (relative tolerance 1e-10);
-- ``gradient``: DDP's parameter gradient is ``exact``, ``1/W``, ``W``, ``biased``, ``none`` or
-  ``other`` (``measure.classify``);
-- with ``--steps N``, a short training run's largest |Δloss|.
-
-The verdict per W (`gatherlab.check.table.verdict`) is ``exact`` when both are, ``loss scaled``
-when the global loss is a constant multiple of one device's and the gradient is exact, ``loss
-differs`` when the forward differs otherwise, ``diverges`` when it would be exact but the training
-run departs, ``failed`` when the W's ranks raised, and otherwise the gradient's class; every
-verdict but ``exact`` comes with a diagnosis in plain words. ``--gather mod:fn`` without a loss
-checks a gather with gatherlab's three loss styles; ``--module`` and ``--step`` check a training
-step (docs/design.md §10). It writes ``check.csv`` into ``--out`` and exits 0 when every W trains
-like one device (``exact`` or ``loss scaled``), 1 otherwise, 2 for bad input.
+``python -m gatherlab.check mypkg.losses:MyLoss --world-sizes 2,4`` checks a loss (``--gather``
+alone: a gather, with gatherlab's three loss styles); ``--module`` (a LightningModule), ``--step``
+(a plain PyTorch step) and ``--update`` (a whole update, with ``--micro-batches``) check a training
+step. Each W runs on real gloo ranks and is judged against the same code on one device
+(`gatherlab.check.judge`): the forward, the gradient's class, the verdict, and for every verdict
+but ``exact`` its diagnosis in words. It writes ``check.csv`` into ``--out`` and exits 0 when every
+W trains like one device (``exact`` or ``loss scaled``), 1 otherwise, 2 for bad input
+(docs/design.md §6, §10).
 
 The names below are imported when first used, so that ``python -m gatherlab.check`` starts its
 ranks' fork server before it imports torch (`gatherlab.check.__main__`).

@@ -14,21 +14,20 @@ from typing import Any
 import pandas as pd
 
 from gatherlab.check import defaults, hypotheses, measure, where
+from gatherlab.check.judge import judge
 from gatherlab.check.reference import Reference, choose, loss_differs, one_device
 from gatherlab.check.table import (
-    ALL_PARTS,
     COLUMNS,
-    EXACT,
-    LOSS,
-    REFERENCE,
     TRAIN_COLUMN,
+    Row,
     failed_row,
-    verdict,
+    frame,
     with_reference_notes,
 )  # fmt: skip
 from gatherlab.components import config
 from gatherlab.components.factory import AttributeOf, Recipe, locate
 from gatherlab.core import cli, imports, terms
+from gatherlab.core.gradients import FLOAT64_TOLERANCE
 from gatherlab.core.runfiles import Trained
 from gatherlab.gather import GatherFn
 from gatherlab.ranks import collectives, pool
@@ -227,6 +226,8 @@ def _run(
     steps: int,
     optim: str,
 ) -> pd.DataFrame:
+    """The loss check's table: each loss on each W judged against its one-device reference
+    (`judge.judge`), with the hypotheses of a differing loss and where a W departs."""
     world_sizes = list(world_sizes)
     cfg, model, optimizer, batches = _setting(optim, world_sizes, steps)
     # the batches whose global loss is compared: the first (with the gradient) and the second
@@ -234,30 +235,18 @@ def _run(
     probed = batches[:2]
     (view0, view1), further = probed[0], probed[1:]
     # the loss on one device, forward only, for the hypotheses (built once, when one is tested)
-    forwards = {name: measure.one_device(loss, model, cfg.seed) for name, loss in losses.items()}
-    chosen: dict[str, Reference[tuple[measure.Measured, Trained | None]]] = {}
-    for name, loss in losses.items():  # one device, in this process: bad input is found here
+    forwards = {
+        name: measure.forward_on_one_device(loss, model, cfg.seed) for name, loss in losses.items()
+    }
+    chosen = {
+        name: _reference(name, loss, model, probed, batches[:steps], optimizer, cfg.seed)
+        for name, loss in losses.items()
+    }
 
-        def on_one_device(loss: Recipe = loss) -> tuple[measure.Measured, Trained | None]:
-            measured = measure.measure(loss, model, view0, view1, cfg.seed, False, further)
-            if not steps:
-                return measured, None
-            return measured, measure.train(loss, model, batches[:steps], optimizer, 1, cfg.seed)
+    def key(name: str, world_size: int) -> Row:
+        return Row(name, gather_name, world_size, str(chosen[name].mode))
 
-        try:
-            chosen[name] = choose(on_one_device, loss_differs)
-        except measure.LossContractError as error:
-            raise CheckError(f"loss {name}: {error}") from None
-        except Exception as error:  # the factory refuses its arguments, the forward raises
-            raise CheckError(f"loss {name}: {cli.error_line(error)}") from None
-    references = {name: one.value[0] for name, one in chosen.items()}
-    curves = {name: one.value[1] for name, one in chosen.items() if steps}
-
-    def key(name: str, world_size: int) -> dict[str, Any]:
-        return {"loss": name, "gather": gather_name, "world_size": world_size,
-                REFERENCE: str(chosen[name].mode)}  # fmt: skip
-
-    rows = []
+    rows: list[Row] = []
     for world_size in world_sizes:
         try:
             measured = measure.measure_on_ranks(
@@ -271,124 +260,89 @@ def _run(
         except RankError as error:
             rows += [failed_row(key(name, world_size), error) for name in losses]
             continue
-        found = []
-        for name in losses:
-            found.append(_rows(
-                key(name, world_size), measured[name], references[name], forwards[name], probed,
-                (trained[name], curves[name]) if steps else None, chosen[name].in_group,
-            ))  # fmt: skip
-        rows += _located(found, losses, model, (view0, view1), world_size, cfg.seed, chosen)
-    table = pd.DataFrame(rows, columns=list(COLUMNS) + ([TRAIN_COLUMN] if steps else []))
+        for name, loss in losses.items():
+            reference, reference_trained = chosen[name].value
+            in_group = chosen[name].in_group
+            rows += judge(
+                measured[name], reference, key(name, world_size),
+                curves=(trained[name], reference_trained) if steps else None,
+                reproduce=functools.partial(
+                    _reproduce, measured[name], reference, forwards[name], probed, world_size,
+                    in_group,
+                ),
+                where=functools.partial(
+                    _located, loss, model, (view0, view1), world_size, cfg.seed, in_group
+                ),
+            )  # fmt: skip
+    table = frame(rows, list(COLUMNS) + ([TRAIN_COLUMN] if steps else []))
     return with_reference_notes(table, {name: (one.why, one.group_differs)
                                         for name, one in chosen.items()})  # fmt: skip
 
 
-def _located(
-    found: list[list[dict[str, Any]]],
-    losses: Mapping[str, Recipe],
+def _reference(
+    name: str,
+    loss: Recipe,
     model: measure.ModelFactory,
-    batch: measure.Batch,
-    world_size: int,
+    probed: Sequence[measure.Batch],
+    batches: Sequence[measure.Batch],
+    optimizer: Callable[..., Any],
     seed: int,
-    chosen: Mapping[str, Reference[Any]],
-) -> list[dict[str, Any]]:
-    """The rows of each loss at one W (``found``, `_rows`), with ``where`` and ``departs`` filled
-    for each loss whose verdict is not exact: its operations recorded on one device (as its
-    reference ran) and on the W ranks, and the first that departs (`gatherlab.check.where`). A
-    loss whose verdict is exact is not recorded; nor is one whose recording fails on a rank (its
-    verdict stands, without a place)."""
-    departing = [rows[0]["loss"] for rows in found if rows[0]["verdict"] != EXACT]
-    if not departing:
-        return [row for rows in found for row in rows]
-    view0, view1 = batch
+) -> Reference[tuple[measure.Measured, Trained | None]]:
+    """A loss's one-device reference (`reference.choose`): its measurement on the ``probed``
+    batches and, with ``batches`` (the steps), its training run; in this process, so that bad
+    input is found here (CheckError)."""
+    (view0, view1), further = probed[0], probed[1:]
+
+    def reference_run() -> tuple[measure.Measured, Trained | None]:
+        measured = measure.measure(loss, model, view0, view1, seed, False, further)
+        if not batches:
+            return measured, None
+        return measured, measure.train(loss, model, batches, optimizer, 1, seed)
+
     try:
-        on_ranks = measure.traced_on_ranks(
-            {name: losses[name] for name in departing}, model, view0, view1, world_size, seed
-        )
-    except RankError:
-        on_ranks = {}
-    for rows in found:
-        name = rows[0]["loss"]
-        if name not in on_ranks:
-            continue
-        with one_device(chosen[name].in_group):
-            one = measure.traced(losses[name], model, view0, view1, seed)
-        departure = where.departure(one, on_ranks[name], world_size, len(view0), terms.FLOAT64)
-        if departure is None:
-            continue
-        if rows[0]["cause"] == terms.Cause.UNEXPLAINED and departure.kind == "statistic":
-            cause = {"cause": str(terms.Cause.LOCAL_STATISTIC)}
-        else:
-            cause = {}
-        words = departure.words
-        if isinstance(rows[0].get("departs"), str):  # diverges: the step, then what departs first
-            words = f"{rows[0]['departs']}; at step 0: {words}"
-        for row in rows:
-            row.update(where=departure.where, departs=words, **cause)
-    return [row for rows in found for row in rows]
+        return choose(reference_run, loss_differs)
+    except measure.LossContractError as error:
+        raise CheckError(f"loss {name}: {error}") from None
+    except Exception as error:  # the factory refuses its arguments, the forward raises
+        raise CheckError(f"loss {name}: {cli.error_line(error)}") from None
 
 
-def _rows(
-    key: dict[str, Any],
+def _reproduce(
     measured: measure.Measured,
     reference: measure.Measured,
     forward: hypotheses.Forward,
     probed: Sequence[measure.Batch],
-    curves: tuple[Trained, Trained] | None,
-    in_group: bool = False,
-) -> list[dict[str, Any]]:
-    """A loss's rows at one W: the whole gradient's (``part`` ``all``), then each part's when
-    the gradient has several (docs/design.md §5, §6). ``curves``: the W-rank training run and
-    one device's, whose losses (divided by the scale) and final weights are compared.
-    ``in_group``: the reference ran in a one-rank process group, and so do the hypotheses'
-    one-device forwards."""
-    world_size = key["world_size"]
-    same, loss_diff = measure.same_forward(measured.loss, reference.loss)
-    forward_word = terms.Forward.SAME if same else terms.Forward.DIFFERS
-    cause, scale = None, None
-    if not same:  # reproduce it on one device, as the reference ran
-        with one_device(in_group):
-            cause, scale = hypotheses.cause(
-                (measured.loss, *measured.forwards), (reference.loss, *reference.forwards),
-                forward, probed, world_size,
-            )  # fmt: skip
-    whole = measure.classify(measured.gradient, reference.gradient, world_size)
-    parts = measure.classify_parts(measured.gradient, reference.gradient, reference.parts,
-                                   world_size)  # fmt: skip
-    if whole[0] == terms.GradientClass.BIASED and measure.single_factors(parts):
-        cause = terms.Cause.PARTS
-    shared = {**key, "forward": str(forward_word), "scale": scale, "cause": str(cause or ""),
-              "loss_diff": loss_diff, "error": ""}  # fmt: skip
+    world_size: int,
+    in_group: bool,
+) -> tuple[terms.Cause, float | None]:
+    """The cause of a loss's differing global loss, reproduced on one device as its reference
+    ran (`hypotheses.cause`, on the batches compared)."""
+    with one_device(in_group):
+        return hypotheses.cause(
+            (measured.loss, *measured.forwards), (reference.loss, *reference.forwards),
+            forward, probed, world_size,
+        )  # fmt: skip
 
-    def row(part: str, classified: tuple[str, float, float, float]) -> dict[str, Any]:
-        gradient, cosine, norm_ratio, max_rel_err = classified
-        return {**shared, "part": part, "gradient": str(gradient),
-                "verdict": verdict(forward_word, gradient, scale), "cosine": cosine,
-                "norm_ratio": norm_ratio, "max_rel_err": max_rel_err}  # fmt: skip
 
-    rows = [row(ALL_PARTS, whole)] + [row(part, numbers) for part, numbers in parts.items()]
-    if curves is not None:  # the run's curve as one device would log it: divided by the scale
-        run, one = curves
-        trained, reference_curve = run.losses, one.losses
-        factor = scale or 1.0
-        difference = max(abs(a / factor - b) for a, b in zip(trained, reference_curve, strict=True))
-        rows[0][TRAIN_COLUMN] = difference  # of the whole run: its parts have no curve of their own
-        # the last update shows in no loss: the final weights are compared too
-        weights = float((run.parameters - one.parameters).abs().max())
-        apart = difference > terms.FLOAT64 or weights > terms.FLOAT64
-        rows[0]["verdict"] = verdict(forward_word, whole[0], scale, apart)
-        if rows[0]["verdict"] == terms.DIVERGES:  # its first step, before where it departs
-            steps = zip(trained, reference_curve, strict=True)
-            first = next(
-                (k for k, (a, b) in enumerate(steps) if abs(a / factor - b) > terms.FLOAT64), None
-            )
-            rows[0]["departs"] = (
-                f"step {first} is the first whose loss leaves one device's"
-                if first is not None
-                else f"every step's loss is one device's, the final weights are not (max |Δ| "
-                f"{weights:.3g})"
-            )
-    return rows
+def _located(
+    loss: Recipe,
+    model: measure.ModelFactory,
+    batch: measure.Batch,
+    world_size: int,
+    seed: int,
+    in_group: bool,
+) -> where.Departure | None:
+    """Where a loss departs at one W: its operations recorded on one device (as its reference
+    ran) and on the W ranks, and the first that departs (`gatherlab.check.where`); None when
+    none does, or when the recording fails on a rank (the verdict stands, without a place)."""
+    view0, view1 = batch
+    try:
+        on_ranks = measure.traced_on_ranks({0: loss}, model, view0, view1, world_size, seed)
+    except RankError:
+        return None
+    with one_device(in_group):
+        one = measure.traced(loss, model, view0, view1, seed)
+    return where.departure(one, on_ranks[0], world_size, len(view0), FLOAT64_TOLERANCE)
 
 
 def check_loss(
@@ -641,7 +595,7 @@ def check_training(
             raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
         table = training.check(setting, world_sizes, applying, first, layout, micro_batches)
     table.attrs["trained"] = setting.label  # the diagnosis's advice depends on the form
-    blamed = table.loc[table["culprits"].str.contains(LOSS), "world_size"]
+    blamed = table.loc[table["culprits"].str.contains(terms.Culprit.LOSS), "world_size"]
     if options.loss_attr is not None and len(blamed):
         loss = AttributeOf(setting.built, options.loss_attr)
         table.attrs["loss_check"] = check_loss(

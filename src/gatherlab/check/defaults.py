@@ -32,7 +32,7 @@ TRAINING_STEPS = 20
 GLOBAL_BATCH_SIZE = 32
 """The samples per step, over all ranks, of a training step's check."""
 PRECISION = terms.Precision.FLOAT64
-"""The precision of a training step's check (judged to ``terms.TOLERANCE[PRECISION]``)."""
+"""The precision of a training step's check (judged to ``gradients.TOLERANCE[PRECISION]``)."""
 OPTIMIZER = "torch.optim:SGD"
 """The optimizer of a plain PyTorch step's check when none is given (as the loss check's SGD)."""
 OPTIMIZER_KWARGS = {"lr": 0.01}

@@ -14,19 +14,19 @@ from gatherlab.check.table import (
     ALL_PARTS,
     COLUMNS,
     EXACT,
-    LOSS,
     REFERENCE,
     REFERENCE_NOTES,
-    STEP_RANDOMNESS,
     TRAIN_COLUMN,
     trains_like_one_device,
 )  # fmt: skip
-from gatherlab.core import runfiles, terms
+from gatherlab.core import gradients, runfiles, terms
+from gatherlab.core.terms import Culprit
 from gatherlab.runs.removals import ALL, NONE, Removal
 
 # --- what each verdict means --------------------------------------------------------------------
 
-_FLOAT64 = f"{terms.FLOAT64:g}"  # the float64 bound of docs/design.md §2, as the texts write it
+# the float64 bound of docs/design.md §2, as the texts write it
+_FLOAT64 = f"{gradients.FLOAT64_TOLERANCE:g}"
 _GATHER_FIX = (
     "a gather whose backward sums every rank's gradient of each slice (gatherlab.gather.Fixed, "
     "or an autograd Function whose backward sums the gradient over the ranks "
@@ -305,7 +305,7 @@ PART_MEANINGS = {
 # when all of them are made.
 CULPRIT_DIAGNOSES = {
     **{removal: removal.diagnosis for removal in Removal},
-    STEP_RANDOMNESS: (
+    Culprit.STEP_RANDOMNESS: (
         "the training step draws from the global random streams (measured: its first loss on "
         "one device changes when only the streams' seed changes, dropout layers off), e.g. "
         "augmentations applied to the batch in the step: W ranks draw other numbers for a sample "
@@ -314,7 +314,7 @@ CULPRIT_DIAGNOSES = {
         "(seed, step, sample index), e.g. torch.Generator().manual_seed(...) per sample, or "
         "augment in the data set and check with the data_randomness removal."
     ),
-    LOSS: (
+    Culprit.LOSS: (
         "with batch norm, dropout and the data's randomness removed the run is still not exact: "
         "the loss itself, or how it communicates across ranks (its gather), breaks it."
     ),
@@ -639,7 +639,7 @@ def explain_training(table: pd.DataFrame) -> str:
     if loss_check is not None:
         lines.append("The loss on its own (gatherlab.check on the loss attribute):\n"
                      + explain(loss_check).rstrip())  # fmt: skip
-    elif LOSS in found and str(table.attrs.get("trained", "")).startswith("--module "):
+    elif Culprit.LOSS in found and str(table.attrs.get("trained", "")).startswith("--module "):
         # only a module has a loss attribute to name (a plain step or update has none)
         lines.append("  Name the module's loss attribute (--loss-attr) to check the loss alone.")
     if trains_like_one_device(table):

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gatherlab.core import terms
+from gatherlab.core.gradients import FLOAT64_TOLERANCE
 from gatherlab.core.terms import Cause
 from gatherlab.runs.record import mean_over_ranks
 
@@ -32,17 +33,15 @@ Forward = Callable[[torch.Tensor, torch.Tensor], float]
 """The loss of two views on one device, forward only."""
 Batch = tuple[torch.Tensor, torch.Tensor]
 
-TOLERANCE = terms.FLOAT64
-
-__all__ = ["TOLERANCE", "cause", "local_negatives", "micro_negatives", "pair_order", "scale"]
+__all__ = ["cause", "local_negatives", "micro_negatives", "pair_order", "scale"]
 
 
-def _close(value: float, target: float, tolerance: float = TOLERANCE) -> bool:
+def _close(value: float, target: float, tolerance: float = FLOAT64_TOLERANCE) -> bool:
     return abs(value - target) <= tolerance * max(abs(target), torch.finfo(torch.float64).tiny)
 
 
 def scale(
-    losses: Sequence[float], references: Sequence[float], tolerance: float = TOLERANCE
+    losses: Sequence[float], references: Sequence[float], tolerance: float = FLOAT64_TOLERANCE
 ) -> float | None:
     """c when every loss is c × its reference to a relative ``tolerance``, one c for all (c ≠ 1
     by more than that); None otherwise (also when a reference is 0)."""

@@ -1,19 +1,7 @@
 """A loss on W real gloo ranks against the same loss on one device, in float64: the global loss
 (the mean over ranks of what each rank's loss returns), the parameter gradient that DDP hands to
-the optimizer, and optionally a short training run (docs/design.md §1, §6). The gradient is
-classified:
-
-- ``exact``: max |g − g₁| / max |g₁| ≤ 1e-10 (summation order only);
-- ``none``: no gradient reaches the parameters at all (g = 0), whether one device has one or
-  not (nothing trains: never ``exact``);
-- ``1/W``: same direction (cosine ≥ 1 − 1e-12) and norm ratio 1/W to a relative 1e-10;
-- ``W``: same direction and norm ratio W to a relative 1e-10;
-- with K micro-batches per rank (``micro_batches``), the other named factors of `factors`
-  (``1/K``, ``K``, ``1/(W·K)``, ``W·K``, ``W/K``, ``K/W``; ``1/W = 1/K`` and ``W = K`` at
-  W = K): same direction and that norm ratio to a relative 1e-10;
-- ``biased``: a different direction (no rescaling repairs it);
-- ``other``: anything else: the same direction at a factor that no name gives (the factor is
-  the norm ratio), or a gradient where one device has none.
+the optimizer, and optionally a short training run (docs/design.md §1, §6). The gradient's class
+is `gatherlab.core.gradients.classify`'s.
 
 ``audit`` measures every gather × loss × world size (the gradient audit); ``gatherlab.check``
 measures any loss. Losses are ``Recipe`` objects, built inside each rank; the ranks run in
@@ -34,8 +22,9 @@ from torch import nn
 from gatherlab.components.data import GlobalBatchSampler
 from gatherlab.components.factory import Recipe
 from gatherlab.core import terms
+from gatherlab.core.gradients import Layout, classify
 from gatherlab.core.runfiles import Trained
-from gatherlab.core.terms import Factor, GradientClass, Style, World
+from gatherlab.core.terms import Style, World
 from gatherlab.gather import CLASSES, STYLES, GatherFn, rule
 from gatherlab.ranks import simworld, world
 from gatherlab.ranks.external import ranks_for
@@ -46,11 +35,6 @@ from gatherlab.runs.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
-EXACT_RELATIVE_ERROR = terms.FLOAT64
-PARALLEL_COSINE = 1 - 1e-12
-NORM_RATIO_TOLERANCE = terms.FLOAT64
-# The global loss on W ranks against the 1-device loss: the same up to summation order.
-FORWARD_RELATIVE_TOLERANCE = terms.FLOAT64
 NO_PREDICTION = "no prediction"
 COLUMNS = (
     "gather", "loss", "style", "world_size", "world", "predicted", "measured", "cosine",
@@ -67,9 +51,7 @@ __all__ = [
     "LossContractError",
     "Measured",
     "audit",
-    "classify",
-    "factor_name",
-    "factors",
+    "forward_on_one_device",
     "global_batches",
     "measure",
     "measure_on_ranks",
@@ -77,10 +59,6 @@ __all__ = [
     "train",
     "validate_world_sizes",
 ]  # fmt: skip
-
-
-Layout = dict[str, list[tuple[int, int]]]
-"""The parts of a flattened gradient: each part's name and its ranges (start, stop) in it."""
 
 
 @dataclass(frozen=True)
@@ -114,14 +92,6 @@ def _part_of_loss_check(name: str) -> str:
     return "model" if name.startswith("model.") else name
 
 
-def split(gradient: torch.Tensor, parts: Layout) -> dict[str, torch.Tensor]:
-    """Each part's gradient, in the order of ``parts``."""
-    return {
-        name: torch.cat([gradient[start:stop] for start, stop in ranges])
-        for name, ranges in parts.items()
-    }
-
-
 def measure(
     loss: Recipe,
     model_factory: ModelFactory,
@@ -152,7 +122,7 @@ def measure(
     return Measured(loss_value, flat_gradient(whole.parameters()).cpu(), forwards, parts)
 
 
-def one_device(
+def forward_on_one_device(
     loss: Recipe, model_factory: ModelFactory, seed: int
 ) -> Callable[[torch.Tensor, torch.Tensor], float]:
     """The loss of two views on one device, forward only, with the weights of ``measure``: the
@@ -333,93 +303,6 @@ def validate_world_sizes(world_sizes: Sequence[int], global_batch_size: int, bat
             )
 
 
-def same_forward(loss: float, reference: float) -> tuple[bool, float]:
-    """Whether a global loss is the reference's up to summation order, and its relative
-    difference."""
-    difference = abs(loss - reference) / max(abs(reference), torch.finfo(torch.float64).tiny)
-    return difference <= FORWARD_RELATIVE_TOLERANCE, difference
-
-
-def _near(ratio: float, expected: float) -> bool:
-    return abs(ratio / expected - 1) <= NORM_RATIO_TOLERANCE
-
-
-def cosine_and_norm_ratio(vector: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
-    """The cosine of ``vector`` with a nonzero ``reference`` (NaN for a zero vector) and the
-    ratio of their norms."""
-    norm, reference_norm = torch.linalg.vector_norm(vector), torch.linalg.vector_norm(reference)
-    cosine = float(vector @ reference / (norm * reference_norm)) if norm > 0 else float("nan")
-    return cosine, float(norm / reference_norm)
-
-
-def factors(world_size: int, micro_batches: int = 1) -> dict[str, float]:
-    """The named constant factors of a gradient on ``world_size`` ranks that each accumulate
-    ``micro_batches`` micro-batches, name → c, in the order a norm ratio is matched
-    (docs/design.md §1): those of one axis (1/W, W, 1/K, K), then those of both (1/(W·K), W·K,
-    W/K, K/W). A name is there only when every axis it involves is ≥ 2 and its c is not 1, so
-    with ``micro_batches=1`` only 1/W and W (none at W = 1). Where two names give one c, the
-    first keeps it (K, not W/K, at W = K²; W, not K/W, at K = W²), except at W = K, where 1/W
-    and 1/K (W and K) are one name, ``1/W = 1/K`` (``W = K``): no measurement tells them apart
-    there, another (W, K) does."""
-    both = world_size >= 2 and micro_batches >= 2
-    candidates: list[tuple[str, float]] = []
-    if both and world_size == micro_batches:
-        candidates += [(Factor.ONE_OVER_W_OR_K, 1 / world_size), (Factor.W_OR_K, world_size)]
-    else:
-        if world_size >= 2:
-            candidates += [(GradientClass.ONE_OVER_W, 1 / world_size)]
-            candidates += [(GradientClass.W, world_size)]
-        if micro_batches >= 2:
-            candidates += [(Factor.ONE_OVER_K, 1 / micro_batches), (Factor.K, micro_batches)]
-    if both:
-        product, quotient = world_size * micro_batches, world_size / micro_batches
-        candidates += [(Factor.ONE_OVER_W_K, 1 / product), (Factor.W_K, product),
-                       (Factor.W_OVER_K, quotient), (Factor.K_OVER_W, 1 / quotient)]  # fmt: skip
-    named: dict[str, float] = {}
-    for name, c in candidates:
-        if not _near(c, 1) and not any(_near(c, kept) for kept in named.values()):
-            named[name] = c
-    return named
-
-
-def factor_name(ratio: float, world_size: int, micro_batches: int = 1) -> str | None:
-    """The name of the constant factor ``ratio`` on this layout (`factors`, to a relative 1e-10),
-    or None when no name gives it."""
-    for name, c in factors(world_size, micro_batches).items():
-        if _near(ratio, c):
-            return name
-    return None
-
-
-def classify(
-    gradient: torch.Tensor, reference: torch.Tensor, world_size: int, micro_batches: int = 1
-) -> tuple[str, float, float, float]:
-    """The class of ``gradient`` against ``reference`` on ``world_size`` ranks that each
-    accumulate ``micro_batches`` micro-batches, with cosine, norm ratio, max rel. error: a
-    gradient parallel to the reference at a named factor (`factors`) is named by it, at any other
-    factor ``other`` (the factor is its norm ratio). No gradient on either side is ``none``,
-    never ``exact``: nothing trains (cosine, norm ratio and max rel. error NaN, as for any zero
-    reference)."""
-    axes = (world_size, micro_batches)
-    if float(torch.linalg.vector_norm(reference)) == 0:  # no gradient on one device either
-        measured = GradientClass.NONE if gradient.abs().max() == 0 else GradientClass.OTHER
-        return measured, float("nan"), float("nan"), float("nan")
-    cosine, norm_ratio = cosine_and_norm_ratio(gradient, reference)
-    norm = float(torch.linalg.vector_norm(gradient))
-    max_rel_err = float((gradient - reference).abs().max() / reference.abs().max())
-    if max_rel_err <= EXACT_RELATIVE_ERROR:
-        measured = GradientClass.EXACT
-    elif norm == 0:
-        measured = GradientClass.NONE
-    elif cosine >= PARALLEL_COSINE and (named := factor_name(norm_ratio, *axes)) is not None:
-        measured = named
-    elif cosine < PARALLEL_COSINE:
-        measured = GradientClass.BIASED
-    else:
-        measured = GradientClass.OTHER
-    return measured, cosine, norm_ratio, max_rel_err
-
-
 def style(factory: Recipe | Callable[..., nn.Module]) -> Style | None:
     """The loss style a loss class declares (``style``: local, global or mixed), if any; a
     ValueError of one line for another value."""
@@ -502,31 +385,3 @@ def global_batches(dataset, global_batch_size: int, seed: int, shuffle: bool, st
         items = [dataset[key] for key in keys]
         batches.append((torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])))
     return batches
-
-
-def classify_parts(
-    gradient: torch.Tensor,
-    reference: torch.Tensor,
-    parts: Layout | None,
-    world_size: int,
-    micro_batches: int = 1,
-) -> dict[str, tuple[str, float, float, float]]:
-    """Each part's class against the reference's same part (`classify`), when the gradient has
-    more than one part; nothing for one part (the whole is that part)."""
-    if parts is None or len(parts) < 2:
-        return {}
-    mine, theirs = split(gradient, parts), split(reference, parts)
-    return {name: classify(mine[name], theirs[name], world_size, micro_batches) for name in parts}
-
-
-SINGLE_FACTORS = {
-    GradientClass.EXACT, GradientClass.ONE_OVER_W, GradientClass.W, GradientClass.NONE, *Factor,
-}  # fmt: skip
-
-
-def single_factors(parts: Mapping[str, tuple[str, float, float, float]]) -> bool:
-    """Whether every part's gradient (`classify_parts`) is one named factor of one device's
-    (exact, 1/W, W, a `Factor` such as K, or none) and the factors differ: their sum then points
-    elsewhere (``biased``), and the parts say why."""
-    classes = {numbers[0] for numbers in parts.values()}
-    return len(classes) > 1 and classes <= SINGLE_FACTORS

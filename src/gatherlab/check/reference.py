@@ -21,29 +21,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Generic, TypeVar
 
 import torch
 
 from gatherlab.check import measure
-from gatherlab.core import cli, terms
+from gatherlab.core import cli, gradients
 from gatherlab.core.runfiles import Trained
-from gatherlab.core.terms import GradientClass
+from gatherlab.core.terms import GradientClass, ReferenceMode
 from gatherlab.ranks import world
 
 __all__ = [
-    "Mode", "Reference", "choose", "loss_differs", "one_device", "training_differs",
+    "Reference", "choose", "loss_differs", "one_device", "training_differs",
 ]  # fmt: skip
 
 T = TypeVar("T")
-
-
-class Mode(StrEnum):
-    """How the one-device reference ran (the ``reference`` column of ``check.csv``)."""
-
-    NO_GROUP = "no group"
-    ONE_RANK_GROUP = "one-rank group"
 
 
 def one_device(in_group: bool) -> contextlib.AbstractContextManager[None]:
@@ -66,8 +58,8 @@ class Reference(Generic[T]):
     group_differs: str | None = None
 
     @property
-    def mode(self) -> Mode:
-        return Mode.ONE_RANK_GROUP if self.in_group else Mode.NO_GROUP
+    def mode(self) -> ReferenceMode:
+        return ReferenceMode.ONE_RANK_GROUP if self.in_group else ReferenceMode.NO_GROUP
 
 
 def choose(
@@ -102,13 +94,13 @@ def choose(
 
 
 def _gradient(grouped: torch.Tensor, plain: torch.Tensor) -> str | None:
-    """The group's gradient against the plain run's (`measure.classify` with W = 1), in words;
+    """The group's gradient against the plain run's (`gradients.classify` with W = 1), in words;
     None when they agree (the same to 1e-10, or no gradient in either)."""
     if not grouped.any() and not plain.any():
         return None
     if not plain.any():
         return "the gradient in a one-rank group is not zero, while the plain run has none"
-    measured, cosine, norm_ratio, _ = measure.classify(grouped, plain, 1)
+    measured, cosine, norm_ratio, _ = gradients.classify(grouped, plain, 1)
     if measured == GradientClass.EXACT:
         return None
     if measured == GradientClass.NONE:
@@ -122,10 +114,10 @@ def _gradient(grouped: torch.Tensor, plain: torch.Tensor) -> str | None:
 
 
 def _losses(grouped: Sequence[float], plain: Sequence[float], what: str) -> str | None:
-    """The group's losses against the plain run's (`measure.same_forward`), in words; None when
+    """The group's losses against the plain run's (`gradients.same_forward`), in words; None when
     each is the same to a relative 1e-10."""
-    differences = [measure.same_forward(g, p)[1] for g, p in zip(grouped, plain, strict=True)]
-    if all(d <= measure.FORWARD_RELATIVE_TOLERANCE for d in differences):
+    differences = [gradients.same_forward(g, p)[1] for g, p in zip(grouped, plain, strict=True)]
+    if all(d <= gradients.FLOAT64_TOLERANCE for d in differences):
         return None
     return f"{what} in a one-rank group differs (relative difference up to {max(differences):.2g})"
 
@@ -151,7 +143,7 @@ def loss_differs(
 ) -> str | None:
     """A loss's one-device measurement (and training run, with ``steps``) in a one-rank group
     against the plain run's: the loss of each batch compared (relative 1e-10), the gradient
-    (`measure.classify`), every step's loss and the final parameters (1e-10); in words, None when
+    (`gradients.classify`), every step's loss and the final parameters (1e-10); in words, None when
     they agree."""
     (measured, trained), (reference, reference_trained) = grouped, plain
     found = [
@@ -160,14 +152,16 @@ def loss_differs(
         _gradient(measured.gradient, reference.gradient),
     ]  # fmt: skip
     if trained is not None and reference_trained is not None:
-        found += _trained(trained, reference_trained, terms.FLOAT64, "training losses")
+        found += _trained(
+            trained, reference_trained, gradients.FLOAT64_TOLERANCE, "training losses"
+        )
     found = [words for words in found if words]
     return "; ".join(found) if found else None
 
 
 def training_differs(grouped: Trained, plain: Trained, tolerance: float) -> str | None:
     """A training step's one-device run in a one-rank group against the plain run: the first
-    gradient (`measure.classify`), every step's loss and the final parameters (to
+    gradient (`gradients.classify`), every step's loss and the final parameters (to
     ``tolerance``); in words, None when they agree."""
     found = [_gradient(grouped.first_gradient, plain.first_gradient)]
     found += _trained(grouped, plain, tolerance, "losses")

@@ -1,12 +1,14 @@
-"""The table of a check (``check.csv``): its columns, the verdict of a row, the row of a world size
-whose ranks raised, and whether a table says "trains like one device". Each is decided here and
-only here, for the check of a loss or gather (`gatherlab.check.api`) and of a training step
-(`gatherlab.check.training`); `gatherlab.check.diagnosis` puts them into words."""
+"""The table of a check (``check.csv``): its columns, its typed row (`Row`) and the one conversion
+of rows to the table (`frame`), the verdict of a row, the row of a world size whose ranks raised,
+and whether a table says "trains like one device". Rows are made by `gatherlab.check.judge` for
+every form of the check; `gatherlab.check.diagnosis` puts them into words (docs/design.md §5)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -14,9 +16,9 @@ from gatherlab.core import cli, terms
 from gatherlab.runs.removals import NONE
 
 __all__ = [
-    "ALL_PARTS", "COLUMNS", "EXACT", "LOSS", "REFERENCE", "REFERENCE_NOTES", "STEP_RANDOMNESS",
-    "TRAINS_LIKE_ONE_DEVICE", "TRAIN_COLUMN", "failed_row", "trains_like_one_device", "verdict",
-    "with_reference_notes",
+    "ALL_PARTS", "COLUMNS", "EXACT", "MICRO_BATCHES", "REFERENCE", "REFERENCE_NOTES",
+    "TRAINING_COLUMNS", "TRAINS_LIKE_ONE_DEVICE", "TRAIN_COLUMN", "Row", "failed_row", "frame",
+    "trains_like_one_device", "verdict", "with_reference_notes",
 ]  # fmt: skip
 
 EXACT = terms.GradientClass.EXACT
@@ -24,7 +26,7 @@ ALL_PARTS = "all"
 """The ``part`` of a row about the whole gradient (the rows of a check before parts existed)."""
 
 REFERENCE = "reference"
-"""The column that says how the one-device reference ran (`gatherlab.check.reference.Mode`)."""
+"""The column that says how the one-device reference ran (`gatherlab.core.terms.ReferenceMode`)."""
 
 COLUMNS = (
     "loss", "gather", "world_size", "part", "forward", "gradient", "verdict", "scale", "cause",
@@ -48,19 +50,68 @@ code that raises without one; `gatherlab.check.reference`); ``where`` the first 
 departs from one device (``file:line  op``) and ``departs`` what differs there, in words, empty
 where the verdict is exact or nothing departs (`gatherlab.check.where`) (docs/design.md §5, §6)."""
 TRAIN_COLUMN = "train_max_abs_loss_diff"
+MICRO_BATCHES = "micro_batches"
+TRAINING_COLUMNS = (
+    *COLUMNS[:3], MICRO_BATCHES, *COLUMNS[3:], TRAIN_COLUMN, "removed", "culprits",
+    "first_diff_step", "max_abs_param_diff",
+)  # fmt: skip
+"""The columns of a training step's check: the loss check's, with ``micro_batches`` (K, the
+micro-batches of each rank's update: 1 but for the whole-update form) after ``world_size``, then
+``train_max_abs_loss_diff``, ``removed``, ``culprits`` (``;``-separated), ``first_diff_step``
+(the first step whose loss leaves one device's) and ``max_abs_param_diff`` (the final weights)."""
+
+NOT_MEASURED = math.nan
+"""A field a row has no value for (a failed row's numbers, a part's training curve): an empty
+cell of the table, as pandas writes one."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a check's table: its fields are the columns of `COLUMNS` and `TRAINING_COLUMNS`
+    (each table takes its own), and ``first_loss``, the run's first global loss, which no column
+    holds (the cause of a whole update's differing loss is read from it). A field left at
+    `NOT_MEASURED` is an empty cell."""
+
+    loss: str
+    gather: str
+    world_size: int
+    reference: str
+    micro_batches: int = 1
+    removed: str = NONE
+    part: str = ALL_PARTS
+    forward: str = ""
+    gradient: str = ""
+    verdict: str = ""
+    scale: float | None = NOT_MEASURED
+    cause: str = ""
+    loss_diff: float = NOT_MEASURED
+    cosine: float = NOT_MEASURED
+    norm_ratio: float = NOT_MEASURED
+    max_rel_err: float = NOT_MEASURED
+    error: str = ""
+    where: str | float = NOT_MEASURED
+    departs: str | float = NOT_MEASURED
+    train_max_abs_loss_diff: float = NOT_MEASURED
+    culprits: str = ""
+    first_diff_step: int | float | None = NOT_MEASURED
+    max_abs_param_diff: float = NOT_MEASURED
+    first_loss: float = NOT_MEASURED
+
+
+def frame(rows: Sequence[Row], columns: Sequence[str]) -> pd.DataFrame:
+    """The table of these rows with these columns, in order: the one place rows become
+    ``check.csv``'s table. ``first_diff_step`` is a nullable integer (empty: every step agrees)."""
+    table = pd.DataFrame([dataclasses.asdict(row) for row in rows], columns=list(columns))
+    if "first_diff_step" in table:
+        table["first_diff_step"] = table["first_diff_step"].astype("Int64")
+    return table
+
 
 REFERENCE_NOTES = "reference_notes"
 """The key of ``table.attrs`` that holds, per loss (or step) whose reference says more than its
 ``reference`` column, the words the printed text adds: ``why`` (the plain run's error line, when
 the reference needed a group) and ``group_differs`` (what differs in a one-rank group). Words to
 print only: ``check.csv`` holds the ``reference`` column, not these."""
-
-# The culprits of a training step that are no removal (docs/design.md §10): the loss itself (or
-# how it communicates across ranks), left when every removal is made and the run is still not
-# exact; the step's own draws from the global random streams, named instead of the loss when the
-# step makes them (no removal takes that out).
-LOSS = "loss"
-STEP_RANDOMNESS = "step_randomness"
 
 TRAINS_LIKE_ONE_DEVICE = frozenset({EXACT, terms.LOSS_SCALED})
 """The verdicts of a world size that trains like one device: ``loss scaled`` only logs a scaled
@@ -88,13 +139,10 @@ def verdict(forward: str, gradient: str, scale: float | None = None, apart: bool
     return str(first)
 
 
-def failed_row(key: dict[str, Any], error: BaseException) -> dict[str, Any]:
+def failed_row(key: Row, error: BaseException) -> Row:
     """The row of a world size whose ranks raised (``key``: its loss, gather, world size and, for
     a training step, its run): ``failed``, and the rank's error line."""
-    return {
-        **key, "part": ALL_PARTS, "forward": "", "gradient": "", "verdict": str(terms.FAILED),
-        "cause": "", "error": cli.first_line(error),
-    }  # fmt: skip
+    return dataclasses.replace(key, verdict=str(terms.FAILED), error=cli.first_line(error))
 
 
 def with_reference_notes(

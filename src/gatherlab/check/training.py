@@ -7,7 +7,8 @@ trained by the training layer, whichever form they are (`gatherlab.runs.spec.Ste
 ``ranks_for(W).run(form.train_on_rank, spec)``.
 
 ``gatherlab.check.check_training`` is the API and ``python -m gatherlab.check --module`` the
-command line; this module trains and compares, and says nothing in words.
+command line; this module trains and names the culprits, `gatherlab.check.judge` judges each run,
+and nothing here says anything in words.
 """
 
 from __future__ import annotations
@@ -23,40 +24,30 @@ from typing import Any
 import pandas as pd
 import torch
 
-from gatherlab.check import hypotheses, measure, where
+from gatherlab.check import measure, where
+from gatherlab.check.judge import judge
 from gatherlab.check.reference import Reference, choose, one_device, training_differs
 from gatherlab.check.table import (
-    ALL_PARTS,
     EXACT,
-    LOSS,
-    REFERENCE,
-    STEP_RANDOMNESS,
-    TRAIN_COLUMN,
+    TRAINING_COLUMNS,
     TRAINS_LIKE_ONE_DEVICE,
+    Row,
     failed_row,
-    verdict,
+    frame,
     with_reference_notes,
 )  # fmt: skip
-from gatherlab.check.table import COLUMNS as LOSS_COLUMNS
 from gatherlab.components.factory import Recipe
-from gatherlab.core import cli, terms
+from gatherlab.core import cli, gradients, terms
 from gatherlab.core.runfiles import Trained
+from gatherlab.core.terms import Culprit
 from gatherlab.ranks.external import ranks_for
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import plainstep, removals
 from gatherlab.runs import update as update_form
 from gatherlab.runs.spec import RunSpec, StepForm, TracedForm
 
-MICRO_BATCHES = "micro_batches"
-COLUMNS = (
-    *LOSS_COLUMNS[:3], MICRO_BATCHES, *LOSS_COLUMNS[3:], TRAIN_COLUMN, "removed", "culprits",
-    "first_diff_step", "max_abs_param_diff",
-)  # fmt: skip
-"""The columns of a training step's check: the loss check's, with ``micro_batches`` (K, the
-micro-batches of each rank's update: 1 but for the whole-update form) after ``world_size``."""
-
 __all__ = [
-    "COLUMNS", "Setting", "check", "first_reference", "located", "reference",
+    "Setting", "check", "first_reference", "located", "reference",
     "validate",
 ]  # fmt: skip
 
@@ -168,19 +159,6 @@ def _train(
     return ranks_for(world_size).run(setting.form.train_on_rank, spec)[0]
 
 
-def _curves(
-    run: Trained, reference: Trained, tolerance: float
-) -> tuple[float | None, list[float], int | None]:
-    """The training curves compared: the constant c when every step's loss is c × one device's
-    (else None), each step's |Δloss| with the run's loss divided by c, and the first step where
-    that exceeds ``tolerance`` (None when every step agrees)."""
-    scale = hypotheses.scale(run.losses, reference.losses, tolerance)
-    factor = scale or 1.0
-    differences = [abs(a / factor - b) for a, b in zip(run.losses, reference.losses, strict=True)]
-    first = next((step for step, d in enumerate(differences) if d > tolerance), None)
-    return scale, differences, first
-
-
 def _validate_layouts(
     setting: Setting, world_sizes: Sequence[int], micro_batches: Sequence[int]
 ) -> None:
@@ -216,79 +194,6 @@ def _validate_layouts(
             ) from None
 
 
-def _compare(
-    run: Trained,
-    reference: Trained,
-    world_size: int,
-    tolerance: float,
-    layout: measure.Layout,
-    micro_batches: int = 1,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A W-rank run against its 1-device reference: the row's numbers and its verdict, and the
-    numbers of each part of the first gradient when it has several. Losses that are c × one
-    device's at every step are compared divided by c (``loss scaled`` when the rest is exact).
-    The forward is the first step's loss, ``same`` within ``tolerance`` as every step's is."""
-    scale, differences, first = _curves(run, reference, tolerance)
-    same = abs(run.losses[0] - reference.losses[0]) <= tolerance
-    forward = terms.Forward.SAME if same else terms.Forward.DIFFERS
-    loss_diff = measure.same_forward(run.losses[0], reference.losses[0])[1]
-    classified = measure.classify(
-        run.first_gradient, reference.first_gradient, world_size, micro_batches
-    )
-    gradient = classified[0]
-    parameters = float((run.parameters - reference.parameters).abs().max())
-    apart = first is not None or parameters > tolerance
-    numbers = {
-        # the table holds the words as plain strings (each a member's value)
-        "forward": str(forward),
-        "verdict": verdict(forward, gradient, scale, apart),
-        "scale": scale,
-        "cause": str(terms.Cause.SCALED) if scale is not None else "",
-        "loss_diff": loss_diff,
-        "first_loss": run.losses[0],
-        "error": "",
-        TRAIN_COLUMN: max(differences),
-        "first_diff_step": first,
-        "max_abs_param_diff": parameters,
-        **_gradient_numbers(classified),
-    }
-    classified_parts = _classified_parts(run, reference, layout, world_size, micro_batches)
-    if gradient == terms.GradientClass.BIASED and measure.single_factors(classified_parts):
-        numbers["cause"] = str(terms.Cause.PARTS)
-    by_part = [
-        {
-            "part": part,
-            **_gradient_numbers(numbers_),
-            "verdict": verdict(forward, numbers_[0], scale),
-        }
-        for part, numbers_ in classified_parts.items()
-    ]
-    return numbers, by_part
-
-
-def _classified_parts(
-    run: Trained,
-    reference: Trained,
-    layout: measure.Layout,
-    world_size: int,
-    micro_batches: int = 1,
-) -> dict[str, tuple[str, float, float, float]]:
-    """Each part's class of the first gradient (`measure.classify_parts`), when the run kept the
-    module's parameters (a removal may replace a layer and its parameters with it)."""
-    total = sum(stop - start for ranges in layout.values() for start, stop in ranges)
-    if len(run.first_gradient) != total:
-        return {}
-    return measure.classify_parts(
-        run.first_gradient, reference.first_gradient, layout, world_size, micro_batches
-    )
-
-
-def _gradient_numbers(classified: tuple[str, float, float, float]) -> dict[str, Any]:
-    gradient, cosine, norm_ratio, max_rel_err = classified
-    return {"gradient": str(gradient), "cosine": cosine, "norm_ratio": norm_ratio,
-            "max_rel_err": max_rel_err}  # fmt: skip
-
-
 def _culprits(
     verdicts: dict[str, str], applying: Sequence[removals.Removal], step_random: bool
 ) -> list[str]:
@@ -304,7 +209,7 @@ def _culprits(
     if not found and everything == EXACT:
         found = list(applying)
     if everything != EXACT:
-        found.append(STEP_RANDOMNESS if step_random else LOSS)
+        found.append(Culprit.STEP_RANDOMNESS if step_random else Culprit.LOSS)
     return found
 
 
@@ -347,7 +252,7 @@ def first_reference(setting: Setting) -> Reference[Trained]:
     without a process group, or in a one-rank group when the step raises without one; when both
     run, what differs between them (`reference.training_differs`, to the precision's
     tolerance)."""
-    tolerance = terms.TOLERANCE[setting.spec.precision]
+    tolerance = gradients.TOLERANCE[setting.spec.precision]
     return choose(
         lambda: _train(setting, removals.NONE, 1),
         lambda grouped, plain: training_differs(grouped, plain, tolerance),
@@ -369,7 +274,7 @@ def located(setting: Setting, world_size: int, in_group: bool) -> where.Departur
     with one_device(in_group):
         one = setting.form.trace_on_rank(setting.spec)
     spec = setting.spec
-    tolerance = terms.TOLERANCE[spec.precision]
+    tolerance = gradients.TOLERANCE[spec.precision]
     return where.departure(one, ranks, world_size, spec.global_batch_size, tolerance)
 
 
@@ -412,26 +317,6 @@ def layouts(world_sizes: Sequence[int], micro_batches: Sequence[int]) -> list[tu
     return [(w, k) for w in world_sizes for k in micro_batches if (w, k) != (1, 1)]
 
 
-def _reproduce_accumulation(
-    setting: Setting,
-    kept: dict[str, Any],
-    by_part: list[dict[str, Any]],
-    first: Reference[Trained],
-    tolerance: float,
-) -> None:
-    """The cause of a whole update's differing first loss when no constant factor explains it:
-    ``micro_negatives`` when `micro_negatives` reproduces it (to ``tolerance``, relative)."""
-    if kept["cause"] or kept["micro_batches"] == 1:
-        return
-    measured = kept["first_loss"]  # the layout's first global loss (no column of its own)
-    for value in micro_negatives(setting, kept["world_size"], kept["micro_batches"],
-                                 first.in_group):  # fmt: skip
-        if abs(value - measured) <= tolerance * max(abs(value), 1e-300):
-            for row in [kept, *by_part]:
-                row["cause"] = str(terms.Cause.MICRO_NEGATIVES)
-            return
-
-
 def check(
     setting: Setting,
     world_sizes: Sequence[int],
@@ -440,54 +325,53 @@ def check(
     layout: measure.Layout | None = None,
     micro_batches: Sequence[int] = (1,),
 ) -> pd.DataFrame:
-    """The check's table (``COLUMNS``): for every layout (W, K) (`layouts`; K, the micro-batches
-    of a whole update, is 1 for the other forms) the row of its run without removals, its parts'
-    rows (``layout``, when the gradient has several) and, when that run is not exact, a row per
-    run with removals (each that applies, then all); ``culprits`` on every row of a layout; a
-    layout whose ranks raised has one ``failed`` row. ``first`` is the 1-device run without removals
-    as `first_reference` chose it (made here when None); the runs with removals on one device
-    run as it ran, and its notes go to ``table.attrs`` (`table.with_reference_notes`)."""
-    tolerance = terms.TOLERANCE[setting.spec.precision]
+    """The check's table (`TRAINING_COLUMNS`): for every layout (W, K) (`layouts`; K, the
+    micro-batches of a whole update, is 1 for the other forms) the rows of its run without
+    removals (`judge.judge`: the whole, then its parts of ``layout`` when the gradient has several)
+    and, when that run is not exact, a row per run with removals (each that applies, then all);
+    ``culprits`` on every row of a layout; a layout whose ranks raised has one ``failed`` row.
+    ``first`` is the 1-device run without removals as `first_reference` chose it (made here when
+    None); the runs with removals on one device run as it ran, and its notes go to
+    ``table.attrs`` (`table.with_reference_notes`)."""
+    tolerance = gradients.TOLERANCE[setting.spec.precision]
     first = first_reference(setting) if first is None else first
     references = {removals.NONE: first.value}
     mode = str(first.mode)
-    rows = []
+    rows: list[Row] = []
 
-    def row(removed: str, world_size: int, k: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def judged(removed: str, world_size: int, k: int) -> list[Row]:
         if removed not in references:
             references[removed] = reference(setting, removed, first.in_group)
         run = _train(setting, removed, world_size, first.in_group, k)
-        numbers, by_part = _compare(run, references[removed], world_size, tolerance, layout or {},
-                                    k)  # fmt: skip
-        key = {"loss": setting.name, "gather": "native", "world_size": world_size,
-               MICRO_BATCHES: k, "removed": removed, REFERENCE: mode}  # fmt: skip
-        whole = {**key, "part": ALL_PARTS, **numbers}
-        return whole, [{**whole, **part} for part in by_part]
+        kept = removed == removals.NONE  # only the run without removals is explained further
+        accumulated = kept and setting.update is not None and k > 1
+        located_here = kept and world_size > 1
+        return judge(
+            run, references[removed], key(removed, world_size, k),
+            tolerance=tolerance, layout=layout or {},
+            accumulated=functools.partial(micro_negatives, setting, world_size, k, first.in_group)
+            if accumulated else None,
+            where=functools.partial(located, setting, world_size, first.in_group)
+            if located_here else None,
+        )  # fmt: skip
+
+    def key(removed: str, world_size: int, k: int) -> Row:
+        return Row(setting.name, "native", world_size, mode, micro_batches=k, removed=removed)
 
     with_removals = [*applying, removals.ALL] if len(applying) > 1 else list(applying)
     step_random = functools.cache(lambda: step_draws_randomness(setting, first.in_group))  # once
     for world_size, k in layouts(world_sizes, micro_batches):
         try:
-            kept, by_part = row(removals.NONE, world_size, k)
-            measured = [kept]
-            if kept["verdict"] not in TRAINS_LIKE_ONE_DEVICE:
-                measured += [row(removed, world_size, k)[0] for removed in with_removals]
+            kept = judged(removals.NONE, world_size, k)
+            measured = [kept[0]]
+            if kept[0].verdict not in TRAINS_LIKE_ONE_DEVICE:
+                measured += [judged(removed, world_size, k)[0] for removed in with_removals]
         except RankError as error:
-            key = {"loss": setting.name, "gather": "native", "world_size": world_size,
-                   MICRO_BATCHES: k, "removed": removals.NONE, REFERENCE: mode}  # fmt: skip
-            rows.append({**failed_row(key, error), "culprits": ""})
+            rows.append(failed_row(key(removals.NONE, world_size, k), error))
             continue
-        if setting.update is not None and kept["forward"] == terms.Forward.DIFFERS:
-            _reproduce_accumulation(setting, kept, by_part, first, tolerance)
-        verdicts = {r["removed"]: r["verdict"] for r in measured}
+        verdicts = {r.removed: r.verdict for r in measured}
         exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
         culprits = ";".join([] if exact else _culprits(verdicts, applying, step_random()))
-        if kept["verdict"] != EXACT and world_size > 1:  # where the run without removals departs
-            departure = located(setting, world_size, first.in_group)
-            if departure is not None:
-                for r in [kept, *by_part]:
-                    r.update(where=departure.where, departs=departure.words)
-        rows += [{**r, "culprits": culprits} for r in [kept, *by_part, *measured[1:]]]
-    table = pd.DataFrame(rows, columns=list(COLUMNS))
-    table["first_diff_step"] = table["first_diff_step"].astype("Int64")  # none: every step agrees
+        rows += [dataclasses.replace(r, culprits=culprits) for r in [*kept, *measured[1:]]]
+    table = frame(rows, TRAINING_COLUMNS)
     return with_reference_notes(table, {setting.name: (first.why, first.group_differs)})

@@ -5,9 +5,9 @@ device's, named by the code's ``file:line`` and the operation, with what differs
 code with the same weights: one device on the whole global batch of N rows, each rank r on its
 rows r·B … (r+1)·B − 1.
 
-- **Alignment.** Each rank's records are aligned with one device's by (operation, file:line) as a
-  longest common subsequence: an operation only one side runs (a gather, where one device has no
-  process group) is left out, its neighbours still paired.
+- **Alignment.** Each rank's records are aligned with one device's by (operation, file:line), in
+  the matching blocks of difflib's ``SequenceMatcher``: an operation only one side runs (a gather,
+  where one device has no process group) is left out, its neighbours still paired.
 - **The corresponding part.** A rank's result is compared with the same tensor of one device
   (equal shapes), or with the rank's part of it: in each dimension that is W times larger on one
   device, the rank's contiguous block r, or, for a dimension of k·B rows (two views concatenated),
@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gatherlab.core import gradients
+from gatherlab.core.terms import DepartureKind
 from gatherlab.runs.trace import INPUT, Op
 
 __all__ = ["Departure", "align", "backward", "departure", "forward", "part_of"]
@@ -45,7 +47,6 @@ _LINEAR = frozenset({
     "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__neg__", "reshape", "view",
     "squeeze", "flatten", "clone", "to", "double", "float", "__getitem__",
 })  # fmt: skip
-PARALLEL_COSINE = 1 - 1e-12
 # The most blocks of N rows a tensor is taken to stack (views or crops concatenated); more is taken
 # as a flattened tensor, whose rows are lost.
 _MAX_BLOCKS = 16
@@ -54,15 +55,11 @@ _MAX_BLOCKS = 16
 @dataclass(frozen=True)
 class Departure:
     """Where a run departs: ``where`` is ``file:line  op`` (the ``where`` column of check.csv),
-    ``words`` what differs, in a sentence; ``kind`` what sort of departure: ``statistic`` (a
-    reduction or normalisation over the rank's part of one device's input), ``order`` (one
-    device's rows in another order), ``input`` (what the code is given differs), ``scalar`` (a
-    scalar on the loss's path whose mean over ranks differs), ``rank`` (the same inputs, another
-    result), ``gradient`` (the backward)."""
+    ``words`` what differs, in a sentence; ``kind`` what sort of departure it is."""
 
     where: str
     words: str
-    kind: str
+    kind: DepartureKind
 
 
 Index = tuple[torch.Tensor | slice, ...]
@@ -70,7 +67,8 @@ Index = tuple[torch.Tensor | slice, ...]
 
 def align(one: Sequence[Op], other: Sequence[Op]) -> dict[int, int]:
     """The records of ``other`` paired with those of ``one`` (index in one → index in other): the
-    longest common subsequence of (operation, file:line)."""
+    matching blocks of (operation, file:line) that difflib's ``SequenceMatcher`` finds (without
+    its junk heuristic), each record of a block paired with its counterpart."""
 
     def keys(ops: Sequence[Op]) -> list[tuple[str, str]]:
         return [(op.name, op.where) for op in ops]
@@ -274,17 +272,19 @@ def _forward_words(
             continue
         order = _other_order(producer.value, counterpart.value, tolerance)
         if order is not None:
-            return Departure(producer.label, _order_words(producer, order, rank), "order")
+            return Departure(
+                producer.label, _order_words(producer, order, rank), DepartureKind.ORDER
+            )
     if mine.name == INPUT:
         words = (
             f"the {op.where} that rank {rank} is given is not its part of what one device is given "
             f"(max relative difference {differs.difference:.2g}): the data differs before any "
             "code runs"
         )
-        return Departure(mine.label, words, "input")
+        return Departure(mine.label, words, DepartureKind.INPUT)
     reduced = _reduced_part(op, mine, world_size)
     if reduced is not None:
-        return Departure(mine.label, reduced + _updated(theirs, mine), "statistic")
+        return Departure(mine.label, reduced + _updated(theirs, mine), DepartureKind.STATISTIC)
     if differs.index is None:  # a scalar on the loss's path: the mean over ranks
         mean = math.fsum(float(t[matches[r][op.index]].value) for r, t in enumerate(ranks))
         mean /= world_size
@@ -294,16 +294,16 @@ def _forward_words(
             if float(op.value) else f"a {mine.short} on the loss's path: the mean over ranks of "
             f"its value is {mean:.6g}, one device's 0"
         )  # fmt: skip
-        return Departure(mine.label, words, "scalar")
+        return Departure(mine.label, words, DepartureKind.SCALAR)
     order = _other_order(mine.value, op.value, tolerance)
     if order is not None:
-        return Departure(mine.label, _order_words(mine, order, rank), "order")
+        return Departure(mine.label, _order_words(mine, order, rank), DepartureKind.ORDER)
     words = (
         f"a {mine.short} whose inputs agree with one device's gives another result on rank {rank} "
         f"(max relative difference {differs.difference:.2g}): it depends on the rank or the "
         "number of rows, or draws random numbers"
     )
-    return Departure(mine.label, words + _updated(theirs, mine), "rank")
+    return Departure(mine.label, words + _updated(theirs, mine), DepartureKind.RANK)
 
 
 def _updated(theirs: Sequence[Op], start: Op) -> str:
@@ -402,24 +402,25 @@ def backward(
         what = op.where if op.name == INPUT else f"the result of {op.short} at {op.where}"
         words = f"the gradient of {what} on the ranks is {_factor(total, expected, world_size)}"
         if culprit is None:
-            return Departure(op.label, words, "gradient")
+            return Departure(op.label, words, DepartureKind.GRADIENT)
         label, how_named = culprit
-        return Departure(label, f"{words}: {how_named}", "gradient")
+        return Departure(label, f"{words}: {how_named}", DepartureKind.GRADIENT)
     return None
 
 
 def _factor(total: torch.Tensor, expected: torch.Tensor, world_size: int) -> str:
+    """The ranks' gradient against one device's, in words: 0, a named factor of it, another
+    factor, or another direction (`gatherlab.core.gradients`)."""
     norm, reference = float(total.norm()), float(expected.norm())
     if norm == 0:
         return f"0, where one device's has norm {reference:.3g}"
     if reference == 0:
         return f"of norm {norm:.3g}, where one device's is 0"
-    cosine = float(total.flatten() @ expected.flatten()) / (norm * reference)
-    ratio = norm / reference
-    if cosine >= PARALLEL_COSINE:
-        for factor, name in ((1 / world_size, "1/W"), (world_size, "W")):
-            if abs(ratio - factor) <= 1e-10 * factor:
-                return f"{name} of one device's (norm ratio {ratio:.6g}, cosine 1)"
+    cosine, ratio = gradients.cosine_and_norm_ratio(total.flatten(), expected.flatten())
+    if cosine >= gradients.PARALLEL_COSINE:
+        name = gradients.factor_name(ratio, world_size)
+        if name is not None:
+            return f"{name} of one device's (norm ratio {ratio:.6g}, cosine 1)"
         return f"{ratio:.6g} times one device's (cosine 1)"
     return f"in another direction than one device's (cosine {cosine:.6g}, norm ratio {ratio:.4g})"
 

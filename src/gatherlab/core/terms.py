@@ -1,6 +1,6 @@
-"""The terms every layer shares, each defined once: the closed vocabularies of docs/design.md, the
-tolerance of a match, which rows of the global batch a rank holds, and the rule of an integer
-option.
+"""The terms every layer shares, each defined once: the closed vocabularies of docs/design.md, which
+rows of the global batch a rank holds, and the rule of an integer option. The tolerances are
+`gatherlab.core.gradients`'s.
 
 A vocabulary is a ``StrEnum``: its members are the very strings the run files and tables hold
 (``GradientClass.EXACT == "exact"``, written as ``exact``), a typo is an error
@@ -17,20 +17,21 @@ __all__ = [
     "COLLECTIVES_DIFFER",
     "DIVERGES",
     "FAILED",
-    "FLOAT64",
     "LOSS_DIFFERS",
     "LOSS_SCALED",
     "PRECISIONS",
-    "TOLERANCE",
     "Accelerator",
     "Backend",
     "Cause",
+    "Culprit",
+    "DepartureKind",
     "Device",
     "Factor",
     "Forward",
     "GradientClass",
     "Launcher",
     "Precision",
+    "ReferenceMode",
     "Rule",
     "RunVerdict",
     "Style",
@@ -122,7 +123,8 @@ class Cause(StrEnum):
 
 
 class Forward(StrEnum):
-    """A check's global loss on W ranks against the 1-device loss (to `FLOAT64`, relative)."""
+    """A check's global loss on W ranks against the 1-device loss (relative, to
+    `gatherlab.core.gradients.FLOAT64_TOLERANCE`)."""
 
     SAME = "same"
     DIFFERS = "differs"
@@ -215,16 +217,42 @@ class Precision(StrEnum):
         return self.name.lower()
 
 
-# Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
-# Over tens of steps that stays within ~1e-13 in float64 and ~1e-6 in float32; the bounds leave
-# room above that and stay far below what a wrong gradient produces (≥ 1e-6 after one step here).
-FLOAT64 = 1e-10
-"""The float64 bound of docs/design.md §2: a loss, a gradient or a weight of W ranks against one
-device, relative or absolute as each comparison states."""
-TOLERANCE = {Precision.FLOAT64: FLOAT64, Precision.FLOAT32: 1e-5}
-"""Per precision, the largest |Δloss| and |Δparameter| of a run that matches its reference."""
-PRECISIONS = tuple(TOLERANCE)
-"""The precisions whose layouts gatherlab can judge (float64 to 1e-10, float32 to 1e-5)."""
+PRECISIONS = tuple(Precision)
+"""The precisions whose layouts gatherlab can judge (float64 to 1e-10, float32 to 1e-5: the
+tolerances of `gatherlab.core.gradients.TOLERANCE`)."""
+
+
+class DepartureKind(StrEnum):
+    """What sort of departure from one device `gatherlab.check.where` found: a reduction or
+    normalisation over the rank's part of one device's input (``statistic``), one device's rows
+    in another order (``order``), what the code is given differs (``input``), a scalar on the
+    loss's path whose mean over ranks differs (``scalar``), the same inputs giving another result
+    (``rank``), or the backward (``gradient``)."""
+
+    STATISTIC = "statistic"
+    ORDER = "order"
+    INPUT = "input"
+    SCALAR = "scalar"
+    RANK = "rank"
+    GRADIENT = "gradient"
+
+
+class Culprit(StrEnum):
+    """The culprits of a training step's check that are no removal (docs/design.md §10): the loss
+    itself (or how it communicates across ranks), left when every removal is made and the run is
+    still not exact; the step's own draws from the global random streams, named instead of the
+    loss when the step makes them (no removal takes that out)."""
+
+    LOSS = "loss"
+    STEP_RANDOMNESS = "step_randomness"
+
+
+class ReferenceMode(StrEnum):
+    """How the one-device reference ran (the ``reference`` column of ``check.csv``,
+    `gatherlab.check.reference`)."""
+
+    NO_GROUP = "no group"
+    ONE_RANK_GROUP = "one-rank group"
 
 
 def rows_of(rank: int, world_size: int, total: int) -> slice:

@@ -34,7 +34,7 @@ from gatherlab.analysis import figures, report
 from gatherlab.check import measure
 from gatherlab.components import config
 from gatherlab.components.factory import Recipe
-from gatherlab.core import runfiles
+from gatherlab.core import gradients, runfiles
 from gatherlab.core.terms import Rule, Style
 from gatherlab.gather import GatherFn, rule
 from gatherlab.lab import audit, validation
@@ -118,7 +118,7 @@ def predict(
             vector, how = predictor.gradient(backward, int(row["world_size"]))
             cosine, ratio = (None, None)
             if vector is not None:
-                cosine, ratio = measure.cosine_and_norm_ratio(vector, predictor.full)
+                cosine, ratio = gradients.cosine_and_norm_ratio(vector, predictor.full)
             rows.append(
                 {
                     **row,

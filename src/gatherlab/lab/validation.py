@@ -91,7 +91,7 @@ def _validate_layout(cfg: Mapping[str, Any]) -> int:
         raise ConfigError(
             f"layout.accelerator={accelerator!r} is unknown; allowed: {', '.join(ACCELERATORS)}"
         )
-    # Mixed precision rounds too coarsely to tell a bug from noise (terms.TOLERANCE).
+    # Mixed precision rounds too coarsely to tell a bug from noise (gradients.TOLERANCE).
     if cfg["precision"] not in terms.PRECISIONS:
         raise ConfigError(
             f"precision={cfg['precision']!r} is not allowed; allowed: {', '.join(terms.PRECISIONS)}"

@@ -1,0 +1,197 @@
+"""The judge: how a run on W ranks is judged against its one-device reference, for every form of
+the check (a loss or gather, a plain step, a whole update, a LightningModule) and for a run
+recorded elsewhere (`gatherlab.core.runfiles.Trained`). Each rule of a row (docs/design.md §5, §6,
+§10) is written here once: the forward, the gradient's class and its parts', the cause, the
+verdict (`gatherlab.check.table.verdict`, ``loss scaled`` and ``diverges`` included), where the
+run departs. What only some forms have is given to it: the hypotheses that reproduce a differing
+loss (`gatherlab.check.hypotheses`), where the run departs (`gatherlab.check.where`), the first
+losses of naive accumulation (`gatherlab.check.training.micro_negatives`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from gatherlab.check import hypotheses
+from gatherlab.check.measure import Measured
+from gatherlab.check.table import ALL_PARTS, EXACT, Row, verdict
+from gatherlab.check.where import Departure
+from gatherlab.core import gradients
+from gatherlab.core.gradients import Classified, Layout
+from gatherlab.core.runfiles import Trained
+from gatherlab.core.terms import DIVERGES, Cause, DepartureKind, Forward, GradientClass
+
+__all__ = ["judge"]
+
+Reproduce = Callable[[], tuple[Cause, float | None]]
+"""What reproduces a differing global loss on one device: its cause and, for ``scaled``, c."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Curves:
+    """A training run's losses against one device's: each step's |Δloss| with the run's loss
+    divided by the scale, the first step where that exceeds ``tolerance`` (None when none does),
+    and the final weights' max |Δ| (the last update shows in no loss)."""
+
+    differences: list[float]
+    first: int | None
+    weights: float
+    tolerance: float
+
+    @property
+    def apart(self) -> bool:
+        """Whether the run leaves one device's: a step's loss or the final weights."""
+        return self.first is not None or self.weights > self.tolerance
+
+
+def _curves(run: Trained, reference: Trained, tolerance: float, scale: float | None) -> _Curves:
+    """The runs' losses compared, the run's divided by ``scale`` (when there is one), and their
+    final weights."""
+    factor = scale or 1.0
+    differences = [abs(a / factor - b) for a, b in zip(run.losses, reference.losses, strict=True)]
+    first = next((step for step, d in enumerate(differences) if d > tolerance), None)
+    weights = float((run.parameters - reference.parameters).abs().max())
+    return _Curves(differences, first, weights, tolerance)
+
+
+def _gradient(run: Measured | Trained) -> torch.Tensor:
+    return run.gradient if isinstance(run, Measured) else run.first_gradient
+
+
+def _first_loss(run: Measured | Trained) -> float:
+    return run.loss if isinstance(run, Measured) else run.losses[0]
+
+
+def _diverges_words(curves: _Curves) -> str:
+    """Where a run that ``diverges`` first leaves one device, for a table without the
+    ``first_diff_step`` column (the loss check's)."""
+    if curves.first is not None:
+        return f"step {curves.first} is the first whose loss leaves one device's"
+    return (
+        f"every step's loss is one device's, the final weights are not (max |Δ| "
+        f"{curves.weights:.3g})"
+    )
+
+
+def judge(
+    run: Measured | Trained,
+    reference: Measured | Trained,
+    key: Row,
+    *,
+    tolerance: float = gradients.FLOAT64_TOLERANCE,
+    layout: Layout | None = None,
+    curves: tuple[Trained, Trained] | None = None,
+    reproduce: Reproduce | None = None,
+    accumulated: Callable[[], Sequence[float]] | None = None,
+    where: Callable[[], Departure | None] | None = None,
+) -> list[Row]:
+    """The rows of a run on ``key.world_size`` ranks (``key.micro_batches`` per rank) against its
+    one-device reference: the whole gradient's (``part`` ``all``), then each part's when it has
+    several (a measured loss's: its reference's parts; a trained run's: ``layout``'s). ``key``
+    names the rows (loss, gather, reference, removed).
+
+    A run is a measured loss (`Measured`: its global loss relative to 1e-10, `same_forward`, and
+    its training run in ``curves``, compared as a trained run's are) or a trained run (`Trained`:
+    its first loss and every step's to ``tolerance``, absolute; its losses are its curve).
+
+    - cause: a trained run's constant factor c (``scaled``); else, when the forward differs,
+      what ``reproduce`` reproduces; ``micro_negatives`` when still none and one of the first
+      losses of naive accumulation (``accumulated``) is the run's to ``tolerance``, relative;
+      ``parts`` when the whole is biased and its parts are single factors
+      (`gradients.single_factors`); ``local_statistic`` for an ``unexplained`` cause where the
+      departure is a statistic.
+    - verdict: `verdict`; ``diverges`` for the whole when its curves leave one device's.
+    - where: for a whole that is not exact, ``where()`` (None: no place), on every row; a loss
+      check's ``diverges`` says its step in ``departs`` first.
+    """
+    world_size, micro_batches = key.world_size, key.micro_batches
+    trained = isinstance(run, Trained)
+    first, reference_first = _first_loss(run), _first_loss(reference)
+    relative_same, loss_diff = gradients.same_forward(first, reference_first)
+    same = abs(first - reference_first) <= tolerance if trained else relative_same
+    forward = Forward.SAME if same else Forward.DIFFERS
+    cause, scale = None, None
+    if trained:  # its own curve: a constant factor of every step's loss
+        curves = (run, reference)
+        scale = hypotheses.scale(run.losses, reference.losses, tolerance)
+        cause = Cause.SCALED if scale is not None else None
+    elif not same and reproduce is not None:
+        cause, scale = reproduce()
+    compared = None if curves is None else _curves(*curves, tolerance, scale)
+    whole = gradients.classify(_gradient(run), _gradient(reference), world_size, micro_batches)
+    parts = _classified_parts(run, reference, layout, world_size, micro_batches)
+    if whole.gradient == GradientClass.BIASED and gradients.single_factors(parts):
+        cause = Cause.PARTS
+    elif cause is None and not same and accumulated is not None:
+        cause = Cause.MICRO_NEGATIVES if _reproduced(first, accumulated(), tolerance) else None
+    shared = dataclasses.replace(
+        key, forward=str(forward), scale=scale, cause=str(cause or ""), loss_diff=loss_diff
+    )
+    if trained:  # every row of a trained run carries its curve's numbers
+        shared = dataclasses.replace(
+            shared, first_loss=first, train_max_abs_loss_diff=max(compared.differences),
+            first_diff_step=compared.first, max_abs_param_diff=compared.weights,
+        )  # fmt: skip
+    head = _row(shared, ALL_PARTS, whole, compared is not None and compared.apart)
+    if compared is not None and not trained:  # a measured loss's training run: on its row only
+        head = dataclasses.replace(head, train_max_abs_loss_diff=max(compared.differences))
+        if head.verdict == DIVERGES:  # no first_diff_step column: its step in words
+            head = dataclasses.replace(head, departs=_diverges_words(compared))
+    rows = [head] + [_row(shared, part, classified) for part, classified in parts.items()]
+    if head.verdict == EXACT or where is None:
+        return rows
+    return _located(rows, where())
+
+
+def _row(shared: Row, part: str, classified: Classified, apart: bool = False) -> Row:
+    """The row of one part (``all``: the whole) of a run's gradient: its class, its numbers and
+    its verdict (``diverges`` only for the whole, whose curves are ``apart``)."""
+    return dataclasses.replace(
+        shared, part=part, gradient=str(classified.gradient),
+        verdict=verdict(shared.forward, classified.gradient, shared.scale, apart),
+        cosine=classified.cosine, norm_ratio=classified.norm_ratio,
+        max_rel_err=classified.max_rel_err,
+    )  # fmt: skip
+
+
+def _located(rows: list[Row], departure: Departure | None) -> list[Row]:
+    """The rows with where the run departs (None: no place found), on every row; a ``diverges``
+    whose step is in words keeps them first. An ``unexplained`` cause whose departure is a
+    statistic over the rank's part is ``local_statistic``: that is why."""
+    if departure is None:
+        return rows
+    head = rows[0]
+    steps = head.departs if isinstance(head.departs, str) else None
+    words = departure.words if steps is None else f"{steps}; at step 0: {departure.words}"
+    located = {"where": departure.where, "departs": words}
+    if head.cause == Cause.UNEXPLAINED and departure.kind == DepartureKind.STATISTIC:
+        located["cause"] = str(Cause.LOCAL_STATISTIC)
+    return [dataclasses.replace(r, **located) for r in rows]
+
+
+def _reproduced(first: float, values: Sequence[float], tolerance: float) -> bool:
+    """Whether one of ``values`` is the run's first loss to ``tolerance``, relative."""
+    return any(abs(value - first) <= tolerance * max(abs(value), 1e-300) for value in values)
+
+
+def _classified_parts(
+    run: Measured | Trained,
+    reference: Measured | Trained,
+    layout: Layout | None,
+    world_size: int,
+    micro_batches: int,
+) -> dict[str, Classified]:
+    """Each part's class of the first gradient (`gradients.classify_parts`): a measured loss's
+    parts are its reference's; a trained run's are ``layout``'s, when the run kept its parameters
+    (a removal may replace a layer and its parameters with it)."""
+    gradient = _gradient(run)
+    if isinstance(run, Measured):  # the parts its reference measured
+        layout = reference.parts
+    elif layout is None or len(gradient) != sum(b - a for r in layout.values() for a, b in r):
+        return {}
+    return gradients.classify_parts(
+        gradient, _gradient(reference), layout, world_size, micro_batches
+    )

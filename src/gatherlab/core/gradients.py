@@ -1,0 +1,179 @@
+"""The arithmetic of a comparison with one device, written once: the tolerances, a gradient's
+cosine and norm ratio with one device's, the named constant factors, the class of a gradient
+(and of each of its parts), and whether a global loss is one device's (docs/design.md §1, §2).
+The check (`gatherlab.check`: measure, where, reference, hypotheses, judge) and the report
+(`gatherlab.analysis.report`) read them here.
+
+A gradient against one device's:
+
+- ``exact``: max |g − g₁| / max |g₁| ≤ 1e-10 (summation order only);
+- ``none``: no gradient reaches the parameters (g = 0), whether one device has one or not;
+- a named factor (`factors`: 1/W, W, and with K micro-batches per rank 1/K, K, …): the same
+  direction (cosine ≥ `PARALLEL_COSINE`) and that norm ratio to a relative 1e-10;
+- ``biased``: another direction; ``other``: anything else (the same direction at a factor no
+  name gives, or a gradient where one device has none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+
+from gatherlab.core.terms import Factor, GradientClass, Precision
+
+__all__ = [
+    "FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "PARALLEL_COSINE", "SINGLE_FACTORS", "TOLERANCE",
+    "Classified", "Layout", "classify", "classify_parts", "cosine_and_norm_ratio", "factor_name",
+    "factors", "same_forward", "single_factors", "split",
+]  # fmt: skip
+
+# Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
+# Over tens of steps that stays within ~1e-13 in float64 and ~1e-6 in float32; the bounds leave
+# room above that and stay far below what a wrong gradient produces (≥ 1e-6 after one step here).
+FLOAT64_TOLERANCE = 1e-10
+"""The float64 bound of docs/design.md §2: a loss, a gradient, a norm ratio or a weight of W ranks
+against one device, relative or absolute as each comparison states."""
+FLOAT32_TOLERANCE = 1e-5
+"""The float32 bound of docs/design.md §2 (a training run's losses and weights, absolute)."""
+TOLERANCE = {Precision.FLOAT64: FLOAT64_TOLERANCE, Precision.FLOAT32: FLOAT32_TOLERANCE}
+"""Per precision, the largest |Δloss| and |Δparameter| of a run that matches its reference."""
+PARALLEL_COSINE = 1 - 1e-12
+"""The cosine at and above which a gradient has one device's direction."""
+
+Layout = dict[str, list[tuple[int, int]]]
+"""The parts of a flattened gradient: each part's name and its ranges (start, stop) in it."""
+
+
+class Classified(NamedTuple):
+    """A gradient's class against one device's (`classify`), with the numbers it is read from."""
+
+    gradient: str
+    cosine: float
+    norm_ratio: float
+    max_rel_err: float
+
+
+def same_forward(loss: float, reference: float) -> tuple[bool, float]:
+    """Whether a global loss is the reference's up to summation order, and its relative
+    difference."""
+    difference = abs(loss - reference) / max(abs(reference), torch.finfo(torch.float64).tiny)
+    return difference <= FLOAT64_TOLERANCE, difference
+
+
+def _near(ratio: float, expected: float) -> bool:
+    return abs(ratio / expected - 1) <= FLOAT64_TOLERANCE
+
+
+def cosine_and_norm_ratio(vector: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """The cosine of ``vector`` with a nonzero ``reference`` (NaN for a zero vector) and the
+    ratio of their norms."""
+    norm, reference_norm = torch.linalg.vector_norm(vector), torch.linalg.vector_norm(reference)
+    cosine = float(vector @ reference / (norm * reference_norm)) if norm > 0 else float("nan")
+    return cosine, float(norm / reference_norm)
+
+
+def factors(world_size: int, micro_batches: int = 1) -> dict[str, float]:
+    """The named constant factors of a gradient on ``world_size`` ranks that each accumulate
+    ``micro_batches`` micro-batches, name → c, in the order a norm ratio is matched
+    (docs/design.md §1): those of one axis (1/W, W, 1/K, K), then those of both (1/(W·K), W·K,
+    W/K, K/W). A name is there only when every axis it involves is ≥ 2 and its c is not 1, so
+    with ``micro_batches=1`` only 1/W and W (none at W = 1). Where two names give one c, the
+    first keeps it (K, not W/K, at W = K²; W, not K/W, at K = W²), except at W = K, where 1/W
+    and 1/K (W and K) are one name, ``1/W = 1/K`` (``W = K``): no measurement tells them apart
+    there, another (W, K) does."""
+    both = world_size >= 2 and micro_batches >= 2
+    candidates: list[tuple[str, float]] = []
+    if both and world_size == micro_batches:
+        candidates += [(Factor.ONE_OVER_W_OR_K, 1 / world_size), (Factor.W_OR_K, world_size)]
+    else:
+        if world_size >= 2:
+            candidates += [(GradientClass.ONE_OVER_W, 1 / world_size)]
+            candidates += [(GradientClass.W, world_size)]
+        if micro_batches >= 2:
+            candidates += [(Factor.ONE_OVER_K, 1 / micro_batches), (Factor.K, micro_batches)]
+    if both:
+        product, quotient = world_size * micro_batches, world_size / micro_batches
+        candidates += [(Factor.ONE_OVER_W_K, 1 / product), (Factor.W_K, product),
+                       (Factor.W_OVER_K, quotient), (Factor.K_OVER_W, 1 / quotient)]  # fmt: skip
+    named: dict[str, float] = {}
+    for name, c in candidates:
+        if not _near(c, 1) and not any(_near(c, kept) for kept in named.values()):
+            named[name] = c
+    return named
+
+
+def factor_name(ratio: float, world_size: int, micro_batches: int = 1) -> str | None:
+    """The name of the constant factor ``ratio`` on this layout (`factors`, to a relative 1e-10),
+    or None when no name gives it."""
+    for name, c in factors(world_size, micro_batches).items():
+        if _near(ratio, c):
+            return name
+    return None
+
+
+def classify(
+    gradient: torch.Tensor, reference: torch.Tensor, world_size: int, micro_batches: int = 1
+) -> Classified:
+    """The class of ``gradient`` against ``reference`` on ``world_size`` ranks that each
+    accumulate ``micro_batches`` micro-batches, with cosine, norm ratio, max rel. error: a
+    gradient parallel to the reference at a named factor (`factors`) is named by it, at any other
+    factor ``other`` (the factor is its norm ratio). No gradient on either side is ``none``,
+    never ``exact``: nothing trains (cosine, norm ratio and max rel. error NaN, as for any zero
+    reference)."""
+    axes = (world_size, micro_batches)
+    if float(torch.linalg.vector_norm(reference)) == 0:  # no gradient on one device either
+        measured = GradientClass.NONE if gradient.abs().max() == 0 else GradientClass.OTHER
+        return Classified(measured, float("nan"), float("nan"), float("nan"))
+    cosine, norm_ratio = cosine_and_norm_ratio(gradient, reference)
+    norm = float(torch.linalg.vector_norm(gradient))
+    max_rel_err = float((gradient - reference).abs().max() / reference.abs().max())
+    if max_rel_err <= FLOAT64_TOLERANCE:
+        measured = GradientClass.EXACT
+    elif norm == 0:
+        measured = GradientClass.NONE
+    elif cosine >= PARALLEL_COSINE and (named := factor_name(norm_ratio, *axes)) is not None:
+        measured = named
+    elif cosine < PARALLEL_COSINE:
+        measured = GradientClass.BIASED
+    else:
+        measured = GradientClass.OTHER
+    return Classified(measured, cosine, norm_ratio, max_rel_err)
+
+
+def split(gradient: torch.Tensor, parts: Layout) -> dict[str, torch.Tensor]:
+    """Each part's gradient, in the order of ``parts``."""
+    return {
+        name: torch.cat([gradient[start:stop] for start, stop in ranges])
+        for name, ranges in parts.items()
+    }
+
+
+def classify_parts(
+    gradient: torch.Tensor,
+    reference: torch.Tensor,
+    parts: Layout | None,
+    world_size: int,
+    micro_batches: int = 1,
+) -> dict[str, Classified]:
+    """Each part's class against the reference's same part (`classify`), when the gradient has
+    more than one part; nothing for one part (the whole is that part)."""
+    if parts is None or len(parts) < 2:
+        return {}
+    mine, theirs = split(gradient, parts), split(reference, parts)
+    return {name: classify(mine[name], theirs[name], world_size, micro_batches) for name in parts}
+
+
+SINGLE_FACTORS = {
+    GradientClass.EXACT, GradientClass.ONE_OVER_W, GradientClass.W, GradientClass.NONE, *Factor,
+}  # fmt: skip
+"""The classes that are one named factor of one device's gradient (1 included: exact)."""
+
+
+def single_factors(parts: Mapping[str, Classified]) -> bool:
+    """Whether every part's gradient (`classify_parts`) is one named factor of one device's
+    (exact, 1/W, W, a `Factor` such as K, or none) and the factors differ: their sum then points
+    elsewhere (``biased``), and the parts say why."""
+    classes = {numbers[0] for numbers in parts.values()}
+    return len(classes) > 1 and classes <= SINGLE_FACTORS
