@@ -10,7 +10,7 @@ import textwrap
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from gatherlab.core import terms
+from gatherlab.core import gradients, terms
 
 WORLD_SIZES = (2, 4)
 """The numbers of ranks checked when none are given."""
@@ -107,7 +107,7 @@ def _option(doc: str, flag: str | None, group: str = TRAINING, **cli: Any) -> di
     return {"doc": doc, "flag": flag, "group": group, **cli}
 
 
-_TOLERANCES = ", ".join(f"{p} judged to {terms.TOLERANCE[p]:g}" for p in terms.PRECISIONS)
+_TOLERANCES = ", ".join(f"{p} judged to {gradients.TOLERANCE[p]:g}" for p in terms.PRECISIONS)
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,14 @@ A gradient against one device's:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from gatherlab.core.terms import Factor, GradientClass, Precision
+
+if TYPE_CHECKING:  # torch is imported by the functions that take tensors, when first called:
+    import torch  # the tolerances are read by `python -m gatherlab.check` before torch (§4)
 
 __all__ = [
     "FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "PARALLEL_COSINE", "SINGLE_FACTORS", "TOLERANCE",
@@ -58,7 +60,7 @@ class Classified(NamedTuple):
 def same_forward(loss: float, reference: float) -> tuple[bool, float]:
     """Whether a global loss is the reference's up to summation order, and its relative
     difference."""
-    difference = abs(loss - reference) / max(abs(reference), torch.finfo(torch.float64).tiny)
+    difference = abs(loss - reference) / max(abs(reference), sys.float_info.min)  # float64's tiny
     return difference <= FLOAT64_TOLERANCE, difference
 
 
@@ -69,6 +71,8 @@ def _near(ratio: float, expected: float) -> bool:
 def cosine_and_norm_ratio(vector: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
     """The cosine of ``vector`` with a nonzero ``reference`` (NaN for a zero vector) and the
     ratio of their norms."""
+    import torch
+
     norm, reference_norm = torch.linalg.vector_norm(vector), torch.linalg.vector_norm(reference)
     cosine = float(vector @ reference / (norm * reference_norm)) if norm > 0 else float("nan")
     return cosine, float(norm / reference_norm)
@@ -122,6 +126,8 @@ def classify(
     factor ``other`` (the factor is its norm ratio). No gradient on either side is ``none``,
     never ``exact``: nothing trains (cosine, norm ratio and max rel. error NaN, as for any zero
     reference)."""
+    import torch
+
     axes = (world_size, micro_batches)
     if float(torch.linalg.vector_norm(reference)) == 0:  # no gradient on one device either
         measured = GradientClass.NONE if gradient.abs().max() == 0 else GradientClass.OTHER
@@ -144,6 +150,8 @@ def classify(
 
 def split(gradient: torch.Tensor, parts: Layout) -> dict[str, torch.Tensor]:
     """Each part's gradient, in the order of ``parts``."""
+    import torch
+
     return {
         name: torch.cat([gradient[start:stop] for start, stop in ranges])
         for name, ranges in parts.items()
