@@ -66,12 +66,14 @@ from gatherlab.gather import (
     backward_collective,
     get,
 )
-from gatherlab.lab import validation
-from gatherlab.lab.jobs import run as run_job
 from gatherlab.ranks import pool as pools
 
 
 def _job_times(launcher: str, jobs: int, steps: int, root: Path) -> list[float]:
+    # Imported here: only this benchmark trains (Lightning), the others need none of it.
+    from gatherlab.lab import validation
+    from gatherlab.lab.jobs import run as run_job
+
     overrides = ["experiment=bug_demo", "layout=cpu2", f"steps={steps}", f"launcher={launcher}"]
     with config.composed():
         cfg, choices = config.compose(overrides)
