@@ -13,6 +13,8 @@ is the audit's, tests/lab/test_audit.py.)"""
 from __future__ import annotations
 
 import contextlib
+import itertools
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -492,6 +494,26 @@ def test_avg_on_nccl_s_collective_is_one_over_w_on_the_global_loss(collectives):
     assert torch.allclose(measured * world_size, expected, rtol=0, atol=EXACT)
 
 
+def _what_gloo_reduce_scatter_runs() -> set[str]:
+    """The operations torch records (its public profiler) inside one reduce-scatter on gloo."""
+    from torch.profiler import ProfilerActivity, profile
+
+    grad = torch.ones(2 * dist.get_world_size(), 3)
+    own = grad.new_empty(2, 3)
+    with profile(activities=[ProfilerActivity.CPU]) as recorded:
+        dist.reduce_scatter_single(own, grad)
+    return {event.name for event in recorded.events()}
+
+
+def test_gloo_s_reduce_scatter_is_a_copy_and_an_all_reduce():
+    """Why ``fixed`` all-reduces on gloo: torch's gloo reduce-scatter clones the whole gradient,
+    all-reduces the clone and copies the own slice out, what ``fixed``'s all-reduce does and one
+    copy more. If torch gives gloo a reduce-scatter of its own, this fails: time both again
+    (``python -m gatherlab.bench gather``) before keeping the choice."""
+    for recorded in pools.pool(2).run(_what_gloo_reduce_scatter_runs):
+        assert {"c10d::_reduce_scatter_base_", "aten::clone", "gloo:all_reduce"} <= recorded
+
+
 @pytest.mark.parametrize(
     ("backend", "expected"),
     [
@@ -515,3 +537,22 @@ def test_a_bad_collective_is_refused_in_one_line():
     assert str(error.value) == (
         "collective='bogus' is not allowed; allowed: all_reduce, reduce_scatter"
     )
+
+
+# --- the order in which the gather benchmark runs them ------------------------------------------
+
+
+@pytest.mark.parametrize("count", range(1, 10))
+def test_the_benchmark_runs_every_gather_at_every_place_and_after_every_other_equally_often(count):
+    """``python -m gatherlab.bench gather`` runs each round's gathers in ``balanced_orders``: over
+    a cycle each gather is at every place of a round, and follows every other gather, equally
+    often, so that no gather is always first (``fixed`` was, and measured slower than itself
+    under another name, ``fixed_all_reduce``)."""
+    from gatherlab.lab.bench import balanced_orders
+
+    orders = balanced_orders(count)
+    assert all(sorted(order) == list(range(count)) for order in orders)
+    places = Counter((order[place], place) for order in orders for place in range(count))
+    assert len(places) == count * count and len(set(places.values())) == 1
+    follows = Counter(pair for order in orders for pair in itertools.pairwise(order))
+    assert len(follows) == count * (count - 1) and len(set(follows.values())) <= 1

@@ -13,10 +13,14 @@ the first job is shown apart (for the pool it includes starting the group).
 (``gatherlab.gather.NAMES``) whose gather declares ``exact`` for every loss style (``fixed``, the
 default, marked ``*``; ``fixed_all_reduce`` and ``fixed_reduce_scatter``, ``fixed`` forced to each
 backward collective; ``torch_nn``, ``functional``, ``lightning``) on W real ranks, for local
-embeddings from 256×128 to 4096×512 (float32), each the median of interleaved repetitions
-timed on rank 0 between barriers. Bytes sent per rank by the backward's collective are those of
-the ring algorithms (all_reduce of M bytes: 2(W−1)/W·M; reduce-scatter and all-to-all:
-(W−1)/W·M), computed from the sizes, not measured on the wire.
+embeddings from 256×128 to 4096×512 (float32), from the same inputs, timed on rank 0 between
+barriers. A round runs every gather once, in an order that over a cycle of rounds puts every
+gather at every position and after every other equally often (`balanced_orders`), with the
+garbage collector off. After two warm-up rounds each gather gets its median time and the median
+of its time ÷ ``fixed``'s in the same round; the last line names the smallest of those ratios
+(fastest / fixed). Bytes sent per rank by the backward's collective are those of the ring
+algorithms (all_reduce of M bytes: 2(W−1)/W·M; reduce-scatter and all-to-all: (W−1)/W·M),
+computed from the sizes, not measured on the wire.
 
 ``sweep``: a sweep as a user runs it (``python -m gatherlab.train -m experiment=<name>``, a fresh
 interpreter), by default the 60-job loss matrix and then the 6-job bug demo: its wall time against
@@ -33,6 +37,7 @@ in the same invocation; the ratio of their medians.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import re
@@ -61,12 +66,14 @@ from gatherlab.gather import (
     backward_collective,
     get,
 )
-from gatherlab.lab import validation
-from gatherlab.lab.jobs import run as run_job
 from gatherlab.ranks import pool as pools
 
 
 def _job_times(launcher: str, jobs: int, steps: int, root: Path) -> list[float]:
+    # Imported here: only this benchmark trains (Lightning), the others need none of it.
+    from gatherlab.lab import validation
+    from gatherlab.lab.jobs import run as run_job
+
     overrides = ["experiment=bug_demo", "layout=cpu2", f"steps={steps}", f"launcher={launcher}"]
     with config.composed():
         cfg, choices = config.compose(overrides)
@@ -138,38 +145,74 @@ def _backward_bytes(collective: str, world_size: int, local_bytes: int) -> float
     return factor * (world_size - 1) * total / world_size
 
 
+def balanced_orders(count: int) -> list[list[int]]:
+    """The orders in which ``count`` gathers run, one per round, in a cycle of rounds: a Williams
+    design (a Latin square whose rows are ``(base + i) mod count``, ``base`` = 0, 1, count−1, 2,
+    count−2, …; for an odd ``count`` also each row reversed). Over one cycle every gather runs at
+    every position of a round equally often, and follows every other gather equally often, so
+    neither being first (after the previous round) nor what ran just before is any one gather's.
+
+    Example:
+        >>> balanced_orders(4)
+        [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]
+    """
+    base = [0]
+    for step in range(1, count):
+        base.append((step + 1) // 2 if step % 2 else count - step // 2)
+    rows = [[(item + shift) % count for item in base] for shift in range(count)]
+    return rows if count % 2 == 0 or count == 1 else rows + [row[::-1] for row in rows]
+
+
+WARM_UP_ROUNDS = 2
+
+
 def _time_gathers(
     sizes: tuple[tuple[int, int], ...], repeats: int, default: str
 ) -> list[dict] | None:
-    """On every rank: forward + backward of each exact gather per size; rank 0 returns the rows
+    """On every rank: forward + backward of each exact gather per size, in rounds (every gather
+    once per round, in `balanced_orders`, the same on every rank); rank 0 returns the rows, each
+    with the median time and the median over rounds of its time ÷ ``default``'s in the same round
     (``default``: the name of the default gather, marked)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     variants = _exact_gathers()
+    names = list(variants)
+    orders = balanced_orders(len(names))
+    rounds = -(-repeats // len(orders)) * len(orders)  # whole cycles of the design
     rows = []
     for batch, dim in sizes:
         generator = torch.Generator().manual_seed(rank)
         local = torch.randn(batch, dim, generator=generator)
         weight = torch.randn(world_size * batch, dim, generator=generator)
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for repeat in range(repeats + 2):  # two warm-up rounds
-            for name, function in variants.items():
-                x = local.clone().requires_grad_()
-                dist.barrier()
-                start = time.perf_counter()
-                (function(x) * weight).sum().backward()
-                dist.barrier()
-                if repeat >= 2:
-                    times[name].append(time.perf_counter() - start)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for round_number in range(WARM_UP_ROUNDS + rounds):
+            order = orders[(round_number - WARM_UP_ROUNDS) % len(orders)]
+            gc.collect()  # between rounds, never inside a timed call
+            gc.disable()
+            try:
+                for index in order:
+                    function = variants[names[index]]
+                    x = local.clone().requires_grad_()
+                    dist.barrier()
+                    start = time.perf_counter()
+                    (function(x) * weight).sum().backward()
+                    dist.barrier()
+                    if round_number >= WARM_UP_ROUNDS:
+                        times[names[index]].append(time.perf_counter() - start)
+            finally:
+                gc.enable()
         for name, function in variants.items():
             collective = _backward_collective(function)
             sent = _backward_bytes(collective, world_size, local.numel() * 4)
+            ratios = [t / d for t, d in zip(times[name], times[default], strict=True)]
             rows.append(
                 {
                     "world_size": world_size,
                     "size": f"{batch}×{dim}",
                     "gather": name,
                     "default": name == default,
+                    "rounds": rounds,
                     "ms": 1e3 * statistics.median(times[name]),
+                    "ratio": statistics.median(ratios),
                     "collective": collective,
                     "sent_MB": sent / 2**20,
                 }
@@ -178,32 +221,40 @@ def _time_gathers(
 
 
 def gather(world_sizes: tuple[int, ...], repeats: int) -> float:
-    """Print forward + backward times of the exact gathers; return fastest / the default gather
-    (``fixed``) at the largest size and world size."""
+    """Print forward + backward times of the exact gathers and each one's time ÷ the default
+    gather's (``fixed``); return the smallest of those ratios at the largest size and world
+    size (fastest / fixed)."""
     with config.composed():
         default = config.compose([])[1]["gather"]  # the gather a run gets unless it names one
     rows = []
     for world_size in world_sizes:
         rows += pools.pool(world_size).run(_time_gathers, GATHER_SIZES, repeats, default)[0]
         pools.close_pools()
-    print(f"forward + backward, float32, median of {repeats}; backend gloo on CPU")
+    rounds = rows[0]["rounds"]
+    print(
+        f"forward + backward, float32, median of {rounds} rounds (each gather once per round, "
+        "in balanced orders); backend gloo on CPU"
+    )
     choices = ", ".join(f"{b}: {backward_collective(b)}" for b in SHOWN_BACKENDS)
     print(f"fixed's backward collective by backend: {choices}; * marks the default gather")
-    print(f"{'W':>2} {'local size':>10} {'gather':<24} {'ms':>9}  backward collective, sent/rank")
+    print(f"÷ {default}: the median over rounds of the gather's time ÷ {default}'s in that round")
+    print(
+        f"{'W':>2} {'local size':>10} {'gather':<24} {'ms':>9} {'÷ ' + default:>8}  "
+        "backward collective, sent/rank"
+    )
     for row in rows:
         name = f"{row['gather']}{' *' if row['default'] else ''}"
         print(
-            f"{row['world_size']:>2} {row['size']:>10} {name:<24} {row['ms']:>9.2f}  "
-            f"{row['collective']}, {row['sent_MB']:.2f} MB"
+            f"{row['world_size']:>2} {row['size']:>10} {name:<24} {row['ms']:>9.2f} "
+            f"{row['ratio']:>8.3f}  {row['collective']}, {row['sent_MB']:.2f} MB"
         )
     world_size, (batch, dim) = max(world_sizes), GATHER_SIZES[-1]
     last = [r for r in rows if r["world_size"] == world_size and r["size"] == f"{batch}×{dim}"]
-    times = {row["gather"]: row["ms"] for row in last}
-    fastest = min(times, key=times.get)
-    ratio = times[fastest] / times[default]
+    ratios = {row["gather"]: row["ratio"] for row in last}
+    fastest = min(ratios, key=ratios.get)
     where = f"W={world_size}, {batch}×{dim}"
-    print(f"fastest exact gather ({fastest}) / {default} at {where}: {ratio:.3f}")
-    return ratio
+    print(f"fastest exact gather ({fastest}) / {default} at {where}: {ratios[fastest]:.3f}")
+    return ratios[fastest]
 
 
 # The timestamp of a log line of python -m gatherlab.train (Hydra's job logging format).
@@ -309,8 +360,9 @@ def main(argv: list[str] | None = None) -> None:
         "--world-sizes", type=int, nargs="+", default=[2, 4], help="(default 2 4)"
     )
     gather_parser.add_argument(
-        "--repeats", type=int, default=15, help="timed repetitions (default 15)"
-    )
+        "--repeats", type=int, default=18,
+        help="timed rounds, rounded up to whole cycles of the orders (default 18)",
+    )  # fmt: skip
     sweep_parser = commands.add_parser(
         "sweep", help="a sweep's wall time against its jobs' training time, broken down"
     )
