@@ -125,36 +125,9 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
     error goes back to the pool. Once the pool's process is gone, end at once and quietly."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the starting process answers Ctrl-C
     _end_with_parent()
-    # What the rank writes to its standard error (its own prints, torch's C++ messages, the last
-    # words of a process that aborts) goes to a file that the pool's process relays (`_relay`).
-    try:
-        errors = os.open(_stderr_file(store, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    except FileNotFoundError:  # the pool's directory is gone: its start was abandoned
+    peers_store = _joined(rank, world_size, store, connection)
+    if peers_store is None:
         return
-    os.dup2(errors, 2)
-    os.close(errors)
-    # Join only when the pool says so: a worker forked after its pool's start was interrupted
-    # finds its pipe closed (or the stop) and ends here, instead of waiting for ranks that never
-    # come.
-    try:
-        if connection.recv_bytes() != b"join":
-            return
-    except EOFError:
-        return
-    # One core per rank (round robin): a rank that stays on its core wakes faster from a
-    # collective; on gloo this halves the latency of each collective (measured: ~1.0 → ~0.6 ms).
-    if hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
-        torch.set_num_threads(1)  # more threads than its one core would only contend for it
-    peers_store = dist.FileStore(store, world_size)  # the group's, and the watch's (`collectives`)
-    dist.init_process_group(
-        terms.Backend.GLOO,
-        store=peers_store,
-        rank=rank,
-        world_size=world_size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
     _answer(connection, ("ready", None, []))
     for number in itertools.count():
         try:
@@ -163,45 +136,86 @@ def _pool_worker(rank: int, world_size: int, store: str, connection: Connection)
             _orphaned()
         if not payload:
             break
-        caught: list[warnings.WarningMessage] = []
-        try:
-            # The job's warnings go back with its answer, as this rank's filters let them through.
-            with warnings.catch_warnings(record=True) as caught:
-                # The caller's import path first, in its order (`imports.search_path`: its
-                # entries absolute, and the directory of a module it imported that no entry
-                # finds), this rank's other entries after it: a job may name code from a
-                # directory that was put on the path after this worker started, or relative to a
-                # current directory that is not this worker's (a user's loss, gather, model or
-                # data set), and a module is found where the caller finds it, not in a directory
-                # an earlier job left on this rank's path.
-                search_path, job, watch_s, here = pickle.loads(payload)
-                sys.path[:] = [*search_path, *(e for e in sys.path if e not in search_path)]
-                # The caller's current directory: a relative path in the job (a file the user's
-                # code opens, a place shown relative to it: `cli.place`) reads as in the caller.
-                with contextlib.suppress(OSError):  # a directory since removed: stay
-                    os.chdir(here)
-                function, args = pickle.loads(job)
-                result = _watched_call(
-                    function, args, collectives.Peers(peers_store, f"job{number}", rank, watch_s)
-                )
-            _answer(connection, ("ok", result, sendable_warnings(caught)))
-        except BaseException as error:  # the job's own error, or a result that does not pickle
-            detail = "".join(traceback.format_exception(error)[-6:])
-            if isinstance(error, collectives.CollectiveError):  # a peer's error, or several ranks'
-                named, line = error.rank, error.line
-                message = f"rank {named}: {line}" if error.own else f"{line}\n{detail}"
-            else:
-                named, line = rank, cli.error_line(error)
-                message = f"rank {named}: {line}\n{detail}"
-            try:
-                _answer(
-                    connection, ("error", (message, error, named, line), sendable_warnings(caught))
-                )
-            except Exception:  # an exception that does not pickle: its message only
-                _answer(
-                    connection, ("error", (message, None, named, line), sendable_warnings(caught))
-                )
+        _run_job(payload, peers_store, f"job{number}", rank, connection)
     dist.destroy_process_group()
+
+
+def _joined(
+    rank: int, world_size: int, store: str, connection: Connection
+) -> dist.FileStore | None:
+    """The rank's standard error sent to its file, and the rank in the pool's gloo group once the
+    pool says so; its store (the group's, and the watch's: `collectives`), or None when the pool's
+    start was abandoned."""
+    # What the rank writes to its standard error (its own prints, torch's C++ messages, the last
+    # words of a process that aborts) goes to a file that the pool's process relays (`_relay`).
+    try:
+        errors = os.open(_stderr_file(store, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except FileNotFoundError:  # the pool's directory is gone: its start was abandoned
+        return None
+    os.dup2(errors, 2)
+    os.close(errors)
+    # Join only when the pool says so: a worker forked after its pool's start was interrupted
+    # finds its pipe closed (or the stop) and ends here, instead of waiting for ranks that never
+    # come.
+    try:
+        if connection.recv_bytes() != b"join":
+            return None
+    except EOFError:
+        return None
+    # One core per rank (round robin): a rank that stays on its core wakes faster from a
+    # collective; on gloo this halves the latency of each collective (measured: ~1.0 → ~0.6 ms).
+    if hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        torch.set_num_threads(1)  # more threads than its one core would only contend for it
+    peers_store = dist.FileStore(store, world_size)
+    dist.init_process_group(
+        terms.Backend.GLOO,
+        store=peers_store,
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    return peers_store
+
+
+def _run_job(
+    payload: bytes, store: dist.Store, job: str, rank: int, connection: Connection
+) -> None:
+    """Run one job on this rank and answer the pool: its result, or its error as the rank's line
+    (a peer's error named by that peer), with the job's warnings."""
+    caught: list[warnings.WarningMessage] = []
+    try:
+        # The job's warnings go back with its answer, as this rank's filters let them through.
+        with warnings.catch_warnings(record=True) as caught:
+            # The caller's import path first, in its order (`imports.search_path`: its
+            # entries absolute, and the directory of a module it imported that no entry
+            # finds), this rank's other entries after it: a job may name code from a
+            # directory that was put on the path after this worker started, or relative to a
+            # current directory that is not this worker's (a user's loss, gather, model or
+            # data set), and a module is found where the caller finds it, not in a directory
+            # an earlier job left on this rank's path.
+            search_path, job, watch_s, here = pickle.loads(payload)
+            sys.path[:] = [*search_path, *(e for e in sys.path if e not in search_path)]
+            # The caller's current directory: a relative path in the job (a file the user's
+            # code opens, a place shown relative to it: `cli.place`) reads as in the caller.
+            with contextlib.suppress(OSError):  # a directory since removed: stay
+                os.chdir(here)
+            function, args = pickle.loads(job)
+            result = _watched_call(function, args, collectives.Peers(store, job, rank, watch_s))
+        _answer(connection, ("ok", result, sendable_warnings(caught)))
+    except BaseException as error:  # the job's own error, or a result that does not pickle
+        detail = "".join(traceback.format_exception(error)[-6:])
+        if isinstance(error, collectives.CollectiveError):  # a peer's error, or several ranks'
+            named, line = error.rank, error.line
+            message = f"rank {named}: {line}" if error.own else f"{line}\n{detail}"
+        else:
+            named, line = rank, cli.error_line(error)
+            message = f"rank {named}: {line}\n{detail}"
+        try:
+            _answer(connection, ("error", (message, error, named, line), sendable_warnings(caught)))
+        except Exception:  # an exception that does not pickle: its message only
+            _answer(connection, ("error", (message, None, named, line), sendable_warnings(caught)))
 
 
 def _watched_call(
