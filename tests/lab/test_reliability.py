@@ -120,7 +120,7 @@ def test_failing_ranks_fail_their_jobs_and_the_sweep_goes_on(
     sweep, verdicts = FAILING_SWEEPS[launcher]
     result = run_command(
         "train", "-m", "loss._target_=faulty.RankFault", *sweep, "layout=cpu2",
-        f"launcher={launcher}", "steps=4", f"hydra.sweep.dir={tmp_path}",
+        f"launcher={launcher}", "steps=2", f"hydra.sweep.dir={tmp_path}",
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-2000:]
     failures = verdicts.count("failed")
@@ -186,7 +186,7 @@ def test_resume_runs_only_the_incomplete_jobs_and_rebuilds_the_report(pr1531_swe
 # collective: the sweep is mid-training whatever the machine's speed.
 PAUSED_SWEEP = (
     "-m", "experiment=lightly_pr1531", "loss._target_=faulty.RankFault", "+loss.how=pause",
-    "+loss.rank=3", "layout=cpu1,cpu2,cpu4", "precision=64-true", "steps=4",
+    "+loss.rank=3", "layout=cpu1,cpu2,cpu4", "precision=64-true", "steps=2",
 )  # fmt: skip
 
 
