@@ -73,11 +73,11 @@ def pr1531_sweep(tmp_path_factory, worker_id):
 # its path below tests/ (a name not found fails the collection: a file moved or renamed here too).
 TESTS = Path(__file__).resolve().parent
 LONGEST_FILES = (
-    "lab/test_reliability.py",  # 96 s
+    "lab/test_reliability.py",  # 96 s (issue 47: ~66 s, its failing sweeps shorter)
     "check/test_external_check.py",  # 50 s (torchrun's fresh interpreters)
     "journeys/test_install.py",  # 42 s
     "ranks/test_launch.py",  # 35 s
-    "ranks/test_interrupt.py",  # ~30 s unloaded (issue 47: four commands in fresh interpreters)
+    "ranks/test_interrupt.py",  # ~39 s (issue 47: three commands in fresh interpreters)
     "journeys/test_docs.py",  # 36 s alone (issue 37: a shared sweep, two printed blocks)
     "losses/test_loss_matrix.py",  # 27 s
     "components/test_simclr.py",  # 25 s

@@ -48,7 +48,7 @@ def test_a_nan_loss_stops_the_run_at_its_step_and_fails_it(tmp_path, layout):
 def sweep_runs(tmp_path_factory):
     """A reference, a matching run, a failed run and runs that cannot be compared."""
     root = tmp_path_factory.mktemp("report")
-    common = ("experiment=lightly_pr1531", "precision=64-true")
+    common = ("experiment=lightly_pr1531", "precision=64-true", "steps=5")
     run_training(root / "reference", *common, "layout=cpu1")
     run_training(root / "matches", *common, "layout=cpu2")
     run_training(root / "other_seed", *common, "layout=cpu2", "seed=3")
@@ -85,7 +85,7 @@ def test_each_run_gets_the_verdict_its_evidence_allows(sweep_runs, run, verdict)
 
 def test_the_report_says_why_and_draws_only_readable_runs(sweep_runs):
     root, table = sweep_runs
-    assert "7 steps against the reference's 10" in table.loc["truncated", "error"]
+    assert "2 steps against the reference's 5" in table.loc["truncated", "error"]
     assert "final_state.pt" in table.loc["no_weights", "error"]
     assert "summary.json" in table.loc["corrupt", "error"]
     written = pd.read_csv(root / report.COMPARISON)
@@ -120,7 +120,7 @@ def test_failing_ranks_fail_their_jobs_and_the_sweep_goes_on(
     sweep, verdicts = FAILING_SWEEPS[launcher]
     result = run_command(
         "train", "-m", "loss._target_=faulty.RankFault", *sweep, "layout=cpu2",
-        f"launcher={launcher}", "steps=4", f"hydra.sweep.dir={tmp_path}",
+        f"launcher={launcher}", "steps=2", f"hydra.sweep.dir={tmp_path}",
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-2000:]
     failures = verdicts.count("failed")
@@ -186,7 +186,7 @@ def test_resume_runs_only_the_incomplete_jobs_and_rebuilds_the_report(pr1531_swe
 # collective: the sweep is mid-training whatever the machine's speed.
 PAUSED_SWEEP = (
     "-m", "experiment=lightly_pr1531", "loss._target_=faulty.RankFault", "+loss.how=pause",
-    "+loss.rank=3", "layout=cpu1,cpu2,cpu4", "precision=64-true", "steps=4",
+    "+loss.rank=3", "layout=cpu1,cpu2,cpu4", "precision=64-true", "steps=2",
 )  # fmt: skip
 
 

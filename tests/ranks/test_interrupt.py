@@ -99,16 +99,18 @@ def test_ctrl_c_while_a_sweeps_pool_starts_says_one_line_and_leaves_nothing(tmp_
 
 
 # Each a command as a user types it (``tests/`` on the path for ``faulty``), and its exit status:
-# the check; a 2-job sweep whose second job fails (rank 1 raises at step 2: the sweep goes on, its
-# report is written, the command exits 1); a single run on one device.
+# the check; a sweep whose one job fails (a rank of its pool of 2 raises at step 2: its report is
+# written, the command exits 1; that a sweep goes on after a failed job is test_reliability.py's).
+# A single run on one device is not among them: it trains in the command's own process, starting
+# no pool, fork server or resource tracker, so it passed with ``forkstart.stop`` removed; a run
+# with a pool ends through the same exit hooks as this sweep (docs/testing.md).
 FAILING_SWEEP = (
-    "-m", "gatherlab.train", "-m", "experiment=lightly_pr1531", "layout=cpu1,cpu2",
-    "loss._target_=faulty.RankFault", "+loss.how=raise", "steps=4", "hydra.sweep.dir=sweep",
+    "-m", "gatherlab.train", "-m", "experiment=lightly_pr1531", "layout=cpu2",
+    "loss._target_=faulty.RankFault", "+loss.how=raise", "steps=2", "hydra.sweep.dir=sweep",
 )  # fmt: skip
 COMMANDS = {
     "check": (("-m", "gatherlab.check", "--gather", "fixed", "--world-sizes", "2"), 0),
     "failed sweep": (FAILING_SWEEP, 1),
-    "single run": (("-m", "gatherlab.train", "steps=2", "hydra.run.dir=run"), 0),
 }
 
 
