@@ -33,24 +33,18 @@ from gatherlab.runs.record import Recorder
 from gatherlab.runs.spec import RunSpec
 
 __all__ = [
-    "Step", "as_precision", "build", "checked_model", "data_size", "first_batch", "rank_batches",
-    "seed_processes", "step_loss", "wrapped_for_rank",
+    "PlainModel", "Step", "as_precision", "build", "checked_model", "data_size", "first_batch",
+    "rank_batches", "seed_processes", "step_loss", "wrapped_for_rank",
 ]  # fmt: skip
 
 StepFunction = Callable[[nn.Module, Any], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class Step:
-    """A plain PyTorch training step: ``step(model, batch)`` returns the loss tensor; the model is
-    built by ``model`` (a `Recipe` of the user's factory) and optimised by ``optimizer(params,
-    **optimizer_kwargs)``."""
+class PlainModel:
+    """What a plain form (a step, a whole update) answers the check on one device about its model,
+    the user's ``nn.Module`` built by ``self.model`` (`gatherlab.runs.spec.StepForm`)."""
 
-    step: StepFunction
     model: Recipe
-    optimizer: Callable[..., torch.optim.Optimizer]
-    optimizer_kwargs: dict[str, Any]
-    option: ClassVar[str] = "--step"
 
     @property
     def recipe(self) -> Recipe:
@@ -68,6 +62,19 @@ class Step:
     def collate(self, data: Any) -> Callable[[list[Any]], Any] | None:
         """The data set's ``collate_fn``, if any."""
         return getattr(data, "collate_fn", None)
+
+
+@dataclass(frozen=True)
+class Step(PlainModel):
+    """A plain PyTorch training step: ``step(model, batch)`` returns the loss tensor; the model is
+    built by ``model`` (a `Recipe` of the user's factory) and optimised by ``optimizer(params,
+    **optimizer_kwargs)``."""
+
+    step: StepFunction
+    model: Recipe
+    optimizer: Callable[..., torch.optim.Optimizer]
+    optimizer_kwargs: dict[str, Any]
+    option: ClassVar[str] = "--step"
 
     def one_step(self, built: nn.Module, batch: Any) -> Any:
         """The loss the step returns on ``batch``."""

@@ -27,9 +27,9 @@ from gatherlab.core import runfiles
 from gatherlab.ranks import world
 from gatherlab.runs import removals
 from gatherlab.runs.plainstep import (
+    PlainModel,
     as_precision,
     build,
-    checked_model,
     rank_batches,
     seed_processes,
     step_loss,
@@ -44,7 +44,7 @@ UpdateFunction = Callable[[nn.Module, torch.optim.Optimizer, Any, int], Any]
 
 
 @dataclass(frozen=True)
-class Update:
+class Update(PlainModel):
     """A whole optimizer update: ``update(model, optimizer, batch, micro_batches)`` returns the
     loss it logs; the model is built by ``model`` (a `Recipe` of the user's factory) and optimised
     by ``optimizer(params, **optimizer_kwargs)``."""
@@ -54,23 +54,6 @@ class Update:
     optimizer: Callable[..., torch.optim.Optimizer]
     optimizer_kwargs: dict[str, Any]
     option: ClassVar[str] = "--update"
-
-    @property
-    def recipe(self) -> Recipe:
-        """The model's factory."""
-        return self.model
-
-    def built_label(self, label: str) -> str:
-        """``--model`` and the factory's name."""
-        return f"--model {self.model.name}"
-
-    def checked(self, built: Any, label: str) -> nn.Module:
-        """The model, when it is an ``nn.Module``; a ValueError of one line otherwise."""
-        return checked_model(self.model, built)
-
-    def collate(self, data: Any) -> Callable[[list[Any]], Any] | None:
-        """The data set's ``collate_fn``, if any."""
-        return getattr(data, "collate_fn", None)
 
     def one_step(self, built: nn.Module, batch: Any) -> torch.Tensor:
         """The loss one update with one micro-batch logs on ``batch`` (it steps ``built``'s own
