@@ -311,28 +311,19 @@ def average(parameters: Sequence[torch.nn.Parameter]) -> None:
 
 
 def run(world_size: int, function: Callable[..., Any], *args: Any) -> list[Any]:
-    """``function(*args)`` on ``world_size`` virtual ranks; their results in rank order. A rank
-    that raises ends the call: the others are released from their collectives, and the error is
-    raised with its rank.
-
-    Each rank is a thread of this process; inside it `rank`, `size` and
-    `gatherlab.ranks.world.rank`/`size` name the simulated world, and a
-    `gatherlab.gather.Gather` with a ``backward`` rule gathers through it. One rank computes at a
-    time.
+    """``function(*args)`` on ``world_size`` virtual ranks, threads of this process taking turns
+    (docs/design.md §9); their results in rank order.
 
     Args:
         world_size: the number of virtual ranks, ≥ 1.
         function: called once in every rank; it finds its rank through `rank`.
         *args: passed to ``function`` in every rank (the same objects, not copies).
 
-    Returns:
-        The ranks' return values, a list in rank order.
-
     Raises:
         ValueError: ``world_size`` is below 1.
-        RuntimeError: a rank raised; the message names the rank, and the error is its
-            ``__cause__``. A rank that raised by itself is reported before one that only saw
-            `WorldBroken`, and a lower rank before a higher one.
+        RuntimeError: a rank raised (its error the ``__cause__``); the others are released from
+            their collectives. The rank named is the lowest that raised by itself rather than
+            with `WorldBroken`.
 
     Example:
         >>> import torch
