@@ -20,8 +20,8 @@ The public face is this package's top level: its command lines ``python -m gathe
 - `gatherlab.results`: run and sweep files loaded into pandas;
 - `gatherlab.report`: every run of a sweep against its 1-device reference.
 
-The folders hold the work, one role each, layered as docs/design.md §4 draws them (the one
-description is the import-linter contract in pyproject.toml): ``core`` (terms, errors, run files),
+The folders hold the work, one role each, layered as docs/design.md §4 draws them (the
+import-linter contract in pyproject.toml enforces it): ``core`` (terms, errors, run files),
 ``ranks`` (fork server, pools, simulated ranks, launchers), ``gather``, ``losses``,
 ``components`` (models, data, optimizers, the LightningModule, configs), ``check`` (measuring a
 loss, gather or training step, its diagnoses), ``analysis`` (results, report, figures) and

@@ -36,12 +36,8 @@ def assert_layout_invariant(
     world_sizes: Iterable[int] = defaults.WORLD_SIZES,
     **arguments: Any,
 ) -> pd.DataFrame:
-    """Fail with the check's table and diagnosis unless, at every world size, the loss built by
-    ``factory`` gives the 1-device loss and gradient; return the table when it does.
-
-    It runs `gatherlab.check.check_loss` and passes when every world size trains like one device
-    (`gatherlab.check.trains_like_one_device`: every verdict ``exact`` or ``loss scaled``, a loss
-    that logs a constant multiple of one device's value and trains exactly).
+    """`gatherlab.check.check_loss`, failing with its table and diagnosis unless every world size
+    trains like one device (`gatherlab.check.trains_like_one_device`); the table when it does.
 
     Args:
         factory: the loss class or function, or its import path (``module:attribute``).
@@ -55,7 +51,7 @@ def assert_layout_invariant(
 
     Raises:
         AssertionError: some world size's verdict is neither ``exact`` nor ``loss scaled``; the
-            message is `gatherlab.check.explain` of the table (the table, then each diagnosis).
+            message is `gatherlab.check.explain` of the table.
         gatherlab.check.CheckError: bad input, before any rank runs.
 
     Example:
@@ -79,13 +75,10 @@ def assert_training_invariant(
     world_sizes: Iterable[int] = defaults.WORLD_SIZES,
     **arguments: Any,
 ) -> pd.DataFrame:
-    """Fail with the check's tables and the causes it names unless, at every world size, the
-    ``LightningModule`` (or the plain PyTorch step ``step=``, or the whole update ``update=``, with
-    ``model=``) trains on the data set exactly as on one device; return the table when it does
-    (docs/design.md §10).
-
-    It runs `gatherlab.check.check_training` and passes when every world size's run without
-    removals trains like one device (``exact`` or ``loss scaled``).
+    """`gatherlab.check.check_training` of a ``LightningModule`` (or a plain PyTorch step
+    ``step=``, or a whole update ``update=``, with ``model=``), failing with its tables and the
+    causes it names unless every world size's run without removals trains like one device
+    (docs/design.md §10); the table when it does.
 
     Args:
         module: the ``LightningModule`` class or factory, or its import path (None with

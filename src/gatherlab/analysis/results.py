@@ -38,23 +38,19 @@ STATUS_COLUMNS = ("status", "error")
 
 
 def load_runs(directory: str | Path) -> pd.DataFrame:
-    """One row per run below ``directory``: its summary fields, ``status`` and ``error``, its
-    overrides, its resolved config and ``run_dir``. A run whose summary cannot be read is a row
-    with ``status`` unreadable.
+    """One row per run below ``directory``, failed and unreadable runs included.
 
     Args:
         directory: a run, sweep or output directory; every directory below it that holds a
             ``summary.json`` is a run.
 
     Returns:
-        A pandas DataFrame, one row per run in a stable order (numbered directories by number),
-        with the columns ``experiment, module, model, loss, data, optim, gather, layout,
-        launcher, logger, devices, batch_size, global_batch_size, precision, steps, seed,
-        final_loss, wall_s, loss_layout_invariant`` (``runfiles.SUMMARY_COLUMNS``), then any
-        further numeric summary field (such as ``knn_accuracy``, ``failed_step``) sorted by name,
-        then ``status, error, overrides`` (a dict ``key → value``), ``config`` (the resolved
-        config as a dict) and ``run_dir``.
-        Failed runs are rows too. No run gives an empty table with these columns.
+        A pandas DataFrame, one row per run (numbered directories by number), with the summary
+        fields of docs/design.md §5 (``runfiles.SUMMARY_COLUMNS``: ``experiment`` …
+        ``loss_layout_invariant``), any further numeric summary field (``knn_accuracy``,
+        ``failed_step``, …) sorted by name, then ``status`` (ok, failed or unreadable),
+        ``error``, ``overrides`` (a dict ``key → value``), ``config`` (the resolved config as a
+        dict) and ``run_dir``. No run gives an empty table with these columns.
 
     Example:
         >>> from gatherlab.analysis.results import load_runs
@@ -132,20 +128,16 @@ def load_final_state(run_dir: str | Path) -> dict:
 
 
 def load_run(run_dir: str | Path) -> pd.DataFrame:
-    """One run as a tidy table: one row per optimizer step (``step``, ``loss``, ``grad_norm``),
-    with the run's summary fields, evaluations, overrides (``key=value`` as columns, where the key
-    is not already a column) and ``run_dir`` repeated on every row. The loss *config choice*,
-    ``loss`` in summaries and comparison tables, is ``loss_function`` here, since ``loss`` is the
-    value at each step.
+    """One run as a tidy table, one row per optimizer step.
 
     Args:
         run_dir: the run's directory (its ``summary.json`` and ``curves.csv``).
 
     Returns:
-        A pandas DataFrame: ``step, loss, grad_norm``, then the summary fields ``experiment``
-        … ``loss_layout_invariant`` of `load_runs` (``loss`` renamed ``loss_function``), any
-        further numeric summary field, one column per override key that is not already a
-        column, and ``run_dir``.
+        A pandas DataFrame: ``step, loss, grad_norm``, then, repeated on every row, the summary
+        fields of `load_runs` (the loss config choice renamed ``loss_function``, since ``loss``
+        is the value at each step), its further numeric summary fields, one column per override
+        key that is not already a column, and ``run_dir``.
 
     Raises:
         FileNotFoundError: the run has no ``summary.json`` or no ``curves.csv`` (a failed run
@@ -177,17 +169,15 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
 
 
 def load_sweep(paths: str | Path | Iterable[str | Path]) -> pd.DataFrame:
-    """Every run below one sweep directory (or several) as one tidy table (see ``load_run``),
-    with a ``sweep`` column naming the directory each run came from.
+    """Every run below one sweep directory (or several) as one tidy table.
 
     Args:
         paths: a sweep directory, or several.
 
     Returns:
-        A pandas DataFrame, one row per (run, step): the columns of `load_run`, from all runs
-        (a column that some run lacks is empty in the others), and ``sweep``, the directory as
-        given. A failed run has no steps, so it has no rows (`load_runs` lists it, with its
-        error).
+        A pandas DataFrame, one row per (run, step): the columns of `load_run` (empty where a
+        run lacks one) and ``sweep``, the directory as given. A failed run has no steps, so no
+        rows (`load_runs` lists it, with its error).
 
     Raises:
         FileNotFoundError: no finished run below any of ``paths``, or a run that says ``ok``

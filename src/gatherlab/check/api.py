@@ -356,26 +356,22 @@ def check_loss(
     collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
     **kwargs: Any,
 ) -> pd.DataFrame:
-    """Check a loss on real gloo ranks of the warm worker pool: one row per world size
-    (``COLUMNS``, and ``train_max_abs_loss_diff`` with ``steps``).
+    """Check a loss on real gloo ranks of the warm worker pool against the same loss on one
+    device, in the gradient audit's setting (`gatherlab.check.defaults.LossSetting`;
+    docs/design.md §6).
 
-    The loss is built in every rank as ``factory(**kwargs)``, with ``rank=``/``world_size=``
-    when its signature takes them and ``kwargs`` does not set them, and ``gather=`` when
-    ``gather`` is given. It runs in the setting of `gatherlab.check.defaults.LossSetting` (the
-    gradient audit's: an MLP 8 → 64 → 16, Gaussian view pairs, a global batch of 16 in float64)
-    and is compared with the same loss on one device
-    in this process (docs/design.md §6).
+    Every rank builds ``factory(**kwargs)``, adding ``rank=``/``world_size=`` when its signature
+    takes them and ``kwargs`` does not set them, and ``gather=`` when ``gather`` is given.
 
     Args:
         factory: the loss class or function, or its import path (``module:attribute`` or a dotted
             path).
         world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
-        gather: passed to the loss as ``gather=``: the name of an option of the ``gather``
-            config group (``conf/gather/<name>.yaml``, built as the gradient audit builds it;
-            gatherlab's are `gatherlab.gather.NAMES`), a function ``x -> gathered x``, or its
+        gather: passed to the loss as ``gather=``: an option of the ``gather`` config group
+            (gatherlab's are `gatherlab.gather.NAMES`), a function ``x -> gathered x``, or its
             import path. ``None`` or ``"native"`` passes none, for a loss that communicates by
-            itself; a loss whose constructor takes ``gather=`` with a default (gatherlab's
-            losses: ``"fixed"``) would gather with that default instead, and is refused.
+            itself; refused for a loss whose ``gather=`` has a default (gatherlab's losses), which
+            would gather with it.
         steps: also train this many steps of plain DDP and compare the losses with one device
             (0: no training).
         optim: the optimizer of those steps, ``"sgd"`` (lr 0.01) or ``"adamw"`` (lr 1e-3,
@@ -391,16 +387,15 @@ def check_loss(
     Returns:
         A pandas DataFrame with the columns of `COLUMNS` (and ``train_max_abs_loss_diff`` when
         ``steps`` > 0): per world size in the order given, the row of the whole gradient
-        (``part`` ``all``), then, when the gradient has several parts, one row per part
-        (``model``, ``loss.<name>`` per trainable parameter of the loss). A world size whose
-        ranks raise, or break the loss's contract, has one ``failed`` row with the rank's error
-        line in ``error``; the others have their verdicts. Its ``loss`` column is the import path
-        when ``factory`` is one, else the factory's qualified name.
+        (``part`` ``all``), then, when the gradient has several parts, one per part (``model``,
+        ``loss.<name>`` per trainable parameter of the loss). A world size whose ranks raise, or
+        break the loss's contract, has one ``failed`` row with the rank's error line in
+        ``error``. The ``loss`` column is the import path when ``factory`` is one, else the
+        factory's qualified name.
 
     Raises:
-        CheckError: bad input, before any rank runs (also ``native`` for a loss that would
-            gather with its own default, and a loss keyword argument the check passes itself,
-            ``gather``); also when the loss fails on one device.
+        CheckError: bad input, before any rank runs (``native`` refused as above included);
+            also when the loss fails on one device.
 
     Example:
         >>> from gatherlab.check import check_loss
@@ -462,23 +457,18 @@ def check_gather(
     device: one row per loss × world size.
 
     Args:
-        gather: the name of an option of the ``gather`` config group but ``native``
-            (``conf/gather/<name>.yaml``, built as the gradient audit builds it; gatherlab's are
+        gather: an option of the ``gather`` config group but ``native`` (gatherlab's are
             `gatherlab.gather.NAMES`), a function ``x -> gathered x``, or its import path.
         world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
-        steps: also train this many steps of plain DDP and compare the losses with one device
-            (0: no training).
-        optim: the optimizer of those steps, ``"sgd"`` or ``"adamw"``.
+        steps: as in `check_loss`.
+        optim: as in `check_loss`.
         seed: the seed the losses are built with.
-        collective_timeout_s: how long a rank waits at a collective for its peers to enter it
-            before the W fails with a line that names who did not come (docs/design.md §10,
-            "Collectives that differ"); the process group's own timeout in the check's jobs.
+        collective_timeout_s: as in `check_loss`.
 
     Returns:
-        A pandas DataFrame like `check_loss`'s, one row per world size and loss (for each world
-        size in the order given, the three losses in the order above; a world size whose ranks
-        raise, one ``failed`` row per loss); its ``gather`` column is the name or import path
-        given, or the function's qualified name.
+        A pandas DataFrame like `check_loss`'s, for each world size in the order given the three
+        losses in the order above (a world size whose ranks raise: one ``failed`` row per loss);
+        its ``gather`` column is the name or import path given, or the function's qualified name.
 
     Raises:
         CheckError: bad input, before any rank runs: ``None`` or ``"native"`` (no gather), a

@@ -462,10 +462,7 @@ def _shown_parts(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def explain(table: pd.DataFrame) -> str:
-    """The check as text: the table, then for every verdict other than exact (per loss) its
-    diagnosis, once for all the world sizes that share it.
-
-    This is what ``python -m gatherlab.check`` prints and the message of
+    """The check as text, what ``python -m gatherlab.check`` prints and the message of
     `gatherlab.testing.assert_layout_invariant`'s ``AssertionError``.
 
     Args:
@@ -473,16 +470,12 @@ def explain(table: pd.DataFrame) -> str:
             ``train_max_abs_loss_diff`` when present).
 
     Returns:
-        The table as Markdown (the parts of a loss and W only where one differs in class from
-        the whole gradient; its ``reference`` column left out), then, for a loss whose
-        one-device reference needed a one-rank process group, a paragraph saying so with the
-        plain run's error, and for one whose one-device run differs in a one-rank group from
-        the plain run, a paragraph with what differs and its numbers (``table.attrs``,
-        `gatherlab.check.table.REFERENCE_NOTES`); then one paragraph per loss, gather, verdict
-        and cause other than
-        ``exact``: the world sizes, the verdict, what was measured or reproduced, the usual
-        causes in code (labelled as not tested) and the fix. When every verdict is exact (or
-        ``loss scaled``), the last paragraph says so. The text ends with a newline.
+        The table as Markdown (a loss's parts only where one differs in class from the whole
+        gradient), the notes on its one-device reference (`gatherlab.check.table.REFERENCE_NOTES`),
+        then one paragraph per loss, gather, verdict and cause other than ``exact``, for all the
+        world sizes that share it: what was measured or reproduced, the usual causes (labelled as
+        not tested) and the fix (docs/design.md §1, §6). When every verdict is exact (or ``loss
+        scaled``), a last line says so. The text ends with a newline.
 
     Example:
         >>> from gatherlab.check import check_loss, explain

@@ -1,27 +1,9 @@
 """Where a run on W ranks departs from one device: the first recorded operation whose result
 (forward) or whose result's gradient (backward) on a rank is not the corresponding part of one
-device's, named by the code's ``file:line`` and the operation, with what differs in words
-(docs/design.md §6, "Where it departs"). The records are `gatherlab.runs.trace`'s, of the same
-code with the same weights: one device on the whole global batch of N rows, each rank r on its
-rows r·B … (r+1)·B − 1.
-
-- **Alignment.** Each rank's records are aligned with one device's by (operation, file:line), in
-  the matching blocks of difflib's ``SequenceMatcher``: an operation only one side runs (a gather,
-  where one device has no process group) is left out, its neighbours still paired.
-- **The corresponding part.** A rank's result is compared with the same tensor of one device
-  (equal shapes), or with the rank's part of it: in each dimension that is W times larger on one
-  device, the rank's contiguous block r, or, for a dimension of k·B rows (two views concatenated),
-  the rank's B rows of each of the k blocks of N. A scalar on the path of linear operations to the
-  returned loss (a mean, a sum, a scale of it) is compared as the global loss is (§2): the mean over
-  ranks. Integer and boolean results (indices, masks) are positional and not compared.
-- **Forward.** The first operation, in call order, whose result differs on some rank beyond the
-  tolerance; when one of its inputs comes from an operation only the ranks run and already differs,
-  that operation.
-- **Backward.** Over the operations whose results agree, in backward order: the first whose
-  gradient differs from one device's, the ranks' gradients of its parts summed, each divided by W
-  (DDP's average: a rank's loss is 1/W of the global loss). Named is the operation whose backward
-  produced that gradient on the ranks: a custom autograd Function's backward, else a collective or
-  another operation that ran without gradient, else the consumer whose own gradient agrees.
+device's, named by the code's ``file:line`` and the operation, with what differs in words. The
+records are `gatherlab.runs.trace`'s, of the same code with the same weights. How records are
+aligned, which part of one device's tensor a rank's corresponds to, and which operation is named
+in the forward and in the backward: docs/design.md §6, "Where it departs".
 """
 
 from __future__ import annotations

@@ -49,20 +49,11 @@ class Gather:
     """A gather implementation: ``gather(tensor)`` all-gathers the local (B, ...) tensor into the
     (W·B, ...) tensor of every rank's slices in rank order, with the backward that defines it.
 
-    ``predicted`` maps each loss style (``STYLES``) to the gradient class (``CLASSES``) that the
-    mathematics predicts after DDP's average (docs/design.md §1); the audit measures it and marks
-    a disagreement. A style left out has no prediction. Calling the object gathers when a process
-    group of more than one rank runs, and returns its input otherwise, so the same loss code runs
-    on one device. Subclasses are picklable (ranks may be spawned processes).
-
-    ``backward`` names the rule its backward obeys (``simworld.RULES``: ``sum``, ``own``,
-    ``mean``, ``none``), from which the simulated world of ``simworld`` reproduces it without a
-    process group; a gather that names none runs on real ranks only.
-
-    A subclass implements `Gather.gather` and sets `Gather.predicted` and `Gather.backward`; a
-    YAML file in a ``gather/`` folder of the config search path that names it with ``_target_``
-    makes it an option of the ``gather`` group (docs/design.md §4). Calling a gather whose
-    ``backward`` is None in a simulated world of more than one rank raises ``TypeError``.
+    Without a process group of more than one rank the object returns its input, so the same loss
+    code runs on one device; in a simulated world it follows its `Gather.backward` rule
+    (``TypeError`` when it names none). The audit measures `Gather.predicted` (docs/design.md §1).
+    A subclass implements `Gather.gather`, sets both attributes and stays picklable; a YAML file
+    that names it makes it an option of the ``gather`` group (docs/design.md §4).
 
     Example:
         >>> import torch

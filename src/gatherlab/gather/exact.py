@@ -91,8 +91,8 @@ class TorchNN(Gather):
 
 
 class Functional(Gather):
-    """``_functional_collectives.all_gather_single_autograd``: a private torch module, and the one
-    whose backward torch itself uses for tensor-parallel code; measured here for that reason."""
+    """``_functional_collectives.all_gather_single_autograd``: from a private torch module, the
+    functional collectives torch's own tensor-parallel code uses; measured here for that reason."""
 
     predicted = EXACT
     backward = terms.Rule.SUM

@@ -1,7 +1,8 @@
 """The options of the config group ``gather``: gatherlab's YAML files (``conf/gather/*.yaml`` in
-the package data ``gatherlab.conf``) are the one registry; this module lists them (`names`), builds
-one (`get`), reads a loss's ``gather`` argument (`resolve`) and sorts gathers in the order of
-docs/design.md §1's table (`ordered`, by `IMPLEMENTATIONS`)."""
+the package data ``gatherlab.conf``) are the registry of gathers, nothing in code registers one;
+this module lists them (`names`), builds one (`get`), reads a loss's ``gather`` argument
+(`resolve`) and sorts gathers in the order of docs/design.md §1's table (`ordered`, by
+`IMPLEMENTATIONS`, which orders gatherlab's classes and registers nothing)."""
 
 from __future__ import annotations
 
@@ -96,17 +97,14 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str) -> GatherFn:
-    """The gather that the option ``name`` of the ``gather`` config group names
-    (``conf/gather/<name>.yaml`` in ``gatherlab.conf``), built as Hydra builds it; it returns its
-    input when no process group of more than one rank is running.
+    """The gather ``conf/gather/<name>.yaml`` names, built as Hydra builds it.
 
     Args:
         name: a name of `gatherlab.gather.NAMES`.
 
     Returns:
-        A new instance of what the file's ``_target_`` names, called with the file's other keys
-        (for gatherlab's files a `Gather` subclass): a picklable callable that maps the local
-        (B, ...) tensor to the gathered (W·B, ...) tensor in rank order.
+        A new instance of the file's ``_target_`` called with its other keys (for gatherlab's
+        files a `Gather`): local (B, ...) tensor → gathered (W·B, ...) tensor in rank order.
 
     Raises:
         ValueError: ``name`` is no option of the group, or is ``native`` (no gather: the loss
@@ -135,15 +133,13 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def resolve(gather: str | GatherFn | None) -> GatherFn:
-    """What a loss's ``gather`` argument means: a name of `gatherlab.gather.NAMES`, a callable, or
-    None (identity).
+    """What a loss's ``gather`` argument means.
 
     Args:
         gather: a name of `gatherlab.gather.NAMES`, a callable ``x -> gathered x``, or None.
 
     Returns:
-        ``get(gather)`` for a name, the callable itself, or for None a function that returns its
-        input (no gathering).
+        ``get(gather)`` for a name, the callable itself, or for None the identity.
 
     Raises:
         ValueError: an unknown name, or ``"native"`` (no gather).

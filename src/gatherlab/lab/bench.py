@@ -2,36 +2,19 @@
 [options]``.
 
 Each benchmark measures everything it compares in one invocation and prints ratios; nothing here
-asserts a time.
+asserts a time. docs/performance.md gives each one's method and results.
 
-``launcher``: the same N distributed training jobs (``experiment=bug_demo``, cpu2) run through
-``gatherlab.lab.jobs.run`` once with ``launcher=spawn`` (fresh processes per job) and once with
-``launcher=pool`` (one warm group). The marginal cost of a job is the mean wall time of jobs 2..N;
-the first job is shown apart (for the pool it includes starting the group).
-
-``gather``: forward + backward of each exact gather, every option of the ``gather`` config group
-(``gatherlab.gather.NAMES``) whose gather declares ``exact`` for every loss style (``fixed``, the
-default, marked ``*``; ``fixed_all_reduce`` and ``fixed_reduce_scatter``, ``fixed`` forced to each
-backward collective; ``torch_nn``, ``functional``, ``lightning``) on W real ranks, for local
-embeddings from 256×128 to 4096×512 (float32), from the same inputs, timed on rank 0 between
-barriers. A round runs every gather once, in an order that over a cycle of rounds puts every
-gather at every position and after every other equally often (`balanced_orders`), with the
-garbage collector off. After two warm-up rounds each gather gets its median time and the median
-of its time ÷ ``fixed``'s in the same round; the last line names the smallest of those ratios
-(fastest / fixed). Bytes sent per rank by the backward's collective are those of the ring
-algorithms (all_reduce of M bytes: 2(W−1)/W·M; reduce-scatter and all-to-all: (W−1)/W·M),
-computed from the sizes, not measured on the wire.
-
-``sweep``: a sweep as a user runs it (``python -m gatherlab.train -m experiment=<name>``, a fresh
-interpreter), by default the 60-job loss matrix and then the 6-job bug demo: its wall time against
-the jobs' own training time (each run's ``wall_s``), split into start-up (the command's start to
-its first job's log line), per-job overhead (between the first job's start and the last job's end,
-what is not training) and the report (the last job's end to the command's end), and the ratio of
-the two sweeps' start-ups.
-
-``check``: ``python -m gatherlab.check`` of a loss at W = 2, 4 from a fresh shell against the floor
-of one interpreter, ``python -c "import torch, torch.distributed"``, each run in turn several times
-in the same invocation; the ratio of their medians.
+- ``launcher``: N training jobs (``experiment=bug_demo``, cpu2) through ``gatherlab.lab.jobs.run``
+  with ``launcher=spawn`` and with ``launcher=pool``; the marginal cost is the mean of jobs 2..N.
+- ``gather``: forward + backward of every gather that is exact in every loss style on W real
+  ranks, 256×128 to 4096×512 float32, in rounds whose orders are `balanced_orders`; each gather's
+  median time and median ratio to ``fixed`` in the same round, the last line the smallest ratio
+  (fastest / fixed). Bytes per rank are the ring algorithms', computed, not measured.
+- ``sweep``: a sweep as a user runs it (``python -m gatherlab.train -m``, a fresh interpreter):
+  its wall time against its jobs' training time, split into start-up, per-job overhead and the
+  report.
+- ``check``: ``python -m gatherlab.check`` from a fresh shell against the floor of
+  ``python -c "import torch, torch.distributed"``; the ratio of their medians.
 """
 
 from __future__ import annotations

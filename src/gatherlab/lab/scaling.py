@@ -5,19 +5,9 @@ next to the gradient that the mathematics predicts for it (docs/design.md §9).
 with the overrides, runs its audit (``audit.world_sizes`` on real gloo ranks,
 ``audit.simulated_world_sizes`` in ``simworld``) and writes ``scaling.csv``, ``scaling.md`` and
 ``scaling.png``/``.pdf``: for every gather and loss, the cosine and norm ratio to the 1-device
-gradient against W, measured and predicted.
-
-The prediction comes from one-device gradients. With g the 1-device gradient, D the part through
-the loss's direct uses of its embeddings (the gather detached) and C = g − D the part through the
-gather, the gradient that DDP hands to the optimizer is, by the rule of the gather's backward:
-
-- ``sum``: g;   ``mean``: D + C/W;   ``none``: D;
-- ``own``, global style: C/W (D = 0); mixed style, whose gathered terms are global: D + C/W;
-- ``own``, local style: what each rank's own anchors put on its own slice. Over the random
-  partition of the batch into slices its expectation is D + C_self + λ_W (C − C_self), with
-  λ_W = (B − 1)/(N − 1) the chance that another sample shares a slice, and C_self what each
-  sample's own loss puts on its own embeddings: the own-rule gradient at W = N (B = 1), taken
-  from the simulated world. Only this prediction is an expectation; the others are exact.
+gradient against W, measured and predicted. The predictions are docs/design.md §9's table, per
+backward rule, computed from one-device gradients (g, its direct part D and gathered part C; for
+``own`` on a local loss C_self, taken from the simulated world at W = N).
 """
 
 from __future__ import annotations

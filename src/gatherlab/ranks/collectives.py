@@ -1,22 +1,14 @@
 """Collectives compared before they run: in a watched job each rank tells its peers which
-collective it is about to enter (its operation, the shape and dtype that every rank must give
-alike, the code's ``file:line``) and enters it only once every peer of the group has told the same
-(docs/design.md §10, "Collectives that differ"). Ranks that disagree, a rank that waits for a
-collective a peer has returned without entering, or one that waits for a peer that raised, end the
-job at once with one line that names each rank's call site, instead of a hang until gloo's
-timeout, a wrong result, or an abort (a gloo ``EnforceNotMet``) that leaves no line at all.
+collective it is about to enter (operation, shape, dtype, ``file:line``) and enters it only once
+every peer has told the same, so that ranks that disagree, or wait for a peer that returned or
+raised, end the job at once with one line naming each rank's call site instead of a hang, a wrong
+result or a silent gloo abort (docs/design.md §10, "Collectives that differ").
 
-What each rank enters is recorded through torch's public ``TorchFunctionMode``: the collectives
-of ``torch.distributed`` are seen as the code calls them (``dist.all_reduce``, in a gather's
-forward or backward, in a loss). DDP's all-reduce of the gradients runs in torch's C++; a DDP
-module that the check builds is given torch's public Python all-reduce hook instead (``visible``:
-the same sums in the same order, bit for bit), which the watch sees as ``all_reduce of DDP's
-gradient bucket``. The collectives without a tensor (``barrier``) and a DDP module built by code the
-check does not control are not seen; the group's own timeout, set to the watch's, still ends
-those.
-
-The ranks talk through the store that their process group was made with (``Peers``): the warm
-pool's file store, the launcher's TCP store. A job's keys are its own (``Peers.job``).
+The calls are seen through torch's public ``TorchFunctionMode``; a DDP module the check builds
+gets torch's Python all-reduce hook (``visible``: the same sums, bit for bit) so that its gradient
+all-reduce is seen too. Collectives without a tensor (``barrier``) and DDP modules built
+elsewhere are not seen; the group's timeout, set to the watch's, still ends those. The ranks talk
+through their process group's store (``Peers``; a job's keys are its own, ``Peers.job``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
-"""The ranks a launcher started: torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) or SLURM's
-srun (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; ``MASTER_ADDR`` and ``MASTER_PORT``
-given by the user), driven from rank 0 as the warm pool's ranks are driven from the process that
-started them (docs/design.md §10, the external launcher).
+"""The ranks a launcher started (torchrun or srun), driven from rank 0 as the warm pool's ranks are
+driven from the process that started them (docs/design.md §10, "The external launcher").
 
-Rank 0 runs the caller's code; every other rank ``serve``s: it waits for rank 0's next job and
-runs it. A job is ``Ranks.run(function, *args)``: every rank joins a fresh default process group
-(gloo on CPUs, NCCL on each rank's own GPU), calls ``function(*args)``, leaves the group, and
-sends its answer; rank 0 returns the answers in rank order, as ``pool(W).run`` does. Between
-jobs no process has a default group, so rank 0 can run one device's code in a one-rank group of
-its own (``world.alone``) while the others wait.
-
-Jobs, answers and the final stop travel through a TCP store (torchrun's agent's, or one that rank
-0 opens at ``MASTER_ADDR:MASTER_PORT`` under srun), never through a process group: rank 0 can stop
-every rank with one line (bad input) before any group is joined. A rank whose job raises sends its
-error line and leaves the group, which ends the collectives its peers wait in (gloo; NCCL's end
-at the group's timeout); rank 0 names the rank that failed first (``RankError``).
-
-``ranks_for(world_size)`` is where the check finds its ranks: this runner while one is active
-(``active``), else the warm pool.
+Rank 0 runs the caller's code; every other rank ``serve``s rank 0's jobs. ``Ranks.run(function,
+*args)`` runs ``function(*args)`` on every rank in a fresh default process group and returns the
+answers in rank order, as ``pool(W).run`` does; between jobs no process is in a group, so rank 0
+can run one device's code alone (``world.alone``). Jobs, answers and the stop travel through the
+launcher's TCP store, never a process group, so bad input stops every rank before any group is
+joined. ``ranks_for(world_size)`` is this runner while one is ``active``, else the warm pool.
 """
 
 from __future__ import annotations

@@ -1,34 +1,15 @@
 """Warm worker pools: W processes joined once in a gloo process group, kept alive to run many
-jobs. ``pool(W).run(function, *args)`` calls ``function(*args)`` on every rank and returns the
-ranks' results in rank order; a rank that raises or dies ends the call at once with ``RankError``.
+jobs, so a job costs its computation, not starting W processes that import torch and Lightning.
+``pool(W).run(function, *args)`` calls ``function(*args)`` on every rank and returns the ranks'
+results in rank order; a rank that raises or dies ends the call at once with ``RankError`` (its
+``rank`` and its error in one line, ``cli.error_line``, computed in the rank).
 
-A job runs in the caller's current directory and import path, whatever they were when the pool
-started (a rank is forked from the fork server, which stays where it started): the caller's path
-goes first, in its order, so a rank imports a module from where the caller would.
-
-The training launcher (``launch``), the gradient measurements (``gatherlab.check.measure``), the
-benchmarks and the test suite all run their distributed work here, so a job costs its computation,
-not the seconds of starting W Python processes that import torch and Lightning.
-
-A terminal's Ctrl-C sends SIGINT to every process of its foreground group, the workers and their
-fork server too. They ignore it: the process that started the pools answers it (a
-``KeyboardInterrupt`` there ends the pool it waits on at once), so a rank never prints a traceback
-of its own.
-
-A process that is killed (``kill -9``) closes nothing: each rank watches it (``_end_with_parent``)
-and, once it is gone, ends at once with status ``ORPHANED_STATUS`` and prints nothing, whatever
-it was doing (waiting for work, computing, waiting in a collective for a peer): nobody is left to
-report to. The fork server ends when its last rank has (``forkstart``).
-
-A rank prints no warnings either: each job records those its code raises (as the rank's own
-filters let them through) and sends them back with its answer. The pool's process gives each
-distinct warning of a ``run`` once, with the number of ranks that raised it
-(``warnings.warn_explicit``: ``... (on 2 of 4 ranks)``), or, inside ``ranks_warnings()``, adds
-them to that collector, which counts them over all its runs.
-
-A rank's error comes back as ``RankError``: its ``rank`` and its ``line``, the error in one line
-(``cli.error_line``, computed in the rank, where its traceback is: a bare ``assert`` is named by
-the user's file and line).
+A job runs in the caller's current directory and import path (the caller's path first), whatever
+they were when the pool started. The ranks ignore Ctrl-C, which the pools' process answers, and
+end silently with ``ORPHANED_STATUS`` once that process is gone (``_end_with_parent``;
+docs/design.md §5, "Command lines"). A rank prints no warnings: each job sends back those its
+code raised, and the pools' process gives each distinct one once per ``run`` with the number of
+ranks that raised it (``... (on 2 of 4 ranks)``), or adds them to ``ranks_warnings()``.
 """
 
 from __future__ import annotations

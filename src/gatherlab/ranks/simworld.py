@@ -1,25 +1,16 @@
-"""The simulated world: W ranks as threads of one process, for world sizes no machine here has.
+"""The simulated world: W ranks as threads of one process, for world sizes no machine here has
+(docs/design.md §9).
 
 ``run(W, function, *args)`` calls ``function(*args)`` on W virtual ranks and returns their results
-in rank order, like ``pool(W).run``. A virtual rank is a thread: ``rank()`` and ``size()`` say
-which rank of which world it is (``gatherlab.ranks.world.rank``/``size`` ask them first), and
-its collectives meet the other threads at a rendezvous instead of a network. Only one rank
-computes at a time; a rank hands the turn on when it waits at a collective, so one rank's
-temporaries are alive at a time, not W of them, and the global RNG is used by one rank at a time.
+in rank order, like ``pool(W).run``; ``rank()`` and ``size()`` say which rank of which world a
+thread is, and its collectives meet the other threads at a rendezvous. One rank computes at a time
+(it hands the turn on at a collective), so one rank's temporaries are alive at a time and the
+global RNG is used by one rank at a time.
 
-What is simulated is the communication, not the arithmetic: every rank runs the loss code a real
-rank runs, on its own slice of the global batch. A gather is simulated from the rule its backward
-obeys (``RULES``, docs/design.md §9): the forward hands every rank all slices, and the backward
-hands rank s
-
-- ``sum``: Σ_r G_r[s], every rank's gradient of slice s summed (``fixed``);
-- ``own``: G_s[s], its own loss's gradient of its own slice only (``old``, ``nograd_swap``);
-- ``mean``: (1/W) Σ_r G_r[s] (``avg``);
-- ``none``: nothing, the gather is outside autograd (``nograd``).
-
-DDP's average of the parameter gradients is ``average``. The model is validated against real gloo
-ranks (``tests/lab/test_audit.py``, ``tests/ranks/test_simworld.py``): same gradients to ≤ 1e-12
-relative at W = 2, 4, 8 for every built-in gather × loss style, same training curves.
+Only the communication is simulated: every rank runs the loss code a real rank runs on its own
+slice. A gather is simulated from the rule its backward obeys (``RULES``: ``sum``, ``own``,
+``mean``, ``none``), DDP's average of the parameter gradients by ``average``. Validated against
+real gloo ranks (``tests/lab/test_audit.py``, ``tests/ranks/test_simworld.py``).
 """
 
 from __future__ import annotations
@@ -311,28 +302,19 @@ def average(parameters: Sequence[torch.nn.Parameter]) -> None:
 
 
 def run(world_size: int, function: Callable[..., Any], *args: Any) -> list[Any]:
-    """``function(*args)`` on ``world_size`` virtual ranks; their results in rank order. A rank
-    that raises ends the call: the others are released from their collectives, and the error is
-    raised with its rank.
-
-    Each rank is a thread of this process; inside it `rank`, `size` and
-    `gatherlab.ranks.world.rank`/`size` name the simulated world, and a
-    `gatherlab.gather.Gather` with a ``backward`` rule gathers through it. One rank computes at a
-    time.
+    """``function(*args)`` on ``world_size`` virtual ranks, threads of this process taking turns
+    (docs/design.md §9); their results in rank order.
 
     Args:
         world_size: the number of virtual ranks, ≥ 1.
         function: called once in every rank; it finds its rank through `rank`.
         *args: passed to ``function`` in every rank (the same objects, not copies).
 
-    Returns:
-        The ranks' return values, a list in rank order.
-
     Raises:
         ValueError: ``world_size`` is below 1.
-        RuntimeError: a rank raised; the message names the rank, and the error is its
-            ``__cause__``. A rank that raised by itself is reported before one that only saw
-            `WorldBroken`, and a lower rank before a higher one.
+        RuntimeError: a rank raised (its error the ``__cause__``); the others are released from
+            their collectives. The rank named is the lowest that raised by itself rather than
+            with `WorldBroken`.
 
     Example:
         >>> import torch

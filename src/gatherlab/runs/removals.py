@@ -1,21 +1,12 @@
-"""The removals of docs/design.md §10: what a training step may do that makes W ranks differ from
-one device, each taken out of a user's module or data set on its own, so that the check of a
-training step can name the part that breaks it.
+"""The removals of docs/design.md §10 (``batchnorm``, ``dropout``, ``data_randomness``): what a
+training step may do that makes W ranks differ from one device, each taken out of a user's module
+or data set on its own, so that the check of a training step can name the part that breaks it.
 
-- ``batchnorm``: every ``torch.nn`` batch norm replaced by ``GlobalBatchNorm`` (the statistics of
-  the global batch, docs/design.md §2), its parameters, buffers and settings carried over;
-- ``dropout``: every ``torch.nn`` dropout layer replaced by the identity;
-- ``data_randomness``: the data set's global random streams (``random``, ``numpy.random``,
-  ``torch``) seeded from (seed, epoch, index) around each item, so that a sample's draws are its
-  own whichever rank loads it (the other streams are left as they were).
-
-Each removal works on objects it has never seen: it looks for the ``torch.nn`` classes, or wraps
-the data set's ``__getitem__``; it changes nothing else. A removal is defined in one place, its
-member of `Removal`: its name, its two values as a sweep's ``removals.<name>`` key, how to tell
-whether a module or data set has its cause, how to make it on a module (or none: the data set's
-is made where it is read, `PerSample`), and what its cause does and how to fix it. A new removal
-is one member there and its line in conf/config.yaml's ``removals:``. `Removals` is which a run
-makes (a sweep's ``removals.*`` keys, or one run of the training check).
+Each removal works on objects it has never seen (the ``torch.nn`` classes, or the data set's
+``__getitem__`` wrapped) and changes nothing else. A removal is one member of `Removal`, which
+holds all of it: its name and ``removals.<name>`` values, how to detect its cause, how to make it,
+and what its cause does and how to fix it; a new removal is that member and its line in
+conf/config.yaml's ``removals:``. `Removals` is which a run makes.
 """
 
 from __future__ import annotations
