@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import compose, run_training
+from bounds import differences
+from helpers import compose, run_training, train_cases
 
 from gatherlab.check import measure
 from gatherlab.components import config
@@ -46,22 +47,10 @@ def _accumulated(ranks: int, k: int, accumulation: str) -> list[str]:
 
 
 def _differences(run_dir: Path, reference_dir: Path) -> tuple[float, float]:
-    """Max |Δloss| over the steps and max |Δweight| of the final weights."""
-    loss = np.array(runfiles.read_curves(run_dir)["loss"])
-    reference = np.array(runfiles.read_curves(reference_dir)["loss"])
-    assert len(loss) == len(reference) == STEPS
-    state, reference_state = (
-        runfiles.read_final_state(run_dir),
-        runfiles.read_final_state(reference_dir),
-    )
-    weights = max(float((state[k] - reference_state[k]).abs().max()) for k in state)
-    return float(np.abs(loss - reference).max()), weights
-
-
-def _train(root: Path, cases: dict[str, list[str]], *common: str) -> dict[str, Path]:
-    for name, overrides in cases.items():
-        run_training(root / name, *common, *overrides)
-    return {name: root / name for name in cases}
+    """Max |Δloss| over the steps and max |Δweight| of the final weights (`bounds.differences`),
+    of runs of ``STEPS`` steps."""
+    assert len(runfiles.read_curves(run_dir)["loss"]) == STEPS
+    return differences(run_dir, reference_dir)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +59,7 @@ def global_ntxent_runs(tmp_path_factory) -> dict[str, Path]:
     accumulation on 1 and 2 ranks × K = 1, 2, 4."""
     cases = {"reference": ["layout=cpu1"]}
     cases |= {f"cached_{w}x{k}": _accumulated(w, k, "cached") for w, k in LAYOUTS}
-    return _train(tmp_path_factory.mktemp("global"), cases, *SMALL, "loss=ntxent_global")
+    return train_cases(tmp_path_factory.mktemp("global"), cases, *SMALL, "loss=ntxent_global")
 
 
 @pytest.mark.parametrize(("ranks", "k"), LAYOUTS)
@@ -100,7 +89,7 @@ def learnt_temperature_runs(tmp_path_factory) -> dict[str, Path]:
         "cached_1x4": _accumulated(1, 4, "cached"),
         "cached_2x2": _accumulated(2, 2, "cached"),
     }
-    return _train(tmp_path_factory.mktemp("clip"), cases, *SMALL, "loss=clip")
+    return train_cases(tmp_path_factory.mktemp("clip"), cases, *SMALL, "loss=clip")
 
 
 @pytest.mark.parametrize("run", ["cached_1x4", "cached_2x2"])
@@ -160,7 +149,7 @@ def test_naive_accumulation_of_a_per_sample_mean_loss_is_exact(tmp_path):
     common = [
         *SMALL, "loss=user", f"loss._target_={__name__}:SquaredDistance", "gather=native",
     ]  # fmt: skip
-    runs = _train(
+    runs = train_cases(
         tmp_path,
         {"reference": ["layout=cpu1"], "naive_2x4": _accumulated(2, 4, "naive")},
         *common,

@@ -8,18 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bounds import FLOAT32_BOUND, FLOAT64_BOUND, MISS_FACTOR, differences
-from helpers import run_training
+from helpers import train_cases
 
 from gatherlab.core import runfiles
 
 pytestmark = pytest.mark.slow
-
-
-def _train_cases(root: Path, cases: dict[str, list[str]], *common: str) -> dict[str, Path]:
-    """Train each case (its overrides after the common ones) into ``root / name``."""
-    for name, overrides in cases.items():
-        run_training(root / name, *common, *overrides)
-    return {name: root / name for name in cases}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +25,7 @@ def demo_runs(tmp_path_factory) -> dict[str, Path]:
         "old_cpu2": ["gather=old", "layout=cpu2"],
         "old_cpu4": ["gather=old", "layout=cpu4"],
     }
-    return _train_cases(tmp_path_factory.mktemp("demo"), cases, "experiment=bug_demo", "steps=20")
+    return train_cases(tmp_path_factory.mktemp("demo"), cases, "experiment=bug_demo", "steps=20")
 
 
 @pytest.mark.parametrize("run", ["fixed_cpu2", "fixed_cpu4"])
@@ -67,7 +60,7 @@ def pr1531_runs(tmp_path_factory) -> dict[str, Path]:
         "fixed_cpu2": ["gather=fixed", "layout=cpu2"],
         "old_cpu2": ["gather=old", "layout=cpu2"],
     }
-    return _train_cases(tmp_path_factory.mktemp("pr1531"), cases, "experiment=lightly_pr1531")
+    return train_cases(tmp_path_factory.mktemp("pr1531"), cases, "experiment=lightly_pr1531")
 
 
 def test_pr1531_case_fixed_matches_in_float32(pr1531_runs):

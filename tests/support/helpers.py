@@ -77,6 +77,13 @@ class Finished:
     stderr: str
 
 
+def train_cases(root: Path, cases: dict[str, list[str]], *common: str) -> dict[str, Path]:
+    """Train each case (its overrides after the common ones) into ``root / name``."""
+    for name, overrides in cases.items():
+        run_training(root / name, *common, *overrides)
+    return {name: root / name for name in cases}
+
+
 def run_command(module: str, *args: str) -> Finished:
     """``python -m gatherlab.<module> args`` run in this process, the way the command line runs it
     (its ``main``, its exit status, its output), on the session's warm worker pools: the sweep
