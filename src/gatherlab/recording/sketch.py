@@ -17,7 +17,7 @@ its parameters' sketches. It is linear, S(a·x + y) = a·S(x) + S(y), so:
   (``1/W``, ``W``, …) read from two sketches are what the full gradients give;
 - it estimates inner products without bias: E[⟨S(a), S(b)⟩] = ⟨a, b⟩ over the signs, with
   Var = Σ over pairs of elements sharing a column and not a block of (a_p² b_q² + a_p b_p a_q b_q),
-  ≤ (‖a‖²‖b‖² + ⟨a,b⟩²)/k when the gradient's energy is spread over the k columns (i mod k).
+  ≈ (‖a‖²‖b‖² + ⟨a,b⟩²)/k when the gradient's energy is spread over the k columns (i mod k).
 
 One sketch costs one pass over the gradient (a vector–matrix product with the signs) and k numbers
 of memory per part; the signs are drawn again each time (n/k of them), nothing per element is kept.
@@ -27,20 +27,24 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
 
 __all__ = ["DEFAULT_K", "signs", "sketch"]
 
-DEFAULT_K = 256
-"""The sketch's size per part: 256 float64 numbers, 2 KiB per part and update."""
+DEFAULT_K = 251
+"""The sketch's size per part: 251 float64 numbers, 2 KB per part and update. A prime, so that no
+power-of-two row length of a weight matrix lines up with the columns (element i's column is
+i mod k): with k = 256 the rows of a 128 × 64 weight share their columns feature by feature, and
+the cosine's measured standard deviation was 1.9 times the formula's (docs/design.md §11)."""
 
 
 def signs(name: str, numel: int, k: int, seed: int) -> torch.Tensor:
     """The random sign of each of the ceil(numel / k) blocks of parameter ``name`` (float64 ±1),
     the same in every run, on every rank, for the same (name, numel, k, seed)."""
-    generator = torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
+    generator = np.random.default_rng([seed, zlib.crc32(name.encode()), len(name)])
     blocks = -(-numel // k)
-    return torch.randint(0, 2, (blocks,), generator=generator, dtype=torch.float64) * 2 - 1
+    return torch.from_numpy(generator.integers(0, 2, blocks).astype(np.float64) * 2 - 1)
 
 
 def sketch(
