@@ -177,7 +177,9 @@ class Recorder:
     job's seed, for the header (compared between runs). ``settings``: more of the job's settings
     that must agree between two runs (JSON values). ``precision``: the job's precision
     (``64-true``, ``32-true``, ``bf16-mixed``…; default from the parameters' dtype). ``batches``:
-    whether the model's forward inputs are the batch (False: the job calls ``batch(x)``)."""
+    whether the model's forward inputs are the batch (False: the job calls ``batch(x)``);
+    ``losses``: whether the loss module's or the model output's loss is the micro-batch's loss
+    (False: the job calls ``loss(value)``, as the Lightning and Hugging Face callbacks do)."""
 
     def __init__(
         self,
@@ -192,6 +194,7 @@ class Recorder:
         settings: Mapping[str, Any] | None = None,
         precision: str | None = None,
         batches: bool = True,
+        losses: bool = True,
         sketch_seed: int = 0,
     ) -> None:
         if not isinstance(k, int) or k < 2:
@@ -239,9 +242,9 @@ class Recorder:
         self._hooks = [optimizer.register_step_pre_hook(self._before_step)]
         if batches:
             self._hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
-        if loss is not None:
+        if losses and loss is not None:
             self._hooks.append(loss.register_forward_hook(self._on_loss))
-        else:
+        elif losses:
             self._hooks.append(model.register_forward_hook(self._on_output))
 
     # what the job gives -----------------------------------------------------------------------
