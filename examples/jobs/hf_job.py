@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--global-batch-size", type=int, default=8, help="(default 8)")
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches (default 1)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD's learning rate")
+    parser.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="the Trainer's clipping (default 1.0)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             learning_rate=args.lr,
             optim="sgd",
             lr_scheduler_type="constant",
-            max_grad_norm=1.0,
+            max_grad_norm=args.max_grad_norm,
             seed=args.seed,
             use_cpu=True,
             ddp_backend="gloo" if world_size > 1 else None,
