@@ -310,7 +310,9 @@ class Recorder:
             local, offset, is_sharded = _shard(tensor)
             signs = self._signs_of(p.name, p.parameter.numel())
             values = sketch.sketch(local, k, signs, offset).numpy()
-            norm2 = float(torch.linalg.vector_norm(local.detach(), dtype=torch.float64)) ** 2
+            # cast, then the norm: the same float64 value, in half the time of vector_norm's
+            # dtype= on a float32 gradient (python -m gatherlab.bench record)
+            norm2 = float(torch.linalg.vector_norm(local.detach().double())) ** 2
             (sharded if is_sharded else replicated)[p.part] += values
             norms[p.part][0 if is_sharded else 1] += norm2
         return {"sharded": sharded, "replicated": replicated, "norms": norms}
