@@ -1,8 +1,8 @@
 """A Hugging Face ``Trainer`` job recorded by one callback:
-``Trainer(..., callbacks=[HFRecorder(DIR)])`` (docs/design.md §11, "Recording a job"). Needs the
-optional extra ``hf`` (``pip install 'gatherlab[hf]'``: transformers and accelerate); this module
-is imported only when ``gatherlab.record.HFRecorder`` is first used, so that ``gatherlab.record``
-imports without them.
+``Trainer(..., callbacks=[HFRecorder(DIR)])`` (docs/design.md §11, "The Lightning and Hugging
+Face callbacks"). Needs the optional extra ``hf`` (``pip install 'gatherlab[hf]'``: transformers
+and accelerate); this module is imported only when ``gatherlab.record.HFRecorder`` is first used,
+so that ``gatherlab.record`` imports without them.
 
 The recording is `gatherlab.recording.recorder.Recorder`'s, built when training begins over the
 model the Trainer trains (its unwrapped module, whatever DDP or accelerate wrap around it) and the

@@ -1,5 +1,6 @@
 """A Lightning ``Trainer`` job recorded by one callback,
-``Trainer(callbacks=[LightningRecorder(DIR)])`` (docs/design.md §11, "Recording a job").
+``Trainer(callbacks=[LightningRecorder(DIR)])`` (docs/design.md §11, "The Lightning and Hugging
+Face callbacks").
 
 The recording is `gatherlab.recording.recorder.Recorder`'s, built when fitting starts over the
 LightningModule and its one optimizer. The module is the model: its parts are its top-level
