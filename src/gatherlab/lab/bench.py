@@ -409,20 +409,20 @@ def _time_record(
         models["recorded"], optimizers["recorded"], out, loss=criteria["recorded"], k=k
     )
     times: dict[str, list[float]] = {"plain": [], "recorded": []}
-    for pair in range(RECORD_WARM_UP + repeats):
-        order = ("plain", "recorded") if pair % 2 == 0 else ("recorded", "plain")
-        gc.collect()  # between pairs, never inside a timed update
-        gc.disable()
-        try:
+    gc.disable()  # no collection inside a timed update (an update makes no cyclic garbage)
+    try:
+        for pair in range(RECORD_WARM_UP + repeats):
+            order = ("plain", "recorded") if pair % 2 == 0 else ("recorded", "plain")
             for name in order:
                 start = time.perf_counter()
                 _update(models[name], optimizers[name], criteria[name], inputs, targets)
                 if pair >= RECORD_WARM_UP:
                     times[name].append(time.perf_counter() - start)
-        finally:
-            gc.enable()
-    gc.collect()
-    extra = _resident_bytes() - before
+            if pair == RECORD_WARM_UP - 1:
+                warmed = _resident_bytes()  # after the first updates (the first's full gradient)
+    finally:
+        gc.enable()
+    end = _resident_bytes()
     updates = RECORD_WARM_UP + repeats
     during = _recording_bytes(out)  # every update written and flushed, the final record not yet
     recorder.close()
@@ -435,7 +435,9 @@ def _time_record(
         "plain_ms": 1e3 * statistics.median(times["plain"]),
         "recorded_ms": 1e3 * statistics.median(times["recorded"]),
         "ratio": statistics.median(ratios),
-        "extra_resident": extra,
+        "first_resident": warmed - before,
+        "later_resident": end - warmed,
+        "signs": sum(-(-p.numel() // k) * 8 for p in models["plain"].parameters()),
         "line": during["lines"] / updates,
         "sketch": during["sketches"] / updates,
         "per_update": (during["lines"] + during["sketches"]) / updates,
@@ -483,14 +485,17 @@ def record(
         f"{torch.get_num_threads()} CPU threads; k = {k}"
     )
     print(f"plain and recorded in turns, median of {repeats} pairs after {RECORD_WARM_UP}")
-    print(f"{'dtype':<8} {'plain [ms]':>11} {'recorded [ms]':>14} {'recorded/plain':>15} "
-          f"{'recorder memory':>16}")  # fmt: skip
+    print(f"{'dtype':<8} {'plain [ms]':>11} {'recorded [ms]':>14} {'recorded/plain':>15}   "
+          f"resident memory added: first {RECORD_WARM_UP} updates, next {repeats}")  # fmt: skip
     for row in rows:
-        memory = f"{row['extra_resident'] / 2**20:+.1f} MiB"
+        first, later = row["first_resident"] / 2**20, row["later_resident"] / 2**20
         print(f"{row['dtype']:<8} {row['plain_ms']:>11.1f} {row['recorded_ms']:>14.1f} "
-              f"{row['ratio']:>15.3f} {memory:>16}")  # fmt: skip
-    held = depth * k * 8
-    print(f"the sketches of one update: {depth} parts × k × 8 bytes = {held / 1024:.1f} KiB")
+              f"{row['ratio']:>15.3f}   {first:+.1f} MiB, {later:+.1f} MiB")  # fmt: skip
+    sketches = depth * k * 8
+    print(f"the recorder holds: each parameter's block signs, ceil(n / k) × 8 bytes = "
+          f"{rows[0]['signs'] / 1024:.0f} KiB, and an update's sketches, parts × k × 8 bytes = "
+          f"{sketches / 1024:.1f} KiB (the first update's full gradient, n × 8 bytes, only "
+          f"while it is written)")  # fmt: skip
     for row in rows:
         print(f"written, {row['dtype']}: {_per_thousand(row)}")
     if large is not None:
