@@ -5,7 +5,8 @@ mesh) or ``ZeroRedundancyOptimizer`` wrap the same model. The data: a fixed glob
 ``GLOBAL`` rows per update, rank r taking its contiguous slice.
 
 Bugs, each named by its switch: ``divide_twice`` (the loss divided by W on top of DDP's average),
-``temperature_outside`` (a learnt scale outside every wrapper: its gradient is not reduced).
+``temperature_outside`` (a learnt scale outside every wrapper: its gradient is not reduced),
+``batchnorm`` (a per-rank BatchNorm1d in the body: its statistics are each rank's).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ class Scaled(nn.Module):
 class Net(nn.Module):
     """A small MLP and, unless it is given one at each call (outside), its loss."""
 
-    def __init__(self, criterion: nn.Module | None) -> None:
+    def __init__(self, criterion: nn.Module | None, batchnorm: bool = False) -> None:
         super().__init__()
+        norm = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
         self.body = nn.Sequential(
-            nn.Linear(DIM, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+            nn.Linear(DIM, 16), norm, nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
         ).double()
         self.criterion = criterion
 
@@ -56,15 +58,18 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(GLOBAL * STEPS, 4, generator=generator, dtype=torch.float64)
 
 
-def loop(out: str, wrap: str = "ddp", bug: str = "", k: int = 64, full_updates: int = 1) -> None:
+def loop(
+    out: str, wrap: str = "ddp", bug: str = "", k: int = 64, full_updates: int = 1,
+    trace: bool = False,
+) -> None:  # fmt: skip
     """Trains ``STEPS`` updates of SGD and records them into ``out``; ``wrap``: ``ddp``,
     ``fsdp2`` or ``zero`` (DDP with ``ZeroRedundancyOptimizer``); without a process group the
-    plain model."""
+    plain model. ``trace``: the recorder traces the first update's forward."""
     world_size, rank = _world()
     torch.manual_seed(0)
     criterion = Scaled()
     outside = bug == "temperature_outside"
-    network = Net(None if outside else criterion)
+    network = Net(None if outside else criterion, batchnorm=bug == "batchnorm")
     trained: nn.Module = network
     if world_size > 1 and wrap == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -87,8 +92,9 @@ def loop(out: str, wrap: str = "ddp", bug: str = "", k: int = 64, full_updates: 
     x, y = _data()
     rows = GLOBAL // world_size
     recorder = gatherlab.record(
-        trained, optimizer, out, loss=criterion, seed=0, k=k, full_updates=full_updates
-    )
+        trained, optimizer, out, loss=criterion, seed=0, k=k, full_updates=full_updates,
+        trace=trace,
+    )  # fmt: skip
     for update in range(STEPS):
         start = update * GLOBAL + rank * rows
         optimizer.zero_grad()

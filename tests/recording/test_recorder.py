@@ -52,7 +52,7 @@ def test_a_clean_loop_records_what_one_device_records(recorded, wrap, world_size
     assert all(sharded) if wrap == "fsdp2" else not any(sharded)
     for a, b in zip(one.updates, many.updates, strict=True):
         assert abs(a.loss - b.loss) <= 1e-15
-        assert sum(b.rows, []) == a.rows[0]  # the ranks' rows, in rank order: one device's batch
+        assert [r for rows in b.rows for r in rows] == a.rows[0]  # in rank order: one device's
         assert not b.unreduced
         for part in one.parts:
             assert _relative(b.sketches[part], a.sketches[part]) <= 1e-14
@@ -126,13 +126,32 @@ def test_the_reader_refuses_what_is_not_a_finished_recording(recorded, tmp_path)
     (copy / format.UPDATES).write_text(lines)
     data = (copy / format.SKETCHES).read_bytes()
     (copy / format.SKETCHES).write_bytes(data[:-8])
-    with pytest.raises(format.RecordingError, match="sketches.f64 is truncated: the final"):
+    with pytest.raises(format.RecordingError, match=r"sketches\.f64 is truncated: the final"):
         format.read(copy)
     (copy / format.FINAL).unlink()
-    with pytest.raises(format.RecordingError, match="is unfinished: it has no final.json"):
+    with pytest.raises(format.RecordingError, match=r"is unfinished: it has no final\.json"):
         format.read(copy)
 
 
 def test_a_directory_holding_a_recording_is_never_written_again(recorded):
     with pytest.raises(format.RecordingError, match="already holds a recording"):
         recorded_loops.loop(str(recorded("ddp", "", 1).path))
+
+
+def test_a_traced_recording_names_the_line_where_per_rank_statistics_depart(tmp_path):
+    """``trace=True``: each rank's records of the first update's forward, from the model's first
+    call to the loss; `gatherlab.check.where` finds the per-rank batch norm in them as it does in
+    the check's own traces."""
+    from gatherlab.check import where
+
+    recorded_loops.loop(str(tmp_path / "one"), bug="batchnorm", trace=True)
+    pools.pool(2).run(recorded_loops.loop, str(tmp_path / "two"), "ddp", "batchnorm", 64, 1, True)
+    one, two = format.read(tmp_path / "one").trace(), format.read(tmp_path / "two").trace()
+    assert len(one) == 1 and len(two) == 2 and one[0][0].name == "input"
+    found = where.departure(one[0], two, 2, recorded_loops.GLOBAL, 1e-10)
+    assert found.where.endswith("batch_norm") and found.where.startswith("recorded_loops.py:")
+    assert found.words == (
+        "a batch_norm over dim 0 of the rank's 8 rows, where one device takes all 16"
+    )
+    recorded_loops.loop(str(tmp_path / "untraced"))
+    assert format.read(tmp_path / "untraced").trace() is None

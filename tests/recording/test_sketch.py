@@ -5,6 +5,7 @@ and on real gradients."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -38,7 +39,7 @@ def test_the_shards_sketches_add_up_to_the_whole_ones(cuts):
     x = torch.randn(1000, dtype=torch.float64)
     block_signs = signs("w", 1000, 64, seed=0)
     whole = sketch(x, 64, block_signs)
-    shards = sum(sketch(x[a:b], 64, block_signs, offset=a) for a, b in zip(cuts, cuts[1:]))
+    shards = sum(sketch(x[a:b], 64, block_signs, offset=a) for a, b in itertools.pairwise(cuts))
     assert float((shards - whole).abs().max()) <= 1e-13 * float(whole.abs().max())
 
 

@@ -13,6 +13,7 @@ A recording is a directory:
   between ranks (not reduced) with where each rank's sketch of it starts;
 - ``sketches.f64``: the sketches, raw little-endian float64, appended in that order;
 - ``full/update_<u>.pt``: the whole gradient of the first updates (float64, parameter order);
+- ``trace.pt`` (when asked for): each rank's records of the first update's forward;
 - ``final.json``, written when recording ends: the number of updates and the final weights'
   sketch and norms. A recording without it is unfinished (the job stopped, or has not ended).
 """
@@ -29,14 +30,14 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "FINAL", "FORMAT", "FULL", "HEADER", "SKETCHES", "UPDATES", "VERSION", "Recording",
+    "FINAL", "FORMAT", "FULL", "HEADER", "SKETCHES", "TRACE", "UPDATES", "VERSION", "Recording",
     "RecordingError", "Update", "Writer", "read",
 ]  # fmt: skip
 
 FORMAT = "gatherlab-recording"
 VERSION = 1
-HEADER, UPDATES, SKETCHES, FINAL, FULL = (
-    "header.json", "updates.jsonl", "sketches.f64", "final.json", "full",
+HEADER, UPDATES, SKETCHES, FINAL, FULL, TRACE = (
+    "header.json", "updates.jsonl", "sketches.f64", "final.json", "full", "trace.pt",
 )  # fmt: skip
 
 
@@ -98,6 +99,15 @@ class Recording:
 
         return torch.load(self.path / FULL / f"update_{update}.pt", weights_only=True)
 
+    def trace(self) -> list | None:
+        """Each rank's records of the first update's forward (`gatherlab.runs.trace.Op`, from
+        the model's first call to the loss), None where the job did not trace it."""
+        if not (self.path / TRACE).is_file():
+            return None
+        import torch
+
+        return torch.load(self.path / TRACE, weights_only=False)["ranks"]  # gatherlab's own Ops
+
     def layout(self) -> dict[str, list[tuple[int, int]]]:
         """The parts of a full gradient: each part's ranges of it (`gatherlab.core.gradients`)."""
         parts: dict[str, list[tuple[int, int]]] = {}
@@ -138,6 +148,12 @@ class Writer:
         import torch
 
         torch.save(gradient, self.out / FULL / f"update_{update}.pt")
+
+    def trace(self, ranks: list) -> None:
+        """Each rank's records of the first update's forward (`gatherlab.runs.trace.Op`)."""
+        import torch
+
+        torch.save({"ranks": ranks}, self.out / TRACE)
 
     def update(self, line: Mapping[str, Any]) -> None:
         with open(self.out / UPDATES, "a") as file:  # after its sketches: a line is complete

@@ -179,7 +179,10 @@ class Recorder:
     (``64-true``, ``32-true``, ``bf16-mixed``…; default from the parameters' dtype). ``batches``:
     whether the model's forward inputs are the batch (False: the job calls ``batch(x)``);
     ``losses``: whether the loss module's or the model output's loss is the micro-batch's loss
-    (False: the job calls ``loss(value)``, as the Lightning and Hugging Face callbacks do)."""
+    (False: the job calls ``loss(value)``, as the Lightning and Hugging Face callbacks do).
+    ``trace``: record the operations of the first update's forward, from the model's first call
+    to the loss, with their gradients (`gatherlab.runs.trace`; every result is copied: for small
+    runs), so that the comparison names the line where two runs part (``trace.pt``)."""
 
     def __init__(
         self,
@@ -196,6 +199,7 @@ class Recorder:
         batches: bool = True,
         losses: bool = True,
         sketch_seed: int = 0,
+        trace: bool = False,
     ) -> None:
         if not isinstance(k, int) or k < 2:
             raise ValueError(f"k={k!r}: the sketch's size per part is an integer ≥ 2")
@@ -213,6 +217,9 @@ class Recorder:
         self._autocast: str | None = None
         self.updates = 0
         self._closed = False
+        self._trace = trace
+        self._tracer: Any = None  # the first update's, while it records
+        self._traced: list | None = None
         first = self._parameters[0].parameter if self._parameters else None
         dtype = first.dtype if first is not None else torch.float32
         header = {
@@ -253,9 +260,32 @@ class Recorder:
         tensor = _first_tensor(batch)
         if tensor is not None:
             self._rows.extend(row_digests(tensor))
+            if self._trace and self.updates == 0 and self._traced is None:
+                self._trace_input(tensor)
+
+    def _trace_input(self, tensor: torch.Tensor) -> None:
+        from gatherlab.runs import trace
+
+        if self._tracer is None:  # the update's first forward call
+            self._tracer = trace.Tracer()
+            self._tracer.__enter__()
+            self._calls = 0
+        self._tracer.given(f"batch {self._calls}", tensor)
+        self._calls += 1
+
+    def _trace_end(self, loss: torch.Tensor | None) -> None:
+        """The first update's forward has reached its loss: its records keep their gradients."""
+        tracer, self._tracer = self._tracer, None
+        if loss is not None:
+            tracer.returned(loss)
+        tracer.keep_gradients()
+        tracer.__exit__(None, None, None)
+        self._traced = tracer
 
     def loss(self, value: torch.Tensor | float) -> None:
         """This rank's loss of a micro-batch of the update."""
+        if self._tracer is not None:
+            self._trace_end(value if isinstance(value, torch.Tensor) else None)
         self._losses.append(float(value.detach() if isinstance(value, torch.Tensor) else value))
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -310,9 +340,7 @@ class Recorder:
             local, offset, is_sharded = _shard(tensor)
             signs = self._signs_of(p.name, p.parameter.numel())
             values = sketch.sketch(local, k, signs, offset).numpy()
-            # cast, then the norm: the same float64 value, in half the time of vector_norm's
-            # dtype= on a float32 gradient (python -m gatherlab.bench record)
-            norm2 = float(torch.linalg.vector_norm(local.detach().double())) ** 2
+            norm2 = _norm(local) ** 2
             (sharded if is_sharded else replicated)[p.part] += values
             norms[p.part][0 if is_sharded else 1] += norm2
         return {"sharded": sharded, "replicated": replicated, "norms": norms}
@@ -361,6 +389,10 @@ class Recorder:
             "rows": self._rows,
         }
         full = self._full_gradient() if self.updates < self.full_updates else None
+        if self.updates == 0 and self._trace:
+            if self._tracer is not None:  # no loss was seen: the trace ends at the step
+                self._trace_end(None)
+            payload["trace"] = self._traced.detached() if self._traced is not None else []
         every = self._gathered(payload)
         if self._writer is not None:
             sketches, norms, unreduced = self._combined(every)
@@ -370,6 +402,8 @@ class Recorder:
                       for part, per_rank in unreduced.items()}  # fmt: skip
             if full is not None:
                 writer.full(self.updates, full)
+            if "trace" in payload:
+                writer.trace([r["trace"] for r in every])
             losses = [r["loss"] for r in every]
             writer.update({
                 "update": self.updates, "losses": [_json_float(v) for v in losses],
@@ -405,6 +439,16 @@ class Recorder:
         else:  # the job failed: the recording stays unfinished, what it recorded stays readable
             for hook in self._hooks:
                 hook.remove()
+
+
+def _norm(values: torch.Tensor) -> float:
+    """The L2 norm of ``values`` in their own precision (half precisions in float32): exact to
+    the precision the gradient has (a float64 norm of a float32 gradient costs a copy, 12 times
+    the float32 norm's time measured here); equal gradients have equal norms."""
+    values = values.detach()
+    if values.dtype in (torch.bfloat16, torch.float16):
+        values = values.float()
+    return float(torch.linalg.vector_norm(values))
 
 
 def _json_float(value: float) -> float | None:
