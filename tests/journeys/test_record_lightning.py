@@ -8,11 +8,14 @@ ranks, `gatherlab.ranks.launch.fit`), which costs no new interpreters.
 
 from __future__ import annotations
 
+import sys
+
 import lightning as L
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import line_of
 from torch import nn
 from torch.utils.data import DataLoader, default_collate
 
@@ -93,18 +96,19 @@ def _flat_gradient(module: nn.Module) -> torch.Tensor:
 def test_the_recording_holds_each_update_s_rows_losses_and_its_clipped_accumulated_gradient(
     tmp_path,
 ):
-    """accumulate_grad_batches = 2 and gradient_clip_val: each update's rows are its two
+    """accumulate_grad_batches = 2, gradient_clip_val and trace: each update's rows are its two
     micro-batches' inputs in order, its loss the mean of the two losses ``training_step`` returned
-    (Lightning divides them by 2 for the backward), and its gradient the one the optimizer steps
+    (not Lightning's, divided by 2 for the backward), and its gradient the one the optimizer steps
     on, clipped: Lightning clips inside the step's closure, after the step's pre-hook has run, so
     the recorder must read it when the closure returns. The first update's whole gradient is
     computed here by hand: the gradient of the mean of the micro-batch losses, scaled as
-    ``torch.nn.utils.clip_grad_norm_`` scales it."""
+    ``torch.nn.utils.clip_grad_norm_`` scales it. The trace of the first update's forward names
+    this file's line of the cross-entropy."""
     data, module, steps = Points(), Classifier(), 3
     start = Classifier().double()  # the same initial weights, untrained
     trainer = _quiet_trainer(
         max_steps=steps, accumulate_grad_batches=2, gradient_clip_val=CLIP,
-        callbacks=[LightningRecorder(tmp_path, seed=3)],
+        callbacks=[LightningRecorder(tmp_path, seed=3, trace=True)],
     )  # fmt: skip
     trainer.fit(module, DataLoader(data, batch_size=4))
     recording = read(tmp_path)
@@ -116,7 +120,8 @@ def test_the_recording_holds_each_update_s_rows_losses_and_its_clipped_accumulat
     for update in recording.updates:
         u = update.index
         assert update.rows == [row_digests(data.inputs[8 * u : 8 * u + 8])]
-        assert update.loss == pytest.approx(np.mean(module.seen[2 * u : 2 * u + 2]), rel=1e-15)
+        assert update.loss == float(np.mean(module.seen[2 * u : 2 * u + 2]))
+    assert "training_step" not in vars(module)  # the recorder's wrapper gone with the fit
 
     micro_batches = [(data.inputs[i : i + 4], data.labels[i : i + 4]) for i in (0, 4)]
     for inputs, labels in micro_batches:
@@ -130,6 +135,13 @@ def test_the_recording_holds_each_update_s_rows_losses_and_its_clipped_accumulat
     first = recording.updates[0]
     total = np.sqrt(sum(value**2 for value in first.norms.values()))
     assert total == pytest.approx(float(torch.linalg.vector_norm(expected)), rel=1e-12)
+
+    # trace=True: the first update's forward, from its batch to the loss Lightning backpropagates
+    (ops,) = recording.trace()
+    assert ops[0].name == "input" and any(op.returned for op in ops)
+    (cross_entropy,) = [op for op in ops if op.name.endswith("cross_entropy")]
+    assert cross_entropy.where == line_of(sys.modules[__name__], "F.cross_entropy(")
+    assert cross_entropy.grad is not None
 
 
 def _record(out, world_size: int, steps: int) -> None:

@@ -102,7 +102,9 @@ class HFRecorder(TrainerCallback):
     ``k``: the sketch's size per part; ``seed``: the run's seed written into the header (default:
     ``TrainingArguments.seed``); ``settings``: more of the job's settings for the header that must
     agree between two runs, beside the optimizer's and the Trainer's own (``max_steps``,
-    ``max_grad_norm``; not the micro-batches, which may differ)."""
+    ``max_grad_norm``; not the micro-batches, which may differ); ``trace``: keep each rank's
+    operations of the first update's forward, from the model's call to its loss (`Recorder`'s
+    ``trace``)."""
 
     def __init__(
         self,
@@ -112,9 +114,10 @@ class HFRecorder(TrainerCallback):
         full_updates: int = 1,
         seed: int | None = None,
         settings: Mapping[str, Any] | None = None,
+        trace: bool = False,
     ) -> None:
         self.out = Path(out)
-        self.k, self.full_updates, self.seed = k, full_updates, seed
+        self.k, self.full_updates, self.seed, self.trace = k, full_updates, seed, trace
         self.settings = dict(settings or {})
         self.recorder: Recorder | None = None
         self._hooks: list[Any] = []
@@ -139,6 +142,7 @@ class HFRecorder(TrainerCallback):
             precision=precision_of(args, model),
             batches=False,
             losses=False,
+            trace=self.trace,
         )
         self._hooks = [
             model.register_forward_pre_hook(self._rows, with_kwargs=True),
@@ -153,7 +157,7 @@ class HFRecorder(TrainerCallback):
         if self.recorder is not None and module.training and torch.is_grad_enabled():
             loss = output_loss(output)
             if loss is not None:
-                self.recorder.loss(loss.detach())
+                self.recorder.loss(loss)  # with ``trace``, the first update's trace ends here
 
     def on_train_end(self, args, state, control, **kwargs):
         for hook in self._hooks:
