@@ -820,9 +820,11 @@ def recordings_figure(
         for label, rows, color in drawn:
             diff_axis.plot(rows["update"], np.maximum(rows["rel_err"].to_numpy(float), ZERO_FLOOR),
                            color=color, linewidth=1.4, marker=marker, label=label)  # fmt: skip
-        _style_difference_axis(diff_axis, tolerance, "gradient relative difference")
+        _style_difference_axis(diff_axis, tolerance, f"gradient relative difference vs {reference}")
         diff_axis.set(xlabel="optimizer update")
-        diff_axis.legend(fontsize=8, loc="center right")
+        diff_axis.legend(fontsize=8, loc="best")
+        for axis in (loss_axis, diff_axis):  # updates are whole numbers
+            axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     return figure
 
 
