@@ -1,0 +1,205 @@
+"""The comparison of two recordings (`gatherlab.compare`, `gatherlab.check.compare`, docs/design.md
+§5, §6 "Comparing two recordings") on real recordings of plain loops (``recorded_jobs``), made by
+`gatherlab.record.Recorder` on one device without a process group and on real gloo ranks of the
+pool at W = 2 and 4: each case's verdict, class, factor and cause as the mathematics gives them;
+the same run judged by the pooled check and by recording and comparing gets the same verdict."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from bounds import FLOAT64_BOUND
+from recorded import record, record_cases
+
+import gatherlab
+from gatherlab import check
+from gatherlab.check import compare as comparer
+from gatherlab.recording.format import read
+from gatherlab.testing import assert_runs_match
+
+pytestmark = pytest.mark.slow
+
+W = (2, 4)
+STEPS = 4
+# A factor of a linear sketch is the gradient's own: S(c·g) = c·S(g) to rounding.
+ROUNDING = 1e-12
+
+
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recordings")
+    cases = {
+        "w1": (1, "train", {}), "w1_sketched": (1, "train", {"full_updates": 0}),
+        "t1": (1, "temperature_job", {}), "torch1": (1, "train", {"sampler": "torch"}),
+    }  # fmt: skip
+    for w in W:
+        cases |= {
+            f"w{w}": (w, "train", {}),
+            f"half{w}": (w, "train", {"divide_gradients": True}),
+            f"half{w}_sketched": (w, "train", {"divide_gradients": True, "full_updates": 0}),
+            f"twice{w}": (w, "train", {"step": "divided_twice"}),
+            f"t{w}": (w, "temperature_job", {}),
+            f"torch{w}": (w, "train", {"sampler": "torch"}),
+        }
+    return record_cases(root, cases)
+
+
+def whole(comparison) -> pd.Series:
+    return comparison.table.iloc[0]
+
+
+@pytest.mark.parametrize("w", W)
+def test_an_exact_job_is_exact_at_every_update(recordings, w):
+    comparison = gatherlab.compare(recordings["w1"], recordings[f"w{w}"])  # the module is callable
+    assert (comparison.verdict, comparison.status) == ("exact", 0), comparison.words
+    assert comparison.departure is None and comparison.data is None
+    updates = comparison.updates
+    assert set(updates["gradient"]) == {"exact"}, updates.to_string()
+    assert list(updates.loc[updates["part"] == "all", "source"]) == ["full"] + ["sketch"] * 3
+    assert (updates["rel_err"] <= FLOAT64_BOUND).all()
+    assert np.allclose(updates["norm_ratio"], 1, rtol=0, atol=ROUNDING)
+    head = whole(comparison)
+    assert head["train_max_abs_loss_diff"] <= FLOAT64_BOUND
+    assert head["max_abs_param_diff"] <= FLOAT64_BOUND
+    assert list(comparison.table["part"]) == ["all", "0", "1"]  # the model's two children
+    # each rank holds its part of both views: the same rows, in the order a layout gives them
+    assert any("2 blocks" in note for note in comparison.notes), comparison.notes
+    assert comparison.words.endswith(
+        "B trains like A (64-true, every update's loss and gradient).\n"
+    )
+
+
+@pytest.mark.parametrize("w", W)
+@pytest.mark.parametrize("sketched", [False, True], ids=["full", "sketched"])
+def test_a_gradient_divided_by_w_is_1_over_w_to_rounding(recordings, w, sketched):
+    suffix = "_sketched" if sketched else ""
+    comparison = comparer.compare(recordings[f"w1{suffix}"], recordings[f"half{w}{suffix}"])
+    assert (comparison.verdict, comparison.status) == ("1/W", 1), comparison.words
+    first = comparison.updates[comparison.updates["update"] == 0].set_index("part")
+    assert set(first["source"]) == {"sketch" if sketched else "full"}
+    assert set(first["gradient"]) == {"1/W"}  # the whole and each part
+    assert np.allclose(first["norm_ratio"], 1 / w, rtol=ROUNDING, atol=0)
+    assert (first["cosine"] >= 1 - ROUNDING).all()
+    assert np.allclose(first["rel_err"], 1 - 1 / w, rtol=1e-9, atol=0)  # ‖g/W − g‖ / ‖g‖
+    assert comparison.departure == (0, "all")  # every part alike: the whole departs
+    head = whole(comparison)
+    assert head["first_update"] == 0 and head["first_part"] == "all"
+    assert "B departs from A first at update 0 (" in comparison.words
+
+
+@pytest.mark.parametrize("w", W)
+def test_the_pooled_check_and_recording_and_comparing_give_one_verdict(recordings, w):
+    """The same run (the check's plain-step loop, its data, seed and SGD) judged by
+    `check_training` on the pool and by recording it at W = 1 and W and comparing: the same
+    verdict, class and numbers, exact for the clean step and ``loss differs`` with the gradient
+    1/W for a loss divided by W twice."""
+    for step, name in (
+        ("plain_steps:training_step", "w"),
+        ("recorded_jobs:divided_twice", "twice"),
+    ):
+        pooled = check.check_training(
+            step=step, model="plain_steps:build_model", data="plain_steps:Pairs",
+            world_sizes=(w,), steps=STEPS, global_batch_size=16,
+        )  # fmt: skip
+        pooled = pooled[pooled["removed"] == "none"].set_index("part")
+        compared = comparer.compare(recordings["w1"], recordings[f"{name}{w}"])
+        table = compared.table.set_index("part")
+        assert list(table.index) == list(pooled.index) == ["all", "0", "1"]
+        for column in ("forward", "gradient", "verdict", "cause"):
+            assert list(table[column]) == list(pooled[column]), (column, compared.words)
+        for column in ("loss_diff", "cosine", "norm_ratio", "max_rel_err"):
+            assert np.allclose(table[column], pooled[column], rtol=1e-12, atol=1e-15), column
+        assert np.allclose(table["train_max_abs_loss_diff"], pooled["train_max_abs_loss_diff"],
+                           rtol=1e-9, atol=1e-14)  # fmt: skip
+        assert list(table["first_diff_step"]) == list(pooled["first_diff_step"])
+        expected = "exact" if name == "w" else "loss differs"
+        assert table.loc["all", "verdict"] == expected
+        assert compared.status == (0 if name == "w" else 1)
+    assert table.loc["all", "gradient"] == "1/W"
+    assert math.isclose(table.loc["all", "norm_ratio"], 1 / w, rel_tol=ROUNDING)
+
+
+@pytest.mark.parametrize("w", W)
+def test_a_temperature_outside_ddp_is_named_unreduced(recordings, w):
+    reference, run = read(recordings["t1"]), read(recordings[f"t{w}"])
+    # measured from the recording, independently of the comparer: the ranks' own sketches of the
+    # temperature differ, and their mean is one device's sketch (each rank's loss is the mean of
+    # its own anchors', so the mean over ranks is the one-device loss and gradient)
+    ranks = run.updates[0].unreduced["loss.log_temperature"]
+    assert ranks.shape == (w, run.k) and not np.allclose(ranks[0], ranks[1])
+    one_device = reference.updates[0].sketches["loss.log_temperature"]
+    assert np.allclose(ranks.mean(axis=0), one_device, rtol=0, atol=1e-14 * abs(one_device).max())
+    comparison = comparer.compare(recordings["t1"], recordings[f"t{w}"])
+    table = comparison.table.set_index("part")
+    assert comparison.status == 1 and table.loc["all", "cause"] == "unreduced", comparison.words
+    assert table.loc["loss.log_temperature", "cause"] == "unreduced"
+    assert list(table.loc[["0", "1"], "gradient"]) == ["exact", "exact"]  # the model is reduced
+    assert comparison.departure == (0, "loss.log_temperature")
+    words = " ".join(comparison.words.split())
+    assert "the gradient of loss.log_temperature differs between the run's ranks" in words
+    assert "The mean over the ranks of loss.log_temperature's gradients is A's" in words
+    assert "reducing it is the fix" in words
+
+
+@pytest.mark.parametrize("w", W)
+def test_torchs_samplers_are_a_data_difference_said_before_any_gradient(recordings, w):
+    import plain_steps
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+    comparison = comparer.compare(recordings["torch1"], recordings[f"torch{w}"])
+    assert (comparison.verdict, comparison.status) == ("data differs", 1), comparison.words
+    assert comparison.table["verdict"].iloc[0] == "data differs"
+    # the rows each rank holds that one device's first batch lacks, from the samplers themselves:
+    # RandomSampler's seed drawn from the global generator after the loop's seeding (seed 0), and
+    # DistributedSampler's own permutation per rank; two views per sample, each a row
+    indices = range(len(plain_steps.Pairs()))
+    torch.manual_seed(0)  # a DataLoader draws its base seed, then RandomSampler its own
+    first = set(next(iter(DataLoader(indices, batch_size=16, sampler=RandomSampler(indices)))))
+    first = {int(i) for i in first}
+    ranks = [list(DistributedSampler(indices, w, r, seed=0))[: 16 // w] for r in range(w)]
+    lacking = [sum(i not in first for i in rank) for rank in ranks]
+    said = [f"B's rank {r} holds {2 * n} rows A's batch lacks" for r, n in enumerate(lacking) if n]
+    assert said and comparison.data.startswith("update 0: the global batches differ: " + said[0])
+    for line in said:
+        assert line in comparison.data
+    lines = comparison.words.splitlines()
+    data_line = next(i for i, line in enumerate(lines) if line.startswith("update 0: the global"))
+    table_line = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    assert data_line < table_line  # said first, before any gradient
+    assert "gatherlab.data.LayoutInvariantSampler" in " ".join(comparison.words.split())
+    assert "departs from A first" not in comparison.words  # no gradient read from other data
+
+
+def test_assert_runs_match_passes_an_exact_run_and_fails_with_the_words(recordings):
+    assert assert_runs_match(recordings["w1"], recordings["w2"]).verdict == "exact"
+    with pytest.raises(AssertionError) as raised:
+        assert_runs_match(recordings["w1"], recordings["half2"])
+    assert "B against A, W = 2: 1/W" in str(raised.value)
+
+
+def test_a_comparison_writes_its_tables_and_figure_and_refuses_to_write_twice(recordings, tmp_path):
+    out = tmp_path / "out"
+    comparison = gatherlab.compare(recordings["w1"], recordings["half2"], out=out)
+    written = pd.read_csv(out / "check.csv")
+    assert list(written.columns) == list(comparison.table.columns)
+    assert written["verdict"].iloc[0] == "1/W"
+    updates = pd.read_csv(out / "updates.csv")
+    assert len(updates) == STEPS * 3 and list(updates.columns) == list(comparer.UPDATE_COLUMNS)
+    assert np.allclose(updates["norm_ratio"].iloc[0], 0.5, rtol=ROUNDING)  # exactly read back
+    assert (out / "compare.png").stat().st_size > 0 and (out / "compare.pdf").stat().st_size > 0
+    from gatherlab.core.runfiles import RunFinished
+
+    with pytest.raises(RunFinished, match="already holds a comparison"):
+        gatherlab.compare(recordings["w1"], recordings["w2"], out=out)
+
+
+def test_a_recorded_one_rank_recording_needs_no_process_group(tmp_path):
+    """W = 1 records without a process group (a one-GPU script), twice the same: exact."""
+    first, again = record(tmp_path / "a", 1), record(tmp_path / "b", 1)
+    comparison = comparer.compare(first, again)
+    assert comparison.verdict == "exact"
+    assert (comparison.updates["rel_err"] == 0).all()  # the same arithmetic: bit for bit
