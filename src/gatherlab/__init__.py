@@ -33,14 +33,12 @@ loss, gather or training step, its diagnoses), ``analysis`` (results, report, fi
 # The modules of the API reference (``make docs``); nothing in the package star-imports them.
 __all__ = ["check", "compare", "gather", "losses", "report", "results", "testing"]
 
-# The callable public modules, imported when first named (``gatherlab.compare(a, b)`` after
-# ``import gatherlab``), so that importing the package imports neither torch nor pandas.
-_CALLABLE = ("compare", "record")
-
 
 def __getattr__(name: str):
-    if name not in _CALLABLE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+    """``gatherlab.record(...)`` and ``gatherlab.compare(...)`` after ``import gatherlab``: the two
+    callable modules, imported when first used."""
+    if name in ("record", "compare"):
+        import importlib
 
-    return importlib.import_module(f"{__name__}.{name}")
+        return importlib.import_module(f"gatherlab.{name}")
+    raise AttributeError(f"module 'gatherlab' has no attribute {name!r}")
