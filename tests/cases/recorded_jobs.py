@@ -10,21 +10,18 @@ its recording from rank 0.
   W on top of DDP's average: the gradient is 1/W of one device's, the loss too), or with
   ``divide_gradients`` the gradients divided by W after the backward (1/W, the loss one
   device's); ``sampler="torch"``: torch's samplers as a script uses them, ``RandomSampler`` on
-  one device and ``DistributedSampler`` on W ranks (another global batch at every update);
-- `temperature_job`: NT-Xent with a learnt temperature kept outside DDP (its gradient is each
-  rank's own: not reduced over the ranks; their mean is one device's).
+  one device and ``DistributedSampler`` on W ranks (another global batch at every update).
+
+DDP, FSDP2 and ZeRO loops with a temperature outside every wrapper are ``recorded_loops``'.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import plain_steps
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from summing_gather import gather
 from torch import nn
 
 
@@ -106,53 +103,4 @@ def train(
             if divide_gradients:
                 for parameter in model.parameters():
                     parameter.grad /= world_size()
-            optimizer.step()
-
-
-class LearntTemperature(nn.Module):
-    """NT-Xent of the rank's own rows (its anchors, both views) against the gathered batch
-    (every rank's rows, a summing gather), its temperature learnt: each rank's loss is its
-    anchors' mean, so the mean over ranks is one device's loss, and the temperature's gradient
-    on a rank is its own anchors' (their mean over ranks one device's)."""
-
-    def __init__(self, temperature: float = 0.5):
-        super().__init__()
-        self.log_temperature = nn.Parameter(torch.tensor(math.log(temperature)))
-
-    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
-        rows, start = len(z0), rank() * len(z0)
-        anchors = F.normalize(torch.cat([z0, z1]), dim=1)
-        every = F.normalize(torch.cat([gather(z0), gather(z1)]), dim=1)
-        n = len(every) // 2
-        own = torch.arange(start, start + rows)
-        logits = anchors @ every.T / self.log_temperature.exp()
-        itself = torch.zeros_like(logits, dtype=torch.bool)
-        itself[torch.arange(2 * rows), torch.cat([own, n + own])] = True
-        logits = logits.masked_fill(itself, -torch.inf)
-        return F.cross_entropy(logits, torch.cat([n + own, own]))
-
-
-def temperature_job(out: str | Path, *, steps: int = 4, seed: int = 0, lr: float = 0.05,
-                    k: int = 64) -> None:  # fmt: skip
-    """NT-Xent with its temperature outside DDP: the model in DDP, the criterion beside it, both
-    in one SGD; recorded into ``out`` with the criterion's parameter as part
-    ``loss.log_temperature``."""
-    from gatherlab.components.factory import Recipe
-    from gatherlab.record import Recorder
-    from gatherlab.runs import plainstep
-
-    spec = _spec(steps, 16, seed)
-    model = Recipe(plain_steps.build_model, {}, None, seed)().double()
-    criterion = LearntTemperature().double()
-    wrapped = plainstep.wrapped_for_rank(model, torch.device("cpu"))
-    optimizer = torch.optim.SGD([*model.parameters(), *criterion.parameters()], lr=lr)
-    plainstep.seed_processes(seed)
-    with Recorder(model, optimizer, out, loss=criterion, k=k, seed=seed) as recorder:
-        for batch in plainstep.rank_batches(spec.data(), spec):
-            x0, x1 = plainstep.as_precision(batch, "64-true")
-            optimizer.zero_grad()
-            z0, z1 = wrapped(torch.cat([x0, x1])).chunk(2)
-            loss = criterion(z0, z1)
-            recorder.loss(loss)
-            loss.backward()
             optimizer.step()

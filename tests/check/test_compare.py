@@ -27,23 +27,30 @@ W = (2, 4)
 STEPS = 4
 # A factor of a linear sketch is the gradient's own: S(c·g) = c·S(g) to rounding.
 ROUNDING = 1e-12
+TRAIN, LOOP = "recorded_jobs:train", "recorded_loops:loop"
 
 
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory):
     root = tmp_path_factory.mktemp("recordings")
     cases = {
-        "w1": (1, "train", {}), "w1_sketched": (1, "train", {"full_updates": 0}),
-        "t1": (1, "temperature_job", {}), "torch1": (1, "train", {"sampler": "torch"}),
+        "w1": (1, TRAIN, {}), "w1_sketched": (1, TRAIN, {"full_updates": 0}),
+        "torch1": (1, TRAIN, {"sampler": "torch"}),
+        "loop1": (1, LOOP, {}), "outside1": (1, LOOP, {"bug": "temperature_outside"}),
+        "batchnorm1": (1, LOOP, {"bug": "batchnorm"}),
+        "zero2": (2, LOOP, {"wrap": "zero"}),
+        "zero_outside2": (2, LOOP, {"wrap": "zero", "bug": "temperature_outside"}),
     }  # fmt: skip
     for w in W:
         cases |= {
-            f"w{w}": (w, "train", {}),
-            f"half{w}": (w, "train", {"divide_gradients": True}),
-            f"half{w}_sketched": (w, "train", {"divide_gradients": True, "full_updates": 0}),
-            f"twice{w}": (w, "train", {"step": "divided_twice"}),
-            f"t{w}": (w, "temperature_job", {}),
-            f"torch{w}": (w, "train", {"sampler": "torch"}),
+            f"w{w}": (w, TRAIN, {}),
+            f"half{w}": (w, TRAIN, {"divide_gradients": True}),
+            f"half{w}_sketched": (w, TRAIN, {"divide_gradients": True, "full_updates": 0}),
+            f"twice{w}": (w, TRAIN, {"step": "divided_twice"}),
+            f"outside{w}": (w, LOOP, {"bug": "temperature_outside"}),
+            f"fsdp{w}": (w, LOOP, {"wrap": "fsdp2"}),
+            f"batchnorm{w}": (w, LOOP, {"bug": "batchnorm"}),
+            f"torch{w}": (w, TRAIN, {"sampler": "torch"}),
         }
     return record_cases(root, cases)
 
@@ -84,7 +91,15 @@ def test_a_gradient_divided_by_w_is_1_over_w_to_rounding(recordings, w, sketched
     assert set(first["gradient"]) == {"1/W"}  # the whole and each part
     assert np.allclose(first["norm_ratio"], 1 / w, rtol=ROUNDING, atol=0)
     assert (first["cosine"] >= 1 - ROUNDING).all()
-    assert np.allclose(first["rel_err"], 1 - 1 / w, rtol=1e-9, atol=0)  # ‖g/W − g‖ / ‖g‖
+    if sketched:  # ‖S(g/W − g)‖ / ‖g‖ = (1 − 1/W) ‖S g‖ / ‖g‖, the sketch's own estimate
+        update = read(recordings["w1_sketched"]).updates[0]
+        estimate = {p: np.linalg.norm(update.sketches[p]) / update.norms[p] for p in ("0", "1")}
+        sketch = np.concatenate([update.sketches["0"], update.sketches["1"]])
+        estimate["all"] = np.linalg.norm(sketch) / math.hypot(*update.norms.values())
+        expected = [(1 - 1 / w) * estimate[part] for part in first.index]
+    else:  # max |g/W − g| / max |g| = 1 − 1/W
+        expected = [1 - 1 / w] * len(first)
+    assert np.allclose(first["rel_err"], expected, rtol=1e-9, atol=0)
     assert comparison.departure == (0, "all")  # every part alike: the whole departs
     head = whole(comparison)
     assert head["first_update"] == 0 and head["first_part"] == "all"
@@ -125,24 +140,49 @@ def test_the_pooled_check_and_recording_and_comparing_give_one_verdict(recording
 
 @pytest.mark.parametrize("w", W)
 def test_a_temperature_outside_ddp_is_named_unreduced(recordings, w):
-    reference, run = read(recordings["t1"]), read(recordings[f"t{w}"])
-    # measured from the recording, independently of the comparer: the ranks' own sketches of the
-    # temperature differ, and their mean is one device's sketch (each rank's loss is the mean of
-    # its own anchors', so the mean over ranks is the one-device loss and gradient)
-    ranks = run.updates[0].unreduced["loss.log_temperature"]
+    reference, run = read(recordings["outside1"]), read(recordings[f"outside{w}"])
+    # measured from the recordings, independently of the comparer: the ranks' own sketches of the
+    # scale differ, and their mean is one device's (each rank's loss is the mean over its rows,
+    # so the mean over ranks of their gradients is the one-device gradient)
+    ranks = run.updates[0].unreduced["loss.scale"]
     assert ranks.shape == (w, run.k) and not np.allclose(ranks[0], ranks[1])
-    one_device = reference.updates[0].sketches["loss.log_temperature"]
+    one_device = reference.updates[0].sketches["loss.scale"]
     assert np.allclose(ranks.mean(axis=0), one_device, rtol=0, atol=1e-14 * abs(one_device).max())
-    comparison = comparer.compare(recordings["t1"], recordings[f"t{w}"])
+    comparison = comparer.compare(recordings["outside1"], recordings[f"outside{w}"])
     table = comparison.table.set_index("part")
     assert comparison.status == 1 and table.loc["all", "cause"] == "unreduced", comparison.words
-    assert table.loc["loss.log_temperature", "cause"] == "unreduced"
-    assert list(table.loc[["0", "1"], "gradient"]) == ["exact", "exact"]  # the model is reduced
-    assert comparison.departure == (0, "loss.log_temperature")
+    assert table.loc["loss.scale", "cause"] == "unreduced"
+    assert table.loc["body", "gradient"] == "exact"  # DDP reduces the model's
+    assert comparison.departure == (0, "loss.scale")
     words = " ".join(comparison.words.split())
-    assert "the gradient of loss.log_temperature differs between the run's ranks" in words
-    assert "The mean over the ranks of loss.log_temperature's gradients is A's" in words
+    assert "the gradient of loss.scale differs between the run's ranks" in words
+    assert "The mean over the ranks of loss.scale's gradients is A's" in words
     assert "reducing it is the fix" in words
+
+
+@pytest.mark.parametrize(("run", "verdict"), [("fsdp2", "exact"), ("fsdp4", "exact"),
+                                              ("zero2", "exact"), ("batchnorm2", "loss differs"),
+                                              ("batchnorm4", "loss differs")])  # fmt: skip
+def test_sharded_and_per_rank_jobs_get_their_verdicts(recordings, run, verdict):
+    """FSDP2's sharded gradient and ZeRO's are recorded from the ranks and are one device's;
+    a per-rank batch norm's loss is not."""
+    reference = "batchnorm1" if run.startswith("batchnorm") else "loop1"
+    comparison = comparer.compare(recordings[reference], recordings[run])
+    assert comparison.verdict == verdict, comparison.words
+    assert comparison.status == (0 if verdict == "exact" else 1)
+    if verdict == "exact":
+        assert (comparison.updates["rel_err"] <= FLOAT64_BOUND).all()
+    else:
+        assert comparison.departure[0] == 0
+
+
+def test_zero_with_a_temperature_outside_ddp_is_not_exact(recordings):
+    """ZeRO steps each parameter on one rank and broadcasts it, so the ranks agree with each other;
+    the temperature's gradient on its rank is that rank's own, not one device's."""
+    comparison = comparer.compare(recordings["outside1"], recordings["zero_outside2"])
+    assert comparison.verdict != "exact" and comparison.status == 1, comparison.words
+    assert comparison.table.iloc[0]["cause"] == "unreduced"
+    assert comparison.departure == (0, "loss.scale")
 
 
 @pytest.mark.parametrize("w", W)

@@ -19,21 +19,22 @@ from recorded import record_cases
 pytestmark = pytest.mark.slow
 
 PREFIX = "gatherlab.compare: error: "
+TRAIN = "recorded_jobs:train"
 
 
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory):
     root = tmp_path_factory.mktemp("recordings")
     return record_cases(root, {
-        "w1": (1, "train", {}),
-        "w2": (2, "train", {}),
-        "half2": (2, "train", {"divide_gradients": True}),
-        "torch1": (1, "train", {"sampler": "torch"}),
-        "torch2": (2, "train", {"sampler": "torch"}),
-        "batchnorm": (1, "train", {"model_kwargs": {"batchnorm": True}}),
-        "lr": (1, "train", {"lr": 0.02}),
-        "steps": (1, "train", {"steps": 3}),
-        "seed": (1, "train", {"seed": 1}),
+        "w1": (1, TRAIN, {}),
+        "w2": (2, TRAIN, {}),
+        "half2": (2, TRAIN, {"divide_gradients": True}),
+        "torch1": (1, TRAIN, {"sampler": "torch"}),
+        "torch2": (2, TRAIN, {"sampler": "torch"}),
+        "batchnorm": (1, TRAIN, {"model_kwargs": {"batchnorm": True}}),
+        "lr": (1, TRAIN, {"lr": 0.02}),
+        "steps": (1, TRAIN, {"steps": 3}),
+        "seed": (1, TRAIN, {"seed": 1}),
     })  # fmt: skip
 
 
@@ -70,7 +71,8 @@ def test_different_models_are_one_line(recordings):
 
 @pytest.mark.parametrize(
     ("run", "words"),
-    [("lr", ("lr", "0.01", "0.02")), ("seed", ("seed is 0 in A, 1 in B",)),
+    [("lr", ("settings param_groups[0].lr is 0.01 in A, 0.02 in B",)),
+     ("seed", ("seed is 0 in A, 1 in B",)),
      ("steps", ("different numbers of updates: A 4, B 3",))],
 )  # fmt: skip
 def test_different_settings_are_one_line_naming_both_values(recordings, run, words):

@@ -9,14 +9,18 @@ from pathlib import Path
 from typing import Any
 
 
-def record(out: Path, world_size: int, job: str = "train", *args: Any, **kwargs: Any) -> Path:
-    """``recorded_jobs.<job>(out, *args, **kwargs)`` on ``world_size`` ranks (1: here, no group);
-    the recording's directory."""
-    import recorded_jobs
+def record(
+    out: Path, world_size: int, job: str = "recorded_jobs:train", *args: Any, **kwargs: Any
+) -> Path:
+    """``job(out, *args, **kwargs)`` (``module:function`` of ``tests/cases/``) on ``world_size``
+    ranks (1: here, no group); the recording's directory."""
+    import importlib
 
     from gatherlab.ranks.external import ranks_for
 
-    function = functools.partial(getattr(recorded_jobs, job), out, *args, **kwargs)
+    module, name = job.split(":")
+    function = functools.partial(getattr(importlib.import_module(module), name), out, *args,
+                                 **kwargs)  # fmt: skip
     if world_size == 1:
         function()
     else:
@@ -25,6 +29,7 @@ def record(out: Path, world_size: int, job: str = "train", *args: Any, **kwargs:
 
 
 def record_cases(root: Path, cases: dict[str, tuple]) -> dict[str, Path]:
-    """Each case (name → (W, job, keyword arguments)) recorded into ``root / name``."""
+    """Each case (name → (W, ``module:function``, keyword arguments)) recorded into
+    ``root / name``."""
     return {name: record(root / name, w, job, **kwargs)
             for name, (w, job, kwargs) in cases.items()}  # fmt: skip

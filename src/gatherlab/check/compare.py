@@ -57,6 +57,11 @@ MUST_AGREE = ("seed", "precision", "k", "sketch_seed", "full_updates")
 of either, the optimizer and its learning rates among them) and their number of updates."""
 
 FULL, SKETCH = "full", "sketch"
+OPTIMIZER = "settings optimizer"
+SHARDING_OPTIMIZERS = frozenset({"ZeroRedundancyOptimizer"})
+"""Optimizers that shard another's state over the ranks (torch's ``ZeroRedundancyOptimizer``):
+their update is the one of the optimizer they wrap, with its hyper-parameters, so their name is
+not compared (their groups' hyper-parameters are)."""
 
 
 class NotComparable(ValueError):
@@ -130,13 +135,16 @@ def _same_settings(a: Recording, b: Recording) -> None:
     """`NotComparable` unless the settings that must agree do: every key of either header's
     ``settings``, `MUST_AGREE`, and the number of updates."""
     missing = object()
-    settings_a, settings_b = a.header.get("settings", {}), b.header.get("settings", {})
-    compared = [(f"settings {key}", settings_a.get(key, missing), settings_b.get(key, missing))
+    settings_a = _flat(a.header.get("settings", {}), "settings")
+    settings_b = _flat(b.header.get("settings", {}), "settings")
+    compared = [(key, settings_a.get(key, missing), settings_b.get(key, missing))
                 for key in dict.fromkeys([*settings_a, *settings_b])]  # fmt: skip
     compared += [
         (key, a.header.get(key, missing), b.header.get(key, missing)) for key in MUST_AGREE
     ]
     for key, theirs, mine in compared:
+        if key == OPTIMIZER and SHARDING_OPTIMIZERS & {theirs, mine}:
+            continue  # it steps the shards with another optimizer, whose name it does not record
         if theirs != mine:
             shown = ["not recorded" if v is missing else repr(v) for v in (theirs, mine)]
             raise NotComparable(
@@ -148,6 +156,19 @@ def _same_settings(a: Recording, b: Recording) -> None:
             f"A and B record different numbers of updates: A {len(a.updates)}, B "
             f"{len(b.updates)}; a comparison needs them equal"
         )
+
+
+def _flat(value: Any, name: str) -> dict[str, Any]:
+    """A header's nested settings as one mapping of their paths (``settings
+    param_groups[0].lr``) to their values, so that a difference names the one value."""
+    if isinstance(value, dict):
+        separator = " " if name == "settings" else "."
+        return {path: leaf for key, item in value.items()
+                for path, leaf in _flat(item, f"{name}{separator}{key}").items()}  # fmt: skip
+    if isinstance(value, list) and any(isinstance(item, dict | list) for item in value):
+        return {path: leaf for i, item in enumerate(value)
+                for path, leaf in _flat(item, f"{name}[{i}]").items()}  # fmt: skip
+    return {name: value}
 
 
 # --- the data -----------------------------------------------------------------------------------

@@ -179,10 +179,10 @@ def classify_sketched(
 ) -> Classified:
     """The class of a gradient known by its linear sketch S g and its exact norm ‖g‖ against one
     device's (S g₁, ‖g₁‖), by the rule of `class_of`: cosine ⟨S g, S g₁⟩ / (‖S g‖ ‖S g₁‖), norm
-    ratio ‖g‖ / ‖g₁‖ (exact), relative error ‖S(g − g₁)‖ / ‖S g₁‖ (its ``max_rel_err`` field).
-    A linear sketch keeps equality and parallelism (S(c·g) = c·S g), so ``exact`` and a named
-    factor are read exactly; only a biased gradient's cosine (and relative error) is an
-    estimate, within the bound docs/design.md states for k."""
+    ratio ‖g‖ / ‖g₁‖ (exact), relative error ‖S(g − g₁)‖ / ‖g₁‖ with the exact ‖g₁‖ (its
+    ``max_rel_err`` field). A linear sketch keeps equality and parallelism (S(c·g) = c·S g), so
+    ``exact`` and a named factor are read exactly; a biased gradient's cosine and relative error
+    are estimates, within the bounds docs/design.md §11 states for k."""
     import numpy as np
 
     mine = np.asarray(sketch, dtype=np.float64)
@@ -190,11 +190,10 @@ def classify_sketched(
     if reference_norm == 0:
         measured = class_of(math.nan, math.nan, math.nan, norm == 0, True, world_size)
         return Classified(measured, math.nan, math.nan, math.nan)
-    sketched, reference_sketched = float(np.linalg.norm(mine)), float(np.linalg.norm(theirs))
-    product = sketched * reference_sketched
+    product = float(np.linalg.norm(mine)) * float(np.linalg.norm(theirs))
     cosine = float(mine @ theirs / product) if product > 0 else math.nan
     norm_ratio = norm / reference_norm
-    rel_err = float(np.linalg.norm(mine - theirs)) / max(reference_sketched, sys.float_info.min)
+    rel_err = float(np.linalg.norm(mine - theirs)) / reference_norm
     measured = class_of(cosine, norm_ratio, rel_err, norm == 0, False, world_size, micro_batches)
     return Classified(measured, cosine, norm_ratio, rel_err)
 
