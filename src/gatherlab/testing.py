@@ -129,17 +129,17 @@ def assert_runs_match(
         tolerance: as `gatherlab.compare.compare`'s.
 
     Returns:
-        The `gatherlab.compare.Comparison`, its verdict ``exact`` or ``loss scaled``.
+        The `gatherlab.check.compare.Comparison`, its verdict ``exact`` or ``loss scaled``.
 
     Raises:
         AssertionError: B does not train like A (``data differs`` included); the message is the
             comparison's words: the data's difference, the table, the first update and part that
             depart, the diagnosis.
         gatherlab.recording.format.RecordingError: a directory that is no finished recording.
-        gatherlab.compare.NotComparable: recordings of different models or settings.
+        gatherlab.check.compare.NotComparable: recordings of different models or settings.
     """
     __tracebackhide__ = True  # pytest shows the caller's line and the message, not this frame
-    from gatherlab.compare import compare
+    from gatherlab.check.compare import compare  # the comparison itself: it writes no files
 
     comparison = compare(reference, run, tolerance=tolerance)
     if comparison.status != 0:
