@@ -77,8 +77,10 @@ def train(
     divide_gradients: bool = False,
     sampler: str = "global",
     model_kwargs: dict | None = None,
+    trace: bool = False,
 ) -> None:
-    """The check's loop of a plain step, recorded into ``out`` (see the module)."""
+    """The check's loop of a plain step, recorded into ``out`` (see the module); ``trace``: the
+    recorder traces the first update's forward."""
     from gatherlab.components.factory import Recipe
     from gatherlab.record import Recorder
     from gatherlab.runs import plainstep
@@ -94,7 +96,9 @@ def train(
         batches = _torch_batches(data, steps, global_batch_size, seed)
     else:
         batches = (plainstep.as_precision(b, "64-true") for b in plainstep.rank_batches(data, spec))
-    with Recorder(model, optimizer, out, k=k, full_updates=full_updates, seed=seed) as recorder:
+    with Recorder(
+        model, optimizer, out, k=k, full_updates=full_updates, seed=seed, trace=trace
+    ) as recorder:
         for batch in batches:
             optimizer.zero_grad()
             loss = function(wrapped, batch)

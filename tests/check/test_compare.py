@@ -11,8 +11,10 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+import recorded_jobs
 import torch
 from bounds import FLOAT64_BOUND
+from helpers import line_of
 from recorded import record, record_cases
 
 import gatherlab
@@ -36,6 +38,8 @@ def recordings(tmp_path_factory):
     cases = {
         "w1": (1, TRAIN, {}), "w1_sketched": (1, TRAIN, {"full_updates": 0}),
         "torch1": (1, TRAIN, {"sampler": "torch"}),
+        "traced1": (1, TRAIN, {"trace": True}),
+        "traced_twice1": (1, TRAIN, {"step": "divided_twice", "trace": True}),
         "loop1": (1, LOOP, {}), "outside1": (1, LOOP, {"bug": "temperature_outside"}),
         "batchnorm1": (1, LOOP, {"bug": "batchnorm"}),
         "zero2": (2, LOOP, {"wrap": "zero"}),
@@ -46,13 +50,19 @@ def recordings(tmp_path_factory):
             f"w{w}": (w, TRAIN, {}),
             f"half{w}": (w, TRAIN, {"divide_gradients": True}),
             f"half{w}_sketched": (w, TRAIN, {"divide_gradients": True, "full_updates": 0}),
-            f"twice{w}": (w, TRAIN, {"step": "divided_twice"}),
+            f"traced{w}": (w, TRAIN, {"trace": True}),
+            f"traced_twice{w}": (w, TRAIN, {"step": "divided_twice", "trace": True}),
             f"outside{w}": (w, LOOP, {"bug": "temperature_outside"}),
             f"fsdp{w}": (w, LOOP, {"wrap": "fsdp2"}),
             f"batchnorm{w}": (w, LOOP, {"bug": "batchnorm"}),
             f"torch{w}": (w, TRAIN, {"sampler": "torch"}),
         }
     return record_cases(root, cases)
+
+
+def texts(column: pd.Series) -> list[str]:
+    """A column of words, its empty cells (NaN) as empty strings."""
+    return [value if isinstance(value, str) else "" for value in column]
 
 
 def whole(comparison) -> pd.Series:
@@ -109,19 +119,19 @@ def test_a_gradient_divided_by_w_is_1_over_w_to_rounding(recordings, w, sketched
 @pytest.mark.parametrize("w", W)
 def test_the_pooled_check_and_recording_and_comparing_give_one_verdict(recordings, w):
     """The same run (the check's plain-step loop, its data, seed and SGD) judged by
-    `check_training` on the pool and by recording it at W = 1 and W and comparing: the same
-    verdict, class and numbers, exact for the clean step and ``loss differs`` with the gradient
-    1/W for a loss divided by W twice."""
+    `check_training` on the pool and by recording it at W = 1 and W (its first update traced)
+    and comparing: the same verdict, class, numbers and place, exact for the clean step and
+    ``loss differs`` with the gradient 1/W for a loss divided by W twice, at its division."""
     for step, name in (
-        ("plain_steps:training_step", "w"),
-        ("recorded_jobs:divided_twice", "twice"),
+        ("plain_steps:training_step", "traced"),
+        ("recorded_jobs:divided_twice", "traced_twice"),
     ):
         pooled = check.check_training(
             step=step, model="plain_steps:build_model", data="plain_steps:Pairs",
             world_sizes=(w,), steps=STEPS, global_batch_size=16,
         )  # fmt: skip
         pooled = pooled[pooled["removed"] == "none"].set_index("part")
-        compared = comparer.compare(recordings["w1"], recordings[f"{name}{w}"])
+        compared = comparer.compare(recordings[f"{name}1"], recordings[f"{name}{w}"])
         table = compared.table.set_index("part")
         assert list(table.index) == list(pooled.index) == ["all", "0", "1"]
         for column in ("forward", "gradient", "verdict", "cause"):
@@ -131,10 +141,18 @@ def test_the_pooled_check_and_recording_and_comparing_give_one_verdict(recording
         assert np.allclose(table["train_max_abs_loss_diff"], pooled["train_max_abs_loss_diff"],
                            rtol=1e-9, atol=1e-14)  # fmt: skip
         assert list(table["first_diff_step"]) == list(pooled["first_diff_step"])
-        expected = "exact" if name == "w" else "loss differs"
+        # the same place (empty where the run is exact); the words differ where the traces do:
+        # the check's ends at its reshape of the step's loss, the recording's at the loss itself
+        assert texts(table["where"]) == texts(pooled["where"])
+        assert bool(texts(table["departs"])[0]) == bool(texts(pooled["departs"])[0])
+        expected = "exact" if name == "traced" else "loss differs"
         assert table.loc["all", "verdict"] == expected
-        assert compared.status == (0 if name == "w" else 1)
+        assert compared.status == (0 if name == "traced" else 1)
     assert table.loc["all", "gradient"] == "1/W"
+    assert table.loc["all", "where"] == f"{line_of(recorded_jobs, '/ world_size()')}  div"
+    # the division on the loss's path: the ranks' mean is 1/W of one device's value there
+    assert table.loc["all", "departs"].startswith("a div on the loss's path: the mean over ranks")
+    assert table.loc["all", "departs"].endswith(f"({1 / w:g} times)")
     assert math.isclose(table.loc["all", "norm_ratio"], 1 / w, rel_tol=ROUNDING)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from gatherlab.check import diagnosis
+from gatherlab.check import diagnosis, where
 from gatherlab.check.judge import judge
 from gatherlab.check.table import (
     ALL_PARTS,
@@ -402,6 +402,24 @@ def _unreduced(a: Recording, b: Recording) -> tuple[list[str], dict[str, str]]:
 # --- the comparison -----------------------------------------------------------------------------
 
 
+def _where(
+    a: Recording, b: Recording, tolerance: float
+) -> Callable[[], where.Departure | None] | None:
+    """Where B's first update departs from A's, as the check names it (`check.where`), when both
+    recorded a trace of it (``trace.pt``) and B has ranks: A's one device's records against each
+    of B's ranks'. One device's global batch is A's rows of update 0, divided by the number of
+    blocks its forward concatenates (two views: 2) where B's order shows them."""
+    if b.world_size < 2 or a.world_size != 1:
+        return None
+    ones, ranks = a.trace(), b.trace()
+    if not ones or not ranks or not ones[0] or not all(ranks):
+        return None
+    first_a, first_b = a.updates[0], b.updates[0]
+    rows = [row for rank in first_a.rows for row in rank]
+    batch = len(rows) // (_blocks(rows, first_b.rows) or 1)
+    return lambda: where.departure(ones[0], ranks, b.world_size, batch, tolerance)
+
+
 def _trained(recording: Recording, full: bool) -> runfiles.Trained:
     """A recording as the judge takes a trained run: each update's global loss, update 0's
     full gradient (``full``) or its parts' sketches concatenated, the final weights' sketches."""
@@ -461,6 +479,7 @@ def compare(
         layout=a.layout() if full else _sketch_layout(a),
         classified=None if full else (whole, split), unreduced=unreduced,
         data_differs=data.update is not None,
+        where=None if data.update is not None else _where(a, b, tolerance),
     )  # fmt: skip
     departure = _departure(a, b, classes, tolerance, rows[0].scale)
     if departure is not None:
@@ -519,7 +538,7 @@ def _words(
         named = f" ({cause})" if cause and head["verdict"] != terms.LOSS_SCALED else ""
         text = diagnosis.diagnosis(table.iloc[:1], parts, measured)
         lines.append(f"B against A, W = {head['world_size']}: {head['verdict']}{named}\n"
-                     + diagnosis._paragraph(text))  # fmt: skip
+                     + diagnosis._paragraph(text) + diagnosis._departs(table.iloc[:1]))  # fmt: skip
     if trains_like_one_device(table):
         precision = a.header.get("precision", "")
         lines.append(f"B trains like A ({precision}, every update's loss and gradient).")
