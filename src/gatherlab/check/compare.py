@@ -229,7 +229,7 @@ def _data(a: Recording, b: Recording) -> _Data:
             if first is None:
                 first, words = theirs.index, _rows_words(theirs.index, theirs.rows, mine.rows)
         elif order_a != order_b:
-            blocks = _blocks(order_a, mine.rows)
+            blocks = STRIDED if _strided(order_a, mine.rows) else _blocks(order_a, mine.rows)
             if blocks is None:
                 reordered.append(theirs.index)
             else:
@@ -237,7 +237,8 @@ def _data(a: Recording, b: Recording) -> _Data:
     total = len(a.updates)
     if words is not None and differing > 1:
         words += f" (the global batches differ at {differing} of {total} updates)"
-    notes = [diagnosis.BLOCK_ORDER.format(blocks=blocks, updates=count, total=total)
+    notes = [(diagnosis.STRIDED_ORDER if blocks == STRIDED else diagnosis.BLOCK_ORDER).format(
+                 blocks=blocks, updates=count, total=total, world_size=b.world_size)
              for blocks, count in blocked.items()]  # fmt: skip
     if reordered:
         notes.append(diagnosis.OTHER_ORDER.format(update=reordered[0], updates=len(reordered),
@@ -247,6 +248,16 @@ def _data(a: Recording, b: Recording) -> _Data:
 
 # The most blocks (views, crops) a forward of one rank's rows concatenates, tested as an order.
 MOST_BLOCKS = 16
+STRIDED = 0  # the order of a strided sampler, counted among the blocks' orders
+
+
+def _strided(reference: Sequence[str], ranks: Sequence[Sequence[str]]) -> bool:
+    """Whether rank r holds the reference's rows r, r + W, r + 2W, … (a ``DistributedSampler``'s
+    order), at least two each."""
+    world = len(ranks)
+    return len(reference) >= 2 * world and all(
+        list(rows) == list(reference[r::world]) for r, rows in enumerate(ranks)
+    )
 
 
 def _blocks(reference: Sequence[str], ranks: Sequence[Sequence[str]]) -> int | None:
@@ -258,6 +269,8 @@ def _blocks(reference: Sequence[str], ranks: Sequence[Sequence[str]]) -> int | N
         if size % (blocks * world):
             continue
         block, part = size // blocks, size // (blocks * world)
+        if part < 2:  # one row of each block: a strided order (`_strided`), not blocks
+            continue
         expected = [[row for j in range(blocks)
                      for row in reference[j * block + r * part: j * block + (r + 1) * part]]
                     for r in range(world)]  # fmt: skip

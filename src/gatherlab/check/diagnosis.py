@@ -157,11 +157,11 @@ DIAGNOSES = {
         "the gradient is 1/W of one device's (norm ratio {norm_ratio:.6g}, cosine "
         "{cosine:.12g}): SGD's effective learning rate is "
         "divided by W, and anything added to the gradient outside the loss (L2 weight decay, "
-        "another loss term) weighs W times more. Usual causes (not tested here): an all_gather "
-        "without gradient with the live local tensor put back in its slot, or a gather whose "
-        "backward keeps only the own slice, while every rank computes the full loss. Fix: "
-        + _GATHER_FIX
-        + "."
+        "another loss term) weighs W times more. Usual causes (not tested here): the loss or its "
+        "gradients divided by W where DDP already averages them over the ranks (fix: drop that "
+        "division); an all_gather without gradient with the live local tensor put back in its "
+        "slot, or a gather whose backward keeps only the own slice, while every rank computes "
+        "the full loss (fix: " + _GATHER_FIX + ")."
     ),
     terms.GradientClass.W: (
         "the gradient is W times one device's (norm ratio {norm_ratio:.6g}): SGD's effective "
@@ -221,6 +221,12 @@ OTHER_ORDER = (
     "note: update {update} gives the same global batch in another order ({updates} of "
     "{total} updates): a loss that pairs rows by position sees other pairs, a mean over the "
     "rows does not."
+)
+# The same, where rank r holds the reference's rows r, r + W, …: a strided sampler's order.
+STRIDED_ORDER = (
+    "note: the global batch holds the reference's rows strided over the ranks (rank r its rows "
+    "r, r + {world_size}, r + 2·{world_size}, …; at {updates} of {total} updates), as a "
+    "DistributedSampler deals them: the same rows in another order."
 )
 # The same, where each rank holds its part of each of the reference's blocks (views concatenated
 # per rank before the forward): the order every layout gives such a forward.
