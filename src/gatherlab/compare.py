@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("gatherlab.compare: interrupted; nothing more is written", file=sys.stderr)
         sys.exit(130)
     print(comparison.words)
-    print(f"written: {out / runfiles.CHECK}, {out / UPDATES}, {out / FIGURE}.png, .pdf")
+    print(f"written: {out}/ ({runfiles.CHECK}, {UPDATES}, {FIGURE}.png, {FIGURE}.pdf)")
     if as_program:
         cli.exiting()
     sys.exit(comparison.status)

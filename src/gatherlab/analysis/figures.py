@@ -790,6 +790,7 @@ def accumulation_figure(table: pd.DataFrame, tolerance: float) -> plt.Figure:
 
 # The colours of a recording's parts (each part keeps its place in the recording's order).
 PART_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2")
+PART_LINES = ("--", ":", "-.", (0, (5, 1, 1, 1)))
 
 
 def recordings_figure(
@@ -814,12 +815,13 @@ def recordings_figure(
                        **REFERENCE_STYLE)  # fmt: skip
         loss_axis.set(xlabel="optimizer update", ylabel="global loss", title="loss per update")
         loss_axis.legend(fontsize=8)
-        drawn = [("all (whole gradient)", whole, "black")]
-        drawn += [(part, updates[updates["part"] == part], PART_COLORS[i % len(PART_COLORS)])
-                  for i, part in enumerate(parts)]  # fmt: skip
-        for label, rows, color in drawn:
+        drawn = [("all (whole gradient)", whole, "black", "-")]
+        drawn += [(part, updates[updates["part"] == part], PART_COLORS[i % len(PART_COLORS)],
+                   PART_LINES[i % len(PART_LINES)]) for i, part in enumerate(parts)]  # fmt: skip
+        for label, rows, color, line in drawn:  # parts that coincide stay visible by their lines
             diff_axis.plot(rows["update"], np.maximum(rows["rel_err"].to_numpy(float), ZERO_FLOOR),
-                           color=color, linewidth=1.4, marker=marker, label=label)  # fmt: skip
+                           color=color, linestyle=line, linewidth=1.4, marker=marker,
+                           label=label)  # fmt: skip
         _style_difference_axis(diff_axis, tolerance, f"gradient relative difference vs {reference}")
         diff_axis.set(xlabel="optimizer update")
         diff_axis.legend(fontsize=8, loc="best")

@@ -513,8 +513,9 @@ PRINTED = (
     "norm_ratio", "max_rel_err", "train_max_abs_loss_diff", "first_diff_step",
     "max_abs_param_diff",
 )  # fmt: skip
-# How many updates around the first departure the text shows (updates.csv has every one).
-SHOWN_UPDATES = 3
+# How many updates from the first departure the text shows (updates.csv has every one): after it
+# the weights differ, and later updates compare gradients at other weights.
+SHOWN_UPDATES = 1
 
 
 def _words(

@@ -289,9 +289,8 @@ CAUSES = {
     terms.Cause.UNREDUCED: (
         "Measured from the recording: the gradient of {unreduced} differs between the run's ranks "
         "({unreduced_updates}, each rank's own sketch of it recorded): it is not reduced over "
-        "the ranks, so each rank's optimizer steps with its own gradient and the replicas drift "
-        "apart; a check that compares the ranks with each other would see it, rank 0's is "
-        "recorded. {unreduced_mean} Fix: put the parameter inside the module DDP or FSDP wraps "
+        "the ranks, so each rank's optimizer steps with its own gradient (the run's recorded "
+        "gradient is rank 0's). {unreduced_mean} Fix: put the parameter inside the module DDP or FSDP wraps "
         "and use it in that module's forward, so that its gradient is reduced with the others, "
         "or all-reduce its gradient (the mean over ranks) before the optimizer's step."
     ),
