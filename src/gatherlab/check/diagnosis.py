@@ -157,11 +157,11 @@ DIAGNOSES = {
         "the gradient is 1/W of one device's (norm ratio {norm_ratio:.6g}, cosine "
         "{cosine:.12g}): SGD's effective learning rate is "
         "divided by W, and anything added to the gradient outside the loss (L2 weight decay, "
-        "another loss term) weighs W times more. Usual causes (not tested here): the loss or its "
-        "gradients divided by W where DDP already averages them over the ranks (fix: drop that "
-        "division); an all_gather without gradient with the live local tensor put back in its "
-        "slot, or a gather whose backward keeps only the own slice, while every rank computes "
-        "the full loss (fix: " + _GATHER_FIX + ")."
+        "another loss term) weighs W times more. Usual causes (not tested here): an all_gather "
+        "without gradient with the live local tensor put back in its slot, or a gather whose "
+        "backward keeps only the own slice, while every rank computes the full loss; or the "
+        "loss or its gradients divided by W where DDP already averages them over the ranks. "
+        "Fix: " + _GATHER_FIX + "; or drop the division by W."
     ),
     terms.GradientClass.W: (
         "the gradient is W times one device's (norm ratio {norm_ratio:.6g}): SGD's effective "
@@ -290,9 +290,10 @@ CAUSES = {
         "Measured from the recording: the gradient of {unreduced} differs between the run's ranks "
         "({unreduced_updates}, each rank's own sketch of it recorded): it is not reduced over "
         "the ranks, so each rank's optimizer steps with its own gradient (the run's recorded "
-        "gradient is rank 0's). {unreduced_mean} Fix: put the parameter inside the module DDP or FSDP wraps "
-        "and use it in that module's forward, so that its gradient is reduced with the others, "
-        "or all-reduce its gradient (the mean over ranks) before the optimizer's step."
+        "gradient is rank 0's). {unreduced_mean} Fix: put the parameter inside the module DDP "
+        "or FSDP wraps and use it in that module's forward, so that its gradient is reduced "
+        "with the others, or all-reduce its gradient (the mean over ranks) before the "
+        "optimizer's step."
     ),
     terms.Cause.UNEXPLAINED: (
         "None of the causes the check reproduces on one device (scaled, local_negatives, "
