@@ -267,9 +267,9 @@ def test_a_recorded_one_rank_recording_needs_no_process_group(tmp_path):
 # --- the data's rules on recordings built in memory (no ranks) ---------------------------------
 
 
-def _recording(ranks: list[list[list[str]]]):
-    """A recording of one part ``w`` whose every update's gradient and loss are the same, and
-    whose update u's rows are ``ranks[u]`` (each rank's digests)."""
+def _recording(ranks: list[list[list[str]]], loss: float = 1.0):
+    """A recording of one part ``w`` whose every update's gradient and loss (``loss``) are the
+    same, and whose update u's rows are ``ranks[u]`` (each rank's digests)."""
     from gatherlab.recording.format import Recording, Update
 
     parameters = [{"name": "w", "shape": [4], "part": "w", "sharded": False}]
@@ -277,7 +277,7 @@ def _recording(ranks: list[list[list[str]]]):
               "seed": 0, "precision": "64-true", "sketch_seed": 0, "full_updates": 0,
               "settings": {"optimizer": "SGD"}}  # fmt: skip
     sketch = np.array([1.0, -2.0, 0.5, 3.0])
-    updates = [Update(u, [1.0] * len(rows), 1.0, rows, {"w": sketch}, {"w": 2.0}, {}, None)
+    updates = [Update(u, [loss] * len(rows), loss, rows, {"w": sketch}, {"w": 2.0}, {}, None)
                for u, rows in enumerate(ranks)]  # fmt: skip
     return Recording(Path("/nonexistent"), header, updates, {"w": sketch}, {"w": 2.0})
 
@@ -307,3 +307,12 @@ def test_the_same_rows_in_another_order_are_a_note_not_a_failure(ranks, words):
     comparison = comparer.compare(_recording([[ROWS]]), _recording([ranks]))
     assert (comparison.verdict, comparison.status) == ("exact", 0), comparison.words
     assert len(comparison.notes) == 1 and words in comparison.notes[0], comparison.notes
+
+
+def test_updates_without_a_recorded_loss_compare_their_gradients_alone():
+    """A job that gave its recorder no loss (NaN in the recording): a note, and the verdict of
+    the gradients (here the same: exact), not a differing loss."""
+    halves = [ROWS[0:8], ROWS[8:16]]
+    comparison = comparer.compare(_recording([[ROWS]] * 2), _recording([halves] * 2, math.nan))
+    assert (comparison.verdict, comparison.status) == ("exact", 0), comparison.words
+    assert any("2 of 2 updates have no recorded loss" in note for note in comparison.notes)

@@ -433,16 +433,18 @@ def _where(
     return lambda: where.departure(ones[0], ranks, b.world_size, batch, tolerance)
 
 
-def _trained(recording: Recording, full: bool) -> runfiles.Trained:
-    """A recording as the judge takes a trained run: each update's global loss, update 0's
-    full gradient (``full``) or its parts' sketches concatenated, the final weights' sketches."""
+def _trained(recording: Recording, full: bool, unlossed: set[int]) -> runfiles.Trained:
+    """A recording as the judge takes a trained run: each update's global loss (0 at the updates
+    ``unlossed``, where either recording has none), update 0's full gradient (``full``) or its
+    parts' sketches concatenated, the final weights' sketches."""
     parts = recording.parts
     if full:
         first = recording.full_gradient(0).double()
     else:
         first = torch.from_numpy(_sketch(recording.updates[0], parts).copy())
     weights = torch.from_numpy(np.concatenate([recording.weights_sketch[p] for p in parts]))
-    return runfiles.Trained([u.loss for u in recording.updates], first, weights.double())
+    losses = [0.0 if u.index in unlossed else u.loss for u in recording.updates]
+    return runfiles.Trained(losses, first, weights.double())
 
 
 def _sketch_layout(recording: Recording) -> Layout:
@@ -487,8 +489,13 @@ def compare(
     full = source == FULL
     key = Row(loss=str(b.path), gather="native", world_size=world_size, reference=str(a.path),
               micro_batches=micro_batches)  # fmt: skip
+    unlossed = {x.index for x, y in zip(a.updates, b.updates, strict=True)
+                if math.isnan(x.loss) or math.isnan(y.loss)}  # fmt: skip
+    if unlossed:
+        data = dataclasses.replace(data, notes=(*data.notes, diagnosis.NO_LOSS.format(
+            updates=len(unlossed), total=len(a.updates))))  # fmt: skip
     rows = judge(
-        _trained(b, full), _trained(a, full), key, tolerance=tolerance,
+        _trained(b, full, unlossed), _trained(a, full, unlossed), key, tolerance=tolerance,
         layout=a.layout() if full else _sketch_layout(a),
         classified=None if full else (whole, split), unreduced=unreduced,
         data_differs=data.update is not None,

@@ -222,6 +222,12 @@ OTHER_ORDER = (
     "{total} updates): a loss that pairs rows by position sees other pairs, a mean over the "
     "rows does not."
 )
+# A recording without the loss of some updates (the job gave its recorder none).
+NO_LOSS = (
+    "note: {updates} of {total} updates have no recorded loss in A or B (the recorder found no "
+    "loss module, no output's loss and no recorder.loss(value)): their losses are not compared, "
+    "their gradients are."
+)
 # The same, where rank r holds the reference's rows r, r + W, …: a strided sampler's order.
 STRIDED_ORDER = (
     "note: the global batch holds the reference's rows strided over the ranks (rank r its rows "
