@@ -150,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (RecordingError, NotComparable, runfiles.RunFinished) as error:
         cli.fail("compare", cli.first_line(error))
     except KeyboardInterrupt:
-        print("gatherlab.compare: interrupted; nothing more is written", file=sys.stderr)
+        written = "nothing was written" if not out.exists() else f"{out} may be incomplete"
+        print(f"gatherlab.compare: interrupted; {written}", file=sys.stderr)
         sys.exit(130)
     print(comparison.words)
     print(f"written: {out}/ ({runfiles.CHECK}, {UPDATES}, {FIGURE}.png, {FIGURE}.pdf)")

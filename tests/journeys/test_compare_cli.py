@@ -144,3 +144,20 @@ def test_the_real_command_runs_in_a_fresh_interpreter(recordings, tmp_path):
     assert finished.returncode == 1, finished.stderr
     assert "B against A, W = 2: 1/W" in finished.stdout and not finished.stderr.strip()
     assert (tmp_path / "out" / "updates.csv").exists()
+
+
+def test_ctrl_c_is_one_line_and_exit_status_130(recordings, monkeypatch, tmp_path):
+    """Ctrl-C while the recordings are compared (a KeyboardInterrupt where the work is done):
+    one line on stderr, no traceback, status 130, nothing written."""
+    import gatherlab.compare
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gatherlab.compare, "_compare", interrupted)
+    out = tmp_path / "out"
+    finished = run_command("compare", str(recordings["w1"]), str(recordings["w2"]), "--out",
+                           str(out))  # fmt: skip
+    assert finished.returncode == 130 and not finished.stdout
+    assert finished.stderr == "gatherlab.compare: interrupted; nothing was written\n"
+    assert not out.exists()
