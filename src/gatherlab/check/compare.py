@@ -8,7 +8,9 @@ then as an order: a set that differs is the verdict ``data differs``, said befor
 judged), then per update the loss and each part's gradient class (`gradients.classify` where the
 full gradients were recorded, `gradients.classify_sketched` elsewhere: `class_of` is the one rule
 of both), the first update and part that depart, and the causes the recordings measure: a part
-not reduced over the ranks (``unreduced``), factors that differ between parts (``parts``).
+not reduced over the ranks (``unreduced``), factors that differ between parts (``parts``); where
+both recordings traced their first update, where B departs, as the check names it
+(`gatherlab.check.where`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ UPDATE_COLUMNS = (
 each part when there are several): the gradient's class against the reference's, cosine, norm
 ratio and relative error, read from the full gradients where both recordings hold them
 (``source`` ``full``: max |g − g₁| / max |g₁|) or from the sketches (``sketch``:
-‖S(g − g₁)‖ / ‖S g₁‖, norm ratio from the exact norms), and both global losses."""
+‖S(g − g₁)‖ / ‖g₁‖, norm ratio from the exact norms), and both global losses."""
 
 MUST_AGREE = ("seed", "precision", "k", "sketch_seed", "full_updates")
 """The header fields two recordings must share besides their models and ``settings`` (every key
@@ -76,8 +78,9 @@ class Comparison:
     rows of `UPDATE_COLUMNS`, ``updates.csv``), the whole's ``verdict``, the exit ``status`` (0
     trains like the reference, 1 not), the printed ``words`` (ending with a newline), the
     ``data`` difference in words (None when every update's global batch is the reference's),
-    ``notes`` (what differs without failing: another order of the same rows), and the first
-    ``departure`` (update, part) (None when none departs)."""
+    ``notes`` (what differs without failing: another order of the same rows, updates without a
+    loss), the first ``departure`` (update, part) (None when none departs), and the two
+    recordings' directories."""
 
     table: pd.DataFrame
     updates: pd.DataFrame
