@@ -41,6 +41,8 @@ def recordings(tmp_path_factory):
         "torch1": (1, TRAIN, {"sampler": "torch"}),
         "traced1": (1, TRAIN, {"trace": True}),
         "traced_twice1": (1, TRAIN, {"step": "divided_twice", "trace": True}),
+        "traced_bn1": (1, TRAIN, {"model_kwargs": {"batchnorm": True}, "trace": True}),
+        "traced_bn2": (2, TRAIN, {"model_kwargs": {"batchnorm": True}, "trace": True}),
         "loop1": (1, LOOP, {}), "outside1": (1, LOOP, {"bug": "temperature_outside"}),
         "batchnorm1": (1, LOOP, {"bug": "batchnorm"}),
         "zero2": (2, LOOP, {"wrap": "zero"}),
@@ -155,6 +157,21 @@ def test_the_pooled_check_and_recording_and_comparing_give_one_verdict(recording
     assert table.loc["all", "departs"].startswith("a div on the loss's path: the mean over ranks")
     assert table.loc["all", "departs"].endswith(f"({1 / w:g} times)")
     assert math.isclose(table.loc["all", "norm_ratio"], 1 / w, rel_tol=ROUNDING)
+
+
+def test_a_per_rank_batch_norm_departs_at_its_line_as_the_check_names_it(recordings):
+    """Both runs traced: the place is the batch norm of the model's forward, in the check's words
+    (tests/check/test_step_check.py names the same line for the same step)."""
+    import plain_steps
+
+    comparison = comparer.compare(recordings["traced_bn1"], recordings["traced_bn2"])
+    head = whole(comparison)
+    assert head["verdict"] == "loss differs", comparison.words
+    assert head["where"] == f"{line_of(plain_steps, 'model(torch.cat([x0, x1]))')}  batch_norm"
+    assert head["departs"] == (
+        "a batch_norm over dim 0 of the rank's 16 rows, where one device takes all 32"
+    )
+    assert f"where it departs, W = 2: {head['where']}" in comparison.words
 
 
 @pytest.mark.parametrize("w", W)
