@@ -333,3 +333,35 @@ def test_updates_without_a_recorded_loss_compare_their_gradients_alone():
     comparison = comparer.compare(_recording([[ROWS]] * 2), _recording([halves] * 2, math.nan))
     assert (comparison.verdict, comparison.status) == ("exact", 0), comparison.words
     assert any("2 of 2 updates have no recorded loss" in note for note in comparison.notes)
+
+
+# --- one rule of a class, from full gradients and from sketches --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [(lambda g, noise: g.clone(), "exact"), (lambda g, noise: g / 4, "1/W"),
+     (lambda g, noise: 4 * g, "W"), (lambda g, noise: torch.zeros_like(g), "none"),
+     (lambda g, noise: g + 0.3 * noise, "biased"), (lambda g, noise: 3 * g, "other")],
+    ids=["exact", "1/W", "W", "none", "biased", "other"],
+)  # fmt: skip
+def test_a_sketch_reads_the_class_the_full_gradients_give(make, expected):
+    """`gradients.class_of` is the one rule: the class of a gradient against one device's from
+    its full vectors (`classify`) and from its linear sketch and exact norm (`classify_sketched`)
+    is the same, at W = 4; a factor is read exactly (S(c·g) = c·S(g))."""
+    from gatherlab.core import gradients
+    from gatherlab.recording.sketch import signs, sketch
+
+    generator = torch.Generator().manual_seed(3)
+    reference = torch.randn(1000, generator=generator, dtype=torch.float64)
+    gradient = make(reference, torch.randn(1000, generator=generator, dtype=torch.float64))
+    block_signs = signs("w", 1000, 251, 0)
+    full = gradients.classify(gradient, reference, 4)
+    sketched = gradients.classify_sketched(
+        sketch(gradient, 251, block_signs).numpy(), sketch(reference, 251, block_signs).numpy(),
+        float(gradient.norm()), float(reference.norm()), 4,
+    )  # fmt: skip
+    assert full.gradient == sketched.gradient == expected
+    if expected in ("1/W", "W", "other"):
+        assert math.isclose(sketched.norm_ratio, full.norm_ratio, rel_tol=ROUNDING)
+        assert sketched.cosine >= 1 - ROUNDING
