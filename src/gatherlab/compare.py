@@ -128,11 +128,13 @@ def _tolerance(text: str) -> float:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m gatherlab.compare", description=DESCRIPTION,
                      allow_abbrev=False)  # fmt: skip
-    parser.add_argument("reference", type=Path, help="recording A, the reference (e.g. W = 1)")
-    parser.add_argument("run", type=Path, help="recording B, the run compared with it")
-    parser.add_argument("--out", type=Path, help="output directory (default: a new outputs/ dir)")
+    parser.add_argument("reference", type=Path, metavar="A",
+                        help="recording A, the reference (e.g. the one-device run)")  # fmt: skip
+    parser.add_argument("run", type=Path, metavar="B", help="recording B, the run compared with A")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="output directory (default: a new outputs/compare/ dir)")  # fmt: skip
     parser.add_argument(
-        "--tolerance", type=_tolerance, default=None,
+        "--tolerance", type=_tolerance, default=None, metavar="X",
         help="largest |Δloss| per update and |Δ| of the final weights' sketches (default: the "
         "precision's, 1e-10 in float64)",
     )  # fmt: skip
