@@ -59,11 +59,6 @@ MUST_AGREE = ("seed", "precision", "k", "sketch_seed", "full_updates")
 of either, the optimizer and its learning rates among them) and their number of updates."""
 
 FULL, SKETCH = "full", "sketch"
-OPTIMIZER = "settings optimizer"
-SHARDING_OPTIMIZERS = frozenset({"ZeroRedundancyOptimizer"})
-"""Optimizers that shard another's state over the ranks (torch's ``ZeroRedundancyOptimizer``):
-their update is the one of the optimizer they wrap, with its hyper-parameters, so their name is
-not compared (their groups' hyper-parameters are)."""
 
 
 class NotComparable(ValueError):
@@ -146,8 +141,6 @@ def _same_settings(a: Recording, b: Recording) -> None:
         (key, a.header.get(key, missing), b.header.get(key, missing)) for key in MUST_AGREE
     ]
     for key, theirs, mine in compared:
-        if key == OPTIMIZER and SHARDING_OPTIMIZERS & {theirs, mine}:
-            continue  # it steps the shards with another optimizer, whose name it does not record
         if theirs != mine:
             shown = ["not recorded" if v is missing else repr(v) for v in (theirs, mine)]
             raise NotComparable(
