@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import REPO, pythonpath
 
+from gatherlab.compare import compare
 from gatherlab.record import read
 from gatherlab.recording.recorder import row_digests
 
@@ -62,7 +63,8 @@ def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(tmp_pa
     global batches (accelerate gives rank r the r-th of every W per-rank batches of one seeded
     sampler; with two micro-batches rank 0's rows of an update are the first and third quarter
     of one device's), the same global loss, the same sketch of each part's gradient and no part
-    left unreduced, to float64 rounding. The one-process recording's first update is computed
+    left unreduced, to float64 rounding, and `gatherlab.compare` judges the two ``exact``. The
+    one-process recording's first update is computed
     here by hand from the rows it names: the mean cross-entropy of those rows at the initial
     weights and its gradient, scaled as ``torch.nn.utils.clip_grad_norm_`` scales it."""
     steps = 4
@@ -87,6 +89,10 @@ def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(tmp_pa
         for part in one.parts:
             scale = float(np.abs(a.sketches[part]).max())
             assert float(np.abs(a.sketches[part] - b.sketches[part]).max()) <= 1e-10 * scale
+    comparison = compare(one, two)  # python -m gatherlab.compare's judgement of the same
+    assert (comparison.verdict, comparison.status, comparison.data) == ("exact", 0, None), (
+        comparison.words
+    )
 
     job = _job_module()
     data = job.Points()

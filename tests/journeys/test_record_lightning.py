@@ -19,6 +19,7 @@ from helpers import line_of
 from torch import nn
 from torch.utils.data import DataLoader, default_collate
 
+from gatherlab.compare import compare
 from gatherlab.ranks import launch
 from gatherlab.record import LightningRecorder, read
 from gatherlab.recording.recorder import row_digests
@@ -157,7 +158,8 @@ def test_one_rank_and_two_ranks_record_the_same_updates(tmp_path):
     """The same job (the same global batches, each rank its slice) on one device and on two gloo
     ranks: the same rows of every update (rank 0's then rank 1's are one device's, in order), the
     same global loss, the same sketch of every part's gradient and the same final weights, to
-    float64 rounding; at W = 2 no part is left unreduced (DDP averaged every gradient)."""
+    float64 rounding; at W = 2 no part is left unreduced (DDP averaged every gradient); and
+    `gatherlab.compare` judges the two ``exact``."""
     steps = 3
     for world_size in (1, 2):
         _record(tmp_path / f"w{world_size}", world_size, steps)
@@ -180,3 +182,7 @@ def test_one_rank_and_two_ranks_record_the_same_updates(tmp_path):
         assert float(np.abs(one.weights_sketch[part] - two.weights_sketch[part]).max()) <= (
             1e-10 * scale
         )
+    comparison = compare(one, two)  # python -m gatherlab.compare's judgement of the same
+    assert (comparison.verdict, comparison.status, comparison.data) == ("exact", 0, None), (
+        comparison.words
+    )
