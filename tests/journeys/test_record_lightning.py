@@ -145,6 +145,44 @@ def test_the_recording_holds_each_update_s_rows_losses_and_its_clipped_accumulat
     assert cross_entropy.grad is not None
 
 
+class ManualClassifier(Classifier):
+    """The same module under manual optimization: its own backward and step in each
+    ``training_step``, the loss it backpropagates its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        inputs, labels = batch
+        loss = self.criterion(self.head(self.encoder(inputs)), labels)
+        self.seen.append(float(loss.detach()))
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def test_under_manual_optimization_the_loss_is_manual_backward_s_and_the_step_s_gradient(tmp_path):
+    """``automatic_optimization = False``: the module's own ``manual_backward`` and step; each
+    update's loss is the one it backpropagated and its gradient the one its step took (the first
+    computed here by hand: the gradient of the first batch's loss at the initial weights)."""
+    data, module, steps = Points(), ManualClassifier(), 2
+    start = Classifier().double()
+    trainer = _quiet_trainer(max_steps=steps, callbacks=[LightningRecorder(tmp_path)])
+    trainer.fit(module, DataLoader(data, batch_size=4))
+    recording = read(tmp_path)
+    assert [u.loss for u in recording.updates] == module.seen
+    assert [u.rows for u in recording.updates] == [
+        [row_digests(data.inputs[4 * u : 4 * u + 4])] for u in range(steps)
+    ]
+    start.criterion(start.head(start.encoder(data.inputs[:4])), data.labels[:4]).backward()
+    expected = _flat_gradient(start)
+    recorded = recording.full_gradient(0)
+    assert float((recorded - expected).abs().max()) <= 1e-12 * float(expected.abs().max())
+
+
 def _record(out, world_size: int, steps: int) -> None:
     data = ItemsDataModule(
         Points(), global_batch_size=8, steps=steps, seed=5, shuffle=True, seeded=False,
