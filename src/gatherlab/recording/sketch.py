@@ -71,7 +71,7 @@ def sketch(
     if aligned_stop > head_stop:
         first, last = head_stop // k, aligned_stop // k
         blocks = flat[head_stop - start : aligned_stop - start].view(last - first, k)
-        out += (block_signs[first:last].to(flat.dtype) @ blocks).double()
+        out += torch.mv(blocks.t(), block_signs[first:last].to(flat.dtype)).double()
     if stop > aligned_stop:
         block = aligned_stop // k
         out[: stop - aligned_stop] += flat[aligned_stop - start :].double() * block_signs[block]
