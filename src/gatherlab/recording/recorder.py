@@ -427,6 +427,7 @@ class Recorder:
                 "loss": _json_float(mean_over_ranks([[v] for v in losses])[0]),
                 "rows": [r["rows"] for r in every], "norms": norms, "unreduced": starts,
                 "sketch": start, "autocast": self._autocast,
+                "micro_batches": len(self._losses),
             })  # fmt: skip
         self.updates += 1
         self._rows, self._losses = [], []
