@@ -391,7 +391,7 @@ def _time_record(
     alternating), ``repeats`` timed pairs after `RECORD_WARM_UP`; their medians, the median of the
     pairs' ratios, the resident memory the recorder adds, the bytes it wrote. The recorder is
     the one line a plain loop adds (``Recorder(model, optimizer, out, loss=criterion)``, its
-    defaults: the first update's full gradient kept)."""
+    defaults: the first update's full gradient kept where the model is small)."""
     from gatherlab.recording.recorder import Recorder
 
     generator = torch.Generator().manual_seed(1)
@@ -455,8 +455,8 @@ def _per_thousand(row: dict) -> str:
     thousand = 1000 * row["per_update"] + row["once"]
     return (f"{row['per_update'] / 1024:.2f} KiB per update (its line {row['line'] / 1024:.2f}, "
             f"its sketches {row['sketch'] / 1024:.2f}), {thousand / 2**20:.2f} MiB per 1,000 "
-            f"updates + {row['full'] / 2**20:.1f} MiB: the first update's full gradient "
-            f"(float64, full_updates=1)")  # fmt: skip
+            f"updates + {row['full'] / 2**20:.1f} MiB of whole gradients (full_updates' default "
+            f"keeps the first update's up to 2^20 parameters)")  # fmt: skip
 
 
 def record(

@@ -64,7 +64,7 @@ class LightningRecorder(L.Callback):
         out: str | Path,
         *,
         k: int = DEFAULT_K,
-        full_updates: int = 1,
+        full_updates: int | None = None,
         seed: int | None = None,
         settings: Mapping[str, Any] | None = None,
         trace: bool = False,

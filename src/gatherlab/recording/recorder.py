@@ -41,7 +41,12 @@ from torch import nn
 from gatherlab.recording import format, sketch
 from gatherlab.runs.record import mean_over_ranks
 
-__all__ = ["Recorder", "row_digests"]
+__all__ = ["FULL_GRADIENT_LIMIT", "Recorder", "row_digests"]
+
+FULL_GRADIENT_LIMIT = 1 << 20
+"""By default (``full_updates=None``) the first update keeps its whole gradient when the model has
+at most this many parameters (8 MiB in float64), none above: a recording's size stays that of its
+sketches (a 100M-parameter model's whole gradient is 800 MB)."""
 
 _SAMPLED = 256
 """A row of more elements is digested from this many of them, evenly spaced (an image's, a
@@ -187,7 +192,8 @@ class Recorder:
 
     ``loss``: the job's loss module, whose output is each micro-batch's loss and whose parameters
     (a learnt temperature) are parts of their own. ``k``: the sketch's size per part.
-    ``full_updates``: how many first updates keep their whole gradient (float64). ``seed``: the
+    ``full_updates``: how many first updates keep their whole gradient (float64; None: the first,
+    for a model of at most `FULL_GRADIENT_LIMIT` parameters). ``seed``: the
     job's seed, for the header (compared between runs). ``settings``: more of the job's settings
     that must agree between two runs (JSON values). ``precision``: the job's precision
     (``64-true``, ``32-true``, ``bf16-mixed``…; default from the parameters' dtype). ``batches``:
@@ -206,7 +212,7 @@ class Recorder:
         *,
         loss: nn.Module | None = None,
         k: int = sketch.DEFAULT_K,
-        full_updates: int = 1,
+        full_updates: int | None = None,
         seed: int | None = None,
         settings: Mapping[str, Any] | None = None,
         precision: str | None = None,
@@ -217,13 +223,16 @@ class Recorder:
     ) -> None:
         if not isinstance(k, int) or k < 2:
             raise ValueError(f"k={k!r}: the sketch's size per part is an integer ≥ 2")
-        if not isinstance(full_updates, int) or full_updates < 0:
-            raise ValueError(f"full_updates={full_updates!r}: an integer ≥ 0")
+        if full_updates is not None and (not isinstance(full_updates, int) or full_updates < 0):
+            raise ValueError(f"full_updates={full_updates!r}: an integer ≥ 0, or None")
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self._distributed else 1
         self.rank = dist.get_rank() if self._distributed else 0
-        self.k, self.full_updates, self.sketch_seed = k, full_updates, sketch_seed
         self._parameters = _parameters(model, loss, optimizer)
+        if full_updates is None:  # the first update's whole gradient where it is small
+            numel = sum(p.parameter.numel() for p in self._parameters)
+            full_updates = 1 if numel <= FULL_GRADIENT_LIMIT else 0
+        self.k, self.full_updates, self.sketch_seed = k, full_updates, sketch_seed
         self.parts = list(dict.fromkeys(p.part for p in self._parameters))
         self._signs: dict[str, torch.Tensor] = {}
         self._rows: list[str] = []
