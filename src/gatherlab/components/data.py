@@ -260,8 +260,7 @@ class LayoutInvariantSampler(Sampler[int]):
             rank = torch.distributed.get_rank() if grouped else 0
         if not terms.is_integer(num_replicas, 1):
             raise ValueError(
-                f"num_replicas={num_replicas!r} is not allowed; allowed: "
-                f"{terms.allowed_integer(1)}"
+                f"num_replicas={num_replicas!r} is not allowed; allowed: {terms.allowed_integer(1)}"
             )
         if not (terms.is_integer(rank, 0) and rank < num_replicas):
             raise ValueError(
