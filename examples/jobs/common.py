@@ -71,8 +71,8 @@ def parse(description: str, bugs: tuple[str, ...]) -> argparse.Namespace:
     return args
 
 
-def start(args: argparse.Namespace) -> tuple[int, int, torch.device]:
-    """(rank, world size, device): a process group when torchrun started the process (gloo on the
+def start(args: argparse.Namespace) -> tuple[int, torch.device]:
+    """(world size, device): a process group when torchrun started the process (gloo on the
     CPU, NCCL on CUDA), none when it was run plainly. The global batch must divide by W."""
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     device = torch.device(args.device)
@@ -85,8 +85,8 @@ def start(args: argparse.Namespace) -> tuple[int, int, torch.device]:
                  f"allowed: a multiple of {world}")  # fmt: skip
     if launched:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        return dist.get_rank(), dist.get_world_size(), device
-    return 0, 1, device
+        return dist.get_world_size(), device
+    return 1, device
 
 
 def distributed() -> bool:
@@ -202,7 +202,8 @@ class NTXent(nn.Module):
 
     def __init__(self, temperature: float = 0.5, gather=exact_gather):
         super().__init__()
-        self.log_temperature = nn.Parameter(torch.tensor(math.log(temperature)))
+        # one entry, not a scalar: fully_shard shards no 0-d parameter
+        self.log_temperature = nn.Parameter(torch.full((1,), math.log(temperature)))
         self.gather = gather
 
     def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
@@ -283,5 +284,8 @@ def report_weights(parts: dict[str, nn.Module | nn.Parameter]) -> None:
 
 
 def finish() -> None:
+    """The process group destroyed, once the objects that hold it are freed (called after the
+    job's ``main`` returns): a ZeroRedundancyOptimizer freed after it hung gloo's exit in 2 of 5
+    runs here."""
     if distributed():
         dist.destroy_process_group()

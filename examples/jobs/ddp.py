@@ -30,7 +30,7 @@ BUGS = ("old-gather", "local-batchnorm", "sampler", "temperature-outside", "divi
 
 def main() -> None:
     args = common.parse(__doc__.splitlines()[0], BUGS)
-    rank, world, device = common.start(args)
+    world, device = common.start(args)
     model, criterion = common.build(args, device)
     optimizer = common.optimizer([*model.parameters(), *criterion.parameters()], args)
     if args.bug == "temperature-outside":
@@ -55,8 +55,8 @@ def main() -> None:
             common.report(update, common.global_loss(loss))
     common.report_weights({"backbone": model.backbone, "head": model.head,
                            "loss.log_temperature": criterion.log_temperature})  # fmt: skip
-    common.finish()
 
 
 if __name__ == "__main__":
     main()
+    common.finish()
