@@ -55,7 +55,8 @@ class SimCLRModule(L.LightningModule):
         dataset = common.TwoViews(self.args.samples, seed=self.args.seed, dtype=self.args.dtype)
         rows = self.args.global_batch // self.trainer.world_size
         if self.args.bug == "sampler":  # on W ranks Lightning swaps in its DistributedSampler
-            sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(self.args.seed))
+            generator = torch.Generator().manual_seed(self.args.seed)
+            sampler = RandomSampler(dataset, generator=generator)
         else:
             sampler = gatherlab.data.LayoutInvariantSampler(
                 dataset, self.args.global_batch, seed=self.args.seed
