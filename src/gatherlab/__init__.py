@@ -30,3 +30,13 @@ loss, gather or training step, its diagnoses), ``analysis`` (results, report, fi
 
 # The modules of the API reference (``make docs``); nothing in the package star-imports them.
 __all__ = ["check", "gather", "losses", "report", "results", "testing"]
+
+
+def __getattr__(name: str):
+    """``gatherlab.record(...)`` and ``gatherlab.compare(...)`` after ``import gatherlab``: the two
+    callable modules, imported when first used."""
+    if name in ("record", "compare"):
+        import importlib
+
+        return importlib.import_module(f"gatherlab.{name}")
+    raise AttributeError(f"module 'gatherlab' has no attribute {name!r}")

@@ -35,7 +35,7 @@ INPUT = "input"
 # under check; its losses, gathers and models are code under check like a user's.
 _MACHINERY = tuple(
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), package) + os.sep
-    for package in ("runs", "check", "ranks", "core")
+    for package in ("runs", "check", "ranks", "core", "recording")
 )
 # The results a ``torch.distributed`` collective writes into its first argument (a tensor or a
 # list of them) instead of returning them.
@@ -220,8 +220,13 @@ class Tracer(TorchFunctionMode):
 
     def __enter__(self) -> Tracer:
         for what, tensor in self._given.items():  # before the mode records anything
-            self._record(INPUT, what, [tensor], (), (), None, False)
+            self.given(what, tensor)
         return super().__enter__()
+
+    def given(self, what: str, tensor: torch.Tensor) -> None:
+        """An ``input`` record: a tensor given to the code (at the start, or before a later call
+        of the model that takes it, as a recorded job's second view)."""
+        self._record(INPUT, what, [tensor], (), (), None, False)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

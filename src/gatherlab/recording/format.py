@@ -1,0 +1,245 @@
+"""The recording of a training job: its files, written by rank 0 (`Writer`) and read back whole
+and checked (`read`), format ``gatherlab-recording`` version 1 (docs/design.md §11, "The format").
+
+A recording is a directory:
+
+- ``header.json``, written when recording starts: the format and its version, the versions of
+  gatherlab and torch, the world size, precision, dtype and device, the seed, the sketch's k and
+  seed, how many updates keep their full gradient, the optimizer's settings, every parameter
+  (name, shape, part, whether it is sharded) and the parts in order;
+- ``updates.jsonl``, one line per optimizer update, appended after it: each rank's loss and the
+  global loss (their mean), each rank's input rows (their digests, in order), each part's exact
+  gradient norm, where its sketch starts in ``sketches.f64``, and the parts whose gradient differs
+  between ranks (not reduced) with where each rank's sketch of it starts;
+- ``sketches.f64``: the sketches, raw little-endian float64, appended in that order;
+- ``full/update_<u>.pt``: the whole gradient of the first updates (float64, parameter order);
+- ``trace.pt`` (when asked for): each rank's records of the first update's forward;
+- ``final.json``, written when recording ends: the number of updates and the final weights'
+  sketch and norms. A recording without it is unfinished (the job stopped, or has not ended).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "FINAL", "FORMAT", "FULL", "HEADER", "SKETCHES", "TRACE", "UPDATES", "VERSION", "Recording",
+    "RecordingError", "Update", "Writer", "read",
+]  # fmt: skip
+
+FORMAT = "gatherlab-recording"
+VERSION = 1
+HEADER, UPDATES, SKETCHES, FINAL, FULL, TRACE = (
+    "header.json", "updates.jsonl", "sketches.f64", "final.json", "full", "trace.pt",
+)  # fmt: skip
+
+
+class RecordingError(ValueError):
+    """A directory that cannot be compared as a recording: one line, what and why."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """One optimizer update as recorded: ``losses`` each rank's local loss (NaN where the job
+    recorded none), ``loss`` the global loss (their mean, docs/design.md §2), ``rows`` each rank's
+    input-row digests in order, ``sketches`` each part's sketch of the gradient the optimizer
+    received (rank 0's for a part that is not reduced), ``norms`` its exact L2 norm per part,
+    ``unreduced`` each rank's sketch (W × k) of the parts whose gradient differs between ranks,
+    ``autocast`` the autocast dtype of its forward (None without autocast)."""
+
+    index: int
+    losses: list[float]
+    loss: float
+    rows: list[list[str]]
+    sketches: dict[str, np.ndarray]
+    norms: dict[str, float]
+    unreduced: dict[str, np.ndarray]
+    autocast: str | None
+
+
+@dataclass(frozen=True)
+class Recording:
+    """A recording read back whole (`read`)."""
+
+    path: Path
+    header: dict[str, Any]
+    updates: list[Update]
+    weights_sketch: dict[str, np.ndarray]
+    weights_norms: dict[str, float]
+
+    @property
+    def parts(self) -> list[str]:
+        return list(self.header["parts"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.header["world_size"])
+
+    @property
+    def k(self) -> int:
+        return int(self.header["k"])
+
+    @property
+    def full_updates(self) -> int:
+        return min(int(self.header["full_updates"]), len(self.updates))
+
+    def full_gradient(self, update: int):
+        """The whole gradient of ``update`` (a float64 torch tensor in the header's parameter
+        order), None where only its sketch was kept."""
+        if update >= self.full_updates:
+            return None
+        import torch
+
+        return torch.load(self.path / FULL / f"update_{update}.pt", weights_only=True)
+
+    def trace(self) -> list | None:
+        """Each rank's records of the first update's forward (`gatherlab.runs.trace.Op`, from
+        the model's first call to the loss), None where the job did not trace it."""
+        if not (self.path / TRACE).is_file():
+            return None
+        import torch
+
+        return torch.load(self.path / TRACE, weights_only=False)["ranks"]  # gatherlab's own Ops
+
+    def layout(self) -> dict[str, list[tuple[int, int]]]:
+        """The parts of a full gradient: each part's ranges of it (`gatherlab.core.gradients`)."""
+        parts: dict[str, list[tuple[int, int]]] = {}
+        start = 0
+        for parameter in self.header["parameters"]:
+            stop = start + math.prod(parameter["shape"])
+            parts.setdefault(parameter["part"], []).append((start, stop))
+            start = stop
+        return parts
+
+
+class Writer:
+    """The files of a recording, written by rank 0 as the job runs: each update appended and the
+    file closed after it, so that a job that stops leaves every update it finished."""
+
+    def __init__(self, out: Path, header: Mapping[str, Any]) -> None:
+        self.out = Path(out)
+        if (self.out / HEADER).exists():
+            raise RecordingError(
+                f"{self.out} already holds a recording: give each run its own directory"
+            )
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / FULL).mkdir(exist_ok=True)
+        header = {"format": FORMAT, "version": VERSION, **header}
+        (self.out / HEADER).write_text(json.dumps(header, indent=1) + "\n")
+        self._offset = 0  # in float64 numbers
+
+    def sketch(self, values: np.ndarray) -> int:
+        """Appends ``values`` (float64) to ``sketches.f64``; returns where they start."""
+        start = self._offset
+        array = np.ascontiguousarray(values, dtype="<f8")
+        with open(self.out / SKETCHES, "ab") as file:
+            file.write(array.tobytes())
+        self._offset += array.size
+        return start
+
+    def full(self, update: int, gradient) -> None:
+        import torch
+
+        torch.save(gradient, self.out / FULL / f"update_{update}.pt")
+
+    def trace(self, ranks: list) -> None:
+        """Each rank's records of the first update's forward (`gatherlab.runs.trace.Op`)."""
+        import torch
+
+        torch.save({"ranks": ranks}, self.out / TRACE)
+
+    def update(self, line: Mapping[str, Any]) -> None:
+        with open(self.out / UPDATES, "a") as file:  # after its sketches: a line is complete
+            file.write(json.dumps(line) + "\n")
+
+    def close(self, final: Mapping[str, Any]) -> None:
+        (self.out / FINAL).write_text(json.dumps({**final, "complete": True}, indent=1) + "\n")
+
+
+def _json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise RecordingError(f"{path}: {what} is not valid JSON ({error.msg})") from None
+
+
+def read(path: str | Path) -> Recording:
+    """The recording in ``path``, read whole and checked: a directory that is not a recording, a
+    format version newer than this gatherlab reads, an unfinished or truncated recording each
+    raise `RecordingError` with one line."""
+    path = Path(path)
+    if not path.is_dir():
+        raise RecordingError(f"{path} is not a directory: a recording is the directory "
+                             f"gatherlab.record wrote")  # fmt: skip
+    if not (path / HEADER).is_file():
+        raise RecordingError(f"{path} is not a recording: it has no {HEADER} "
+                             f"(gatherlab.record writes one when recording starts)")  # fmt: skip
+    header = _json(path / HEADER, "the header")
+    if header.get("format") != FORMAT:
+        raise RecordingError(f"{path} is not a recording: {HEADER} has format "
+                             f"{header.get('format')!r}, not {FORMAT!r}")  # fmt: skip
+    version = header.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise RecordingError(
+            f"{path} is format version {version}; this gatherlab "
+            f"({header.get('gatherlab', '?')} wrote it) reads versions up to {VERSION}: "
+            f"upgrade gatherlab to compare it"
+        )
+    if not (path / FINAL).is_file():
+        raise RecordingError(
+            f"{path} is unfinished: it has no {FINAL} (the job stopped before its recorder "
+            f"closed, or is still running); record the job to its end"
+        )
+    final = _json(path / FINAL, "the final record")
+    sketches = np.fromfile(path / SKETCHES, dtype="<f8") if (path / SKETCHES).exists() else None
+    size = 0 if sketches is None else sketches.size
+    k, parts = int(header["k"]), list(header["parts"])
+
+    def block(start: int, count: int, what: str) -> np.ndarray:
+        if start + count > size:
+            raise RecordingError(
+                f"{path / SKETCHES} is truncated: {what} needs numbers {start}…{start + count} "
+                f"of {size}"
+            )
+        return sketches[start : start + count]
+
+    lines = (path / UPDATES).read_text().splitlines() if (path / UPDATES).exists() else []
+    if len(lines) != final["updates"]:
+        raise RecordingError(f"{path / UPDATES} is truncated: {len(lines)} updates of the "
+                             f"{final['updates']} that {FINAL} records")  # fmt: skip
+    updates = []
+    for number, text in enumerate(lines):
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            raise RecordingError(f"{path / UPDATES} is truncated at update {number}") from None
+        start = line["sketch"]
+        values = block(start, k * len(parts), f"update {number}'s sketch")
+        unreduced = {
+            part: np.stack([block(s, k, f"update {number}'s rank sketch of {part}")
+                            for s in starts])
+            for part, starts in line["unreduced"].items()
+        }  # fmt: skip
+        updates.append(Update(
+            index=line["update"], losses=[_float(v) for v in line["losses"]],
+            loss=_float(line["loss"]), rows=line["rows"],
+            sketches={p: values[i * k : (i + 1) * k] for i, p in enumerate(parts)},
+            norms=line["norms"], unreduced=unreduced, autocast=line.get("autocast"),
+        ))  # fmt: skip
+    weights = block(final["weights_sketch"], k * len(parts), "the final weights' sketch")
+    return Recording(
+        path=path, header=header, updates=updates,
+        weights_sketch={p: weights[i * k : (i + 1) * k] for i, p in enumerate(parts)},
+        weights_norms=final["weights_norms"],
+    )  # fmt: skip
+
+
+def _float(value: float | None) -> float:
+    return math.nan if value is None else float(value)

@@ -1,0 +1,107 @@
+"""Plain training loops recorded with `gatherlab.record`, as a job runs them: one device is the
+plain call (no process group); on W ranks each runs inside a rank of gatherlab's pool
+(``pools.pool(W).run(loop, out, ...)``), where torch's DDP, FSDP2 (``fully_shard`` on a ``cpu``
+mesh) or ``ZeroRedundancyOptimizer`` wrap the same model. The data: a fixed global batch of
+``GLOBAL`` rows per update, rank r taking its contiguous slice.
+
+Bugs, each named by its switch: ``divide_twice`` (the loss divided by W on top of DDP's average),
+``temperature_outside`` (a learnt scale outside every wrapper: its gradient is not reduced),
+``batchnorm`` (a per-rank BatchNorm1d in the body: its statistics are each rank's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gatherlab.record
+
+GLOBAL, STEPS, DIM = 16, 4, 8
+
+
+class Scaled(nn.Module):
+    """A mean-squared error whose prediction is multiplied by a learnt scale (a temperature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([1.5], dtype=torch.float64))
+
+    def forward(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((prediction * self.scale - target) ** 2).mean()
+
+
+class Net(nn.Module):
+    """A small MLP and, unless it is given one at each call (outside), its loss."""
+
+    def __init__(self, criterion: nn.Module | None, batchnorm: bool = False) -> None:
+        super().__init__()
+        norm = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
+        self.body = nn.Sequential(
+            nn.Linear(DIM, 16), norm, nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+        ).double()
+        self.criterion = criterion
+
+    def forward(self, batch, target, criterion: nn.Module | None = None) -> torch.Tensor:
+        return (criterion or self.criterion)(self.body(batch), target)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(GLOBAL * STEPS, DIM, generator=generator, dtype=torch.float64)
+    return x, torch.randn(GLOBAL * STEPS, 4, generator=generator, dtype=torch.float64)
+
+
+def loop(
+    out: str, wrap: str = "ddp", bug: str = "", k: int = 64, full_updates: int = 1,
+    trace: bool = False,
+) -> None:  # fmt: skip
+    """Trains ``STEPS`` updates of SGD and records them into ``out``; ``wrap``: ``ddp``,
+    ``fsdp2`` or ``zero`` (DDP with ``ZeroRedundancyOptimizer``); without a process group the
+    plain model. ``trace``: the recorder traces the first update's forward."""
+    world_size, rank = _world()
+    torch.manual_seed(0)
+    criterion = Scaled()
+    outside = bug == "temperature_outside"
+    network = Net(None if outside else criterion, batchnorm=bug == "batchnorm")
+    trained: nn.Module = network
+    if world_size > 1 and wrap == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in network.body:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(network, mesh=mesh)
+    elif world_size > 1:
+        trained = nn.parallel.DistributedDataParallel(network)
+    parameters = [*network.parameters(), *(criterion.parameters() if outside else ())]
+    if wrap == "zero" and world_size > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(parameters, torch.optim.SGD, lr=0.1)
+    else:
+        optimizer = torch.optim.SGD(parameters, lr=0.1)
+    x, y = _data()
+    rows = GLOBAL // world_size
+    recorder = gatherlab.record(
+        trained, optimizer, out, loss=criterion, seed=0, k=k, full_updates=full_updates,
+        trace=trace,
+    )  # fmt: skip
+    for update in range(STEPS):
+        start = update * GLOBAL + rank * rows
+        optimizer.zero_grad()
+        loss = trained(x[start : start + rows], y[start : start + rows],
+                       criterion if outside else None)  # fmt: skip
+        if bug == "divide_twice":
+            loss = loss / world_size
+        loss.backward()
+        optimizer.step()
+    recorder.close()
