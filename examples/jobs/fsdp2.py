@@ -22,10 +22,7 @@ import common
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import gatherlab
-
-with contextlib.suppress(ImportError):  # until gatherlab.record lands
-    import gatherlab.record
+import gatherlab.record
 
 BUGS = ("old-gather", "local-batchnorm", "sampler", "temperature-outside", "divide-twice")
 
@@ -46,8 +43,8 @@ def main() -> None:
     data = common.loader(common.TwoViews(args.samples, seed=args.seed, dtype=args.dtype), args,
                          world)  # fmt: skip
     recording = contextlib.nullcontext()
-    if args.record and hasattr(gatherlab, "record"):
-        recording = gatherlab.record(model, optimizer, args.record, loss=criterion)
+    if args.record:
+        recording = gatherlab.record(model, optimizer, args.record, loss=criterion, seed=args.seed)
     with recording:
         for update, (view0, view1) in common.batches(data, args.steps):
             view0, view1 = view0.to(device), view1.to(device)

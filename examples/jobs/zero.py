@@ -24,10 +24,7 @@ import common
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-import gatherlab
-
-with contextlib.suppress(ImportError):  # until gatherlab.record lands
-    import gatherlab.record
+import gatherlab.record
 
 BUGS = ("old-gather", "local-batchnorm", "sampler", "temperature-outside", "divide-twice")
 
@@ -53,8 +50,8 @@ def main() -> None:
     data = common.loader(common.TwoViews(args.samples, seed=args.seed, dtype=args.dtype), args,
                          world)  # fmt: skip
     recording = contextlib.nullcontext()
-    if args.record and hasattr(gatherlab, "record"):
-        recording = gatherlab.record(model, optimizer, args.record, loss=criterion)
+    if args.record:
+        recording = gatherlab.record(model, optimizer, args.record, loss=criterion, seed=args.seed)
     with recording:
         for update, (view0, view1) in common.batches(data, args.steps):
             loss = forward(view0.to(device), view1.to(device))
