@@ -18,7 +18,6 @@ LightningModule, the loss with its temperature included.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import common
@@ -27,10 +26,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, RandomSampler
 
-import gatherlab
-
-with contextlib.suppress(ImportError):  # until gatherlab.record lands
-    import gatherlab.record
+import gatherlab.data
+import gatherlab.record
 
 BUGS = ("old-gather", "local-batchnorm", "sampler", "divide-twice")
 
@@ -73,8 +70,8 @@ def main() -> None:
                          f"{os.environ['WORLD_SIZE']} ranks")  # fmt: skip
     module = SimCLRModule(args)
     callbacks = []
-    if args.record and hasattr(gatherlab, "record"):
-        callbacks.append(gatherlab.record.LightningRecorder(args.record))
+    if args.record:
+        callbacks.append(gatherlab.record.LightningRecorder(args.record, seed=args.seed))
     backend = "nccl" if args.device == "cuda" else "gloo"
     trainer = L.Trainer(
         accelerator="gpu" if args.device == "cuda" else "cpu",
