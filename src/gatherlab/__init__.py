@@ -18,7 +18,9 @@ The public face is this package's top level: its command lines ``python -m gathe
   `gatherlab.gather.Gather`, `gatherlab.gather.NAMES`);
 - `gatherlab.losses`: the contrastive losses of docs/design.md §3;
 - `gatherlab.results`: run and sweep files loaded into pandas;
-- `gatherlab.report`: every run of a sweep against its 1-device reference.
+- `gatherlab.report`: every run of a sweep against its 1-device reference;
+- `gatherlab.compare`: two recordings of a training job compared update by update
+  (``gatherlab.compare(a, b)``: the module is callable).
 
 The folders hold the work, one role each, layered as docs/design.md §4 draws them (the
 import-linter contract in pyproject.toml enforces it): ``core`` (terms, errors, run files),
@@ -29,7 +31,7 @@ loss, gather or training step, its diagnoses), ``analysis`` (results, report, fi
 """
 
 # The modules of the API reference (``make docs``); nothing in the package star-imports them.
-__all__ = ["check", "gather", "losses", "report", "results", "testing"]
+__all__ = ["check", "compare", "gather", "losses", "report", "results", "testing"]
 
 
 def __getattr__(name: str):

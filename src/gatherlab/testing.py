@@ -9,6 +9,9 @@ ranks like one device?
     def test_my_module_trains_like_one_device():
         assert_training_invariant(MyModule, make_dataset, world_sizes=(2, 4), steps=20)
 
+    def test_my_job_at_four_ranks_trains_like_one(recordings):  # made with gatherlab.record
+        assert_runs_match(recordings / "w1", recordings / "w4")
+
 The check runs on real gloo ranks of gatherlab's warm worker pool (``gatherlab.check``), so a
 test session pays the pool's start-up once. A test module that calls it from a script, not from
 pytest, needs ``if __name__ == "__main__":`` (the ranks are forked from a fork server). In a
@@ -21,6 +24,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -28,7 +32,7 @@ import pandas as pd
 from gatherlab import check
 from gatherlab.check import defaults
 
-__all__ = ["assert_layout_invariant", "assert_training_invariant"]
+__all__ = ["assert_layout_invariant", "assert_runs_match", "assert_training_invariant"]
 
 
 def assert_layout_invariant(
@@ -110,6 +114,37 @@ def assert_training_invariant(
     if not check.trains_like_one_device(table):
         raise AssertionError(check.explain_training(table))
     return table
+
+
+def assert_runs_match(
+    reference: str | Path, run: str | Path, *, tolerance: float | None = None
+) -> Any:
+    """`gatherlab.compare` of two recordings (`gatherlab.record`), failing with its words unless
+    the run trains like the reference (docs/design.md §5): for a CI job that records a short run
+    at W = 1 and at W = 4 and compares them.
+
+    Args:
+        reference: recording A, the reference (normally the one-device run).
+        run: recording B, the run.
+        tolerance: as `gatherlab.compare.compare`'s.
+
+    Returns:
+        The `gatherlab.check.compare.Comparison`, its verdict ``exact`` or ``loss scaled``.
+
+    Raises:
+        AssertionError: B does not train like A (``data differs`` included); the message is the
+            comparison's words: the data's difference, the table, the first update and part that
+            depart, the diagnosis.
+        gatherlab.recording.format.RecordingError: a directory that is no finished recording.
+        gatherlab.check.compare.NotComparable: recordings of different models or settings.
+    """
+    __tracebackhide__ = True  # pytest shows the caller's line and the message, not this frame
+    from gatherlab.check.compare import compare  # the comparison itself: it writes no files
+
+    comparison = compare(reference, run, tolerance=tolerance)
+    if comparison.status != 0:
+        raise AssertionError(comparison.words)
+    return comparison
 
 
 def _keyword_options() -> str:

@@ -788,6 +788,48 @@ def accumulation_figure(table: pd.DataFrame, tolerance: float) -> plt.Figure:
     return figure
 
 
+# The colours of a recording's parts (each part keeps its place in the recording's order).
+PART_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2")
+PART_LINES = ("--", ":", "-.", (0, (5, 1, 1, 1)))
+
+
+def recordings_figure(
+    updates: pd.DataFrame,
+    reference: str = "A",
+    run: str = "B",
+    tolerance: float | None = None,
+) -> plt.Figure:
+    """Two recordings compared (``python -m gatherlab.compare``): both global losses per update
+    (left; the reference drawn as every reference is) and each part's gradient relative difference
+    from the reference's per update on a log scale (right; exact zeros at the floor, the whole
+    gradient black). ``updates`` has the columns of ``updates.csv``
+    (`gatherlab.check.compare.UPDATE_COLUMNS`)."""
+    whole = updates[updates["part"] == "all"]
+    parts = [p for p in dict.fromkeys(updates["part"]) if p != "all"]
+    with plt.rc_context(STYLE):
+        figure, (loss_axis, diff_axis) = plt.subplots(1, 2, figsize=(11, 3.8), layout="constrained")
+        marker = "o" if len(whole) < 3 else None  # visible alone
+        loss_axis.plot(whole["update"], whole["loss_b"], color=gather_color("fixed"),
+                       linewidth=1.6, marker=marker, label=run)  # fmt: skip
+        loss_axis.plot(whole["update"], whole["loss_a"], label=f"{reference} (reference)",
+                       **REFERENCE_STYLE)  # fmt: skip
+        loss_axis.set(xlabel="optimizer update", ylabel="global loss", title="loss per update")
+        loss_axis.legend(fontsize=8)
+        drawn = [("all (whole gradient)", whole, "black", "-")]
+        drawn += [(part, updates[updates["part"] == part], PART_COLORS[i % len(PART_COLORS)],
+                   PART_LINES[i % len(PART_LINES)]) for i, part in enumerate(parts)]  # fmt: skip
+        for label, rows, color, line in drawn:  # parts that coincide stay visible by their lines
+            diff_axis.plot(rows["update"], np.maximum(rows["rel_err"].to_numpy(float), ZERO_FLOOR),
+                           color=color, linestyle=line, linewidth=1.4, marker=marker,
+                           label=label)  # fmt: skip
+        _style_difference_axis(diff_axis, tolerance, f"gradient relative difference vs {reference}")
+        diff_axis.set(xlabel="optimizer update")
+        diff_axis.legend(fontsize=8, loc="best")
+        for axis in (loss_axis, diff_axis):  # updates are whole numbers
+            axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    return figure
+
+
 def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
     """Write the figure as PNG and vector PDF; return both paths.
 

@@ -159,9 +159,9 @@ DIAGNOSES = {
         "divided by W, and anything added to the gradient outside the loss (L2 weight decay, "
         "another loss term) weighs W times more. Usual causes (not tested here): an all_gather "
         "without gradient with the live local tensor put back in its slot, or a gather whose "
-        "backward keeps only the own slice, while every rank computes the full loss. Fix: "
-        + _GATHER_FIX
-        + "."
+        "backward keeps only the own slice, while every rank computes the full loss; or the "
+        "loss or its gradients divided by W where DDP already averages them over the ranks. "
+        "Fix: " + _GATHER_FIX + "; or drop the division by W."
     ),
     terms.GradientClass.W: (
         "the gradient is W times one device's (norm ratio {norm_ratio:.6g}): SGD's effective "
@@ -201,7 +201,46 @@ DIAGNOSES = {
         "the ranks failed ({error}): the check has no verdict at this world size; the other "
         "world sizes have theirs.{collectives_fix}"
     ),
+    terms.DATA_DIFFERS: (
+        "the run is not given its reference's global batch (its rows fingerprinted per update, "
+        "below): no loss or gradient can be compared with the reference's while the data "
+        "differs. " + "{sampler_fix}"
+    ),
 }
+
+# The fix of a global batch that depends on the layout (a comparison's ``data differs``).
+SAMPLER_FIX = (
+    "A DistributedSampler shuffles and pads per rank: rank r takes every W-th index of its "
+    "permutation, and the data set is padded to a multiple of W with repeated samples, so the "
+    "global batch of an update depends on W. Fix: gatherlab.data.LayoutInvariantSampler, a "
+    "drop-in for DistributedSampler, gives every world size the same global batch at every "
+    "update (rank r the r-th consecutive part of it)."
+)
+# The note of a global batch that holds the reference's rows in another order (not a failure).
+OTHER_ORDER = (
+    "note: update {update} gives the same global batch in another order ({updates} of "
+    "{total} updates): a loss that pairs rows by position sees other pairs, a mean over the "
+    "rows does not."
+)
+# A recording without the loss of some updates (the job gave its recorder none).
+NO_LOSS = (
+    "note: {updates} of {total} updates have no recorded loss in A or B (the recorder found no "
+    "loss module, no output's loss and no recorder.loss(value)): their losses are not compared, "
+    "their gradients are."
+)
+# The same, where rank r holds the reference's rows r, r + W, …: a strided sampler's order.
+STRIDED_ORDER = (
+    "note: the global batch holds the reference's rows strided over the ranks (rank r its rows "
+    "r, r + {world_size}, r + 2·{world_size}, …; at {updates} of {total} updates), as a "
+    "DistributedSampler deals them: the same rows in another order."
+)
+# The same, where each rank holds its part of each of the reference's blocks (views concatenated
+# per rank before the forward): the order every layout gives such a forward.
+BLOCK_ORDER = (
+    "note: the model's input rows are the reference's, each rank holding its part of each of "
+    "its {blocks} blocks in turn (at {updates} of {total} updates): {blocks} views concatenated "
+    "per rank before the forward, the order any layout gives them."
+)
 
 # What reproduced a ``loss differs`` on one device (``gatherlab.check.hypotheses``), and its fix.
 CAUSES = {
@@ -252,6 +291,15 @@ CAUSES = {
         "a batch norm over the batch). Fix: take it over the gathered batch (gathered through "
         + _GATHER_FIX
         + "), or all-reduce its sums and counts before dividing."
+    ),
+    terms.Cause.UNREDUCED: (
+        "Measured from the recording: the gradient of {unreduced} differs between the run's ranks "
+        "({unreduced_updates}, each rank's own sketch of it recorded): it is not reduced over "
+        "the ranks, so each rank's optimizer steps with its own gradient (the run's recorded "
+        "gradient is rank 0's). {unreduced_mean} Fix: put the parameter inside the module DDP "
+        "or FSDP wraps and use it in that module's forward, so that its gradient is reduced "
+        "with the others, or all-reduce its gradient (the mean over ranks) before the "
+        "optimizer's step."
     ),
     terms.Cause.UNEXPLAINED: (
         "None of the causes the check reproduces on one device (scaled, local_negatives, "
@@ -395,15 +443,25 @@ def _parts_text(parts: pd.DataFrame) -> str:
     )
 
 
-def diagnosis(rows: pd.DataFrame, parts: pd.DataFrame | None = None) -> str:
+def diagnosis(
+    rows: pd.DataFrame, parts: pd.DataFrame | None = None, measured: dict[str, Any] | None = None
+) -> str:
     """What the rows (one loss and gather, one verdict and cause, their world sizes) measured,
-    what reproduced it or what its parts show, and what would make it exact."""
+    what reproduced it or what its parts show, and what would make it exact; ``measured``: the
+    words a comparison of recordings adds to its placeholders (``sampler_fix``, ``unreduced``,
+    …, `gatherlab.check.compare`)."""
     first = rows.iloc[0]
-    numbers = _numbers(rows)
+    numbers = {"sampler_fix": SAMPLER_FIX, **_numbers(rows), **(measured or {})}
     nothing = first["verdict"] == terms.GradientClass.NONE and rows["norm_ratio"].isna().all()
     text = (TRAINS_NOTHING if nothing else DIAGNOSES[first["verdict"]]).format(**numbers)
     cause = first["cause"]
-    if first["verdict"] == terms.LOSS_DIFFERS and cause:
+    if cause == terms.Cause.UNREDUCED:  # measured on the ranks: the verdict's usual causes go
+        text = (
+            f"the gradient is {first['gradient']} against one device's (cosine "
+            f"{numbers['cosine']:.6g}, norm ratio {numbers['norm_ratio']:.4g}). "
+            + CAUSES[terms.Cause.UNREDUCED].format(**numbers)
+        )
+    elif first["verdict"] == terms.LOSS_DIFFERS and cause:
         text += " " + CAUSES[terms.Cause(cause)].format(**numbers)
     elif cause == terms.Cause.PARTS and parts is not None and len(parts):
         text = (

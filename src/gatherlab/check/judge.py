@@ -11,7 +11,7 @@ losses of naive accumulation (`gatherlab.check.training.micro_negatives`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -87,6 +87,9 @@ def judge(
     reproduce: Reproduce | None = None,
     accumulated: Callable[[], Sequence[float]] | None = None,
     where: Callable[[], Departure | None] | None = None,
+    classified: tuple[Classified, dict[str, Classified]] | None = None,
+    unreduced: Collection[str] = (),
+    data_differs: bool = False,
 ) -> list[Row]:
     """The rows of a run on ``key.world_size`` ranks (``key.micro_batches`` per rank) against its
     one-device reference: the whole gradient's (``part`` ``all``), then each part's when it has
@@ -106,6 +109,13 @@ def judge(
     - verdict: `verdict`; ``diverges`` for the whole when its curves leave one device's.
     - where: for a whole that is not exact, ``where()`` (None: no place), on every row; a loss
       check's ``diverges`` says its step in ``departs`` first.
+
+    A recorded run (`gatherlab.check.compare`) gives what its recording measured: ``classified``,
+    the first gradient's class and its parts' where they were estimated from linear sketches
+    (`gradients.classify_sketched`; None: classified here from the gradients); ``unreduced``, its
+    parts whose gradient differs between its ranks (their cause, and the whole's when it is not
+    exact, is ``unreduced``: measured, it comes before any other); ``data_differs``, its global
+    batches are not the reference's (the whole's verdict is ``data differs``).
     """
     world_size, micro_batches = key.world_size, key.micro_batches
     trained = isinstance(run, Trained)
@@ -121,8 +131,11 @@ def judge(
     elif not same and reproduce is not None:
         cause, scale = reproduce()
     compared = None if curves is None else _curves(*curves, tolerance, scale)
-    whole = gradients.classify(_gradient(run), _gradient(reference), world_size, micro_batches)
-    parts = _classified_parts(run, reference, layout, world_size, micro_batches)
+    if classified is None:
+        whole = gradients.classify(_gradient(run), _gradient(reference), world_size, micro_batches)
+        parts = _classified_parts(run, reference, layout, world_size, micro_batches)
+    else:
+        whole, parts = classified
     if whole.gradient == GradientClass.BIASED and gradients.single_factors(parts):
         cause = Cause.PARTS
     elif cause is None and not same and accumulated is not None:
@@ -135,25 +148,38 @@ def judge(
             shared, first_loss=first, train_max_abs_loss_diff=max(compared.differences),
             first_diff_step=compared.first, max_abs_param_diff=compared.weights,
         )  # fmt: skip
-    head = _row(shared, ALL_PARTS, whole, compared is not None and compared.apart)
+    head = _row(shared, ALL_PARTS, whole, compared is not None and compared.apart, data_differs)
+    if unreduced and head.verdict != EXACT:  # measured on the ranks: before any other cause
+        head = dataclasses.replace(head, cause=str(Cause.UNREDUCED))
     if compared is not None and not trained:  # a measured loss's training run: on its row only
         head = dataclasses.replace(head, train_max_abs_loss_diff=max(compared.differences))
         if head.verdict == DIVERGES:  # no first_diff_step column: its step in words
             head = dataclasses.replace(head, departs=_diverges_words(compared))
-    rows = [head] + [_row(shared, part, classified) for part, classified in parts.items()]
+    rows = [head] + [
+        _row(shared, part, numbers, cause=str(Cause.UNREDUCED) if part in unreduced else None)
+        for part, numbers in parts.items()
+    ]
     if head.verdict == EXACT or where is None:
         return rows
     return _located(rows, where())
 
 
-def _row(shared: Row, part: str, classified: Classified, apart: bool = False) -> Row:
+def _row(
+    shared: Row,
+    part: str,
+    classified: Classified,
+    apart: bool = False,
+    data_differs: bool = False,
+    cause: str | None = None,
+) -> Row:
     """The row of one part (``all``: the whole) of a run's gradient: its class, its numbers and
-    its verdict (``diverges`` only for the whole, whose curves are ``apart``)."""
+    its verdict (``diverges`` and ``data differs`` only for the whole, whose curves are
+    ``apart`` and whose batches differ); ``cause`` replaces the shared one (a part's own)."""
     return dataclasses.replace(
         shared, part=part, gradient=str(classified.gradient),
-        verdict=verdict(shared.forward, classified.gradient, shared.scale, apart),
+        verdict=verdict(shared.forward, classified.gradient, shared.scale, apart, data_differs),
         cosine=classified.cosine, norm_ratio=classified.norm_ratio,
-        max_rel_err=classified.max_rel_err,
+        max_rel_err=classified.max_rel_err, cause=shared.cause if cause is None else cause,
     )  # fmt: skip
 
 

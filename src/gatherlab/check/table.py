@@ -16,9 +16,9 @@ from gatherlab.core import cli, terms
 from gatherlab.runs.removals import NONE
 
 __all__ = [
-    "ALL_PARTS", "COLUMNS", "EXACT", "MICRO_BATCHES", "REFERENCE", "REFERENCE_NOTES",
-    "TRAINING_COLUMNS", "TRAINS_LIKE_ONE_DEVICE", "TRAIN_COLUMN", "Row", "failed_row", "frame",
-    "trains_like_one_device", "verdict", "with_reference_notes",
+    "ALL_PARTS", "COLUMNS", "COMPARISON_COLUMNS", "EXACT", "MICRO_BATCHES", "REFERENCE",
+    "REFERENCE_NOTES", "TRAINING_COLUMNS", "TRAINS_LIKE_ONE_DEVICE", "TRAIN_COLUMN", "Row",
+    "failed_row", "frame", "trains_like_one_device", "verdict", "with_reference_notes",
 ]  # fmt: skip
 
 EXACT = terms.GradientClass.EXACT
@@ -60,6 +60,17 @@ micro-batches of each rank's update: 1 but for the whole-update form) after ``wo
 ``train_max_abs_loss_diff``, ``removed``, ``culprits`` (``;``-separated), ``first_diff_step``
 (the first step whose loss leaves one device's) and ``max_abs_param_diff`` (the final weights)."""
 
+COMPARISON_COLUMNS = (
+    *COLUMNS, TRAIN_COLUMN, "first_diff_step", "max_abs_param_diff", "first_update", "first_part",
+)  # fmt: skip
+"""The columns of a comparison of two recordings (``python -m gatherlab.compare``, its
+``check.csv``): the loss check's, ``loss`` the run's recording and ``reference`` the
+reference's, ``gather`` ``native`` (the job communicates by itself); then the training's
+``train_max_abs_loss_diff``, ``first_diff_step`` and ``max_abs_param_diff`` (of the final
+weights' sketches), and ``first_update`` and ``first_part``, the first update whose loss or
+gradient departs and the first part that departs there (``all``: the loss alone; empty when none
+departs, `gatherlab.check.compare`)."""
+
 NOT_MEASURED = math.nan
 """A field a row has no value for (a failed row's numbers, a part's training curve): an empty
 cell of the table, as pandas writes one."""
@@ -67,10 +78,10 @@ cell of the table, as pandas writes one."""
 
 @dataclass(frozen=True)
 class Row:
-    """One row of a check's table: its fields are the columns of `COLUMNS` and `TRAINING_COLUMNS`
-    (each table takes its own), and ``first_loss``, the run's first global loss, which no column
-    holds (the cause of a whole update's differing loss is read from it). A field left at
-    `NOT_MEASURED` is an empty cell."""
+    """One row of a check's table: its fields are the columns of `COLUMNS`, `TRAINING_COLUMNS`
+    and `COMPARISON_COLUMNS` (each table takes its own), and ``first_loss``, the run's first
+    global loss, which no column holds (the cause of a whole update's differing loss is read from
+    it). A field left at `NOT_MEASURED` is an empty cell."""
 
     loss: str
     gather: str
@@ -95,15 +106,19 @@ class Row:
     culprits: str = ""
     first_diff_step: int | float | None = NOT_MEASURED
     max_abs_param_diff: float = NOT_MEASURED
+    first_update: int | float | None = NOT_MEASURED
+    first_part: str = ""
     first_loss: float = NOT_MEASURED
 
 
 def frame(rows: Sequence[Row], columns: Sequence[str]) -> pd.DataFrame:
     """The table of these rows with these columns, in order: the one place rows become
-    ``check.csv``'s table. ``first_diff_step`` is a nullable integer (empty: every step agrees)."""
+    ``check.csv``'s table. ``first_diff_step`` and ``first_update`` are nullable integers (empty:
+    every step agrees)."""
     table = pd.DataFrame([dataclasses.asdict(row) for row in rows], columns=list(columns))
-    if "first_diff_step" in table:
-        table["first_diff_step"] = table["first_diff_step"].astype("Int64")
+    for column in ("first_diff_step", "first_update"):
+        if column in table:
+            table[column] = table[column].astype("Int64")
     return table
 
 
@@ -118,18 +133,28 @@ TRAINS_LIKE_ONE_DEVICE = frozenset({EXACT, terms.LOSS_SCALED})
 value."""
 
 
-def verdict(forward: str, gradient: str, scale: float | None = None, apart: bool = False) -> str:
-    """The verdict of a row: ``exact`` when forward and gradient are; ``loss scaled`` when the
-    forward is a constant multiple ``scale`` of one device's and the gradient is exact; ``loss
-    differs`` when the forward differs otherwise; else the gradient's class; and ``diverges``
-    where it would be ``exact`` or ``loss scaled`` but a training run compared (``apart``) leaves
-    the 1-device one: a later step's loss (divided by ``scale``) or the final weights.
+def verdict(
+    forward: str,
+    gradient: str,
+    scale: float | None = None,
+    apart: bool = False,
+    data_differs: bool = False,
+) -> str:
+    """The verdict of a row: ``data differs`` when the run was not given one device's global
+    batches (a recorded run, ``data_differs``: nothing else is judged then); ``exact`` when
+    forward and gradient are; ``loss scaled`` when the forward is a constant multiple ``scale``
+    of one device's and the gradient is exact; ``loss differs`` when the forward differs
+    otherwise; else the gradient's class; and ``diverges`` where it would be ``exact`` or ``loss
+    scaled`` but a training run compared (``apart``) leaves the 1-device one: a later step's loss
+    (divided by ``scale``) or the final weights.
 
     >>> verdict("same", "exact"), verdict("differs", "exact", 2.0), verdict("same", "1/W")
     ('exact', 'loss scaled', '1/W')
     >>> verdict("differs", "biased", 2.0), verdict("differs", "exact", 2.0, apart=True)
     ('loss differs', 'diverges')
     """
+    if data_differs:
+        return str(terms.DATA_DIFFERS)
     if forward == terms.Forward.DIFFERS:
         first = terms.LOSS_SCALED if scale is not None and gradient == EXACT else terms.LOSS_DIFFERS
     else:

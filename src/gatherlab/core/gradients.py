@@ -16,8 +16,9 @@ A gradient against one device's:
 
 from __future__ import annotations
 
+import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from gatherlab.core.terms import Factor, GradientClass, Precision
@@ -27,8 +28,8 @@ if TYPE_CHECKING:  # torch is imported by the functions that take tensors, when 
 
 __all__ = [
     "FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "PARALLEL_COSINE", "SINGLE_FACTORS", "TOLERANCE",
-    "Classified", "Layout", "classify", "classify_parts", "cosine_and_norm_ratio", "factor_name",
-    "factors", "same_forward", "single_factors", "split",
+    "Classified", "Layout", "class_of", "classify", "classify_parts", "classify_sketched",
+    "cosine_and_norm_ratio", "factor_name", "factors", "same_forward", "single_factors", "split",
 ]  # fmt: skip
 
 # Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
@@ -117,35 +118,84 @@ def factor_name(ratio: float, world_size: int, micro_batches: int = 1) -> str | 
     return None
 
 
+def class_of(
+    cosine: float,
+    norm_ratio: float,
+    rel_err: float,
+    zero_gradient: bool,
+    zero_reference: bool,
+    world_size: int,
+    micro_batches: int = 1,
+) -> str:
+    """The class of a gradient from the numbers it is read from, the one rule of docs/design.md §1
+    for a whole gradient (`classify`) and for one estimated from linear sketches
+    (`classify_sketched`): no gradient on either side ``none``; a gradient where one device has
+    none ``other``; ``rel_err`` (its difference relative to one device's) ≤ 1e-10 ``exact``; a
+    zero gradient ``none``; the same direction (``cosine`` ≥ `PARALLEL_COSINE`) at a named factor
+    ``norm_ratio`` (`factors`) that factor's name; another direction ``biased``; else ``other``
+    (the right direction at a factor no name gives)."""
+    if zero_reference:  # no gradient on one device either: nothing to compare a direction with
+        return GradientClass.NONE if zero_gradient else GradientClass.OTHER
+    if rel_err <= FLOAT64_TOLERANCE:
+        return GradientClass.EXACT
+    if zero_gradient:
+        return GradientClass.NONE
+    if cosine >= PARALLEL_COSINE:
+        named = factor_name(norm_ratio, world_size, micro_batches)
+        return GradientClass.OTHER if named is None else named
+    return GradientClass.BIASED
+
+
 def classify(
     gradient: torch.Tensor, reference: torch.Tensor, world_size: int, micro_batches: int = 1
 ) -> Classified:
     """The class of ``gradient`` against ``reference`` on ``world_size`` ranks that each
-    accumulate ``micro_batches`` micro-batches, with cosine, norm ratio, max rel. error: a
-    gradient parallel to the reference at a named factor (`factors`) is named by it, at any other
-    factor ``other`` (the factor is its norm ratio). No gradient on either side is ``none``,
-    never ``exact``: nothing trains (cosine, norm ratio and max rel. error NaN, as for any zero
-    reference)."""
+    accumulate ``micro_batches`` micro-batches (`class_of`), with cosine, norm ratio, max rel.
+    error (max |g − g₁| / max |g₁|): a gradient parallel to the reference at a named factor
+    (`factors`) is named by it, at any other factor ``other`` (the factor is its norm ratio). No
+    gradient on either side is ``none``, never ``exact``: nothing trains (cosine, norm ratio and
+    max rel. error NaN, as for any zero reference)."""
     import torch
 
-    axes = (world_size, micro_batches)
+    zero_gradient = bool(gradient.abs().max() == 0) if gradient.numel() else True
     if float(torch.linalg.vector_norm(reference)) == 0:  # no gradient on one device either
-        measured = GradientClass.NONE if gradient.abs().max() == 0 else GradientClass.OTHER
-        return Classified(measured, float("nan"), float("nan"), float("nan"))
+        measured = class_of(math.nan, math.nan, math.nan, zero_gradient, True, world_size)
+        return Classified(measured, math.nan, math.nan, math.nan)
     cosine, norm_ratio = cosine_and_norm_ratio(gradient, reference)
-    norm = float(torch.linalg.vector_norm(gradient))
     max_rel_err = float((gradient - reference).abs().max() / reference.abs().max())
-    if max_rel_err <= FLOAT64_TOLERANCE:
-        measured = GradientClass.EXACT
-    elif norm == 0:
-        measured = GradientClass.NONE
-    elif cosine >= PARALLEL_COSINE and (named := factor_name(norm_ratio, *axes)) is not None:
-        measured = named
-    elif cosine < PARALLEL_COSINE:
-        measured = GradientClass.BIASED
-    else:
-        measured = GradientClass.OTHER
+    measured = class_of(
+        cosine, norm_ratio, max_rel_err, zero_gradient, False, world_size, micro_batches
+    )
     return Classified(measured, cosine, norm_ratio, max_rel_err)
+
+
+def classify_sketched(
+    sketch: Sequence[float],
+    reference_sketch: Sequence[float],
+    norm: float,
+    reference_norm: float,
+    world_size: int,
+    micro_batches: int = 1,
+) -> Classified:
+    """The class of a gradient known by its linear sketch S g and its exact norm ‖g‖ against one
+    device's (S g₁, ‖g₁‖), by the rule of `class_of`: cosine ⟨S g, S g₁⟩ / (‖S g‖ ‖S g₁‖), norm
+    ratio ‖g‖ / ‖g₁‖ (exact), relative error ‖S(g − g₁)‖ / ‖g₁‖ with the exact ‖g₁‖ (its
+    ``max_rel_err`` field). A linear sketch keeps equality and parallelism (S(c·g) = c·S g), so
+    ``exact`` and a named factor are read exactly; a biased gradient's cosine and relative error
+    are estimates, within the bounds docs/design.md §11 states for k."""
+    import numpy as np
+
+    mine = np.asarray(sketch, dtype=np.float64)
+    theirs = np.asarray(reference_sketch, dtype=np.float64)
+    if reference_norm == 0:
+        measured = class_of(math.nan, math.nan, math.nan, norm == 0, True, world_size)
+        return Classified(measured, math.nan, math.nan, math.nan)
+    product = float(np.linalg.norm(mine)) * float(np.linalg.norm(theirs))
+    cosine = float(mine @ theirs / product) if product > 0 else math.nan
+    norm_ratio = norm / reference_norm
+    rel_err = float(np.linalg.norm(mine - theirs)) / reference_norm
+    measured = class_of(cosine, norm_ratio, rel_err, norm == 0, False, world_size, micro_batches)
+    return Classified(measured, cosine, norm_ratio, rel_err)
 
 
 def split(gradient: torch.Tensor, parts: Layout) -> dict[str, torch.Tensor]:

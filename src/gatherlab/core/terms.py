@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "COLLECTIVES_DIFFER",
+    "DATA_DIFFERS",
     "DIVERGES",
     "FAILED",
     "LOSS_DIFFERS",
@@ -93,6 +94,10 @@ DIVERGES = "diverges"
 """A check's verdict at a world size: its first step agrees with one device (forward and
 gradient), a later one does not (``gatherlab.check.check_training``, and a loss's check with
 ``steps``)."""
+DATA_DIFFERS = "data differs"
+"""A comparison's verdict when the run and its reference were not given the same global batch at
+some update, as a set of rows (`gatherlab.check.compare`): said before any gradient is judged, no
+gradient being comparable while the data differs."""
 FAILED = "failed"
 """A check's verdict at a world size whose ranks raised: its ``error`` names the rank and the
 error, or starts with `COLLECTIVES_DIFFER`."""
@@ -111,7 +116,8 @@ class Cause(StrEnum):
     ``local_statistic`` (none of these reproduces it, and the first operation whose result departs
     reduces or normalises over the rank's part of the batch: ``gatherlab.check.where``),
     ``unexplained`` (none of these); ``parts`` (a biased gradient whose parts each have one
-    factor, different ones)."""
+    factor, different ones); ``unreduced`` (a recorded run's part whose gradient differs between
+    its ranks: it is not reduced over them, `gatherlab.check.compare`)."""
 
     SCALED = "scaled"
     LOCAL_NEGATIVES = "local_negatives"
@@ -120,6 +126,7 @@ class Cause(StrEnum):
     LOCAL_STATISTIC = "local_statistic"
     UNEXPLAINED = "unexplained"
     PARTS = "parts"
+    UNREDUCED = "unreduced"
 
 
 class Forward(StrEnum):

@@ -121,8 +121,21 @@ def _parameters(model: nn.Module, loss: nn.Module | None, optimizer) -> list[_Pa
     return named
 
 
+def _stepping(optimizer) -> Any:
+    """The optimizer that computes the update: the one a wrapper holds (a
+    ``ZeroRedundancyOptimizer``'s ``optim`` on its shard, accelerate's ``optimizer``), else
+    ``optimizer`` itself."""
+    for attribute in ("optim", "optimizer"):
+        inner = getattr(optimizer, attribute, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            return inner
+    return optimizer
+
+
 def _settings(optimizer) -> dict[str, Any]:
-    """The optimizer's class and each group's hyper-parameters (what must agree between runs)."""
+    """The class of the optimizer that computes the update (`_stepping`) and each group's
+    hyper-parameters (what must agree between runs; a wrapper's name is the header's
+    ``optimizer_wrapper``)."""
 
     def plain(value: Any) -> Any:
         if isinstance(value, bool | int | float | str) or value is None:
@@ -135,7 +148,7 @@ def _settings(optimizer) -> dict[str, Any]:
 
     groups = [{key: plain(value) for key, value in group.items() if key != "params"}
               for group in optimizer.param_groups]  # fmt: skip
-    return {"optimizer": type(optimizer).__name__, "param_groups": groups}
+    return {"optimizer": type(_stepping(optimizer)).__name__, "param_groups": groups}
 
 
 def _shard(tensor: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
@@ -226,6 +239,9 @@ class Recorder:
             "device": first.device.type if first is not None else "cpu",
             "seed": seed, "k": k, "sketch_seed": sketch_seed, "full_updates": full_updates,
             "settings": {**_settings(optimizer), **dict(settings or {})},
+            "optimizer_wrapper": (
+                type(optimizer).__name__ if _stepping(optimizer) is not optimizer else None
+            ),
             "parameters": [
                 {"name": p.name, "shape": list(p.parameter.shape), "part": p.part,
                  "sharded": _shard(p.parameter)[2]}

@@ -1,0 +1,177 @@
+"""Compare two recordings of a training job (`gatherlab.record`): does run B train like reference A
+(normally the one-device run) at every update, and where do they part?
+
+    python -m gatherlab.compare A B [--out DIR] [--tolerance X]
+
+prints the verdict, the table and the first update and part that depart, and writes
+``check.csv``, ``updates.csv`` and the figure ``compare.png``/``compare.pdf`` into ``--out``
+(default ``outputs/compare/<date>_<time>/``); exit status 0 when B trains like A, 1 when it does
+not (``data differs`` included), 2 for bad input (a directory that is no finished recording, a
+newer format, recordings of different models or settings), each one line. From Python::
+
+    import gatherlab
+    comparison = gatherlab.compare("runs/w1", "runs/w4")   # the module is callable
+    comparison.verdict, comparison.status, print(comparison.words)
+
+The comparison is `gatherlab.check.compare`'s, judged by the check's one judge (docs/design.md §5,
+§6 "Comparing two recordings").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+from gatherlab.analysis import figures
+from gatherlab.check.compare import Comparison, NotComparable
+from gatherlab.check.compare import compare as _compare
+from gatherlab.core import cli, gradients, runfiles
+from gatherlab.recording.format import Recording, RecordingError
+
+__all__ = ["FIGURE", "UPDATES", "Comparison", "NotComparable", "compare", "main", "write"]
+
+UPDATES = "updates.csv"
+"""The per-update table of a comparison (`gatherlab.check.compare.UPDATE_COLUMNS`)."""
+FIGURE = "compare"
+"""The figure of a comparison, ``compare.png`` and ``compare.pdf``."""
+
+
+def compare(
+    reference: str | Path | Recording,
+    run: str | Path | Recording,
+    *,
+    out: str | Path | None = None,
+    tolerance: float | None = None,
+) -> Comparison:
+    """Recording ``run`` (B) against ``reference`` (A); with ``out``, its files written there
+    (`write`).
+
+    Args:
+        reference: the reference's recording directory (normally the one-device run), or it read.
+        run: the run's recording directory, or it read.
+        out: a directory for ``check.csv``, ``updates.csv`` and the figure (None: nothing
+            written); one that holds a comparison is refused.
+        tolerance: the largest |Δloss| of an update and |Δ| of the final weights' sketches
+            (absolute; default the recordings' precision's, 1e-10 in float64).
+
+    Returns:
+        The `Comparison`: ``table`` (``check.csv``'s rows), ``updates`` (``updates.csv``'s),
+        ``verdict``, ``status`` (0 trains like A, 1 not), ``words`` (what the command prints),
+        ``data`` (the data's difference in words, or None), ``departure`` (the first update and
+        part that depart, or None).
+
+    Raises:
+        gatherlab.recording.format.RecordingError: a directory that is no finished recording of a
+            version this gatherlab reads.
+        NotComparable: recordings of different models or of settings that must agree.
+        gatherlab.core.runfiles.RunFinished: ``out`` holds a comparison already.
+    """
+    if out is not None:
+        _refuse_finished(Path(out))
+    comparison = _compare(reference, run, tolerance=tolerance)
+    if out is not None:
+        write(comparison, Path(out))
+    return comparison
+
+
+def _refuse_finished(out: Path) -> None:
+    """`runfiles.RunFinished` when ``out`` holds a comparison (its ``check.csv``)."""
+    if (out / runfiles.CHECK).exists():
+        raise runfiles.RunFinished(
+            f"--out {out} already holds a comparison; it is never overwritten"
+        )
+
+
+def write(comparison: Comparison, out: Path) -> list[Path]:
+    """Write ``check.csv``, ``updates.csv`` and the figure (PNG and PDF) into ``out``; the paths
+    written."""
+    _refuse_finished(out)
+    out.mkdir(parents=True, exist_ok=True)
+    runfiles.write_table(comparison.table, out / runfiles.CHECK)
+    runfiles.write_table(comparison.updates, out / UPDATES)
+    figure = figures.recordings_figure(
+        comparison.updates, "A", "B", tolerance=gradients.FLOAT64_TOLERANCE
+    )
+    return [out / runfiles.CHECK, out / UPDATES, *figures.save(figure, out / FIGURE)]
+
+
+# The help's description, plain text as a terminal shows it.
+DESCRIPTION = (
+    "Compare recording B (the run) against recording A (the reference, normally the one-device "
+    "run), update by update; write check.csv, updates.csv and the figure into --out and exit 0 "
+    "when B trains like A, 1 otherwise, 2 for bad input."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose every usage error is one line and exit status 2 (`cli.fail`)."""
+
+    def error(self, message: str) -> NoReturn:
+        cli.fail("compare", message)
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}; allowed: a number ≥ 0")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m gatherlab.compare", description=DESCRIPTION,
+                     allow_abbrev=False)  # fmt: skip
+    parser.add_argument("reference", type=Path, metavar="A",
+                        help="recording A, the reference (e.g. the one-device run)")  # fmt: skip
+    parser.add_argument("run", type=Path, metavar="B", help="recording B, the run compared with A")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="output directory (default: a new outputs/compare/ dir)")  # fmt: skip
+    parser.add_argument(
+        "--tolerance", type=_tolerance, default=None, metavar="X",
+        help="largest |Δloss| per update and |Δ| of the final weights' sketches (default: the "
+        "precision's, 1e-10 in float64)",
+    )  # fmt: skip
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The command line (``argv``: its arguments, ``sys.argv`` when not given): exit status 0 when
+    B trains like A, 1 when it does not, 2 for bad input, 130 on Ctrl-C."""
+    as_program = argv is None
+    args = _parser().parse_args(argv)
+    out = args.out or Path("outputs") / "compare" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
+    try:
+        comparison = compare(args.reference, args.run, out=out, tolerance=args.tolerance)
+    except (RecordingError, NotComparable, runfiles.RunFinished) as error:
+        cli.fail("compare", cli.first_line(error))
+    except KeyboardInterrupt:
+        written = "nothing was written" if not out.exists() else f"{out} may be incomplete"
+        print(f"gatherlab.compare: interrupted; {written}", file=sys.stderr)
+        sys.exit(130)
+    print(comparison.words)
+    print(f"written: {out}/ ({runfiles.CHECK}, {UPDATES}, {FIGURE}.png, {FIGURE}.pdf)")
+    if as_program:
+        cli.exiting()
+    sys.exit(comparison.status)
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: ``gatherlab.compare(a, b)`` is `compare` (a module's class may be
+    replaced by a subclass of ``ModuleType``, Python's data model, "Customizing module attribute
+    access")."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Comparison:
+        return compare(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""The comparison of two recordings (`gatherlab.compare`, `gatherlab.check.compare`, docs/design.md
+§5, §6 "Comparing two recordings") on real recordings of plain loops (``recorded_jobs``), made by
+`gatherlab.record.Recorder` on one device without a process group and on real gloo ranks of the
+pool at W = 2 and 4: each case's verdict, class, factor and cause as the mathematics gives them;
+the same run judged by the pooled check and by recording and comparing gets the same verdict."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import recorded_jobs
+import torch
+from bounds import FLOAT64_BOUND
+from helpers import line_of
+from recorded import record, record_cases
+
+import gatherlab
+from gatherlab import check
+from gatherlab.check import compare as comparer
+from gatherlab.recording.format import read
+from gatherlab.testing import assert_runs_match
+
+pytestmark = pytest.mark.slow
+
+W = (2, 4)
+STEPS = 4
+# A factor of a linear sketch is the gradient's own: S(c·g) = c·S(g) to rounding.
+ROUNDING = 1e-12
+TRAIN, LOOP = "recorded_jobs:train", "recorded_loops:loop"
+
+
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recordings")
+    cases = {
+        "w1": (1, TRAIN, {}), "w1_sketched": (1, TRAIN, {"full_updates": 0}),
+        "torch1": (1, TRAIN, {"sampler": "torch"}),
+        "traced1": (1, TRAIN, {"trace": True}),
+        "traced_twice1": (1, TRAIN, {"step": "divided_twice", "trace": True}),
+        "traced_bn1": (1, TRAIN, {"model_kwargs": {"batchnorm": True}, "trace": True}),
+        "traced_bn2": (2, TRAIN, {"model_kwargs": {"batchnorm": True}, "trace": True}),
+        "loop1": (1, LOOP, {}), "outside1": (1, LOOP, {"bug": "temperature_outside"}),
+        "batchnorm1": (1, LOOP, {"bug": "batchnorm"}),
+        "zero2": (2, LOOP, {"wrap": "zero"}),
+        "zero_outside2": (2, LOOP, {"wrap": "zero", "bug": "temperature_outside"}),
+    }  # fmt: skip
+    for w in W:
+        cases |= {
+            f"w{w}": (w, TRAIN, {}),
+            f"half{w}": (w, TRAIN, {"divide_gradients": True}),
+            f"half{w}_sketched": (w, TRAIN, {"divide_gradients": True, "full_updates": 0}),
+            f"traced{w}": (w, TRAIN, {"trace": True}),
+            f"traced_twice{w}": (w, TRAIN, {"step": "divided_twice", "trace": True}),
+            f"outside{w}": (w, LOOP, {"bug": "temperature_outside"}),
+            f"fsdp{w}": (w, LOOP, {"wrap": "fsdp2"}),
+            f"batchnorm{w}": (w, LOOP, {"bug": "batchnorm"}),
+            f"torch{w}": (w, TRAIN, {"sampler": "torch"}),
+        }
+    return record_cases(root, cases)
+
+
+def texts(column: pd.Series) -> list[str]:
+    """A column of words, its empty cells (NaN) as empty strings."""
+    return [value if isinstance(value, str) else "" for value in column]
+
+
+def whole(comparison) -> pd.Series:
+    return comparison.table.iloc[0]
+
+
+@pytest.mark.parametrize("w", W)
+def test_an_exact_job_is_exact_at_every_update(recordings, w):
+    comparison = gatherlab.compare(recordings["w1"], recordings[f"w{w}"])  # the module is callable
+    assert (comparison.verdict, comparison.status) == ("exact", 0), comparison.words
+    assert comparison.departure is None and comparison.data is None
+    updates = comparison.updates
+    assert set(updates["gradient"]) == {"exact"}, updates.to_string()
+    assert list(updates.loc[updates["part"] == "all", "source"]) == ["full"] + ["sketch"] * 3
+    assert (updates["rel_err"] <= FLOAT64_BOUND).all()
+    assert np.allclose(updates["norm_ratio"], 1, rtol=0, atol=ROUNDING)
+    head = whole(comparison)
+    assert head["train_max_abs_loss_diff"] <= FLOAT64_BOUND
+    assert head["max_abs_param_diff"] <= FLOAT64_BOUND
+    assert list(comparison.table["part"]) == ["all", "0", "1"]  # the model's two children
+    # each rank holds its part of both views: the same rows, in the order a layout gives them
+    assert any("2 blocks" in note for note in comparison.notes), comparison.notes
+    assert comparison.words.endswith(
+        "B trains like A (64-true, every update's loss and gradient).\n"
+    )
+
+
+@pytest.mark.parametrize("w", W)
+@pytest.mark.parametrize("sketched", [False, True], ids=["full", "sketched"])
+def test_a_gradient_divided_by_w_is_1_over_w_to_rounding(recordings, w, sketched):
+    suffix = "_sketched" if sketched else ""
+    comparison = comparer.compare(recordings[f"w1{suffix}"], recordings[f"half{w}{suffix}"])
+    assert (comparison.verdict, comparison.status) == ("1/W", 1), comparison.words
+    first = comparison.updates[comparison.updates["update"] == 0].set_index("part")
+    assert set(first["source"]) == {"sketch" if sketched else "full"}
+    assert set(first["gradient"]) == {"1/W"}  # the whole and each part
+    assert np.allclose(first["norm_ratio"], 1 / w, rtol=ROUNDING, atol=0)
+    assert (first["cosine"] >= 1 - ROUNDING).all()
+    if sketched:  # ‖S(g/W − g)‖ / ‖g‖ = (1 − 1/W) ‖S g‖ / ‖g‖, the sketch's own estimate
+        update = read(recordings["w1_sketched"]).updates[0]
+        estimate = {p: np.linalg.norm(update.sketches[p]) / update.norms[p] for p in ("0", "1")}
+        sketch = np.concatenate([update.sketches["0"], update.sketches["1"]])
+        estimate["all"] = np.linalg.norm(sketch) / math.hypot(*update.norms.values())
+        expected = [(1 - 1 / w) * estimate[part] for part in first.index]
+    else:  # max |g/W − g| / max |g| = 1 − 1/W
+        expected = [1 - 1 / w] * len(first)
+    assert np.allclose(first["rel_err"], expected, rtol=1e-9, atol=0)
+    assert comparison.departure == (0, "all")  # every part alike: the whole departs
+    head = whole(comparison)
+    assert head["first_update"] == 0 and head["first_part"] == "all"
+    assert "B departs from A first at update 0 (" in comparison.words
+
+
+@pytest.mark.parametrize("w", W)
+def test_the_pooled_check_and_recording_and_comparing_give_one_verdict(recordings, w):
+    """The same run (the check's plain-step loop, its data, seed and SGD) judged by
+    `check_training` on the pool and by recording it at W = 1 and W (its first update traced)
+    and comparing: the same verdict, class, numbers and place, exact for the clean step and
+    ``loss differs`` with the gradient 1/W for a loss divided by W twice, at its division."""
+    for step, name in (
+        ("plain_steps:training_step", "traced"),
+        ("recorded_jobs:divided_twice", "traced_twice"),
+    ):
+        pooled = check.check_training(
+            step=step, model="plain_steps:build_model", data="plain_steps:Pairs",
+            world_sizes=(w,), steps=STEPS, global_batch_size=16,
+        )  # fmt: skip
+        pooled = pooled[pooled["removed"] == "none"].set_index("part")
+        compared = comparer.compare(recordings[f"{name}1"], recordings[f"{name}{w}"])
+        table = compared.table.set_index("part")
+        assert list(table.index) == list(pooled.index) == ["all", "0", "1"]
+        for column in ("forward", "gradient", "verdict", "cause"):
+            assert list(table[column]) == list(pooled[column]), (column, compared.words)
+        for column in ("loss_diff", "cosine", "norm_ratio", "max_rel_err"):
+            assert np.allclose(table[column], pooled[column], rtol=1e-12, atol=1e-15), column
+        assert np.allclose(table["train_max_abs_loss_diff"], pooled["train_max_abs_loss_diff"],
+                           rtol=1e-9, atol=1e-14)  # fmt: skip
+        assert list(table["first_diff_step"]) == list(pooled["first_diff_step"])
+        # the same place (empty where the run is exact); the words differ where the traces do:
+        # the check's ends at its reshape of the step's loss, the recording's at the loss itself
+        assert texts(table["where"]) == texts(pooled["where"])
+        assert bool(texts(table["departs"])[0]) == bool(texts(pooled["departs"])[0])
+        expected = "exact" if name == "traced" else "loss differs"
+        assert table.loc["all", "verdict"] == expected
+        assert compared.status == (0 if name == "traced" else 1)
+    assert table.loc["all", "gradient"] == "1/W"
+    assert table.loc["all", "where"] == f"{line_of(recorded_jobs, '/ world_size()')}  div"
+    # the division on the loss's path: the ranks' mean is 1/W of one device's value there
+    assert table.loc["all", "departs"].startswith("a div on the loss's path: the mean over ranks")
+    assert table.loc["all", "departs"].endswith(f"({1 / w:g} times)")
+    assert math.isclose(table.loc["all", "norm_ratio"], 1 / w, rel_tol=ROUNDING)
+
+
+def test_a_per_rank_batch_norm_departs_at_its_line_as_the_check_names_it(recordings):
+    """Both runs traced: the place is the batch norm of the model's forward, in the check's words
+    (tests/check/test_step_check.py names the same line for the same step)."""
+    import plain_steps
+
+    comparison = comparer.compare(recordings["traced_bn1"], recordings["traced_bn2"])
+    head = whole(comparison)
+    assert head["verdict"] == "loss differs", comparison.words
+    assert head["where"] == f"{line_of(plain_steps, 'model(torch.cat([x0, x1]))')}  batch_norm"
+    assert head["departs"] == (
+        "a batch_norm over dim 0 of the rank's 16 rows, where one device takes all 32"
+    )
+    assert f"where it departs, W = 2: {head['where']}" in comparison.words
+
+
+@pytest.mark.parametrize("w", W)
+def test_a_temperature_outside_ddp_is_named_unreduced(recordings, w):
+    reference, run = read(recordings["outside1"]), read(recordings[f"outside{w}"])
+    # measured from the recordings, independently of the comparer: the ranks' own sketches of the
+    # scale differ, and their mean is one device's (each rank's loss is the mean over its rows,
+    # so the mean over ranks of their gradients is the one-device gradient)
+    ranks = run.updates[0].unreduced["loss.scale"]
+    assert ranks.shape == (w, run.k) and not np.allclose(ranks[0], ranks[1])
+    one_device = reference.updates[0].sketches["loss.scale"]
+    assert np.allclose(ranks.mean(axis=0), one_device, rtol=0, atol=1e-14 * abs(one_device).max())
+    comparison = comparer.compare(recordings["outside1"], recordings[f"outside{w}"])
+    table = comparison.table.set_index("part")
+    assert comparison.status == 1 and table.loc["all", "cause"] == "unreduced", comparison.words
+    assert table.loc["loss.scale", "cause"] == "unreduced"
+    assert table.loc["body", "gradient"] == "exact"  # DDP reduces the model's
+    assert comparison.departure == (0, "loss.scale")
+    words = " ".join(comparison.words.split())
+    assert "the gradient of loss.scale differs between the run's ranks" in words
+    assert "The mean over the ranks of loss.scale's gradients is A's" in words
+    assert "reducing it is the fix" in words
+
+
+@pytest.mark.parametrize(("run", "verdict"), [("fsdp2", "exact"), ("fsdp4", "exact"),
+                                              ("zero2", "exact"), ("batchnorm2", "loss differs"),
+                                              ("batchnorm4", "loss differs")])  # fmt: skip
+def test_sharded_and_per_rank_jobs_get_their_verdicts(recordings, run, verdict):
+    """FSDP2's sharded gradient and ZeRO's are recorded from the ranks and are one device's;
+    a per-rank batch norm's loss is not."""
+    reference = "batchnorm1" if run.startswith("batchnorm") else "loop1"
+    comparison = comparer.compare(recordings[reference], recordings[run])
+    assert comparison.verdict == verdict, comparison.words
+    assert comparison.status == (0 if verdict == "exact" else 1)
+    if verdict == "exact":
+        assert (comparison.updates["rel_err"] <= FLOAT64_BOUND).all()
+    else:
+        assert comparison.departure[0] == 0
+
+
+def test_zero_with_a_temperature_outside_ddp_is_not_exact(recordings):
+    """ZeRO steps each parameter on one rank and broadcasts it, so the ranks agree with each other;
+    the temperature's gradient on its rank is that rank's own, not one device's."""
+    comparison = comparer.compare(recordings["outside1"], recordings["zero_outside2"])
+    assert comparison.verdict != "exact" and comparison.status == 1, comparison.words
+    assert comparison.table.iloc[0]["cause"] == "unreduced"
+    assert comparison.departure == (0, "loss.scale")
+
+
+@pytest.mark.parametrize("w", W)
+def test_torchs_samplers_are_a_data_difference_said_before_any_gradient(recordings, w):
+    import plain_steps
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+    comparison = comparer.compare(recordings["torch1"], recordings[f"torch{w}"])
+    assert (comparison.verdict, comparison.status) == ("data differs", 1), comparison.words
+    assert comparison.table["verdict"].iloc[0] == "data differs"
+    # the rows each rank holds that one device's first batch lacks, from the samplers themselves:
+    # RandomSampler's seed drawn from the global generator after the loop's seeding (seed 0), and
+    # DistributedSampler's own permutation per rank; two views per sample, each a row
+    indices = range(len(plain_steps.Pairs()))
+    torch.manual_seed(0)  # a DataLoader draws its base seed, then RandomSampler its own
+    first = set(next(iter(DataLoader(indices, batch_size=16, sampler=RandomSampler(indices)))))
+    first = {int(i) for i in first}
+    ranks = [list(DistributedSampler(indices, w, r, seed=0))[: 16 // w] for r in range(w)]
+    lacking = [sum(i not in first for i in rank) for rank in ranks]
+    said = [f"B's rank {r} holds {2 * n} rows A's batch lacks" for r, n in enumerate(lacking) if n]
+    assert said and comparison.data.startswith("update 0: the global batches differ: " + said[0])
+    for line in said:
+        assert line in comparison.data
+    lines = comparison.words.splitlines()
+    data_line = next(i for i, line in enumerate(lines) if line.startswith("update 0: the global"))
+    table_line = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    assert data_line < table_line  # said first, before any gradient
+    assert "gatherlab.data.LayoutInvariantSampler" in " ".join(comparison.words.split())
+    assert "departs from A first" not in comparison.words  # no gradient read from other data
+
+
+def test_assert_runs_match_passes_an_exact_run_and_fails_with_the_words(recordings):
+    assert assert_runs_match(recordings["w1"], recordings["w2"]).verdict == "exact"
+    with pytest.raises(AssertionError) as raised:
+        assert_runs_match(recordings["w1"], recordings["half2"])
+    assert "B against A, W = 2: 1/W" in str(raised.value)
+
+
+def test_a_comparison_writes_its_tables_and_figure_and_refuses_to_write_twice(recordings, tmp_path):
+    out = tmp_path / "out"
+    comparison = gatherlab.compare(recordings["w1"], recordings["half2"], out=out)
+    written = pd.read_csv(out / "check.csv")
+    assert list(written.columns) == list(comparison.table.columns)
+    assert written["verdict"].iloc[0] == "1/W"
+    updates = pd.read_csv(out / "updates.csv")
+    assert len(updates) == STEPS * 3 and list(updates.columns) == list(comparer.UPDATE_COLUMNS)
+    assert np.allclose(updates["norm_ratio"].iloc[0], 0.5, rtol=ROUNDING)  # exactly read back
+    assert (out / "compare.png").stat().st_size > 0 and (out / "compare.pdf").stat().st_size > 0
+    from gatherlab.core.runfiles import RunFinished
+
+    with pytest.raises(RunFinished, match="already holds a comparison"):
+        gatherlab.compare(recordings["w1"], recordings["w2"], out=out)
+
+
+def test_a_recorded_one_rank_recording_needs_no_process_group(tmp_path):
+    """W = 1 records without a process group (a one-GPU script), twice the same: exact."""
+    first, again = record(tmp_path / "a", 1), record(tmp_path / "b", 1)
+    comparison = comparer.compare(first, again)
+    assert comparison.verdict == "exact"
+    assert (comparison.updates["rel_err"] == 0).all()  # the same arithmetic: bit for bit
+
+
+# --- the data's rules on recordings built in memory (no ranks) ---------------------------------
+
+
+def _recording(ranks: list[list[list[str]]], loss: float = 1.0):
+    """A recording of one part ``w`` whose every update's gradient and loss (``loss``) are the
+    same, and whose update u's rows are ``ranks[u]`` (each rank's digests)."""
+    from gatherlab.recording.format import Recording, Update
+
+    parameters = [{"name": "w", "shape": [4], "part": "w", "sharded": False}]
+    header = {"world_size": len(ranks[0]), "k": 4, "parts": ["w"], "parameters": parameters,
+              "seed": 0, "precision": "64-true", "sketch_seed": 0, "full_updates": 0,
+              "settings": {"optimizer": "SGD"}}  # fmt: skip
+    sketch = np.array([1.0, -2.0, 0.5, 3.0])
+    updates = [Update(u, [loss] * len(rows), loss, rows, {"w": sketch}, {"w": 2.0}, {}, None)
+               for u, rows in enumerate(ranks)]  # fmt: skip
+    return Recording(Path("/nonexistent"), header, updates, {"w": sketch}, {"w": 2.0})
+
+
+ROWS = [f"{i:016x}" for i in range(16)]
+
+
+def test_a_padded_batch_names_the_row_held_twice_and_the_row_missing():
+    """DistributedSampler's padding: rank 3 repeats a row of rank 0 where one device has row 15."""
+    padded = [ROWS[0:4], ROWS[4:8], ROWS[8:12], [*ROWS[12:15], ROWS[0]]]
+    comparison = comparer.compare(_recording([[ROWS]]), _recording([padded]))
+    assert comparison.verdict == "data differs" and comparison.status == 1
+    assert comparison.data == (
+        "update 0: the global batches differ: B's rank 3 holds 1 row more often than A's batch; "
+        "A's batch holds 1 row B's lacks"
+    )
+
+
+@pytest.mark.parametrize(
+    ("ranks", "words"),
+    [([ROWS[0::2], ROWS[1::2]], "strided over the ranks (rank r its rows r, r + 2"),
+     ([ROWS[0:4] + ROWS[8:12], ROWS[4:8] + ROWS[12:16]], "each of its 2 blocks in turn"),
+     ([ROWS[8:16], ROWS[0:8]], "the same global batch in another order")],
+    ids=["strided", "views", "other"],
+)  # fmt: skip
+def test_the_same_rows_in_another_order_are_a_note_not_a_failure(ranks, words):
+    comparison = comparer.compare(_recording([[ROWS]]), _recording([ranks]))
+    assert (comparison.verdict, comparison.status) == ("exact", 0), comparison.words
+    assert len(comparison.notes) == 1 and words in comparison.notes[0], comparison.notes
+
+
+def test_updates_without_a_recorded_loss_compare_their_gradients_alone():
+    """A job that gave its recorder no loss (NaN in the recording): a note, and the verdict of
+    the gradients (here the same: exact), not a differing loss."""
+    halves = [ROWS[0:8], ROWS[8:16]]
+    comparison = comparer.compare(_recording([[ROWS]] * 2), _recording([halves] * 2, math.nan))
+    assert (comparison.verdict, comparison.status) == ("exact", 0), comparison.words
+    assert any("2 of 2 updates have no recorded loss" in note for note in comparison.notes)
+
+
+# --- one rule of a class, from full gradients and from sketches --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [(lambda g, noise: g.clone(), "exact"), (lambda g, noise: g / 4, "1/W"),
+     (lambda g, noise: 4 * g, "W"), (lambda g, noise: torch.zeros_like(g), "none"),
+     (lambda g, noise: g + 0.3 * noise, "biased"), (lambda g, noise: 3 * g, "other")],
+    ids=["exact", "1/W", "W", "none", "biased", "other"],
+)  # fmt: skip
+def test_a_sketch_reads_the_class_the_full_gradients_give(make, expected):
+    """`gradients.class_of` is the one rule: the class of a gradient against one device's from
+    its full vectors (`classify`) and from its linear sketch and exact norm (`classify_sketched`)
+    is the same, at W = 4; a factor is read exactly (S(c·g) = c·S(g))."""
+    from gatherlab.core import gradients
+    from gatherlab.recording.sketch import signs, sketch
+
+    generator = torch.Generator().manual_seed(3)
+    reference = torch.randn(1000, generator=generator, dtype=torch.float64)
+    gradient = make(reference, torch.randn(1000, generator=generator, dtype=torch.float64))
+    block_signs = signs("w", 1000, 251, 0)
+    full = gradients.classify(gradient, reference, 4)
+    sketched = gradients.classify_sketched(
+        sketch(gradient, 251, block_signs).numpy(), sketch(reference, 251, block_signs).numpy(),
+        float(gradient.norm()), float(reference.norm()), 4,
+    )  # fmt: skip
+    assert full.gradient == sketched.gradient == expected
+    if expected in ("1/W", "W", "other"):
+        assert math.isclose(sketched.norm_ratio, full.norm_ratio, rel_tol=ROUNDING)
+        assert sketched.cosine >= 1 - ROUNDING

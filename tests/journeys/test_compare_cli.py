@@ -1,0 +1,163 @@
+"""``python -m gatherlab.compare A B`` as a user runs it, on recordings of plain loops
+(``recorded_jobs``) made by `gatherlab.record.Recorder`: exit status 0 for a run that trains like
+its reference, 1 for one that does not, and 2 with one line for each bad input (recordings of
+different models, of different settings that must agree, a truncated file, a newer format, a
+directory that is no recording, an ``--out`` that holds a comparison)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from helpers import pythonpath, run_command
+from recorded import record_cases
+
+pytestmark = pytest.mark.slow
+
+PREFIX = "gatherlab.compare: error: "
+TRAIN = "recorded_jobs:train"
+
+
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recordings")
+    return record_cases(root, {
+        "w1": (1, TRAIN, {}),
+        "w2": (2, TRAIN, {}),
+        "half2": (2, TRAIN, {"divide_gradients": True}),
+        "torch1": (1, TRAIN, {"sampler": "torch"}),
+        "torch2": (2, TRAIN, {"sampler": "torch"}),
+        "batchnorm": (1, TRAIN, {"model_kwargs": {"batchnorm": True}}),
+        "lr": (1, TRAIN, {"lr": 0.02}),
+        "steps": (1, TRAIN, {"steps": 3}),
+        "seed": (1, TRAIN, {"seed": 1}),
+    })  # fmt: skip
+
+
+def one_line(finished) -> str:
+    """The command's only line on stderr (its error), checked to be one."""
+    lines = finished.stderr.strip().splitlines()
+    assert len(lines) == 1 and finished.returncode == 2, finished
+    assert lines[0].startswith(PREFIX), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("run", "status", "verdict"),
+    [("w2", 0, "exact"), ("half2", 1, "1/W"), ("torch2", 1, "data differs")],
+)
+def test_the_exit_status_is_the_verdicts(recordings, tmp_path, run, status, verdict):
+    reference = "torch1" if run == "torch2" else "w1"
+    finished = run_command("compare", str(recordings[reference]), str(recordings[run]),
+                           "--out", str(tmp_path / "out"))  # fmt: skip
+    assert finished.returncode == status, finished
+    assert f"| {verdict} |" in finished.stdout, finished.stdout
+    assert {"check.csv", "updates.csv", "compare.png", "compare.pdf"} <= {
+        p.name for p in (tmp_path / "out").iterdir()
+    }
+
+
+def test_different_models_are_one_line(recordings):
+    finished = run_command("compare", str(recordings["w1"]), str(recordings["batchnorm"]))
+    assert one_line(finished) == (
+        PREFIX + "A and B record different models: B has parameter 1.1.weight of shape [32], A "
+        "has none"
+    )
+
+
+@pytest.mark.parametrize(
+    ("run", "words"),
+    [("lr", ("settings param_groups[0].lr is 0.01 in A, 0.02 in B",)),
+     ("seed", ("seed is 0 in A, 1 in B",)),
+     ("steps", ("different numbers of updates: A 4, B 3",))],
+)  # fmt: skip
+def test_different_settings_are_one_line_naming_both_values(recordings, run, words):
+    line = one_line(run_command("compare", str(recordings["w1"]), str(recordings[run])))
+    for word in words:
+        assert word in line, line
+
+
+def _copy(recordings, tmp_path, name="w2"):
+    copy = tmp_path / f"{name}-copy"
+    shutil.copytree(recordings[name], copy)
+    return copy
+
+
+def test_a_truncated_recording_is_one_line(recordings, tmp_path):
+    copy = _copy(recordings, tmp_path)
+    updates = copy / "updates.jsonl"
+    text = updates.read_text()
+    updates.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])  # half a line
+    line = one_line(run_command("compare", str(recordings["w1"]), str(copy)))
+    assert str(copy) in line or "updates.jsonl" in line, line
+
+
+def test_a_newer_format_is_one_line_naming_both_versions(recordings, tmp_path):
+    copy = _copy(recordings, tmp_path)
+    header = json.loads((copy / "header.json").read_text())
+    header["version"] = header["version"] + 1
+    (copy / "header.json").write_text(json.dumps(header))
+    line = one_line(run_command("compare", str(recordings["w1"]), str(copy)))
+    assert str(header["version"]) in line and str(header["version"] - 1) in line, line
+
+
+def test_a_directory_that_is_no_recording_is_one_line(recordings, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a recording")
+    line = one_line(run_command("compare", str(tmp_path), str(recordings["w2"])))
+    assert str(tmp_path) in line, line
+    line = one_line(run_command("compare", str(recordings["w1"]), str(tmp_path / "missing")))
+    assert "missing" in line, line
+
+
+def test_an_out_that_holds_a_comparison_is_refused_in_one_line(recordings, tmp_path):
+    out = tmp_path / "out"
+    arguments = (str(recordings["w1"]), str(recordings["w2"]), "--out", str(out))
+    assert run_command("compare", *arguments).returncode == 0
+    written = (out / "check.csv").read_text()
+    line = one_line(run_command("compare", *arguments))
+    assert line == PREFIX + f"--out {out} already holds a comparison; it is never overwritten"
+    assert (out / "check.csv").read_text() == written
+
+
+@pytest.mark.parametrize(
+    ("arguments", "words"),
+    [((), "the following arguments are required"), (("a", "b", "--tolerance", "-1"), "-1")],
+)
+def test_usage_errors_are_one_line(arguments, words):
+    assert words in one_line(run_command("compare", *arguments))
+
+
+def test_the_real_command_runs_in_a_fresh_interpreter(recordings, tmp_path):
+    """``python -m gatherlab.compare`` itself, once: the ``-m`` entry point, its exit status as
+    a process's and its output, which only a fresh interpreter shows (in process, ``main`` is
+    called directly)."""
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    finished = subprocess.run(
+        [sys.executable, "-m", "gatherlab.compare", str(recordings["w1"]), str(recordings["half2"]),
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert finished.returncode == 1, finished.stderr
+    assert "B against A, W = 2: 1/W" in finished.stdout and not finished.stderr.strip()
+    assert (tmp_path / "out" / "updates.csv").exists()
+
+
+def test_ctrl_c_is_one_line_and_exit_status_130(recordings, monkeypatch, tmp_path):
+    """Ctrl-C while the recordings are compared (a KeyboardInterrupt where the work is done):
+    one line on stderr, no traceback, status 130, nothing written."""
+    import gatherlab.compare
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gatherlab.compare, "_compare", interrupted)
+    out = tmp_path / "out"
+    finished = run_command("compare", str(recordings["w1"]), str(recordings["w2"]), "--out",
+                           str(out))  # fmt: skip
+    assert finished.returncode == 130 and not finished.stdout
+    assert finished.stderr == "gatherlab.compare: interrupted; nothing was written\n"
+    assert not out.exists()
