@@ -8,19 +8,16 @@ to ``docs/jobs.md``.
 
 Every switch but ``sampler`` is the identity on one device (a gather, batch norm or division over
 one rank), so those share the job's correct one-device run as their reference; ``sampler``'s is
-the one-device run with a seeded RandomSampler. Where ``gatherlab.compare`` is not installed the
-table holds the printed losses' largest difference and the first update that departs instead.
-Each launch's wall time is in the table: torch's import on every rank, on this machine's cores.
+the one-device run with a seeded RandomSampler. Each launch's wall time is in the table: torch's
+import on every rank, on this machine's cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -51,9 +48,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(job: str, world: int | None, bug: str, out: Path) -> tuple[list[float], float]:
-    """The job recorded into ``out``: plainly (``world`` None) or under torchrun with W ranks.
-    Its printed losses and the wall time."""
+def launch(job: str, world: int | None, bug: str, out: Path) -> float:
+    """The job recorded into ``out``: plainly (``world`` None) or under torchrun with W ranks;
+    its wall time."""
     script = str(JOBS / f"{job}.py")
     command = [sys.executable, script] if world is None else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
@@ -68,8 +65,7 @@ def launch(job: str, world: int | None, bug: str, out: Path) -> tuple[list[float
     if result.returncode:
         raise SystemExit(f"{job} --bug {bug} at W={world or 'one device'} failed "
                          f"({result.returncode}):\n{result.stderr[-3000:]}")  # fmt: skip
-    losses = [float(v) for v in re.findall(r"^update \d+ loss (\S+)$", result.stdout, re.M)]
-    return losses, seconds
+    return seconds
 
 
 def judged(reference: Path, run: Path) -> dict[str, str]:
@@ -93,14 +89,6 @@ def judged(reference: Path, run: Path) -> dict[str, str]:
     return row
 
 
-def losses_only(reference: list[float], losses: list[float]) -> dict[str, str]:
-    """Without gatherlab.compare: the printed losses' largest difference and first departure."""
-    differences = [abs(a - b) for a, b in zip(reference, losses, strict=True)]
-    departing = [u for u, d in enumerate(differences) if d > 1e-10]
-    return {"max |Δloss|": f"{max(differences):.2g}",
-            "departs": f"update {departing[0]}" if departing else ""}  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -109,24 +97,22 @@ def main() -> None:
     parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "jobs.md")
     args = parser.parse_args()
-    comparing = importlib.util.find_spec("gatherlab.compare") is not None
     rows = []
     total = sum(len(args.worlds) * (1 + len(applicable(job))) for job in args.jobs)
     started = time.perf_counter()
     for job in args.jobs:
-        references: dict[str, tuple[Path, list[float], float]] = {}
+        references: dict[str, tuple[Path, float]] = {}
         for bug in ("none", *applicable(job)):
             shared = "sampler" if bug == "sampler" else "none"
             if shared not in references:
                 path = args.out / job / shared / "one_device"
-                references[shared] = (path, *launch(job, None, shared, path))
-            reference, reference_losses, reference_seconds = references[shared]
+                references[shared] = (path, launch(job, None, shared, path))
+            reference, reference_seconds = references[shared]
             for world in args.worlds:
                 path = args.out / job / bug / f"w{world}"
-                losses, seconds = launch(job, world, bug, path)
+                seconds = launch(job, world, bug, path)
                 row = {"job": job, "bug": bug, "W": str(world)}
-                row |= judged(reference, path) if comparing else losses_only(reference_losses,
-                                                                             losses)  # fmt: skip
+                row |= judged(reference, path)
                 row |= {
                     "s (W ranks)": f"{seconds:.1f}",
                     "s (one device)": f"{reference_seconds:.1f}",
@@ -135,7 +121,7 @@ def main() -> None:
                 print(f"[{len(rows)}/{total}] " + " | ".join(row.values()), flush=True)
     table = markdown(rows)
     print(table)
-    args.doc.write_text(document(table, comparing, time.perf_counter() - started))
+    args.doc.write_text(document(table, time.perf_counter() - started))
     print(f"written: {args.doc}")
 
 
@@ -146,14 +132,13 @@ def markdown(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def document(table: str, comparing: bool, seconds: float) -> str:
-    judged_by = ("`gatherlab.compare` against the job's one-device run" if comparing else
-                 "the printed losses against the job's one-device run")  # fmt: skip
+def document(table: str, seconds: float) -> str:
     return f"""# The bundled jobs, every world size and bug switch
 
 Written by `python experiments/jobs.py` (do not edit by hand): each job of `examples/jobs/`
 recorded with `gatherlab.record` under `torchrun --nproc-per-node W` on CPU gloo, float64, 5
-updates of a global batch of 16, and judged by {judged_by} (plain `python`, no process group;
+updates of a global batch of 16, and judged by `gatherlab.compare` against the job's one-device
+run (plain `python`, no process group;
 the `sampler` switch's with one device's seeded RandomSampler, every other switch's the correct
 run, since each is the identity on one device). `departs`: the first update and part that depart;
 `class`: that part's gradient against one device's; `cause`: what the comparison measured. The
