@@ -138,13 +138,12 @@ def document(table: str, seconds: float) -> str:
 Written by `python experiments/jobs.py` (do not edit by hand): each job of `examples/jobs/`
 recorded with `gatherlab.record` under `torchrun --nproc-per-node W` on CPU gloo, float64, 5
 updates of a global batch of 16, and judged by `gatherlab.compare` against the job's one-device
-run (plain `python`, no process group;
-the `sampler` switch's with one device's seeded RandomSampler, every other switch's the correct
-run, since each is the identity on one device). `departs`: the first update and part that depart;
-`class`: that part's gradient against one device's; `cause`: what the comparison measured. The
-last two columns are each launch's wall time, torch imported on every rank
-({os.cpu_count()} cores shared with other work, torch {torch.__version__}, Python
-{platform.python_version()}); the whole matrix took {seconds:.0f} s.
+run (plain `python`, no process group; the `sampler` switch's with one device's seeded
+RandomSampler, every other switch's the correct run, since each is the identity on one device).
+`departs`: the first update and part that depart; `class`: that part's gradient against one
+device's; `cause`: what the comparison measured. The last two columns are each launch's wall
+time, torch imported on every rank ({os.cpu_count()} cores shared with other work, torch
+{torch.__version__}, Python {platform.python_version()}); the whole matrix took {seconds:.0f} s.
 
 {table}"""
 
