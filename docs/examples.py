@@ -96,15 +96,21 @@ FETCH_OPENCLIP = (
     "from public_code import *; r = ('open-clip-torch', OPEN_CLIP); "
     "(release_root(*r) / OPEN_CLIP_FILES[0]).is_file() or unpack(download(*r), *r, OPEN_CLIP_FILES)"
 )
-# The bundled DDP job with a learnt temperature outside DDP, recorded on one device and on 4 ranks
-RECORD_JOB = (
-    "import subprocess, sys; "
-    f"job = [{str(REPO / 'examples' / 'jobs' / 'ddp.py')!r}, '--bug', 'temperature-outside']; "
-    "quiet = {'check': True, 'stdout': subprocess.DEVNULL}; "
-    "subprocess.run([sys.executable, job[0], '--record', 'runs/one', *job[1:]], **quiet); "
-    "subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', '4', "
-    "job[0], '--record', 'runs/four', *job[1:]], **quiet)"
-)
+
+
+def record_job(bug: str) -> str:
+    """The bundled DDP job recorded on one device (no process group) and under torchrun at W = 4,
+    into ``runs/one`` and ``runs/four``, as the docs' commands record it."""
+    return (
+        "import subprocess, sys; "
+        f"job = [{str(REPO / 'examples' / 'jobs' / 'ddp.py')!r}, '--bug', {bug!r}]; "
+        "quiet = {'check': True, 'stdout': subprocess.DEVNULL}; "
+        "subprocess.run([sys.executable, job[0], '--record', 'runs/one', *job[1:]], **quiet); "
+        "subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', '4', "
+        "job[0], '--record', 'runs/four', *job[1:]], **quiet)"
+    )
+
+
 # name → the arguments after ``python`` (split as the shell splits them) and what the block shows
 EXAMPLES = {
     # README, journey 1 (make demo)
@@ -148,15 +154,16 @@ EXAMPLES = {
         pythonpath=("examples",),
         status=True,
     ),
-    # README, journey 2: the whole update's first table
-    "update_table": Example(
-        f"{CHECK} --update updates:naive --model plain_steps:build_model --data plain_steps:Pairs "
-        "--world-sizes 1,2 --micro-batches 1,2",
-        "table",
-        ("examples",),
-    ),
     # docs/usage.md, comparing two recordings of your own job
-    "compare": Example("-m gatherlab.compare runs/one runs/four", status=True, before=RECORD_JOB),
+    "compare": Example(
+        "-m gatherlab.compare runs/one runs/four",
+        status=True,
+        before=record_job("temperature-outside"),
+    ),
+    # README, journey 4
+    "compare_journey": Example(
+        "-m gatherlab.compare runs/one runs/four", status=True, before=record_job("old-gather")
+    ),
     # docs/usage.md, when things go wrong
     "bad_value": Example("-m gatherlab.train -m layout=cpu1,cpu4 global_batch_size=6", "stderr"),
     "collectives": Example(

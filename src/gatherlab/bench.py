@@ -1,5 +1,5 @@
-"""``python -m gatherlab.bench {launcher,gather,sweep,check}``: benchmarks, apart from the tests,
-each printing ratios measured in one run. The command is `gatherlab.lab.bench`."""
+"""``python -m gatherlab.bench {launcher,gather,sweep,check,record}``: benchmarks, apart from the
+tests, each printing ratios measured in one run. The command is `gatherlab.lab.bench`."""
 
 from gatherlab.lab.bench import main
 

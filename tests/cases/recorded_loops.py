@@ -6,7 +6,8 @@ mesh) or ``ZeroRedundancyOptimizer`` wrap the same model. The data: a fixed glob
 
 Bugs, each named by its switch: ``divide_twice`` (the loss divided by W on top of DDP's average),
 ``temperature_outside`` (a learnt scale outside every wrapper: its gradient is not reduced),
-``batchnorm`` (a per-rank BatchNorm1d in the body: its statistics are each rank's).
+``batchnorm`` (a per-rank BatchNorm1d in the body: its statistics are each rank's),
+``accumulate_sum`` (micro-batches' losses summed, not averaged: the gradient is K times).
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def loop(
     out: str, wrap: str = "ddp", bug: str = "", k: int = 64, full_updates: int = 1,
-    trace: bool = False,
+    trace: bool = False, micro_batches: int = 1,
 ) -> None:  # fmt: skip
     """Trains ``STEPS`` updates of SGD and records them into ``out``; ``wrap``: ``ddp``,
     ``fsdp2`` or ``zero`` (DDP with ``ZeroRedundancyOptimizer``); without a process group the
-    plain model. ``trace``: the recorder traces the first update's forward."""
+    plain model. ``trace``: the recorder traces the first update's forward. ``micro_batches``:
+    each rank accumulates its rows in that many micro-batches, each loss divided by their number
+    (DDP reduces at every backward: the gradient is the same)."""
     world_size, rank = _world()
     torch.manual_seed(0)
     criterion = Scaled()
@@ -96,12 +99,13 @@ def loop(
         trace=trace,
     )  # fmt: skip
     for update in range(STEPS):
-        start = update * GLOBAL + rank * rows
         optimizer.zero_grad()
-        loss = trained(x[start : start + rows], y[start : start + rows],
-                       criterion if outside else None)  # fmt: skip
-        if bug == "divide_twice":
-            loss = loss / world_size
-        loss.backward()
+        for micro in range(micro_batches):  # each rank's rows, one micro-batch after the other
+            start = update * GLOBAL + rank * rows + micro * (rows // micro_batches)
+            batch = slice(start, start + rows // micro_batches)
+            loss = trained(x[batch], y[batch], criterion if outside else None)
+            if bug == "divide_twice":
+                loss = loss / world_size
+            (loss if bug == "accumulate_sum" else loss / micro_batches).backward()
         optimizer.step()
     recorder.close()

@@ -47,6 +47,9 @@ def recordings(tmp_path_factory):
         "batchnorm1": (1, LOOP, {"bug": "batchnorm"}),
         "zero2": (2, LOOP, {"wrap": "zero"}),
         "zero_outside2": (2, LOOP, {"wrap": "zero", "bug": "temperature_outside"}),
+        "accumulated2": (2, LOOP, {"micro_batches": 2}),
+        "summed1": (1, LOOP, {"bug": "accumulate_sum", "micro_batches": 2}),
+        "summed2": (2, LOOP, {"bug": "accumulate_sum", "micro_batches": 2}),
     }  # fmt: skip
     for w in W:
         cases |= {
@@ -91,6 +94,21 @@ def test_an_exact_job_is_exact_at_every_update(recordings, w):
     assert comparison.words.endswith(
         "B trains like A (64-true, every update's loss and gradient).\n"
     )
+
+
+def test_micro_batches_are_counted_and_their_sum_is_k_times_the_gradient(recordings):
+    """K, the micro-batches of B's update per A's, is the number of losses each update recorded:
+    averaged, two micro-batches per rank are exact; summed, the gradient is K = 2 times one
+    device's on one rank and on two (DDP averages the ranks' K-fold gradients), where W = K names
+    the factor, to rounding."""
+    exact = comparer.compare(recordings["loop1"], recordings["accumulated2"])
+    assert (exact.verdict, exact.status) == ("exact", 0), exact.words
+    assert read(recordings["accumulated2"]).updates[0].micro_batches == 2
+    for name, factor in (("summed1", "K"), ("summed2", "W = K")):
+        comparison = comparer.compare(recordings["loop1"], recordings[name])
+        first = comparison.updates[comparison.updates["update"] == 0].set_index("part")
+        assert first.loc["all", "gradient"] == factor, comparison.words
+        assert abs(first.loc["all", "norm_ratio"] - 2) <= 2 * ROUNDING
 
 
 @pytest.mark.parametrize("w", W)

@@ -278,10 +278,12 @@ def _blocks(reference: Sequence[str], ranks: Sequence[Sequence[str]]) -> int | N
 # --- the gradients ------------------------------------------------------------------------------
 
 
-def _micro_batches(recording: Recording) -> int:
-    """K, the micro-batches each rank accumulates per update, where the job's settings say
-    (``micro_batches``); else 1."""
-    return int(recording.header.get("settings", {}).get("micro_batches", 1) or 1)
+def _micro_batches(a: Recording, b: Recording) -> int:
+    """K, the micro-batches each of B's ranks accumulates per update for each of A's: the number
+    of losses its first update recorded over A's (1 where either recorded none, or they do not
+    divide)."""
+    theirs, mine = (r.updates[0].micro_batches if r.updates else 0 for r in (a, b))
+    return mine // theirs if theirs and mine and mine % theirs == 0 else 1
 
 
 def _sketch(update: Any, parts: Sequence[str]) -> np.ndarray:
@@ -477,7 +479,7 @@ def compare(
     if tolerance is None:
         precision = a.header.get("precision", terms.Precision.FLOAT64)
         tolerance = gradients.TOLERANCE.get(precision, gradients.FLOAT64_TOLERANCE)
-    world_size, micro_batches = b.world_size, _micro_batches(b)
+    world_size, micro_batches = b.world_size, _micro_batches(a, b)
     data = _data(a, b)
     updates, classes = _updates_table(a, b, world_size, micro_batches)
     unreduced, measured = _unreduced(a, b)

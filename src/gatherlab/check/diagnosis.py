@@ -235,11 +235,11 @@ STRIDED_ORDER = (
     "DistributedSampler deals them: the same rows in another order."
 )
 # The same, where each rank holds its part of each of the reference's blocks (views concatenated
-# per rank before the forward): the order every layout gives such a forward.
+# per rank before the forward, or K micro-batches in turn): the order every layout gives them.
 BLOCK_ORDER = (
     "note: the model's input rows are the reference's, each rank holding its part of each of "
-    "its {blocks} blocks in turn (at {updates} of {total} updates): {blocks} views concatenated "
-    "per rank before the forward, the order any layout gives them."
+    "its {blocks} blocks in turn (at {updates} of {total} updates): {blocks} views or "
+    "micro-batches taken per rank in turn, the order any layout gives them."
 )
 
 # What reproduced a ``loss differs`` on one device (``gatherlab.check.hypotheses``), and its fix.

@@ -1,5 +1,5 @@
-"""Benchmarks, apart from the tests: ``python -m gatherlab.bench {launcher,gather,sweep,check}
-[options]``.
+"""Benchmarks, apart from the tests: ``python -m gatherlab.bench
+{launcher,gather,sweep,check,record} [options]``.
 
 Each benchmark measures everything it compares in one invocation and prints ratios; nothing here
 asserts a time. docs/performance.md gives each one's method and results.
@@ -15,6 +15,11 @@ asserts a time. docs/performance.md gives each one's method and results.
   report.
 - ``check``: ``python -m gatherlab.check`` from a fresh shell against the floor of
   ``python -c "import torch, torch.distributed"``; the ratio of their medians.
+- ``record``: one optimizer update of a ~10M-parameter MLP on this CPU, float32 and float64, with
+  and without `gatherlab.record.Recorder`, interleaved (the two in turns, which goes first
+  alternating), each pair's time ratio and its median; the recorder's resident memory beyond the
+  plain loop's, the bytes it writes per update and per 1,000 updates, and the same bytes of a real
+  recording of a ~100M-parameter model with as many parts.
 """
 
 from __future__ import annotations
@@ -322,6 +327,198 @@ def check(repeats: int) -> float:
     return checked / floor
 
 
+# --- record: the recorder's cost against a plain update ---------------------------------------
+
+RECORD_WIDTH, RECORD_DEPTH, RECORD_BATCH = 1600, 4, 256  # 4 × (1600² + 1600) = 10.25M parameters
+LARGE_WIDTH = 5000  # 4 × (5000² + 5000) = 100.02M parameters, as many parts
+RECORD_WARM_UP = 2  # pairs of updates before the timed ones (the first writes the full gradient)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux: /proc/self/statm), 0 where it cannot be read."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _mlp(width: int, depth: int, dtype: torch.dtype) -> torch.nn.Sequential:
+    """``depth`` linear layers of ``width`` (ReLU between): ``depth`` parts, the same weights each
+    time (seed 0)."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for layer in range(depth):
+        layers += [torch.nn.Linear(width, width)] + ([torch.nn.ReLU()] if layer < depth - 1 else [])
+    return torch.nn.Sequential(*layers).to(dtype)
+
+
+def _update(model, optimizer, criterion, inputs, targets) -> None:
+    """One plain update: forward, the loss, backward, the optimizer's step (recorded, the rows,
+    the loss and the gradient are taken by the recorder's hooks on the model, the criterion and
+    the optimizer)."""
+    optimizer.zero_grad()
+    criterion(model(inputs), targets).backward()
+    optimizer.step()
+
+
+def _recording_bytes(out: Path) -> dict[str, int]:
+    """The sizes of a recording's files: its update lines, its sketches, its full gradients, the
+    rest (header, final record)."""
+    from gatherlab.recording import format as recording_format
+
+    sizes = {"lines": 0, "sketches": 0, "full": 0, "rest": 0}
+    for path in out.rglob("*"):
+        if not path.is_file():
+            continue
+        if path.name == recording_format.UPDATES:
+            sizes["lines"] += path.stat().st_size
+        elif path.name == recording_format.SKETCHES:
+            sizes["sketches"] += path.stat().st_size
+        elif path.parent.name == recording_format.FULL:
+            sizes["full"] += path.stat().st_size
+        else:
+            sizes["rest"] += path.stat().st_size
+    return sizes
+
+
+def _time_record(
+    dtype: torch.dtype, width: int, depth: int, batch: int, repeats: int, k: int, out: Path
+) -> dict:
+    """Plain and recorded updates of two copies of the same MLP in turns (which goes first
+    alternating), ``repeats`` timed pairs after `RECORD_WARM_UP`; their medians, the median of the
+    pairs' ratios, the resident memory the recorder adds, the bytes it wrote. The recorder is
+    the one line a plain loop adds (``Recorder(model, optimizer, out, loss=criterion)``, its
+    defaults: the first update's full gradient kept where the model is small)."""
+    from gatherlab.recording.recorder import Recorder
+
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(batch, width, generator=generator, dtype=dtype)
+    targets = torch.randn(batch, width, generator=generator, dtype=dtype)
+    names = ("plain", "recorded")
+    models = {name: _mlp(width, depth, dtype) for name in names}
+    optimizers = {n: torch.optim.SGD(m.parameters(), lr=1e-4) for n, m in models.items()}
+    criteria = {name: torch.nn.MSELoss() for name in names}
+    for name in names:  # gradients allocated before the memory is read
+        _update(models[name], optimizers[name], criteria[name], inputs, targets)
+    gc.collect()
+    before = _resident_bytes()
+    recorder = Recorder(
+        models["recorded"], optimizers["recorded"], out, loss=criteria["recorded"], k=k
+    )
+    times: dict[str, list[float]] = {"plain": [], "recorded": []}
+    cpu: dict[str, list[float]] = {"plain": [], "recorded": []}  # this process's CPU time
+    gc.disable()  # no collection inside a timed update (an update makes no cyclic garbage)
+    try:
+        for pair in range(RECORD_WARM_UP + repeats):
+            order = ("plain", "recorded") if pair % 2 == 0 else ("recorded", "plain")
+            for name in order:
+                start, start_cpu = time.perf_counter(), time.process_time()
+                _update(models[name], optimizers[name], criteria[name], inputs, targets)
+                if pair >= RECORD_WARM_UP:
+                    times[name].append(time.perf_counter() - start)
+                    cpu[name].append(time.process_time() - start_cpu)
+            if pair == RECORD_WARM_UP - 1:
+                warmed = _resident_bytes()  # after the first updates (the first's full gradient)
+    finally:
+        gc.enable()
+    end = _resident_bytes()
+    updates = RECORD_WARM_UP + repeats
+    during = _recording_bytes(out)  # every update written and flushed, the final record not yet
+    recorder.close()
+    after = _recording_bytes(out)
+    ratios = [r / p for r, p in zip(times["recorded"], times["plain"], strict=True)]
+    cpu_ratios = [r / p for r, p in zip(cpu["recorded"], cpu["plain"], strict=True)]
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "parameters": sum(p.numel() for p in models["plain"].parameters()),
+        "parts": depth,
+        "plain_ms": 1e3 * statistics.median(times["plain"]),
+        "recorded_ms": 1e3 * statistics.median(times["recorded"]),
+        "ratio": statistics.median(ratios),
+        "cpu_ratio": statistics.median(cpu_ratios),
+        "fastest_ratio": min(times["recorded"]) / min(times["plain"]),
+        "first_resident": warmed - before,
+        "later_resident": end - warmed,
+        "signs": sum(-(-p.numel() // k) * 8 for p in models["plain"].parameters()),
+        "line": during["lines"] / updates,
+        "sketch": during["sketches"] / updates,
+        "per_update": (during["lines"] + during["sketches"]) / updates,
+        "full": after["full"],
+        "once": after["rest"] + after["sketches"] - during["sketches"],  # + the final sketch
+    }
+
+
+def _per_thousand(row: dict) -> str:
+    thousand = 1000 * row["per_update"] + row["once"]
+    return (f"{row['per_update'] / 1024:.2f} KiB per update (its line {row['line'] / 1024:.2f}, "
+            f"its sketches {row['sketch'] / 1024:.2f}), {thousand / 2**20:.2f} MiB per 1,000 "
+            f"updates + {row['full'] / 2**20:.1f} MiB of whole gradients (full_updates' default "
+            f"keeps the first update's up to 2^20 parameters)")  # fmt: skip
+
+
+def record(
+    width: int = RECORD_WIDTH,
+    depth: int = RECORD_DEPTH,
+    batch: int = RECORD_BATCH,
+    repeats: int = 20,
+    k: int | None = None,
+    large_width: int | None = LARGE_WIDTH,
+) -> dict[str, float]:
+    """Print a plain update's time against a recorded one's (float32 and float64), the recorder's
+    memory and the bytes it writes; with ``large_width``, the bytes of a real recording of a model
+    with as many parts of that width (float32, a few updates). Returns each dtype's ratio."""
+    from gatherlab.recording.sketch import DEFAULT_K
+
+    k = DEFAULT_K if k is None else k
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
+        for dtype in (torch.float32, torch.float64):
+            out = Path(root) / str(dtype).removeprefix("torch.")
+            rows.append(_time_record(dtype, width, depth, batch, repeats, k, out))
+        large = None
+        if large_width:
+            large = _time_record(
+                torch.float32, large_width, depth, batch, 1, k, Path(root) / "large"
+            )
+    parameters = rows[0]["parameters"]
+    print(
+        f"one update (forward, mean squared error, backward, SGD step) of an MLP {depth} × {width} "
+        f"({parameters / 1e6:.2f}M parameters, {depth} parts), batch {batch}, "
+        f"{torch.get_num_threads()} CPU threads; k = {k}"
+    )
+    print(f"plain and recorded in turns, median of {repeats} pairs after {RECORD_WARM_UP} "
+          f"(wall-clock; and this process's CPU time, which others' load moves less)")  # fmt: skip
+    print(f"{'dtype':<8} {'plain [ms]':>11} {'recorded [ms]':>14} {'recorded/plain':>15} "
+          f"{'CPU time ratio':>15}   resident memory added: first {RECORD_WARM_UP} updates, "
+          f"next {repeats}")  # fmt: skip
+    for row in rows:
+        first, later = row["first_resident"] / 2**20, row["later_resident"] / 2**20
+        print(f"{row['dtype']:<8} {row['plain_ms']:>11.1f} {row['recorded_ms']:>14.1f} "
+              f"{row['ratio']:>15.3f} {row['cpu_ratio']:>15.3f}   {first:+.1f} MiB, "
+              f"{later:+.1f} MiB")  # fmt: skip
+    sketches = depth * k * 8
+    print(f"the recorder holds: each parameter's block signs, ceil(n / k) × 8 bytes = "
+          f"{rows[0]['signs'] / 1024:.0f} KiB, and an update's sketches, parts × k × 8 bytes = "
+          f"{sketches / 1024:.1f} KiB (the first update's full gradient, n × 8 bytes, only "
+          f"while it is written)")  # fmt: skip
+    for row in rows:
+        print(f"written, {row['dtype']}: {_per_thousand(row)}")
+    if large is not None:
+        print(f"written, {large['parameters'] / 1e6:.2f}M parameters ({depth} × {large_width}, "
+              f"float32, {RECORD_WARM_UP + 1} updates): {_per_thousand(large)}")  # fmt: skip
+    ratios = {row["dtype"]: row["ratio"] for row in rows}
+    print("fastest recorded/fastest plain update (the least disturbed of each): "
+          + ", ".join(f"{row['dtype']} {row['fastest_ratio']:.3f}" for row in rows))  # fmt: skip
+    print("recorded/plain CPU time: "
+          + ", ".join(f"{row['dtype']} {row['cpu_ratio']:.3f}" for row in rows))  # fmt: skip
+    print("recorded/plain update time: "
+          + ", ".join(f"{dtype} {ratio:.3f}" for dtype, ratio in ratios.items()))  # fmt: skip
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m gatherlab.bench", description=__doc__.splitlines()[0]
@@ -358,6 +555,27 @@ def main(argv: list[str] | None = None) -> None:
         "check", help="python -m gatherlab.check against one interpreter's start-up"
     )
     check_parser.add_argument("--repeats", type=int, default=5, help="runs of each (default 5)")
+    record_parser = commands.add_parser(
+        "record", help="an update's time with gatherlab.record against without, its bytes"
+    )
+    record_parser.add_argument(
+        "--width", type=int, default=RECORD_WIDTH, help=f"(default {RECORD_WIDTH})"
+    )
+    record_parser.add_argument(
+        "--depth", type=int, default=RECORD_DEPTH, help=f"layers = parts (default {RECORD_DEPTH})"
+    )
+    record_parser.add_argument(
+        "--batch", type=int, default=RECORD_BATCH, help=f"rows (default {RECORD_BATCH})"
+    )
+    record_parser.add_argument(
+        "--repeats", type=int, default=20, help="timed pairs per dtype (default 20)"
+    )
+    record_parser.add_argument("--k", type=int, default=None, help="the sketch's size per part")
+    record_parser.add_argument(
+        "--large-width", type=int, default=LARGE_WIDTH,
+        help=f"the width of the large model recorded for its bytes, 0 for none "
+             f"(default {LARGE_WIDTH}: ~100M parameters)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.benchmark == "sweep":
@@ -368,6 +586,8 @@ def main(argv: list[str] | None = None) -> None:
         launcher(args.jobs, args.steps)
     elif args.benchmark == "gather":
         gather(tuple(args.world_sizes), args.repeats)
+    elif args.benchmark == "record":
+        record(args.width, args.depth, args.batch, args.repeats, args.k, args.large_width)
 
 
 if __name__ == "__main__":

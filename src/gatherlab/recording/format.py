@@ -52,7 +52,8 @@ class Update:
     input-row digests in order, ``sketches`` each part's sketch of the gradient the optimizer
     received (rank 0's for a part that is not reduced), ``norms`` its exact L2 norm per part,
     ``unreduced`` each rank's sketch (W × k) of the parts whose gradient differs between ranks,
-    ``autocast`` the autocast dtype of its forward (None without autocast)."""
+    ``autocast`` the autocast dtype of its forward (None without autocast), ``micro_batches`` how
+    many losses rank 0 recorded in it (its micro-batches; 0 where the job recorded none)."""
 
     index: int
     losses: list[float]
@@ -62,6 +63,7 @@ class Update:
     norms: dict[str, float]
     unreduced: dict[str, np.ndarray]
     autocast: str | None
+    micro_batches: int = 1
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,7 @@ def read(path: str | Path) -> Recording:
             loss=_float(line["loss"]), rows=line["rows"],
             sketches={p: values[i * k : (i + 1) * k] for i, p in enumerate(parts)},
             norms=line["norms"], unreduced=unreduced, autocast=line.get("autocast"),
+            micro_batches=line.get("micro_batches", 1),
         ))  # fmt: skip
     weights = block(final["weights_sketch"], k * len(parts), "the final weights' sketch")
     return Recording(

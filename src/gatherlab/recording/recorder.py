@@ -41,11 +41,17 @@ from torch import nn
 from gatherlab.recording import format, sketch
 from gatherlab.runs.record import mean_over_ranks
 
-__all__ = ["Recorder", "row_digests"]
+__all__ = ["FULL_GRADIENT_LIMIT", "Recorder", "row_digests"]
 
-_ROW_BYTES = 1 << 16
-"""A row of more bytes is digested from 4,096 of its elements, evenly spaced (an image's)."""
-_SAMPLED = 4096
+FULL_GRADIENT_LIMIT = 1 << 20
+"""By default (``full_updates=None``) the first update keeps its whole gradient when the model has
+at most this many parameters (8 MiB in float64), none above: a recording's size stays that of its
+sketches (a 100M-parameter model's whole gradient is 800 MB)."""
+
+_SAMPLED = 256
+"""A row of more elements is digested from this many of them, evenly spaced (an image's, a
+long sequence's): rows that differ anywhere differ in almost every element in practice (another
+sample, crop or augmentation), and hashing whole rows cost a 10M-parameter MLP's update 6 %."""
 
 
 def row_digests(batch: torch.Tensor) -> list[str]:
@@ -54,7 +60,7 @@ def row_digests(batch: torch.Tensor) -> list[str]:
     rows = batch.detach()
     rows = rows.reshape(rows.shape[0], -1) if rows.dim() else rows.reshape(1, 1)
     width = rows.shape[1]
-    if width * rows.element_size() > _ROW_BYTES:
+    if width > _SAMPLED:
         rows = rows[:, torch.linspace(0, width - 1, _SAMPLED, device=rows.device).long()]
     if rows.dtype in (torch.bfloat16, torch.float16):
         rows = rows.view(torch.int16)
@@ -186,11 +192,14 @@ class Recorder:
 
     ``loss``: the job's loss module, whose output is each micro-batch's loss and whose parameters
     (a learnt temperature) are parts of their own. ``k``: the sketch's size per part.
-    ``full_updates``: how many first updates keep their whole gradient (float64). ``seed``: the
+    ``full_updates``: how many first updates keep their whole gradient (float64; None: the first,
+    for a model of at most `FULL_GRADIENT_LIMIT` parameters). ``seed``: the
     job's seed, for the header (compared between runs). ``settings``: more of the job's settings
     that must agree between two runs (JSON values). ``precision``: the job's precision
     (``64-true``, ``32-true``, ``bf16-mixed``…; default from the parameters' dtype). ``batches``:
-    whether the model's forward inputs are the batch (False: the job calls ``batch(x)``).
+    whether the model's forward inputs are the batch (False: the job calls ``batch(x)``);
+    ``losses``: whether the loss module's or the model output's loss is the micro-batch's loss
+    (False: the job calls ``loss(value)``, as the Lightning and Hugging Face callbacks do).
     ``trace``: record the operations of the first update's forward, from the model's first call
     to the loss, with their gradients (`gatherlab.runs.trace`; every result is copied: for small
     runs), so that the comparison names the line where two runs part (``trace.pt``)."""
@@ -203,23 +212,27 @@ class Recorder:
         *,
         loss: nn.Module | None = None,
         k: int = sketch.DEFAULT_K,
-        full_updates: int = 1,
+        full_updates: int | None = None,
         seed: int | None = None,
         settings: Mapping[str, Any] | None = None,
         precision: str | None = None,
         batches: bool = True,
+        losses: bool = True,
         sketch_seed: int = 0,
         trace: bool = False,
     ) -> None:
         if not isinstance(k, int) or k < 2:
             raise ValueError(f"k={k!r}: the sketch's size per part is an integer ≥ 2")
-        if not isinstance(full_updates, int) or full_updates < 0:
-            raise ValueError(f"full_updates={full_updates!r}: an integer ≥ 0")
+        if full_updates is not None and (not isinstance(full_updates, int) or full_updates < 0):
+            raise ValueError(f"full_updates={full_updates!r}: an integer ≥ 0, or None")
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self._distributed else 1
         self.rank = dist.get_rank() if self._distributed else 0
-        self.k, self.full_updates, self.sketch_seed = k, full_updates, sketch_seed
         self._parameters = _parameters(model, loss, optimizer)
+        if full_updates is None:  # the first update's whole gradient where it is small
+            numel = sum(p.parameter.numel() for p in self._parameters)
+            full_updates = 1 if numel <= FULL_GRADIENT_LIMIT else 0
+        self.k, self.full_updates, self.sketch_seed = k, full_updates, sketch_seed
         self.parts = list(dict.fromkeys(p.part for p in self._parameters))
         self._signs: dict[str, torch.Tensor] = {}
         self._rows: list[str] = []
@@ -262,9 +275,9 @@ class Recorder:
         self._hooks = [optimizer.register_step_pre_hook(self._before_step)]
         if batches:
             self._hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
-        if loss is not None:
+        if losses and loss is not None:
             self._hooks.append(loss.register_forward_hook(self._on_loss))
-        else:
+        elif losses:
             self._hooks.append(model.register_forward_hook(self._on_output))
 
     # what the job gives -----------------------------------------------------------------------
@@ -423,6 +436,7 @@ class Recorder:
                 "loss": _json_float(mean_over_ranks([[v] for v in losses])[0]),
                 "rows": [r["rows"] for r in every], "norms": norms, "unreduced": starts,
                 "sketch": start, "autocast": self._autocast,
+                "micro_batches": len(self._losses),
             })  # fmt: skip
         self.updates += 1
         self._rows, self._losses = [], []

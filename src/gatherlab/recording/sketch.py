@@ -47,6 +47,27 @@ def signs(name: str, numel: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(generator.integers(0, 2, blocks).astype(np.float64) * 2 - 1)
 
 
+_PIECES = 16
+"""The aligned blocks are summed as this many pieces of rows in one batched matrix product, and
+the pieces' sums added in float64: a batched product (BLAS gemm) took 0.15 ms for a 1600 × 1600
+float32 gradient here where the matrix-vector product took 1.5 ms, and each piece's sum is
+shorter (float32's rounding 4e-7 of the sketch against 1.6e-6 in one piece)."""
+
+
+def _signed_sum(blocks: torch.Tensor, block_signs: torch.Tensor) -> torch.Tensor:
+    """Σ_b σ_b · blocks[b] in float64, the rows cut into `_PIECES` pieces."""
+    rows = blocks.shape[0]
+    pieces = _PIECES if rows >= 4 * _PIECES else 1
+    even = rows // pieces * pieces
+    summed = torch.bmm(
+        block_signs[:even].view(pieces, 1, even // pieces),
+        blocks[:even].view(pieces, even // pieces, blocks.shape[1]),
+    ).double().sum(0).view(-1)  # fmt: skip
+    if even < rows:
+        summed += (block_signs[even:].view(1, -1) @ blocks[even:]).double().view(-1)
+    return summed
+
+
 def sketch(
     values: torch.Tensor, k: int, block_signs: torch.Tensor, offset: int = 0
 ) -> torch.Tensor:
@@ -71,7 +92,7 @@ def sketch(
     if aligned_stop > head_stop:
         first, last = head_stop // k, aligned_stop // k
         blocks = flat[head_stop - start : aligned_stop - start].view(last - first, k)
-        out += (block_signs[first:last].to(flat.dtype) @ blocks).double()
+        out += _signed_sum(blocks, block_signs[first:last].to(flat.dtype))
     if stop > aligned_stop:
         block = aligned_stop // k
         out[: stop - aligned_stop] += flat[aligned_stop - start :].double() * block_signs[block]

@@ -1,0 +1,168 @@
+"""A Hugging Face ``Trainer`` job recorded by one callback:
+``Trainer(..., callbacks=[HFRecorder(DIR)])`` (docs/design.md §11, "The Lightning and Hugging
+Face callbacks"). Needs the optional extra ``hf`` (``pip install 'gatherlab[hf]'``: transformers
+and accelerate); this module is imported only when ``gatherlab.record.HFRecorder`` is first used,
+so that ``gatherlab.record`` imports without them.
+
+The recording is `gatherlab.recording.recorder.Recorder`'s, built when training begins over the
+model the Trainer trains (its unwrapped module, whatever DDP or accelerate wrap around it) and the
+torch optimizer inside accelerate's ``AcceleratedOptimizer``. What an update saw:
+
+- the rows: the model's forward is called with keyword arguments (``model(**inputs)``), so a
+  forward pre-hook with keyword arguments takes ``input_ids``, else the first tensor argument
+  (positional, then by keyword), of every training forward (``gradient_accumulation_steps = K``:
+  the K forwards of one update, in order);
+- the loss: the model output's ``loss`` (``.loss``, ``["loss"]`` or the first element of a
+  tuple) of each of those forwards, before the Trainer divides it by K for the backward, so that
+  the update's local loss is the mean of its micro-batches' losses. A Trainer given its own
+  ``compute_loss_func`` trains on that function's loss; the model's is what is recorded then;
+- the gradient: the one the optimizer steps on, read by the optimizer's step pre-hook, after the
+  Trainer's gradient clipping (``max_grad_norm``) and accelerate's unscaling.
+
+Forwards outside training (evaluation, ``model.eval()`` or no gradient) are not recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gatherlab.recording.recorder import Recorder
+from gatherlab.recording.sketch import DEFAULT_K
+
+try:
+    from transformers import TrainerCallback
+except ImportError as error:  # the optional extra is not installed
+    raise ImportError(
+        f"gatherlab.record.HFRecorder needs transformers and accelerate ({error}); install them "
+        f"with: pip install 'gatherlab[hf]'"
+    ) from error
+
+__all__ = ["HFRecorder", "input_rows", "output_loss", "precision_of"]
+
+
+def input_rows(args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """The rows of a forward called as ``model(*args, **kwargs)``: ``input_ids`` when given, else
+    the arguments, whose first tensor `Recorder.batch` takes (positional, then by keyword)."""
+    if isinstance(kwargs.get("input_ids"), torch.Tensor):
+        return kwargs["input_ids"]
+    return (args, kwargs)
+
+
+def output_loss(output: Any) -> torch.Tensor | None:
+    """The loss of a model's output: a ``ModelOutput``'s or mapping's ``loss``, a tuple's first
+    element (``return_dict=False``), or the output itself when it is a scalar tensor."""
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif hasattr(output, "loss"):
+        loss = output.loss
+    elif isinstance(output, tuple | list) and output:
+        loss = output[0]
+    else:
+        loss = output
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+_TRUE = {torch.float64: "64-true", torch.float32: "32-true", torch.bfloat16: "bf16-true",
+         torch.float16: "16-true"}  # fmt: skip
+
+
+def precision_of(args: Any, model: torch.nn.Module) -> str:
+    """The job's precision in Lightning's words: ``bf16-mixed`` and ``16-mixed`` for the Trainer's
+    ``bf16``/``fp16`` (autocast), else the parameters' dtype (``64-true`` for float64)."""
+    if getattr(args, "bf16", False):
+        return "bf16-mixed"
+    if getattr(args, "fp16", False):
+        return "16-mixed"
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    return _TRUE.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (and any wrapper that
+    keeps it as ``.optimizer``): its step is the one whose pre-hook sees the gradient."""
+    while not type(optimizer).__module__.startswith("torch.") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"HFRecorder records a torch.optim.Optimizer; the Trainer's optimizer is "
+            f"{type(optimizer).__name__}"
+        )
+    return optimizer
+
+
+class HFRecorder(TrainerCallback):
+    """Records every optimizer update of a Hugging Face ``Trainer.train`` into ``out`` (only the
+    main process writes): each rank's rows and loss, each part's gradient sketch and norm, the
+    first ``full_updates`` whole gradients, the final weights (docs/design.md §11, "The format").
+
+    ``k``: the sketch's size per part; ``seed``: the run's seed written into the header (default:
+    ``TrainingArguments.seed``); ``settings``: more of the job's settings for the header that must
+    agree between two runs, beside the optimizer's and the Trainer's own (``max_steps``,
+    ``max_grad_norm``; not the micro-batches, which may differ); ``trace``: keep each rank's
+    operations of the first update's forward, from the model's call to its loss (`Recorder`'s
+    ``trace``)."""
+
+    def __init__(
+        self,
+        out: str | Path,
+        *,
+        k: int = DEFAULT_K,
+        full_updates: int | None = None,
+        seed: int | None = None,
+        settings: Mapping[str, Any] | None = None,
+        trace: bool = False,
+    ) -> None:
+        self.out = Path(out)
+        self.k, self.full_updates, self.seed, self.trace = k, full_updates, seed, trace
+        self.settings = dict(settings or {})
+        self.recorder: Recorder | None = None
+        self._hooks: list[Any] = []
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if model is None or optimizer is None:
+            raise ValueError("HFRecorder needs the Trainer's model and optimizer at on_train_begin")
+        settings = {
+            "trainer": "transformers",
+            "max_steps": args.max_steps,
+            "max_grad_norm": args.max_grad_norm,
+            **self.settings,
+        }
+        self.recorder = Recorder(
+            model,
+            torch_optimizer(optimizer),
+            self.out,
+            k=self.k,
+            full_updates=self.full_updates,
+            seed=args.seed if self.seed is None else self.seed,
+            settings=settings,
+            precision=precision_of(args, model),
+            batches=False,
+            losses=False,
+            trace=self.trace,
+        )
+        self._hooks = [
+            model.register_forward_pre_hook(self._rows, with_kwargs=True),
+            model.register_forward_hook(self._loss, with_kwargs=True),
+        ]
+
+    def _rows(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.recorder is not None and module.training and torch.is_grad_enabled():
+            self.recorder.batch(input_rows(args, kwargs))
+
+    def _loss(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.recorder is not None and module.training and torch.is_grad_enabled():
+            loss = output_loss(output)
+            if loss is not None:
+                self.recorder.loss(loss)  # with ``trace``, the first update's trace ends here
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None

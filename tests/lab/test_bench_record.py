@@ -1,0 +1,25 @@
+"""``python -m gatherlab.bench record`` at tiny sizes: what it prints, never how fast (the suite
+asserts no wall-clock time; docs/performance.md has the measured ratios)."""
+
+from __future__ import annotations
+
+import re
+
+from gatherlab.lab import bench
+from gatherlab.recording.sketch import DEFAULT_K
+
+
+def test_the_record_benchmark_prints_its_ratio_line_and_sketch_bytes_independent_of_the_model(
+    capsys,
+):
+    ratios = bench.record(width=16, depth=2, batch=4, repeats=2, large_width=48)
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(
+        r"recorded/plain update time: float32 \d+\.\d{3}, float64 \d+\.\d{3}", lines[-1]
+    )
+    assert set(ratios) == {"float32", "float64"}
+    written = [line for line in lines if line.startswith("written")]
+    assert len(written) == 3  # float32, float64, and the larger model
+    # each update's sketches are parts × k float64 numbers, whatever the model's size
+    sketches = f"its sketches {2 * DEFAULT_K * 8 / 1024:.2f})"
+    assert all(sketches in line for line in written)
