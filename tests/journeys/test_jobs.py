@@ -15,8 +15,6 @@ serves every test of it (a module-scoped cache of the runs and their recordings)
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from bounds import FLOAT64_BOUND, MISS_FACTOR
 from bundled_jobs import LAUNCH_TIMEOUT, largest_difference, launch, printed
@@ -34,9 +32,6 @@ BUGS = {
 """The switches tested per job: each one where its code is the job's own (the temperature's
 place, the division, Lightning's sampler and gather), the shared ones once (on ``ddp``)."""
 
-
-LIGHTNING_RECORDS = importlib.util.find_spec("gatherlab.recording.lightning") is not None
-"""Whether gatherlab.record.LightningRecorder is installed: the Lightning job records with it."""
 
 FIRST_PART = {"ddp": "backbone", "fsdp2": "backbone", "zero": "backbone", "lightning_job": "model"}
 """The first part of each job's model, where a departure of every part is named."""
@@ -75,8 +70,7 @@ def recorded(tmp_path_factory):
         key = (job, world_size, bug)
         if key not in runs:
             out = root / f"{job}-{bug}-{world_size or 'one'}"
-            records = job != "lightning_job" or LIGHTNING_RECORDS
-            result = launch(job, world_size, "--bug", bug, *(("--record", str(out)) * records))
+            result = launch(job, world_size, "--bug", bug, "--record", str(out))
             runs[key] = (printed(result), out, result)
         return runs[key]
 
@@ -106,8 +100,6 @@ def test_each_bug_switch_departs_from_one_device(job, bug, recorded):
 @pytest.mark.parametrize("job", list(BUGS))
 def test_the_comparison_of_each_correct_job_is_exact(job, recorded):
     """The recordings of the runs above (no launch of its own)."""
-    if job == "lightning_job" and not LIGHTNING_RECORDS:
-        pytest.skip("gatherlab.record.LightningRecorder is not installed")
     for world_size in (2, 4):
         comparison = compare.compare(recorded(job, None)[1], recorded(job, world_size)[1])
         assert (comparison.verdict, comparison.status) == ("exact", 0), comparison.words
@@ -116,8 +108,6 @@ def test_the_comparison_of_each_correct_job_is_exact(job, recorded):
 
 @pytest.mark.parametrize(("job", "bug"), [(job, bug) for job in BUGS for bug in BUGS[job]])
 def test_the_comparison_names_each_bug_with_its_update_part_and_cause(job, bug, recorded):
-    if job == "lightning_job" and not LIGHTNING_RECORDS:
-        pytest.skip("gatherlab.record.LightningRecorder is not installed")
     comparison = compare.compare(recorded(job, None, bug)[1], recorded(job, 2, bug)[1])
     verdict, update, part, gradient, cause = expected(job, bug)
     assert (comparison.verdict, comparison.status) == (verdict, 1), comparison.words
