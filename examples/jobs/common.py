@@ -80,13 +80,19 @@ def start(args: argparse.Namespace) -> tuple[int, torch.device]:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     world = int(os.environ["WORLD_SIZE"]) if launched else 1
-    if args.global_batch % world:
-        sys.exit(f"--global-batch={args.global_batch} does not divide by {world} ranks; "
-                 f"allowed: a multiple of {world}")  # fmt: skip
+    refuse_global_batch(args.global_batch, world)
     if launched:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         return dist.get_world_size(), device
     return 1, device
+
+
+def refuse_global_batch(global_batch: int, world: int) -> None:
+    """A global batch that W ranks cannot split evenly, refused in one line, exit status 2."""
+    if global_batch % world:
+        print(f"--global-batch={global_batch} does not divide by {world} ranks; allowed: a "
+              f"multiple of {world}", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
 
 
 def distributed() -> bool:

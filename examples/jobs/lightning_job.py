@@ -65,9 +65,7 @@ def main() -> None:
     args = common.parse(__doc__.splitlines()[0], BUGS)
     L.seed_everything(args.seed, verbose=False)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if launched and args.global_batch % int(os.environ["WORLD_SIZE"]):
-        raise SystemExit(f"--global-batch={args.global_batch} does not divide by "
-                         f"{os.environ['WORLD_SIZE']} ranks")  # fmt: skip
+    common.refuse_global_batch(args.global_batch, int(os.environ["WORLD_SIZE"]) if launched else 1)
     module = SimCLRModule(args)
     callbacks = []
     if args.record:
