@@ -73,6 +73,7 @@ def pr1531_sweep(tmp_path_factory, worker_id):
 # its path below tests/ (a name not found fails the collection: a file moved or renamed here too).
 TESTS = Path(__file__).resolve().parent
 LONGEST_FILES = (
+    "journeys/test_jobs.py",  # 189 s alone (issue 48: 30 torchrun and plain launches of 4 jobs)
     "lab/test_reliability.py",  # 96 s (issue 47: ~66 s, its failing sweeps shorter)
     "check/test_external_check.py",  # 50 s (torchrun's fresh interpreters)
     "journeys/test_install.py",  # 42 s

@@ -85,3 +85,18 @@ def test_torchrun_check_on_two_gpus_equals_the_pooled_check(tmp_path):
         for column in set(NUMBERS) & set(table.columns) - {"first_diff_step"}:
             difference = (table[column].astype(float) - expected[column].astype(float)).abs()
             assert (difference.fillna(0) <= 1e-10).all(), (name, column)
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU; this machine has none")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["ddp", "fsdp2"])
+def test_bundled_job_on_every_gpu_trains_as_one_gpu(job, tmp_path):
+    """``examples/jobs/{ddp,fsdp2}.py --device cuda``: plainly on one GPU (no process group) and
+    under torchrun on every GPU (NCCL), the same printed losses and final weights' norms to the
+    float64 bound, as on CPU gloo (tests/journeys/test_jobs.py). Fresh interpreters: torchrun
+    starts every rank."""
+    from bundled_jobs import largest_difference, launch, printed
+
+    one = printed(launch(job, None, "--device", "cuda"))
+    every = printed(launch(job, GPUS, "--device", "cuda"))
+    assert largest_difference(every, one) <= FLOAT64_BOUND

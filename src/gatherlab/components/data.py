@@ -1,11 +1,12 @@
-"""Data sets of view pairs and the sampler that makes every layout see the same global batches.
+"""Data sets of view pairs and the samplers that make every layout see the same global batches.
 
 The sampler follows docs/design.md §2: one permutation per epoch drawn from (seed, epoch) alone,
 global batch k is the k-th contiguous block of it, and rank r takes the r-th contiguous slice of
 that block. Gathering the ranks' batches in rank order therefore rebuilds the single-device batch
 row for row, whatever the number of ranks. The sampler hands each data set a key ``(epoch, index)``
 per sample, so that a data set with random augmentations can draw them from (seed, epoch, index)
-(``digits``).
+(``digits``). `LayoutInvariantSampler` is the same rule for a user's own job, a drop-in for
+``DistributedSampler`` (public as ``gatherlab.data``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
 from gatherlab.components.augment import VIEW_STREAMS, Augmentation, sample_generator
 from gatherlab.core import terms
@@ -223,3 +224,87 @@ class GlobalBatchSampler:
             start = block * self.global_batch_size
             indices = order[start + own.start : start + own.stop].tolist()
             yield [(epoch, index) for index in indices] if self.with_epoch else indices
+
+
+class LayoutInvariantSampler(Sampler[int]):
+    """A drop-in for ``torch.utils.data.DistributedSampler`` that gives every world size the same
+    global batch at every update (docs/design.md §2, "DistributedSampler and the layout-invariant
+    sampler").
+
+    Each epoch's order is DistributedSampler's own permutation, ``torch.randperm(n,
+    generator=torch.Generator().manual_seed(seed + epoch))`` (0..n-1 without ``shuffle``), cut into
+    global batches of ``global_batch_size`` consecutive indices; rank r yields the r-th contiguous
+    slice of each, ``global_batch_size / num_replicas`` indices. A ``DataLoader`` with that
+    ``batch_size`` on every rank therefore loads, rank after rank, the one-device run's batch in its
+    order. ``drop_last=True`` skips the last, incomplete global batch; ``False`` completes it with
+    the epoch's first indices (as DistributedSampler pads), so it is the same on every world size
+    too. ``num_replicas`` and ``rank`` default to the process group's when one is initialised, else
+    to one device (1 and 0). Call ``set_epoch(epoch)`` before each epoch, as with
+    DistributedSampler.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        global_batch_size: int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ):
+        grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if num_replicas is None:
+            num_replicas = torch.distributed.get_world_size() if grouped else 1
+        if rank is None:
+            rank = torch.distributed.get_rank() if grouped else 0
+        if not terms.is_integer(num_replicas, 1):
+            raise ValueError(
+                f"num_replicas={num_replicas!r} is not allowed; allowed: {terms.allowed_integer(1)}"
+            )
+        if not (terms.is_integer(rank, 0) and rank < num_replicas):
+            raise ValueError(
+                f"rank={rank!r} is not allowed; allowed: an integer in 0..{num_replicas - 1}"
+            )
+        if not terms.is_integer(global_batch_size, 1) or global_batch_size % num_replicas:
+            raise ValueError(
+                f"global_batch_size={global_batch_size!r} does not divide by "
+                f"num_replicas={num_replicas}; allowed: a positive multiple of {num_replicas}"
+            )
+        if drop_last and global_batch_size > len(dataset):
+            raise ValueError(
+                f"global_batch_size={global_batch_size} exceeds the data set's {len(dataset)} "
+                f"samples with drop_last=True; allowed: at most {len(dataset)}, or drop_last=False"
+            )
+        self.dataset, self.global_batch_size = dataset, global_batch_size
+        self.num_replicas, self.rank = num_replicas, rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose permutation the next iteration yields (seed + epoch)."""
+        self.epoch = epoch
+
+    @property
+    def num_batches(self) -> int:
+        """Global batches per epoch: the complete ones, or all of them without ``drop_last``."""
+        whole, left = divmod(len(self.dataset), self.global_batch_size)
+        return whole + (1 if left and not self.drop_last else 0)
+
+    def __len__(self) -> int:
+        """The indices this rank yields per epoch."""
+        return self.num_batches * (self.global_batch_size // self.num_replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.dataset)
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=generator)
+        else:
+            order = torch.arange(n)
+        total = self.num_batches * self.global_batch_size
+        if total > n:  # the last global batch completed with the epoch's first indices
+            order = torch.cat([order] * (total // n + 1))
+        own = terms.rows_of(self.rank, self.num_replicas, self.global_batch_size)
+        for start in range(0, total, self.global_batch_size):
+            yield from order[start + own.start : start + own.stop].tolist()

@@ -1,0 +1,152 @@
+"""The bundled jobs' whole matrix: every job of ``examples/jobs/`` × W ∈ {1, 2, 4} under torchrun
+on CPU gloo × every bug switch the job applies (and ``none``), each recorded with
+``gatherlab.record`` and compared with ``gatherlab.compare`` against the job's one-device run
+(plain ``python``, no process group) of the same switch. Prints the table of verdicts and writes it
+to ``docs/jobs.md``.
+
+    python experiments/jobs.py [--out DIR] [--jobs ddp zero] [--worlds 1 2 4] [--doc docs/jobs.md]
+
+Every switch but ``sampler`` is the identity on one device (a gather, batch norm or division over
+one rank), so those share the job's correct one-device run as their reference; ``sampler``'s is
+the one-device run with a seeded RandomSampler. Each launch's wall time is in the table: torch's
+import on every rank, on this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = REPO / "examples" / "jobs"
+NAMES = ("ddp", "lightning_job", "fsdp2", "zero")
+TIMEOUT = 300
+
+
+def applicable(job: str) -> tuple[str, ...]:
+    """The job's ``BUGS``, read from its source (importing it would import Lightning)."""
+    tree = ast.parse((JOBS / f"{job}.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "BUGS":
+            return tuple(ast.literal_eval(node.value))
+    raise ValueError(f"{job}.py defines no BUGS")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(job: str, world: int | None, bug: str, out: Path) -> float:
+    """The job recorded into ``out``: plainly (``world`` None) or under torchrun with W ranks;
+    its wall time."""
+    script = str(JOBS / f"{job}.py")
+    command = [sys.executable, script] if world is None else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script,
+    ]  # fmt: skip
+    started = time.perf_counter()
+    result = subprocess.run(
+        [*command, "--bug", bug, "--record", str(out)], capture_output=True, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=TIMEOUT,
+    )  # fmt: skip
+    seconds = time.perf_counter() - started
+    if result.returncode:
+        raise SystemExit(f"{job} --bug {bug} at W={world or 'one device'} failed "
+                         f"({result.returncode}):\n{result.stderr[-3000:]}")  # fmt: skip
+    return seconds
+
+
+def judged(reference: Path, run: Path) -> dict[str, str]:
+    """The comparison's verdict, first departure, its part's gradient class and the cause."""
+    import gatherlab.compare
+
+    comparison = gatherlab.compare(reference, run)
+    row = {"verdict": comparison.verdict, "departs": "", "class": "", "cause": ""}
+    if comparison.data is not None:
+        row["cause"] = comparison.data.splitlines()[0]
+    if comparison.departure is not None:
+        update, part = comparison.departure
+        row["departs"] = f"update {update}, {part}"
+        parts = comparison.table.set_index("part") if "part" in comparison.table else None
+        if parts is not None and part in parts.index:
+            row["class"] = str(parts.loc[part, "gradient"])
+            cause = parts.loc[part].get("cause", "")
+            row["cause"] = row["cause"] or ("" if cause != cause else str(cause))
+        else:
+            row["class"] = str(comparison.table.iloc[0]["gradient"])
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "jobs" / stamp)
+    parser.add_argument("--jobs", nargs="+", choices=NAMES, default=list(NAMES))
+    parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "jobs.md")
+    args = parser.parse_args()
+    rows = []
+    total = sum(len(args.worlds) * (1 + len(applicable(job))) for job in args.jobs)
+    started = time.perf_counter()
+    for job in args.jobs:
+        references: dict[str, tuple[Path, float]] = {}
+        for bug in ("none", *applicable(job)):
+            shared = "sampler" if bug == "sampler" else "none"
+            if shared not in references:
+                path = args.out / job / shared / "one_device"
+                references[shared] = (path, launch(job, None, shared, path))
+            reference, reference_seconds = references[shared]
+            for world in args.worlds:
+                path = args.out / job / bug / f"w{world}"
+                seconds = launch(job, world, bug, path)
+                row = {"job": job, "bug": bug, "W": str(world)}
+                row |= judged(reference, path)
+                row |= {
+                    "s (W ranks)": f"{seconds:.1f}",
+                    "s (one device)": f"{reference_seconds:.1f}",
+                }
+                rows.append(row)
+                print(f"[{len(rows)}/{total}] " + " | ".join(row.values()), flush=True)
+    table = markdown(rows)
+    print(table)
+    args.doc.write_text(document(table, time.perf_counter() - started))
+    print(f"written: {args.doc}")
+
+
+def markdown(rows: list[dict[str, str]]) -> str:
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row[c].replace("|", "\\|") for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def document(table: str, seconds: float) -> str:
+    return f"""# The bundled jobs, every world size and bug switch
+
+Written by `python experiments/jobs.py` (do not edit by hand): each job of `examples/jobs/`
+recorded with `gatherlab.record` under `torchrun --nproc-per-node W` on CPU gloo, float64, 5
+updates of a global batch of 16, and judged by `gatherlab.compare` against the job's one-device
+run (plain `python`, no process group; the `sampler` switch's with one device's seeded
+RandomSampler, every other switch's the correct run, since each is the identity on one device).
+`departs`: the first update and part that depart; `class`: that part's gradient against one
+device's; `cause`: what the comparison measured. The last two columns are each launch's wall
+time, torch imported on every rank ({os.cpu_count()} cores shared with other work, torch
+{torch.__version__}, Python {platform.python_version()}); the whole matrix took {seconds:.0f} s.
+
+{table}"""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The bundled jobs (``examples/jobs/``: a plain DDP loop, a Lightning ``Trainer``, FSDP2's
+``fully_shard``, ``ZeroRedundancyOptimizer``) as a user runs them: plainly for one device (no
+process group) and under ``torchrun --nproc-per-node W`` on CPU gloo. Correct, each trains at W = 2
+and 4 exactly as one device does in float64 (every update's printed global loss and the final
+weights' norms, to the float64 bound) and ``gatherlab.compare`` finds their recordings exact; each
+bug switch moves some update's loss or a final weight by at least 100 times that bound, and the
+comparison names it: its verdict, its first update and part, its cause.
+
+These tests start fresh interpreters on purpose: torchrun starting the job's ranks, each process
+building its own process group, is what they test (docs/testing.md, "Tests that start a fresh
+interpreter"). Each launch costs torch's import on every rank, so each run is launched once and
+serves every test of it (a module-scoped cache of the runs and their recordings), every job runs
+5 updates of a tiny model, and the bug switches run at W = 2 on the jobs where their code differs
+(``experiments/jobs.py`` runs the whole matrix)."""
+
+from __future__ import annotations
+
+import pytest
+from bounds import FLOAT64_BOUND, MISS_FACTOR
+from bundled_jobs import LAUNCH_TIMEOUT, largest_difference, launch, printed
+
+import gatherlab.compare as compare
+
+pytestmark = pytest.mark.slow
+
+BUGS = {
+    "ddp": ("sampler", "temperature-outside", "divide-twice"),
+    "fsdp2": ("local-batchnorm", "temperature-outside", "divide-twice"),
+    "zero": ("temperature-outside", "divide-twice"),
+    "lightning_job": ("old-gather", "sampler", "divide-twice"),
+}
+"""The switches tested per job: each where its code is the job's own (the temperature's place,
+the division, Lightning's sampler), the ones of ``common.py`` once more each (the gather in
+Lightning, the batch norm in a sharded module, the sampler on ``ddp``)."""
+
+
+FIRST_PART = {"ddp": "backbone", "fsdp2": "backbone", "zero": "backbone", "lightning_job": "model"}
+"""The first part of each job's model, where a departure of every part is named."""
+
+
+def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
+    """What the comparison must say of a switch at W = 2: verdict, first departing update and
+    part, that part's gradient class, cause. The old gather's own-slice backward makes the local
+    NT-Xent's gradient biased (design §1's table); per-rank batch statistics change the forward,
+    so the loss at update 0; DistributedSampler's epoch 1 holds other rows than RandomSampler's
+    (its epoch 0 the same rows, strided: a note); an unreduced temperature is each rank's own
+    gradient; a loss divided by W on top of DDP's average is 1/W of every gradient (Lightning
+    records the loss training_step returns, divided too: the loss differs first)."""
+    first = FIRST_PART[job]
+    divided = "loss differs" if job == "lightning_job" else "1/W"
+    return {
+        "old-gather": ("biased", 0, first, "biased", None),
+        "local-batchnorm": ("loss differs", 0, first, "biased", None),
+        "sampler": ("data differs", 4, first, "exact", None),
+        "temperature-outside": ("biased", 0, "loss.log_temperature", "other", "unreduced"),
+        "divide-twice": (divided, 0, "all", "1/W", None),
+    }[bug]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """(job, W, bug) → (what rank 0 printed, the recording), each launched once with
+    ``--record``; W None is the one-device run. Every switch but ``sampler`` leaves one device
+    unchanged (a gather, batch norm or division over one rank is the identity), so those share the
+    correct one-device run."""
+    root, runs = tmp_path_factory.mktemp("jobs"), {}
+
+    def run(job: str, world_size: int | None, bug: str = "none"):
+        if world_size is None and bug != "sampler":
+            bug = "none"
+        key = (job, world_size, bug)
+        if key not in runs:
+            out = root / f"{job}-{bug}-{world_size or 'one'}"
+            result = launch(job, world_size, "--bug", bug, "--record", str(out))
+            runs[key] = (printed(result), out, result)
+        return runs[key]
+
+    return run
+
+
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("job", list(BUGS))
+def test_each_job_on_two_and_four_ranks_trains_as_one_device(job, recorded):
+    reference, _, _ = recorded(job, None)
+    for world_size in (2, 4):
+        numbers, _, result = recorded(job, world_size)
+        difference = largest_difference(numbers, reference)
+        assert difference <= FLOAT64_BOUND, (job, world_size, difference)
+        if job == "lightning_job":  # the ranks torchrun started, no launch of Lightning's own
+            assert f"MEMBER: 1/{world_size}" in result.stdout + result.stderr
+
+
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
+@pytest.mark.parametrize(("job", "bug"), [(job, bug) for job in BUGS for bug in BUGS[job]])
+def test_each_bug_switch_departs_from_one_device(job, bug, recorded):
+    numbers, _, _ = recorded(job, 2, bug)
+    difference = largest_difference(numbers, recorded(job, None, bug)[0])
+    assert difference >= MISS_FACTOR * FLOAT64_BOUND, (job, bug, difference)
+
+
+@pytest.mark.parametrize("job", list(BUGS))
+def test_the_comparison_of_each_correct_job_is_exact(job, recorded):
+    """The recordings of the runs above (no launch of its own)."""
+    for world_size in (2, 4):
+        comparison = compare.compare(recorded(job, None)[1], recorded(job, world_size)[1])
+        assert (comparison.verdict, comparison.status) == ("exact", 0), comparison.words
+        assert comparison.departure is None and comparison.data is None
+
+
+@pytest.mark.parametrize(("job", "bug"), [(job, bug) for job in BUGS for bug in BUGS[job]])
+def test_the_comparison_names_each_bug_with_its_update_part_and_cause(job, bug, recorded):
+    comparison = compare.compare(recorded(job, None, bug)[1], recorded(job, 2, bug)[1])
+    verdict, update, part, gradient, cause = expected(job, bug)
+    assert (comparison.verdict, comparison.status) == (verdict, 1), comparison.words
+    assert comparison.departure == (update, part), comparison.words
+    if bug == "sampler":
+        assert comparison.data.startswith("update 4: the global batches differ"), comparison.data
+        assert any("strided" in note for note in comparison.notes), comparison.notes
+    table = comparison.table
+    row = table.set_index("part").loc[part] if "part" in table else table.iloc[0]
+    assert row["gradient"] == gradient, comparison.words
+    if cause is not None:
+        assert row["cause"] == cause, comparison.words
+
+
+def test_a_switch_that_does_not_apply_is_refused_in_one_line():
+    result = launch("lightning_job", None, "--bug", "temperature-outside")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "lightning_job.py: --bug temperature-outside does not apply to this job; allowed: none, "
+        "old-gather, local-batchnorm, sampler, divide-twice"
+    )

@@ -1,0 +1,54 @@
+"""The bundled jobs of ``examples/jobs/`` launched as a user launches them, for the tests that
+run them (``tests/journeys/test_jobs.py`` on CPU gloo, ``tests/journeys/test_gpu.py`` on NCCL):
+plainly for one device, or under torchrun on a free port; what rank 0 printed, parsed."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+JOBS = Path(__file__).resolve().parents[2] / "examples" / "jobs"
+LAUNCH_TIMEOUT = 150  # seconds per launch: four ranks importing torch on two loaded cores
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(job: str, world_size: int | None, *arguments: str) -> subprocess.CompletedProcess:
+    """``python JOB`` (``world_size`` None: one device) or torchrun with W ranks on a free port."""
+    script = str(JOBS / f"{job}.py")
+    if world_size is None:
+        command = [sys.executable, script]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                   str(world_size), "--master-addr", "127.0.0.1", "--master-port",
+                   str(free_port()), script]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*command, *arguments], capture_output=True, text=True, env=env,
+                          timeout=LAUNCH_TIMEOUT)  # fmt: skip
+
+
+def printed(result: subprocess.CompletedProcess) -> tuple[list[float], dict[str, float]]:
+    """The losses of the updates in order and the final weights' norms per part, as rank 0
+    printed them; the job must have succeeded."""
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    updates = re.findall(r"^update (\d+) loss (\S+)$", result.stdout, re.M)
+    assert [int(u) for u, _ in updates] == list(range(5)), result.stdout[-2000:]
+    weights = dict(re.findall(r"^weights (\S+) (\S+)$", result.stdout, re.M))
+    assert list(weights) == ["backbone", "head", "loss.log_temperature"]
+    return [float(loss) for _, loss in updates], {k: float(v) for k, v in weights.items()}
+
+
+def largest_difference(run, reference) -> float:
+    (losses, weights), (reference_losses, reference_weights) = run, reference
+    return max(
+        *(abs(a - b) for a, b in zip(losses, reference_losses, strict=True)),
+        *(abs(weights[part] - reference_weights[part]) for part in reference_weights),
+    )
