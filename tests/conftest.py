@@ -73,9 +73,11 @@ def pr1531_sweep(tmp_path_factory, worker_id):
 # its path below tests/ (a name not found fails the collection: a file moved or renamed here too).
 TESTS = Path(__file__).resolve().parent
 LONGEST_FILES = (
-    "journeys/test_jobs.py",  # 189 s alone (issue 48: 30 torchrun and plain launches of 4 jobs)
+    "journeys/test_jobs.py",  # 117 s alone (issue 48: 17 torchrun and plain launches of 4 jobs)
     "lab/test_reliability.py",  # 96 s (issue 47: ~66 s, its failing sweeps shorter)
     "check/test_external_check.py",  # 50 s (torchrun's fresh interpreters)
+    "check/test_compare.py",  # 52 s alone (issue 48: ~40 recordings at W = 1, 2, 4 on the pool)
+    "journeys/test_record_hf.py",  # 12–24 s (issue 48: transformers under torchrun at W = 2)
     "journeys/test_install.py",  # 42 s
     "ranks/test_launch.py",  # 35 s
     "ranks/test_interrupt.py",  # ~39 s (issue 47: three commands in fresh interpreters)
