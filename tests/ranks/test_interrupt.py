@@ -8,12 +8,15 @@ multiprocessing's resource tracker)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,9 +34,13 @@ def _sigint_as_in_a_terminal() -> None:
 
 def _started(command: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
     """``command`` in a session of its own, its temporary files (the pools' directories) in a
-    directory of its own, what it prints going into one file as a terminal shows it."""
-    temporary, terminal = tmp_path / "tmp", tmp_path / "terminal.txt"
-    temporary.mkdir()
+    directory of its own, what it prints going into one file as a terminal shows it. The
+    temporary directory is a short path of its own beside pytest's (the fork server's socket,
+    ``TMPDIR/pymp-…/listener-…``, must fit a Unix socket's 107 bytes, which
+    ``/tmp/pytest-of-USER/pytest-NNN/popen-gwN/<test name>/`` leaves too few of)."""
+    terminal = tmp_path / "terminal.txt"
+    temporary = Path(tempfile.mkdtemp(prefix="gl-"))
+    atexit.register(shutil.rmtree, temporary, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": pythonpath(), "TMPDIR": str(temporary)}
     with open(terminal, "w") as output:
         process = subprocess.Popen(
