@@ -132,10 +132,21 @@ def test_the_comparison_names_each_bug_with_its_update_part_and_cause(job, bug, 
         assert row["cause"] == cause, comparison.words
 
 
-def test_a_switch_that_does_not_apply_is_refused_in_one_line():
-    result = launch("lightning_job", None, "--bug", "temperature-outside")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
+def test_a_switch_that_does_not_apply_is_refused_in_one_line(monkeypatch, capsys):
+    """Lightning's job refuses what its DDP-wrapped module makes moot, in one line and exit
+    status 2, from its command line alone (imported here, where the session has imported
+    Lightning already: a launch costs a fresh interpreter's Lightning import)."""
+    import importlib
+
+    from bundled_jobs import JOBS
+
+    monkeypatch.syspath_prepend(str(JOBS))
+    job = importlib.import_module("lightning_job")
+    monkeypatch.setattr("sys.argv", ["lightning_job.py", "--bug", "temperature-outside"])
+    with pytest.raises(SystemExit) as exited:
+        job.main()
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "lightning_job.py: --bug temperature-outside does not apply to this job; allowed: none, "
         "old-gather, local-batchnorm, sampler, divide-twice"
     )
