@@ -58,7 +58,8 @@ class Example:
     ``arguments`` follow ``python``, as the shell would split them; ``pythonpath`` are folders of
     the repository put on PYTHONPATH (and shown before the command). ``shows``: ``stdout`` or
     ``stderr`` whole, or ``comparison`` (the comparison table a sweep prints, from its ``run``
-    header to its last row) or ``table`` (the first Markdown table on stdout). ``prompt``: the
+    header to its last row), ``table`` (the first Markdown table on stdout) or
+    ``without_updates`` (a comparison's stdout without its departing update's table). ``prompt``: the
     block starts with the command after ``$``. ``status``: the block ends with ``$ echo $?`` and
     the exit status. ``before``: Python run first, with the same PYTHONPATH (e.g. a download)."""
 
@@ -162,7 +163,10 @@ EXAMPLES = {
     ),
     # README, journey 4
     "compare_journey": Example(
-        "-m gatherlab.compare runs/one runs/four", status=True, before=record_job("old-gather")
+        "-m gatherlab.compare runs/one runs/four",
+        "without_updates",
+        status=True,
+        before=record_job("old-gather"),
     ),
     # docs/usage.md, when things go wrong
     "bad_value": Example("-m gatherlab.train -m layout=cpu1,cpu4 global_batch_size=6", "stderr"),
@@ -185,6 +189,17 @@ def _comparison(stdout: str) -> str:
     start = next(i for i, line in enumerate(lines) if line.startswith("run "))
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("[")), len(lines))
     return "".join(lines[start:end])
+
+
+def _without_updates(stdout: str) -> str:
+    """What ``gatherlab.compare`` printed without its table of the departing update (the line
+    that introduces it stays: updates.csv has every update)."""
+    lines = stdout.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith("B departs from A")), None)
+    if start is None:
+        return stdout
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("|"))
+    return "".join(lines[: start + 1] + lines[end:])
 
 
 def _table(stdout: str) -> str:
@@ -225,6 +240,7 @@ def block(name: str, stdout: str, stderr: str, returncode: int) -> str:
         "stderr": lambda: stderr,
         "comparison": lambda: _comparison(stdout),
         "table": lambda: _table(stdout),
+        "without_updates": lambda: _without_updates(stdout),
     }
     try:
         text = shown[example.shows]()
