@@ -20,6 +20,7 @@ The comparison is `gatherlab.check.compare`'s, judged by the check's one judge (
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import types
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from gatherlab.analysis import figures
 from gatherlab.check.compare import Comparison, NotComparable
 from gatherlab.check.compare import compare as _compare
 from gatherlab.core import cli, gradients, runfiles
-from gatherlab.recording.format import Recording, RecordingError
+from gatherlab.recording.format import HEADER, Recording, RecordingError
 
 __all__ = ["FIGURE", "UPDATES", "Comparison", "NotComparable", "compare", "main", "write"]
 
@@ -94,9 +95,12 @@ def write(comparison: Comparison, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     runfiles.write_table(comparison.table, out / runfiles.CHECK)
     runfiles.write_table(comparison.updates, out / UPDATES)
+    sizes = [json.loads((Path(path) / HEADER).read_text())["world_size"]
+             for path in (comparison.reference, comparison.run)]  # fmt: skip
     figure = figures.recordings_figure(
-        comparison.updates, "A", "B", tolerance=gradients.FLOAT64_TOLERANCE
-    )
+        comparison.updates, f"A (W = {sizes[0]})", f"B (W = {sizes[1]})",
+        tolerance=gradients.FLOAT64_TOLERANCE,
+    )  # fmt: skip
     return [out / runfiles.CHECK, out / UPDATES, *figures.save(figure, out / FIGURE)]
 
 
