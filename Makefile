@@ -95,6 +95,27 @@ from gatherlab.testing import assert_layout_invariant
 
 assert_layout_invariant(NTXentLoss, world_sizes=(2,), gather="fixed", temperature=0.5)
 print("gatherlab.testing: NTXentLoss with the fixed gather is layout-invariant on 2 ranks")
+
+import tempfile, torch, gatherlab.record
+from gatherlab.testing import assert_runs_match
+
+def recorded(out, rows):  # one device, no process group: the same updates in 1 or 2 micro-batches
+    torch.manual_seed(0)
+    model, criterion = torch.nn.Linear(4, 2).double(), torch.nn.MSELoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(24, 4, dtype=torch.float64), torch.randn(24, 2, dtype=torch.float64)
+    with gatherlab.record(model, optimizer, out, loss=criterion, seed=0):
+        for update in range(3):
+            optimizer.zero_grad()
+            for start in range(8 * update, 8 * update + 8, rows):
+                batch = slice(start, start + rows)
+                (criterion(model(x[batch]), y[batch]) * rows / 8).backward()
+            optimizer.step()
+
+with tempfile.TemporaryDirectory() as runs:
+    recorded(f"{runs}/a", 8), recorded(f"{runs}/b", 4)
+    assert_runs_match(f"{runs}/a", f"{runs}/b")
+print("gatherlab.record and assert_runs_match: two recordings of a job match")
 endef
 export INSTALL_CHECK_TESTING
 

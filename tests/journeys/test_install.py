@@ -185,6 +185,7 @@ def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
     assert "gatherlab.testing: NTXentLoss with the fixed gather is layout-invariant on 2 ranks" in (
         output
     )
+    assert "gatherlab.record and assert_runs_match: two recordings of a job match" in output
     assert "check: 0" in output
     assert "training check: ['exact']" in output
     assert list(pd.read_csv(elsewhere / "check" / runfiles.CHECK)["verdict"]) == ["exact"]
