@@ -19,8 +19,8 @@ its parameters' sketches. It is linear, S(a·x + y) = a·S(x) + S(y), so:
   Var = Σ over pairs of elements sharing a column and not a block of (a_p² b_q² + a_p b_p a_q b_q),
   ≈ (‖a‖²‖b‖² + ⟨a,b⟩²)/k when the gradient's energy is spread over the k columns (i mod k).
 
-One sketch costs one pass over the gradient (a vector–matrix product with the signs) and k numbers
-of memory per part; the signs are drawn again each time (n/k of them), nothing per element is kept.
+One sketch costs one pass over the gradient (the signs against the blocks, `_signed_sum`) and k
+numbers per part; what is kept per parameter is its n/k signs, nothing per element.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def sketch(
     """The sketch (k float64 numbers on the CPU) of ``values``, the elements of a parameter from
     its flat index ``offset`` on (all of it at offset 0), with that parameter's `signs`.
 
-    The aligned blocks are one vector–matrix product; a shard whose ends fall inside a block adds
-    its partial blocks at their columns."""
+    The aligned blocks are one batched product (`_signed_sum`); a shard whose ends fall inside a
+    block adds its partial blocks at their columns."""
     flat = values.detach().reshape(-1)
     if flat.dtype not in (torch.float64, torch.float32):  # half precisions: summed in float32
         flat = flat.float()
