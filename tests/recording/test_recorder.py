@@ -12,8 +12,10 @@ import pytest
 import recorded_loops
 import torch
 
+import gatherlab.record
 from gatherlab.ranks import pool as pools
 from gatherlab.recording import format
+from gatherlab.recording.recorder import row_digests
 from gatherlab.recording.sketch import signs, sketch
 
 
@@ -184,8 +186,6 @@ def test_row_digests_tell_rows_apart_and_equal_rows_alike():
     """Equal rows, equal digests (in any batch, at any position); a row changed in one element or
     in two sign bits (which a linear hash modulo 2⁶⁴ would cancel) gets another; the dtype and the
     row's shape are part of it."""
-    from gatherlab.recording.recorder import row_digests
-
     rows = torch.randn(64, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     digests = row_digests(rows)
     assert len(set(digests)) == 64 and all(len(d) == 16 for d in digests)
@@ -198,3 +198,20 @@ def test_row_digests_tell_rows_apart_and_equal_rows_alike():
     ]  # fmt: skip
     assert row_digests(rows.float())[0] != digests[0]
     assert row_digests(rows.reshape(64, 4, 10))[0] != digests[0]
+
+
+def test_a_forward_without_gradients_between_updates_is_not_recorded(tmp_path):
+    """An evaluation between updates (``torch.no_grad``): its rows and loss are not the update's."""
+    torch.manual_seed(0)
+    model, criterion = torch.nn.Linear(3, 1).double(), torch.nn.MSELoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    with gatherlab.record(model, optimizer, tmp_path / "run", loss=criterion):
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            criterion(model(2 * x), y)  # a monitor's forward
+        optimizer.step()
+    update = format.read(tmp_path / "run").updates[0]
+    assert update.rows == [row_digests(x)] and update.losses == [loss.item()]

@@ -331,7 +331,11 @@ class Recorder:
             self._trace_end(value if isinstance(value, torch.Tensor) else None)
         self._losses.append(float(value.detach() if isinstance(value, torch.Tensor) else value))
 
+    # A forward without gradients (an evaluation, a monitor between updates) trains nothing: its
+    # rows and loss are not the update's.
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return
         if self._autocast is None:
             device = self._parameters[0].parameter.device.type if self._parameters else "cpu"
             if torch.is_autocast_enabled(device):
@@ -339,11 +343,11 @@ class Recorder:
         self.batch((args, kwargs))
 
     def _on_loss(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and output.numel() == 1:
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.numel() == 1:
             self.loss(output)
 
     def _on_output(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if (value := _loss_of(output)) is not None:
+        if torch.is_grad_enabled() and (value := _loss_of(output)) is not None:
             self.loss(value)
 
     # each update ------------------------------------------------------------------------------
