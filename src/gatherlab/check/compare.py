@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from gatherlab.check import diagnosis, where
-from gatherlab.check.judge import judge
+from gatherlab.check.judge import Recorded, judge
 from gatherlab.check.table import (
     ALL_PARTS,
     COMPARISON_COLUMNS,
@@ -495,8 +495,7 @@ def compare(
     rows = judge(
         _trained(b, full, unlossed), _trained(a, full, unlossed), key, tolerance=tolerance,
         layout=a.layout() if full else _sketch_layout(a),
-        classified=None if full else (whole, split), unreduced=unreduced,
-        data_differs=data.update is not None,
+        recorded=Recorded(None if full else (whole, split), unreduced, data.update is not None),
         where=None if data.update is not None else _where(a, b, tolerance),
     )  # fmt: skip
     departure = _departure(a, b, classes, tolerance, rows[0].scale)

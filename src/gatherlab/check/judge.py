@@ -24,7 +24,7 @@ from gatherlab.core.gradients import Classified, Layout
 from gatherlab.core.runfiles import Trained
 from gatherlab.core.terms import DIVERGES, Cause, DepartureKind, Forward, GradientClass
 
-__all__ = ["judge"]
+__all__ = ["Recorded", "judge"]
 
 Reproduce = Callable[[], tuple[Cause, float | None]]
 """What reproduces a differing global loss on one device: its cause and, for ``scaled``, c."""
@@ -76,6 +76,21 @@ def _diverges_words(curves: _Curves) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """What a recording measured of a run (`gatherlab.check.compare`): ``classified``, the first
+    gradient's class and its parts' where they were estimated from linear sketches
+    (`gradients.classify_sketched`; None: classified by the judge from the gradients);
+    ``unreduced``, the parts whose gradient differs between the run's ranks (their cause, and the
+    whole's when it is not exact, is ``unreduced``: measured, it comes before any other);
+    ``data_differs``, whether its global batches are not the reference's (the whole's verdict is
+    ``data differs``)."""
+
+    classified: tuple[Classified, dict[str, Classified]] | None = None
+    unreduced: Collection[str] = ()
+    data_differs: bool = False
+
+
 def judge(
     run: Measured | Trained,
     reference: Measured | Trained,
@@ -87,9 +102,7 @@ def judge(
     reproduce: Reproduce | None = None,
     accumulated: Callable[[], Sequence[float]] | None = None,
     where: Callable[[], Departure | None] | None = None,
-    classified: tuple[Classified, dict[str, Classified]] | None = None,
-    unreduced: Collection[str] = (),
-    data_differs: bool = False,
+    recorded: Recorded | None = None,
 ) -> list[Row]:
     """The rows of a run on ``key.world_size`` ranks (``key.micro_batches`` per rank) against its
     one-device reference: the whole gradient's (``part`` ``all``), then each part's when it has
@@ -110,13 +123,11 @@ def judge(
     - where: for a whole that is not exact, ``where()`` (None: no place), on every row; a loss
       check's ``diverges`` says its step in ``departs`` first.
 
-    A recorded run (`gatherlab.check.compare`) gives what its recording measured: ``classified``,
-    the first gradient's class and its parts' where they were estimated from linear sketches
-    (`gradients.classify_sketched`; None: classified here from the gradients); ``unreduced``, its
-    parts whose gradient differs between its ranks (their cause, and the whole's when it is not
-    exact, is ``unreduced``: measured, it comes before any other); ``data_differs``, its global
-    batches are not the reference's (the whole's verdict is ``data differs``).
+    A recorded run (`gatherlab.check.compare`) gives what its recording measured (`Recorded`).
     """
+    recorded = recorded or Recorded()
+    classified, unreduced = recorded.classified, recorded.unreduced
+    data_differs = recorded.data_differs
     world_size, micro_batches = key.world_size, key.micro_batches
     trained = isinstance(run, Trained)
     first, reference_first = _first_loss(run), _first_loss(reference)
