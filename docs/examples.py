@@ -59,9 +59,10 @@ class Example:
     the repository put on PYTHONPATH (and shown before the command). ``shows``: ``stdout`` or
     ``stderr`` whole, or ``comparison`` (the comparison table a sweep prints, from its ``run``
     header to its last row), ``table`` (the first Markdown table on stdout) or
-    ``without_updates`` (a comparison's stdout without its departing update's table). ``prompt``: the
-    block starts with the command after ``$``. ``status``: the block ends with ``$ echo $?`` and
-    the exit status. ``before``: Python run first, with the same PYTHONPATH (e.g. a download)."""
+    ``without_updates`` (a comparison's stdout without its departing update's table).
+    ``prompt``: the block starts with the command after ``$``. ``status``: the block ends with
+    ``$ echo $?`` and the exit status. ``before``: Python run first, with the same PYTHONPATH
+    (e.g. a download)."""
 
     arguments: str
     shows: str = "stdout"

@@ -172,11 +172,10 @@ def _json(path: Path, what: str) -> dict[str, Any]:
         raise RecordingError(f"{path}: {what} is not valid JSON ({error.msg})") from None
 
 
-def read(path: str | Path) -> Recording:
-    """The recording in ``path``, read whole and checked: a directory that is not a recording, a
-    format version newer than this gatherlab reads, an unfinished or truncated recording each
-    raise `RecordingError` with one line."""
-    path = Path(path)
+def _header(path: Path) -> dict[str, Any]:
+    """The header of the recording in ``path``, checked: a directory that is not a recording, a
+    format version newer than this gatherlab reads, an unfinished recording each raise
+    `RecordingError` with one line."""
     if not path.is_dir():
         raise RecordingError(f"{path} is not a directory: a recording is the directory "
                              f"gatherlab.record wrote")  # fmt: skip
@@ -199,44 +198,61 @@ def read(path: str | Path) -> Recording:
             f"{path} is unfinished: it has no {FINAL} (the job stopped before its recorder "
             f"closed, or is still running); record the job to its end"
         )
-    final = _json(path / FINAL, "the final record")
-    sketches = np.fromfile(path / SKETCHES, dtype="<f8") if (path / SKETCHES).exists() else None
-    size = 0 if sketches is None else sketches.size
-    k, parts = int(header["k"]), list(header["parts"])
+    return header
 
-    def block(start: int, count: int, what: str) -> np.ndarray:
-        if start + count > size:
+
+class _Sketches:
+    """``sketches.f64`` read whole; a block of it, or one line saying it is truncated."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path / SKETCHES
+        self.values = np.fromfile(self.path, dtype="<f8") if self.path.exists() else np.zeros(0)
+
+    def block(self, start: int, count: int, what: str) -> np.ndarray:
+        if start + count > self.values.size:
             raise RecordingError(
-                f"{path / SKETCHES} is truncated: {what} needs numbers {start}…{start + count} "
-                f"of {size}"
+                f"{self.path} is truncated: {what} needs numbers {start}…{start + count} "
+                f"of {self.values.size}"
             )
-        return sketches[start : start + count]
+        return self.values[start : start + count]
 
+
+def _update(number: int, text: str, path: Path, sketches: _Sketches, parts: list[str], k: int):
+    """Line ``number`` of ``updates.jsonl`` as an `Update`, its sketches read."""
+    try:
+        line = json.loads(text)
+    except json.JSONDecodeError:
+        raise RecordingError(f"{path / UPDATES} is truncated at update {number}") from None
+    values = sketches.block(line["sketch"], k * len(parts), f"update {number}'s sketch")
+    unreduced = {
+        part: np.stack([sketches.block(s, k, f"update {number}'s rank sketch of {part}")
+                        for s in starts])
+        for part, starts in line["unreduced"].items()
+    }  # fmt: skip
+    return Update(
+        index=line["update"], losses=[_float(v) for v in line["losses"]],
+        loss=_float(line["loss"]), rows=line["rows"],
+        sketches={p: values[i * k : (i + 1) * k] for i, p in enumerate(parts)},
+        norms=line["norms"], unreduced=unreduced, autocast=line.get("autocast"),
+        micro_batches=line.get("micro_batches", 1),
+    )  # fmt: skip
+
+
+def read(path: str | Path) -> Recording:
+    """The recording in ``path``, read whole and checked: a directory that is not a recording, a
+    format version newer than this gatherlab reads, an unfinished or truncated recording each
+    raise `RecordingError` with one line."""
+    path = Path(path)
+    header = _header(path)
+    final = _json(path / FINAL, "the final record")
+    sketches = _Sketches(path)
+    k, parts = int(header["k"]), list(header["parts"])
     lines = (path / UPDATES).read_text().splitlines() if (path / UPDATES).exists() else []
     if len(lines) != final["updates"]:
         raise RecordingError(f"{path / UPDATES} is truncated: {len(lines)} updates of the "
                              f"{final['updates']} that {FINAL} records")  # fmt: skip
-    updates = []
-    for number, text in enumerate(lines):
-        try:
-            line = json.loads(text)
-        except json.JSONDecodeError:
-            raise RecordingError(f"{path / UPDATES} is truncated at update {number}") from None
-        start = line["sketch"]
-        values = block(start, k * len(parts), f"update {number}'s sketch")
-        unreduced = {
-            part: np.stack([block(s, k, f"update {number}'s rank sketch of {part}")
-                            for s in starts])
-            for part, starts in line["unreduced"].items()
-        }  # fmt: skip
-        updates.append(Update(
-            index=line["update"], losses=[_float(v) for v in line["losses"]],
-            loss=_float(line["loss"]), rows=line["rows"],
-            sketches={p: values[i * k : (i + 1) * k] for i, p in enumerate(parts)},
-            norms=line["norms"], unreduced=unreduced, autocast=line.get("autocast"),
-            micro_batches=line.get("micro_batches", 1),
-        ))  # fmt: skip
-    weights = block(final["weights_sketch"], k * len(parts), "the final weights' sketch")
+    updates = [_update(n, text, path, sketches, parts, k) for n, text in enumerate(lines)]
+    weights = sketches.block(final["weights_sketch"], k * len(parts), "the final weights' sketch")
     return Recording(
         path=path, header=header, updates=updates,
         weights_sketch={p: weights[i * k : (i + 1) * k] for i, p in enumerate(parts)},
