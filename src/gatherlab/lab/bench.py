@@ -519,6 +519,31 @@ def record(
     return ratios
 
 
+def _record_options(commands) -> None:
+    """``python -m gatherlab.bench record``'s options."""
+    record_parser = commands.add_parser(
+        "record", help="an update's time with gatherlab.record against without, its bytes"
+    )
+    record_parser.add_argument(
+        "--width", type=int, default=RECORD_WIDTH, help=f"(default {RECORD_WIDTH})"
+    )
+    record_parser.add_argument(
+        "--depth", type=int, default=RECORD_DEPTH, help=f"layers = parts (default {RECORD_DEPTH})"
+    )
+    record_parser.add_argument(
+        "--batch", type=int, default=RECORD_BATCH, help=f"rows (default {RECORD_BATCH})"
+    )
+    record_parser.add_argument(
+        "--repeats", type=int, default=20, help="timed pairs per dtype (default 20)"
+    )
+    record_parser.add_argument("--k", type=int, default=None, help="the sketch's size per part")
+    record_parser.add_argument(
+        "--large-width", type=int, default=LARGE_WIDTH,
+        help=f"the width of the large model recorded for its bytes, 0 for none "
+             f"(default {LARGE_WIDTH}: ~100M parameters)",
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m gatherlab.bench", description=__doc__.splitlines()[0]
@@ -555,27 +580,7 @@ def main(argv: list[str] | None = None) -> None:
         "check", help="python -m gatherlab.check against one interpreter's start-up"
     )
     check_parser.add_argument("--repeats", type=int, default=5, help="runs of each (default 5)")
-    record_parser = commands.add_parser(
-        "record", help="an update's time with gatherlab.record against without, its bytes"
-    )
-    record_parser.add_argument(
-        "--width", type=int, default=RECORD_WIDTH, help=f"(default {RECORD_WIDTH})"
-    )
-    record_parser.add_argument(
-        "--depth", type=int, default=RECORD_DEPTH, help=f"layers = parts (default {RECORD_DEPTH})"
-    )
-    record_parser.add_argument(
-        "--batch", type=int, default=RECORD_BATCH, help=f"rows (default {RECORD_BATCH})"
-    )
-    record_parser.add_argument(
-        "--repeats", type=int, default=20, help="timed pairs per dtype (default 20)"
-    )
-    record_parser.add_argument("--k", type=int, default=None, help="the sketch's size per part")
-    record_parser.add_argument(
-        "--large-width", type=int, default=LARGE_WIDTH,
-        help=f"the width of the large model recorded for its bytes, 0 for none "
-             f"(default {LARGE_WIDTH}: ~100M parameters)",
-    )  # fmt: skip
+    _record_options(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.benchmark == "sweep":
