@@ -28,6 +28,7 @@ NCCL on CUDA). Rank 0 prints ``update U loss L`` per update and ``weights PART N
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -291,10 +292,13 @@ def report_weights(parts: dict[str, nn.Module | nn.Parameter]) -> None:
 
 def finish() -> None:
     """The process group destroyed once every rank is done (a barrier) and the objects that hold
-    it are freed (called after the job's ``main`` returns). Measured here on gloo: without the
-    barrier, a rank that tore down while rank 0 still wrote aborted ("terminate called without an
-    active exception", 1 of 6 runs); a ZeroRedundancyOptimizer freed after the group hung the
-    exit (2 of 5)."""
+    it are freed (called after the job's ``main`` returns, cycles collected first). Measured here
+    on gloo: without the barrier, a rank that tore down while rank 0 still wrote aborted
+    ("terminate called without an active exception", 1 of 6 runs); a ZeroRedundancyOptimizer
+    freed after the group hung the exit (2 of 5); FSDP2's modules, in reference cycles until the
+    interpreter's exit, aborted it so after the group was destroyed (1 of 8 runs at W = 4, and
+    once in the 69 launches of experiments/jobs.py; with the collection first, 0 of 28)."""
     if distributed():
+        gc.collect()  # what main left in reference cycles (FSDP2's modules) freed first
         dist.barrier()
         dist.destroy_process_group()
