@@ -187,7 +187,7 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
         steps = defaults.LOSS_STEPS if args.steps is None else args.steps
         table = check_gather(
             args.gather, args.world_sizes, steps=steps, optim=args.optim,
-            collective_timeout_s=args.collective_timeout,
+            collective_timeout_s=args.collective_timeout, precision=args.precision,
         )  # fmt: skip
     else:
         table = loss_check(  # --kwargs as one mapping: each of its keys goes to the loss
@@ -198,6 +198,7 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
             steps=defaults.LOSS_STEPS if args.steps is None else args.steps,
             optim=args.optim,
             collective_timeout_s=args.collective_timeout,
+            precision=args.precision,
         )
     return table, explain(table)
 

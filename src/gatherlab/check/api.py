@@ -14,10 +14,13 @@ from typing import Any
 import pandas as pd
 
 from gatherlab.check import defaults, hypotheses, measure, where
+from gatherlab.check import judge as judge_module
 from gatherlab.check.judge import judge
 from gatherlab.check.reference import Reference, choose, loss_differs, one_device
 from gatherlab.check.table import (
     COLUMNS,
+    PRECISION_COLUMNS,
+    PRECISION_NOTES,
     TRAIN_COLUMN,
     Row,
     failed_row,
@@ -26,13 +29,14 @@ from gatherlab.check.table import (
 )  # fmt: skip
 from gatherlab.components import config
 from gatherlab.components.factory import AttributeOf, Recipe, locate
-from gatherlab.core import cli, imports, terms
+from gatherlab.core import cli, floor, imports, terms
 from gatherlab.core.gradients import FLOAT64_TOLERANCE
 from gatherlab.core.runfiles import Trained
 from gatherlab.gather import GatherFn
 from gatherlab.ranks import collectives, pool
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import removals
+from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, in_float64
 from gatherlab.runs.spec import RunSpec
 
 # The loss styles of docs/design.md §1, one loss each, for checking a gather.
@@ -225,23 +229,43 @@ def _run(
     world_sizes: Sequence[int],
     steps: int,
     optim: str,
+    precision: str = terms.Precision.FLOAT64,
 ) -> pd.DataFrame:
     """The loss check's table: each loss on each W judged against its one-device reference
-    (`judge.judge`), with the hypotheses of a differing loss and where a W departs."""
+    (`judge.judge`), with the hypotheses of a differing loss and where a W departs. In a low
+    ``precision``, a loss that runs in float64 is judged there and its run in ``precision`` is
+    measured in floors beside it; one that cannot is judged in floors of ``precision``
+    (docs/design.md §2, "Low precision")."""
     world_sizes = list(world_sizes)
     cfg, model, optimizer, batches = _setting(optim, world_sizes, steps)
+    _precision(precision)
     # the batches whose global loss is compared: the first (with the gradient) and the second
     # (forward only), so that a cause holds on two batches, not on one number
     probed = batches[:2]
     (view0, view1), further = probed[0], probed[1:]
+    low = precision != terms.Precision.FLOAT64
+    watched = {
+        name: in_float64(lambda loss=loss: measure.measure(loss, model, view0, view1, cfg.seed))
+        for name, loss in losses.items() if low
+    }  # fmt: skip
+    judged_in = {  # float64 where the loss runs in it (docs/design.md §2, "Low precision")
+        name: precision if low and not watched[name].runs else str(terms.Precision.FLOAT64)
+        for name in losses
+    }
     # the loss on one device, forward only, for the hypotheses (built once, when one is tested)
     forwards = {
         name: measure.forward_on_one_device(loss, model, cfg.seed) for name, loss in losses.items()
     }
     chosen = {
-        name: _reference(name, loss, model, probed, batches[:steps], optimizer, cfg.seed)
+        name: _reference(name, loss, model, probed, batches[:steps], optimizer, cfg.seed,
+                         judged_in[name])
         for name, loss in losses.items()
-    }
+    }  # fmt: skip
+    floors = {
+        name: _floor_runs(loss, model, probed, batches[:steps], optimizer, cfg.seed, precision,
+                          judged_in[name] == precision)
+        for name, loss in losses.items() if low
+    }  # fmt: skip
 
     def key(name: str, world_size: int) -> Row:
         return Row(name, gather_name, world_size, str(chosen[name].mode))
@@ -249,34 +273,90 @@ def _run(
     rows: list[Row] = []
     for world_size in world_sizes:
         try:
-            measured = measure.measure_on_ranks(
-                losses, model, view0, view1, world_size, cfg.seed, further=further
-            )
+            measured = {
+                name: measure.measure_on_ranks(
+                    {name: loss}, model, view0, view1, world_size, cfg.seed, further=further,
+                    precision=judged_in[name],
+                )[name]
+                for name, loss in losses.items()
+            }  # fmt: skip
+            in_low = {
+                name: measure.measure_on_ranks(
+                    {name: loss}, model, view0, view1, world_size, cfg.seed, precision=precision
+                )[name]
+                for name, loss in losses.items() if low and judged_in[name] != precision
+            }  # fmt: skip
             trained = {
-                name: measure.train(loss, model, batches[:steps], optimizer, world_size, cfg.seed)
+                name: measure.train(loss, model, batches[:steps], optimizer, world_size, cfg.seed,
+                                    precision=judged_in[name])
                 for name, loss in losses.items()
                 if steps
-            }
+            }  # fmt: skip
         except RankError as error:
             rows += [failed_row(key(name, world_size), error) for name in losses]
             continue
         for name, loss in losses.items():
             reference, reference_trained = chosen[name].value
             in_group = chosen[name].in_group
-            rows += judge(
+            own = low and judged_in[name] == precision
+            judged = judge(
                 measured[name], reference, key(name, world_size),
                 curves=(trained[name], reference_trained) if steps else None,
-                reproduce=functools.partial(
+                reproduce=None if own else functools.partial(
                     _reproduce, measured[name], reference, forwards[name], probed, world_size,
                     in_group,
                 ),
-                where=functools.partial(
+                where=None if own else functools.partial(
                     _located, loss, model, (view0, view1), world_size, cfg.seed, in_group
                 ),
+                in_precision=judge_module.InPrecision(precision, *floors[name][:2]) if own else None,
             )  # fmt: skip
-    table = frame(rows, list(COLUMNS) + ([TRAIN_COLUMN] if steps else []))
+            if low and not own:  # float64 judges; the run in its precision measured beside it
+                one, perturbed = floors[name][2], floors[name][0]
+                floored = floor.classify_floored(
+                    in_low[name].gradient, one.gradient, perturbed.gradient, precision,
+                    world_size,
+                )
+                judged = judge_module.with_precision(judged, floored, judged_in[name])
+            rows += judged
+    columns = list(COLUMNS) + ([TRAIN_COLUMN] if steps else [])
+    table = frame(rows, columns + (list(PRECISION_COLUMNS) if low else []))
+    if low:
+        table.attrs[PRECISION_NOTES] = {name: w.lower for name, w in watched.items() if not w.runs}
     return with_reference_notes(table, {name: (one.why, one.group_differs)
                                         for name, one in chosen.items()})  # fmt: skip
+
+
+def _precision(precision: str) -> None:
+    """CheckError unless ``precision`` is one a check takes, before any rank runs."""
+    if precision not in terms.PRECISIONS:
+        allowed = ", ".join(terms.PRECISIONS)
+        raise CheckError(f"--precision {precision!r} is not allowed; allowed: {allowed}")
+
+
+def _floor_runs(
+    loss: Recipe,
+    model: measure.ModelFactory,
+    probed: Sequence[measure.Batch],
+    batches: Sequence[measure.Batch],
+    optimizer: Callable[..., Any],
+    seed: int,
+    precision: str,
+    curves: bool,
+) -> tuple[measure.Measured, Trained | None, measure.Measured]:
+    """On one device in ``precision``: the floor's perturbed run (its forward in two row blocks)
+    and, with ``curves``, its training run; and the unperturbed run it is measured against."""
+    (view0, view1), further = probed[0], probed[1:]
+    perturbed = measure.measure(
+        loss, model, view0, view1, seed, False, further, precision, FLOOR_ROW_BLOCKS
+    )
+    trained = (
+        measure.train(loss, model, batches, optimizer, 1, seed, precision=precision,
+                      row_blocks=FLOOR_ROW_BLOCKS)
+        if curves and batches else None
+    )  # fmt: skip
+    one = measure.measure(loss, model, view0, view1, seed, False, further, precision)
+    return perturbed, trained, one
 
 
 def _reference(
@@ -287,17 +367,19 @@ def _reference(
     batches: Sequence[measure.Batch],
     optimizer: Callable[..., Any],
     seed: int,
+    precision: str = terms.Precision.FLOAT64,
 ) -> Reference[tuple[measure.Measured, Trained | None]]:
     """A loss's one-device reference (`reference.choose`): its measurement on the ``probed``
-    batches and, with ``batches`` (the steps), its training run; in this process, so that bad
-    input is found here (CheckError)."""
+    batches and, with ``batches`` (the steps), its training run, in ``precision``; in this
+    process, so that bad input is found here (CheckError)."""
     (view0, view1), further = probed[0], probed[1:]
 
     def reference_run() -> tuple[measure.Measured, Trained | None]:
-        measured = measure.measure(loss, model, view0, view1, seed, False, further)
+        measured = measure.measure(loss, model, view0, view1, seed, False, further, precision)
         if not batches:
             return measured, None
-        return measured, measure.train(loss, model, batches, optimizer, 1, seed)
+        trained = measure.train(loss, model, batches, optimizer, 1, seed, precision=precision)
+        return measured, trained
 
     try:
         return choose(reference_run, loss_differs)
@@ -354,6 +436,7 @@ def check_loss(
     optim: str = defaults.OPTIM,
     seed: int = defaults.SEED,
     collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
+    precision: str = defaults.PRECISION,
     **kwargs: Any,
 ) -> pd.DataFrame:
     """Check a loss on real gloo ranks of the warm worker pool against the same loss on one
@@ -381,6 +464,10 @@ def check_loss(
         collective_timeout_s: how long a rank waits at a collective for its peers to enter it
             before the W fails with a line that names who did not come (docs/design.md §10,
             "Collectives that differ"); the process group's own timeout in the check's jobs.
+        precision: the precision the loss trains in (`gatherlab.core.terms.PRECISIONS`): in a
+            low one, a loss that runs in float64 is judged there and its run in ``precision``
+            measured in floors beside it (the columns of `PRECISION_COLUMNS`); one that cannot
+            is judged in floors of ``precision`` (docs/design.md §2, "Low precision").
         **kwargs: the loss's own keyword arguments (`loss_check` takes them as one mapping, so
             that a key named like a parameter above goes to the loss).
 
@@ -404,7 +491,8 @@ def check_loss(
         ['biased', 'biased']
     """
     return loss_check(factory, world_sizes, kwargs, gather=gather, steps=steps, optim=optim,
-                      seed=seed, collective_timeout_s=collective_timeout_s)  # fmt: skip
+                      seed=seed, collective_timeout_s=collective_timeout_s,
+                      precision=precision)  # fmt: skip
 
 
 # The keyword arguments the check itself passes to a loss (`Recipe.arguments`), each with the
@@ -423,6 +511,7 @@ def loss_check(
     optim: str = defaults.OPTIM,
     seed: int = defaults.SEED,
     collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
+    precision: str = defaults.PRECISION,
 ) -> pd.DataFrame:
     """`check_loss` with the loss's keyword arguments as one mapping, ``kwargs`` (the command
     line's ``--kwargs``): a key named like one of `check_loss`'s parameters (``seed``,
@@ -440,7 +529,7 @@ def loss_check(
     gather_name, gather_fn = _gather(gather, function, name)
     loss = Recipe(function, dict(kwargs), gather_fn, seed)
     with _watching(collective_timeout_s):
-        return _run({name: loss}, gather_name, tuple(world_sizes), steps, optim)
+        return _run({name: loss}, gather_name, tuple(world_sizes), steps, optim, precision)
 
 
 def check_gather(
@@ -451,6 +540,7 @@ def check_gather(
     optim: str = defaults.OPTIM,
     seed: int = defaults.SEED,
     collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
+    precision: str = defaults.PRECISION,
 ) -> pd.DataFrame:
     """Check a gather with gatherlab's three loss styles (local ``ntxent``, global
     ``ntxent_global``, mixed ``vicreg``, `defaults.LossSetting.style_losses`) against one
@@ -464,6 +554,7 @@ def check_gather(
         optim: as in `check_loss`.
         seed: the seed the losses are built with.
         collective_timeout_s: as in `check_loss`.
+        precision: as in `check_loss`.
 
     Returns:
         A pandas DataFrame like `check_loss`'s, for each world size in the order given the three
@@ -488,7 +579,7 @@ def check_gather(
         for name, target, kwargs in defaults.LOSS_SETTING.style_losses
     }
     with _watching(collective_timeout_s):
-        return _run(losses, gather_name, tuple(world_sizes), steps, optim)
+        return _run(losses, gather_name, tuple(world_sizes), steps, optim, precision)
 
 
 # --- the check of a training step (docs/design.md §10) -------------------------------------------

@@ -107,7 +107,11 @@ def _option(doc: str, flag: str | None, group: str = TRAINING, **cli: Any) -> di
     return {"doc": doc, "flag": flag, "group": group, **cli}
 
 
-_TOLERANCES = ", ".join(f"{p} judged to {gradients.TOLERANCE[p]:g}" for p in terms.PRECISIONS)
+_PRECISIONS = (
+    f"{', '.join(terms.PRECISIONS)}: code that runs in float64 is judged there (to "
+    f"{gradients.FLOAT64_TOLERANCE:g}) and its run in this precision measured in floors beside "
+    "it; code that cannot, in floors of this precision (docs/design.md §2, \"Low precision\")"
+)
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,7 @@ class TrainingOptions:
     )
     precision: str = field(
         default=PRECISION,
-        metadata=_option(f"{' or '.join(terms.PRECISIONS)} ({_TOLERANCES})", "--precision"),
+        metadata=_option(_PRECISIONS, "--precision", COMMON),
     )
     seed: int = field(
         default=SEED,

@@ -17,14 +17,22 @@ import torch
 
 from gatherlab.check import hypotheses
 from gatherlab.check.measure import Measured
-from gatherlab.check.table import ALL_PARTS, EXACT, Row, verdict
+from gatherlab.check.table import ALL_PARTS, EXACT, TRAINS_LIKE_ONE_DEVICE, Row, verdict
 from gatherlab.check.where import Departure
-from gatherlab.core import gradients
+from gatherlab.core import floor, gradients
+from gatherlab.core.floor import Floored
 from gatherlab.core.gradients import Classified, Layout
 from gatherlab.core.runfiles import Trained
-from gatherlab.core.terms import DIVERGES, Cause, DepartureKind, Forward, GradientClass
+from gatherlab.core.terms import (
+    DIVERGES,
+    Cause,
+    DepartureKind,
+    Forward,
+    GradientClass,
+    Precision,
+)  # fmt: skip
 
-__all__ = ["Recorded", "judge"]
+__all__ = ["InPrecision", "Recorded", "judge", "with_precision"]
 
 Reproduce = Callable[[], tuple[Cause, float | None]]
 """What reproduces a differing global loss on one device: its cause and, for ``scaled``, c."""
@@ -91,6 +99,70 @@ class Recorded:
     data_differs: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class InPrecision:
+    """A run judged in its own low precision (docs/design.md §2, "Low precision"): ``perturbed``
+    is the same-precision one device with its model's forward in row blocks, whose departure from
+    one device is the floor."""
+
+    precision: str
+    perturbed: Measured | Trained
+    perturbed_curve: Trained | None = None
+    """The perturbed run's training run, for a measured loss's curves (a trained run is its own)."""
+
+    def floored(
+        self,
+        run: Measured | Trained,
+        reference: Measured | Trained,
+        layout: Layout | None,
+        world_size: int,
+        micro_batches: int,
+    ) -> tuple[Floored, dict[str, Floored]]:
+        """The whole first gradient in floors (`floor.classify_floored`), and each part's with
+        its own floor where the gradient has several parts."""
+        mine, theirs, perturbed = _gradient(run), _gradient(reference), _gradient(self.perturbed)
+        whole = floor.classify_floored(
+            mine, theirs, perturbed, self.precision, world_size, micro_batches
+        )
+        if not layout or len(layout) < 2 or len(mine) != len(theirs):
+            return whole, {}
+        parts = [gradients.split(g, layout) for g in (mine, theirs, perturbed)]
+        return whole, {
+            name: floor.classify_floored(
+                parts[0][name], parts[1][name], parts[2][name], self.precision, world_size,
+                micro_batches,
+            )
+            for name in layout
+        }  # fmt: skip
+
+    def tolerance(self, reference: Trained) -> float:
+        """A trained run's tolerance in this precision (losses and weights, absolute): T times
+        the perturbed run's largest departure from one device's, of a step's loss or of a final
+        weight, at least the unit roundoff of the largest loss."""
+        perturbed = self.perturbed if isinstance(self.perturbed, Trained) else self.perturbed_curve
+        assert perturbed is not None, "a measured loss's curves need the perturbed training run"
+        losses = max(abs(a - b) for a, b in zip(perturbed.losses, reference.losses, strict=True))
+        weights = float((perturbed.parameters - reference.parameters).abs().max())
+        least = Precision(self.precision).unit_roundoff * max(map(abs, reference.losses))
+        return floor.FLOOR_THRESHOLD * max(losses, weights, least)
+
+
+def _as_classified(floored: Floored) -> Classified:
+    return Classified(floored.gradient, floored.cosine, floored.norm_ratio, floored.rel_err)
+
+
+def with_precision(rows: list[Row], floored: Floored, judged_in: str) -> list[Row]:
+    """The rows with the low-precision judgement of the whole gradient on the ``all`` row
+    (``precision``, ``floor``, ``floors``, ``in_precision``) and ``judged_in`` on every row: the
+    precision the verdict rests on."""
+    numbers = {"precision": floored.precision, "floor": floored.floor,
+               "floors": floored.floors, "in_precision": floored.verdict}  # fmt: skip
+    return [
+        dataclasses.replace(row, judged_in=judged_in, **(numbers if row.part == ALL_PARTS else {}))
+        for row in rows
+    ]
+
+
 def judge(
     run: Measured | Trained,
     reference: Measured | Trained,
@@ -103,6 +175,7 @@ def judge(
     accumulated: Callable[[], Sequence[float]] | None = None,
     where: Callable[[], Departure | None] | None = None,
     recorded: Recorded | None = None,
+    in_precision: InPrecision | None = None,
 ) -> list[Row]:
     """The rows of a run on ``key.world_size`` ranks (``key.micro_batches`` per rank) against its
     one-device reference: the whole gradient's (``part`` ``all``), then each part's when it has
@@ -124,6 +197,9 @@ def judge(
       check's ``diverges`` says its step in ``departs`` first.
 
     A recorded run (`gatherlab.check.compare`) gives what its recording measured (`Recorded`).
+    A run judged in its own low precision (``in_precision``, `InPrecision`: the code cannot run in
+    float64) has its forward, gradient and curves judged in floors of that precision, and the
+    verdict ``exact within …`` where float64's would be ``exact``.
     """
     recorded = recorded or Recorded()
     classified, unreduced = recorded.classified, recorded.unreduced
@@ -132,6 +208,18 @@ def judge(
     trained = isinstance(run, Trained)
     first, reference_first = _first_loss(run), _first_loss(reference)
     relative_same, loss_diff = gradients.same_forward(first, reference_first)
+    low = None
+    if in_precision is not None:  # the floors of its own precision replace float64's bounds
+        perturbed_first = _first_loss(in_precision.perturbed)
+        relative_same, loss_diff = floor.forward_floored(
+            first, reference_first, perturbed_first, in_precision.precision
+        )
+        if trained:
+            tolerance = in_precision.tolerance(reference)
+        elif curves is not None:
+            tolerance = in_precision.tolerance(curves[1])
+        low = in_precision.floored(run, reference, layout, world_size, micro_batches)
+        classified = _as_classified(low[0]), {k: _as_classified(v) for k, v in low[1].items()}
     same = abs(first - reference_first) <= tolerance if trained else relative_same
     forward = Forward.SAME if same else Forward.DIFFERS
     cause, scale = None, None
@@ -170,6 +258,14 @@ def judge(
         _row(shared, part, numbers, cause=str(Cause.UNREDUCED) if part in unreduced else None)
         for part, numbers in parts.items()
     ]
+    if low is not None:  # exact as far as its precision can tell
+        rows = [
+            dataclasses.replace(r, verdict=floor.within(in_precision.precision))
+            if r.verdict == EXACT else r
+            for r in with_precision(rows, low[0], in_precision.precision)
+        ]  # fmt: skip
+        if rows[0].verdict in TRAINS_LIKE_ONE_DEVICE or where is None:
+            return rows
     if head.verdict == EXACT or where is None:
         return rows
     return _located(rows, where())

@@ -100,26 +100,30 @@ def measure(
     seed: int,
     distributed: bool = False,
     further: Sequence[Batch] = (),
+    precision: str = terms.Precision.FLOAT64,
+    row_blocks: int = 1,
 ) -> Measured:
     """The loss value and parameter gradient (DDP-averaged when ``distributed``) of ``loss`` on
     these views, a zero gradient when no gradient reaches the parameters at all; and the loss on
-    each of the ``further`` batches, forward only, with the same weights."""
-    whole, wrapped = runs_loss.build(loss, model_factory, seed, distributed)
+    each of the ``further`` batches, forward only, with the same weights. In ``precision``
+    (`gatherlab.runs.precision`; the gradient returned in float64 whatever its dtype), the
+    model's forward in ``row_blocks`` row blocks (the floor's perturbation)."""
+    whole, wrapped = runs_loss.build(loss, model_factory, seed, distributed, precision, row_blocks)
     device = world.device()
     view0, view1 = view0.to(device), view1.to(device)
     further = [(other0.to(device), other1.to(device)) for other0, other1 in further]
-    value = runs_loss.value(wrapped, view0.double(), view1.double())
+    value = runs_loss.value(wrapped, view0, view1, precision)
     runs_loss.backward(whole, value, distributed)
     loss_value = float(value.detach())
     del value
     runs_loss.average(whole, distributed)
     with torch.no_grad():
         forwards = tuple(
-            float(runs_loss.value(whole, other0.double(), other1.double()))
-            for other0, other1 in further
+            float(runs_loss.value(whole, other0, other1, precision)) for other0, other1 in further
         )
     parts = layout(whole.named_parameters(), _part_of_loss_check)
-    return Measured(loss_value, flat_gradient(whole.parameters()).cpu(), forwards, parts)
+    gradient = flat_gradient(whole.parameters()).cpu().double()
+    return Measured(loss_value, gradient, forwards, parts)
 
 
 def forward_on_one_device(
@@ -134,7 +138,7 @@ def forward_on_one_device(
         if not built:
             built.append(runs_loss.build(loss, model_factory, seed, distributed=False)[0])
         with torch.no_grad():
-            return float(runs_loss.value(built[0], view0.double(), view1.double()))
+            return float(runs_loss.value(built[0], view0, view1))
 
     return forward
 
@@ -146,6 +150,7 @@ def _on_rank(
     view1: torch.Tensor,
     seed: int,
     further: Sequence[Batch] = (),
+    precision: str = terms.Precision.FLOAT64,
 ) -> dict[Hashable, Measured]:
     """On every rank: its slice of the global batch (and of the ``further`` batches); its local
     losses, and on rank 0 the gradient (after DDP's average it is the same on every rank)."""
@@ -153,7 +158,9 @@ def _on_rank(
     mine = [(other0[rows], other1[rows]) for other0, other1 in further]
     measured = {}
     for cell, loss in cells.items():
-        result = measure(loss, model_factory, view0[rows], view1[rows], seed, True, mine)
+        result = measure(
+            loss, model_factory, view0[rows], view1[rows], seed, True, mine, precision
+        )
         keep = result.gradient if world.rank() == 0 else torch.empty(0)
         measured[cell] = Measured(result.loss, keep, result.forwards, result.parts)
     return measured
@@ -174,7 +181,8 @@ def traced(
     only the loss's own tensors are compared), in this process's group, if any."""
     whole, _ = runs_loss.build(loss, model_factory, seed, distributed=False)
     device = world.device()
-    out0, out1 = whole.model(view0.to(device).double()), whole.model(view1.to(device).double())
+    out0 = whole.model(view0.to(device, torch.float64))
+    out1 = whole.model(view1.to(device, torch.float64))
     modules = [("", whole.loss)]
     before = trace.buffer_state(modules)
     with trace.traced(dict(zip(TRACED_INPUTS, (out0, out1), strict=True))) as tracer:
@@ -243,10 +251,12 @@ def measure_on_ranks(
     seed: int,
     simulated: bool = False,
     further: Sequence[Batch] = (),
+    precision: str = terms.Precision.FLOAT64,
 ) -> dict[Hashable, Measured]:
     """Each cell's global loss (the mean over ranks of the ranks' losses) and DDP's gradient, on
     ``world_size`` ranks of the warm pool (or of the simulated world), each holding its slice of
-    the global batch; and its global loss on each of the ``further`` global batches."""
+    the global batch, in ``precision``; and its global loss on each of the ``further`` global
+    batches."""
     if len(view0) % world_size:
         raise ValueError(f"the global batch of {len(view0)} does not split over {world_size}")
     if simulated:
@@ -254,7 +264,7 @@ def measure_on_ranks(
             require_simulatable(loss)
     ranks = _run(
         world_size, simulated, _on_rank, dict(cells), model_factory, view0, view1, seed,
-        tuple(further),
+        tuple(further), precision,
     )  # fmt: skip
 
     def losses(cell: Hashable) -> list[float]:  # the global loss of each batch, in order
@@ -276,13 +286,18 @@ def train(
     world_size: int,
     seed: int,
     simulated: bool = False,
+    precision: str = terms.Precision.FLOAT64,
+    row_blocks: int = 1,
 ) -> Trained:
     """A training run of the loss form (`gatherlab.runs.loss.Loss`) on these global batches, on
     one device or on ``world_size`` ranks of the warm pool (plain DDP, no Lightning), or of the
-    simulated world. Its ``first_gradient`` is not kept (None); its parameters are the model's,
-    then the loss's own."""
+    simulated world, in ``precision`` (on one device, its forward in ``row_blocks`` row blocks:
+    the floor's perturbation). Its ``first_gradient`` is not kept (None); its parameters are the
+    model's, then the loss's own."""
     form = runs_loss.Loss(loss, model_factory, optimizer, tuple(batches))
-    spec = RunSpec(None, len(batches[0][0]), len(batches), seed, terms.Precision.FLOAT64)
+    spec = RunSpec(
+        None, len(batches[0][0]), len(batches), seed, precision, row_blocks=row_blocks
+    )
     if world_size == 1:
         return form.train_on_rank(spec)
     if simulated:

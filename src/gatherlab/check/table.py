@@ -12,11 +12,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from gatherlab.core import cli, terms
+from gatherlab.core import cli, floor, terms
 from gatherlab.runs.removals import NONE
 
 __all__ = [
-    "ALL_PARTS", "COLUMNS", "COMPARISON_COLUMNS", "EXACT", "MICRO_BATCHES", "REFERENCE",
+    "ALL_PARTS", "COLUMNS", "COMPARISON_COLUMNS", "EXACT", "MICRO_BATCHES", "PRECISION_COLUMNS",
+    "PRECISION_NOTES",
+    "REFERENCE",
     "REFERENCE_NOTES", "TRAINING_COLUMNS", "TRAINS_LIKE_ONE_DEVICE", "TRAIN_COLUMN", "Row",
     "failed_row", "frame", "trains_like_one_device", "verdict", "with_reference_notes",
 ]  # fmt: skip
@@ -109,6 +111,11 @@ class Row:
     first_update: int | float | None = NOT_MEASURED
     first_part: str = ""
     first_loss: float = NOT_MEASURED
+    precision: str = ""
+    judged_in: str = ""
+    floor: float = NOT_MEASURED
+    floors: float = NOT_MEASURED
+    in_precision: str = ""
 
 
 def frame(rows: Sequence[Row], columns: Sequence[str]) -> pd.DataFrame:
@@ -128,9 +135,24 @@ REFERENCE_NOTES = "reference_notes"
 the reference needed a group) and ``group_differs`` (what differs in a one-rank group). Words to
 print only: ``check.csv`` holds the ``reference`` column, not these."""
 
-TRAINS_LIKE_ONE_DEVICE = frozenset({EXACT, terms.LOSS_SCALED})
+TRAINS_LIKE_ONE_DEVICE = frozenset({EXACT, terms.LOSS_SCALED, *floor.WITHIN})
 """The verdicts of a world size that trains like one device: ``loss scaled`` only logs a scaled
-value."""
+value; ``exact within bf16`` (float32, fp16) is as close as a low precision lets a check tell
+(docs/design.md §2, "Low precision")."""
+
+PRECISION_NOTES = "precision_notes"
+"""The key of ``table.attrs`` that holds, per loss (or step) judged in its own low precision
+because it cannot run in float64, that precision; words to print only."""
+
+PRECISION_COLUMNS = ("precision", "judged_in", "floor", "floors", "in_precision")
+"""The columns a check in a low precision adds at the end of its table (docs/design.md §2, "Low
+precision"): ``precision`` the run's (``bf16-mixed``, …), ``judged_in`` the precision its verdict
+rests on (``64-true`` where the code runs in float64, else its own), ``floor`` the relative
+departure of the gradient of one device with its forward in row blocks from one device's, in
+that precision, ``floors`` the W-rank gradient's relative departure from the same-precision one
+device's in floors, ``in_precision`` its verdict in that precision (``exact within bf16`` at most
+`gatherlab.core.floor.FLOOR_THRESHOLD` floors, else its class read at that resolution); the
+last three on the whole gradient's row."""
 
 
 def verdict(

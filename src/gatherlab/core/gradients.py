@@ -65,8 +65,8 @@ def same_forward(loss: float, reference: float) -> tuple[bool, float]:
     return difference <= FLOAT64_TOLERANCE, difference
 
 
-def _near(ratio: float, expected: float) -> bool:
-    return abs(ratio / expected - 1) <= FLOAT64_TOLERANCE
+def _near(ratio: float, expected: float, resolution: float = FLOAT64_TOLERANCE) -> bool:
+    return abs(ratio / expected - 1) <= max(resolution, FLOAT64_TOLERANCE)
 
 
 def cosine_and_norm_ratio(vector: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
@@ -109,11 +109,13 @@ def factors(world_size: int, micro_batches: int = 1) -> dict[str, float]:
     return named
 
 
-def factor_name(ratio: float, world_size: int, micro_batches: int = 1) -> str | None:
-    """The name of the constant factor ``ratio`` on this layout (`factors`, to a relative 1e-10),
-    or None when no name gives it."""
+def factor_name(
+    ratio: float, world_size: int, micro_batches: int = 1, resolution: float = FLOAT64_TOLERANCE
+) -> str | None:
+    """The name of the constant factor ``ratio`` on this layout (`factors`, to a relative 1e-10,
+    or to ``resolution`` when that is coarser), or None when no name gives it."""
     for name, c in factors(world_size, micro_batches).items():
-        if _near(ratio, c):
+        if _near(ratio, c, resolution):
             return name
     return None
 
@@ -126,22 +128,25 @@ def class_of(
     zero_reference: bool,
     world_size: int,
     micro_batches: int = 1,
+    resolution: float = FLOAT64_TOLERANCE,
 ) -> str:
     """The class of a gradient from the numbers it is read from, the one rule of docs/design.md §1
-    for a whole gradient (`classify`) and for one estimated from linear sketches
-    (`classify_sketched`): no gradient on either side ``none``; a gradient where one device has
-    none ``other``; ``rel_err`` (its difference relative to one device's) ≤ 1e-10 ``exact``; a
-    zero gradient ``none``; the same direction (``cosine`` ≥ `PARALLEL_COSINE`) at a named factor
-    ``norm_ratio`` (`factors`) that factor's name; another direction ``biased``; else ``other``
-    (the right direction at a factor no name gives)."""
+    for a whole gradient (`classify`), for one estimated from linear sketches
+    (`classify_sketched`) and for one in a low precision (`classify_floored`): no gradient on
+    either side ``none``; a gradient where one device has none ``other``; ``rel_err`` (its
+    difference relative to one device's) ≤ ``resolution`` (1e-10 in float64) ``exact``; a zero
+    gradient ``none``; the same direction (``cosine`` ≥ `PARALLEL_COSINE`, or 1 − resolution²
+    when that is lower) at a named factor ``norm_ratio`` (`factors`, to the resolution) that
+    factor's name; another direction ``biased``; else ``other`` (the right direction at a factor
+    no name gives)."""
     if zero_reference:  # no gradient on one device either: nothing to compare a direction with
         return GradientClass.NONE if zero_gradient else GradientClass.OTHER
-    if rel_err <= FLOAT64_TOLERANCE:
+    if rel_err <= resolution:
         return GradientClass.EXACT
     if zero_gradient:
         return GradientClass.NONE
-    if cosine >= PARALLEL_COSINE:
-        named = factor_name(norm_ratio, world_size, micro_batches)
+    if cosine >= min(PARALLEL_COSINE, 1 - resolution**2):
+        named = factor_name(norm_ratio, world_size, micro_batches, resolution)
         return GradientClass.OTHER if named is None else named
     return GradientClass.BIASED
 

@@ -20,6 +20,7 @@ __all__ = [
     "FAILED",
     "LOSS_DIFFERS",
     "LOSS_SCALED",
+    "EXACT_PRECISIONS",
     "PRECISIONS",
     "Accelerator",
     "Backend",
@@ -213,20 +214,49 @@ class Accelerator(StrEnum):
 
 
 class Precision(StrEnum):
-    """A run's floating-point precision, by Lightning's name: what its layouts are judged in."""
+    """A run's floating-point precision, by Lightning's name: the dtype its parameters are kept in
+    and, for the ``-mixed`` ones, the dtype ``torch.autocast`` computes its operations in
+    (docs/design.md §2, "Low precision")."""
 
     FLOAT64 = "64-true"
     FLOAT32 = "32-true"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "16-mixed"
+    BF16_TRUE = "bf16-true"
 
     @property
     def dtype_name(self) -> str:
-        """The name of its torch dtype: ``float64`` or ``float32``."""
-        return self.name.lower()
+        """The name of its parameters' torch dtype: ``float64``, ``float32`` (and for the mixed
+        precisions) or ``bfloat16``."""
+        return {Precision.FLOAT64: "float64", Precision.BF16_TRUE: "bfloat16"}.get(self, "float32")
+
+    @property
+    def autocast_dtype_name(self) -> str | None:
+        """The torch dtype ``torch.autocast`` runs its operations in: ``bfloat16`` or ``float16``
+        for a mixed precision, None for the others."""
+        return {Precision.BF16_MIXED: "bfloat16", Precision.FP16_MIXED: "float16"}.get(self)
+
+    @property
+    def word(self) -> str:
+        """How a verdict names it: ``float64``, ``float32``, ``bf16`` or ``fp16``."""
+        return {Precision.FLOAT64: "float64", Precision.FLOAT32: "float32",
+                Precision.FP16_MIXED: "fp16"}.get(self, "bf16")  # fmt: skip
+
+    @property
+    def unit_roundoff(self) -> float:
+        """Half the distance from 1 to the next number of the dtype its operations round to:
+        2^-53, 2^-24, 2^-8 (bf16) or 2^-11 (fp16)."""
+        return {"float64": 2.0**-53, "float32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}[
+            self.word
+        ]
 
 
 PRECISIONS = tuple(Precision)
-"""The precisions whose layouts gatherlab can judge (float64 to 1e-10, float32 to 1e-5: the
-tolerances of `gatherlab.core.gradients.TOLERANCE`)."""
+"""The precisions a check takes (``--precision``): float64 is judged to 1e-10, every other one
+also against a measured floor of its own rounding (docs/design.md §2, "Low precision")."""
+EXACT_PRECISIONS = (Precision.FLOAT64, Precision.FLOAT32)
+"""The precisions a lab run is judged in by a fixed tolerance (float64 1e-10, float32 1e-5:
+`gatherlab.core.gradients.TOLERANCE`)."""
 
 
 class DepartureKind(StrEnum):

@@ -91,10 +91,13 @@ def _validate_layout(cfg: Mapping[str, Any]) -> int:
         raise ConfigError(
             f"layout.accelerator={accelerator!r} is unknown; allowed: {', '.join(ACCELERATORS)}"
         )
-    # Mixed precision rounds too coarsely to tell a bug from noise (gradients.TOLERANCE).
-    if cfg["precision"] not in terms.PRECISIONS:
+    # A sweep's report judges its runs by a fixed tolerance (gradients.TOLERANCE); the floor of
+    # the other precisions is the check's (docs/design.md §2, "Low precision").
+    if cfg["precision"] not in terms.EXACT_PRECISIONS:
+        allowed = ", ".join(terms.EXACT_PRECISIONS)
         raise ConfigError(
-            f"precision={cfg['precision']!r} is not allowed; allowed: {', '.join(terms.PRECISIONS)}"
+            f"precision={cfg['precision']!r} is not allowed; allowed: {allowed} (bf16 and fp16: "
+            "python -m gatherlab.check --precision)"
         )
     launcher = cfg["launcher"]["name"]
     if launcher == terms.Launcher.POOL and accelerator != terms.Accelerator.CPU:

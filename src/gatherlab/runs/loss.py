@@ -19,7 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles
+from gatherlab.core.terms import Precision
 from gatherlab.ranks import collectives, simworld, world
+from gatherlab.runs import precision
 from gatherlab.runs.record import Recorder
 from gatherlab.runs.spec import RunSpec
 
@@ -40,23 +42,32 @@ class Whole(nn.Module):
     """The model and the loss as one module, as the LightningModule holds them: DDP sees one
     forward per backward, and averages the loss's own parameters (a learnt temperature) too."""
 
-    def __init__(self, model: nn.Module, loss: nn.Module):
+    def __init__(self, model: nn.Module, loss: nn.Module, row_blocks: int = 1):
         super().__init__()
-        self.model, self.loss = model, loss
+        self.model, self.loss, self.row_blocks = model, loss, row_blocks
 
     def forward(self, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
-        return self.loss(self.model(view0), self.model(view1))
+        # in row blocks: the floor's perturbation of a low precision (`runs.precision.RowBlocks`)
+        out0 = precision.blocked(self.model, self.row_blocks, view0)
+        return self.loss(out0, precision.blocked(self.model, self.row_blocks, view1))
 
 
 def build(
-    loss: Recipe, model_factory: ModelFactory, seed: int, distributed: bool
+    loss: Recipe,
+    model_factory: ModelFactory,
+    seed: int,
+    distributed: bool,
+    in_precision: str = Precision.FLOAT64,
+    row_blocks: int = 1,
 ) -> tuple[Whole, nn.Module]:
-    """The model (its weights drawn from ``seed``) and the loss as one float64 module on this
-    rank's device, and the module as this rank trains it: in DDP when ``distributed`` on real
-    ranks, bare on one device and on a simulated rank."""
+    """The model (its weights drawn from ``seed``) and the loss as one module on this rank's
+    device, its parameters in ``in_precision``'s dtype (float64 by default), its model's forward
+    in ``row_blocks`` row blocks (the floor's perturbation, `runs.precision.RowBlocks`); and the
+    module as this rank trains it: in DDP when ``distributed`` on real ranks, bare on one device
+    and on a simulated rank."""
     torch.manual_seed(seed)
     model = model_factory()
-    whole = Whole(model, loss()).to(world.device(), torch.float64)  # a rank's GPU on NCCL
+    whole = Whole(model, loss(), row_blocks).to(world.device(), precision.dtype(in_precision))
     # DDP as Lightning configures it (every parameter must get a gradient: ``backward`` checks);
     # a simulated rank averages the gradients itself after its backward (``average``)
     real_ddp = distributed and simworld.size() is None
@@ -91,10 +102,18 @@ def _check_every_parameter_has_a_gradient(whole: nn.Module) -> None:
         )
 
 
-def value(wrapped: nn.Module, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
-    """The loss of two views through ``wrapped``, a scalar; `LossContractError` when it is no
-    finite scalar tensor."""
-    result = wrapped(view0, view1)
+def value(
+    wrapped: nn.Module,
+    view0: torch.Tensor,
+    view1: torch.Tensor,
+    in_precision: str = Precision.FLOAT64,
+) -> torch.Tensor:
+    """The loss of two views through ``wrapped`` in ``in_precision`` (the views put in its dtype,
+    the forward under its autocast), a scalar; `LossContractError` when it is no finite scalar
+    tensor."""
+    wanted = precision.dtype(in_precision)
+    with precision.autocast(in_precision, view0.device):
+        result = wrapped(view0.to(wanted), view1.to(wanted))
     if not isinstance(result, torch.Tensor) or result.numel() != 1:
         shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
         raise LossContractError(
@@ -126,13 +145,15 @@ class Loss:
         model's, then the loss's own)."""
         distributed = world.size() > 1
         rows = world.own_rows(len(self.batches[0][0])) if distributed else slice(None)
-        whole, wrapped = build(self.loss, self.model, spec.seed, distributed)
+        whole, wrapped = build(
+            self.loss, self.model, spec.seed, distributed, spec.precision, spec.row_blocks
+        )
         step = self.optimizer(whole.parameters())
         recorder = Recorder()
         device = world.device()
         for index, (view0, view1) in enumerate(self.batches[: spec.steps]):
             step.zero_grad()
-            loss = value(wrapped, view0[rows].to(device).double(), view1[rows].to(device).double())
+            loss = value(wrapped, view0[rows].to(device), view1[rows].to(device), spec.precision)
             backward(whole, loss, distributed)
             recorder.loss(loss, index, world.rank())
             del loss

@@ -42,13 +42,17 @@ class RunSpec:
     """The seed of the initial weights, the data order and every process's global random
     streams: the same on every rank and on one device."""
     precision: str
-    """Lightning's precision name (``"64-true"`` or ``"32-true"``, `core.terms.Precision`)."""
+    """Lightning's precision name (``"64-true"``, ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``
+    or ``"bf16-true"``, `core.terms.Precision`)."""
     removals: Removals = field(default_factory=Removals)
     """The removals made on the module and the data set (docs/design.md §10)."""
     shuffle: bool = True
     """Whether the global batches are drawn in a seeded random order (else in index order)."""
     micro_batches: int = 1
     """K, the micro-batches of each rank's update (the whole-update form only; 1 for others)."""
+    row_blocks: int = 1
+    """The model's forward in this many row blocks on one device (`runs.precision.RowBlocks`):
+    the perturbation a low precision's floor is measured with (docs/design.md §2)."""
 
 
 @runtime_checkable

@@ -1,0 +1,139 @@
+"""A low precision judged against a measured floor, written once (docs/design.md §2, "Low
+precision"): the floor, the score, the class read at the floor's resolution, the verdict word
+and the power of the judgement.
+
+In float32, bf16 or fp16 a W-rank run never equals one device to float64's 1e-10: every sum over
+rows that the ranks split rounds differently. Its departure from the **same-precision** one-device
+run is therefore measured in units of a **floor**: the departure of a perturbation of one device
+that adds rounding of the same kind and changes nothing mathematically, its model's forward in two
+row blocks (`gatherlab.runs.precision.RowBlocks`). ``score = ‖g_W − g₁‖ / ‖g_split − g₁‖``; a run
+with a score ≤ `FLOOR_THRESHOLD` is as close to one device as its precision allows (``exact
+within bf16``); beyond it, its class is read as in float64 with the floor's resolution, T · floor,
+in place of 1e-10. The smallest departure the judgement sees is that resolution, its **power**.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, NamedTuple
+
+from gatherlab.core.terms import GradientClass, Precision
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "FLOOR_THRESHOLD", "WITHIN", "Floored", "classify_floored", "floor_of", "forward_floored",
+    "power_words", "relative", "within",
+]  # fmt: skip
+
+FLOOR_THRESHOLD = 3.0
+"""The most floors a W-rank run may depart from one device and still be ``exact within`` its
+precision: exact runs measured at most 1.5 (MLP + NT-Xent, global batch 64, 10 seeds, W = 2, 4, 8,
+float32, bf16 and fp16; `experiments/precision.py`), the old gather, local negatives and naive
+accumulation at least 8 (docs/design.md §2, "Low precision")."""
+
+
+def within(precision: str) -> str:
+    """The verdict of a run as close to one device as ``precision`` allows: ``exact within
+    bf16`` (``float32``, ``fp16``)."""
+    return f"exact within {Precision(precision).word}"
+
+
+WITHIN = frozenset(within(p) for p in Precision if p != Precision.FLOAT64)
+"""The verdicts ``exact within float32``, ``exact within bf16`` and ``exact within fp16``."""
+
+
+def relative(vector: torch.Tensor, reference: torch.Tensor) -> float:
+    """‖vector − reference‖ / ‖reference‖ in float64 (NaN for a zero reference)."""
+    import torch
+
+    vector, reference = vector.double(), reference.double()
+    norm = float(torch.linalg.vector_norm(reference))
+    difference = float(torch.linalg.vector_norm(vector - reference))
+    return difference / norm if norm > 0 else math.nan
+
+
+def floor_of(perturbed: float, precision: str) -> float:
+    """The floor from the perturbation's measured relative departure: itself, or the precision's
+    unit roundoff where the perturbation changed no bit (a floor of 0 would make every rounding a
+    departure)."""
+    return perturbed if perturbed > 0 else Precision(precision).unit_roundoff
+
+
+class Floored(NamedTuple):
+    """A gradient in a low precision against the same-precision one device's, in floors:
+    ``gradient`` its class read at the floor's resolution (`classify_floored`), ``verdict``
+    ``exact within …`` for an exact class, else the class; ``floor`` the perturbation's relative
+    departure, ``floors`` the run's relative departure ``rel_err`` in floors; ``cosine`` and
+    ``norm_ratio`` against one device's."""
+
+    precision: str
+    gradient: str
+    verdict: str
+    floor: float
+    floors: float
+    cosine: float
+    norm_ratio: float
+    rel_err: float
+
+    @property
+    def power(self) -> float:
+        """The smallest relative departure of the gradient this judgement sees: T · floor."""
+        return FLOOR_THRESHOLD * self.floor
+
+
+def classify_floored(
+    gradient: torch.Tensor,
+    reference: torch.Tensor,
+    perturbed: torch.Tensor,
+    precision: str,
+    world_size: int,
+    micro_batches: int = 1,
+) -> Floored:
+    """``gradient`` (W ranks, in ``precision``) against ``reference`` (one device, the same
+    precision) in units of the floor that ``perturbed`` (one device in row blocks) measures; its
+    class by `gradients.class_of` at the resolution T · floor."""
+    import torch
+
+    from gatherlab.core.gradients import class_of, cosine_and_norm_ratio
+
+    gradient, reference = gradient.double(), reference.double()
+    floor = floor_of(relative(perturbed, reference), precision)
+    zero_reference = float(torch.linalg.vector_norm(reference)) == 0
+    zero_gradient = not bool(gradient.abs().max() > 0) if gradient.numel() else True
+    if zero_reference:
+        measured = class_of(math.nan, math.nan, math.nan, zero_gradient, True, world_size)
+        return Floored(precision, measured, measured, floor, math.nan, math.nan, math.nan,
+                       math.nan)  # fmt: skip
+    rel_err = relative(gradient, reference)
+    cosine, norm_ratio = cosine_and_norm_ratio(gradient, reference)
+    resolution = FLOOR_THRESHOLD * floor
+    measured = class_of(
+        cosine, norm_ratio, rel_err, zero_gradient, False, world_size, micro_batches, resolution
+    )
+    verdict = within(precision) if measured == GradientClass.EXACT else measured
+    return Floored(precision, measured, verdict, floor, rel_err / floor, cosine, norm_ratio,
+                   rel_err)  # fmt: skip
+
+
+def forward_floored(
+    loss: float, reference: float, perturbed: float, precision: str
+) -> tuple[bool, float]:
+    """Whether a global loss in a low precision is the same-precision one device's to T floors
+    (the floor: the perturbation's relative difference, at least the unit roundoff), and its
+    relative difference."""
+    scale = max(abs(reference), 1e-300)
+    floor = max(abs(perturbed - reference) / scale, Precision(precision).unit_roundoff)
+    difference = abs(loss - reference) / scale
+    return difference <= FLOOR_THRESHOLD * floor, difference
+
+
+def power_words(floored: Floored) -> str:
+    """What a low-precision judgement cannot see, in one sentence."""
+    word = Precision(floored.precision).word
+    return (
+        f"in {word} this check detects departures of the gradient of ~{floored.power:.1e} "
+        f"(relative) and larger ({FLOOR_THRESHOLD:g} floors of {floored.floor:.1e}); run in "
+        "float64 to see smaller ones"
+    )
