@@ -299,6 +299,7 @@ def _run(
             reference, reference_trained = chosen[name].value
             in_group = chosen[name].in_group
             own = low and judged_in[name] == precision
+            floored_here = judge_module.InPrecision(precision, *floors[name][:2]) if own else None
             judged = judge(
                 measured[name], reference, key(name, world_size),
                 curves=(trained[name], reference_trained) if steps else None,
@@ -309,12 +310,15 @@ def _run(
                 where=None if own else functools.partial(
                     _located, loss, model, (view0, view1), world_size, cfg.seed, in_group
                 ),
-                in_precision=judge_module.InPrecision(precision, *floors[name][:2]) if own else None,
+                in_precision=floored_here,
             )  # fmt: skip
             if low and not own:  # float64 judges; the run in its precision measured beside it
                 one, perturbed = floors[name][2], floors[name][0]
                 floored = floor.classify_floored(
-                    in_low[name].gradient, one.gradient, perturbed.gradient, precision,
+                    in_low[name].gradient,
+                    one.gradient,
+                    perturbed.gradient,
+                    precision,
                     world_size,
                 )
                 judged = judge_module.with_precision(judged, floored, judged_in[name])

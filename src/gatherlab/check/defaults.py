@@ -110,7 +110,7 @@ def _option(doc: str, flag: str | None, group: str = TRAINING, **cli: Any) -> di
 _PRECISIONS = (
     f"{', '.join(terms.PRECISIONS)}: code that runs in float64 is judged there (to "
     f"{gradients.FLOAT64_TOLERANCE:g}) and its run in this precision measured in floors beside "
-    "it; code that cannot, in floors of this precision (docs/design.md §2, \"Low precision\")"
+    'it; code that cannot, in floors of this precision (docs/design.md §2, "Low precision")'
 )
 
 

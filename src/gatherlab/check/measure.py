@@ -158,9 +158,7 @@ def _on_rank(
     mine = [(other0[rows], other1[rows]) for other0, other1 in further]
     measured = {}
     for cell, loss in cells.items():
-        result = measure(
-            loss, model_factory, view0[rows], view1[rows], seed, True, mine, precision
-        )
+        result = measure(loss, model_factory, view0[rows], view1[rows], seed, True, mine, precision)
         keep = result.gradient if world.rank() == 0 else torch.empty(0)
         measured[cell] = Measured(result.loss, keep, result.forwards, result.parts)
     return measured
@@ -295,9 +293,7 @@ def train(
     the floor's perturbation). Its ``first_gradient`` is not kept (None); its parameters are the
     model's, then the loss's own."""
     form = runs_loss.Loss(loss, model_factory, optimizer, tuple(batches))
-    spec = RunSpec(
-        None, len(batches[0][0]), len(batches), seed, precision, row_blocks=row_blocks
-    )
+    spec = RunSpec(None, len(batches[0][0]), len(batches), seed, precision, row_blocks=row_blocks)
     if world_size == 1:
         return form.train_on_rank(spec)
     if simulated:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from gatherlab.core import cli, imports
 from gatherlab.core.terms import Precision
 
 __all__ = [
-    "FLOOR_ROW_BLOCKS", "InFloat64", "RowBlocks", "autocast", "blocked", "dtype", "in_float64", "rows_of_batch",
+    "FLOOR_ROW_BLOCKS", "InFloat64", "RowBlocks", "autocast", "blocked", "dtype", "in_float64",
+    "rows_of_batch",
 ]  # fmt: skip
 
 
@@ -99,7 +101,7 @@ def blocked(function: Any, blocks: int, *args: Any, **kwargs: Any) -> Any:
     if blocks == 1 or rows is None or rows < blocks:
         return function(*args, **kwargs)
     bounds = [rows * b // blocks for b in range(blocks + 1)]
-    parts = [slice(start, stop) for start, stop in zip(bounds, bounds[1:], strict=False)]
+    parts = [slice(start, stop) for start, stop in itertools.pairwise(bounds)]
     outputs = [function(*_block(args, rows, p), **_block(kwargs, rows, p)) for p in parts]
     return _joined(outputs)
 
