@@ -4,6 +4,7 @@ functions `gatherlab.check` exports (docs/design.md §6, §10)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import sys
@@ -36,7 +37,7 @@ from gatherlab.gather import GatherFn
 from gatherlab.ranks import collectives, pool
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import removals
-from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, in_float64
+from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64
 from gatherlab.runs.spec import RunSpec
 
 # The loss styles of docs/design.md §1, one loss each, for checking a gather.
@@ -673,6 +674,7 @@ def check_training(
             "update's (--update); allowed: --update with them, or 1"
         )
     applying, layout = _validated(setting, world_sizes, options.loss_attr, micro_batches)
+    setting, watched = _in_precision(setting)
     with warnings_once(), _watching(options.collective_timeout_s):
         try:  # one device, in this process: a training_step without a loss is found here
             first = training.first_reference(setting)
@@ -680,6 +682,8 @@ def check_training(
             raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
         table = training.check(setting, world_sizes, applying, first, layout, micro_batches)
     table.attrs["trained"] = setting.label  # the diagnosis's advice depends on the form
+    if setting.low is not None:
+        table.attrs[PRECISION_NOTES] = {setting.name: _precision_words(setting, watched)}
     blamed = table.loc[table["culprits"].str.contains(terms.Culprit.LOSS), "world_size"]
     if options.loss_attr is not None and len(blamed):
         loss = AttributeOf(setting.built, options.loss_attr)
@@ -688,6 +692,46 @@ def check_training(
             collective_timeout_s=options.collective_timeout_s,
         )  # fmt: skip
     return table
+
+
+def _in_precision(setting: Any) -> tuple[Any, InFloat64]:
+    """The setting with the precision its verdict rests on and the low precision measured in
+    floors (`floor.judged_in`), from its first step run in float64 on one device
+    (``training.float64_watch``); CheckError for a LightningModule that cannot run in float64 in
+    a low precision (its forward is Lightning's to call: it cannot be split into row blocks from
+    outside, so no floor is measured for it)."""
+    from gatherlab.check import training
+
+    requested = setting.spec.precision
+    try:
+        watched = choose(lambda: training.float64_watch(setting)).value
+    except Exception as error:  # the step raises even in a one-rank group: the reference says so
+        watched = InFloat64(f"in float64 it raises {cli.error_line(error)}", None)
+    judged, low = floor.judged_in(requested, watched.runs, watched.autocast)
+    if setting.form.option == "--module" and low is not None:
+        if judged != terms.Precision.FLOAT64:
+            raise CheckError(
+                f"{setting.label} cannot run in float64 ({watched.lower}), and a LightningModule's "
+                f"floor in {low} is not measured; allowed: a module that runs in float64, or its "
+                "step as --step or --update"
+            )
+        low = None  # judged in float64; no floor for a LightningModule
+    spec = dataclasses.replace(setting.spec, precision=judged)
+    return dataclasses.replace(setting, spec=spec, low=low), watched
+
+
+def _precision_words(setting: Any, watched: InFloat64) -> str:
+    """Why a check is judged in the precision it is, for the printed text."""
+    word = terms.Precision(setting.low).word
+    if setting.in_own_precision:
+        return (
+            f"it cannot run in float64 ({watched.lower}): judged in {word} against a measured floor"
+        )
+    asked = f"its own torch.autocast asks for {watched.autocast}; " if watched.autocast else ""
+    return (
+        f"{asked}it runs in float64, which judges it (autocast leaves float64 alone); its {word} "
+        "run is measured in floors beside it"
+    )
 
 
 def _training_setting(options: defaults.TrainingOptions) -> Any:

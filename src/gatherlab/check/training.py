@@ -25,10 +25,11 @@ import pandas as pd
 import torch
 
 from gatherlab.check import measure, where
-from gatherlab.check.judge import judge
+from gatherlab.check.judge import InPrecision, judge, with_precision
 from gatherlab.check.reference import Reference, choose, one_device, training_differs
 from gatherlab.check.table import (
     EXACT,
+    PRECISION_COLUMNS,
     TRAINING_COLUMNS,
     TRAINS_LIKE_ONE_DEVICE,
     Row,
@@ -37,13 +38,14 @@ from gatherlab.check.table import (
     with_reference_notes,
 )  # fmt: skip
 from gatherlab.components.factory import Recipe
-from gatherlab.core import cli, gradients, terms
+from gatherlab.core import cli, floor, gradients, terms
 from gatherlab.core.runfiles import Trained
 from gatherlab.core.terms import Culprit
 from gatherlab.ranks.external import ranks_for
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import plainstep, removals
 from gatherlab.runs import update as update_form
+from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64
 from gatherlab.runs.spec import RunSpec, StepForm, TracedForm
 
 __all__ = [
@@ -61,6 +63,16 @@ class Setting:
     form: StepForm
     spec: RunSpec
     name: str
+    low: str | None = None
+    """A low precision its run is measured in, in floors (docs/design.md §2, "Low precision"):
+    beside the verdict when ``spec.precision`` is float64, the verdict's own when it is the
+    same; None: none."""
+
+    @property
+    def in_own_precision(self) -> bool:
+        """Whether the verdict rests on a low precision's floors (the code cannot run in
+        float64)."""
+        return self.low is not None and self.low == self.spec.precision
 
     @property
     def update(self) -> update_form.Update | None:
@@ -113,7 +125,7 @@ def validate(
     module's gradient (`parts`). A whole update is also run once on one device with each number
     of micro-batches (`update_form.UpdateBroken` otherwise), and W = 1 is a layout of its own."""
     spec = setting.spec
-    if spec.precision not in terms.PRECISIONS:
+    if spec.precision not in terms.PRECISIONS:  # checked again: the Python API's too
         allowed = ", ".join(terms.PRECISIONS)
         raise ValueError(f"--precision {spec.precision!r} is not allowed; allowed: {allowed}")
     for key, value, minimum in (
@@ -147,12 +159,17 @@ def validate(
 
 
 def _train(
-    setting: Setting, removed: str, world_size: int, in_group: bool = False, micro_batches: int = 1
+    setting: Setting,
+    removed: str,
+    world_size: int,
+    in_group: bool = False,
+    micro_batches: int = 1,
+    **changes: Any,
 ) -> Trained:
     """The run that makes the removals ``removed`` names on one device (in this process; in a
     one-rank process group with ``in_group``) or on W ranks of the pool; a whole update with
-    ``micro_batches`` per rank."""
-    spec = setting.run_spec(removed, micro_batches=micro_batches)
+    ``micro_batches`` per rank; ``changes`` to its spec (another precision, row blocks)."""
+    spec = setting.run_spec(removed, micro_batches=micro_batches, **changes)
     if world_size == 1:
         with one_device(in_group):  # as the reference ran (`first_reference`)
             return setting.form.train_on_rank(spec)
@@ -201,14 +218,15 @@ def _culprits(
     of them together do, all of them; when all of them leave it inexact, ``step_randomness`` if
     the step draws from the global random streams (``step_random``), else ``loss``."""
     kept = verdicts[removals.NONE]
-    found = [r for r in applying if verdicts[r] == EXACT or verdicts[r] != kept]
+    exact = {EXACT, *floor.WITHIN}  # exact as far as the run's precision tells
+    found = [r for r in applying if verdicts[r] in exact or verdicts[r] != kept]
     if len(applying) > 1:
         everything = verdicts[removals.ALL]
     else:
         everything = verdicts[applying[0]] if applying else kept
-    if not found and everything == EXACT:
+    if not found and everything in exact:
         found = list(applying)
-    if everything != EXACT:
+    if everything not in exact:
         found.append(Culprit.STEP_RANDOMNESS if step_random else Culprit.LOSS)
     return found
 
@@ -229,8 +247,7 @@ def step_draws_randomness(setting: Setting, in_group: bool = False) -> bool:
         for streams in (1, 2):
             module = setting.checked(recipe())
             removals.Removals.named(removals.Removal.DROPOUT).apply(module)
-            if spec.precision == terms.Precision.FLOAT64:
-                module = module.double()
+            module = plainstep.built_in(module, spec.precision)
             plainstep.seed_processes(spec.seed + streams)
             try:
                 output = setting.form.one_step(module, batch)
@@ -252,7 +269,7 @@ def first_reference(setting: Setting) -> Reference[Trained]:
     without a process group, or in a one-rank group when the step raises without one; when both
     run, what differs between them (`reference.training_differs`, to the precision's
     tolerance)."""
-    tolerance = gradients.TOLERANCE[setting.spec.precision]
+    tolerance = gradients.tolerance(setting.spec.precision)
     return choose(
         lambda: _train(setting, removals.NONE, 1),
         lambda grouped, plain: training_differs(grouped, plain, tolerance),
@@ -274,7 +291,7 @@ def located(setting: Setting, world_size: int, in_group: bool) -> where.Departur
     with one_device(in_group):
         one = setting.form.trace_on_rank(setting.spec)
     spec = setting.spec
-    tolerance = gradients.TOLERANCE[spec.precision]
+    tolerance = gradients.tolerance(spec.precision)
     return where.departure(one, ranks, world_size, spec.global_batch_size, tolerance)
 
 
@@ -311,6 +328,63 @@ def micro_negatives(setting: Setting, world_size: int, k: int, in_group: bool) -
     return values
 
 
+class _Floors:
+    """A check's runs in its low precision (``setting.low``), each trained once: on one device,
+    and with its forward in row blocks, the floor's perturbation (per removal), and the W-rank
+    run measured in floors beside a float64 verdict (docs/design.md §2, "Low precision")."""
+
+    def __init__(self, setting: Setting, in_group: bool) -> None:
+        self.setting, self.in_group = setting, in_group
+        self._perturbed: dict[str, Trained] = {}
+        self._one: Trained | None = None
+
+    def perturbed(self, removed: str) -> Trained:
+        """One device in the low precision with its forward in row blocks, the removals
+        ``removed`` names made."""
+        if removed not in self._perturbed:
+            self._perturbed[removed] = _train(
+                self.setting, removed, 1, self.in_group, precision=self.setting.low,
+                row_blocks=FLOOR_ROW_BLOCKS,
+            )  # fmt: skip
+        return self._perturbed[removed]
+
+    def beside(self, world_size: int, k: int) -> floor.Floored:
+        """The run without removals on (W, K) in the low precision, against one device in it,
+        in floors."""
+        low = self.setting.low
+        if self._one is None:
+            self._one = _train(self.setting, removals.NONE, 1, self.in_group, precision=low)
+        run = _train(self.setting, removals.NONE, world_size, self.in_group, k, precision=low)
+        return floor.classify_floored(
+            run.first_gradient, self._one.first_gradient,
+            self.perturbed(removals.NONE).first_gradient, low, world_size, k,
+        )  # fmt: skip
+
+
+def float64_watch(setting: Setting, in_group: bool = False) -> InFloat64:
+    """Whether the step runs in float64 (`runs.precision.in_float64`): its first step on one
+    device (in a one-rank group with ``in_group``), the module and the batch in float64, under a
+    watch of its operations; the autocast its own code enables, if any."""
+    spec = setting.spec
+    data = spec.data()
+    collate = setting.form.collate(data)
+    batch = plainstep.as_precision(
+        plainstep.first_batch(data, spec, collate), terms.Precision.FLOAT64
+    )
+    module = setting.checked(setting.built()).double()
+    plainstep.seed_processes(spec.seed)
+
+    def once() -> None:
+        output = setting.form.one_step(module, batch)
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
+
+    with one_device(in_group), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log outside a Trainer
+        return in_float64(once)
+
+
 def layouts(world_sizes: Sequence[int], micro_batches: Sequence[int]) -> list[tuple[int, int]]:
     """The (W, K) layouts of a check, W major: every world size with every number of micro-batches,
     but (1, 1), the reference itself."""
@@ -333,11 +407,13 @@ def check(
     ``first`` is the 1-device run without removals as `first_reference` chose it (made here when
     None); the runs with removals on one device run as it ran, and its notes go to
     ``table.attrs`` (`table.with_reference_notes`)."""
-    tolerance = gradients.TOLERANCE[setting.spec.precision]
+    tolerance = gradients.tolerance(setting.spec.precision)
     first = first_reference(setting) if first is None else first
     references = {removals.NONE: first.value}
     mode = str(first.mode)
     rows: list[Row] = []
+    floors = _Floors(setting, first.in_group)
+    own = setting.in_own_precision
 
     def judged(removed: str, world_size: int, k: int) -> list[Row]:
         if removed not in references:
@@ -345,15 +421,19 @@ def check(
         run = _train(setting, removed, world_size, first.in_group, k)
         kept = removed == removals.NONE  # only the run without removals is explained further
         accumulated = kept and setting.update is not None and k > 1
-        located_here = kept and world_size > 1
-        return judge(
+        located_here = kept and world_size > 1 and not own  # traces compare to float64's bound
+        rows = judge(
             run, references[removed], key(removed, world_size, k),
             tolerance=tolerance, layout=layout or {},
             accumulated=functools.partial(micro_negatives, setting, world_size, k, first.in_group)
             if accumulated else None,
             where=functools.partial(located, setting, world_size, first.in_group)
             if located_here else None,
+            in_precision=InPrecision(setting.low, floors.perturbed(removed)) if own else None,
         )  # fmt: skip
+        if kept and setting.low is not None and not own:  # its low-precision run beside it
+            rows = with_precision(rows, floors.beside(world_size, k), setting.spec.precision)
+        return rows
 
     def key(removed: str, world_size: int, k: int) -> Row:
         return Row(setting.name, "native", world_size, mode, micro_batches=k, removed=removed)
@@ -373,5 +453,5 @@ def check(
         exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
         culprits = ";".join([] if exact else _culprits(verdicts, applying, step_random()))
         rows += [dataclasses.replace(r, culprits=culprits) for r in [*kept, *measured[1:]]]
-    table = frame(rows, TRAINING_COLUMNS)
+    table = frame(rows, TRAINING_COLUMNS + (PRECISION_COLUMNS if setting.low else ()))
     return with_reference_notes(table, {setting.name: (first.why, first.group_differs)})

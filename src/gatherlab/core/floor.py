@@ -137,3 +137,21 @@ def power_words(floored: Floored) -> str:
         f"(relative) and larger ({FLOOR_THRESHOLD:g} floors of {floored.floor:.1e}); run in "
         "float64 to see smaller ones"
     )
+
+
+def judged_in(
+    requested: str, runs_in_float64: bool, autocast: str | None
+) -> tuple[str, str | None]:
+    """The precision a check's verdict rests on, and the low precision measured in floors (None:
+    none), for code asked to run in ``requested``: float64 judges code that runs in it, and its
+    run in ``requested`` (or in the dtype its own ``torch.autocast`` asks for) is measured beside
+    it; code that cannot run in float64 is judged in its own precision, ``requested`` or, asked
+    for float64, float32 (docs/design.md §2, "Low precision")."""
+    own = {"bfloat16": Precision.BF16_MIXED, "float16": Precision.FP16_MIXED}.get(autocast or "")
+    if requested == Precision.FLOAT64:
+        low = own if runs_in_float64 else (own or Precision.FLOAT32)
+    else:
+        low = Precision(requested)
+    if runs_in_float64:
+        return str(Precision.FLOAT64), None if low is None else str(low)
+    return str(low), str(low)

@@ -30,6 +30,7 @@ __all__ = [
     "FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "PARALLEL_COSINE", "SINGLE_FACTORS", "TOLERANCE",
     "Classified", "Layout", "class_of", "classify", "classify_parts", "classify_sketched",
     "cosine_and_norm_ratio", "factor_name", "factors", "same_forward", "single_factors", "split",
+    "tolerance",
 ]  # fmt: skip
 
 # Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
@@ -42,6 +43,13 @@ FLOAT32_TOLERANCE = 1e-5
 """The float32 bound of docs/design.md §2 (a training run's losses and weights, absolute)."""
 TOLERANCE = {Precision.FLOAT64: FLOAT64_TOLERANCE, Precision.FLOAT32: FLOAT32_TOLERANCE}
 """Per precision, the largest |Δloss| and |Δparameter| of a run that matches its reference."""
+
+
+def tolerance(precision: str) -> float:
+    """A fixed absolute bound of ``precision`` (`TOLERANCE`; for bf16 and fp16, 16 units of
+    roundoff), where a check compares two runs of one device: a layout of W ranks is judged in
+    those precisions against a measured floor instead (`gatherlab.core.floor`)."""
+    return TOLERANCE.get(precision, 16 * Precision(precision).unit_roundoff)
 PARALLEL_COSINE = 1 - 1e-12
 """The cosine at and above which a gradient has one device's direction."""
 

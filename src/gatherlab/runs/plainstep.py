@@ -28,12 +28,14 @@ from gatherlab.components.data import GlobalBatchSampler
 from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles, terms
 from gatherlab.ranks import collectives, world
+from gatherlab.runs import precision as runs_precision
 from gatherlab.runs import removals, trace
 from gatherlab.runs.record import Recorder
 from gatherlab.runs.spec import RunSpec
 
 __all__ = [
-    "PlainModel", "Step", "as_precision", "build", "checked_model", "data_size", "first_batch",
+    "PlainModel", "Step", "as_precision", "build", "built_in", "checked_model", "data_size",
+    "first_batch",
     "rank_batches", "seed_processes", "step_loss", "wrapped_for_rank",
 ]  # fmt: skip
 
@@ -89,13 +91,15 @@ class Step(PlainModel):
         device = world.device()  # a rank's own GPU in an NCCL group, else the CPU
         model = build(self, spec.removals, spec.precision).to(device)
         data = spec.data()
-        wrapped = wrapped_for_rank(model, device)
+        wrapped = wrapped_for_rank(model, device, spec.row_blocks)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
         recorder = Recorder(keep_first_gradient=True)
         seed_processes(spec.seed)
         for index, batch in enumerate(rank_batches(data, spec)):
             optimizer.zero_grad()
-            loss = step_loss(self.step(wrapped, as_precision(batch, spec.precision, device)))
+            with runs_precision.autocast(spec.precision, device):
+                output = self.step(wrapped, as_precision(batch, spec.precision, device))
+            loss = step_loss(output)
             recorder.loss(loss, index, world.rank())
             loss.backward()
             recorder.gradient(model.parameters(), index, world.rank())
@@ -186,14 +190,29 @@ def build(step: Step, removed: removals.Removals, precision: str) -> nn.Module:
             "torch.nn.Module"
         )
     removed.apply(model)
-    return model.double() if precision == terms.Precision.FLOAT64 else model
+    return built_in(model, precision)
+
+
+def built_in(model: nn.Module, precision: str) -> nn.Module:
+    """The model in the run's precision: converted for ``64-true`` and ``bf16-true``, as built
+    for the others (`_converted`)."""
+    return model.to(_converted(precision)) if _converted(precision) else model
+
+
+def _converted(precision: str) -> torch.dtype | None:
+    """The dtype a run converts the model and the batch to, as Lightning's ``64-true`` and
+    ``bf16-true`` do; None where they stay as built (float32 and the mixed precisions, whose
+    autocast decides each operation's dtype)."""
+    if precision in (terms.Precision.FLOAT64, terms.Precision.BF16_TRUE):
+        return runs_precision.dtype(precision)
+    return None
 
 
 def as_precision(batch: Any, precision: str, device: torch.device | None = None) -> Any:
-    """The batch with its floating tensors in the run's precision (as Lightning's 64-true does),
-    every tensor on ``device`` when one is given."""
+    """The batch with its floating tensors in the run's precision (as Lightning's 64-true and
+    bf16-true do), every tensor on ``device`` when one is given."""
     if isinstance(batch, torch.Tensor):
-        wanted = torch.float64 if precision == terms.Precision.FLOAT64 else batch.dtype
+        wanted = _converted(precision) or batch.dtype
         batch = batch.to(wanted) if batch.is_floating_point() else batch
         return batch if device is None else batch.to(device)
     if isinstance(batch, tuple | list):
@@ -203,11 +222,12 @@ def as_precision(batch: Any, precision: str, device: torch.device | None = None)
     return batch
 
 
-def wrapped_for_rank(model: nn.Module, device: torch.device) -> nn.Module:
+def wrapped_for_rank(model: nn.Module, device: torch.device, row_blocks: int = 1) -> nn.Module:
     """The model as this rank trains it: in ``DistributedDataParallel`` over the rank's process
-    group when there is one (on the rank's own GPU in an NCCL group), bare on one device."""
+    group when there is one (on the rank's own GPU in an NCCL group), bare on one device (its
+    forward in ``row_blocks`` row blocks, the floor's perturbation, `runs.precision.RowBlocks`)."""
     if world.size() == 1:
-        return model
+        return model if row_blocks == 1 else runs_precision.RowBlocks(model, row_blocks)
     on_gpu = device.type == terms.Device.CUDA
     ddp = DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
     return collectives.visible(ddp)  # its all-reduce seen by the check's watch

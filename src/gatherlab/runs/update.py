@@ -25,6 +25,7 @@ from torch import nn
 from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles
 from gatherlab.ranks import world
+from gatherlab.runs import precision as runs_precision
 from gatherlab.runs import removals
 from gatherlab.runs.plainstep import (
     PlainModel,
@@ -71,7 +72,7 @@ class Update(PlainModel):
         device = world.device()
         model = build(self, spec.removals, spec.precision).to(device)
         data = spec.data()
-        wrapped = wrapped_for_rank(model, device)
+        wrapped = wrapped_for_rank(model, device, spec.row_blocks)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
         recorder = Recorder(keep_first_gradient=True)
         seen = _Steps(model, recorder)
@@ -81,8 +82,10 @@ class Update(PlainModel):
             for index, batch in enumerate(rank_batches(data, spec)):
                 optimizer.zero_grad(set_to_none=True)
                 seen.count, seen.without_gradient, seen.update = 0, False, index
-                loss = self.update(wrapped, optimizer, as_precision(batch, spec.precision, device),
-                                   spec.micro_batches)  # fmt: skip
+                with runs_precision.autocast(spec.precision, device):
+                    loss = self.update(wrapped, optimizer,
+                                       as_precision(batch, spec.precision, device),
+                                       spec.micro_batches)  # fmt: skip
                 _honest(seen, spec.micro_batches)
                 value = (
                     loss
@@ -149,5 +152,6 @@ def first_loss(update: Update, batch: Any, seed: int, precision: str) -> float:
     model = build(update, removals.Removals(), precision).to(world.device())
     optimizer = update.optimizer(model.parameters(), **update.optimizer_kwargs)
     seed_processes(seed)
-    loss = update.update(model, optimizer, as_precision(batch, precision, world.device()), 1)
+    with runs_precision.autocast(precision, world.device()):
+        loss = update.update(model, optimizer, as_precision(batch, precision, world.device()), 1)
     return float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
