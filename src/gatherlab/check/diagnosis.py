@@ -14,12 +14,14 @@ from gatherlab.check.table import (
     ALL_PARTS,
     COLUMNS,
     EXACT,
+    PRECISION_NOTES,
     REFERENCE,
     REFERENCE_NOTES,
     TRAIN_COLUMN,
     trains_like_one_device,
 )  # fmt: skip
 from gatherlab.core import gradients, runfiles, terms
+from gatherlab.core.floor import FLOOR_THRESHOLD, Floored, power_words
 from gatherlab.core.terms import Culprit
 from gatherlab.runs.removals import ALL, NONE, Removal
 
@@ -519,6 +521,60 @@ def _shown_parts(table: pd.DataFrame) -> pd.DataFrame:
     return table[[r["part"] == ALL_PARTS or key(r) in differing for r in records]]
 
 
+def _precision_lines(table: pd.DataFrame, name_column: str | None) -> list[str]:
+    """The paragraph of a check in a low precision (`table.PRECISION_COLUMNS`): what judges each
+    loss (or the step) and why, its W-rank runs in floors of that precision, and what that
+    precision cannot see (docs/design.md §2, "Low precision"); none for a float64 check."""
+    if "in_precision" not in table.columns:
+        return []
+    whole = table[(table["part"] == ALL_PARTS) & table["in_precision"].map(_filled)]
+    if "removed" in whole.columns:
+        whole = whole[whole["removed"] == NONE]
+    if not len(whole):
+        return []
+    precision = terms.Precision(whole["precision"].iloc[0])
+    notes = table.attrs.get(PRECISION_NOTES, {})
+    own = [f"{name}: {words}." for name, words in notes.items()]
+    in_float64 = whole["judged_in"] == terms.Precision.FLOAT64
+    if in_float64.any():
+        which = (
+            f" ({', '.join(dict.fromkeys(whole.loc[in_float64, name_column]))})"
+            if name_column and not in_float64.all() else ""
+        )  # fmt: skip
+        own.insert(0, f"The code runs in float64{which}, which judges it; {precision.word} adds "
+                      "only its own rounding, measured here.")  # fmt: skip
+    floored = Floored(str(precision), "", "", float(whole["floor"].max()), 0.0, 0, 0, 0)
+    text = (
+        f"{' '.join(own)} Each W's gradient in {precision} is compared with one device's "
+        f"in {precision}, in floors (one device with its forward in two row blocks: rounding of "
+        f"the same kind, nothing changed mathematically); at most {FLOOR_THRESHOLD:g} floors is "
+        f"exact within {precision.word}. {power_words(floored).capitalize()}."
+    )
+    keys = [*([name_column] if name_column else []), "world_size",
+            *(["micro_batches"] if _has_micro_batches(whole) else [])]  # fmt: skip
+    header = [*keys, "floor", "floors", f"in {precision.word}"]
+    body = [
+        [*(str(r[k]) for k in keys), f"{r['floor']:.2g}", f"{r['floors']:.3g}",
+         str(r["in_precision"])]
+        for _, r in whole.iterrows()
+    ]  # fmt: skip
+    return [f"In {precision.word} ({precision}):\n{_paragraph(text)}\n\n"
+            + runfiles.markdown_table(header, body)]  # fmt: skip
+
+
+def _closing(table: pd.DataFrame) -> str:
+    """The last line of a check whose every W trains like one device: in float64, or as far as
+    its own low precision can tell."""
+    judged = table["judged_in"].dropna().unique() if "judged_in" in table.columns else []
+    own = [p for p in judged if p and p != terms.Precision.FLOAT64]
+    if own:
+        return (
+            "Every world size trains like one device as far as "
+            f"{terms.Precision(own[0]).word} can tell (within {FLOOR_THRESHOLD:g} floors)."
+        )
+    return f"Every world size trains like one device (float64, to {_FLOAT64})."
+
+
 def explain(table: pd.DataFrame) -> str:
     """The check as text, what ``python -m gatherlab.check`` prints and the message of
     `gatherlab.testing.assert_layout_invariant`'s ``AssertionError``.
@@ -564,8 +620,9 @@ def explain(table: pd.DataFrame) -> str:
         named = f" ({cause})" if cause and verdict_ != terms.LOSS_SCALED else ""
         lines.append(f"{loss}{via}, W = {sizes}: {verdict_}{named}\n"
                      f"{_paragraph(diagnosis(rows, parts))}{_departs(rows)}")  # fmt: skip
+    lines += _precision_lines(table, "loss")
     if trains_like_one_device(table):
-        lines.append(f"Every world size trains like one device (float64, to {_FLOAT64}).")
+        lines.append(_closing(table))
     return "\n\n".join(lines) + "\n"
 
 
@@ -693,6 +750,8 @@ def explain_training(table: pd.DataFrame) -> str:
     elif Culprit.LOSS in found and str(table.attrs.get("trained", "")).startswith("--module "):
         # only a module has a loss attribute to name (a plain step or update has none)
         lines.append("  Name the module's loss attribute (--loss-attr) to check the loss alone.")
+    lines += _precision_lines(table, None)
     if trains_like_one_device(table):
-        lines.append("Every world size trains like one device.")
+        own = _closing(table)
+        lines.append(own if "as far as" in own else "Every world size trains like one device.")
     return "\n\n".join(lines) + "\n"

@@ -50,6 +50,8 @@ def tolerance(precision: str) -> float:
     roundoff), where a check compares two runs of one device: a layout of W ranks is judged in
     those precisions against a measured floor instead (`gatherlab.core.floor`)."""
     return TOLERANCE.get(precision, 16 * Precision(precision).unit_roundoff)
+
+
 PARALLEL_COSINE = 1 - 1e-12
 """The cosine at and above which a gradient has one device's direction."""
 
