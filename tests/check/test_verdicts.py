@@ -75,9 +75,11 @@ def _check_table(verdicts: list[str], parts: list[str] | None = None, removed=No
     return pd.DataFrame(rows)
 
 
-def test_only_exact_and_loss_scaled_train_like_one_device():
-    assert frozenset({"exact", "loss scaled"}) == table.TRAINS_LIKE_ONE_DEVICE
+def test_only_exact_loss_scaled_and_exact_within_a_precision_train_like_one_device():
+    within = {"exact within float32", "exact within bf16", "exact within fp16"}
+    assert frozenset({"exact", "loss scaled", *within}) == table.TRAINS_LIKE_ONE_DEVICE
     assert table.trains_like_one_device(_check_table(["exact", "loss scaled"]))
+    assert table.trains_like_one_device(_check_table(["exact within bf16", "exact within fp16"]))
     for failing in ("1/W", "W", "biased", "none", "other", "loss differs", "diverges", "failed"):
         assert not table.trains_like_one_device(_check_table(["exact", failing])), failing
         assert not table.trains_like_one_device(_check_table([failing, "exact"])), failing

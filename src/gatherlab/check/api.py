@@ -246,7 +246,7 @@ def _run(
     (view0, view1), further = probed[0], probed[1:]
     low = precision != terms.Precision.FLOAT64
     watched = {
-        name: in_float64(lambda loss=loss: measure.measure(loss, model, view0, view1, cfg.seed))
+        name: _watched(lambda loss=loss: measure.measure(loss, model, view0, view1, cfg.seed))
         for name, loss in losses.items() if low
     }  # fmt: skip
     judged_in = {  # float64 where the loss runs in it (docs/design.md §2, "Low precision")
@@ -274,19 +274,17 @@ def _run(
     rows: list[Row] = []
     for world_size in world_sizes:
         try:
-            measured = {
-                name: measure.measure_on_ranks(
-                    {name: loss}, model, view0, view1, world_size, cfg.seed, further=further,
-                    precision=judged_in[name],
-                )[name]
-                for name, loss in losses.items()
-            }  # fmt: skip
-            in_low = {
-                name: measure.measure_on_ranks(
-                    {name: loss}, model, view0, view1, world_size, cfg.seed, precision=precision
-                )[name]
-                for name, loss in losses.items() if low and judged_in[name] != precision
-            }  # fmt: skip
+            measured: dict[str, measure.Measured] = {}
+            for judged in dict.fromkeys(judged_in.values()):  # one run on the pool per precision
+                cells = {n: loss for n, loss in losses.items() if judged_in[n] == judged}
+                measured |= measure.measure_on_ranks(
+                    cells, model, view0, view1, world_size, cfg.seed, further=further,
+                    precision=judged,
+                )  # fmt: skip
+            beside = {n: loss for n, loss in losses.items() if low and judged_in[n] != precision}
+            in_low = measure.measure_on_ranks(
+                beside, model, view0, view1, world_size, cfg.seed, precision=precision
+            ) if beside else {}  # fmt: skip
             trained = {
                 name: measure.train(loss, model, batches[:steps], optimizer, world_size, cfg.seed,
                                     precision=judged_in[name])
@@ -337,6 +335,15 @@ def _precision(precision: str) -> None:
     if precision not in terms.PRECISIONS:
         allowed = ", ".join(terms.PRECISIONS)
         raise CheckError(f"--precision {precision!r} is not allowed; allowed: {allowed}")
+
+
+def _watched(function: Callable[[], Any]) -> InFloat64:
+    """`in_float64` of ``function``, an error it raises in float64 as what leaves float64 (the
+    reference, run in the precision asked for, says whether the code runs at all)."""
+    try:
+        return in_float64(function)
+    except Exception as error:
+        return InFloat64(f"in float64 it raises {cli.error_line(error)}", None)
 
 
 def _floor_runs(
@@ -703,9 +710,9 @@ def _in_precision(setting: Any) -> tuple[Any, InFloat64]:
     from gatherlab.check import training
 
     requested = setting.spec.precision
-    try:
+    try:  # as the reference runs: in a one-rank group when it raises without one
         watched = choose(lambda: training.float64_watch(setting)).value
-    except Exception as error:  # the step raises even in a one-rank group: the reference says so
+    except Exception as error:  # even in a one-rank group: the reference runs it as asked
         watched = InFloat64(f"in float64 it raises {cli.error_line(error)}", None)
     judged, low = floor.judged_in(requested, watched.runs, watched.autocast)
     if setting.form.option == "--module" and low is not None:

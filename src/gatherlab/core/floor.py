@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "FLOOR_THRESHOLD", "WITHIN", "Floored", "classify_floored", "floor_of", "forward_floored",
-    "power_words", "relative", "within",
+    "FLOOR_THRESHOLD", "WITHIN", "Floored", "classify_at", "classify_floored", "floor_of",
+    "forward_floored", "judged_in", "power_words", "relative", "within",
 ]  # fmt: skip
 
 FLOOR_THRESHOLD = 3.0
@@ -92,14 +92,27 @@ def classify_floored(
     micro_batches: int = 1,
 ) -> Floored:
     """``gradient`` (W ranks, in ``precision``) against ``reference`` (one device, the same
-    precision) in units of the floor that ``perturbed`` (one device in row blocks) measures; its
-    class by `gradients.class_of` at the resolution T · floor."""
+    precision) in units of the floor that ``perturbed`` (one device in row blocks) measures
+    (`classify_at`)."""
+    floor = floor_of(relative(perturbed, reference), precision)
+    return classify_at(gradient, reference, floor, precision, world_size, micro_batches)
+
+
+def classify_at(
+    gradient: torch.Tensor,
+    reference: torch.Tensor,
+    floor: float,
+    precision: str,
+    world_size: int,
+    micro_batches: int = 1,
+) -> Floored:
+    """``gradient`` against ``reference`` in units of ``floor``: its class by
+    `gradients.class_of` at the resolution T · floor."""
     import torch
 
     from gatherlab.core.gradients import class_of, cosine_and_norm_ratio
 
     gradient, reference = gradient.double(), reference.double()
-    floor = floor_of(relative(perturbed, reference), precision)
     zero_reference = float(torch.linalg.vector_norm(reference)) == 0
     zero_gradient = not bool(gradient.abs().max() > 0) if gradient.numel() else True
     if zero_reference:

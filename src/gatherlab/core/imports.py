@@ -26,8 +26,10 @@ def locate(path: str) -> Any:
 
     Example:
         >>> from gatherlab.core.imports import locate
-        >>> locate("gatherlab.core.terms:Style.LOCAL"), locate("gatherlab.core.terms.PRECISIONS")
-        (<Style.LOCAL: 'local'>, (<Precision.FLOAT64: '64-true'>, <Precision.FLOAT32: '32-true'>))
+        >>> locate("gatherlab.core.terms:Style.LOCAL")
+        <Style.LOCAL: 'local'>
+        >>> locate("gatherlab.core.terms.EXACT_PRECISIONS")
+        (<Precision.FLOAT64: '64-true'>, <Precision.FLOAT32: '32-true'>)
         >>> locate("gatherlab.core.terms:Nothing")
         Traceback (most recent call last):
         ImportError: gatherlab.core.terms has no attribute 'Nothing'

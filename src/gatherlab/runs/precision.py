@@ -202,11 +202,10 @@ def _torch_file(filename: str) -> bool:
 
 def in_float64(function: Callable[[], Any]) -> InFloat64:
     """``function()`` (the code on float64 parameters and inputs: one forward and backward) run
-    under a watch of its operations: the first that leaves float64, or the error it raises."""
+    under a watch of its operations: the first that leaves float64, and the autocast it enables.
+    What ``function`` raises is raised: the caller tells an error of float64 from one of the
+    setting (a step that needs a process group)."""
     watch = _Float64Watch()
-    try:
-        with watch:
-            function()
-    except Exception as error:
-        return InFloat64(f"in float64 it raises {cli.error_line(error)}", watch.autocast)
+    with watch:
+        function()
     return InFloat64(watch.lower, watch.autocast)

@@ -1,0 +1,65 @@
+"""Code for the check in a low precision (``--precision``, docs/design.md §2, "Low precision"),
+written the way public code writes it (no gatherlab imports), with what a correct check finds:
+
+- ``own_rows``: a "gather" that keeps each rank's own rows, so a global loss sees only local
+  negatives: its gradient departs from one device's by far more than any precision's floor;
+- ``ScaledSlice(epsilon)``: an all-gather whose backward sums every rank's gradient (exact),
+  with rank 1's slice then scaled by 1 + epsilon: a departure of a known size, seen in a
+  precision only when it is larger than that precision's power;
+- ``build_float32_scale``: the plain step's model of ``plain_steps`` with a float32 tensor made
+  in its forward: it cannot run in float64, so it is judged in its own precision;
+- ``build_with_batchnorm``: the same model with ``BatchNorm1d``, whose per-rank statistics differ
+  from one device's in every precision.
+"""
+
+from __future__ import annotations
+
+import plain_steps
+import torch
+import torch.distributed as dist
+from summing_gather import gather
+from torch import nn
+
+
+def own_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's own rows, nothing gathered."""
+    return tensor
+
+
+class ScaledSlice:
+    """The exact gather, then rank 1's slice of the gathered rows scaled by 1 + ``epsilon``."""
+
+    def __init__(self, epsilon: float) -> None:
+        self.epsilon = epsilon
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        gathered = gather(tensor)
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return gathered
+        rows = len(tensor)
+        scale = torch.ones(len(gathered), 1, dtype=gathered.dtype, device=gathered.device)
+        scale[rows : 2 * rows] = 1 + self.epsilon
+        return gathered * scale
+
+    def __repr__(self) -> str:
+        return f"ScaledSlice({self.epsilon:g})"
+
+
+class Float32Scale(nn.Module):
+    """``plain_steps.build_model()`` whose output is scaled by a float32 tensor made in forward."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.inner = plain_steps.build_model(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.full((16,), 0.5)  # float32 whatever the model's dtype
+        return self.inner(x) * scale
+
+
+def build_float32_scale(dim: int = 8) -> nn.Module:
+    return Float32Scale(dim)
+
+
+def build_with_batchnorm(dim: int = 8) -> nn.Module:
+    return plain_steps.build_model(dim, batchnorm=True)
