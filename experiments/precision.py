@@ -154,7 +154,8 @@ def summary(table: pd.DataFrame) -> str:
     seeds, sizes = table["seed"].nunique(), sorted(table["world_size"].unique())
     header = ["precision", "floor (median)", "exact: worst", "margin", "old gather: least",
               "local negatives: least", "per-rank batch norm: least",
-              "naive accumulation: least", "power: smallest ε seen", "ε bitwise exact"]  # fmt: skip
+              "naive accumulation: least", "power: gradient departure (T · floor)",
+              "power: smallest ε seen", "ε bitwise exact"]  # fmt: skip
     body = []
     for precision, rows in table.groupby("precision", sort=False):
 
@@ -170,6 +171,7 @@ def summary(table: pd.DataFrame) -> str:
             precision, f"{rows['floor'].median():.2g}", f"{worst:.3g}",
             f"{threshold / worst:.2g}×", least("old gather"), least("local negatives"),
             least("per-rank batch norm"), least("naive accumulation"),
+            f"{threshold * rows['floor'].median():.2g}",
             f"{min(detected):g}" if detected else "none",
             ", ".join(f"{e:g}" for e, same in bitwise.items() if same) or "none",
         ])  # fmt: skip

@@ -833,7 +833,7 @@ def recordings_figure(
 # The bug classes of the precision figure (experiments/precision.py), each with its colour; the
 # exact runs are drawn as every reference is, the slices scaled by 1 + ε in one sequential map.
 PRECISION_CASES = {
-    "exact": {"color": "black", "marker": "o"},
+    "exact": {"color": "black", "marker": "o", "zorder": 6},  # over the slices that round away
     "old gather": {"color": GATHER_COLORS["old"], "marker": "s"},
     "local negatives": {"color": "#ff7f0e", "marker": "^"},
     "per-rank batch norm": {"color": "#9467bd", "marker": "D"},
@@ -869,7 +869,8 @@ def precision_figure(table: pd.DataFrame, threshold: float) -> plt.Figure:
                                   for f in (scores.min, scores.median, scores.max))  # fmt: skip
                 axis.plot(sizes, mid, linewidth=1.4, markersize=5, label=label,
                           **{"linestyle": "-", **style})  # fmt: skip
-                axis.fill_between(sizes, low, high, color=style["color"], alpha=0.12, linewidth=0)
+                axis.fill_between(sizes, low, high, color=style["color"], alpha=0.12, linewidth=0,
+                                  zorder=style.get("zorder", 1) - 1)  # fmt: skip
             axis.axhline(threshold, **{**REFERENCE_STYLE, "linewidth": 1.4})
             axis.text(sizes[0], threshold * 1.25, f"threshold: {threshold:g} floors", fontsize=8)
             word = terms.Precision(precision).word
