@@ -156,6 +156,11 @@ EXAMPLES = {
         pythonpath=("examples",),
         status=True,
     ),
+    "precision": Example(
+        f"{CHECK} --step plain_steps:training_step --model precision_cases:build_float32_scale "
+        "--data plain_steps:Pairs --world-sizes 2,4 --steps 5 --precision bf16-mixed",
+        pythonpath=("examples",),
+    ),
     # docs/usage.md, comparing two recordings of your own job
     "compare": Example(
         "-m gatherlab.compare runs/one runs/four",

@@ -534,7 +534,7 @@ def _precision_lines(table: pd.DataFrame, name_column: str | None) -> list[str]:
         return []
     precision = terms.Precision(whole["precision"].iloc[0])
     notes = table.attrs.get(PRECISION_NOTES, {})
-    own = [f"{name}: {words}." for name, words in notes.items()]
+    own = [f"{f'loss {name}: ' if name_column else ''}{words}." for name, words in notes.items()]
     in_float64 = whole["judged_in"] == terms.Precision.FLOAT64
     if in_float64.any():
         which = (
