@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from gatherlab.core import terms
+from gatherlab.core.floor import FLOOR_THRESHOLD
 from gatherlab.core.terms import GradientClass, World
 
 # A style table, not a list of gathers: which gathers exist is the gather config group's options
@@ -113,6 +114,9 @@ def _draw_group_against_reference(
     """One group's panels of `comparison_figure`: each multi-device run's loss (left) and its
     |Δloss| against the group's reference (right), then the reference's loss."""
     reference_dir = runs["reference"].dropna().iloc[0] if runs["reference"].notna().any() else None
+    floors = runs[runs["row_blocks"] > 1] if "row_blocks" in runs else runs.iloc[:0]
+    if reference_dir is not None and len(floors) and runs["floors"].notna().any():
+        _draw_floor_band(diff_axis, curves[floors.iloc[0]["run_dir"]], curves[reference_dir])
     for _, run in runs[runs["devices"] > 1].iterrows():
         run_curves = curves[run["run_dir"]]
         style = {
@@ -143,10 +147,27 @@ def _draw_group_against_reference(
         )
 
 
+def _draw_floor_band(
+    diff_axis: plt.Axes, floor_curves: pd.DataFrame, reference: pd.DataFrame
+) -> None:
+    """A low precision's floor on the |Δloss| panel (docs/design.md §2): the floor run's |Δloss|
+    against the reference at each step (one device with its forward in two row blocks, grey),
+    and the band up to `FLOOR_THRESHOLD` times its largest, the loss half of a run's verdict (a
+    run inside it matches as far as its precision lets the report tell, when its final weights
+    are within as many floors too)."""
+    steps = min(len(floor_curves), len(reference))
+    floor = np.abs(floor_curves["loss"].to_numpy()[:steps] - reference["loss"].to_numpy()[:steps])
+    x = reference["step"][:steps]
+    diff_axis.fill_between(x, ZERO_FLOOR, max(FLOOR_THRESHOLD * floor.max(), ZERO_FLOOR),
+                           color="0.85", linewidth=0, zorder=0,
+                           label=f"within {FLOOR_THRESHOLD:g} floors")  # fmt: skip
+    diff_axis.plot(x, np.maximum(floor, ZERO_FLOOR), color="0.45", linewidth=1.0,
+                   label="floor: one device, 2 row blocks")  # fmt: skip
+
+
 # The rounding of a number near 1 in each precision a run trains in: the finest difference its
 # losses can show (`final_loss_figure` marks it at the reference's loss).
-EPSILON = {terms.Precision.FLOAT64: float(np.finfo(np.float64).eps),
-           terms.Precision.FLOAT32: float(np.finfo(np.float32).eps)}  # fmt: skip
+EPSILON = {precision: 2 * precision.unit_roundoff for precision in terms.Precision}
 
 
 def final_loss_figure(table: pd.DataFrame, tolerance: float | None = None) -> plt.Figure:
@@ -199,7 +220,10 @@ def _group_title(table: pd.DataFrame, runs: pd.DataFrame) -> str:
     """What one group of `comparison_figure` is: its experiment, loss, model and precision, and
     the keys that tell it from the table's other groups (e.g. ``removals.batchnorm=global``)."""
     first = runs.iloc[0]
-    precision = terms.Precision(first["precision"]).dtype_name
+    precision = terms.Precision(first["precision"])
+    precision = (
+        precision.word if precision.autocast_dtype_name is None else f"{precision.word} mixed"
+    )
     what = ", ".join(str(first[c]) for c in ("loss", "model") if not pd.isna(first[c]))
     what = f"{what}, {precision}" if what else precision
     keys = [c for c in table.attrs.get("override_columns", []) if c in table]

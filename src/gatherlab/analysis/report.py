@@ -24,14 +24,26 @@ import pandas as pd
 
 from gatherlab.analysis import figures, results
 from gatherlab.core import cli, gradients, runfiles
-from gatherlab.core.terms import GradientClass, RunVerdict, World
+from gatherlab.core.floor import FLOOR_THRESHOLD
+from gatherlab.core.terms import GradientClass, Precision, RunVerdict, World
 from gatherlab.gather import CLASSES
 
 __all__ = [
-    "audit_markdown", "common_tolerance", "compare", "comparison_text", "loss_matrix", "main",
-    "matrix_markdown", "max_abs_weight_difference", "one_device_whole_batch",
-    "predicted_invariance", "scaling_markdown",
-    "write_audit", "write_loss_matrix", "write_report",
+    "audit_markdown",
+    "common_tolerance",
+    "compare",
+    "comparison_text",
+    "floor_run",
+    "loss_matrix",
+    "main",
+    "matrix_markdown",
+    "max_abs_weight_difference",
+    "one_device_whole_batch",
+    "predicted_invariance",
+    "scaling_markdown",
+    "write_audit",
+    "write_loss_matrix",
+    "write_report",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -55,11 +67,22 @@ KEY_COLUMNS = tuple(
 DERIVED_KEYS = ("devices", "batch_size")  # follow from the layout and the global batch size
 
 
+def _layout(run: pd.Series) -> dict[str, Any]:
+    return run["config"].get("layout", {}) if isinstance(run["config"], dict) else {}
+
+
 def one_device_whole_batch(run: pd.Series) -> bool:
     """Whether a run can be a reference: one device, taking the whole batch at once (no
-    micro-batches: ``layout.micro_batches`` 1, where its config has the key)."""
-    layout = run["config"].get("layout", {}) if isinstance(run["config"], dict) else {}
-    return run["devices"] == 1 and layout.get("micro_batches", 1) == 1
+    micro-batches: ``layout.micro_batches`` 1, where its config has the key) in one block of rows
+    (``layout.row_blocks`` 1: a floor run is none, `floor_run`)."""
+    layout = _layout(run)
+    return run["devices"] == 1 and layout.get("micro_batches", 1) == 1 and not floor_run(run)
+
+
+def floor_run(run: pd.Series) -> bool:
+    """Whether a run is its group's floor (docs/design.md §2, "Low precision"): one device whose
+    forward runs in row blocks (``layout.row_blocks`` > 1, ``layout=cpu1_floor``)."""
+    return run["devices"] == 1 and _layout(run).get("row_blocks", 1) > 1
 
 
 def _comparable(config: dict[str, Any]) -> str:
@@ -146,6 +169,8 @@ def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.
     table["reference"] = None
     table["max_abs_loss_diff"] = float("nan")
     table["max_abs_param_diff"] = float("nan")
+    table["floors"] = float("nan")
+    table["row_blocks"] = [_layout(run).get("row_blocks", 1) for _, run in table.iterrows()]
     for _, group in table.groupby("group"):
         usable = group[group["verdict"].isna()]
         candidates = usable[usable.apply(one_device_whole_batch, axis=1)]
@@ -153,9 +178,15 @@ def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.
             table.loc[usable.index, "verdict"] = RunVerdict.NO_REFERENCE
             continue
         reference = candidates.iloc[0]
+        reference_files = files[reference["run_dir"]]
+        floors = usable[usable.apply(floor_run, axis=1)]
+        floor = None
+        if len(floors):  # its departure from the reference is the group's floor
+            floor = _held_against(floors.iloc[0], files[floors.iloc[0]["run_dir"]], reference,
+                                  reference_files)  # fmt: skip
         for index, run in usable.iterrows():
             table.loc[index, "reference"] = reference["run_dir"]
-            held = _held_against(run, files[run["run_dir"]], reference, files[reference["run_dir"]])
+            held = _held_against(run, files[run["run_dir"]], reference, reference_files, floor)
             for column, value in held.items():
                 table.loc[index, column] = value
     table["matches_reference"] = table["verdict"].isin([RunVerdict.REFERENCE, RunVerdict.MATCHES])
@@ -174,10 +205,14 @@ def _held_against(
     run_files: tuple[pd.DataFrame, dict],
     reference: pd.Series,
     reference_files: tuple[pd.DataFrame, dict],
+    floor: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A run held against its reference (the files of each: its curves and final weights): its
     ``verdict``, its largest |Δloss| and |Δparameter| where the two can be compared, and an
-    ``error`` that says why where they cannot."""
+    ``error`` that says why where they cannot. In float64 and float32 it matches within the
+    precision's tolerance (`gradients.TOLERANCE`); in bf16 or fp16 within
+    `floor.FLOOR_THRESHOLD` floors, ``floors`` the larger of its two differences in units of the
+    group's floor run's (``floor``, its own held numbers; `_floors`)."""
     (run_curves, state), (reference_curves, reference_state) = run_files, reference_files
     why = _not_comparable(run, run_curves, reference, reference_curves)
     if why is not None:
@@ -191,9 +226,27 @@ def _held_against(
     if param_diff != param_diff:  # NaN: the final weights have other names
         error = "its final weights are not the reference's"
         return {**held, "verdict": RunVerdict.NOT_COMPARABLE, "error": error}
-    tolerance = gradients.TOLERANCE[run["precision"]]
-    matches = loss_diff <= tolerance and param_diff <= tolerance
-    return {**held, "verdict": RunVerdict.MATCHES if matches else RunVerdict.DIFFERS}
+    if run["precision"] in gradients.TOLERANCE:
+        tolerance = gradients.TOLERANCE[run["precision"]]
+        matches = loss_diff <= tolerance and param_diff <= tolerance
+        return {**held, "verdict": RunVerdict.MATCHES if matches else RunVerdict.DIFFERS}
+    if floor is None or "max_abs_loss_diff" not in floor:
+        error = (f"no floor run for precision={run['precision']}: add layout=cpu1_floor to the "
+                 "sweep (docs/design.md §2, \"Low precision\")")  # fmt: skip
+        return {**held, "verdict": RunVerdict.NOT_COMPARABLE, "error": error}
+    floors = _floors(held, floor, run["precision"], reference_files[0]["loss"].abs().max())
+    matches = floors <= FLOOR_THRESHOLD
+    return {**held, "floors": floors,
+            "verdict": RunVerdict.MATCHES if matches else RunVerdict.DIFFERS}  # fmt: skip
+
+
+def _floors(held: dict[str, float], floor: dict[str, float], precision: str, scale: float) -> float:
+    """A run's differences from its reference in units of the floor run's: the larger of max
+    |Δloss| and max |Δparameter|, each over the floor's own (where the floor changed no bit, the
+    precision's unit roundoff, times the largest loss ``scale`` for the loss)."""
+    unit = Precision(precision).unit_roundoff
+    least = {"max_abs_loss_diff": unit * max(scale, 1e-300), "max_abs_param_diff": unit}
+    return max(held[key] / (floor[key] or least[key]) for key in least)
 
 
 def _relative(path: str | None, root: Path) -> str | None:
@@ -225,8 +278,9 @@ def write_report(sweep_dir: str | Path) -> pd.DataFrame:
 
 
 def common_tolerance(table: pd.DataFrame) -> float | None:
-    """The match tolerance of the table's runs, None when they mix precisions."""
-    tolerances = {gradients.TOLERANCE[p] for p in table["precision"].dropna()}
+    """The match tolerance of the table's runs, None when they mix precisions or are judged
+    against a floor (bf16, fp16)."""
+    tolerances = {gradients.TOLERANCE.get(p) for p in table["precision"].dropna()}
     return tolerances.pop() if len(tolerances) == 1 else None
 
 
@@ -355,6 +409,9 @@ def comparison_text(table: pd.DataFrame) -> str:
         failed = (RunVerdict.FAILED, RunVerdict.UNREADABLE, RunVerdict.NOT_COMPARABLE)
         if run["verdict"] in failed and run["error"]:
             outcome = f"{outcome}: {run['error']}"
+        if "floors" in run and not pd.isna(run["floors"]):  # bf16, fp16: against the floor
+            floor = " (the floor)" if run.get("row_blocks", 1) > 1 else ""
+            outcome = f"{outcome}, {run['floors']:.3g} floors{floor}"
         devices = "?" if pd.isna(run["devices"]) else int(run["devices"])
         batch = "?" if pd.isna(run["batch_size"]) else int(run["batch_size"])
         lines.append(

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from gatherlab.components.accumulation import Accumulation, micro_batches
 from gatherlab.components.data import GlobalBatchSampler, PairDataset
+from gatherlab.components.rowblocks import blocked
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -39,9 +40,11 @@ class ContrastiveModule(L.LightningModule):
         encode_second_view: bool = True,
         accumulation: str = Accumulation.NONE,
         micro_batches: int = 1,
+        row_blocks: int = 1,
     ):
         super().__init__()
         self.model = model
+        self.row_blocks = row_blocks  # the floor's perturbation of a low precision (§2)
         if isinstance(loss, nn.Module):
             self.loss, self.loss_factory = loss, None
         else:
@@ -66,8 +69,9 @@ class ContrastiveModule(L.LightningModule):
         each sample's ``[epoch, index, view]``."""
         if keys is not None and getattr(self.model, "takes_sample_keys", False):
             view_column = torch.full_like(keys[:, :1], view_id)
-            return self.model(view, sample_keys=torch.cat([keys, view_column], dim=1))
-        return self.model(view)
+            sample_keys = torch.cat([keys, view_column], dim=1)
+            return blocked(self.model, self.row_blocks, view, sample_keys=sample_keys)
+        return blocked(self.model, self.row_blocks, view)
 
     def _embeddings(
         self, view0: torch.Tensor, view1: torch.Tensor, keys: torch.Tensor | None

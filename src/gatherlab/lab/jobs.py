@@ -123,6 +123,7 @@ class _Built:
             getattr(dataset, "encode_second_view", True),
             accumulation=cfg.layout.get("accumulation", Accumulation.NONE),
             micro_batches=cfg.layout.get("micro_batches", 1),
+            row_blocks=cfg.layout.get("row_blocks", 1),
         )
         datamodule = PairDataModule(
             dataset, cfg.global_batch_size, cfg.steps, seed=cfg.seed, shuffle=cfg.data.shuffle

@@ -58,6 +58,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
             f"allowed: a multiple of {devices}"
         )
     _validate_micro_batches(cfg, global_batch_size // devices)
+    _validate_row_blocks(cfg, devices)
     removed = removals_of(cfg)
     if config.is_user_module(cfg):
         if devices > 1 and cfg["launcher"]["name"] != terms.Launcher.POOL:
@@ -91,14 +92,9 @@ def _validate_layout(cfg: Mapping[str, Any]) -> int:
         raise ConfigError(
             f"layout.accelerator={accelerator!r} is unknown; allowed: {', '.join(ACCELERATORS)}"
         )
-    # A sweep's report judges its runs by a fixed tolerance (gradients.TOLERANCE); the floor of
-    # the other precisions is the check's (docs/design.md §2, "Low precision").
-    if cfg["precision"] not in terms.EXACT_PRECISIONS:
-        allowed = ", ".join(terms.EXACT_PRECISIONS)
-        raise ConfigError(
-            f"precision={cfg['precision']!r} is not allowed; allowed: {allowed} (bf16 and fp16: "
-            "python -m gatherlab.check --precision)"
-        )
+    if cfg["precision"] not in terms.PRECISIONS:
+        allowed = ", ".join(terms.PRECISIONS)
+        raise ConfigError(f"precision={cfg['precision']!r} is not allowed; allowed: {allowed}")
     launcher = cfg["launcher"]["name"]
     if launcher == terms.Launcher.POOL and accelerator != terms.Accelerator.CPU:
         raise ConfigError(
@@ -163,6 +159,42 @@ def _validate_micro_batches(cfg: Mapping[str, Any], rows: int) -> None:
             f"layout.accumulation={accumulation} with model.norm={cfg['model']['norm']!r}: batch "
             "norm would see a micro-batch's statistics; allowed: a model without batch norm "
             "(model=mlp, linear), or layout.accumulation=none"
+        )
+
+
+def _validate_row_blocks(cfg: Mapping[str, Any], devices: int) -> None:
+    """``layout.row_blocks``, the floor's run of a low precision (docs/design.md §2): one device
+    taking the whole batch, gatherlab's own module, a model without batch norm (the blocks would
+    split its statistics); and fp16 (``16-mixed``) with accumulation ``none`` only (the module's
+    manual backward of the earlier micro-batches applies no gradient scaler)."""
+    layout = cfg["layout"]
+    blocks = _integer("layout.row_blocks", layout.get("row_blocks", 1), minimum=1)
+    if cfg["precision"] == terms.Precision.FP16_MIXED and layout.get("accumulation", "none") != (
+        Accumulation.NONE
+    ):
+        raise ConfigError(
+            f"precision=16-mixed with layout.accumulation={layout['accumulation']}: its "
+            "micro-batches' backwards apply no gradient scaler; allowed: layout.accumulation=none, "
+            "or precision=bf16-mixed"
+        )
+    if blocks == 1:
+        return
+    if devices > 1 or layout.get("micro_batches", 1) > 1:
+        raise ConfigError(
+            f"layout.row_blocks={blocks} is one device's floor run; allowed with "
+            f"{devices} devices × {layout.get('micro_batches', 1)} micro-batches: "
+            "layout.row_blocks=1 (the floor: layout=cpu1_floor)"
+        )
+    if config.is_user_module(cfg):
+        raise ConfigError(
+            f"layout.row_blocks={blocks} splits gatherlab's own module's forward; allowed with "
+            "module=user: layout.row_blocks=1"
+        )
+    if cfg["model"].get("norm") is not None:
+        raise ConfigError(
+            f"layout.row_blocks={blocks} with model.norm={cfg['model']['norm']!r}: the blocks "
+            "would split batch norm's statistics; allowed: a model without batch norm (model=mlp, "
+            "linear), or layout.row_blocks=1"
         )
 
 
