@@ -65,7 +65,7 @@ INVALID = {
         ("many", {}),
     ],
     "steps": [("0", {}), ("-1", {})],
-    "precision": [("16-mixed", {})],
+    "precision": [("8-mixed", {})],
     "seed": [("-1", {})],
 }
 # Drawn: valid configurations, stratified over the gathers (one each), and configurations with

@@ -72,15 +72,15 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
             "fixed_reduce_scatter, functional, lightning, native, nograd, nograd_swap, old, "
             "torch_nn",
         ),
-        (["layout=cpu3"], "layout='cpu3' is unknown; allowed: cpu1, cpu2, cpu4, cpu8"),
+        (["layout=cpu3"], "layout='cpu3' is unknown; allowed: cpu1, cpu1_floor, cpu2, cpu4, cpu8"),
         (
             ["layout=cpu4", "global_batch_size=6"],
             "global_batch_size=6 does not divide by layout.devices=4",
         ),
         (["steps=0"], "steps=0 is not allowed; allowed: a positive integer"),
         (
-            ["precision=16-mixed"],
-            "precision='16-mixed' is not allowed; allowed: 64-true, 32-true",
+            ["precision=8-mixed"],
+            "precision='8-mixed' is not allowed; allowed: 64-true, 32-true, bf16-mixed",
         ),
         (["global_batch_size=512"], "global_batch_size=512 exceeds the 256 samples of the data"),
         (["global_batch_size=0"], "global_batch_size=0 is not allowed; allowed: a positive"),
