@@ -190,6 +190,21 @@ def test_a_model_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_
     assert text.rstrip().endswith("as far as bf16 can tell (within 3 floors).")
 
 
+def test_a_model_with_batch_norm_is_judged_in_float64_alone_and_says_why():
+    # row blocks would split its statistics: no floor, float64's verdict and culprit stand
+    table = check_training(
+        step="plain_steps:training_step", model="precision_cases:build_with_batchnorm",
+        data="plain_steps:Pairs", world_sizes=(2,), steps=1, precision="bf16-mixed",
+    )  # fmt: skip
+    assert "in_precision" not in table.columns
+    assert set(table.loc[table["removed"] == "none", "culprits"]) == {"batchnorm"}
+    text = " ".join(explain_training(table).split())
+    assert (
+        "Low precision: The floor in bf16 is not measured for a model with batch norm (row blocks "
+        "would split its statistics): judged in float64." in text
+    )
+
+
 def test_a_departure_below_the_power_is_reported_as_undetectable_not_exact():
     # rank 1's slice scaled by 1 + 1e-4: float64 sees it (the embeddings and so the loss
     # differ), bf16 cannot (~1e-2 and larger): its bf16 run reads "exact within bf16" with the

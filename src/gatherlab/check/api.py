@@ -681,7 +681,7 @@ def check_training(
             "update's (--update); allowed: --update with them, or 1"
         )
     applying, layout = _validated(setting, world_sizes, options.loss_attr, micro_batches)
-    setting, watched = _in_precision(setting)
+    setting, precision_words = _in_precision(setting, applying)
     with warnings_once(), _watching(options.collective_timeout_s):
         try:  # one device, in this process: a training_step without a loss is found here
             first = training.first_reference(setting)
@@ -689,8 +689,8 @@ def check_training(
             raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
         table = training.check(setting, world_sizes, applying, first, layout, micro_batches)
     table.attrs["trained"] = setting.label  # the diagnosis's advice depends on the form
-    if setting.low is not None:
-        table.attrs[PRECISION_NOTES] = {setting.name: _precision_words(setting, watched)}
+    if precision_words is not None:
+        table.attrs[PRECISION_NOTES] = {setting.name: precision_words}
     blamed = table.loc[table["culprits"].str.contains(terms.Culprit.LOSS), "world_size"]
     if options.loss_attr is not None and len(blamed):
         loss = AttributeOf(setting.built, options.loss_attr)
@@ -701,12 +701,14 @@ def check_training(
     return table
 
 
-def _in_precision(setting: Any) -> tuple[Any, InFloat64]:
+def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[Any, str | None]:
     """The setting with the precision its verdict rests on and the low precision measured in
     floors (`floor.judged_in`), from its first step run in float64 on one device
-    (``training.float64_watch``); CheckError for a LightningModule that cannot run in float64 in
-    a low precision (its forward is Lightning's to call: it cannot be split into row blocks from
-    outside, so no floor is measured for it)."""
+    (``training.float64_watch``), and the words of the printed text on its precision (None for
+    plain float64). No floor is measured for a LightningModule (Lightning calls its forward: it
+    cannot be split into row blocks from outside) nor for a model with batch norm (the blocks
+    would split its statistics): such code is judged in float64 where it runs there, and refused
+    with one line (CheckError) where it does not."""
     from gatherlab.check import training
 
     requested = setting.spec.precision
@@ -715,16 +717,22 @@ def _in_precision(setting: Any) -> tuple[Any, InFloat64]:
     except Exception as error:  # even in a one-rank group: the reference runs it as asked
         watched = InFloat64(f"in float64 it raises {cli.error_line(error)}", None)
     judged, low = floor.judged_in(requested, watched.runs, watched.autocast)
-    if setting.form.option == "--module" and low is not None:
+    setting = dataclasses.replace(setting, spec=dataclasses.replace(setting.spec, precision=judged))
+    unfloored = (
+        "a LightningModule (Lightning calls its forward)" if setting.form.option == "--module"
+        else "a model with batch norm (row blocks would split its statistics)"
+        if removals.Removal.BATCHNORM in applying else None
+    )  # fmt: skip
+    if low is not None and unfloored is not None:
         if judged != terms.Precision.FLOAT64:
             raise CheckError(
-                f"{setting.label} cannot run in float64 ({watched.lower}), and a LightningModule's "
-                f"floor in {low} is not measured; allowed: a module that runs in float64, or its "
-                "step as --step or --update"
+                f"{setting.label} cannot run in float64 ({watched.lower}), and the floor in {low} "
+                f"is not measured for {unfloored}; allowed: code that runs in float64"
             )
-        low = None  # judged in float64; no floor for a LightningModule
-    spec = dataclasses.replace(setting.spec, precision=judged)
-    return dataclasses.replace(setting, spec=spec, low=low), watched
+        word = terms.Precision(low).word
+        return setting, f"The floor in {word} is not measured for {unfloored}: judged in float64"
+    setting = dataclasses.replace(setting, low=low)
+    return setting, None if low is None else _precision_words(setting, watched)
 
 
 def _precision_words(setting: Any, watched: InFloat64) -> str:

@@ -525,8 +525,9 @@ def _precision_lines(table: pd.DataFrame, name_column: str | None) -> list[str]:
     """The paragraph of a check in a low precision (`table.PRECISION_COLUMNS`): what judges each
     loss (or the step) and why, its W-rank runs in floors of that precision, and what that
     precision cannot see (docs/design.md §2, "Low precision"); none for a float64 check."""
-    if "in_precision" not in table.columns:
-        return []
+    if "in_precision" not in table.columns:  # float64, or a low precision without a floor
+        notes = table.attrs.get(PRECISION_NOTES, {}).values()
+        return [f"Low precision:\n{_paragraph(words + '.')}" for words in notes]
     whole = table[(table["part"] == ALL_PARTS) & table["in_precision"].map(_filled)]
     if "removed" in whole.columns:
         whole = whole[whole["removed"] == NONE]
