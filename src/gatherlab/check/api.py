@@ -14,9 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-from gatherlab.check import defaults, hypotheses, measure, where
-from gatherlab.check import judge as judge_module
-from gatherlab.check.judge import judge
+from gatherlab.check import defaults, floors, hypotheses, measure, where
+from gatherlab.check.judge import Recorded, judge, with_precision
 from gatherlab.check.reference import Reference, choose, loss_differs, one_device
 from gatherlab.check.table import (
     COLUMNS,
@@ -37,7 +36,7 @@ from gatherlab.gather import GatherFn
 from gatherlab.ranks import collectives, pool
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import removals
-from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64
+from gatherlab.runs.precision import InFloat64
 from gatherlab.runs.spec import RunSpec
 
 # The loss styles of docs/design.md §1, one loss each, for checking a gather.
@@ -236,36 +235,24 @@ def _run(
     (`judge.judge`), with the hypotheses of a differing loss and where a W departs. In a low
     ``precision``, a loss that runs in float64 is judged there and its run in ``precision`` is
     measured in floors beside it; one that cannot is judged in floors of ``precision``
-    (docs/design.md §2, "Low precision")."""
+    (`floors.LossFloors`, docs/design.md §2, "Low precision")."""
     world_sizes = list(world_sizes)
     cfg, model, optimizer, batches = _setting(optim, world_sizes, steps)
     _precision(precision)
     # the batches whose global loss is compared: the first (with the gradient) and the second
     # (forward only), so that a cause holds on two batches, not on one number
     probed = batches[:2]
-    (view0, view1), further = probed[0], probed[1:]
-    low = precision != terms.Precision.FLOAT64
-    watched = {
-        name: _watched(lambda loss=loss: measure.measure(loss, model, view0, view1, cfg.seed))
-        for name, loss in losses.items() if low
-    }  # fmt: skip
-    judged_in = {  # float64 where the loss runs in it (docs/design.md §2, "Low precision")
-        name: precision if low and not watched[name].runs else str(terms.Precision.FLOAT64)
-        for name in losses
-    }
+    view0, view1 = probed[0]
+    low = floors.LossFloors.of(losses, model, probed, batches[:steps], optimizer, cfg.seed,
+                               precision)  # fmt: skip
     # the loss on one device, forward only, for the hypotheses (built once, when one is tested)
     forwards = {
         name: measure.forward_on_one_device(loss, model, cfg.seed) for name, loss in losses.items()
     }
     chosen = {
         name: _reference(name, loss, model, probed, batches[:steps], optimizer, cfg.seed,
-                         judged_in[name])
+                         low.judged_in[name])
         for name, loss in losses.items()
-    }  # fmt: skip
-    floors = {
-        name: _floor_runs(loss, model, probed, batches[:steps], optimizer, cfg.seed, precision,
-                          judged_in[name] == precision)
-        for name, loss in losses.items() if low
     }  # fmt: skip
 
     def key(name: str, world_size: int) -> Row:
@@ -274,20 +261,10 @@ def _run(
     rows: list[Row] = []
     for world_size in world_sizes:
         try:
-            measured: dict[str, measure.Measured] = {}
-            for judged in dict.fromkeys(judged_in.values()):  # one run on the pool per precision
-                cells = {n: loss for n, loss in losses.items() if judged_in[n] == judged}
-                measured |= measure.measure_on_ranks(
-                    cells, model, view0, view1, world_size, cfg.seed, further=further,
-                    precision=judged,
-                )  # fmt: skip
-            beside = {n: loss for n, loss in losses.items() if low and judged_in[n] != precision}
-            in_low = measure.measure_on_ranks(
-                beside, model, view0, view1, world_size, cfg.seed, precision=precision
-            ) if beside else {}  # fmt: skip
+            measured, in_low = _on_ranks(losses, low, model, probed, world_size, cfg.seed)
             trained = {
                 name: measure.train(loss, model, batches[:steps], optimizer, world_size, cfg.seed,
-                                    precision=judged_in[name])
+                                    precision=low.judged_in[name])
                 for name, loss in losses.items()
                 if steps
             }  # fmt: skip
@@ -296,9 +273,7 @@ def _run(
             continue
         for name, loss in losses.items():
             reference, reference_trained = chosen[name].value
-            in_group = chosen[name].in_group
-            own = low and judged_in[name] == precision
-            floored_here = judge_module.InPrecision(precision, *floors[name][:2]) if own else None
+            in_group, own = chosen[name].in_group, low.own(name)
             judged = judge(
                 measured[name], reference, key(name, world_size),
                 curves=(trained[name], reference_trained) if steps else None,
@@ -309,25 +284,42 @@ def _run(
                 where=None if own else functools.partial(
                     _located, loss, model, (view0, view1), world_size, cfg.seed, in_group
                 ),
-                in_precision=floored_here,
+                recorded=Recorded(in_precision=low.in_precision(name)),
             )  # fmt: skip
-            if low and not own:  # float64 judges; the run in its precision measured beside it
-                one, perturbed = floors[name][2], floors[name][0]
-                floored = floor.classify_floored(
-                    in_low[name].gradient,
-                    one.gradient,
-                    perturbed.gradient,
-                    precision,
-                    world_size,
-                )
-                judged = judge_module.with_precision(judged, floored, judged_in[name])
+            if name in in_low:  # float64 judges; the run in its precision measured beside it
+                floored = low.beside(name, in_low[name], world_size)
+                judged = with_precision(judged, floored, low.judged_in[name])
             rows += judged
     columns = list(COLUMNS) + ([TRAIN_COLUMN] if steps else [])
-    table = frame(rows, columns + (list(PRECISION_COLUMNS) if low else []))
-    if low:
-        table.attrs[PRECISION_NOTES] = {name: w.lower for name, w in watched.items() if not w.runs}
+    table = frame(rows, columns + (list(PRECISION_COLUMNS) if low.low else []))
+    if low.low:
+        table.attrs[PRECISION_NOTES] = low.notes
     return with_reference_notes(table, {name: (one.why, one.group_differs)
                                         for name, one in chosen.items()})  # fmt: skip
+
+
+def _on_ranks(
+    losses: Mapping[str, Recipe],
+    low: floors.LossFloors,
+    model: measure.ModelFactory,
+    probed: Sequence[measure.Batch],
+    world_size: int,
+    seed: int,
+) -> tuple[dict[str, measure.Measured], dict[str, measure.Measured]]:
+    """Each loss measured on W ranks in the precision it is judged in (one run on the pool per
+    precision), and, in a low precision, each float64-judged loss in that precision too."""
+    (view0, view1), further = probed[0], probed[1:]
+    measured: dict[str, measure.Measured] = {}
+    for judged in dict.fromkeys(low.judged_in.values()):
+        cells = {n: loss for n, loss in losses.items() if low.judged_in[n] == judged}
+        measured |= measure.measure_on_ranks(
+            cells, model, view0, view1, world_size, seed, further=further, precision=judged
+        )
+    beside = {n: loss for n, loss in losses.items() if low.low and not low.own(n)}
+    in_low = measure.measure_on_ranks(
+        beside, model, view0, view1, world_size, seed, precision=low.precision
+    ) if beside else {}  # fmt: skip
+    return measured, in_low
 
 
 def _precision(precision: str) -> None:
@@ -335,40 +327,6 @@ def _precision(precision: str) -> None:
     if precision not in terms.PRECISIONS:
         allowed = ", ".join(terms.PRECISIONS)
         raise CheckError(f"--precision {precision!r} is not allowed; allowed: {allowed}")
-
-
-def _watched(function: Callable[[], Any]) -> InFloat64:
-    """`in_float64` of ``function``, an error it raises in float64 as what leaves float64 (the
-    reference, run in the precision asked for, says whether the code runs at all)."""
-    try:
-        return in_float64(function)
-    except Exception as error:
-        return InFloat64(f"in float64 it raises {cli.error_line(error)}", None)
-
-
-def _floor_runs(
-    loss: Recipe,
-    model: measure.ModelFactory,
-    probed: Sequence[measure.Batch],
-    batches: Sequence[measure.Batch],
-    optimizer: Callable[..., Any],
-    seed: int,
-    precision: str,
-    curves: bool,
-) -> tuple[measure.Measured, Trained | None, measure.Measured]:
-    """On one device in ``precision``: the floor's perturbed run (its forward in two row blocks)
-    and, with ``curves``, its training run; and the unperturbed run it is measured against."""
-    (view0, view1), further = probed[0], probed[1:]
-    perturbed = measure.measure(
-        loss, model, view0, view1, seed, False, further, precision, FLOOR_ROW_BLOCKS
-    )
-    trained = (
-        measure.train(loss, model, batches, optimizer, 1, seed, precision=precision,
-                      row_blocks=FLOOR_ROW_BLOCKS)
-        if curves and batches else None
-    )  # fmt: skip
-    one = measure.measure(loss, model, view0, view1, seed, False, further, precision)
-    return perturbed, trained, one
 
 
 def _reference(

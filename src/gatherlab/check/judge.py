@@ -11,6 +11,7 @@ losses of naive accumulation (`gatherlab.check.training.micro_negatives`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Collection, Sequence
 
 import torch
@@ -85,21 +86,6 @@ def _diverges_words(curves: _Curves) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Recorded:
-    """What a recording measured of a run (`gatherlab.check.compare`): ``classified``, the first
-    gradient's class and its parts' where they were estimated from linear sketches
-    (`gradients.classify_sketched`; None: classified by the judge from the gradients);
-    ``unreduced``, the parts whose gradient differs between the run's ranks (their cause, and the
-    whole's when it is not exact, is ``unreduced``: measured, it comes before any other);
-    ``data_differs``, whether its global batches are not the reference's (the whole's verdict is
-    ``data differs``)."""
-
-    classified: tuple[Classified, dict[str, Classified]] | None = None
-    unreduced: Collection[str] = ()
-    data_differs: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
 class InPrecision:
     """A run judged in its own low precision (docs/design.md §2, "Low precision"): ``perturbed``
     is the same-precision one device with its model's forward in row blocks, whose departure from
@@ -135,6 +121,22 @@ class InPrecision:
             for name in layout
         }  # fmt: skip
 
+    def forward(
+        self,
+        run: Measured | Trained,
+        reference: Measured | Trained,
+        curves: tuple[Trained, Trained] | None,
+    ) -> tuple[bool, float, float]:
+        """Whether the run's first global loss is one device's in floors of this precision
+        (`floor.forward_floored`), its relative difference, and the tolerance of its curves (a
+        trained run's own, or a measured loss's training run's): T times the perturbed run's."""
+        same, difference = floor.forward_floored(
+            _first_loss(run), _first_loss(reference), _first_loss(self.perturbed), self.precision
+        )
+        reference_curve = reference if isinstance(run, Trained) else (curves or (None, None))[1]
+        tolerance = math.nan if reference_curve is None else self.tolerance(reference_curve)
+        return same, difference, tolerance
+
     def tolerance(self, reference: Trained) -> float:
         """A trained run's tolerance in this precision (losses and weights, absolute): T times
         the perturbed run's largest departure from one device's, of a step's loss or of a final
@@ -145,6 +147,33 @@ class InPrecision:
         weights = float((perturbed.parameters - reference.parameters).abs().max())
         least = Precision(self.precision).unit_roundoff * max(map(abs, reference.losses))
         return floor.FLOOR_THRESHOLD * max(losses, weights, least)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """What was measured of a run beside its own numbers: by a recording
+    (`gatherlab.check.compare`), ``classified``, the first gradient's class and its parts' where
+    they were estimated from linear sketches (`gradients.classify_sketched`; None: classified by
+    the judge from the gradients); ``unreduced``, the parts whose gradient differs between the
+    run's ranks (their cause, and the whole's when it is not exact, is ``unreduced``: measured, it
+    comes before any other); ``data_differs``, whether its global batches are not the reference's
+    (the whole's verdict is ``data differs``). In a low precision, ``in_precision``: the floor's
+    run of code judged in its own precision (`InPrecision`; None: judged in float64)."""
+
+    classified: tuple[Classified, dict[str, Classified]] | None = None
+    unreduced: Collection[str] = ()
+    data_differs: bool = False
+    in_precision: InPrecision | None = None
+
+
+def _within(rows: list[Row], whole: Floored) -> list[Row]:
+    """The rows of a run judged in its own precision: the precision's columns on them
+    (`with_precision`), ``exact within …`` where float64's word would be ``exact``."""
+    word = floor.within(whole.precision)
+    return [
+        dataclasses.replace(row, verdict=word) if row.verdict == EXACT else row
+        for row in with_precision(rows, whole, whole.precision)
+    ]
 
 
 def _as_classified(floored: Floored) -> Classified:
@@ -175,7 +204,6 @@ def judge(
     accumulated: Callable[[], Sequence[float]] | None = None,
     where: Callable[[], Departure | None] | None = None,
     recorded: Recorded | None = None,
-    in_precision: InPrecision | None = None,
 ) -> list[Row]:
     """The rows of a run on ``key.world_size`` ranks (``key.micro_batches`` per rank) against its
     one-device reference: the whole gradient's (``part`` ``all``), then each part's when it has
@@ -197,28 +225,21 @@ def judge(
       check's ``diverges`` says its step in ``departs`` first.
 
     A recorded run (`gatherlab.check.compare`) gives what its recording measured (`Recorded`).
-    A run judged in its own low precision (``in_precision``, `InPrecision`: the code cannot run in
-    float64) has its forward, gradient and curves judged in floors of that precision, and the
-    verdict ``exact within …`` where float64's would be ``exact``.
+    A run judged in its own low precision (``recorded.in_precision``, `InPrecision`: the code
+    cannot run in float64) has its forward, gradient and curves judged in floors of that
+    precision, and the verdict ``exact within …`` where float64's would be ``exact``.
     """
     recorded = recorded or Recorded()
     classified, unreduced = recorded.classified, recorded.unreduced
-    data_differs = recorded.data_differs
+    data_differs, in_precision = recorded.data_differs, recorded.in_precision
     world_size, micro_batches = key.world_size, key.micro_batches
     trained = isinstance(run, Trained)
     first, reference_first = _first_loss(run), _first_loss(reference)
     relative_same, loss_diff = gradients.same_forward(first, reference_first)
     low = None
     if in_precision is not None:  # the floors of its own precision replace float64's bounds
-        perturbed_first = _first_loss(in_precision.perturbed)
-        relative_same, loss_diff = floor.forward_floored(
-            first, reference_first, perturbed_first, in_precision.precision
-        )
-        if trained:
-            tolerance = in_precision.tolerance(reference)
-        elif curves is not None:
-            tolerance = in_precision.tolerance(curves[1])
         low = in_precision.floored(run, reference, layout, world_size, micro_batches)
+        relative_same, loss_diff, tolerance = in_precision.forward(run, reference, curves)
         classified = _as_classified(low[0]), {k: _as_classified(v) for k, v in low[1].items()}
     same = abs(first - reference_first) <= tolerance if trained else relative_same
     forward = Forward.SAME if same else Forward.DIFFERS
@@ -259,14 +280,8 @@ def judge(
         for part, numbers in parts.items()
     ]
     if low is not None:  # exact as far as its precision can tell
-        rows = [
-            dataclasses.replace(r, verdict=floor.within(in_precision.precision))
-            if r.verdict == EXACT else r
-            for r in with_precision(rows, low[0], in_precision.precision)
-        ]  # fmt: skip
-        if rows[0].verdict in TRAINS_LIKE_ONE_DEVICE or where is None:
-            return rows
-    if head.verdict == EXACT or where is None:
+        rows = _within(rows, low[0])
+    if rows[0].verdict in TRAINS_LIKE_ONE_DEVICE or where is None:
         return rows
     return _located(rows, where())
 

@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from gatherlab.check import measure, where
-from gatherlab.check.judge import InPrecision, judge, with_precision
+from gatherlab.check.judge import InPrecision, Recorded, judge, with_precision
 from gatherlab.check.reference import Reference, choose, one_device, training_differs
 from gatherlab.check.table import (
     EXACT,
@@ -429,7 +429,9 @@ def check(
             if accumulated else None,
             where=functools.partial(located, setting, world_size, first.in_group)
             if located_here else None,
-            in_precision=InPrecision(setting.low, floors.perturbed(removed)) if own else None,
+            recorded=Recorded(
+                in_precision=InPrecision(setting.low, floors.perturbed(removed)) if own else None
+            ),
         )  # fmt: skip
         if kept and setting.low is not None and not own:  # its low-precision run beside it
             rows = with_precision(rows, floors.beside(world_size, k), setting.spec.precision)

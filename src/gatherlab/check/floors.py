@@ -1,0 +1,105 @@
+"""The loss check in a low precision (docs/design.md §2, "Low precision"): which losses float64
+judges (those that run in it, `gatherlab.runs.precision.in_float64`), their one-device runs in the
+precision (as they are, and with the model's forward in row blocks: the floor), and each W's run in
+floors of it. `gatherlab.check.api` runs the check; the training check's runs in a low precision
+are `gatherlab.check.training`'s, the arithmetic `gatherlab.core.floor`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gatherlab.check import measure
+from gatherlab.check.judge import InPrecision
+from gatherlab.components.factory import Recipe
+from gatherlab.core import cli, floor
+from gatherlab.core.runfiles import Trained
+from gatherlab.core.terms import Precision
+from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64
+
+__all__ = ["LossFloors", "watched"]
+
+
+def watched(function: Callable[[], Any]) -> InFloat64:
+    """`in_float64` of ``function``, an error it raises in float64 as what leaves float64 (the
+    reference, run in the precision asked for, says whether the code runs at all)."""
+    try:
+        return in_float64(function)
+    except Exception as error:
+        return InFloat64(f"in float64 it raises {cli.error_line(error)}", None)
+
+
+@dataclass
+class LossFloors:
+    """A loss check's losses in ``precision``: ``judged_in``, per loss, the precision its verdict
+    rests on; ``notes``, per loss that cannot run in float64, the line that leaves it; per loss,
+    its one-device run in ``precision`` (``one``) and the floor's perturbed run with its training
+    run (``perturbed``). In float64 every loss is judged in float64 and nothing else is run."""
+
+    precision: str
+    judged_in: dict[str, str]
+    notes: dict[str, str] = field(default_factory=dict)
+    one: dict[str, measure.Measured] = field(default_factory=dict)
+    perturbed: dict[str, tuple[measure.Measured, Trained | None]] = field(default_factory=dict)
+
+    @property
+    def low(self) -> bool:
+        """Whether the check runs in a low precision."""
+        return self.precision != Precision.FLOAT64
+
+    @classmethod
+    def of(
+        cls,
+        losses: Mapping[str, Recipe],
+        model: measure.ModelFactory,
+        probed: Sequence[measure.Batch],
+        batches: Sequence[measure.Batch],
+        optimizer: Callable[..., Any],
+        seed: int,
+        precision: str,
+    ) -> LossFloors:
+        """Each loss watched in float64 on the first probed batch, and in a low ``precision`` its
+        one-device runs there (with ``batches``, the steps, the perturbed run's training too, for
+        a loss judged in ``precision``)."""
+        float64 = str(Precision.FLOAT64)
+        if precision == float64:
+            return cls(precision, dict.fromkeys(losses, float64))
+        (view0, view1), further = probed[0], probed[1:]
+        seen = {
+            name: watched(lambda loss=loss: measure.measure(loss, model, view0, view1, seed))
+            for name, loss in losses.items()
+        }
+        judged_in = {name: float64 if w.runs else precision for name, w in seen.items()}
+        floors = cls(precision, judged_in, {n: w.lower for n, w in seen.items() if not w.runs})
+        for name, loss in losses.items():
+            floors.one[name] = measure.measure(
+                loss, model, view0, view1, seed, False, further, precision
+            )
+            perturbed = measure.measure(
+                loss, model, view0, view1, seed, False, further, precision, FLOOR_ROW_BLOCKS
+            )
+            trained = (
+                measure.train(loss, model, batches, optimizer, 1, seed, precision=precision,
+                              row_blocks=FLOOR_ROW_BLOCKS)
+                if batches and floors.own(name) else None
+            )  # fmt: skip
+            floors.perturbed[name] = perturbed, trained
+        return floors
+
+    def own(self, name: str) -> bool:
+        """Whether the loss is judged in floors of the low precision (it cannot run in float64)."""
+        return self.low and self.judged_in[name] == self.precision
+
+    def in_precision(self, name: str) -> InPrecision | None:
+        """What the judge needs of a loss judged in its own precision (None for the others)."""
+        return InPrecision(self.precision, *self.perturbed[name]) if self.own(name) else None
+
+    def beside(self, name: str, measured: measure.Measured, world_size: int) -> floor.Floored:
+        """A float64-judged loss's W-rank run in the low precision (``measured``) against its
+        one device's there, in floors."""
+        one, perturbed = self.one[name], self.perturbed[name][0]
+        return floor.classify_floored(
+            measured.gradient, one.gradient, perturbed.gradient, self.precision, world_size
+        )
