@@ -9,7 +9,9 @@ written the way public code writes it (no gatherlab imports), with what a correc
 - ``build_float32_scale``: the plain step's model of ``plain_steps`` with a float32 tensor made
   in its forward: it cannot run in float64, so it is judged in its own precision;
 - ``build_with_batchnorm``: the same model with ``BatchNorm1d``, whose per-rank statistics differ
-  from one device's in every precision.
+  from one device's in every precision;
+- ``Float32TemperatureNTXent``: a global NT-Xent over the gathered batch whose temperature is a
+  float32 tensor made in its forward: a loss that cannot run in float64, exact in its precision.
 """
 
 from __future__ import annotations
@@ -63,3 +65,16 @@ def build_float32_scale(dim: int = 8) -> nn.Module:
 
 def build_with_batchnorm(dim: int = 8) -> nn.Module:
     return plain_steps.build_model(dim, batchnorm=True)
+
+
+class Float32TemperatureNTXent(nn.Module):
+    """NT-Xent over every rank's embeddings (an exact gather), its temperature made in forward."""
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        temperature = torch.tensor(0.5)  # float32 whatever the embeddings' dtype
+        z = torch.nn.functional.normalize(torch.cat([gather(z0), gather(z1)]), dim=1)
+        logits = (z @ z.T / temperature).to(z.dtype)
+        logits = logits.masked_fill(torch.eye(len(z), dtype=torch.bool), -torch.inf)
+        n = len(z) // 2
+        targets = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+        return torch.nn.functional.cross_entropy(logits, targets)

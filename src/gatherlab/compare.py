@@ -1,7 +1,7 @@
 """Compare two recordings of a training job (`gatherlab.record`): does run B train like reference A
 (normally the one-device run) at every update, and where do they part?
 
-    python -m gatherlab.compare A B [--out DIR] [--tolerance X]
+    python -m gatherlab.compare A B [--out DIR] [--tolerance X] [--floor C]
 
 prints the verdict, the table and the first update and part that depart, and writes
 ``check.csv``, ``updates.csv`` and the figure ``compare.png``/``compare.pdf`` into ``--out``
@@ -48,6 +48,7 @@ def compare(
     *,
     out: str | Path | None = None,
     tolerance: float | None = None,
+    floor: str | Path | Recording | None = None,
 ) -> Comparison:
     """Recording ``run`` (B) against ``reference`` (A); with ``out``, its files written there
     (`write`).
@@ -59,6 +60,9 @@ def compare(
             written); one that holds a comparison is refused.
         tolerance: the largest |Δloss| of an update and |Δ| of the final weights' sketches
             (absolute; default the recordings' precision's, 1e-10 in float64).
+        floor: in float32, bf16 or fp16, the recording of one device with its forward in row
+            blocks (`gatherlab.record.in_row_blocks`): B is judged in floors of its departure
+            from A (``exact within bf16``; docs/design.md §2, "Low precision").
 
     Returns:
         The `Comparison`: ``table`` (``check.csv``'s rows), ``updates`` (``updates.csv``'s),
@@ -74,7 +78,7 @@ def compare(
     """
     if out is not None:
         _refuse_finished(Path(out))
-    comparison = _compare(reference, run, tolerance=tolerance)
+    comparison = _compare(reference, run, tolerance=tolerance, floor=floor)
     if out is not None:
         write(comparison, Path(out))
     return comparison
@@ -142,6 +146,11 @@ def _parser() -> argparse.ArgumentParser:
         help="largest |Δloss| per update and |Δ| of the final weights' sketches (default: the "
         "precision's, 1e-10 in float64)",
     )  # fmt: skip
+    parser.add_argument(
+        "--floor", type=Path, default=None, metavar="C",
+        help="in float32, bf16 or fp16: recording C of one device with its forward in row blocks "
+        "(gatherlab.record.in_row_blocks); B is judged in floors of C's departure from A",
+    )  # fmt: skip
     return parser
 
 
@@ -152,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     out = args.out or Path("outputs") / "compare" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
     try:
-        comparison = compare(args.reference, args.run, out=out, tolerance=args.tolerance)
+        comparison = compare(args.reference, args.run, out=out, tolerance=args.tolerance,
+                             floor=args.floor)  # fmt: skip
     except (RecordingError, NotComparable, runfiles.RunFinished) as error:
         cli.fail("compare", cli.first_line(error))
     except KeyboardInterrupt:

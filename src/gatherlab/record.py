@@ -11,6 +11,10 @@
 ``gatherlab.record(...)`` is `Recorder` (also a context manager). A Lightning ``Trainer`` takes
 ``gatherlab.record.LightningRecorder(out)`` among its callbacks, a Hugging Face ``Trainer``
 ``gatherlab.record.HFRecorder(out)`` (the ``hf`` extra). Every rank records; rank 0 writes.
+
+In bf16 or fp16, record a third run, the floor: one device with
+``gatherlab.record.in_row_blocks(model.backbone)`` (its forward in two row blocks), and compare
+with ``--floor`` (docs/design.md §2, "Low precision").
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import sys
 import types
 from typing import Any
 
+from gatherlab.components.rowblocks import in_row_blocks
 from gatherlab.recording.format import Recording, RecordingError, read
 from gatherlab.recording.recorder import Recorder
 
 # The two callbacks are imported when first asked for (module __getattr__).
 __all__ = [  # noqa: F822
-    "HFRecorder", "LightningRecorder", "Recorder", "Recording", "RecordingError", "read",
+    "HFRecorder", "LightningRecorder", "Recorder", "Recording", "RecordingError", "in_row_blocks",
+    "read",
 ]  # fmt: skip
 
 

@@ -47,11 +47,12 @@ def assert_layout_invariant(
         factory: the loss class or function, or its import path (``module:attribute``).
         world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
         **arguments: `gatherlab.check.check_loss`'s keyword arguments: ``gather=``, ``steps=``,
-            ``optim=``, ``seed=`` and the loss's own keyword arguments.
+            ``optim=``, ``seed=``, ``precision=`` and the loss's own keyword arguments.
 
     Returns:
         The check's table (a pandas DataFrame, one row per world size), every verdict ``exact``
-        or ``loss scaled``.
+        or ``loss scaled`` (``exact within bf16``, …, for a loss that cannot run in float64,
+        judged in its ``precision``).
 
     Raises:
         AssertionError: some world size's verdict is neither ``exact`` nor ``loss scaled``; the

@@ -61,18 +61,23 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def loop(
     out: str, wrap: str = "ddp", bug: str = "", k: int = 64, full_updates: int = 1,
-    trace: bool = False, micro_batches: int = 1,
+    trace: bool = False, micro_batches: int = 1, dtype: str = "float64", row_blocks: int = 1,
 ) -> None:  # fmt: skip
     """Trains ``STEPS`` updates of SGD and records them into ``out``; ``wrap``: ``ddp``,
     ``fsdp2`` or ``zero`` (DDP with ``ZeroRedundancyOptimizer``); without a process group the
     plain model. ``trace``: the recorder traces the first update's forward. ``micro_batches``:
     each rank accumulates its rows in that many micro-batches, each loss divided by their number
-    (DDP reduces at every backward: the gradient is the same)."""
+    (DDP reduces at every backward: the gradient is the same). ``dtype``: the model's and the
+    data's (``float32``: a low precision's recording); ``row_blocks``: on one device, the body's
+    forward in that many row blocks (the floor's recording, `gatherlab.record.in_row_blocks`)."""
     world_size, rank = _world()
     torch.manual_seed(0)
-    criterion = Scaled()
+    criterion = Scaled().to(getattr(torch, dtype))
     outside = bug == "temperature_outside"
     network = Net(None if outside else criterion, batchnorm=bug == "batchnorm")
+    network.to(getattr(torch, dtype))
+    if row_blocks > 1:
+        gatherlab.record.in_row_blocks(network.body, row_blocks)
     trained: nn.Module = network
     if world_size > 1 and wrap == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -92,7 +97,7 @@ def loop(
         optimizer = ZeroRedundancyOptimizer(parameters, torch.optim.SGD, lr=0.1)
     else:
         optimizer = torch.optim.SGD(parameters, lr=0.1)
-    x, y = _data()
+    x, y = (tensor.to(getattr(torch, dtype)) for tensor in _data())
     rows = GLOBAL // world_size
     recorder = gatherlab.record(
         trained, optimizer, out, loss=criterion, seed=0, k=k, full_updates=full_updates,

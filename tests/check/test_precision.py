@@ -190,6 +190,19 @@ def test_a_model_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_
     assert text.rstrip().endswith("as far as bf16 can tell (within 3 floors).")
 
 
+def test_a_loss_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_so():
+    table = check_loss(precision_cases.Float32TemperatureNTXent, (2, 4), steps=2,
+                       precision="bf16-mixed")  # fmt: skip
+    whole = table[table["part"] == "all"]
+    assert set(whole["judged_in"]) == {"bf16-mixed"}
+    assert set(whole["verdict"]) == {"exact within bf16"}
+    text = " ".join(explain(table).split())
+    assert "Loss Float32TemperatureNTXent: it cannot run in float64 (precision_cases.py:" in text
+    assert "tensor → float32): judged in bf16 against a measured floor." in text
+    assert text.endswith("Every world size trains like one device as far as bf16 can tell "
+                         "(within 3 floors).")  # fmt: skip
+
+
 def test_a_model_with_batch_norm_is_judged_in_float64_alone_and_says_why():
     # row blocks would split its statistics: no floor, float64's verdict and culprit stand
     table = check_training(
@@ -258,3 +271,51 @@ def test_classify_at_reads_the_class_at_the_floors_resolution():
     assert floor.classify_at(g + 20 * noise, g, 1e-3, "bf16-mixed", 2).gradient == "biased"
     assert within.power == floor.FLOOR_THRESHOLD * 1e-3
     assert floor.floor_of(0.0, "bf16-mixed") == 2.0**-8  # a perturbation that changed no bit
+
+
+# --- two recordings compared in floors of a third ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recorded_float32(tmp_path_factory) -> dict:
+    """A plain loop recorded in float32 (`recorded_loops.loop`): on one device, on one device
+    with its body's forward in two row blocks (the floor), and on 2 ranks, exact and with the
+    loss divided by W on top of DDP's average; and in float64 on one device."""
+    from recorded import record_cases
+
+    job = "recorded_loops:loop"
+    return record_cases(tmp_path_factory.mktemp("float32"), {
+        "one": (1, job, {"dtype": "float32"}),
+        "floor": (1, job, {"dtype": "float32", "row_blocks": 2}),
+        "two": (2, job, {"dtype": "float32"}),
+        "divided": (2, job, {"dtype": "float32", "bug": "divide_twice"}),
+        "float64": (1, job, {}),
+    })  # fmt: skip
+
+
+def test_recordings_in_float32_are_judged_in_floors_of_the_floor_recording(recorded_float32):
+    import gatherlab.compare
+
+    runs = recorded_float32
+    # float64's bounds on float32 numbers: exact code reads "other", as before
+    assert gatherlab.compare(runs["one"], runs["two"]).verdict == "other"
+    exact = gatherlab.compare(runs["one"], runs["two"], floor=runs["floor"])
+    assert (exact.verdict, exact.status) == ("exact within float32", 0)
+    assert exact.table.iloc[0]["floors"] <= floor.FLOOR_THRESHOLD
+    assert "In float32 this check detects departures of the gradient of ~" in " ".join(
+        exact.words.split()
+    )
+    assert exact.words.rstrip().endswith("as far as float32 can tell (within 3 floors of the "
+                                         "floor recording).")  # fmt: skip
+    divided = gatherlab.compare(runs["one"], runs["divided"], floor=runs["floor"])
+    assert (divided.verdict, divided.status) == ("1/W", 1)
+
+
+def test_a_floor_recording_of_float64_or_of_several_ranks_is_refused_in_one_line(recorded_float32):
+    import gatherlab.compare
+
+    runs = recorded_float32
+    with pytest.raises(gatherlab.compare.NotComparable, match="judged to 1e-10; allowed: a floor"):
+        gatherlab.compare(runs["float64"], runs["float64"], floor=runs["float64"])
+    with pytest.raises(gatherlab.compare.NotComparable, match="was recorded on 2 ranks"):
+        gatherlab.compare(runs["one"], runs["divided"], floor=runs["two"])

@@ -28,16 +28,18 @@ import pandas as pd
 import torch
 
 from gatherlab.check import diagnosis, where
-from gatherlab.check.judge import Recorded, judge
+from gatherlab.check.judge import InPrecision, Recorded, judge
 from gatherlab.check.table import (
     ALL_PARTS,
     COMPARISON_COLUMNS,
     EXACT,
+    PRECISION_COLUMNS,
     Row,
     frame,
     trains_like_one_device,
 )  # fmt: skip
 from gatherlab.core import gradients, runfiles, terms
+from gatherlab.core.floor import FLOOR_THRESHOLD, WITHIN
 from gatherlab.core.gradients import Classified, Layout
 from gatherlab.recording.format import Recording, read
 
@@ -127,6 +129,30 @@ def _same_model(a: Recording, b: Recording) -> None:
             )
     if list(mine) != list(theirs):
         raise NotComparable("A and B record the same parameters in another order")
+
+
+def _floor(a: Recording, c: Recording) -> tuple[str, Recording]:
+    """The precision of a comparison judged in floors and its floor recording ``c``, checked
+    against A: the same model and settings, one device, a low precision (an autocast dtype, or
+    parameters below float64); NotComparable in one line otherwise."""
+    _same_model(a, c)
+    _same_settings(a, c)
+    if c.world_size != 1:
+        raise NotComparable(
+            f"--floor {c.path} was recorded on {c.world_size} ranks; allowed: one device with its "
+            "forward in row blocks (gatherlab.record.in_row_blocks)"
+        )
+    autocast = next((u.autocast for u in a.updates if u.autocast), None)
+    fp16 = terms.Precision.FP16_MIXED  # fp16 parameters round as fp16 autocast does
+    named = {"bfloat16": terms.Precision.BF16_MIXED, "float16": fp16, "16-true": fp16}
+    recorded = a.header.get("precision", terms.Precision.FLOAT64)
+    precision = named.get(autocast or "", named.get(recorded, recorded))
+    if precision not in terms.PRECISIONS or precision == terms.Precision.FLOAT64:
+        raise NotComparable(
+            f"--floor {c.path}: A is recorded in {precision}, judged to 1e-10; allowed: a floor "
+            "for recordings in float32, bf16 or fp16"
+        )
+    return str(precision), c
 
 
 def _same_settings(a: Recording, b: Recording) -> None:
@@ -462,11 +488,16 @@ def compare(
     run: str | Path | Recording,
     *,
     tolerance: float | None = None,
+    floor: str | Path | Recording | None = None,
 ) -> Comparison:
     """Recording ``run`` (B) against ``reference`` (A, normally the one-device run), in the order
     of the module's docstring. ``tolerance``: the largest |Δloss| of an update and |Δ| of the
     final weights' sketches (absolute; default the precision's, `gradients.TOLERANCE`); the
-    gradients' classes keep the bounds of docs/design.md §1.
+    gradients' classes keep the bounds of docs/design.md §1. ``floor``: in a low precision, a
+    recording of one device with its forward in row blocks (`gatherlab.record.in_row_blocks`):
+    B's first gradient, losses and final weights are judged in floors of its departure from A
+    (docs/design.md §2, "Low precision"), its verdict ``exact within bf16`` where float64's bounds
+    would say ``other``.
 
     Raises:
         RecordingError: a directory that is no finished recording of a version this gatherlab
@@ -476,6 +507,7 @@ def compare(
     a, b = recording(reference), recording(run)
     _same_model(a, b)
     _same_settings(a, b)
+    floored = None if floor is None else _floor(a, recording(floor))
     if tolerance is None:
         precision = a.header.get("precision", terms.Precision.FLOAT64)
         tolerance = gradients.TOLERANCE.get(precision, gradients.FLOAT64_TOLERANCE)
@@ -492,17 +524,21 @@ def compare(
     if unlossed:
         data = dataclasses.replace(data, notes=(*data.notes, diagnosis.NO_LOSS.format(
             updates=len(unlossed), total=len(a.updates))))  # fmt: skip
+    in_precision = None
+    if floored is not None:
+        in_precision = InPrecision(floored[0], _trained(floored[1], full, unlossed))
     rows = judge(
         _trained(b, full, unlossed), _trained(a, full, unlossed), key, tolerance=tolerance,
         layout=a.layout() if full else _sketch_layout(a),
-        recorded=Recorded(None if full else (whole, split), unreduced, data.update is not None),
-        where=None if data.update is not None else _where(a, b, tolerance),
+        recorded=Recorded(None if full else (whole, split), unreduced, data.update is not None,
+                          in_precision),
+        where=None if data.update is not None or floored else _where(a, b, tolerance),
     )  # fmt: skip
     departure = _departure(a, b, classes, tolerance, rows[0].scale)
     if departure is not None:
         rows = [dataclasses.replace(r, first_update=departure[0], first_part=departure[1])
                 for r in rows]  # fmt: skip
-    table = frame(rows, COMPARISON_COLUMNS)
+    table = frame(rows, COMPARISON_COLUMNS + (PRECISION_COLUMNS if floored else ()))
     status = 0 if trains_like_one_device(table) else 1
     words = _words(a, b, table, updates, data, departure, measured)
     return Comparison(
@@ -550,14 +586,19 @@ def _words(
             + " (updates.csv has every update and part):\n"
             + diagnosis.markdown(shown, UPDATE_COLUMNS)
         )
-    if head["verdict"] != EXACT:
+    if head["verdict"] not in (EXACT, *WITHIN):
         parts = table[table["part"] != ALL_PARTS]
         cause = head["cause"]
         named = f" ({cause})" if cause and head["verdict"] != terms.LOSS_SCALED else ""
         text = diagnosis.diagnosis(table.iloc[:1], parts, measured)
         lines.append(f"B against A, W = {head['world_size']}: {head['verdict']}{named}\n"
                      + diagnosis._paragraph(text) + diagnosis._departs(table.iloc[:1]))  # fmt: skip
-    if trains_like_one_device(table):
+    lines += diagnosis._precision_lines(table, None)  # judged in floors (--floor)
+    if trains_like_one_device(table) and "in_precision" in table.columns:
+        word = terms.Precision(table["precision"].iloc[0]).word
+        lines.append(f"B trains like A as far as {word} can tell (within {FLOOR_THRESHOLD:g} "
+                     "floors of the floor recording).")  # fmt: skip
+    elif trains_like_one_device(table):
         precision = a.header.get("precision", "")
         lines.append(f"B trains like A ({precision}, every update's loss and gradient).")
     return "\n\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from gatherlab.check.table import (
     trains_like_one_device,
 )  # fmt: skip
 from gatherlab.core import gradients, runfiles, terms
-from gatherlab.core.floor import FLOOR_THRESHOLD, Floored, power_words
+from gatherlab.core.floor import FLOOR_THRESHOLD, WITHIN, Floored, power_words
 from gatherlab.core.terms import Culprit
 from gatherlab.runs.removals import ALL, NONE, Removal
 
@@ -608,7 +608,7 @@ def explain(table: pd.DataFrame) -> str:
     gathers = dict(zip(table["loss"], table["gather"], strict=True))
     lines += _reference_notes(table, "loss", lambda name: name + _via(gathers.get(name, "")))
     whole = table[table["part"] == ALL_PARTS]
-    failing = whole[whole["verdict"] != EXACT]
+    failing = whole[~whole["verdict"].isin((EXACT, *WITHIN))]  # within: the precision's text
     for (loss, gather, verdict_, cause), rows in failing.groupby(
         ["loss", "gather", "verdict", "cause"], sort=False
     ):

@@ -72,7 +72,12 @@ class LossFloors:
             for name, loss in losses.items()
         }
         judged_in = {name: float64 if w.runs else precision for name, w in seen.items()}
-        floors = cls(precision, judged_in, {n: w.lower for n, w in seen.items() if not w.runs})
+        word = Precision(precision).word
+        notes = {
+            name: f"it cannot run in float64 ({w.lower}): judged in {word} against a measured floor"
+            for name, w in seen.items() if not w.runs
+        }  # fmt: skip
+        floors = cls(precision, judged_in, notes)
         for name, loss in losses.items():
             floors.one[name] = measure.measure(
                 loss, model, view0, view1, seed, False, further, precision

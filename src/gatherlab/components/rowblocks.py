@@ -8,13 +8,14 @@ module computes its embeddings with `blocked` (``layout.row_blocks``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["RowBlocks", "blocked", "rows_of_batch"]
+__all__ = ["RowBlocks", "blocked", "in_row_blocks", "rows_of_batch"]
 
 
 def rows_of_batch(value: Any) -> int | None:
@@ -90,3 +91,13 @@ class RowBlocks(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("module"), name)
+
+
+def in_row_blocks(module: nn.Module, blocks: int = 2) -> nn.Module:
+    """``module`` itself, its forward from now on in ``blocks`` row blocks (`blocked`): for a
+    job's own floor run, recorded and given to ``python -m gatherlab.compare --floor``. Its
+    parameters keep their names (a `RowBlocks` wrapper would prefix them), so that the recording
+    is of the same model. Wrap the part that treats each row on its own (the model before its
+    loss), on one device."""
+    module.forward = functools.partial(blocked, module.forward, blocks)  # the instance's own
+    return module
