@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
@@ -35,7 +36,7 @@ from gatherlab.runs.spec import RunSpec
 
 __all__ = [
     "PlainModel", "Step", "as_precision", "build", "built_in", "checked_model", "data_size",
-    "first_batch",
+    "distributes_itself", "first_batch",
     "rank_batches", "seed_processes", "step_loss", "wrapped_for_rank",
 ]  # fmt: skip
 
@@ -225,12 +226,24 @@ def as_precision(batch: Any, precision: str, device: torch.device | None = None)
 def wrapped_for_rank(model: nn.Module, device: torch.device, row_blocks: int = 1) -> nn.Module:
     """The model as this rank trains it: in ``DistributedDataParallel`` over the rank's process
     group when there is one (on the rank's own GPU in an NCCL group), bare on one device (its
-    forward in ``row_blocks`` row blocks, the floor's perturbation, `runs.precision.RowBlocks`)."""
+    forward in ``row_blocks`` row blocks, the floor's perturbation, `runs.precision.RowBlocks`);
+    as the factory made it when it distributes itself (`distributes_itself`: sharded by FSDP2,
+    or in DDP already), never wrapped twice."""
     if world.size() == 1:
         return model if row_blocks == 1 else runs_precision.RowBlocks(model, row_blocks)
+    if distributes_itself(model):
+        return model
     on_gpu = device.type == terms.Device.CUDA
     ddp = DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
     return collectives.visible(ddp)  # its all-reduce seen by the check's watch
+
+
+def distributes_itself(model: nn.Module) -> bool:
+    """Whether the user's factory made the model distributed already: its parameters sharded
+    over the ranks (``DTensor``: FSDP2's ``fully_shard``), or the model in DDP."""
+    if isinstance(model, DistributedDataParallel):
+        return True
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def rank_batches(
