@@ -7,14 +7,28 @@ gradient and weights from their shards.
   blocks and on the whole, over a ``cpu`` DeviceMesh of every rank (on one device: the plain
   model): exact;
 - ``zero_sgd``: SGD as ``ZeroRedundancyOptimizer`` on W ranks (each rank steps its share of the
-  parameters and broadcasts them), plain SGD on one device: exact with DDP's averaged gradient.
+  parameters and broadcasts them), plain SGD on one device: exact with DDP's averaged gradient;
+- ``temperature_step`` with ``build_fsdp2_temperature_outside``: SimCLR's local NT-Xent (each rank's
+  own anchors against the gathered batch) with a learnt
+  temperature that sits on the root, which is not sharded: FSDP2 reduces the network's gradient,
+  nobody the temperature's, and each rank steps with its own (the cause ``unreduced``);
+- ``temperature_step`` with ``build_ddp_temperature_outside``: the same with the network in DDP
+  and the temperature beside it, outside DDP's module;
+- ``own_slice_temperature_step``: the same loss gathered by a gather whose backward keeps the own
+  slice (the old GatherLayer's rule): its temperature is unreduced too, but reducing it leaves the
+  model's gradient biased, so ``unreduced`` is not the cause.
 """
 
 from __future__ import annotations
 
+import math
+
 import plain_steps
+import standins
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from summing_gather import gather
 from torch import nn
 
 
@@ -41,3 +55,56 @@ def zero_sgd(parameters, lr: float = 0.01) -> torch.optim.Optimizer:
 
         return ZeroRedundancyOptimizer(parameters, optimizer_class=torch.optim.SGD, lr=lr)
     return torch.optim.SGD(parameters, lr=lr)
+
+
+class WithTemperature(nn.Module):
+    """A network and a learnt temperature (its log) beside it, as CLIP-style models hold one."""
+
+    def __init__(self, net: nn.Module, temperature: float = 0.5) -> None:
+        super().__init__()
+        self.net = net
+        self.log_temperature = nn.Parameter(torch.tensor(math.log(temperature)))
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.net(rows)
+
+
+def build_fsdp2_temperature_outside(dim: int = 8) -> nn.Module:
+    return WithTemperature(build_fsdp2(dim))  # the root, holding the temperature, not sharded
+
+
+def build_ddp_temperature_outside(dim: int = 8, dtype: str = "float64") -> nn.Module:
+    net = plain_steps.build_model(dim).to(getattr(torch, dtype))  # DDP's buckets take its dtype
+    if _ranks() > 1:
+        net = nn.parallel.DistributedDataParallel(net)
+    return WithTemperature(net)  # the temperature outside DDP's module
+
+
+def local_nt_xent(
+    z0: torch.Tensor, z1: torch.Tensor, temperature: torch.Tensor, gathered=gather
+) -> torch.Tensor:
+    """NT-Xent of the rank's own anchors against every rank's embeddings (lightly's local
+    style, ``gathered`` by a gradient-summing gather): with DDP's average over the ranks, the
+    whole batch's loss."""
+    rank = dist.get_rank() if _ranks() > 1 else 0
+    rows = len(z0)
+    z = F.normalize(torch.cat([gathered(z0), gathered(z1)]), dim=1)
+    n = len(z) // 2
+    own = torch.cat([torch.arange(rank * rows, (rank + 1) * rows)] * 2)
+    own[rows:] += n  # the own rows of view 1
+    logits = z[own] @ z.T / temperature
+    logits[torch.arange(2 * rows), own] = -torch.inf  # an anchor is not its own candidate
+    positives = torch.cat([own[rows:], own[:rows]])
+    return F.cross_entropy(logits, positives)
+
+
+def temperature_step(model: nn.Module, batch) -> torch.Tensor:
+    x0, x1 = batch
+    z0, z1 = model(torch.cat([x0, x1])).chunk(2)
+    return local_nt_xent(z0, z1, model.log_temperature.exp())
+
+
+def own_slice_temperature_step(model: nn.Module, batch) -> torch.Tensor:
+    x0, x1 = batch
+    z0, z1 = model(torch.cat([x0, x1])).chunk(2)
+    return local_nt_xent(z0, z1, model.log_temperature.exp(), standins.OwnSliceGather.apply)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gatherlab.check import check_training
+from gatherlab.check import check_training, explain_training
 
 W = (2, 4)
 
@@ -47,3 +47,55 @@ def test_a_sharded_whole_update_is_exact_at_every_layout():
     whole = _whole_rows(table)
     assert whole["verdict"].tolist() == ["exact"] * 4
     assert whole["max_abs_param_diff"].max() <= 1e-12
+
+
+# --- a parameter whose gradient no one reduces --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def unreduced() -> dict:
+    """The local NT-Xent with a learnt temperature outside FSDP2's sharded modules, outside DDP's
+    module, and outside DDP's module with a gather that keeps the own slice, on 2 and 4 ranks."""
+    cases = {
+        "fsdp2": ("temperature_step", "build_fsdp2_temperature_outside"),
+        "ddp": ("temperature_step", "build_ddp_temperature_outside"),
+        "own_slice": ("own_slice_temperature_step", "build_ddp_temperature_outside"),
+    }
+    return {
+        name: check_training(step=f"sharded_steps:{step}", model=f"sharded_steps:{model}",
+                             data="plain_steps:Pairs", world_sizes=W, steps=3)
+        for name, (step, model) in cases.items()
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["fsdp2", "ddp"])
+def test_a_parameter_no_one_reduces_is_the_cause_with_the_model_part_exact(unreduced, case):
+    table = unreduced[case]
+    rows = table[table["removed"] == "none"].set_index(["world_size", "part"])
+    for world_size in W:
+        assert rows.loc[(world_size, "all"), ["verdict", "cause", "culprits"]].tolist() == [
+            "biased",
+            "unreduced",
+            "unreduced",
+        ]
+        assert rows.loc[(world_size, "log_temperature"), "cause"] == "unreduced"
+        assert rows.loc[(world_size, "net"), "gradient"] == "exact"
+        found = table.attrs["unreduced"][f"{world_size},1"]
+        # reproduced: with the temperature's gradient all-reduced the run is exact
+        assert (found.parts, found.reduced) == (("log_temperature",), "exact")
+    text = " ".join(explain_training(table).split())
+    assert "the gradient of log_temperature differs between the run's ranks" in text
+    assert "All-reduced after each backward (the mean over the ranks), the run is exact" in text
+
+
+def test_ranks_that_differ_are_no_cause_where_reducing_them_is_not_the_fix(unreduced):
+    # the own-slice gather breaks the model's gradient too: reducing the parts whose ranks differ
+    # leaves it biased, so neither the cause nor the culprit is "unreduced" (a cause given
+    # whenever ranks differ fails here)
+    table = unreduced["own_slice"]
+    whole = table[(table["removed"] == "none") & (table["part"] == "all")]
+    assert set(whole["verdict"]) == {"biased"}
+    assert "unreduced" not in set(whole["cause"])
+    assert set(whole["culprits"]) == {"loss"}
+    for world_size in W:
+        assert table.attrs["unreduced"][f"{world_size},1"].reduced == "biased"

@@ -429,8 +429,9 @@ def _unreduced(a: Recording, b: Recording) -> tuple[list[str], dict[str, str]]:
             )
     at = [w if len(parts) == 1 else f"{p} {w}" for p, w in zip(parts, where, strict=True)]
     measured = {
+        "unreduced_source": "from the recording",
         "unreduced": ", ".join(parts),
-        "unreduced_updates": "; ".join(at),
+        "unreduced_updates": "; ".join(at) + ", each rank's own sketch of it recorded",
         "unreduced_mean": " ".join(mean_words),
     }
     return parts, measured

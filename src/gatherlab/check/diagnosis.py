@@ -18,6 +18,7 @@ from gatherlab.check.table import (
     REFERENCE,
     REFERENCE_NOTES,
     TRAIN_COLUMN,
+    TRAINS_LIKE_ONE_DEVICE,
     trains_like_one_device,
 )  # fmt: skip
 from gatherlab.core import gradients, runfiles, terms
@@ -295,13 +296,12 @@ CAUSES = {
         + "), or all-reduce its sums and counts before dividing."
     ),
     terms.Cause.UNREDUCED: (
-        "Measured from the recording: the gradient of {unreduced} differs between the run's ranks "
-        "({unreduced_updates}, each rank's own sketch of it recorded): it is not reduced over "
-        "the ranks, so each rank's optimizer steps with its own gradient (the run's recorded "
-        "gradient is rank 0's). {unreduced_mean} Fix: put the parameter inside the module DDP "
-        "or FSDP wraps and use it in that module's forward, so that its gradient is reduced "
-        "with the others, or all-reduce its gradient (the mean over ranks) before the "
-        "optimizer's step."
+        "Measured {unreduced_source}: the gradient of {unreduced} differs between the run's ranks "
+        "({unreduced_updates}): it is not reduced over the ranks, so each rank's optimizer steps "
+        "with its own gradient (the run's gradient shown is rank 0's). {unreduced_mean} Fix: put "
+        "the parameter inside the module DDP or FSDP wraps and use it in that module's forward, "
+        "so that its gradient is reduced with the others, or all-reduce its gradient (the mean "
+        "over ranks) before the optimizer's step."
     ),
     terms.Cause.UNEXPLAINED: (
         "None of the causes the check reproduces on one device (scaled, local_negatives, "
@@ -363,6 +363,14 @@ CULPRIT_DIAGNOSES = {
         "the loss is exact too). Fix: draw each sample's randomness from a generator seeded by "
         "(seed, step, sample index), e.g. torch.Generator().manual_seed(...) per sample, or "
         "augment in the data set and check with the data_randomness removal."
+    ),
+    Culprit.UNREDUCED: (
+        "a parameter's gradient differs between the ranks (measured: every rank's first gradient "
+        "of each part against rank 0's) because neither DDP nor FSDP holds it: each rank's "
+        "optimizer steps with its own gradient. All-reduced (the mean over ranks) after each "
+        "backward, the run is exact (reproduced). Fix: put the parameter inside the module DDP "
+        "or FSDP wraps and use it in that module's forward, or all-reduce its gradient before the "
+        "optimizer's step."
     ),
     Culprit.LOSS: (
         "with batch norm, dropout and the data's randomness removed the run is still not exact: "
@@ -696,6 +704,29 @@ def _filled(value: Any) -> bool:
     return not (value is None or value == "" or (isinstance(value, float) and pd.isna(value)))
 
 
+def _unreduced_words(table: pd.DataFrame, rows: pd.DataFrame) -> dict[str, str]:
+    """The words of the cause ``unreduced`` for a training check's rows (their first layout's
+    measurement, ``table.attrs["unreduced"]``, `gatherlab.check.training.Unreduced`)."""
+    first = rows.iloc[0]
+    found = table.attrs.get("unreduced", {}).get(
+        f"{first['world_size']},{first.get('micro_batches', 1)}"
+    )
+    if found is None:
+        return {}
+    if found.reduced in TRAINS_LIKE_ONE_DEVICE:
+        mean = (f"All-reduced after each backward (the mean over the ranks), the run is "
+                f"{found.reduced}: reducing it is the fix.")  # fmt: skip
+    else:
+        mean = (f"All-reduced after each backward, the run is still {found.reduced}: reducing "
+                "it alone does not make it one device's.")  # fmt: skip
+    return {
+        "unreduced_source": "on the ranks",
+        "unreduced": ", ".join(found.parts),
+        "unreduced_updates": "its first update, every rank's gradient against rank 0's",
+        "unreduced_mean": mean,
+    }
+
+
 def explain_training(table: pd.DataFrame) -> str:
     """The check of a training step as text: one row per W (its verdict, the culprits found, the
     verdict with all removals made), the table of its runs, then what each culprit means and its
@@ -727,16 +758,17 @@ def explain_training(table: pd.DataFrame) -> str:
     lines += _reference_notes(table, "training step")
     kept = runs[runs["removed"] == NONE]
     # the verdicts that say more than their culprits: measured, reproduced or split in parts
+    named_causes = (terms.Cause.PARTS, terms.Cause.MICRO_NEGATIVES, terms.Cause.UNREDUCED)
     said = kept[
         kept["verdict"].isin((terms.DIVERGES, terms.LOSS_SCALED, terms.FAILED))
-        | kept["cause"].isin((terms.Cause.PARTS, terms.Cause.MICRO_NEGATIVES))
+        | kept["cause"].isin(named_causes)
     ]
     for (verdict_, cause), rows in said.groupby(["verdict", "cause"], sort=False):
         parts = table[table[keys].apply(tuple, axis=1).isin(rows[keys].apply(tuple, axis=1))
                       & (table["part"] != ALL_PARTS)]  # fmt: skip
-        named = f" ({cause})" if cause in (terms.Cause.PARTS, terms.Cause.MICRO_NEGATIVES) else ""
-        lines.append(f"{_layouts(rows)}: {verdict_}{named}\n"
-                     f"{_paragraph(diagnosis(rows, parts))}")  # fmt: skip
+        named = f" ({cause})" if cause in named_causes else ""
+        text = diagnosis(rows, parts, _unreduced_words(table, rows))
+        lines.append(f"{_layouts(rows)}: {verdict_}{named}\n{_paragraph(text)}")
     departing = kept[kept["where"].map(_filled)]
     if len(departing):
         lines.append("Where the run without removals departs first:" + _departs(departing))

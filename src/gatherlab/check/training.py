@@ -28,6 +28,7 @@ from gatherlab.check import measure, where
 from gatherlab.check.judge import InPrecision, Recorded, judge, with_precision
 from gatherlab.check.reference import Reference, choose, one_device, training_differs
 from gatherlab.check.table import (
+    ALL_PARTS,
     EXACT,
     PRECISION_COLUMNS,
     TRAINING_COLUMNS,
@@ -167,13 +168,10 @@ def _train(
     **changes: Any,
 ) -> Trained:
     """The run that makes the removals ``removed`` names on one device (in this process; in a
-    one-rank process group with ``in_group``) or on W ranks of the pool; a whole update with
-    ``micro_batches`` per rank; ``changes`` to its spec (another precision, row blocks)."""
-    spec = setting.run_spec(removed, micro_batches=micro_batches, **changes)
-    if world_size == 1:
-        with one_device(in_group):  # as the reference ran (`first_reference`)
-            return setting.form.train_on_rank(spec)
-    return ranks_for(world_size).run(setting.form.train_on_rank, spec)[0]
+    one-rank process group with ``in_group``) or on W ranks of the pool (rank 0's result,
+    `_train_ranks`); a whole update with ``micro_batches`` per rank; ``changes`` to its spec
+    (another precision, row blocks, reduced parameters)."""
+    return _train_ranks(setting, removed, world_size, in_group, micro_batches, **changes)[0]
 
 
 def _validate_layouts(
@@ -415,22 +413,33 @@ def check(
     floors = _Floors(setting, first.in_group)
     own = setting.in_own_precision
 
-    def judged(removed: str, world_size: int, k: int) -> list[Row]:
+    unreduced: dict[tuple[int, int], Unreduced] = {}
+
+    def judged(removed: str, world_size: int, k: int, **changes: Any) -> list[Row]:
         if removed not in references:
             references[removed] = reference(setting, removed, first.in_group)
-        run = _train(setting, removed, world_size, first.in_group, k)
-        kept = removed == removals.NONE  # only the run without removals is explained further
+        kept = removed == removals.NONE and not changes  # only this run is explained further
+        ranks = _train_ranks(setting, removed, world_size, first.in_group, k, **changes)
+        if kept and world_size > 1:  # each rank's gradient of each part against rank 0's
+            found = Unreduced(unreduced_parts(ranks, layout or {}))
+            if found.parts:  # reproduced: those parts' gradients all-reduced after each backward
+                names = _parameters_of(setting, found.parts)
+                found.reduced = judged(removed, world_size, k, reduced=names)[0].verdict
+            unreduced[world_size, k] = found
         accumulated = kept and setting.update is not None and k > 1
         located_here = kept and world_size > 1 and not own  # traces compare to float64's bound
+        in_precision = InPrecision(setting.low, floors.perturbed(removed)) if own else None
+        found = unreduced.get((world_size, k)) if kept else None
+        reproduced = found is not None and found.reduced in TRAINS_LIKE_ONE_DEVICE
         rows = judge(
-            run, references[removed], key(removed, world_size, k),
+            ranks[0], references[removed], key(removed, world_size, k),
             tolerance=tolerance, layout=layout or {},
             accumulated=functools.partial(micro_negatives, setting, world_size, k, first.in_group)
             if accumulated else None,
             where=functools.partial(located, setting, world_size, first.in_group)
             if located_here else None,
             recorded=Recorded(
-                in_precision=InPrecision(setting.low, floors.perturbed(removed)) if own else None
+                unreduced=found.parts if reproduced else (), in_precision=in_precision
             ),
         )  # fmt: skip
         if kept and setting.low is not None and not own:  # its low-precision run beside it
@@ -453,7 +462,72 @@ def check(
             continue
         verdicts = {r.removed: r.verdict for r in measured}
         exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
-        culprits = ";".join([] if exact else _culprits(verdicts, applying, step_random()))
-        rows += [dataclasses.replace(r, culprits=culprits) for r in [*kept, *measured[1:]]]
+        culprits = [] if exact else _culprits(verdicts, applying, step_random())
+        found = unreduced.get((world_size, k))
+        if not exact and found and found.reduced in TRAINS_LIKE_ONE_DEVICE:  # reproduced
+            culprits = [Culprit.UNREDUCED, *(c for c in culprits if c != Culprit.LOSS)]
+        rows += [dataclasses.replace(r, culprits=";".join(culprits))
+                 for r in [*kept, *measured[1:]]]  # fmt: skip
     table = frame(rows, TRAINING_COLUMNS + (PRECISION_COLUMNS if setting.low else ()))
+    table.attrs[UNREDUCED] = {f"{w},{k}": found for (w, k), found in unreduced.items()
+                              if found.parts}  # fmt: skip
     return with_reference_notes(table, {setting.name: (first.why, first.group_differs)})
+
+
+UNREDUCED = "unreduced"
+"""The key of ``table.attrs`` that holds, per layout ``"W,K"`` whose ranks' gradients of some part
+differ, what was found (`Unreduced`): words to print only. The cause ``unreduced`` and the culprit
+are named only where all-reducing those parts makes the run exact (reproduced)."""
+
+
+@dataclass
+class Unreduced:
+    """The parts of a run whose gradient differs between its ranks (``parts``; none: every rank
+    holds the same gradient), and the verdict of the run with those parts' gradients all-reduced
+    (``reduced``: the mean over ranks after each backward, `RunSpec.reduced`; None: not run)."""
+
+    parts: tuple[str, ...]
+    reduced: str | None = None
+
+
+def unreduced_parts(ranks: Sequence[Trained], layout: measure.Layout) -> tuple[str, ...]:
+    """The parts (of ``layout``; the whole, ``all``, without one) whose first gradient differs
+    between the ranks beyond float64's 1e-10 of rank 0's largest: a gradient nobody reduced."""
+    first = ranks[0].first_gradient
+    if first is None or len(ranks) < 2:
+        return ()
+    parts = layout if layout else {ALL_PARTS: [(0, len(first))]}
+    mine = {name: gradients.split(first, {name: ranges})[name] for name, ranges in parts.items()}
+    found = []
+    for name, ranges in parts.items():
+        scale = float(mine[name].abs().max()) or 1.0
+        for other in ranks[1:]:
+            theirs = gradients.split(other.first_gradient, {name: ranges})[name]
+            if float((theirs - mine[name]).abs().max()) > gradients.FLOAT64_TOLERANCE * scale:
+                found.append(name)
+                break
+    return tuple(found)
+
+
+def _parameters_of(setting: Setting, parts: Sequence[str]) -> tuple[str, ...]:
+    """The names of the trainable parameters of ``parts`` (each a top-level child or a direct
+    parameter of what the form builds, `parts`), as the form's ``named_parameters`` gives them."""
+    built = setting.checked(setting.built())
+    return tuple(name for name, parameter in built.named_parameters()
+                 if parameter.requires_grad and _top_level(name) in parts)  # fmt: skip
+
+
+def _train_ranks(
+    setting: Setting,
+    removed: str,
+    world_size: int,
+    in_group: bool = False,
+    micro_batches: int = 1,
+    **changes: Any,
+) -> list[Trained]:
+    """`_train`'s run, every rank's result in rank order (one device: one)."""
+    spec = setting.run_spec(removed, micro_batches=micro_batches, **changes)
+    if world_size == 1:
+        with one_device(in_group):  # as the reference ran (`first_reference`)
+            return [setting.form.train_on_rank(spec)]
+    return ranks_for(world_size).run(setting.form.train_on_rank, spec)

@@ -278,10 +278,12 @@ class Culprit(StrEnum):
     """The culprits of a training step's check that are no removal (docs/design.md §10): the loss
     itself (or how it communicates across ranks), left when every removal is made and the run is
     still not exact; the step's own draws from the global random streams, named instead of the
-    loss when the step makes them (no removal takes that out)."""
+    loss when the step makes them (no removal takes that out); a parameter whose gradient no one
+    reduces over the ranks, named when reducing it makes the run exact."""
 
     LOSS = "loss"
     STEP_RANDOMNESS = "step_randomness"
+    UNREDUCED = "unreduced"
 
 
 class ReferenceMode(StrEnum):

@@ -31,7 +31,7 @@ from gatherlab.core import runfiles, terms
 from gatherlab.ranks import collectives, world
 from gatherlab.runs import precision as runs_precision
 from gatherlab.runs import removals, trace
-from gatherlab.runs.record import Recorder
+from gatherlab.runs.record import Recorder, reduce_gradients
 from gatherlab.runs.spec import RunSpec
 
 __all__ = [
@@ -103,6 +103,7 @@ class Step(PlainModel):
             loss = step_loss(output)
             recorder.loss(loss, index, world.rank())
             loss.backward()
+            reduce_gradients(model, spec.reduced)  # the reproduction of an unreduced part
             recorder.gradient(model.parameters(), index, world.rank())
             optimizer.step()
         recorder.finish(model.parameters())
@@ -191,6 +192,16 @@ def build(step: Step, removed: removals.Removals, precision: str) -> nn.Module:
             "torch.nn.Module"
         )
     removed.apply(model)
+    wanted = _converted(precision)
+    in_ddp = [p for m in model.modules() if isinstance(m, DistributedDataParallel)
+              for p in m.parameters()]  # fmt: skip
+    other = next((p.dtype for p in in_ddp if p.dtype != wanted), None)
+    if wanted is not None and other is not None:
+        raise TypeError(
+            f"--model {step.model.name} put its model in DDP in {other}: DDP's buckets keep that "
+            f"dtype, so it cannot be converted to {wanted} after; allowed: the model in {wanted} "
+            "before DDP wraps it, or --precision in its dtype"
+        )
     return built_in(model, precision)
 
 
@@ -239,9 +250,9 @@ def wrapped_for_rank(model: nn.Module, device: torch.device, row_blocks: int = 1
 
 
 def distributes_itself(model: nn.Module) -> bool:
-    """Whether the user's factory made the model distributed already: its parameters sharded
-    over the ranks (``DTensor``: FSDP2's ``fully_shard``), or the model in DDP."""
-    if isinstance(model, DistributedDataParallel):
+    """Whether the user's factory made the model distributed already: parameters sharded over the
+    ranks (``DTensor``: FSDP2's ``fully_shard``), or the model or a part of it in DDP."""
+    if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
         return True
     return any(isinstance(p, DTensor) for p in model.parameters())
 

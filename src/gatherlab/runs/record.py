@@ -55,6 +55,19 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def reduce_gradients(model: nn.Module, names: Iterable[str]) -> None:
+    """The gradients of ``model``'s parameters named ``names`` replaced by their mean over the
+    ranks (an all-reduce each; nothing on one device): what DDP or FSDP would have done for a
+    parameter they do not hold."""
+    wanted = set(names)
+    if not wanted or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for name, parameter in model.named_parameters():
+        if name in wanted and parameter.grad is not None:
+            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+            parameter.grad /= dist.get_world_size()
+
+
 def flat_gradient(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     """The gradients of ``parameters`` flattened into one vector, in their order, each whole
     (`whole`: a sharded parameter's gathered from its shards); a parameter that got no gradient

@@ -50,6 +50,9 @@ class RunSpec:
     """Whether the global batches are drawn in a seeded random order (else in index order)."""
     micro_batches: int = 1
     """K, the micro-batches of each rank's update (the whole-update form only; 1 for others)."""
+    reduced: tuple[str, ...] = ()
+    """Parameters whose gradients the run all-reduces (the mean over ranks) after each backward:
+    the reproduction of an unreduced part (docs/design.md §10, "Sharded code")."""
     row_blocks: int = 1
     """The model's forward in this many row blocks on one device (`runs.precision.RowBlocks`):
     the perturbation a low precision's floor is measured with (docs/design.md §2)."""

@@ -36,7 +36,7 @@ from gatherlab.runs.plainstep import (
     step_loss,
     wrapped_for_rank,
 )  # fmt: skip
-from gatherlab.runs.record import Recorder
+from gatherlab.runs.record import Recorder, reduce_gradients
 from gatherlab.runs.spec import RunSpec
 
 __all__ = ["Update", "UpdateBroken", "first_loss", "rows_of"]
@@ -75,7 +75,7 @@ class Update(PlainModel):
         wrapped = wrapped_for_rank(model, device, spec.row_blocks)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
         recorder = Recorder(keep_first_gradient=True)
-        seen = _Steps(model, recorder)
+        seen = _Steps(model, recorder, spec.reduced)
         hook = optimizer.register_step_pre_hook(seen)
         seed_processes(spec.seed)
         try:
@@ -107,8 +107,8 @@ class _Steps:
     """The optimizer's steps during one update, seen by its step pre-hook: how many, and whether a
     gradient had reached the parameters; the first update's gradient goes to the recorder."""
 
-    def __init__(self, model: nn.Module, recorder: Recorder) -> None:
-        self.model, self.recorder = model, recorder
+    def __init__(self, model: nn.Module, recorder: Recorder, reduced: tuple[str, ...] = ()) -> None:
+        self.model, self.recorder, self.reduced = model, recorder, reduced
         self.count, self.without_gradient, self.update = 0, False, 0
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -117,6 +117,7 @@ class _Steps:
         if all(p.grad is None for p in trainable):
             self.without_gradient = True
             return
+        reduce_gradients(self.model, self.reduced)  # the reproduction of an unreduced part
         if self.count == 1:  # what the step applies: clipped, unscaled, divided as the user does
             self.recorder.gradient(self.model.parameters(), self.update, world.rank())
 
