@@ -14,6 +14,10 @@ gradient and weights from their shards.
   nobody the temperature's, and each rank steps with its own (the cause ``unreduced``);
 - ``temperature_step`` with ``build_ddp_temperature_outside``: the same with the network in DDP
   and the temperature beside it, outside DDP's module;
+- ``temperature_step`` with ``build_ddp_temperature_outside`` and ``zero_sgd``: the owner of the
+  temperature steps it with its own gradient and broadcasts it (``unreduced`` too);
+- ``build_fsdp2_divided``: FSDP2's gradient divide factor 1 on every module: every gradient W times
+  one device's;
 - ``own_slice_temperature_step``: the same loss gathered by a gather whose backward keeps the own
   slice (the old GatherLayer's rule): its temperature is unreduced too, but reducing it leaves the
   model's gradient biased, so ``unreduced`` is not the cause.
@@ -108,3 +112,14 @@ def own_slice_temperature_step(model: nn.Module, batch) -> torch.Tensor:
     x0, x1 = batch
     z0, z1 = model(torch.cat([x0, x1])).chunk(2)
     return local_nt_xent(z0, z1, model.log_temperature.exp(), standins.OwnSliceGather.apply)
+
+
+def build_fsdp2_divided(dim: int = 8) -> nn.Module:
+    """``build_fsdp2`` with FSDP2's gradient divide factor 1 on every sharded module: its
+    reduce-scatter sums over the ranks instead of averaging, every gradient W times one device's."""
+    model = build_fsdp2(dim)
+    if _ranks() > 1:
+        for module in model.modules():
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(1.0)
+    return model

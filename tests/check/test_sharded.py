@@ -55,20 +55,26 @@ def test_a_sharded_whole_update_is_exact_at_every_layout():
 @pytest.fixture(scope="module")
 def unreduced() -> dict:
     """The local NT-Xent with a learnt temperature outside FSDP2's sharded modules, outside DDP's
-    module, and outside DDP's module with a gather that keeps the own slice, on 2 and 4 ranks."""
+    module (with SGD, and with ZeRO's optimizer), and outside DDP's module with a gather that
+    keeps the own slice, on 2 and 4 ranks."""
+    sgd = "torch.optim:SGD"
     cases = {
-        "fsdp2": ("temperature_step", "build_fsdp2_temperature_outside"),
-        "ddp": ("temperature_step", "build_ddp_temperature_outside"),
-        "own_slice": ("own_slice_temperature_step", "build_ddp_temperature_outside"),
+        "fsdp2": ("temperature_step", "build_fsdp2_temperature_outside", sgd),
+        "ddp": ("temperature_step", "build_ddp_temperature_outside", sgd),
+        # ZeRO: the temperature's owner steps it with its own gradient and broadcasts it, so the
+        # ranks' weights agree with each other, not with one device
+        "zero": ("temperature_step", "build_ddp_temperature_outside", "sharded_steps:zero_sgd"),
+        "own_slice": ("own_slice_temperature_step", "build_ddp_temperature_outside", sgd),
     }
     return {
         name: check_training(step=f"sharded_steps:{step}", model=f"sharded_steps:{model}",
+                             optimizer=optimizer, optimizer_kwargs={"lr": 0.01},
                              data="plain_steps:Pairs", world_sizes=W, steps=3)
-        for name, (step, model) in cases.items()
+        for name, (step, model, optimizer) in cases.items()
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("case", ["fsdp2", "ddp", "zero"])
 def test_a_parameter_no_one_reduces_is_the_cause_with_the_model_part_exact(unreduced, case):
     table = unreduced[case]
     rows = table[table["removed"] == "none"].set_index(["world_size", "part"])
@@ -99,3 +105,15 @@ def test_ranks_that_differ_are_no_cause_where_reducing_them_is_not_the_fix(unred
     assert set(whole["culprits"]) == {"loss"}
     for world_size in W:
         assert table.attrs["unreduced"][f"{world_size},1"].reduced == "biased"
+
+
+def test_fsdp2s_divide_factor_of_1_on_every_module_is_w_on_every_part():
+    table = check_training(
+        step="plain_steps:training_step", model="sharded_steps:build_fsdp2_divided",
+        data="plain_steps:Pairs", world_sizes=W, steps=1,
+    )  # fmt: skip
+    rows = table[table["removed"] == "none"]
+    for world_size in W:
+        at = rows[rows["world_size"] == world_size]
+        assert set(at["gradient"]) == {"W"}, at  # the whole and both parts
+        assert at["norm_ratio"].tolist() == pytest.approx([world_size] * len(at), rel=1e-12)
