@@ -57,7 +57,8 @@ figures: $(STAMP)  ## RE-RUN every experiment (~75 min here) and overwrite figur
 	for script in experiments/bug_demo.py experiments/loss_matrix.py experiments/gather_audit.py \
 	    experiments/gather_scaling.py \
 	    experiments/optimizer_matrix.py experiments/downstream.py experiments/lr_sweep.py \
-	    experiments/simclr_digits.py experiments/accumulation.py experiments/precision.py; do \
+	    experiments/simclr_digits.py experiments/accumulation.py experiments/precision.py \
+	    experiments/sharded.py; do \
 	    $(PY) $$script || exit 1; done
 
 # docs/examples.py: each block between <!-- example: NAME --> and <!-- /example --> is rewritten with

@@ -67,10 +67,30 @@ class WithTemperature(nn.Module):
     def __init__(self, net: nn.Module, temperature: float = 0.5) -> None:
         super().__init__()
         self.net = net
-        self.log_temperature = nn.Parameter(torch.tensor(math.log(temperature)))
+        # one element, not a scalar: fully_shard shards a parameter along its first dimension
+        self.log_temperature = nn.Parameter(torch.tensor([math.log(temperature)]))
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         return self.net(rows)
+
+
+def build_with_temperature(dim: int = 8) -> nn.Module:
+    return WithTemperature(plain_steps.build_model(dim))  # DDP holds all of it (the check's)
+
+
+def build_fsdp2_temperature_inside(dim: int = 8, divide_factor: float | None = None) -> nn.Module:
+    """The temperature on the root, which is sharded too: FSDP2 reduces every gradient. With
+    ``divide_factor`` 1 on every sharded module, FSDP2 sums instead of averaging: W times."""
+    model = WithTemperature(build_fsdp2(dim))
+    if _ranks() > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (_ranks(),)))
+        for module in model.modules():
+            if divide_factor is not None and hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(divide_factor)
+    return model
 
 
 def build_fsdp2_temperature_outside(dim: int = 8) -> nn.Module:
@@ -105,13 +125,24 @@ def local_nt_xent(
 def temperature_step(model: nn.Module, batch) -> torch.Tensor:
     x0, x1 = batch
     z0, z1 = model(torch.cat([x0, x1])).chunk(2)
-    return local_nt_xent(z0, z1, model.log_temperature.exp())
+    return local_nt_xent(z0, z1, _temperature(model).exp())
+
+
+def divided_temperature_step(model: nn.Module, batch) -> torch.Tensor:
+    """``temperature_step`` divided by W on top of DDP's or FSDP's average: every gradient 1/W."""
+    return temperature_step(model, batch) / _ranks()
+
+
+def _temperature(model: nn.Module) -> torch.Tensor:
+    """The learnt log temperature, whole (a sharded root's is a ``DTensor`` outside forward)."""
+    parameter = getattr(model, "module", model).log_temperature
+    return parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
 
 
 def own_slice_temperature_step(model: nn.Module, batch) -> torch.Tensor:
     x0, x1 = batch
     z0, z1 = model(torch.cat([x0, x1])).chunk(2)
-    return local_nt_xent(z0, z1, model.log_temperature.exp(), standins.OwnSliceGather.apply)
+    return local_nt_xent(z0, z1, _temperature(model).exp(), standins.OwnSliceGather.apply)
 
 
 def build_fsdp2_divided(dim: int = 8) -> nn.Module:

@@ -915,6 +915,49 @@ def precision_figure(table: pd.DataFrame, threshold: float) -> plt.Figure:
     return figure
 
 
+SHARDED_SIZES = {2: "#6baed6", 4: "#08519c"}  # a world size's bar in the sharded figure
+
+
+def sharded_figure(table: pd.DataFrame, tolerance: float) -> plt.Figure:
+    """One panel per strategy (DDP, FSDP2, ZeRO): for each case, the final weights' max |Δ|
+    against one device after the run's updates (log scale, exact zeros at the floor), a bar per
+    W, its verdict written over it; the float64 tolerance drawn. ``table`` has the columns of
+    ``figures/sharded.csv`` (experiments/sharded.py)."""
+    strategies = list(dict.fromkeys(table["strategy"]))
+    sizes = sorted(set(table["world_size"]))
+    width = 0.8 / len(sizes)
+    with plt.rc_context(STYLE):
+        figure, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 4.2),
+                                    sharey=True, layout="constrained")  # fmt: skip
+        for axis, strategy in zip(np.atleast_1d(axes), strategies, strict=True):
+            rows = table[table["strategy"] == strategy]
+            cases = list(dict.fromkeys(rows["case"]))
+            for offset, size in enumerate(sizes):
+                at = rows[rows["world_size"] == size].set_index("case").loc[cases]
+                x = np.arange(len(cases)) + (offset - (len(sizes) - 1) / 2) * width
+                heights = np.maximum(at["max_abs_param_diff"].to_numpy(float), ZERO_FLOOR)
+                axis.bar(x, heights, width, color=SHARDED_SIZES.get(size, "0.5"),
+                         label=f"W = {size}")  # fmt: skip
+                for left, height, (_, row) in zip(x, heights, at.iterrows(), strict=True):
+                    named = row["cause"] if isinstance(row["cause"], str) and row["cause"] else ""
+                    if row["verdict"] == "loss differs":  # the gradient says more
+                        named = f"gradient {row['gradient']}"
+                    word = f"{row['verdict']}\n({named})" if named else row["verdict"]
+                    lift = 1.6 * 12**offset  # each W a line higher: neighbours never overlap
+                    axis.text(left, height * lift, word, ha="center", va="bottom", fontsize=6.5)
+            axis.axhline(tolerance, **{**REFERENCE_STYLE, "linewidth": 1.2})
+            axis.set_xticks(range(len(cases)), cases, fontsize=8)
+            axis.set_yscale("log")
+            axis.set_ylim(ZERO_FLOOR / 10, 100)
+            axis.set_title(strategy, fontsize=10)
+            if axis is np.atleast_1d(axes)[0]:
+                axis.set_ylabel("final weights' max |Δ| vs one device")
+                axis.legend(fontsize=8, loc="upper left")
+        figure.suptitle(f"Sharded training against one device (float64; dashed: {tolerance:g}; "
+                        f"exact 0 drawn at {ZERO_FLOOR:g})", fontsize=10)  # fmt: skip
+    return figure
+
+
 def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
     """Write the figure as PNG and vector PDF; return both paths.
 
