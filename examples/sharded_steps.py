@@ -18,6 +18,9 @@ gradient and weights from their shards.
   temperature steps it with its own gradient and broadcasts it (``unreduced`` too);
 - ``build_fsdp2_divided``: FSDP2's gradient divide factor 1 on every module: every gradient W times
   one device's;
+- ``raw_temperature_step`` with ``build_fsdp2_temperature_inside(reshard_root=True)``: the
+  sharded root's temperature used as it is after the forward, a DTensor mixed with plain tensors:
+  torch raises, and the check names the parameter;
 - ``own_slice_temperature_step``: the same loss gathered by a gather whose backward keeps the own
   slice (the old GatherLayer's rule): its temperature is unreduced too, but reducing it leaves the
   model's gradient biased, so ``unreduced`` is not the cause.
@@ -78,7 +81,9 @@ def build_with_temperature(dim: int = 8) -> nn.Module:
     return WithTemperature(plain_steps.build_model(dim))  # DDP holds all of it (the check's)
 
 
-def build_fsdp2_temperature_inside(dim: int = 8, divide_factor: float | None = None) -> nn.Module:
+def build_fsdp2_temperature_inside(
+    dim: int = 8, divide_factor: float | None = None, reshard_root: bool | None = None
+) -> nn.Module:
     """The temperature on the root, which is sharded too: FSDP2 reduces every gradient. With
     ``divide_factor`` 1 on every sharded module, FSDP2 sums instead of averaging: W times."""
     model = WithTemperature(build_fsdp2(dim))
@@ -86,7 +91,11 @@ def build_fsdp2_temperature_inside(dim: int = 8, divide_factor: float | None = N
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model, mesh=init_device_mesh("cpu", (_ranks(),)))
+        mesh = init_device_mesh("cpu", (_ranks(),))
+        if reshard_root is None:
+            fully_shard(model, mesh=mesh)
+        else:
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_root)
         for module in model.modules():
             if divide_factor is not None and hasattr(module, "set_gradient_divide_factor"):
                 module.set_gradient_divide_factor(divide_factor)
@@ -154,3 +163,9 @@ def build_fsdp2_divided(dim: int = 8) -> nn.Module:
             if hasattr(module, "set_gradient_divide_factor"):
                 module.set_gradient_divide_factor(1.0)
     return model
+
+
+def raw_temperature_step(model: nn.Module, batch) -> torch.Tensor:
+    x0, x1 = batch
+    z0, z1 = model(torch.cat([x0, x1])).chunk(2)
+    return local_nt_xent(z0, z1, model.log_temperature.exp())  # a DTensor outside the forward

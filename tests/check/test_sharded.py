@@ -117,3 +117,18 @@ def test_fsdp2s_divide_factor_of_1_on_every_module_is_w_on_every_part():
         at = rows[rows["world_size"] == world_size]
         assert set(at["gradient"]) == {"W"}, at  # the whole and both parts
         assert at["norm_ratio"].tolist() == pytest.approx([world_size] * len(at), rel=1e-12)
+
+
+def test_a_sharded_parameter_used_outside_its_forward_is_one_line_naming_it():
+    # torch's own error names neither: "aten.div.Tensor got mixed torch.Tensor and DTensor"
+    table = check_training(
+        step="sharded_steps:raw_temperature_step",
+        model="sharded_steps:build_fsdp2_temperature_inside",
+        model_kwargs={"reshard_root": True}, data="plain_steps:Pairs", world_sizes=(2,), steps=1,
+    )  # fmt: skip
+    (error,) = table["error"]
+    assert error.startswith(
+        "rank 0: ShardedParameterOutsideForward: parameter log_temperature is sharded by FSDP2 (a "
+        "DTensor) and used outside its module's forward at sharded_steps.py:"
+    ), error
+    assert "(div with a plain tensor)" in error and "\n" not in error

@@ -13,6 +13,7 @@ request; every step recorded by `gatherlab.runs.record.Recorder`.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -32,6 +33,7 @@ from gatherlab.ranks import collectives, world
 from gatherlab.runs import precision as runs_precision
 from gatherlab.runs import removals, trace
 from gatherlab.runs.record import Recorder, reduce_gradients
+from gatherlab.runs.sharding import naming_dtensors
 from gatherlab.runs.spec import RunSpec
 
 __all__ = [
@@ -99,7 +101,8 @@ class Step(PlainModel):
         for index, batch in enumerate(rank_batches(data, spec)):
             optimizer.zero_grad()
             with runs_precision.autocast(spec.precision, device):
-                output = self.step(wrapped, as_precision(batch, spec.precision, device))
+                batch = as_precision(batch, spec.precision, device)
+                output = naming_dtensors(model, functools.partial(self.step, wrapped, batch))
             loss = step_loss(output)
             recorder.loss(loss, index, world.rank())
             loss.backward()

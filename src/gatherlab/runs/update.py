@@ -15,6 +15,7 @@ rank starts).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -37,6 +38,7 @@ from gatherlab.runs.plainstep import (
     wrapped_for_rank,
 )  # fmt: skip
 from gatherlab.runs.record import Recorder, reduce_gradients
+from gatherlab.runs.sharding import naming_dtensors
 from gatherlab.runs.spec import RunSpec
 
 __all__ = ["Update", "UpdateBroken", "first_loss", "rows_of"]
@@ -82,10 +84,10 @@ class Update(PlainModel):
             for index, batch in enumerate(rank_batches(data, spec)):
                 optimizer.zero_grad(set_to_none=True)
                 seen.count, seen.without_gradient, seen.update = 0, False, index
+                batch = as_precision(batch, spec.precision, device)
                 with runs_precision.autocast(spec.precision, device):
-                    loss = self.update(wrapped, optimizer,
-                                       as_precision(batch, spec.precision, device),
-                                       spec.micro_batches)  # fmt: skip
+                    loss = naming_dtensors(model, functools.partial(
+                        self.update, wrapped, optimizer, batch, spec.micro_batches))  # fmt: skip
                 _honest(seen, spec.micro_batches)
                 value = (
                     loss
