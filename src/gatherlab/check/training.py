@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -407,12 +407,8 @@ def check(
     ``table.attrs`` (`table.with_reference_notes`)."""
     tolerance = gradients.tolerance(setting.spec.precision)
     first = first_reference(setting) if first is None else first
-    references = {removals.NONE: first.value}
-    mode = str(first.mode)
-    rows: list[Row] = []
-    floors = _Floors(setting, first.in_group)
-    own = setting.in_own_precision
-
+    references, rows = {removals.NONE: first.value}, []
+    floors, own = _Floors(setting, first.in_group), setting.in_own_precision
     unreduced: dict[tuple[int, int], Unreduced] = {}
 
     def judged(removed: str, world_size: int, k: int, **changes: Any) -> list[Row]:
@@ -421,16 +417,14 @@ def check(
         kept = removed == removals.NONE and not changes  # only this run is explained further
         ranks = _train_ranks(setting, removed, world_size, first.in_group, k, **changes)
         if kept and world_size > 1:  # each rank's gradient of each part against rank 0's
-            found = Unreduced(unreduced_parts(ranks, layout or {}))
-            if found.parts:  # reproduced: those parts' gradients all-reduced after each backward
-                names = _parameters_of(setting, found.parts)
-                found.reduced = judged(removed, world_size, k, reduced=names)[0].verdict
-            unreduced[world_size, k] = found
+            unreduced[world_size, k] = _unreduced(
+                setting, ranks, layout or {},
+                lambda names: judged(removed, world_size, k, reduced=names)[0].verdict,
+            )  # fmt: skip
         accumulated = kept and setting.update is not None and k > 1
         located_here = kept and world_size > 1 and not own  # traces compare to float64's bound
         in_precision = InPrecision(setting.low, floors.perturbed(removed)) if own else None
         found = unreduced.get((world_size, k)) if kept else None
-        reproduced = found is not None and found.reduced in TRAINS_LIKE_ONE_DEVICE
         rows = judge(
             ranks[0], references[removed], key(removed, world_size, k),
             tolerance=tolerance, layout=layout or {},
@@ -439,7 +433,7 @@ def check(
             where=functools.partial(located, setting, world_size, first.in_group)
             if located_here else None,
             recorded=Recorded(
-                unreduced=found.parts if reproduced else (), in_precision=in_precision
+                unreduced=found.parts if _reproduced(found) else (), in_precision=in_precision
             ),
         )  # fmt: skip
         if kept and setting.low is not None and not own:  # its low-precision run beside it
@@ -447,7 +441,8 @@ def check(
         return rows
 
     def key(removed: str, world_size: int, k: int) -> Row:
-        return Row(setting.name, "native", world_size, mode, micro_batches=k, removed=removed)
+        return Row(setting.name, "native", world_size, str(first.mode), micro_batches=k,
+                   removed=removed)  # fmt: skip
 
     with_removals = [*applying, removals.ALL] if len(applying) > 1 else list(applying)
     step_random = functools.cache(lambda: step_draws_randomness(setting, first.in_group))  # once
@@ -463,14 +458,12 @@ def check(
         verdicts = {r.removed: r.verdict for r in measured}
         exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
         culprits = [] if exact else _culprits(verdicts, applying, step_random())
-        found = unreduced.get((world_size, k))
-        if not exact and found and found.reduced in TRAINS_LIKE_ONE_DEVICE:  # reproduced
+        if not exact and _reproduced(unreduced.get((world_size, k))):
             culprits = [Culprit.UNREDUCED, *(c for c in culprits if c != Culprit.LOSS)]
         rows += [dataclasses.replace(r, culprits=";".join(culprits))
                  for r in [*kept, *measured[1:]]]  # fmt: skip
     table = frame(rows, TRAINING_COLUMNS + (PRECISION_COLUMNS if setting.low else ()))
-    table.attrs[UNREDUCED] = {f"{w},{k}": found for (w, k), found in unreduced.items()
-                              if found.parts}  # fmt: skip
+    table.attrs[UNREDUCED] = {f"{w},{k}": f for (w, k), f in unreduced.items() if f.parts}
     return with_reference_notes(table, {setting.name: (first.why, first.group_differs)})
 
 
@@ -488,6 +481,26 @@ class Unreduced:
 
     parts: tuple[str, ...]
     reduced: str | None = None
+
+
+def _unreduced(
+    setting: Setting,
+    ranks: Sequence[Trained],
+    layout: measure.Layout,
+    reduced_verdict: Callable[[tuple[str, ...]], str],
+) -> Unreduced:
+    """The parts whose ranks' gradients differ (`unreduced_parts`) and, when there are some, the
+    verdict of the run with their parameters' gradients all-reduced (``reduced_verdict`` of their
+    names): the reproduction."""
+    found = Unreduced(unreduced_parts(ranks, layout))
+    if found.parts:
+        found.reduced = reduced_verdict(_parameters_of(setting, found.parts))
+    return found
+
+
+def _reproduced(found: Unreduced | None) -> bool:
+    """Whether all-reducing the parts found unreduced makes the run train like one device."""
+    return found is not None and found.reduced in TRAINS_LIKE_ONE_DEVICE
 
 
 def unreduced_parts(ranks: Sequence[Trained], layout: measure.Layout) -> tuple[str, ...]:
