@@ -114,6 +114,28 @@ def test_torchrun_plain_step_check_names_batchnorm_like_the_pool(tmp_path, no_le
 
 
 @pytest.mark.timeout(300)
+def test_torchrun_sharded_step_names_its_unreduced_part_like_the_pool(
+    tmp_path, no_leftover_processes
+):
+    """A step whose model factory shards it with FSDP2 on the ranks torchrun started, its learnt
+    temperature left on the unsharded root (examples/sharded_steps.py): the same table as the
+    pooled check's, the part measured on the ranks and named ``unreduced`` (issue 50)."""
+    out = tmp_path / "torchrun"
+    arguments = {"step": "sharded_steps:temperature_step", "data": "plain_steps:Pairs",
+                 "model": "sharded_steps:build_fsdp2_temperature_outside"}  # fmt: skip
+    started = _torchrun(
+        out, "--step", arguments["step"], "--model", arguments["model"], "--data",
+        arguments["data"], "--steps", "2", "--global-batch-size", "16",
+    )  # fmt: skip
+    assert started.returncode == 1, started.stdout[-3000:] + started.stderr[-3000:]
+    table = _written_once(out, started, "| world_size | verdict | cause | culprits |")
+    pooled = check.check_training(world_sizes=(2,), steps=2, global_batch_size=16, **arguments)
+    whole = table[table["part"] == "all"]
+    assert whole[["cause", "culprits"]].values.tolist() == [["unreduced", "unreduced"]]
+    _same_table(table, pooled.reset_index(drop=True))
+
+
+@pytest.mark.timeout(300)
 def test_torchrun_names_collectives_that_differ_with_both_call_sites(
     tmp_path, no_leftover_processes
 ):
