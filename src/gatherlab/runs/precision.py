@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from gatherlab.components.rowblocks import RowBlocks, blocked
 from gatherlab.core import cli, imports
 from gatherlab.core.terms import Precision
+from gatherlab.runs.trace import tensors_in
 
 __all__ = [
     "FLOOR_ROW_BLOCKS", "InFloat64", "RowBlocks", "autocast", "blocked", "dtype", "in_float64",
@@ -83,21 +84,13 @@ class _Float64Watch(TorchFunctionMode):
         if self.autocast is None and torch.is_autocast_enabled("cpu"):
             self.autocast = str(torch.get_autocast_dtype("cpu")).removeprefix("torch.")
         if self.lower is None:
-            floating = [t for t in _tensors(result) if t.is_floating_point()]
+            floating = [t for t in tensors_in(result) if t.is_floating_point()]
             lower = next((t for t in floating if t.dtype != torch.float64), None)
             where = _users_place() if lower is not None else None
             if where is not None:
                 name = getattr(func, "__name__", str(func))
                 self.lower = f"{where} {name} → {str(lower.dtype).removeprefix('torch.')}"
         return result
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, tuple | list):
-        for item in value:
-            yield from _tensors(item)
 
 
 def _users_place() -> str | None:

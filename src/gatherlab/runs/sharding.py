@@ -11,15 +11,15 @@ naming the parameter and the user's line.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from gatherlab.core import cli, imports
+from gatherlab.runs.trace import tensors_in
 
 __all__ = ["ShardedParameterOutsideForward", "naming_dtensors"]
 
@@ -29,17 +29,6 @@ MIXED = "got mixed torch.Tensor and DTensor"
 
 class ShardedParameterOutsideForward(RuntimeError):
     """A sharded parameter used outside its module's forward, with mixed plain tensors."""
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, tuple | list):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 class _Follow(TorchFunctionMode):
@@ -52,7 +41,7 @@ class _Follow(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        sources = [self.made_from[id(t)] for t in _tensors((args, kwargs))
+        sources = [self.made_from[id(t)] for t in tensors_in((args, kwargs))
                    if id(t) in self.made_from]  # fmt: skip
         try:
             result = func(*args, **kwargs)
@@ -61,7 +50,7 @@ class _Follow(TorchFunctionMode):
                 self.failed = (sources[0], getattr(func, "__name__", str(func)))
             raise
         if sources:
-            for tensor in _tensors(result):
+            for tensor in tensors_in(result):
                 if isinstance(tensor, DTensor):
                     self.made_from[id(tensor)] = sources[0]
         return result

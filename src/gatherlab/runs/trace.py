@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from gatherlab.core import cli, imports
 
-__all__ = ["INPUT", "Op", "Tracer", "batch_tensors", "buffer_state", "traced"]
+__all__ = ["INPUT", "Op", "Tracer", "batch_tensors", "buffer_state", "tensors_in", "traced"]
 
 INPUT = "input"
 """The name of the record of a tensor the traced code was given (a view, a batch, a buffer)."""
@@ -235,10 +235,10 @@ class Tracer(TorchFunctionMode):
         if where is None:
             return result
         name = _name(func)
-        flat_args = list(_tensors((args, kwargs)))
-        results = list(_tensors(result))
+        flat_args = list(tensors_in((args, kwargs)))
+        results = list(tensors_in(result))
         if not results and name.startswith(_IN_PLACE_MODULES) and args:
-            results = list(_tensors(args[0]))  # in place: its inputs include what it overwrites
+            results = list(tensors_in(args[0]))  # in place: its inputs include what it overwrites
         if not results:
             return result
         shapes = tuple(tuple(a.shape) for a in flat_args)
@@ -297,16 +297,17 @@ class Tracer(TorchFunctionMode):
         return [replace(op) for op in self.ops]
 
 
-def _tensors(value) -> Iterator[torch.Tensor]:
-    """The tensors in a call's arguments or result (nested tuples, lists and dicts)."""
+def tensors_in(value) -> Iterator[torch.Tensor]:
+    """The tensors in a call's arguments or result (nested tuples, lists and dicts): every watch
+    of a step's operations reads them so (`runs.precision`, `runs.sharding`)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
 
 
 def _keep(op: Op, grad: torch.Tensor) -> None:
