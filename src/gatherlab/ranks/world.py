@@ -15,7 +15,7 @@ import torch.distributed as dist
 from gatherlab.core import terms
 from gatherlab.ranks import simworld
 
-__all__ = ["alone", "device", "own_rows", "rank", "size"]
+__all__ = ["alone", "device", "own_rows", "rank", "size", "whole"]
 
 
 def size() -> int:
@@ -76,3 +76,11 @@ def alone() -> Iterator[None]:
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as one device holds it: a sharded one (a ``DTensor`` of FSDP2) gathered whole
+    from its shards (a collective: every rank of its mesh calls it), any other as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from gatherlab.core import runfiles
 from gatherlab.ranks import simworld, world
@@ -33,7 +32,6 @@ __all__ = [
     "flat_parameters",
     "global_losses",
     "mean_over_ranks",
-    "whole",
 ]  # fmt: skip
 
 
@@ -47,12 +45,6 @@ class NonFiniteLoss(FloatingPointError):
 
     def __reduce__(self) -> tuple:  # sent from a rank to the command as it is (ranks.pool)
         return type(self), (self.what, self.value, self.step, self.rank)
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor as one device holds it: a sharded one (a ``DTensor`` of FSDP2) gathered whole
-    from its shards (a collective: every rank of its mesh calls it), any other as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def reduce_gradients(model: nn.Module, names: Iterable[str]) -> None:
@@ -70,18 +62,18 @@ def reduce_gradients(model: nn.Module, names: Iterable[str]) -> None:
 
 def flat_gradient(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     """The gradients of ``parameters`` flattened into one vector, in their order, each whole
-    (`whole`: a sharded parameter's gathered from its shards); a parameter that got no gradient
-    contributes zeros."""
+    (`gatherlab.ranks.world.whole`: a sharded parameter's gathered from its shards); a parameter
+    that got no gradient contributes zeros."""
     return torch.cat(
-        [whole(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+        [world.whole(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
          for p in parameters]
     ).detach()  # fmt: skip
 
 
 def flat_parameters(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     """The values of ``parameters`` flattened into one float64 vector on the CPU, each whole
-    (`whole`)."""
-    return torch.cat([whole(p.detach()).reshape(-1) for p in parameters]).double().cpu()
+    (`gatherlab.ranks.world.whole`)."""
+    return torch.cat([world.whole(p.detach()).reshape(-1) for p in parameters]).double().cpu()
 
 
 def mean_over_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
