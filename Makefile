@@ -58,7 +58,7 @@ figures: $(STAMP)  ## RE-RUN every experiment (~75 min here) and overwrite figur
 	    experiments/gather_scaling.py \
 	    experiments/optimizer_matrix.py experiments/downstream.py experiments/lr_sweep.py \
 	    experiments/simclr_digits.py experiments/accumulation.py experiments/precision.py \
-	    experiments/sharded.py; do \
+	    experiments/sharded.py experiments/sharded_sweep.py; do \
 	    $(PY) $$script || exit 1; done
 
 # docs/examples.py: each block between <!-- example: NAME --> and <!-- /example --> is rewritten with

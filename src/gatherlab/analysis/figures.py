@@ -35,6 +35,12 @@ GATHER_COLORS = {
 SIMULATED_MARK = {World.REAL: "", World.SIMULATED: " sim"}
 REFERENCE_STYLE = {"color": "black", "linestyle": (0, (4, 3)), "linewidth": 2.0, "zorder": 5}
 DEVICE_STYLES = {2: "-", 4: "-.", 8: ":"}
+# A sweep over the strategy (conf/strategy/) colours its runs by it: the correct ones in blues and
+# greens, the traps in warm colours.
+STRATEGY_COLORS = {
+    "ddp": "#1f77b4", "zero": "#2ca02c", "fsdp2": "#17becf",
+    "fsdp2_unreduced": "#ff7f0e", "fsdp2_summed": "#d62728",
+}  # fmt: skip
 # |Δloss| of exactly 0 cannot sit on a log axis; such points are drawn at this floor.
 ZERO_FLOOR = 1e-18
 
@@ -117,15 +123,18 @@ def _draw_group_against_reference(
     floors = runs[runs["row_blocks"] > 1] if "row_blocks" in runs else runs.iloc[:0]
     if reference_dir is not None and len(floors) and runs["floors"].notna().any():
         _draw_floor_band(diff_axis, curves[floors.iloc[0]["run_dir"]], curves[reference_dir])
+    strategies = runs["strategy"].nunique() > 1 if "strategy" in runs else False
     for _, run in runs[runs["devices"] > 1].iterrows():
         run_curves = curves[run["run_dir"]]
         style = {
-            "color": gather_color(run["gather"]),
+            "color": (STRATEGY_COLORS.get(run["strategy"], OTHER_GATHER_COLORS[0]) if strategies
+                      else gather_color(run["gather"])),
             "linestyle": DEVICE_STYLES.get(run["devices"], "--"),
             "linewidth": 1.6,
             "marker": "o" if len(run_curves) < 3 else None,  # visible alone
-        }
-        label = f"{run['gather']}, {run['devices']} × {run['batch_size']}"
+        }  # fmt: skip
+        named = f"{run['gather']}, {run['strategy']}" if strategies else run["gather"]
+        label = f"{named}, {run['devices']} × {run['batch_size']}"
         loss_axis.plot(run_curves["step"], run_curves["loss"], label=label, **style)
         if reference_dir is not None:
             reference = curves[reference_dir]

@@ -5,9 +5,9 @@ comparison runs by itself when a multirun of ``python -m gatherlab.train`` ends.
 
 A run's reference is the first 1-device run of the sweep (in ``results.load_runs``' order) that
 finished and is readable, and whose resolved config equals the run's in everything but
-``SPLIT_KEYS``: ``gather``, ``layout``, ``launcher``, ``logger`` and ``log_every`` (docs/design.md
-§2, §5). A run matches it when the loss at every step and every final parameter agree within the
-tolerance of the run's precision (``gradients.TOLERANCE``). The gradient audit's
+``SPLIT_KEYS``: ``gather``, ``layout``, ``strategy``, ``launcher``, ``logger`` and ``log_every``
+(docs/design.md §2, §5). A run matches it when the loss at every step and every final parameter
+agree within the tolerance of the run's precision (``gradients.TOLERANCE``). The gradient audit's
 table is rendered here too (``write_audit``). Run files are read only through ``results``.
 """
 
@@ -48,21 +48,23 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# What may differ between a run and its reference: the split over devices, how its ranks were
-# started, the gather, and how the run is logged.
-SPLIT_KEYS = ("gather", "layout", "launcher", "logger", "log_every")
+# What may differ between a run and its reference: the split over devices, how its ranks share the
+# model and were started, the gather, and how the run is logged.
+SPLIT_KEYS = ("gather", "layout", "strategy", "launcher", "logger", "log_every")
 COMPARISON = runfiles.COMPARISON
 FIGURE = "comparison"
 # Written too when the sweep varies the loss: one row per loss, one column per gather × layout.
 MATRIX = "loss_matrix"
 # Every row of the printed comparison is named by these, and by every other key the sweep varies.
 NAMING_KEYS = ("gather", "layout")
+# Split keys that name a row only where the sweep varies them.
+NAMING_WHEN_VARIED = ("strategy",)
 # The keys that may name a row: the summary's choices and sizes, but how a run was started and
 # logged.
 KEY_COLUMNS = tuple(
     key
     for key in (*runfiles.SUMMARY_CHOICES, *runfiles.SUMMARY_SIZES)
-    if key in NAMING_KEYS or key not in SPLIT_KEYS
+    if key in (*NAMING_KEYS, *NAMING_WHEN_VARIED) or key not in SPLIT_KEYS
 )
 DERIVED_KEYS = ("devices", "batch_size")  # follow from the layout and the global batch size
 

@@ -77,6 +77,7 @@ def load_runs(directory: str | Path) -> pd.DataFrame:
         row = {column: summary.get(column) for column in RUN_COLUMNS}
         row.update(_metrics(summary))
         row["status"] = summary.get("status", "ok")  # summaries before statuses were all ok
+        row["strategy"] = summary.get("strategy", "ddp")  # and before strategies all DDP's
         row["error"] = summary.get("error")
         row["overrides"] = config.override_values(summary.get("overrides", []))
         row["config"] = summary.get("config", {})

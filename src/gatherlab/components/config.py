@@ -28,6 +28,7 @@ from hydra.errors import HydraException, InstantiationException, MissingConfigEx
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gatherlab.components.factory import Recipe
+from gatherlab.components.sharding import Sharding
 from gatherlab.core import cli
 from gatherlab.core.imports import locate
 from gatherlab.gather import ordered
@@ -339,6 +340,12 @@ def dataset_factory(cfg: DictConfig) -> Recipe:
     return _factory_of(
         "data.dataset", cfg.data.dataset, None, cfg.seed, "mypkg.data:MyData", "a data set"
     )
+
+
+def build_sharding(cfg: DictConfig) -> Sharding:
+    """How ``cfg.strategy`` distributes gatherlab's module over the ranks (``ddp`` when the
+    config has no strategy: a run written before the group existed)."""
+    return Sharding(**OmegaConf.to_container(cfg.get("strategy") or {"name": "ddp"}))
 
 
 def build_optimizer(cfg: DictConfig) -> Callable[..., torch.optim.Optimizer]:

@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader
 from gatherlab.components.accumulation import Accumulation, micro_batches
 from gatherlab.components.data import GlobalBatchSampler, PairDataset
 from gatherlab.components.rowblocks import blocked
+from gatherlab.components.sharding import Sharding
+from gatherlab.ranks import world
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -30,6 +32,9 @@ class ContrastiveModule(L.LightningModule):
     (`gatherlab.components.accumulation`): ``none`` trains with Lightning's automatic optimisation;
     ``naive`` and ``cached`` with its manual optimisation, the gradients kept on each rank during
     the K passes and averaged over the ranks once, before the step (what DDP's reduction computes).
+
+    ``sharding`` says how the module is distributed over the ranks (`Sharding`: DDP, FSDP2 or
+    ZeRO); it shards the model in ``configure_model`` under Lightning's ``ModelParallelStrategy``.
     """
 
     def __init__(
@@ -41,6 +46,7 @@ class ContrastiveModule(L.LightningModule):
         accumulation: str = Accumulation.NONE,
         micro_batches: int = 1,
         row_blocks: int = 1,
+        sharding: Sharding | None = None,
     ):
         super().__init__()
         self.model = model
@@ -59,10 +65,23 @@ class ContrastiveModule(L.LightningModule):
             )
         self.micro_batches = micro_batches
         self.automatic_optimization = self.accumulation == Accumulation.NONE
+        self.sharding = sharding or Sharding()
 
     def setup(self, stage: str) -> None:
         if self.loss is None:
             self.loss = self.loss_factory()
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (``fsdp2`` on several ranks): the model sharded over
+        the ranks of its data-parallel mesh; anything else trains the module as it is."""
+        if self.sharding.shards and self.device_mesh is not None:
+            self.sharding.shard(self.model, self.device_mesh["data_parallel"])
+
+    def on_after_backward(self) -> None:
+        """Under FSDP2: the gradients of the parameters outside the model (the loss's), which no
+        sharded module holds, averaged over the ranks (unless the strategy says not to)."""
+        if self.sharding.shards and self.loss is not None:
+            self.sharding.reduce_outside_model(self.loss.parameters())
 
     def _embed(self, view: torch.Tensor, keys: torch.Tensor | None, view_id: int) -> torch.Tensor:
         """The model's embedding of one view; a model with seeded randomness (dropout) also gets
@@ -157,11 +176,12 @@ class ContrastiveModule(L.LightningModule):
             parameter.grad.copy_(gradient.view_as(parameter.grad))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return self.optimizer_factory(self.parameters())
+        return self.sharding.optimizer(self.optimizer_factory, self.parameters())
 
     def run_state_dict(self) -> dict[str, torch.Tensor]:
-        """What ``final_state.pt`` holds (`StepRecorder`): the model's weights."""
-        return self.model.state_dict()
+        """What ``final_state.pt`` holds (`StepRecorder`): the model's weights, a sharded one
+        gathered whole (every rank calls this)."""
+        return {name: world.whole(value) for name, value in self.model.state_dict().items()}
 
 
 class PairDataModule(L.LightningDataModule):

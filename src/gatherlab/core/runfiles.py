@@ -22,8 +22,8 @@ SUMMARY = "summary.json"
 FINAL_STATE = "final_state.pt"
 CURVE_COLUMNS = ("step", "loss", "grad_norm")
 SUMMARY_CHOICES = (
-    "experiment", "module", "model", "loss", "data", "optim", "gather", "layout", "launcher",
-    "logger",
+    "experiment", "module", "model", "loss", "data", "optim", "gather", "layout", "strategy",
+    "launcher", "logger",
 )  # fmt: skip
 """The fields of summary.json that name a run: its config groups' choices (docs/design.md §5)."""
 SUMMARY_SIZES = ("devices", "batch_size", "global_batch_size", "precision", "steps", "seed")

@@ -179,6 +179,17 @@ class Launcher(StrEnum):
     EXTERNAL = "external"
 
 
+class Strategy(StrEnum):
+    """How the lab distributes its module over W ranks (the options of ``conf/strategy/``,
+    `gatherlab.components.sharding`): Lightning's DDP (``ddp``), FSDP2's ``fully_shard`` under
+    Lightning's ``ModelParallelStrategy`` (``fsdp2``), or DDP with torch's
+    ``ZeroRedundancyOptimizer`` (``zero``). One device trains the plain run whatever it says."""
+
+    DDP = "ddp"
+    FSDP2 = "fsdp2"
+    ZERO = "zero"
+
+
 class Backend(StrEnum):
     """A process group's backend, by ``torch.distributed``'s name."""
 

@@ -124,6 +124,7 @@ class _Built:
             accumulation=cfg.layout.get("accumulation", Accumulation.NONE),
             micro_batches=cfg.layout.get("micro_batches", 1),
             row_blocks=cfg.layout.get("row_blocks", 1),
+            sharding=config.build_sharding(cfg),
         )
         datamodule = PairDataModule(
             dataset, cfg.global_batch_size, cfg.steps, seed=cfg.seed, shuffle=cfg.data.shuffle
@@ -177,6 +178,7 @@ def _fit(cfg: DictConfig, run_dir: Path, built: _Built | None) -> None:
         callbacks=[StepRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
         accelerator=cfg.layout.accelerator,
         launcher=cfg.launcher.name,
+        strategy=config.build_sharding(cfg).name,
     )
 
 

@@ -59,6 +59,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
         )
     _validate_micro_batches(cfg, global_batch_size // devices)
     _validate_row_blocks(cfg, devices)
+    _validate_strategy(cfg, devices)
     removed = removals_of(cfg)
     if config.is_user_module(cfg):
         if devices > 1 and cfg["launcher"]["name"] != terms.Launcher.POOL:
@@ -159,6 +160,57 @@ def _validate_micro_batches(cfg: Mapping[str, Any], rows: int) -> None:
             f"layout.accumulation={accumulation} with model.norm={cfg['model']['norm']!r}: batch "
             "norm would see a micro-batch's statistics; allowed: a model without batch norm "
             "(model=mlp, linear), or layout.accumulation=none"
+        )
+
+
+STRATEGIES = tuple(terms.Strategy)
+
+
+def _validate_strategy(cfg: Mapping[str, Any], devices: int) -> None:
+    """``strategy`` (docs/design.md §10 "Sharded code"): one of `terms.Strategy`, its FSDP2
+    options typed; other than ``ddp`` only for gatherlab's own module, trained on the worker
+    pools (several devices), without accumulation (its manual step averages whole gradients),
+    and FSDP2 not in ``16-mixed`` (Lightning's ``ModelParallelStrategy`` refuses it)."""
+    strategy = cfg.get("strategy") or {"name": terms.Strategy.DDP}
+    name = strategy.get("name")
+    if name not in STRATEGIES:
+        raise ConfigError(f"strategy.name={name!r} is unknown; allowed: {', '.join(STRATEGIES)}")
+    for key in ("reshard_after_forward", "reduce_outside"):
+        if not isinstance(strategy.get(key, True), bool):
+            raise ConfigError(
+                f"strategy.{key}={strategy[key]!r} is not allowed; allowed: true or false"
+            )
+    factor = strategy.get("divide_factor")
+    if factor is not None and not (
+        isinstance(factor, int | float) and not isinstance(factor, bool) and factor > 0
+    ):
+        raise ConfigError(
+            f"strategy.divide_factor={factor!r} is not allowed; allowed: null (FSDP2's mean) "
+            "or a number > 0"
+        )
+    if name == terms.Strategy.DDP:
+        return
+    if config.is_user_module(cfg):
+        raise ConfigError(
+            f"strategy={name} shards gatherlab's own module (module=contrastive); allowed with "
+            "module=user: strategy=ddp"
+        )
+    launcher = cfg["launcher"]["name"]
+    if devices > 1 and launcher != terms.Launcher.POOL:
+        raise ConfigError(
+            f"strategy={name} with launcher={launcher} is not supported; allowed: "
+            "launcher=pool (CPU layouts), or strategy=ddp"
+        )
+    accumulation = cfg["layout"].get("accumulation", Accumulation.NONE)
+    if accumulation != Accumulation.NONE:
+        raise ConfigError(
+            f"strategy={name} with layout.accumulation={accumulation}: the accumulating step "
+            "averages whole gradients by itself; allowed: layout.accumulation=none, or strategy=ddp"
+        )
+    if name == terms.Strategy.FSDP2 and cfg["precision"] == terms.Precision.FP16_MIXED:
+        raise ConfigError(
+            "strategy=fsdp2 with precision=16-mixed: Lightning's ModelParallelStrategy refuses "
+            "it; allowed: 64-true, 32-true, bf16-mixed, bf16-true"
         )
 
 

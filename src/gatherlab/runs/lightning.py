@@ -254,10 +254,10 @@ class StepRecorder(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.recorder.finish(pl_module.parameters())
-        if self.run_dir is not None and trainer.global_rank == 0:
-            self.recorder.write(
-                self.run_dir, getattr(pl_module, "run_state_dict", pl_module.state_dict)()
-            )
+        if self.run_dir is not None:  # every rank: a sharded state is gathered whole
+            state = getattr(pl_module, "run_state_dict", pl_module.state_dict)()
+            if trainer.global_rank == 0:
+                self.recorder.write(self.run_dir, state)
 
     def trained(self) -> runfiles.Trained:
         """The run as the checks compare it (`Recorder.trained`)."""
