@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gatherlab.check import check_training, explain_training
+from gatherlab.check import CheckError, check_training, explain_training
 
 W = (2, 4)
 
@@ -107,6 +107,34 @@ def test_ranks_that_differ_are_no_cause_where_reducing_them_is_not_the_fix(unred
         assert table.attrs["unreduced"][f"{world_size},1"].reduced == "biased"
 
 
+def test_ddps_reducer_stalled_by_a_parameter_its_forward_does_not_use_is_named():
+    # GradCache with the learnt temperature in the loss over the cached embeddings: the check's DDP
+    # holds the temperature, which its forward never uses, so its reducer waits for it and never
+    # averages the model's gradient (each rank steps its own: net differs between the ranks)
+    table = check_training(
+        update="updates:cached_learnt_temperature", model="updates:build_with_temperature",
+        data="plain_steps:Pairs", world_sizes=W, micro_batches=(1, 2), steps=3,
+    )  # fmt: skip
+    rows = table[table["removed"] == "none"].set_index(["world_size", "micro_batches", "part"])
+    for world_size in W:
+        assert rows.loc[(world_size, 1, "all"), ["verdict", "cause", "culprits"]].tolist() == [
+            "biased", "unreduced", "unreduced",
+        ]  # fmt: skip
+        assert rows.loc[(world_size, 1, "net"), "cause"] == "unreduced"
+        # its gradient is the global loss's on every rank: nothing to reduce there
+        assert rows.loc[(world_size, 1, "log_temperature"), "gradient"] == "exact"
+        found = table.attrs["unreduced"][f"{world_size},1"]
+        assert found.parts == ("net",) and found.stalled == ("log_temperature",)
+        # reducing net by hand is not the fix; DDP finding unused parameters is, and is exact
+        assert found.reduced not in ("exact", None) and found.unstalled == "exact"
+        # two micro-batches: DDP itself refuses the second forward (its own message)
+        assert "find_unused_parameters=True" in rows.loc[(world_size, 2, "all"), "error"]
+    text = " ".join(explain_training(table).split())
+    assert ("log_temperature gets no gradient from DDP's forward" in text
+            and "With DDP's find_unused_parameters=True and log_temperature's gradient "
+            "all-reduced, the run is exact" in text)  # fmt: skip
+
+
 def test_fsdp2s_divide_factor_of_1_on_every_module_is_w_on_every_part():
     table = check_training(
         step="plain_steps:training_step", model="sharded_steps:build_fsdp2_divided",
@@ -132,3 +160,34 @@ def test_a_sharded_parameter_used_outside_its_forward_is_one_line_naming_it():
         "DTensor) and used outside its module's forward at sharded_steps.py:"
     ), error
     assert "(div with a plain tensor)" in error and "\n" not in error
+
+
+# --- a LightningModule that shards itself (Lightning's ModelParallelStrategy, --strategy fsdp2) --
+
+
+def test_a_lightningmodule_sharding_itself_is_exact_and_its_own_temperature_unreduced():
+    common = {"data": "ssl_modules:GaussianPairs", "world_sizes": W, "strategy": "fsdp2"}
+    exact = _whole_rows(check_training("sharded_modules:ShardedSimCLR", steps=3, **common))
+    assert exact["verdict"].tolist() == ["exact", "exact"]
+    assert exact["max_abs_param_diff"].max() <= 1e-12
+    # the temperature the module holds is in no sharded module: each rank steps its own
+    table = check_training("sharded_modules:ShardedSimCLRLearntTemperature", steps=2, **common)
+    rows = table[table["removed"] == "none"].set_index(["world_size", "part"])
+    for world_size in W:
+        assert rows.loc[(world_size, "all"), ["verdict", "cause"]].tolist() == [
+            "biased", "unreduced",
+        ]  # fmt: skip
+        assert rows.loc[(world_size, "backbone"), "gradient"] == "exact"
+        assert rows.loc[(world_size, "projection_head"), "gradient"] == "exact"
+        found = table.attrs["unreduced"][f"{world_size},1"]
+        assert (found.parts, found.reduced) == (("log_temperature",), "exact")
+
+
+def test_a_strategy_for_a_plain_step_is_refused_in_one_line():
+    with pytest.raises(CheckError) as refused:
+        check_training(step="plain_steps:training_step", model="plain_steps:build_model",
+                       data="plain_steps:Pairs", strategy="fsdp2")  # fmt: skip
+    assert str(refused.value) == (
+        "--strategy fsdp2: allowed: ddp, fsdp2 with --module (a --step's or --update's model "
+        "factory distributes the model itself)"
+    )

@@ -59,9 +59,9 @@ def test_a_feature_cache_and_a_per_sample_mean_are_exact_at_every_layout(update)
 
 
 def test_a_feature_cache_with_a_learnt_temperature_counted_once_is_exact():
-    """On one device: under DDP a parameter used outside the model's forward (the temperature in
-    the loss over the cached embeddings) is never averaged by DDP, and that update would need an
-    all-reduce of its own, so W = 1 here."""
+    """On one device: under DDP the temperature, used outside the model's forward (in the loss
+    over the cached embeddings), stalls DDP's reducer, which then averages nothing (named in
+    tests/check/test_sharded.py), so W = 1 here."""
     parts = checked("cached_learnt_temperature", "updates:build_with_temperature",
                     world_sizes=(1,), micro_batches=(1, 2, 4))  # fmt: skip
     for part in ("all", "net", "log_temperature"):

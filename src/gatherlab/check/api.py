@@ -609,6 +609,7 @@ def check_training(
     module_kwargs: Mapping[str, Any] | None = None,
     data_kwargs: Mapping[str, Any] | None = None,
     precision: str = defaults.PRECISION,
+    strategy: str = terms.Strategy.DDP,
     seed: int = defaults.SEED,
     loss_attr: str | None = None,
     collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
@@ -722,6 +723,12 @@ def _training_setting(options: defaults.TrainingOptions) -> Any:
         raise CheckError("--data is needed: a map-style data set (class or factory), module:attr")
     data_factory = _factory(options.data, "data")
     kind, function = next((kind, f) for kind, f in forms.items() if f is not None)
+    strategies = (terms.Strategy.DDP, terms.Strategy.FSDP2)  # Lightning's; ZeRO: an optimizer
+    if options.strategy not in strategies or (kind != "module" and options.strategy != "ddp"):
+        raise CheckError(
+            f"--strategy {options.strategy}: allowed: {', '.join(strategies)} with --module (a "
+            "--step's or --update's model factory distributes the model itself)"
+        )
     seed = options.seed
     if kind == "module":
         from gatherlab.runs import lightning  # Lightning: only for a LightningModule
@@ -733,7 +740,7 @@ def _training_setting(options: defaults.TrainingOptions) -> Any:
     spec = RunSpec(
         data=Recipe(data_factory, dict(options.data_kwargs or {}), None, seed),
         global_batch_size=options.global_batch_size, steps=options.steps, seed=seed,
-        precision=options.precision,
+        precision=options.precision, strategy=options.strategy,
     )  # fmt: skip
     return training.Setting(form, spec, _path_name(function))
 

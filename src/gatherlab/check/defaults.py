@@ -232,6 +232,16 @@ class TrainingOptions:
         default=PRECISION,
         metadata=_option(_PRECISIONS, "--precision", COMMON),
     )
+    strategy: str = field(
+        default=str(terms.Strategy.DDP),
+        metadata=_option(
+            "the Lightning strategy a --module trains under on W ranks: ddp (Lightning's DDP) or "
+            "fsdp2 (its ModelParallelStrategy: the module shards itself with fully_shard in "
+            "configure_model, over self.device_mesh['data_parallel']); a --step or --update is "
+            'distributed by its own model factory (docs/design.md §10, "Sharded code")',
+            "--strategy",
+        ),
+    )
     seed: int = field(
         default=SEED,
         metadata=_option(

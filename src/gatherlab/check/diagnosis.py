@@ -366,11 +366,13 @@ CULPRIT_DIAGNOSES = {
     ),
     Culprit.UNREDUCED: (
         "a parameter's gradient differs between the ranks (measured: every rank's first gradient "
-        "of each part against rank 0's) because neither DDP nor FSDP holds it: each rank's "
-        "optimizer steps with its own gradient. All-reduced (the mean over ranks) after each "
-        "backward, the run is exact (reproduced). Fix: put the parameter inside the module DDP "
-        "or FSDP wraps and use it in that module's forward, or all-reduce its gradient before the "
-        "optimizer's step."
+        "of each part against rank 0's): nothing reduces it, because neither DDP nor FSDP holds "
+        "it, or because DDP's reducer waited for a parameter its forward does not use and "
+        "averaged nothing. Each rank's optimizer steps with its own gradient. Reduced (all-reduced "
+        "after each backward, the mean over ranks; or DDP built with find_unused_parameters=True), "
+        "the run is exact (reproduced). Fix: put the parameter inside the module DDP or FSDP wraps "
+        "and use it in that module's forward, or all-reduce its gradient before the optimizer's "
+        "step."
     ),
     Culprit.LOSS: (
         "with batch norm, dropout and the data's randomness removed the run is still not exact: "
@@ -716,6 +718,15 @@ def _unreduced_words(table: pd.DataFrame, rows: pd.DataFrame) -> dict[str, str]:
     if found.reduced in TRAINS_LIKE_ONE_DEVICE:
         mean = (f"All-reduced after each backward (the mean over the ranks), the run is "
                 f"{found.reduced}: reducing it is the fix.")  # fmt: skip
+    elif found.unstalled in TRAINS_LIKE_ONE_DEVICE:
+        stalled = ", ".join(found.stalled)
+        mean = (f"DDP averaged none of it: its reducer waits, after each backward, for every "
+                f"parameter it holds, and {stalled} gets no gradient from DDP's forward (it is "
+                f"used outside it, or not at all), so its reduction never completes (with "
+                f"{', '.join(found.parts)} all-reduced by hand, the verdict is "
+                f"{found.reduced}). With DDP's find_unused_parameters=True and {stalled}'s "
+                f"gradient all-reduced, the run is {found.unstalled}: that is the fix, or use "
+                f"{stalled} inside the model's forward.")  # fmt: skip
     else:
         mean = (f"All-reduced after each backward, the run is still {found.reduced}: reducing "
                 "it alone does not make it one device's.")  # fmt: skip

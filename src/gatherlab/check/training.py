@@ -419,7 +419,7 @@ def check(
         if kept and world_size > 1:  # each rank's gradient of each part against rank 0's
             unreduced[world_size, k] = _unreduced(
                 setting, ranks, layout or {},
-                lambda names: judged(removed, world_size, k, reduced=names)[0].verdict,
+                lambda **changes: judged(removed, world_size, k, **changes)[0].verdict,
             )  # fmt: skip
         accumulated = kept and setting.update is not None and k > 1
         located_here = kept and world_size > 1 and not own  # traces compare to float64's bound
@@ -477,30 +477,44 @@ are named only where all-reducing those parts makes the run exact (reproduced)."
 class Unreduced:
     """The parts of a run whose gradient differs between its ranks (``parts``; none: every rank
     holds the same gradient), and the verdict of the run with those parts' gradients all-reduced
-    (``reduced``: the mean over ranks after each backward, `RunSpec.reduced`; None: not run)."""
+    (``reduced``: the mean over ranks after each backward, `RunSpec.reduced`; None: not run).
+    Where that is not the fix and the check's DDP holds parameters its forward does not use
+    (``stalled``, `runs.sharding.OutsideForward`: its reducer waited for them, so it averaged
+    nothing), the verdict of the run with DDP told to find unused parameters and their gradients
+    all-reduced (``unstalled``, `RunSpec.find_unused`)."""
 
     parts: tuple[str, ...]
     reduced: str | None = None
+    stalled: tuple[str, ...] = ()
+    unstalled: str | None = None
 
 
 def _unreduced(
     setting: Setting,
     ranks: Sequence[Trained],
     layout: measure.Layout,
-    reduced_verdict: Callable[[tuple[str, ...]], str],
+    verdict_with: Callable[..., str],
 ) -> Unreduced:
     """The parts whose ranks' gradients differ (`unreduced_parts`) and, when there are some, the
-    verdict of the run with their parameters' gradients all-reduced (``reduced_verdict`` of their
-    names): the reproduction."""
+    verdict of the run with their parameters' gradients all-reduced (``verdict_with(reduced=
+    names)``): the reproduction; failing that, with a stalled DDP reducer unstalled
+    (``verdict_with(reduced=…, find_unused=True)``)."""
     found = Unreduced(unreduced_parts(ranks, layout))
-    if found.parts:
-        found.reduced = reduced_verdict(_parameters_of(setting, found.parts))
+    if not found.parts:
+        return found
+    found.reduced = verdict_with(reduced=_parameters_of(setting, found.parts))
+    if found.reduced not in TRAINS_LIKE_ONE_DEVICE and ranks[0].outside_forward:
+        found.stalled = ranks[0].outside_forward
+        found.unstalled = verdict_with(reduced=found.stalled, find_unused=True)
     return found
 
 
 def _reproduced(found: Unreduced | None) -> bool:
-    """Whether all-reducing the parts found unreduced makes the run train like one device."""
-    return found is not None and found.reduced in TRAINS_LIKE_ONE_DEVICE
+    """Whether all-reducing the parts found unreduced (or unstalling DDP's reducer) makes the run
+    train like one device."""
+    if found is None:
+        return False
+    return TRAINS_LIKE_ONE_DEVICE.intersection({found.reduced, found.unstalled}) != set()
 
 
 def unreduced_parts(ranks: Sequence[Trained], layout: measure.Layout) -> tuple[str, ...]:

@@ -46,11 +46,14 @@ class Trained:
     """A trained run as the checks compare it, before or instead of its files: the global loss of
     each step (the mean over ranks, docs/design.md §2), the first step's parameter gradient as the
     optimizer got it (after DDP's average; None where it is not kept), and the final parameters,
-    flattened in float64 (the same on every rank after DDP)."""
+    flattened in float64 (the same on every rank after DDP); and the parameters DDP holds whose
+    gradient its first forward's output does not reach (``outside_forward``, the check's DDP only:
+    its reducer waits for them, docs/design.md §10 "Sharded code")."""
 
     losses: list[float]
     first_gradient: torch.Tensor | None
     parameters: torch.Tensor
+    outside_forward: tuple[str, ...] = ()
 
 
 def write_curves(run_dir: Path, rows: Iterable[Mapping[str, float]]) -> None:

@@ -36,7 +36,7 @@ from gatherlab.core import runfiles
 from gatherlab.ranks import launch, world
 from gatherlab.runs import removals, trace
 from gatherlab.runs.plainstep import seed_processes
-from gatherlab.runs.record import Recorder
+from gatherlab.runs.record import Recorder, reduce_gradients
 from gatherlab.runs.spec import RunSpec
 
 log = logging.getLogger(__name__)
@@ -208,9 +208,24 @@ class Module:
         )  # fmt: skip
         seed_processes(spec.seed)
         if world.size() > 1:
-            launch.fit_in_group(lightning_module, datamodule, spec.precision, spec.steps, callbacks)
+            if spec.reduced:  # before the callbacks that record the gradient
+                callbacks = [_ReducedGradients(spec.reduced), *callbacks]
+            launch.fit_in_group(
+                lightning_module, datamodule, spec.precision, spec.steps, callbacks, spec.strategy
+            )
         else:
             launch.fit(lightning_module, datamodule, 1, spec.precision, spec.steps, callbacks)
+
+
+class _ReducedGradients(L.Callback):
+    """The gradients of the parameters ``names`` all-reduced (the mean over the ranks) before
+    each optimizer step: the reproduction of an unreduced part (`RunSpec.reduced`)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        reduce_gradients(pl_module, self.names)
 
 
 def loss_of_step(output: Any) -> torch.Tensor:

@@ -33,7 +33,7 @@ from gatherlab.ranks import collectives, world
 from gatherlab.runs import precision as runs_precision
 from gatherlab.runs import removals, trace
 from gatherlab.runs.record import Recorder, reduce_gradients
-from gatherlab.runs.sharding import naming_dtensors
+from gatherlab.runs.sharding import OutsideForward, naming_dtensors
 from gatherlab.runs.spec import RunSpec
 
 __all__ = [
@@ -94,7 +94,8 @@ class Step(PlainModel):
         device = world.device()  # a rank's own GPU in an NCCL group, else the CPU
         model = build(self, spec.removals, spec.precision).to(device)
         data = spec.data()
-        wrapped = wrapped_for_rank(model, device, spec.row_blocks)
+        wrapped = wrapped_for_rank(model, device, spec.row_blocks, spec.find_unused)
+        watch = outside_forward(model, wrapped)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
         recorder = Recorder(keep_first_gradient=True)
         seed_processes(spec.seed)
@@ -110,7 +111,7 @@ class Step(PlainModel):
             recorder.gradient(model.parameters(), index, world.rank())
             optimizer.step()
         recorder.finish(model.parameters())
-        return recorder.trained()
+        return trained_with(recorder, watch)
 
     def trace_on_rank(self, spec: RunSpec) -> list[trace.Op]:
         """The operations of the first step's forward (`gatherlab.runs.trace`), with their
@@ -237,19 +238,38 @@ def as_precision(batch: Any, precision: str, device: torch.device | None = None)
     return batch
 
 
-def wrapped_for_rank(model: nn.Module, device: torch.device, row_blocks: int = 1) -> nn.Module:
+def wrapped_for_rank(
+    model: nn.Module, device: torch.device, row_blocks: int = 1, find_unused: bool = False
+) -> nn.Module:
     """The model as this rank trains it: in ``DistributedDataParallel`` over the rank's process
-    group when there is one (on the rank's own GPU in an NCCL group), bare on one device (its
-    forward in ``row_blocks`` row blocks, the floor's perturbation, `runs.precision.RowBlocks`);
-    as the factory made it when it distributes itself (`distributes_itself`: sharded by FSDP2,
-    or in DDP already), never wrapped twice."""
+    group when there is one (on the rank's own GPU in an NCCL group; ``find_unused``: its
+    ``find_unused_parameters``), bare on one device (its forward in ``row_blocks`` row blocks,
+    the floor's perturbation, `runs.precision.RowBlocks`); as the factory made it when it
+    distributes itself (`distributes_itself`: sharded by FSDP2, or in DDP already), never
+    wrapped twice."""
     if world.size() == 1:
         return model if row_blocks == 1 else runs_precision.RowBlocks(model, row_blocks)
     if distributes_itself(model):
         return model
     on_gpu = device.type == terms.Device.CUDA
-    ddp = DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
+    ddp = DistributedDataParallel(
+        model, device_ids=[device] if on_gpu else None, find_unused_parameters=find_unused
+    )
     return collectives.visible(ddp)  # its all-reduce seen by the check's watch
+
+
+def outside_forward(model: nn.Module, wrapped: nn.Module) -> OutsideForward | None:
+    """The watch of the parameters the check's DDP (``wrapped``, around ``model``) holds that its
+    forward does not use (`runs.sharding.OutsideForward`); None where the check did not wrap."""
+    if wrapped is model or not isinstance(wrapped, DistributedDataParallel):
+        return None
+    return OutsideForward(wrapped)
+
+
+def trained_with(recorder: Recorder, watch: OutsideForward | None) -> runfiles.Trained:
+    """The recorder's run, with the parameters the watch found outside the forward."""
+    names = watch.names if watch is not None else ()
+    return replace(recorder.trained(), outside_forward=names)
 
 
 def distributes_itself(model: nn.Module) -> bool:

@@ -53,6 +53,13 @@ class RunSpec:
     reduced: tuple[str, ...] = ()
     """Parameters whose gradients the run all-reduces (the mean over ranks) after each backward:
     the reproduction of an unreduced part (docs/design.md §10, "Sharded code")."""
+    strategy: str = "ddp"
+    """The Lightning strategy a LightningModule trains under on W ranks (`core.terms.Strategy`:
+    ``ddp``, or ``fsdp2``: ``ModelParallelStrategy``, the module sharding itself in
+    ``configure_model``); the plain forms distribute as their factories do."""
+    find_unused: bool = False
+    """The check's DDP built with ``find_unused_parameters=True``: the reproduction of a reducer
+    that waited for a parameter its forward does not use (docs/design.md §10, "Sharded code")."""
     row_blocks: int = 1
     """The model's forward in this many row blocks on one device (`runs.precision.RowBlocks`):
     the perturbation a low precision's floor is measured with (docs/design.md §2)."""

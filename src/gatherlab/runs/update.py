@@ -32,9 +32,11 @@ from gatherlab.runs.plainstep import (
     PlainModel,
     as_precision,
     build,
+    outside_forward,
     rank_batches,
     seed_processes,
     step_loss,
+    trained_with,
     wrapped_for_rank,
 )  # fmt: skip
 from gatherlab.runs.record import Recorder, reduce_gradients
@@ -74,7 +76,8 @@ class Update(PlainModel):
         device = world.device()
         model = build(self, spec.removals, spec.precision).to(device)
         data = spec.data()
-        wrapped = wrapped_for_rank(model, device, spec.row_blocks)
+        wrapped = wrapped_for_rank(model, device, spec.row_blocks, spec.find_unused)
+        watch = outside_forward(model, wrapped)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
         recorder = Recorder(keep_first_gradient=True)
         seen = _Steps(model, recorder, spec.reduced)
@@ -98,7 +101,7 @@ class Update(PlainModel):
         finally:
             hook.remove()
         recorder.finish(model.parameters())
-        return recorder.trained()
+        return trained_with(recorder, watch)
 
 
 class UpdateBroken(ValueError):
