@@ -43,13 +43,18 @@ def _ranks() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _mesh_device() -> str:
+    """The device type of the ranks' mesh: their GPUs in an NCCL group, else the CPU."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def build_fsdp2(dim: int = 8, reshard_after_forward: bool = True) -> nn.Module:
     model = plain_steps.build_model(dim)
     if _ranks() > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (_ranks(),))
+        mesh = init_device_mesh(_mesh_device(), (_ranks(),))
         for block in model:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
@@ -91,7 +96,7 @@ def build_fsdp2_temperature_inside(
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (_ranks(),))
+        mesh = init_device_mesh(_mesh_device(), (_ranks(),))
         if reshard_root is None:
             fully_shard(model, mesh=mesh)
         else:

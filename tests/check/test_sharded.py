@@ -1,4 +1,4 @@
-"""Sharded code in the check of a plain step or update (issue 50, first part): a model its factory
+"""Sharded code in the check of a plain step or update (issue 50): a model its factory
 shards with FSDP2 and an optimizer that is ``ZeroRedundancyOptimizer`` are trained as they were
 built, never wrapped in DDP again, their gradient and weights read whole from the shards
 (`gatherlab.ranks.world.whole`)."""

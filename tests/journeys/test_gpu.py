@@ -100,3 +100,30 @@ def test_bundled_job_on_every_gpu_trains_as_one_gpu(job, tmp_path):
     one = printed(launch(job, None, "--device", "cuda"))
     every = printed(launch(job, GPUS, "--device", "cuda"))
     assert largest_difference(every, one) <= FLOAT64_BOUND
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs; this machine has {GPUS}")
+@pytest.mark.timeout(600)
+def test_torchrun_check_of_fsdp2_on_two_gpus_names_the_unreduced_temperature(tmp_path):
+    """``torchrun --nproc_per_node=2 -m gatherlab.check --step … --launcher external --device
+    cuda`` on a model its factory shards with FSDP2 over the GPUs (NCCL): the temperature on the
+    sharded root is exact; outside every sharded module it is named unreduced, as on gloo
+    (tests/check/test_sharded.py). Fresh interpreters: torchrun starts every rank."""
+    from helpers import pythonpath
+
+    for model, status, cause in [("build_fsdp2_temperature_inside", 0, "nan"),
+                                 ("build_fsdp2_temperature_outside", 1, "unreduced")]:  # fmt: skip
+        out = tmp_path / model
+        started = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+             "2", "-m", "gatherlab.check", "--step", "sharded_steps:temperature_step", "--model",
+             f"sharded_steps:{model}", "--data", "plain_steps:Pairs", "--steps", "3",
+             "--launcher", "external", "--device", "cuda", "--out", str(out)],
+            cwd=tmp_path, env={**os.environ, "PYTHONPATH": pythonpath()}, capture_output=True,
+            text=True, timeout=500,
+        )  # fmt: skip
+        assert started.returncode == status, started.stdout[-3000:] + started.stderr[-3000:]
+        table = pd.read_csv(out / "check.csv")
+        whole = table[(table["part"] == "all") & (table["removed"] == "none")].iloc[0]
+        assert str(whole["cause"]) == cause, whole
+        assert whole["max_abs_param_diff"] <= (1e-12 if status == 0 else float("inf"))
