@@ -423,10 +423,9 @@ def check(
             )  # fmt: skip
         accumulated = kept and setting.update is not None and k > 1
         found = unreduced.get((world_size, k)) if kept else None
-        # traces compare to float64's bound; an unreduced part departs in no operation of the
-        # forward (each rank's own forward is right), so none is named then
-        located_here = kept and world_size > 1 and not own and not _reproduced(found)
-        in_precision = InPrecision(setting.low, floors.perturbed(removed)) if own else None
+        reproduced = _reproduced(found)  # then no operation departs: each rank's forward is right
+        located_here = kept and world_size > 1 and not own and not reproduced  # float64's bounds
+        floor_run = InPrecision(setting.low, floors.perturbed(removed)) if own else None
         rows = judge(
             ranks[0], references[removed], key(removed, world_size, k),
             tolerance=tolerance, layout=layout or {},
@@ -434,9 +433,7 @@ def check(
             if accumulated else None,
             where=functools.partial(located, setting, world_size, first.in_group)
             if located_here else None,
-            recorded=Recorded(
-                unreduced=found.parts if _reproduced(found) else (), in_precision=in_precision
-            ),
+            recorded=Recorded(unreduced=found.parts if reproduced else (), in_precision=floor_run),
         )  # fmt: skip
         if kept and setting.low is not None and not own:  # its low-precision run beside it
             rows = with_precision(rows, floors.beside(world_size, k), setting.spec.precision)
