@@ -12,7 +12,10 @@ made of (an importable factory and its keyword arguments) to the ranks and build
 - ``gather=`` is passed only when a gather is given; without one the loss communicates by itself
   ("native");
 - the loss's own parameters, if any, are drawn from ``seed``, so every rank and the 1-device
-  reference start from the same ones.
+  reference start from the same ones;
+- a loss written as a plain function (``def loss(z0, z1, temperature=0.5)``: positional inputs
+  the arguments do not fill) is the loss itself, not its factory: it is taken as it is written
+  (`FunctionLoss`), its keyword arguments bound.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from gatherlab.core.imports import locate
 from gatherlab.gather import GatherFn
 from gatherlab.ranks import world
 
-__all__ = ["AttributeOf", "Recipe", "locate"]
+__all__ = ["AttributeOf", "FunctionLoss", "Recipe", "is_loss_function", "locate"]
 
 
 def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
@@ -69,9 +72,12 @@ class Recipe:
         return arguments
 
     def __call__(self) -> nn.Module:
+        arguments = self.arguments()
+        if is_loss_function(self.factory, arguments):
+            return FunctionLoss(self.factory, arguments)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            return self.factory(**self.arguments())
+            return self.factory(**arguments)
 
     def with_gather(self, gather: GatherFn | None) -> Recipe:
         return Recipe(self.factory, self.kwargs, gather, self.seed)
@@ -83,6 +89,35 @@ class Recipe:
     @property
     def name(self) -> str:
         return f"{self.factory.__module__}:{self.factory.__qualname__}"
+
+
+def is_loss_function(factory: Callable[..., Any], arguments: Mapping[str, Any]) -> bool:
+    """Whether ``factory`` is a loss written as a plain function rather than a factory of one: a
+    function (not a class) with a positional parameter that has no default and that
+    ``arguments`` do not fill, its inputs (a factory called with ``arguments`` alone would
+    raise ``missing required positional arguments``)."""
+    if inspect.isclass(factory) or not callable(factory):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(
+        p.kind in positional and p.default is inspect.Parameter.empty and name not in arguments
+        for name, p in _parameters(factory).items()
+    )
+
+
+class FunctionLoss(nn.Module):
+    """A loss written as a plain function, as a module: ``forward(*inputs)`` is
+    ``function(*inputs, **kwargs)``. It holds no parameters and no buffers of its own."""
+
+    def __init__(self, function: Callable[..., torch.Tensor], kwargs: Mapping[str, Any]):
+        super().__init__()
+        self.function, self.kwargs = function, dict(kwargs)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.function(*inputs, **self.kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{self.function.__module__}.{self.function.__qualname__}"
 
 
 class AttributeOf:

@@ -328,7 +328,11 @@ def _custom_backward(node) -> str | None:
 
 
 def _named_buffers(modules: Iterable[tuple[str, nn.Module]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers of ``modules`` by their names; a callable that is no ``nn.Module`` (a loss
+    object of its own kind) holds none that torch names."""
     for prefix, module in modules:
+        if not isinstance(module, nn.Module):
+            continue
         for name, buffer in module.named_buffers():
             yield (f"{prefix}.{name}" if prefix else name), buffer
 
