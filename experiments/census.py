@@ -30,6 +30,7 @@ import hashlib
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ if str(HERE) not in sys.path:  # the ranks import census_cases and public_code f
     sys.path.insert(0, str(HERE))
 
 from census_cases import CASES, NOT_RUN  # noqa: E402
-from census_cases.common import Case, fixed_copy  # noqa: E402
+from census_cases.common import Case, Fix, fixed_copy  # noqa: E402
 from public_code import RESULTS, download, release_root, sha256, write_into_results  # noqa: E402
 
 from gatherlab.check import check_loss  # noqa: E402
@@ -144,6 +145,25 @@ def row_of(case: Case, table: pd.DataFrame | str, fixed: pd.DataFrame | str | No
             named(table), fix, after, repro]  # fmt: skip
 
 
+def census_row(
+    case: Case,
+    root: Path,
+    checked: Callable[[Case, Path], pd.DataFrame | str] = check,
+    copied: Callable[[Path, Fix, str], Path] = fixed_copy,
+) -> list[str]:
+    """The table's row of ``case`` on the release at ``root``: its check (``checked``; on the
+    release with the case's own ``patch`` applied, by ``copied``, when it has one) and, when that
+    is not exact at every W, the check again on a copy with its fix applied."""
+    label = hashlib.sha256(f"{case.loss} {case.flags}".encode()).hexdigest()[:8]
+    if case.patch is not None:
+        root = copied(root, case.patch, f"{case.patch.name}-{label}")
+    table = checked(case, root)
+    fixed = None
+    if case.fix is not None and not exact(table):
+        fixed = checked(case, copied(root, case.fix, f"{case.fix.name}-{label}"))
+    return row_of(case, table, fixed)
+
+
 def markdown(rows: list[list[str]]) -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
@@ -209,15 +229,7 @@ def main() -> int:
                 provenance.append(f"{wheel.name} (sha256 {sha256(wheel)[:16]}…)")
     rows = []
     for number, case in enumerate(cases, 1):
-        root = releases[(case.package, case.version)]
-        label = hashlib.sha256(f"{case.loss} {case.flags}".encode()).hexdigest()[:8]
-        if case.patch is not None:
-            root = fixed_copy(root, case.patch, f"{case.patch.name}-{label}")
-        table = check(case, root)
-        fixed = None
-        if case.fix is not None and not exact(table):
-            fixed = check(case, fixed_copy(root, case.fix, f"{case.fix.name}-{label}"))
-        rows.append(row_of(case, table, fixed))
+        rows.append(census_row(case, releases[(case.package, case.version)]))
         print(f"[{number}/{len(cases)}] {' | '.join(rows[-1][:8])}", flush=True)
     for skipped in NOT_RUN:
         rows.append([skipped.package, skipped.version, f"`{skipped.loss}`", "—",
