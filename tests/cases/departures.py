@@ -21,6 +21,16 @@ what a correct check says there follows from docs/design.md §1 (W ranks, B = N/
 - ``OwnSliceGatherGlobal``: a global NT-Xent (every rank the full loss over the gathered rows)
   behind a gather whose backward keeps only the rank's own slice: the embeddings' gradient is
   exactly 1/W of one device's, produced by that backward.
+- ``SigmoidOwnSlice``: a SigLIP-style pairwise sigmoid loss, the rank's rows against every rank's
+  columns behind the same own-slice gather, summed over the pairs and divided by the rank's rows
+  (a local loss): biased, produced by that backward; ``SigmoidExact`` the same behind a summing
+  gather is exact, though its sum over the rank's pairs is only its part of one device's.
+- ``EntropyRegularised``: a per-row cross-entropy to a sharpened target plus a mean-entropy
+  regulariser over the global batch, whose column sums are completed by an in-place
+  ``dist.all_reduce`` (SUM), as MSN's code does; autograd does not see it, so the regulariser's
+  gradient passes back unsummed: 1/W of one device's, named at the all_reduce.
+- ``EntropyOwnMean``: the same with a second regulariser over the mean of the rank's own rows,
+  after the all_reduce: the loss differs there.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ class _OwnSliceGather(SummingGather):
     """Every rank's rows; the backward keeps the rank's own slice of its gradient only."""
 
     @staticmethod
-    def backward(ctx, grad):  # departs: OwnSliceGatherGlobal
+    def backward(ctx, grad):  # departs: OwnSliceGatherGlobal, SigmoidOwnSlice
         return grad[ctx.own]
 
 
@@ -135,3 +145,44 @@ class OwnSliceGatherGlobal(nn.Module):
         if _world()[1] > 1:
             z0, z1 = _OwnSliceGather.apply(z0), _OwnSliceGather.apply(z1)
         return nt_xent(z0, z1, self.temperature)
+
+
+class SigmoidExact(nn.Module):
+    gather = staticmethod(SummingGather.apply)
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        rank, world_size = _world()
+        z0, z1 = F.normalize(z0, dim=1), F.normalize(z1, dim=1)
+        columns = self.gather(z1) if world_size > 1 else z1
+        logits = z0 @ columns.T / 0.1
+        n = len(z0)
+        labels = -torch.ones_like(logits)
+        labels[torch.arange(n), torch.arange(n) + rank * n] = 1.0  # the own pairs
+        return -F.logsigmoid(labels * logits).sum() / n
+
+
+class SigmoidOwnSlice(SigmoidExact):
+    gather = staticmethod(_OwnSliceGather.apply)
+
+
+class EntropyRegularised(nn.Module):
+    own_mean = False
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        _, world_size = _world()
+        probs = F.softmax(z0 / 0.5, dim=1)
+        target = F.softmax(z1.detach() / 0.25, dim=1)
+        cross_entropy = -(target * torch.log(probs)).sum(dim=1).mean()
+        total = probs.sum(dim=0)  # this rank's part of the column sums
+        if world_size > 1:
+            dist.all_reduce(total)  # departs: EntropyRegularised
+        average = total / (len(probs) * world_size)
+        regulariser = (average * torch.log(average)).sum()
+        if self.own_mean:
+            own = probs.mean(dim=0)  # departs: EntropyOwnMean
+            regulariser = regulariser + (own * torch.log(own)).sum()
+        return cross_entropy + regulariser
+
+
+class EntropyOwnMean(EntropyRegularised):
+    own_mean = True

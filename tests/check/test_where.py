@@ -83,6 +83,48 @@ def test_a_gather_whose_backward_keeps_the_own_slice_is_named_with_its_factor():
         assert float(ratio.group(1)) == pytest.approx(1 / world_size, rel=1e-6)
 
 
+def test_a_local_loss_behind_an_own_slice_backward_is_named_at_that_backward():
+    # the sum over the rank's pairs is its part of one device's sum (the division by the rank's
+    # rows follows): the exact loss holds the same line and is exact; before, that sum was named
+    assert {v for v, *_ in located("SigmoidExact").values()} == {"exact"}
+    found = located("SigmoidOwnSlice")
+    for world_size in W:
+        verdict, _, at, departs = found[world_size]
+        assert verdict == "biased"
+        assert at == f"{marked('OwnSliceGatherGlobal')}  _OwnSliceGather.backward"  # its line
+        assert departs.endswith("_OwnSliceGather.backward at " + marked("OwnSliceGatherGlobal")
+                                + " produces it")  # fmt: skip
+
+
+def test_an_in_place_all_reduce_of_partial_sums_is_named_for_its_unsummed_gradient():
+    # the column sums are each rank's part of one device's (their sum over ranks, not their mean):
+    # the forward agrees; autograd passes the regulariser's gradient back through the all_reduce
+    # unsummed, so that term's gradient is exactly 1/W of one device's
+    found = located("EntropyRegularised")
+    total = line_of(departures, "total = probs.sum(dim=0)")
+    for world_size in W:
+        verdict, _, at, departs = found[world_size]
+        assert verdict == "biased"
+        assert at == f"{marked('EntropyRegularised')}  all_reduce"
+        ratio = re.search(rf"the gradient of the result of sum at {total} on the ranks is 1/W of "
+                          r"one device's \(norm ratio ([0-9.]+), cosine 1\)", departs)  # fmt: skip
+        assert ratio is not None, departs
+        assert float(ratio.group(1)) == pytest.approx(1 / world_size, rel=1e-6)
+        assert "passes back through it unsummed" in departs and "without gradient" not in departs
+
+
+def test_a_mean_over_the_ranks_own_rows_after_an_all_reduce_is_named_not_the_partial_sum():
+    found = located("EntropyOwnMean")
+    for world_size in W:
+        verdict, cause, at, departs = found[world_size]
+        assert (verdict, cause) == ("loss differs", "local_statistic")
+        assert at == f"{marked('EntropyOwnMean')}  mean"
+        rows = 16 // world_size
+        assert departs == (
+            f"a mean over dim 0 of the rank's {rows} rows, where one device takes all 16"
+        )
+
+
 def test_a_gather_without_gradient_under_a_group_is_named_against_the_plain_run():
     found = located("NoGradGatherNegatives")
     for world_size in W:

@@ -137,10 +137,13 @@ def _loss_path(ops: Sequence[Op]) -> set[int]:
 @dataclass(frozen=True)
 class _Agreed:
     """How one device's record i corresponds on the ranks: each rank's record and its index into
-    one device's result (None: the mean over ranks, a scalar on the loss's path)."""
+    one device's result (None: the whole of it, as the mean over ranks, or with ``summed`` as the
+    sum over ranks: a rank's part of a sum, completed by an all_reduce or by the division that
+    follows on the loss's path)."""
 
     theirs: tuple[Op, ...]
     indices: tuple[Index, ...] | None
+    summed: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,13 +154,15 @@ class _Differs:
     difference: float
 
 
-def _mean_agrees(
-    op: Op, theirs: Sequence[Op], world_size: int, tolerance: float, scale: float
+def _over_ranks_agrees(
+    op: Op, theirs: Sequence[Op], divisor: int, tolerance: float, scale: float
 ) -> bool:
+    """Whether the ranks' results, summed and divided by ``divisor`` (W: their mean; 1: their
+    sum), are one device's."""
     if any(t.value.shape != op.value.shape for t in theirs):
         return False
-    mean = sum(t.value for t in theirs) / world_size
-    return _difference(mean, op.value, scale) <= tolerance
+    total = sum(t.value for t in theirs) / divisor
+    return _difference(total, op.value, scale) <= tolerance
 
 
 def _compare(
@@ -174,13 +179,20 @@ def _compare(
     when its mean over ranks is one device's."""
     scale = _scale(op.value)
     if on_path and op.value.numel() == 1 and all(t.value.numel() == 1 for t in theirs):
-        mean = math.fsum(float(t.value) for t in theirs) / world_size
-        if abs(mean - float(op.value)) <= tolerance * scale:
+        total = math.fsum(float(t.value) for t in theirs)
+        if abs(total / world_size - float(op.value)) <= tolerance * scale:
             return _Agreed(tuple(theirs), None)
-        return _Differs(0, theirs[0], None, abs(mean - float(op.value)) / scale)
+        # a partial sum on the way to the loss (the rank's rows summed, then divided by their
+        # number): its later division is compared in turn, the returned loss by the mean
+        if not op.returned and abs(total - float(op.value)) <= tolerance * scale:
+            return _Agreed(tuple(theirs), None, summed=True)
+        return _Differs(0, theirs[0], None, abs(total / world_size - float(op.value)) / scale)
     flattened = op.input_shapes and op.value.dim() < len(op.input_shapes[0]) and op.dims is None
-    if all_reduced and _mean_agrees(op, theirs, world_size, tolerance, scale):
-        return _Agreed(tuple(theirs), None)  # each rank's part, then the mean over ranks
+    if all_reduced:  # each rank's part of what an all_reduce completes: a mean or a sum
+        if _over_ranks_agrees(op, theirs, world_size, tolerance, scale):
+            return _Agreed(tuple(theirs), None)
+        if _over_ranks_agrees(op, theirs, 1, tolerance, scale):
+            return _Agreed(tuple(theirs), None, summed=True)
     indices = []
     for rank, mine in enumerate(theirs):
         if flattened and mine.value.shape != op.value.shape:
@@ -369,7 +381,9 @@ def backward(
         for rank, mine in enumerate(how.theirs):
             if mine.grad is None:
                 continue
-            if how.indices is None:
+            if how.summed:  # every rank's part is in one device's whole: each one's gradient
+                total += mine.grad / world_size / world_size
+            elif how.indices is None:
                 total += mine.grad / world_size
             else:
                 _add_into(total, how.indices[rank], mine.grad / world_size)
@@ -429,14 +443,28 @@ def _culprit(
             return f"{place or op.where}  {name}", f"{op.backward} produces it"
     without = [op for op in reached if op.no_grad]
     for op in sorted(without, key=lambda op: not op.name.startswith("torch.distributed")):
-        return op.label, (
-            f"{op.short} at {op.where} runs without gradient, so what it passes on carries no "
-            "gradient back"
-        )
+        return op.label, _without_gradient(op, theirs)
     for op in consumers:
         if op.index in fine or op.index not in matched:
             return op.label, f"the backward of {op.short} at {op.where} produces it"
     return None
+
+
+def _without_gradient(op: Op, theirs: Sequence[Op]) -> str:
+    """What an operation that ran without gradient does to the gradient, in words: an in-place
+    all_reduce whose tensor still carries one (its input's gradient recorded) passes it back
+    unsummed; anything else passes none back."""
+    carried = any(theirs[i].grad is not None for i in op.inputs)
+    if op.short == "all_reduce" and carried:
+        return (
+            f"all_reduce at {op.where} sums the ranks' values in place, unseen by autograd: the "
+            "gradient passes back through it unsummed, each rank's own part of it (after DDP's "
+            "average, 1/W of one device's)"
+        )
+    return (
+        f"{op.short} at {op.where} runs without gradient, so what it passes on carries no "
+        "gradient back"
+    )
 
 
 def _cut(theirs: Sequence[Op], start: int) -> tuple[str, str] | None:
