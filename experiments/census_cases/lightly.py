@@ -146,13 +146,13 @@ BARLOW_1977 = Fix(  # on 1.5.25: #1977's change, then BARLOW_GLOBAL's
     "lightly/barlow_1977.patch",
 )
 MSN_REMARK = (
-    "`where` names the Sinkhorn's `torch.sum` (msn_loss.py:83), a partial sum that the "
-    "in-place `dist.all_reduce` on the next line completes; what departs is the me-max "
-    "regularisation's mean over the rank's rows (msn_loss.py:236): all-reduced, the loss is exact"
+    "`where` names the me-max regularisation's mean over the rank's rows (msn_loss.py:236); the "
+    "Sinkhorn before it completes partial sums with an in-place `dist.all_reduce` and divides by "
+    "the rank's own count, a scale its last line takes back: `where` passes both. All-reduced, "
+    "the mean makes the loss exact"
 )
 PMSN_REMARK = (
-    "as MSNLoss's: the regularisation's mean over the rank's rows (msn_loss.py:236, inherited); "
-    "`where` names the Sinkhorn's partial `sum`"
+    "as MSNLoss's: the regularisation's mean over the rank's rows (msn_loss.py:236, inherited)"
 )
 
 

@@ -31,6 +31,11 @@ what a correct check says there follows from docs/design.md §1 (W ranks, B = N/
   gradient passes back unsummed: 1/W of one device's, named at the all_reduce.
 - ``EntropyOwnMean``: the same with a second regulariser over the mean of the rank's own rows,
   after the all_reduce: the loss differs there.
+- ``SinkhornMeMax``: MSN's pattern: targets balanced by a Sinkhorn over every rank's columns (its
+  row sums all-reduced), which divides by the rank's own column count each iteration and
+  multiplies by it at the end (intermediates W times one device's, the result one device's);
+  a cross-entropy to them, and ``loss +=`` a me-max regulariser over the mean of the rank's own
+  anchor rows: the loss differs at that mean, not in the Sinkhorn.
 """
 
 from __future__ import annotations
@@ -186,3 +191,41 @@ class EntropyRegularised(nn.Module):
 
 class EntropyOwnMean(EntropyRegularised):
     own_mean = True
+
+
+def _sinkhorn(scores: torch.Tensor, iterations: int = 3) -> torch.Tensor:
+    """Balanced assignments of the rows to the prototypes, over every rank's rows."""
+    _, world_size = _world()
+    columns, prototypes = scores.shape
+    q = scores.T.clone()
+    total = q.sum()
+    if world_size > 1:
+        dist.all_reduce(total)
+    q = q / total
+    for _ in range(iterations):
+        rows = q.sum(dim=1, keepdim=True)
+        if world_size > 1:
+            dist.all_reduce(rows)
+        q /= rows
+        q /= prototypes
+        q /= q.sum(dim=0, keepdim=True)
+        q /= columns  # the rank's own count: a scale the last line takes back
+    q *= columns
+    return q.T
+
+
+class SinkhornMeMax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        prototypes = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        self.register_buffer("prototypes", F.normalize(prototypes, dim=1))
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        prototypes = self.prototypes.to(z0.dtype)
+        anchors = F.softmax(F.normalize(z0, dim=1) @ prototypes.T / 0.1, dim=1)
+        with torch.no_grad():
+            targets = _sinkhorn(F.softmax(F.normalize(z1, dim=1) @ prototypes.T / 0.05, dim=1))
+        loss = torch.mean(torch.sum(-targets * torch.log(anchors), dim=1))
+        mean_anchor = torch.mean(anchors, dim=0)  # departs: SinkhornMeMax
+        loss += (mean_anchor * torch.log(mean_anchor)).sum()
+        return loss

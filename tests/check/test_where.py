@@ -125,6 +125,21 @@ def test_a_mean_over_the_ranks_own_rows_after_an_all_reduce_is_named_not_the_par
         )
 
 
+def test_a_departure_that_a_later_result_heals_is_passed_for_the_one_that_stays():
+    # the Sinkhorn's intermediates are W times one device's (divided by the rank's own column
+    # count, multiplied back at the end); the cross-entropy's mean is on the loss's path through
+    # an in-place ``loss +=``: what departs is the me-max mean over the rank's rows
+    found = located("SinkhornMeMax")
+    for world_size in W:
+        verdict, cause, at, departs = found[world_size]
+        assert (verdict, cause) == ("loss differs", "local_statistic")
+        assert at == f"{marked('SinkhornMeMax')}  mean"
+        rows = 16 // world_size
+        assert departs == (
+            f"a mean over dim 0 of the rank's {rows} rows, where one device takes all 16"
+        )
+
+
 def test_a_gather_without_gradient_under_a_group_is_named_against_the_plain_run():
     found = located("NoGradGatherNegatives")
     for world_size in W:

@@ -23,11 +23,13 @@ from gatherlab.runs.trace import INPUT, Op
 __all__ = ["Departure", "align", "backward", "departure", "forward", "part_of"]
 
 # Operations through which a scalar on the way to the returned loss stays what the global loss
-# takes the mean over ranks of (§2): sums, means and constant scales of the loss.
+# takes the mean over ranks of (§2): sums, means and constant scales of the loss, in place too
+# (``loss += weight * regulariser``).
 _LINEAR = frozenset({
     "add", "sub", "mul", "div", "neg", "mean", "sum", "true_divide", "__add__", "__radd__",
     "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__neg__", "reshape", "view",
     "squeeze", "flatten", "clone", "to", "double", "float", "__getitem__",
+    "add_", "sub_", "mul_", "div_", "__iadd__", "__isub__", "__imul__", "__itruediv__",
 })  # fmt: skip
 # The most blocks of N rows a tensor is taken to stack (views or crops concatenated); more is taken
 # as a flattened tensor, whose rows are lost.
@@ -220,13 +222,21 @@ def forward(
     batch: int,
     tolerance: float,
 ) -> tuple[Departure | None, dict[int, _Agreed]]:
-    """The first operation whose result departs on a rank (None when none does), and how each
-    record before it corresponds (for `backward`)."""
+    """The first operation whose result departs on a rank and stays departed (None when none
+    does), and how each record that agrees corresponds (for `backward`). A departure is healed
+    when a result made from it agrees again (a value scaled by the rank's row count and divided
+    by it later, as a Sinkhorn normalisation does over the rank's columns; a scale that a
+    normalisation removes): it is not where the run departs, and the walk goes on past it."""
     matches = _matched(one, ranks)
     path = _loss_path(one)
     reducing = [_all_reduced(theirs) for theirs in ranks]
     agreed: dict[int, _Agreed] = {}
+    differing: dict[int, _Differs] = {}  # in forward order
+    made_from: dict[int, frozenset[int]] = {}  # each record's unhealed departures upstream
+    healed: set[int] = set()
     for op in one:
+        upstream = frozenset().union(*(made_from.get(i, ()) for i in op.inputs))
+        made_from[op.index] = upstream
         if op.value is None or any(op.index not in m for m in matches):
             continue
         theirs = [ranks[r][m[op.index]] for r, m in enumerate(matches)]
@@ -236,10 +246,17 @@ def forward(
         compared = _compare(op, theirs, world_size, batch, tolerance, op.index in path, reduced)
         if isinstance(compared, _Agreed):
             agreed[op.index] = compared
+            healed |= upstream
+            made_from[op.index] = frozenset()
         elif isinstance(compared, _Differs):
-            return _forward_words(
-                one, op, compared, ranks, matches, world_size, batch, tolerance
-            ), agreed
+            differing[op.index] = compared
+            made_from[op.index] = upstream | {op.index}
+    for index, compared in differing.items():
+        if index not in healed:
+            words = _forward_words(
+                one, one[index], compared, ranks, matches, world_size, batch, tolerance
+            )
+            return words, {i: a for i, a in agreed.items() if i < index}
     return None, agreed
 
 
