@@ -3,9 +3,8 @@ all-reduced, but the me-max regularisation takes the mean anchor probabilities o
 rows (``mean_anchor_probs = torch.mean(anchor_probs, dim=0)``, ``lightly/loss/msn_loss.py:236``)
 and its entropy: a function of the batch mean that is not linear, so the mean over ranks is not
 one device's. The fix: all-reduce that mean, then / W, with an all-reduce whose backward sums
-the gradients (``census_fixes.all_reduce_sum``). (gatherlab's
-``where`` names ``msn_loss.py:83``, the Sinkhorn's ``torch.sum``, whose local partial sum the
-in-place ``dist.all_reduce`` on the next line completes.)
+the gradients (``census_fixes.all_reduce_sum``). gatherlab's ``where`` names that mean
+(``msn_loss.py:236``), past the Sinkhorn's partial sums and its scale by the rank's own count.
 
 ``python experiments/census_repro/lightly_msn.py`` (the regularisation alone, written here: the
 entropy of the mean softmax over 8 prototypes); ``PYTHONPATH=experiments python -m

@@ -186,7 +186,7 @@ def test_a_rank_whose_rows_equal_one_devices_rows_agrees_and_other_rows_depart()
         ]
         for r in range(2)
     ]
-    assert where.departure(one, ranks, 2, 16, 1e-10) is None
+    assert where.departure(one, ranks, 2, 16, 1e-10) is where.NOWHERE  # no line, and why
     ranks[1][1] = op(1, "torch.sin", 1, values[:8].sin(), [0])  # rank 1 computes rank 0's rows
     found = where.departure(one, ranks, 2, 16, 1e-10)
     assert found is not None and found.where == "x.py:1  sin" and found.kind == "rank"

@@ -298,8 +298,7 @@ def test_a_census_remark_travels_with_its_case_into_the_notes():
     ]  # fmt: skip
     assert census.notes(selected) == [
         "- lightly 1.6.0 `PMSNLoss` (gather_distributed=True): as MSNLoss's: the "
-        "regularisation's mean over the rank's rows (msn_loss.py:236, inherited); `where` names "
-        "the Sinkhorn's partial `sum`."
+        "regularisation's mean over the rank's rows (msn_loss.py:236, inherited)."
     ]
     two_nodes = [c for c in census_cases.CASES if c.loss == "SWAVLoss" and "num_nodes=2" in c.flags]
     assert len(two_nodes) == 1 and two_nodes[0].remark.startswith("patched for CPU and float64")

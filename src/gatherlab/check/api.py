@@ -385,13 +385,13 @@ def _located(
     in_group: bool,
 ) -> where.Departure | None:
     """Where a loss departs at one W: its operations recorded on one device (as its reference
-    ran) and on the W ranks, and the first that departs (`gatherlab.check.where`); None when
-    none does, or when the recording fails on a rank (the verdict stands, without a place)."""
+    ran) and on the W ranks, and the first that departs (`gatherlab.check.where`); when none
+    does, or the recording fails on a rank, no place and why (the verdict stands)."""
     view0, view1 = batch
     try:
         on_ranks = measure.traced_on_ranks({0: loss}, model, view0, view1, world_size, seed)
-    except RankError:
-        return None
+    except RankError as error:
+        return where.unlocated(f"no line named: the trace failed on the ranks ({error})")
     with one_device(in_group):
         one = measure.traced(loss, model, view0, view1, seed)
     return where.departure(one, on_ranks[0], world_size, len(view0), FLOAT64_TOLERANCE)

@@ -694,10 +694,11 @@ def _departs(rows: pd.DataFrame) -> str:
     """The lines "where it departs, W = 2: <file:line  op>: <what differs>" of the rows that have
     a place (`gatherlab.check.where`), empty when none has."""
     lines = [
-        f"\n  where it departs, W = {row['world_size']}: {row['where']}\n"
+        f"\n  where it departs, W = {row['world_size']}: "
+        f"{row['where'] if _filled(row['where']) else '—'}\n"
         + textwrap.indent(textwrap.fill(str(row["departs"]), 96), "    ")
         for _, row in rows.iterrows()
-        if "where" in rows.columns and _filled(row["where"])
+        if "where" in rows.columns and (_filled(row["where"]) or _filled(row.get("departs")))
     ]
     return "".join(lines)
 

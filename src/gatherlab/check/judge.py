@@ -313,6 +313,8 @@ def _located(rows: list[Row], departure: Departure | None) -> list[Row]:
         return rows
     head = rows[0]
     steps = head.departs if isinstance(head.departs, str) else None
+    if steps is not None and departure.kind == DepartureKind.NONE:
+        return rows  # the step it departs at says where; no line of the first step to add
     words = departure.words if steps is None else f"{steps}; at step 0: {departure.words}"
     located = {"where": departure.where, "departs": words}
     if head.cause == Cause.UNEXPLAINED and departure.kind == DepartureKind.STATISTIC:

@@ -277,15 +277,15 @@ def first_reference(setting: Setting) -> Reference[Trained]:
 def located(setting: Setting, world_size: int, in_group: bool) -> where.Departure | None:
     """Where the first step of the run without removals departs on W ranks from one device (as
     the reference ran, in a one-rank group with ``in_group``): the step's operations recorded on
-    both (`gatherlab.runs.trace`) and compared (`gatherlab.check.where`); None when no operation
-    departs, or when the recording fails on a rank (the verdict stands without a place), and for a
+    both (`gatherlab.runs.trace`) and compared (`gatherlab.check.where`); when no operation
+    departs, or the recording fails on a rank, no place and why (the verdict stands); None for a
     whole update (its backwards run inside the user's function: not recorded)."""
     if not isinstance(setting.form, TracedForm):
         return None
     try:
         ranks = ranks_for(world_size).run(setting.form.trace_on_rank, setting.spec)
-    except RankError:
-        return None
+    except RankError as error:
+        return where.unlocated(f"no line named: the trace failed on the ranks ({error})")
     with one_device(in_group):
         one = setting.form.trace_on_rank(setting.spec)
     spec = setting.spec

@@ -20,7 +20,9 @@ from gatherlab.core import gradients
 from gatherlab.core.terms import DepartureKind
 from gatherlab.runs.trace import INPUT, Op
 
-__all__ = ["Departure", "align", "backward", "departure", "forward", "part_of"]
+__all__ = [
+    "NOWHERE", "Departure", "align", "backward", "departure", "forward", "part_of", "unlocated",
+]  # fmt: skip
 
 # Operations through which a scalar on the way to the returned loss stays what the global loss
 # takes the mean over ranks of (§2): sums, means and constant scales of the loss, in place too
@@ -30,6 +32,12 @@ _LINEAR = frozenset({
     "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__neg__", "reshape", "view",
     "squeeze", "flatten", "clone", "to", "double", "float", "__getitem__",
     "add_", "sub_", "mul_", "div_", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+})  # fmt: skip
+# Operations whose result takes only the shape, dtype or device of their tensor arguments, not
+# their values: such a result agreeing heals no departure upstream (`forward`), nor carries one.
+_VALUE_FREE = frozenset({
+    "new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like",
+    "full_like", "rand_like", "randn_like", "randint_like",
 })  # fmt: skip
 # The most blocks of N rows a tensor is taken to stack (views or crops concatenated); more is taken
 # as a flattened tensor, whose rows are lost.
@@ -115,11 +123,18 @@ def _add_into(total: torch.Tensor, index: Index, value: torch.Tensor) -> None:
 
 
 def _scale(tensor: torch.Tensor) -> float:
-    return max(float(tensor.abs().max()) if tensor.numel() else 0.0, torch.finfo(tensor.dtype).tiny)
+    """The largest finite magnitude of ``tensor`` (a masked ``-inf`` is no scale)."""
+    finite = tensor[torch.isfinite(tensor)]
+    return max(float(finite.abs().max()) if finite.numel() else 0.0, torch.finfo(tensor.dtype).tiny)
 
 
 def _difference(mine: torch.Tensor, theirs: torch.Tensor, scale: float) -> float:
-    return float((mine - theirs).abs().max()) / scale if mine.numel() else 0.0
+    """The largest difference relative to ``scale``: equal entries (the same infinity too) are
+    0 apart, a NaN or an infinity against another value infinitely."""
+    if not mine.numel():
+        return 0.0
+    apart = torch.where(mine == theirs, 0.0, (mine - theirs).abs())
+    return float(torch.nan_to_num(apart, nan=math.inf).max()) / scale
 
 
 def _all_reduced(ops: Sequence[Op]) -> set[int]:
@@ -236,6 +251,8 @@ def forward(
     healed: set[int] = set()
     for op in one:
         upstream = frozenset().union(*(made_from.get(i, ()) for i in op.inputs))
+        if op.short in _VALUE_FREE:
+            upstream = frozenset()
         made_from[op.index] = upstream
         if op.value is None or any(op.index not in m for m in matches):
             continue
@@ -510,8 +527,20 @@ def departure(
     batch: int,
     tolerance: float,
 ) -> Departure | None:
-    """The forward departure when there is one, else the backward one, else None."""
+    """The forward departure when there is one, else the backward one, else `NOWHERE`."""
     found, agreed = forward(one, ranks, world_size, batch, tolerance)
     if found is not None:
         return found
-    return backward(one, ranks, agreed, world_size, tolerance)
+    return backward(one, ranks, agreed, world_size, tolerance) or NOWHERE
+
+
+def unlocated(why: str) -> Departure:
+    """No place, and ``why`` in words (the ``departs`` column; ``where`` stays empty)."""
+    return Departure("", why, DepartureKind.NONE)
+
+
+NOWHERE = unlocated(
+    "no line named: every result and gradient of the first step that the trace compares agrees "
+    "with one device's; what differs is outside them (state written in place that a later step "
+    "reads, an integer or boolean result, or code the traced call does not run)"
+)

@@ -275,7 +275,7 @@ class DepartureKind(StrEnum):
     normalisation over the rank's part of one device's input (``statistic``), one device's rows
     in another order (``order``), what the code is given differs (``input``), a scalar on the
     loss's path whose mean over ranks differs (``scalar``), the same inputs giving another result
-    (``rank``), or the backward (``gradient``)."""
+    (``rank``), or the backward (``gradient``); or no place, and why (``none``)."""
 
     STATISTIC = "statistic"
     ORDER = "order"
@@ -283,6 +283,7 @@ class DepartureKind(StrEnum):
     SCALAR = "scalar"
     RANK = "rank"
     GRADIENT = "gradient"
+    NONE = "none"
 
 
 class Culprit(StrEnum):
