@@ -36,6 +36,10 @@ what a correct check says there follows from docs/design.md §1 (W ranks, B = N/
   multiplies by it at the end (intermediates W times one device's, the result one device's);
   a cross-entropy to them, and ``loss +=`` a me-max regulariser over the mean of the rank's own
   anchor rows: the loss differs at that mean, not in the Sinkhorn.
+- ``QueueOwnKeys``: MoCo's queue of negatives: each rank's queries against its own positive key
+  and a queue (a buffer), then the rank's own keys written into the queue in place under
+  ``torch.no_grad`` (``queue[ptr:ptr + B] = keys``), where one device writes every key: the first
+  step is exact, the training diverges from the second, named at the write.
 """
 
 from __future__ import annotations
@@ -228,4 +232,24 @@ class SinkhornMeMax(nn.Module):
         loss = torch.mean(torch.sum(-targets * torch.log(anchors), dim=1))
         mean_anchor = torch.mean(anchors, dim=0)  # departs: SinkhornMeMax
         loss += (mean_anchor * torch.log(mean_anchor)).sum()
+        return loss
+
+
+class QueueOwnKeys(nn.Module):
+    def __init__(self, size: int = 32) -> None:
+        super().__init__()
+        queue = torch.randn(size, 16, generator=torch.Generator().manual_seed(1))
+        self.register_buffer("queue", F.normalize(queue, dim=1))
+        self.pointer = 0
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        queries, keys = F.normalize(z0, dim=1), F.normalize(z1, dim=1).detach()
+        queue = self.queue.clone().to(z0.dtype)  # the negatives as they are before the write
+        positives = (queries * keys).sum(dim=1, keepdim=True)
+        logits = torch.cat([positives, queries @ queue.T], dim=1) / 0.2
+        loss = F.cross_entropy(logits, torch.zeros(len(z0), dtype=torch.long))
+        with torch.no_grad():
+            rows = len(keys)
+            self.queue[self.pointer : self.pointer + rows] = keys  # departs: QueueOwnKeys
+            self.pointer = (self.pointer + rows) % len(self.queue)
         return loss

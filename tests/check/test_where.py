@@ -140,6 +140,19 @@ def test_a_departure_that_a_later_result_heals_is_passed_for_the_one_that_stays(
         )
 
 
+def test_a_queue_written_in_place_with_the_ranks_own_keys_is_named_at_the_write():
+    # the write returns nothing; it is compared as the buffer it writes. Before, where was empty
+    found = located("QueueOwnKeys", steps=3)
+    for world_size in W:
+        verdict, _, at, departs = found[world_size]
+        assert verdict == "diverges"
+        assert at == f"{marked('QueueOwnKeys')}  __setitem__"
+        assert departs.startswith("step 1 is the first whose loss leaves one device's; at step 0: "
+                                  "a __setitem__ (it writes the buffer queue) given the rank's "
+                                  f"{16 // world_size} rows of an input where one device is given "
+                                  "all 16: its result on rank 0 is not its part")  # fmt: skip
+
+
 def test_a_gather_without_gradient_under_a_group_is_named_against_the_plain_run():
     found = located("NoGradGatherNegatives")
     for world_size in W:

@@ -326,12 +326,37 @@ def _forward_words(
     order = _other_order(mine.value, op.value, tolerance)
     if order is not None:
         return Departure(mine.label, _order_words(mine, order, rank), DepartureKind.ORDER)
+    written = f" (it writes the buffer {mine.updates})" if mine.updates else ""
+    given = _given_part(op, mine, world_size)
+    if given is not None:
+        words = (
+            f"a {mine.short}{written} given the rank's {given[0]} rows of an input where one "
+            f"device is given all {given[1]}: its result on rank {rank} is not its part of one "
+            f"device's (max relative difference {differs.difference:.2g})"
+        )
+        return Departure(mine.label, words + _updated(theirs, mine), DepartureKind.RANK)
     words = (
-        f"a {mine.short} whose inputs agree with one device's gives another result on rank {rank} "
-        f"(max relative difference {differs.difference:.2g}): it depends on the rank or the "
-        "number of rows, or draws random numbers"
+        f"a {mine.short}{written} whose inputs agree with one device's gives another result on "
+        f"rank {rank} (max relative difference {differs.difference:.2g}): it depends on the rank "
+        "or the number of rows, or draws random numbers"
     )
     return Departure(mine.label, words + _updated(theirs, mine), DepartureKind.RANK)
+
+
+def _given_part(op: Op, mine: Op, world_size: int) -> tuple[int, int] | None:
+    """(the rank's rows, one device's) of the first input the rank is given its part of, along
+    dimension 0 (one device's W times the rank's), when its result is one device's whole shape,
+    not such a part (a write of the rank's rows into a queue: where one device writes all)."""
+    if op.value is None or mine.value is None or mine.value.shape != op.value.shape:
+        return None
+    for one_shape, rank_shape in zip(op.input_shapes, mine.input_shapes, strict=False):
+        if (
+            len(one_shape) == len(rank_shape)
+            and one_shape
+            and rank_shape[0] * world_size == (one_shape[0]) != rank_shape[0]
+        ):
+            return rank_shape[0], one_shape[0]
+    return None
 
 
 def _updated(theirs: Sequence[Op], start: Op) -> str:

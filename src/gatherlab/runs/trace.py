@@ -40,6 +40,9 @@ _MACHINERY = tuple(
 # The results a ``torch.distributed`` collective writes into its first argument (a tensor or a
 # list of them) instead of returning them.
 _IN_PLACE_MODULES = ("torch.distributed",)
+# Calls that write their first argument in place and return nothing: recorded with it as their
+# result (``queue[ptr:ptr + B] = keys`` writes the queue), as a collective's.
+_WRITES = frozenset({"Tensor.__setitem__"})
 _COLLECTIVES = frozenset({
     "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all", "broadcast",
     "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "send", "recv",
@@ -237,7 +240,7 @@ class Tracer(TorchFunctionMode):
         name = _name(func)
         flat_args = list(tensors_in((args, kwargs)))
         results = list(tensors_in(result))
-        if not results and name.startswith(_IN_PLACE_MODULES) and args:
+        if not results and (name.startswith(_IN_PLACE_MODULES) or name in _WRITES) and args:
             results = list(tensors_in(args[0]))  # in place: its inputs include what it overwrites
         if not results:
             return result
