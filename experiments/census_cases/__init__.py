@@ -25,6 +25,7 @@ from census_cases import (
     lightly,
     lightning_bolts,
     open_clip,
+    pylate,
     pytorch_metric_learning,
     sentence_transformers,
     simclr,
@@ -36,11 +37,11 @@ from census_cases import (
 from census_cases.common import Case, NotRun
 
 PACKAGES = (  # in the table's order
-    lightly, open_clip, sentence_transformers, pytorch_metric_learning, solo_learn, simclr,
-    x_clip, coca_pytorch, torchmultimodal, lavis, lightning_bolts, vissl,
+    lightly, open_clip, sentence_transformers, pylate, pytorch_metric_learning, solo_learn,
+    simclr, x_clip, coca_pytorch, torchmultimodal, lavis, lightning_bolts, vissl,
 )  # fmt: skip
 CASES: list[Case] = [case for package in PACKAGES for case in package.CASES]
 NOT_RUN: list[NotRun] = [  # in the committed table's order
     *lightly.NOT_RUN, *sentence_transformers.NOT_RUN, *solo_learn.NOT_RUN, *vissl.NOT_RUN,
-    *torchmultimodal.NOT_RUN, *lavis.NOT_RUN, *lightning_bolts.NOT_RUN,
+    *torchmultimodal.NOT_RUN, *lavis.NOT_RUN, *lightning_bolts.NOT_RUN, *pylate.NOT_RUN,
 ]  # fmt: skip

@@ -279,7 +279,7 @@ def test_every_census_fix_is_a_patch_file_of_its_package_and_every_patch_file_a_
     used = {f.patch for case in census_cases.CASES for f in (case.fix, case.patch) if f}
     on_disk = {str(p.relative_to(census_common.FIXES)) for p in census_common.FIXES.rglob("*")
                if p.is_file()}  # fmt: skip
-    assert used == on_disk and len(used) == 18
+    assert used == on_disk and len(used) == 19
     for module in census_cases.PACKAGES:
         for case in module.CASES:
             for fix in (case.fix, case.patch):
@@ -303,7 +303,7 @@ def test_a_census_remark_travels_with_its_case_into_the_notes():
     two_nodes = [c for c in census_cases.CASES if c.loss == "SWAVLoss" and "num_nodes=2" in c.flags]
     assert len(two_nodes) == 1 and two_nodes[0].remark.startswith("patched for CPU and float64")
     everything = census.notes(census_cases.CASES)
-    assert len(everything) == 6 and everything[2].startswith(
+    assert len(everything) == 7 and everything[3].startswith(
         "- pytorch-metric-learning 2.9.0 `DistributedLossWrapper(NTXentLoss)` (efficient=False): "
         "`loss scaled`"
     )
