@@ -36,6 +36,8 @@ LIGHTLY_LOSSES: dict[str, tuple[str, ...]] = {
     "MSNLoss": ("lightly/loss/msn_loss.py",),
     "PMSNLoss": ("lightly/loss/msn_loss.py", "lightly/loss/pmsn_loss.py"),
     "DINOLoss": ("lightly/models/modules/center.py", "lightly/loss/dino_loss.py"),
+    "SIGReg": (LIGHTLY_DIST, "lightly/loss/lejepa_loss.py"),
+    "LeJEPALoss": (LIGHTLY_DIST, "lightly/loss/lejepa_loss.py"),
 }
 LIGHTLY_STUBS = {
     "lightly__models__utils": "it imports torchvision; memory_bank.py uses it only to fill a "
@@ -105,6 +107,24 @@ class LightlyMSN(nn.Module):
 
     def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
         return self.loss(z1, z0, self.prototypes)
+
+
+class LightlyLeJEPA(nn.Module):
+    """lightly's released ``SIGReg(**kwargs)`` on the two views' projections stacked, shape
+    (2, N, 16), or, with ``variant="LeJEPALoss"``, ``LeJEPALoss(**kwargs)`` with view 0 the global
+    view and view 1 the local one, each (1, N, 16). SIGReg projects onto random unit vectors drawn
+    from the global generator in its forward (rank 0's broadcast with ``gather_distributed``);
+    the check seeds every rank's generator and one device's alike, so the draws agree."""
+
+    def __init__(self, root: str | None = None, variant: str = "SIGReg", **kwargs: Any):
+        super().__init__()
+        self.variant = variant
+        self.loss = lightly_loss(variant, root, **kwargs)
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        if self.variant == "SIGReg":
+            return self.loss(torch.stack([z0, z1]))
+        return self.loss(local_proj=z1[None], global_proj=z0[None])
 
 
 class LightlyDINO(nn.Module):
@@ -213,6 +233,9 @@ CASES = [
               factory=LightlyMSN, remark=PMSN_REMARK, variant="PMSNLoss"),
     Case("lightly", LIGHTLY, "DINOLoss", "defaults (all-reduces its center in any group)",
          LightlyDINO, steps=3),
+    *_lightly(LIGHTLY, "SIGReg", "gather_distributed", factory=LightlyLeJEPA),
+    *_lightly(LIGHTLY, "LeJEPALoss", "gather_distributed", factory=LightlyLeJEPA,
+              variant="LeJEPALoss"),
     # the releases around each distributed fix: GatherLayer's backward (PR #1531, 1.5.4), Barlow
     # Twins's all_reduce through torch.distributed.nn (#1977, 1.5.26)
     *_lightly("1.5.3", "DCLLoss", "gather_distributed")[1:],
@@ -225,7 +248,5 @@ CASES = [
 NOT_RUN = [
     NotRun("lightly", LIGHTLY, "DetConSLoss, DetConBLoss", NOT_YET + " (region masks per view)"),
     NotRun("lightly", LIGHTLY, "VICRegLLoss", NOT_YET + " (local features and their grids)"),
-    NotRun("lightly", LIGHTLY, "SIGReg, LeJEPALoss", NOT_YET + " (random projections drawn "
-           "from the global generator, broadcast from rank 0)"),
     NotRun("lightly", LIGHTLY, "VISRegLoss, LeWMLoss", NOT_YET),
 ]  # fmt: skip
