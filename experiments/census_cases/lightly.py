@@ -38,6 +38,9 @@ LIGHTLY_LOSSES: dict[str, tuple[str, ...]] = {
     "DINOLoss": ("lightly/models/modules/center.py", "lightly/loss/dino_loss.py"),
     "SIGReg": (LIGHTLY_DIST, "lightly/loss/lejepa_loss.py"),
     "LeJEPALoss": (LIGHTLY_DIST, "lightly/loss/lejepa_loss.py"),
+    "VISRegLoss": (LIGHTLY_DIST, "lightly/loss/lejepa_loss.py", "lightly/loss/visreg_loss.py"),
+    "LeWMLoss": (LIGHTLY_DIST, "lightly/loss/latent_distance.py", "lightly/loss/lejepa_loss.py",
+                 "lightly/loss/lewm_loss.py"),
 }
 LIGHTLY_STUBS = {
     "lightly__models__utils": "it imports torchvision; memory_bank.py uses it only to fill a "
@@ -111,10 +114,12 @@ class LightlyMSN(nn.Module):
 
 class LightlyLeJEPA(nn.Module):
     """lightly's released ``SIGReg(**kwargs)`` on the two views' projections stacked, shape
-    (2, N, 16), or, with ``variant="LeJEPALoss"``, ``LeJEPALoss(**kwargs)`` with view 0 the global
-    view and view 1 the local one, each (1, N, 16). SIGReg projects onto random unit vectors drawn
-    from the global generator in its forward (rank 0's broadcast with ``gather_distributed``);
-    the check seeds every rank's generator and one device's alike, so the draws agree."""
+    (2, N, 16); with ``variant="LeJEPALoss"`` or ``"VISRegLoss"``, that loss with view 0 the
+    global view and view 1 the local one, each (1, N, 16); with ``variant="LeWMLoss"``, view 0 as
+    the predicted next frame, view 1 (detached) as the observed one, and both as the clip's two
+    frames, (N, 2, 16). SIGReg projects onto random unit vectors drawn from the global generator
+    in its forward (rank 0's broadcast with ``gather_distributed``); the check seeds every rank's
+    generator and one device's alike, so the draws agree."""
 
     def __init__(self, root: str | None = None, variant: str = "SIGReg", **kwargs: Any):
         super().__init__()
@@ -124,6 +129,9 @@ class LightlyLeJEPA(nn.Module):
     def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
         if self.variant == "SIGReg":
             return self.loss(torch.stack([z0, z1]))
+        if self.variant == "LeWMLoss":
+            return self.loss(predicted=z0[:, None], target=z1.detach()[:, None],
+                             embeddings=torch.stack([z0, z1], dim=1))  # fmt: skip
         return self.loss(local_proj=z1[None], global_proj=z0[None])
 
 
@@ -236,6 +244,10 @@ CASES = [
     *_lightly(LIGHTLY, "SIGReg", "gather_distributed", factory=LightlyLeJEPA),
     *_lightly(LIGHTLY, "LeJEPALoss", "gather_distributed", factory=LightlyLeJEPA,
               variant="LeJEPALoss"),
+    *_lightly(LIGHTLY, "VISRegLoss", "gather_distributed", factory=LightlyLeJEPA,
+              variant="VISRegLoss"),
+    *_lightly(LIGHTLY, "LeWMLoss", "gather_distributed", factory=LightlyLeJEPA,
+              variant="LeWMLoss"),
     # the releases around each distributed fix: GatherLayer's backward (PR #1531, 1.5.4), Barlow
     # Twins's all_reduce through torch.distributed.nn (#1977, 1.5.26)
     *_lightly("1.5.3", "DCLLoss", "gather_distributed")[1:],
@@ -248,5 +260,4 @@ CASES = [
 NOT_RUN = [
     NotRun("lightly", LIGHTLY, "DetConSLoss, DetConBLoss", NOT_YET + " (region masks per view)"),
     NotRun("lightly", LIGHTLY, "VICRegLLoss", NOT_YET + " (local features and their grids)"),
-    NotRun("lightly", LIGHTLY, "VISRegLoss, LeWMLoss", NOT_YET),
 ]  # fmt: skip
