@@ -39,8 +39,12 @@ LIGHTLY_LOSSES: dict[str, tuple[str, ...]] = {
     "SIGReg": (LIGHTLY_DIST, "lightly/loss/lejepa_loss.py"),
     "LeJEPALoss": (LIGHTLY_DIST, "lightly/loss/lejepa_loss.py"),
     "VISRegLoss": (LIGHTLY_DIST, "lightly/loss/lejepa_loss.py", "lightly/loss/visreg_loss.py"),
-    "LeWMLoss": (LIGHTLY_DIST, "lightly/loss/latent_distance.py", "lightly/loss/lejepa_loss.py",
-                 "lightly/loss/lewm_loss.py"),
+    "LeWMLoss": (
+        LIGHTLY_DIST,
+        "lightly/loss/latent_distance.py",
+        "lightly/loss/lejepa_loss.py",
+        "lightly/loss/lewm_loss.py",
+    ),
 }
 LIGHTLY_STUBS = {
     "lightly__models__utils": "it imports torchvision; memory_bank.py uses it only to fill a "
