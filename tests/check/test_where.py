@@ -46,6 +46,15 @@ def located(name: str, steps: int = 0) -> dict[int, tuple[str, str, str, str]]:
          "takes all 16"),
         ("SoftmaxWeightedRows", "softmax", "a softmax over dim 0 of the rank's {b} rows, where one "
          "device takes all 16"),
+        # after an all_reduce that completes partial sums (compared by their sum over ranks), not
+        # that partial sum
+        ("EntropyOwnMean", "mean", "a mean over dim 0 of the rank's {b} rows, where one device "
+         "takes all 16"),
+        # past a departure a later result heals: the Sinkhorn's intermediates are W times one
+        # device's (divided by the rank's own column count, multiplied back at the end), and the
+        # cross-entropy's mean is on the loss's path through an in-place ``loss +=``
+        ("SinkhornMeMax", "mean", "a mean over dim 0 of the rank's {b} rows, where one device "
+         "takes all 16"),
     ],
 )  # fmt: skip
 def test_a_statistic_over_the_ranks_own_rows_is_named_at_its_line(name, op, words):
@@ -111,33 +120,6 @@ def test_an_in_place_all_reduce_of_partial_sums_is_named_for_its_unsummed_gradie
         assert ratio is not None, departs
         assert float(ratio.group(1)) == pytest.approx(1 / world_size, rel=1e-6)
         assert "passes back through it unsummed" in departs and "without gradient" not in departs
-
-
-def test_a_mean_over_the_ranks_own_rows_after_an_all_reduce_is_named_not_the_partial_sum():
-    found = located("EntropyOwnMean")
-    for world_size in W:
-        verdict, cause, at, departs = found[world_size]
-        assert (verdict, cause) == ("loss differs", "local_statistic")
-        assert at == f"{marked('EntropyOwnMean')}  mean"
-        rows = 16 // world_size
-        assert departs == (
-            f"a mean over dim 0 of the rank's {rows} rows, where one device takes all 16"
-        )
-
-
-def test_a_departure_that_a_later_result_heals_is_passed_for_the_one_that_stays():
-    # the Sinkhorn's intermediates are W times one device's (divided by the rank's own column
-    # count, multiplied back at the end); the cross-entropy's mean is on the loss's path through
-    # an in-place ``loss +=``: what departs is the me-max mean over the rank's rows
-    found = located("SinkhornMeMax")
-    for world_size in W:
-        verdict, cause, at, departs = found[world_size]
-        assert (verdict, cause) == ("loss differs", "local_statistic")
-        assert at == f"{marked('SinkhornMeMax')}  mean"
-        rows = 16 // world_size
-        assert departs == (
-            f"a mean over dim 0 of the rank's {rows} rows, where one device takes all 16"
-        )
 
 
 def test_a_queue_written_in_place_with_the_ranks_own_keys_is_named_at_the_write():

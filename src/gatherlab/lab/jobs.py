@@ -178,7 +178,7 @@ def _fit(cfg: DictConfig, run_dir: Path, built: _Built | None) -> None:
         callbacks=[StepRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
         accelerator=cfg.layout.accelerator,
         launcher=cfg.launcher.name,
-        strategy=config.build_sharding(cfg).name,
+        strategy=built.module.sharding.name,
     )
 
 
