@@ -20,7 +20,7 @@ def _views(rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return view0, view0 + 0.1 * torch.randn(rows, 8, generator=generator, dtype=torch.float64)
 
 
-def _local_ntxent(view0: torch.Tensor, view1: torch.Tensor) -> float:
+def _local_ntxent(view0: torch.Tensor, view1: torch.Tensor, rows: object = None) -> float:
     return float(NTXentLoss(gather=None)(view0, view1))
 
 
@@ -40,7 +40,8 @@ def test_micro_negatives_splits_rank_r_micro_batch_k_as_rows_r_k_times_b():
     view0 = torch.arange(12.0).reshape(12, 1)
     seen = []
 
-    def forward(a: torch.Tensor, b: torch.Tensor) -> float:
+    def forward(a: torch.Tensor, b: torch.Tensor, rows: slice) -> float:
+        assert a[:, 0].tolist() == list(range(12))[rows]  # the rows it is told it holds
         seen.append(a[:, 0].tolist())
         return float(a.sum())
 

@@ -250,7 +250,7 @@ def test_a_loss_and_a_batch_missing_their_partners_are_refused():
     view0 = torch.arange(8.0).reshape(8, 1)
     batch = (view0, view0 + 100)
 
-    def forward(a, b):
+    def forward(a, b, rows):
         return float(a.sum() - b.sum())
 
     local = hypotheses.local_negatives(forward, batch, 2)

@@ -97,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("loss", nargs="?", help="the loss factory, module:attribute")
     parser.add_argument("--kwargs", type=_kwargs, default={}, help="its keyword arguments (JSON)")
     parser.add_argument(
+        "--inputs", metavar="MODULE:FUNCTION",
+        help="what the loss takes besides the two views' embeddings: a function returning a "
+        "tuple (positional) or dict (keyword) of them for the global batch of 16, e.g. masks; "
+        "each rank is given its rows of a tensor with a row per sample, the rest whole",
+    )  # fmt: skip
+    parser.add_argument(
         "--gather",
         help="pass gather= to the loss: an option of the gather config group or module:function; "
         "without a loss: "
@@ -154,6 +160,8 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     if trains and (args.loss is not None or args.gather is not None):
         parser.error(f"{forms[0]} checks a training step; a loss or --gather without it")
+    if args.inputs is not None and args.loss is None:
+        parser.error("--inputs are a loss's; allowed: with a loss (module:attribute)")
     if trains and args.data is None:
         parser.error(f"{forms[0]} needs --data (a map-style data set, module:attribute)")
     if (args.step is not None or args.update is not None) and args.model is None:
@@ -195,6 +203,7 @@ def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
             args.world_sizes,
             args.kwargs,
             gather=args.gather,
+            inputs=args.inputs,
             steps=defaults.LOSS_STEPS if args.steps is None else args.steps,
             optim=args.optim,
             collective_timeout_s=args.collective_timeout,

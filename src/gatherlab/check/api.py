@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 import sys
 import warnings
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
+import torch
 
 from gatherlab.check import defaults, floors, hypotheses, measure, where
 from gatherlab.check.judge import Recorded, judge, with_precision
@@ -28,7 +30,7 @@ from gatherlab.check.table import (
     with_reference_notes,
 )  # fmt: skip
 from gatherlab.components import config
-from gatherlab.components.factory import AttributeOf, Recipe, locate
+from gatherlab.components.factory import AttributeOf, Inputs, Recipe, locate
 from gatherlab.core import cli, floor, imports, terms
 from gatherlab.core.gradients import FLOAT64_TOLERANCE
 from gatherlab.core.runfiles import Trained
@@ -402,6 +404,7 @@ def check_loss(
     world_sizes: Iterable[int] = defaults.WORLD_SIZES,
     *,
     gather: str | GatherFn | None = None,
+    inputs: Any = None,
     steps: int = defaults.LOSS_STEPS,
     optim: str = defaults.OPTIM,
     seed: int = defaults.SEED,
@@ -425,6 +428,12 @@ def check_loss(
             import path. ``None`` or ``"native"`` passes none, for a loss that communicates by
             itself; refused for a loss whose ``gather=`` has a default (gatherlab's losses), which
             would gather with it.
+        inputs: what the loss takes besides the two views' embeddings, for the whole global
+            batch of 16 (`gatherlab.components.factory.Inputs`; docs/design.md §4): a tuple or
+            list (given positionally after them), a dict (by keyword) or one tensor; or a
+            function that makes them, or its import path, called once with the seed drawn and
+            with ``global_batch_size=`` and ``embedding_dim=`` where it takes them. Each rank is
+            given its rows of every tensor with a row per sample, the rest whole.
         steps: also train this many steps of plain DDP and compare the losses with one device
             (0: no training).
         optim: the optimizer of those steps, ``"sgd"`` (lr 0.01) or ``"adamw"`` (lr 1e-3,
@@ -460,8 +469,8 @@ def check_loss(
         >>> table["verdict"].tolist()
         ['biased', 'biased']
     """
-    return loss_check(factory, world_sizes, kwargs, gather=gather, steps=steps, optim=optim,
-                      seed=seed, collective_timeout_s=collective_timeout_s,
+    return loss_check(factory, world_sizes, kwargs, gather=gather, inputs=inputs, steps=steps,
+                      optim=optim, seed=seed, collective_timeout_s=collective_timeout_s,
                       precision=precision)  # fmt: skip
 
 
@@ -477,6 +486,7 @@ def loss_check(
     kwargs: Mapping[str, Any],
     *,
     gather: str | GatherFn | None = None,
+    inputs: Any = None,
     steps: int = defaults.LOSS_STEPS,
     optim: str = defaults.OPTIM,
     seed: int = defaults.SEED,
@@ -497,9 +507,44 @@ def loss_check(
     function = _factory(factory)
     name = factory if isinstance(factory, str) else getattr(function, "__qualname__", "loss")
     gather_name, gather_fn = _gather(gather, function, name)
-    loss = Recipe(function, dict(kwargs), gather_fn, seed)
+    loss = Recipe(function, dict(kwargs), gather_fn, seed, _inputs(inputs, seed))
     with _watching(collective_timeout_s):
         return _run({name: loss}, gather_name, tuple(world_sizes), steps, optim, precision)
+
+
+# What a loss's inputs factory is given, where its signature takes it: the loss check's global
+# batch and the width of its model's embeddings (`defaults.LOSS_SETTING`).
+INPUTS_OFFERED = {
+    "global_batch_size": defaults.LOSS_SETTING.global_batch_size,
+    "embedding_dim": defaults.LOSS_SETTING.model[1]["out_features"],
+}
+
+
+def _inputs(inputs: Any, seed: int) -> Inputs | None:
+    """A loss's further inputs (`Inputs`) as the user gives them (`check_loss`'s ``inputs``),
+    made here with ``seed`` drawn, so that every rank and one device are given the same; or
+    CheckError in one line, before any rank runs."""
+    if inputs is None:
+        return None
+    named = f"--inputs {inputs}" if isinstance(inputs, str) else "inputs"
+    made = inputs
+    if isinstance(inputs, str) or (callable(inputs) and not isinstance(inputs, torch.Tensor)):
+        try:
+            factory = locate(inputs) if isinstance(inputs, str) else inputs
+            try:
+                accepted = inspect.signature(factory).parameters
+            except ValueError:  # a builtin without a signature: given nothing
+                accepted = {}
+            offered = {key: value for key, value in INPUTS_OFFERED.items() if key in accepted}
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                made = factory(**offered)
+        except Exception as error:  # it does not import, or raises
+            raise CheckError(f"{named}: {cli.error_line(error)}") from None
+    try:
+        return Inputs.made(made, defaults.LOSS_SETTING.global_batch_size, named)
+    except ValueError as error:
+        raise CheckError(str(error)) from None
 
 
 def check_gather(

@@ -29,8 +29,10 @@ from gatherlab.core.gradients import FLOAT64_TOLERANCE
 from gatherlab.core.terms import Cause
 from gatherlab.runs.record import mean_over_ranks
 
-Forward = Callable[[torch.Tensor, torch.Tensor], float]
-"""The loss of two views on one device, forward only."""
+Forward = Callable[..., float]
+"""The loss of two views on one device, forward only: ``forward(view0, view1, rows=rows)``,
+``rows`` the rows of the global batch the views hold (a slice or an index tensor), whose further
+inputs a loss that takes some is given (`gatherlab.components.factory.Inputs`)."""
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 __all__ = ["cause", "local_negatives", "micro_negatives", "pair_order", "scale"]
@@ -60,7 +62,7 @@ def local_negatives(forward: Forward, batch: Batch, world_size: int) -> float:
     """The mean over ranks of the 1-device loss of each rank's slice of ``batch`` alone."""
     view0, view1 = batch
     slices = [terms.rows_of(rank, world_size, len(view0)) for rank in range(world_size)]
-    return mean_over_ranks([[forward(view0[rows], view1[rows])] for rows in slices])[0]
+    return mean_over_ranks([[forward(view0[rows], view1[rows], rows=rows)] for rows in slices])[0]
 
 
 def micro_negatives(forward: Forward, batch: Batch, world_size: int, micro_batches: int) -> float:
@@ -78,16 +80,19 @@ def micro_negatives(forward: Forward, batch: Batch, world_size: int, micro_batch
             f"{micro_batches} micro-batches"
         )
     slices = [terms.rows_of(block, blocks, len(view0)) for block in range(blocks)]
-    return mean_over_ranks([[forward(view0[rows], view1[rows])] for rows in slices])[0]
+    return mean_over_ranks([[forward(view0[rows], view1[rows], rows=rows)] for rows in slices])[0]
 
 
 def pair_order(forward: Forward, batch: Batch, world_size: int) -> float:
     """The 1-device loss of the rows in the order that concatenating the views per rank, then
-    gathering, produces, split in halves as the two views."""
+    gathering, produces, split in halves as the two views (a loss's further inputs taken in the
+    order of the first half's samples)."""
     view0, view1 = batch
     slices = [terms.rows_of(rank, world_size, len(view0)) for rank in range(world_size)]
     rows = torch.cat([torch.cat([view0[s], view1[s]]) for s in slices])
-    return forward(rows[: len(view0)], rows[len(view0) :])
+    samples = torch.arange(len(view0))
+    order = torch.cat([torch.cat([samples[s], samples[s]]) for s in slices])[: len(view0)]
+    return forward(rows[: len(view0)], rows[len(view0) :], rows=order)
 
 
 HYPOTHESES: dict[Cause, Callable[[Forward, Batch, int], float]] = {

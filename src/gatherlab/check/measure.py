@@ -128,15 +128,19 @@ def measure(
 
 def forward_on_one_device(
     loss: Recipe, model_factory: ModelFactory, seed: int
-) -> Callable[[torch.Tensor, torch.Tensor], float]:
+) -> Callable[..., float]:
     """The loss of two views on one device, forward only, with the weights of ``measure``: the
     model and the loss are built at the first call (in the caller's process group, if any) and
-    kept for the next."""
-    built: list[nn.Module] = []
+    kept for the next. ``rows``: the rows of the global batch the views hold (a slice or an
+    index tensor), whose further inputs the loss is given, if it has any; all by default."""
+    built: list[runs_loss.Whole] = []
 
-    def forward(view0: torch.Tensor, view1: torch.Tensor) -> float:
+    def forward(
+        view0: torch.Tensor, view1: torch.Tensor, rows: slice | torch.Tensor = slice(None)
+    ) -> float:
         if not built:
             built.append(runs_loss.build(loss, model_factory, seed, distributed=False)[0])
+        built[0].rows = rows
         with torch.no_grad():
             return float(runs_loss.value(built[0], view0, view1))
 
@@ -181,10 +185,19 @@ def traced(
     device = world.device()
     out0 = whole.model(view0.to(device, torch.float64))
     out1 = whole.model(view1.to(device, torch.float64))
+    args, kwargs = whole.given(out0)
     modules = [("", whole.loss)]
     before = trace.buffer_state(modules)
-    with trace.traced(dict(zip(TRACED_INPUTS, (out0, out1), strict=True))) as tracer:
-        value = whole.loss(out0, out1)
+    given = dict(zip(TRACED_INPUTS, (out0, out1), strict=True))
+    if loss.inputs is not None:  # the further inputs that are tensors, named as the loss's
+        values = (*args, *kwargs.values())
+        given |= {
+            f"loss's input {name}": value
+            for name, value in zip(loss.inputs.names(), values, strict=True)
+            if isinstance(value, torch.Tensor)
+        }
+    with trace.traced(given) as tracer:
+        value = whole.loss(out0, out1, *args, **kwargs)
     tracer.returned(value)
     tracer.buffers(modules, before)
     tracer.keep_gradients()

@@ -15,7 +15,10 @@ made of (an importable factory and its keyword arguments) to the ranks and build
   reference start from the same ones;
 - a loss written as a plain function (``def loss(z0, z1, temperature=0.5)``: positional inputs
   the arguments do not fill) is the loss itself, not its factory: it is taken as it is written
-  (`FunctionLoss`), its keyword arguments bound.
+  (`FunctionLoss`), its keyword arguments bound;
+- what a loss takes besides the two views' embeddings (masks, token ids, a teacher's outputs,
+  prototypes) travels with it as `Inputs`, made once for the whole global batch: each rank is
+  given its own rows of every tensor that has a row per sample, and the rest whole.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from gatherlab.core.imports import locate
 from gatherlab.gather import GatherFn
 from gatherlab.ranks import world
 
-__all__ = ["AttributeOf", "FunctionLoss", "Recipe", "is_loss_function", "locate"]
+__all__ = ["AttributeOf", "FunctionLoss", "Inputs", "Recipe", "is_loss_function", "locate"]
 
 
 def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
@@ -40,6 +43,63 @@ def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
         return inspect.signature(factory).parameters
     except (TypeError, ValueError):  # a builtin without a signature: pass nothing extra
         return {}
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a loss takes besides the two views' embeddings, made for a whole global batch of
+    ``batch`` rows: ``loss(out0, out1, *args, **kwargs)`` (docs/design.md §4, "A loss's
+    inputs"). A tensor whose first dimension is ``batch`` holds a row per sample (a mask, token
+    ids, a teacher's outputs) and is split as the views are: the loss on a rank is given that
+    rank's rows; anything else (prototypes, a table, a number) is given whole to every rank and
+    to one device alike. A tensor that holds both views' rows (2·``batch``) is given whole too:
+    give each view's rows as a tensor of its own."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    batch: int = 0
+
+    @classmethod
+    def made(cls, made: Any, batch: int, named: str = "the inputs") -> Inputs:
+        """The inputs a user's factory (or the user) made: a tuple or list (given positionally),
+        a dict with string keys (given by keyword) or one tensor; a ValueError of one line,
+        naming them as ``named``, otherwise."""
+        if isinstance(made, torch.Tensor):
+            made = (made,)
+        if isinstance(made, Mapping) and all(isinstance(key, str) for key in made):
+            return cls((), dict(made), batch)
+        if isinstance(made, tuple | list):
+            return cls(tuple(made), {}, batch)
+        raise ValueError(
+            f"{named} are a {type(made).__name__}; allowed: a tuple or list of the loss's further "
+            "positional inputs, a dict of its keyword inputs (string keys), or one tensor"
+        )
+
+    def split(self, value: Any) -> bool:
+        """Whether ``value`` is split over the ranks (a tensor with a row per sample)."""
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and len(value) == self.batch
+
+    def of_rows(
+        self, rows: slice | torch.Tensor, like: torch.Tensor
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The positional and keyword inputs of these ``rows`` of the global batch: each split
+        tensor's rows, the rest whole; every tensor on ``like``'s device, a floating one in its
+        dtype (the precision the loss runs in)."""
+
+        def given(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            if self.split(value):
+                value = value[rows]
+            dtype = like.dtype if value.is_floating_point() else value.dtype
+            return value.to(like.device, dtype)
+
+        return tuple(given(v) for v in self.args), {k: given(v) for k, v in self.kwargs.items()}
+
+    def names(self) -> list[str]:
+        """A name for each input, in the order of ``args`` then ``kwargs``, as the trace calls
+        them (`gatherlab.runs.trace`): ``argument 3``, …, then each keyword."""
+        return [f"argument {i + 3}" for i in range(len(self.args))] + list(self.kwargs)
 
 
 @dataclass(frozen=True)
@@ -51,13 +111,15 @@ class Recipe:
     function of an importable module is).
 
     ``gather=None`` builds the object without a ``gather`` argument: a loss then communicates by
-    itself.
+    itself. ``inputs``: what a loss is called with besides the two views' embeddings, if
+    anything (`Inputs`).
     """
 
     factory: Callable[..., nn.Module]
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     gather: GatherFn | None = None
     seed: int = 0
+    inputs: Inputs | None = None
 
     def arguments(self) -> dict[str, Any]:
         """The keyword arguments the factory gets in this process."""
@@ -80,7 +142,7 @@ class Recipe:
             return self.factory(**arguments)
 
     def with_gather(self, gather: GatherFn | None) -> Recipe:
-        return Recipe(self.factory, self.kwargs, gather, self.seed)
+        return Recipe(self.factory, self.kwargs, gather, self.seed, self.inputs)
 
     def declared(self, attribute: str) -> Any:
         """What the loss class declares (``style``, ``layout_invariant``), None when it does not."""
@@ -106,15 +168,15 @@ def is_loss_function(factory: Callable[..., Any], arguments: Mapping[str, Any]) 
 
 
 class FunctionLoss(nn.Module):
-    """A loss written as a plain function, as a module: ``forward(*inputs)`` is
-    ``function(*inputs, **kwargs)``. It holds no parameters and no buffers of its own."""
+    """A loss written as a plain function, as a module: ``forward(*inputs, **named)`` is
+    ``function(*inputs, **named, **kwargs)``. It holds no parameters and no buffers of its own."""
 
     def __init__(self, function: Callable[..., torch.Tensor], kwargs: Mapping[str, Any]):
         super().__init__()
         self.function, self.kwargs = function, dict(kwargs)
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.function(*inputs, **self.kwargs)
+    def forward(self, *inputs: Any, **named: Any) -> torch.Tensor:
+        return self.function(*inputs, **named, **self.kwargs)
 
     def extra_repr(self) -> str:
         return f"{self.function.__module__}.{self.function.__qualname__}"

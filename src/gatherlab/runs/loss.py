@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gatherlab.components.factory import Recipe
+from gatherlab.components.factory import Inputs, Recipe
 from gatherlab.core import runfiles
 from gatherlab.core.terms import Precision
 from gatherlab.ranks import collectives, simworld, world
@@ -40,16 +41,38 @@ class LossContractError(ValueError):
 
 class Whole(nn.Module):
     """The model and the loss as one module, as the LightningModule holds them: DDP sees one
-    forward per backward, and averages the loss's own parameters (a learnt temperature) too."""
+    forward per backward, and averages the loss's own parameters (a learnt temperature) too.
+    A loss with further ``inputs`` (`Inputs`, made for the global batch) is given the rows of
+    them that its views hold: ``rows`` of the global batch when set (a one-device forward of
+    some rows, `gatherlab.check.hypotheses`), else this rank's own."""
 
-    def __init__(self, model: nn.Module, loss: nn.Module, row_blocks: int = 1):
+    def __init__(
+        self, model: nn.Module, loss: nn.Module, row_blocks: int = 1, inputs: Inputs | None = None
+    ):
         super().__init__()
-        self.model, self.loss, self.row_blocks = model, loss, row_blocks
+        self.model, self.loss, self.row_blocks, self.inputs = model, loss, row_blocks, inputs
+        self.rows: slice | torch.Tensor | None = None
 
     def forward(self, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
         # in row blocks: the floor's perturbation of a low precision (`runs.precision.RowBlocks`)
         out0 = precision.blocked(self.model, self.row_blocks, view0)
-        return self.loss(out0, precision.blocked(self.model, self.row_blocks, view1))
+        out1 = precision.blocked(self.model, self.row_blocks, view1)
+        args, kwargs = self.given(out0)
+        return self.loss(out0, out1, *args, **kwargs)
+
+    def given(self, out0: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The further inputs of the rows ``out0`` holds (none without ``inputs``)."""
+        if self.inputs is None:
+            return (), {}
+        rows = world.own_rows(self.inputs.batch) if self.rows is None else self.rows
+        held = len(range(self.inputs.batch)[rows]) if isinstance(rows, slice) else len(rows)
+        if held != len(out0):
+            raise LossContractError(
+                f"the views hold {len(out0)} rows, the inputs given with them {held} (made for "
+                f"a global batch of {self.inputs.batch}); allowed: inputs made for the global "
+                "batch the views are drawn from"
+            )
+        return self.inputs.of_rows(rows, out0)
 
 
 def build(
@@ -67,7 +90,8 @@ def build(
     and on a simulated rank."""
     torch.manual_seed(seed)
     model = model_factory()
-    whole = Whole(model, loss(), row_blocks).to(world.device(), precision.dtype(in_precision))
+    whole = Whole(model, loss(), row_blocks, loss.inputs)
+    whole = whole.to(world.device(), precision.dtype(in_precision))
     # DDP as Lightning configures it (every parameter must get a gradient: ``backward`` checks);
     # a simulated rank averages the gradients itself after its backward (``average``)
     real_ddp = distributed and simworld.size() is None
