@@ -42,13 +42,15 @@ if str(HERE) not in sys.path:  # the ranks import census_cases and public_code f
 
 from census_cases import CASES, NOT_RUN  # noqa: E402
 from census_cases.common import Case, Fix, fixed_copy  # noqa: E402
+from census_pages import Checked, pages  # noqa: E402
 from public_code import RESULTS, download, release_root, sha256, write_into_results  # noqa: E402
 
 from gatherlab.check import check_loss  # noqa: E402
 from gatherlab.check.api import CheckError  # noqa: E402
 
 START, END = "<!-- census:start -->", "<!-- census:end -->"
-WORLD_SIZES = (2, 4)
+WORLD_SIZES = (2, 4)  # the table's
+FINDING_WORLD_SIZES = (2, 4, 8)  # a finding's (a case with a reproducer): its page shows W = 8 too
 REPRO = "experiments/census_repro"
 
 
@@ -74,8 +76,11 @@ def check(case: Case, root: Path) -> pd.DataFrame | str:
             {**case.kwargs, "root": str(root)},
             None,
         )
+    world_sizes = FINDING_WORLD_SIZES if case.repro else WORLD_SIZES
     try:
-        return check_loss(factory, WORLD_SIZES, gather=gather, steps=case.steps, **kwargs)
+        return check_loss(
+            factory, world_sizes, gather=gather, inputs=case.inputs, steps=case.steps, **kwargs
+        )
     except CheckError as error:
         return f"failed on one device: {str(error).splitlines()[0]}"
 
@@ -85,12 +90,13 @@ def _number(value: Any) -> str:
 
 
 def verdicts(table: pd.DataFrame | str) -> list[str]:
-    """Per W, the verdict with its numbers (cosine, norm ratio; the loss's relative difference
-    when the forward differs)."""
+    """Per W of the table (`WORLD_SIZES`), the verdict with its numbers (cosine, norm ratio; the
+    loss's relative difference when the forward differs)."""
     if isinstance(table, str):
         return [table] * len(WORLD_SIZES)
     cells = []
-    for _, at_w in table.groupby("world_size", sort=False):
+    shown = table[table["world_size"].isin(WORLD_SIZES)]
+    for _, at_w in shown.groupby("world_size", sort=False):
         whole = at_w[at_w["part"] == "all"].iloc[0]
         verdict = str(whole["verdict"])
         if verdict == "exact":
@@ -150,10 +156,12 @@ def census_row(
     root: Path,
     checked: Callable[[Case, Path], pd.DataFrame | str] = check,
     copied: Callable[[Path, Fix, str], Path] = fixed_copy,
+    kept: list[Checked] | None = None,
 ) -> list[str]:
     """The table's row of ``case`` on the release at ``root``: its check (``checked``; on the
     release with the case's own ``patch`` applied, by ``copied``, when it has one) and, when that
-    is not exact at every W, the check again on a copy with its fix applied."""
+    is not exact at every W, the check again on a copy with its fix applied; both tables added
+    to ``kept``, for the pages."""
     label = hashlib.sha256(f"{case.loss} {case.flags}".encode()).hexdigest()[:8]
     if case.patch is not None:
         root = copied(root, case.patch, f"{case.patch.name}-{label}")
@@ -161,6 +169,8 @@ def census_row(
     fixed = None
     if case.fix is not None and not exact(table):
         fixed = checked(case, copied(root, case.fix, f"{case.fix.name}-{label}"))
+    if kept is not None:
+        kept.append(Checked(case, table, fixed, root))
     return row_of(case, table, fixed)
 
 
@@ -227,9 +237,10 @@ def main() -> int:
                 wheel = download(package, version)
                 releases[(package, version)] = unpack_all(wheel, package, version)
                 provenance.append(f"{wheel.name} (sha256 {sha256(wheel)[:16]}…)")
-    rows = []
+    rows: list[list[str]] = []
+    kept: list[Checked] = []
     for number, case in enumerate(cases, 1):
-        rows.append(census_row(case, releases[(case.package, case.version)]))
+        rows.append(census_row(case, releases[(case.package, case.version)], kept=kept))
         print(f"[{number}/{len(cases)}] {' | '.join(rows[-1][:8])}", flush=True)
     for skipped in NOT_RUN:
         rows.append([skipped.package, skipped.version, f"`{skipped.loss}`", "—",
@@ -247,7 +258,26 @@ def main() -> int:
     print(f"the census ran in {seconds:.0f} s")
     if only:
         return 0
-    return publish(text, args.check)
+    return max(publish(text, args.check), publish_pages(pages(kept), args.check))
+
+
+def publish_pages(written: dict[Path, str], check: bool) -> int:
+    """The findings' pages (`census_pages`) into docs/findings/, those that differ, and any page
+    no finding has any more removed; with ``check``, nothing written: 1 when one differs."""
+    folder = next(iter(written)).parent
+    stale = [path for path in sorted(folder.glob("*.md")) if path not in written]
+    changed = [path for path, text in written.items()
+               if not path.is_file() or path.read_text() != text]  # fmt: skip
+    for path in changed + stale:
+        print(f"{'stale' if check else 'written'}: {path}")
+    if check:
+        return int(bool(changed or stale))
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in changed:
+        path.write_text(written[path])
+    for path in stale:
+        path.unlink()
+    return 0
 
 
 if __name__ == "__main__":

@@ -174,6 +174,9 @@ def load(
             names.setdefault(".".join(parts[:depth]), _package(".".join(parts[:depth])))
     for name, module in stubs.items():  # a stub is also its package's attribute
         parent, _, attribute = name.rpartition(".")
+        parts = parent.split(".")
+        for depth in range(1, len(parts) + 1):  # the packages above it, empty where no file is
+            names.setdefault(".".join(parts[:depth]), _package(".".join(parts[:depth])))
         setattr(names[parent], attribute, module)
     module = None
     owns = [file.removesuffix(".py").replace("/", ".") for file in files]

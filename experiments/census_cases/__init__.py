@@ -9,8 +9,10 @@ released files on its first build (``public_code.load``). ``root`` is the folder
 its fixed copy) was unpacked into; the census passes it.
 
 Inputs: the check gives every loss two views (``z0``, ``z1``: the MLP's 16-dimensional embeddings
-of a pair of Gaussian views, float64, 16 rows over all ranks). An adapter that needs anything
-else builds it from them in its forward, and its docstring says how.
+of a pair of Gaussian views, float64, 16 rows over all ranks). What a loss takes besides them
+(region masks, grids) is a case's ``inputs`` (the check's ``inputs=``: made once for the global
+batch, each rank given its rows); an adapter that needs anything else builds it from them in its
+forward, and its docstring says how. The public threads a row answers are in ``threads``.
 
 A new package is one module here with its ``CASES`` (and ``NOT_RUN``), its patches under
 ``fixes/<module>/``, and its name in ``PACKAGES``. The census needs the package registry; the
@@ -18,6 +20,8 @@ test suite imports these modules (no released file is loaded until an adapter is
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from census_cases import (
     coca_pytorch,
@@ -35,12 +39,20 @@ from census_cases import (
     x_clip,
 )
 from census_cases.common import Case, NotRun
+from census_cases.threads import THREADS
 
 PACKAGES = (  # in the table's order
     lightly, open_clip, sentence_transformers, pylate, pytorch_metric_learning, solo_learn,
     simclr, x_clip, coca_pytorch, torchmultimodal, lavis, lightning_bolts, vissl,
 )  # fmt: skip
-CASES: list[Case] = [case for package in PACKAGES for case in package.CASES]
+CASES: list[Case] = [
+    dataclasses.replace(c, threads=THREADS.get((c.package, c.version, c.loss, c.flags), ()))
+    for package in PACKAGES
+    for c in package.CASES
+]
+assert {(c.package, c.version, c.loss, c.flags) for c in CASES if c.threads} == set(THREADS), (
+    "a thread's row is no case of the census"
+)
 NOT_RUN: list[NotRun] = [  # in the committed table's order
     *lightly.NOT_RUN, *sentence_transformers.NOT_RUN, *solo_learn.NOT_RUN, *vissl.NOT_RUN,
     *torchmultimodal.NOT_RUN, *lavis.NOT_RUN, *lightning_bolts.NOT_RUN, *pylate.NOT_RUN,

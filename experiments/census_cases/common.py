@@ -10,6 +10,7 @@ a few lines off; and every checkout of this repository has git.
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,6 @@ from public_code import absent, release_root
 from torch import nn
 
 FIXES = Path(__file__).resolve().parent / "fixes"
-NOT_YET = "not checked yet: needs an adapter for its inputs"  # a NotRun's reason
 EINOPS = (
     "0.8.2"  # a dependency of x-clip and CoCa-pytorch, absent here: its wheel is put on the path
 )
@@ -67,6 +67,8 @@ class Case:
     needs: tuple[tuple[str, str], ...] = ()  # other wheels put on the ranks' import path
     patch: Fix | None = None  # applied before the check: the row is of the patched release
     remark: str = ""  # a note under the table
+    inputs: Callable[..., Any] | None = None  # the loss's further inputs (check_loss's inputs=)
+    threads: tuple[tuple[str, str], ...] = ()  # public threads it answers: (address, the answer)
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,23 @@ def shim(name: str, why: str, **attributes: Any) -> types.ModuleType:
     for attribute, value in attributes.items():
         setattr(module, attribute, value)
     return module
+
+
+def released_functions(root: Path, file: str, *names: str, **namespace: Any) -> dict[str, Any]:
+    """The functions ``names`` of the released ``file`` alone, compiled from its source at their
+    own lines (so that a trace names ``file:line`` as in the release), for a file whose other
+    imports are absent here (torchvision); ``namespace``: the names their bodies and annotations
+    use. Every other statement of the file is left out."""
+    path = root / file
+    tree = ast.parse(path.read_text(), str(path))
+    wanted = [node for node in tree.body
+              if isinstance(node, ast.FunctionDef) and node.name in names]  # fmt: skip
+    missing = set(names) - {node.name for node in wanted}
+    if missing:
+        raise LookupError(f"{path} defines no {', '.join(sorted(missing))}")
+    scope = dict(namespace)
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), str(path), "exec"), scope)
+    return {name: scope[name] for name in names}
 
 
 def unused(name: str, why: str) -> Callable[..., Any]:

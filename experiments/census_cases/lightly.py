@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from public_code import load
 from torch import nn
 
-from census_cases.common import NOT_YET, Case, Fix, NotRun, root_of, stubs
+from census_cases.common import Case, Fix, NotRun, released_functions, root_of, shim, stubs
 
 LIGHTLY = "1.6.0"  # the newest release on the registry when this was written
 LIGHTLY_DIST = "lightly/utils/dist.py"
@@ -39,6 +39,9 @@ LIGHTLY_LOSSES: dict[str, tuple[str, ...]] = {
     "SIGReg": (LIGHTLY_DIST, "lightly/loss/lejepa_loss.py"),
     "LeJEPALoss": (LIGHTLY_DIST, "lightly/loss/lejepa_loss.py"),
     "VISRegLoss": (LIGHTLY_DIST, "lightly/loss/lejepa_loss.py", "lightly/loss/visreg_loss.py"),
+    "VICRegLLoss": (LIGHTLY_DIST, "lightly/loss/vicreg_loss.py", "lightly/loss/vicregl_loss.py"),
+    "DetConSLoss": (LIGHTLY_DIST, "lightly/loss/detcon_loss.py"),
+    "DetConBLoss": (LIGHTLY_DIST, "lightly/loss/detcon_loss.py"),
     "LeWMLoss": (
         LIGHTLY_DIST,
         "lightly/loss/latent_distance.py",
@@ -55,8 +58,15 @@ LIGHTLY_STUBS = {
 def lightly_module(root: str | Path | None, loss: str) -> types.ModuleType:
     """The released file of lightly's ``loss`` (from the release at ``root``, by default lightly
     `LIGHTLY` as the census unpacked it) with the files it imports; one stub,
-    ``lightly.models.utils`` (torchvision), for NT-Xent's memory bank."""
+    ``lightly.models.utils`` (torchvision), for NT-Xent's memory bank, and for VICRegL the same
+    module holding only its released ``nearest_neighbors`` (`released_functions`)."""
     root, files = root_of(root, "lightly", LIGHTLY), LIGHTLY_LOSSES[loss]
+    if loss == "VICRegLLoss":
+        utils = released_functions(root, "lightly/models/utils.py", "nearest_neighbors",
+                                   torch=torch, Tuple=tuple)  # fmt: skip
+        why = "its file imports torchvision; VICRegL's matching uses only nearest_neighbors"
+        return load(root, files, {"lightly.models.utils": shim("lightly.models.utils", why,
+                                                               **utils)})  # fmt: skip
     return load(root, files, stubs(**LIGHTLY_STUBS) if LIGHTLY_NTXENT[1] in files else {})
 
 
@@ -154,6 +164,69 @@ class LightlyDINO(nn.Module):
         return self.loss([z0.detach(), z1.detach()], [z0, z1])
 
 
+class LightlyDetCon(nn.Module):
+    """lightly's released ``DetConSLoss(**kwargs)`` (or ``DetConBLoss`` with
+    ``variant="DetConBLoss"``, its target branch the prediction branch itself) on each sample's
+    16 numbers as 2 regions of 8, called with the two views' region indices as lightly's users
+    call it: ``loss(z0, z1, mask_view0, mask_view1)``, the masks the check's inputs
+    (`detcon_masks`), each rank given its rows."""
+
+    def __init__(self, root: str | None = None, variant: str = "DetConSLoss", **kwargs: Any):
+        super().__init__()
+        self.variant = variant
+        self.loss = lightly_loss(variant, root, **kwargs)
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor, mask_view0: torch.Tensor,
+                mask_view1: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        regions0 = z0.reshape(len(z0), DETCON_REGIONS, -1)
+        regions1 = z1.reshape(len(z1), DETCON_REGIONS, -1)
+        if self.variant == "DetConSLoss":
+            return self.loss(regions0, regions1, mask_view0, mask_view1)
+        return self.loss(regions0, regions1, regions0, regions1, mask_view0, mask_view1)
+
+
+class LightlyVICRegL(nn.Module):
+    """lightly's released ``VICRegLLoss(**kwargs)`` on two global views, each sample's 16
+    numbers its global features and, reshaped, its 2 × 2 map of local features of 4, called
+    with the maps' grids (`vicregl_grids`, the check's inputs: each rank given its rows) as
+    lightly's users call it: ``loss([(g0, l0), (g1, l1)], [grid0, grid1])``."""
+
+    def __init__(self, root: str | None = None, **kwargs: Any):
+        super().__init__()
+        self.loss = lightly_loss("VICRegLLoss", root, **kwargs)
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor, grid0: torch.Tensor,
+                grid1: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        maps = [z.reshape(len(z), 2, 2, 4) for z in (z0, z1)]
+        return self.loss([(z0, maps[0]), (z1, maps[1])], [grid0, grid1])
+
+
+def vicregl_grids(global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each view's 2 × 2 grid of the local features' image coordinates, (N, 2, 2, 2), drawn."""
+    return torch.rand(global_batch_size, 2, 2, 2), torch.rand(global_batch_size, 2, 2, 2)
+
+
+DETCON_REGIONS = 2  # regions sampled per view; each region's embedding 16 / 2 = 8 numbers
+
+
+def detcon_masks(global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each view's sampled region indices, (N, 2) integers in [0, 3): a row per sample, split
+    over the ranks as the views are; drawn with the check's seed."""
+    shape = (global_batch_size, DETCON_REGIONS)
+    return torch.randint(0, 3, shape), torch.randint(0, 3, shape)
+
+
+def _detcon(variant: str) -> list[Case]:
+    """DetCon's loss with its distributed flag on (its default) and off, given its masks."""
+    return [
+        Case("lightly", LIGHTLY, variant, flags, LightlyDetCon,
+             {"variant": variant, "gather_distributed": on}, inputs=detcon_masks,
+             note="" if on else "gather_distributed=True (its default; previous row)")
+        for flags, on in (("defaults (gather_distributed=True)", True),
+                          ("gather_distributed=False", False))
+    ]  # fmt: skip
+
+
 MSN_MEAN = Fix(
     "all-reduce the mean anchor probabilities of the me-max regularisation, then / W, when "
     "gather_distributed (with an all-reduce whose backward sums the gradients: "
@@ -197,6 +270,7 @@ def _lightly(
     factory: type[nn.Module] | None = None,
     steps: int = 0,
     remark: str = "",
+    inputs: Any = None,
     **kwargs: Any,
 ) -> list[Case]:
     """The loss with its released defaults, then with its distributed flag on (``remark``: the
@@ -212,6 +286,7 @@ def _lightly(
         {**arguments, **kwargs},
         steps,
         note=f"{flag}=True (next row)",
+        inputs=inputs,
     )
     on = Case(
         "lightly",
@@ -224,6 +299,7 @@ def _lightly(
         fix,
         repro,
         remark=remark,
+        inputs=inputs,
     )
     return [off, on]
 
@@ -252,6 +328,10 @@ CASES = [
               variant="VISRegLoss"),
     *_lightly(LIGHTLY, "LeWMLoss", "gather_distributed", factory=LightlyLeJEPA,
               variant="LeWMLoss"),
+    *_lightly(LIGHTLY, "VICRegLLoss", "gather_distributed", factory=LightlyVICRegL,
+              inputs=vicregl_grids),
+    *_detcon("DetConSLoss"),
+    *_detcon("DetConBLoss"),
     # the releases around each distributed fix: GatherLayer's backward (PR #1531, 1.5.4), Barlow
     # Twins's all_reduce through torch.distributed.nn (#1977, 1.5.26)
     *_lightly("1.5.3", "DCLLoss", "gather_distributed")[1:],
@@ -261,7 +341,4 @@ CASES = [
     *_lightly("1.5.26", "BarlowTwinsLoss", "gather_distributed", BARLOW_GLOBAL,
               "lightly_barlow_twins.py")[1:],
 ]  # fmt: skip
-NOT_RUN = [
-    NotRun("lightly", LIGHTLY, "DetConSLoss, DetConBLoss", NOT_YET + " (region masks per view)"),
-    NotRun("lightly", LIGHTLY, "VICRegLLoss", NOT_YET + " (local features and their grids)"),
-]  # fmt: skip
+NOT_RUN: list[NotRun] = []

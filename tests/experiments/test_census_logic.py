@@ -27,7 +27,7 @@ def _table(*whole: tuple[str, dict]) -> pd.DataFrame:
     for world_size, (verdict, columns) in zip((2, 4, 8), whole, strict=False):
         base = {"world_size": world_size, "verdict": verdict, "forward": "same", "cosine": 1.0,
                 "norm_ratio": 1.0, "loss_diff": 0.0, "scale": None, "error": None,
-                "cause": None, "where": None}  # fmt: skip
+                "max_rel_err": None, "cause": None, "where": None}  # fmt: skip
         rows.append({**base, "part": "all", **columns})
         rows.append({**base, "part": "model", "verdict": "exact"})
     return pd.DataFrame(rows)
@@ -108,3 +108,67 @@ def test_the_cells_name_the_loss_difference_the_scale_and_a_failure():
     assert census.verdicts(_table(("loss scaled", {"scale": 0.5}), EXACT)) == [
         "loss scaled (×0.5)", "exact",
     ]  # fmt: skip
+
+
+def test_a_finding_biased_only_at_w_8_is_not_exact_and_its_cells_show_w_2_and_4():
+    """A finding is checked at W = 2, 4 and 8 (its page shows all three); the table's cells are
+    W = 2 and 4, and W = 8 still decides whether the row is exact and its fix is tried."""
+    checks = _Checks(_table(EXACT, EXACT, BIASED), _table(EXACT, EXACT, EXACT))
+    row = census.census_row(CASE, Path("/cache/pkg-1.0"), checks, _copied)
+    cells = dict(zip(census.COLUMNS, row, strict=True))
+    assert (cells["W = 2"], cells["W = 4"]) == ("exact", "exact")
+    assert len(checks.roots) == 2 and cells["with the fix (W = 2, 4)"] == "exact"
+
+
+FINDING = Case("pkg", "1.0", "Loss", "gather=True", "pkg:Loss", fix=FIX, repro="pkg_gather.py",
+               remark="the backward keeps the own slice",
+               threads=(("https://example.org/1", "it does not sum the slices"),))  # fmt: skip
+ANSWERED = Case("pkg", "1.0", "Other", "defaults", "pkg:Other",
+                threads=(("https://example.org/thread/2", "it is exact"),))  # fmt: skip
+
+
+def test_a_findings_page_holds_its_numbers_lines_patch_reproducer_and_thread(tmp_path, monkeypatch):
+    import census_pages
+
+    release = tmp_path / "pkg-1.0"
+    (release / "pkg").mkdir(parents=True)
+    (release / "pkg" / "loss.py").write_text("".join(f"line {n}\n" for n in range(1, 21)))
+    (tmp_path / "fixes" / "lightly").mkdir(parents=True)
+    (tmp_path / "fixes" / "lightly" / "gather.patch").write_text("--- a/pkg/loss.py\n")
+    (tmp_path / "repro").mkdir()
+    (tmp_path / "repro" / "pkg_gather.py").write_text("print('released, fixed')\n")
+    monkeypatch.setattr(census_pages, "FIXES", tmp_path / "fixes")
+    monkeypatch.setattr(census_pages, "REPRO", tmp_path / "repro")
+    biased = ("biased", {**BIASED[1], "where": " pkg/loss.py:12  backward", "max_rel_err": 0.75})
+    checked = [
+        census_pages.Checked(FINDING, _table(biased, biased, biased),
+                             _table(EXACT, EXACT, EXACT), release),
+        census_pages.Checked(ANSWERED, _table(EXACT, EXACT), None, release),
+    ]  # fmt: skip
+    written = census_pages.pages(checked)
+    assert set(written) == {census_pages.FINDINGS / "pkg_gather.md",
+                            census_pages.FINDINGS / "README.md"}  # fmt: skip
+    page = written[census_pages.FINDINGS / "pkg_gather.md"]
+    # one line per W with the table's numbers: Δloss, cosine, norm ratio, largest relative error
+    assert "| 8 | biased | 0 | 0.988 | 0.5 | 0.75 |" in page
+    assert "| 8 | exact | 0 | 1 | 1 | — |" in page  # the fixed run's
+    # the released lines around the named one, the named one marked
+    assert ">   12  line 12" in page and "    10  line 10" in page and "line 15" not in page
+    assert "The backward keeps the own slice." in page
+    assert "--- a/pkg/loss.py" in page and "print('released, fixed')" in page
+    assert '`python experiments/census.py --only "pkg 1.0 Loss"`' in page
+    assert "**Public thread** https://example.org/1: it does not sum the slices." in page
+    index = written[census_pages.FINDINGS / "README.md"]
+    assert "[pkg_gather](pkg_gather.md)" in index and "W = 8: biased" in index
+    assert "- https://example.org/thread/2: it is exact. pkg 1.0 `Other` (defaults)" in index
+
+
+def test_the_pages_are_written_when_they_differ_and_a_page_of_no_finding_removed(tmp_path):
+    (tmp_path / "old.md").write_text("a finding the census no longer has\n")
+    (tmp_path / "same.md").write_text("same\n")
+    written = {tmp_path / "same.md": "same\n", tmp_path / "new.md": "new\n"}
+    assert census.publish_pages(written, check=True) == 1  # nothing written
+    assert (tmp_path / "old.md").is_file() and not (tmp_path / "new.md").exists()
+    assert census.publish_pages(written, check=False) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.md", "same.md"]
+    assert census.publish_pages(written, check=True) == 0

@@ -10,6 +10,7 @@ release), remarks and ``--check``. (The statistics themselves:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import sys
 
 import numpy as np
@@ -327,3 +328,25 @@ def test_the_census_writes_its_table_only_when_it_changed_and_check_writes_nothi
 def test_importing_the_census_loads_no_released_file():
     assert not [name for name in sys.modules if name.startswith("_released_")]
     assert "pytorch_metric_learning" not in sys.modules and "einops" not in sys.modules
+
+
+def test_every_census_finding_has_its_committed_page_and_every_page_a_finding():
+    """docs/findings/ is the census's (`census_pages`): a page per reproducer of a case, each
+    naming its release, patch and reproducer; the index links every page; the README points at
+    the index. (What the pages say is the census's run: `census.py --check` compares them.)"""
+    import census_pages
+
+    found = census_pages.findings(
+        [census_pages.Checked(case, "", None, REPO) for case in census_cases.CASES]
+    )
+    pages = {p.name for p in census_pages.FINDINGS.glob("*.md")} - {census_pages.INDEX}
+    assert pages == {f"{Path(name).stem}.md" for name in found}
+    index = (census_pages.FINDINGS / census_pages.INDEX).read_text()
+    for name, checked in found.items():
+        page = (census_pages.FINDINGS / f"{Path(name).stem}.md").read_text()
+        assert f"experiments/census_repro/{name}" in page and f"({Path(name).stem}.md)" in index
+        for one in checked:
+            assert f"{one.case.package} {one.case.version} `{one.case.loss}`" in page
+            if one.case.fix is not None:
+                assert f"## The patch `{one.case.fix.patch}`" in page
+    assert "docs/findings/README.md" in (REPO / "README.md").read_text()
