@@ -10,8 +10,8 @@ release), remarks and ``--check``. (The statistics themselves:
 from __future__ import annotations
 
 import math
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
