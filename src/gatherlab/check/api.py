@@ -429,7 +429,7 @@ def check_loss(
             itself; refused for a loss whose ``gather=`` has a default (gatherlab's losses), which
             would gather with it.
         inputs: what the loss takes besides the two views' embeddings, for the whole global
-            batch of 16 (`gatherlab.components.factory.Inputs`; docs/design.md §4): a tuple or
+            batch of 16 (`gatherlab.components.factory.Inputs`; docs/design.md §6): a tuple or
             list (given positionally after them), a dict (by keyword) or one tensor; or a
             function that makes them, or its import path, called once with the seed drawn and
             with ``global_batch_size=`` and ``embedding_dim=`` where it takes them. Each rank is
