@@ -48,7 +48,7 @@ def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
 @dataclass(frozen=True)
 class Inputs:
     """What a loss takes besides the two views' embeddings, made for a whole global batch of
-    ``batch`` rows: ``loss(out0, out1, *args, **kwargs)`` (docs/design.md §4, "A loss's
+    ``batch`` rows: ``loss(out0, out1, *args, **kwargs)`` (docs/design.md §6, "A loss's
     inputs"). A tensor whose first dimension is ``batch`` holds a row per sample (a mask, token
     ids, a teacher's outputs) and is split as the views are: the loss on a rank is given that
     rank's rows; anything else (prototypes, a table, a number) is given whole to every rank and
