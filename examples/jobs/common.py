@@ -51,6 +51,11 @@ def parse(description: str, bugs: tuple[str, ...]) -> argparse.Namespace:
     one line, exit status 2."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--record", metavar="DIR", help="record the run with gatherlab.record")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --record: trace the first update (where two runs part)",
+    )
     parser.add_argument("--steps", type=int, default=5, help="optimizer updates")
     parser.add_argument("--global-batch", type=int, default=16, help="rows per update, all ranks")
     parser.add_argument("--samples", type=int, default=64, help="samples in the data set")

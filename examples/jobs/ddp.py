@@ -42,7 +42,9 @@ def main() -> None:
                          world)  # fmt: skip
     recording = contextlib.nullcontext()
     if args.record:
-        recording = gatherlab.record(model, optimizer, args.record, loss=criterion, seed=args.seed)
+        recording = gatherlab.record(
+            model, optimizer, args.record, loss=criterion, seed=args.seed, trace=args.trace
+        )
     with recording:
         for update, (view0, view1) in common.batches(data, args.steps):
             loss = forward(view0.to(device), view1.to(device))

@@ -60,6 +60,11 @@ class Points(torch.utils.data.Dataset):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", help="record the job into this directory (gatherlab)")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --record: trace the first update (where two runs part)",
+    )
     parser.add_argument("--steps", type=int, default=4, help="optimizer updates (default 4)")
     parser.add_argument("--global-batch-size", type=int, default=8, help="(default 8)")
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches (default 1)")
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.record:
         from gatherlab.record import HFRecorder
 
-        callbacks.append(HFRecorder(args.record, seed=args.seed))
+        callbacks.append(HFRecorder(args.record, seed=args.seed, trace=args.trace))
     with tempfile.TemporaryDirectory(prefix="hf-job-") as output_dir:
         training = TrainingArguments(
             output_dir=output_dir,

@@ -69,7 +69,9 @@ def main() -> None:
     module = SimCLRModule(args)
     callbacks = []
     if args.record:
-        callbacks.append(gatherlab.record.LightningRecorder(args.record, seed=args.seed))
+        callbacks.append(
+            gatherlab.record.LightningRecorder(args.record, seed=args.seed, trace=args.trace)
+        )
     backend = "nccl" if args.device == "cuda" else "gloo"
     trainer = L.Trainer(
         accelerator="gpu" if args.device == "cuda" else "cpu",
