@@ -33,3 +33,21 @@ def record_cases(root: Path, cases: dict[str, tuple]) -> dict[str, Path]:
     ``root / name``."""
     return {name: record(root / name, w, job, **kwargs)
             for name, (w, job, kwargs) in cases.items()}  # fmt: skip
+
+
+def in_memory(ranks: list[list[list[str]]], loss: float = 1.0):
+    """A recording built in memory of one part ``w`` whose every update's gradient and loss
+    (``loss``) are the same, and whose update u's rows are ``ranks[u]`` (each rank's digests):
+    the data's rules without ranks."""
+    import numpy as np
+
+    from gatherlab.recording.format import Recording, Update
+
+    parameters = [{"name": "w", "shape": [4], "part": "w", "sharded": False}]
+    header = {"world_size": len(ranks[0]), "k": 4, "parts": ["w"], "parameters": parameters,
+              "seed": 0, "precision": "64-true", "sketch_seed": 0, "full_updates": 0,
+              "settings": {"optimizer": "SGD"}}  # fmt: skip
+    sketch = np.array([1.0, -2.0, 0.5, 3.0])
+    updates = [Update(u, [loss] * len(rows), loss, rows, {"w": sketch}, {"w": 2.0}, {}, None)
+               for u, rows in enumerate(ranks)]  # fmt: skip
+    return Recording(Path("/nonexistent"), header, updates, {"w": sketch}, {"w": 2.0})

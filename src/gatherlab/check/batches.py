@@ -4,10 +4,18 @@ a multiset, where a difference is the verdict ``data differs``, said before any 
 judged, and as an order (the ranks' rows concatenated in rank order), where a difference is a
 note: a DistributedSampler's strided order, or each rank's part of v blocks (views concatenated
 per rank before the forward).
+
+A difference is explained from the fingerprints alone (`explain`): each run's epochs (an update
+most of whose rows its epoch has given already starts the next one: a sampler without replacement
+gives each row once per epoch), a row a rank holds twice within an epoch (padding), rows that one
+run never gives although it covered its data set, and where the runs part: at update 0 (other
+permutations), where an epoch starts (another reshuffle, or an epoch's order repeated), or where
+their epochs are cut differently.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +23,7 @@ from dataclasses import dataclass
 from gatherlab.check import diagnosis
 from gatherlab.recording.format import Recording
 
-__all__ = ["MOST_BLOCKS", "Batches", "blocks", "compare"]
+__all__ = ["MOST_BLOCKS", "Batches", "blocks", "compare", "epoch_starts", "explain"]
 
 NO_ROWS = "note: A holds no batch fingerprints: the data is not compared"
 
@@ -23,11 +31,13 @@ NO_ROWS = "note: A holds no batch fingerprints: the data is not compared"
 @dataclass(frozen=True)
 class Batches:
     """The global batches compared: the first update whose set of rows differs and its words
-    (None: none differs), how many updates differ so, and the notes (another order)."""
+    (None: none differs; how many updates differ so said in them), the notes (another order), and
+    what explains the difference with its fix (`explain`; None when none differs)."""
 
     update: int | None
     words: str | None
     notes: tuple[str, ...]
+    explanation: str | None = None
 
 
 def _rows_words(update: int, theirs: Sequence[Sequence[str]], mine: Sequence[Sequence[str]]) -> str:
@@ -89,7 +99,105 @@ def compare(a: Recording, b: Recording) -> Batches:
     if reordered:
         notes.append(diagnosis.OTHER_ORDER.format(update=reordered[0], updates=len(reordered),
                                                   total=total))  # fmt: skip
-    return Batches(first, words, tuple(notes))
+    explanation = None if first is None else explain(a, b, first, strided=STRIDED in blocked)
+    return Batches(first, words, tuple(notes), explanation)
+
+
+# --- what explains a difference, from the fingerprints ------------------------------------------
+
+
+def _global(recording: Recording) -> list[list[str]]:
+    """Each update's global batch: its ranks' rows concatenated in rank order."""
+    return [[row for rank in update.rows for row in rank] for update in recording.updates]
+
+
+def epoch_starts(batches: Sequence[Sequence[str]]) -> list[int]:
+    """The updates at which a run's epochs start, from its global batches: update 0, and each
+    update more than half of whose rows its epoch has given already (a sampler without
+    replacement gives each row once per epoch; its next epoch gives them again, a padded one a
+    few of them twice)."""
+    starts, seen = [0], set()
+    for update, rows in enumerate(batches):
+        if update and rows and 2 * sum(row in seen for row in rows) > len(rows):
+            starts.append(update)
+            seen = set()
+        seen.update(rows)
+    return starts
+
+
+def _held_twice(recording: Recording, starts: list[int], until: int) -> tuple[int, int, int] | None:
+    """The first (update, rank, rows) up to update ``until`` where a rank holds rows that its
+    epoch has given already (padding), None where no epoch repeats a row."""
+    seen: set[str] = set()
+    for update in recording.updates[: until + 1]:
+        if update.index in starts:
+            seen = set()
+        for rank, rows in enumerate(update.rows):
+            again = sum(row in seen for row in rows) + len(rows) - len(set(rows))
+            if again:
+                return update.index, rank, again
+            seen.update(rows)
+    return None
+
+
+def _repeats_epoch(batches: list[list[str]], starts: list[int], epoch: int) -> bool:
+    """Whether the run gives epoch ``epoch`` the rows of its previous epoch in the same order."""
+    begin, previous = starts[epoch], starts[epoch - 1]
+    end = starts[epoch + 1] if epoch + 1 < len(starts) else len(batches)
+    length = min(end - begin, begin - previous)
+    return batches[begin : begin + length] == batches[previous : previous + length]
+
+
+def explain(a: Recording, b: Recording, first: int, strided: bool = False) -> str:
+    """What explains that B's global batch of update ``first`` (the first that differs) is not
+    A's, with its fix, from the two recordings' fingerprints (the module's docstring), in the
+    order: a row held twice within an epoch, a batch most of whose rows one run never gives though
+    it covered its data set, another permutation from update 0, another reshuffle where an epoch
+    starts, epochs cut differently; ``strided``: B held A's rows strided over its ranks before (a
+    DistributedSampler's order)."""
+    batches = {"A": _global(a), "B": _global(b)}
+    starts = {name: epoch_starts(rows) for name, rows in batches.items()}
+    for name, recording in (("B", b), ("A", a)):
+        held = _held_twice(recording, starts[name], first)
+        if held is not None and held[0] == first:
+            update, rank, count = held
+            epoch = bisect.bisect_right(starts[name], update) - 1
+            return diagnosis.DATA_CAUSES["padded"].format(
+                run=name, rank=rank, rows=count, held=_rows(count), epoch=epoch, update=update
+            )
+    for name, other in (("B", "A"), ("A", "B")):
+        if len(starts[other]) > 1:  # the other run gave its whole data set at least once
+            given = {row for rows in batches[other] for row in rows}
+            foreign = sum(row not in given for row in batches[name][first])
+            if 2 * foreign > len(batches[name][first]):  # more than an epoch's dropped rest
+                return diagnosis.DATA_CAUSES["foreign"].format(
+                    run=name, other=other, update=first, rows=foreign, held=_rows(foreign)
+                )
+    if first == 0:
+        return diagnosis.DATA_CAUSES["start"]
+    until = {name: [start for start in starts[name] if start <= first] for name in starts}
+    if first in until["A"] and until["A"] == until["B"]:  # both start an epoch there
+        epoch = until["A"].index(first)
+        repeats = "".join(
+            diagnosis.DATA_REPEATS.format(run=name, epoch=epoch, previous=epoch - 1)
+            for name in ("A", "B") if _repeats_epoch(batches[name], starts[name], epoch)
+        )  # fmt: skip
+        return diagnosis.DATA_CAUSES["reshuffled"].format(
+            update=first, epoch=epoch, previous=epoch - 1, repeats=repeats,
+            strided=diagnosis.DATA_STRIDED if strided else "",
+        )  # fmt: skip
+    if len(starts["A"]) > 1 and len(starts["B"]) > 1 and starts["A"][1] != starts["B"][1]:
+        rows = {name: sum(len(r) for r in batches[name][: starts[name][1]]) for name in batches}
+        return diagnosis.DATA_CAUSES["epochs"].format(
+            rows_a=rows["A"], updates_a=starts["A"][1], rows_b=rows["B"],
+            updates_b=starts["B"][1], update=first,
+        )  # fmt: skip
+    epoch = bisect.bisect_right(starts["A"], first) - 1
+    return diagnosis.DATA_CAUSES["unexplained"].format(update=first, epoch=epoch)
+
+
+def _rows(count: int) -> str:
+    return "row" if count == 1 else "rows"
 
 
 # The most blocks (views, crops) a forward of one rank's rows concatenates, tested as an order.

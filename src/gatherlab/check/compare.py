@@ -407,6 +407,7 @@ def compare(
     data = batches.compare(a, b)
     updates, classes = _updates_table(a, b, world_size, micro_batches)
     unreduced, measured = _unreduced(a, b)
+    measured = {**measured, "data_cause": data.explanation or ""}
     whole, split, source = classes[0]
     full = source == FULL
     key = Row(loss=str(b.path), gather="native", world_size=world_size, reference=str(a.path),

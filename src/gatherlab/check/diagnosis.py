@@ -207,18 +207,72 @@ DIAGNOSES = {
     terms.DATA_DIFFERS: (
         "the run is not given its reference's global batch (its rows fingerprinted per update, "
         "below): no loss or gradient can be compared with the reference's while the data "
-        "differs. " + "{sampler_fix}"
+        "differs. {data_cause}"
     ),
 }
 
-# The fix of a global batch that depends on the layout (a comparison's ``data differs``).
-SAMPLER_FIX = (
-    "A DistributedSampler shuffles and pads per rank: rank r takes every W-th index of its "
-    "permutation, and the data set is padded to a multiple of W with repeated samples, so the "
-    "global batch of an update depends on W. Fix: gatherlab.data.LayoutInvariantSampler, a "
-    "drop-in for DistributedSampler, gives every world size the same global batch at every "
-    "update (rank r the r-th consecutive part of it)."
+# What explains a comparison's ``data differs``, read from the fingerprints
+# (`check.batches.explain`), and its fix.
+_SAMPLER_FIX = (
+    "Fix: the same seeded sampler in both runs, gatherlab.data.LayoutInvariantSampler(dataset, "
+    "global_batch_size, seed=S) at every world size, W = 1 included (a drop-in for "
+    "DistributedSampler: epoch e drawn from seed + e, rank r given the r-th consecutive part of "
+    "each global batch), its set_epoch(epoch) called before each epoch."
 )
+DATA_CAUSES = {
+    "padded": (
+        "From the fingerprints: {run}'s rank {rank} holds {rows} {held} at update {update} that "
+        "its epoch {epoch} has given already: its sampler pads the data set with repeated rows "
+        "(a DistributedSampler with drop_last=False pads its permutation to a multiple of W with "
+        "its first indices), so the last global batch of an epoch depends on W. "
+        + _SAMPLER_FIX
+        + " Its drop_last=True (the default) drops the epoch's last n mod N rows at "
+        "every W; drop_last=False completes the last global batch from the permutation's first "
+        "rows, the same at every W."
+    ),
+    "foreign": (
+        "From the fingerprints: {run}'s global batch at update {update} holds {rows} {held} that "
+        "{other} gives at no update, although {other} covered its data set (an epoch): the "
+        "inputs themselves differ, not their order: randomness drawn per process or per run (an "
+        "augmentation, noise) rather than per sample, or other data or preprocessing. Fix: draw "
+        "each sample's randomness from the sample itself (its index and epoch: "
+        "gatherlab.components.data.sample_generator, docs/design.md §2)."
+    ),
+    "start": (
+        "From the fingerprints: the two runs' samplers start from different permutations: "
+        "already update 0's global batches differ, before any epoch ends or is padded (striding "
+        "over the ranks reorders update 0's rows, padding and dropping change an epoch's end). "
+        "Their seeds differ, or a sampler has no seeded generator (torch's RandomSampler(data) "
+        "without generator= draws a new permutation from torch's global RNG in every run), or "
+        "one run does not shuffle. " + _SAMPLER_FIX
+    ),
+    "reshuffled": (
+        "From the fingerprints: both runs give the same global batches until update {update}"
+        "{strided}, where both start epoch {epoch} (its rows repeat epoch {previous}'s): they "
+        "reshuffle differently between epochs. {repeats}A sampler that continues its generator "
+        "into the next epoch (RandomSampler) and one that draws each epoch from seed + epoch "
+        "(DistributedSampler.set_epoch) agree on the first epoch only. " + _SAMPLER_FIX
+    ),
+    "epochs": (
+        "From the fingerprints: A's first epoch gives {rows_a} rows in {updates_a} updates, B's "
+        "{rows_b} in {updates_b}: the runs drop or pad different remainders of the data set "
+        "(drop_last, or a DistributedSampler's drop or padding to a multiple of W), so their "
+        "global batches are cut differently from there. " + _SAMPLER_FIX
+    ),
+    "unexplained": (
+        "From the fingerprints: the runs part at update {update}, inside epoch {epoch}, with no "
+        "row held twice, no new epoch and no row foreign to the other run: an order that depends "
+        "on W is left (a sampler or batch sampler of the job's own, a data loader's workers "
+        "yielding out of order). " + _SAMPLER_FIX
+    ),
+}
+# A run whose epoch repeats the previous epoch's order (its sampler never told the epoch).
+DATA_REPEATS = (
+    "{run} gives epoch {epoch} in epoch {previous}'s order: its sampler is never told the new "
+    "epoch (DistributedSampler.set_epoch(epoch) is not called). "
+)
+# B held A's rows strided over its ranks before they parted: a DistributedSampler's order.
+DATA_STRIDED = " (B's ranks holding A's rows strided over them, a DistributedSampler's order)"
 # The note of a global batch that holds the reference's rows in another order (not a failure).
 OTHER_ORDER = (
     "note: update {update} gives the same global batch in another order ({updates} of "
@@ -460,10 +514,10 @@ def diagnosis(
 ) -> str:
     """What the rows (one loss and gather, one verdict and cause, their world sizes) measured,
     what reproduced it or what its parts show, and what would make it exact; ``measured``: the
-    words a comparison of recordings adds to its placeholders (``sampler_fix``, ``unreduced``,
+    words a comparison of recordings adds to its placeholders (``data_cause``, ``unreduced``,
     …, `gatherlab.check.compare`)."""
     first = rows.iloc[0]
-    numbers = {"sampler_fix": SAMPLER_FIX, **_numbers(rows), **(measured or {})}
+    numbers = {"data_cause": "", **_numbers(rows), **(measured or {})}
     nothing = first["verdict"] == terms.GradientClass.NONE and rows["norm_ratio"].isna().all()
     text = (TRAINS_NOTHING if nothing else DIAGNOSES[first["verdict"]]).format(**numbers)
     cause = first["cause"]

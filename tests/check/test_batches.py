@@ -1,0 +1,180 @@
+"""The global batches of two recordings (`gatherlab.check.batches`, docs/design.md §6 "Comparing
+two recordings", item 2) on recordings built in memory, their rows drawn by torch's own samplers
+and `gatherlab.data.LayoutInvariantSampler` as a job's DataLoaders draw them (a sample's row is its
+index): which run's order or rows changed, and what explains it, read from the fingerprints."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from recorded import in_memory
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from gatherlab.check import batches
+from gatherlab.check import compare as comparer
+from gatherlab.data import LayoutInvariantSampler
+
+N = 8  # the global batch
+ROWS = [f"{i:016x}" for i in range(16)]
+
+
+def loaded(samplers, updates: int, epochs: bool = True) -> list[list[list[str]]]:
+    """Each update's rows per rank, the ranks' DataLoaders of N / W rows each drawn epoch after
+    epoch (``set_epoch(epoch)`` before each where the sampler has it and ``epochs``)."""
+    world = len(samplers)
+    loaders = [DataLoader(range(64), batch_size=N // world, sampler=s, drop_last=False)
+               for s in samplers]  # fmt: skip
+    out, epoch = [], 0
+    while len(out) < updates:
+        for sampler in samplers:
+            if epochs and hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+        for ranks in zip(*loaders, strict=True):
+            out.append([[f"{int(i):016x}" for i in rows] for rows in ranks])
+            if len(out) == updates:
+                break
+        epoch += 1
+    return out
+
+
+def data(size: int) -> range:
+    return range(size)
+
+
+def explained(a, b) -> batches.Batches:
+    return batches.compare(in_memory(a), in_memory(b))
+
+
+def test_an_unseeded_random_sampler_against_a_distributed_sampler_is_another_permutation():
+    """One device's RandomSampler without a generator (seeded from torch's global RNG, here
+    another seed) against DistributedSampler(seed=0) on 2 ranks: they part at update 0, and the
+    words name the permutations, not DistributedSampler's striding or padding."""
+    torch.manual_seed(12345)
+    one = loaded([RandomSampler(data(32))], 6)
+    two = loaded([DistributedSampler(data(32), 2, r, seed=0) for r in range(2)], 6)
+    compared = explained(one, two)
+    assert compared.update == 0
+    assert compared.explanation.startswith(
+        "From the fingerprints: the two runs' samplers start from different permutations"
+    )
+    assert "RandomSampler(data) without generator=" in compared.explanation
+
+
+def test_a_seeded_random_sampler_reshuffles_otherwise_from_the_second_epoch():
+    """RandomSampler(generator seeded 0) on one device draws DistributedSampler(seed=0)'s first
+    permutation (torch.randperm on a generator seeded 0), then continues its generator where
+    DistributedSampler draws seed + 1: the same batches for the first epoch (32 / 8 = 4 updates,
+    strided over B's ranks), parting at update 4, where both start epoch 1."""
+    one = loaded([RandomSampler(data(32), generator=torch.Generator().manual_seed(0))], 8)
+    two = loaded([DistributedSampler(data(32), 2, r, seed=0) for r in range(2)], 8)
+    compared = explained(one, two)
+    assert compared.update == 4
+    assert compared.explanation.startswith(
+        "From the fingerprints: both runs give the same global batches until update 4 (B's "
+        "ranks holding A's rows strided over them, a DistributedSampler's order), where both "
+        "start epoch 1 (its rows repeat epoch 0's): they reshuffle differently between epochs."
+    )
+    assert "gives epoch 1 in epoch 0's order" not in compared.explanation
+
+
+def test_a_sampler_never_told_its_epoch_is_named_for_repeating_it():
+    """DistributedSampler without set_epoch repeats its first epoch's order; the layout-invariant
+    sampler told each epoch draws seed + 1: B is named."""
+    one = loaded([LayoutInvariantSampler(data(32), N, 1, 0, seed=0)], 8)
+    two = loaded([DistributedSampler(data(32), 2, r, seed=0) for r in range(2)], 8, epochs=False)
+    compared = explained(one, two)
+    assert compared.update == 4
+    assert "B gives epoch 1 in epoch 0's order: its sampler is never told the new epoch" in (
+        compared.explanation
+    )
+    assert "A gives epoch 1" not in compared.explanation
+
+
+def test_padding_names_the_run_and_rank_that_hold_a_row_twice():
+    """DistributedSampler(drop_last=False) on 4 ranks pads 30 samples to 32 with its first two
+    indices: rank 2 and 3 of B hold them at the epoch's last update (3), which one device's 6
+    rows there lack."""
+    one = loaded([RandomSampler(data(30), generator=torch.Generator().manual_seed(0))], 4)
+    four = loaded([DistributedSampler(data(30), 4, r, seed=0) for r in range(4)], 4)
+    compared = explained(one, four)
+    assert compared.update == 3
+    given = {row for update in four[:3] for rank in update for row in rank}
+    assert [r for r in range(4) if set(four[3][r]) & given] == [2, 3]  # the sampler's padding
+    assert compared.explanation.startswith(
+        "From the fingerprints: B's rank 2 holds 1 row at update 3 that its epoch 0 has given "
+        "already: its sampler pads the data set with repeated rows"
+    )
+
+
+def test_epochs_cut_differently_are_said_with_their_sizes():
+    """One device's DataLoader keeps the last 6 of 30 rows as a short batch (4 updates an epoch);
+    the layout-invariant sampler drops them (3): they part at update 3."""
+    one = loaded([LayoutInvariantSampler(data(30), N, 1, 0, seed=0, drop_last=False)], 6)
+    one[3] = [one[3][0][:6]]  # what a DataLoader's last short batch holds: the epoch's rest
+    one[4:] = loaded([LayoutInvariantSampler(data(30), N, 1, 0, seed=0)], 8)[4:6]
+    two = loaded([LayoutInvariantSampler(data(30), N, 2, r, seed=0) for r in range(2)], 6)
+    compared = explained(one, two)
+    assert compared.update == 3
+    assert compared.explanation.startswith(
+        "From the fingerprints: A's first epoch gives 30 rows in 4 updates, B's 24 in 3"
+    )
+
+
+def test_rows_a_run_never_gives_are_other_inputs_not_another_order():
+    """B's rows are other inputs (randomness drawn per run: each row's digest salted), after A
+    gave its whole data set: the words say the inputs differ."""
+    one = loaded([LayoutInvariantSampler(data(16), N, 1, 0, seed=0)], 4)
+    two = [[["f" + row[1:] for row in rank] for rank in update] for update in one]
+    compared = explained(one, two)
+    assert compared.update == 0
+    assert compared.explanation.startswith(
+        "From the fingerprints: B's global batch at update 0 holds 8 rows that A gives at no "
+        "update, although A covered its data set (an epoch): the inputs themselves differ"
+    )
+
+
+def test_epoch_starts_are_where_most_rows_repeat():
+    # 16 rows, batch 8: epochs of 2 updates; a padded update repeats a minority and starts none
+    order = [ROWS[0:8], ROWS[8:16], ROWS[3:11], [*ROWS[11:16], *ROWS[0:3]], [*ROWS[5:12], ROWS[5]]]
+    assert batches.epoch_starts(order) == [0, 2, 4]
+    assert batches.epoch_starts([ROWS[0:8], ROWS[0:2] + ROWS[8:14]]) == [0]
+    assert batches.epoch_starts([ROWS[0:8], ROWS[0:5] + ROWS[8:11]]) == [0, 1]  # 5 of 8 again
+    assert batches.epoch_starts([ROWS[0:8], ROWS[0:4] + ROWS[8:12]]) == [0]  # half is no epoch
+
+
+def test_a_padded_batch_names_the_row_held_twice_and_the_row_missing():
+    """DistributedSampler's padding: rank 3 repeats a row of rank 0 where one device has row 15."""
+    padded = [ROWS[0:4], ROWS[4:8], ROWS[8:12], [*ROWS[12:15], ROWS[0]]]
+    compared = comparer.compare(in_memory([[ROWS]]), in_memory([padded]))
+    assert compared.verdict == "data differs" and compared.status == 1
+    assert compared.data == (
+        "update 0: the global batches differ: B's rank 3 holds 1 row more often than A's batch; "
+        "A's batch holds 1 row B's lacks"
+    )
+    assert "B's rank 3 holds 1 row at update 0 that its epoch 0 has given already" in " ".join(
+        compared.words.split()
+    )
+
+
+@pytest.mark.parametrize(
+    ("ranks", "words"),
+    [([ROWS[0::2], ROWS[1::2]], "strided over the ranks (rank r its rows r, r + 2"),
+     ([ROWS[0:4] + ROWS[8:12], ROWS[4:8] + ROWS[12:16]], "each of its 2 blocks in turn"),
+     ([ROWS[8:16], ROWS[0:8]], "the same global batch in another order")],
+    ids=["strided", "views", "other"],
+)  # fmt: skip
+def test_the_same_rows_in_another_order_are_a_note_not_a_failure(ranks, words):
+    compared = comparer.compare(in_memory([[ROWS]]), in_memory([ranks]))
+    assert (compared.verdict, compared.status) == ("exact", 0), compared.words
+    assert len(compared.notes) == 1 and words in compared.notes[0], compared.notes
+
+
+def test_updates_without_a_recorded_loss_compare_their_gradients_alone():
+    """A job that gave its recorder no loss (NaN in the recording): a note, and the verdict of
+    the gradients (here the same: exact), not a differing loss."""
+    halves = [ROWS[0:8], ROWS[8:16]]
+    compared = comparer.compare(in_memory([[ROWS]] * 2), in_memory([halves] * 2, math.nan))
+    assert (compared.verdict, compared.status) == ("exact", 0), compared.words
+    assert any("2 of 2 updates have no recorded loss" in note for note in compared.notes)
