@@ -4,6 +4,7 @@ without a process group (`recorded_loops`), and the reader's refusals (docs/desi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -92,7 +93,10 @@ def test_a_parameter_outside_every_wrapper_is_recorded_unreduced(recorded, wrap)
     mean = first.unreduced["loss.scale"].mean(axis=0)
     assert _relative(mean, one.updates[0].sketches["loss.scale"]) <= 1e-14
     assert _relative(first.sketches["loss.scale"], first.unreduced["loss.scale"][0]) == 0
-    assert _relative(first.sketches["body"], one.updates[0].sketches["body"]) <= 1e-14
+    # the model (its loss outside) has one child, body: its parts are the body's layers
+    assert many.parts == one.parts == ["body.0", "body.3", "body.5", "loss.scale"]
+    for part in ("body.0", "body.3", "body.5"):
+        assert _relative(first.sketches[part], one.updates[0].sketches[part]) <= 1e-14
 
 
 def test_a_loss_divided_twice_records_a_gradient_of_one_over_w(recorded):
@@ -215,3 +219,152 @@ def test_a_forward_without_gradients_between_updates_is_not_recorded(tmp_path):
         optimizer.step()
     update = format.read(tmp_path / "run").updates[0]
     assert update.rows == [row_digests(x)] and update.losses == [loss.item()]
+
+
+# --- the recorder's own rules, on one device -----------------------------------------------------
+
+
+class _Encoder(torch.nn.Module):
+    """A model of one child (``encoder``) whose forward returns embeddings, rows of its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Sequential(
+            torch.nn.Linear(6, 300), torch.nn.Tanh(), torch.nn.Linear(300, 4)
+        )
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.encoder(rows)
+
+
+def _job(out, updates: int = 3, autocast: bool = False, names: bool = False, **recorder):
+    """A plain job on one device: the encoder's embeddings of two calls (two views), a mean
+    squared error between them, a learnt scale outside the model and the loss, SGD."""
+    torch.manual_seed(0)
+    model, criterion = _Encoder(), torch.nn.MSELoss()
+    scale = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([*model.parameters(), scale], lr=0.1)
+    x = torch.randn(updates, 2, 8, 6, generator=torch.Generator().manual_seed(1))
+    named = {"scale": scale} if names else None
+    mixed = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with gatherlab.record(model, optimizer, out, loss=criterion, names=named, **recorder):
+        for update in range(updates):
+            optimizer.zero_grad()
+            with mixed:
+                loss = criterion(model(x[update, 0]) * scale[0], model(x[update, 1]) * scale[1])
+            loss.backward()
+            optimizer.step()
+    return model, scale
+
+
+def test_a_model_of_one_child_is_cut_into_its_childs_parts_and_names_are_taken(tmp_path):
+    """Parts: the one child's layers, not one part that no table would show apart from the
+    whole; a parameter outside the model and the loss is its optimizer slot, or its given name;
+    each update's rows are the two calls' (2 × 8 per rank), counted."""
+    _job(tmp_path / "slot")
+    slot = format.read(tmp_path / "slot")
+    assert slot.parts == ["encoder.0", "encoder.2", "optimizer.0.4"]
+    assert [p["shape"] for p in slot.header["parameters"]][-1] == [2]
+    assert [len(rows) for rows in slot.updates[0].rows] == [16] and slot.updates[0].calls == [2]
+    _job(tmp_path / "named", names=True)
+    assert format.read(tmp_path / "named").parts == ["encoder.0", "encoder.2", "scale"]
+    from gatherlab import compare
+
+    words = compare(tmp_path / "slot", tmp_path / "slot").words
+    assert "(W = 1, 3 updates, 32-true, k = 251; 16 rows per rank and update, from 2 calls of " \
+        "its model's forward)" in words  # fmt: skip
+    assert "note: part optimizer.0.4 is a parameter of shape [2] that the optimizer updates " \
+        "outside the model and the loss" in " ".join(words.split())  # fmt: skip
+    with pytest.raises(ValueError, match=r"names=\{'encoder.0.weight': \.\.\.\}: the model"):
+        model = _Encoder()
+        gatherlab.record(model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "x",
+                         names={"encoder.0.weight": model.encoder[0].weight})  # fmt: skip
+
+
+def test_every_part_is_sketched_as_the_formula_gives_whatever_path_sketches_it(tmp_path):
+    """A small parameter is sketched with the others of its part in one product, a large one on
+    its own: each part's recorded sketch and norm against the formula applied here, parameter
+    by parameter, to the full gradient (`sketch.sketch`; k = 7, so that blocks and padding
+    matter)."""
+    _job(tmp_path / "run", k=7)
+    recording = format.read(tmp_path / "run")
+    gradient, start = recording.full_gradient(0), 0
+    expected = {part: torch.zeros(7, dtype=torch.float64) for part in recording.parts}
+    squares = dict.fromkeys(recording.parts, 0.0)
+    for parameter in recording.header["parameters"]:
+        numel = int(np.prod(parameter["shape"]))
+        values = gradient[start : start + numel]
+        expected[parameter["part"]] += sketch(values, 7, signs(parameter["name"], numel, 7, 0))
+        squares[parameter["part"]] += float(values.pow(2).sum())
+        start += numel
+    for part in recording.parts:
+        assert _relative(recording.updates[0].sketches[part], expected[part].numpy()) <= 1e-6
+        assert abs(recording.updates[0].norms[part] / math.sqrt(squares[part]) - 1) <= 1e-6
+
+
+def test_the_floor_is_recorded_by_its_variable_and_compared(tmp_path, monkeypatch):
+    """GATHERLAB_RECORD_FLOOR=DIR: the job run again unchanged records its floor into DIR, its
+    model's forward in two row blocks (the same function, bf16's rounding of two partial sums);
+    the comparison without it names that exact command, with it judges in floors."""
+    import shlex
+    import sys
+
+    from gatherlab import compare
+    from gatherlab.recording.recorder import FLOOR_VARIABLE
+
+    _job(tmp_path / "one", autocast=True)
+    not_judged = compare(tmp_path / "one", tmp_path / "one")
+    assert (not_judged.verdict, not_judged.status) == ("not judged", 3)
+    command = f"GATHERLAB_RECORD_FLOOR={tmp_path / 'one'}-floor {shlex.join(sys.orig_argv)}"
+    assert command in not_judged.words
+    monkeypatch.setenv(FLOOR_VARIABLE, f"{tmp_path / 'one'}-floor")
+    floored, _ = _job(tmp_path / "one", autocast=True)  # its out holds a recording: not written
+    floor = format.read(f"{tmp_path / 'one'}-floor")
+    assert floor.header["row_blocks"] == 2 and floor.precision == "bf16-mixed"
+    floored.double()  # its forward in two row blocks: the encoder's own function, in float64
+    rows = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert float((floored(rows) - floored.encoder(rows)).abs().max()) <= 1e-15
+    judged = compare(tmp_path / "one", tmp_path / "one", floor=f"{tmp_path / 'one'}-floor")
+    assert (judged.verdict, judged.status) == ("exact within bf16", 0)
+
+
+def test_a_floor_is_refused_on_ranks_for_a_trainer_and_for_batch_norm(tmp_path, monkeypatch):
+    from gatherlab.recording.recorder import FLOOR_VARIABLE, Recorder
+
+    monkeypatch.setenv(FLOOR_VARIABLE, str(tmp_path / "floor"))
+    norm = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.SGD(norm.parameters(), lr=0.1)
+    with pytest.raises(format.RecordingError, match=r"the model has batch norm \(1\), whose"):
+        Recorder(norm, optimizer, tmp_path / "run")
+    with pytest.raises(format.RecordingError, match="a trainer's callback records a model"):
+        Recorder(norm, optimizer, tmp_path / "run", batches=False)
+    refused = pools.pool(2).run(_floor_on_ranks, str(tmp_path / "ranks"))
+    assert refused == ["a floor is one device's run, and this job runs on 2 ranks"] * 2
+    assert not (tmp_path / "floor").exists() and not (tmp_path / "run").exists()
+
+
+def _floor_on_ranks(out: str) -> str:
+    import os
+
+    from gatherlab.recording.recorder import FLOOR_VARIABLE, Recorder
+
+    os.environ[FLOOR_VARIABLE] = out
+    model = torch.nn.Linear(3, 3)
+    try:
+        Recorder(model, torch.optim.SGD(model.parameters(), lr=0.1), out)
+    except format.RecordingError as error:
+        return str(error).split(": ", 1)[1].split(";")[0]
+    finally:
+        del os.environ[FLOOR_VARIABLE]
+    return "recorded"
+
+
+def test_updates_are_written_in_batches_and_every_one_is_there_at_the_end(tmp_path):
+    """The ranks keep their updates and rank 0 writes them every few (at most FLUSH_UPDATES):
+    40 updates are 40 lines once the recorder closes, in order."""
+    from gatherlab.recording.recorder import FLUSH_UPDATES
+
+    _job(tmp_path / "run", updates=40)
+    recording = format.read(tmp_path / "run")
+    assert [u.index for u in recording.updates] == list(range(40)) and FLUSH_UPDATES < 40

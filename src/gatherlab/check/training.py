@@ -40,6 +40,7 @@ from gatherlab.check.table import (
 )  # fmt: skip
 from gatherlab.components.factory import Recipe
 from gatherlab.core import cli, floor, gradients, terms
+from gatherlab.core.parts import part_of
 from gatherlab.core.runfiles import Trained
 from gatherlab.core.terms import Culprit
 from gatherlab.ranks.external import ranks_for
@@ -103,18 +104,19 @@ class Setting:
         return self.form.checked(built, self.label)
 
 
-def _top_level(name: str) -> str:
-    """A parameter's part in a training step's check: the module's child that holds it (its
-    backbone, projection head, criterion, …), or the parameter itself when the module holds it
-    directly."""
-    return name.split(".", 1)[0]
+def _part_of(module: torch.nn.Module) -> Callable[[str], str]:
+    """A parameter's part in a training step's check (`gatherlab.core.parts.part_of`): the
+    module's child that holds it (its backbone, projection head, criterion, …), or the parameter
+    itself when the module holds it directly; a module of one child is cut into that child's."""
+    return part_of([n for n, p in module.named_parameters() if p.requires_grad])
 
 
 def parts(module: torch.nn.Module) -> measure.Layout:
     """The parts of the first step's gradient (its trainable parameters in order, as
-    ``StepRecorder`` flattens them): each top-level child module, and each direct parameter."""
+    ``StepRecorder`` flattens them): each top-level child module, and each direct parameter (the
+    children's children of a module of one child, `gatherlab.core.parts`)."""
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    return measure.layout(trainable, _top_level)
+    return measure.layout(trainable, _part_of(module))
 
 
 def validate(
@@ -539,8 +541,9 @@ def _parameters_of(setting: Setting, parts: Sequence[str]) -> tuple[str, ...]:
     """The names of the trainable parameters of ``parts`` (each a top-level child or a direct
     parameter of what the form builds, `parts`), as the form's ``named_parameters`` gives them."""
     built = setting.checked(setting.built())
+    part = _part_of(built)
     return tuple(name for name, parameter in built.named_parameters()
-                 if parameter.requires_grad and _top_level(name) in parts)  # fmt: skip
+                 if parameter.requires_grad and part(name) in parts)  # fmt: skip
 
 
 def _train_ranks(

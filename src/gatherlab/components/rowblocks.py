@@ -49,7 +49,10 @@ def _joined(outputs: list[Any]) -> Any:
     first = outputs[0]
     if isinstance(first, torch.Tensor):
         if not first.dim():
-            raise ValueError("the model returned a scalar, which row blocks cannot join")
+            raise ValueError(
+                "the model returned a scalar (its loss?), which row blocks cannot join; allowed: "
+                "the part of the model before its loss in row blocks"
+            )
         return torch.cat(outputs)
     if isinstance(first, tuple | list):
         return type(first)(_joined(list(items)) for items in zip(*outputs, strict=True))

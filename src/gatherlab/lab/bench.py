@@ -426,9 +426,10 @@ def _time_record(
         gc.enable()
     end = _resident_bytes()
     updates = RECORD_WARM_UP + repeats
-    during = _recording_bytes(out)  # every update written and flushed, the final record not yet
     recorder.close()
     after = _recording_bytes(out)
+    final = depth * k * 8  # the final weights' sketch, written when the recorder closes
+    during = {**after, "sketches": after["sketches"] - final}
     ratios = [r / p for r, p in zip(times["recorded"], times["plain"], strict=True)]
     cpu_ratios = [r / p for r, p in zip(cpu["recorded"], cpu["plain"], strict=True)]
     return {
@@ -581,6 +582,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     check_parser.add_argument("--repeats", type=int, default=5, help="runs of each (default 5)")
     _record_options(commands)
+    fixed_parser = commands.add_parser(
+        "record-fixed", help="the recorder's fixed cost per update of a tiny job, W = 1, 2, 4"
+    )
+    fixed_parser.add_argument(
+        "--world-sizes", type=int, nargs="+", default=[1, 2, 4], help="(default 1 2 4)"
+    )
+    fixed_parser.add_argument(
+        "--repeats", type=int, default=200, help="timed pairs per W (default 200)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.benchmark == "sweep":
@@ -593,6 +603,10 @@ def main(argv: list[str] | None = None) -> None:
         gather(tuple(args.world_sizes), args.repeats)
     elif args.benchmark == "record":
         record(args.width, args.depth, args.batch, args.repeats, args.k, args.large_width)
+    elif args.benchmark == "record-fixed":
+        from gatherlab.lab import recorder_cost
+
+        recorder_cost.report(tuple(args.world_sizes), args.repeats)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ A recording is a directory:
 - ``sketches.f64``: the sketches, raw little-endian float64, appended in that order;
 - ``full/update_<u>.pt``: the whole gradient of the first updates (float64, parameter order);
 - ``trace.pt`` (when asked for): each rank's records of the first update's forward;
-- ``final.json``, written when recording ends: the number of updates and the final weights'
-  sketch and norms. A recording without it is unfinished (the job stopped, or has not ended).
+- ``final.json``, written when recording ends: the number of updates, the final weights'
+  sketch and norms, and whether the model's forward returned rows (a floor's row blocks join
+  them) or its loss. A recording without it is unfinished (the job stopped, or has not ended).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from gatherlab.core.terms import Precision
 
 __all__ = [
     "FINAL", "FORMAT", "FULL", "HEADER", "SKETCHES", "TRACE", "UPDATES", "VERSION", "Recording",
@@ -53,7 +56,9 @@ class Update:
     received (rank 0's for a part that is not reduced), ``norms`` its exact L2 norm per part,
     ``unreduced`` each rank's sketch (W × k) of the parts whose gradient differs between ranks,
     ``autocast`` the autocast dtype of its forward (None without autocast), ``micro_batches`` how
-    many losses rank 0 recorded in it (its micro-batches; 0 where the job recorded none)."""
+    many losses rank 0 recorded in it (its micro-batches; 0 where the job recorded none),
+    ``calls`` each rank's calls of the model's forward (or batches given) whose rows it holds
+    (None in recordings made before it was recorded)."""
 
     index: int
     losses: list[float]
@@ -64,6 +69,7 @@ class Update:
     unreduced: dict[str, np.ndarray]
     autocast: str | None
     micro_batches: int = 1
+    calls: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,9 @@ class Recording:
     updates: list[Update]
     weights_sketch: dict[str, np.ndarray]
     weights_norms: dict[str, float]
+    output_rows: bool | None = None
+    """Whether the model's forward returned tensors with rows, which a floor's row blocks can
+    join (False: it returned its loss; None: not seen, or recorded before it was recorded)."""
 
     @property
     def parts(self) -> list[str]:
@@ -83,6 +92,16 @@ class Recording:
     @property
     def world_size(self) -> int:
         return int(self.header["world_size"])
+
+    @property
+    def precision(self) -> str:
+        """The precision the job trained in, by Lightning's names: ``bf16-mixed`` or ``16-mixed``
+        where its forwards ran under ``torch.autocast`` (recorded per update), else its
+        parameters' (the header's ``precision``: ``64-true``, ``32-true``, ``bf16-true``,
+        ``16-true``)."""
+        autocast = next((u.autocast for u in self.updates if u.autocast), None)
+        mixed = {"bfloat16": Precision.BF16_MIXED, "float16": Precision.FP16_MIXED}
+        return str(mixed.get(autocast or "", self.header.get("precision", Precision.FLOAT64)))
 
     @property
     def k(self) -> int:
@@ -122,8 +141,10 @@ class Recording:
 
 
 class Writer:
-    """The files of a recording, written by rank 0 as the job runs: each update appended and the
-    file closed after it, so that a job that stops leaves every update it finished."""
+    """The files of a recording, written by rank 0 as the job runs: updates are appended to open
+    files, and `flush` (after each batch of updates) hands them to the system sketches first,
+    so that a job that stops leaves every update written before the last flush, each line
+    complete."""
 
     def __init__(self, out: Path, header: Mapping[str, Any]) -> None:
         self.out = Path(out)
@@ -136,13 +157,14 @@ class Writer:
         header = {"format": FORMAT, "version": VERSION, **header}
         (self.out / HEADER).write_text(json.dumps(header, indent=1) + "\n")
         self._offset = 0  # in float64 numbers
+        self._sketches = open(self.out / SKETCHES, "ab")  # noqa: SIM115 (open while recording)
+        self._updates = open(self.out / UPDATES, "a")  # noqa: SIM115
 
     def sketch(self, values: np.ndarray) -> int:
         """Appends ``values`` (float64) to ``sketches.f64``; returns where they start."""
         start = self._offset
         array = np.ascontiguousarray(values, dtype="<f8")
-        with open(self.out / SKETCHES, "ab") as file:
-            file.write(array.tobytes())
+        self._sketches.write(array.tobytes())
         self._offset += array.size
         return start
 
@@ -158,10 +180,17 @@ class Writer:
         torch.save({"ranks": ranks}, self.out / TRACE)
 
     def update(self, line: Mapping[str, Any]) -> None:
-        with open(self.out / UPDATES, "a") as file:  # after its sketches: a line is complete
-            file.write(json.dumps(line) + "\n")
+        self._updates.write(json.dumps(line) + "\n")
+
+    def flush(self) -> None:
+        """The updates written so far handed to the system: their sketches first, then their
+        lines, so that a line is never read before its sketches."""
+        self._sketches.flush()
+        self._updates.flush()
 
     def close(self, final: Mapping[str, Any]) -> None:
+        self._sketches.close()
+        self._updates.close()
         (self.out / FINAL).write_text(json.dumps({**final, "complete": True}, indent=1) + "\n")
 
 
@@ -234,7 +263,7 @@ def _update(number: int, text: str, path: Path, sketches: _Sketches, parts: list
         loss=_float(line["loss"]), rows=line["rows"],
         sketches={p: values[i * k : (i + 1) * k] for i, p in enumerate(parts)},
         norms=line["norms"], unreduced=unreduced, autocast=line.get("autocast"),
-        micro_batches=line.get("micro_batches", 1),
+        micro_batches=line.get("micro_batches", 1), calls=line.get("calls"),
     )  # fmt: skip
 
 
@@ -256,7 +285,7 @@ def read(path: str | Path) -> Recording:
     return Recording(
         path=path, header=header, updates=updates,
         weights_sketch={p: weights[i * k : (i + 1) * k] for i, p in enumerate(parts)},
-        weights_norms=final["weights_norms"],
+        weights_norms=final["weights_norms"], output_rows=final.get("output_rows"),
     )  # fmt: skip
 
 

@@ -20,15 +20,26 @@ A sharded gradient (an FSDP2 ``DTensor`` sharded on its first dimension) is sket
 shard at its global offsets, and rank 0 sums the ranks' sketches; nothing is gathered but for the
 full gradients of the first updates. A replicated gradient (DDP's, ZeRO's, a parameter outside
 every wrapper) is sketched on every rank; where the ranks' sketches differ, its gradient was not
-reduced, and every rank's sketch is kept. The ranks send rank 0 their numbers in one
-``all_gather_object`` per update (none without a process group).
+reduced, and every rank's sketch is kept. The ranks keep their numbers and send them to rank 0 in
+one ``all_gather_object`` every few updates (`FLUSH_SECONDS`, at most `FLUSH_UPDATES`; none
+without a process group), which writes them: a job pays a few torch operations per part and
+update, not a collective and a file's opening.
+
+``GATHERLAB_RECORD_FLOOR=DIR`` in a one-device job's environment records its floor instead
+(`FLOOR_VARIABLE`): the same job into DIR, its model's forward in two row blocks
+(`gatherlab.components.rowblocks.in_row_blocks`), for ``python -m gatherlab.compare A B --floor
+DIR`` in a low precision (docs/design.md §2, "Low precision").
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import math
+import os
+import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +50,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gatherlab.components.rowblocks import in_row_blocks, rows_of_batch
+from gatherlab.core.parts import part_of
 from gatherlab.recording import format, sketch
 from gatherlab.runs.record import mean_over_ranks
+from gatherlab.runs.removals import batch_norms
 
-__all__ = ["FULL_GRADIENT_LIMIT", "Recorder", "row_digests"]
+__all__ = [
+    "FLOOR_ROW_BLOCKS", "FLOOR_VARIABLE", "FLUSH_SECONDS", "FLUSH_UPDATES", "FULL_GRADIENT_LIMIT",
+    "Recorder", "row_digests",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+FLOOR_VARIABLE = "GATHERLAB_RECORD_FLOOR"
+"""The environment variable that makes a one-device job record its floor: its value is the floor
+recording's directory, which replaces the job's own ``out``."""
+FLOOR_ROW_BLOCKS = 2
+"""The row blocks of a floor recording's model forward (as the check's floor, docs/design.md §2)."""
+FLUSH_UPDATES = 16
+"""The most updates the ranks keep before rank 0 writes them (one collective for all of them)."""
+FLUSH_SECONDS = 2.0
+"""How long, at most, the ranks keep their updates when updates are slow: the number kept is
+chosen by rank 0 at each writing from the updates' measured time, and sent with it."""
+_BATCHED = 1 << 16
+"""A replicated gradient of at most this many elements is sketched with the other small ones of
+its part in one product (each padded to whole blocks of k and concatenated): a few torch
+operations per part and update instead of per parameter."""
 
 FULL_GRADIENT_LIMIT = 1 << 20
 """By default (``full_updates=None``) the first update keeps its whole gradient when the model has
@@ -57,10 +91,20 @@ sample, crop or augmentation), and hashing whole rows cost a 10M-parameter MLP's
 
 def row_digests(batch: torch.Tensor) -> list[str]:
     """A 16-hex-digit digest of each row of ``batch`` (its first dimension), of its elements'
-    bits, its shape and dtype; equal rows have equal digests in every run. The digest, modulo 2⁶⁴:
-    h = key + Σ_i mix(bits_i + r_i), with a random offset r_i per position and mix SplitMix64's
-    finaliser (a bijection that spreads every input bit over the output), vectorised over the
-    batch; a sum of linear terms instead would let two sign flips of float64 cancel."""
+    bits, its shape and dtype; equal rows have equal digests in every run (`_sampled`,
+    `_digests`)."""
+    return _hex(_digests([_sampled(batch)])[0])
+
+
+def _hex(digests: np.ndarray) -> list[str]:
+    text = digests.astype(">u8").tobytes().hex()  # big-endian: each number's 16 digits in order
+    return [text[i : i + 16] for i in range(0, len(text), 16)]
+
+
+def _sampled(batch: torch.Tensor) -> tuple[str, np.ndarray]:
+    """What a row's digest is made of, copied when the rows are seen: the batch's description
+    (its row shape and dtype) and each row's element bits (at most `_SAMPLED` of them, evenly
+    spaced) as 64-bit integers, a row each. The digests of many are made at once (`_digests`)."""
     rows = batch.detach()
     rows = rows.reshape(rows.shape[0], -1) if rows.dim() else rows.reshape(1, 1)
     if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
@@ -69,14 +113,37 @@ def row_digests(batch: torch.Tensor) -> list[str]:
     width = array.shape[1]
     if width > _SAMPLED:  # every s-th element, s the least stride that leaves at most _SAMPLED
         array = array[:, :: -(-width // _SAMPLED)]  # (numpy's strided copy: torch's took 3 ms)
-    bits = array.view(f"u{array.dtype.itemsize}").astype(np.uint64)
-    key, offsets = _hash_of(f"{tuple(batch.shape[1:])} {batch.dtype}", bits.shape[1])
-    mixed = bits + offsets
-    mixed = (mixed ^ (mixed >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    mixed = (mixed ^ (mixed >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    mixed ^= mixed >> np.uint64(31)
-    digests = mixed.sum(axis=1, dtype=np.uint64) + key
-    return [f"{int(digest):016x}" for digest in digests]
+    return f"{tuple(batch.shape[1:])} {batch.dtype}", array.view(
+        f"u{array.dtype.itemsize}").astype(np.uint64)  # fmt: skip
+
+
+def _digests(samples: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+    """Each sample's rows' 64-bit digests (`row_digests`' numbers), the samples of one
+    description mixed in one pass. The digest, modulo 2⁶⁴: h = key + Σ_i mix(bits_i + r_i),
+    with a random offset r_i per position and mix SplitMix64's finaliser (a bijection that spreads
+    every input bit over the output); a sum of linear terms instead would let two sign flips of
+    float64 cancel."""
+    out: list[np.ndarray | None] = [None] * len(samples)
+    kinds: dict[tuple[str, int], list[int]] = {}
+    for position, (description, bits) in enumerate(samples):
+        kinds.setdefault((description, bits.shape[1]), []).append(position)
+    for (description, width), positions in kinds.items():
+        key, offsets = _hash_of(description, width)
+        mixed = np.concatenate([samples[i][1] for i in positions]) + offsets  # in place below
+        mixed ^= mixed >> _SHIFTS[0]
+        mixed *= _MULTIPLIERS[0]
+        mixed ^= mixed >> _SHIFTS[1]
+        mixed *= _MULTIPLIERS[1]
+        mixed ^= mixed >> _SHIFTS[2]
+        digests = mixed.sum(axis=1, dtype=np.uint64) + key
+        ends = np.cumsum([len(samples[i][1]) for i in positions])
+        for i, part in zip(positions, np.split(digests, ends[:-1]), strict=True):
+            out[i] = part
+    return out
+
+
+_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
+_MULTIPLIERS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
 
 @functools.lru_cache(maxsize=64)
@@ -118,10 +185,14 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return wrapped if isinstance(model, parallel) and isinstance(wrapped, nn.Module) else model
 
 
-def _parameters(model: nn.Module, loss: nn.Module | None, optimizer) -> list[_Parameter]:
-    """Every parameter the optimizer updates, named and placed in its part: the model's (part: the
-    top-level name), the loss module's (``loss.<name>``, each its own part), any other
-    (``optimizer.<group>.<index>``, each its own part)."""
+def _parameters(
+    model: nn.Module, loss: nn.Module | None, optimizer, names: Mapping[str, torch.Tensor]
+) -> list[_Parameter]:
+    """Every parameter the optimizer updates, named and placed in its part: the model's (its
+    part: `gatherlab.core.parts.part_of`, the top-level child, or the children of a model of one
+    child), the loss module's (``loss.<name>``, each its own part), one the job names in
+    ``names`` (that name, its own part), any other (``optimizer.<group>.<index>``, its own part).
+    A name given twice, or a named tensor the optimizer does not update, is a ValueError."""
     named: list[_Parameter] = []
     seen: set[int] = set()
 
@@ -131,13 +202,23 @@ def _parameters(model: nn.Module, loss: nn.Module | None, optimizer) -> list[_Pa
             named.append(_Parameter(name, part, parameter))
 
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for name, parameter in _unwrapped(model).named_parameters():
-        if id(parameter) in optimized:
-            add(name, name.split(".", 1)[0], parameter)
+    in_model = [(n, p) for n, p in _unwrapped(model).named_parameters() if id(p) in optimized]
+    part = part_of([n for n, p in in_model if p.requires_grad])
+    for name, parameter in in_model:
+        add(name, part(name), parameter)
     if loss is not None:
         for name, parameter in loss.named_parameters():
             if id(parameter) in optimized:
                 add(f"loss.{name}", f"loss.{name}", parameter)
+    taken = {p.name for p in named}
+    for name, parameter in names.items():
+        if not isinstance(parameter, torch.Tensor) or id(parameter) not in optimized:
+            raise ValueError(f"names={{{name!r}: ...}}: not a tensor the optimizer updates; "
+                             "allowed: its parameters outside the model and the loss")  # fmt: skip
+        if name in taken:
+            raise ValueError(f"names={{{name!r}: ...}}: the model or the loss has a parameter "
+                             f"of that name already; allowed: a name of its own")  # fmt: skip
+        add(name, name, parameter)
     for g, group in enumerate(optimizer.param_groups):
         for i, parameter in enumerate(group["params"]):
             add(f"optimizer.{g}.{i}", f"optimizer.{g}.{i}", parameter)
@@ -202,24 +283,70 @@ def _shard(tensor: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
     return local, start * math.prod(tensor.shape[1:]), True
 
 
+@dataclass
+class _Batched:
+    """The small replicated parameters of one dtype and device, of every part, sketched together
+    (`_BATCHED`): each padded with zeros to whole blocks of k and concatenated, so that their
+    blocks are one matrix; ``signs`` (parts × blocks) holds each block's sign in its part's row
+    and 0 elsewhere, so that one matrix product gives every part's sketch, the same sketch as
+    each parameter's own, summed. Squared norms: each block's in the blocks' own precision (a half
+    one in float32), summed per part in float64, as `_norm` sums its rows."""
+
+    parameters: list[_Parameter]
+    pads: list[torch.Tensor]
+    signs: torch.Tensor  # parts × blocks, in the blocks' dtype
+    member: torch.Tensor  # parts × blocks, 1 where the block is the part's, float64
+
+    def sketch(self, k: int, of_gradients: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The sketches (parts × k, float64) of these parameters' gradients (or weights) and each
+        part's squared norm."""
+        pieces = []
+        for p, pad in zip(self.parameters, self.pads, strict=True):
+            tensor = p.parameter.grad if of_gradients else p.parameter.data
+            flat = tensor.detach().reshape(-1) if tensor is not None else pad.new_zeros(
+                p.parameter.numel())  # fmt: skip
+            pieces += [flat, pad]
+        blocks = torch.cat(pieces).view(-1, k)
+        if blocks.dtype not in (torch.float64, torch.float32):  # half precisions: in float32
+            blocks = blocks.float()
+        sketches = (self.signs @ blocks).double()
+        squares = self.member @ torch.linalg.vecdot(blocks, blocks).double()
+        return sketches.cpu().numpy(), squares.cpu().numpy()
+
+
+@functools.cache
+def _dtensor() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
 class Recorder:
     """Records every optimizer update of a training job (see the module's docstring); a context
     manager: leaving it closes the recording (``close``). Every rank makes one and calls
     ``close``; rank 0 writes ``out``.
 
     ``loss``: the job's loss module, whose output is each micro-batch's loss and whose parameters
-    (a learnt temperature) are parts of their own. ``k``: the sketch's size per part.
-    ``full_updates``: how many first updates keep their whole gradient (float64; None: the first,
-    for a model of at most `FULL_GRADIENT_LIMIT` parameters). ``seed``: the
-    job's seed, for the header (compared between runs). ``settings``: more of the job's settings
-    that must agree between two runs (JSON values). ``precision``: the job's precision
-    (``64-true``, ``32-true``, ``bf16-mixed``…; default from the parameters' dtype). ``batches``:
-    whether the model's forward inputs are the batch (False: the job calls ``batch(x)``);
-    ``losses``: whether the loss module's or the model output's loss is the micro-batch's loss
-    (False: the job calls ``loss(value)``, as the Lightning and Hugging Face callbacks do).
-    ``trace``: record the operations of the first update's forward, from the model's first call
-    to the loss, with their gradients (`gatherlab.runs.trace`; every result is copied: for small
-    runs), so that the comparison names the line where two runs part (``trace.pt``)."""
+    (a learnt temperature) are parts of their own. ``names``: a name for each parameter the
+    optimizer updates outside the model and the loss (``{"temperature": tau}``; unnamed, one is
+    ``optimizer.<group>.<index>``). ``k``: the sketch's size per part. ``full_updates``: how many
+    first updates keep their whole gradient (float64; None: the first, for a model of at most
+    `FULL_GRADIENT_LIMIT` parameters). ``seed``: the job's seed, for the header (compared between
+    runs). ``settings``: more of the job's settings that must agree between two runs (JSON
+    values). ``precision``: the job's precision (``64-true``, ``32-true``, ``bf16-mixed``…;
+    default from the parameters' dtype, an autocast seen in the forward recorded per update).
+    ``batches``: whether the model's forward inputs are the batch (False: the job calls
+    ``batch(x)``); ``losses``: whether the loss module's or the model output's loss is the
+    micro-batch's loss (False: the job calls ``loss(value)``, as the Lightning and Hugging Face
+    callbacks do). ``trace``: record the operations of the first update's forward, from the
+    model's first call to the loss, with their gradients (`gatherlab.runs.trace`; every result is
+    copied: for small runs), so that the comparison names the line where two runs part
+    (``trace.pt``).
+
+    With `FLOOR_VARIABLE` set, a one-device job records its floor into that directory instead
+    of ``out``, its model's forward in `FLOOR_ROW_BLOCKS` row blocks; refused in one line
+    (`gatherlab.recording.format.RecordingError`) on W ranks, for a trainer's callback and for a
+    model with batch norm, whose statistics the blocks would split."""
 
     def __init__(
         self,
@@ -228,6 +355,7 @@ class Recorder:
         out: str | Path,
         *,
         loss: nn.Module | None = None,
+        names: Mapping[str, torch.Tensor] | None = None,
         k: int = sketch.DEFAULT_K,
         full_updates: int | None = None,
         seed: int | None = None,
@@ -245,16 +373,21 @@ class Recorder:
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self._distributed else 1
         self.rank = dist.get_rank() if self._distributed else 0
-        self._parameters = _parameters(model, loss, optimizer)
+        out, row_blocks = self._floor(model, out, batches)
+        self._parameters = _parameters(model, loss, optimizer, names or {})
         if full_updates is None:  # the first update's whole gradient where it is small
             numel = sum(p.parameter.numel() for p in self._parameters)
             full_updates = 1 if numel <= FULL_GRADIENT_LIMIT else 0
         self.k, self.full_updates, self.sketch_seed = k, full_updates, sketch_seed
         self.parts = list(dict.fromkeys(p.part for p in self._parameters))
         self._signs: dict[str, torch.Tensor] = {}
-        self._rows: list[str] = []
+        self._plan: tuple[list[_Batched], list[tuple[int, _Parameter]]] | None = None
+        self._rows: list[tuple[str, np.ndarray]] = []  # the update's rows' samples (`_sampled`)
+        self._calls = 0  # the model's forward calls (or batches given) in the update
         self._losses: list[float] = []
         self._autocast: str | None = None
+        self._pending: list[dict[str, Any]] = []  # this rank's updates not yet sent to rank 0
+        self._due, self._flushed_at = 1, time.perf_counter()  # the first update is sent at once
         self.updates = 0
         self._closed = False
         self._trace = trace
@@ -278,6 +411,8 @@ class Recorder:
                 for p in self._parameters
             ],
             "parts": self.parts,
+            "row_blocks": row_blocks, "batch_norm": batch_norms(_unwrapped(model)),
+            "hooks": "model" if batches else "trainer", "command": list(sys.orig_argv),
         }  # fmt: skip
         self._writer, error = None, [None]
         if self.rank == 0:
@@ -290,19 +425,54 @@ class Recorder:
         if error[0] is not None:
             raise format.RecordingError(error[0])
         self._hooks = [optimizer.register_step_pre_hook(self._before_step)]
+        self._output_rows: bool | None = None  # whether the model's forward returns rows
         if batches:
             self._hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+            self._hooks.append(model.register_forward_hook(self._on_first_output))
         if losses and loss is not None:
             self._hooks.append(loss.register_forward_hook(self._on_loss))
         elif losses:
             self._hooks.append(model.register_forward_hook(self._on_output))
+
+    def _floor(self, model: nn.Module, out: str | Path, batches: bool) -> tuple[str | Path, int]:
+        """Where the recording goes and its model's row blocks: ``out`` and 1, or, with
+        `FLOOR_VARIABLE` set, its directory and `FLOOR_ROW_BLOCKS`, the model's forward in row
+        blocks from now on; each refusal one line."""
+        floor = os.environ.get(FLOOR_VARIABLE)
+        if not floor:
+            return out, 1
+        said = f"{FLOOR_VARIABLE}={floor}"
+        if self._distributed:
+            raise format.RecordingError(
+                f"{said}: a floor is one device's run, and this job runs on {self.world_size} "
+                f"ranks; allowed: the job run plainly on one device"
+            )
+        if not batches:
+            raise format.RecordingError(
+                f"{said}: a trainer's callback records a model the trainer calls, whose forward "
+                "cannot be cut in row blocks here; allowed: the floor's run with "
+                "gatherlab.record.in_row_blocks(<the model before its loss>) in the job itself"
+            )
+        norms = batch_norms(_unwrapped(model))
+        if norms:
+            raise format.RecordingError(
+                f"{said}: the model has batch norm ({', '.join(norms)}), whose statistics row "
+                "blocks would split: no floor can be measured for it; allowed: a model without "
+                "batch norm, or both runs recorded in float64"
+            )
+        in_row_blocks(_unwrapped(model), FLOOR_ROW_BLOCKS)
+        log.warning("gatherlab.record: %s: recording this job's floor into %s (its model's "
+                    "forward in %d row blocks), not into %s", said, floor, FLOOR_ROW_BLOCKS,
+                    out)  # fmt: skip
+        return floor, FLOOR_ROW_BLOCKS
 
     # what the job gives -----------------------------------------------------------------------
     def batch(self, batch: Any) -> None:
         """This rank's input rows of the update (the first tensor of ``batch``), in order."""
         tensor = _first_tensor(batch)
         if tensor is not None:
-            self._rows.extend(row_digests(tensor))
+            self._rows.append(_sampled(tensor))
+            self._calls += 1
             if self._trace and self.updates == 0 and self._traced is None:
                 self._trace_input(tensor)
 
@@ -312,9 +482,7 @@ class Recorder:
         if self._tracer is None:  # the update's first forward call
             self._tracer = trace.Tracer()
             self._tracer.__enter__()
-            self._calls = 0
-        self._tracer.given(f"batch {self._calls}", tensor)
-        self._calls += 1
+        self._tracer.given(f"batch {self._calls - 1}", tensor)
 
     def _trace_end(self, loss: torch.Tensor | None) -> None:
         """The first update's forward has reached its loss: its records keep their gradients."""
@@ -341,6 +509,12 @@ class Recorder:
             if torch.is_autocast_enabled(device):
                 self._autocast = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
         self.batch((args, kwargs))
+
+    def _on_first_output(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Whether the model's forward returns tensors with rows (which a floor's row blocks can
+        join) or a scalar (its loss): seen at its first call with gradients."""
+        if self._output_rows is None and torch.is_grad_enabled():
+            self._output_rows = rows_of_batch(output) is not None
 
     def _on_loss(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.numel() == 1:
@@ -373,23 +547,58 @@ class Recorder:
             self._signs[name] = sketch.signs(name, numel, self.k, self.sketch_seed)
         return self._signs[name]
 
-    def _sketches(self, of_gradients: bool) -> dict[str, Any]:
-        """This rank's sketches and squared norms per part, of the sharded and the replicated
-        gradients (or weights) apart."""
-        k = self.k
-        sharded = {p: np.zeros(k) for p in self.parts}
-        replicated = {p: np.zeros(k) for p in self.parts}
-        norms = {p: [0.0, 0.0] for p in self.parts}
+    def _planned(self) -> tuple[list[_Batched], list[tuple[int, _Parameter]]]:
+        """The small replicated parameters, batched by dtype and device (`_Batched`), and the
+        others with their part's index, sketched one by one; made at the first sketch, when the
+        parameters are what the job trains (an FSDP2 one a ``DTensor``)."""
+        if self._plan is not None:
+            return self._plan
+        index = {part: i for i, part in enumerate(self.parts)}
+        groups: dict[tuple, list[_Parameter]] = {}
+        others = []
         for p in self._parameters:
+            if isinstance(p.parameter, _dtensor()) or p.parameter.numel() > _BATCHED:
+                others.append((index[p.part], p))
+            else:
+                groups.setdefault((p.parameter.dtype, p.parameter.device), []).append(p)
+        self._plan = [self._batched(members, index) for members in groups.values()], others
+        return self._plan
+
+    def _batched(self, members: list[_Parameter], index: dict[str, int]) -> _Batched:
+        """Parameters of one dtype and device sketched together: the zeros that pad each to
+        whole blocks of k, each block's sign in its part's row."""
+        first = members[0].parameter
+        signs = [self._signs_of(p.name, p.parameter.numel()) for p in members]
+        matrix = torch.zeros(len(self.parts), sum(len(s) for s in signs), dtype=torch.float64)
+        start = 0
+        for block_signs, p in zip(signs, members, strict=True):
+            matrix[index[p.part], start : start + len(block_signs)] = block_signs
+            start += len(block_signs)
+        pads = [first.new_zeros(-p.parameter.numel() % self.k) for p in members]
+        dtype = first.dtype if first.dtype in (torch.float64, torch.float32) else torch.float32
+        return _Batched(members, pads, matrix.to(first.device, dtype),
+                        matrix.abs().to(first.device))  # fmt: skip
+
+    def _sketches(self, of_gradients: bool) -> dict[str, np.ndarray]:
+        """This rank's sketches (parts × k) and squared norms (parts × 2) of the sharded and the
+        replicated gradients (or weights) apart."""
+        k, count = self.k, len(self.parts)
+        sharded, replicated = np.zeros((count, k)), np.zeros((count, k))
+        norms = np.zeros((count, 2))
+        batched, others = self._planned()
+        for group in batched:
+            values, squares = group.sketch(k, of_gradients)
+            replicated += values
+            norms[:, 1] += squares
+        for index, p in others:
             tensor = p.parameter.grad if of_gradients else p.parameter.data
             if tensor is None:
                 continue
             local, offset, is_sharded = _shard(tensor)
             signs = self._signs_of(p.name, p.parameter.numel())
             values = sketch.sketch(local, k, signs, offset).numpy()
-            norm2 = _norm(local) ** 2
-            (sharded if is_sharded else replicated)[p.part] += values
-            norms[p.part][0 if is_sharded else 1] += norm2
+            (sharded if is_sharded else replicated)[index] += values
+            norms[index, 0 if is_sharded else 1] += _norm(local) ** 2
         return {"sharded": sharded, "replicated": replicated, "norms": norms}
 
     def _gathered(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -399,84 +608,115 @@ class Recorder:
         dist.all_gather_object(every, payload)
         return every
 
-    def _combined(self, every: list[dict[str, Any]]):
+    def _combined(self, every: list[dict[str, np.ndarray]]):
         """Each part's sketch and norm from every rank's: the sum of the sharded sketches plus
         rank 0's replicated one; the parts whose replicated sketches differ between ranks."""
-        sketches, norms, unreduced = {}, {}, {}
-        for part in self.parts:
-            sharded = sum(r["sharded"][part] for r in every)
-            sketches[part] = sharded + every[0]["replicated"][part]
-            norms[part] = math.sqrt(
-                sum(r["norms"][part][0] for r in every) + every[0]["norms"][part][1]
-            )
-            if any(not np.array_equal(r["replicated"][part], every[0]["replicated"][part])
-                   for r in every[1:]):  # fmt: skip
-                unreduced[part] = [sharded + r["replicated"][part] for r in every]
+        sharded = sum(r["sharded"] for r in every)
+        sketches = sharded + every[0]["replicated"]
+        squared = sum(r["norms"][:, 0] for r in every) + every[0]["norms"][:, 1]
+        norms = {part: math.sqrt(squared[i]) for i, part in enumerate(self.parts)}
+        unreduced = {
+            part: [sharded[i] + r["replicated"][i] for r in every]
+            for i, part in enumerate(self.parts)
+            if any(not np.array_equal(r["replicated"][i], every[0]["replicated"][i])
+                   for r in every[1:])
+        }  # fmt: skip
         return sketches, norms, unreduced
 
     def _full_gradient(self) -> torch.Tensor | None:
         """The whole gradient in float64 (every rank takes part: a sharded one is gathered)."""
-        from torch.distributed.tensor import DTensor
-
         pieces = []
         for p in self._parameters:
             grad = p.parameter.grad
             if grad is None:
                 pieces.append(torch.zeros(p.parameter.numel(), dtype=torch.float64))
                 continue
-            if isinstance(grad, DTensor):
+            if isinstance(grad, _dtensor()):
                 grad = grad.full_tensor()
             pieces.append(grad.detach().reshape(-1).double().cpu())
         return torch.cat(pieces) if self.rank == 0 else None
 
     def _record_update(self) -> None:
-        payload = {
+        """This update's numbers, kept until the ranks send them (`_flush`)."""
+        entry = {
             **self._sketches(of_gradients=True),
             "loss": float(np.mean(self._losses)) if self._losses else math.nan,
             "rows": self._rows,
-        }
+            "calls": self._calls, "micro_batches": len(self._losses), "autocast": self._autocast,
+        }  # fmt: skip
         full = self._full_gradient() if self.updates < self.full_updates else None
         if self.updates == 0 and self._trace:
             if self._tracer is not None:  # no loss was seen: the trace ends at the step
                 self._trace_end(None)
-            payload["trace"] = self._traced.detached() if self._traced is not None else []
-        every = self._gathered(payload)
-        if self._writer is not None:
-            sketches, norms, unreduced = self._combined(every)
-            writer = self._writer
-            start = writer.sketch(np.concatenate([sketches[p] for p in self.parts]))
-            starts = {part: [writer.sketch(values) for values in per_rank]
-                      for part, per_rank in unreduced.items()}  # fmt: skip
-            if full is not None:
-                writer.full(self.updates, full)
-            if "trace" in payload:
-                writer.trace([r["trace"] for r in every])
-            losses = [r["loss"] for r in every]
-            writer.update({
-                "update": self.updates, "losses": [_json_float(v) for v in losses],
-                "loss": _json_float(mean_over_ranks([[v] for v in losses])[0]),
-                "rows": [r["rows"] for r in every], "norms": norms, "unreduced": starts,
-                "sketch": start, "autocast": self._autocast,
-                "micro_batches": len(self._losses),
-            })  # fmt: skip
+            entry["trace"] = self._traced.detached() if self._traced is not None else []
+        self._pending.append((entry, full))
         self.updates += 1
-        self._rows, self._losses = [], []
+        self._rows, self._losses, self._calls = [], [], 0
+        if self.updates >= self._due:
+            self._flush()
+
+    def _flush(self, final: dict[str, np.ndarray] | None = None) -> None:
+        """Every rank sends rank 0 its kept updates (and, at the end, its final weights' sketch) in
+        one collective; rank 0 writes them and says when the next are due (`FLUSH_SECONDS`)."""
+        pending, self._pending = self._pending, []
+        samples = [sample for entry, _ in pending for sample in entry["rows"]]
+        digests = iter(_digests(samples))  # every update's rows at once
+        for entry, _ in pending:
+            rows = [next(digests) for _ in entry["rows"]]
+            entry["rows"] = np.concatenate(rows) if rows else np.zeros(0, np.uint64)
+        now = time.perf_counter()
+        each = (now - self._flushed_at) / max(len(pending), 1)
+        self._flushed_at = now
+        kept = max(1, min(FLUSH_UPDATES, int(FLUSH_SECONDS / max(each, 1e-9))))
+        every = self._gathered(
+            {"updates": [entry for entry, _ in pending], "final": final, "kept": kept}
+        )
+        self._due = self.updates + every[0]["kept"]  # rank 0's choice, the same on every rank
+        if self._writer is None:
+            return
+        for position, (_, full) in enumerate(pending):
+            self._write(self.updates - len(pending) + position, [r["updates"][position]
+                                                                 for r in every], full)  # fmt: skip
+        self._writer.flush()
+        if final is not None:
+            sketches, norms, _ = self._combined([r["final"] for r in every])
+            start = self._writer.sketch(sketches.reshape(-1))
+            final = {"updates": self.updates, "weights_sketch": start, "weights_norms": norms}
+            self._writer.close({**final, "output_rows": self._output_rows})
+
+    def _write(self, update: int, ranks: list[dict[str, Any]], full: torch.Tensor | None) -> None:
+        """Rank 0 writes one update from every rank's numbers."""
+        writer = self._writer
+        sketches, norms, unreduced = self._combined(ranks)
+        start = writer.sketch(sketches.reshape(-1))
+        starts = {part: [writer.sketch(values) for values in per_rank]
+                  for part, per_rank in unreduced.items()}  # fmt: skip
+        if full is not None:
+            writer.full(update, full)
+        if "trace" in ranks[0]:
+            writer.trace([r["trace"] for r in ranks])
+        losses = [r["loss"] for r in ranks]
+        writer.update({
+            "update": update, "losses": [_json_float(v) for v in losses],
+            "loss": _json_float(mean_over_ranks([[v] for v in losses])[0]),
+            "rows": [_hex(r["rows"]) for r in ranks], "calls": [r["calls"] for r in ranks],
+            "norms": norms, "unreduced": starts, "sketch": start,
+            "autocast": ranks[0]["autocast"], "micro_batches": ranks[0]["micro_batches"],
+        })  # fmt: skip
 
     # the end ----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Records the final weights and ends the recording (every rank calls it)."""
+        """Records the final weights and ends the recording (every rank calls it): the updates
+        the ranks still keep and the final weights' sketches in one collective, then a barrier,
+        so that every rank returns once rank 0 has written the whole recording."""
         if self._closed:
             return
         self._closed = True
         for hook in self._hooks:
             hook.remove()
-        every = self._gathered(self._sketches(of_gradients=False))
-        if self._writer is not None:
-            sketches, norms, _ = self._combined(every)
-            start = self._writer.sketch(np.concatenate([sketches[p] for p in self.parts]))
-            self._writer.close(
-                {"updates": self.updates, "weights_sketch": start, "weights_norms": norms}
-            )
+        self._flush(final=self._sketches(of_gradients=False))
+        if self._distributed:
+            dist.barrier()
 
     def __enter__(self) -> Recorder:
         return self
@@ -484,7 +724,7 @@ class Recorder:
     def __exit__(self, kind, value, traceback) -> None:
         if kind is None:
             self.close()
-        else:  # the job failed: the recording stays unfinished, what it recorded stays readable
+        else:  # the job failed: the recording stays unfinished, what it wrote stays readable
             for hook in self._hooks:
                 hook.remove()
 
