@@ -31,7 +31,8 @@ from typing import Any, NoReturn
 from gatherlab.analysis import figures
 from gatherlab.check.compare import Comparison, NotComparable
 from gatherlab.check.compare import compare as _compare
-from gatherlab.core import cli, gradients, runfiles
+from gatherlab.core import cli, gradients, runfiles, terms
+from gatherlab.core.floor import FLOOR_THRESHOLD
 from gatherlab.recording.format import HEADER, Recording, RecordingError
 
 __all__ = ["FIGURE", "UPDATES", "Comparison", "NotComparable", "compare", "main", "write"]
@@ -101,9 +102,13 @@ def write(comparison: Comparison, out: Path) -> list[Path]:
     runfiles.write_table(comparison.updates, out / UPDATES)
     sizes = [json.loads((Path(path) / HEADER).read_text())["world_size"]
              for path in (comparison.reference, comparison.run)]  # fmt: skip
+    floored = "floor" in comparison.updates.columns
     figure = figures.recordings_figure(
         comparison.updates, f"A (W = {sizes[0]})", f"B (W = {sizes[1]})",
-        tolerance=gradients.FLOAT64_TOLERANCE,
+        tolerance=None if floored or comparison.verdict == terms.NOT_JUDGED else
+        gradients.FLOAT64_TOLERANCE,
+        departure=None if comparison.departure is None else comparison.departure[0],
+        threshold=FLOOR_THRESHOLD if floored else None,
     )  # fmt: skip
     return [out / runfiles.CHECK, out / UPDATES, *figures.save(figure, out / FIGURE)]
 

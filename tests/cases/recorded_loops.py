@@ -12,6 +12,8 @@ Bugs, each named by its switch: ``divide_twice`` (the loss divided by W on top o
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -62,6 +64,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 def loop(
     out: str, wrap: str = "ddp", bug: str = "", k: int = 64, full_updates: int = 1,
     trace: bool = False, micro_batches: int = 1, dtype: str = "float64", row_blocks: int = 1,
+    autocast: str | None = None,
 ) -> None:  # fmt: skip
     """Trains ``STEPS`` updates of SGD and records them into ``out``; ``wrap``: ``ddp``,
     ``fsdp2`` or ``zero`` (DDP with ``ZeroRedundancyOptimizer``); without a process group the
@@ -69,7 +72,9 @@ def loop(
     each rank accumulates its rows in that many micro-batches, each loss divided by their number
     (DDP reduces at every backward: the gradient is the same). ``dtype``: the model's and the
     data's (``float32``: a low precision's recording); ``row_blocks``: on one device, the body's
-    forward in that many row blocks (the floor's recording, `gatherlab.record.in_row_blocks`)."""
+    forward in that many row blocks (the floor's recording, `gatherlab.record.in_row_blocks`);
+    ``autocast``: the forward under ``torch.autocast`` in that dtype (``bfloat16``: bf16-mixed,
+    with float32 parameters)."""
     world_size, rank = _world()
     torch.manual_seed(0)
     criterion = Scaled().to(getattr(torch, dtype))
@@ -108,7 +113,10 @@ def loop(
         for micro in range(micro_batches):  # each rank's rows, one micro-batch after the other
             start = update * GLOBAL + rank * rows + micro * (rows // micro_batches)
             batch = slice(start, start + rows // micro_batches)
-            loss = trained(x[batch], y[batch], criterion if outside else None)
+            mixed = contextlib.nullcontext() if autocast is None else torch.autocast(
+                "cpu", dtype=getattr(torch, autocast))  # fmt: skip
+            with mixed:
+                loss = trained(x[batch], y[batch], criterion if outside else None)
             if bug == "divide_twice":
                 loss = loss / world_size
             (loss if bug == "accumulate_sum" else loss / micro_batches).backward()

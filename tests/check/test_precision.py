@@ -277,29 +277,94 @@ def test_classify_at_reads_the_class_at_the_floors_resolution():
 
 
 @pytest.fixture(scope="module")
-def recorded_float32(tmp_path_factory) -> dict:
-    """A plain loop recorded in float32 (`recorded_loops.loop`): on one device, on one device
-    with its body's forward in two row blocks (the floor), and on 2 ranks, exact and with the
-    loss divided by W on top of DDP's average; and in float64 on one device."""
+def recorded_low(tmp_path_factory) -> dict:
+    """A plain loop recorded in bf16-mixed and in float32 (`recorded_loops.loop`): on one device,
+    its floor (one device, its body's forward in two row blocks: the model computes its loss
+    itself), and on 2 ranks, correct and with the loss divided by W on top of DDP's average (the
+    bug); and in float64 on one device."""
     from recorded import record_cases
 
-    job = "recorded_loops:loop"
-    return record_cases(tmp_path_factory.mktemp("float32"), {
-        "one": (1, job, {"dtype": "float32"}),
-        "floor": (1, job, {"dtype": "float32", "row_blocks": 2}),
-        "two": (2, job, {"dtype": "float32"}),
-        "divided": (2, job, {"dtype": "float32", "bug": "divide_twice"}),
+    job, root = "recorded_loops:loop", tmp_path_factory.mktemp("low")
+    bf16 = {"dtype": "float32", "autocast": "bfloat16"}
+    return record_cases(root, {
+        "one": (1, job, bf16), "floor": (1, job, {**bf16, "row_blocks": 2}),
+        "two": (2, job, bf16),
+        "divided": (2, job, {**bf16, "bug": "divide_twice"}),
+        "one32": (1, job, {"dtype": "float32"}),
+        "floor32": (1, job, {"dtype": "float32", "row_blocks": 2}),
+        "two32": (2, job, {"dtype": "float32"}),
+        "divided32": (2, job, {"dtype": "float32", "bug": "divide_twice"}),
         "float64": (1, job, {}),
     })  # fmt: skip
 
 
-def test_recordings_in_float32_are_judged_in_floors_of_the_floor_recording(recorded_float32):
+@pytest.mark.parametrize("run", ["two", "divided"])
+def test_a_bf16_recording_without_a_floor_is_not_judged_and_says_how_to_record_one(
+    recorded_low, run, capsys
+):
+    """A correct and a buggy bf16 job alike: verdict ``not judged``, exit status 3, and how to
+    record the floor: its model returns its loss, so the part before it in row blocks (a job
+    whose model returns rows is given its own command: tests/recording/test_recorder.py)."""
     import gatherlab.compare
 
-    runs = recorded_float32
-    # float64's bounds on float32 numbers: exact code reads "other", as before
-    assert gatherlab.compare(runs["one"], runs["two"]).verdict == "other"
-    exact = gatherlab.compare(runs["one"], runs["two"], floor=runs["floor"])
+    runs = recorded_low
+    compared = gatherlab.compare(runs["one"], runs[run])
+    assert (compared.verdict, compared.status) == ("not judged", 3)
+    assert set(compared.table["gradient"]) == set(compared.updates["gradient"]) == {"not judged"}
+    words = " ".join(compared.words.split())
+    assert "not judged: A and B are recorded in bf16-mixed" in words
+    assert (
+        "its recorded model returns its loss, which row blocks cannot join): "
+        "gatherlab.record.in_row_blocks(model.body) in the job"
+    ) in words
+    assert f"--floor {runs['one']}-floor" in words
+    with pytest.raises(SystemExit) as exit:
+        gatherlab.compare.main([str(runs["one"]), str(runs[run]), "--out",
+                                str(runs["one"].parent / f"not_judged_{run}")])  # fmt: skip
+    assert exit.value.code == 3
+    with pytest.raises(AssertionError, match="not judged"):
+        from gatherlab.testing import assert_runs_match
+
+        assert_runs_match(runs["one"], runs[run])
+
+
+def test_a_correct_bf16_job_is_within_its_floor_and_the_words_say_by_how_much(recorded_low):
+    import gatherlab.compare
+
+    runs = recorded_low
+    compared = gatherlab.compare(runs["one"], runs["two"], floor=runs["floor"])
+    assert (compared.verdict, compared.status, compared.departure) == ("exact within bf16", 0, None)
+    first = compared.updates[compared.updates["part"] == "all"].iloc[0]
+    head = compared.table.iloc[0]
+    assert first["floors"] == pytest.approx(head["floors"], rel=1e-12) and first["floors"] <= 3
+    words = " ".join(compared.words.split())
+    assert f"No update departs: update 0's gradient is {first['floors']:.3g} floors" in words
+    assert f"its final weights' {head['max_abs_param_diff']:.3g}" in words  # the weights' |Δ|
+    assert "departs from A first" not in words
+    assert words.endswith("as far as bf16 can tell (within 3 floors of the floor recording).")
+
+
+def test_a_buggy_bf16_job_departs_at_update_0_in_floors_of_its_floor(recorded_low):
+    import gatherlab.compare
+
+    runs = recorded_low
+    compared = gatherlab.compare(runs["one"], runs["divided"], floor=runs["floor"])
+    assert (compared.verdict, compared.status, compared.departure) == ("1/W", 1, (0, "all"))
+    first = compared.updates[compared.updates["part"] == "all"].iloc[0]
+    assert first["norm_ratio"] == pytest.approx(0.5, rel=2**-7)  # bf16's rounding of a halving
+    assert first["floors"] > 10 * floor.FLOOR_THRESHOLD
+    assert (
+        f"B departs from A first at update 0: its gradient is 1/W, {first['floors']:.3g} "
+        "floors of the floor recording's departure there"
+    ) in " ".join(compared.words.split())
+
+
+def test_recordings_in_float32_are_judged_in_floors_of_the_floor_recording(recorded_low):
+    import gatherlab.compare
+
+    runs = recorded_low
+    assert gatherlab.compare(runs["one32"], runs["two32"]).verdict == "not judged"
+    exact = gatherlab.compare(runs["one32"], runs["two32"], floor=runs["floor32"])
     assert (exact.verdict, exact.status) == ("exact within float32", 0)
     assert exact.table.iloc[0]["floors"] <= floor.FLOOR_THRESHOLD
     assert "In float32 this check detects departures of the gradient of ~" in " ".join(
@@ -307,14 +372,14 @@ def test_recordings_in_float32_are_judged_in_floors_of_the_floor_recording(recor
     )
     assert exact.words.rstrip().endswith("as far as float32 can tell (within 3 floors of the "
                                          "floor recording).")  # fmt: skip
-    divided = gatherlab.compare(runs["one"], runs["divided"], floor=runs["floor"])
+    divided = gatherlab.compare(runs["one32"], runs["divided32"], floor=runs["floor32"])
     assert (divided.verdict, divided.status) == ("1/W", 1)
 
 
-def test_a_floor_recording_of_float64_or_of_several_ranks_is_refused_in_one_line(recorded_float32):
+def test_a_floor_recording_of_float64_or_of_several_ranks_is_refused_in_one_line(recorded_low):
     import gatherlab.compare
 
-    runs = recorded_float32
+    runs = recorded_low
     with pytest.raises(gatherlab.compare.NotComparable, match="judged to 1e-10; allowed: a floor"):
         gatherlab.compare(runs["float64"], runs["float64"], floor=runs["float64"])
     with pytest.raises(gatherlab.compare.NotComparable, match="was recorded on 2 ranks"):

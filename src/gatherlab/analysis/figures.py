@@ -831,12 +831,16 @@ def recordings_figure(
     reference: str = "A",
     run: str = "B",
     tolerance: float | None = None,
+    departure: int | None = None,
+    threshold: float | None = None,
 ) -> plt.Figure:
     """Two recordings compared (``python -m gatherlab.compare``): both global losses per update
     (left; the reference drawn as every reference is) and each part's gradient relative difference
     from the reference's per update on a log scale (right; exact zeros at the floor, the whole
-    gradient black). ``updates`` has the columns of ``updates.csv``
-    (`gatherlab.check.compare.UPDATE_COLUMNS`)."""
+    gradient black), with the first departing update marked (``departure``). ``updates`` has the
+    columns of ``updates.csv`` (`gatherlab.check.compare.UPDATE_COLUMNS`); judged in floors (its
+    ``floor`` column), the floor recording's own departure is drawn, the rounding alone, and
+    ``threshold`` times it, the most that is within it, instead of a fixed ``tolerance``."""
     whole = updates[updates["part"] == "all"]
     parts = [p for p in dict.fromkeys(updates["part"]) if p != "all"]
     with plt.rc_context(STYLE):
@@ -847,7 +851,6 @@ def recordings_figure(
         loss_axis.plot(whole["update"], whole["loss_a"], label=f"{reference} (reference)",
                        **REFERENCE_STYLE)  # fmt: skip
         loss_axis.set(xlabel="optimizer update", ylabel="global loss", title="loss per update")
-        loss_axis.legend(fontsize=8)
         drawn = [("all (whole gradient)", whole, "black", "-")]
         drawn += [(part, updates[updates["part"] == part], PART_COLORS[i % len(PART_COLORS)],
                    PART_LINES[i % len(PART_LINES)]) for i, part in enumerate(parts)]  # fmt: skip
@@ -855,8 +858,28 @@ def recordings_figure(
             diff_axis.plot(rows["update"], np.maximum(rows["rel_err"].to_numpy(float), ZERO_FLOOR),
                            color=color, linestyle=line, linewidth=1.4, marker=marker,
                            label=label)  # fmt: skip
+        floored = "floor" in updates.columns and threshold is not None
+        if floored:  # the rounding alone, and the most of it update 0's gradient may depart by
+            floor = whole["floor"].to_numpy(float)
+            diff_axis.plot(whole["update"], floor, color="0.55", linewidth=2.4, alpha=0.6,
+                           zorder=0, label="floor recording (rounding alone)")  # fmt: skip
+            diff_axis.plot(whole["update"].iloc[:1], threshold * floor[:1], color="0.2",
+                           marker="_", markersize=18, markeredgewidth=2, linestyle="none",
+                           label=f"{threshold:g} floors at update 0: the most within")  # fmt: skip
         _style_difference_axis(diff_axis, tolerance, f"gradient relative difference vs {reference}")
+        if floored:  # no exact zeros to draw in a low precision: the axis fits the departures
+            values = np.concatenate([updates["rel_err"].to_numpy(float), floor])
+            values = values[np.isfinite(values) & (values > 0)]
+            if values.size:
+                diff_axis.set_ylim(values.min() / 5, values.max() * 5)
+            diff_axis.set_title("difference from the reference, and the floor's")
         diff_axis.set(xlabel="optimizer update")
+        if departure is not None:
+            for axis in (loss_axis, diff_axis):
+                axis.axvline(departure, color=GATHER_COLORS["old"], linewidth=1, linestyle="--",
+                             label=f"{run} departs (update {departure})" if axis is loss_axis
+                             else None)  # fmt: skip
+        loss_axis.legend(fontsize=8)
         diff_axis.legend(fontsize=8, loc="best")
         for axis in (loss_axis, diff_axis):  # updates are whole numbers
             axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))

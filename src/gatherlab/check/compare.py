@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,13 @@ from gatherlab.check.table import (
     trains_like_one_device,
 )  # fmt: skip
 from gatherlab.core import gradients, runfiles, terms
-from gatherlab.core.floor import FLOOR_THRESHOLD, WITHIN
+from gatherlab.core.floor import (
+    FLOOR_THRESHOLD,
+    WITHIN,
+    Floored,
+    classify_floored,
+    classify_sketched_floored,
+)
 from gatherlab.core.gradients import Classified, Layout
 from gatherlab.recording.format import Recording, read
 
@@ -58,6 +65,11 @@ ratio and relative error, read from the full gradients where both recordings hol
 MUST_AGREE = ("seed", "precision", "k", "sketch_seed", "full_updates")
 """The header fields two recordings must share besides their models and ``settings`` (every key
 of either, the optimizer and its learning rates among them) and their number of updates."""
+
+FLOOR_COLUMNS = ("floor", "floors")
+"""The columns ``updates.csv`` adds when a floor recording judges it (``--floor``): each row's
+floor, the floor recording's relative departure from A at that update and part, and B's
+departure in floors of it."""
 
 FULL, SKETCH = "full", "sketch"
 
@@ -130,6 +142,13 @@ def _same_model(a: Recording, b: Recording) -> None:
         raise NotComparable("A and B record the same parameters in another order")
 
 
+def _judged(recording: Recording) -> str:
+    """The precision a recording is judged in: its own (`Recording.precision`), fp16 parameters
+    as fp16's autocast (they round alike)."""
+    precision = recording.precision
+    return str(terms.Precision.FP16_MIXED) if precision == "16-true" else precision
+
+
 def _floor(a: Recording, c: Recording) -> tuple[str, Recording]:
     """The precision of a comparison judged in floors and its floor recording ``c``, checked
     against A: the same model and settings, one device, a low precision (an autocast dtype, or
@@ -141,17 +160,13 @@ def _floor(a: Recording, c: Recording) -> tuple[str, Recording]:
             f"--floor {c.path} was recorded on {c.world_size} ranks; allowed: one device with its "
             "forward in row blocks (gatherlab.record.in_row_blocks)"
         )
-    autocast = next((u.autocast for u in a.updates if u.autocast), None)
-    fp16 = terms.Precision.FP16_MIXED  # fp16 parameters round as fp16 autocast does
-    named = {"bfloat16": terms.Precision.BF16_MIXED, "float16": fp16, "16-true": fp16}
-    recorded = a.header.get("precision", terms.Precision.FLOAT64)
-    precision = named.get(autocast or "", named.get(recorded, recorded))
+    precision = _judged(a)
     if precision not in terms.PRECISIONS or precision == terms.Precision.FLOAT64:
         raise NotComparable(
             f"--floor {c.path}: A is recorded in {precision}, judged to 1e-10; allowed: a floor "
             "for recordings in float32, bf16 or fp16"
         )
-    return str(precision), c
+    return precision, c
 
 
 def _same_settings(a: Recording, b: Recording) -> None:
@@ -211,69 +226,117 @@ def _whole_norm(update: Any, parts: Sequence[str]) -> float:
     return math.sqrt(math.fsum(update.norms[part] ** 2 for part in parts))
 
 
-def _classified(
-    a: Recording, b: Recording, index: int, world_size: int, micro_batches: int
-) -> tuple[Classified, dict[str, Classified], str]:
-    """Update ``index``'s gradient of B against A's, the whole and each part (when there are
-    several), and the source: the full gradients where both recordings hold them, else the
-    sketches and exact norms."""
+@dataclass(frozen=True)
+class _Read:
+    """One update's gradient of B read against A's: the whole's class and each part's (when
+    there are several), their source (full gradients or sketches) and, judged in floors, each
+    one's floor and its departure in floors (``all`` for the whole)."""
+
+    whole: Classified
+    parts: dict[str, Classified]
+    source: str
+    floors: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+
+
+def _as_classified(floored: Floored) -> Classified:
+    return Classified(floored.gradient, floored.cosine, floored.norm_ratio, floored.rel_err)
+
+
+def _read(
+    a: Recording, b: Recording, index: int, world_size: int, micro_batches: int,
+    floored: tuple[str, Recording] | None = None,
+) -> _Read:  # fmt: skip
+    """Update ``index``'s gradient of B against A's, from the full gradients where both hold
+    them, else from the sketches and exact norms; with ``floored`` (the precision and the floor
+    recording C), in floors of C's departure from A at the same update (docs/design.md §6,
+    "Comparing two recordings": the relative departures are then L2, ‖g − g₁‖ / ‖g₁‖)."""
     parts = a.parts
     full_a, full_b = a.full_gradient(index), b.full_gradient(index)
-    if full_a is not None and full_b is not None:
+    full_c = floored[1].full_gradient(index) if floored else None
+    if full_a is not None and full_b is not None and (floored is None or full_c is not None):
         full_a, full_b = full_a.double(), full_b.double()
-        whole = gradients.classify(full_b, full_a, world_size, micro_batches)
-        split = gradients.classify_parts(full_b, full_a, a.layout(), world_size, micro_batches)
-        return whole, split, FULL
+        if floored is None:
+            whole = gradients.classify(full_b, full_a, world_size, micro_batches)
+            split = gradients.classify_parts(full_b, full_a, a.layout(), world_size,
+                                             micro_batches)  # fmt: skip
+            return _Read(whole, split, FULL)
+        pieces = {ALL_PARTS: (full_b, full_a, full_c.double())}
+        if len(parts) > 1:
+            layout = a.layout()
+            split = [gradients.split(g, layout) for g in (full_b, full_a, full_c.double())]
+            pieces |= {part: tuple(s[part] for s in split) for part in parts}
+        reading = {name: classify_floored(*vectors, floored[0], world_size, micro_batches)
+                for name, vectors in pieces.items()}  # fmt: skip
+        return _floored_read(reading, FULL)
     theirs, mine = a.updates[index], b.updates[index]
-    whole = gradients.classify_sketched(
-        _sketch(mine, parts), _sketch(theirs, parts), _whole_norm(mine, parts),
-        _whole_norm(theirs, parts), world_size, micro_batches,
-    )  # fmt: skip
-    split = {}
-    if len(parts) > 1:
-        split = {
-            part: gradients.classify_sketched(
-                mine.sketches[part],
-                theirs.sketches[part],
-                mine.norms[part],
-                theirs.norms[part],
-                world_size,
-                micro_batches,
+    named = {ALL_PARTS: parts} | ({part: [part] for part in parts} if len(parts) > 1 else {})
+    if floored is None:
+        reading = {
+            name: gradients.classify_sketched(
+                _sketch(mine, group), _sketch(theirs, group), _whole_norm(mine, group),
+                _whole_norm(theirs, group), world_size, micro_batches,
             )
-            for part in parts
-        }
-    return whole, split, SKETCH
+            for name, group in named.items()
+        }  # fmt: skip
+        whole = reading.pop(ALL_PARTS)
+        return _Read(whole, reading, SKETCH)
+    perturbed = floored[1].updates[index]
+    reading = {
+        name: classify_sketched_floored(
+            (_sketch(mine, group), _sketch(theirs, group), _sketch(perturbed, group)),
+            (_whole_norm(mine, group), _whole_norm(theirs, group)), floored[0], world_size,
+            micro_batches,
+        )
+        for name, group in named.items()
+    }  # fmt: skip
+    return _floored_read(reading, SKETCH)
+
+
+def _floored_read(reading: dict[str, Floored], source: str) -> _Read:
+    classes = {name: _as_classified(numbers) for name, numbers in reading.items()}
+    return _Read(
+        classes.pop(ALL_PARTS), classes, source,
+        {name: (numbers.floor, numbers.floors) for name, numbers in reading.items()},
+    )  # fmt: skip
 
 
 def _updates_table(
-    a: Recording, b: Recording, world_size: int, micro_batches: int
-) -> tuple[pd.DataFrame, list[tuple[Classified, dict[str, Classified], str]]]:
-    """The rows of ``updates.csv`` (`UPDATE_COLUMNS`) and each update's classes."""
-    rows, classes = [], []
+    a: Recording, b: Recording, world_size: int, micro_batches: int,
+    floored: tuple[str, Recording] | None = None,
+) -> tuple[pd.DataFrame, list[_Read]]:  # fmt: skip
+    """The rows of ``updates.csv`` (`UPDATE_COLUMNS`, and `FLOOR_COLUMNS` judged in floors)
+    and each update's reading."""
+    rows, reads = [], []
     for theirs, mine in zip(a.updates, b.updates, strict=True):
-        whole, split, source = _classified(a, b, theirs.index, world_size, micro_batches)
-        classes.append((whole, split, source))
-        for part, numbers in [(ALL_PARTS, whole), *split.items()]:
+        reading = _read(a, b, theirs.index, world_size, micro_batches, floored)
+        reads.append(reading)
+        for part, numbers in [(ALL_PARTS, reading.whole), *reading.parts.items()]:
             rows.append((theirs.index, part, str(numbers.gradient), numbers.cosine,
-                         numbers.norm_ratio, numbers.max_rel_err, source, theirs.loss,
-                         mine.loss))  # fmt: skip
-    return pd.DataFrame(rows, columns=list(UPDATE_COLUMNS)), classes
+                         numbers.norm_ratio, numbers.max_rel_err, reading.source, theirs.loss,
+                         mine.loss, *reading.floors.get(part, ())))  # fmt: skip
+    columns = UPDATE_COLUMNS + (FLOOR_COLUMNS if floored else ())
+    return pd.DataFrame(rows, columns=list(columns)), reads
 
 
 def _departure(
     a: Recording,
     b: Recording,
-    classes: Sequence[tuple[Classified, dict[str, Classified], str]],
+    reads: Sequence[_Read],
     tolerance: float,
     scale: float | None,
+    floored: bool = False,
 ) -> tuple[int, str] | None:
     """The first update whose loss (divided by ``scale``) or gradient departs from A's, and the
-    first part that departs there (``all``: the loss alone, or a gradient of one part)."""
+    first part that departs there (``all``: the loss alone, or a gradient of one part). Judged
+    in floors (``floored``), only update 0's gradient is (in floors, as the verdict's): later
+    updates compare gradients at weights that rounding has moved apart in B and in the floor
+    recording alike, by amounts of their own, and are held through their losses."""
     factor = scale if scale is not None and not math.isnan(scale) else 1.0
-    for (whole, split, _), theirs, mine in zip(classes, a.updates, b.updates, strict=True):
-        if whole.gradient != EXACT:  # the whole when every part is as the whole, else a part
-            alike = all(numbers.gradient == whole.gradient for numbers in split.values())
-            departing = (p for p, numbers in split.items() if numbers.gradient != EXACT)
+    for reading, theirs, mine in zip(reads, a.updates, b.updates, strict=True):
+        judged = not floored or theirs.index == a.updates[0].index
+        if judged and reading.whole.gradient != EXACT:  # the whole if every part is alike
+            alike = all(n.gradient == reading.whole.gradient for n in reading.parts.values())
+            departing = (p for p, numbers in reading.parts.items() if numbers.gradient != EXACT)
             return theirs.index, ALL_PARTS if alike else next(departing, ALL_PARTS)
         if abs(mine.loss / factor - theirs.loss) > tolerance:
             return theirs.index, ALL_PARTS
@@ -370,9 +433,31 @@ def _sketch_layout(recording: Recording) -> Layout:
 
 
 def _describe(recording: Recording, name: str) -> str:
-    header = recording.header
-    return (f"{name} {recording.path} (W = {recording.world_size}, {len(recording.updates)} "
-            f"updates, {header.get('precision', '?')}, k = {recording.k})")  # fmt: skip
+    """A recording in one line: its world size, updates, precision, k, and the rows each rank
+    records per update (the first tensor of each call of the model's forward, or of each batch a
+    trainer gives: two calls, one per view, hold twice the batch's rows)."""
+    described = (f"{name} {recording.path} (W = {recording.world_size}, {len(recording.updates)} "
+                 f"updates, {recording.precision}, k = {recording.k}")  # fmt: skip
+    first = recording.updates[0] if recording.updates else None
+    if first is None or not first.rows or not first.rows[0]:
+        return described + ")"
+    calls = first.calls[0] if first.calls else None
+    called = "" if not calls else (
+        f", from {calls} call{'s' if calls > 1 else ''} of its model's forward"
+        if recording.header.get("hooks", "model") == "model"
+        else f", from {calls} batch{'es' if calls > 1 else ''} its trainer gave"
+    )  # fmt: skip
+    return described + f"; {len(first.rows[0])} rows per rank and update{called})"
+
+
+def _outside_notes(recording: Recording) -> list[str]:
+    """A note for each parameter the optimizer updates outside the model and the loss that the
+    job did not name (its part ``optimizer.<group>.<index>``), with its shape."""
+    return [
+        f"note: part {p['name']} is a parameter of shape {p['shape']} that the optimizer updates "
+        "outside the model and the loss; gatherlab.record(..., names={'NAME': parameter}) names it"
+        for p in recording.header["parameters"] if p["name"].startswith("optimizer.")
+    ]  # fmt: skip
 
 
 def compare(
@@ -386,10 +471,12 @@ def compare(
     of the module's docstring. ``tolerance``: the largest |Δloss| of an update and |Δ| of the
     final weights' sketches (absolute; default the precision's, `gradients.TOLERANCE`); the
     gradients' classes keep the bounds of docs/design.md §1. ``floor``: in a low precision, a
-    recording of one device with its forward in row blocks (`gatherlab.record.in_row_blocks`):
-    B's first gradient, losses and final weights are judged in floors of its departure from A
-    (docs/design.md §2, "Low precision"), its verdict ``exact within bf16`` where float64's bounds
-    would say ``other``.
+    recording of one device with its forward in row blocks (``GATHERLAB_RECORD_FLOOR``,
+    `gatherlab.record.in_row_blocks`): every update's gradient, the losses and the final weights
+    are judged in floors of its departure from A (docs/design.md §2, "Low precision"), the
+    verdict ``exact within bf16`` where float64's bounds would say ``other``. In a low precision
+    without one, the verdict is ``not judged`` (status 3) with the command that records one,
+    unless the data differs.
 
     Raises:
         RecordingError: a directory that is no finished recording of a version this gatherlab
@@ -400,16 +487,15 @@ def compare(
     _same_model(a, b)
     _same_settings(a, b)
     floored = None if floor is None else _floor(a, recording(floor))
+    precision = _judged(a)
     if tolerance is None:
-        precision = a.header.get("precision", terms.Precision.FLOAT64)
         tolerance = gradients.TOLERANCE.get(precision, gradients.FLOAT64_TOLERANCE)
     world_size, micro_batches = b.world_size, _micro_batches(a, b)
     data = batches.compare(a, b)
-    updates, classes = _updates_table(a, b, world_size, micro_batches)
+    updates, reads = _updates_table(a, b, world_size, micro_batches, floored)
     unreduced, measured = _unreduced(a, b)
     measured = {**measured, "data_cause": data.explanation or ""}
-    whole, split, source = classes[0]
-    full = source == FULL
+    full = reads[0].source == FULL
     key = Row(loss=str(b.path), gather="native", world_size=world_size, reference=str(a.path),
               micro_batches=micro_batches)  # fmt: skip
     unlossed = {x.index for x, y in zip(a.updates, b.updates, strict=True)
@@ -420,20 +506,30 @@ def compare(
     in_precision = None
     if floored is not None:
         in_precision = InPrecision(floored[0], _trained(floored[1], full, unlossed))
+        tolerance = in_precision.tolerance(_trained(a, full, unlossed))
     rows = judge(
         _trained(b, full, unlossed), _trained(a, full, unlossed), key, tolerance=tolerance,
         layout=a.layout() if full else _sketch_layout(a),
-        recorded=Recorded(None if full else (whole, split), unreduced, data.update is not None,
-                          in_precision),
+        recorded=Recorded(None if full else (reads[0].whole, reads[0].parts), unreduced,
+                          data.update is not None, in_precision),
         where=None if data.update is not None or floored else _where(a, b, tolerance),
     )  # fmt: skip
-    departure = _departure(a, b, classes, tolerance, rows[0].scale)
+    judged = floored is not None or precision == terms.Precision.FLOAT64 or data.update is not None
+    departure = None
+    if judged:
+        departure = _departure(a, b, reads, tolerance, rows[0].scale, floored is not None)
     if departure is not None:
         rows = [dataclasses.replace(r, first_update=departure[0], first_part=departure[1])
                 for r in rows]  # fmt: skip
+    if not judged:  # its rounding cannot be told from a departure: no class, no verdict
+        rows = [dataclasses.replace(r, forward=terms.NOT_JUDGED, gradient=terms.NOT_JUDGED,
+                                    verdict=terms.NOT_JUDGED, first_diff_step=None)
+                for r in rows]  # fmt: skip
+        updates = updates.assign(gradient=terms.NOT_JUDGED)
     table = frame(rows, COMPARISON_COLUMNS + (PRECISION_COLUMNS if floored else ()))
-    status = 0 if trains_like_one_device(table) else 1
-    words = _words(a, b, table, updates, data, departure, measured)
+    status = 0 if trains_like_one_device(table) else 1 if judged else terms.NOT_JUDGED_STATUS
+    said = _Said(table, updates, data, departure, measured, tolerance)
+    words = _words(a, b, said) if judged else _not_judged_words(a, b, said, reads[0], precision)
     return Comparison(
         table=table, updates=updates, verdict=rows[0].verdict, status=status, words=words,
         data=data.words, notes=data.notes, departure=departure, reference=a.path, run=b.path,
@@ -451,47 +547,146 @@ PRINTED = (
 SHOWN_UPDATES = 1
 
 
-def _words(
-    a: Recording,
-    b: Recording,
-    table: pd.DataFrame,
-    updates: pd.DataFrame,
-    data: batches.Batches,
-    departure: tuple[int, str] | None,
-    measured: dict[str, str],
-) -> str:
-    """The comparison as text: the recordings, the data's difference first, the table, the first
-    departure and the updates around it, the diagnosis of the verdict, and the last line."""
+@dataclass(frozen=True)
+class _Said:
+    """What the words of a comparison are made of: its table, its updates, the data, the first
+    departure, the causes measured, and the tolerance of its losses and final weights."""
+
+    table: pd.DataFrame
+    updates: pd.DataFrame
+    data: batches.Batches
+    departure: tuple[int, str] | None
+    measured: dict[str, str]
+    tolerance: float
+
+
+def _heading(a: Recording, b: Recording, said: _Said) -> list[str]:
+    """The two recordings, the data's difference, the notes and the table."""
     lines = [f"{_describe(b, 'B')}\nagainst {_describe(a, 'A')}"]
-    if data.words is not None:
-        lines.append(data.words)
-    lines += list(data.notes)
-    lines.append(diagnosis.markdown(diagnosis._shown_parts(table), PRINTED))
+    if said.data.words is not None:
+        lines.append(said.data.words)
+    lines += [*said.data.notes, *_outside_notes(a)]
+    lines.append(diagnosis.markdown(diagnosis._shown_parts(said.table), PRINTED))
+    return lines
+
+
+def _words(a: Recording, b: Recording, said: _Said) -> str:
+    """The comparison as text: the recordings, the data's difference first, the table, the first
+    departure and the updates around it (or, judged in floors, how far within them B stays),
+    the diagnosis of the verdict, and the last line."""
+    table, updates = said.table, said.updates
+    lines = _heading(a, b, said)
     head = table.iloc[0]
-    if departure is not None and data.words is None:  # other data: no gradient to read
-        update, part = departure
+    floored = "in_precision" in table.columns
+    columns = UPDATE_COLUMNS + (FLOOR_COLUMNS if floored else ())
+    if said.departure is not None and said.data.words is None:  # other data: no gradient to read
+        update = said.departure[0]
         shown = updates[
             (updates["update"] >= update) & (updates["update"] < update + SHOWN_UPDATES)
         ]
-        lines.append(
-            f"B departs from A first at update {update}"
-            + ("" if part == ALL_PARTS else f", part {part}")
-            + " (updates.csv has every update and part):\n"
-            + diagnosis.markdown(shown, UPDATE_COLUMNS)
-        )
+        lines.append(_departure_words(head, said, floored) + " (updates.csv has every update "
+                     "and part):\n" + diagnosis.markdown(shown, columns))  # fmt: skip
+    elif floored and said.data.words is None:
+        lines.append(_within_floors_words(head, said))
     if head["verdict"] not in (EXACT, *WITHIN):
         parts = table[table["part"] != ALL_PARTS]
         cause = head["cause"]
         named = f" ({cause})" if cause and head["verdict"] != terms.LOSS_SCALED else ""
-        text = diagnosis.diagnosis(table.iloc[:1], parts, measured)
+        text = diagnosis.diagnosis(table.iloc[:1], parts, said.measured)
         lines.append(f"B against A, W = {head['world_size']}: {head['verdict']}{named}\n"
                      + diagnosis._paragraph(text) + diagnosis._departs(table.iloc[:1]))  # fmt: skip
     lines += diagnosis._precision_lines(table, None)  # judged in floors (--floor)
-    if trains_like_one_device(table) and "in_precision" in table.columns:
+    if trains_like_one_device(table) and floored:
         word = terms.Precision(table["precision"].iloc[0]).word
         lines.append(f"B trains like A as far as {word} can tell (within {FLOOR_THRESHOLD:g} "
                      "floors of the floor recording).")  # fmt: skip
     elif trains_like_one_device(table):
-        precision = a.header.get("precision", "")
-        lines.append(f"B trains like A ({precision}, every update's loss and gradient).")
+        lines.append(f"B trains like A ({a.precision}, every update's loss and gradient).")
     return "\n\n".join(lines) + "\n"
+
+
+def _departure_words(head: pd.Series, said: _Said, floored: bool) -> str:
+    """Where B departs first, in the numbering of every table and figure (updates from 0; an
+    update's loss is computed before its step, so a gradient that departs at update u moves the
+    loss of update u + 1 first)."""
+    update, part = said.departure
+    where = f"B departs from A first at update {update}" + (
+        "" if part == ALL_PARTS else f", part {part}"
+    )
+    rows = said.updates[(said.updates["update"] == update) & (said.updates["part"] == part)]
+    row = rows.iloc[0]
+    if row["gradient"] == EXACT:  # its gradient is A's there: the loss departs
+        difference = abs(row["loss_b"] - row["loss_a"])
+        return f"{where}: its loss leaves A's by {difference:.3g} (tolerance {said.tolerance:.3g})"
+    gradient = f"its gradient is {row['gradient']}"
+    if floored:
+        gradient += (f", {row['floors']:.3g} floors of the floor recording's departure there "
+                     f"({row['floor']:.2g}; at most {FLOOR_THRESHOLD:g} is within it)")  # fmt: skip
+    first_loss = head["first_diff_step"]
+    if first_loss is not None and not pd.isna(first_loss):
+        step = int(first_loss)
+        when = ("the same update" if step == update else
+                f"the first computed with the weights of update {update}'s step"
+                if step == update + 1 else f"{step - update} updates later")  # fmt: skip
+        loss = f"; its loss first leaves A's at update {step} (first_diff_step: {when})"
+    else:
+        loss = f"; no update's loss leaves A's by more than {said.tolerance:.3g}"
+    return f"{where}: {gradient}{loss}"
+
+
+def _within_floors_words(head: pd.Series, said: _Said) -> str:
+    """Judged in floors and departing at no update: update 0's gradient in floors, and the losses
+    and final weights beside their tolerance (T times the floor recording's largest departure of
+    either), so that weights far apart in absolute terms are seen to be as far apart as the
+    floor recording's."""
+    first = said.updates[(said.updates["part"] == ALL_PARTS)].iloc[0]
+    losses, weights = head["train_max_abs_loss_diff"], head["max_abs_param_diff"]
+    return (
+        f"No update departs: update 0's gradient is {first['floors']:.3g} floors from A's (a "
+        f"floor: {first['floor']:.2g}, the floor recording's departure; at most "
+        f"{FLOOR_THRESHOLD:g} floors is within). Later "
+        "updates' gradients are read at weights that rounding has moved apart, in B and in the "
+        "floor recording alike (updates.csv has each one's floors), and are held through the "
+        f"losses and the final weights' sketches, to {said.tolerance:.3g} ({FLOOR_THRESHOLD:g} "
+        "times the floor recording's largest departure of either from A's): B's largest "
+        f"|Δloss| is {losses:.3g}, its final weights' {weights:.3g}."
+    )
+
+
+def _not_judged_words(a: Recording, b: Recording, said: _Said, first: _Read, precision: str) -> str:
+    """A low precision without a floor recording: what was measured, and the command that
+    records the floor."""
+    word = terms.Precision(precision).word
+    lines = _heading(a, b, said)
+    departure = first.whole.max_rel_err
+    measure = "max |g − g₁| / max |g₁|" if first.source == FULL else "‖S(g − g₁)‖ / ‖g₁‖"
+    lines.append(
+        f"not judged: A and B are recorded in {precision}, whose rounding alone makes W ranks "
+        f"depart from one device; without a floor no departure can be told from it (B's first "
+        f"gradient departs from A's by {departure:.2g}, {measure}; {word}'s unit roundoff is "
+        f"{terms.Precision(precision).unit_roundoff:.2g}). " + _floor_command(a, b)
+    )
+    return "\n\n".join(lines) + "\n"
+
+
+def _floor_command(a: Recording, b: Recording) -> str:
+    """How to record A's floor: A's own command with ``GATHERLAB_RECORD_FLOOR``, where the
+    recording knows it and the plain recorder made it; else what the job itself must do."""
+    header = a.header
+    norms = header.get("batch_norm") or []
+    if norms:
+        return (f"A's model has batch norm ({', '.join(norms)}), whose statistics a floor's row "
+                "blocks would split: no floor can be measured for it; record both runs in "
+                "float64 to judge them.")  # fmt: skip
+    floor_dir = f"{a.path}-floor"
+    again = f"python -m gatherlab.compare {a.path} {b.path} --floor {floor_dir}"
+    command = header.get("command")
+    if header.get("hooks", "model") == "model" and command and a.output_rows:
+        return ("Record the floor, A's job on one device with its model's forward in two row "
+                f"blocks, and compare again:\n    GATHERLAB_RECORD_FLOOR={floor_dir} "
+                f"{shlex.join(command)}\n    {again}")  # fmt: skip
+    returns = " (its recorded model returns its loss, which row blocks cannot join)" if (
+        a.output_rows is False) else ""  # fmt: skip
+    return ("Record the floor, A's job on one device with the part of its model before the loss "
+            f"in two row blocks{returns}: gatherlab.record.in_row_blocks(model.body) in the job, "
+            f"recorded into {floor_dir}; and compare again:\n    {again}")  # fmt: skip

@@ -609,12 +609,12 @@ def _precision_lines(table: pd.DataFrame, name_column: str | None) -> list[str]:
         own.insert(0, f"The code runs in float64{which}, which judges it; {precision.word} adds "
                       "only its own rounding, measured here.")  # fmt: skip
     floored = Floored(str(precision), "", "", float(whole["floor"].max()), 0.0, 0, 0, 0)
-    text = (
-        f"{' '.join(own)} Each W's gradient in {precision} is compared with one device's "
-        f"in {precision}, in floors (one device with its forward in two row blocks: rounding of "
-        f"the same kind, nothing changed mathematically); at most {FLOOR_THRESHOLD:g} floors is "
-        f"exact within {precision.word}. {power_words(floored).capitalize()}."
-    )
+    text = " ".join([
+        *own, f"Each W's gradient in {precision} is compared with one device's in {precision}, "
+        "in floors (one device with its forward in two row blocks: rounding of the same kind, "
+        f"nothing changed mathematically); at most {FLOOR_THRESHOLD:g} floors is exact within "
+        f"{precision.word}. {power_words(floored).capitalize()}.",
+    ])  # fmt: skip
     keys = [*([name_column] if name_column else []), "world_size",
             *(["micro_batches"] if _has_micro_batches(whole) else [])]  # fmt: skip
     header = [*keys, "floor", "floors", f"in {precision.word}"]

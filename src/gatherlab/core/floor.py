@@ -15,6 +15,7 @@ in place of 1e-10. The smallest departure the judgement sees is that resolution,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from gatherlab.core.terms import GradientClass, Precision
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "FLOOR_THRESHOLD", "WITHIN", "Floored", "classify_at", "classify_floored", "floor_of",
+    "FLOOR_THRESHOLD", "WITHIN", "Floored", "classify_at", "classify_floored",
+    "classify_sketched_floored", "floor_of",
     "forward_floored", "judged_in", "power_words", "relative", "within",
 ]  # fmt: skip
 
@@ -129,6 +131,33 @@ def classify_at(
     verdict = within(precision) if measured == GradientClass.EXACT else measured
     return Floored(precision, measured, verdict, floor, rel_err / floor, cosine, norm_ratio,
                    rel_err)  # fmt: skip
+
+
+def classify_sketched_floored(
+    sketches: tuple[Sequence[float], Sequence[float], Sequence[float]],
+    norms: tuple[float, float],
+    precision: str,
+    world_size: int,
+    micro_batches: int = 1,
+) -> Floored:
+    """A gradient known by its linear sketch and exact norm (``sketches``: the run's, one
+    device's, the perturbed one device's; ``norms``: the run's and one device's) in floors, as
+    `classify_floored` reads full gradients: the floor ‖S(g_split − g₁)‖ / ‖g₁‖, the class by
+    `gradients.classify_sketched` at the resolution T · floor (the relative departures are the
+    sketches' estimates of the full gradients', docs/design.md §11)."""
+    import numpy as np
+
+    from gatherlab.core.gradients import classify_sketched
+
+    mine, theirs, perturbed = (np.asarray(s, dtype=np.float64) for s in sketches)
+    norm, reference_norm = norms
+    departure = float(np.linalg.norm(perturbed - theirs)) / reference_norm if reference_norm else 0
+    floor = floor_of(departure, precision)
+    measured = classify_sketched(mine, theirs, norm, reference_norm, world_size, micro_batches,
+                                 FLOOR_THRESHOLD * floor)  # fmt: skip
+    verdict = within(precision) if measured.gradient == GradientClass.EXACT else measured.gradient
+    return Floored(precision, measured.gradient, verdict, floor, measured.max_rel_err / floor,
+                   measured.cosine, measured.norm_ratio, measured.max_rel_err)  # fmt: skip
 
 
 def forward_floored(

@@ -191,13 +191,16 @@ def classify_sketched(
     reference_norm: float,
     world_size: int,
     micro_batches: int = 1,
+    resolution: float = FLOAT64_TOLERANCE,
 ) -> Classified:
     """The class of a gradient known by its linear sketch S g and its exact norm ‖g‖ against one
     device's (S g₁, ‖g₁‖), by the rule of `class_of`: cosine ⟨S g, S g₁⟩ / (‖S g‖ ‖S g₁‖), norm
     ratio ‖g‖ / ‖g₁‖ (exact), relative error ‖S(g − g₁)‖ / ‖g₁‖ with the exact ‖g₁‖ (its
     ``max_rel_err`` field). A linear sketch keeps equality and parallelism (S(c·g) = c·S g), so
     ``exact`` and a named factor are read exactly; a biased gradient's cosine and relative error
-    are estimates, within the bounds docs/design.md §11 states for k."""
+    are estimates, within the bounds docs/design.md §11 states for k. ``resolution``: the
+    smallest relative departure read as one (1e-10 in float64; T floors in a low precision,
+    `gatherlab.core.floor.classify_sketched_floored`)."""
     import numpy as np
 
     mine = np.asarray(sketch, dtype=np.float64)
@@ -209,7 +212,9 @@ def classify_sketched(
     cosine = float(mine @ theirs / product) if product > 0 else math.nan
     norm_ratio = norm / reference_norm
     rel_err = float(np.linalg.norm(mine - theirs)) / reference_norm
-    measured = class_of(cosine, norm_ratio, rel_err, norm == 0, False, world_size, micro_batches)
+    measured = class_of(
+        cosine, norm_ratio, rel_err, norm == 0, False, world_size, micro_batches, resolution
+    )
     return Classified(measured, cosine, norm_ratio, rel_err)
 
 

@@ -99,6 +99,14 @@ DATA_DIFFERS = "data differs"
 """A comparison's verdict when the run and its reference were not given the same global batch at
 some update, as a set of rows (`gatherlab.check.compare`): said before any gradient is judged, no
 gradient being comparable while the data differs."""
+NOT_JUDGED = "not judged"
+"""A comparison's verdict when two recordings in a low precision have no floor recording beside
+them (`gatherlab.check.compare`): their rounding alone departs from one device, and without a
+measured floor no departure can be told from it (docs/design.md §2, "Low precision"); its exit
+status is `NOT_JUDGED_STATUS`, neither a pass nor a failure."""
+NOT_JUDGED_STATUS = 3
+"""The exit status of ``python -m gatherlab.compare`` whose verdict is `NOT_JUDGED`: 0 trains like
+the reference, 1 does not, 2 bad input, 3 not judged."""
 FAILED = "failed"
 """A check's verdict at a world size whose ranks raised: its ``error`` names the rank and the
 error, or starts with `COLLECTIVES_DIFFER`."""
