@@ -5,9 +5,10 @@
 
 prints the verdict, the table and the first update and part that depart, and writes
 ``check.csv``, ``updates.csv`` and the figure ``compare.png``/``compare.pdf`` into ``--out``
-(default ``outputs/compare/<date>_<time>/``); exit status 0 when B trains like A, 1 when it does
-not (``data differs`` included), 2 for bad input (a directory that is no finished recording, a
-newer format, recordings of different models or settings), each one line. From Python::
+(default: beside B, ``<B>-vs-<A's name>/``, `default_out`); exit status 0 when B trains like A, 1
+when it does not (``data differs`` included), 2 for bad input (a directory that is no finished
+recording, a newer format, recordings of different models or settings), each one line, 3 when
+recordings in a low precision have no floor recording (``not judged``). From Python::
 
     import gatherlab
     comparison = gatherlab.compare("runs/w1", "runs/w4")   # the module is callable
@@ -24,7 +25,6 @@ import json
 import sys
 import types
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -35,7 +35,9 @@ from gatherlab.core import cli, gradients, runfiles, terms
 from gatherlab.core.floor import FLOOR_THRESHOLD
 from gatherlab.recording.format import HEADER, Recording, RecordingError
 
-__all__ = ["FIGURE", "UPDATES", "Comparison", "NotComparable", "compare", "main", "write"]
+__all__ = [
+    "FIGURE", "UPDATES", "Comparison", "NotComparable", "compare", "default_out", "main", "write",
+]  # fmt: skip
 
 UPDATES = "updates.csv"
 """The per-update table of a comparison (`gatherlab.check.compare.UPDATE_COLUMNS`)."""
@@ -116,8 +118,9 @@ def write(comparison: Comparison, out: Path) -> list[Path]:
 # The help's description, plain text as a terminal shows it.
 DESCRIPTION = (
     "Compare recording B (the run) against recording A (the reference, normally the one-device "
-    "run), update by update; write check.csv, updates.csv and the figure into --out and exit 0 "
-    "when B trains like A, 1 otherwise, 2 for bad input."
+    "run), update by update; write check.csv, updates.csv and the figure into --out (beside B by "
+    "default) and exit 0 when B trains like A, 1 otherwise, 2 for bad input, 3 not judged (a low "
+    "precision without --floor)."
 )
 
 
@@ -145,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="recording A, the reference (e.g. the one-device run)")  # fmt: skip
     parser.add_argument("run", type=Path, metavar="B", help="recording B, the run compared with A")
     parser.add_argument("--out", type=Path, metavar="DIR",
-                        help="output directory (default: a new outputs/compare/ dir)")  # fmt: skip
+                        help="output directory (default: beside B, <B>-vs-<A's name>)")  # fmt: skip
     parser.add_argument(
         "--tolerance", type=_tolerance, default=None, metavar="X",
         help="largest |Δloss| per update and |Δ| of the final weights' sketches (default: the "
@@ -159,23 +162,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def default_out(reference: Path, run: Path, floor: Path | None = None) -> Path:
+    """Where a comparison's files go without ``--out``: beside recording B, named after both
+    recordings (and the floor's), so that a comparison lives with what it compares and a second
+    one of the same recordings finds it: ``runs/four-vs-one``."""
+    name = f"{run.name}-vs-{reference.name}" + (f"-floor-{floor.name}" if floor else "")
+    return run.parent / name
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """The command line (``argv``: its arguments, ``sys.argv`` when not given): exit status 0 when
-    B trains like A, 1 when it does not, 2 for bad input, 130 on Ctrl-C."""
+    B trains like A, 1 when it does not, 2 for bad input, 3 when a low precision without a floor
+    is not judged, 130 on Ctrl-C. Without ``--out`` the files go beside B (`default_out`), and a
+    comparison already there is kept: the verdict is printed, nothing is written."""
     as_program = argv is None
     args = _parser().parse_args(argv)
-    out = args.out or Path("outputs") / "compare" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
+    out = args.out or default_out(args.reference, args.run, args.floor)
+    kept = args.out is None and (out / runfiles.CHECK).exists()
     try:
-        comparison = compare(args.reference, args.run, out=out, tolerance=args.tolerance,
-                             floor=args.floor)  # fmt: skip
+        comparison = compare(args.reference, args.run, out=None if kept else out,
+                             tolerance=args.tolerance, floor=args.floor)  # fmt: skip
     except (RecordingError, NotComparable, runfiles.RunFinished) as error:
         cli.fail("compare", cli.first_line(error))
     except KeyboardInterrupt:
-        written = "nothing was written" if not out.exists() else f"{out} may be incomplete"
+        written = "nothing was written" if kept or not out.exists() else f"{out} may be incomplete"
         print(f"gatherlab.compare: interrupted; {written}", file=sys.stderr)
         sys.exit(130)
     print(comparison.words)
-    print(f"written: {out}/ ({runfiles.CHECK}, {UPDATES}, {FIGURE}.png, {FIGURE}.pdf)")
+    if kept:
+        print(f"not written: {out}/ holds a comparison already (never overwritten; --out DIR "
+              "writes this one elsewhere)")  # fmt: skip
+    else:
+        print(f"written: {out}/ ({runfiles.CHECK}, {UPDATES}, {FIGURE}.png, {FIGURE}.pdf)")
     if as_program:
         cli.exiting()
     sys.exit(comparison.status)

@@ -123,6 +123,31 @@ def test_an_out_that_holds_a_comparison_is_refused_in_one_line(recordings, tmp_p
     assert (out / "check.csv").read_text() == written
 
 
+def test_without_out_the_files_go_beside_b_and_are_kept_when_there(recordings, tmp_path):
+    """No ``--out``: the files go beside B, named after both recordings; run again, the verdict
+    is printed and its exit status returned, and the comparison there is kept, as it says;
+    nothing is written into the working directory."""
+    runs = tmp_path / "runs"
+    shutil.copytree(recordings["w1"], runs / "one")
+    shutil.copytree(recordings["half2"], runs / "two")
+    before = set(os.listdir())
+    first = run_command("compare", str(runs / "one"), str(runs / "two"))
+    out = runs / "two-vs-one"
+    assert first.returncode == 1 and (out / "check.csv").exists(), first
+    assert first.stdout.rstrip().endswith(
+        f"written: {out}/ (check.csv, updates.csv, compare.png, compare.pdf)"
+    )
+    written = (out / "check.csv").read_text()
+    again = run_command("compare", str(runs / "one"), str(runs / "two"))
+    assert again.returncode == 1 and "B against A, W = 2: 1/W" in again.stdout, again
+    assert again.stdout.rstrip().endswith(
+        f"not written: {out}/ holds a comparison already (never overwritten; --out DIR writes "
+        "this one elsewhere)"
+    )
+    assert (out / "check.csv").read_text() == written
+    assert set(os.listdir()) == before  # nothing in the working directory
+
+
 @pytest.mark.parametrize(
     ("arguments", "words"),
     [((), "the following arguments are required"), (("a", "b", "--tolerance", "-1"), "-1")],
