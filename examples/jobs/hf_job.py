@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             ddp_backend="gloo" if world_size > 1 else None,
             ddp_find_unused_parameters=False,
             dataloader_num_workers=0,
+            dataloader_drop_last=True,  # accelerate pads an epoch's last batches on W ranks else
             remove_unused_columns=False,
             report_to=[],
             save_strategy="no",

@@ -118,7 +118,11 @@ def assert_training_invariant(
 
 
 def assert_runs_match(
-    reference: str | Path, run: str | Path, *, tolerance: float | None = None
+    reference: str | Path,
+    run: str | Path,
+    *,
+    tolerance: float | None = None,
+    floor: str | Path | None = None,
 ) -> Any:
     """`gatherlab.compare` of two recordings (`gatherlab.record`), failing with its words unless
     the run trains like the reference (docs/design.md §5): for a CI job that records a short run
@@ -128,21 +132,25 @@ def assert_runs_match(
         reference: recording A, the reference (normally the one-device run).
         run: recording B, the run.
         tolerance: as `gatherlab.compare.compare`'s.
+        floor: in float32, bf16 or fp16, the floor recording (``GATHERLAB_RECORD_FLOOR``), as
+            `gatherlab.compare.compare`'s; without it such recordings are not judged, and fail.
 
     Returns:
-        The `gatherlab.check.compare.Comparison`, its verdict ``exact`` or ``loss scaled``.
+        The `gatherlab.check.compare.Comparison`, its verdict ``exact``, ``loss scaled`` or
+        ``exact within …``.
 
     Raises:
-        AssertionError: B does not train like A (``data differs`` included); the message is the
-            comparison's words: the data's difference, the table, the first update and part that
-            depart, the diagnosis.
+        AssertionError: B does not train like A (``data differs`` included), or it is ``not
+            judged`` (a low precision without ``floor``); the message is the comparison's words:
+            the data's difference, the table, the first update and part that depart, the
+            diagnosis, or the command that records the floor.
         gatherlab.recording.format.RecordingError: a directory that is no finished recording.
         gatherlab.check.compare.NotComparable: recordings of different models or settings.
     """
     __tracebackhide__ = True  # pytest shows the caller's line and the message, not this frame
     from gatherlab.check.compare import compare  # the comparison itself: it writes no files
 
-    comparison = compare(reference, run, tolerance=tolerance)
+    comparison = compare(reference, run, tolerance=tolerance, floor=floor)
     if comparison.status != 0:
         raise AssertionError(comparison.words)
     return comparison

@@ -178,3 +178,40 @@ def test_updates_without_a_recorded_loss_compare_their_gradients_alone():
     compared = comparer.compare(in_memory([[ROWS]] * 2), in_memory([halves] * 2, math.nan))
     assert (compared.verdict, compared.status) == ("exact", 0), compared.words
     assert any("2 of 2 updates have no recorded loss" in note for note in compared.notes)
+
+
+def _trainer_rows(samples: int, world: int, drop_last: bool, updates: int) -> list:
+    """What a Hugging Face Trainer's data loader gives each rank, as accelerate shards it: one
+    seeded sampler's batches of N / W rows (reseeded with seed + epoch), rank r given every W-th
+    from the r-th (`accelerate.data_loader.BatchSamplerShard`, ``even_batches`` as the Trainer
+    leaves it); ``drop_last``: ``TrainingArguments(dataloader_drop_last=...)``."""
+    shards = pytest.importorskip("accelerate.data_loader")
+    from torch.utils.data import BatchSampler
+
+    samplers = [shards.SeedableRandomSampler(range(samples), data_seed=0) for _ in range(world)]
+    ranks = [BatchSampler(s, N // world, drop_last) for s in samplers]
+    if world > 1:  # accelerate shards only for several processes
+        ranks = [shards.BatchSamplerShard(b, world, r) for r, b in enumerate(ranks)]
+    out, epoch = [], 0
+    while len(out) < updates:  # each rank's own sampler, told the epoch as the Trainer tells it
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        for update in zip(*(list(rank) for rank in ranks), strict=True):
+            out.append([[f"{int(i):016x}" for i in rows] for rows in update])
+        epoch += 1
+    return out[:updates]
+
+
+def test_a_trainers_own_sampler_is_the_one_device_batch_with_drop_last_and_padded_without():
+    """60 rows, a global batch of 8: with ``dataloader_drop_last=True`` two ranks give one
+    device's 7 global batches an epoch, the second epoch too; without it accelerate completes the
+    epoch's last update on W ranks with its first rows, and the words say which rank pads."""
+    one = _trainer_rows(60, 1, True, 10)
+    assert batches.compare(in_memory(one), in_memory(_trainer_rows(60, 2, True, 10))).update is None
+    padded = batches.compare(in_memory(_trainer_rows(60, 1, False, 9)),
+                             in_memory(_trainer_rows(60, 2, False, 9)))  # fmt: skip
+    assert padded.update == 7  # the epoch's eighth update: 4 rows left, and 4 repeated
+    assert padded.explanation.startswith(
+        "From the fingerprints: B's rank 1 holds 4 rows at update 7 that its epoch 0 has given "
+        "already: its sampler pads the data set with repeated rows"
+    )

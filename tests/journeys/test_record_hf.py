@@ -62,12 +62,14 @@ def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(tmp_pa
     """W = 1 with one micro-batch, W = 2 with two (``gradient_accumulation_steps``): the same
     global batches (accelerate gives rank r the r-th of every W per-rank batches of one seeded
     sampler; with two micro-batches rank 0's rows of an update are the first and third quarter
-    of one device's), the same global loss, the same sketch of each part's gradient and no part
-    left unreduced, to float64 rounding, and `gatherlab.compare` judges the two ``exact``. The
+    of one device's), in the first epoch and the second, the same global loss, the same sketch
+    of each part's gradient and no part left unreduced, to float64 rounding, and
+    `gatherlab.compare` judges the two ``exact``: the Trainer's own sampler is the recipe of
+    docs/usage.md ("The same global batch at every world size"). The
     one-process recording's first update is computed
     here by hand from the rows it names: the mean cross-entropy of those rows at the initial
     weights and its gradient, scaled as ``torch.nn.utils.clip_grad_norm_`` scales it."""
-    steps = 4
+    steps = 10  # 64 rows, 8 a global batch: the second epoch from update 8, reseeded alike
     processes = [
         _start(tmp_path / "w1", 1, "--steps", str(steps)),
         _start(tmp_path / "w2", 2, "--steps", str(steps), "--accumulation", "2"),

@@ -224,11 +224,13 @@ DATA_CAUSES = {
         "From the fingerprints: {run}'s rank {rank} holds {rows} {held} at update {update} that "
         "its epoch {epoch} has given already: its sampler pads the data set with repeated rows "
         "(a DistributedSampler with drop_last=False pads its permutation to a multiple of W with "
-        "its first indices), so the last global batch of an epoch depends on W. "
-        + _SAMPLER_FIX
-        + " Its drop_last=True (the default) drops the epoch's last n mod N rows at "
-        "every W; drop_last=False completes the last global batch from the permutation's first "
-        "rows, the same at every W."
+        "its first indices; accelerate, under a Hugging Face Trainer, completes an epoch's last "
+        "batches on W ranks with its first rows), so the last global batch of an epoch depends "
+        "on W. Fix: under a Trainer, TrainingArguments(dataloader_drop_last=True); elsewhere "
+        + _SAMPLER_FIX.removeprefix("Fix: ")
+        + " Its drop_last=True (the default) drops the epoch's last n mod N rows at every W; "
+        "drop_last=False completes the last global batch from the permutation's first rows, the "
+        "same at every W."
     ),
     "foreign": (
         "From the fingerprints: {run}'s global batch at update {update} holds {rows} {held} that "
