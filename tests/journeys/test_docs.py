@@ -254,3 +254,33 @@ def test_the_committed_output_is_what_the_code_prints(name, tmp_path, monkeypatc
         printed = examples.run(name)
     diff = difflib.unified_diff(committed.splitlines(), printed.splitlines(), "docs", "printed")
     assert printed == committed, f"{path}, example {name} (make examples):\n" + "\n".join(diff)
+
+
+# The sampler recipes of docs/usage.md ("The same global batch at every world size") and the
+# bundled job that runs each (tests/journeys/test_jobs.py, test_record_hf.py): what the recipe
+# tells a user to write, the job writes.
+RECIPES = {
+    "lightning_job.py": ("use_distributed_sampler=", "gatherlab.data.LayoutInvariantSampler(",
+                         "drop_last=True", "def train_dataloader(self):"),
+    "hf_job.py": ("dataloader_drop_last=True", "seed=args.seed", "per_device_train_batch_size=",
+                  "gradient_accumulation_steps="),
+    "ddp.py": ("common.loader(",),
+}  # fmt: skip
+
+
+def test_each_sampler_recipe_is_what_its_bundled_job_runs():
+    usage = (REPO / "docs" / "usage.md").read_text()
+    recipes = usage[usage.index("### The same global batch at every world size") :]
+    recipes = recipes[: recipes.index("\n## ")] if "\n## " in recipes else recipes
+    for job, lines in RECIPES.items():
+        assert f"examples/jobs/{job}" in recipes, job
+        source = (REPO / "examples" / "jobs" / job).read_text()
+        for line in lines:
+            assert line in source, (job, line)
+    common = (REPO / "examples" / "jobs" / "common.py").read_text()
+    assert "gatherlab.data.LayoutInvariantSampler(dataset, args.global_batch, seed=args.seed)" in (
+        common
+    )
+    for words in ("use_distributed_sampler=False", "dataloader_drop_last=True",
+                  "LayoutInvariantSampler(dataset, global_batch_size"):  # fmt: skip
+        assert words in " ".join(recipes.split()), words

@@ -1,5 +1,5 @@
 """Benchmarks, apart from the tests: ``python -m gatherlab.bench
-{launcher,gather,sweep,check,record} [options]``.
+{launcher,gather,sweep,check,record,record-fixed} [options]``.
 
 Each benchmark measures everything it compares in one invocation and prints ratios; nothing here
 asserts a time. docs/performance.md gives each one's method and results.
@@ -20,6 +20,8 @@ asserts a time. docs/performance.md gives each one's method and results.
   alternating), each pair's time ratio and its median; the recorder's resident memory beyond the
   plain loop's, the bytes it writes per update and per 1,000 updates, and the same bytes of a real
   recording of a ~100M-parameter model with as many parts.
+- ``record-fixed``: the recorder's fixed cost per update, on a tiny job at W = 1, 2, 4
+  (`gatherlab.lab.recorder_cost`).
 """
 
 from __future__ import annotations

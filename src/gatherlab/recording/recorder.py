@@ -428,7 +428,8 @@ class Recorder:
         self._output_rows: bool | None = None  # whether the model's forward returns rows
         if batches:
             self._hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
-            self._hooks.append(model.register_forward_hook(self._on_first_output))
+            self._first_output = model.register_forward_hook(self._on_first_output)
+            self._hooks.append(self._first_output)
         if losses and loss is not None:
             self._hooks.append(loss.register_forward_hook(self._on_loss))
         elif losses:
@@ -515,6 +516,7 @@ class Recorder:
         join) or a scalar (its loss): seen at its first call with gradients."""
         if self._output_rows is None and torch.is_grad_enabled():
             self._output_rows = rows_of_batch(output) is not None
+            self._first_output.remove()  # seen: no hook on the model's later calls
 
     def _on_loss(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.numel() == 1:
