@@ -523,7 +523,7 @@ def record(
 
 
 def _record_options(commands) -> None:
-    """``python -m gatherlab.bench record``'s options."""
+    """``python -m gatherlab.bench record``'s and ``record-fixed``'s options."""
     record_parser = commands.add_parser(
         "record", help="an update's time with gatherlab.record against without, its bytes"
     )
@@ -545,6 +545,15 @@ def _record_options(commands) -> None:
         help=f"the width of the large model recorded for its bytes, 0 for none "
              f"(default {LARGE_WIDTH}: ~100M parameters)",
     )  # fmt: skip
+    fixed_parser = commands.add_parser(
+        "record-fixed", help="the recorder's fixed cost per update of a tiny job, W = 1, 2, 4"
+    )
+    fixed_parser.add_argument(
+        "--world-sizes", type=int, nargs="+", default=[1, 2, 4], help="(default 1 2 4)"
+    )
+    fixed_parser.add_argument(
+        "--repeats", type=int, default=200, help="timed pairs per W (default 200)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -584,15 +593,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     check_parser.add_argument("--repeats", type=int, default=5, help="runs of each (default 5)")
     _record_options(commands)
-    fixed_parser = commands.add_parser(
-        "record-fixed", help="the recorder's fixed cost per update of a tiny job, W = 1, 2, 4"
-    )
-    fixed_parser.add_argument(
-        "--world-sizes", type=int, nargs="+", default=[1, 2, 4], help="(default 1 2 4)"
-    )
-    fixed_parser.add_argument(
-        "--repeats", type=int, default=200, help="timed pairs per W (default 200)"
-    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.benchmark == "sweep":

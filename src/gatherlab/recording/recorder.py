@@ -414,26 +414,39 @@ class Recorder:
             "row_blocks": row_blocks, "batch_norm": batch_norms(_unwrapped(model)),
             "hooks": "model" if batches else "trainer", "command": list(sys.orig_argv),
         }  # fmt: skip
-        self._writer, error = None, [None]
+        self._writer = self._open(Path(out), header)
+        self._output_rows: bool | None = None  # whether the model's forward returns rows
+        self._hooks = self._attach(model, optimizer, loss, batches, losses)
+
+    def _open(self, out: Path, header: dict[str, Any]) -> format.Writer | None:
+        """Rank 0's writer of ``out``; every rank raises the one line when rank 0 cannot write,
+        none waits for it."""
+        writer, error = None, [None]
         if self.rank == 0:
             try:
-                self._writer = format.Writer(Path(out), header)
+                writer = format.Writer(out, header)
             except (format.RecordingError, OSError) as refused:
                 error = [str(refused)]
-        if self._distributed:  # every rank stops when rank 0 cannot write, none waits for it
+        if self._distributed:
             dist.broadcast_object_list(error, src=0)
         if error[0] is not None:
             raise format.RecordingError(error[0])
-        self._hooks = [optimizer.register_step_pre_hook(self._before_step)]
-        self._output_rows: bool | None = None  # whether the model's forward returns rows
+        return writer
+
+    def _attach(self, model, optimizer, loss, batches: bool, losses: bool) -> list[Any]:
+        """The hooks: the optimizer's step; the model's forward (its rows, and once whether it
+        returns rows) unless the job gives the batches; the loss module's output, or the model
+        output's loss, unless the job gives the losses."""
+        hooks = [optimizer.register_step_pre_hook(self._before_step)]
         if batches:
-            self._hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+            hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
             self._first_output = model.register_forward_hook(self._on_first_output)
-            self._hooks.append(self._first_output)
+            hooks.append(self._first_output)
         if losses and loss is not None:
-            self._hooks.append(loss.register_forward_hook(self._on_loss))
+            hooks.append(loss.register_forward_hook(self._on_loss))
         elif losses:
-            self._hooks.append(model.register_forward_hook(self._on_output))
+            hooks.append(model.register_forward_hook(self._on_output))
+        return hooks
 
     def _floor(self, model: nn.Module, out: str | Path, batches: bool) -> tuple[str | Path, int]:
         """Where the recording goes and its model's row blocks: ``out`` and 1, or, with
