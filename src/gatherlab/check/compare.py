@@ -472,9 +472,10 @@ def compare(
     final weights' sketches (absolute; default the precision's, `gradients.TOLERANCE`); the
     gradients' classes keep the bounds of docs/design.md §1. ``floor``: in a low precision, a
     recording of one device with its forward in row blocks (``GATHERLAB_RECORD_FLOOR``,
-    `gatherlab.record.in_row_blocks`): every update's gradient, the losses and the final weights
-    are judged in floors of its departure from A (docs/design.md §2, "Low precision"), the
-    verdict ``exact within bf16`` where float64's bounds would say ``other``. In a low precision
+    `gatherlab.record.in_row_blocks`): update 0's gradient is judged in floors of its departure
+    from A, every update's loss and the final weights to T times its largest departure of either
+    (docs/design.md §2, "Low precision"; §6), the verdict ``exact within bf16`` where float64's
+    bounds would say ``other``. In a low precision
     without one, the verdict is ``not judged`` (status 3) with the command that records one,
     unless the data differs.
 
