@@ -23,3 +23,17 @@ def test_the_record_benchmark_prints_its_ratio_line_and_sketch_bytes_independent
     # each update's sketches are parts × k float64 numbers, whatever the model's size
     sketches = f"its sketches {2 * DEFAULT_K * 8 / 1024:.2f})"
     assert all(sketches in line for line in written)
+
+
+def test_the_fixed_cost_benchmark_prints_a_row_per_world_size(capsys):
+    """``python -m gatherlab.bench record-fixed`` on one device, two pairs: its table's row, the
+    fixed cost the difference of the means it prints (no time asserted)."""
+    from gatherlab.lab import bench
+
+    bench.main(["record-fixed", "--world-sizes", "1", "--repeats", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["W", "plain", "[ms]", "recorded", "[ms]", "fixed", "cost",
+                                "[ms/update]", "recorded/plain"]  # fmt: skip
+    world, plain, recorded, fixed, ratio = lines[2].split()
+    assert world == "1" and abs(float(recorded) - float(plain) - float(fixed)) <= 0.011
+    assert abs(float(recorded) / float(plain) - float(ratio)) <= 0.01
