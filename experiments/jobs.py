@@ -1,8 +1,9 @@
 """The bundled jobs' whole matrix: every job of ``examples/jobs/`` × W ∈ {1, 2, 4} under torchrun
-on CPU gloo × every bug switch the job applies (and ``none``), each recorded with
+on CPU gloo × every variant of the job (its bug switches and ``none``; the sentence-transformers
+job's ``VARIANTS``: losses, batch samplers, accumulation, a desync), each recorded with
 ``gatherlab.record`` and compared with ``gatherlab.compare`` against the job's one-device run
-(plain ``python``, no process group) of the same switch. Prints the table of verdicts and writes it
-to ``docs/jobs.md``.
+(plain ``python``, no process group) of the variant's reference. Prints the table of verdicts and
+writes each job's section of ``docs/jobs.md`` (the other jobs' sections are kept).
 
     python experiments/jobs.py [--out DIR] [--jobs ddp zero] [--worlds 1 2 4] [--doc docs/jobs.md]
 
@@ -29,7 +30,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "examples" / "jobs"
-NAMES = ("ddp", "lightning_job", "fsdp2", "zero")
+NAMES = ("ddp", "lightning_job", "fsdp2", "zero", "st_job")
 TIMEOUT = 300
 
 
@@ -42,13 +43,30 @@ def applicable(job: str) -> tuple[str, ...]:
     raise ValueError(f"{job}.py defines no BUGS")
 
 
+def variants(job: str) -> list[tuple[str, list[str], list[str]]]:
+    """The job's rows: (name, the W ranks' arguments, its one-device reference's). A job with
+    ``VARIANTS`` (the sentence-transformers job; it imports nothing heavy at its top) gives them;
+    the others each bug switch, whose reference is the correct one-device run (``sampler``'s with
+    one device's own sampler)."""
+    if job == "st_job":
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(job, JOBS / f"{job}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return [(name, list(mine), list(theirs))
+                for name, (mine, theirs) in module.VARIANTS.items()]  # fmt: skip
+    return [(bug, ["--bug", bug], ["--bug", "sampler" if bug == "sampler" else "none"])
+            for bug in ("none", *applicable(job))]  # fmt: skip
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def launch(job: str, world: int | None, bug: str, out: Path) -> float:
+def launch(job: str, world: int | None, arguments: list[str], out: Path) -> float:
     """The job recorded into ``out``: plainly (``world`` None) or under torchrun with W ranks;
     its wall time."""
     script = str(JOBS / f"{job}.py")
@@ -58,12 +76,12 @@ def launch(job: str, world: int | None, bug: str, out: Path) -> float:
     ]  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run(
-        [*command, "--bug", bug, "--record", str(out)], capture_output=True, text=True,
+        [*command, *arguments, "--record", str(out)], capture_output=True, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=TIMEOUT,
     )  # fmt: skip
     seconds = time.perf_counter() - started
     if result.returncode:
-        raise SystemExit(f"{job} --bug {bug} at W={world or 'one device'} failed "
+        raise SystemExit(f"{job} {' '.join(arguments)} at W={world or 'one device'} failed "
                          f"({result.returncode}):\n{result.stderr[-3000:]}")  # fmt: skip
     return seconds
 
@@ -97,31 +115,33 @@ def main() -> None:
     parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "jobs.md")
     args = parser.parse_args()
-    rows = []
-    total = sum(len(args.worlds) * (1 + len(applicable(job))) for job in args.jobs)
-    started = time.perf_counter()
+    sections = sections_of(args.doc)
+    total = sum(len(args.worlds) * len(variants(job)) for job in args.jobs)
+    done = 0
     for job in args.jobs:
-        references: dict[str, tuple[Path, float]] = {}
-        for bug in ("none", *applicable(job)):
-            shared = "sampler" if bug == "sampler" else "none"
-            if shared not in references:
-                path = args.out / job / shared / "one_device"
-                references[shared] = (path, launch(job, None, shared, path))
-            reference, reference_seconds = references[shared]
+        rows, started = [], time.perf_counter()
+        references: dict[tuple[str, ...], tuple[Path, float]] = {}
+        for name, arguments, reference_arguments in variants(job):
+            key = tuple(reference_arguments)
+            if key not in references:
+                path = args.out / job / f"reference{len(references)}" / "one_device"
+                references[key] = (path, launch(job, None, reference_arguments, path))
+            reference, reference_seconds = references[key]
             for world in args.worlds:
-                path = args.out / job / bug / f"w{world}"
-                seconds = launch(job, world, bug, path)
-                row = {"job": job, "bug": bug, "W": str(world)}
+                path = args.out / job / name.replace(" ", "").replace(",", "_") / f"w{world}"
+                seconds = launch(job, world, arguments, path)
+                row = {"job": job, "bug": name, "W": str(world)}
                 row |= judged(reference, path)
                 row |= {
                     "s (W ranks)": f"{seconds:.1f}",
                     "s (one device)": f"{reference_seconds:.1f}",
                 }
                 rows.append(row)
-                print(f"[{len(rows)}/{total}] " + " | ".join(row.values()), flush=True)
-    table = markdown(rows)
-    print(table)
-    args.doc.write_text(document(table, time.perf_counter() - started))
+                done += 1
+                print(f"[{done}/{total}] " + " | ".join(row.values()), flush=True)
+        sections[job] = section(job, markdown(rows), time.perf_counter() - started)
+        print(sections[job])
+    args.doc.write_text(document(sections))
     print(f"written: {args.doc}")
 
 
@@ -132,20 +152,42 @@ def markdown(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def document(table: str, seconds: float) -> str:
-    return f"""# The bundled jobs, every world size and bug switch
+HEADING = "## "
 
-Written by `python experiments/jobs.py` (do not edit by hand): each job of `examples/jobs/`
-recorded with `gatherlab.record` under `torchrun --nproc-per-node W` on CPU gloo, float64, 5
-updates of a global batch of 16, and judged by `gatherlab.compare` against the job's one-device
-run (plain `python`, no process group; the `sampler` switch's with one device's seeded
-RandomSampler, every other switch's the correct run, since each is the identity on one device).
-`departs`: the first update and part that depart; `class`: that part's gradient against one
-device's; `cause`: what the comparison measured. The last two columns are each launch's wall
-time, torch imported on every rank ({os.cpu_count()} cores shared with other work, torch
-{torch.__version__}, Python {platform.python_version()}); the whole matrix took {seconds:.0f} s.
 
-{table}"""
+def sections_of(doc: Path) -> dict[str, str]:
+    """The jobs' sections of ``doc`` as written before (``## <job>`` to the next), by job."""
+    if not doc.exists():
+        return {}
+    text = doc.read_text()
+    found = {}
+    for chunk in text.split("\n" + HEADING)[1:]:
+        job = chunk.split("\n", 1)[0].strip().strip("`")
+        found[job] = HEADING + chunk.rstrip() + "\n"
+    return found
+
+
+def section(job: str, table: str, seconds: float) -> str:
+    machine = (f"{os.cpu_count()} cores shared with other work, torch {torch.__version__}, "
+               f"Python {platform.python_version()}")  # fmt: skip
+    return f"{HEADING}`{job}`\n\nIts rows took {seconds:.0f} s ({machine}).\n\n{table}"
+
+
+def document(sections: dict[str, str]) -> str:
+    ordered = [sections[job] for job in NAMES if job in sections]
+    return """# The bundled jobs, every world size and variant
+
+Written by `python experiments/jobs.py` (do not edit by hand; `--jobs` rewrites those jobs'
+sections alone): each job of `examples/jobs/` recorded with `gatherlab.record` under `torchrun
+--nproc-per-node W` on CPU gloo, float64, a global batch of 16, and judged by `gatherlab.compare`
+against the job's one-device run (plain `python`, no process group): the correct run, since each
+bug switch is the identity on one device, but for the `sampler` switch (one device's seeded
+RandomSampler) and the sentence-transformers job's variants (each loss's, sampler's and
+accumulation's own one-device run, accumulating nothing). `departs`: the first update and part
+that depart; `class`: that part's gradient against one device's; `cause`: what the comparison
+measured. The last two columns are each launch's wall time, torch imported on every rank.
+
+""" + "\n".join(ordered)
 
 
 if __name__ == "__main__":

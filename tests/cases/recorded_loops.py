@@ -7,7 +7,8 @@ mesh) or ``ZeroRedundancyOptimizer`` wrap the same model. The data: a fixed glob
 Bugs, each named by its switch: ``divide_twice`` (the loss divided by W on top of DDP's average),
 ``temperature_outside`` (a learnt scale outside every wrapper: its gradient is not reduced),
 ``batchnorm`` (a per-rank BatchNorm1d in the body: its statistics are each rank's),
-``accumulate_sum`` (micro-batches' losses summed, not averaged: the gradient is K times).
+``accumulate_sum`` (micro-batches' losses summed, not averaged: the gradient is K times),
+``desync`` (the last rank's learning rate 1 % larger from update 2: the ranks step apart).
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ def loop(
         trace=trace,
     )  # fmt: skip
     for update in range(STEPS):
+        if bug == "desync" and update == 2 and rank == world_size - 1 and world_size > 1:
+            for group in optimizer.param_groups:
+                group["lr"] *= 1.01
         optimizer.zero_grad()
         for micro in range(micro_batches):  # each rank's rows, one micro-batch after the other
             start = update * GLOBAL + rank * rows + micro * (rows // micro_batches)

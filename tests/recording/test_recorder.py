@@ -63,6 +63,7 @@ def test_a_clean_loop_records_what_one_device_records(recorded, wrap, world_size
             assert abs(b.norms[part] / a.norms[part] - 1) <= 1e-14
     assert float((many.full_gradient(0) - one.full_gradient(0)).abs().max()) <= 1e-15
     assert many.full_gradient(1) is None
+    assert not any(u.drifted for u in many.updates)  # every rank's weights alike after each step
     for part in one.parts:
         assert _relative(many.weights_sketch[part], one.weights_sketch[part]) <= 1e-14
 
@@ -368,3 +369,24 @@ def test_updates_are_written_in_batches_and_every_one_is_there_at_the_end(tmp_pa
     _job(tmp_path / "run", updates=40)
     recording = format.read(tmp_path / "run")
     assert [u.index for u in recording.updates] == list(range(40)) and FLUSH_UPDATES < 40
+
+
+def test_ranks_that_step_apart_are_recorded_at_the_update_they_part(recorded):
+    """The last rank's learning rate 1 % larger from update 2 (DDP, W = 2): the ranks' weights
+    differ after update 2's step, every part (each rank's fingerprint compared), and not before;
+    the comparison says ``diverges`` (cause ``desync``) at update 2 though every gradient rank 0
+    recorded is one device's."""
+    from gatherlab import compare
+
+    one, many = recorded("ddp", "desync", 1), recorded("ddp", "desync", 2)
+    assert [u.drifted for u in many.updates] == [[], [], many.parts, many.parts]
+    compared = compare(one, many)
+    head = compared.table.iloc[0]
+    assert (compared.verdict, head["cause"], compared.departure) == (
+        "diverges",
+        "desync",
+        (2, many.parts[0]),
+    )
+    assert head["gradient"] == "exact"
+    assert "B's ranks part from each other first at update 2: their weights differ after its " \
+        "step" in " ".join(compared.words.split())  # fmt: skip

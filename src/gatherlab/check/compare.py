@@ -495,7 +495,10 @@ def compare(
     data = batches.compare(a, b)
     updates, reads = _updates_table(a, b, world_size, micro_batches, floored)
     unreduced, measured = _unreduced(a, b)
+    desync = next(((u.index, u.drifted) for u in b.updates if u.drifted), None)
     measured = {**measured, "data_cause": data.explanation or ""}
+    if desync is not None:
+        measured |= {"desync_update": desync[0], "desync_parts": ", ".join(desync[1])}
     full = reads[0].source == FULL
     key = Row(loss=str(b.path), gather="native", world_size=world_size, reference=str(a.path),
               micro_batches=micro_batches)  # fmt: skip
@@ -512,13 +515,16 @@ def compare(
         _trained(b, full, unlossed), _trained(a, full, unlossed), key, tolerance=tolerance,
         layout=a.layout() if full else _sketch_layout(a),
         recorded=Recorded(None if full else (reads[0].whole, reads[0].parts), unreduced,
-                          data.update is not None, in_precision),
+                          data.update is not None, in_precision,
+                          () if desync is None else desync[1]),
         where=None if data.update is not None or floored else _where(a, b, tolerance),
     )  # fmt: skip
     judged = floored is not None or precision == terms.Precision.FLOAT64 or data.update is not None
     departure = None
     if judged:
         departure = _departure(a, b, reads, tolerance, rows[0].scale, floored is not None)
+        if desync is not None and (departure is None or desync[0] < departure[0]):
+            departure = (desync[0], desync[1][0])  # the ranks part before B parts from A
     if departure is not None:
         rows = [dataclasses.replace(r, first_update=departure[0], first_part=departure[1])
                 for r in rows]  # fmt: skip
@@ -529,7 +535,7 @@ def compare(
         updates = updates.assign(gradient=terms.NOT_JUDGED)
     table = frame(rows, COMPARISON_COLUMNS + (PRECISION_COLUMNS if floored else ()))
     status = 0 if trains_like_one_device(table) else 1 if judged else terms.NOT_JUDGED_STATUS
-    said = _Said(table, updates, data, departure, measured, tolerance)
+    said = _Said(table, updates, data, departure, measured, tolerance, desync)
     words = _words(a, b, said) if judged else _not_judged_words(a, b, said, reads[0], precision)
     return Comparison(
         table=table, updates=updates, verdict=rows[0].verdict, status=status, words=words,
@@ -559,6 +565,7 @@ class _Said:
     departure: tuple[int, str] | None
     measured: dict[str, str]
     tolerance: float
+    desync: tuple[int, list[str]] | None = None
 
 
 def _heading(a: Recording, b: Recording, said: _Said) -> list[str]:
@@ -616,6 +623,10 @@ def _departure_words(head: pd.Series, said: _Said, floored: bool) -> str:
     )
     rows = said.updates[(said.updates["update"] == update) & (said.updates["part"] == part)]
     row = rows.iloc[0]
+    if said.desync is not None and said.desync[0] == update and row["gradient"] == EXACT:
+        parts = ", ".join(said.desync[1])
+        return (f"B's ranks part from each other first at update {update}: their weights differ "
+                f"after its step ({parts}), though its gradient is A's")  # fmt: skip
     if row["gradient"] == EXACT:  # its gradient is A's there: the loss departs
         difference = abs(row["loss_b"] - row["loss_a"])
         return f"{where}: its loss leaves A's by {difference:.3g} (tolerance {said.tolerance:.3g})"

@@ -359,6 +359,17 @@ CAUSES = {
         "so that its gradient is reduced with the others, or all-reduce its gradient (the mean "
         "over ranks) before the optimizer's step."
     ),
+    terms.Cause.DESYNC: (
+        "Measured from the recording: the run's ranks end update {desync_update} with different "
+        "weights ({desync_parts}; each rank's fingerprint of its weights after the step "
+        "recorded): they step apart, silently, and from there each rank trains a model of its "
+        "own, whatever the gradient rank 0 shows. Usual causes: a learning rate, schedule or "
+        "optimizer state that differs between ranks (a scheduler stepped on one rank, a rank's "
+        "own warm-up), a parameter changed outside the optimizer on some ranks, randomness drawn "
+        "per rank in the update. Fix: make every rank's step the same function of the reduced "
+        "gradient: one schedule, the optimizer's state built alike, no per-rank change of the "
+        "weights."
+    ),
     terms.Cause.UNEXPLAINED: (
         "None of the causes the check reproduces on one device (scaled, local_negatives, "
         "pair_order) gives the global loss. Usual causes (not tested here): statistics of the "
@@ -523,11 +534,11 @@ def diagnosis(
     nothing = first["verdict"] == terms.GradientClass.NONE and rows["norm_ratio"].isna().all()
     text = (TRAINS_NOTHING if nothing else DIAGNOSES[first["verdict"]]).format(**numbers)
     cause = first["cause"]
-    if cause == terms.Cause.UNREDUCED:  # measured on the ranks: the verdict's usual causes go
+    if cause in (terms.Cause.UNREDUCED, terms.Cause.DESYNC):  # measured on the ranks
         text = (
             f"the gradient is {first['gradient']} against one device's (cosine "
             f"{numbers['cosine']:.6g}, norm ratio {numbers['norm_ratio']:.4g}). "
-            + CAUSES[terms.Cause.UNREDUCED].format(**numbers)
+            + CAUSES[terms.Cause(cause)].format(**numbers)
         )
     elif first["verdict"] == terms.LOSS_DIFFERS and cause:
         text += " " + CAUSES[terms.Cause(cause)].format(**numbers)

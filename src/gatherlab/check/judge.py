@@ -164,6 +164,10 @@ class Recorded:
     unreduced: Collection[str] = ()
     data_differs: bool = False
     in_precision: InPrecision | None = None
+    desync: Collection[str] = ()
+    """The parts whose weights differ between the run's ranks after some update (measured on
+    the ranks): the run is no longer one model; its cause, after ``unreduced``, and a verdict
+    that would train like one device is ``diverges``."""
 
 
 def _within(rows: list[Row], whole: Floored) -> list[Row]:
@@ -271,6 +275,9 @@ def judge(
     head = _row(shared, ALL_PARTS, whole, compared is not None and compared.apart, data_differs)
     if unreduced and head.verdict != EXACT:  # measured on the ranks: before any other cause
         head = dataclasses.replace(head, cause=str(Cause.UNREDUCED))
+    elif recorded.desync:  # the ranks step apart: measured, whatever one device's run holds
+        diverged = DIVERGES if head.verdict in TRAINS_LIKE_ONE_DEVICE else head.verdict
+        head = dataclasses.replace(head, cause=str(Cause.DESYNC), verdict=diverged)
     if compared is not None and not trained:  # a measured loss's training run: on its row only
         head = dataclasses.replace(head, train_max_abs_loss_diff=max(compared.differences))
         if head.verdict == DIVERGES:  # no first_diff_step column: its step in words

@@ -126,7 +126,8 @@ class Cause(StrEnum):
     reduces or normalises over the rank's part of the batch: ``gatherlab.check.where``),
     ``unexplained`` (none of these); ``parts`` (a biased gradient whose parts each have one
     factor, different ones); ``unreduced`` (a recorded run's part whose gradient differs between
-    its ranks: it is not reduced over them, `gatherlab.check.compare`)."""
+    its ranks: it is not reduced over them, `gatherlab.check.compare`); ``desync`` (a recorded
+    run's ranks whose weights differ after an update: they step apart)."""
 
     SCALED = "scaled"
     LOCAL_NEGATIVES = "local_negatives"
@@ -136,6 +137,7 @@ class Cause(StrEnum):
     UNEXPLAINED = "unexplained"
     PARTS = "parts"
     UNREDUCED = "unreduced"
+    DESYNC = "desync"
 
 
 class Forward(StrEnum):

@@ -21,6 +21,7 @@ A recording is a directory:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -58,7 +59,8 @@ class Update:
     ``autocast`` the autocast dtype of its forward (None without autocast), ``micro_batches`` how
     many losses rank 0 recorded in it (its micro-batches; 0 where the job recorded none),
     ``calls`` each rank's calls of the model's forward (or batches given) whose rows it holds
-    (None in recordings made before it was recorded)."""
+    (None in recordings made before it was recorded), ``drifted`` the parts whose weights differ
+    between the ranks after its step (the ranks step apart)."""
 
     index: int
     losses: list[float]
@@ -70,6 +72,7 @@ class Update:
     autocast: str | None
     micro_batches: int = 1
     calls: list[int] | None = None
+    drifted: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,7 @@ def _update(number: int, text: str, path: Path, sketches: _Sketches, parts: list
         sketches={p: values[i * k : (i + 1) * k] for i, p in enumerate(parts)},
         norms=line["norms"], unreduced=unreduced, autocast=line.get("autocast"),
         micro_batches=line.get("micro_batches", 1), calls=line.get("calls"),
+        drifted=line.get("drifted", []),
     )  # fmt: skip
 
 

@@ -14,8 +14,11 @@ torch optimizer inside accelerate's ``AcceleratedOptimizer``. What an update saw
   the K forwards of one update, in order);
 - the loss: the model output's ``loss`` (``.loss``, ``["loss"]`` or the first element of a
   tuple) of each of those forwards, before the Trainer divides it by K for the backward, so that
-  the update's local loss is the mean of its micro-batches' losses. A Trainer given its own
-  ``compute_loss_func`` trains on that function's loss; the model's is what is recorded then;
+  the update's local loss is the mean of its micro-batches' losses; or, where the Trainer computes
+  the loss outside the model (a sentence-transformers trainer's loss module, a
+  ``compute_loss_func``), the output of the loss module given as ``loss=``, whose trainable
+  parameters are parts of their own. A model whose output has no loss, with no ``loss=``, stops
+  the job at its first update, before any step, in one line;
 - the gradient: the one the optimizer steps on, read by the optimizer's step pre-hook, after the
   Trainer's gradient clipping (``max_grad_norm``) and accelerate's unscaling.
 
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from gatherlab.recording.format import RecordingError
 from gatherlab.recording.recorder import Recorder
 from gatherlab.recording.sketch import DEFAULT_K
 
@@ -104,12 +108,14 @@ class HFRecorder(TrainerCallback):
     agree between two runs, beside the optimizer's and the Trainer's own (``max_steps``,
     ``max_grad_norm``; not the micro-batches, which may differ); ``trace``: keep each rank's
     operations of the first update's forward, from the model's call to its loss (`Recorder`'s
-    ``trace``)."""
+    ``trace``); ``loss``: the module that computes the loss where the model's output carries none
+    (its output recorded per micro-batch, as `gatherlab.record`'s ``loss``)."""
 
     def __init__(
         self,
         out: str | Path,
         *,
+        loss: torch.nn.Module | None = None,
         k: int = DEFAULT_K,
         full_updates: int | None = None,
         seed: int | None = None,
@@ -118,6 +124,7 @@ class HFRecorder(TrainerCallback):
     ) -> None:
         self.out = Path(out)
         self.k, self.full_updates, self.seed, self.trace = k, full_updates, seed, trace
+        self.loss_module = loss
         self.settings = dict(settings or {})
         self.recorder: Recorder | None = None
         self._hooks: list[Any] = []
@@ -135,19 +142,19 @@ class HFRecorder(TrainerCallback):
             model,
             torch_optimizer(optimizer),
             self.out,
+            loss=self.loss_module,
             k=self.k,
             full_updates=self.full_updates,
             seed=args.seed if self.seed is None else self.seed,
             settings=settings,
             precision=precision_of(args, model),
             batches=False,
-            losses=False,
+            losses=self.loss_module is not None,  # the loss module's output, by its own hook
             trace=self.trace,
         )
-        self._hooks = [
-            model.register_forward_pre_hook(self._rows, with_kwargs=True),
-            model.register_forward_hook(self._loss, with_kwargs=True),
-        ]
+        self._hooks = [model.register_forward_pre_hook(self._rows, with_kwargs=True)]
+        if self.loss_module is None:
+            self._hooks.append(model.register_forward_hook(self._loss, with_kwargs=True))
 
     def _rows(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.recorder is not None and module.training and torch.is_grad_enabled():
@@ -158,6 +165,20 @@ class HFRecorder(TrainerCallback):
             loss = output_loss(output)
             if loss is not None:
                 self.recorder.loss(loss)  # with ``trace``, the first update's trace ends here
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """Before the first step: a job whose update gave the recorder no loss stops, in one
+        line, before its weights move."""
+        if self.recorder is not None and self.recorder.updates == 0 and not self.recorder.seen_loss:
+            self.recorder.abandon()
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks, self.recorder = [], None
+            raise RecordingError(
+                "HFRecorder saw no loss in the first update: the model's output carries none, as "
+                "where the Trainer computes the loss outside the model (a sentence-transformers "
+                "trainer, a compute_loss_func); allowed: HFRecorder(DIR, loss=<the loss module>)"
+            )
 
     def on_train_end(self, args, state, control, **kwargs):
         for hook in self._hooks:

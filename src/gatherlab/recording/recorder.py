@@ -73,6 +73,9 @@ FLUSH_UPDATES = 16
 FLUSH_SECONDS = 2.0
 """How long, at most, the ranks keep their updates when updates are slow: the number kept is
 chosen by rank 0 at each writing from the updates' measured time, and sent with it."""
+_WEIGHT_SAMPLES = 16
+"""The elements of each parameter whose bits a rank's fingerprint of its weights holds after each
+step, on W ranks (`Recorder._weights_digests`)."""
 _BATCHED = 1 << 16
 """A replicated gradient of at most this many elements is sketched with the other small ones of
 its part in one product (each padded to whole blocks of k and concatenated): a few torch
@@ -437,7 +440,8 @@ class Recorder:
         """The hooks: the optimizer's step; the model's forward (its rows, and once whether it
         returns rows) unless the job gives the batches; the loss module's output, or the model
         output's loss, unless the job gives the losses."""
-        hooks = [optimizer.register_step_pre_hook(self._before_step)]
+        hooks = [optimizer.register_step_pre_hook(self._before_step),
+                 optimizer.register_step_post_hook(self._after_step)]  # fmt: skip
         if batches:
             hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
             self._first_output = model.register_forward_hook(self._on_first_output)
@@ -667,8 +671,29 @@ class Recorder:
         self._pending.append((entry, full))
         self.updates += 1
         self._rows, self._losses, self._calls = [], [], 0
+
+    def _after_step(self, optimizer, args: tuple, kwargs: dict) -> None:
+        """After the step: on W ranks, this rank's weights' fingerprint (`_weights_digests`),
+        so that ranks that step apart are seen at the update they part; then the kept updates
+        are sent when due."""
+        if self._distributed and self._pending and "weights" not in self._pending[-1][0]:
+            self._pending[-1][0]["weights"] = self._weights_digests()
         if self.updates >= self._due:
             self._flush()
+
+    def _weights_digests(self) -> np.ndarray:
+        """A 64-bit digest of each part's replicated weights after the step, from at most
+        `_WEIGHT_SAMPLES` elements of each parameter, evenly spaced (ranks that step apart move
+        almost every element; an FSDP2 shard is each rank's own, and is not compared)."""
+        samples = []
+        for part in self.parts:
+            pieces = [p.parameter.data.detach().reshape(-1)[:: -(-p.parameter.numel() //
+                                                                _WEIGHT_SAMPLES)]
+                      for p in self._parameters
+                      if p.part == part and not isinstance(p.parameter, _dtensor())]  # fmt: skip
+            values = torch.cat(pieces) if pieces else torch.zeros(1)
+            samples.append(_sampled(values.reshape(1, -1)))
+        return np.concatenate(_digests(samples))
 
     def _flush(self, final: dict[str, np.ndarray] | None = None) -> None:
         """Every rank sends rank 0 its kept updates (and, at the end, its final weights' sketch) in
@@ -703,6 +728,11 @@ class Recorder:
         """Rank 0 writes one update from every rank's numbers."""
         writer = self._writer
         sketches, norms, unreduced = self._combined(ranks)
+        drifted = []
+        if "weights" in ranks[0]:  # the parts whose weights differ between ranks after the step
+            digests = np.stack([r["weights"] for r in ranks])
+            drifted = [part for i, part in enumerate(self.parts)
+                       if not (digests[:, i] == digests[0, i]).all()]  # fmt: skip
         start = writer.sketch(sketches.reshape(-1))
         starts = {part: [writer.sketch(values) for values in per_rank]
                   for part, per_rank in unreduced.items()}  # fmt: skip
@@ -717,6 +747,7 @@ class Recorder:
             "rows": [_hex(r["rows"]) for r in ranks], "calls": [r["calls"] for r in ranks],
             "norms": norms, "unreduced": starts, "sketch": start,
             "autocast": ranks[0]["autocast"], "micro_batches": ranks[0]["micro_batches"],
+            "drifted": drifted,
         })  # fmt: skip
 
     # the end ----------------------------------------------------------------------------------
@@ -733,6 +764,17 @@ class Recorder:
         if self._distributed:
             dist.barrier()
 
+    @property
+    def seen_loss(self) -> bool:
+        """Whether the update under way has given this rank a loss."""
+        return bool(self._losses)
+
+    def abandon(self) -> None:
+        """Stop recording without closing (the job stops: the recording stays unfinished)."""
+        self._closed = True
+        for hook in self._hooks:
+            hook.remove()
+
     def __enter__(self) -> Recorder:
         return self
 
@@ -740,8 +782,7 @@ class Recorder:
         if kind is None:
             self.close()
         else:  # the job failed: the recording stays unfinished, what it wrote stays readable
-            for hook in self._hooks:
-                hook.remove()
+            self.abandon()
 
 
 def _norm(values: torch.Tensor) -> float:

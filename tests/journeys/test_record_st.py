@@ -1,0 +1,94 @@
+"""A sentence-transformers job recorded as its users write it (``examples/jobs/st_job.py``: a small
+random BERT ``SentenceTransformer``, a ``datasets.Dataset`` of text pairs, the
+``SentenceTransformerTrainer``, one callback ``HFRecorder(DIR, loss=loss)``), on one process and
+on two ranks under torchrun (gloo): the recordings agree and `gatherlab.compare` says ``exact``.
+W = 4, the other losses, samplers, accumulation and the desync run in ``experiments/jobs.py``
+(docs/jobs.md). Fresh interpreters: torchrun starts its ranks as processes of their own, and
+accelerate's process-wide state (its ``PartialState``) must not outlive a test."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import REPO, pythonpath
+
+from gatherlab.compare import compare
+from gatherlab.record import read
+from gatherlab.recording.format import RecordingError
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("sentence_transformers") is None,
+        reason="needs the st extra: pip install 'gatherlab[st]'",
+    ),
+]
+
+JOB = REPO / "examples" / "jobs" / "st_job.py"
+
+
+def _start(out, world_size: int, *options: str) -> subprocess.Popen:
+    job = [str(JOB), "--record", str(out), *options]
+    if world_size > 1:
+        job = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+               *job]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, *job], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _printed(process: subprocess.Popen) -> list[float]:
+    output, errors = process.communicate(timeout=110)
+    assert process.returncode == 0, errors[-3000:]
+    return [float(loss) for _, loss in re.findall(r"^update (\d+) loss (\S+)$", output, re.M)]
+
+
+def test_a_gathered_mnrl_job_on_two_ranks_records_one_devices_updates(tmp_path):
+    """MultipleNegativesRankingLoss with ``gather_across_devices=True``, 4 updates of 16 text
+    pairs: each update's rows are the two columns' (two calls of the model, 8 rows each per rank,
+    16 on one device), its loss is the loss module's (the trainer's float32 log of it, 1e-6),
+    both ranks' rows together are one device's, and the comparison is ``exact`` to float64
+    rounding, every part but BERT's pooler, which mean pooling never trains (``none``)."""
+    processes = [_start(tmp_path / "w1", 1), _start(tmp_path / "w2", 2)]
+    logged = [_printed(process) for process in processes]
+    one, two = read(tmp_path / "w1"), read(tmp_path / "w2")
+    assert one.parts == two.parts == ["0.model.embeddings", "0.model.encoder", "0.model.pooler"]
+    assert one.header["hooks"] == "trainer" and one.precision == "64-true"
+    for recording, losses in zip((one, two), logged, strict=True):
+        assert [u.loss for u in recording.updates] == pytest.approx(losses, rel=1e-6)
+    for a, b in zip(one.updates, two.updates, strict=True):
+        assert a.calls == [2] and b.calls == [2, 2]
+        assert sorted(a.rows[0]) == sorted(b.rows[0] + b.rows[1])
+    comparison = compare(one, two)
+    assert (comparison.verdict, comparison.status) == ("exact", 0), comparison.words
+    table = comparison.table.set_index("part")
+    assert table.loc["0.model.pooler", "gradient"] == "none"
+    assert float(table.loc["all", "max_rel_err"]) <= 1e-12
+
+
+def test_a_model_without_a_loss_stops_before_its_first_step_in_one_line(tmp_path):
+    """HFRecorder without ``loss=`` on a trainer that computes the loss outside the model: its
+    callbacks (called here as the Trainer calls them, on a model whose output has no loss) stop
+    the job before the first step, the recording left unfinished, its hooks removed."""
+    from gatherlab.record import HFRecorder
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = SimpleNamespace(max_steps=1, max_grad_norm=1.0, seed=0, bf16=False, fp16=False)
+    recorder = HFRecorder(tmp_path / "run")
+    recorder.on_train_begin(args, None, None, model=model, optimizer=optimizer)
+    model(torch.randn(4, 3)).sum().backward()  # the trainer's loss, computed outside the model
+    with pytest.raises(RecordingError, match=r"saw no loss in the first update.*loss=<the loss"):
+        recorder.on_pre_optimizer_step(args, None, None)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()  # the recorder's hooks are gone: nothing more is recorded
+    assert recorder.recorder is None and (tmp_path / "run" / "updates.jsonl").read_text() == ""
+    with pytest.raises(RecordingError, match="unfinished"):
+        read(tmp_path / "run")
