@@ -63,16 +63,18 @@ WORDS = [f"w{i}" for i in range(48)]
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", metavar="DIR", help="record the job with gatherlab.record")
-    parser.add_argument("--trace", action="store_true",
-                        help="with --record: trace the first update (where two runs part)")  # fmt: skip
+    parser.add_argument(
+        "--trace", action="store_true", help="with --record: trace the first update"
+    )
     parser.add_argument("--loss", choices=LOSSES, default="mnrl-gather")
     parser.add_argument("--steps", type=int, default=4, help="optimizer updates (default 4)")
     parser.add_argument("--global-batch-size", type=int, default=16, help="(default 16)")
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches (default 1)")
     parser.add_argument("--samples", type=int, default=64, help="text pairs (default 64)")
     parser.add_argument("--batch-sampler", choices=SAMPLERS, default="batch")
-    parser.add_argument("--duplicates", action="store_true",
-                        help="every 4th anchor repeats the one before (texts a batch may hold twice)")  # fmt: skip
+    parser.add_argument(
+        "--duplicates", action="store_true", help="every 4th anchor repeats the one before it"
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bug", choices=("none", *BUGS), default="none")
@@ -196,7 +198,10 @@ def batch_sampler(name: str, global_batch_size: int):
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built here: nothing to download
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers import (
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
     from transformers import PrinterCallback, TrainerCallback
 
     work = tempfile.mkdtemp(prefix="st-job-")
