@@ -101,8 +101,13 @@ def tokenizer_dir(directory: str) -> None:
     tokens.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
     )
-    PreTrainedTokenizerFast(tokenizer_object=tokens, pad_token="[PAD]", unk_token="[UNK]",
-                            cls_token="[CLS]", sep_token="[SEP]").save_pretrained(directory)  # fmt: skip
+    special = {
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+    }
+    PreTrainedTokenizerFast(tokenizer_object=tokens, **special).save_pretrained(directory)
 
 
 def small_model(seed: int, directory: str):
