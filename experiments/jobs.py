@@ -98,9 +98,11 @@ def judged(reference: Path, run: Path) -> dict[str, str]:
         update, part = comparison.departure
         row["departs"] = f"update {update}, {part}"
         parts = comparison.table.set_index("part") if "part" in comparison.table else None
+        whole = comparison.table.iloc[0].get("cause", "")
         if parts is not None and part in parts.index:
             row["class"] = str(parts.loc[part, "gradient"])
             cause = parts.loc[part].get("cause", "")
+            cause = cause if cause == cause and cause else whole  # the part's, else the whole's
             row["cause"] = row["cause"] or ("" if cause != cause else str(cause))
         else:
             row["class"] = str(comparison.table.iloc[0]["gradient"])

@@ -125,19 +125,30 @@ def epoch_starts(batches: Sequence[Sequence[str]]) -> list[int]:
     return starts
 
 
-def _held_twice(recording: Recording, starts: list[int], until: int) -> tuple[int, int, int] | None:
+def _held_twice(
+    recording: Recording, starts: list[int], until: int
+) -> tuple[int, int, list[str]] | None:
     """The first (update, rank, rows) up to update ``until`` where a rank holds rows that its
-    epoch has given already (padding), None where no epoch repeats a row."""
+    epoch has given already (padding, or samples the data set holds twice), None where no epoch
+    repeats a row."""
     seen: set[str] = set()
     for update in recording.updates[: until + 1]:
         if update.index in starts:
             seen = set()
         for rank, rows in enumerate(update.rows):
-            again = sum(row in seen for row in rows) + len(rows) - len(set(rows))
+            again = [row for i, row in enumerate(rows) if row in seen or row in rows[:i]]
             if again:
                 return update.index, rank, again
             seen.update(rows)
     return None
+
+
+def _epoch_counts(batches: list[list[str]], starts: list[int], epoch: int) -> Counter:
+    """How often each row appears in a run's epoch ``epoch``, all of it that was recorded."""
+    if epoch >= len(starts):
+        return Counter()
+    end = starts[epoch + 1] if epoch + 1 < len(starts) else len(batches)
+    return Counter(row for rows in batches[starts[epoch] : end] for row in rows)
 
 
 def _repeats_epoch(batches: list[list[str]], starts: list[int], epoch: int) -> bool:
@@ -157,14 +168,17 @@ def explain(a: Recording, b: Recording, first: int, strided: bool = False) -> st
     DistributedSampler's order)."""
     batches = {"A": _global(a), "B": _global(b)}
     starts = {name: epoch_starts(rows) for name, rows in batches.items()}
-    for name, recording in (("B", b), ("A", a)):
+    for name, recording, other in (("B", b, "A"), ("A", a, "B")):
         held = _held_twice(recording, starts[name], first)
         if held is not None and held[0] == first:
-            update, rank, count = held
+            update, rank, again = held
             epoch = bisect.bisect_right(starts[name], update) - 1
-            return diagnosis.DATA_CAUSES["padded"].format(
-                run=name, rank=rank, rows=count, held=_rows(count), epoch=epoch, update=update
-            )
+            theirs = _epoch_counts(batches[other], starts[other], epoch)
+            kind = "duplicated" if all(theirs[row] >= 2 for row in again) else "padded"
+            return diagnosis.DATA_CAUSES[kind].format(
+                run=name, rank=rank, rows=len(again), held=_rows(len(again)), epoch=epoch,
+                update=update, other=other,
+            )  # fmt: skip
     for name, other in (("B", "A"), ("A", "B")):
         if len(starts[other]) > 1:  # the other run gave its whole data set at least once
             given = {row for rows in batches[other] for row in rows}

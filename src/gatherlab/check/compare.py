@@ -442,10 +442,10 @@ def _describe(recording: Recording, name: str) -> str:
     if first is None or not first.rows or not first.rows[0]:
         return described + ")"
     calls = first.calls[0] if first.calls else None
+    batches = recording.header.get("settings", {}).get("trainer") == "lightning"  # its batches'
     called = "" if not calls else (
-        f", from {calls} call{'s' if calls > 1 else ''} of its model's forward"
-        if recording.header.get("hooks", "model") == "model"
-        else f", from {calls} batch{'es' if calls > 1 else ''} its trainer gave"
+        f", from {calls} batch{'es' if calls > 1 else ''} its trainer gave" if batches
+        else f", from {calls} call{'s' if calls > 1 else ''} of its model's forward"
     )  # fmt: skip
     return described + f"; {len(first.rows[0])} rows per rank and update{called})"
 
@@ -601,6 +601,9 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
         cause = head["cause"]
         named = f" ({cause})" if cause and head["verdict"] != terms.LOSS_SCALED else ""
         text = diagnosis.diagnosis(table.iloc[:1], parts, said.measured)
+        micro_batches = int(head.get("micro_batches", 1))
+        if head["forward"] == terms.Forward.DIFFERS and micro_batches > 1:
+            text += " " + diagnosis.RECORDED_MICRO_BATCHES.format(micro_batches=micro_batches)
         lines.append(f"B against A, W = {head['world_size']}: {head['verdict']}{named}\n"
                      + diagnosis._paragraph(text) + diagnosis._departs(table.iloc[:1]))  # fmt: skip
     lines += diagnosis._precision_lines(table, None)  # judged in floors (--floor)

@@ -232,6 +232,17 @@ DATA_CAUSES = {
         "drop_last=False completes the last global batch from the permutation's first rows, the "
         "same at every W."
     ),
+    "duplicated": (
+        "From the fingerprints: {run}'s rank {rank} holds {rows} {held} at update {update} that "
+        "its epoch {epoch} has given already, and that {other}'s epoch {epoch} gives twice too: "
+        "the data set holds these samples more than once (equal texts or inputs), and the runs "
+        "group them in other batches: a batch sampler that decides per device which rows may "
+        "share a batch (one that keeps a duplicate out of a batch that holds it already, as "
+        "sentence-transformers' NoDuplicatesBatchSampler does) decides over N / W rows where one "
+        "device decides over N. Fix: build such batches at the global batch size and cut each "
+        "into the per-device batches, in order (examples/jobs/st_job.py's global_batches, through "
+        "the trainer's batch_sampler hook), so that every W is given one device's."
+    ),
     "foreign": (
         "From the fingerprints: {run}'s global batch at update {update} holds {rows} {held} that "
         "{other} gives at no update, although {other} covered its data set (an epoch): the "
@@ -268,6 +279,17 @@ DATA_CAUSES = {
         "yielding out of order). " + _SAMPLER_FIX
     ),
 }
+# A recorded run that accumulates K micro-batches per update where its reference takes each global
+# batch at once, and whose loss differs (the recording measures K, not the cause).
+RECORDED_MICRO_BATCHES = (
+    "B accumulates {micro_batches} micro-batches per update (the losses each rank recorded in "
+    "it), A takes each global batch at once: a loss whose rows meet (in-batch negatives, a "
+    "statistic of the batch) sees only its micro-batch's, which no scaling repairs (the class "
+    'micro_negatives, docs/design.md §2, "Micro-batches"); a cached form computes it over the '
+    "whole batch with the same memory (GradCache: the loss embeds the batch in mini-batches "
+    "without gradients, then re-embeds each with its cached gradient), the trainer accumulating "
+    "nothing."
+)
 # A run whose epoch repeats the previous epoch's order (its sampler never told the epoch).
 DATA_REPEATS = (
     "{run} gives epoch {epoch} in epoch {previous}'s order: its sampler is never told the new "
