@@ -39,6 +39,7 @@ Float64 throughout, dropout off (BERT's dropout would draw other masks on W rank
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import tempfile
@@ -203,6 +204,12 @@ def batch_sampler(name: str, global_batch_size: int):
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built here: nothing to download
+    missing = [name for name in ("sentence_transformers", "datasets", "transformers")
+               if importlib.util.find_spec(name) is None]  # fmt: skip
+    if missing:  # before anything is built: one line, the extra to install
+        print(f"st_job: needs {', '.join(missing)}; install them with: pip install "
+              "'gatherlab[st]'", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
     from sentence_transformers import (
         SentenceTransformerTrainer,
         SentenceTransformerTrainingArguments,

@@ -92,3 +92,22 @@ def test_a_model_without_a_loss_stops_before_its_first_step_in_one_line(tmp_path
     assert recorder.recorder is None and (tmp_path / "run" / "updates.jsonl").read_text() == ""
     with pytest.raises(RecordingError, match="unfinished"):
         read(tmp_path / "run")
+
+
+def test_a_missing_extra_is_one_line_with_the_install(monkeypatch, capsys):
+    """Without sentence-transformers the job says what to install, before it builds anything."""
+    spec = importlib.util.spec_from_file_location("st_job", JOB)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    found = importlib.util.find_spec
+
+    def without(name, *args):
+        return None if name == "sentence_transformers" else found(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without)
+    with pytest.raises(SystemExit) as stopped:
+        job.main([])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (
+        "st_job: needs sentence_transformers; install them with: pip install 'gatherlab[st]'\n"
+    )
