@@ -385,6 +385,7 @@ class Recorder:
         self.parts = list(dict.fromkeys(p.part for p in self._parameters))
         self._signs: dict[str, torch.Tensor] = {}
         self._plan: tuple[list[_Batched], list[tuple[int, _Parameter]]] | None = None
+        self._weight_samples: list | None = None  # `_weights_digests`' parameters and strides
         self._rows: list[tuple[str, np.ndarray]] = []  # the update's rows' samples (`_sampled`)
         self._calls = 0  # the model's forward calls (or batches given) in the update
         self._losses: list[float] = []
@@ -684,16 +685,21 @@ class Recorder:
     def _weights_digests(self) -> np.ndarray:
         """A 64-bit digest of each part's replicated weights after the step, from at most
         `_WEIGHT_SAMPLES` elements of each parameter, evenly spaced (ranks that step apart move
-        almost every element; an FSDP2 shard is each rank's own, and is not compared)."""
-        samples = []
-        for part in self.parts:
-            pieces = [p.parameter.data.detach().reshape(-1)[:: -(-p.parameter.numel() //
-                                                                _WEIGHT_SAMPLES)]
-                      for p in self._parameters
-                      if p.part == part and not isinstance(p.parameter, _dtensor())]  # fmt: skip
-            values = torch.cat(pieces) if pieces else torch.zeros(1)
-            samples.append(_sampled(values.reshape(1, -1)))
-        return np.concatenate(_digests(samples))
+        almost every element; an FSDP2 shard is each rank's own, and is not compared): every
+        part's samples in one row of a matrix, digested at once."""
+        if self._weight_samples is None:  # each part's parameters and their strides, once
+            self._weight_samples = [
+                [(p.parameter, -(-p.parameter.numel() // _WEIGHT_SAMPLES))
+                 for p in self._parameters
+                 if p.part == part and not isinstance(p.parameter, _dtensor())]
+                for part in self.parts
+            ]  # fmt: skip
+        rows = [torch.cat([w.detach().reshape(-1)[::stride] for w, stride in members])
+                if members else torch.zeros(1) for members in self._weight_samples]  # fmt: skip
+        width = max(len(row) for row in rows)
+        matrix = torch.stack([torch.nn.functional.pad(row.double(), (0, width - len(row)))
+                              for row in rows])  # fmt: skip
+        return _digests([_sampled(matrix)])[0]
 
     def _flush(self, final: dict[str, np.ndarray] | None = None) -> None:
         """Every rank sends rank 0 its kept updates (and, at the end, its final weights' sketch) in
