@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from gatherlab.check import batches, diagnosis, where
-from gatherlab.check.judge import InPrecision, Recorded, judge
+from gatherlab.check.judge import InPrecision, Recorded, as_classified, judge
 from gatherlab.check.table import (
     ALL_PARTS,
     COMPARISON_COLUMNS,
@@ -238,10 +238,6 @@ class _Read:
     floors: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
-def _as_classified(floored: Floored) -> Classified:
-    return Classified(floored.gradient, floored.cosine, floored.norm_ratio, floored.rel_err)
-
-
 def _read(
     a: Recording, b: Recording, index: int, world_size: int, micro_batches: int,
     floored: tuple[str, Recording] | None = None,
@@ -293,7 +289,7 @@ def _read(
 
 
 def _floored_read(reading: dict[str, Floored], source: str) -> _Read:
-    classes = {name: _as_classified(numbers) for name, numbers in reading.items()}
+    classes = {name: as_classified(numbers) for name, numbers in reading.items()}
     return _Read(
         classes.pop(ALL_PARTS), classes, source,
         {name: (numbers.floor, numbers.floors) for name, numbers in reading.items()},

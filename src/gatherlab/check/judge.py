@@ -33,7 +33,7 @@ from gatherlab.core.terms import (
     Precision,
 )  # fmt: skip
 
-__all__ = ["InPrecision", "Recorded", "judge", "with_precision"]
+__all__ = ["InPrecision", "Recorded", "as_classified", "judge", "with_precision"]
 
 Reproduce = Callable[[], tuple[Cause, float | None]]
 """What reproduces a differing global loss on one device: its cause and, for ``scaled``, c."""
@@ -180,7 +180,9 @@ def _within(rows: list[Row], whole: Floored) -> list[Row]:
     ]
 
 
-def _as_classified(floored: Floored) -> Classified:
+def as_classified(floored: Floored) -> Classified:
+    """A gradient judged in floors as the numbers of a class (its class at the floor's
+    resolution, cosine, norm ratio, relative departure)."""
     return Classified(floored.gradient, floored.cosine, floored.norm_ratio, floored.rel_err)
 
 
@@ -244,7 +246,7 @@ def judge(
     if in_precision is not None:  # the floors of its own precision replace float64's bounds
         low = in_precision.floored(run, reference, layout, world_size, micro_batches)
         relative_same, loss_diff, tolerance = in_precision.forward(run, reference, curves)
-        classified = _as_classified(low[0]), {k: _as_classified(v) for k, v in low[1].items()}
+        classified = as_classified(low[0]), {k: as_classified(v) for k, v in low[1].items()}
     same = abs(first - reference_first) <= tolerance if trained else relative_same
     forward = Forward.SAME if same else Forward.DIFFERS
     cause, scale = None, None
