@@ -13,15 +13,12 @@ import os
 import re
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
-import torch
 from helpers import REPO, pythonpath
 
 from gatherlab.compare import compare
 from gatherlab.record import read
-from gatherlab.recording.format import RecordingError
 
 pytestmark = [
     pytest.mark.slow,
@@ -71,27 +68,6 @@ def test_a_gathered_mnrl_job_on_two_ranks_records_one_devices_updates(tmp_path):
     table = comparison.table.set_index("part")
     assert table.loc["0.model.pooler", "gradient"] == "none"
     assert float(table.loc["all", "max_rel_err"]) <= 1e-12
-
-
-def test_a_model_without_a_loss_stops_before_its_first_step_in_one_line(tmp_path):
-    """HFRecorder without ``loss=`` on a trainer that computes the loss outside the model: its
-    callbacks (called here as the Trainer calls them, on a model whose output has no loss) stop
-    the job before the first step, the recording left unfinished, its hooks removed."""
-    from gatherlab.record import HFRecorder
-
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    args = SimpleNamespace(max_steps=1, max_grad_norm=1.0, seed=0, bf16=False, fp16=False)
-    recorder = HFRecorder(tmp_path / "run")
-    recorder.on_train_begin(args, None, None, model=model, optimizer=optimizer)
-    model(torch.randn(4, 3)).sum().backward()  # the trainer's loss, computed outside the model
-    with pytest.raises(RecordingError, match=r"saw no loss in the first update.*loss=<the loss"):
-        recorder.on_pre_optimizer_step(args, None, None)
-    model(torch.randn(4, 3)).sum().backward()
-    optimizer.step()  # the recorder's hooks are gone: nothing more is recorded
-    assert recorder.recorder is None and (tmp_path / "run" / "updates.jsonl").read_text() == ""
-    with pytest.raises(RecordingError, match="unfinished"):
-        read(tmp_path / "run")
 
 
 def test_a_missing_extra_is_one_line_with_the_install(monkeypatch, capsys):

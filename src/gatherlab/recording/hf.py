@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from gatherlab.recording.callbacks import OneTrainer
 from gatherlab.recording.format import RecordingError
 from gatherlab.recording.recorder import Recorder
 from gatherlab.recording.sketch import DEFAULT_K
@@ -46,6 +47,17 @@ except ImportError as error:  # the optional extra is not installed
     ) from error
 
 __all__ = ["HFRecorder", "input_rows", "output_loss", "precision_of"]
+
+NO_LOSS = (
+    "HFRecorder saw no loss in the model's first training forward: its output carries none, as "
+    "where the Trainer computes the loss outside the model (a sentence-transformers trainer, a "
+    "compute_loss_func); allowed: HFRecorder(DIR, loss=<the loss module the Trainer calls>)"
+)
+NOT_CALLED = (
+    "HFRecorder saw no loss in the first update: the loss module given as loss= was never called "
+    "by the Trainer (another module computes the loss); allowed: HFRecorder(DIR, loss=<the loss "
+    "module the Trainer calls>), or no loss= where the model's output carries the loss"
+)
 
 
 def input_rows(args: tuple, kwargs: Mapping[str, Any]) -> Any:
@@ -91,14 +103,15 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     while not type(optimizer).__module__.startswith("torch.") and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"HFRecorder records a torch.optim.Optimizer; the Trainer's optimizer is "
-            f"{type(optimizer).__name__}"
+        raise RecordingError(
+            f"HFRecorder records a torch.optim.Optimizer's step; the Trainer's optimizer is a "
+            f"{type(optimizer).__name__}, whose step it cannot hook: allowed: an optimizer of "
+            f"torch.optim (or a wrapper that holds one as .optimizer)"
         )
     return optimizer
 
 
-class HFRecorder(TrainerCallback):
+class HFRecorder(OneTrainer, TrainerCallback):
     """Records every optimizer update of a Hugging Face ``Trainer.train`` into ``out`` (only the
     main process writes): each rank's rows and loss, each part's gradient sketch and norm, the
     first ``full_updates`` whole gradients, the final weights (docs/design.md §11, "The format").
@@ -109,7 +122,12 @@ class HFRecorder(TrainerCallback):
     ``max_grad_norm``; not the micro-batches, which may differ); ``trace``: keep each rank's
     operations of the first update's forward, from the model's call to its loss (`Recorder`'s
     ``trace``); ``loss``: the module that computes the loss where the model's output carries none
-    (its output recorded per micro-batch, as `gatherlab.record`'s ``loss``)."""
+    (its output recorded per micro-batch, as `gatherlab.record`'s ``loss``).
+
+    Given to a trainer of another kind, it refuses in one line when that trainer first asks it
+    for a hook (`gatherlab.recording.callbacks.OneTrainer`)."""
+
+    trainer = "a Hugging Face Trainer (transformers.TrainerCallback)"
 
     def __init__(
         self,
@@ -165,20 +183,22 @@ class HFRecorder(TrainerCallback):
             loss = output_loss(output)
             if loss is not None:
                 self.recorder.loss(loss)  # with ``trace``, the first update's trace ends here
+            elif self.recorder.updates == 0 and not self.recorder.seen_loss:
+                self._refuse(NO_LOSS)  # the first forward, before its backward
+
+    def _refuse(self, why: str) -> None:
+        """The recording abandoned, its hooks removed, and `RecordingError` raised: ``why``."""
+        self.recorder.abandon()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self.recorder = [], None
+        raise RecordingError(why)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        """Before the first step: a job whose update gave the recorder no loss stops, in one
-        line, before its weights move."""
+        """Before the first step: a job whose update gave the recorder no loss (a ``loss=``
+        module the Trainer never calls) stops, in one line, before its weights move."""
         if self.recorder is not None and self.recorder.updates == 0 and not self.recorder.seen_loss:
-            self.recorder.abandon()
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks, self.recorder = [], None
-            raise RecordingError(
-                "HFRecorder saw no loss in the first update: the model's output carries none, as "
-                "where the Trainer computes the loss outside the model (a sentence-transformers "
-                "trainer, a compute_loss_func); allowed: HFRecorder(DIR, loss=<the loss module>)"
-            )
+            self._refuse(NOT_CALLED)
 
     def on_train_end(self, args, state, control, **kwargs):
         for hook in self._hooks:

@@ -39,13 +39,14 @@ from typing import Any
 import lightning as L
 import torch
 
+from gatherlab.recording.callbacks import OneTrainer
 from gatherlab.recording.recorder import Recorder
 from gatherlab.recording.sketch import DEFAULT_K
 
 __all__ = ["LightningRecorder"]
 
 
-class LightningRecorder(L.Callback):
+class LightningRecorder(OneTrainer, L.Callback):
     """Records every optimizer update of a Lightning ``Trainer.fit`` into ``out`` (only rank 0
     writes): each rank's rows and loss, each part's gradient sketch and norm, the first
     ``full_updates`` whole gradients, the final weights (docs/design.md §11, "The format").
@@ -56,8 +57,11 @@ class LightningRecorder(L.Callback):
     Trainer's own (``max_steps``, ``gradient_clip_val``, ``gradient_clip_algorithm``; not the
     micro-batches, which may differ); ``trace``: keep each rank's operations of the first
     update's forward, from its batch to the loss it backpropagates (`Recorder`'s ``trace``). The
-    module must configure one optimizer.
+    module must configure one optimizer. Given to a trainer of another kind, it refuses in one
+    line when that trainer first asks it for a hook (`gatherlab.recording.callbacks.OneTrainer`).
     """
+
+    trainer = "a Lightning Trainer (lightning.Callback)"
 
     def __init__(
         self,

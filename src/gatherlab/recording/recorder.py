@@ -317,6 +317,26 @@ class _Batched:
         return sketches.cpu().numpy(), squares.cpu().numpy()
 
 
+def _hookable(model: Any, optimizer: Any) -> None:
+    """One line (`format.RecordingError`) for a model or optimizer the recorder cannot hook: a
+    trainer given as the model (a trainer takes a callback), an optimizer with no step."""
+    if not isinstance(model, nn.Module):
+        kind = f"{type(model).__module__}.{type(model).__qualname__}"
+        raise format.RecordingError(
+            f"gatherlab.record: model is a {kind}, not a torch.nn.Module, so its forward cannot be "
+            f"hooked; allowed: the torch.nn.Module the optimizer trains, or for a trainer its "
+            f"callback (gatherlab.record.LightningRecorder(DIR) for a Lightning Trainer, "
+            f"gatherlab.record.HFRecorder(DIR) for a Hugging Face one)"
+        )
+    if not (callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")):
+        kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        raise format.RecordingError(
+            f"gatherlab.record: optimizer is a {kind}, which has no step() and param_groups to "
+            f"hook; allowed: a torch.optim.Optimizer or a wrapper of one (ZeroRedundancyOptimizer, "
+            f"accelerate's AcceleratedOptimizer)"
+        )
+
+
 @functools.cache
 def _dtensor() -> type:
     from torch.distributed.tensor import DTensor
@@ -369,6 +389,7 @@ class Recorder:
         sketch_seed: int = 0,
         trace: bool = False,
     ) -> None:
+        _hookable(model, optimizer)
         if not isinstance(k, int) or k < 2:
             raise ValueError(f"k={k!r}: the sketch's size per part is an integer ≥ 2")
         if full_updates is not None and (not isinstance(full_updates, int) or full_updates < 0):
