@@ -18,7 +18,10 @@ callback (``HFRecorder(DIR, loss=loss)``: the trainer computes the loss outside 
   mini-batches without gradients, then re-embedded with its cached gradient), gathered;
 - ``gist``, ``cgist``: ``GISTEmbedLoss`` and ``CachedGISTEmbedLoss``, a guide model (another small
   random BERT, frozen) masking the negatives it finds closer than the positive, gathered;
-- ``mnsrl``: ``MultipleNegativesSymmetricRankingLoss`` (anchors to positives and back), gathered.
+- ``mnsrl``: ``MultipleNegativesSymmetricRankingLoss`` (anchors to positives and back), gathered;
+- ``cosine``: ``CosineSimilarityLoss`` on a ``score`` column (a seeded number in [0, 1] per pair):
+  a loss of each pair alone, no rows meet, so that accumulation changes nothing but the loss's
+  scale: what the trainer does with it across micro-batches is judged.
 
 The global batch is the same at every world size: each rank takes ``--global-batch-size / (W ×
 K)`` rows per forward, K = ``--accumulation``, and the trainer's own batch sampler
@@ -30,7 +33,12 @@ one device: on data with repeated texts (``--duplicates``) the global batches di
 user wires it, ``--batch-sampler global-no-duplicates``: the trainer's documented hook
 (``batch_sampler=`` a callable) building the batches at the global batch size and cutting each
 into the per-device ones, in order (`global_batches`). ``--bug desync`` raises rank 1's learning
-rate by 1 % from update 2: the ranks drift apart, silently.
+rate by 1 % from update 2: the ranks drift apart, silently. ``--bug unscaled-accumulation`` tells
+the trainer that the loss is normalized over the accumulated batch already
+(``loss_is_scaled_for_ga = True``, the Trainer's documented switch for a ``compute_loss`` of one's
+own), while it is each micro-batch's mean: the trainer no longer divides by K, and each update is
+K × one device's. Its row turns the trainer's clipping off (``--max-grad-norm 0``): clipped at the
+trainer's default norm 1, the K × gradient is cut back to norm 1, and the ratio shown is 1 / |g|.
 
 Float64 throughout, dropout off (BERT's dropout would draw other masks on W ranks). Rank 0 prints
 ``update U loss L`` per update.
@@ -45,9 +53,9 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 
-LOSSES = ("mnrl", "mnrl-gather", "cmnrl", "gist", "cgist", "mnsrl")
+LOSSES = ("mnrl", "mnrl-gather", "cmnrl", "gist", "cgist", "mnsrl", "cosine")
 SAMPLERS = ("batch", "no-duplicates", "global-no-duplicates")
-BUGS = ("desync",)
+BUGS = ("desync", "unscaled-accumulation")
 VARIANTS = {  # experiments/jobs.py's rows: name → (the W ranks' arguments, one device's)
     **{loss: (["--loss", loss], ["--loss", loss]) for loss in LOSSES},
     "no-duplicates": (["--duplicates", "--batch-sampler", "no-duplicates"],
@@ -56,6 +64,12 @@ VARIANTS = {  # experiments/jobs.py's rows: name → (the W ranks' arguments, on
                              ["--duplicates", "--batch-sampler", "global-no-duplicates"]),
     "mnrl-gather, K = 2": (["--accumulation", "2"], []),
     "cmnrl, K = 2": (["--loss", "cmnrl", "--accumulation", "2"], ["--loss", "cmnrl"]),
+    "cosine, K = 2": (["--loss", "cosine", "--accumulation", "2"], ["--loss", "cosine"]),
+    "cosine, K = 2, unscaled-accumulation, no clipping": (
+        ["--loss", "cosine", "--accumulation", "2", "--bug", "unscaled-accumulation",
+         "--max-grad-norm", "0"],
+        ["--loss", "cosine", "--max-grad-norm", "0"],
+    ),
     "desync": (["--bug", "desync"], []),
 }  # fmt: skip
 WORDS = [f"w{i}" for i in range(48)]
@@ -77,6 +91,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--duplicates", action="store_true", help="every 4th anchor repeats the one before it"
     )
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="the trainer's gradient clipping, 0: none (default 1.0)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bug", choices=("none", *BUGS), default="none")
     args = parser.parse_args(argv)
@@ -131,10 +147,11 @@ def small_model(seed: int, directory: str):
                                device="cpu").double()  # fmt: skip
 
 
-def texts(samples: int, seed: int, duplicates: bool):
+def texts(samples: int, seed: int, duplicates: bool, scores: bool = False):
     """``samples`` (anchor, positive) pairs of five words each, drawn from ``seed``; the positive
     shares the anchor's first three words. ``duplicates``: every fourth anchor repeats the one
-    before it."""
+    before it. ``scores``: a third column, ``score``, a number in [0, 1] per pair (drawn after the
+    words: the texts are the same either way)."""
     import torch
     from datasets import Dataset
 
@@ -144,7 +161,10 @@ def texts(samples: int, seed: int, duplicates: bool):
         words = [WORDS[j] for j in torch.randint(0, len(WORDS), (7,), generator=generator)]
         anchors.append(anchors[-1] if duplicates and i % 4 == 3 else " ".join(words[:5]))
         positives.append(" ".join(words[:3] + words[5:]))
-    return Dataset.from_dict({"anchor": anchors, "positive": positives})
+    columns = {"anchor": anchors, "positive": positives}
+    if scores:
+        columns["score"] = torch.rand(samples, generator=generator, dtype=torch.float64).tolist()
+    return Dataset.from_dict(columns)
 
 
 def loss_of(name: str, model, directory: str):
@@ -160,6 +180,8 @@ def loss_of(name: str, model, directory: str):
     if name == "cmnrl":
         return losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4,
                                                          gather_across_devices=True)  # fmt: skip
+    if name == "cosine":
+        return losses.CosineSimilarityLoss(model)
     if name == "mnsrl":
         return losses.MultipleNegativesSymmetricRankingLoss(model, gather_across_devices=True)
     return losses.MultipleNegativesRankingLoss(model, gather_across_devices=name == "mnrl-gather")
@@ -240,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     training = SentenceTransformerTrainingArguments(
         output_dir=os.path.join(work, "out"), per_device_train_batch_size=args.per_rank,
         gradient_accumulation_steps=args.accumulation, max_steps=args.steps,
-        learning_rate=args.lr, lr_scheduler_type="constant", optim="sgd", seed=args.seed,
+        learning_rate=args.lr, max_grad_norm=args.max_grad_norm, lr_scheduler_type="constant",
+        optim="sgd", seed=args.seed,
         batch_sampler=batch_sampler(args.batch_sampler, args.global_batch_size),
         dataloader_drop_last=True, use_cpu=True, report_to=[], save_strategy="no",
         logging_steps=1, disable_tqdm=True, ddp_backend="gloo" if args.world > 1 else None,
@@ -248,8 +271,10 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     trainer = SentenceTransformerTrainer(
         model=model, args=training, loss=loss, callbacks=callbacks,
-        train_dataset=texts(args.samples, args.seed, args.duplicates),
+        train_dataset=texts(args.samples, args.seed, args.duplicates, args.loss == "cosine"),
     )  # fmt: skip
+    if args.bug == "unscaled-accumulation":  # the trainer believes the loss normalized over K
+        trainer.loss_is_scaled_for_ga = True
     trainer.remove_callback(PrinterCallback)  # the job prints its own line per update
     trainer.train()
 
