@@ -150,6 +150,32 @@ def test_hypotheses_reproduce_what_they_state_and_nothing_else():
     assert hypotheses.scale([1.0, 2.0], [1.0, 2.0]) is None  # c = 1 is no scale
 
 
+def test_a_hypothesis_whose_replay_breaks_the_loss_s_contract_holds_no_cause():
+    """A loss that is not finite on a slice alone (rows a memory bank never held) raises the
+    contract's error in the local replays; the pair-order replay still names its cause, and
+    where nothing reproduces the losses the cause is unexplained, not an error."""
+    import torch
+
+    from gatherlab.runs.loss import LossContractError
+
+    view0 = torch.arange(8.0).reshape(8, 1)
+    view1 = 100 + view0
+
+    def forward(a, b, rows):  # finite only on the whole batch's eight rows
+        if len(a) < 8:
+            raise LossContractError("the loss returned nan")
+        return float(a[:4].sum() - b[:4].sum())
+
+    batches = [(view0, view1), (2 * view0, view1)]
+    pair_ordered = [hypotheses.pair_order(forward, batch, 2) for batch in batches]
+    references = [1.0, 5.0]  # no one constant: not scaled
+    assert hypotheses.cause(pair_ordered, references, forward, batches, 2) == ("pair_order", None)
+    assert hypotheses.cause([3.0, 4.0], references, forward, batches, 2) == ("unexplained", None)
+    assert hypotheses.cause([3.0, 4.0], references, forward, batches, 2, 2) == (
+        "unexplained", None,
+    )  # fmt: skip
+
+
 def test_code_that_asserts_a_process_group_runs_unchanged_on_one_device():
     """Without a group the reference raises (its bare assert), so it runs in a one-rank group,
     and the column and the text say so with the plain run's error."""

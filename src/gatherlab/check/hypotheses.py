@@ -14,7 +14,9 @@ relative 1e-10 on every batch the check measured (two). Only one-device forwards
   in halves as the two views), i.e. positives paired by position in that order.
 
 A loss not divided by K when accumulating K micro-batches, or divided by it twice, is ``scaled``
-with c = K or 1/K.
+with c = K or 1/K. A hypothesis whose one-device replay breaks the loss's contract (a loss that
+returns NaN on a slice it was never meant to see alone, such as rows its memory bank never held)
+does not hold: it reproduces nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from gatherlab.core import terms
 from gatherlab.core.gradients import FLOAT64_TOLERANCE
 from gatherlab.core.terms import Cause
+from gatherlab.runs.loss import LossContractError
 from gatherlab.runs.record import mean_over_ranks
 
 Forward = Callable[..., float]
@@ -123,8 +126,19 @@ def cause(
         tested = {Cause.LOCAL_NEGATIVES: local_negatives, Cause.MICRO_NEGATIVES: micro, **tested}
     for name, hypothesis in tested.items():
         if all(
-            _close(loss, hypothesis(forward, batch, world_size))
+            _reproduces(loss, hypothesis, forward, batch, world_size)
             for loss, batch in zip(losses, batches, strict=True)
         ):
             return name, None
     return Cause.UNEXPLAINED, None
+
+
+def _reproduces(
+    loss: float, hypothesis: Callable[..., float], forward: Forward, batch: Batch, world_size: int
+) -> bool:
+    """Whether ``hypothesis`` gives ``loss`` on ``batch``; not where its replay breaks the loss's
+    contract (a loss that is not finite on the slices it gives)."""
+    try:
+        return _close(loss, hypothesis(forward, batch, world_size))
+    except LossContractError:
+        return False
