@@ -228,12 +228,9 @@ def main() -> int:
     started = time.perf_counter()
     releases: dict[tuple[str, str], Path] = {}
     provenance = []
-    for case in cases:
-        key = (case.package, case.version)
-        if key not in releases:
-            for package, version in (key, *case.needs):
-                if (package, version) in releases:  # a dependency of two packages: once
-                    continue
+    for case in cases:  # each case's release and the wheels it needs, each once
+        for package, version in ((case.package, case.version), *case.needs):
+            if (package, version) not in releases:
                 wheel = download(package, version)
                 releases[(package, version)] = unpack_all(wheel, package, version)
                 provenance.append(f"{wheel.name} (sha256 {sha256(wheel)[:16]}…)")

@@ -28,6 +28,7 @@ from census_cases import (
     lavis,
     lightly,
     lightning_bolts,
+    nemo,
     open_clip,
     pylate,
     pytorch_metric_learning,
@@ -44,6 +45,7 @@ from census_cases.threads import THREADS
 PACKAGES = (  # in the table's order
     lightly, open_clip, sentence_transformers, pylate, pytorch_metric_learning, solo_learn,
     simclr, x_clip, coca_pytorch, torchmultimodal, lavis, lightning_bolts, vissl,
+    nemo,
 )  # fmt: skip
 CASES: list[Case] = [
     dataclasses.replace(c, threads=THREADS.get((c.package, c.version, c.loss, c.flags), ()))
@@ -56,4 +58,5 @@ assert {(c.package, c.version, c.loss, c.flags) for c in CASES if c.threads} == 
 NOT_RUN: list[NotRun] = [  # in the committed table's order
     *lightly.NOT_RUN, *sentence_transformers.NOT_RUN, *solo_learn.NOT_RUN, *vissl.NOT_RUN,
     *torchmultimodal.NOT_RUN, *lavis.NOT_RUN, *lightning_bolts.NOT_RUN, *pylate.NOT_RUN,
+    *nemo.NOT_RUN,
 ]  # fmt: skip
