@@ -156,12 +156,49 @@ def unused(name: str, why: str) -> Callable[..., Any]:
 def importable(root: Path, package: str) -> None:
     """The release's folder first on this process's import path: a package whose imports need
     nothing absent here (no torchvision) is imported as its users import it, ``__init__`` and
-    all. A copy of it imported from another folder (the release, then its fixed copy) is
-    forgotten first."""
+    all. A copy of it imported from another folder (the release, then its fixed copy, or the
+    one installed here) is forgotten first. The other folders stay on the path, behind it: an
+    installed copy's folder (site-packages) holds what later cases import."""
     loaded = sys.modules.get(package)
     if loaded is not None and not str(loaded.__file__).startswith(str(root) + "/"):
         for name in [name for name in sys.modules if name.split(".")[0] == package]:
             del sys.modules[name]
-        sys.path[:] = [entry for entry in sys.path if not Path(entry, package).is_dir()]
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    sys.path[:] = [str(root), *(entry for entry in sys.path if entry != str(root))]
+
+
+def _stand_in(name: str) -> types.ModuleType:
+    """One module of `torchvision_stand_in`: a package (``__path__``, so that the import
+    statement finds its submodules) whose every other attribute, when asked, raises one line."""
+    module = types.ModuleType(name, f"{name}: an import-only stand-in (torchvision is not loaded)")
+    module.__path__ = []
+
+    def __getattr__(attribute: str) -> Any:
+        if attribute.startswith("__"):  # what import statements, pickle and inspect probe
+            raise AttributeError(attribute)
+        raise AttributeError(f"torchvision is a stand-in here: {name}.{attribute} is not loaded")
+
+    module.__getattr__ = __getattr__  # PEP 562: asked for every attribute the module lacks
+    return module
+
+
+def torchvision_stand_in(*submodules: str) -> dict[str, types.ModuleType]:
+    """Import-only stand-ins for ``torchvision`` and its ``submodules`` (``"models"``,
+    ``"transforms"``), for released files that import torchvision (which cannot load beside this
+    torch, and is not installed) and whose loss path calls none of it: ``import torchvision``
+    and ``from torchvision import models`` work (each submodule is its parent's attribute), and
+    any other attribute used (``torchvision.models.resnet18``) raises ``AttributeError:
+    torchvision is a stand-in here: torchvision.models.resnet18 is not loaded`` (a name a
+    ``from`` import asks for, ``from torchvision.models import resnet18``, fails that import:
+    ImportError, cannot import name). A row
+    that loads files with it says so in its flags or remark ("torchvision an import-only
+    stand-in")."""
+    modules = {"torchvision": _stand_in("torchvision")}
+    for submodule in submodules:
+        parts = submodule.split(".")
+        for depth in range(1, len(parts) + 1):
+            name = "torchvision." + ".".join(parts[:depth])
+            if name not in modules:
+                modules[name] = _stand_in(name)
+                parent, _, attribute = name.rpartition(".")
+                setattr(modules[parent], attribute, modules[name])
+    return modules

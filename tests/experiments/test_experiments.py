@@ -9,6 +9,7 @@ release), remarks and ``--check``. (The statistics themselves:
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 from pathlib import Path
@@ -280,7 +281,7 @@ def test_every_census_fix_is_a_patch_file_of_its_package_and_every_patch_file_a_
     used = {f.patch for case in census_cases.CASES for f in (case.fix, case.patch) if f}
     on_disk = {str(p.relative_to(census_common.FIXES)) for p in census_common.FIXES.rglob("*")
                if p.is_file()}  # fmt: skip
-    assert used == on_disk and len(used) == 19
+    assert used == on_disk and len(used) == 36
     for module in census_cases.PACKAGES:
         for case in module.CASES:
             for fix in (case.fix, case.patch):
@@ -288,6 +289,34 @@ def test_every_census_fix_is_a_patch_file_of_its_package_and_every_patch_file_a_
                     assert fix.patch.split("/")[0] == module.__name__.split(".")[-1]
                     text = (census_common.FIXES / fix.patch).read_text()
                     assert text.startswith("--- a/") and "\n+++ b/" in text and "\n@@ -" in text
+
+
+def test_a_release_imported_whole_goes_first_on_the_path_and_leaves_the_others(
+    tmp_path, monkeypatch
+):
+    """The census imports a release whole from its folder (`common.importable`): the folder goes
+    first on the path, a copy of the package imported from elsewhere is forgotten, and every other
+    folder stays, site-packages too (which also holds the package: what later cases import, as
+    pytorch_lightning or functorch, is there)."""
+    installed, release, fixed = (tmp_path / name for name in ("site", "release", "fixed"))
+    for folder, text in ((installed, "installed"), (release, "release"), (fixed, "fixed")):
+        (folder / "toypkg").mkdir(parents=True)
+        (folder / "toypkg" / "__init__.py").write_text(f"WHERE = {text!r}\n")
+    (installed / "otherpkg.py").write_text("")
+    monkeypatch.setattr(sys, "path", [str(installed), *sys.path])
+    monkeypatch.delitem(sys.modules, "toypkg", raising=False)
+    import toypkg
+
+    assert toypkg.WHERE == "installed"
+    wheres = []
+    for root in (release, fixed, release):
+        census_common.importable(root, "toypkg")
+        wheres.append(importlib.import_module("toypkg").WHERE)
+        assert sys.path[0] == str(root) and str(installed) in sys.path
+    assert wheres == ["release", "fixed", "release"]
+    importlib.import_module("otherpkg")  # site-packages is still searched
+    for name in ("toypkg", "otherpkg"):
+        sys.modules.pop(name, None)
 
 
 def test_a_census_remark_travels_with_its_case_into_the_notes():
@@ -304,7 +333,7 @@ def test_a_census_remark_travels_with_its_case_into_the_notes():
     two_nodes = [c for c in census_cases.CASES if c.loss == "SWAVLoss" and "num_nodes=2" in c.flags]
     assert len(two_nodes) == 1 and two_nodes[0].remark.startswith("patched for CPU and float64")
     everything = census.notes(census_cases.CASES)
-    assert len(everything) == 7 and everything[3].startswith(
+    assert len(everything) == 22 and everything[8].startswith(
         "- pytorch-metric-learning 2.9.0 `DistributedLossWrapper(NTXentLoss)` (efficient=False): "
         "`loss scaled`"
     )
