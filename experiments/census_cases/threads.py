@@ -38,4 +38,38 @@ THREADS: dict[Row, tuple[tuple[str, str], ...]] = {
          "gather_with_grad the global loss gives 1/W of one device's gradient and local_loss a "
          "biased one (the ClipLoss rows of the census)"),
     ),
+    ("pylate", "1.6.0", "Contrastive", "gather_across_devices=True"): (
+        ("https://github.com/lightonai/pylate/pull/156",
+         "the scaling by the world size that this change keeps when gathering makes the loss W "
+         "times one device's, and its gradient after DDP's average too, at W = 2, 4 and 8; the "
+         "documents' gather already sums every rank's gradient, and without the scaling the row "
+         "is exact"),
+    ),
+    ("pylate", "1.6.0", "CachedContrastive", "gather_across_devices=True"): (
+        ("https://github.com/lightonai/pylate/pull/156",
+         "the cached form scales by the world size as the plain one does when gathering: its "
+         "loss and gradient are W times one device's at W = 2, 4 and 8; without the scaling, "
+         "exact"),
+    ),
+    ("sentence-transformers", "6.2.0", "MultipleNegativesRankingLoss",
+     "gather_across_devices=True"): (
+        ("https://github.com/huggingface/sentence-transformers/issues/3149",
+         "how many in-batch negatives a rank's anchors meet under DDP: without "
+         "gather_across_devices only the rank's own rows, and the loss and gradient differ from "
+         "one device's (the row above); with gather_across_devices=True every rank's rows, and "
+         "6.2.0 trains like one device at W = 2 and 4"),
+    ),
+    ("sentence-transformers", "6.2.0", "GISTEmbedLoss", "gather_across_devices=True"): (
+        ("https://github.com/huggingface/sentence-transformers/pull/3442",
+         "the change that added gather_across_devices to MNRL, CMNRL, MNSRL, CMNSRL, GIST, CGIST "
+         "and SparseMNRL: in 6.2.0 each trains like one device with it, except GISTEmbedLoss "
+         "and CachedGISTEmbedLoss with contrast_anchors=True (the default), whose "
+         "anchor-to-anchor term stays on the rank's own anchors (Δloss 0.0221 at W = 2 and 4); "
+         "with contrast_anchors=False, or with that term gathered, exact"),
+    ),
+    ("sentence-transformers", "6.2.0", "CachedGISTEmbedLoss", "gather_across_devices=True"): (
+        ("https://github.com/huggingface/sentence-transformers/pull/3442",
+         "as GISTEmbedLoss: the cached form's anchor-to-anchor term is over the rank's own "
+         "anchors with gather_across_devices=True (Δloss 0.0221 at W = 2 and 4); gathered, exact"),
+    ),
 }  # fmt: skip
