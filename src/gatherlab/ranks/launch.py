@@ -109,7 +109,8 @@ def _backend(accelerator: str) -> terms.Backend:
 
 
 class _ReleaseProcessGroup(L.Callback):
-    """Destroys a spawned rank's process group once training is over, on every rank together.
+    """Destroys a rank's process group once training is over, on every rank together: a rank
+    that Lightning spawned, or one that torchrun or SLURM started (``launcher=external``).
 
     Without it a rank can exit while its gloo group is alive, and the group's destructor at
     interpreter exit intermittently aborts the process ("terminate called without an active
@@ -264,6 +265,7 @@ def fit(
         strategy = _QuietDDPStrategy(
             process_group_backend=_backend(accelerator), timeout=COLLECTIVE_TIMEOUT
         )
+        callbacks = [*callbacks, _ReleaseProcessGroup()]  # as spawned ranks: see its docstring
         trainer = _trainer(devices, strategy, precision, steps, callbacks, accelerator, num_nodes)
     _fit_interruptibly(trainer, module, datamodule)
 
