@@ -105,6 +105,18 @@ def released_statements(
 BLIP2_QFORMER = "lavis/models/blip2_models/blip2_qformer.py"
 
 
+def blip2_forward_lines(root: Path, last: str, arguments: tuple[str, ...], result: str) -> Any:
+    """`released_statements` of ``Blip2Qformer.forward`` from ``image_feats_all = `` to the
+    statement holding ``last``, with the module's names they use (torch, F, dist and the two
+    gathers of `lavis_base`)."""
+    base = lavis_base(root)
+    return released_statements(
+        root, BLIP2_QFORMER, "Blip2Qformer", "forward", "image_feats_all = ", last, arguments,
+        result, torch=torch, F=F, dist=dist, concat_all_gather=base.concat_all_gather,
+        all_gather_with_grad=base.all_gather_with_grad,
+    )  # fmt: skip
+
+
 class LavisBlip2Itc(nn.Module):
     """LAVIS's released BLIP-2 ITC (``Blip2Qformer.forward``, from ``image_feats_all =
     concat_all_gather(...)`` to ``loss_itc``: the gathers, the query-token maximum, label
@@ -118,13 +130,8 @@ class LavisBlip2Itc(nn.Module):
     def __init__(self, root=None):
         super().__init__()
         root = root_of(root, LAVIS_PACKAGE, LAVIS)
-        base = lavis_base(root)
-        self.itc = released_statements(
-            root, BLIP2_QFORMER, "Blip2Qformer", "forward", "image_feats_all = ",
-            "loss_itc = ", ("self", "image", "image_feats", "text_feat"), "loss_itc",
-            torch=torch, F=F, dist=dist, concat_all_gather=base.concat_all_gather,
-            all_gather_with_grad=base.all_gather_with_grad,
-        )  # fmt: skip
+        arguments = ("self", "image", "image_feats", "text_feat")
+        self.itc = blip2_forward_lines(root, "loss_itc = ", arguments, "loss_itc")
         self.temp = nn.Parameter(0.07 * torch.ones([]))
 
     def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
@@ -170,14 +177,8 @@ class LavisBlip2Itm(nn.Module):
     def __init__(self, root=None):
         super().__init__()
         root = root_of(root, LAVIS_PACKAGE, LAVIS)
-        base = lavis_base(root)
-        self.itm = released_statements(
-            root, BLIP2_QFORMER, "Blip2Qformer", "forward", "image_feats_all = ",
-            "loss_itm = ", ("self", "image", "image_feats", "text_feat", "image_embeds",
-                            "text_tokens"), "loss_itm",
-            torch=torch, F=F, dist=dist, concat_all_gather=base.concat_all_gather,
-            all_gather_with_grad=base.all_gather_with_grad,
-        )  # fmt: skip
+        arguments = ("self", "image", "image_feats", "text_feat", "image_embeds", "text_tokens")
+        self.itm = blip2_forward_lines(root, "loss_itm = ", arguments, "loss_itm")
         self.register_buffer("temp", torch.tensor(0.07))
         self.query_tokens = nn.Parameter(torch.randn(1, 2, 8))
         self.Qformer = nn.ModuleDict({"bert": _QformerBert()})
