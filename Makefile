@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help demo test soak mutants notebook figures examples lint docs install-check clean
+.PHONY: help demo test test-fast soak mutants notebook figures examples lint docs install-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -20,6 +20,9 @@ demo: $(STAMP)  ## reproduce the GatherLayer bug and its fix, print the verdict,
 
 test: $(STAMP)  ## run the test suite (real gloo process groups on the CPU), in 2 test processes
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+
+test-fast: $(STAMP)  ## the tests not marked slow (no fresh interpreters, no sweeps): the inner loop
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m 'not slow and not soak' --durations=10
 
 soak: $(STAMP)  ## the soak tests, many fresh launches each (~2 min here; not in make test)
 	$(PY) -m pytest -m soak tests/journeys/test_teardown.py

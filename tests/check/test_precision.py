@@ -106,6 +106,7 @@ def floored() -> dict:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", LOW)
 def test_the_exact_gather_is_within_the_floor_in_every_precision_on_ten_seeds(floored, precision):
     # a floor taken from float64 instead of the same precision fails here (its exact runs score
@@ -118,6 +119,7 @@ def test_the_exact_gather_is_within_the_floor_in_every_precision_on_ten_seeds(fl
     assert max(run["floors"] for run in runs) <= floor.FLOOR_THRESHOLD
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", LOW)
 def test_the_old_gather_and_local_negatives_are_beyond_the_floor_with_their_class(
     floored, precision
@@ -133,6 +135,7 @@ def test_the_old_gather_and_local_negatives_are_beyond_the_floor_with_their_clas
             assert run["in_precision"] == "biased", (seed, world_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
 def test_naive_accumulation_is_beyond_the_floor_beside_float64s_verdict(precision):
     table = check_training(
@@ -239,6 +242,7 @@ def check_loss_scaled(epsilon: float):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_float32_judges_exact_code_exact_where_it_runs_in_float64():
     # before: --precision 32-true gave this exact step "other" and exit 1 (float64's bounds on
     # float32 numbers); float64 judges it now, and its float32 run is within its floor
@@ -298,6 +302,7 @@ def recorded_low(tmp_path_factory) -> dict:
     })  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["two", "divided"])
 def test_a_bf16_recording_without_a_floor_is_not_judged_and_says_how_to_record_one(
     recorded_low, run, capsys

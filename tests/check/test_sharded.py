@@ -16,6 +16,7 @@ def _whole_rows(table):
     return table[(table["part"] == "all") & (table["removed"] == "none")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
     [
@@ -39,6 +40,7 @@ def test_a_sharded_step_is_exact_in_float64_its_weights_to_1e_12(options):
     assert whole["max_abs_param_diff"].max() <= 1e-12  # after 5 updates
 
 
+@pytest.mark.slow
 def test_a_sharded_whole_update_is_exact_at_every_layout():
     table = check_training(
         update="updates:cached", model="sharded_steps:build_fsdp2", data="plain_steps:Pairs",
@@ -74,6 +76,7 @@ def unreduced() -> dict:
     }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["fsdp2", "ddp", "zero"])
 def test_a_parameter_no_one_reduces_is_the_cause_with_the_model_part_exact(unreduced, case):
     table = unreduced[case]
@@ -96,6 +99,7 @@ def test_a_parameter_no_one_reduces_is_the_cause_with_the_model_part_exact(unred
     assert "where it departs" not in text
 
 
+@pytest.mark.slow
 def test_ranks_that_differ_are_no_cause_where_reducing_them_is_not_the_fix(unreduced):
     # the own-slice gather breaks the model's gradient too: reducing the parts whose ranks differ
     # leaves it biased, so neither the cause nor the culprit is "unreduced" (a cause given
@@ -109,6 +113,7 @@ def test_ranks_that_differ_are_no_cause_where_reducing_them_is_not_the_fix(unred
         assert table.attrs["unreduced"][f"{world_size},1"].reduced == "biased"
 
 
+@pytest.mark.slow
 def test_ddps_reducer_stalled_by_a_parameter_its_forward_does_not_use_is_named():
     # GradCache with the learnt temperature in the loss over the cached embeddings: the check's DDP
     # holds the temperature, which its forward never uses, so its reducer waits for it and never
@@ -137,6 +142,7 @@ def test_ddps_reducer_stalled_by_a_parameter_its_forward_does_not_use_is_named()
             "all-reduced, the run is exact" in text)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_fsdp2s_divide_factor_of_1_on_every_module_is_w_on_every_part():
     table = check_training(
         step="plain_steps:training_step", model="sharded_steps:build_fsdp2_divided",
@@ -167,6 +173,7 @@ def test_a_sharded_parameter_used_outside_its_forward_is_one_line_naming_it():
 # --- a LightningModule that shards itself (Lightning's ModelParallelStrategy, --strategy fsdp2) --
 
 
+@pytest.mark.slow
 def test_a_lightningmodule_sharding_itself_is_exact_and_its_own_temperature_unreduced():
     common = {"data": "ssl_modules:GaussianPairs", "world_sizes": W, "strategy": "fsdp2"}
     exact = _whole_rows(check_training("sharded_modules:ShardedSimCLR", steps=3, **common))

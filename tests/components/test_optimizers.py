@@ -47,6 +47,7 @@ def test_bad_arguments_are_refused_by_name(arguments):
         LARS([torch.nn.Parameter(torch.zeros(1))], **arguments)
 
 
+@pytest.mark.slow
 def test_fixed_on_two_ranks_matches_one_device_under_every_optimizer(tmp_path):
     """Every configured optimizer other than plain SGD (which test_training.py trains): `fixed` on
     2 ranks against each optimizer's own 1-device run, 5 steps in float64, to the report's

@@ -13,6 +13,7 @@ from gatherlab.analysis import report
 from gatherlab.core import runfiles
 
 
+@pytest.mark.slow
 def test_multirun_writes_runs_and_comparison(pr1531_sweep):
     sweep, result = pr1531_sweep
     for job in range(4):
@@ -38,6 +39,7 @@ def test_multirun_writes_runs_and_comparison(pr1531_sweep):
         assert f"job {job}/4: experiment=lightly_pr1531 {overrides}" in output
 
 
+@pytest.mark.slow
 def test_the_report_command_rebuilds_the_same_table(pr1531_sweep, tmp_path, monkeypatch):
     sweep = tmp_path / "sweep"
     shutil.copytree(pr1531_sweep[0], sweep)

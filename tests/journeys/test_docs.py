@@ -189,6 +189,7 @@ def examples_directory(pr1531_sweep, tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", docstring_examples(), ids=lambda test: test.name)
 def test_docstring_example(example: doctest.DocTest, examples_directory, monkeypatch):
     """Each example runs in the directory above and prints what the docstring shows (``...``

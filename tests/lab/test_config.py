@@ -186,6 +186,7 @@ def _compositions(monkeypatch) -> dict[str, list[list[str]]]:
     return composed
 
 
+@pytest.mark.slow
 def test_each_job_is_composed_once_and_runs_that_config(tmp_path, monkeypatch):
     # A sweep: gatherlab's sweeper composes each job once (2 compositions for 2 jobs), the command
     # checks them all, and the launcher runs each job on that config: its request for the job's
@@ -223,6 +224,7 @@ def test_each_job_is_composed_once_and_runs_that_config(tmp_path, monkeypatch):
     assert OmegaConf.load(run / ".hydra" / "config.yaml").seed == 2
 
 
+@pytest.mark.slow
 def test_a_large_sweep_composed_on_all_cores_runs_in_one_directory(tmp_path, monkeypatch):
     # The sweep directory's ${now:...} is resolved once, before the jobs are composed (in forked
     # processes here), and each job's config carries that value: else each resolves its own.

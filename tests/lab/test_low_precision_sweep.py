@@ -13,6 +13,9 @@ from gatherlab.components import config
 from gatherlab.core import floor
 from gatherlab.lab import validation
 
+# a bf16 sweep on 1, 2 and 4 ranks, seconds of training (make test-fast leaves it out)
+pytestmark = pytest.mark.slow
+
 SWEEP = ("-m", "experiment=bug_demo", "precision=bf16-mixed", "steps=10")
 
 

@@ -14,6 +14,9 @@ from gatherlab.analysis import report
 from gatherlab.components import config
 from gatherlab.lab import validation
 
+# a sweep of every strategy on 1 and 2 ranks, seconds of training (make test-fast leaves it out)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory) -> tuple[pd.DataFrame, dict]:

@@ -92,6 +92,7 @@ def test_ranks_that_all_raise_are_named_by_the_lowest_whichever_answers_first():
         assert found[size] == "rank 0: NameError: name 'exists' is not defined (rank 0)"
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_comes_is_named_after_the_collective_timeout():
     found = errors("LastRankSleeps", timeout_s=1.0)
     for size in W:
@@ -102,6 +103,7 @@ def test_a_rank_that_never_comes_is_named_after_the_collective_timeout():
         ), found[size]
 
 
+@pytest.mark.slow
 def test_a_rank_killed_by_a_signal_is_named_by_it_with_its_last_line_on_stderr(capfd):
     found = errors("LastRankAborts")
     for size in W:

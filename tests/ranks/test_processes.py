@@ -8,7 +8,11 @@ import sys
 import time
 
 import psutil
+import pytest
 from helpers import REPO, descendants, run_training
+
+# a sweep in a fresh interpreter beside the tests (make test-fast leaves it out)
+pytestmark = pytest.mark.slow
 
 
 def test_a_sweep_beside_the_tests_is_not_counted(tmp_path, no_leftover_processes):
