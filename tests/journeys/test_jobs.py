@@ -9,16 +9,19 @@ comparison names it: its verdict, its first update and part, its cause.
 
 These tests start fresh interpreters on purpose: torchrun starting the job's ranks, each process
 building its own process group, is what they test (docs/testing.md, "Tests that start a fresh
-interpreter"). Each launch costs torch's import on every rank, so each run is launched once and
-serves every test of it (a module-scoped cache of the runs and their recordings), every job runs
-5 updates of a tiny model, and each correct job and each bug switch runs where its code differs
-(`BUGS`, `WORLD_SIZES`; ``experiments/jobs.py`` runs the whole matrix)."""
+interpreter"). Each launch costs torch's import on every rank (and Lightning's in its job), so
+each run is launched once and serves every test of it (a module-scoped cache of the runs and their
+recordings), every job runs 5 updates of a tiny model, and each correct job and each bug switch
+runs where its code differs (`BUGS`, `WORLD_SIZES`; ``experiments/jobs.py`` runs the whole
+matrix). The one-device runs, which no launcher starts and which hold no process group, run the
+job's ``main`` in the test process instead (`bundled_jobs.run_plainly`, one torch thread as a
+launch has): a fresh interpreter would add only its imports (3.4 s here, Lightning's job 8 s)."""
 
 from __future__ import annotations
 
 import pytest
 from bounds import FLOAT64_BOUND, MISS_FACTOR
-from bundled_jobs import LAUNCH_TIMEOUT, largest_difference, launch, printed
+from bundled_jobs import LAUNCH_TIMEOUT, largest_difference, launch, printed, run_plainly
 
 import gatherlab.compare as compare
 
@@ -68,8 +71,8 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """(job, W, bug) → (what rank 0 printed, the recording), each launched once with
-    ``--record``; W None is the one-device run. Every switch but ``sampler`` leaves one device
+    """(job, W, bug) → (what rank 0 printed, the recording), each run once with ``--record``; W
+    None is the one-device run (in this process). Every switch but ``sampler`` leaves one device
     unchanged (a gather, batch norm or division over one rank is the identity), so those share the
     correct one-device run."""
     root, runs = tmp_path_factory.mktemp("jobs"), {}
@@ -80,7 +83,11 @@ def recorded(tmp_path_factory):
         key = (job, world_size, bug)
         if key not in runs:
             out = root / f"{job}-{bug}-{world_size or 'one'}"
-            result = launch(job, world_size, "--bug", bug, "--record", str(out))
+            arguments = ("--bug", bug, "--record", str(out))
+            if world_size is None:  # python JOB: no launcher, no process group
+                result = run_plainly(job, *arguments)
+            else:
+                result = launch(job, world_size, *arguments)
             runs[key] = (printed(result), out, result)
         return runs[key]
 

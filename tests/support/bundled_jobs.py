@@ -1,15 +1,23 @@
 """The bundled jobs of ``examples/jobs/`` launched as a user launches them, for the tests that
 run them (``tests/journeys/test_jobs.py`` on CPU gloo, ``tests/journeys/test_gpu.py`` on NCCL):
-plainly for one device, or under torchrun on a free port; what rank 0 printed, parsed."""
+plainly for one device, or under torchrun on a free port; what rank 0 printed, parsed. The
+one-device run can also run in the test process (`run_plainly`), where the session has imported
+torch and Lightning already."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import os
+import random
 import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 JOBS = Path(__file__).resolve().parents[2] / "examples" / "jobs"
 LAUNCH_TIMEOUT = 150  # seconds per launch: four ranks importing torch on two loaded cores
@@ -33,6 +41,43 @@ def launch(job: str, world_size: int | None, *arguments: str) -> subprocess.Comp
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([*command, *arguments], capture_output=True, text=True, env=env,
                           timeout=LAUNCH_TIMEOUT)  # fmt: skip
+
+
+def run_plainly(job: str, *arguments: str) -> subprocess.CompletedProcess:
+    """``python JOB ARGUMENTS`` for one device (no process group), in this process: the job's
+    ``main`` with that command line and one torch thread, as ``launch`` runs it
+    (``OMP_NUM_THREADS=1``); what it printed, its exit status. This process must hold no process
+    group and no torchrun variables (the job would take them for its launch); its environment and
+    global random states are as they were afterwards (Lightning's ``seed_everything`` sets both)."""
+    import torch
+    import torch.distributed as dist
+
+    assert not (dist.is_available() and dist.is_initialized()), "a process group in this process"
+    assert not {"RANK", "WORLD_SIZE"} & set(os.environ), "torchrun's variables in this process"
+    stdout, stderr, returncode = io.StringIO(), io.StringIO(), 0
+    environment, threads = dict(os.environ), torch.get_num_threads()
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    sys.path.insert(0, str(JOBS))
+    argv, sys.argv = sys.argv, [f"{job}.py", *arguments]
+    try:
+        torch.set_num_threads(1)
+        main = importlib.import_module(job).main
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                main()
+            except SystemExit as exit:
+                returncode = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+    finally:
+        sys.argv = argv
+        sys.path.remove(str(JOBS))
+        torch.set_num_threads(threads)
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        os.environ.clear()
+        os.environ.update(environment)
+    return subprocess.CompletedProcess([job, *arguments], returncode, stdout.getvalue(),
+                                       stderr.getvalue())  # fmt: skip
 
 
 def printed(result: subprocess.CompletedProcess) -> tuple[list[float], dict[str, float]]:
