@@ -63,50 +63,63 @@ def pr1531_sweep(tmp_path_factory, worker_id):
     return sweep, Finished(**json.loads(printed.read_text()))
 
 
-# The files that take longest (seconds of test time each, one run with ``--durations=0`` on the
-# 2-core machine, issue 32's run in docs/testing.md), longest first: every file of a second
-# or more, whether its tests are marked slow or not. ``make test`` hands whole files to two test
-# processes in the order they come (``--dist loadfile``), each process taking the next file as it
-# runs out; starting the longest first and ending with the shortest lets both finish together (30 s
-# sooner than file order, where a 50 s file could start last). A file not named here comes after
-# them (its slow tests first). Only the order depends on it, never a result. Each file is named by
-# its path below tests/ (a name not found fails the collection: a file moved or renamed here too).
+# The files that take longest (seconds of test time each, setup included: issue 61's run with
+# ``--durations=0`` on the 2-core machine while a benchmark shared it, load average 3-10; see
+# docs/testing.md, "Its time"), longest first: every file of a second or more, whether its tests
+# are marked slow or not. ``make test`` hands whole files to two test processes in the order they
+# come (``--dist loadfile``), each process taking the next file as it runs out; starting the
+# longest first and ending with the shortest lets both finish together (30 s sooner than file
+# order, where a 50 s file could start last). A file not named here comes after them (its slow
+# tests first). Only the order depends on it, never a result. Each file is named by its path
+# below tests/ (a name not found fails the collection: a file moved or renamed here too).
 TESTS = Path(__file__).resolve().parent
 LONGEST_FILES = (
-    "journeys/test_jobs.py",  # 117 s alone (issue 48: 17 torchrun and plain launches of 4 jobs)
-    "lab/test_reliability.py",  # 96 s (issue 47: ~66 s, its failing sweeps shorter)
-    "check/test_external_check.py",  # 50 s (torchrun's fresh interpreters)
-    "check/test_compare.py",  # 52 s alone (issue 48: ~40 recordings at W = 1, 2, 4 on the pool)
-    "journeys/test_record_hf.py",  # 12–24 s (issue 48: transformers under torchrun at W = 2)
-    "journeys/test_install.py",  # 42 s
-    "ranks/test_launch.py",  # 35 s
-    "ranks/test_interrupt.py",  # ~39 s (issue 47: three commands in fresh interpreters)
-    "journeys/test_docs.py",  # 36 s alone (issue 37: a shared sweep, two printed blocks)
-    "losses/test_loss_matrix.py",  # 27 s
-    "components/test_simclr.py",  # 25 s
-    "ranks/test_collectives.py",  # 13 s in issue 40s run at load 8 (test_simclr.py: 13 s)
-    "lab/test_config.py",  # 22 s
-    "check/test_near_misses.py",  # 15 s there (test_config.py: 23 s, test_extend.py: 13 s)
-    "journeys/test_extend.py",  # 20 s
-    "check/test_training_check.py",  # 17 s
-    "check/test_where.py",  # 17 s alone (issue 38: five checks at W = 2, 4, one with 3 steps)
-    "check/test_update.py",  # 15 s alone (issue 39: whole updates at up to nine layouts each)
-    "components/test_accumulation.py",  # 15 s alone (issue 39: naive and cached accumulation)
-    "journeys/test_fuzz.py",  # 16 s
-    "check/test_check.py",  # 15 s
+    "journeys/test_jobs.py",  # 189 s
+    "lab/test_reliability.py",  # 127 s
+    "check/test_external_check.py",  # 93 s
+    "ranks/test_interrupt.py",  # 83 s
+    "check/test_precision.py",  # 46 s
+    "ranks/test_launch.py",  # 45 s
+    "journeys/test_record_st.py",  # 42 s
+    "journeys/test_install.py",  # 41 s
+    "check/test_training_check.py",  # 33 s
+    "check/test_compare.py",  # 30 s
+    "check/test_sharded.py",  # 25 s
+    "check/test_diagnosis.py",  # 25 s
+    "check/test_check.py",  # 25 s
+    "journeys/test_record_hf.py",  # 25 s
+    "journeys/test_docs.py",  # 23 s
+    "journeys/test_fuzz.py",  # 23 s
+    "lab/test_config.py",  # 21 s
+    "lab/test_low_precision_sweep.py",  # 20 s
+    "components/test_simclr.py",  # 19 s
+    "lab/test_strategy_sweep.py",  # 19 s
+    "check/test_step_check.py",  # 17 s
+    "losses/test_loss_matrix.py",  # 16 s
+    "journeys/test_notebook.py",  # 14 s
+    "journeys/test_compare_cli.py",  # 13 s
     "lab/test_audit.py",  # 12 s
-    "lab/test_tracking.py",  # 12 s
-    "check/test_diagnosis.py",  # 11 s
-    "lab/test_sweep_module.py",  # 10 s
-    "journeys/test_notebook.py",  # 9 s
-    "ranks/test_simworld.py",  # 9 s
-    "analysis/test_figures.py",  # 8 s alone (issue 37)
+    "check/test_near_misses.py",  # 11 s
+    "journeys/test_extend.py",  # 11 s
+    "components/test_accumulation.py",  # 11 s
+    "ranks/test_collectives.py",  # 10 s
+    "check/test_where.py",  # 9 s
+    "check/test_update.py",  # 9 s
+    "gather/test_training.py",  # 8 s
     "gather/test_gather.py",  # 7 s
-    "gather/test_training.py",  # 7 s
-    "check/test_step_check.py",  # 6 s
-    "journeys/test_cli.py",  # 6 s
+    "journeys/test_cli.py",  # 7 s
+    "lab/test_tracking.py",  # 6 s
+    "ranks/test_simworld.py",  # 6 s
+    "lab/test_sweep_module.py",  # 5 s
     "components/test_optimizers.py",  # 5 s
-    "ranks/test_processes.py",  # 2 s
+    "recording/test_recorder.py",  # 5 s
+    "check/test_function_losses.py",  # 3 s
+    "journeys/test_architecture.py",  # 3 s
+    "ranks/test_processes.py",  # 3 s
+    "check/test_loss_inputs.py",  # 3 s
+    "components/test_data.py",  # 2 s
+    "recording/test_sketch.py",  # 1 s
+    "runs/test_removals.py",  # 1 s
 )
 
 
