@@ -163,7 +163,9 @@ def test_an_import_cycle_inside_a_folder_is_found(tmp_path):
 
 
 def _deptry(project: Path) -> subprocess.CompletedProcess:
-    """deptry (a command line, run on the package's code) with the project's configuration."""
+    """deptry with the project's configuration, run on the package's code as ``make lint`` runs
+    it: a fresh interpreter, since deptry's interface is its command line (its exit status, what it
+    prints), not a Python API."""
     return subprocess.run(
         [sys.executable, "-m", "deptry", "--no-ansi", "src"],
         cwd=project,
