@@ -4,6 +4,10 @@ recorder keeps of a step."""
 
 from __future__ import annotations
 
+import logging
+import math
+import re
+
 import pytest
 import ranks
 import torch
@@ -45,3 +49,29 @@ def test_the_recorder_keeps_the_first_gradient_with_zeros_where_none_arrived():
     assert trained.losses == pytest.approx([expected, 2 * expected], abs=0)
     with pytest.raises(NonFiniteLoss, match=r"^the loss is nan at step 2 \(rank 1\)$"):
         recorder.loss(torch.tensor(float("nan")), 2, rank=1)
+
+
+def _steps_of(recorder: Recorder, steps: int, rank: int = 0) -> None:
+    model = nn.Linear(2, 1).double()
+    for step in range(steps):
+        model.zero_grad()
+        loss = model(torch.ones(1, 2, dtype=torch.float64)).sum()
+        recorder.loss(loss, step, rank)
+        loss.backward()
+        recorder.gradient(model.parameters(), step, rank)
+
+
+def test_a_step_over_its_budget_is_one_line_with_the_steps_done_and_to_go(caplog):
+    caplog.set_level(logging.WARNING, logger="gatherlab.runs.record")
+    _steps_of(Recorder(step_budget_s=1e-12, steps=3), 3)  # every step takes longer than 1e-12 s
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 3
+    for step, line in enumerate(lines):
+        left = 3 - step - 1
+        pattern = (rf"^one device: step {step} took \d+\.\d s, over the step budget of 1e-12 s; "
+                   rf"{step + 1} done, {left} to go$")  # fmt: skip
+        assert re.match(pattern, line), line
+    caplog.clear()
+    _steps_of(Recorder(step_budget_s=math.inf, steps=3), 3)  # the default: no budget
+    _steps_of(Recorder(step_budget_s=1e-12, steps=3), 3, rank=1)  # rank 0 alone says it
+    assert caplog.records == []

@@ -657,6 +657,7 @@ def check_training(
     strategy: str = terms.Strategy.DDP,
     seed: int = defaults.SEED,
     loss_attr: str | None = None,
+    step_budget_s: float = defaults.STEP_BUDGET_S,
     collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
 ) -> pd.DataFrame:
     """Check a training step (a ``LightningModule``, a plain PyTorch step or a whole update)
@@ -685,6 +686,7 @@ def check_training(
             "update's (--update); allowed: --update with them, or 1"
         )
     applying, layout = _validated(setting, world_sizes, options.loss_attr, micro_batches)
+    _fits(setting, layout, max(world_sizes))
     setting, precision_words = _in_precision(setting, applying)
     with warnings_once(), _watching(options.collective_timeout_s):
         try:  # one device, in this process: a training_step without a loss is found here
@@ -703,6 +705,21 @@ def check_training(
             collective_timeout_s=options.collective_timeout_s,
         )  # fmt: skip
     return table
+
+
+def _fits(setting: Any, layout: measure.Layout, world_size: int) -> None:
+    """CheckError of one line when the check at its largest W would need more memory than this
+    machine has left (`sizing.too_large`), before any rank starts; the ranks a launcher started
+    are each on their own machine's memory and are not estimated here."""
+    from gatherlab.check import sizing
+    from gatherlab.ranks import external
+
+    if external.launched():
+        return
+    parameters = sum(stop - start for ranges in layout.values() for start, stop in ranges)
+    refused = sizing.too_large(parameters, world_size, sizing.available_bytes())
+    if refused is not None:
+        raise CheckError(f"{setting.label}: {refused}")
 
 
 def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[Any, str | None]:
@@ -766,6 +783,11 @@ def _training_setting(options: defaults.TrainingOptions) -> Any:
         )
     if options.data is None:
         raise CheckError("--data is needed: a map-style data set (class or factory), module:attr")
+    budget = options.step_budget_s
+    if not (isinstance(budget, int | float) and 0 < budget <= math.inf):
+        raise CheckError(
+            f"--step-budget {options.step_budget_s!r}; allowed: a number of seconds > 0"
+        )
     data_factory = _factory(options.data, "data")
     kind, function = next((kind, f) for kind, f in forms.items() if f is not None)
     strategies = (terms.Strategy.DDP, terms.Strategy.FSDP2)  # Lightning's; ZeRO: an optimizer
@@ -786,6 +808,7 @@ def _training_setting(options: defaults.TrainingOptions) -> Any:
         data=Recipe(data_factory, dict(options.data_kwargs or {}), None, seed),
         global_batch_size=options.global_batch_size, steps=options.steps, seed=seed,
         precision=options.precision, strategy=options.strategy,
+        step_budget_s=options.step_budget_s,
     )  # fmt: skip
     return training.Setting(form, spec, _path_name(function))
 

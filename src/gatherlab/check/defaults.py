@@ -40,6 +40,7 @@ OPTIMIZER_KWARGS = {"lr": 0.01}
 ONE_MICRO_BATCH = (1,)
 """The micro-batches of each rank's update when none are given: one (no accumulation)."""
 COLLECTIVE_TIMEOUT_S = 30.0
+STEP_BUDGET_S = 10.0
 """How long a rank of the check waits at a collective for its peers to enter it before its W fails
 with a line that says who did not come (``--collective-timeout``). A collective of the check's
 small batches takes milliseconds, and ranks reach the same one within a fraction of a second of
@@ -256,6 +257,18 @@ class TrainingOptions:
             "the module's attribute holding its loss: with loss among the culprits it is checked "
             "too (check_loss, on gatherlab's MLP), callable as loss(z0, z1)",
             "--loss-attr",
+        ),
+    )
+    step_budget_s: float = field(
+        default=STEP_BUDGET_S,
+        metadata=_option(
+            "the seconds a training step may take before the check says so: a step of the one-"
+            "device reference, or of rank 0, that takes longer prints one line with its time and "
+            'the steps done and to go, and the check goes on (docs/design.md §10, "At size")',
+            "--step-budget",
+            kind="float",
+            metavar="SECONDS",
+            help=f"a step that takes longer prints its progress (default {STEP_BUDGET_S:g})",
         ),
     )
     collective_timeout_s: float = field(

@@ -19,6 +19,7 @@ made on request.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -181,7 +182,8 @@ class Module:
         """Train the run ``spec`` describes (`fit_on_rank`) and return it
         (``runfiles.Trained``: the global loss of each step, the first step's gradient, the final
         parameters)."""
-        recorder = StepRecorder(keep_first_gradient=True)
+        recorder = StepRecorder(keep_first_gradient=True, step_budget_s=spec.step_budget_s,
+                                steps=spec.steps)  # fmt: skip
         self.fit_on_rank(spec, [recorder])
         return recorder.trained()
 
@@ -254,9 +256,15 @@ class StepRecorder(L.Callback):
     ``run_state_dict()`` when it has one, else its ``state_dict()``). A NaN or infinite loss or
     gradient norm stops the run (`gatherlab.runs.record.NonFiniteLoss`)."""
 
-    def __init__(self, run_dir: str | Path | None = None, keep_first_gradient: bool = False):
+    def __init__(
+        self,
+        run_dir: str | Path | None = None,
+        keep_first_gradient: bool = False,
+        step_budget_s: float = math.inf,
+        steps: int = 0,
+    ):
         self.run_dir = None if run_dir is None else Path(run_dir)
-        self.recorder = Recorder(keep_first_gradient)
+        self.recorder = Recorder(keep_first_gradient, step_budget_s, steps)
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         self.recorder.loss(loss, trainer.global_step, trainer.global_rank)

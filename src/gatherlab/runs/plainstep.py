@@ -97,7 +97,7 @@ class Step(PlainModel):
         wrapped = wrapped_for_rank(model, device, spec.row_blocks, spec.find_unused)
         watch = outside_forward(model, wrapped)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
-        recorder = Recorder(keep_first_gradient=True)
+        recorder = Recorder(True, spec.step_budget_s, spec.steps)
         seed_processes(spec.seed)
         for index, batch in enumerate(rank_batches(data, spec)):
             optimizer.zero_grad()

@@ -14,7 +14,9 @@ step).
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -25,12 +27,15 @@ from torch import nn
 from gatherlab.core import runfiles
 from gatherlab.ranks import simworld, world
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "NonFiniteLoss",
     "Recorder",
     "flat_gradient",
     "flat_parameters",
     "global_losses",
+    "gradient_norm",
     "mean_over_ranks",
 ]  # fmt: skip
 
@@ -70,6 +75,19 @@ def flat_gradient(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     ).detach()  # fmt: skip
 
 
+def gradient_norm(parameters: Iterable[nn.Parameter]) -> float:
+    """The L2 norm of `flat_gradient` without flattening it: the norm of the parameters' norms
+    (each gradient whole, as `flat_gradient` takes it, every parameter in the same order on every
+    rank; its norm in float64); 0 for no parameters."""
+    norms = [
+        torch.linalg.vector_norm(
+            world.whole(p.grad if p.grad is not None else torch.zeros_like(p)).detach()
+        ).double()
+        for p in parameters
+    ]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
 def flat_parameters(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     """The values of ``parameters`` flattened into one float64 vector on the CPU, each whole
     (`gatherlab.ranks.world.whole`)."""
@@ -101,8 +119,12 @@ class Recorder:
     """Records every optimizer step of a run on its rank (see the module): call `loss` before the
     step's backward, `gradient` before the optimizer's step, and `trained` when training ends."""
 
-    def __init__(self, keep_first_gradient: bool = False):
+    def __init__(
+        self, keep_first_gradient: bool = False, step_budget_s: float = math.inf, steps: int = 0
+    ):
         self.keep_first_gradient = keep_first_gradient
+        self.step_budget_s, self.planned = step_budget_s, steps
+        self._step_began = time.perf_counter()
         self.steps: list[int] = []
         self.local_losses: list[float] = []
         self.grad_norms: list[float] = []
@@ -122,13 +144,33 @@ class Recorder:
         """The gradient the optimizer is about to apply: its norm, and the whole of it at the
         first step with ``keep_first_gradient``; `NonFiniteLoss` for a non-finite norm."""
         trainable = [p for p in parameters if p.requires_grad]
-        gradient = flat_gradient(trainable) if trainable else torch.zeros(0)
-        norm = float(torch.linalg.vector_norm(gradient)) if len(gradient) else 0.0
+        keep = self.keep_first_gradient and self.first_gradient is None
+        if keep:  # the whole gradient, flattened once
+            gradient = flat_gradient(trainable) if trainable else torch.zeros(0)
+            norm = float(torch.linalg.vector_norm(gradient)) if len(gradient) else 0.0
+        else:  # its norm alone, from each parameter's: no copy of the whole
+            norm = gradient_norm(trainable)
         if not math.isfinite(norm):
             raise NonFiniteLoss("gradient norm", norm, step, rank)
         self.grad_norms.append(norm)
-        if self.keep_first_gradient and self.first_gradient is None:
+        if keep:
             self.first_gradient = gradient.double().cpu()
+        self._over_budget(step, rank)
+
+    def _over_budget(self, step: int, rank: int) -> None:
+        """A warning when this step (since the last one's gradient, or since the recorder was made)
+        took longer than ``step_budget_s``: one line, with the steps done and to go, on one device
+        or rank 0 only."""
+        now = time.perf_counter()
+        took, self._step_began = now - self._step_began, now
+        if took <= self.step_budget_s or rank != 0:
+            return
+        where = "one device" if world.size() == 1 else f"rank 0 of {world.size()}"
+        left = f", {self.planned - step - 1} to go" if self.planned else ""
+        log.warning(
+            "%s: step %d took %.1f s, over the step budget of %g s; %d done%s",
+            where, step, took, self.step_budget_s, step + 1, left,
+        )  # fmt: skip
 
     def finish(self, parameters: Iterable[nn.Parameter]) -> None:
         """Training ended: each step's global loss (a collective on W ranks: every rank calls

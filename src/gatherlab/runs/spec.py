@@ -10,6 +10,7 @@ spec)``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -63,6 +64,9 @@ class RunSpec:
     row_blocks: int = 1
     """The model's forward in this many row blocks on one device (`runs.precision.RowBlocks`):
     the perturbation a low precision's floor is measured with (docs/design.md §2)."""
+    step_budget_s: float = math.inf
+    """The seconds a step may take before its run says so (`runs.record.Recorder`): a step of
+    one device, or of rank 0, that takes longer logs a warning with the steps done and to go."""
 
 
 @runtime_checkable

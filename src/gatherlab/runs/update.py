@@ -79,7 +79,7 @@ class Update(PlainModel):
         wrapped = wrapped_for_rank(model, device, spec.row_blocks, spec.find_unused)
         watch = outside_forward(model, wrapped)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
-        recorder = Recorder(keep_first_gradient=True)
+        recorder = Recorder(True, spec.step_budget_s, spec.steps)
         seen = _Steps(model, recorder, spec.reduced)
         hook = optimizer.register_step_pre_hook(seen)
         seed_processes(spec.seed)

@@ -1,0 +1,97 @@
+"""Whether a check of a training step fits in the memory this machine has left, told before any
+rank starts (docs/design.md §10, "At size").
+
+The check holds whole float64 vectors of the trainable parameters (P of them, 8 bytes each,
+whatever the step's own precision: the verdict is float64's wherever the code runs in it). The
+command trains each one-device reference (the parameters and their gradient), keeps the
+reference's first gradient and final parameters, receives rank 0's (both) and each other rank's
+first gradient, and compares them; each of the W ranks trains its copy (the parameters, their
+gradient, DDP's buckets) and sends its vectors. Its estimate of the command's and of each rank's
+peak resident memory:
+
+    command ≈ now + (8 + W) · 8 P            rank ≈ RANK_START + 5 · 8 P
+
+(``now``: the command's resident memory when it asks). The coefficients are those peaks as
+`python -m gatherlab.bench size` measured them at 86M parameters in float64, W = 2 (10.8 and 5.0
+vectors; docs/performance.md). Activations and an optimizer's state are not in them: a step with
+large activations or Adam's two moments needs more than its estimate.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Estimate", "available_bytes", "estimate", "too_large"]
+
+FLOAT64 = 8
+RANK_START = 300 * 2**20  # a pool rank's resident memory before its job (forked with torch loaded)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The check's estimated peak resident memory: the command's, one rank's, all of them."""
+
+    command: int
+    rank: int
+    world_size: int
+
+    @property
+    def total(self) -> int:
+        return self.command + self.world_size * self.rank
+
+
+def _resident_now() -> int:
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def estimate(parameters: int, world_size: int) -> Estimate:
+    """The estimate of the module's docstring for ``parameters`` trainable parameters on
+    ``world_size`` ranks."""
+    vector = FLOAT64 * parameters
+    return Estimate(_resident_now() + (8 + world_size) * vector, RANK_START + 5 * vector,
+                    world_size)  # fmt: skip
+
+
+def available_bytes() -> int | None:
+    """The memory this process may still take: the kernel's estimate of what is available
+    without swapping (``MemAvailable``), or less where a cgroup (a container, a batch job) limits
+    it (``memory.max`` − ``memory.current``); None where neither can be read (not Linux)."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            found.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.1f} GiB"
+
+
+def too_large(parameters: int, world_size: int, available: int | None) -> str | None:
+    """The line that refuses a check whose estimate exceeds the memory ``available`` (None when
+    it fits, or when nothing is known of the memory)."""
+    needed = estimate(parameters, world_size)
+    if available is None or needed.total <= available:
+        return None
+    return (
+        f"a check of {parameters / 1e6:.1f}M trainable parameters at W = {world_size} needs about "
+        f"{_gib(needed.total)} (the command {_gib(needed.command)}, each rank "
+        f"{_gib(needed.rank)}), more than the {_gib(available)} of memory available; allowed: "
+        "fewer ranks (--world-sizes), a smaller model, or a machine with more memory"
+    )
