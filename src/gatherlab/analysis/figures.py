@@ -1001,3 +1001,53 @@ def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
     figure.savefig(pdf)
     plt.close(figure)
     return [png, pdf]
+
+
+SIZE_MODEL_COLORS = {"resnet": "#d62728", "vit": "#1f77b4"}  # the size benchmark's two models
+SIZE_PRECISION_STYLES = {"64-true": "-", "32-true": "--"}
+
+
+def size_cost_figure(table: pd.DataFrame, goals: Mapping[str, object]) -> plt.Figure:
+    """The cost of checking and recording against the model's size (``python -m gatherlab.bench
+    size``; ``table`` has the columns of its CSV): the check's time ÷ the plain training's
+    compute, its peak resident memory per process ÷ a plain rank's, and the recorded update ÷ the
+    plain one, against the parameters, log axes; one colour per model, one line style per
+    precision, the goals (``goals``: ``check_time``, ``check_memory``, ``record`` by size) in
+    black, dashed."""
+    panels = (
+        ("time_ratio", "check time ÷ plain compute", goals["check_time"]),
+        ("memory_ratio", "check peak memory ÷ plain rank's", goals["check_memory"]),
+        ("record_ratio", "recorded ÷ plain update (float32, batch 256)", None),
+    )
+    with plt.rc_context(STYLE):
+        figure, axes = plt.subplots(1, 3, figsize=(13, 4.0), layout="constrained")
+        for axis, (column, label, goal) in zip(axes, panels, strict=True):
+            for (model, precision), rows in table.groupby(["model", "precision"], sort=False):
+                rows = rows.dropna(subset=[column]).sort_values("parameters")
+                if rows.empty:
+                    continue
+                axis.plot(rows["parameters"], rows[column], marker="o",
+                          color=SIZE_MODEL_COLORS.get(model, "0.4"),
+                          linestyle=SIZE_PRECISION_STYLES.get(precision, ":"),
+                          label=f"{model}, {terms.Precision(precision).word}"
+                          if column != "record_ratio" else model)  # fmt: skip
+            if goal is not None:
+                axis.axhline(goal, **{**REFERENCE_STYLE, "linewidth": 1.2}, label=f"goal {goal:g}")
+            if column == "record_ratio":
+                for size, bound in dict(goals["record"]).items():  # type: ignore[call-overload]
+                    at = table.loc[table["size"] == size, "parameters"]
+                    if len(at):
+                        axis.plot([at.min() / 1.6, at.max() * 1.6], [bound, bound],
+                                  **{**REFERENCE_STYLE, "linewidth": 1.2})  # fmt: skip
+                        axis.annotate(f"goal {bound:g} at {size}", (at.max() * 1.6, bound),
+                                      fontsize=7, va="bottom", ha="right")  # fmt: skip
+            axis.set_xscale("log")
+            axis.set_yscale("log")
+            axis.set_xlabel("parameters")
+            axis.set_ylabel(label)
+            handles, labels = axis.get_legend_handles_labels()
+            by_label = dict(zip(labels, handles, strict=True))
+            axis.legend(by_label.values(), by_label.keys(), fontsize=7)
+        figure.suptitle("What a check (W = 2, 3 steps) and a recording cost against the plain "
+                        "training, by model size", fontsize=10)  # fmt: skip
+    return figure

@@ -22,6 +22,8 @@ asserts a time. docs/performance.md gives each one's method and results.
   recording of a ~100M-parameter model with as many parts.
 - ``record-fixed``: the recorder's fixed cost per update, on a tiny job at W = 1, 2, 4
   (`gatherlab.lab.recorder_cost`).
+- ``size``: the check of a plain step and the recorder on a ResNet-like and a ViT-like model of
+  1M to 86M parameters, against the plain training's compute and memory (`gatherlab.lab.sizes`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from gatherlab.gather import (
     backward_collective,
     get,
 )
+from gatherlab.lab import sizes
 from gatherlab.ranks import pool as pools
 
 
@@ -386,21 +389,26 @@ def _recording_bytes(out: Path) -> dict[str, int]:
     return sizes
 
 
-def _time_record(
-    dtype: torch.dtype, width: int, depth: int, batch: int, repeats: int, k: int, out: Path
+def time_record(
+    build: Callable[[], torch.nn.Module],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    repeats: int,
+    k: int | None,
+    out: Path,
 ) -> dict:
-    """Plain and recorded updates of two copies of the same MLP in turns (which goes first
-    alternating), ``repeats`` timed pairs after `RECORD_WARM_UP`; their medians, the median of the
-    pairs' ratios, the resident memory the recorder adds, the bytes it wrote. The recorder is
-    the one line a plain loop adds (``Recorder(model, optimizer, out, loss=criterion)``, its
-    defaults: the first update's full gradient kept where the model is small)."""
+    """Plain and recorded updates of two copies of the same model (``build()``, the same weights
+    each call) in turns (which goes first alternating), ``repeats`` timed pairs after
+    `RECORD_WARM_UP`; their medians, the median of the pairs' ratios, the resident memory the
+    recorder adds, the bytes it wrote. The recorder is the one line a plain loop adds
+    (``Recorder(model, optimizer, out, loss=criterion)``, its defaults: the first update's full
+    gradient kept where the model is small; ``k`` None: the default sketch size)."""
     from gatherlab.recording.recorder import Recorder
+    from gatherlab.recording.sketch import DEFAULT_K
 
-    generator = torch.Generator().manual_seed(1)
-    inputs = torch.randn(batch, width, generator=generator, dtype=dtype)
-    targets = torch.randn(batch, width, generator=generator, dtype=dtype)
+    k = DEFAULT_K if k is None else k
     names = ("plain", "recorded")
-    models = {name: _mlp(width, depth, dtype) for name in names}
+    models = {name: build() for name in names}
     optimizers = {n: torch.optim.SGD(m.parameters(), lr=1e-4) for n, m in models.items()}
     criteria = {name: torch.nn.MSELoss() for name in names}
     for name in names:  # gradients allocated before the memory is read
@@ -430,14 +438,14 @@ def _time_record(
     updates = RECORD_WARM_UP + repeats
     recorder.close()
     after = _recording_bytes(out)
-    final = depth * k * 8  # the final weights' sketch, written when the recorder closes
+    final = len(recorder.parts) * k * 8  # the final weights' sketch, written at the close
     during = {**after, "sketches": after["sketches"] - final}
     ratios = [r / p for r, p in zip(times["recorded"], times["plain"], strict=True)]
     cpu_ratios = [r / p for r, p in zip(cpu["recorded"], cpu["plain"], strict=True)]
     return {
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(inputs.dtype).removeprefix("torch."),
         "parameters": sum(p.numel() for p in models["plain"].parameters()),
-        "parts": depth,
+        "parts": len(recorder.parts),
         "plain_ms": 1e3 * statistics.median(times["plain"]),
         "recorded_ms": 1e3 * statistics.median(times["recorded"]),
         "ratio": statistics.median(ratios),
@@ -452,6 +460,16 @@ def _time_record(
         "full": after["full"],
         "once": after["rest"] + after["sketches"] - during["sketches"],  # + the final sketch
     }
+
+
+def _time_mlp(
+    dtype: torch.dtype, width: int, depth: int, batch: int, repeats: int, k: int, out: Path
+) -> dict:
+    """`time_record` of the MLP ``depth`` × ``width`` on random rows and targets."""
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(batch, width, generator=generator, dtype=dtype)
+    targets = torch.randn(batch, width, generator=generator, dtype=dtype)
+    return time_record(lambda: _mlp(width, depth, dtype), inputs, targets, repeats, k, out)
 
 
 def _per_thousand(row: dict) -> str:
@@ -480,12 +498,10 @@ def record(
     with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
         for dtype in (torch.float32, torch.float64):
             out = Path(root) / str(dtype).removeprefix("torch.")
-            rows.append(_time_record(dtype, width, depth, batch, repeats, k, out))
+            rows.append(_time_mlp(dtype, width, depth, batch, repeats, k, out))
         large = None
         if large_width:
-            large = _time_record(
-                torch.float32, large_width, depth, batch, 1, k, Path(root) / "large"
-            )
+            large = _time_mlp(torch.float32, large_width, depth, batch, 1, k, Path(root) / "large")
     parameters = rows[0]["parameters"]
     print(
         f"one update (forward, mean squared error, backward, SGD step) of an MLP {depth} × {width} "
@@ -593,6 +609,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     check_parser.add_argument("--repeats", type=int, default=5, help="runs of each (default 5)")
     _record_options(commands)
+    sizes.options(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.benchmark == "sweep":
@@ -609,6 +626,8 @@ def main(argv: list[str] | None = None) -> None:
         from gatherlab.lab import recorder_cost
 
         recorder_cost.report(tuple(args.world_sizes), args.repeats)
+    elif args.benchmark == "size":
+        sizes.run(args.models, args.sizes, args.precisions, args.record_repeats, args.out)
 
 
 if __name__ == "__main__":

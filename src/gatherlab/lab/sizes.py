@@ -1,0 +1,246 @@
+"""``python -m gatherlab.bench size``: what checking and recording cost at real model sizes
+(docs/performance.md, "Checking and recording at real sizes").
+
+For each model of `gatherlab.lab.sizemodels` (a ResNet-like CNN, a ViT-like transformer) at each
+size (about 1M, 10M, 25M, 86M parameters) and each precision (float64, float32):
+
+- **plain**: the training as its user runs it, W = 2 ranks of a fresh pool, the model in
+  torch's ``DistributedDataParallel``, SGD, ``contrastive_step`` on each rank's rows of the same
+  global batches; its compute (the steps' wall time, between barriers) and each rank's peak
+  resident memory;
+- **check**: ``check_training(step=contrastive_step, model=build, world_sizes=(2,))`` of the same
+  steps, in a process of its own whose W = 2 pool has started before the clock starts (start-up
+  aside); its wall time, and the peak resident memory of the process (which trains the one-device
+  references) and of each rank;
+- **record** (float32, batch 256): one update of the model plain and recorded
+  (`gatherlab.record`), in turns, the median of the pairs' time ratios, and the bytes the
+  recording writes per update.
+
+Every measurement runs in a fresh interpreter (``python -m gatherlab.lab.sizes --one ...``), so a
+peak is that measurement's alone. Ratios: check time ÷ plain compute, check peak ÷ plain rank's
+peak, recorded ÷ plain update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from gatherlab.lab import sizemodels
+
+__all__ = ["MODELS", "PRECISIONS", "SIZES", "main", "run"]
+
+MODELS = tuple(sizemodels.SIZES)
+SIZES = tuple(sizemodels.SIZES["vit"])
+PRECISIONS = ("64-true", "32-true")
+DTYPES = {"64-true": torch.float64, "32-true": torch.float32}
+STEPS, GLOBAL_BATCH, WORLD_SIZE = 3, 8, 2
+RECORD_BATCH = 256
+GOALS = {"check_time": 5.0, "check_memory": 4.0, "record": {"10M": 1.05, "86M": 1.02}}
+_MODULE = "gatherlab.lab.sizemodels"
+
+
+def _peak_mib(pid: int | str = "self") -> float:
+    """A process's peak resident memory so far (Linux: VmHWM), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise OSError(f"no VmHWM in /proc/{pid}/status")
+
+
+def _plain_on_rank(model: str, size: str, precision: str, steps: int, batch: int) -> dict:
+    """On each rank: the plain training (DDP, SGD, the contrastive step on the rank's rows), its
+    steps' wall time between barriers and this rank's peak resident memory."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    dtype = DTYPES[precision]
+    net = DistributedDataParallel(sizemodels.build(model, size).to(dtype))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    data = sizemodels.Views(steps * batch, sizemodels.IMAGE[model])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = batch // world
+    dist.barrier()
+    start = time.perf_counter()
+    for step in range(steps):
+        rows = slice(step * batch + rank * local, step * batch + (rank + 1) * local)
+        views = (data.views[0][rows].to(dtype), data.views[1][rows].to(dtype))
+        optimizer.zero_grad()
+        sizemodels.contrastive_step(net, views).backward()
+        optimizer.step()
+    dist.barrier()
+    return {"seconds": time.perf_counter() - start, "peak_mib": _peak_mib()}
+
+
+def _warm_pool(world_size: int):
+    from gatherlab.ranks import pool as pools
+
+    ranks = pools.pool(world_size)
+    ranks.run(os.getpid)  # started and joined before any clock starts
+    return ranks
+
+
+def plain(model: str, size: str, precision: str) -> dict:
+    """The plain training on W = 2 fresh ranks: its compute and each rank's peak."""
+    ranks = _warm_pool(WORLD_SIZE)
+    results = ranks.run(_plain_on_rank, model, size, precision, STEPS, GLOBAL_BATCH)
+    return {
+        "plain_s": max(r["seconds"] for r in results),
+        "plain_rank_mib": max(r["peak_mib"] for r in results),
+    }
+
+
+def check(model: str, size: str, precision: str) -> dict:
+    """``check_training`` of the same steps at W = 2 on a warm pool: its wall time and verdict,
+    the peak of this process (the one-device references) and of each rank."""
+    from gatherlab.check import check_training, sizing
+
+    ranks = _warm_pool(WORLD_SIZE)
+    estimated = sizing.estimate(sizemodels.parameters(sizemodels.build(model, size)), WORLD_SIZE)
+    start = time.perf_counter()
+    table = check_training(
+        step=f"{_MODULE}:contrastive_step", model=f"{_MODULE}:build",
+        model_kwargs={"model": model, "size": size}, data=f"{_MODULE}:Views",
+        data_kwargs={"size": STEPS * GLOBAL_BATCH, "image": sizemodels.IMAGE[model]},
+        world_sizes=(WORLD_SIZE,), steps=STEPS, global_batch_size=GLOBAL_BATCH,
+        precision=precision,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    return {
+        "check_s": seconds,
+        "verdict": str(table["verdict"].iloc[0]),
+        "check_process_mib": _peak_mib(),
+        "check_rank_mib": max(_peak_mib(pid) for pid in ranks.pids),
+        "estimated_process_mib": estimated.command / 2**20,
+        "estimated_rank_mib": estimated.rank / 2**20,
+    }
+
+
+def record(model: str, size: str, repeats: int) -> dict:
+    """One float32 update at batch `RECORD_BATCH` (the model's embedding against fixed targets,
+    mean squared error, SGD), plain and recorded in turns (`gatherlab.lab.bench.time_record`)."""
+    from gatherlab.lab import bench
+
+    image = sizemodels.IMAGE[model]
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(RECORD_BATCH, 3, image, image, generator=generator)
+    targets = torch.randn(RECORD_BATCH, sizemodels.EMBEDDING, generator=generator)
+
+    def built() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return sizemodels.build(model, size)
+
+    with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
+        row = bench.time_record(built, inputs, targets, repeats, None, Path(root) / "out")
+    return {
+        "plain_update_s": row["plain_ms"] / 1e3,
+        "record_ratio": row["ratio"],
+        "record_kib": row["per_update"] / 1024,
+    }
+
+
+def _one(what: str, **options) -> dict:
+    """One measurement in a fresh interpreter, its peak its own."""
+    command = [sys.executable, "-m", "gatherlab.lab.sizes", "--one", what, json.dumps(options)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        tail = "\n".join(done.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"{what} {options}: exit {done.returncode}: {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(
+    models: Sequence[str] = MODELS,
+    sizes: Sequence[str] = SIZES,
+    precisions: Sequence[str] = PRECISIONS,
+    record_repeats: int = 5,
+    out: Path | None = None,
+) -> list[dict]:
+    """Every measurement, printed as it ends; the rows (one per model × size × precision)."""
+    rows = []
+    for model in models:
+        for size in sizes:
+            parameters = sizemodels.parameters(sizemodels.build(model, size))
+            recorded = _one("record", model=model, size=size, repeats=record_repeats)
+            for precision in precisions:
+                row = {"model": model, "size": size, "parameters": parameters,
+                       "precision": precision}  # fmt: skip
+                row |= _one("plain", model=model, size=size, precision=precision)
+                row |= _one("check", model=model, size=size, precision=precision)
+                row |= recorded if precision == "32-true" else {}
+                row["time_ratio"] = row["check_s"] / row["plain_s"]
+                peak = max(row["check_process_mib"], row["check_rank_mib"])
+                row["memory_ratio"] = peak / row["plain_rank_mib"]
+                rows.append(row)
+                _print_row(row)
+    if out is not None:
+        _write(rows, out)
+    return rows
+
+
+def _print_row(row: dict) -> None:
+    line = (
+        f"{row['model']:<7}{row['size']:>4} ({row['parameters'] / 1e6:6.2f}M) {row['precision']}: "
+        f"plain {row['plain_s']:7.1f} s, {row['plain_rank_mib']:7.0f} MiB/rank; check "
+        f"{row['check_s']:7.1f} s ({row['verdict']}), process {row['check_process_mib']:7.0f} "
+        f"MiB, ranks {row['check_rank_mib']:7.0f} MiB (estimated {row['estimated_process_mib']:.0f}"
+        f", {row['estimated_rank_mib']:.0f}); check/plain time {row['time_ratio']:.2f}, "
+        f"memory {row['memory_ratio']:.2f}"
+    )
+    if "record_ratio" in row:
+        line += (f"; recorded/plain update {row['record_ratio']:.3f} (plain "
+                 f"{row['plain_update_s']:.2f} s), {row['record_kib']:.1f} KiB/update")  # fmt: skip
+    print(line, flush=True)
+
+
+def _write(rows: list[dict], out: Path) -> None:
+    import pandas as pd
+
+    from gatherlab.analysis import figures
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table = pd.DataFrame(rows)
+    table.to_csv(out.with_suffix(".csv"), index=False)
+    figures.save(figures.size_cost_figure(table, GOALS), out)
+    print(f"written: {out.with_suffix('.csv')}, {out}.png, {out}.pdf")
+
+
+def options(commands) -> None:
+    """``python -m gatherlab.bench size``'s options."""
+    parser = commands.add_parser(
+        "size", help="the check's and the recorder's cost at 1M-86M parameters (ResNet, ViT)"
+    )
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=SIZES)
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    parser.add_argument(
+        "--record-repeats", type=int, default=5, help="timed pairs of updates (default 5)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="write OUT.csv and the figure OUT.png, OUT.pdf (e.g. figures/size_cost)",
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``--one WHAT OPTIONS``: one measurement in this interpreter, its result a JSON line."""
+    parser = argparse.ArgumentParser(prog="python -m gatherlab.lab.sizes")
+    parser.add_argument("--one", nargs=2, metavar=("WHAT", "OPTIONS"), required=True)
+    args = parser.parse_args(argv)
+    what, options = args.one[0], json.loads(args.one[1])
+    measure = {"plain": plain, "check": check, "record": record}[what]
+    print(json.dumps(measure(**options)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
