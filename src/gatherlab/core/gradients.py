@@ -219,13 +219,16 @@ def classify_sketched(
 
 
 def split(gradient: torch.Tensor, parts: Layout) -> dict[str, torch.Tensor]:
-    """Each part's gradient, in the order of ``parts``."""
+    """Each part's gradient, in the order of ``parts``: a view of ``gradient`` for a part of one
+    range (a top-level child's parameters are one), a copy for a part of several (not to be
+    changed in place: it may be the gradient itself)."""
     import torch
 
     return {
-        name: torch.cat([gradient[start:stop] for start, stop in ranges])
+        name: gradient[ranges[0][0] : ranges[0][1]] if len(ranges) == 1
+        else torch.cat([gradient[start:stop] for start, stop in ranges])
         for name, ranges in parts.items()
-    }
+    }  # fmt: skip
 
 
 def classify_parts(
