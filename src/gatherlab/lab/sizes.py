@@ -37,7 +37,7 @@ import torch
 
 from gatherlab.lab import sizemodels
 
-__all__ = ["MODELS", "PRECISIONS", "SIZES", "main", "run"]
+__all__ = ["MODELS", "PRECISIONS", "SIZES", "main", "options", "redraw", "run"]
 
 MODELS = tuple(sizemodels.SIZES)
 SIZES = tuple(sizemodels.SIZES["vit"])
@@ -206,12 +206,18 @@ def _print_row(row: dict) -> None:
 def _write(rows: list[dict], out: Path) -> None:
     import pandas as pd
 
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(out.with_suffix(".csv"), index=False)
+    redraw(out)
+
+
+def redraw(out: Path) -> None:
+    """The figure ``out``.png and .pdf drawn from ``out``.csv."""
+    import pandas as pd
+
     from gatherlab.analysis import figures
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    table = pd.DataFrame(rows)
-    table.to_csv(out.with_suffix(".csv"), index=False)
-    figures.save(figures.size_cost_figure(table, GOALS), out)
+    figures.save(figures.size_cost_figure(pd.read_csv(out.with_suffix(".csv")), GOALS), out)
     print(f"written: {out.with_suffix('.csv')}, {out}.png, {out}.pdf")
 
 
@@ -230,6 +236,9 @@ def options(commands) -> None:
         "--out", type=Path, default=None,
         help="write OUT.csv and the figure OUT.png, OUT.pdf (e.g. figures/size_cost)",
     )  # fmt: skip
+    parser.add_argument(
+        "--redraw", action="store_true", help="only draw the figure again from OUT.csv"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
