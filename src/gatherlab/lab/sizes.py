@@ -128,8 +128,8 @@ def check(model: str, size: str, precision: str) -> dict:
 
 def record(model: str, size: str, repeats: int) -> dict:
     """One float32 update at batch `RECORD_BATCH` (the model's embedding against fixed targets,
-    mean squared error, SGD), plain and recorded in turns (`gatherlab.lab.bench.time_record`)."""
-    from gatherlab.lab import bench
+    mean squared error, SGD), plain and recorded in turns (`recordtime.time_record`)."""
+    from gatherlab.lab import recordtime
 
     image = sizemodels.IMAGE[model]
     generator = torch.Generator().manual_seed(1)
@@ -141,7 +141,7 @@ def record(model: str, size: str, repeats: int) -> dict:
         return sizemodels.build(model, size)
 
     with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
-        row = bench.time_record(built, inputs, targets, repeats, None, Path(root) / "out")
+        row = recordtime.time_record(built, inputs, targets, repeats, None, Path(root) / "out")
     return {
         "plain_update_s": row["plain_ms"] / 1e3,
         "record_ratio": row["ratio"],
