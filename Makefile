@@ -59,13 +59,14 @@ AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 notebook: $(STAMP)  ## start Jupyter on notebooks/analysis.ipynb (the newest sweep under multirun/)
 	$(PY) -m jupyter notebook $(AS_ROOT) $(NOTEBOOK_ARGS) notebooks/analysis.ipynb
 
-figures: $(STAMP)  ## RE-RUN every experiment (~75 min here) and overwrite figures/ (PNG, PDF, tables)
+figures: $(STAMP)  ## RE-RUN every experiment (~95 min here) and overwrite figures/ (PNG, PDF, tables)
 	for script in experiments/bug_demo.py experiments/loss_matrix.py experiments/gather_audit.py \
 	    experiments/gather_scaling.py \
 	    experiments/optimizer_matrix.py experiments/downstream.py experiments/lr_sweep.py \
 	    experiments/simclr_digits.py experiments/accumulation.py experiments/precision.py \
 	    experiments/sharded.py experiments/sharded_sweep.py; do \
 	    $(PY) $$script || exit 1; done
+	$(PY) -m gatherlab.bench size --out figures/size_cost
 
 # docs/examples.py: each block between <!-- example: NAME --> and <!-- /example --> is rewritten with
 # what its command prints today; python docs/examples.py --check [NAME ...] only compares.

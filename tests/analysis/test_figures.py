@@ -133,4 +133,5 @@ def test_the_size_figure_draws_each_model_and_precision_against_its_parameters()
     assert list(memory["vit, float32"].get_ydata()) == [1.8, 6.0]
     recorded = [line for line in record_axis.get_lines() if line.get_label() == "vit"]
     assert [list(line.get_ydata()) for line in recorded] == [[1.10, 1.01]]  # float32 rows only
-    assert time_axis.get_xscale() == "log" and record_axis.get_yscale() == "log"
+    assert time_axis.get_xscale() == "log" and time_axis.get_yscale() == "log"
+    assert record_axis.get_yscale() == "linear"
