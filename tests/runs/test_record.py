@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gatherlab.ranks import pool as pools
+from gatherlab.ranks import world
 from gatherlab.runs.record import NonFiniteLoss, Recorder, mean_over_ranks
 
 
@@ -71,6 +72,12 @@ def test_a_step_over_its_budget_is_one_line_with_the_steps_done_and_to_go(caplog
         pattern = (rf"^one device: step {step} took \d+\.\d s, over the step budget of 1e-12 s; "
                    rf"{step + 1} done, {left} to go$")  # fmt: skip
         assert re.match(pattern, line), line
+    caplog.clear()
+    with world.alone():  # the check's second reference: one device in a one-rank group
+        _steps_of(Recorder(step_budget_s=1e-12, steps=1), 1)
+    grouped = caplog.records[0].getMessage()
+    assert re.match(r"^one device in a one-rank group: step 0 took \d+\.\d s, over the step "
+                    r"budget of 1e-12 s; 1 done, 0 to go$", grouped)  # fmt: skip
     caplog.clear()
     _steps_of(Recorder(step_budget_s=math.inf, steps=3), 3)  # the default: no budget
     _steps_of(Recorder(step_budget_s=1e-12, steps=3), 3, rank=1)  # rank 0 alone says it

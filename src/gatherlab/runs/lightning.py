@@ -266,6 +266,9 @@ class StepRecorder(L.Callback):
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.recorder = Recorder(keep_first_gradient, step_budget_s, steps)
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.recorder.start()  # the first step's time is not the Trainer's set-up
+
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         self.recorder.loss(loss, trainer.global_step, trainer.global_rank)
 
