@@ -62,7 +62,11 @@ def _steps_of(recorder: Recorder, steps: int, rank: int = 0) -> None:
         recorder.gradient(model.parameters(), step, rank)
 
 
-def test_a_step_over_its_budget_is_one_line_with_the_steps_done_and_to_go(caplog):
+def test_a_step_over_its_budget_is_one_line_with_the_steps_done_and_to_go(caplog, monkeypatch):
+    logger = logging.getLogger("gatherlab.runs.record")
+    # a logging.config.dictConfig elsewhere in the test session (its default disables the loggers
+    # that exist then) must not hide what the recorder says
+    monkeypatch.setattr(logger, "disabled", False)
     caplog.set_level(logging.WARNING, logger="gatherlab.runs.record")
     _steps_of(Recorder(step_budget_s=1e-12, steps=3), 3)  # every step takes longer than 1e-12 s
     lines = [record.getMessage() for record in caplog.records]
