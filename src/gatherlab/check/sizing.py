@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Estimate", "available_bytes", "estimate", "too_large"]
+__all__ = ["Estimate", "available_bytes", "estimate", "resident_bytes", "too_large"]
 
 FLOAT64 = 8
 RANK_START = 300 * 2**20  # a pool rank's resident memory before its job (forked with torch loaded)
@@ -43,7 +43,8 @@ class Estimate:
         return self.command + self.world_size * self.rank
 
 
-def _resident_now() -> int:
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm), 0 where it cannot be read."""
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):
@@ -55,7 +56,7 @@ def estimate(parameters: int, world_size: int) -> Estimate:
     """The estimate of the module's docstring for ``parameters`` trainable parameters on
     ``world_size`` ranks."""
     vector = FLOAT64 * parameters
-    return Estimate(_resident_now() + (8 + world_size) * vector, RANK_START + 5 * vector,
+    return Estimate(resident_bytes() + (8 + world_size) * vector, RANK_START + 5 * vector,
                     world_size)  # fmt: skip
 
 

@@ -512,7 +512,8 @@ def _record_options(commands) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of every benchmark."""
     parser = argparse.ArgumentParser(
         prog="python -m gatherlab.bench", description=__doc__.splitlines()[0]
     )
@@ -555,6 +556,11 @@ def main(argv: list[str] | None = None) -> None:
     check_parser.add_argument("--repeats", type=int, default=5, help="runs of each (default 5)")
     _record_options(commands)
     sizes.options(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.benchmark == "sweep":

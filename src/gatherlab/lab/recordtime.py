@@ -12,20 +12,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["RECORD_WARM_UP", "recording_bytes", "resident_bytes", "time_record", "update"]
+from gatherlab.check.sizing import resident_bytes
+
+__all__ = ["RECORD_WARM_UP", "recording_bytes", "time_record", "update"]
 
 RECORD_WARM_UP = 2  # pairs of updates before the timed ones (the first writes the full gradient)
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (Linux: /proc/self/statm), 0 where it cannot be read."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-    import os
-
-    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def update(model, optimizer, criterion, inputs, targets) -> None:
