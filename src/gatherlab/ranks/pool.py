@@ -2,7 +2,9 @@
 jobs, so a job costs its computation, not starting W processes that import torch and Lightning.
 ``pool(W).run(function, *args)`` calls ``function(*args)`` on every rank and returns the ranks'
 results in rank order; a rank that raises or dies ends the call at once with ``RankError`` (its
-``rank`` and its error in one line, ``cli.error_line``, computed in the rank).
+``rank`` and its error in one line, ``cli.error_line``, computed in the rank). A rank that died is
+named rather than the peers whose collectives with it broke (their errors echo its death and can
+reach the pool first).
 
 A job runs in the caller's current directory and import path (the caller's path first), whatever
 they were when the pool started. The ranks ignore Ctrl-C, which the pools' process answers, and
@@ -70,6 +72,8 @@ ORPHANED_STATUS = 1
 _RELAY_S = 0.2
 # After a failed watched job: how long the other ranks have to answer before the pool is closed.
 _SETTLE_S = 1.0
+# After a rank's error: how long a peer's death, which that error may be the echo of, has to show.
+_DEATH_SHOWS_S = 0.1
 # How many of a dead rank's last lines on its standard error its error shows.
 _LAST_WORDS = 5
 
@@ -492,6 +496,14 @@ class WorkerPool:
                         self._abandon()
                         raise error from None
                     if status == "error":
+                        # A peer that died is the cause of the transport errors of the ranks in
+                        # a collective with it (gloo's "Connection reset by peer"), which can
+                        # arrive before its death does: the death is named.
+                        dead = self._dead_peer(rank, by_sentinel)
+                        if dead is not None:
+                            error = self._death(dead)
+                            self._abandon()
+                            raise error
                         errors = [value]
                         answered = {*results, rank}
                         if not (watched and self._settled(by_connection, answered, warned, errors)):
@@ -506,6 +518,13 @@ class WorkerPool:
                         self._abandon()
                         raise error
         return [results[rank] for rank in range(self.world_size)]
+
+    def _dead_peer(self, rank: int, by_sentinel: dict[int, int]) -> int | None:
+        """The lowest rank other than ``rank`` whose process has ended, or ends within
+        ``_DEATH_SHOWS_S``; None when every other rank lives."""
+        others = {sentinel: r for sentinel, r in by_sentinel.items() if r != rank}
+        ended = wait(list(others), timeout=_DEATH_SHOWS_S) if others else []
+        return min((others[sentinel] for sentinel in ended), default=None)
 
     def _settled(
         self, by_connection: dict[Connection, int], answered: set[int],
