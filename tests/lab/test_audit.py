@@ -252,6 +252,28 @@ def test_classify_names_a_constant_factor_of_ranks_and_micro_batches(
     assert norm_ratio == pytest.approx(factor, rel=1e-12)
 
 
+def test_classify_reads_a_vector_of_several_blocks_as_the_whole_vector_formulas_do():
+    """``classify`` reads its vectors in blocks (``gradients._BLOCK``): its numbers are numpy's
+    whole-vector cosine, norm ratio and max rel. error to rounding, with the one departure in the
+    last, partial block, and a NaN in a middle block is the result's NaN."""
+    size = 3 * gradients._BLOCK + 5
+    generator = torch.Generator().manual_seed(1)
+    reference = torch.randn(size, generator=generator, dtype=torch.float64)
+    gradient = reference / 2
+    gradient[-2] += 10.0  # beyond every |g₁| (at most ~5 in 10^5 normal draws): max |g − g₁| here
+    a, b = reference.numpy(), gradient.numpy()
+    cosine = np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b))
+    norm_ratio = np.linalg.norm(b) / np.linalg.norm(a)
+    max_rel_err = np.abs(b - a).max() / np.abs(a).max()
+    measured = gradients.classify(gradient, reference, world_size=2)
+    assert measured.gradient == "biased"
+    assert measured.cosine == pytest.approx(cosine, rel=1e-14, abs=0)
+    assert measured.norm_ratio == pytest.approx(norm_ratio, rel=1e-14, abs=0)
+    assert measured.max_rel_err == max_rel_err  # peaks are exact: no rounding
+    gradient[gradients._BLOCK + 7] = math.nan
+    assert math.isnan(gradients.classify(gradient, reference, world_size=2).max_rel_err)
+
+
 def test_without_micro_batches_no_name_needs_k():
     """micro_batches=1, every caller before accumulation: 1/W and W only, at each W."""
     for world_size in range(1, 9):

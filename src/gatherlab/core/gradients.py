@@ -161,6 +161,30 @@ def class_of(
     return GradientClass.BIASED
 
 
+# `classify` reads both vectors in blocks of this many elements (512 KiB of float64 for the two):
+# every sum and peak in one pass that stays in the cache, where whole-vector operations made six
+# temporaries of the gradient's size and eight passes (measured at 85M float64 elements, one
+# thread: 1.6-3.0 s before, 0.4 s in blocks of 2^14 to 2^17, 0.76 s in blocks of 2^18).
+_BLOCK = 1 << 15
+
+
+def _moments(gradient: torch.Tensor, reference: torch.Tensor) -> tuple[list[float], list[float]]:
+    """In one pass over both (flattened, in blocks): the sums g·g, g₁·g₁, g·g₁ and the peaks
+    max |g|, max |g₁|, max |g − g₁|, each in float64 (a NaN anywhere is kept: `torch.maximum`)."""
+    import torch
+
+    mine, theirs = gradient.reshape(-1), reference.reshape(-1)
+    sums = torch.zeros(3, dtype=torch.float64)
+    peaks = torch.zeros(3, dtype=torch.float64)
+    for start in range(0, mine.numel(), _BLOCK):
+        a = mine[start : start + _BLOCK].double()
+        b = theirs[start : start + _BLOCK].double()
+        sums += torch.stack([a @ a, b @ b, a @ b])
+        block = torch.stack([a.abs().max(), b.abs().max(), (a - b).abs().max()])
+        peaks = torch.maximum(peaks, block)  # a NaN stays
+    return sums.tolist(), peaks.tolist()
+
+
 def classify(
     gradient: torch.Tensor, reference: torch.Tensor, world_size: int, micro_batches: int = 1
 ) -> Classified:
@@ -169,15 +193,18 @@ def classify(
     error (max |g − g₁| / max |g₁|): a gradient parallel to the reference at a named factor
     (`factors`) is named by it, at any other factor ``other`` (the factor is its norm ratio). No
     gradient on either side is ``none``, never ``exact``: nothing trains (cosine, norm ratio and
-    max rel. error NaN, as for any zero reference)."""
-    import torch
-
-    zero_gradient = bool(gradient.abs().max() == 0) if gradient.numel() else True
-    if float(torch.linalg.vector_norm(reference)) == 0:  # no gradient on one device either
+    max rel. error NaN, as for any zero reference). Its numbers are read in one pass
+    (`_moments`)."""
+    (squares, reference_squares, product), (peak, reference_peak, departure) = _moments(
+        gradient, reference
+    )
+    zero_gradient = peak == 0
+    if reference_squares == 0:  # no gradient on one device either
         measured = class_of(math.nan, math.nan, math.nan, zero_gradient, True, world_size)
         return Classified(measured, math.nan, math.nan, math.nan)
-    cosine, norm_ratio = cosine_and_norm_ratio(gradient, reference)
-    max_rel_err = float((gradient - reference).abs().max() / reference.abs().max())
+    norm, reference_norm = math.sqrt(squares), math.sqrt(reference_squares)
+    cosine = product / (norm * reference_norm) if norm > 0 else math.nan
+    norm_ratio, max_rel_err = norm / reference_norm, departure / reference_peak
     measured = class_of(
         cosine, norm_ratio, max_rel_err, zero_gradient, False, world_size, micro_batches
     )
