@@ -253,9 +253,10 @@ def test_classify_names_a_constant_factor_of_ranks_and_micro_batches(
 
 
 def test_classify_reads_a_vector_of_several_blocks_as_the_whole_vector_formulas_do():
-    """``classify`` reads its vectors in blocks (``gradients._BLOCK``): its numbers are numpy's
-    whole-vector cosine, norm ratio and max rel. error to rounding, with the one departure in the
-    last, partial block, and a NaN in a middle block is the result's NaN."""
+    """``classify`` and ``largest_difference`` read their vectors in blocks
+    (``gradients._BLOCK``): their numbers are numpy's whole-vector cosine, norm ratio, max rel.
+    error and max |g − g₁| to rounding, with the one departure in the last, partial block, and a
+    NaN in a middle block is the result's NaN."""
     size = 3 * gradients._BLOCK + 5
     generator = torch.Generator().manual_seed(1)
     reference = torch.randn(size, generator=generator, dtype=torch.float64)
@@ -270,8 +271,12 @@ def test_classify_reads_a_vector_of_several_blocks_as_the_whole_vector_formulas_
     assert measured.cosine == pytest.approx(cosine, rel=1e-14, abs=0)
     assert measured.norm_ratio == pytest.approx(norm_ratio, rel=1e-14, abs=0)
     assert measured.max_rel_err == max_rel_err  # peaks are exact: no rounding
+    assert gradients.largest_difference(gradient, reference) == np.abs(b - a).max()
+    assert gradients.largest_difference(gradient) == np.abs(b).max()
+    assert gradients.largest_difference(torch.zeros(0)) == 0.0
     gradient[gradients._BLOCK + 7] = math.nan
     assert math.isnan(gradients.classify(gradient, reference, world_size=2).max_rel_err)
+    assert math.isnan(gradients.largest_difference(gradient, reference))
 
 
 def test_without_micro_batches_no_name_needs_k():

@@ -62,7 +62,7 @@ def _curves(run: Trained, reference: Trained, tolerance: float, scale: float | N
     factor = scale or 1.0
     differences = [abs(a / factor - b) for a, b in zip(run.losses, reference.losses, strict=True)]
     first = next((step for step, d in enumerate(differences) if d > tolerance), None)
-    weights = float((run.parameters - reference.parameters).abs().max())
+    weights = gradients.largest_difference(run.parameters, reference.parameters)
     return _Curves(differences, first, weights, tolerance)
 
 
@@ -144,7 +144,7 @@ class InPrecision:
         perturbed = self.perturbed if isinstance(self.perturbed, Trained) else self.perturbed_curve
         assert perturbed is not None, "a measured loss's curves need the perturbed training run"
         losses = max(abs(a - b) for a, b in zip(perturbed.losses, reference.losses, strict=True))
-        weights = float((perturbed.parameters - reference.parameters).abs().max())
+        weights = gradients.largest_difference(perturbed.parameters, reference.parameters)
         least = Precision(self.precision).unit_roundoff * max(map(abs, reference.losses))
         return floor.FLOOR_THRESHOLD * max(losses, weights, least)
 

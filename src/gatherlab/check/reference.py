@@ -132,7 +132,7 @@ def _trained(grouped: Trained, plain: Trained, tolerance: float, steps: str) -> 
         found.append(
             f"its {steps} depart from step {first} on (max |Δloss| {max(differences):.2g})"
         )
-    parameters = float((grouped.parameters - plain.parameters).abs().max())
+    parameters = gradients.largest_difference(grouped.parameters, plain.parameters)
     if parameters > tolerance:
         found.append(f"its final parameters differ (max |Δ| {parameters:.2g})")
     return found

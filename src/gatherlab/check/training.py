@@ -529,10 +529,13 @@ def unreduced_parts(ranks: Sequence[Trained], layout: measure.Layout) -> tuple[s
     mine = {name: gradients.split(first, {name: ranges})[name] for name, ranges in parts.items()}
     found = []
     for name, ranges in parts.items():
-        scale = float(mine[name].abs().max()) or 1.0
+        scale = gradients.largest_difference(mine[name]) or 1.0
         for other in ranks[1:]:
             theirs = gradients.split(other.first_gradient, {name: ranges})[name]
-            if float((theirs - mine[name]).abs().max()) > gradients.FLOAT64_TOLERANCE * scale:
+            if (
+                gradients.largest_difference(theirs, mine[name])
+                > gradients.FLOAT64_TOLERANCE * scale
+            ):
                 found.append(name)
                 break
     return tuple(found)

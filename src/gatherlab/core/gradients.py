@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # torch is imported by the functions that take tensors, when 
 __all__ = [
     "FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "PARALLEL_COSINE", "SINGLE_FACTORS", "TOLERANCE",
     "Classified", "Layout", "class_of", "classify", "classify_parts", "classify_sketched",
-    "cosine_and_norm_ratio", "factor_name", "factors", "same_forward", "single_factors", "split",
-    "tolerance",
+    "cosine_and_norm_ratio", "factor_name", "factors", "largest_difference", "same_forward",
+    "single_factors", "split", "tolerance",
 ]  # fmt: skip
 
 # Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
@@ -183,6 +183,23 @@ def _moments(gradient: torch.Tensor, reference: torch.Tensor) -> tuple[list[floa
         block = torch.stack([a.abs().max(), b.abs().max(), (a - b).abs().max()])
         peaks = torch.maximum(peaks, block)  # a NaN stays
     return sums.tolist(), peaks.tolist()
+
+
+def largest_difference(tensor: torch.Tensor, other: torch.Tensor | None = None) -> float:
+    """max |tensor − other| (max |tensor| without ``other``) over the flattened tensors, read in
+    blocks (`_BLOCK`) so that no temporary of their size is made; NaN where either holds a NaN,
+    0 for empty tensors."""
+    import torch
+
+    mine = tensor.reshape(-1)
+    theirs = None if other is None else other.reshape(-1)
+    peak = torch.zeros((), dtype=torch.float64)
+    for start in range(0, mine.numel(), _BLOCK):
+        block = mine[start : start + _BLOCK]
+        if theirs is not None:
+            block = block - theirs[start : start + _BLOCK]
+        peak = torch.maximum(peak, block.abs().max().double())  # a NaN stays
+    return float(peak)
 
 
 def classify(
