@@ -32,6 +32,10 @@ def test_the_estimate_counts_the_float64_vectors_of_the_command_and_of_each_rank
     assert estimate.total == estimate.command + 4 * estimate.rank
     assert sizing.too_large(parameters, 4, None) is None  # nothing known of the memory: no refusal
     assert sizing.too_large(parameters, 4, 2**50) is None
+    # in a low precision the floor's runs in it: 4 vectors more in the command, none in a rank
+    low = sizing.estimate(parameters, 4, low_precision=True)
+    assert 0 <= low.command - 16 * vector - now < 2**26  # `now` read again: within 64 MiB
+    assert low.rank == estimate.rank
 
 
 def test_a_check_too_large_for_the_memory_left_is_refused_before_any_rank_starts(monkeypatch):
@@ -54,6 +58,22 @@ def test_a_check_too_large_for_the_memory_left_is_refused_before_any_rank_starts
         line,
     ), line
     assert set(pools._pools) == started  # no pool of 3 ranks was started
+
+
+def test_a_step_in_a_low_precision_is_estimated_with_its_floors_runs(monkeypatch):
+    """The same step in float32: its command's estimate 4 vectors of 8 · 25,100,016 bytes (0.75
+    GiB) above float64's, as the floor's runs in float32 add to the command's peak."""
+    monkeypatch.setattr(sizing, "available_bytes", lambda: 2 * 2**30)
+    commands = {}
+    for precision in ("64-true", "32-true"):
+        with pytest.raises(check.CheckError) as refused:
+            check.check_training(
+                step=plain_steps.training_step, model=wide_model, data=plain_steps.Pairs,
+                world_sizes=(3,), steps=1, global_batch_size=6, precision=precision,
+            )  # fmt: skip
+        commands[precision] = float(re.search(r"the command (\d+\.\d) GiB", str(refused.value))[1])
+    more = sizing.LOW_PRECISION_VECTORS * 8 * 25_100_016 / 2**30
+    assert commands["32-true"] - commands["64-true"] == pytest.approx(more, abs=0.1)
 
 
 def test_the_memory_available_is_what_the_kernel_reports_or_less():

@@ -11,11 +11,14 @@ peak resident memory:
 
     command ≈ now + (8 + W) · 8 P            rank ≈ RANK_START + 5 · 8 P
 
-(``now``: the command's resident memory when it asks). The coefficients are those peaks as
-`python -m gatherlab.bench size` measured them at 86M parameters in float64, W = 2: the command
-9.4 (ResNet) and 10.8 (ViT) vectors, a rank 5.1 and 5.5, so the estimate was within 8 % of both
-(docs/performance.md). Activations and an optimizer's state are not in them: a step with large
-activations or Adam's two moments needs more than its estimate.
+(``now``: the command's resident memory when it asks), and in a low precision the command
+``LOW_PRECISION_VECTORS`` more: the floor's runs in the step's own precision (one device, in row
+blocks, W ranks) come on top of the float64 verdict's. The coefficients are those peaks as
+`python -m gatherlab.bench size` measured them at 86M parameters, W = 2 (docs/performance.md):
+in float64 the command 7.4 (ResNet) and 9.4 (ViT) vectors, in float32 11.5 and 13.4, a rank 5.1
+and 5.0 in both, so the estimate is at most 30 % over a peak and under none. Activations and an
+optimizer's state are not in them: a step with large activations or Adam's two moments needs
+more than its estimate.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ __all__ = ["Estimate", "available_bytes", "estimate", "resident_bytes", "too_lar
 
 FLOAT64 = 8
 RANK_START = 300 * 2**20  # a pool rank's resident memory before its job (forked with torch loaded)
+LOW_PRECISION_VECTORS = 4  # the command's vectors more when the step runs in a low precision
 
 
 @dataclass(frozen=True)
@@ -52,12 +56,12 @@ def resident_bytes() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def estimate(parameters: int, world_size: int) -> Estimate:
+def estimate(parameters: int, world_size: int, low_precision: bool = False) -> Estimate:
     """The estimate of the module's docstring for ``parameters`` trainable parameters on
-    ``world_size`` ranks."""
+    ``world_size`` ranks, of a step that runs in float64 or in a ``low_precision``."""
     vector = FLOAT64 * parameters
-    return Estimate(resident_bytes() + (8 + world_size) * vector, RANK_START + 5 * vector,
-                    world_size)  # fmt: skip
+    vectors = 8 + world_size + (LOW_PRECISION_VECTORS if low_precision else 0)
+    return Estimate(resident_bytes() + vectors * vector, RANK_START + 5 * vector, world_size)
 
 
 def available_bytes() -> int | None:
@@ -85,10 +89,12 @@ def _gib(count: int) -> str:
     return f"{count / 2**30:.1f} GiB"
 
 
-def too_large(parameters: int, world_size: int, available: int | None) -> str | None:
-    """The line that refuses a check whose estimate exceeds the memory ``available`` (None when
-    it fits, or when nothing is known of the memory)."""
-    needed = estimate(parameters, world_size)
+def too_large(
+    parameters: int, world_size: int, available: int | None, low_precision: bool = False
+) -> str | None:
+    """The line that refuses a check whose estimate (`estimate`) exceeds the memory ``available``
+    (None when it fits, or when nothing is known of the memory)."""
+    needed = estimate(parameters, world_size, low_precision)
     if available is None or needed.total <= available:
         return None
     return (

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from gatherlab.core.terms import Precision
 from gatherlab.lab import sizemodels
 
 __all__ = ["MODELS", "PRECISIONS", "SIZES", "main", "options", "redraw", "run"]
@@ -106,7 +107,8 @@ def check(model: str, size: str, precision: str) -> dict:
     from gatherlab.check import check_training, sizing
 
     ranks = _warm_pool(WORLD_SIZE)
-    estimated = sizing.estimate(sizemodels.parameters(sizemodels.build(model, size)), WORLD_SIZE)
+    parameters = sizemodels.parameters(sizemodels.build(model, size))
+    estimated = sizing.estimate(parameters, WORLD_SIZE, precision != Precision.FLOAT64)
     start = time.perf_counter()
     table = check_training(
         step=f"{_MODULE}:contrastive_step", model=f"{_MODULE}:build",
