@@ -15,10 +15,10 @@ peak resident memory:
 ``LOW_PRECISION_VECTORS`` more: the floor's runs in the step's own precision (one device, in row
 blocks, W ranks) come on top of the float64 verdict's. The coefficients are those peaks as
 `python -m gatherlab.bench size` measured them at 86M parameters, W = 2 (docs/performance.md):
-in float64 the command 7.4 (ResNet) and 9.4 (ViT) vectors, in float32 11.5 and 13.4, a rank 5.1
-and 5.0 in both, so the estimate is at most 30 % over a peak and under none. Activations and an
-optimizer's state are not in them: a step with large activations or Adam's two moments needs
-more than its estimate.
+in float64 the command 7.5 (ResNet) and 8.4-9.5 (ViT) vectors, in float32 11.5-11.6 and 13.2-13.5,
+a rank 5.1 and 5.2 in both (two runs), so the estimate is at most 31 % over a peak and under
+none. Activations and an optimizer's state are not in them: a step with large activations or
+Adam's two moments needs more than its estimate.
 """
 
 from __future__ import annotations
