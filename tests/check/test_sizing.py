@@ -33,7 +33,7 @@ def test_the_estimate_counts_the_float64_vectors_of_the_command_and_of_each_rank
     assert sizing.too_large(parameters, 4, None) is None  # nothing known of the memory: no refusal
     assert sizing.too_large(parameters, 4, 2**50) is None
     # in a low precision the floor's runs in it: 4 vectors more in the command, none in a rank
-    low = sizing.estimate(parameters, 4, low_precision=True)
+    low = sizing.estimate(parameters, 4, "32-true")
     assert 0 <= low.command - 16 * vector - now < 2**26  # `now` read again: within 64 MiB
     assert low.rank == estimate.rank
 

@@ -717,8 +717,8 @@ def _fits(setting: Any, layout: measure.Layout, world_size: int) -> None:
     if external.launched():
         return
     parameters = sum(stop - start for ranges in layout.values() for start, stop in ranges)
-    low = setting.spec.precision != terms.Precision.FLOAT64
-    refused = sizing.too_large(parameters, world_size, sizing.available_bytes(), low)
+    precision = setting.spec.precision
+    refused = sizing.too_large(parameters, world_size, sizing.available_bytes(), precision)
     if refused is not None:
         raise CheckError(f"{setting.label}: {refused}")
 

@@ -27,6 +27,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from gatherlab.core.terms import Precision
+
 __all__ = ["Estimate", "available_bytes", "estimate", "resident_bytes", "too_large"]
 
 FLOAT64 = 8
@@ -56,11 +58,11 @@ def resident_bytes() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def estimate(parameters: int, world_size: int, low_precision: bool = False) -> Estimate:
+def estimate(parameters: int, world_size: int, precision: str = Precision.FLOAT64) -> Estimate:
     """The estimate of the module's docstring for ``parameters`` trainable parameters on
-    ``world_size`` ranks, of a step that runs in float64 or in a ``low_precision``."""
+    ``world_size`` ranks, of a step that runs in ``precision``."""
     vector = FLOAT64 * parameters
-    vectors = 8 + world_size + (LOW_PRECISION_VECTORS if low_precision else 0)
+    vectors = 8 + world_size + (LOW_PRECISION_VECTORS if precision != Precision.FLOAT64 else 0)
     return Estimate(resident_bytes() + vectors * vector, RANK_START + 5 * vector, world_size)
 
 
@@ -90,11 +92,11 @@ def _gib(count: int) -> str:
 
 
 def too_large(
-    parameters: int, world_size: int, available: int | None, low_precision: bool = False
+    parameters: int, world_size: int, available: int | None, precision: str = Precision.FLOAT64
 ) -> str | None:
     """The line that refuses a check whose estimate (`estimate`) exceeds the memory ``available``
     (None when it fits, or when nothing is known of the memory)."""
-    needed = estimate(parameters, world_size, low_precision)
+    needed = estimate(parameters, world_size, precision)
     if available is None or needed.total <= available:
         return None
     return (

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-from gatherlab.core.terms import Precision
 from gatherlab.lab import sizemodels
 
 __all__ = ["MODELS", "PRECISIONS", "SIZES", "main", "options", "redraw", "run"]
@@ -108,7 +107,7 @@ def check(model: str, size: str, precision: str) -> dict:
 
     ranks = _warm_pool(WORLD_SIZE)
     parameters = sizemodels.parameters(sizemodels.build(model, size))
-    estimated = sizing.estimate(parameters, WORLD_SIZE, precision != Precision.FLOAT64)
+    estimated = sizing.estimate(parameters, WORLD_SIZE, precision)
     start = time.perf_counter()
     table = check_training(
         step=f"{_MODULE}:contrastive_step", model=f"{_MODULE}:build",
