@@ -18,7 +18,7 @@ from gatherlab import gather
 from gatherlab.analysis.figures import CLASS_COLORS
 from gatherlab.check import measure
 from gatherlab.components import config
-from gatherlab.core import gradients
+from gatherlab.core import floor, gradients
 from gatherlab.lab import audit
 
 pytestmark = pytest.mark.slow
@@ -253,10 +253,10 @@ def test_classify_names_a_constant_factor_of_ranks_and_micro_batches(
 
 
 def test_classify_reads_a_vector_of_several_blocks_as_the_whole_vector_formulas_do():
-    """``classify`` and ``largest_difference`` read their vectors in blocks
+    """``classify``, ``largest_difference`` and ``floor.relative`` read their vectors in blocks
     (``gradients._BLOCK``): their numbers are numpy's whole-vector cosine, norm ratio, max rel.
-    error and max |g − g₁| to rounding, with the one departure in the last, partial block, and a
-    NaN in a middle block is the result's NaN."""
+    error, max |g − g₁| and ‖g − g₁‖ / ‖g₁‖ to rounding, with the one departure in the last,
+    partial block, and a NaN in a middle block is the result's NaN."""
     size = 3 * gradients._BLOCK + 5
     generator = torch.Generator().manual_seed(1)
     reference = torch.randn(size, generator=generator, dtype=torch.float64)
@@ -272,6 +272,8 @@ def test_classify_reads_a_vector_of_several_blocks_as_the_whole_vector_formulas_
     assert measured.norm_ratio == pytest.approx(norm_ratio, rel=1e-14, abs=0)
     assert measured.max_rel_err == max_rel_err  # peaks are exact: no rounding
     assert gradients.largest_difference(gradient, reference) == np.abs(b - a).max()
+    relative = np.linalg.norm(b - a) / np.linalg.norm(a)  # what a floor is measured in
+    assert floor.relative(gradient, reference) == pytest.approx(relative, rel=1e-14, abs=0)
     assert gradients.largest_difference(gradient) == np.abs(b).max()
     assert gradients.largest_difference(torch.zeros(0)) == 0.0
     gradient[gradients._BLOCK + 7] = math.nan

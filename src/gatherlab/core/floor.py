@@ -23,6 +23,8 @@ from gatherlab.core.terms import GradientClass, Precision
 if TYPE_CHECKING:
     import torch
 
+    from gatherlab.core.gradients import Moments
+
 __all__ = [
     "FLOOR_THRESHOLD", "WITHIN", "Floored", "classify_at", "classify_floored",
     "classify_sketched_floored", "floor_of",
@@ -48,13 +50,16 @@ WITHIN = frozenset(within(p) for p in Precision if p != Precision.FLOAT64)
 
 
 def relative(vector: torch.Tensor, reference: torch.Tensor) -> float:
-    """‖vector − reference‖ / ‖reference‖ in float64 (NaN for a zero reference)."""
-    import torch
+    """‖vector − reference‖ / ‖reference‖ in float64 (NaN for a zero reference), read in one
+    pass (`gradients.moments`)."""
+    from gatherlab.core.gradients import moments
 
-    vector, reference = vector.double(), reference.double()
-    norm = float(torch.linalg.vector_norm(reference))
-    difference = float(torch.linalg.vector_norm(vector - reference))
-    return difference / norm if norm > 0 else math.nan
+    return _relative(moments(vector, reference))
+
+
+def _relative(read: Moments) -> float:
+    norm = math.sqrt(read.reference_squares)
+    return math.sqrt(read.difference_squares) / norm if norm > 0 else math.nan
 
 
 def floor_of(perturbed: float, precision: str) -> float:
@@ -111,19 +116,16 @@ def classify_at(
 ) -> Floored:
     """``gradient`` against ``reference`` in units of ``floor``: its class by
     `gradients.class_of` at the resolution T · floor."""
-    import torch
+    from gatherlab.core.gradients import class_of, moments, read_cosine_and_norm_ratio
 
-    from gatherlab.core.gradients import class_of, cosine_and_norm_ratio
-
-    gradient, reference = gradient.double(), reference.double()
-    zero_reference = float(torch.linalg.vector_norm(reference)) == 0
-    zero_gradient = not bool(gradient.abs().max() > 0) if gradient.numel() else True
-    if zero_reference:
+    read = moments(gradient, reference)  # one pass over both
+    zero_gradient = not read.peak > 0
+    if read.reference_squares == 0:
         measured = class_of(math.nan, math.nan, math.nan, zero_gradient, True, world_size)
         return Floored(precision, measured, measured, floor, math.nan, math.nan, math.nan,
                        math.nan)  # fmt: skip
-    rel_err = relative(gradient, reference)
-    cosine, norm_ratio = cosine_and_norm_ratio(gradient, reference)
+    rel_err = _relative(read)
+    cosine, norm_ratio = read_cosine_and_norm_ratio(read)
     resolution = FLOOR_THRESHOLD * floor
     measured = class_of(
         cosine, norm_ratio, rel_err, zero_gradient, False, world_size, micro_batches, resolution

@@ -28,9 +28,10 @@ if TYPE_CHECKING:  # torch is imported by the functions that take tensors, when 
 
 __all__ = [
     "FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "PARALLEL_COSINE", "SINGLE_FACTORS", "TOLERANCE",
-    "Classified", "Layout", "class_of", "classify", "classify_parts", "classify_sketched",
-    "cosine_and_norm_ratio", "factor_name", "factors", "largest_difference", "same_forward",
-    "single_factors", "split", "tolerance",
+    "Classified", "Layout", "Moments", "class_of", "classify", "classify_parts",
+    "classify_sketched", "cosine_and_norm_ratio", "factor_name", "factors", "largest_difference",
+    "moments", "read_cosine_and_norm_ratio", "same_forward", "single_factors", "split",
+    "tolerance",
 ]  # fmt: skip
 
 # Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
@@ -87,6 +88,13 @@ def cosine_and_norm_ratio(vector: torch.Tensor, reference: torch.Tensor) -> tupl
     norm, reference_norm = torch.linalg.vector_norm(vector), torch.linalg.vector_norm(reference)
     cosine = float(vector @ reference / (norm * reference_norm)) if norm > 0 else float("nan")
     return cosine, float(norm / reference_norm)
+
+
+def read_cosine_and_norm_ratio(read: Moments) -> tuple[float, float]:
+    """`cosine_and_norm_ratio` from the `Moments` of a vector and a nonzero reference."""
+    norm, reference_norm = math.sqrt(read.squares), math.sqrt(read.reference_squares)
+    cosine = read.product / (norm * reference_norm) if norm > 0 else math.nan
+    return cosine, norm / reference_norm
 
 
 def factors(world_size: int, micro_batches: int = 1) -> dict[str, float]:
@@ -161,28 +169,43 @@ def class_of(
     return GradientClass.BIASED
 
 
-# `classify` reads both vectors in blocks of this many elements (512 KiB of float64 for the two):
+# `moments` reads both vectors in blocks of this many elements (512 KiB of float64 for the two):
 # every sum and peak in one pass that stays in the cache, where whole-vector operations made six
 # temporaries of the gradient's size and eight passes (measured at 85M float64 elements, one
-# thread: 1.6-3.0 s before, 0.4 s in blocks of 2^14 to 2^17, 0.76 s in blocks of 2^18).
+# thread: `classify` 1.6-3.0 s before, 0.4 s in blocks of 2^14 to 2^17, 0.76 s in blocks of 2^18).
 _BLOCK = 1 << 15
 
 
-def _moments(gradient: torch.Tensor, reference: torch.Tensor) -> tuple[list[float], list[float]]:
-    """In one pass over both (flattened, in blocks): the sums g·g, g₁·g₁, g·g₁ and the peaks
-    max |g|, max |g₁|, max |g − g₁|, each in float64 (a NaN anywhere is kept: `torch.maximum`)."""
+class Moments(NamedTuple):
+    """What a comparison of a gradient g with a reference g₁ reads of the two (`moments`), each in
+    float64: the sums g·g, g₁·g₁, g·g₁ and (g − g₁)·(g − g₁), and the peaks max |g|, max |g₁| and
+    max |g − g₁|."""
+
+    squares: float
+    reference_squares: float
+    product: float
+    difference_squares: float
+    peak: float
+    reference_peak: float
+    departure: float
+
+
+def moments(gradient: torch.Tensor, reference: torch.Tensor) -> Moments:
+    """The `Moments` of ``gradient`` against ``reference`` (flattened, the same length), read in
+    one pass over both in blocks (`_BLOCK`), so that no temporary of their size is made; a NaN
+    anywhere is kept (`torch.maximum`)."""
     import torch
 
     mine, theirs = gradient.reshape(-1), reference.reshape(-1)
-    sums = torch.zeros(3, dtype=torch.float64)
+    sums = torch.zeros(4, dtype=torch.float64)
     peaks = torch.zeros(3, dtype=torch.float64)
     for start in range(0, mine.numel(), _BLOCK):
         a = mine[start : start + _BLOCK].double()
         b = theirs[start : start + _BLOCK].double()
-        sums += torch.stack([a @ a, b @ b, a @ b])
-        block = torch.stack([a.abs().max(), b.abs().max(), (a - b).abs().max()])
-        peaks = torch.maximum(peaks, block)  # a NaN stays
-    return sums.tolist(), peaks.tolist()
+        d = a - b
+        sums += torch.stack([a @ a, b @ b, a @ b, d @ d])
+        peaks = torch.maximum(peaks, torch.stack([a.abs().max(), b.abs().max(), d.abs().max()]))
+    return Moments(*sums.tolist(), *peaks.tolist())
 
 
 def largest_difference(tensor: torch.Tensor, other: torch.Tensor | None = None) -> float:
@@ -211,17 +234,14 @@ def classify(
     (`factors`) is named by it, at any other factor ``other`` (the factor is its norm ratio). No
     gradient on either side is ``none``, never ``exact``: nothing trains (cosine, norm ratio and
     max rel. error NaN, as for any zero reference). Its numbers are read in one pass
-    (`_moments`)."""
-    (squares, reference_squares, product), (peak, reference_peak, departure) = _moments(
-        gradient, reference
-    )
-    zero_gradient = peak == 0
-    if reference_squares == 0:  # no gradient on one device either
+    (`moments`)."""
+    read = moments(gradient, reference)
+    zero_gradient = read.peak == 0
+    if read.reference_squares == 0:  # no gradient on one device either
         measured = class_of(math.nan, math.nan, math.nan, zero_gradient, True, world_size)
         return Classified(measured, math.nan, math.nan, math.nan)
-    norm, reference_norm = math.sqrt(squares), math.sqrt(reference_squares)
-    cosine = product / (norm * reference_norm) if norm > 0 else math.nan
-    norm_ratio, max_rel_err = norm / reference_norm, departure / reference_peak
+    cosine, norm_ratio = read_cosine_and_norm_ratio(read)
+    max_rel_err = read.departure / read.reference_peak
     measured = class_of(
         cosine, norm_ratio, max_rel_err, zero_gradient, False, world_size, micro_batches
     )
