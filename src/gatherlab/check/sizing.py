@@ -15,8 +15,8 @@ peak resident memory:
 ``LOW_PRECISION_VECTORS`` more: the floor's runs in the step's own precision (one device, in row
 blocks, W ranks) come on top of the float64 verdict's. The coefficients are those peaks as
 `python -m gatherlab.bench size` measured them at 86M parameters, W = 2 (docs/performance.md):
-in float64 the command 7.5 (ResNet) and 8.4-9.5 (ViT) vectors, in float32 11.5-11.6 and 13.2-13.5,
-a rank 5.1 and 5.2 in both (two runs), so the estimate is at most 31 % over a peak and under
+in float64 the command 7.5 (ResNet) and 8.4-9.5 (ViT) vectors over three runs, in float32 10.9
+and 11.5, a rank 5.1 and 5.2 in both, so the estimate is at most 31 % over a peak and under
 none. Activations and an optimizer's state are not in them: a step with large activations or
 Adam's two moments needs more than its estimate.
 """
