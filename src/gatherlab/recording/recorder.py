@@ -16,14 +16,17 @@ loss=criterion)``). For each update it keeps
   its linear sketch (`gatherlab.recording.sketch`) and its exact norm; the whole gradient for the
   first ``full_updates`` updates.
 
-A sharded gradient (an FSDP2 ``DTensor`` sharded on its first dimension) is sketched shard by
-shard at its global offsets, and rank 0 sums the ranks' sketches; nothing is gathered but for the
-full gradients of the first updates. A replicated gradient (DDP's, ZeRO's, a parameter outside
-every wrapper) is sketched on every rank; where the ranks' sketches differ, its gradient was not
-reduced, and every rank's sketch is kept. The ranks keep their numbers and send them to rank 0 in
-one ``all_gather_object`` every few updates (`FLUSH_SECONDS`, at most `FLUSH_UPDATES`; none
-without a process group), which writes them: a job pays a few torch operations per part and
-update, not a collective and a file's opening.
+A ``DTensor`` gradient (FSDP2's, tensor parallelism's, both on a 2-D mesh) is sketched shard by
+shard, each element at its global position (`gatherlab.recording.placed`: ``Shard``,
+``_StridedShard``, ``Replicate``; a ``Partial`` one reduced first), and rank 0 sums the sketches
+of the ranks of each copy (the ranks that differ along cut mesh dimensions only); nothing is
+gathered but for a partial gradient and the full gradients of the first updates. A plain gradient
+(DDP's, ZeRO's, a parameter outside every wrapper) is sketched on every rank. Where the ranks'
+sketches of the whole differ (two ranks, or two copies along a replicated mesh dimension), its
+gradient was not reduced, and every rank's sketch is kept. The ranks keep their numbers and send
+them to rank 0 in one ``all_gather_object`` every few updates (`FLUSH_SECONDS`, at most
+`FLUSH_UPDATES`; none without a process group), which writes them: a job pays a few torch
+operations per part and update, not a collective and a file's opening.
 
 ``GATHERLAB_RECORD_FLOOR=DIR`` in a one-device job's environment records its floor instead
 (`FLOOR_VARIABLE`): the same job into DIR, its model's forward in two row blocks
@@ -52,7 +55,7 @@ from torch import nn
 
 from gatherlab.components.rowblocks import in_row_blocks, rows_of_batch
 from gatherlab.core.parts import part_of
-from gatherlab.recording import format, sketch
+from gatherlab.recording import format, placed, sketch
 from gatherlab.runs.record import mean_over_ranks
 from gatherlab.runs.removals import batch_norms
 
@@ -258,34 +261,6 @@ def _settings(optimizer) -> dict[str, Any]:
     return {"optimizer": type(_stepping(optimizer)).__name__, "param_groups": groups}
 
 
-def _shard(tensor: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
-    """A gradient or weight as this rank holds it: its local values, their flat offset in the
-    whole parameter, and whether it is sharded (an FSDP2 ``DTensor`` sharded on dimension 0 over a
-    one-dimensional mesh, in ``torch.chunk``'s pieces, as DTensor's ``Shard`` documents)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(tensor, DTensor):
-        return tensor, 0, False
-    placements = tensor.placements
-    if all(not isinstance(p, Shard) for p in placements):
-        return tensor.to_local(), 0, False
-    if len(placements) != 1 or placements[0] != Shard(0):
-        raise NotImplementedError(
-            f"gatherlab.record sketches DTensors sharded on dimension 0 of a 1-D mesh, not "
-            f"{placements}"
-        )
-    local = tensor.to_local()
-    rows, pieces = tensor.shape[0], tensor.device_mesh.size()
-    chunk = -(-rows // pieces)
-    start = min(tensor.device_mesh.get_local_rank() * chunk, rows)
-    if local.shape[0] != max(0, min(chunk, rows - start)):
-        raise NotImplementedError(
-            f"a DTensor shard of {local.shape[0]} rows where torch.chunk gives "
-            f"{max(0, min(chunk, rows - start))}: gatherlab.record cannot place it"
-        )
-    return local, start * math.prod(tensor.shape[1:]), True
-
-
 @dataclass
 class _Batched:
     """The small replicated parameters of one dtype and device, of every part, sketched together
@@ -432,7 +407,7 @@ class Recorder:
             ),
             "parameters": [
                 {"name": p.name, "shape": list(p.parameter.shape), "part": p.part,
-                 "sharded": _shard(p.parameter)[2]}
+                 "sharded": placed.is_sharded(p.parameter)}
                 for p in self._parameters
             ],
             "parts": self.parts,
@@ -620,27 +595,34 @@ class Recorder:
         return _Batched(members, pads, matrix.to(first.device, dtype),
                         matrix.abs().to(first.device))  # fmt: skip
 
-    def _sketches(self, of_gradients: bool) -> dict[str, np.ndarray]:
-        """This rank's sketches (parts × k) and squared norms (parts × 2) of the sharded and the
-        replicated gradients (or weights) apart."""
+    def _sketches(self, of_gradients: bool) -> dict[str, Any]:
+        """This rank's sketches (parts × k) and squared norms (parts) of its plain gradients (or
+        weights), ``replicated``, and of its DTensor shards per group of ranks whose shards sum to
+        the whole (`gatherlab.recording.placed`), ``groups``: {ranks: (sketches, squares)}."""
         k, count = self.k, len(self.parts)
-        sharded, replicated = np.zeros((count, k)), np.zeros((count, k))
-        norms = np.zeros((count, 2))
+        replicated, squares = np.zeros((count, k)), np.zeros(count)
+        groups: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
         batched, others = self._planned()
         for group in batched:
-            values, squares = group.sketch(k, of_gradients)
+            values, squared = group.sketch(k, of_gradients)
             replicated += values
-            norms[:, 1] += squares
+            squares += squared
         for index, p in others:
             tensor = p.parameter.grad if of_gradients else p.parameter.data
             if tensor is None:
                 continue
-            local, offset, is_sharded = _shard(tensor)
+            held = placed.placed(tensor, self.rank)
             signs = self._signs_of(p.name, p.parameter.numel())
-            values = sketch.sketch(local, k, signs, offset).numpy()
-            (sharded if is_sharded else replicated)[index] += values
-            norms[index, 0 if is_sharded else 1] += _norm(local) ** 2
-        return {"sharded": sharded, "replicated": replicated, "norms": norms}
+            values = placed.sketched(held, k, signs).numpy()
+            if held.indices is None:
+                replicated[index] += values
+                squares[index] += _norm(held.local) ** 2
+                continue
+            if held.group not in groups:
+                groups[held.group] = (np.zeros((count, k)), np.zeros(count))
+            groups[held.group][0][index] += values
+            groups[held.group][1][index] += _norm(held.local) ** 2
+        return {"replicated": replicated, "squares": squares, "groups": groups}
 
     def _gathered(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
         if not self._distributed:
@@ -649,20 +631,33 @@ class Recorder:
         dist.all_gather_object(every, payload)
         return every
 
-    def _combined(self, every: list[dict[str, np.ndarray]]):
-        """Each part's sketch and norm from every rank's: the sum of the sharded sketches plus
-        rank 0's replicated one; the parts whose replicated sketches differ between ranks."""
-        sharded = sum(r["sharded"] for r in every)
-        sketches = sharded + every[0]["replicated"]
-        squared = sum(r["norms"][:, 0] for r in every) + every[0]["norms"][:, 1]
-        norms = {part: math.sqrt(squared[i]) for i, part in enumerate(self.parts)}
+    def _combined(self, every: list[dict[str, Any]]):
+        """Each part's sketch and norm from every rank's: what each rank sees of the whole is its
+        plain sketch plus, for each group of ranks it belongs to, the sum of that group's shards'
+        sketches (the ranks of one copy); rank 0's is recorded, and the parts that some rank sees
+        otherwise (a gradient not reduced over ranks, or over a replicated mesh dimension) keep
+        every rank's."""
+        sums: dict[tuple[int, ...], list[np.ndarray]] = {}
+        for payload in every:  # in rank order: every rank of a group sums it in the same order
+            for ranks, (values, squares) in payload["groups"].items():
+                total = sums.setdefault(ranks, [np.zeros_like(values), np.zeros_like(squares)])
+                total[0] += values
+                total[1] += squares
+        views, squared = [], []
+        for payload in every:
+            views.append(payload["replicated"] + sum(
+                (sums[ranks][0] for ranks in payload["groups"]), np.zeros_like(
+                    payload["replicated"])))  # fmt: skip
+            squared.append(payload["squares"] + sum(
+                (sums[ranks][1] for ranks in payload["groups"]), np.zeros_like(
+                    payload["squares"])))  # fmt: skip
+        norms = {part: math.sqrt(squared[0][i]) for i, part in enumerate(self.parts)}
         unreduced = {
-            part: [sharded[i] + r["replicated"][i] for r in every]
+            part: [view[i] for view in views]
             for i, part in enumerate(self.parts)
-            if any(not np.array_equal(r["replicated"][i], every[0]["replicated"][i])
-                   for r in every[1:])
-        }  # fmt: skip
-        return sketches, norms, unreduced
+            if any(not np.array_equal(view[i], views[0][i]) for view in views[1:])
+        }
+        return views[0], norms, unreduced
 
     def _full_gradient(self) -> torch.Tensor | None:
         """The whole gradient in float64 (every rank takes part: a sharded one is gathered)."""

@@ -1,0 +1,93 @@
+"""A tensor- and sequence-parallel block recorded with `gatherlab.record`: one device is the plain
+call (no process group); on W ranks of gatherlab's pool, ``parallelize_module`` on the ``tp``
+dimension of a ``(dp, tp)`` mesh, and at dp > 1 FSDP2's ``fully_shard`` on ``dp`` after it (the
+2-D placements: ``_StridedShard`` beside ``Shard``). Sizes are uneven on purpose (7 hidden
+features cut in 4 + 3 over tp = 2, 5 features cut in 3 + 2 by FSDP2), so that shards fall across
+the sketch's blocks of k = 7.
+
+Bug ``norm_outside``: the LayerNorm left out of the plan while its input is the sequence shard,
+so its parameters are plain tensors and each tp rank's gradient is the sum over its own positions
+only (never reduced over tp)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import gatherlab.record
+
+BATCH, SEQUENCE, FEATURES, HIDDEN, OUTPUTS, STEPS = 4, 4, 5, 6, 4, 3
+
+
+class Block(nn.Module):
+    """A LayerNorm, an MLP with a residual and a linear head; its parts are its four layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(FEATURES)
+        self.up = nn.Linear(FEATURES, HIDDEN)
+        self.down = nn.Linear(HIDDEN, FEATURES)
+        self.head = nn.Linear(FEATURES, OUTPUTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.down(F.gelu(self.up(self.norm(x)))))
+
+
+def _parallel(block: Block, tp: int, bug: str) -> tuple[int, int, int]:
+    """(dp, dp rank, tp rank): the block parallelized over the ranks (dp = W / tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    dp = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    plan = {
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    if bug != "norm_outside":
+        plan["norm"] = SequenceParallel()
+    parallelize_module(block, mesh["tp"], plan)
+    if dp > 1:
+        fully_shard(block, mesh=mesh["dp"])
+    coordinate = mesh.get_coordinate()
+    return dp, coordinate[0], coordinate[1]
+
+
+def loop(out: str, tp: int = 2, bug: str = "") -> dict[str, str]:
+    """Trains ``STEPS`` updates of SGD with momentum, records them (k = 7, the first update's
+    whole gradient) and returns each parameter's gradient placements as rank 0 last saw them."""
+    torch.manual_seed(0)
+    block = Block().double()
+    dp, dp_rank, tp_rank = (1, 0, 0)
+    if dist.is_available() and dist.is_initialized():
+        dp, dp_rank, tp_rank = _parallel(block, tp, bug)
+    else:
+        tp = 1
+    optimizer = torch.optim.SGD(block.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(1)
+    rows = BATCH // dp
+    recorder = gatherlab.record(block, optimizer, out, seed=0, k=7, full_updates=1,
+                                batches=False)  # fmt: skip
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, SEQUENCE, FEATURES, generator=generator, dtype=torch.float64)
+        y = torch.randn(BATCH, SEQUENCE, OUTPUTS, generator=generator, dtype=torch.float64)
+        x, y = x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
+        if tp_rank == 0:  # a tp group's ranks share their rows: its first rank gives them
+            recorder.batch(x)
+        optimizer.zero_grad()
+        loss = F.mse_loss(block(x.chunk(tp, dim=1)[tp_rank]), y)
+        recorder.loss(loss)
+        loss.backward()
+        optimizer.step()
+    recorder.close()
+    return {name: str(getattr(p.grad, "placements", None)) for name, p in block.named_parameters()}

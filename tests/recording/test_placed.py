@@ -1,0 +1,140 @@
+"""`gatherlab.record` of DTensor-parallel training (`gatherlab.recording.placed`): a tensor- and
+sequence-parallel block (`tp_loops`) on real gloo ranks of gatherlab's pool at tp = 2 and at
+dp 2 × tp 2 (FSDP2 over tensor parallelism), against the whole gradient's sketch and against one
+device's recording; and the placements' index semantics against torch's own splitting
+(docs/design.md §11, "What is recorded")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tp_loops
+
+from gatherlab.ranks import pool as pools
+from gatherlab.recording import format, placed
+from gatherlab.recording.sketch import signs, sketch
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """(W, bug) → (the recording, rank 0's gradient placements), each run once; W 1 is one
+    device (no process group, in this process)."""
+    base = tmp_path_factory.mktemp("tp")
+    made: dict[tuple, tuple[format.Recording, dict[str, str]]] = {}
+
+    def get(world_size: int, bug: str = "") -> tuple[format.Recording, dict[str, str]]:
+        if (world_size, bug) not in made:
+            out = str(base / f"tp-{bug or 'clean'}-{world_size}")
+            if world_size == 1:
+                placements = tp_loops.loop(out)
+            else:
+                placements = pools.pool(world_size).run(tp_loops.loop, out, 2, bug)[0]
+            made[world_size, bug] = (format.read(out), placements)
+        return made[world_size, bug]
+
+    return get
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _whole_sketches(recording: format.Recording) -> dict[str, np.ndarray]:
+    """Independently: update 0's whole gradient (gathered with ``DTensor.full_tensor``), cut
+    into its parameters and sketched here, summed per part."""
+    gradient, k, start = recording.full_gradient(0), recording.k, 0
+    expected = {part: torch.zeros(k, dtype=torch.float64) for part in recording.parts}
+    for parameter in recording.header["parameters"]:
+        numel = int(np.prod(parameter["shape"]))
+        block_signs = signs(parameter["name"], numel, k, recording.header["sketch_seed"])
+        expected[parameter["part"]] += sketch(gradient[start : start + numel], k, block_signs)
+        start += numel
+    return {part: values.numpy() for part, values in expected.items()}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_tensor_parallel_block_records_what_one_device_records(recorded, world_size):
+    """Each rank sketches its shard's elements at their global positions: the recorded sketch is
+    the whole gradient's (1e-12 relative), and the losses, sketches, norms, whole first gradient
+    and final weights are one device's; at tp = 2 the norm's gradient is ``Partial(sum)`` and
+    the row-parallel weight is cut on dimension 1, at dp 2 × tp 2 FSDP2 adds ``_StridedShard``."""
+    one, _ = recorded(1)
+    many, placements = recorded(world_size)
+    expected = {
+        2: {"norm.weight": "(Partial(sum),)", "down.weight": "(Shard(dim=1),)",
+            "down.bias": "(Replicate(),)", "up.weight": "(Shard(dim=0),)"},
+        4: {"norm.weight": "(Shard(dim=0), Replicate())",
+            "down.weight": "(Shard(dim=0), Shard(dim=1))",
+            "up.weight": "(_StridedShard(dim=0, sf=2), Shard(dim=0))"},
+    }[world_size]  # fmt: skip
+    assert {name: placements[name] for name in expected} == expected
+    assert all(p["sharded"] == ("Shard" in placements[p["name"]])
+               for p in many.header["parameters"])  # fmt: skip
+    whole = _whole_sketches(many)
+    for part in many.parts:
+        assert _relative(many.updates[0].sketches[part], whole[part]) <= 1e-12, part
+    assert many.parts == one.parts == ["norm", "up", "down", "head"]
+    for a, b in zip(one.updates, many.updates, strict=True):
+        assert abs(a.loss - b.loss) <= 1e-15
+        assert [r for rows in b.rows for r in rows] == a.rows[0]
+        assert not b.unreduced and not b.drifted
+        for part in one.parts:
+            assert _relative(b.sketches[part], a.sketches[part]) <= 1e-12, (b.index, part)
+            assert abs(b.norms[part] / a.norms[part] - 1) <= 1e-12, (b.index, part)
+    assert float((many.full_gradient(0) - one.full_gradient(0)).abs().max()) <= 1e-15
+    for part in one.parts:
+        assert _relative(many.weights_sketch[part], one.weights_sketch[part]) <= 1e-12
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_norm_left_out_of_the_plan_is_recorded_unreduced_over_tp(recorded, world_size):
+    """The LayerNorm outside the plan, its input the sequence shard: each tp rank's gradient is
+    its own positions' sum. At tp = 2 its parameters are plain tensors (the ranks' sketches
+    differ, and the ranks drift apart); at dp 2 × tp 2 FSDP2 shards them over dp alone, and the
+    two copies along tp differ. The recorded norm is one rank's, not one device's."""
+    one, _ = recorded(1)
+    many, _ = recorded(world_size, "norm_outside")
+    assert len(many.updates) == len(one.updates)
+    for b in many.updates:
+        assert list(b.unreduced) == ["norm"], b.index
+        assert len(b.unreduced["norm"]) == world_size
+        assert b.drifted == (["norm"] if world_size == 2 else [])
+    assert _relative(many.updates[0].sketches["norm"], one.updates[0].sketches["norm"]) > 1e-3
+    assert _relative(many.updates[0].sketches["up"], one.updates[0].sketches["up"]) <= 1e-12
+
+
+@pytest.mark.parametrize(("length", "factor", "pieces"),
+                         [(8, 2, 2), (7, 2, 2), (5, 2, 2), (3, 2, 2), (10, 4, 2), (6, 4, 2),
+                          (9, 2, 4), (13, 3, 4), (2, 2, 4)])  # fmt: skip
+def test_the_placements_index_semantics_are_torchs(length, factor, pieces):
+    """`placed`'s indices for ``Shard`` and ``_StridedShard`` are the elements torch's own
+    splitting gives each coordinate (``_split_tensor``, private: read here so that this test
+    fails where torch changes the layout that the recorder computes from the placements)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    values = torch.arange(length)
+    strided_shard = _StridedShard(0, split_factor=factor)
+    strided, _ = strided_shard._split_tensor(values, pieces, with_padding=False)
+    plain, _ = Shard(0)._split_tensor(values, pieces, with_padding=False)
+    for index in range(pieces):
+        assert placed._strided(values, factor, pieces, index).tolist() == strided[index].tolist()
+        assert placed._chunk(values, pieces, index).tolist() == plain[index].tolist()
+
+
+def test_a_scattered_shard_is_sketched_as_its_elements_at_their_positions():
+    """The element-by-element path (a shard that is no contiguous range) against the sketch of
+    the whole tensor with the other elements zero, and a contiguous shard's offset."""
+    whole = torch.randn(6, 9, dtype=torch.float64)
+    block_signs = signs("w", whole.numel(), 7, 0)
+    rows, columns = torch.arange(1, 5), torch.tensor([0, 2, 3, 8])
+    local = whole[rows][:, columns]
+    held = placed.Placed(local, (6, 9), (rows, columns), (0,))
+    zeroed = torch.zeros_like(whole)
+    zeroed[rows.unsqueeze(-1), columns] = local
+    assert held.offset() is None
+    expected = sketch(zeroed, 7, block_signs)
+    assert float((placed.sketched(held, 7, block_signs) - expected).abs().max()) <= 1e-14
+    contiguous = placed.Placed(whole[2:4], (6, 9), (torch.arange(2, 4), torch.arange(9)), (0,))
+    assert contiguous.offset() == 18
