@@ -32,7 +32,7 @@ import gc
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -46,10 +46,16 @@ import gatherlab.gather
 BUGS = ("old-gather", "local-batchnorm", "sampler", "temperature-outside", "divide-twice")
 
 
-def parse(description: str, bugs: tuple[str, ...]) -> argparse.Namespace:
+def parse(
+    description: str,
+    bugs: tuple[str, ...],
+    more: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
     """The jobs' command line; ``--bug`` outside ``bugs`` (those the job applies) is refused in
-    one line, exit status 2."""
+    one line, exit status 2. ``more`` adds a job's own options (``tp.py``'s ``--tp``)."""
     parser = argparse.ArgumentParser(description=description)
+    if more is not None:
+        more(parser)
     parser.add_argument("--record", metavar="DIR", help="record the run with gatherlab.record")
     parser.add_argument(
         "--trace",
@@ -64,7 +70,7 @@ def parse(description: str, bugs: tuple[str, ...]) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--bug", choices=("none", *BUGS), default="none")
+    parser.add_argument("--bug", choices=("none", *dict.fromkeys((*BUGS, *bugs))), default="none")
     args = parser.parse_args()
     if args.bug not in ("none", *bugs):
         parser.exit(2, f"{parser.prog}: --bug {args.bug} does not apply to this job; allowed: "

@@ -1,5 +1,6 @@
 """The bundled jobs (``examples/jobs/``: a plain DDP loop, a Lightning ``Trainer``, FSDP2's
-``fully_shard``, ``ZeroRedundancyOptimizer``) as a user runs them: plainly for one device (no
+``fully_shard``, ``ZeroRedundancyOptimizer``, tensor and sequence parallelism with
+``parallelize_module``) as a user runs them: plainly for one device (no
 process group) and under ``torchrun --nproc-per-node W`` on CPU gloo. Correct, each trains at
 its W (`WORLD_SIZES`) exactly as one device does in float64 (every update's printed global loss
 and the final weights' norms, to the float64 bound) and ``gatherlab.compare`` finds their
@@ -21,7 +22,14 @@ from __future__ import annotations
 
 import pytest
 from bounds import FLOAT64_BOUND, MISS_FACTOR
-from bundled_jobs import LAUNCH_TIMEOUT, largest_difference, launch, printed, run_plainly
+from bundled_jobs import (
+    LAUNCH_TIMEOUT,
+    SIMCLR_PARTS,
+    largest_difference,
+    launch,
+    printed,
+    run_plainly,
+)
 
 import gatherlab.compare as compare
 
@@ -32,6 +40,7 @@ BUGS = {
     "fsdp2": ("local-batchnorm", "temperature-outside"),
     "zero": ("temperature-outside",),
     "lightning_job": (),
+    "tp": ("unreduced-norm", "local-logits", "whole-sequence", "same-dropout"),
 }
 """The switches tested per job, each once where its code is: ``common.py``'s on ``ddp`` (the
 gather, the sampler) or in a sharded module (the batch norm); each job's own temperature
@@ -40,13 +49,21 @@ sampler, which Lightning replaces by a DistributedSampler) cost a Lightning impo
 (~7 s each here) and run in ``experiments/jobs.py``, with every job × W = 1, 2, 4 × switch
 (docs/jobs.md)."""
 
-WORLD_SIZES = {"ddp": (4,), "fsdp2": (4,), "zero": (2,), "lightning_job": (2,)}
+WORLD_SIZES = {"ddp": (4,), "fsdp2": (4,), "zero": (2,), "lightning_job": (2,), "tp": (2, 4)}
 """The world size each correct job is launched at (their bug switches run at 2; FSDP2's shards
-uneven at 4); the recorder under DDP, FSDP2 and ZeRO at W = 2 and 4 is tested on the pool
-(tests/recording/test_recorder.py)."""
+uneven at 4; ``tp`` at tp = 2, and at 4 as dp 2 × tp 2, FSDP2 over tensor parallelism); the
+recorder under DDP, FSDP2 and ZeRO at W = 2 and 4 is tested on the pool
+(tests/recording/test_recorder.py), under tensor parallelism in tests/recording/test_placed.py."""
+
+ARGUMENTS = {"tp": ("--tp", "2")}
+"""A job's own options on every run (one device ignores ``--tp``)."""
+
+PARTS = {"tp": ("attn_norm", "attn", "mlp_norm", "mlp", "norm", "head")}
+"""The parts whose final weights a job prints, where they are not SimCLR's."""
 
 
-FIRST_PART = {"ddp": "backbone", "fsdp2": "backbone", "zero": "backbone", "lightning_job": "model"}
+FIRST_PART = {"ddp": "backbone", "fsdp2": "backbone", "zero": "backbone", "lightning_job": "model",
+              "tp": "attn_norm"}  # fmt: skip
 """The first part of each job's model, where a departure of every part is named."""
 
 
@@ -57,7 +74,10 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
     so the loss at update 0; DistributedSampler's epoch 1 holds other rows than RandomSampler's
     (its epoch 0 the same rows, strided: a note); an unreduced temperature is each rank's own
     gradient; a loss divided by W on top of DDP's average is 1/W of every gradient (Lightning
-    records the loss training_step returns, divided too: the loss differs first)."""
+    records the loss training_step returns, divided too: the loss differs first). Tensor
+    parallelism's (``tp``): a norm's gradient summed over the rank's own positions only is each
+    rank's own; a cross-entropy over each rank's shard of the classes, the whole sequence given
+    where a shard is declared, and one dropout mask shared by the tp ranks change the forward."""
     first = FIRST_PART[job]
     divided = "loss differs" if job == "lightning_job" else "1/W"
     return {
@@ -66,6 +86,10 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
         "sampler": ("data differs", 4, first, "exact", None),
         "temperature-outside": ("biased", 0, "loss.log_temperature", "other", "unreduced"),
         "divide-twice": (divided, 0, "all", "1/W", None),
+        "unreduced-norm": ("biased", 0, "mlp_norm", "biased", "unreduced"),
+        "local-logits": ("loss differs", 0, "all", "biased", None),
+        "whole-sequence": ("loss differs", 0, "all", "biased", None),
+        "same-dropout": ("loss differs", 0, "all", "biased", None),
     }[bug]
 
 
@@ -83,12 +107,12 @@ def recorded(tmp_path_factory):
         key = (job, world_size, bug)
         if key not in runs:
             out = root / f"{job}-{bug}-{world_size or 'one'}"
-            arguments = ("--bug", bug, "--record", str(out))
+            arguments = ("--bug", bug, "--record", str(out), *ARGUMENTS.get(job, ()))
             if world_size is None:  # python JOB: no launcher, no process group
                 result = run_plainly(job, *arguments)
             else:
                 result = launch(job, world_size, *arguments)
-            runs[key] = (printed(result), out, result)
+            runs[key] = (printed(result, PARTS.get(job, SIMCLR_PARTS)), out, result)
         return runs[key]
 
     return run

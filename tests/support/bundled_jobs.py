@@ -80,14 +80,20 @@ def run_plainly(job: str, *arguments: str) -> subprocess.CompletedProcess:
                                        stderr.getvalue())  # fmt: skip
 
 
-def printed(result: subprocess.CompletedProcess) -> tuple[list[float], dict[str, float]]:
-    """The losses of the updates in order and the final weights' norms per part, as rank 0
-    printed them; the job must have succeeded."""
+SIMCLR_PARTS = ("backbone", "head", "loss.log_temperature")
+"""The parts whose weights the jobs of ``common.py``'s SimCLR model print."""
+
+
+def printed(
+    result: subprocess.CompletedProcess, parts: tuple[str, ...] = SIMCLR_PARTS
+) -> tuple[list[float], dict[str, float]]:
+    """The losses of the updates in order and the final weights' norms per part (``parts``, in
+    order), as rank 0 printed them; the job must have succeeded."""
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     updates = re.findall(r"^update (\d+) loss (\S+)$", result.stdout, re.M)
     assert [int(u) for u, _ in updates] == list(range(5)), result.stdout[-2000:]
     weights = dict(re.findall(r"^weights (\S+) (\S+)$", result.stdout, re.M))
-    assert list(weights) == ["backbone", "head", "loss.log_temperature"]
+    assert list(weights) == list(parts)
     return [float(loss) for _, loss in updates], {k: float(v) for k, v in weights.items()}
 
 
