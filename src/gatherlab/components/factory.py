@@ -133,13 +133,20 @@ class Recipe:
             arguments["gather"] = self.gather
         return arguments
 
-    def __call__(self) -> nn.Module:
-        arguments = self.arguments()
+    def __call__(self, **given: Any) -> nn.Module:
+        """The object built here; ``given``: more keyword arguments (a tensor-parallel layout's
+        ``mesh``, docs/design.md §10), each passed when the factory takes it."""
+        accepted = _parameters(self.factory) if given else {}
+        arguments = {**self.arguments(), **{k: v for k, v in given.items() if k in accepted}}
         if is_loss_function(self.factory, arguments):
             return FunctionLoss(self.factory, arguments)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             return self.factory(**arguments)
+
+    def accepts(self, keyword: str) -> bool:
+        """Whether the factory takes the keyword argument ``keyword``."""
+        return keyword in _parameters(self.factory)
 
     def with_gather(self, gather: GatherFn | None) -> Recipe:
         return Recipe(self.factory, self.kwargs, gather, self.seed, self.inputs)

@@ -54,6 +54,13 @@ class Trained:
     first_gradient: torch.Tensor | None
     parameters: torch.Tensor
     outside_forward: tuple[str, ...] = ()
+    replicas_apart: tuple[tuple[str, str], ...] = ()
+    """Parameters replicated over a dimension of a tensor-parallel mesh whose replicas differ
+    between its ranks at the end, each with the dimension's name (docs/design.md §10, "Tensor and
+    sequence parallelism")."""
+    partial: tuple[tuple[str, str], ...] = ()
+    """Parameters whose first gradient is a partial sum over a mesh dimension (a DTensor
+    ``Partial(sum)``), each with the dimension's name."""
 
 
 def write_curves(run_dir: Path, rows: Iterable[Mapping[str, float]]) -> None:

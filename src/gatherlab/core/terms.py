@@ -127,7 +127,12 @@ class Cause(StrEnum):
     ``unexplained`` (none of these); ``parts`` (a biased gradient whose parts each have one
     factor, different ones); ``unreduced`` (a recorded run's part whose gradient differs between
     its ranks: it is not reduced over them, `gatherlab.check.compare`); ``desync`` (a recorded
-    run's ranks whose weights differ after an update: they step apart)."""
+    run's ranks whose weights differ after an update: they step apart); ``layout`` (a tensor of a
+    tensor-parallel model that is not, over the ranks, the tensor one device holds: an input
+    sharded on another dimension than its plan says, a shard taken as the whole,
+    `gatherlab.check.where.layout_departure`); ``partial`` (a parameter replicated over a
+    tensor-parallel mesh dimension whose gradient there is a partial sum, stepped unreduced: its
+    replicas end apart, and making the sum whole reproduces one device)."""
 
     SCALED = "scaled"
     LOCAL_NEGATIVES = "local_negatives"
@@ -138,6 +143,8 @@ class Cause(StrEnum):
     PARTS = "parts"
     UNREDUCED = "unreduced"
     DESYNC = "desync"
+    LAYOUT = "layout"
+    PARTIAL = "partial"
 
 
 class Forward(StrEnum):
@@ -285,7 +292,10 @@ class DepartureKind(StrEnum):
     normalisation over the rank's part of one device's input (``statistic``), one device's rows
     in another order (``order``), what the code is given differs (``input``), a scalar on the
     loss's path whose mean over ranks differs (``scalar``), the same inputs giving another result
-    (``rank``), or the backward (``gradient``); or no place, and why (``none``)."""
+    (``rank``), or the backward (``gradient``); a tensor of a tensor-parallel model whose layout
+    over the ranks is not one device's shape (``layout``, docs/design.md §10), a dropout layer
+    whose masks agree or differ across a tensor-parallel group where they must not
+    (``randomness``); or no place, and why (``none``)."""
 
     STATISTIC = "statistic"
     ORDER = "order"
@@ -293,6 +303,8 @@ class DepartureKind(StrEnum):
     SCALAR = "scalar"
     RANK = "rank"
     GRADIENT = "gradient"
+    LAYOUT = "layout"
+    RANDOMNESS = "randomness"
     NONE = "none"
 
 
@@ -306,6 +318,8 @@ class Culprit(StrEnum):
     LOSS = "loss"
     STEP_RANDOMNESS = "step_randomness"
     UNREDUCED = "unreduced"
+    PARTIAL = "partial"
+    LAYOUT = "layout"
 
 
 class ReferenceMode(StrEnum):

@@ -15,7 +15,14 @@ import torch.distributed as dist
 from gatherlab.core import terms
 from gatherlab.ranks import simworld
 
-__all__ = ["alone", "device", "own_rows", "rank", "size", "whole"]
+__all__ = [
+    "MESH_DIMS", "alone", "data_parallel", "device", "mesh", "own_rows", "rank", "size", "whole",
+]  # fmt: skip
+
+MESH_DIMS = ("dp", "tp")
+"""The names of the dimensions of a tensor-parallel layout's mesh: data-parallel groups (the ranks
+holding the same rows of a global batch) by tensor-parallel groups (the ranks sharing one
+replica of the model), docs/design.md §10 "Tensor and sequence parallelism"."""
 
 
 def size() -> int:
@@ -50,6 +57,28 @@ def device() -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == terms.Backend.NCCL:
         return torch.device(terms.Device.CUDA, torch.cuda.current_device())
     return torch.device(terms.Device.CPU)
+
+
+def mesh(tensor_parallel: int):
+    """The ranks as a (W / T) × T ``DeviceMesh`` named `MESH_DIMS` (``init_device_mesh``: rank r
+    is data-parallel group r // T, tensor-parallel rank r % T) for a layout of tensor-parallel
+    degree T = ``tensor_parallel`` ≥ 2; None on one device and without a tensor-parallel degree
+    (1). Its sub-groups are made by every rank of the default process group (a collective)."""
+    if tensor_parallel < 2 or size() == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (size() // tensor_parallel, tensor_parallel)
+    return init_device_mesh(device().type, shape, mesh_dim_names=MESH_DIMS)
+
+
+def data_parallel(tensor_parallel: int) -> tuple[int, int]:
+    """This rank's data-parallel group and the number of them (`rank` // T of `size` // T): the
+    T ranks of a tensor-parallel group hold the same rows of a global batch (§2, §10); one
+    device, or no tensor-parallel degree (1): `rank` of `size`."""
+    if tensor_parallel < 2 or size() == 1:
+        return rank(), size()
+    return rank() // tensor_parallel, size() // tensor_parallel
 
 
 def own_rows(total: int) -> slice:

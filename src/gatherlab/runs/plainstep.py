@@ -31,14 +31,14 @@ from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles, terms
 from gatherlab.ranks import collectives, world
 from gatherlab.runs import precision as runs_precision
-from gatherlab.runs import removals, trace
+from gatherlab.runs import removals, tensorparallel, trace
 from gatherlab.runs.record import Recorder, reduce_gradients
 from gatherlab.runs.sharding import OutsideForward, naming_dtensors
 from gatherlab.runs.spec import RunSpec
 
 __all__ = [
     "PlainModel", "Step", "as_precision", "build", "built_in", "checked_model", "data_size",
-    "distributes_itself", "first_batch",
+    "distributes_itself", "first_batch", "first_on_rank",
     "rank_batches", "seed_processes", "step_loss", "wrapped_for_rank",
 ]  # fmt: skip
 
@@ -92,13 +92,14 @@ class Step(PlainModel):
         each step's global loss (`gatherlab.runs.record`), the first step's gradient as the
         optimizer gets it, and the final parameters."""
         device = world.device()  # a rank's own GPU in an NCCL group, else the CPU
-        model = build(self, spec.removals, spec.precision).to(device)
+        model = build(self, spec.removals, spec.precision, spec.tensor_parallel).to(device)
         data = spec.data()
         wrapped = wrapped_for_rank(model, device, spec.row_blocks, spec.find_unused)
         watch = outside_forward(model, wrapped)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
         recorder = Recorder(True, spec.step_budget_s, spec.steps)
         seed_processes(spec.seed)
+        partial: dict[str, str] = {}
         for index, batch in enumerate(rank_batches(data, spec)):
             optimizer.zero_grad()
             with runs_precision.autocast(spec.precision, device):
@@ -107,11 +108,13 @@ class Step(PlainModel):
             loss = step_loss(output)
             recorder.loss(loss, index, world.rank())
             loss.backward()
+            if index == 0:
+                partial = tensorparallel.partial_gradients(model.named_parameters())
             reduce_gradients(model, spec.reduced)  # the reproduction of an unreduced part
             recorder.gradient(model.parameters(), index, world.rank())
             optimizer.step()
         recorder.finish(model.parameters())
-        return trained_with(recorder, watch)
+        return trained_with(recorder, watch, model if spec.tensor_parallel > 1 else None, partial)
 
     def trace_on_rank(self, spec: RunSpec) -> list[trace.Op]:
         """The operations of the first step's forward (`gatherlab.runs.trace`), with their
@@ -119,7 +122,7 @@ class Step(PlainModel):
         this rank's slice of the first global batch (the whole batch on one device)."""
         spec = replace(spec, removals=removals.Removals(), steps=1)
         device = world.device()
-        model = build(self, spec.removals, spec.precision).to(device)
+        model = build(self, spec.removals, spec.precision, spec.tensor_parallel).to(device)
         data = spec.data()
         wrapped = wrapped_for_rank(model, device)
         seed_processes(spec.seed)
@@ -134,6 +137,32 @@ class Step(PlainModel):
         if loss.requires_grad:
             loss.backward()
         return tracer.detached()
+
+    def layout_on_rank(
+        self, spec: RunSpec
+    ) -> tuple[list[tensorparallel.Seen], list[tensorparallel.Drawn]]:
+        """The layouts of the first step's forward of a tensor-parallel model
+        (`tensorparallel.LayoutWatch`): built and seeded as `train_on_rank` does, on this rank's
+        rows of the first global batch (the whole batch on one device)."""
+        model, batch = first_on_rank(self, spec)
+        watch = tensorparallel.LayoutWatch(model)
+        try:
+            with watch:
+                step_loss(self.step(wrapped_for_rank(model, world.device()), batch))
+        finally:
+            seen = watch.close()
+        return seen
+
+
+def first_on_rank(form: PlainModel, spec: RunSpec) -> tuple[nn.Module, Any]:
+    """The form's model built here as a run without removals builds it, and this rank's rows of
+    the first global batch, the global random streams seeded."""
+    spec = replace(spec, removals=removals.Removals(), steps=1)
+    device = world.device()
+    model = build(form, spec.removals, spec.precision, spec.tensor_parallel).to(device)
+    data = spec.data()
+    seed_processes(spec.seed)
+    return model, as_precision(next(rank_batches(data, spec)), spec.precision, device)
 
 
 def checked_model(recipe: Recipe, built: Any) -> nn.Module:
@@ -186,10 +215,14 @@ def step_loss(value: Any) -> torch.Tensor:
     return value.reshape(())
 
 
-def build(step: Step, removed: removals.Removals, precision: str) -> nn.Module:
+def build(
+    step: Step, removed: removals.Removals, precision: str, tensor_parallel: int = 1
+) -> nn.Module:
     """The user's model, built here after the seed, its removals made, in the run's precision; a
-    TypeError of one line when the factory returns no ``nn.Module``."""
-    model = step.model()
+    TypeError of one line when the factory returns no ``nn.Module``. With a tensor-parallel degree
+    the factory is given the ranks' ``mesh`` (`world.mesh`; None on one device) to parallelize
+    the model itself (docs/design.md §10, "Tensor and sequence parallelism")."""
+    model = step.model(mesh=world.mesh(tensor_parallel)) if tensor_parallel > 1 else step.model()
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"--model {step.model.name} returned a {type(model).__name__}; allowed: a "
@@ -266,10 +299,22 @@ def outside_forward(model: nn.Module, wrapped: nn.Module) -> OutsideForward | No
     return OutsideForward(wrapped)
 
 
-def trained_with(recorder: Recorder, watch: OutsideForward | None) -> runfiles.Trained:
-    """The recorder's run, with the parameters the watch found outside the forward."""
+def trained_with(
+    recorder: Recorder,
+    watch: OutsideForward | None,
+    parallel: nn.Module | None = None,
+    partial: dict[str, str] | None = None,
+) -> runfiles.Trained:
+    """The recorder's run, with the parameters the watch found outside the forward; of a
+    tensor-parallel model (``parallel``; every rank calls this), the parameters whose replicas
+    ended apart (`tensorparallel.replicas_apart`) and those whose first gradient was a partial
+    sum (``partial``)."""
     names = watch.names if watch is not None else ()
-    return replace(recorder.trained(), outside_forward=names)
+    apart = tensorparallel.replicas_apart(parallel) if parallel is not None else {}
+    return replace(
+        recorder.trained(), outside_forward=names, replicas_apart=tuple(apart.items()),
+        partial=tuple((partial or {}).items()),
+    )  # fmt: skip
 
 
 def distributes_itself(model: nn.Module) -> bool:
@@ -284,10 +329,11 @@ def rank_batches(
     dataset: Any, spec: RunSpec, collate: Callable[[list[Any]], Any] | None = None,
     one_device: bool = False,
 ):  # fmt: skip
-    """This rank's slice of each of the spec's global batches (docs/design.md §2), or the whole
+    """This rank's slice of each of the spec's global batches (docs/design.md §2: of its
+    data-parallel group's, the same for the T ranks of a tensor-parallel group), or the whole
     batch with ``one_device``, collated by ``collate``, else the data set's ``collate_fn``, else
     PyTorch's default."""
-    rank, size = (0, 1) if one_device else (world.rank(), world.size())
+    rank, size = (0, 1) if one_device else world.data_parallel(spec.tensor_parallel)
     sampler = GlobalBatchSampler(
         num_samples=len(dataset), global_batch_size=spec.global_batch_size,
         num_batches=spec.steps, rank=rank, world_size=size, seed=spec.seed, shuffle=spec.shuffle,

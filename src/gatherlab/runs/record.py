@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from gatherlab.core import runfiles
 from gatherlab.ranks import simworld, world
+from gatherlab.runs import tensorparallel
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +57,19 @@ class NonFiniteLoss(FloatingPointError):
 def reduce_gradients(model: nn.Module, names: Iterable[str]) -> None:
     """The gradients of ``model``'s parameters named ``names`` replaced by their mean over the
     ranks (an all-reduce each; nothing on one device): what DDP or FSDP would have done for a
-    parameter they do not hold."""
+    parameter they do not hold; a DTensor's partial sums made whole over their mesh dimension
+    (`tensorparallel.reduced_partial`), as torch's optimizers take them."""
     wanted = set(names)
     if not wanted or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     for name, parameter in model.named_parameters():
-        if name in wanted and parameter.grad is not None:
-            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
-            parameter.grad /= dist.get_world_size()
+        if name not in wanted or parameter.grad is None:
+            continue
+        if isinstance(parameter.grad, DTensor):  # its partial sums made whole over their group
+            parameter.grad = tensorparallel.reduced_partial(parameter.grad)
+            continue
+        dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+        parameter.grad /= dist.get_world_size()
 
 
 def flat_gradient(parameters: Iterable[nn.Parameter]) -> torch.Tensor:

@@ -61,6 +61,11 @@ class RunSpec:
     find_unused: bool = False
     """The check's DDP built with ``find_unused_parameters=True``: the reproduction of a reducer
     that waited for a parameter its forward does not use (docs/design.md §10, "Sharded code")."""
+    tensor_parallel: int = 1
+    """T, the tensor-parallel degree of a plain form's layout: its W ranks a (W / T) × T mesh
+    (`gatherlab.ranks.world.mesh`) given to the model factory as ``mesh``, the T ranks of a
+    tensor-parallel group holding the same rows of each global batch (docs/design.md §10, "Tensor
+    and sequence parallelism"); 1: none (each rank its own rows)."""
     row_blocks: int = 1
     """The model's forward in this many row blocks on one device (`runs.precision.RowBlocks`):
     the perturbation a low precision's floor is measured with (docs/design.md §2)."""

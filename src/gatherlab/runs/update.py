@@ -27,11 +27,12 @@ from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles
 from gatherlab.ranks import world
 from gatherlab.runs import precision as runs_precision
-from gatherlab.runs import removals
+from gatherlab.runs import removals, tensorparallel
 from gatherlab.runs.plainstep import (
     PlainModel,
     as_precision,
     build,
+    first_on_rank,
     outside_forward,
     rank_batches,
     seed_processes,
@@ -74,7 +75,7 @@ class Update(PlainModel):
         it, and the final parameters; `UpdateBroken` for an update that does not step exactly
         once after a backward. Not traced: its backwards run inside the user's function."""
         device = world.device()
-        model = build(self, spec.removals, spec.precision).to(device)
+        model = build(self, spec.removals, spec.precision, spec.tensor_parallel).to(device)
         data = spec.data()
         wrapped = wrapped_for_rank(model, device, spec.row_blocks, spec.find_unused)
         watch = outside_forward(model, wrapped)
@@ -101,7 +102,24 @@ class Update(PlainModel):
         finally:
             hook.remove()
         recorder.finish(model.parameters())
-        return trained_with(recorder, watch)
+        parallel = model if spec.tensor_parallel > 1 else None
+        return trained_with(recorder, watch, parallel, seen.partial)
+
+    def layout_on_rank(
+        self, spec: RunSpec
+    ) -> tuple[list[tensorparallel.Seen], list[tensorparallel.Drawn]]:
+        """The layouts of the first update's first forward of a tensor-parallel model
+        (`tensorparallel.LayoutWatch`), as `plainstep.Step.layout_on_rank` records a step's."""
+        model, batch = first_on_rank(self, spec)
+        optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
+        watch = tensorparallel.LayoutWatch(model)
+        try:
+            with watch:
+                self.update(wrapped_for_rank(model, world.device()), optimizer, batch,
+                            spec.micro_batches)  # fmt: skip
+        finally:
+            seen = watch.close()
+        return seen
 
 
 class UpdateBroken(ValueError):
@@ -115,6 +133,7 @@ class _Steps:
     def __init__(self, model: nn.Module, recorder: Recorder, reduced: tuple[str, ...] = ()) -> None:
         self.model, self.recorder, self.reduced = model, recorder, reduced
         self.count, self.without_gradient, self.update = 0, False, 0
+        self.partial: dict[str, str] = {}
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.count += 1
@@ -122,6 +141,8 @@ class _Steps:
         if all(p.grad is None for p in trainable):
             self.without_gradient = True
             return
+        if self.count == 1 and self.update == 0:
+            self.partial = tensorparallel.partial_gradients(self.model.named_parameters())
         reduce_gradients(self.model, self.reduced)  # the reproduction of an unreduced part
         if self.count == 1:  # what the step applies: clipped, unscaled, divided as the user does
             self.recorder.gradient(self.model.parameters(), self.update, world.rank())
