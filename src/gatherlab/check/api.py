@@ -646,6 +646,7 @@ def check_training(
     update: str | Callable[..., Any] | None = None,
     micro_batches: Iterable[int] = defaults.ONE_MICRO_BATCH,
     model: str | Callable[..., Any] | None = None,
+    tensor_parallel: int | None = None,
     model_kwargs: Mapping[str, Any] | None = None,
     optimizer: str | Callable[..., Any] = defaults.OPTIMIZER,
     optimizer_kwargs: Mapping[str, Any] | None = None,
@@ -728,9 +729,10 @@ def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[A
     floors (`floor.judged_in`), from its first step run in float64 on one device
     (``training.float64_watch``), and the words of the printed text on its precision (None for
     plain float64). No floor is measured for a LightningModule (Lightning calls its forward: it
-    cannot be split into row blocks from outside) nor for a model with batch norm (the blocks
-    would split its statistics): such code is judged in float64 where it runs there, and refused
-    with one line (CheckError) where it does not."""
+    cannot be split into row blocks from outside), for a model with batch norm (the blocks
+    would split its statistics) nor for a tensor-parallel model (the blocks split rows, its ranks
+    split the sums over features): such code is judged in float64 where it runs there, and
+    refused with one line (CheckError) where it does not."""
     from gatherlab.check import training
 
     requested = setting.spec.precision
@@ -743,7 +745,9 @@ def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[A
     unfloored = (
         "a LightningModule (Lightning calls its forward)" if setting.form.option == "--module"
         else "a model with batch norm (row blocks would split its statistics)"
-        if removals.Removal.BATCHNORM in applying else None
+        if removals.Removal.BATCHNORM in applying
+        else "a tensor-parallel model (row blocks do not split its sums over features as its "
+        "ranks do)" if setting.spec.tensor_parallel > 1 else None
     )  # fmt: skip
     if low is not None and unfloored is not None:
         if judged != terms.Precision.FLOAT64:
@@ -810,8 +814,46 @@ def _training_setting(options: defaults.TrainingOptions) -> Any:
         global_batch_size=options.global_batch_size, steps=options.steps, seed=seed,
         precision=options.precision, strategy=options.strategy,
         step_budget_s=options.step_budget_s,
+        tensor_parallel=_tensor_parallel(options, kind),
     )  # fmt: skip
     return training.Setting(form, spec, _path_name(function))
+
+
+def _tensor_parallel(options: defaults.TrainingOptions, kind: str) -> int:
+    """The tensor-parallel degree T of a plain form's layout (1: none); CheckError of one line
+    for a T that is not an integer ≥ 2 dividing every W ≥ 2, or asked of a LightningModule, or of
+    a model factory without a ``mesh`` argument (code that does not parallelize itself),
+    docs/design.md §10, "Tensor and sequence parallelism"."""
+    degree = options.tensor_parallel
+    if degree is None:
+        return 1
+    if not terms.is_integer(degree, 2):
+        raise CheckError(f"--tensor-parallel {degree!r} is not allowed; allowed: an integer ≥ 2")
+    if kind == "module":
+        raise CheckError(
+            f"--tensor-parallel {degree} with --module: a LightningModule is distributed by its "
+            "strategy; allowed: --tensor-parallel with --step or --update, whose model factory "
+            "parallelizes the model over the mesh it is given"
+        )
+    ranks = [w for w in options.world_sizes if w != 1]
+    apart = [w for w in ranks if w % degree]
+    if apart:
+        allowed = ", ".join(str(t) for t in range(2, min(ranks) + 1)
+                            if all(w % t == 0 for w in ranks)) or "none"  # fmt: skip
+        raise CheckError(
+            f"--tensor-parallel {degree} does not divide --world-sizes "
+            f"{','.join(map(str, options.world_sizes))} (W = {apart[0]}): a layout's mesh is "
+            f"W/T × T ranks; allowed: a T dividing every W ({allowed})"
+        )
+    model = _factory(options.model, "model") if options.model is not None else None
+    if model is not None and not Recipe(model).accepts("mesh"):
+        raise CheckError(
+            f"--tensor-parallel {degree}: --model {_path_name(options.model)} takes no mesh "
+            "argument, so it cannot parallelize itself; allowed: a factory build(mesh=None, ...) "
+            "that calls parallelize_module(model, mesh['tp'], plan) when a mesh is given, or no "
+            "--tensor-parallel"
+        )
+    return degree
 
 
 def _validated(

@@ -184,6 +184,19 @@ class TrainingOptions:
         default=None,
         metadata=_option("for --step, --update: the function building the nn.Module", "--model"),
     )
+    tensor_parallel: Any = field(
+        default=None,
+        metadata=_option(
+            "for --step, --update: the tensor-parallel degree T dividing every W; the W ranks a "
+            "(W/T) × T DeviceMesh named ('dp', 'tp') given to the model factory as mesh= (None on "
+            "one device) to parallelize itself with parallelize_module, the T ranks of a "
+            'tensor-parallel group given the same rows (docs/design.md §10, "Tensor and sequence '
+            'parallelism")',
+            "--tensor-parallel",
+            kind="int",
+            metavar="T",
+        ),
+    )
     model_kwargs: Any = field(
         default=None,
         metadata=_option(

@@ -381,6 +381,21 @@ CAUSES = {
         "so that its gradient is reduced with the others, or all-reduce its gradient (the mean "
         "over ranks) before the optimizer's step."
     ),
+    terms.Cause.PARTIAL: (
+        "Measured on the ranks: each of {partial} is replicated over the mesh's {partial_over} "
+        "dimension and its gradient there is a partial sum (a DTensor Partial(sum), as a "
+        "sequence-parallel LayerNorm's is: each rank holds the sum over its shard of the "
+        "sequence), and its replicas end the run apart: something steps each rank with the "
+        "gradient's local tensor (to_local()), its own partial sum{partial_stepped_by}. "
+        "{partial_reduced} Fix: make the sum whole before reading a gradient's local tensor "
+        "(grad.redistribute(grad.device_mesh, [Replicate()]) or grad.full_tensor(), "
+        "torch.distributed.tensor), or let torch's optimizers step the DTensor parameters."
+    ),
+    terms.Cause.LAYOUT: (
+        "Measured on the ranks: a tensor of the tensor-parallel model does not have, over the "
+        "ranks, the shape one device's has (where the run departs, below, names it): the code "
+        "takes a shard for the whole, or the whole for a shard."
+    ),
     terms.Cause.DESYNC: (
         "Measured from the recording: the run's ranks end update {desync_update} with different "
         "weights ({desync_parts}; each rank's fingerprint of its weights after the step "
@@ -462,6 +477,19 @@ CULPRIT_DIAGNOSES = {
         "the run is exact (reproduced). Fix: put the parameter inside the module DDP or FSDP wraps "
         "and use it in that module's forward, or all-reduce its gradient before the optimizer's "
         "step."
+    ),
+    Culprit.PARTIAL: (
+        "a replicated parameter's gradient is a partial sum over a tensor-parallel mesh "
+        "dimension and is stepped unreduced: its replicas end apart (measured on the ranks). "
+        "With the sum made whole before each step, the run is exact (reproduced). Fix: "
+        "grad.redistribute(grad.device_mesh, [Replicate()]) or grad.full_tensor() before using "
+        "its local tensor, or torch's optimizers on the DTensor parameters."
+    ),
+    Culprit.LAYOUT: (
+        "a tensor of the tensor-parallel model has, over the ranks, another shape than one "
+        "device's (measured: each module's input and the model's output on rank 0 against one "
+        "device's): the code takes a shard for the whole or the whole for a shard, and no "
+        "removal changes that. Where it departs names the tensor and the fix."
     ),
     Culprit.LOSS: (
         "with batch norm, dropout and the data's randomness removed the run is still not exact: "
@@ -556,7 +584,7 @@ def diagnosis(
     nothing = first["verdict"] == terms.GradientClass.NONE and rows["norm_ratio"].isna().all()
     text = (TRAINS_NOTHING if nothing else DIAGNOSES[first["verdict"]]).format(**numbers)
     cause = first["cause"]
-    if cause in (terms.Cause.UNREDUCED, terms.Cause.DESYNC):  # measured on the ranks
+    if cause in (terms.Cause.UNREDUCED, terms.Cause.DESYNC, terms.Cause.PARTIAL):  # measured
         text = (
             f"the gradient is {first['gradient']} against one device's (cosine "
             f"{numbers['cosine']:.6g}, norm ratio {numbers['norm_ratio']:.4g}). "
@@ -805,6 +833,8 @@ def _unreduced_words(table: pd.DataFrame, rows: pd.DataFrame) -> dict[str, str]:
     )
     if found is None:
         return {}
+    if found.over:
+        return _partial_words(found)
     if found.reduced in TRAINS_LIKE_ONE_DEVICE:
         mean = (f"All-reduced after each backward (the mean over the ranks), the run is "
                 f"{found.reduced}: reducing it is the fix.")  # fmt: skip
@@ -825,6 +855,26 @@ def _unreduced_words(table: pd.DataFrame, rows: pd.DataFrame) -> dict[str, str]:
         "unreduced": ", ".join(found.parts),
         "unreduced_updates": "its first update, every rank's gradient against rank 0's",
         "unreduced_mean": mean,
+    }
+
+
+def _partial_words(found: Any) -> dict[str, str]:
+    """The words of the cause ``partial`` (`gatherlab.check.training.Unreduced` of a
+    tensor-parallel run: its ``partial`` parameters over ``over``)."""
+    if found.reduced in TRAINS_LIKE_ONE_DEVICE:
+        reduced = (f"With those sums made whole over {found.over} before each step, the run is "
+                   f"{found.reduced}: reproduced.")  # fmt: skip
+    else:
+        reduced = (f"With those sums made whole before each step, the run is still "
+                   f"{found.reduced}: that alone does not make it one device's.")  # fmt: skip
+    return {
+        "partial": ", ".join(found.partial),
+        "partial_over": found.over,
+        "partial_stepped_by": f" ({found.stepped_by.split()[-1]} at "
+        f"{found.stepped_by.split()[0]} steps the parameters)"
+        if found.stepped_by
+        else "",
+        "partial_reduced": reduced,
     }
 
 
@@ -859,7 +909,8 @@ def explain_training(table: pd.DataFrame) -> str:
     lines += _reference_notes(table, "training step")
     kept = runs[runs["removed"] == NONE]
     # the verdicts that say more than their culprits: measured, reproduced or split in parts
-    named_causes = (terms.Cause.PARTS, terms.Cause.MICRO_NEGATIVES, terms.Cause.UNREDUCED)
+    named_causes = (terms.Cause.PARTS, terms.Cause.MICRO_NEGATIVES, terms.Cause.UNREDUCED,
+                    terms.Cause.PARTIAL)  # fmt: skip
     said = kept[
         kept["verdict"].isin((terms.DIVERGES, terms.LOSS_SCALED, terms.FAILED))
         | kept["cause"].isin(named_causes)

@@ -164,6 +164,9 @@ class Recorded:
     unreduced: Collection[str] = ()
     data_differs: bool = False
     in_precision: InPrecision | None = None
+    unreduced_over: str = ""
+    """The mesh dimension over which ``unreduced``'s gradients are partial sums (a tensor-parallel
+    model's, cause ``partial``); empty: gradients not reduced over the ranks (``unreduced``)."""
     desync: Collection[str] = ()
     """The parts whose weights differ between the run's ranks after some update (measured on
     the ranks): the run is no longer one model; its cause, after ``unreduced``, and a verdict
@@ -275,8 +278,9 @@ def judge(
             first_diff_step=compared.first, max_abs_param_diff=compared.weights,
         )  # fmt: skip
     head = _row(shared, ALL_PARTS, whole, compared is not None and compared.apart, data_differs)
+    unreduced_cause = str(Cause.PARTIAL if recorded.unreduced_over else Cause.UNREDUCED)
     if unreduced and head.verdict != EXACT:  # measured on the ranks: before any other cause
-        head = dataclasses.replace(head, cause=str(Cause.UNREDUCED))
+        head = dataclasses.replace(head, cause=unreduced_cause)
     elif recorded.desync:  # the ranks step apart: measured, whatever one device's run holds
         diverged = DIVERGES if head.verdict in TRAINS_LIKE_ONE_DEVICE else head.verdict
         head = dataclasses.replace(head, cause=str(Cause.DESYNC), verdict=diverged)
@@ -285,7 +289,7 @@ def judge(
         if head.verdict == DIVERGES:  # no first_diff_step column: its step in words
             head = dataclasses.replace(head, departs=_diverges_words(compared))
     rows = [head] + [
-        _row(shared, part, numbers, cause=str(Cause.UNREDUCED) if part in unreduced else None)
+        _row(shared, part, numbers, cause=unreduced_cause if part in unreduced else None)
         for part, numbers in parts.items()
     ]
     if low is not None:  # exact as far as its precision can tell
@@ -328,6 +332,8 @@ def _located(rows: list[Row], departure: Departure | None) -> list[Row]:
     located = {"where": departure.where, "departs": words}
     if head.cause == Cause.UNEXPLAINED and departure.kind == DepartureKind.STATISTIC:
         located["cause"] = str(Cause.LOCAL_STATISTIC)
+    if departure.kind == DepartureKind.LAYOUT:  # measured: a shape one device does not have
+        located["cause"] = str(Cause.LAYOUT)
     return [dataclasses.replace(r, **located) for r in rows]
 
 

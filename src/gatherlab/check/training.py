@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -39,14 +40,14 @@ from gatherlab.check.table import (
     with_reference_notes,
 )  # fmt: skip
 from gatherlab.components.factory import Recipe
-from gatherlab.core import cli, floor, gradients, terms
+from gatherlab.core import cli, floor, gradients, imports, terms
 from gatherlab.core.parts import part_of
 from gatherlab.core.runfiles import Trained
-from gatherlab.core.terms import Culprit
+from gatherlab.core.terms import Cause, Culprit
 from gatherlab.ranks import world
 from gatherlab.ranks.external import ranks_for
 from gatherlab.ranks.pool import RankError
-from gatherlab.runs import plainstep, removals
+from gatherlab.runs import plainstep, removals, tensorparallel
 from gatherlab.runs import update as update_form
 from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64
 from gatherlab.runs.spec import RunSpec, StepForm, TracedForm
@@ -145,6 +146,8 @@ def validate(
     except Exception as error:
         raise ValueError(f"{label}: cannot be built: {type(error).__name__}: {error}") from None
     module = setting.checked(built)
+    if spec.tensor_parallel > 1:
+        _validate_tensor_parallel(setting, module)
     try:
         data = spec.data()
     except Exception as error:
@@ -160,6 +163,31 @@ def validate(
     else:
         _validate_layouts(setting, world_sizes, micro_batches)
     return removals.found_in(module, data), parts(module)
+
+
+def _validate_tensor_parallel(setting: Setting, plain: torch.nn.Module) -> None:
+    """A tensor-parallel layout's model factory run here on a 1 × 1 mesh: a ValueError of one
+    line when it raises, when its plan names a module the model does not have (torch only warns
+    and skips that entry), or when it makes no parameter a DTensor over ``tp`` (code that does
+    not parallelize itself)."""
+    label = setting.form.built_label(setting.label)
+    try:
+        parallel, warned = tensorparallel.built_on_one_rank(setting.built)
+    except Exception as error:
+        raise ValueError(f"{label} with a mesh: {cli.error_line(error)}") from None
+    unresolved = [text for text in warned if "plan" in text.lower()]
+    if unresolved:
+        modules = ", ".join(name for name, _ in plain.named_modules() if name)
+        raise ValueError(
+            f"{label}: parallelize_module: {unresolved[0].split(' in module')[0]}; allowed: a plan "
+            f"whose keys name the model's modules ({modules})"
+        )
+    if not tensorparallel.parallelizes(setting.checked(parallel)):
+        raise ValueError(
+            f"{label} was given a mesh and made no parameter a DTensor over mesh['tp']: it does "
+            "not parallelize itself; allowed: a factory that calls parallelize_module(model, "
+            "mesh['tp'], plan) when given a mesh, or no --tensor-parallel"
+        )
 
 
 def _train(
@@ -283,6 +311,9 @@ def located(setting: Setting, world_size: int, in_group: bool) -> where.Departur
     both (`gatherlab.runs.trace`) and compared (`gatherlab.check.where`); when no operation
     departs, or the recording fails on a rank, no place and why (the verdict stands); None for a
     whole update (its backwards run inside the user's function: not recorded)."""
+    tensor_parallel = setting.spec.tensor_parallel
+    if tensor_parallel > 1:
+        return _layout_departure(setting, world_size, in_group)
     if not isinstance(setting.form, TracedForm):
         return None
     try:
@@ -294,6 +325,21 @@ def located(setting: Setting, world_size: int, in_group: bool) -> where.Departur
     spec = setting.spec
     tolerance = gradients.tolerance(spec.precision)
     return where.departure(one, ranks, world_size, spec.global_batch_size, tolerance)
+
+
+def _layout_departure(setting: Setting, world_size: int, in_group: bool) -> where.Departure:
+    """Where a tensor-parallel model's layouts on W ranks leave one device's (the first forward's
+    module inputs and output, `where.layout_departure`), rank 0's against one device's."""
+    form = setting.form
+    try:
+        ranks = ranks_for(world_size).run(form.layout_on_rank, setting.spec)
+    except RankError as error:
+        return where.unlocated(f"no line named: the layouts' record failed on the ranks ({error})")
+    with one_device(in_group):
+        one, _ = form.layout_on_rank(setting.spec)
+    mine, drawn = ranks[0]
+    tensor_parallel = setting.spec.tensor_parallel
+    return where.layout_departure(one, mine, world_size // tensor_parallel, tensor_parallel, drawn)
 
 
 def micro_negatives(setting: Setting, world_size: int, k: int, in_group: bool) -> list[float]:
@@ -436,8 +482,12 @@ def check(
             if accumulated else None,
             where=functools.partial(located, setting, world_size, first.in_group)
             if located_here else None,
-            recorded=Recorded(unreduced=found.parts if reproduced else (), in_precision=floor_run),
+            recorded=Recorded(unreduced=found.parts if reproduced else (), in_precision=floor_run,
+                              unreduced_over=found.over if reproduced else ""),
         )  # fmt: skip
+        if reproduced and found.stepped_by:  # the user's optimizer step that reads its local part
+            departs = "its step takes each rank's local gradient: a partial sum over " + found.over
+            rows = [dataclasses.replace(r, where=found.stepped_by, departs=departs) for r in rows]
         if kept and setting.low is not None and not own:  # its low-precision run beside it
             rows = with_precision(rows, floors.beside(world_size, k), setting.spec.precision)
         return rows
@@ -460,8 +510,11 @@ def check(
         verdicts = {r.removed: r.verdict for r in measured}
         exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
         culprits = [] if exact else _culprits(verdicts, applying, step_random())
+        if not exact and kept[0].cause == Cause.LAYOUT:  # measured: no removal takes it out
+            culprits = [Culprit.LAYOUT if c == Culprit.LOSS else c for c in culprits]
         if not exact and _reproduced(unreduced.get((world_size, k))):
-            culprits = [Culprit.UNREDUCED, *(c for c in culprits if c != Culprit.LOSS)]
+            named = Culprit.PARTIAL if unreduced[world_size, k].over else Culprit.UNREDUCED
+            culprits = [named, *(c for c in culprits if c != Culprit.LOSS)]
         rows += [dataclasses.replace(r, culprits=";".join(culprits))
                  for r in [*kept, *measured[1:]]]  # fmt: skip
     table = frame(rows, TRAINING_COLUMNS + (PRECISION_COLUMNS if setting.low else ()))
@@ -489,6 +542,15 @@ class Unreduced:
     reduced: str | None = None
     stalled: tuple[str, ...] = ()
     unstalled: str | None = None
+    over: str = ""
+    """A tensor-parallel model's: the mesh dimension over which the parameters ``partial`` names
+    have partial-sum gradients and replicas that ended apart (docs/design.md §10, "Tensor and
+    sequence parallelism"); ``reduced`` is then the run with those sums made whole before each
+    step. Empty otherwise."""
+    partial: tuple[str, ...] = ()
+    stepped_by: str = ""
+    """Where the optimizer's step is defined, when it is the user's code (``file:line
+    Class.step``, the ``where`` column): what steps each rank with its local gradient."""
 
 
 def _unreduced(
@@ -502,6 +564,8 @@ def _unreduced(
     names)``): the reproduction; failing that, with a stalled DDP reducer unstalled
     (``verdict_with(reduced=…, find_unused=True)``)."""
     found = Unreduced(unreduced_parts(ranks, layout))
+    if not found.parts and ranks[0].replicas_apart:
+        return _partial(setting, ranks[0], verdict_with)
     if not found.parts:
         return found
     found.reduced = verdict_with(reduced=_parameters_of(setting, found.parts))
@@ -509,6 +573,42 @@ def _unreduced(
         found.stalled = ranks[0].outside_forward
         found.unstalled = verdict_with(reduced=found.stalled, find_unused=True)
     return found
+
+
+def _partial(setting: Setting, rank0: Trained, verdict_with: Callable[..., str]) -> Unreduced:
+    """A tensor-parallel run whose replicated parameters ended apart on the ranks: the parameters
+    whose first gradient was a partial sum (``Partial(sum)`` over a mesh dimension; those whose
+    ranks' partial sums are equal stay together but step with a part of the sum), and the
+    verdict of the run with their gradients made whole before each step (`RunSpec.reduced`,
+    `runs.tensorparallel.reduced_partial`): the reproduction."""
+    partial = dict(rank0.partial)
+    if not partial:
+        return Unreduced(())
+    built = setting.checked(setting.built())
+    part = _part_of(built)
+    parts = tuple(dict.fromkeys(part(name) for name in partial))
+    found = Unreduced(parts, over=next(iter(partial.values())), partial=tuple(partial))
+    found.reduced = verdict_with(reduced=found.partial)
+    found.stepped_by = _stepped_by(setting, built)
+    return found
+
+
+def _stepped_by(setting: Setting, built: torch.nn.Module) -> str:
+    """``file:line  Class.step`` of the optimizer the form builds, when its step is the user's
+    code (not torch's); empty otherwise."""
+    factory = getattr(setting.form, "optimizer", None)
+    if factory is None:
+        return ""
+    try:
+        step = type(factory(built.parameters(), **setting.form.optimizer_kwargs)).step
+        code = inspect.unwrap(step)  # under torch.no_grad's decorator
+        filename, (lines, line) = inspect.getsourcefile(code), inspect.getsourcelines(code)
+        line += next(i for i, text in enumerate(lines) if text.lstrip().startswith("def "))
+    except Exception:  # a builtin, or source that cannot be read: no line to name
+        return ""
+    if filename is None or not cli.is_users(filename):
+        return ""
+    return f"{imports.place(filename, line)}  {step.__qualname__}"
 
 
 def _reproduced(found: Unreduced | None) -> bool:

@@ -18,10 +18,12 @@ import torch
 
 from gatherlab.core import gradients
 from gatherlab.core.terms import DepartureKind
+from gatherlab.runs.tensorparallel import Drawn, Seen
 from gatherlab.runs.trace import INPUT, Op
 
 __all__ = [
-    "NOWHERE", "Departure", "align", "backward", "departure", "forward", "part_of", "unlocated",
+    "NOWHERE", "Departure", "align", "backward", "departure", "forward", "layout_departure",
+    "part_of", "unlocated",
 ]  # fmt: skip
 
 # Operations through which a scalar on the way to the returned loss stays what the global loss
@@ -569,3 +571,102 @@ NOWHERE = unlocated(
     "with one device's; what differs is outside them (state written in place that a later step "
     "reads, an integer or boolean result, or code the traced call does not run)"
 )
+
+
+def layout_departure(
+    one: Sequence[Seen], mine: Sequence[Seen], data_parallel: int, tensor_parallel: int,
+    drawn: Sequence[Drawn] = (),
+) -> Departure:  # fmt: skip
+    """Where a tensor-parallel model's first forward on a rank (``mine``, `runs.tensorparallel
+    .LayoutWatch`) leaves one device's layouts (``one``), docs/design.md §10 "Tensor and sequence
+    parallelism": the first module whose input, a DTensor, has another global shape than one
+    device's input of that module (its rows those of the rank's data-parallel group, 1 /
+    ``data_parallel`` of them), named at the line that calls the model (what it passes is what
+    departs), then the model's output where it is not one device's shape (a
+    shard taken as the whole); then a dropout layer whose draws on the ranks of a tensor-parallel
+    group (``drawn``) agree where their inputs are shards or differ where their inputs are one
+    tensor. No place when none: what departs is then a value, not a layout."""
+    ones = {seen.module: seen for seen in one if not seen.output}
+    outputs = [seen for seen in one if seen.output]
+    called = next((seen.line for seen in mine if seen.module == "" and not seen.output), None)
+    for seen in mine:
+        if seen.output or not seen.placements or seen.module not in ones:
+            continue
+        expected = _rows_over(ones[seen.module].shape, data_parallel)
+        if seen.shape != expected:  # named where the step gives the model what it passes
+            return Departure(
+                f"{called or seen.line}  {seen.module or 'the model'}",
+                _input_words(seen, expected, tensor_parallel),
+                DepartureKind.LAYOUT,
+            )
+    for seen, theirs in zip([s for s in mine if s.output], outputs, strict=False):
+        expected = _rows_over(theirs.shape, data_parallel)
+        if seen.shape != expected:
+            return Departure(
+                f"{seen.line}  {seen.use}", _output_words(seen, expected), DepartureKind.LAYOUT
+            )
+    for draw in drawn:
+        if draw.same_input != draw.same_mask:
+            return Departure(f"{draw.line}  {draw.module}", _drawn_words(draw),
+                             DepartureKind.RANDOMNESS)  # fmt: skip
+    return unlocated(
+        "no line named: every module's input and the model's output have one device's shapes on "
+        "the ranks (a value departs, not a layout)"
+    )
+
+
+def _drawn_words(draw: Drawn) -> str:
+    if draw.same_input:
+        return (
+            f"dropout {draw.module} draws another mask on each rank of the tensor-parallel group, "
+            "whose ranks hold the same tensor (replicated): the replicas stop being one. Fix: the "
+            "same seed on every rank of the group for a replicated tensor (torch.manual_seed "
+            "alike on them)"
+        )
+    return (
+        f"dropout {draw.module} draws the same mask on every rank of the tensor-parallel group, "
+        "each of which holds another shard of its input: the mask repeats from shard to shard, "
+        "which one device's never does. Fix: another seed on each rank of the group for a sharded "
+        "tensor (as Megatron's tensor-parallel random state does), the same for the replicated "
+        "ones"
+    )
+
+
+def _rows_over(shape: tuple[int, ...], data_parallel: int) -> tuple[int, ...]:
+    """One device's shape with the rows a data-parallel group holds (§2)."""
+    return (shape[0] // data_parallel, *shape[1:]) if shape else shape
+
+
+def _apart(seen: tuple[int, ...], expected: tuple[int, ...]) -> str:
+    """The dimensions where two shapes differ, in words."""
+    if len(seen) != len(expected):
+        return f"{len(seen)} dimensions where one device's has {len(expected)}"
+    pairs = enumerate(zip(seen, expected, strict=True))
+    return ", ".join(
+        f"dimension {d} {a} where one device's is {b}" for d, (a, b) in pairs if a != b
+    )
+
+
+def _input_words(seen: Seen, expected: tuple[int, ...], tensor_parallel: int) -> str:
+    name = f"module {seen.module}" if seen.module else "the model"
+    return (
+        f"the input of {name} is, over the tensor-parallel group ({seen.placements}), a tensor of "
+        f"shape {seen.shape} where one device's is {expected} ({_apart(seen.shape, expected)}): "
+        "what each rank passes is not what the plan's input layout says it is (the whole of a "
+        f"dimension taken as one of {tensor_parallel} shards, or another dimension sharded). Fix: "
+        "pass each rank its shard of the dimension the plan names (x.chunk(T, dim)"
+        "[mesh['tp'].get_local_rank()]), or declare what it passes "
+        "(PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(dim)))"
+    )
+
+
+def _output_words(seen: Seen, expected: tuple[int, ...]) -> str:
+    held = f"a DTensor ({seen.placements})" if seen.placements else "a plain tensor"
+    return (
+        f"the model's output is {held} of shape {seen.shape} on each rank where one device's is "
+        f"{expected} ({_apart(seen.shape, expected)}): each rank holds its shard (a "
+        f"ColwiseParallel's local output), and {seen.use} takes it as the whole. Fix: gather it "
+        "in the plan (the last layer's ColwiseParallel(output_layouts=Replicate())), or compute "
+        "the loss over the shards (cross-entropy under torch.distributed.tensor.parallel"
+        ".loss_parallel(), the output kept a DTensor with use_local_output=False)"
+    )
