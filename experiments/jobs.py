@@ -30,7 +30,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "examples" / "jobs"
-NAMES = ("ddp", "lightning_job", "fsdp2", "zero", "st_job")
+NAMES = ("ddp", "lightning_job", "fsdp2", "zero", "st_job", "tp")
 TIMEOUT = 300
 
 

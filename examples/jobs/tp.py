@@ -1,11 +1,11 @@
 """A tensor- and sequence-parallel transformer block (``parallelize_module`` on the ``tp`` dimension
-of ``init_device_mesh("cpu", (W / tp, tp))`` on gloo, and FSDP2's ``fully_shard`` on ``dp`` when
-W > tp): a causal attention and an MLP, each behind a LayerNorm, a final LayerNorm and a linear
-head whose logits, averaged over the sequence, classify it (cross-entropy).
+of ``init_device_mesh("cpu", (W / tp, tp))`` on gloo, ``--tp`` 2 by default, and FSDP2's
+``fully_shard`` on ``dp`` when W > tp): a causal attention and an MLP, each behind a LayerNorm, a
+final LayerNorm and a linear head whose logits, averaged over the sequence, classify it.
 
     python examples/jobs/tp.py --record runs/one                # one device, no process group
     torchrun --nproc-per-node 2 examples/jobs/tp.py --record runs/tp2
-    torchrun --nproc-per-node 4 examples/jobs/tp.py --tp 2 --record runs/dp2tp2
+    torchrun --nproc-per-node 4 examples/jobs/tp.py --record runs/dp2tp2   # dp 2 × tp 2
     python -m gatherlab.compare runs/one runs/tp2
 
 Correct (``--bug none``), torchtitan's plan: each LayerNorm ``SequenceParallel`` (its input and
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 
 import common
 import torch
@@ -171,7 +172,8 @@ def parallel(model: Classifier, tp: int, bug: str) -> tuple[int, int, int, int]:
 
 
 def _tp_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, help="the tensor-parallel degree (default: W)")
+    parser.add_argument("--tp", type=int, default=2,
+                        help="the tensor-parallel degree, at most W (default: 2)")  # fmt: skip
 
 
 def main() -> None:
@@ -182,7 +184,12 @@ def main() -> None:
     criterion = nn.CrossEntropyLoss()
     layout = (0, 1, 0, 1)
     if common.distributed():
-        layout = parallel(model, args.tp or world, args.bug)
+        tp = min(args.tp, world)
+        if world % tp:
+            print(f"--tp={args.tp} does not divide {world} ranks; allowed: a divisor of {world}",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(2)
+        layout = parallel(model, tp, args.bug)
     model.dropout.layout = dp_rank, dp, tp_rank, _ = layout
     common.refuse_global_batch(args.global_batch, dp)
     optimizer = common.optimizer(model.parameters(), args)

@@ -51,12 +51,9 @@ sampler, which Lightning replaces by a DistributedSampler) cost a Lightning impo
 
 WORLD_SIZES = {"ddp": (4,), "fsdp2": (4,), "zero": (2,), "lightning_job": (2,), "tp": (2, 4)}
 """The world size each correct job is launched at (their bug switches run at 2; FSDP2's shards
-uneven at 4; ``tp`` at tp = 2, and at 4 as dp 2 × tp 2, FSDP2 over tensor parallelism); the
-recorder under DDP, FSDP2 and ZeRO at W = 2 and 4 is tested on the pool
+uneven at 4; ``tp`` at tp = 2, and at 4 as dp 2 × tp 2, its default ``--tp 2``, FSDP2 over tensor
+parallelism); the recorder under DDP, FSDP2 and ZeRO at W = 2 and 4 is tested on the pool
 (tests/recording/test_recorder.py), under tensor parallelism in tests/recording/test_placed.py."""
-
-ARGUMENTS = {"tp": ("--tp", "2")}
-"""A job's own options on every run (one device ignores ``--tp``)."""
 
 PARTS = {"tp": ("attn_norm", "attn", "mlp_norm", "mlp", "norm", "head")}
 """The parts whose final weights a job prints, where they are not SimCLR's."""
@@ -107,7 +104,7 @@ def recorded(tmp_path_factory):
         key = (job, world_size, bug)
         if key not in runs:
             out = root / f"{job}-{bug}-{world_size or 'one'}"
-            arguments = ("--bug", bug, "--record", str(out), *ARGUMENTS.get(job, ()))
+            arguments = ("--bug", bug, "--record", str(out))
             if world_size is None:  # python JOB: no launcher, no process group
                 result = run_plainly(job, *arguments)
             else:
