@@ -482,12 +482,9 @@ def check(
             if accumulated else None,
             where=functools.partial(located, setting, world_size, first.in_group)
             if located_here else None,
-            recorded=Recorded(unreduced=found.parts if reproduced else (), in_precision=floor_run,
-                              unreduced_over=found.over if reproduced else ""),
+            recorded=_recorded(found if reproduced else None, floor_run),
         )  # fmt: skip
-        if reproduced and found.stepped_by:  # the user's optimizer step that reads its local part
-            departs = "its step takes each rank's local gradient: a partial sum over " + found.over
-            rows = [dataclasses.replace(r, where=found.stepped_by, departs=departs) for r in rows]
+        rows = _stepped_where(rows, found) if reproduced else rows
         if kept and setting.low is not None and not own:  # its low-precision run beside it
             rows = with_precision(rows, floors.beside(world_size, k), setting.spec.precision)
         return rows
@@ -509,17 +506,44 @@ def check(
             continue
         verdicts = {r.removed: r.verdict for r in measured}
         exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
-        culprits = [] if exact else _culprits(verdicts, applying, step_random())
-        if not exact and kept[0].cause == Cause.LAYOUT:  # measured: no removal takes it out
-            culprits = [Culprit.LAYOUT if c == Culprit.LOSS else c for c in culprits]
-        if not exact and _reproduced(unreduced.get((world_size, k))):
-            named = Culprit.PARTIAL if unreduced[world_size, k].over else Culprit.UNREDUCED
-            culprits = [named, *(c for c in culprits if c != Culprit.LOSS)]
+        found = unreduced.get((world_size, k))
+        culprits = [] if exact else _measured(
+            _culprits(verdicts, applying, step_random()), kept[0].cause, found)  # fmt: skip
         rows += [dataclasses.replace(r, culprits=";".join(culprits))
                  for r in [*kept, *measured[1:]]]  # fmt: skip
     table = frame(rows, TRAINING_COLUMNS + (PRECISION_COLUMNS if setting.low else ()))
     table.attrs[UNREDUCED] = {f"{w},{k}": f for (w, k), f in unreduced.items() if f.parts}
     return with_reference_notes(table, {setting.name: (first.why, first.group_differs)})
+
+
+def _recorded(reproduced: Unreduced | None, floor_run: InPrecision | None) -> Recorded:
+    """What the judge takes besides the run's numbers: the parts reducing reproduces one device
+    with (``unreduced``, over a mesh dimension for ``partial``), and the floor's run."""
+    if reproduced is None:
+        return Recorded(in_precision=floor_run)
+    return Recorded(unreduced=reproduced.parts, in_precision=floor_run,
+                    unreduced_over=reproduced.over)  # fmt: skip
+
+
+def _measured(culprits: list[str], cause: str, found: Unreduced | None) -> list[str]:
+    """The culprits the removals name, with what was measured on the ranks in place of ``loss``:
+    ``layout`` where a tensor's shape departs (no removal takes it out), and first ``unreduced``
+    (or ``partial``, a tensor-parallel model's) where reducing reproduces one device."""
+    if cause == Cause.LAYOUT:
+        culprits = [Culprit.LAYOUT if c == Culprit.LOSS else c for c in culprits]
+    if _reproduced(found):
+        named = Culprit.PARTIAL if found.over else Culprit.UNREDUCED
+        culprits = [named, *(c for c in culprits if c != Culprit.LOSS)]
+    return culprits
+
+
+def _stepped_where(rows: list[Row], found: Unreduced) -> list[Row]:
+    """A reproduced ``partial`` run's rows with ``where`` the user's optimizer step that takes
+    each rank's local gradient (`Unreduced.stepped_by`), when there is one."""
+    if not found.stepped_by:
+        return rows
+    departs = f"its step takes each rank's local gradient: a partial sum over {found.over}"
+    return [dataclasses.replace(r, where=found.stepped_by, departs=departs) for r in rows]
 
 
 UNREDUCED = "unreduced"
