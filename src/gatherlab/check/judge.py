@@ -164,13 +164,13 @@ class Recorded:
     unreduced: Collection[str] = ()
     data_differs: bool = False
     in_precision: InPrecision | None = None
-    unreduced_over: str = ""
-    """The mesh dimension over which ``unreduced``'s gradients are partial sums (a tensor-parallel
-    model's, cause ``partial``); empty: gradients not reduced over the ranks (``unreduced``)."""
     desync: Collection[str] = ()
     """The parts whose weights differ between the run's ranks after some update (measured on
     the ranks): the run is no longer one model; its cause, after ``unreduced``, and a verdict
     that would train like one device is ``diverges``."""
+    unreduced_over: str = ""
+    """The mesh dimension over which ``unreduced``'s gradients are partial sums (a tensor-parallel
+    model's, cause ``partial``); empty: gradients not reduced over the ranks (``unreduced``)."""
 
 
 def _within(rows: list[Row], whole: Floored) -> list[Row]:
