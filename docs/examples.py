@@ -156,6 +156,12 @@ EXAMPLES = {
         pythonpath=("examples",),
         status=True,
     ),
+    "tensor_parallel": Example(
+        f"{CHECK} --step tp_steps:cosine_step --model tp_steps:build --data tp_steps:Views "
+        "--optimizer tp_steps:local_sgd --tensor-parallel 2 --world-sizes 2,4 --steps 3 "
+        "--global-batch-size 8",
+        pythonpath=("examples",),
+    ),
     "precision": Example(
         f"{CHECK} --step plain_steps:training_step --model precision_cases:build_float32_scale "
         "--data plain_steps:Pairs --world-sizes 2,4 --steps 5 --precision bf16-mixed",

@@ -51,7 +51,7 @@ CHECKED_EXAMPLES = ("bad_value", "plain_step")
 # (in an empty directory, the examples on the path as PYTHONPATH puts them): a fresh interpreter
 # adds to what a terminal shows only what it prints on stderr (a warning at import), which the
 # other block is; `make examples` runs every block in a fresh interpreter.
-IN_PROCESS_EXAMPLES = ("plain_step",)
+IN_PROCESS_EXAMPLES = ("plain_step", "tensor_parallel")
 
 
 def design_sections() -> set[int]:
