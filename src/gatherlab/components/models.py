@@ -62,6 +62,65 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class NormMLP(nn.Module):
+    """LayerNorm → Linear → ReLU → Linear on the last dimension: a transformer's pre-norm
+    feed-forward block (without its residual), the block that Megatron's tensor and sequence
+    parallelism splits. LayerNorm normalises each row over its features, so a sample's embedding
+    depends on that sample alone, as `MLP`'s. `tensor_parallel_plan` says how ``strategy=tp``
+    splits it (docs/design.md §10 "Sharded code")."""
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(in_features)
+        self.up = nn.Linear(in_features, hidden_features)
+        self.down = nn.Linear(hidden_features, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+    def tensor_parallel_plan(self, tensor_parallel: int, sequence_parallel: bool) -> dict:
+        """torch's ``parallelize_module`` plan over a tensor-parallel mesh of ``tensor_parallel``
+        ranks, which all hold the same rows (their data-parallel group's): ``up`` split by its
+        output features (``ColwiseParallel``), ``down`` by its input features
+        (``RowwiseParallel``), and each rank's output its own consecutive part of the rows (the
+        loss's rows: rank r of W holds the r-th part of the global batch, as under DDP).
+
+        With ``sequence_parallel`` (Megatron's sequence parallelism, the rows as the sequence):
+        the rows split before the norm (``SequenceParallel(sequence_dim=0)``: its parameters
+        replicated, their gradient a partial sum over the tensor-parallel ranks), gathered for
+        ``up`` and reduce-scattered back by ``down``. Without it: the norm runs on every row on
+        every rank (not parallelized), ``down``'s output is all-reduced and each rank keeps its
+        part. A ValueError when ``hidden_features`` does not divide by ``tensor_parallel``."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            PrepareModuleOutput,
+            RowwiseParallel,
+            SequenceParallel,
+        )  # fmt: skip
+
+        hidden = self.up.out_features
+        if hidden % tensor_parallel:
+            raise ValueError(
+                f"model.hidden_features={hidden} does not divide by strategy.tensor_parallel="
+                f"{tensor_parallel}; allowed: a multiple of {tensor_parallel}"
+            )
+        rows = Shard(0)
+        if sequence_parallel:
+            return {
+                "": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=rows),
+                "norm": SequenceParallel(sequence_dim=0),
+                "up": ColwiseParallel(input_layouts=rows),
+                "down": RowwiseParallel(output_layouts=rows),
+            }
+        return {
+            "": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=rows),
+            "up": ColwiseParallel(),
+            "down": RowwiseParallel(output_layouts=Replicate()),
+        }
+
+
 NORMS = ("global", "local", "sync")
 
 

@@ -71,17 +71,28 @@ class ContrastiveModule(L.LightningModule):
         if self.loss is None:
             self.loss = self.loss_factory()
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The ranks of each tensor-parallel group that Lightning's ``ModelParallelStrategy``
+        makes for this module (``ranks.launch``): ``strategy.tensor_parallel`` under ``tp``,
+        else 1."""
+        return self.sharding.tensor_parallel_size
+
     def configure_model(self) -> None:
-        """Under ``ModelParallelStrategy`` (``fsdp2`` on several ranks): the model sharded over
-        the ranks of its data-parallel mesh; anything else trains the module as it is."""
+        """Under ``ModelParallelStrategy`` (``fsdp2`` or ``tp`` on several ranks): the model split
+        over its tensor-parallel mesh (``tp``) and sharded over its data-parallel mesh; anything
+        else trains the module as it is."""
         if self.sharding.shards and self.device_mesh is not None:
-            self.sharding.shard(self.model, self.device_mesh["data_parallel"])
+            self.sharding.shard(self.model, self.device_mesh)
 
     def on_after_backward(self) -> None:
-        """Under FSDP2: the gradients of the parameters outside the model (the loss's), which no
-        sharded module holds, averaged over the ranks (unless the strategy says not to)."""
-        if self.sharding.shards and self.loss is not None:
-            self.sharding.reduce_outside_model(self.loss.parameters())
+        """Under FSDP2 (``fsdp2``, ``tp``): the model's gradients as the strategy finishes them
+        (`Sharding.after_backward`), and those of the parameters outside the model (the loss's),
+        which no sharded module holds, averaged over the ranks (unless the strategy says not
+        to). One device (no mesh) trains the plain run."""
+        if self.sharding.shards and self.device_mesh is not None:
+            outside = [] if self.loss is None else list(self.loss.parameters())
+            self.sharding.after_backward(self.model, outside)
 
     def _embed(self, view: torch.Tensor, keys: torch.Tensor | None, view_id: int) -> torch.Tensor:
         """The model's embedding of one view; a model with seeded randomness (dropout) also gets
@@ -206,14 +217,20 @@ def rank_sampler(
     trainer: L.Trainer, num_samples: int, global_batch_size: int, steps: int, seed: int,
     shuffle: bool,
 ) -> GlobalBatchSampler:  # fmt: skip
-    """The sampler of this trainer's rank: its slice of each global batch, keys ``(epoch,
-    index)`` (docs/design.md §2)."""
+    """The sampler of this trainer's rank: its data-parallel group's slice of each global batch,
+    keys ``(epoch, index)`` (docs/design.md §2). The group is the strategy's, as Lightning's own
+    distributed sampler takes it (``distributed_sampler_kwargs``): the rank itself under DDP and
+    FSDP2; under ``tp`` the ranks of one data-parallel group take the same slice (the model splits
+    its rows among them, `NormMLP.tensor_parallel_plan`). One device: the whole batch."""
+    group = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {
+        "num_replicas": trainer.world_size, "rank": trainer.global_rank,
+    }  # fmt: skip
     return GlobalBatchSampler(
         num_samples=num_samples,
         global_batch_size=global_batch_size,
         num_batches=steps,
-        rank=trainer.global_rank,
-        world_size=trainer.world_size,
+        rank=group["rank"],
+        world_size=group["num_replicas"],
         seed=seed,
         shuffle=shuffle,
         with_epoch=True,

@@ -11,10 +11,22 @@
   every sharded module (1.0: the gradients summed over the ranks, not averaged, a trap).
 - ``zero``: DDP with the optimizer in torch's ``ZeroRedundancyOptimizer`` (each rank steps the
   parameters it owns and broadcasts them).
+- ``tp``: the model split over the ``tensor_parallel`` ranks of each data-parallel group (torch's
+  ``parallelize_module`` with the model's own ``tensor_parallel_plan``, over the tensor-parallel
+  mesh of Lightning's ``ModelParallelStrategy``), then FSDP2 over the data-parallel mesh as
+  ``fsdp2``. The ranks of a data-parallel group hold its rows, and each rank's loss is its own
+  part of them (1/W of the global batch), so the backward through the DTensors sums the group's
+  shares and FSDP2 averages over the groups: tensor_parallel times the gradient of the mean over
+  W; the model's gradients are divided by ``tensor_parallel`` after each backward. With
+  ``sequence_parallel`` the rows are split before the norm too, whose gradient is then a partial
+  sum over the group that torch all-reduces (a ``Partial`` DTensor redistributed to
+  ``Replicate``); ``reduce_norm: false`` declares each rank's partial sum reduced without
+  reducing it, so each rank steps its own: Megatron's sequence-parallel LayerNorm bug (a trap).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -26,6 +38,8 @@ from gatherlab.core import terms
 
 __all__ = ["Sharding"]
 
+_VIEW_WARNING = r"FSDP2-wrapped module \(FSDP\w+\) returned a view tensor"
+
 
 @dataclass(frozen=True)
 class Sharding:
@@ -35,31 +49,62 @@ class Sharding:
     reshard_after_forward: bool = True
     divide_factor: float | None = None
     reduce_outside: bool = True
+    tensor_parallel: int = 1
+    sequence_parallel: bool = True
+    reduce_norm: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", terms.Strategy(self.name))
 
     @property
     def shards(self) -> bool:
-        return self.name == terms.Strategy.FSDP2
+        return self.name in (terms.Strategy.FSDP2, terms.Strategy.TP)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The ranks of a tensor-parallel group: ``tensor_parallel`` under ``tp``, else 1."""
+        return self.tensor_parallel if self.name == terms.Strategy.TP else 1
 
     def shard(self, model: nn.Module, mesh) -> None:
-        """FSDP2 on ``model`` over ``mesh``: each of its modules that holds parameters of its
-        own, then the model itself (the order FSDP2's documentation asks: inner modules first)."""
+        """Under ``tp``, ``model`` split over ``mesh["tensor_parallel"]`` by its plan; then FSDP2
+        over ``mesh["data_parallel"]``: each of its modules that holds parameters of its own, then
+        the model itself (the order FSDP2's documentation asks: inner modules first)."""
         from torch.distributed.fsdp import fully_shard
 
+        if self.name == terms.Strategy.TP:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            plan = model.tensor_parallel_plan(self.tensor_parallel, self.sequence_parallel)
+            parallelize_module(model, mesh["tensor_parallel"], plan)
+            # A plan's output is DTensor.to_local's view, which FSDP2 warns of on every rank of
+            # every job (an in-place write to it would skip a hook). The module writes nothing
+            # into its embeddings, and every run is compared with one device (§10).
+            warnings.filterwarnings("ignore", message=_VIEW_WARNING)
         held = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
         for module in [*(m for m in held if m is not model), model]:
-            fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(
+                module, mesh=mesh["data_parallel"], reshard_after_forward=self.reshard_after_forward
+            )
             if self.divide_factor is not None:
                 module.set_gradient_divide_factor(self.divide_factor)
+        if self.name == terms.Strategy.TP and not self.reduce_norm:
+            for module in held:  # after fully_shard's: its pre-forward puts the whole parameters
+                module.register_forward_pre_hook(_PartialsLeftUnreduced())
 
-    def reduce_outside_model(self, parameters: Iterable[nn.Parameter]) -> None:
-        """After a backward under FSDP2 with ``reduce_outside``: the gradients of ``parameters``
-        (those of no sharded module) averaged over the ranks, in one all-reduce each."""
-        if not (self.shards and self.reduce_outside) or not dist.is_initialized():
+    def after_backward(self, model: nn.Module, outside: Iterable[nn.Parameter]) -> None:
+        """After a backward on a sharded model: under ``tp`` its gradients divided by
+        ``tensor_parallel`` (see the module docstring); with ``reduce_outside``, the gradients
+        of ``outside`` (parameters of no sharded module: the loss's) averaged over the ranks, in
+        one all-reduce each."""
+        if not self.shards or not dist.is_initialized():
             return
-        for parameter in parameters:
+        if self.tensor_parallel_size > 1:
+            for parameter in model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.div_(self.tensor_parallel_size)
+        if not self.reduce_outside:
+            return
+        for parameter in outside:
             if parameter.grad is not None:
                 dist.all_reduce(parameter.grad, op=dist.ReduceOp.AVG)
 
@@ -73,3 +118,31 @@ class Sharding:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(list(parameters), optimizer_class=factory)
+
+
+class _PartialsLeftUnreduced:
+    """A forward pre-hook (registered after FSDP2's, which puts the whole parameters in place):
+    on each parameter of its module, once, a gradient hook that declares a gradient that is a
+    partial sum over the tensor-parallel ranks (a ``Partial`` DTensor: the sequence-parallel
+    norm's) reduced without reducing it (``DTensor.from_local`` of the rank's own partial sum as
+    ``Replicate``), so that neither FSDP2 nor the optimizer reduces it: each rank steps its own
+    partial sum (Megatron's sequence-parallel LayerNorm bug, the trap ``reduce_norm: false``)."""
+
+    def __init__(self) -> None:
+        self.hooked: list[nn.Parameter] = []  # FSDP2 keeps one whole parameter for the run
+
+    def __call__(self, module: nn.Module, args) -> None:
+        for parameter in module.parameters(recurse=False):
+            if not any(parameter is hooked for hooked in self.hooked):
+                self.hooked.append(parameter)
+                parameter.register_hook(_partial_declared_reduced)
+
+
+def _partial_declared_reduced(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with each ``Partial`` placement declared ``Replicate``, its values unreduced."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(grad, DTensor) or not any(isinstance(p, Partial) for p in grad.placements):
+        return grad
+    placements = [Replicate() if isinstance(p, Partial) else p for p in grad.placements]
+    return DTensor.from_local(grad.to_local(), grad.device_mesh, placements, run_check=False)

@@ -199,12 +199,15 @@ class Launcher(StrEnum):
 class Strategy(StrEnum):
     """How the lab distributes its module over W ranks (the options of ``conf/strategy/``,
     `gatherlab.components.sharding`): Lightning's DDP (``ddp``), FSDP2's ``fully_shard`` under
-    Lightning's ``ModelParallelStrategy`` (``fsdp2``), or DDP with torch's
-    ``ZeroRedundancyOptimizer`` (``zero``). One device trains the plain run whatever it says."""
+    Lightning's ``ModelParallelStrategy`` (``fsdp2``), DDP with torch's
+    ``ZeroRedundancyOptimizer`` (``zero``), or tensor parallelism over the tensor-parallel mesh
+    of that strategy and FSDP2 over its data-parallel mesh (``tp``). One device trains the plain
+    run whatever it says."""
 
     DDP = "ddp"
     FSDP2 = "fsdp2"
     ZERO = "zero"
+    TP = "tp"
 
 
 class Backend(StrEnum):

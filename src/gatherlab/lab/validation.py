@@ -170,12 +170,13 @@ def _validate_strategy(cfg: Mapping[str, Any], devices: int) -> None:
     """``strategy`` (docs/design.md §10 "Sharded code"): one of `terms.Strategy`, its FSDP2
     options typed; other than ``ddp`` only for gatherlab's own module, trained on the worker
     pools (several devices), without accumulation (its manual step averages whole gradients),
-    and FSDP2 not in ``16-mixed`` (Lightning's ``ModelParallelStrategy`` refuses it)."""
+    and FSDP2 and ``tp`` not in ``16-mixed`` (Lightning's ``ModelParallelStrategy`` refuses it);
+    ``tp``'s own options by `_validate_tensor_parallel`."""
     strategy = cfg.get("strategy") or {"name": terms.Strategy.DDP}
     name = strategy.get("name")
     if name not in STRATEGIES:
         raise ConfigError(f"strategy.name={name!r} is unknown; allowed: {', '.join(STRATEGIES)}")
-    for key in ("reshard_after_forward", "reduce_outside"):
+    for key in ("reshard_after_forward", "reduce_outside", "sequence_parallel", "reduce_norm"):
         if not isinstance(strategy.get(key, True), bool):
             raise ConfigError(
                 f"strategy.{key}={strategy[key]!r} is not allowed; allowed: true or false"
@@ -207,10 +208,53 @@ def _validate_strategy(cfg: Mapping[str, Any], devices: int) -> None:
             f"strategy={name} with layout.accumulation={accumulation}: the accumulating step "
             "averages whole gradients by itself; allowed: layout.accumulation=none, or strategy=ddp"
         )
-    if name == terms.Strategy.FSDP2 and cfg["precision"] == terms.Precision.FP16_MIXED:
+    if name != terms.Strategy.ZERO and cfg["precision"] == terms.Precision.FP16_MIXED:
         raise ConfigError(
-            "strategy=fsdp2 with precision=16-mixed: Lightning's ModelParallelStrategy refuses "
+            f"strategy={name} with precision=16-mixed: Lightning's ModelParallelStrategy refuses "
             "it; allowed: 64-true, 32-true, bf16-mixed, bf16-true"
+        )
+    _validate_tensor_parallel(cfg, name, strategy, devices)
+
+
+def _validate_tensor_parallel(
+    cfg: Mapping[str, Any], name: str, strategy: Mapping[str, Any], devices: int
+) -> None:
+    """``strategy.tensor_parallel`` (``tp``'s alone, docs/design.md §10 "Sharded code"): a
+    positive integer that divides the layout's ranks (one device trains the plain run), on a model
+    with a plan that splits it (``tensor_parallel_plan``, e.g. ``model=norm_mlp``) by that
+    degree, and data whose views both go through the model (the plan splits the rows it
+    encodes)."""
+    degree = _integer("strategy.tensor_parallel", strategy.get("tensor_parallel", 1), minimum=1)
+    if name != terms.Strategy.TP:
+        if degree != 1:
+            raise ConfigError(
+                f"strategy.tensor_parallel={degree} is strategy=tp's; allowed with "
+                f"strategy={name}: strategy.tensor_parallel=1, or strategy=tp"
+            )
+        return
+    if devices > 1 and devices % degree:
+        divisors = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
+        raise ConfigError(
+            f"strategy.tensor_parallel={degree} does not divide the layout's {devices} ranks "
+            f"(layout.devices × layout.nodes); allowed: {divisors}"
+        )
+    model = config.build_model(cfg)
+    target = cfg["model"]["_target_"]
+    if not callable(getattr(model, "tensor_parallel_plan", None)):
+        raise ConfigError(
+            f"strategy=tp splits the model by its tensor_parallel_plan(tensor_parallel, "
+            f"sequence_parallel), which model ({target}) does not have; allowed: model=norm_mlp"
+        )
+    try:
+        model.tensor_parallel_plan(degree, strategy.get("sequence_parallel", True))
+    except ValueError as error:
+        raise ConfigError(f"model ({target}): {cli.first_line(error)}") from None
+    dataset = config.instantiate("data", cfg["data"]["dataset"])
+    if not getattr(dataset, "encode_second_view", True):
+        raise ConfigError(
+            "strategy=tp with a data set whose second view is a fixed target (not encoded): the "
+            "model's plan splits only the rows it encodes; allowed: a data set whose views both "
+            "go through the model (data=gaussian, digits), or strategy=fsdp2"
         )
 
 

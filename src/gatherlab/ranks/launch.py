@@ -40,6 +40,9 @@ def quiet_frameworks() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; harmless, not ours to fix.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # A tensor-parallel parameter read whole (`world.whole`) under FSDP2 takes two all-gathers,
+    # which torch logs as a warning on every rank at every read; its values are exact (§10).
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 class _QuietDDPStrategy(DDPStrategy):
@@ -55,13 +58,15 @@ class _QuietDDPStrategy(DDPStrategy):
 
 
 class _QuietModelParallelStrategy(ModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` (FSDP2 through the module's ``configure_model``),
-    quieted in each rank's own process, on the process group that already exists."""
+    """Lightning's ``ModelParallelStrategy`` (FSDP2, and tensor parallelism, through the
+    module's ``configure_model``), quieted in each rank's own process, on the process group that
+    already exists: ``tensor_parallel`` ranks per data-parallel group (rank r's data-parallel
+    index r // tensor_parallel, torch's ``init_device_mesh`` order)."""
 
-    def __init__(self, environment: ClusterEnvironment) -> None:
+    def __init__(self, environment: ClusterEnvironment, tensor_parallel: int = 1) -> None:
         super().__init__(
-            data_parallel_size=dist.get_world_size(),
-            tensor_parallel_size=1,
+            data_parallel_size=dist.get_world_size() // tensor_parallel,
+            tensor_parallel_size=tensor_parallel,
             process_group_backend=dist.get_backend(),
             timeout=COLLECTIVE_TIMEOUT,
         )
@@ -209,8 +214,10 @@ def fit_in_group(
 ) -> None:
     """``Trainer.fit`` on this rank of the already initialised default process group: on the CPU
     (gloo), or on an NCCL group on the GPU ``torch.cuda.set_device`` chose for this rank; through
-    Lightning's DDP strategy, or its ``ModelParallelStrategy`` for ``strategy="fsdp2"`` (the
-    module shards itself in ``configure_model``)."""
+    Lightning's DDP strategy, or its ``ModelParallelStrategy`` for ``strategy="fsdp2"`` or
+    ``"tp"`` (the module shards itself in ``configure_model``), with as many ranks per
+    tensor-parallel group as the module's ``tensor_parallel_size`` says (1 when it says
+    nothing)."""
     quiet_frameworks()
     if dist.get_backend() == terms.Backend.NCCL:
         accelerator, devices = terms.Device.CUDA, torch.cuda.device_count()
@@ -218,8 +225,9 @@ def fit_in_group(
     else:
         accelerator, devices = terms.Device.CPU, dist.get_world_size()
         environment = _ExistingGroup()
-    if strategy == terms.Strategy.FSDP2:
-        lightning_strategy = _QuietModelParallelStrategy(environment)
+    if strategy in (terms.Strategy.FSDP2, terms.Strategy.TP):
+        tensor_parallel = getattr(module, "tensor_parallel_size", 1)
+        lightning_strategy = _QuietModelParallelStrategy(environment, tensor_parallel)
     else:
         lightning_strategy = _QuietDDPStrategy(
             cluster_environment=environment,
