@@ -6,12 +6,14 @@ tensor-parallel layout that cannot run is refused in one line before any job."""
 
 from __future__ import annotations
 
+import inspect
+
 import pandas as pd
 import pytest
 from helpers import run_command
 
 from gatherlab.analysis import report
-from gatherlab.components import config
+from gatherlab.components import config, sharding
 from gatherlab.lab import validation
 
 # one sweep of 12 jobs on 1, 2 and 4 ranks, seconds of training (make test-fast leaves it out)
@@ -92,3 +94,12 @@ def test_a_tensor_parallel_layout_that_cannot_run_is_refused_in_one_line(overrid
     with pytest.raises(validation.ConfigError) as refused:
         validation.validate(cfg)
     assert str(refused.value) == message
+
+
+def test_the_redistribution_warning_is_quieted_on_torchs_own_logger():
+    # a private module's logger (components.sharding quiets it under tp): this fails when torch
+    # renames it, which would bring the warning back on every rank at every step
+    from torch.distributed.tensor import _redistribute
+
+    assert _redistribute.logger.name == sharding.REDISTRIBUTE_LOGGER
+    assert "sequential all_gather" in inspect.getsource(_redistribute)

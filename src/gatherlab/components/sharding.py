@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -76,10 +77,7 @@ class Sharding:
 
             plan = model.tensor_parallel_plan(self.tensor_parallel, self.sequence_parallel)
             parallelize_module(model, mesh["tensor_parallel"], plan)
-            # A plan's output is DTensor.to_local's view, which FSDP2 warns of on every rank of
-            # every job (an in-place write to it would skip a hook). The module writes nothing
-            # into its embeddings, and every run is compared with one device (§10).
-            warnings.filterwarnings("ignore", message=_VIEW_WARNING)
+            _quiet_tensor_parallel()
         held = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
         for module in [*(m for m in held if m is not model), model]:
             fully_shard(
@@ -118,6 +116,25 @@ class Sharding:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(list(parameters), optimizer_class=factory)
+
+
+REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+"""The logger of torch's private module that warns of a redistribution in two all-gathers (its
+``__name__``; tests/lab/test_tensor_parallel_sweep.py fails when torch renames it)."""
+
+
+def _quiet_tensor_parallel() -> None:
+    """Two warnings off in a rank that trains ``tp``, each given on every rank at every step,
+    neither about a result (every run is compared with one device, docs/design.md §10):
+
+    - FSDP2's, that a module returned a view (a plan's output is ``DTensor.to_local``'s view; an
+      in-place write to it would skip a hook): the module writes nothing into its embeddings;
+    - torch's log line that reading a tensor-parallel parameter or gradient whole under FSDP2
+      (``DTensor.full_tensor``, the recorder's `world.whole`) takes two all-gathers in sequence:
+      they gather, and gathering sums nothing (exact in any order). torch logs it from a private
+      module, whose logger is the only handle on it (`REDISTRIBUTE_LOGGER`)."""
+    warnings.filterwarnings("ignore", message=_VIEW_WARNING)
+    logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
 
 
 class _PartialsLeftUnreduced:

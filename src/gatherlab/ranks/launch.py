@@ -40,9 +40,6 @@ def quiet_frameworks() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; harmless, not ours to fix.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    # A tensor-parallel parameter read whole (`world.whole`) under FSDP2 takes two all-gathers,
-    # which torch logs as a warning on every rank at every read; its values are exact (§10).
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 class _QuietDDPStrategy(DDPStrategy):
