@@ -102,4 +102,4 @@ def test_the_redistribution_warning_is_quieted_on_torchs_own_logger():
     from torch.distributed.tensor import _redistribute
 
     assert _redistribute.logger.name == sharding.REDISTRIBUTE_LOGGER
-    assert "sequential all_gather" in inspect.getsource(_redistribute)
+    assert "%d sequential %s" in inspect.getsource(_redistribute)  # the line quieted
