@@ -64,7 +64,7 @@ figures: $(STAMP)  ## RE-RUN every experiment (~95 min here) and overwrite figur
 	    experiments/gather_scaling.py \
 	    experiments/optimizer_matrix.py experiments/downstream.py experiments/lr_sweep.py \
 	    experiments/simclr_digits.py experiments/accumulation.py experiments/precision.py \
-	    experiments/sharded.py experiments/sharded_sweep.py; do \
+	    experiments/sharded.py experiments/sharded_sweep.py experiments/tp_sweep.py; do \
 	    $(PY) $$script || exit 1; done
 	$(PY) -m gatherlab.bench size --out figures/size_cost
 

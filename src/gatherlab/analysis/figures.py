@@ -38,8 +38,8 @@ DEVICE_STYLES = {2: "-", 4: "-.", 8: ":"}
 # A sweep over the strategy (conf/strategy/) colours its runs by it: the correct ones in blues and
 # greens, the traps in warm colours.
 STRATEGY_COLORS = {
-    "ddp": "#1f77b4", "zero": "#2ca02c", "fsdp2": "#17becf",
-    "fsdp2_unreduced": "#ff7f0e", "fsdp2_summed": "#d62728",
+    "ddp": "#1f77b4", "zero": "#2ca02c", "fsdp2": "#17becf", "tp": "#3949ab",
+    "fsdp2_unreduced": "#ff7f0e", "fsdp2_summed": "#d62728", "tp_unreduced_norm": "#e6550d",
 }  # fmt: skip
 # |Δloss| of exactly 0 cannot sit on a log axis; such points are drawn at this floor.
 ZERO_FLOOR = 1e-18
