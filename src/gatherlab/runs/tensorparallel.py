@@ -99,10 +99,8 @@ def replicas_apart(model: nn.Module) -> dict[str, str]:
         for i, placement in enumerate(p.placements):
             if not isinstance(placement, Replicate) or p.device_mesh.size(i) == 1:
                 continue
-            group = p.device_mesh.get_group(i)
-            local = p.to_local().detach().contiguous()
-            every = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(every, local, group=group)
+            local = p.to_local().detach()
+            every = _gathered(local, p.device_mesh.get_group(i))
             scale = gradients.largest_difference(local.double().reshape(-1)) or 1.0
             if any(gradients.largest_difference(o.double().reshape(-1), local.double().reshape(-1))
                    > gradients.FLOAT64_TOLERANCE * scale for o in every):  # fmt: skip
@@ -219,11 +217,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _same(tensor: torch.Tensor, group: Any) -> bool:
-    """Whether every rank of ``group`` holds this same tensor (an all-gather over it)."""
+    """Whether every rank of ``group`` holds this same tensor."""
+    return all(torch.equal(other, tensor) for other in _gathered(tensor, group))
+
+
+def _gathered(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` of ``group``, in its ranks' order (an all-gather over it)."""
     tensor = tensor.contiguous()
     every = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, tensor, group=group)
-    return all(torch.equal(other, tensor) for other in every)
+    return every
 
 
 def _placements(tensor: torch.Tensor) -> str:
