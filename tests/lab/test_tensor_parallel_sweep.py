@@ -13,8 +13,9 @@ import pytest
 from helpers import run_command
 
 from gatherlab.analysis import report
-from gatherlab.components import config, sharding
+from gatherlab.components import config
 from gatherlab.lab import validation
+from gatherlab.ranks import world
 
 # one sweep of 12 jobs on 1, 2 and 4 ranks, seconds of training (make test-fast leaves it out)
 pytestmark = pytest.mark.slow
@@ -97,9 +98,10 @@ def test_a_tensor_parallel_layout_that_cannot_run_is_refused_in_one_line(overrid
 
 
 def test_the_redistribution_warning_is_quieted_on_torchs_own_logger():
-    # a private module's logger (components.sharding quiets it under tp): this fails when torch
-    # renames it, which would bring the warning back on every rank at every step
+    # a private module's logger (ranks.world quiets it where it reads a DTensor whole, the lab
+    # under tp): this fails when torch renames it, which would bring the warning back on every
+    # rank at every step
     from torch.distributed.tensor import _redistribute
 
-    assert _redistribute.logger.name == sharding.REDISTRIBUTE_LOGGER
+    assert _redistribute.logger.name == world.REDISTRIBUTE_LOGGER
     assert "%d sequential %s" in inspect.getsource(_redistribute)  # the line quieted

@@ -26,7 +26,6 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gatherlab.core import terms
+from gatherlab.ranks import world
 
 __all__ = ["Sharding"]
 
@@ -118,11 +118,6 @@ class Sharding:
         return ZeroRedundancyOptimizer(list(parameters), optimizer_class=factory)
 
 
-REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
-"""The logger of torch's private module that warns of a redistribution in two all-gathers (its
-``__name__``; tests/lab/test_tensor_parallel_sweep.py fails when torch renames it)."""
-
-
 def _quiet_tensor_parallel() -> None:
     """Two warnings off in a rank that trains ``tp``, each given on every rank at every step,
     neither about a result (every run is compared with one device, docs/design.md §10):
@@ -130,11 +125,9 @@ def _quiet_tensor_parallel() -> None:
     - FSDP2's, that a module returned a view (a plan's output is ``DTensor.to_local``'s view; an
       in-place write to it would skip a hook): the module writes nothing into its embeddings;
     - torch's log line that reading a tensor-parallel parameter or gradient whole under FSDP2
-      (``DTensor.full_tensor``, the recorder's `world.whole`) takes two all-gathers in sequence:
-      they gather, and gathering sums nothing (exact in any order). torch logs it from a private
-      module, whose logger is the only handle on it (`REDISTRIBUTE_LOGGER`)."""
+      takes two all-gathers in sequence (`world.quiet_two_gathers`)."""
     warnings.filterwarnings("ignore", message=_VIEW_WARNING)
-    logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
+    world.quiet_two_gathers()
 
 
 class _PartialsLeftUnreduced:

@@ -16,7 +16,8 @@ from gatherlab.core import terms
 from gatherlab.ranks import simworld
 
 __all__ = [
-    "MESH_DIMS", "alone", "data_parallel", "device", "mesh", "own_rows", "rank", "size", "whole",
+    "MESH_DIMS", "REDISTRIBUTE_LOGGER", "alone", "data_parallel", "device", "mesh", "own_rows",
+    "quiet_two_gathers", "rank", "size", "whole",
 ]  # fmt: skip
 
 MESH_DIMS = ("dp", "tp")
@@ -108,8 +109,29 @@ def alone() -> Iterator[None]:
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor as one device holds it: a sharded one (a ``DTensor`` of FSDP2) gathered whole
-    from its shards (a collective: every rank of its mesh calls it), any other as it is."""
+    """A tensor as one device holds it: a sharded one (a ``DTensor`` of FSDP2 or tensor
+    parallelism) gathered whole from its shards (a collective: every rank of its mesh calls it),
+    any other as it is."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if not isinstance(tensor, DTensor):
+        return tensor
+    quiet_two_gathers()
+    return tensor.full_tensor()
+
+
+REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+"""The logger of torch's private module that logs a warning when a redistribution takes two
+all-gathers in sequence (its ``__name__``; tests/lab/test_tensor_parallel_sweep.py fails when
+torch renames it, docs/design.md §10)."""
+
+
+def quiet_two_gathers() -> None:
+    """torch's warning off in this process that reading a parameter or gradient of FSDP2 over
+    tensor parallelism whole (``DTensor.full_tensor`` of ``_StridedShard``) takes two all-gathers
+    in sequence: given on every rank at every read, and about nothing a check or a run compares
+    (gathering sums nothing: exact in any order). torch logs it from a private module, whose
+    logger is the only handle on it (`REDISTRIBUTE_LOGGER`)."""
+    import logging
+
+    logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
