@@ -49,11 +49,12 @@ sampler, which Lightning replaces by a DistributedSampler) cost a Lightning impo
 (~7 s each here) and run in ``experiments/jobs.py``, with every job × W = 1, 2, 4 × switch
 (docs/jobs.md)."""
 
-WORLD_SIZES = {"ddp": (4,), "fsdp2": (4,), "zero": (2,), "lightning_job": (2,), "tp": (2, 4)}
+WORLD_SIZES = {"ddp": (4,), "fsdp2": (4,), "zero": (2,), "lightning_job": (2,), "tp": (4,)}
 """The world size each correct job is launched at (their bug switches run at 2; FSDP2's shards
-uneven at 4; ``tp`` at tp = 2, and at 4 as dp 2 × tp 2, its default ``--tp 2``, FSDP2 over tensor
-parallelism); the recorder under DDP, FSDP2 and ZeRO at W = 2 and 4 is tested on the pool
-(tests/recording/test_recorder.py), under tensor parallelism in tests/recording/test_placed.py."""
+uneven at 4; ``tp`` at 4, dp 2 × tp 2 with its default ``--tp 2``, FSDP2 over tensor parallelism,
+its switches at tp = 2 alone); the recorder under DDP, FSDP2 and ZeRO at W = 2 and 4 is tested on
+the pool (tests/recording/test_recorder.py), under tensor parallelism at tp = 2 and dp 2 × tp 2 in
+tests/recording/test_placed.py."""
 
 PARTS = {"tp": ("attn_norm", "attn", "mlp_norm", "mlp", "norm", "head")}
 """The parts whose final weights a job prints, where they are not SimCLR's."""
