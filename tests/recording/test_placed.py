@@ -6,10 +6,10 @@ device's recording; and the placements' index semantics against torch's own spli
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import tp_loops
+from recorded import relative, whole_sketches
 
 from gatherlab.ranks import pool as pools
 from gatherlab.recording import format, placed
@@ -36,23 +36,6 @@ def recorded(tmp_path_factory):
     return get
 
 
-def _relative(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def _whole_sketches(recording: format.Recording) -> dict[str, np.ndarray]:
-    """Independently: update 0's whole gradient (gathered with ``DTensor.full_tensor``), cut
-    into its parameters and sketched here, summed per part."""
-    gradient, k, start = recording.full_gradient(0), recording.k, 0
-    expected = {part: torch.zeros(k, dtype=torch.float64) for part in recording.parts}
-    for parameter in recording.header["parameters"]:
-        numel = int(np.prod(parameter["shape"]))
-        block_signs = signs(parameter["name"], numel, k, recording.header["sketch_seed"])
-        expected[parameter["part"]] += sketch(gradient[start : start + numel], k, block_signs)
-        start += numel
-    return {part: values.numpy() for part, values in expected.items()}
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_tensor_parallel_block_records_what_one_device_records(recorded, world_size):
     """Each rank sketches its shard's elements at their global positions: the recorded sketch is
@@ -71,20 +54,20 @@ def test_a_tensor_parallel_block_records_what_one_device_records(recorded, world
     assert {name: placements[name] for name in expected} == expected
     assert all(p["sharded"] == ("Shard" in placements[p["name"]])
                for p in many.header["parameters"])  # fmt: skip
-    whole = _whole_sketches(many)
+    whole = whole_sketches(many)
     for part in many.parts:
-        assert _relative(many.updates[0].sketches[part], whole[part]) <= 1e-12, part
+        assert relative(many.updates[0].sketches[part], whole[part]) <= 1e-12, part
     assert many.parts == one.parts == ["norm", "up", "down", "head"]
     for a, b in zip(one.updates, many.updates, strict=True):
         assert abs(a.loss - b.loss) <= 1e-15
         assert [r for rows in b.rows for r in rows] == a.rows[0]
         assert not b.unreduced and not b.drifted
         for part in one.parts:
-            assert _relative(b.sketches[part], a.sketches[part]) <= 1e-12, (b.index, part)
+            assert relative(b.sketches[part], a.sketches[part]) <= 1e-12, (b.index, part)
             assert abs(b.norms[part] / a.norms[part] - 1) <= 1e-12, (b.index, part)
     assert float((many.full_gradient(0) - one.full_gradient(0)).abs().max()) <= 1e-15
     for part in one.parts:
-        assert _relative(many.weights_sketch[part], one.weights_sketch[part]) <= 1e-12
+        assert relative(many.weights_sketch[part], one.weights_sketch[part]) <= 1e-12
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -100,8 +83,8 @@ def test_a_norm_left_out_of_the_plan_is_recorded_unreduced_over_tp(recorded, wor
         assert list(b.unreduced) == ["norm"], b.index
         assert len(b.unreduced["norm"]) == world_size
         assert b.drifted == (["norm"] if world_size == 2 else [])
-    assert _relative(many.updates[0].sketches["norm"], one.updates[0].sketches["norm"]) > 1e-3
-    assert _relative(many.updates[0].sketches["up"], one.updates[0].sketches["up"]) <= 1e-12
+    assert relative(many.updates[0].sketches["norm"], one.updates[0].sketches["norm"]) > 1e-3
+    assert relative(many.updates[0].sketches["up"], one.updates[0].sketches["up"]) <= 1e-12
 
 
 @pytest.mark.parametrize(("length", "factor", "pieces"),

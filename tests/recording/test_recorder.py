@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import recorded_loops
 import torch
+from recorded import relative, whole_sketches
 
 import gatherlab.record
 from gatherlab.ranks import pool as pools
@@ -40,10 +41,6 @@ def recorded(tmp_path_factory):
     return get
 
 
-def _relative(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
 @pytest.mark.parametrize(("wrap", "world_size"), [("ddp", 2), ("ddp", 4), ("fsdp2", 2),
                                                   ("fsdp2", 4), ("zero", 2)])  # fmt: skip
 def test_a_clean_loop_records_what_one_device_records(recorded, wrap, world_size):
@@ -59,28 +56,22 @@ def test_a_clean_loop_records_what_one_device_records(recorded, wrap, world_size
         assert [r for rows in b.rows for r in rows] == a.rows[0]  # in rank order: one device's
         assert not b.unreduced
         for part in one.parts:
-            assert _relative(b.sketches[part], a.sketches[part]) <= 1e-14
+            assert relative(b.sketches[part], a.sketches[part]) <= 1e-14
             assert abs(b.norms[part] / a.norms[part] - 1) <= 1e-14
     assert float((many.full_gradient(0) - one.full_gradient(0)).abs().max()) <= 1e-15
     assert many.full_gradient(1) is None
     assert not any(u.drifted for u in many.updates)  # every rank's weights alike after each step
     for part in one.parts:
-        assert _relative(many.weights_sketch[part], one.weights_sketch[part]) <= 1e-14
+        assert relative(many.weights_sketch[part], one.weights_sketch[part]) <= 1e-14
 
 
 def test_the_recorded_sketch_is_the_sketch_of_the_full_gradient(recorded):
     """Independently: the first update's full gradient, cut into its parameters and sketched here,
     gives the part sketches the ranks recorded from their shards."""
     many = recorded("fsdp2", "", 2)
-    gradient, k, start = many.full_gradient(0), many.k, 0
-    expected = {part: torch.zeros(k, dtype=torch.float64) for part in many.parts}
-    for parameter in many.header["parameters"]:
-        numel = int(np.prod(parameter["shape"]))
-        block_signs = signs(parameter["name"], numel, k, many.header["sketch_seed"])
-        expected[parameter["part"]] += sketch(gradient[start : start + numel], k, block_signs)
-        start += numel
+    expected = whole_sketches(many)
     for part in many.parts:
-        assert _relative(many.updates[0].sketches[part], expected[part].numpy()) <= 1e-14
+        assert relative(many.updates[0].sketches[part], expected[part]) <= 1e-14
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2", "zero"])
@@ -92,12 +83,12 @@ def test_a_parameter_outside_every_wrapper_is_recorded_unreduced(recorded, wrap)
     first = many.updates[0]
     assert list(first.unreduced) == ["loss.scale"] and first.unreduced["loss.scale"].shape[0] == 2
     mean = first.unreduced["loss.scale"].mean(axis=0)
-    assert _relative(mean, one.updates[0].sketches["loss.scale"]) <= 1e-14
-    assert _relative(first.sketches["loss.scale"], first.unreduced["loss.scale"][0]) == 0
+    assert relative(mean, one.updates[0].sketches["loss.scale"]) <= 1e-14
+    assert relative(first.sketches["loss.scale"], first.unreduced["loss.scale"][0]) == 0
     # the model (its loss outside) has one child, body: its parts are the body's layers
     assert many.parts == one.parts == ["body.0", "body.3", "body.5", "loss.scale"]
     for part in ("body.0", "body.3", "body.5"):
-        assert _relative(first.sketches[part], one.updates[0].sketches[part]) <= 1e-14
+        assert relative(first.sketches[part], one.updates[0].sketches[part]) <= 1e-14
 
 
 def test_a_loss_divided_twice_records_a_gradient_of_one_over_w(recorded):
@@ -299,7 +290,7 @@ def test_every_part_is_sketched_as_the_formula_gives_whatever_path_sketches_it(t
         squares[parameter["part"]] += float(values.pow(2).sum())
         start += numel
     for part in recording.parts:
-        assert _relative(recording.updates[0].sketches[part], expected[part].numpy()) <= 1e-6
+        assert relative(recording.updates[0].sketches[part], expected[part].numpy()) <= 1e-6
         assert abs(recording.updates[0].norms[part] / math.sqrt(squares[part]) - 1) <= 1e-6
 
 

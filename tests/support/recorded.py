@@ -51,3 +51,29 @@ def in_memory(ranks: list[list[list[str]]], loss: float = 1.0):
     updates = [Update(u, [loss] * len(rows), loss, rows, {"w": sketch}, {"w": 2.0}, {}, None)
                for u, rows in enumerate(ranks)]  # fmt: skip
     return Recording(Path("/nonexistent"), header, updates, {"w": sketch}, {"w": 2.0})
+
+
+def relative(a, b) -> float:
+    """The largest |a − b| relative to the largest |b|."""
+    import numpy as np
+
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def whole_sketches(recording) -> dict:
+    """Independently of the ranks' sketches: a recording's update 0 whole gradient (kept in float64,
+    gathered whole from any shards), cut into its parameters and sketched here, summed per part
+    (docs/design.md §11, "The sketch")."""
+    import numpy as np
+    import torch
+
+    from gatherlab.recording.sketch import signs, sketch
+
+    gradient, k, start = recording.full_gradient(0), recording.k, 0
+    expected = {part: torch.zeros(k, dtype=torch.float64) for part in recording.parts}
+    for parameter in recording.header["parameters"]:
+        numel = int(np.prod(parameter["shape"]))
+        block_signs = signs(parameter["name"], numel, k, recording.header["sketch_seed"])
+        expected[parameter["part"]] += sketch(gradient[start : start + numel], k, block_signs)
+        start += numel
+    return {part: values.numpy() for part, values in expected.items()}
