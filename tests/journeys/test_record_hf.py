@@ -20,7 +20,7 @@ from helpers import REPO, pythonpath
 
 from gatherlab.compare import compare
 from gatherlab.record import read
-from gatherlab.recording.recorder import row_digests
+from gatherlab.recording.rows import row_digests
 
 pytestmark = [
     pytest.mark.slow,

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, default_collate
 from gatherlab.compare import compare
 from gatherlab.ranks import launch
 from gatherlab.record import LightningRecorder, read
-from gatherlab.recording.recorder import row_digests
+from gatherlab.recording.rows import row_digests
 from gatherlab.runs.lightning import ItemsDataModule
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from recorded import relative, whole_sketches
 import gatherlab.record
 from gatherlab.ranks import pool as pools
 from gatherlab.recording import format
-from gatherlab.recording.recorder import row_digests
+from gatherlab.recording.rows import row_digests
 from gatherlab.recording.sketch import signs, sketch
 
 

@@ -37,7 +37,6 @@ DIR`` in a low precision (docs/design.md §2, "Low precision").
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import math
 import os
@@ -56,12 +55,13 @@ from torch import nn
 from gatherlab.components.rowblocks import in_row_blocks, rows_of_batch
 from gatherlab.core.parts import part_of
 from gatherlab.recording import format, placed, sketch
+from gatherlab.recording.rows import digests, first_tensor, hexadecimal, sampled
 from gatherlab.runs.record import mean_over_ranks
 from gatherlab.runs.removals import batch_norms
 
 __all__ = [
     "FLOOR_ROW_BLOCKS", "FLOOR_VARIABLE", "FLUSH_SECONDS", "FLUSH_UPDATES", "FULL_GRADIENT_LIMIT",
-    "Recorder", "row_digests",
+    "Recorder",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -88,87 +88,6 @@ FULL_GRADIENT_LIMIT = 1 << 20
 """By default (``full_updates=None``) the first update keeps its whole gradient when the model has
 at most this many parameters (8 MiB in float64), none above: a recording's size stays that of its
 sketches (a 100M-parameter model's whole gradient is 800 MB)."""
-
-_SAMPLED = 256
-"""A row of more elements is digested from at most this many of them, evenly spaced (an image's, a
-long sequence's): rows that differ anywhere differ in almost every element in practice (another
-sample, crop or augmentation), and hashing whole rows cost a 10M-parameter MLP's update 6 %."""
-
-
-def row_digests(batch: torch.Tensor) -> list[str]:
-    """A 16-hex-digit digest of each row of ``batch`` (its first dimension), of its elements'
-    bits, its shape and dtype; equal rows have equal digests in every run (`_sampled`,
-    `_digests`)."""
-    return _hex(_digests([_sampled(batch)])[0])
-
-
-def _hex(digests: np.ndarray) -> list[str]:
-    text = digests.astype(">u8").tobytes().hex()  # big-endian: each number's 16 digits in order
-    return [text[i : i + 16] for i in range(0, len(text), 16)]
-
-
-def _sampled(batch: torch.Tensor) -> tuple[str, np.ndarray]:
-    """What a row's digest is made of, copied when the rows are seen: the batch's description
-    (its row shape and dtype) and each row's element bits (at most `_SAMPLED` of them, evenly
-    spaced) as 64-bit integers, a row each. The digests of many are made at once (`_digests`)."""
-    rows = batch.detach()
-    rows = rows.reshape(rows.shape[0], -1) if rows.dim() else rows.reshape(1, 1)
-    if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
-        rows = rows.view(torch.int16)
-    array = rows.cpu().numpy()
-    width = array.shape[1]
-    if width > _SAMPLED:  # every s-th element, s the least stride that leaves at most _SAMPLED
-        array = array[:, :: -(-width // _SAMPLED)]  # (numpy's strided copy: torch's took 3 ms)
-    return f"{tuple(batch.shape[1:])} {batch.dtype}", array.view(
-        f"u{array.dtype.itemsize}").astype(np.uint64)  # fmt: skip
-
-
-def _digests(samples: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
-    """Each sample's rows' 64-bit digests (`row_digests`' numbers), the samples of one
-    description mixed in one pass. The digest, modulo 2⁶⁴: h = key + Σ_i mix(bits_i + r_i),
-    with a random offset r_i per position and mix SplitMix64's finaliser (a bijection that spreads
-    every input bit over the output); a sum of linear terms instead would let two sign flips of
-    float64 cancel."""
-    out: list[np.ndarray | None] = [None] * len(samples)
-    kinds: dict[tuple[str, int], list[int]] = {}
-    for position, (description, bits) in enumerate(samples):
-        kinds.setdefault((description, bits.shape[1]), []).append(position)
-    for (description, width), positions in kinds.items():
-        key, offsets = _hash_of(description, width)
-        mixed = np.concatenate([samples[i][1] for i in positions]) + offsets  # in place below
-        mixed ^= mixed >> _SHIFTS[0]
-        mixed *= _MULTIPLIERS[0]
-        mixed ^= mixed >> _SHIFTS[1]
-        mixed *= _MULTIPLIERS[1]
-        mixed ^= mixed >> _SHIFTS[2]
-        digests = mixed.sum(axis=1, dtype=np.uint64) + key
-        ends = np.cumsum([len(samples[i][1]) for i in positions])
-        for i, part in zip(positions, np.split(digests, ends[:-1]), strict=True):
-            out[i] = part
-    return out
-
-
-_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
-_MULTIPLIERS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
-
-
-@functools.lru_cache(maxsize=64)
-def _hash_of(description: str, width: int) -> tuple[np.uint64, np.ndarray]:
-    """The key and the positions' random offsets for rows of this shape and dtype (drawn once)."""
-    key = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=8).digest(), "little")
-    generator = np.random.default_rng([key & 0xFFFFFFFF, key >> 32, width])
-    return np.uint64(key), generator.integers(0, 2**64, width, dtype=np.uint64, endpoint=False)
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    items = value.values() if isinstance(value, Mapping) else value
-    if isinstance(items, list | tuple) or isinstance(value, Mapping):
-        for item in items:
-            if (found := _first_tensor(item)) is not None:
-                return found
-    return None
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -484,9 +403,9 @@ class Recorder:
     # what the job gives -----------------------------------------------------------------------
     def batch(self, batch: Any) -> None:
         """This rank's input rows of the update (the first tensor of ``batch``), in order."""
-        tensor = _first_tensor(batch)
+        tensor = first_tensor(batch)
         if tensor is not None:
-            self._rows.append(_sampled(tensor))
+            self._rows.append(sampled(tensor))
             self._calls += 1
             if self._trace and self.updates == 0 and self._traced is None:
                 self._trace_input(tensor)
@@ -715,16 +634,16 @@ class Recorder:
         width = max(len(row) for row in rows)
         matrix = torch.stack([torch.nn.functional.pad(row.double(), (0, width - len(row)))
                               for row in rows])  # fmt: skip
-        return _digests([_sampled(matrix)])[0]
+        return digests([sampled(matrix)])[0]
 
     def _flush(self, final: dict[str, np.ndarray] | None = None) -> None:
         """Every rank sends rank 0 its kept updates (and, at the end, its final weights' sketch) in
         one collective; rank 0 writes them and says when the next are due (`FLUSH_SECONDS`)."""
         pending, self._pending = self._pending, []
         samples = [sample for entry, _ in pending for sample in entry["rows"]]
-        digests = iter(_digests(samples))  # every update's rows at once
+        made = iter(digests(samples))  # every update's rows at once
         for entry, _ in pending:
-            rows = [next(digests) for _ in entry["rows"]]
+            rows = [next(made) for _ in entry["rows"]]
             entry["rows"] = np.concatenate(rows) if rows else np.zeros(0, np.uint64)
         now = time.perf_counter()
         each = (now - self._flushed_at) / max(len(pending), 1)
@@ -766,7 +685,7 @@ class Recorder:
         writer.update({
             "update": update, "losses": [_json_float(v) for v in losses],
             "loss": _json_float(mean_over_ranks([[v] for v in losses])[0]),
-            "rows": [_hex(r["rows"]) for r in ranks], "calls": [r["calls"] for r in ranks],
+            "rows": [hexadecimal(r["rows"]) for r in ranks], "calls": [r["calls"] for r in ranks],
             "norms": norms, "unreduced": starts, "sketch": start,
             "autocast": ranks[0]["autocast"], "micro_batches": ranks[0]["micro_batches"],
             "drifted": drifted,
