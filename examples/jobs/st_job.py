@@ -7,7 +7,7 @@ callback (``HFRecorder(DIR, loss=loss)``: the trainer computes the loss outside 
     python examples/jobs/st_job.py --loss mnrl-gather --record runs/one
     python -m torch.distributed.run --nproc-per-node 2 examples/jobs/st_job.py \\
         --loss mnrl-gather --record runs/two
-    python -m gatherlab.compare runs/one runs/two
+    python -m gatherlab.compare runs/one runs/two   # float32: not judged, and how to floor it
 
 ``--loss``, the sentence-transformers losses of in-batch negatives:
 
@@ -40,8 +40,15 @@ own), while it is each micro-batch's mean: the trainer no longer divides by K, a
 K × one device's. Its row turns the trainer's clipping off (``--max-grad-norm 0``): clipped at the
 trainer's default norm 1, the K × gradient is cut back to norm 1, and the ratio shown is 1 / |g|.
 
-Float64 throughout, dropout off (BERT's dropout would draw other masks on W ranks). Rank 0 prints
-``update U loss L`` per update.
+In float32, the trainer's default (``--dtype float64`` to judge to float64's 1e-10), its texts of
+different lengths, each device batch padded to its own longest, dropout off (BERT's dropout would
+draw other masks on W ranks). A float32 comparison is judged in floors of the one-device run's
+floor, recorded by the same command with one variable::
+
+    GATHERLAB_RECORD_FLOOR=runs/one-floor python examples/jobs/st_job.py --record runs/one
+    python -m gatherlab.compare runs/one runs/two --floor runs/one-floor
+
+Rank 0 prints ``update U loss L`` per update.
 """
 
 from __future__ import annotations
@@ -94,6 +101,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
                         help="the trainer's gradient clipping, 0: none (default 1.0)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                        help="the model's parameters (default float32, the trainer's)")  # fmt: skip
     parser.add_argument("--bug", choices=("none", *BUGS), default="none")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -127,9 +136,10 @@ def tokenizer_dir(directory: str) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokens, **special).save_pretrained(directory)
 
 
-def small_model(seed: int, directory: str):
+def small_model(seed: int, directory: str, dtype: str = "float32"):
     """A SentenceTransformer of a 2-layer BERT (hidden size 32, random weights drawn from
-    ``seed``, dropout off) and mean pooling, in float64."""
+    ``seed``, dropout off) and mean pooling, its parameters in ``dtype`` (float32, the
+    trainer's default)."""
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Transformer
@@ -143,24 +153,27 @@ def small_model(seed: int, directory: str):
         torch.manual_seed(seed)
         BertModel(config).save_pretrained(directory)
     tokenizer_dir(directory)
-    return SentenceTransformer(modules=[Transformer(directory, max_seq_length=16), Pooling(32)],
-                               device="cpu").double()  # fmt: skip
+    model = SentenceTransformer(modules=[Transformer(directory, max_seq_length=16), Pooling(32)],
+                                device="cpu")  # fmt: skip
+    return model.to(getattr(torch, dtype))
 
 
 def texts(samples: int, seed: int, duplicates: bool, scores: bool = False):
-    """``samples`` (anchor, positive) pairs of five words each, drawn from ``seed``; the positive
-    shares the anchor's first three words. ``duplicates``: every fourth anchor repeats the one
-    before it. ``scores``: a third column, ``score``, a number in [0, 1] per pair (drawn after the
-    words: the texts are the same either way)."""
+    """``samples`` (anchor, positive) pairs drawn from ``seed``, of different lengths as
+    sentences are: an anchor of 3 to 7 words, a positive of the anchor's first three and 0 to 4
+    words of its own (the tokenizer pads each device batch to its own longest). ``duplicates``:
+    every fourth anchor repeats the one before it. ``scores``: a third column, ``score``, a number
+    in [0, 1] per pair (drawn after the words: the texts are the same either way)."""
     import torch
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(seed)
     anchors, positives = [], []
     for i in range(samples):
-        words = [WORDS[j] for j in torch.randint(0, len(WORDS), (7,), generator=generator)]
-        anchors.append(anchors[-1] if duplicates and i % 4 == 3 else " ".join(words[:5]))
-        positives.append(" ".join(words[:3] + words[5:]))
+        words = [WORDS[j] for j in torch.randint(0, len(WORDS), (11,), generator=generator)]
+        extra, own = (int(n) for n in torch.randint(0, 5, (2,), generator=generator))
+        anchors.append(anchors[-1] if duplicates and i % 4 == 3 else " ".join(words[: 3 + extra]))
+        positives.append(" ".join(words[:3] + words[7 : 7 + own]))
     columns = {"anchor": anchors, "positive": positives}
     if scores:
         columns["score"] = torch.rand(samples, generator=generator, dtype=torch.float64).tolist()
@@ -171,7 +184,8 @@ def loss_of(name: str, model, directory: str):
     from sentence_transformers.sentence_transformer import losses
 
     if name in ("gist", "cgist"):
-        guide = small_model(1234, directory + "-guide")
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        guide = small_model(1234, directory + "-guide", dtype)
         guide.requires_grad_(False)
         if name == "gist":
             return losses.GISTEmbedLoss(model, guide, gather_across_devices=True)
@@ -239,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import PrinterCallback, TrainerCallback
 
     work = tempfile.mkdtemp(prefix="st-job-")
-    model = small_model(args.seed, os.path.join(work, "model"))
+    model = small_model(args.seed, os.path.join(work, "model"), args.dtype)
     loss = loss_of(args.loss, model, os.path.join(work, "model"))
 
     class Report(TrainerCallback):

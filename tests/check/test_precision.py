@@ -308,8 +308,7 @@ def test_a_bf16_recording_without_a_floor_is_not_judged_and_says_how_to_record_o
     recorded_low, run, capsys
 ):
     """A correct and a buggy bf16 job alike: verdict ``not judged``, exit status 3, and how to
-    record the floor: its model returns its loss, so the part before it in row blocks (a job
-    whose model returns rows is given its own command: tests/recording/test_recorder.py)."""
+    record the floor: A's own command with GATHERLAB_RECORD_FLOOR (every recorder reads it)."""
     import gatherlab.compare
 
     runs = recorded_low
@@ -318,10 +317,8 @@ def test_a_bf16_recording_without_a_floor_is_not_judged_and_says_how_to_record_o
     assert set(compared.table["gradient"]) == set(compared.updates["gradient"]) == {"not judged"}
     words = " ".join(compared.words.split())
     assert "not judged: A and B are recorded in bf16-mixed" in words
-    assert (
-        "its recorded model returns its loss, which row blocks cannot join): "
-        "gatherlab.record.in_row_blocks(model.body) in the job"
-    ) in words
+    assert "Record the floor, A's job on one device with its model's forward in two row" in words
+    assert f"GATHERLAB_RECORD_FLOOR={runs['one']}-floor " in words
     assert f"--floor {runs['one']}-floor" in words
     with pytest.raises(SystemExit) as exit:
         gatherlab.compare.main([str(runs["one"]), str(runs[run]), "--out",

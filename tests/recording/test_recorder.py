@@ -16,6 +16,7 @@ from recorded import relative, whole_sketches
 
 import gatherlab.record
 from gatherlab.ranks import pool as pools
+from gatherlab.ranks import world
 from gatherlab.recording import format
 from gatherlab.recording.rows import row_digests
 from gatherlab.recording.sketch import signs, sketch
@@ -321,19 +322,29 @@ def test_the_floor_is_recorded_by_its_variable_and_compared(tmp_path, monkeypatc
     assert (judged.verdict, judged.status) == ("exact within bf16", 0)
 
 
-def test_a_floor_is_refused_on_ranks_for_a_trainer_and_for_batch_norm(tmp_path, monkeypatch):
+def test_a_floor_is_refused_on_ranks_and_for_batch_norm_and_one_rank_is_one_device(
+    tmp_path, monkeypatch, capsys
+):
+    """The floor's refusals, each one line said once (on rank 0) and a `SystemExit` of status 2
+    (0 under torchrun, `refusal`); a process group of one rank (``torchrun --nproc-per-node
+    1``) is one device, whose floor is recorded."""
     from gatherlab.recording.recorder import FLOOR_VARIABLE, Recorder
 
     monkeypatch.setenv(FLOOR_VARIABLE, str(tmp_path / "floor"))
     norm = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
     optimizer = torch.optim.SGD(norm.parameters(), lr=0.1)
-    with pytest.raises(format.RecordingError, match=r"the model has batch norm \(1\), whose"):
+    with pytest.raises(format.RecordingError, match=r"the model has batch norm \(1\), whose"
+                       ) as refused:  # fmt: skip
         Recorder(norm, optimizer, tmp_path / "run")
-    with pytest.raises(format.RecordingError, match="a trainer's callback records a model"):
-        Recorder(norm, optimizer, tmp_path / "run", batches=False)
+    assert isinstance(refused.value, SystemExit) and refused.value.code == 2
+    assert capsys.readouterr().err == f"gatherlab.record: {refused.value}\n"
     refused = pools.pool(2).run(_floor_on_ranks, str(tmp_path / "ranks"))
     assert refused == ["a floor is one device's run, and this job runs on 2 ranks"] * 2
     assert not (tmp_path / "floor").exists() and not (tmp_path / "run").exists()
+    with world.alone():  # this process, rank 0 of a process group of one
+        assert _floor_on_ranks(str(tmp_path / "one")) == "recorded"
+    header = json.loads((tmp_path / "one" / "header.json").read_text())
+    assert (header["world_size"], header["row_blocks"]) == (1, 2)
 
 
 def _floor_on_ranks(out: str) -> str:

@@ -261,8 +261,11 @@ def _read(
             layout = a.layout()
             split = [gradients.split(g, layout) for g in (full_b, full_a, full_c.double())]
             pieces |= {part: tuple(s[part] for s in split) for part in parts}
-        reading = {name: classify_floored(*vectors, floored[0], world_size, micro_batches)
-                for name, vectors in pieces.items()}  # fmt: skip
+        whole = classify_floored(*pieces.pop(ALL_PARTS), floored[0], world_size, micro_batches)
+        reading = {ALL_PARTS: whole} | {
+            name: classify_floored(*vectors, floored[0], world_size, micro_batches, whole.floor)
+            for name, vectors in pieces.items()
+        }  # fmt: skip
         return _floored_read(reading, FULL)
     theirs, mine = a.updates[index], b.updates[index]
     named = {ALL_PARTS: parts} | ({part: [part] for part in parts} if len(parts) > 1 else {})
@@ -277,14 +280,16 @@ def _read(
         whole = reading.pop(ALL_PARTS)
         return _Read(whole, reading, SKETCH)
     perturbed = floored[1].updates[index]
-    reading = {
-        name: classify_sketched_floored(
+
+    def read(group: Sequence[str], least: float = 0.0) -> Floored:
+        return classify_sketched_floored(
             (_sketch(mine, group), _sketch(theirs, group), _sketch(perturbed, group)),
             (_whole_norm(mine, group), _whole_norm(theirs, group)), floored[0], world_size,
-            micro_batches,
-        )
-        for name, group in named.items()
-    }  # fmt: skip
+            micro_batches, least,
+        )  # fmt: skip
+
+    whole = read(named.pop(ALL_PARTS))
+    reading = {ALL_PARTS: whole} | {name: read(group, whole.floor) for name, group in named.items()}
     return _floored_read(reading, SKETCH)
 
 
@@ -681,8 +686,9 @@ def _not_judged_words(a: Recording, b: Recording, said: _Said, first: _Read, pre
 
 
 def _floor_command(a: Recording, b: Recording) -> str:
-    """How to record A's floor: A's own command with ``GATHERLAB_RECORD_FLOOR``, where the
-    recording knows it and the plain recorder made it; else what the job itself must do."""
+    """How to record A's floor: A's own command (the one that launched it, torchrun's included)
+    with ``GATHERLAB_RECORD_FLOOR``, which every recorder reads (the plain one and the trainers'
+    callbacks); a model with batch norm has none."""
     header = a.header
     norms = header.get("batch_norm") or []
     if norms:
@@ -692,12 +698,9 @@ def _floor_command(a: Recording, b: Recording) -> str:
     floor_dir = f"{a.path}-floor"
     again = f"python -m gatherlab.compare {a.path} {b.path} --floor {floor_dir}"
     command = header.get("command")
-    if header.get("hooks", "model") == "model" and command and a.output_rows:
+    if command:
         return ("Record the floor, A's job on one device with its model's forward in two row "
                 f"blocks, and compare again:\n    GATHERLAB_RECORD_FLOOR={floor_dir} "
                 f"{shlex.join(command)}\n    {again}")  # fmt: skip
-    returns = " (its recorded model returns its loss, which row blocks cannot join)" if (
-        a.output_rows is False) else ""  # fmt: skip
-    return ("Record the floor, A's job on one device with the part of its model before the loss "
-            f"in two row blocks{returns}: gatherlab.record.in_row_blocks(model.body) in the job, "
-            f"recorded into {floor_dir}; and compare again:\n    {again}")  # fmt: skip
+    return ("Record the floor, A's job on one device run again with GATHERLAB_RECORD_FLOOR="
+            f"{floor_dir} in its environment, and compare again:\n    {again}")  # fmt: skip

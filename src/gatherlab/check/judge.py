@@ -105,7 +105,8 @@ class InPrecision:
         micro_batches: int,
     ) -> tuple[Floored, dict[str, Floored]]:
         """The whole first gradient in floors (`floor.classify_floored`), and each part's with
-        its own floor where the gradient has several parts."""
+        its own floor, at least the whole's (`floor.floor_of`), where the gradient has several
+        parts."""
         mine, theirs, perturbed = _gradient(run), _gradient(reference), _gradient(self.perturbed)
         whole = floor.classify_floored(
             mine, theirs, perturbed, self.precision, world_size, micro_batches
@@ -116,7 +117,7 @@ class InPrecision:
         return whole, {
             name: floor.classify_floored(
                 parts[0][name], parts[1][name], parts[2][name], self.precision, world_size,
-                micro_batches,
+                micro_batches, least_floor=whole.floor,
             )
             for name in layout
         }  # fmt: skip

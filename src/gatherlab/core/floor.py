@@ -62,11 +62,13 @@ def _relative(read: Moments) -> float:
     return math.sqrt(read.difference_squares) / norm if norm > 0 else math.nan
 
 
-def floor_of(perturbed: float, precision: str) -> float:
+def floor_of(perturbed: float, precision: str, least: float = 0.0) -> float:
     """The floor from the perturbation's measured relative departure: itself, or the precision's
     unit roundoff where the perturbation changed no bit (a floor of 0 would make every rounding a
-    departure)."""
-    return perturbed if perturbed > 0 else Precision(precision).unit_roundoff
+    departure); at least ``least`` (a part's floor is at least its whole gradient's: a part's
+    own perturbation is one sample of its rounding, and a small one made a correct part read
+    ``biased`` beside an exact whole)."""
+    return max(perturbed if perturbed > 0 else Precision(precision).unit_roundoff, least)
 
 
 class Floored(NamedTuple):
@@ -98,11 +100,12 @@ def classify_floored(
     precision: str,
     world_size: int,
     micro_batches: int = 1,
+    least_floor: float = 0.0,
 ) -> Floored:
     """``gradient`` (W ranks, in ``precision``) against ``reference`` (one device, the same
     precision) in units of the floor that ``perturbed`` (one device in row blocks) measures
-    (`classify_at`)."""
-    floor = floor_of(relative(perturbed, reference), precision)
+    (`classify_at`), at least ``least_floor`` (a part's: its whole's floor, `floor_of`)."""
+    floor = floor_of(relative(perturbed, reference), precision, least_floor)
     return classify_at(gradient, reference, floor, precision, world_size, micro_batches)
 
 
@@ -141,12 +144,14 @@ def classify_sketched_floored(
     precision: str,
     world_size: int,
     micro_batches: int = 1,
+    least_floor: float = 0.0,
 ) -> Floored:
     """A gradient known by its linear sketch and exact norm (``sketches``: the run's, one
     device's, the perturbed one device's; ``norms``: the run's and one device's) in floors, as
     `classify_floored` reads full gradients: the floor ‖S(g_split − g₁)‖ / ‖g₁‖, the class by
     `gradients.classify_sketched` at the resolution T · floor (the relative departures are the
-    sketches' estimates of the full gradients', docs/design.md §11)."""
+    sketches' estimates of the full gradients', docs/design.md §11); the floor at least
+    ``least_floor``."""
     import numpy as np
 
     from gatherlab.core.gradients import classify_sketched
@@ -154,7 +159,7 @@ def classify_sketched_floored(
     mine, theirs, perturbed = (np.asarray(s, dtype=np.float64) for s in sketches)
     norm, reference_norm = norms
     departure = float(np.linalg.norm(perturbed - theirs)) / reference_norm if reference_norm else 0
-    floor = floor_of(departure, precision)
+    floor = floor_of(departure, precision, least_floor)
     measured = classify_sketched(mine, theirs, norm, reference_norm, world_size, micro_batches,
                                  FLOOR_THRESHOLD * floor)  # fmt: skip
     verdict = within(precision) if measured.gradient == GradientClass.EXACT else measured.gradient

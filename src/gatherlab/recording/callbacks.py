@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gatherlab.recording.format import RecordingError
+from gatherlab.recording.refusal import refuse
 
 __all__ = ["OneTrainer"]
 
@@ -23,7 +23,7 @@ _CALLBACKS = (
 
 class OneTrainer:
     """A mixin of a trainer's callback: ``trainer`` names the trainer it hooks (for the refusal).
-    A hook it lacks, asked for by another trainer, is refused once (`RecordingError`)."""
+    A hook it lacks, asked for by another trainer, is refused once (`refusal.refuse`)."""
 
     trainer = "a trainer"
 
@@ -33,7 +33,7 @@ class OneTrainer:
         if self.__dict__.get("_refused"):  # the trainer's clean-up after the refusal
             return _nothing
         self.__dict__["_refused"] = True
-        raise RecordingError(
+        refuse(
             f"{type(self).__name__} is a callback of {self.trainer}, and this trainer asks it for "
             f"{name!r}, a hook of another kind of trainer: it cannot record this trainer; "
             f"allowed: {_CALLBACKS}"

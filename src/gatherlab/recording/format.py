@@ -84,9 +84,6 @@ class Recording:
     updates: list[Update]
     weights_sketch: dict[str, np.ndarray]
     weights_norms: dict[str, float]
-    output_rows: bool | None = None
-    """Whether the model's forward returned tensors with rows, which a floor's row blocks can
-    join (False: it returned its loss; None: not seen, or recorded before it was recorded)."""
 
     @property
     def parts(self) -> list[str]:
@@ -289,7 +286,7 @@ def read(path: str | Path) -> Recording:
     return Recording(
         path=path, header=header, updates=updates,
         weights_sketch={p: weights[i * k : (i + 1) * k] for i, p in enumerate(parts)},
-        weights_norms=final["weights_norms"], output_rows=final.get("output_rows"),
+        weights_norms=final["weights_norms"],
     )  # fmt: skip
 
 

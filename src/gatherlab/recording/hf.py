@@ -10,7 +10,8 @@ torch optimizer inside accelerate's ``AcceleratedOptimizer``. What an update saw
 
 - the rows: the model's forward is called with keyword arguments (``model(**inputs)``), so a
   forward pre-hook with keyword arguments takes ``input_ids``, else the first tensor argument
-  (positional, then by keyword), of every training forward (``gradient_accumulation_steps = K``:
+  (positional, then by keyword), each row without its padding (its ``attention_mask``:
+  `gatherlab.recording.rows`), of every training forward (``gradient_accumulation_steps = K``:
   the K forwards of one update, in order);
 - the loss: the model output's ``loss`` (``.loss``, ``["loss"]`` or the first element of a
   tuple) of each of those forwards, before the Trainer divides it by K for the backward, so that
@@ -34,8 +35,8 @@ from typing import Any
 import torch
 
 from gatherlab.recording.callbacks import OneTrainer
-from gatherlab.recording.format import RecordingError
 from gatherlab.recording.recorder import Recorder
+from gatherlab.recording.refusal import refuse
 from gatherlab.recording.sketch import DEFAULT_K
 
 try:
@@ -46,7 +47,7 @@ except ImportError as error:  # the optional extra is not installed
         f"with: pip install 'gatherlab[hf]'"
     ) from error
 
-__all__ = ["HFRecorder", "input_rows", "output_loss", "precision_of"]
+__all__ = ["HFRecorder", "output_loss", "precision_of"]
 
 NO_LOSS = (
     "HFRecorder saw no loss in the model's first training forward: its output carries none, as "
@@ -58,14 +59,6 @@ NOT_CALLED = (
     "by the Trainer (another module computes the loss); allowed: HFRecorder(DIR, loss=<the loss "
     "module the Trainer calls>), or no loss= where the model's output carries the loss"
 )
-
-
-def input_rows(args: tuple, kwargs: Mapping[str, Any]) -> Any:
-    """The rows of a forward called as ``model(*args, **kwargs)``: ``input_ids`` when given, else
-    the arguments, whose first tensor `Recorder.batch` takes (positional, then by keyword)."""
-    if isinstance(kwargs.get("input_ids"), torch.Tensor):
-        return kwargs["input_ids"]
-    return (args, kwargs)
 
 
 def output_loss(output: Any) -> torch.Tensor | None:
@@ -103,7 +96,7 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     while not type(optimizer).__module__.startswith("torch.") and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise RecordingError(
+        refuse(
             f"HFRecorder records a torch.optim.Optimizer's step; the Trainer's optimizer is a "
             f"{type(optimizer).__name__}, whose step it cannot hook: allowed: an optimizer of "
             f"torch.optim (or a wrapper that holds one as .optimizer)"
@@ -149,7 +142,10 @@ class HFRecorder(OneTrainer, TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if model is None or optimizer is None:
-            raise ValueError("HFRecorder needs the Trainer's model and optimizer at on_train_begin")
+            refuse(
+                "HFRecorder needs the Trainer's model and optimizer at on_train_begin; "
+                "allowed: a transformers Trainer, which passes both to its callbacks"
+            )
         settings = {
             "trainer": "transformers",
             "max_steps": args.max_steps,
@@ -176,7 +172,7 @@ class HFRecorder(OneTrainer, TrainerCallback):
 
     def _rows(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.recorder is not None and module.training and torch.is_grad_enabled():
-            self.recorder.batch(input_rows(args, kwargs))
+            self.recorder.batch((args, kwargs))
 
     def _loss(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self.recorder is not None and module.training and torch.is_grad_enabled():
@@ -192,7 +188,7 @@ class HFRecorder(OneTrainer, TrainerCallback):
         for hook in self._hooks:
             hook.remove()
         self._hooks, self.recorder = [], None
-        raise RecordingError(why)
+        refuse(why)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """Before the first step: a job whose update gave the recorder no loss (a ``loss=``

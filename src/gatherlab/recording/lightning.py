@@ -41,6 +41,7 @@ import torch
 
 from gatherlab.recording.callbacks import OneTrainer
 from gatherlab.recording.recorder import Recorder
+from gatherlab.recording.refusal import refuse
 from gatherlab.recording.sketch import DEFAULT_K
 
 __all__ = ["LightningRecorder"]
@@ -81,9 +82,9 @@ class LightningRecorder(OneTrainer, L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
-            raise ValueError(
+            refuse(
                 f"LightningRecorder records one optimizer; {type(pl_module).__name__}"
-                f".configure_optimizers gave {len(trainer.optimizers)}"
+                f".configure_optimizers gave {len(trainer.optimizers)}; allowed: one optimizer"
             )
         seed = self.seed
         if seed is None and os.environ.get("PL_GLOBAL_SEED", "").lstrip("-").isdigit():

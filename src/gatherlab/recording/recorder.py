@@ -52,10 +52,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gatherlab.components.rowblocks import in_row_blocks, rows_of_batch
+from gatherlab.components.rowblocks import blocked_as, join_measured
 from gatherlab.core.parts import part_of
 from gatherlab.recording import format, placed, sketch
-from gatherlab.recording.rows import digests, first_tensor, hexadecimal, sampled
+from gatherlab.recording.refusal import refuse
+from gatherlab.recording.rows import Sampled, digests, hexadecimal, rows_of, sampled
 from gatherlab.runs.record import mean_over_ranks
 from gatherlab.runs.removals import batch_norms
 
@@ -138,10 +139,10 @@ def _parameters(
     taken = {p.name for p in named}
     for name, parameter in names.items():
         if not isinstance(parameter, torch.Tensor) or id(parameter) not in optimized:
-            raise ValueError(f"names={{{name!r}: ...}}: not a tensor the optimizer updates; "
+            refuse(f"names={{{name!r}: ...}}: not a tensor the optimizer updates; "
                              "allowed: its parameters outside the model and the loss")  # fmt: skip
         if name in taken:
-            raise ValueError(f"names={{{name!r}: ...}}: the model or the loss has a parameter "
+            refuse(f"names={{{name!r}: ...}}: the model or the loss has a parameter "
                              f"of that name already; allowed: a name of its own")  # fmt: skip
         add(name, name, parameter)
     for g, group in enumerate(optimizer.param_groups):
@@ -216,7 +217,7 @@ def _hookable(model: Any, optimizer: Any) -> None:
     trainer given as the model (a trainer takes a callback), an optimizer with no step."""
     if not isinstance(model, nn.Module):
         kind = f"{type(model).__module__}.{type(model).__qualname__}"
-        raise format.RecordingError(
+        refuse(
             f"gatherlab.record: model is a {kind}, not a torch.nn.Module, so its forward cannot be "
             f"hooked; allowed: the torch.nn.Module the optimizer trains, or for a trainer its "
             f"callback (gatherlab.record.LightningRecorder(DIR) for a Lightning Trainer, "
@@ -224,11 +225,65 @@ def _hookable(model: Any, optimizer: Any) -> None:
         )
     if not (callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")):
         kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-        raise format.RecordingError(
+        refuse(
             f"gatherlab.record: optimizer is a {kind}, which has no step() and param_groups to "
             f"hook; allowed: a torch.optim.Optimizer or a wrapper of one (ZeroRedundancyOptimizer, "
             f"accelerate's AcceleratedOptimizer)"
         )
+
+
+JOIN_ROUNDINGS = 64
+"""How far a floor's model forward in row blocks may be from one call's, in unit roundoffs of the
+output's dtype (`_FloorForward`): a model that treats each row on its own is one call's to a few
+(0 to 2 measured in float32 and bf16, docs/design.md §11); one whose rows meet is far beyond."""
+
+
+class _FloorForward:
+    """A floor recording's model forward (`FLOOR_VARIABLE`): the model's own forward (whatever
+    wraps it already, an autocast included) in `FLOOR_ROW_BLOCKS` row blocks, joined
+    (`gatherlab.components.rowblocks`). At its first call in training it measures, without
+    gradients and with the model in ``eval()`` (no dropout), how far the joined outputs are from
+    one call's (`rowblocks.join_measured`), which also decides how a scalar it returns (its loss)
+    is joined; beyond `JOIN_ROUNDINGS` unit roundoffs the floor is refused in one line: the
+    model's rows meet, and row blocks would change what it computes."""
+
+    def __init__(self, module: nn.Module, blocks: int, said: str) -> None:
+        self.module, self.blocks, self.said = module, blocks, said
+        self.original = module.forward
+        self.scalars: str | None = None
+        self.measured = False
+        self.calls = 0  # in training
+        module.forward = self  # the instance's own: its parameters keep their names
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            if not self.measured:
+                self._measure(args, kwargs)
+            self.calls += 1
+        return blocked_as(self.scalars, self.original, self.blocks, *args, **kwargs)
+
+    def _measure(self, args: tuple, kwargs: dict) -> None:
+        modes = {module: module.training for module in self.module.modules()}
+        try:
+            with torch.no_grad():
+                self.module.eval()
+                joined = join_measured(self.original, self.blocks, *args, **kwargs)
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        self.measured, self.scalars = True, joined.scalars
+        unit = torch.finfo(joined.dtype).eps / 2
+        if joined.relative > JOIN_ROUNDINGS * unit:
+            dtype = str(joined.dtype).removeprefix("torch.")
+            refuse(
+                f"{self.said}: the model's forward in {self.blocks} row blocks is not one "
+                f"call's: its {joined.leaf} departs from one call's by {joined.relative:.2g} "
+                f"(relative, without dropout), beyond {JOIN_ROUNDINGS} unit roundoffs of "
+                f"{dtype}: its rows meet (a loss over the batch's rows, a batch statistic), and "
+                "row blocks change what it computes; allowed: the part of the model before its "
+                "loss in gatherlab.record.in_row_blocks(...) in the job, or both runs recorded "
+                "in float64"
+            )
 
 
 @functools.cache
@@ -285,13 +340,14 @@ class Recorder:
     ) -> None:
         _hookable(model, optimizer)
         if not isinstance(k, int) or k < 2:
-            raise ValueError(f"k={k!r}: the sketch's size per part is an integer ≥ 2")
+            refuse(f"k={k!r}: the sketch's size per part; allowed: an integer ≥ 2")
         if full_updates is not None and (not isinstance(full_updates, int) or full_updates < 0):
-            raise ValueError(f"full_updates={full_updates!r}: an integer ≥ 0, or None")
+            refuse(f"full_updates={full_updates!r}: allowed: an integer ≥ 0, or None")
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self._distributed else 1
         self.rank = dist.get_rank() if self._distributed else 0
-        out, row_blocks = self._floor(model, out, batches)
+        self._floor_forward: _FloorForward | None = None
+        out, row_blocks = self._floor(model, out)
         self._parameters = _parameters(model, loss, optimizer, names or {})
         if full_updates is None:  # the first update's whole gradient where it is small
             numel = sum(p.parameter.numel() for p in self._parameters)
@@ -301,7 +357,7 @@ class Recorder:
         self._signs: dict[str, torch.Tensor] = {}
         self._plan: tuple[list[_Batched], list[tuple[int, _Parameter]]] | None = None
         self._weight_samples: list | None = None  # `_weights_digests`' parameters and strides
-        self._rows: list[tuple[str, np.ndarray]] = []  # the update's rows' samples (`_sampled`)
+        self._rows: list[Sampled] = []  # the update's rows, copied (`rows.sampled`)
         self._calls = 0  # the model's forward calls (or batches given) in the update
         self._losses: list[float] = []
         self._autocast: str | None = None
@@ -331,10 +387,9 @@ class Recorder:
             ],
             "parts": self.parts,
             "row_blocks": row_blocks, "batch_norm": batch_norms(_unwrapped(model)),
-            "hooks": "model" if batches else "trainer", "command": list(sys.orig_argv),
+            "hooks": "model" if batches else "trainer", "command": _launch_command(),
         }  # fmt: skip
         self._writer = self._open(Path(out), header)
-        self._output_rows: bool | None = None  # whether the model's forward returns rows
         self._hooks = self._attach(model, optimizer, loss, batches, losses)
 
     def _open(self, out: Path, header: dict[str, Any]) -> format.Writer | None:
@@ -349,52 +404,51 @@ class Recorder:
         if self._distributed:
             dist.broadcast_object_list(error, src=0)
         if error[0] is not None:
-            raise format.RecordingError(error[0])
+            refuse(error[0])
         return writer
 
     def _attach(self, model, optimizer, loss, batches: bool, losses: bool) -> list[Any]:
-        """The hooks: the optimizer's step; the model's forward (its rows, and once whether it
-        returns rows) unless the job gives the batches; the loss module's output, or the model
-        output's loss, unless the job gives the losses."""
+        """The hooks: the optimizer's step; the model's forward (its rows) unless the job gives
+        the batches; the loss module's output, or the model output's loss, unless the job gives
+        the losses; and, for the autocast its forward runs under, the model's and its children's
+        forwards (a trainer's autocast can wrap the model's forward itself, inside its call:
+        accelerate's does, which a hook on the model's call does not see)."""
         hooks = [optimizer.register_step_pre_hook(self._before_step),
                  optimizer.register_step_post_hook(self._after_step)]  # fmt: skip
         if batches:
             hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
-            self._first_output = model.register_forward_hook(self._on_first_output)
-            hooks.append(self._first_output)
         if losses and loss is not None:
             hooks.append(loss.register_forward_hook(self._on_loss))
         elif losses:
             hooks.append(model.register_forward_hook(self._on_output))
+        for module in (model, *_unwrapped(model).children()):
+            hooks.append(module.register_forward_pre_hook(self._on_autocast))
         return hooks
 
-    def _floor(self, model: nn.Module, out: str | Path, batches: bool) -> tuple[str | Path, int]:
+    def _floor(self, model: nn.Module, out: str | Path) -> tuple[str | Path, int]:
         """Where the recording goes and its model's row blocks: ``out`` and 1, or, with
         `FLOOR_VARIABLE` set, its directory and `FLOOR_ROW_BLOCKS`, the model's forward in row
-        blocks from now on; each refusal one line."""
+        blocks from now on (`_FloorForward`), whoever calls it (the job, or its trainer); each
+        refusal one line (`refuse`). One process in a process group of its own (``torchrun
+        --nproc-per-node 1``) is one device."""
         floor = os.environ.get(FLOOR_VARIABLE)
         if not floor:
             return out, 1
         said = f"{FLOOR_VARIABLE}={floor}"
-        if self._distributed:
-            raise format.RecordingError(
+        if self.world_size > 1:
+            refuse(
                 f"{said}: a floor is one device's run, and this job runs on {self.world_size} "
-                f"ranks; allowed: the job run plainly on one device"
-            )
-        if not batches:
-            raise format.RecordingError(
-                f"{said}: a trainer's callback records a model the trainer calls, whose forward "
-                "cannot be cut in row blocks here; allowed: the floor's run with "
-                "gatherlab.record.in_row_blocks(<the model before its loss>) in the job itself"
+                "ranks; allowed: the job's one-device command (python, or torchrun "
+                "--nproc-per-node 1) with the variable"
             )
         norms = batch_norms(_unwrapped(model))
         if norms:
-            raise format.RecordingError(
+            refuse(
                 f"{said}: the model has batch norm ({', '.join(norms)}), whose statistics row "
                 "blocks would split: no floor can be measured for it; allowed: a model without "
                 "batch norm, or both runs recorded in float64"
             )
-        in_row_blocks(_unwrapped(model), FLOOR_ROW_BLOCKS)
+        self._floor_forward = _FloorForward(_unwrapped(model), FLOOR_ROW_BLOCKS, said)
         log.warning("gatherlab.record: %s: recording this job's floor into %s (its model's "
                     "forward in %d row blocks), not into %s", said, floor, FLOOR_ROW_BLOCKS,
                     out)  # fmt: skip
@@ -402,10 +456,12 @@ class Recorder:
 
     # what the job gives -----------------------------------------------------------------------
     def batch(self, batch: Any) -> None:
-        """This rank's input rows of the update (the first tensor of ``batch``), in order."""
-        tensor = first_tensor(batch)
-        if tensor is not None:
-            self._rows.append(sampled(tensor))
+        """This rank's input rows of the update (``batch``'s ``input_ids``, else its first tensor;
+        their padding left out: `gatherlab.recording.rows.rows_of`), in order."""
+        found = rows_of(batch)
+        if found is not None:
+            tensor, keep = found
+            self._rows.append(sampled(tensor, keep))
             self._calls += 1
             if self._trace and self.updates == 0 and self._traced is None:
                 self._trace_input(tensor)
@@ -436,20 +492,15 @@ class Recorder:
     # A forward without gradients (an evaluation, a monitor between updates) trains nothing: its
     # rows and loss are not the update's.
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled():
-            return
-        if self._autocast is None:
+        if torch.is_grad_enabled():
+            self.batch((args, kwargs))
+
+    def _on_autocast(self, module: nn.Module, args: tuple) -> None:
+        """The autocast dtype a training forward runs under, once seen (`_attach`)."""
+        if self._autocast is None and torch.is_grad_enabled():
             device = self._parameters[0].parameter.device.type if self._parameters else "cpu"
             if torch.is_autocast_enabled(device):
                 self._autocast = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
-        self.batch((args, kwargs))
-
-    def _on_first_output(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """Whether the model's forward returns tensors with rows (which a floor's row blocks can
-        join) or a scalar (its loss): seen at its first call with gradients."""
-        if self._output_rows is None and torch.is_grad_enabled():
-            self._output_rows = rows_of_batch(output) is not None
-            self._first_output.remove()  # seen: no hook on the model's later calls
 
     def _on_loss(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.numel() == 1:
@@ -592,7 +643,15 @@ class Recorder:
         return torch.cat(pieces) if self.rank == 0 else None
 
     def _record_update(self) -> None:
-        """This update's numbers, kept until the ranks send them (`_flush`)."""
+        """This update's numbers, kept until the ranks send them (`_flush`). A floor whose model
+        forward the first update never called is refused before its step."""
+        if self.updates == 0 and self._floor_forward is not None and not self._floor_forward.calls:
+            refuse(
+                f"{self._floor_forward.said}: the first update never called the model's forward, "
+                "which the floor cuts in row blocks (its training step calls the model's parts "
+                "itself); allowed: the part of the model before its loss in "
+                "gatherlab.record.in_row_blocks(...) in the job"
+            )
         entry = {
             **self._sketches(of_gradients=True),
             "loss": float(np.mean(self._losses)) if self._losses else math.nan,
@@ -663,7 +722,7 @@ class Recorder:
             sketches, norms, _ = self._combined([r["final"] for r in every])
             start = self._writer.sketch(sketches.reshape(-1))
             final = {"updates": self.updates, "weights_sketch": start, "weights_norms": norms}
-            self._writer.close({**final, "output_rows": self._output_rows})
+            self._writer.close(final)
 
     def _write(self, update: int, ranks: list[dict[str, Any]], full: torch.Tensor | None) -> None:
         """Rank 0 writes one update from every rank's numbers."""
@@ -724,6 +783,19 @@ class Recorder:
             self.close()
         else:  # the job failed: the recording stays unfinished, what it wrote stays readable
             self.abandon()
+
+
+def _launch_command() -> list[str]:
+    """The command that started this job: under torchrun its agent's (``torchrun
+    --nproc-per-node 1 job.py …``, whose ranks run ``job.py`` without it), else this process's
+    (``sys.orig_argv``)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        try:
+            line = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+            return [part.decode() for part in line.split(b"\0") if part]
+        except OSError:  # not Linux: the rank's own command
+            pass
+    return list(sys.orig_argv)
 
 
 def _norm(values: torch.Tensor) -> float:

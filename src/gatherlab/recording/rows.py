@@ -1,7 +1,15 @@
-"""The rows a job's model is given, fingerprinted: a 64-bit digest per row of the batch's first
-tensor, of its elements' bits, its shape and dtype, equal for equal rows in every run
-(docs/design.md §11, "What is recorded"). The rows' bits are copied when they are seen
-(`sampled`) and digested many at once when the recording is written (`digests`).
+"""The rows a job's model is given, fingerprinted: a 64-bit digest per row of the batch's rows
+(``input_ids`` where a call names them, else its first tensor), of its elements' bits, its shape
+and dtype, equal for equal rows in every run (docs/design.md §11, "What is recorded").
+
+A row is the same row however its batch is padded. Text is padded to each device batch's longest
+row (a tokenizer's ``padding=True``, a collator), so one sentence is a row of 9 tokens in one run
+and of 12 in another; only its tokens are fingerprinted (`kept`): the positions its attention
+mask keeps (the call's ``attention_mask``, or a tensor of 0s and 1s of the rows' positions given
+beside them), else, for rows of integers (token ids) with no mask, the positions before a
+trailing run of the batch's pad value, where the batch shows one (`_trailing_padding`). The rows'
+bits are copied when they are seen (`sampled`) and digested many at once when the recording is
+written (`digests`).
 """
 
 from __future__ import annotations
@@ -9,12 +17,16 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["digests", "first_tensor", "hexadecimal", "row_digests", "sampled"]
+__all__ = [
+    "Sampled", "digests", "first_tensor", "hexadecimal", "kept", "row_digests", "rows_of",
+    "sampled",
+]  # fmt: skip
 
 _SAMPLED = 256
 """A row of more elements is digested from at most this many of them, evenly spaced (an image's, a
@@ -22,11 +34,14 @@ long sequence's): rows that differ anywhere differ in almost every element in pr
 sample, crop or augmentation), and hashing whole rows cost a 10M-parameter MLP's update 6 %."""
 
 
-def row_digests(batch: torch.Tensor) -> list[str]:
-    """A 16-hex-digit digest of each row of ``batch`` (its first dimension), of its elements'
-    bits, its shape and dtype; equal rows have equal digests in every run (`sampled`,
-    `digests`)."""
-    return hexadecimal(digests([sampled(batch)])[0])
+def row_digests(batch: Any) -> list[str]:
+    """A 16-hex-digit digest of each row of ``batch`` (a tensor, or a call's inputs: `rows_of`),
+    of its elements' bits (its padding left out: `kept`), its shape and dtype; equal rows have
+    equal digests in every run (`sampled`, `digests`)."""
+    found = rows_of(batch)
+    if found is None:
+        return []
+    return hexadecimal(digests([sampled(*found)])[0])
 
 
 def hexadecimal(numbers: np.ndarray) -> list[str]:
@@ -35,10 +50,159 @@ def hexadecimal(numbers: np.ndarray) -> list[str]:
     return [text[i : i + 16] for i in range(0, len(text), 16)]
 
 
-def sampled(batch: torch.Tensor) -> tuple[str, np.ndarray]:
-    """What a row's digest is made of, copied when the rows are seen: the batch's description
-    (its row shape and dtype) and each row's element bits (at most `_SAMPLED` of them, evenly
-    spaced) as 64-bit integers, a row each. The digests of many are made at once (`digests`)."""
+# --- which rows, and which of their positions --------------------------------------------------
+
+
+def rows_of(value: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The rows a call's inputs ``value`` hold (a tensor, or tuples, lists and mappings of them:
+    ``(args, kwargs)``, a batch) and the positions of each row to fingerprint (`kept`): the
+    ``input_ids`` of the first mapping that names them, else the first tensor; None when ``value``
+    holds no tensor."""
+    named = _named_ids(value)
+    if named is not None:
+        return named, kept(named, _mask_in(value, named))
+    rows = first_tensor(value)
+    if rows is None:
+        return None
+    return rows, kept(rows, _mask_in(value, rows))
+
+
+def _named_ids(value: Any) -> torch.Tensor | None:
+    """The ``input_ids`` tensor of the first mapping in ``value`` (depth first) that has one."""
+    if isinstance(value, Mapping):
+        ids = value.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            return ids
+    items = value.values() if isinstance(value, Mapping) else value
+    if isinstance(value, Mapping | list | tuple):
+        for item in items:
+            if (found := _named_ids(item)) is not None:
+                return found
+    return None
+
+
+def _tensors(value: Any, named: str | None = None) -> list[tuple[str | None, torch.Tensor]]:
+    """Every tensor in ``value``, depth first, with the key it is held under in a mapping."""
+    if isinstance(value, torch.Tensor):
+        return [(named, value)]
+    if isinstance(value, Mapping):
+        return [pair for key, item in value.items() for pair in _tensors(item, str(key))]
+    if isinstance(value, list | tuple):
+        return [pair for item in value for pair in _tensors(item)]
+    return []
+
+
+def _is_mask(tensor: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether ``tensor`` can be the attention mask of ``rows``: one entry per row and position,
+    0s and 1s (bool or integer)."""
+    if rows.dim() < 2 or tuple(tensor.shape) != tuple(rows.shape[:2]):
+        return False
+    if tensor.dtype != torch.bool and (tensor.is_floating_point() or tensor.is_complex()):
+        return False
+    return bool(((tensor == 0) | (tensor == 1)).all())
+
+
+def _mask_in(value: Any, rows: torch.Tensor) -> torch.Tensor | None:
+    """The attention mask the call gives beside ``rows``: a tensor held as ``attention_mask``,
+    else the first tensor after the rows of 0s and 1s at the rows' positions; None when there is
+    none."""
+    tensors = _tensors(value)
+    for key, tensor in tensors:
+        if key == "attention_mask" and _is_mask(tensor, rows):
+            return tensor
+    after = False
+    for key, tensor in tensors:
+        if tensor is rows:
+            after = True
+        elif after and key is None and _is_mask(tensor, rows):
+            return tensor
+    return None
+
+
+def kept(rows: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Which positions (dimension 1) of each row are fingerprinted, a (rows, positions) bool
+    tensor, or None for all of them: those ``mask`` keeps (an attention mask; left or right
+    padding alike), else, for rows of integers with no mask, those before the trailing run of
+    the batch's pad value (`_trailing_padding`)."""
+    if mask is not None:
+        return mask.detach().bool().cpu()
+    if rows.dim() < 2 or rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool:
+        return None
+    return _trailing_padding(rows.detach().cpu())
+
+
+def _trailing_padding(rows: torch.Tensor) -> torch.Tensor | None:
+    """The positions before each row's trailing run of the pad value, where the batch shows which
+    value pads it. A pad value appears in no row but in its trailing run (a sentence's end token
+    appears inside every padded row, before its padding), and some row ends otherwise (the
+    longest, which padding to the batch's longest leaves whole); of the values that qualify, the
+    one that ends the most rows, with the longest run, unless another ends as many with runs as
+    long; where every row ends alike (all padded, to a length past the longest), that value if
+    its runs differ in length. None (every position kept) where the batch shows no padding: one
+    row, rows that all end alike in runs of one length, or an ambiguous end. Two runs' batches of
+    one row then keep the same positions: a padded row its own tokens, an unpadded row all of
+    them. What it cannot tell: rows of one length all padded by as many (kept padded), and, in a
+    batch of unpadded rows of one length whose end tokens repeat only at the ends (no end token
+    appended), the commonest end is taken for padding; an attention mask given with the rows
+    decides instead (`kept`)."""
+    count, length = rows.shape[:2]
+    if count < 2 or length < 2:
+        return None
+    positions = rows.reshape(count, length, -1)
+    ends, ending = torch.unique(positions[:, -1], dim=0, return_counts=True)
+    qualified = []
+    for candidate in ending.argsort(descending=True)[:_CANDIDATES].tolist():
+        equal = (positions == ends[candidate]).all(-1)
+        trailing = equal.flip(1).cumprod(1).flip(1).bool()
+        if not (equal & ~trailing).any():  # only in trailing runs: it may be padding
+            runs = trailing.sum(1)
+            qualified.append((int(ending[candidate]), int(runs.max()), trailing, runs))
+    if len(ends) == 1:  # every row ends alike: padding where the runs differ in length
+        return ~qualified[0][2] if qualified and len(set(qualified[0][3].tolist())) > 1 else None
+    qualified.sort(key=lambda found: found[:2], reverse=True)
+    if not qualified or (len(qualified) > 1 and qualified[0][:2] == qualified[1][:2]):
+        return None
+    return ~qualified[0][2]
+
+
+_CANDIDATES = 4
+"""The most common ends of a batch's rows weighed as its pad value (`_trailing_padding`)."""
+
+
+# --- the rows' bits, copied when seen; their digests, made many at once -------------------------
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What the digests of a call's rows are made of, copied when the rows are seen: ``pieces``,
+    each a description (the rows' kept shape and dtype) and its rows' element bits (at most
+    `_SAMPLED` of them, evenly spaced) as 64-bit integers, a row each; ``order``, the position of
+    each row of the pieces (concatenated) in the call (None: in order)."""
+
+    pieces: list[tuple[str, np.ndarray]]
+    order: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return sum(len(bits) for _, bits in self.pieces)
+
+
+def sampled(batch: torch.Tensor, keep: torch.Tensor | None = None) -> Sampled:
+    """The rows of ``batch`` (its first dimension), each cut to the positions ``keep`` marks
+    (`kept`; None: whole), as `Sampled`: rows of one kept length are one piece."""
+    if keep is None or batch.dim() < 2:
+        return Sampled([_piece(batch)])
+    lengths = keep.sum(1)
+    pieces, order = [], []
+    for length in torch.unique(lengths).tolist():
+        members = (lengths == length).nonzero().flatten()
+        cut = torch.stack([batch[i][keep[i].to(batch.device)] for i in members.tolist()])
+        pieces.append(_piece(cut))
+        order.append(members.numpy())
+    return Sampled(pieces, np.concatenate(order))
+
+
+def _piece(batch: torch.Tensor) -> tuple[str, np.ndarray]:
+    """One description and its rows' bits (`Sampled`'s pieces)."""
     rows = batch.detach()
     rows = rows.reshape(rows.shape[0], -1) if rows.dim() else rows.reshape(1, 1)
     if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
@@ -51,28 +215,38 @@ def sampled(batch: torch.Tensor) -> tuple[str, np.ndarray]:
         f"u{array.dtype.itemsize}").astype(np.uint64)  # fmt: skip
 
 
-def digests(samples: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
-    """Each sample's rows' 64-bit digests (`row_digests`' numbers), the samples of one
-    description mixed in one pass. The digest, modulo 2⁶⁴: h = key + Σ_i mix(bits_i + r_i),
-    with a random offset r_i per position and mix SplitMix64's finaliser (a bijection that spreads
-    every input bit over the output); a sum of linear terms instead would let two sign flips of
-    float64 cancel."""
-    out: list[np.ndarray | None] = [None] * len(samples)
+def digests(samples: list[Sampled]) -> list[np.ndarray]:
+    """Each sample's rows' 64-bit digests, in the call's order (`row_digests`' numbers), the
+    pieces of one description mixed in one pass. The digest, modulo 2⁶⁴: h = key + Σ_i
+    mix(bits_i + r_i), with a random offset r_i per position and mix SplitMix64's finaliser (a
+    bijection that spreads every input bit over the output); a sum of linear terms instead would
+    let two sign flips of float64 cancel."""
+    pieces = [piece for sample in samples for piece in sample.pieces]
+    made: list[np.ndarray | None] = [None] * len(pieces)
     kinds: dict[tuple[str, int], list[int]] = {}
-    for position, (description, bits) in enumerate(samples):
+    for position, (description, bits) in enumerate(pieces):
         kinds.setdefault((description, bits.shape[1]), []).append(position)
     for (description, width), positions in kinds.items():
         key, offsets = _hash_of(description, width)
-        mixed = np.concatenate([samples[i][1] for i in positions]) + offsets  # in place below
+        mixed = np.concatenate([pieces[i][1] for i in positions]) + offsets  # in place below
         mixed ^= mixed >> _SHIFTS[0]
         mixed *= _MULTIPLIERS[0]
         mixed ^= mixed >> _SHIFTS[1]
         mixed *= _MULTIPLIERS[1]
         mixed ^= mixed >> _SHIFTS[2]
         summed = mixed.sum(axis=1, dtype=np.uint64) + key
-        ends = np.cumsum([len(samples[i][1]) for i in positions])
+        ends = np.cumsum([len(pieces[i][1]) for i in positions])
         for i, part in zip(positions, np.split(summed, ends[:-1]), strict=True):
-            out[i] = part
+            made[i] = part
+    out, taken = [], 0
+    for sample in samples:
+        joined = np.concatenate(made[taken : taken + len(sample.pieces)])
+        taken += len(sample.pieces)
+        if sample.order is not None:
+            ordered = np.empty_like(joined)
+            ordered[sample.order] = joined
+            joined = ordered
+        out.append(joined)
     return out
 
 

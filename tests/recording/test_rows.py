@@ -1,0 +1,98 @@
+"""The rows' fingerprints (`gatherlab.recording.rows`): a row is the same row however its batch is
+padded, by its attention mask (named, or given beside the rows) or, without one, by the batch's
+pad value where the batch shows it; rows that differ are told apart; and a plain loop over text
+padded per device batch, recorded on one device and on two ranks, is one device's data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gatherlab.recording.rows import row_digests, rows_of
+
+SENTENCES = [[2, 7, 9, 3], [2, 5, 3], [2, 8, 8, 6, 11, 3], [2, 4, 3]]  # [CLS] … [SEP], pad 0
+
+
+def padded(rows: list[list[int]], length: int | None = None, left: bool = False) -> torch.Tensor:
+    """The rows padded with 0 to ``length`` (default the longest), on the right or the left."""
+    length = length or max(len(row) for row in rows)
+    pads = [[0] * (length - len(row)) for row in rows]
+    return torch.tensor(
+        [pad + row if left else row + pad for row, pad in zip(rows, pads, strict=True)]
+    )
+
+
+def alone(row: list[int]) -> str:
+    """A row's digest computed on the row by itself, unpadded: what every padding must give."""
+    return row_digests(torch.tensor([row]))[0]
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_a_row_is_the_same_row_however_its_batch_pads_it_by_its_attention_mask(left):
+    expected = [alone(row) for row in SENTENCES]
+    for batch in (SENTENCES, SENTENCES[:2], SENTENCES[1:], [SENTENCES[3], SENTENCES[2]]):
+        for length in (None, 8, 12):
+            ids = padded(batch, length, left)
+            digests = row_digests({"input_ids": ids, "attention_mask": (ids != 0).long()})
+            assert digests == [expected[SENTENCES.index(row)] for row in batch]
+    assert len(set(expected)) == len(expected)  # the sentences are told apart
+
+
+def test_a_mask_given_beside_the_rows_and_a_mapping_without_one_are_found():
+    ids = padded(SENTENCES, 10)
+    mask = (ids != 0).long()
+    expected = [alone(row) for row in SENTENCES]
+    assert row_digests(((ids, mask), {})) == expected  # model(ids, mask)
+    assert row_digests(((), {"input_ids": ids, "attention_mask": mask.bool()})) == expected
+    found, keep = rows_of(((ids,), {"labels": torch.zeros(4)}))  # no mask: the batch shows 0
+    assert found is ids and keep is not None and row_digests(ids) == expected
+
+
+def test_without_a_mask_the_pad_value_is_read_from_the_batch_where_it_shows():
+    expected = [alone(row) for row in SENTENCES]
+    # the end token 3 appears inside the padded rows: 0 is the pad, whichever ends more rows
+    assert row_digests(padded(SENTENCES)) == expected
+    assert row_digests(padded([SENTENCES[2], SENTENCES[1]])) == [expected[2], expected[1]]
+    two = torch.tensor([[2, 8, 3, 0], [2, 9, 9, 3]])  # one row padded by one: 3 is inside row 0
+    assert row_digests(two)[0] == alone([2, 8, 3])
+    # a pad value of the collator's own (-1 after a row ending in 0)
+    other = torch.tensor([[5, 6, 0, -1, -1], [5, 7, 7, 7, 1]])
+    assert row_digests(other) == [alone([5, 6, 0]), alone([5, 7, 7, 7, 1])]
+    # no padding shown: rows of one length, one row; rows of floats are never cut
+    assert row_digests(torch.tensor([[2, 5, 3], [2, 4, 3]])) == [expected[1], expected[3]]
+    assert row_digests(torch.tensor([[2, 8, 3, 0, 0]]))[0] != alone([2, 8, 3])
+    floats = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
+    assert rows_of(floats)[1] is None
+
+
+def test_rows_that_differ_inside_or_in_their_tokens_count_are_told_apart():
+    batch = padded([[2, 7, 9, 3], [2, 7, 9, 9, 3], [2, 7, 3]], 6)
+    digests = row_digests({"input_ids": batch, "attention_mask": (batch != 0).long()})
+    assert len(set(digests)) == 3
+
+
+def test_padded_feature_sequences_with_a_mask_keep_their_real_positions():
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(3, 4, 5, generator=generator, dtype=torch.float64)
+    lengths = [4, 2, 3]
+    mask = torch.tensor([[1] * n + [0] * (4 - n) for n in lengths])
+    batch = features * mask.unsqueeze(-1)
+    digests = row_digests({"input_ids": batch, "attention_mask": mask})
+    assert digests == [row_digests(batch[i : i + 1, :n])[0] for i, n in enumerate(lengths)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", [False, True])
+def test_a_loop_over_text_padded_per_device_batch_is_one_devices_data_at_w_2(tmp_path, mask):
+    """Each rank pads its half of every global batch to its own longest; the comparison finds
+    one device's rows at every update (no ``data differs``) and the run exact in float64."""
+    from recorded import record
+
+    from gatherlab.compare import compare
+
+    one = record(tmp_path / "one", 1, "padded_loops:loop", mask=mask)
+    two = record(tmp_path / "two", 2, "padded_loops:loop", mask=mask)
+    compared = compare(one, two)
+    assert compared.data is None and (compared.verdict, compared.status) == ("exact", 0), (
+        compared.words
+    )
