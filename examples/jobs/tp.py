@@ -14,9 +14,11 @@ DTensor before the step), the attention's projections ``ColwiseParallel`` (its h
 and its output ``RowwiseParallel(output_layouts=Shard(1))``, the MLP likewise, the head
 ``ColwiseParallel(output_layouts=Replicate())``; the model's input declared whole
 (``PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1))``). Each tp
-group's ranks train the same rows (their dp rank's), and the first rank of each gives them to the
-recorder. The residual dropout draws one mask for the global batch and sequence from a seeded
-generator and keeps the rank's rows and positions, so that every layout applies one device's mask.
+group's ranks train the same rows (their dp rank's), which the recorder, attached with the one
+documented line on every rank, counts once (it reads the tensor-parallel groups off the
+parameters' mesh). The residual dropout draws one mask for the global batch and sequence from a
+seeded generator and keeps the rank's rows and positions, so that every layout applies one
+device's mask.
 
 ``--bug`` switches one thing, each a user's slip that trains without an error:
 
@@ -190,7 +192,7 @@ def main() -> None:
                   file=sys.stderr)  # fmt: skip
             sys.exit(2)
         layout = parallel(model, tp, args.bug)
-    model.dropout.layout = dp_rank, dp, tp_rank, _ = layout
+    model.dropout.layout = dp_rank, dp, _, _ = layout
     common.refuse_global_batch(args.global_batch, dp)
     optimizer = common.optimizer(model.parameters(), args)
     data = Sequences(args.samples, seed=args.seed, dtype=args.dtype)
@@ -198,14 +200,11 @@ def main() -> None:
                                                     rank=dp_rank, seed=args.seed)  # fmt: skip
     loader = DataLoader(data, batch_size=args.global_batch // dp, sampler=sampler, drop_last=True)
     recording = contextlib.nullcontext()
-    if args.record:  # the job gives the rows: a tp group's ranks share them
-        recording = gatherlab.record(model, optimizer, args.record, loss=criterion, seed=args.seed,
-                                     batches=False)  # fmt: skip
-    with recording as recorder:
+    if args.record:  # one line on every rank: a tp group's rows are counted once
+        recording = gatherlab.record(model, optimizer, args.record, loss=criterion, seed=args.seed)
+    with recording:
         for update, (rows, labels) in common.batches(loader, args.steps):
             rows, labels = rows.to(device), labels.to(device)
-            if recorder is not None and tp_rank == 0:
-                recorder.batch(rows)
             loss = criterion(model(rows), labels)
             optimizer.zero_grad()
             loss.backward()

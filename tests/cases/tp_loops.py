@@ -35,13 +35,16 @@ class Block(nn.Module):
         return self.head(x + self.down(F.gelu(self.up(self.norm(x)))))
 
 
-def _parallel(block: Block, tp: int, bug: str) -> tuple[int, int, int]:
-    """(dp, dp rank, tp rank): the block parallelized over the ranks (dp = W / tp)."""
+def _parallel(block: Block, tp: int, bug: str, whole: bool = False) -> tuple[int, int, int]:
+    """(dp, dp rank, tp rank): the block parallelized over the ranks (dp = W / tp); ``whole``:
+    its input declared whole (``PrepareModuleInput``: each rank given the group's whole rows, cut
+    into its sequence shard by the plan)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -56,6 +59,10 @@ def _parallel(block: Block, tp: int, bug: str) -> tuple[int, int, int]:
     }
     if bug != "norm_outside":
         plan["norm"] = SequenceParallel()
+    if whole:
+        cut = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                 use_local_output=True)  # fmt: skip
+        parallelize_module(block, mesh["tp"], cut)
     parallelize_module(block, mesh["tp"], plan)
     if dp > 1:
         fully_shard(block, mesh=mesh["dp"])
@@ -63,30 +70,41 @@ def _parallel(block: Block, tp: int, bug: str) -> tuple[int, int, int]:
     return dp, coordinate[0], coordinate[1]
 
 
-def loop(out: str, tp: int = 2, bug: str = "") -> dict[str, str]:
+def loop(out: str, tp: int = 2, bug: str = "", given: str = "recipe") -> dict[str, str]:
     """Trains ``STEPS`` updates of SGD with momentum, records them (k = 7, the first update's
-    whole gradient) and returns each parameter's gradient placements as rank 0 last saw them."""
+    whole gradient) and returns each parameter's gradient placements as rank 0 last saw them.
+    ``given``: how the rows reach the recorder: ``recipe``, each rank's model given its sequence
+    shard, the rows given by the job (``batches=False``, ``recorder.batch`` on each group's first
+    rank); ``whole``, the one documented line on every rank and every rank's model given its
+    group's whole rows (the plan cuts them); ``shards``, the one line while each rank's model is
+    given its own sequence shard (which the recorder cannot count: refused)."""
     torch.manual_seed(0)
     block = Block().double()
     dp, dp_rank, tp_rank = (1, 0, 0)
     if dist.is_available() and dist.is_initialized():
-        dp, dp_rank, tp_rank = _parallel(block, tp, bug)
+        dp, dp_rank, tp_rank = _parallel(block, tp, bug, whole=given == "whole")
     else:
         tp = 1
     optimizer = torch.optim.SGD(block.parameters(), lr=0.1, momentum=0.9)
     generator = torch.Generator().manual_seed(1)
     rows = BATCH // dp
-    recorder = gatherlab.record(block, optimizer, out, seed=0, k=7, full_updates=1,
-                                batches=False)  # fmt: skip
+    criterion = nn.MSELoss()
+    if given == "recipe":
+        recorder = gatherlab.record(block, optimizer, out, seed=0, k=7, full_updates=1,
+                                    batches=False)  # fmt: skip
+    else:
+        recorder = gatherlab.record(block, optimizer, out, loss=criterion, seed=0, k=7,
+                                    full_updates=1)  # fmt: skip
     for _ in range(STEPS):
         x = torch.randn(BATCH, SEQUENCE, FEATURES, generator=generator, dtype=torch.float64)
         y = torch.randn(BATCH, SEQUENCE, OUTPUTS, generator=generator, dtype=torch.float64)
         x, y = x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
-        if tp_rank == 0:  # a tp group's ranks share their rows: its first rank gives them
+        if given == "recipe" and tp_rank == 0:  # a tp group's rows, given by its first rank
             recorder.batch(x)
         optimizer.zero_grad()
-        loss = F.mse_loss(block(x.chunk(tp, dim=1)[tp_rank]), y)
-        recorder.loss(loss)
+        loss = criterion(block(x if given == "whole" else x.chunk(tp, dim=1)[tp_rank]), y)
+        if given == "recipe":
+            recorder.loss(loss)
         loss.backward()
         optimizer.step()
     recorder.close()

@@ -87,6 +87,45 @@ def test_a_norm_left_out_of_the_plan_is_recorded_unreduced_over_tp(recorded, wor
     assert relative(many.updates[0].sketches["up"], one.updates[0].sketches["up"]) <= 1e-12
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_one_documented_line_counts_a_tensor_parallel_groups_rows_once(tmp_path, world_size):
+    """``gatherlab.record(model, optimizer, DIR, loss=criterion)`` on every rank, every rank's
+    model given its group's whole rows (the plan cuts the sequence): the groups are read off the
+    parameters' mesh ((0, 1) at tp 2; (0, 1) and (2, 3) at dp 2 × tp 2), each group's rows are
+    its first rank's, and the recording is one device's, rows, losses and sketches."""
+    tp_loops.loop(str(tmp_path / "one"), given="whole")
+    one = format.read(tmp_path / "one")
+    pools.pool(world_size).run(tp_loops.loop, str(tmp_path / "many"), 2, "", "whole")
+    many = format.read(tmp_path / "many")
+    groups = {2: [[0, 1]], 4: [[0, 1], [2, 3]]}[world_size]
+    assert many.row_groups == groups
+    for a, b in zip(one.updates, many.updates, strict=True):
+        assert [rows for rank, rows in enumerate(b.rows) if rank % 2] == [[]] * len(groups)
+        assert [r for rows in b.rows for r in rows] == a.rows[0]
+        assert abs(a.loss - b.loss) <= 1e-15
+        for part in one.parts:
+            assert relative(b.sketches[part], a.sketches[part]) <= 1e-12, (b.index, part)
+
+
+def test_the_one_line_with_each_rank_given_its_own_shard_is_refused_in_one_line(tmp_path):
+    """Each tp rank's model given its own sequence shard: the group's ranks give different rows,
+    which cannot be counted as its samples: every rank stops at update 0, in one line."""
+    refused = pools.pool(2).run(_refused_shards, str(tmp_path / "shards"))
+    assert refused[0] == refused[1]
+    assert refused[0].startswith("the ranks [0, 1] of one tensor-parallel group (their "
+                                 "parameters cut over one mesh dimension) give their model "
+                                 "different rows at update 0")  # fmt: skip
+    assert "recorder.batch(<the group's whole rows>)" in refused[0]
+
+
+def _refused_shards(out: str) -> str:
+    try:
+        tp_loops.loop(out, 2, "", "shards")
+    except format.RecordingError as error:
+        return str(error)
+    return "recorded"
+
+
 @pytest.mark.parametrize(("length", "factor", "pieces"),
                          [(8, 2, 2), (7, 2, 2), (5, 2, 2), (3, 2, 2), (10, 4, 2), (6, 4, 2),
                           (9, 2, 4), (13, 3, 4), (2, 2, 4)])  # fmt: skip

@@ -448,6 +448,10 @@ def _describe(recording: Recording, name: str) -> str:
         f", from {calls} batch{'es' if calls > 1 else ''} its trainer gave" if batches
         else f", from {calls} call{'s' if calls > 1 else ''} of its model's forward"
     )  # fmt: skip
+    if recording.row_groups:  # tensor parallelism: each group's rows once, by its first rank
+        groups = ", ".join(str(group) for group in recording.row_groups)
+        return described + (f"; {len(first.rows[0])} rows per tensor-parallel group ({groups}, "
+                            f"its rows counted once) and update{called})")  # fmt: skip
     return described + f"; {len(first.rows[0])} rows per rank and update{called})"
 
 

@@ -84,6 +84,9 @@ class Recording:
     updates: list[Update]
     weights_sketch: dict[str, np.ndarray]
     weights_norms: dict[str, float]
+    row_groups: list[list[int]] = dataclasses.field(default_factory=list)
+    """The tensor-parallel groups whose rows were counted once, by their first rank (every rank
+    of a group trains the same rows): the other ranks' rows are recorded empty."""
 
     @property
     def parts(self) -> list[str]:
@@ -287,6 +290,7 @@ def read(path: str | Path) -> Recording:
         path=path, header=header, updates=updates,
         weights_sketch={p: weights[i * k : (i + 1) * k] for i, p in enumerate(parts)},
         weights_norms=final["weights_norms"],
+        row_groups=[list(group) for group in final.get("row_groups", [])],
     )  # fmt: skip
 
 

@@ -33,7 +33,7 @@ import torch
 
 from gatherlab.recording import sketch
 
-__all__ = ["Placed", "is_sharded", "placed", "sketched"]
+__all__ = ["Placed", "RowGroup", "is_sharded", "placed", "row_group", "sketched"]
 
 _CHUNK = 1 << 22
 """The most elements whose global positions are made at once (8 bytes each) for a shard that is
@@ -180,3 +180,67 @@ def sketched(held: Placed, k: int, block_signs: torch.Tensor) -> torch.Tensor:
         values = flat_local[start : start + rows].reshape(-1).double() * block_signs[block]
         out.index_add_(0, flat - block * k, values)
     return out
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """The ranks that train the same rows as this one under tensor parallelism (``ranks``, in
+    order, this rank among them; just this rank without it) and how sure the parameters make it
+    (``sure``: some parameter is cut on a dimension other than 0, partial, or replicated beside
+    others that are cut, along the group's mesh dimension; else only cut on dimension 0 while
+    other parameters are not on the mesh, as FSDP2 over a part of the model also leaves them)."""
+
+    ranks: tuple[int, ...]
+    sure: bool = True
+
+
+def row_group(parameters: list[torch.Tensor], rank: int) -> RowGroup:
+    """This rank's tensor-parallel group, read from the model's ``DTensor`` parameters
+    (docs/design.md §11, "Tensor parallelism's rows"). A mesh dimension is tensor-parallel when
+    its parameters are laid out unevenly along it: some cut on another dimension than 0
+    (``RowwiseParallel``), partial, or some replicated and some cut (a sequence-parallel norm
+    beside column-cut linears); FSDP2 cuts every parameter it holds on dimension 0 alike, and
+    HSDP replicates every one. Only cut on dimension 0 (``ColwiseParallel`` alone) while some of
+    the model's parameters are not on the mesh, it may be either (``sure`` False): the recorder
+    decides by the rows themselves."""
+    dtensor = _dtensor()
+    meshes: dict[int, tuple] = {}
+    for parameter in parameters:
+        if isinstance(parameter, dtensor):
+            mesh = parameter.device_mesh
+            meshes.setdefault(id(mesh), (mesh, []))[1].append(parameter.placements)
+    on_mesh = sum(len(layouts) for _, layouts in meshes.values())
+    members: set[int] = set()
+    sure = True
+    for mesh, layouts in meshes.values():
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            continue
+        for dim in range(mesh.ndim):
+            kind = _dimension_kind([layout[dim] for layout in layouts],
+                                   partly=on_mesh < len(parameters))  # fmt: skip
+            if kind is None:
+                continue
+            sure = sure and kind
+            index = [*coordinate[:dim], slice(None), *coordinate[dim + 1 :]]
+            members.update(int(r) for r in mesh.mesh[tuple(index)].flatten())
+    return RowGroup(tuple(sorted(members | {rank})), sure)
+
+
+def _dimension_kind(placements: list, partly: bool) -> bool | None:
+    """Whether a mesh dimension with these placements of its parameters is tensor-parallel: True
+    (surely), False (perhaps: all cut on dimension 0 while ``partly`` the model's parameters are
+    on the mesh), None (not: data-parallel, or every parameter replicated)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    if any(isinstance(p, Partial) for p in placements):
+        return True
+    # Shard, and FSDP2's _StridedShard over tensor parallelism (not a Shard): each has a dim
+    cut = [p for p in placements if getattr(p, "dim", None) is not None]
+    if any(p.dim != 0 for p in cut):
+        return True
+    if cut and any(isinstance(p, Replicate) for p in placements):
+        return True
+    if cut and partly:
+        return False
+    return None

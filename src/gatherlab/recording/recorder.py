@@ -54,6 +54,7 @@ from torch import nn
 
 from gatherlab.components.rowblocks import blocked_as, join_measured
 from gatherlab.core.parts import part_of
+from gatherlab.ranks import world
 from gatherlab.recording import format, placed, sketch
 from gatherlab.recording.refusal import refuse
 from gatherlab.recording.rows import Sampled, digests, hexadecimal, rows_of, sampled
@@ -357,6 +358,8 @@ class Recorder:
         self._signs: dict[str, torch.Tensor] = {}
         self._plan: tuple[list[_Batched], list[tuple[int, _Parameter]]] | None = None
         self._weight_samples: list | None = None  # `_weights_digests`' parameters and strides
+        self._row_group: placed.RowGroup | None = None  # this rank's tensor-parallel group
+        self._counted: list[placed.RowGroup] | None = None  # each rank's, once decided
         self._rows: list[Sampled] = []  # the update's rows, copied (`rows.sampled`)
         self._calls = 0  # the model's forward calls (or batches given) in the update
         self._losses: list[float] = []
@@ -416,7 +419,10 @@ class Recorder:
         hooks = [optimizer.register_step_pre_hook(self._before_step),
                  optimizer.register_step_post_hook(self._after_step)]  # fmt: skip
         if batches:
-            hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+            # first of the model's pre-hooks: its rows as the job gives them, before a hook of the
+            # job's own changes them (tensor parallelism's PrepareModuleInput cuts the sequence)
+            hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True,
+                                                         prepend=True))  # fmt: skip
         if losses and loss is not None:
             hooks.append(loss.register_forward_hook(self._on_loss))
         elif losses:
@@ -637,8 +643,7 @@ class Recorder:
             if grad is None:
                 pieces.append(torch.zeros(p.parameter.numel(), dtype=torch.float64))
                 continue
-            if isinstance(grad, _dtensor()):
-                grad = grad.full_tensor()
+            grad = world.whole(grad)  # a DTensor gathered (torch's two-gather warning quiet)
             pieces.append(grad.detach().reshape(-1).double().cpu())
         return torch.cat(pieces) if self.rank == 0 else None
 
@@ -708,10 +713,12 @@ class Recorder:
         each = (now - self._flushed_at) / max(len(pending), 1)
         self._flushed_at = now
         kept = max(1, min(FLUSH_UPDATES, int(FLUSH_SECONDS / max(each, 1e-9))))
-        every = self._gathered(
-            {"updates": [entry for entry, _ in pending], "final": final, "kept": kept}
-        )
+        if self._row_group is None:
+            self._row_group = placed.row_group([p.parameter for p in self._parameters], self.rank)
+        every = self._gathered({"updates": [entry for entry, _ in pending], "final": final,
+                                "kept": kept, "row_group": self._row_group})  # fmt: skip
         self._due = self.updates + every[0]["kept"]  # rank 0's choice, the same on every rank
+        self._count_rows(every, self.updates - len(pending))
         if self._writer is None:
             return
         for position, (_, full) in enumerate(pending):
@@ -721,8 +728,41 @@ class Recorder:
         if final is not None:
             sketches, norms, _ = self._combined([r["final"] for r in every])
             start = self._writer.sketch(sketches.reshape(-1))
-            final = {"updates": self.updates, "weights_sketch": start, "weights_norms": norms}
+            final = {
+                "updates": self.updates,
+                "weights_sketch": start,
+                "weights_norms": norms,
+                "row_groups": sorted({g.ranks for g in self._counted or [] if len(g.ranks) > 1}),
+            }
             self._writer.close(final)
+
+    def _count_rows(self, every: list[dict[str, Any]], first: int) -> None:
+        """Tensor parallelism's rows counted once (docs/design.md §11): the ranks of a
+        tensor-parallel group (`placed.row_group`, from the parameters' mesh) train the same
+        rows, which the group's first rank holds for it; the others' are compared with them and
+        left out. A group the parameters only suggest (`RowGroup.sure` False) whose rows differ
+        at the first update is data-parallel: every rank's rows count. A sure group whose ranks
+        give different rows (each its shard of the sequence) is refused in one line, on every
+        rank alike (each has every rank's rows)."""
+        if self._counted is None:
+            groups = [payload["row_group"] for payload in every]
+            unsure = [g for g in groups if not g.sure and len(g.ranks) > 1]
+            if unsure and _rows_differ(every, groups, 0):
+                groups = [placed.RowGroup((rank,)) for rank in range(len(every))]
+            self._counted = groups
+        for position in range(len(every[0]["updates"])):
+            differing = _rows_differ(every, self._counted, position)
+            if differing:
+                refuse(
+                    f"the ranks {differing} of one tensor-parallel group (their parameters cut "
+                    f"over one mesh dimension) give their model different rows at update "
+                    f"{first + position} (each its shard of the sequence, or rows of its own): "
+                    "they cannot be counted as the group's samples; allowed: every rank of a "
+                    "tensor-parallel group given the group's whole rows (the plan's input "
+                    "declared replicated, PrepareModuleInput(input_layouts=Replicate(), ...)), or "
+                    "gatherlab.record(..., batches=False) and recorder.batch(<the group's whole "
+                    "rows>) on its ranks"
+                )
 
     def _write(self, update: int, ranks: list[dict[str, Any]], full: torch.Tensor | None) -> None:
         """Rank 0 writes one update from every rank's numbers."""
@@ -744,11 +784,17 @@ class Recorder:
         writer.update({
             "update": update, "losses": [_json_float(v) for v in losses],
             "loss": _json_float(mean_over_ranks([[v] for v in losses])[0]),
-            "rows": [hexadecimal(r["rows"]) for r in ranks], "calls": [r["calls"] for r in ranks],
+            "rows": [hexadecimal(r["rows"]) if self._counts(rank) else []
+                     for rank, r in enumerate(ranks)],
+            "calls": [r["calls"] if self._counts(rank) else 0 for rank, r in enumerate(ranks)],
             "norms": norms, "unreduced": starts, "sketch": start,
             "autocast": ranks[0]["autocast"], "micro_batches": ranks[0]["micro_batches"],
             "drifted": drifted,
         })  # fmt: skip
+
+    def _counts(self, rank: int) -> bool:
+        """Whether ``rank``'s rows count: it is the first of its tensor-parallel group."""
+        return self._counted is None or self._counted[rank].ranks[0] == rank
 
     # the end ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -783,6 +829,21 @@ class Recorder:
             self.close()
         else:  # the job failed: the recording stays unfinished, what it wrote stays readable
             self.abandon()
+
+
+def _rows_differ(every: list[dict[str, Any]], groups: list[placed.RowGroup], position: int):
+    """The first group (its ranks) one of whose ranks gives other rows than the group's first
+    rank at the update at ``position`` of the batch sent (a rank that gives none is not
+    compared); None where none does."""
+    for rank, group in enumerate(groups):
+        first = group.ranks[0]
+        if first == rank:
+            continue
+        mine = every[rank]["updates"][position]["rows"]
+        theirs = every[first]["updates"][position]["rows"]
+        if len(mine) and not np.array_equal(mine, theirs):
+            return list(group.ranks)
+    return None
 
 
 def _launch_command() -> list[str]:
