@@ -396,6 +396,13 @@ CAUSES = {
         "ranks, the shape one device's has (where the run departs, below, names it): the code "
         "takes a shard for the whole, or the whole for a shard."
     ),
+    terms.Cause.SHARD_AS_WHOLE: (
+        "Measured on the ranks: an operation of the tensor-parallel model's first forward gives, "
+        "on a rank, a result that is neither one device's result nor its shard (one device's "
+        "chunk at the rank's tensor-parallel index along one dimension), though the shapes may "
+        "agree: the code takes the rank's shard for the whole (where the run departs, below, "
+        "names the operation and the fix)."
+    ),
     terms.Cause.DESYNC: (
         "Measured from the recording: the run's ranks end update {desync_update} with different "
         "weights ({desync_parts}; each rank's fingerprint of its weights after the step "
@@ -490,6 +497,13 @@ CULPRIT_DIAGNOSES = {
         "device's (measured: each module's input and the model's output on rank 0 against one "
         "device's): the code takes a shard for the whole or the whole for a shard, and no "
         "removal changes that. Where it departs names the tensor and the fix."
+    ),
+    Culprit.SHARD_AS_WHOLE: (
+        "an operation of the tensor-parallel model computes with the rank's shard as if it were "
+        "the whole tensor (measured: each result of the first forward on every rank against one "
+        "device's, whole or its shard at the rank's tensor-parallel index): a reshape sized by "
+        "the model's count where the rank holds a part, a statistic of the rank's part of a "
+        "dimension. No removal changes that. Where it departs names the operation and the fix."
     ),
     Culprit.LOSS: (
         "with batch norm, dropout and the data's randomness removed the run is still not exact: "

@@ -328,8 +328,9 @@ def located(setting: Setting, world_size: int, in_group: bool) -> where.Departur
 
 
 def _layout_departure(setting: Setting, world_size: int, in_group: bool) -> where.Departure:
-    """Where a tensor-parallel model's layouts on W ranks leave one device's (the first forward's
-    module inputs and output, `where.layout_departure`), rank 0's against one device's."""
+    """Where a tensor-parallel model's first forward on W ranks leaves one device's
+    (`where.layout_departure`): rank 0's module inputs, output and dropout draws, then every
+    rank's operations' results, against one device's."""
     form = setting.form
     try:
         ranks = ranks_for(world_size).run(form.layout_on_rank, setting.spec)
@@ -337,9 +338,11 @@ def _layout_departure(setting: Setting, world_size: int, in_group: bool) -> wher
         return where.unlocated(f"no line named: the layouts' record failed on the ranks ({error})")
     with one_device(in_group):
         one, _ = form.layout_on_rank(setting.spec)
-    mine, drawn = ranks[0]
     tensor_parallel = setting.spec.tensor_parallel
-    return where.layout_departure(one, mine, world_size // tensor_parallel, tensor_parallel, drawn)
+    return where.layout_departure(
+        one, [seen for seen, _ in ranks], world_size // tensor_parallel, tensor_parallel,
+        ranks[0][1], gradients.tolerance(setting.spec.precision),
+    )  # fmt: skip
 
 
 def micro_negatives(setting: Setting, world_size: int, k: int, in_group: bool) -> list[float]:
@@ -475,16 +478,18 @@ def check(
         reproduced = _reproduced(found)  # then no operation departs: each rank's forward is right
         located_here = kept and world_size > 1 and not own and not reproduced  # float64's bounds
         floor_run = InPrecision(setting.low, floors.perturbed(removed)) if own else None
+        departed: list[where.Departure | None] = []  # what ``where`` found, its kind a cause
         rows = judge(
             ranks[0], references[removed], key(removed, world_size, k),
             tolerance=tolerance, layout=layout or {},
             accumulated=functools.partial(micro_negatives, setting, world_size, k, first.in_group)
             if accumulated else None,
-            where=functools.partial(located, setting, world_size, first.in_group)
-            if located_here else None,
+            where=_keeping(functools.partial(located, setting, world_size, first.in_group),
+                           departed) if located_here else None,
             recorded=_recorded(found if reproduced else None, floor_run),
         )  # fmt: skip
         rows = _stepped_where(rows, found) if reproduced else rows
+        rows = _shard_caused(rows, departed)
         if kept and setting.low is not None and not own:  # its low-precision run beside it
             rows = with_precision(rows, floors.beside(world_size, k), setting.spec.precision)
         return rows
@@ -528,13 +533,36 @@ def _recorded(reproduced: Unreduced | None, floor_run: InPrecision | None) -> Re
 def _measured(culprits: list[str], cause: str, found: Unreduced | None) -> list[str]:
     """The culprits the removals name, with what was measured on the ranks in place of ``loss``:
     ``layout`` where a tensor's shape departs (no removal takes it out), and first ``unreduced``
-    (or ``partial``, a tensor-parallel model's) where reducing reproduces one device."""
-    if cause == Cause.LAYOUT:
-        culprits = [Culprit.LAYOUT if c == Culprit.LOSS else c for c in culprits]
+    (or ``partial``, a tensor-parallel model's) where reducing reproduces one device; and
+    ``shard_as_whole`` where an operation's result is neither one device's nor its shard."""
+    if cause in (Cause.LAYOUT, Cause.SHARD_AS_WHOLE):
+        measured = Culprit.LAYOUT if cause == Cause.LAYOUT else Culprit.SHARD_AS_WHOLE
+        culprits = [measured if c == Culprit.LOSS else c for c in culprits]
     if _reproduced(found):
         named = Culprit.PARTIAL if found.over else Culprit.UNREDUCED
         culprits = [named, *(c for c in culprits if c != Culprit.LOSS)]
     return culprits
+
+
+def _keeping(
+    find: Callable[[], where.Departure | None], kept: list[where.Departure | None]
+) -> Callable[[], where.Departure | None]:
+    """``find``, with what it found appended to ``kept``."""
+
+    def found() -> where.Departure | None:
+        kept.append(find())
+        return kept[-1]
+
+    return found
+
+
+def _shard_caused(rows: list[Row], departed: Sequence[where.Departure | None]) -> list[Row]:
+    """The rows with the cause ``shard_as_whole`` where the run departs at a tensor-parallel
+    model's operation whose result is neither one device's nor its shard (`where.shard_departure`:
+    measured, as a ``layout`` is, which the judge names from its kind)."""
+    if not any(d is not None and d.kind == terms.DepartureKind.SHARD for d in departed):
+        return rows
+    return [dataclasses.replace(r, cause=str(Cause.SHARD_AS_WHOLE)) for r in rows]
 
 
 def _stepped_where(rows: list[Row], found: Unreduced) -> list[Row]:

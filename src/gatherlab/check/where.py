@@ -3,7 +3,10 @@
 device's, named by the code's ``file:line`` and the operation, with what differs in words. The
 records are `gatherlab.runs.trace`'s, of the same code with the same weights. How records are
 aligned, which part of one device's tensor a rank's corresponds to, and which operation is named
-in the forward and in the backward: docs/design.md §6, "Where it departs".
+in the forward and in the backward: docs/design.md §6, "Where it departs". A tensor-parallel
+model's first forward (`layout_departure`: its layouts, dropout draws, and `shard_departure`: each
+operation's result against one device's whole or its shard): §10, "Tensor and sequence
+parallelism".
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from gatherlab.runs.tensorparallel import Drawn, Seen
 from gatherlab.runs.trace import INPUT, Op
 
 __all__ = [
-    "NOWHERE", "Departure", "align", "backward", "departure", "forward", "layout_departure",
-    "part_of", "unlocated",
+    "NOWHERE", "AsShard", "Departure", "align", "as_shard", "backward", "departure", "forward",
+    "layout_departure", "part_of", "shard_departure", "unlocated",
 ]  # fmt: skip
 
 # Operations through which a scalar on the way to the returned loss stays what the global loss
@@ -574,18 +577,23 @@ NOWHERE = unlocated(
 
 
 def layout_departure(
-    one: Sequence[Seen], mine: Sequence[Seen], data_parallel: int, tensor_parallel: int,
-    drawn: Sequence[Drawn] = (),
+    one: Sequence[Seen], ranks: Sequence[Sequence[Seen]], data_parallel: int,
+    tensor_parallel: int, drawn: Sequence[Drawn] = (),
+    tolerance: float = gradients.FLOAT64_TOLERANCE,
 ) -> Departure:  # fmt: skip
-    """Where a tensor-parallel model's first forward on a rank (``mine``, `runs.tensorparallel
-    .LayoutWatch`) leaves one device's layouts (``one``), docs/design.md §10 "Tensor and sequence
-    parallelism": the first module whose input, a DTensor, has another global shape than one
-    device's input of that module (its rows those of the rank's data-parallel group, 1 /
-    ``data_parallel`` of them), named at the line that calls the model (what it passes is what
-    departs), then the model's output where it is not one device's shape (a
-    shard taken as the whole); then a dropout layer whose draws on the ranks of a tensor-parallel
-    group (``drawn``) agree where their inputs are shards or differ where their inputs are one
-    tensor. No place when none: what departs is then a value, not a layout."""
+    """Where a tensor-parallel model's first forward on the ranks (``ranks``, each rank's
+    `runs.tensorparallel.LayoutWatch` record, rank 0's first) leaves one device's (``one``),
+    docs/design.md §10 "Tensor and sequence parallelism": on rank 0, the first module whose
+    input, a DTensor, has another global shape than one device's input of that module (its rows
+    those of the rank's data-parallel group, 1 / ``data_parallel`` of them), named at the line
+    that calls the model (what it passes is what departs), then the model's output where it is
+    not one device's shape (a shard taken as the whole); then a dropout layer whose draws on the
+    ranks of a tensor-parallel group (``drawn``) agree where their inputs are shards or differ
+    where their inputs are one tensor; then the first operation whose result on a rank is
+    neither one device's nor its shard (`shard_departure`). No place when none."""
+    mine = [seen for seen in ranks[0] if seen.op is None]
+    one_ops = [seen.op for seen in one if seen.op is not None]
+    one = [seen for seen in one if seen.op is None]
     ones = {seen.module: seen for seen in one if not seen.output}
     outputs = [seen for seen in one if seen.output]
     called = next((seen.line for seen in mine if seen.module == "" and not seen.output), None)
@@ -609,10 +617,204 @@ def layout_departure(
         if draw.same_input != draw.same_mask:
             return Departure(f"{draw.line}  {draw.module}", _drawn_words(draw),
                              DepartureKind.RANDOMNESS)  # fmt: skip
+    rank_ops = [[seen.op for seen in theirs if seen.op is not None] for theirs in ranks]
+    found = shard_departure(one_ops, rank_ops, data_parallel, tensor_parallel, tolerance)
+    if found is not None:
+        return found
     return unlocated(
         "no line named: every module's input and the model's output have one device's shapes on "
-        "the ranks (a value departs, not a layout)"
+        "the ranks, and every result of the first forward compared is one device's or its shard "
+        "(what departs is outside the model's first forward, or in a result not compared)"
     )
+
+
+# Reshapes: a result that is the same numbers in another shape, sized by the code's own counts.
+_RESHAPES = frozenset({
+    "view", "reshape", "unflatten", "flatten", "view_as", "reshape_as", "split", "chunk",
+    "tensor_split", "unfold",
+})  # fmt: skip
+# Draws: one device draws for its whole tensor what no tensor-parallel layout draws for a shard,
+# so a draw that differs ends the comparison (a dropout layer is `Drawn`'s to name).
+_DRAWS = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
+    "multinomial", "normal", "poisson", "rrelu", "uniform_", "normal_", "bernoulli_",
+    "exponential_", "random_", "cauchy_", "log_normal_", "geometric_",
+})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AsShard:
+    """How a rank's result stands to one device's (`as_shard`): ``dim`` the dimension along which
+    it is one device's chunk at the rank's tensor-parallel index (None: one device's whole),
+    ``rows`` whether one device's was first cut to the rows of the rank's data-parallel group,
+    ``difference`` the largest difference from that candidate relative to one device's largest
+    magnitude (the nearest candidate's, where none agrees), ``agrees`` whether it is within the
+    tolerance."""
+
+    dim: int | None
+    rows: bool
+    difference: float
+    agrees: bool
+
+    def words(self, index: int, tensor_parallel: int) -> str:
+        """``one device's whole``, ``its chunk 0 of 2 along dimension 1``, with ``of its
+        data-parallel group's rows`` where they were cut."""
+        what = (
+            "one device's whole" if self.dim is None
+            else f"one device's chunk {index} of {tensor_parallel} along dimension {self.dim}"
+        )  # fmt: skip
+        return f"{what} (the rows of the rank's data-parallel group)" if self.rows else what
+
+
+def as_shard(
+    one: torch.Tensor, mine: torch.Tensor, group: int, groups: int, index: int,
+    tensor_parallel: int, tolerance: float = gradients.FLOAT64_TOLERANCE,
+) -> AsShard | None:  # fmt: skip
+    """Whether ``mine``, a result on the rank of data-parallel group ``group`` (of ``groups``)
+    and tensor-parallel index ``index``, is one device's result ``one`` or its shard: one
+    device's whole, or its chunk ``index`` of ``tensor_parallel`` along one dimension
+    (``torch.chunk``, as a DTensor's ``Shard`` cuts), either with its dimension 0 first cut to
+    the group's rows (`terms.rows_of`) where one device's holds ``groups`` times the rank's.
+    None where no candidate has ``mine``'s shape (a layout, not a value)."""
+    bases = [(False, one)]
+    if groups > 1 and one.dim() and mine.dim() and one.shape[0] % groups == 0:
+        bases.append((True, one.chunk(groups)[group]))
+    candidates = [(None, rows, base) for rows, base in bases if base.shape == mine.shape]
+    for rows, base in bases:  # after the wholes: of equal candidates, the first is named
+        for dim in range(base.dim()):
+            chunks = base.chunk(tensor_parallel, dim)
+            if len(chunks) == tensor_parallel and chunks[index].shape == mine.shape:
+                candidates.append((dim, rows, chunks[index]))
+    if not candidates:
+        return None
+    scale = _scale(one)
+    differences = [_difference(mine, candidate, scale) for _, _, candidate in candidates]
+    best = min(range(len(candidates)), key=differences.__getitem__)
+    dim, rows, _ = candidates[best]
+    return AsShard(dim, rows, differences[best], differences[best] <= tolerance)
+
+
+@dataclass(frozen=True)
+class _Unsharded:
+    """The first operation of one device's record (``index``) whose result on ``rank`` is neither
+    one device's nor its shard (``nearest``: the candidate nearest to it)."""
+
+    index: int
+    rank: int
+    mine: Op
+    nearest: AsShard
+
+
+def shard_departure(
+    one: Sequence[Op], ranks: Sequence[Sequence[Op]], data_parallel: int, tensor_parallel: int,
+    tolerance: float = gradients.FLOAT64_TOLERANCE,
+) -> Departure | None:  # fmt: skip
+    """The first operation of a tensor-parallel model's first forward whose result on some rank
+    is neither one device's result nor its shard (`as_shard`), the ranks' records paired with one
+    device's as `align` pairs them (docs/design.md §10, "Tensor and sequence parallelism"). A
+    departure is healed, and passed, when a result made from it agrees again (a partial sum the
+    code completes itself). None when every result compared agrees; also when the model's input
+    differs (the data, not the model) or once a draw differs (from there one device's draws are no
+    layout's)."""
+    found = [
+        _first_unsharded(one, theirs, rank, data_parallel, tensor_parallel, tolerance)
+        for rank, theirs in enumerate(ranks)
+    ]
+    found = [f for f in found if f is not None]
+    if not found:
+        return None
+    first = min(found, key=lambda f: (f.index, f.rank))
+    op = one[first.index]
+    return Departure(
+        first.mine.label,
+        _unsharded_words(op, first, data_parallel, tensor_parallel),
+        DepartureKind.SHARD,
+    )
+
+
+def _first_unsharded(
+    one: Sequence[Op], theirs: Sequence[Op], rank: int, data_parallel: int, tensor_parallel: int,
+    tolerance: float,
+) -> _Unsharded | None:  # fmt: skip
+    group, index = divmod(rank, tensor_parallel)
+    match = align(one, theirs)
+    made_from: dict[int, frozenset[int]] = {}  # each record's unhealed departures upstream
+    healed: set[int] = set()
+    differing: dict[int, _Unsharded] = {}  # in forward order
+    for op in one:
+        upstream = frozenset().union(*(made_from.get(i, ()) for i in op.inputs))
+        made_from[op.index] = frozenset() if op.short in _VALUE_FREE else upstream
+        if op.value is None or op.index not in match or theirs[match[op.index]].value is None:
+            continue
+        mine = theirs[match[op.index]]
+        shard = as_shard(op.value, mine.value, group, data_parallel, index, tensor_parallel,
+                         tolerance)  # fmt: skip
+        if shard is None:
+            continue  # no shape in common: the layouts' to name
+        if shard.agrees:
+            healed |= upstream
+            made_from[op.index] = frozenset()
+            continue
+        if op.name == INPUT or op.short in _DRAWS:
+            break  # what the model is given, or draws, differ: its operations are not compared
+        differing[op.index] = _Unsharded(op.index, rank, mine, shard)
+        made_from[op.index] = upstream | {op.index}
+    return next((d for i, d in differing.items() if i not in healed), None)
+
+
+def _unsharded_words(op: Op, first: _Unsharded, data_parallel: int, tensor_parallel: int) -> str:
+    mine, nearest = first.mine, first.nearest
+    index = first.rank % tensor_parallel
+    words = (
+        f"a {mine.short} whose result on rank {first.rank} (tensor-parallel rank {index} of "
+        f"{tensor_parallel}), of shape {tuple(mine.value.shape)}, is neither one device's result, "
+        f"of shape {tuple(op.value.shape)}, nor its shard: it differs from the nearest, "
+        f"{nearest.words(index, tensor_parallel)}, by {nearest.difference:.2g} (max relative "
+        "difference)"
+    )
+    sharded = _sharded_input(op, mine, data_parallel, tensor_parallel)
+    reduced = _reduced_part(op, mine, tensor_parallel)
+    if reduced is not None:
+        return (
+            f"{words}; {reduced}: a statistic of the rank's shard taken as the whole's. Fix: "
+            "reduce the DTensor itself, whose shards DTensor combines (y.mean(dim).full_tensor() "
+            "on the DTensor), or read it whole first (y.full_tensor(), or y.redistribute(mesh, "
+            "[Replicate()])), not its local tensor (to_local())"
+        )
+    if sharded is not None:
+        dim, held, whole = sharded
+        words += (
+            f"; its input holds the rank's shard of dimension {dim} ({held} of one device's "
+            f"{whole}), which it takes as the whole"
+        )
+    if mine.short in _RESHAPES:
+        return (
+            f"{words}. Fix: size the {mine.short} from what the rank holds: -1 on the sharded "
+            "dimension's count (t.unflatten(-1, (-1, head_size))), or the rank's count (a head "
+            "count divided by mesh['tp'].size(), heads // tp), not the model's"
+        )
+    return (
+        f"{words}. Fix: keep the tensor a DTensor through the {mine.short} (use_local_output=False "
+        "in the plan), so that DTensor computes it over the shards, or read it whole first "
+        "(full_tensor())"
+    )
+
+
+def _sharded_input(
+    op: Op, mine: Op, data_parallel: int, tensor_parallel: int
+) -> tuple[int, int, int] | None:
+    """(dimension, the rank's size, one device's) of the first dimension of an input that the
+    rank holds 1 / ``tensor_parallel`` of (its dimension 0 taken as the data-parallel group's
+    rows)."""
+    for one_shape, rank_shape in zip(op.input_shapes, mine.input_shapes, strict=False):
+        if len(one_shape) != len(rank_shape):
+            continue
+        expected = _rows_over(one_shape, data_parallel)
+        for dim, (whole, held) in enumerate(zip(expected, rank_shape, strict=True)):
+            if whole == tensor_parallel * held != held:
+                return dim, held, one_shape[dim]
+    return None
 
 
 def _drawn_words(draw: Drawn) -> str:

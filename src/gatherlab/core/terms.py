@@ -132,7 +132,11 @@ class Cause(StrEnum):
     sharded on another dimension than its plan says, a shard taken as the whole,
     `gatherlab.check.where.layout_departure`); ``partial`` (a parameter replicated over a
     tensor-parallel mesh dimension whose gradient there is a partial sum, stepped unreduced: its
-    replicas end apart, and making the sum whole reproduces one device)."""
+    replicas end apart, and making the sum whole reproduces one device); ``shard_as_whole`` (an
+    operation of a tensor-parallel model's forward whose result on a rank is neither one device's
+    nor its shard, though the shapes may be: the rank's shard taken as the whole, as a reshape by
+    the model's head count or a mean over the rank's part of the sequence does,
+    `gatherlab.check.where.shard_departure`)."""
 
     SCALED = "scaled"
     LOCAL_NEGATIVES = "local_negatives"
@@ -145,6 +149,7 @@ class Cause(StrEnum):
     DESYNC = "desync"
     LAYOUT = "layout"
     PARTIAL = "partial"
+    SHARD_AS_WHOLE = "shard_as_whole"
 
 
 class Forward(StrEnum):
@@ -298,7 +303,8 @@ class DepartureKind(StrEnum):
     (``rank``), or the backward (``gradient``); a tensor of a tensor-parallel model whose layout
     over the ranks is not one device's shape (``layout``, docs/design.md §10), a dropout layer
     whose masks agree or differ across a tensor-parallel group where they must not
-    (``randomness``); or no place, and why (``none``)."""
+    (``randomness``), an operation of a tensor-parallel model whose result on a rank is neither
+    one device's nor its shard (``shard``); or no place, and why (``none``)."""
 
     STATISTIC = "statistic"
     ORDER = "order"
@@ -308,6 +314,7 @@ class DepartureKind(StrEnum):
     GRADIENT = "gradient"
     LAYOUT = "layout"
     RANDOMNESS = "randomness"
+    SHARD = "shard"
     NONE = "none"
 
 
@@ -316,13 +323,17 @@ class Culprit(StrEnum):
     itself (or how it communicates across ranks), left when every removal is made and the run is
     still not exact; the step's own draws from the global random streams, named instead of the
     loss when the step makes them (no removal takes that out); a parameter whose gradient no one
-    reduces over the ranks, named when reducing it makes the run exact."""
+    reduces over the ranks, named when reducing it makes the run exact; a tensor-parallel model's
+    partial-sum gradient stepped unreduced, a tensor whose shape, or an operation whose result,
+    is not one device's over the ranks (``partial``, ``layout``, ``shard_as_whole``: measured on
+    the ranks, named instead of the loss)."""
 
     LOSS = "loss"
     STEP_RANDOMNESS = "step_randomness"
     UNREDUCED = "unreduced"
     PARTIAL = "partial"
     LAYOUT = "layout"
+    SHARD_AS_WHOLE = "shard_as_whole"
 
 
 class ReferenceMode(StrEnum):

@@ -12,7 +12,10 @@ sequence parallelism"): a model that parallelizes itself with torch's DTensor
   tensor;
 - `replicas_apart` names the parameters whose replicas differ between the ranks of a mesh
   dimension they are replicated over: a replicated parameter stepped with each rank's own
-  gradient.
+  gradient;
+- `LayoutWatch` records one forward's layouts, its operations' results (`gatherlab.runs.trace`,
+  a DTensor's as its local tensor) and its dropout draws across the tensor-parallel group, which
+  `gatherlab.check.where.layout_departure` compares with one device's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -33,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from gatherlab.core import cli, gradients, imports
 from gatherlab.ranks import world
+from gatherlab.runs import trace
 from gatherlab.runs.trace import tensors_in
 
 __all__ = [
@@ -114,7 +119,10 @@ class Seen:
     its name, ``""`` the model; ``output``: the model's output), its shape as one device's would
     be (a DTensor's global shape; a plain tensor's own), the DTensor's placements (``""``: a
     plain tensor), and the user's ``file:line`` that made the call or, for the output, that first
-    used it (and how, ``use``)."""
+    used it (and how, ``use``). Or, with ``op``, an operation of the first forward (the model's
+    input first, named ``input``) as `gatherlab.runs.trace` records it, its value what the rank
+    holds (a DTensor's local tensor; None for a partial sum, ``Partial``, which is neither a
+    whole nor a shard), in call order after the model's input."""
 
     module: str
     shape: tuple[int, ...]
@@ -122,6 +130,7 @@ class Seen:
     line: str | None
     output: bool = False
     use: str = ""
+    op: trace.Op | None = None
 
 
 @dataclass(frozen=True)
@@ -142,9 +151,11 @@ DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
 class LayoutWatch(TorchFunctionMode):
     """The layouts of one forward of ``model`` (its first call): each module's first tensor input
     and the model's output (`Seen`), the first operation of the user's code that takes that
-    output, and each dropout layer's draw across the tensor-parallel group (`Drawn`, on W ranks).
-    Active around one step (a public ``TorchFunctionMode``; its hooks, torch's public module
-    hooks, removed by `close`)."""
+    output, each dropout layer's draw across the tensor-parallel group (`Drawn`, on W ranks), and
+    the forward's operations with their results (`Seen` with ``op``: a `trace.Tracer` from the
+    model's pre-hook, after those of its plan and of FSDP2, to its forward hook). Active around
+    one step (a public ``TorchFunctionMode``; its hooks, torch's public module hooks, removed by
+    `close`)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -152,13 +163,42 @@ class LayoutWatch(TorchFunctionMode):
         self.drawn: list[Drawn] = []
         self._output: dict[int, int] = {}  # id of an output tensor → its index in seen
         self._done = False
+        self._tracer: trace.Tracer | None = None  # active during the first forward
+        self._pending: tuple[int, bool] | None = None  # (its record's index, made by machinery)
+        self._machinery: set[int] = set()  # the tracer's records of torch.distributed's calls
         self._group = _tensor_parallel_group(model)
         self._hooks = [m.register_forward_pre_hook(functools.partial(self._input, name))
                        for name, m in model.named_modules()]  # fmt: skip
+        self._hooks.append(model.register_forward_pre_hook(self._traced))
         self._hooks += [m.register_forward_hook(functools.partial(self._dropped, name))
                         for name, m in model.named_modules()
                         if isinstance(m, DROPOUTS) and self._group is not None]  # fmt: skip
         self._hooks.append(model.register_forward_hook(self._returned))
+
+    def _traced(self, module: nn.Module, args: tuple) -> None:
+        given = next(iter(tensors_in(args)), None)
+        if self._done or self._tracer is not None or given is None:
+            return
+        self._tracer = trace.Tracer({"input": given})
+        self._tracer.__enter__()  # above this mode: its records are the user's calls
+
+    def _untraced(self) -> None:
+        """The tracer's records, each result as the rank holds it, appended to ``seen``."""
+        if self._tracer is None:
+            return
+        self._settle()
+        tracer, self._tracer = self._tracer, None
+        tracer.__exit__(None, None, None)
+        for op in tracer.detached():
+            if op.index in self._machinery:
+                continue
+            held = _held(op.value)
+            self.seen.append(Seen("", op.rows, _placements(op.value), op.where,
+                                  op=replace(op, value=held)))  # fmt: skip
+
+    def __exit__(self, *exc: Any) -> None:
+        self._untraced()  # a forward that raised left its tracer above this mode
+        return super().__exit__(*exc)
 
     def _dropped(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
         given = next(iter(tensors_in(args)), None)
@@ -181,6 +221,7 @@ class LayoutWatch(TorchFunctionMode):
         if self._done:
             return
         self._done = True
+        self._untraced()
         for tensor in tensors_in(output):
             seen = Seen("", tuple(tensor.shape), _placements(tensor), None, output=True)
             self.seen.append(seen)
@@ -194,7 +235,29 @@ class LayoutWatch(TorchFunctionMode):
                 if index is not None and not self.seen[index].use:
                     use = getattr(func, "__name__", str(func))
                     self.seen[index] = replace(self.seen[index], line=_user_line(), use=use)
-        return func(*args, **kwargs)
+        tracer = self._tracer
+        # a call the tracer passed on (not one its own recording makes): the tracer records it,
+        # if at all, as its next record once it returns
+        passed_on = _outside_torch(sys._getframe(1)) if tracer is not None else None
+        if passed_on is not None and passed_on.f_code is not _TRACER_CALL:
+            passed_on = None
+        if passed_on is not None:
+            self._settle()
+        result = func(*args, **kwargs)
+        if passed_on is not None:
+            self._pending = (len(tracer.ops), _from_distributed(passed_on.f_back))
+        return result
+
+    def _settle(self) -> None:
+        """The record the tracer made of the last call it passed on, if any, kept out of the
+        comparison when torch.distributed's machinery made that call (a parallel style's hook
+        redistributing, FSDP2 gathering, ``full_tensor``): attributed to the user's line all the
+        same, it is no operation of the user's and one device has none."""
+        if self._pending is not None and self._tracer is not None:
+            index, machinery = self._pending
+            if machinery and len(self._tracer.ops) > index:
+                self._machinery.add(index)
+        self._pending = None
 
     def close(self) -> tuple[list[Seen], list[Drawn]]:
         for hook in self._hooks:
@@ -210,6 +273,43 @@ def _tensor_parallel_group(model: nn.Module) -> Any:
         if TP in names and p.device_mesh.size(names.index(TP)) > 1:
             return p.device_mesh.get_group(names.index(TP))
     return None
+
+
+_TORCH = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+_DISTRIBUTED = os.path.join(_TORCH, "distributed") + os.sep
+_TRACER_CALL = trace.Tracer.__torch_function__.__code__
+
+
+@functools.cache
+def _in(folder: str, filename: str) -> bool:
+    return os.path.realpath(filename).startswith(folder)
+
+
+def _outside_torch(frame: Any) -> Any:
+    """The first frame, from ``frame`` outwards, whose code is not torch's."""
+    while frame is not None and _in(_TORCH, frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def _from_distributed(frame: Any) -> bool:
+    """Whether a call made in ``frame`` comes from torch.distributed's code: a frame of it
+    before (inward of) the first frame outside torch."""
+    while frame is not None and _in(_TORCH, frame.f_code.co_filename):
+        if _in(_DISTRIBUTED, frame.f_code.co_filename):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _held(value: torch.Tensor | None) -> torch.Tensor | None:
+    """A recorded result as the rank holds it: a DTensor's local tensor (its shard, or its copy
+    where it is replicated), None where it is a partial sum; a plain tensor as it is."""
+    if not isinstance(value, DTensor):
+        return value
+    if any(isinstance(p, Partial) for p in value.placements):
+        return None
+    return value.to_local()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
