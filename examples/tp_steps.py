@@ -27,6 +27,16 @@ whole sequences of its rows; the root's ``PrepareModuleInput`` shards them.
 - ``build(output_dropout=0.1)`` with ``seeded_per_rank_step``: dropout on the pooled output,
   which every rank of the group holds whole, after seeding each rank with its rank: the masks
   differ where they must agree;
+- ``build(head_view="count", rank_heads=False)``: q, k and v split into heads by ``view`` with
+  the model's head count (``t.view(batch, -1, self.heads, head_size)``), where each rank's q
+  holds heads // T heads: the identity on one device, on a rank its heads' features taken as
+  every head over a 1/T of the sequence (the shapes of a sequence shard, not its values). Its
+  correct forms: ``build()`` (-1 on the heads dimension, ``unflatten``) and
+  ``build(head_view="count")`` (the factory sets the head count to the rank's, heads // T);
+- ``build(pool="local")``: the head applied to each rank's shard of the sequence (its output a
+  DTensor sharded on the sequence) and pooled by each rank's local tensor,
+  ``y.to_local().mean(dim=1)``: the mean of the rank's shard, not of the sequence. Its correct
+  form: ``build(pool="whole")`` (``y.full_tensor().mean(dim=1)``);
 - ``cosine_update``: the whole update of the same loss over K micro-batches: exact.
 """
 
@@ -35,31 +45,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 
 class Attention(nn.Module):
     """Causal multi-head self-attention (each position attends to itself and those before it):
-    the number of heads a rank computes is what its q holds."""
+    the number of heads a rank computes is what its q holds. ``head_view``: how q, k and v are
+    split into heads, ``unflatten`` (-1 on the heads dimension: whatever the rank holds) or
+    ``count`` (``view`` by ``self.heads``, the head count, which a tensor-parallel factory must
+    set to the rank's)."""
 
-    def __init__(self, features: int, heads: int) -> None:
+    def __init__(self, features: int, heads: int, head_view: str = "unflatten") -> None:
         super().__init__()
-        self.head_size = features // heads
+        self.heads, self.head_size, self.head_view = heads, features // heads, head_view
         self.norm = nn.LayerNorm(features)
         self.q, self.k, self.v = (nn.Linear(features, features) for _ in range(3))
         self.out = nn.Linear(features, features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
-
-        def heads(t: torch.Tensor) -> torch.Tensor:  # (batch, heads, sequence, head size)
-            return t.unflatten(-1, (-1, self.head_size)).transpose(1, 2)
-
-        q, k, v = heads(self.q(h)), heads(self.k(h)), heads(self.v(h))
+        q, k, v = self.q(h), self.k(h), self.v(h)  # on a rank: its heads' features, whole sequence
+        batch, sequence = q.shape[:2]
+        if self.head_view == "count":  # (batch, sequence, heads, head size) by the head count
+            q, k, v = (t.view(batch, -1, self.heads, self.head_size) for t in (q, k, v))
+        else:
+            q, k, v = (t.unflatten(-1, (-1, self.head_size)) for t in (q, k, v))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, sequence, head size)
         scores = q @ k.transpose(-1, -2) / self.head_size**0.5
         later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=x.device).triu(1)
         weights = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1)  # causal
-        return self.out((weights @ v).transpose(1, 2).flatten(-2))
+        return self.out((weights @ v).transpose(1, 2).reshape(batch, sequence, -1))
 
 
 class Mlp(nn.Module):
@@ -76,28 +92,42 @@ class Mlp(nn.Module):
 
 class Encoder(nn.Module):
     """One pre-norm transformer block (attention, MLP), a final LayerNorm and a projection head,
-    pooled over the sequence: (batch, sequence, features) → (batch, projection)."""
+    pooled over the sequence: (batch, sequence, features) → (batch, projection). ``pool``: how
+    the head's output is pooled, ``mean`` (the plan replicates it: a plain tensor on every rank),
+    or, where the plan keeps it a DTensor sharded on the sequence, ``whole`` (read whole first)
+    or ``local`` (each rank's local tensor)."""
 
     def __init__(
         self, features: int = 8, hidden: int = 16, heads: int = 4, projection: int = 8,
         attention: bool = True, dropout: float = 0.0, output_dropout: float = 0.0,
+        head_view: str = "unflatten", pool: str = "mean",
     ) -> None:  # fmt: skip
         super().__init__()
-        self.attention = Attention(features, heads) if attention else None
+        self.attention = Attention(features, heads, head_view) if attention else None
         self.mlp = Mlp(features, hidden, dropout)
         self.norm = nn.LayerNorm(features)
         self.head = nn.Linear(features, projection)
         self.drop = nn.Dropout(output_dropout) if output_dropout else nn.Identity()
+        self.pool = pool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.attention is not None:
             x = x + self.attention(x)
         x = x + self.mlp(x)
-        return self.drop(self.head(self.norm(x)).mean(dim=1))
+        y = self.head(self.norm(x))  # on a rank: replicated, or a DTensor of its sequence shard
+        if self.pool == "whole":  # the whole sequence's mean
+            pooled = (y.full_tensor() if isinstance(y, DTensor) else y).mean(dim=1)
+        elif self.pool == "local":  # the mean of the rank's shard of the sequence
+            pooled = (y.to_local() if isinstance(y, DTensor) else y).mean(dim=1)
+        else:
+            pooled = y.mean(dim=1)
+        return self.drop(pooled)
 
 
-def plan(attention: bool, local_features: bool) -> dict:
-    """The tensor- and sequence-parallel plan of `Encoder` (torch's public parallel styles)."""
+def plan(attention: bool, local_features: bool, sharded_head: bool = False) -> dict:
+    """The tensor- and sequence-parallel plan of `Encoder` (torch's public parallel styles);
+    ``sharded_head``: the head applied to each rank's shard of the sequence, its weights
+    replicated and its output a DTensor sharded on the sequence (``SequenceParallel``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -111,25 +141,31 @@ def plan(attention: bool, local_features: bool) -> dict:
     if attention:
         block |= {"attention.norm": SequenceParallel(), "attention.out": scattered}
         block |= {f"attention.{name}": ColwiseParallel(input_layouts=Shard(1)) for name in "qkv"}
-    head = (
-        ColwiseParallel(input_layouts=Shard(1))  # each rank its shard of the features
-        if local_features
-        else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
-    )
+    if sharded_head:
+        head = SequenceParallel()
+    elif local_features:
+        head = ColwiseParallel(input_layouts=Shard(1))  # each rank its shard of the features
+    else:
+        head = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     return block | {"norm": SequenceParallel(), "head": head}
 
 
 def build(
     mesh=None, features: int = 8, hidden: int = 16, heads: int = 4, attention: bool = True,
     input_layout: str = "replicate", local_features: bool = False, dropout: float = 0.0,
-    output_dropout: float = 0.0,
+    output_dropout: float = 0.0, head_view: str = "unflatten", rank_heads: bool = True,
+    pool: str = "mean",
 ) -> nn.Module:  # fmt: skip
     """The encoder, parallelized over ``mesh["tp"]`` when a mesh is given (the check's
     ``--tensor-parallel``), sharded by FSDP2 over ``mesh["dp"]`` when it has several
     data-parallel groups. ``input_layout``: what the plan says each rank passes, ``replicate``
-    (the whole sequence, sharded by the root) or ``shard`` (its shard of the sequence)."""
+    (the whole sequence, sharded by the root) or ``shard`` (its shard of the sequence).
+    ``head_view="count"``: the attention splits heads by its head count, which the factory sets
+    to the rank's (``heads // tp``, as torchtitan's once did) unless ``rank_heads`` is False.
+    ``pool``: ``mean`` (the head's output replicated), ``whole`` or ``local`` (the head's output
+    kept sharded on the sequence, read whole or taken locally, `Encoder`)."""
     model = Encoder(features, hidden, heads, attention=attention, dropout=dropout,
-                    output_dropout=output_dropout)  # fmt: skip
+                    output_dropout=output_dropout, head_view=head_view, pool=pool)  # fmt: skip
     if mesh is None:
         return model
     from torch.distributed.fsdp import fully_shard
@@ -141,7 +177,9 @@ def build(
         input_layouts=(given,), desired_input_layouts=(Shard(1),), use_local_output=True
     )
     parallelize_module(model, mesh["tp"], root)
-    parallelize_module(model, mesh["tp"], plan(attention, local_features))
+    parallelize_module(model, mesh["tp"], plan(attention, local_features, pool != "mean"))
+    if attention and rank_heads:  # the rank's heads: q, k and v each hold heads // tp of them
+        model.attention.heads = heads // mesh["tp"].size()
     if mesh["dp"].size() > 1:
         fully_shard(model, mesh=mesh["dp"])
     return model
