@@ -313,8 +313,11 @@ def tensors_in(value) -> Iterator[torch.Tensor]:
             yield from tensors_in(item)
 
 
-def _keep(op: Op, grad: torch.Tensor) -> None:
-    op.grad = grad.detach().to("cpu", torch.float64, copy=True)
+def _keep(op: Op, grad: torch.Tensor | None) -> None:
+    # autograd hands a hook None where the result's gradient is undefined (no loss depends on it,
+    # as on a padded position's masked-out value under DDP): nothing to keep
+    if grad is not None:
+        op.grad = grad.detach().to("cpu", torch.float64, copy=True)
 
 
 def _custom_backward(node) -> str | None:
