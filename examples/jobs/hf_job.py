@@ -14,18 +14,20 @@ size: each rank takes ``--global-batch-size / (W × K)`` rows per forward, K =
     GATHERLAB_RECORD_FLOOR=runs/hf_w1-floor python examples/jobs/hf_job.py --record runs/hf_w1
     python -m gatherlab.compare runs/hf_w1 runs/hf_w2 --floor runs/hf_w1-floor
 
-At the Trainer's defaults the W ranks' gradient is W times one device's (measured: class ``W``,
-norm ratio 2 at W = 2 in float64 with ``--max-grad-norm 0``; with the default clipping at norm 1
-the ratio read is 1/|g₁|, class ``other``). transformers 5.23's Trainer takes a model whose
-forward accepts ``**kwargs`` for one that divides its loss by ``num_items_in_batch`` (the items of
-the global batch), and with ``average_tokens_across_devices=True`` (its default) multiplies the
-loss by the number of processes to undo DDP's average; ``BertForSequenceClassification`` accepts
-``**kwargs`` but returns the mean cross-entropy of the rank's own rows. With
-``--average-tokens-across-devices false`` the two recordings agree to rounding: accelerate gives
-rank r the r-th of every W consecutive per-rank batches of one seeded sampler, which together are
-one device's batch, and DDP averages the ranks' gradients of their mean losses, which is one
-device's gradient of the global mean (each row's logits are its own, however its batch is
-padded). Dropout off: BERT's would draw other masks on W ranks.
+At the Trainer's defaults the W ranks' gradient is W times one device's, and K micro-batches'
+K times (measured: class ``W``, norm ratio 2 at W = 2 in float64 with ``--max-grad-norm 0``; with
+the default clipping at norm 1 the ratio read is 1/|g₁|, class ``other``). transformers 5.23's
+Trainer takes a model whose forward accepts ``**kwargs`` for one that divides its loss by
+``num_items_in_batch`` (the items of the global batch): it then multiplies the loss by the number
+of processes to undo DDP's average (``average_tokens_across_devices=True``, its default) and no
+longer divides it by K. ``BertForSequenceClassification`` accepts ``**kwargs`` but returns the
+mean cross-entropy of the rank's micro-batch. ``--mean-loss`` tells the Trainer so, with its two
+documented settings (``average_tokens_across_devices=False``, ``loss_is_scaled_for_ga = False``),
+and the recordings agree to rounding: accelerate gives rank r the r-th of every W consecutive
+per-rank batches of one seeded sampler, which together are one device's batch, and DDP averages
+the ranks' gradients of their mean losses, which is one device's gradient of the global mean
+(each row's logits are its own, however its batch is padded). Dropout off: BERT's would draw
+other masks on W ranks.
 """
 
 from __future__ import annotations
@@ -105,9 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                         help="the model's parameters (default float32, the Trainer's)")  # fmt: skip
     parser.add_argument("--bf16", action="store_true", help="the Trainer's bf16 autocast")
-    parser.add_argument("--average-tokens-across-devices", choices=("true", "false"),
-                        default="true", help="the Trainer's setting (default true, its "
-                        "own): see the module's docstring")  # fmt: skip
+    parser.add_argument("--mean-loss", action="store_true",
+                        help="tell the Trainer the model's loss is the mean of the rank's rows "
+                        "(see the module's docstring)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built here: nothing to download
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             lr_scheduler_type="constant",
             max_grad_norm=args.max_grad_norm,
             bf16=args.bf16,
-            average_tokens_across_devices=args.average_tokens_across_devices == "true",
+            average_tokens_across_devices=not args.mean_loss,
             seed=args.seed,
             use_cpu=True,
             ddp_backend="gloo" if world_size > 1 else None,
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
             model=classifier(args.seed, args.dtype), args=training, train_dataset=Texts(words),
             data_collator=DataCollatorWithPadding(words), callbacks=callbacks,
         )  # fmt: skip
+        if args.mean_loss:  # the Trainer's documented switch: divide the loss by K itself
+            trainer.loss_is_scaled_for_ga = False
         trainer.train()
 
 

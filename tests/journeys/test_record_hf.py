@@ -20,6 +20,7 @@ from helpers import REPO, pythonpath
 
 from gatherlab.compare import compare
 from gatherlab.record import read
+from gatherlab.recording.recorder import FLOOR_VARIABLE
 from gatherlab.recording.rows import row_digests
 
 pytestmark = [
@@ -35,19 +36,20 @@ MAX_GRAD_NORM = 0.2  # below the gradient's norm at the start (asserted): the Tr
 
 
 def _job_module():
-    """examples/jobs/hf_job.py as a module (its model and data set)."""
+    """examples/jobs/hf_job.py as a module (its model, tokenizer and data set)."""
+    sys.path.insert(0, str(JOB.parent))  # it imports st_job's tokenizer beside it
     spec = importlib.util.spec_from_file_location("hf_job", JOB)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _start(out, world_size: int, *options: str) -> subprocess.Popen:
+def _start(out, world_size: int, *options: str, env: dict | None = None) -> subprocess.Popen:
     job = [str(JOB), "--record", str(out), "--max-grad-norm", str(MAX_GRAD_NORM), *options]
     if world_size > 1:
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
         job = launcher + job
-    env = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(
         [sys.executable, *job], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -59,26 +61,27 @@ def _finish(process: subprocess.Popen) -> None:
 
 
 def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(tmp_path):
-    """W = 1 with one micro-batch, W = 2 with two (``gradient_accumulation_steps``): the same
-    global batches (accelerate gives rank r the r-th of every W per-rank batches of one seeded
-    sampler; with two micro-batches rank 0's rows of an update are the first and third quarter
-    of one device's), in the first epoch and the second, the same global loss, the same sketch
-    of each part's gradient and no part left unreduced, to float64 rounding, and
-    `gatherlab.compare` judges the two ``exact``: the Trainer's own sampler is the recipe of
-    docs/usage.md ("The same global batch at every world size"). The
-    one-process recording's first update is computed
-    here by hand from the rows it names: the mean cross-entropy of those rows at the initial
-    weights and its gradient, scaled as ``torch.nn.utils.clip_grad_norm_`` scales it."""
-    steps = 10  # 64 rows, 8 a global batch: the second epoch from update 8, reseeded alike
+    """W = 1 with one micro-batch, W = 2 with two (``gradient_accumulation_steps``), float64,
+    the Trainer told the model's loss is its rows' mean (``--mean-loss``): the same global
+    batches (accelerate gives rank r the r-th of every W per-rank batches of one seeded sampler;
+    with two micro-batches rank 0's
+    rows of an update are the first and third quarter of one device's), each text a row however
+    its device batch pads it, in the first epoch and the second, the same global loss, the same
+    sketch of each part's gradient, to float64 rounding, and `gatherlab.compare` judges the two
+    ``exact``. The one-process recording's first update is computed here by hand from the texts
+    its rows name (each text tokenized alone, unpadded): the mean cross-entropy of those rows at
+    the initial weights and its gradient, scaled as ``torch.nn.utils.clip_grad_norm_`` does."""
+    steps = 10  # 64 texts, 8 a global batch: the second epoch from update 8, reseeded alike
+    exact = ("--dtype", "float64", "--mean-loss")
     processes = [
-        _start(tmp_path / "w1", 1, "--steps", str(steps)),
-        _start(tmp_path / "w2", 2, "--steps", str(steps), "--accumulation", "2"),
+        _start(tmp_path / "w1", 1, "--steps", str(steps), *exact),
+        _start(tmp_path / "w2", 2, "--steps", str(steps), "--accumulation", "2", *exact),
     ]
     for process in processes:
         _finish(process)
     one, two = read(tmp_path / "w1"), read(tmp_path / "w2")
     assert (one.world_size, two.world_size) == (1, 2)
-    assert one.parts == two.parts == ["encoder", "head"]
+    assert one.parts == two.parts == ["bert", "classifier"]
     assert one.header["precision"] == "64-true" and one.header["seed"] == 0
     assert one.header["settings"]["max_grad_norm"] == MAX_GRAD_NORM
     assert len(one.updates) == len(two.updates) == steps
@@ -96,22 +99,48 @@ def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(tmp_pa
         comparison.words
     )
 
+    from transformers import DataCollatorWithPadding
+
     job = _job_module()
-    data = job.Points()
-    index_of = {digest: i for i, digest in enumerate(row_digests(data.inputs))}
+    words = job.tokenizer(str(tmp_path / "tokenizer"))
+    texts = job.Texts(words)
+    index_of = {row_digests(torch.tensor([item["input_ids"]]))[0]: i
+                for i, item in enumerate(texts.items)}  # fmt: skip
     rows = [index_of[digest] for digest in one.updates[0].rows[0]]
-    with torch.random.fork_rng():
-        torch.manual_seed(0)  # the job's seed: its initial weights
-        model = job.Classifier().double()
-    loss = model(data.inputs[rows], data.labels[rows])["loss"]
+    batch = DataCollatorWithPadding(words)([texts[i] for i in rows])
+    model = job.classifier(0, "float64")  # the job's seed: its initial weights
+    loss = model(**batch).loss
     loss.backward()
-    gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
     norm = float(torch.linalg.vector_norm(gradient))
     assert norm > 2 * MAX_GRAD_NORM  # the clipping is not a no-op
     expected = gradient * min(1.0, MAX_GRAD_NORM / (norm + 1e-6))
     assert one.updates[0].loss == pytest.approx(float(loss.detach()), rel=1e-14)
     recorded = one.full_gradient(0)
+    recorded = recorded[recorded != 0] if len(recorded) != len(expected) else recorded
     assert float((recorded - expected).abs().max()) <= 1e-12 * float(expected.abs().max())
+
+
+def test_at_the_trainers_defaults_two_ranks_step_on_w_times_the_gradient(tmp_path):
+    """The Trainer's defaults (float32, ``average_tokens_across_devices=True``), judged in floors
+    of the floor the one-device command records with GATHERLAB_RECORD_FLOOR (the callback's
+    model cut in row blocks, its loss joined as the rows' mean): two ranks' gradient is W = 2
+    times one device's (norm ratio 2 to float32's rounding, ``--max-grad-norm 0``), millions of
+    floors; the floor itself is one device's to a few unit roundoffs."""
+    env = {FLOOR_VARIABLE: str(tmp_path / "w1-floor")}
+    processes = [
+        _start(tmp_path / "w1", 1, "--max-grad-norm", "0"),
+        _start(tmp_path / "w1", 1, "--max-grad-norm", "0", env=env),
+        _start(tmp_path / "w2", 2, "--max-grad-norm", "0"),
+    ]
+    for process in processes:
+        _finish(process)
+    floor = read(tmp_path / "w1-floor")
+    assert floor.header["row_blocks"] == 2 and floor.precision == "32-true"
+    comparison = compare(tmp_path / "w1", tmp_path / "w2", floor=tmp_path / "w1-floor")
+    head = comparison.table.iloc[0]
+    assert (head["gradient"], comparison.status) == ("W", 1), comparison.words
+    assert abs(float(head["norm_ratio"]) - 2) <= 1e-5 and float(head["floors"]) > 1e5
 
 
 def test_gatherlab_record_imports_without_transformers_and_says_how_to_get_it():
