@@ -674,11 +674,12 @@ def as_shard(
     """Whether ``mine``, a result on the rank of data-parallel group ``group`` (of ``groups``)
     and tensor-parallel index ``index``, is one device's result ``one`` or its shard: one
     device's whole, or its chunk ``index`` of ``tensor_parallel`` along one dimension
-    (``torch.chunk``, as a DTensor's ``Shard`` cuts), either with its dimension 0 first cut to
-    the group's rows (`terms.rows_of`) where one device's holds ``groups`` times the rank's.
-    None where no candidate has ``mine``'s shape (a layout, not a value)."""
+    (``torch.chunk``, as a DTensor's ``Shard`` cuts); each also with one device's dimension 0
+    first cut to the group's rows (`terms.rows_of`) where it divides into ``groups``. None where
+    no candidate has ``mine``'s shape (a layout, not a value)."""
     bases = [(False, one)]
-    if groups > 1 and one.dim() and mine.dim() and one.shape[0] % groups == 0:
+    length = one.shape[0] if one.dim() and mine.dim() else 0
+    if groups > 1 and length >= groups and not length % groups:
         bases.append((True, one.chunk(groups)[group]))
     candidates = [(None, rows, base) for rows, base in bases if base.shape == mine.shape]
     for rows, base in bases:  # after the wholes: of equal candidates, the first is named
