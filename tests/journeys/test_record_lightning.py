@@ -224,3 +224,61 @@ def test_one_rank_and_two_ranks_record_the_same_updates(tmp_path):
     assert (comparison.verdict, comparison.status, comparison.data) == ("exact", 0, None), (
         comparison.words
     )
+
+
+class CalledClassifier(Classifier):
+    """The classifier in float32 whose ``training_step`` calls the module itself (``self(x)``,
+    its ``forward``: the encoder and the head), as many LightningModules do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.float()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(inputs))
+
+    def training_step(self, batch, batch_idx):
+        inputs, labels = batch
+        return self.criterion(self(inputs.float()), labels)
+
+
+class PartsClassifier(CalledClassifier):
+    """The same, its training_step calling the module's parts itself (never its forward)."""
+
+    def training_step(self, batch, batch_idx):
+        inputs, labels = batch
+        return self.criterion(self.head(self.encoder(inputs.float())), labels)
+
+
+def _record_float32(out, world_size: int, module: L.LightningModule) -> None:
+    data = ItemsDataModule(
+        Points(), global_batch_size=8, steps=3, seed=5, shuffle=True, seeded=False,
+        collate_fn=default_collate,
+    )  # fmt: skip
+    launch.fit(module, data, world_size, "32-true", 3, [LightningRecorder(out)])
+
+
+def test_the_floor_through_the_lightning_callback_cuts_the_modules_forward(
+    tmp_path, monkeypatch, capsys
+):
+    """GATHERLAB_RECORD_FLOOR with LightningRecorder: the LightningModule's forward, which its
+    training_step calls, in two row blocks; two ranks in float32 are then exact within float32.
+    A module whose training_step never calls its forward is refused before the first step, in
+    one line that says what works instead."""
+    from gatherlab.recording.format import RecordingError
+    from gatherlab.recording.recorder import FLOOR_VARIABLE
+
+    _record_float32(tmp_path / "w2", 2, CalledClassifier())  # before the variable is set
+    _record_float32(tmp_path / "w1", 1, CalledClassifier())
+    monkeypatch.setenv(FLOOR_VARIABLE, str(tmp_path / "w1-floor"))
+    _record_float32(tmp_path / "w1", 1, CalledClassifier())
+    floor = read(tmp_path / "w1-floor")
+    assert (floor.header["row_blocks"], floor.precision) == (2, "32-true")
+    judged = compare(tmp_path / "w1", tmp_path / "w2", floor=tmp_path / "w1-floor")
+    assert (judged.verdict, judged.status) == ("exact within float32", 0), judged.words
+    capsys.readouterr()
+    monkeypatch.setenv(FLOOR_VARIABLE, str(tmp_path / "parts-floor"))
+    with pytest.raises(RecordingError, match="the first update never called the model's forward"):
+        _record_float32(tmp_path / "parts", 1, PartsClassifier())
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("gatherlab.record: GATHERLAB_RECORD_FLOOR=")
