@@ -337,3 +337,70 @@ def test_a_sketch_reads_the_class_the_full_gradients_give(make, expected):
     if expected in ("1/W", "W", "other"):
         assert math.isclose(sketched.norm_ratio, full.norm_ratio, rel_tol=ROUNDING)
         assert sketched.cosine >= 1 - ROUNDING
+
+
+# --- what the recordings name: the check's causes (issue 68) ------------------------------------
+
+CONTRASTIVE = "contrastive_loops:loop"
+
+
+@pytest.fixture(scope="module")
+def contrastive(tmp_path_factory):
+    """An in-batch contrastive loop (`contrastive_loops`) recorded on one device and on 2 ranks,
+    each traced unless named ``untraced``: gathered (correct), local negatives, the loss divided
+    by W, naive accumulation of K = 2 gathered micro-batches."""
+    return record_cases(tmp_path_factory.mktemp("contrastive"), {
+        "one": (1, CONTRASTIVE, {"trace": True}),
+        "one_untraced": (1, CONTRASTIVE, {}),
+        "gathered": (2, CONTRASTIVE, {"trace": True}),
+        "local": (2, CONTRASTIVE, {"bug": "local", "trace": True}),
+        "local_untraced": (2, CONTRASTIVE, {"bug": "local"}),
+        "scaled": (2, CONTRASTIVE, {"bug": "scaled", "trace": True}),
+        "micro": (2, CONTRASTIVE, {"micro_batches": 2, "trace": True}),
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("run", "cause", "op"),
+    [("local", "local_negatives", "cross_entropy"), ("micro", "micro_negatives", "cross_entropy"),
+     ("scaled", "scaled", "div")],
+)  # fmt: skip
+def test_the_comparison_names_the_checks_cause_from_the_traces(contrastive, run, cause, op):
+    """Negatives local to a rank and split by accumulation are named from the traces: the first
+    result that departs reduces over the rank's (the micro-batch's) part of the entries its rows
+    meet, at the loss's line; a loss divided by W is named from the first update's loss and
+    gradient, both 1/W of one device's at the same weights."""
+    import contrastive_loops
+
+    assert whole(comparer.compare(contrastive["one"], contrastive["gathered"]))["verdict"] == (
+        "exact"
+    )
+    compared = comparer.compare(contrastive["one"], contrastive[run])
+    head = whole(compared)
+    assert (head["verdict"], head["cause"]) == ("loss differs", cause), compared.words
+    line = "F.cross_entropy(logits" if op == "cross_entropy" else "return loss / world"
+    assert head["where"] == f"{line_of(contrastive_loops, line)}  {op}"
+    words = " ".join(compared.words.split())
+    if cause == "scaled":
+        assert math.isclose(head["scale"], 0.5, rel_tol=1e-12) and head["gradient"] == "1/W"
+        assert "B's global loss of update 0, computed at A's weights on A's rows, is 0.5 times" in (
+            words
+        )
+    else:
+        assert "of the rank's 8 entries, where one device takes all 16" in head["departs"]
+        assert "Named from the traces of the first update" in words
+
+
+def test_without_traces_the_comparison_says_what_it_cannot_tell_and_how_to_find_out(
+    contrastive,
+):
+    compared = comparer.compare(contrastive["one_untraced"], contrastive["local_untraced"])
+    head = whole(compared)
+    assert (head["verdict"], head["cause"]) == ("loss differs", ""), compared.words
+    words = " ".join(compared.words.split())
+    assert "The recordings cannot tell which part of the forward departs" in words
+    assert "Record both runs with trace=True" in words
+    one_traced = comparer.compare(contrastive["one"], contrastive["local_untraced"])
+    assert whole(one_traced)["departs"] == (
+        "no line named: only A traced its first update; record B with trace=True too"
+    )

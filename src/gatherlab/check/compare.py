@@ -47,7 +47,7 @@ from gatherlab.core.floor import (
     classify_sketched_floored,
 )
 from gatherlab.core.gradients import Classified, Layout
-from gatherlab.recording.format import Recording, read
+from gatherlab.recording.format import TRACE, Recording, read
 
 __all__ = [
     "MUST_AGREE", "UPDATE_COLUMNS", "Comparison", "NotComparable", "compare", "recording",
@@ -396,20 +396,39 @@ def _unreduced(a: Recording, b: Recording) -> tuple[list[str], dict[str, str]]:
 
 
 def _where(
-    a: Recording, b: Recording, tolerance: float
+    a: Recording, b: Recording, tolerance: float, micro_batches: int, floored: bool
 ) -> Callable[[], where.Departure | None] | None:
     """Where B's first update departs from A's, as the check names it (`check.where`), when both
     recorded a trace of it (``trace.pt``) and B has ranks: A's one device's records against each
     of B's ranks'. One device's global batch is A's rows of update 0, divided by the number of
-    blocks its forward concatenates (two views: 2) where B's order shows them."""
-    if b.world_size < 2 or a.world_size != 1:
-        return None
+    blocks its forward concatenates (two views: 2) where B's order shows them. Where a trace was
+    recorded but no line can be read from it, why (`where.unlocated`); None where neither run
+    traced."""
     ones, ranks = a.trace(), b.trace()
-    if not ones or not ranks or not ones[0] or not all(ranks):
+    traced_a, traced_b = bool(ones and ones[0]), bool(ranks and all(ranks))
+    if not traced_a and not traced_b:
         return None
+    why = None
+    if traced_a != traced_b:
+        why = (f"no line named: only {'A' if traced_a else 'B'} traced its first update; record "
+               f"{'B' if traced_a else 'A'} with trace=True too")  # fmt: skip
+    elif a.world_size != 1:
+        why = f"no line named: A ran on {a.world_size} ranks, and a line is read against one device"
+    elif b.world_size < 2:
+        why = "no line named: B ran on one device, whose trace is not read against ranks"
+    elif floored:
+        why = (
+            "no line named: in a low precision every result parts by rounding; record both "
+            "runs in float64 with trace=True to name the line"
+        )
+    if why is not None:
+        return lambda: where.unlocated(why)
     first_a, first_b = a.updates[0], b.updates[0]
     rows = [row for rank in first_a.rows for row in rank]
     batch = len(rows) // (batches.blocks(rows, first_b.rows) or 1)
+    if micro_batches > 1:  # rank 0's first micro-batch: the first of W·K blocks of A's rows
+        return lambda: where.departure(ones[0], ranks[:1], b.world_size * micro_batches, batch,
+                                       tolerance)  # fmt: skip
     return lambda: where.departure(ones[0], ranks, b.world_size, batch, tolerance)
 
 
@@ -501,7 +520,8 @@ def compare(
     updates, reads = _updates_table(a, b, world_size, micro_batches, floored)
     unreduced, measured = _unreduced(a, b)
     desync = next(((u.index, u.drifted) for u in b.updates if u.drifted), None)
-    measured = {**measured, "data_cause": data.explanation or ""}
+    measured = {**measured, "data_cause": data.explanation or "", "recorded": True,
+                "micro_batches": micro_batches}  # fmt: skip
     if desync is not None:
         measured |= {"desync_update": desync[0], "desync_parts": ", ".join(desync[1])}
     full = reads[0].source == FULL
@@ -522,7 +542,8 @@ def compare(
         recorded=Recorded(None if full else (reads[0].whole, reads[0].parts), unreduced,
                           data.update is not None, in_precision,
                           () if desync is None else desync[1]),
-        where=None if data.update is not None or floored else _where(a, b, tolerance),
+        where=None if data.update is not None else _where(
+            a, b, tolerance, micro_batches, floored is not None),
     )  # fmt: skip
     judged = floored is not None or precision == terms.Precision.FLOAT64 or data.update is not None
     departure = None
@@ -606,9 +627,13 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
         cause = head["cause"]
         named = f" ({cause})" if cause and head["verdict"] != terms.LOSS_SCALED else ""
         text = diagnosis.diagnosis(table.iloc[:1], parts, said.measured)
-        micro_batches = int(head.get("micro_batches", 1))
-        if head["forward"] == terms.Forward.DIFFERS and micro_batches > 1:
+        micro_batches = int(said.measured.get("micro_batches", 1))
+        named_by_trace = cause in (terms.Cause.MICRO_NEGATIVES, terms.Cause.LOCAL_NEGATIVES)
+        if head["forward"] == terms.Forward.DIFFERS and micro_batches > 1 and not named_by_trace:
             text += " " + diagnosis.RECORDED_MICRO_BATCHES.format(micro_batches=micro_batches)
+        if head["verdict"] == terms.LOSS_DIFFERS and not cause and not _traced(a, b):
+            micro = " or to its micro-batch's" if micro_batches > 1 else ""
+            text += " " + diagnosis.RECORDED_UNTRACED.format(micro=micro)
         lines.append(f"B against A, W = {head['world_size']}: {head['verdict']}{named}\n"
                      + diagnosis._paragraph(text) + diagnosis._departs(table.iloc[:1]))  # fmt: skip
     lines += diagnosis._precision_lines(table, None)  # judged in floors (--floor)
@@ -619,6 +644,11 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
     elif trains_like_one_device(table):
         lines.append(f"B trains like A ({a.precision}, every update's loss and gradient).")
     return "\n\n".join(lines) + "\n"
+
+
+def _traced(a: Recording, b: Recording) -> bool:
+    """Whether both recordings traced their first update (their ``trace.pt``)."""
+    return all((recording.path / TRACE).is_file() for recording in (a, b))
 
 
 def _departure_words(head: pd.Series, said: _Said, floored: bool) -> str:

@@ -323,13 +323,53 @@ BLOCK_ORDER = (
     "micro-batches taken per rank in turn, the order any layout gives them."
 )
 
+# A cause a comparison of recordings names from what they hold (``gatherlab.check.compare``): a
+# recording cannot reproduce a loss on one device, so each says what in the recordings shows it.
+RECORDED_CAUSES = {
+    terms.Cause.SCALED: (
+        "Read from the recordings: B's global loss of update 0, computed at A's weights on A's "
+        "rows, is {scale:.6g} times A's, and its gradient {gradient} (norm ratio "
+        "{norm_ratio:.6g}, cosine {cosine:.12g}): a factor that depends on the layout scales the "
+        "loss, e.g. a loss divided by W on top of DDP's average, multiplied by W on a gather "
+        "whose backward already sums the ranks' gradients, or K micro-batches' losses not "
+        "divided by K (c = K). Fix: drop the factor; divide by K exactly once per update."
+    ),
+    terms.Cause.LOCAL_NEGATIVES: (
+        "Named from the traces of the first update (below: where it departs; a recording cannot "
+        "reproduce it on one device): the first result that leaves one device's reduces over "
+        "the rank's part of the entries its rows meet, where one device takes them all. Each "
+        "rank's loss sees only its own rows as its negatives (or targets): they are local. Fix: "
+        "gather every rank's embeddings through " + _GATHER_FIX + ", and compute the loss over "
+        "the gathered batch."
+    ),
+    terms.Cause.MICRO_NEGATIVES: (
+        "Named from the traces of the first update (below: where it departs; a recording cannot "
+        "reproduce it on one device): B accumulates {micro_batches} micro-batches per update, "
+        "and the first result that leaves one device's reduces over the micro-batch's part of "
+        "the entries its rows meet. Each micro-batch's loss sees only its own rows as its "
+        "negatives: naive accumulation. Fix: accumulate through a feature cache (GradCache: "
+        "every micro-batch's embeddings without gradient, the whole batch's loss and its "
+        "gradient with respect to them, then one recomputation per micro-batch backpropagating "
+        "it), the embeddings gathered across ranks through " + _GATHER_FIX + "."
+    ),
+}
+# A recorded run whose loss differs with no cause named and no traces to name one by.
+RECORDED_UNTRACED = (
+    "The recordings cannot tell which part of the forward departs: a loss whose rows meet only "
+    "its rank's rows (in-batch negatives local to a rank{micro}), a statistic of the rank's rows "
+    "(a batch norm), randomness drawn per rank (dropout) or code that depends on the rank give "
+    "the same numbers here. Record both runs with trace=True (gatherlab.record(..., trace=True), "
+    "or the callbacks' trace=True) and compare again: the first operation that departs is named "
+    "with its line; or check the step itself with python -m gatherlab.check."
+)
+
 # What reproduced a ``loss differs`` on one device (``gatherlab.check.hypotheses``), and its fix.
 CAUSES = {
     terms.Cause.SCALED: (
-        "Reproduced on one device: the global loss is {scale:.6g} times the 1-device loss on both "
-        "batches checked (to a relative "
-        + _FLOAT64
-        + "), while the gradient is {gradient} (norm ratio "
+        "The global loss is {scale:.6g} times the 1-device loss at the same weights (to a "
+        "relative " + _FLOAT64 + ": reproduced on one device on both batches checked for a loss, "
+        "read from the first step of a training run), while the gradient is {gradient} (norm "
+        "ratio "
         "{norm_ratio:.6g}, cosine {cosine:.12g}): a factor that depends on the layout (W ranks, "
         "K micro-batches accumulated per rank) scales the loss and its gradient is not one "
         "device's either, e.g. a loss multiplied by W on a gather whose backward already sums "
@@ -605,7 +645,8 @@ def diagnosis(
             + CAUSES[terms.Cause(cause)].format(**numbers)
         )
     elif first["verdict"] == terms.LOSS_DIFFERS and cause:
-        text += " " + CAUSES[terms.Cause(cause)].format(**numbers)
+        causes = RECORDED_CAUSES if numbers.get("recorded") and cause in RECORDED_CAUSES else CAUSES
+        text += " " + causes[terms.Cause(cause)].format(**numbers)
     elif cause == terms.Cause.PARTS and parts is not None and len(parts):
         text = (
             f"the gradient points in another direction than one device's (cosine "

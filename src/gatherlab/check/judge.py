@@ -254,6 +254,7 @@ def judge(
     same = abs(first - reference_first) <= tolerance if trained else relative_same
     forward = Forward.SAME if same else Forward.DIFFERS
     cause, scale = None, None
+    shown_scale = None
     if trained:  # its own curve: a constant factor of every step's loss
         curves = (run, reference)
         scale = hypotheses.scale(run.losses, reference.losses, tolerance)
@@ -266,13 +267,15 @@ def judge(
         parts = _classified_parts(run, reference, layout, world_size, micro_batches)
     else:
         whole, parts = classified
+    if trained and cause is None and not same:  # its first loss and gradient, one factor
+        shown_scale = _first_factor(first, reference_first, whole, key, tolerance)
+        cause = Cause.SCALED if shown_scale is not None else None
     if whole.gradient == GradientClass.BIASED and gradients.single_factors(parts):
         cause = Cause.PARTS
     elif cause is None and not same and accumulated is not None:
         cause = Cause.MICRO_NEGATIVES if _reproduced(first, accumulated(), tolerance) else None
-    shared = dataclasses.replace(
-        key, forward=str(forward), scale=scale, cause=str(cause or ""), loss_diff=loss_diff
-    )
+    shared = dataclasses.replace(key, forward=str(forward), scale=scale or shown_scale,
+                                 cause=str(cause or ""), loss_diff=loss_diff)  # fmt: skip
     if trained:  # every row of a trained run carries its curve's numbers
         shared = dataclasses.replace(
             shared, first_loss=first, train_max_abs_loss_diff=max(compared.differences),
@@ -333,9 +336,40 @@ def _located(rows: list[Row], departure: Departure | None) -> list[Row]:
     located = {"where": departure.where, "departs": words}
     if head.cause == Cause.UNEXPLAINED and departure.kind == DepartureKind.STATISTIC:
         located["cause"] = str(Cause.LOCAL_STATISTIC)
+    elif (
+        not head.cause
+        and departure.kind == DepartureKind.STATISTIC
+        and departure.over
+        and departure.over[0] > 0
+    ):  # over the entries the rows meet: their negatives
+        located["cause"] = str(_statistic_cause(departure.over, head))
     if departure.kind == DepartureKind.LAYOUT:  # measured: a shape one device does not have
         located["cause"] = str(Cause.LAYOUT)
     return [dataclasses.replace(r, **located) for r in rows]
+
+
+def _first_factor(
+    first: float, reference: float, whole: Classified, key: Row, tolerance: float
+) -> float | None:
+    """c where a trained run's first loss, computed at the reference's weights on its rows, is a
+    named factor c of the reference's (`gradients.factor_name`, to the losses' ``tolerance``
+    relative to the reference's loss) and its first gradient is that factor too: the cause
+    ``scaled``, read from the first step, after which the run trains at other weights."""
+    if not reference or math.isnan(first) or math.isnan(reference):
+        return None
+    resolution = max(tolerance / abs(reference), gradients.FLOAT64_TOLERANCE)
+    name = gradients.factor_name(first / reference, key.world_size, key.micro_batches, resolution)
+    return first / reference if name is not None and name == whole.gradient else None
+
+
+def _statistic_cause(over: tuple[int, int, int], head: Row) -> Cause:
+    """The cause a run's departure names where nothing reproduced one (a recording has no
+    one-device run to reproduce it on): a reduction over the rank's part of the entries its rows
+    meet (a similarity's columns, dimension ``over[0]`` ≥ 1) is the rank's own rows as each row's
+    negatives (``local_negatives``), or its micro-batch's where the run accumulates K
+    micro-batches (``micro_negatives``). A statistic over the rank's rows (dimension 0) is left
+    to the check's removals (a batch norm's culprit) and the words of where it departs."""
+    return Cause.MICRO_NEGATIVES if head.micro_batches > 1 else Cause.LOCAL_NEGATIVES
 
 
 def _reproduced(first: float, values: Sequence[float], tolerance: float) -> bool:

@@ -57,6 +57,9 @@ class Departure:
     where: str
     words: str
     kind: DepartureKind
+    over: tuple[int, int, int] | None = None
+    """A statistic's reduction: (its dimension, the rank's entries along it, one device's), where
+    the rank reduces over its part of one device's (``statistic``); None for any other."""
 
 
 Index = tuple[torch.Tensor | slice, ...]
@@ -317,7 +320,8 @@ def _forward_words(
         return Departure(mine.label, words, DepartureKind.INPUT)
     reduced = _reduced_part(op, mine, world_size)
     if reduced is not None:
-        return Departure(mine.label, reduced + _updated(theirs, mine), DepartureKind.STATISTIC)
+        return Departure(mine.label, reduced + _updated(theirs, mine), DepartureKind.STATISTIC,
+                         _reduced_over(op, mine, world_size))  # fmt: skip
     if differs.index is None:  # a scalar on the loss's path: the mean over ranks
         mean = math.fsum(float(t[matches[r][op.index]].value) for r, t in enumerate(ranks))
         mean /= world_size
@@ -384,7 +388,7 @@ def _reduced_part(op: Op, mine: Op, world_size: int) -> str | None:
         if len(one_shape) != len(rank_shape):
             continue
         parts = [d for d, (a, b) in enumerate(zip(one_shape, rank_shape, strict=True))
-                 if a == world_size * b and a != b]  # fmt: skip
+                 if _part_of(a, b, world_size)]  # fmt: skip
         if not parts:
             continue
         dims = op.dims if op.dims else tuple(range(len(one_shape)))
@@ -399,6 +403,25 @@ def _reduced_part(op: Op, mine: Op, world_size: int) -> str | None:
                     f"device takes all {one_shape[dim]}"
                 )
     return None
+
+
+def _reduced_over(op: Op, mine: Op, world_size: int) -> tuple[int, int, int] | None:
+    """(dimension, the rank's entries, one device's) of the reduction `_reduced_part` names."""
+    for one_shape, rank_shape in zip(op.input_shapes, mine.input_shapes, strict=False):
+        if len(one_shape) != len(rank_shape):
+            continue
+        for dim in op.dims if op.dims else range(len(one_shape)):
+            a, b = one_shape[dim], rank_shape[dim]
+            if _part_of(a, b, world_size):
+                return dim, b, a
+    return None
+
+
+def _part_of(whole: int, part: int, world_size: int) -> bool:
+    """Whether ``part`` entries are the rank's part of one device's ``whole``: a share 1/m of
+    it, m ≥ 2 dividing W (1/W where the rank reduces over its own rows; 1/K for a micro-batch of
+    K gathered over the ranks, read as one of W·K ranks)."""
+    return part > 0 and whole != part and whole % part == 0 and world_size % (whole // part) == 0
 
 
 def _other_order(mine: torch.Tensor, theirs: torch.Tensor, tolerance: float) -> list[int] | None:
