@@ -8,7 +8,8 @@ Bugs, each named by its switch: ``divide_twice`` (the loss divided by W on top o
 ``temperature_outside`` (a learnt scale outside every wrapper: its gradient is not reduced),
 ``batchnorm`` (a per-rank BatchNorm1d in the body: its statistics are each rank's),
 ``accumulate_sum`` (micro-batches' losses summed, not averaged: the gradient is K times),
-``desync`` (the last rank's learning rate 1 % larger from update 2: the ranks step apart).
+``desync`` (the last rank's learning rate 1 % larger from update 2: the ranks step apart),
+``desync_last`` (the same from the last update only: its step alone parts the ranks).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def loop(
         trace=trace,
     )  # fmt: skip
     for update in range(STEPS):
-        if bug == "desync" and update == 2 and rank == world_size - 1 and world_size > 1:
+        parts_at = {"desync": 2, "desync_last": STEPS - 1}.get(bug)
+        if update == parts_at and rank == world_size - 1 and world_size > 1:
             for group in optimizer.param_groups:
                 group["lr"] *= 1.01
         optimizer.zero_grad()

@@ -215,3 +215,66 @@ def test_a_trainers_own_sampler_is_the_one_device_batch_with_drop_last_and_padde
         "From the fingerprints: B's rank 1 holds 4 rows at update 7 that its epoch 0 has given "
         "already: its sampler pads the data set with repeated rows"
     )
+
+
+# --- the cause only from evidence; batches as multisets (issue 68) -------------------------------
+
+
+def test_rows_no_update_of_a_holds_are_not_blamed_on_seeds_without_evidence():
+    """B's update 0 holds rows that A, which never covered its data set, gives at no update: the
+    fingerprints cannot tell another permutation from other inputs, and the words say both;
+    where B's rows are A's at a later update, the permutation is what the evidence shows."""
+    one = [[ROWS[0:8]], [ROWS[8:16]]]
+    other_inputs = [
+        [[f"{i:016x}" for i in range(100, 108)]],
+        [[f"{i:016x}" for i in range(108, 116)]],
+    ]
+    compared = explained(one, other_inputs)
+    assert compared.update == 0
+    assert compared.explanation.startswith(
+        "From the fingerprints: none of the 8 rows of B's global batch at update 0 that A's "
+        "lacks appears at any update of A"
+    )
+    assert "seeds differ" not in compared.explanation.lower()
+    permuted = [[ROWS[8:16]], [ROWS[0:8]]]
+    assert explained(one, permuted).explanation.startswith(
+        "From the fingerprints: the two runs' samplers start from different permutations"
+    )
+
+
+def test_a_global_batch_holding_one_of_as_rows_twice_is_data_differs():
+    """A multiset: W = 2 ranks whose global batch holds one of A's rows twice (and lacks one)
+    differ from A's, though the two batches' sets of rows differ by one row only, and the words
+    say which rank holds a row more often."""
+    one = [[ROWS[0:8]]]
+    twice = [[ROWS[0:4], [ROWS[4], ROWS[5], ROWS[6], ROWS[6]]]]
+    compared = explained(one, twice)
+    assert compared.update == 0
+    assert "B's rank 1 holds 1 row more often than A's batch" in compared.words
+    assert "A's batch holds 1 row B's lacks" in compared.words
+    # the same set of rows, other counts: A holds row 0 twice, B row 1 twice
+    held_twice = [[[ROWS[0], ROWS[0], *ROWS[1:7]]]]
+    same_set = [[[ROWS[0], ROWS[1], ROWS[1], *ROWS[2:4]], ROWS[4:7]]]
+    assert set(held_twice[0][0]) == {row for rank in same_set[0] for row in rank}
+    assert explained(held_twice, same_set).update == 0
+
+
+@pytest.mark.parametrize(("samples", "global_batch"), [(32, 8), (30, 6)])
+def test_the_layout_invariant_sampler_without_drop_last_gives_each_index_once_per_epoch(
+    samples, global_batch
+):
+    """drop_last=False where the global batch divides the data: every index once per epoch, no
+    extra batch, and the ranks' batches concatenated are one device's, at W = 1, 2 and 4 (the
+    last only where W divides the global batch)."""
+    one = list(LayoutInvariantSampler(data(samples), global_batch, num_replicas=1, rank=0,
+                                      seed=3, drop_last=False))  # fmt: skip
+    assert sorted(one) == list(range(samples)) and len(one) == samples
+    for world in (w for w in (2, 4) if global_batch % w == 0):
+        ranks = [list(LayoutInvariantSampler(data(samples), global_batch, num_replicas=world,
+                                             rank=r, seed=3, drop_last=False))
+                 for r in range(world)]  # fmt: skip
+        assert all(len(rows) == samples // world for rows in ranks)
+        part = global_batch // world
+        rebuilt = [row for start in range(0, samples // world, part)
+                   for rows in ranks for row in rows[start : start + part]]  # fmt: skip
+        assert rebuilt == one

@@ -373,6 +373,25 @@ def test_updates_are_written_in_batches_and_every_one_is_there_at_the_end(tmp_pa
     assert [u.index for u in recording.updates] == list(range(40)) and FLUSH_UPDATES < 40
 
 
+def test_ranks_that_part_only_at_the_last_update_are_diverges_with_exit_status_1(recorded):
+    """The last rank's learning rate 1 % larger at the last update only: rank 0's every loss,
+    gradient and final weights are one device's (the recording keeps rank 0's), yet the ranks'
+    weights differ after that step, and the comparison says ``diverges`` (exit status 1)."""
+    from gatherlab import compare
+
+    one, many = recorded("ddp", "", 1), recorded("ddp", "desync_last", 2)
+    last = len(many.updates) - 1
+    assert [u.drifted for u in many.updates] == [[]] * last + [many.parts]
+    assert [u.loss for u in many.updates] == pytest.approx([u.loss for u in one.updates],
+                                                           rel=1e-12, abs=0)  # fmt: skip
+    for part in one.parts:
+        assert relative(many.weights_sketch[part], one.weights_sketch[part]) <= 1e-12
+    compared = compare(one, many)
+    assert (compared.verdict, compared.status, compared.table.iloc[0]["cause"]) == (
+        "diverges", 1, "desync")  # fmt: skip
+    assert compared.departure == (last, many.parts[0])
+
+
 def test_ranks_that_step_apart_are_recorded_at_the_update_they_part(recorded):
     """The last rank's learning rate 1 % larger from update 2 (DDP, W = 2): the ranks' weights
     differ after update 2's step, every part (each rank's fingerprint compared), and not before;

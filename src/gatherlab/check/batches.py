@@ -188,7 +188,7 @@ def explain(a: Recording, b: Recording, first: int, strided: bool = False) -> st
                     run=name, other=other, update=first, rows=foreign, held=_rows(foreign)
                 )
     if first == 0:
-        return diagnosis.DATA_CAUSES["start"]
+        return _start(batches, first)
     until = {name: [start for start in starts[name] if start <= first] for name in starts}
     if first in until["A"] and until["A"] == until["B"]:  # both start an epoch there
         epoch = until["A"].index(first)
@@ -208,6 +208,19 @@ def explain(a: Recording, b: Recording, first: int, strided: bool = False) -> st
         )  # fmt: skip
     epoch = bisect.bisect_right(starts["A"], first) - 1
     return diagnosis.DATA_CAUSES["unexplained"].format(update=first, epoch=epoch)
+
+
+def _start(batches: dict[str, list[list[str]]], first: int) -> str:
+    """Why update ``first`` (0) differs: another permutation where B's rows that A's batch lacks
+    are A's rows at other updates (the same samples, in another order); where none is, and A
+    never covered its data set, the fingerprints cannot tell that from inputs that differ."""
+    given = {row for rows in batches["A"] for row in rows}
+    lacking = set(batches["B"][first]) - set(batches["A"][first])
+    if not lacking or any(row in given for row in lacking):
+        return diagnosis.DATA_CAUSES["start"]
+    return diagnosis.DATA_CAUSES["unseen"].format(
+        rows=len(lacking), held=_rows(len(lacking)), update=first
+    )
 
 
 def _rows(count: int) -> str:

@@ -259,6 +259,14 @@ DATA_CAUSES = {
         "without generator= draws a new permutation from torch's global RNG in every run), or "
         "one run does not shuffle. " + _SAMPLER_FIX
     ),
+    "unseen": (
+        "From the fingerprints: none of the {rows} {held} of B's global batch at update {update} "
+        "that A's lacks appears at any update of A, and A's recording does not cover its data "
+        "set, so the fingerprints cannot tell a sampler that starts from another permutation "
+        "(rows A had not reached yet) from inputs that differ themselves (another preprocessing "
+        "or tokenization, randomness drawn per process or per run). Record more updates than an "
+        "epoch to tell them apart. " + _SAMPLER_FIX
+    ),
     "reshuffled": (
         "From the fingerprints: both runs give the same global batches until update {update}"
         "{strided}, where both start epoch {epoch} (its rows repeat epoch {previous}'s): they "
