@@ -1,7 +1,12 @@
 """Table (docs/results.md, "A census of released code"): ``gatherlab.check`` on every
-distributed loss of the released packages the census could load, at W = 2 and 4, with the
-released defaults and each distributed flag on and off; every row that is not exact checked again
-with its fix applied to a local copy of the released file.
+distributed loss of the released packages the census could load, at W = 2 and 4 (a finding, a
+case with a reproducer, and its fixed copy at W = 8 too), with the released defaults and each
+distributed flag on and off; every row that is not exact checked again with its fix applied to a
+local copy of the released file (a row whose loss is only scaled too, when it has a fix: a fix
+of the value). A loss that calls the model itself (GradCache's: it backpropagates inside its
+forward and replays the cached gradients in a hook of the loss it returns) is checked on that
+path, its adapter's ``model_for`` giving it the model DDP wraps (docs/design.md §6, "A loss that
+calls the model itself").
 
 The cases, one module per package, their adapters, stubs, remarks and fixes (patch files) are in
 ``experiments/census_cases/``. This script downloads each release's wheel as
@@ -128,10 +133,21 @@ def named(table: pd.DataFrame | str) -> str:
 
 
 def exact(table: pd.DataFrame | str) -> bool:
+    """Whether the case trains like one device at every W: ``exact``, or ``loss scaled`` (only
+    the value reported is a multiple of one device's; the gradient is exact)."""
     if isinstance(table, str):
         return False
     whole = table[table["part"] == "all"]
     return bool(whole["verdict"].isin(["exact", "loss scaled"]).all())
+
+
+def one_devices(table: pd.DataFrame | str) -> bool:
+    """Whether the case is one device's at every W, its value as well as its gradient: every
+    verdict ``exact``. A case with a fix is checked with it whenever it is not: a fix of the
+    value alone (`loss scaled`) is checked too, on the path the gradient takes."""
+    if isinstance(table, str):
+        return False
+    return bool((table[table["part"] == "all"]["verdict"] == "exact").all())
 
 
 COLUMNS = ("package", "version", "loss", "flags", "W = 2", "W = 4", "cause; where",
@@ -140,12 +156,11 @@ COLUMNS = ("package", "version", "loss", "flags", "W = 2", "W = 4", "cause; wher
 
 def row_of(case: Case, table: pd.DataFrame | str, fixed: pd.DataFrame | str | None) -> list[str]:
     fix, after = "", ""
-    if not exact(table):
-        if case.fix is not None:
-            fix = case.fix.summary
-            after = "exact" if exact(fixed) else " / ".join(verdicts(fixed))
-        else:
-            fix = case.note
+    if fixed is not None:
+        fix = case.fix.summary
+        after = "exact" if one_devices(fixed) else " / ".join(verdicts(fixed))
+    elif not exact(table):
+        fix = case.note
     repro = f"[{case.repro}]({'../' + REPRO}/{case.repro})" if case.repro else ""
     return [case.package, case.version, f"`{case.loss}`", case.flags, *verdicts(table),
             named(table), fix, after, repro]  # fmt: skip
@@ -160,14 +175,15 @@ def census_row(
 ) -> list[str]:
     """The table's row of ``case`` on the release at ``root``: its check (``checked``; on the
     release with the case's own ``patch`` applied, by ``copied``, when it has one) and, when that
-    is not exact at every W, the check again on a copy with its fix applied; both tables added
-    to ``kept``, for the pages."""
+    is not exact at every W (a scaled loss included: its fix is of the value), the check again on
+    a copy with its fix applied, at the same world sizes (`check`); both tables added to
+    ``kept``, for the pages."""
     label = hashlib.sha256(f"{case.loss} {case.flags}".encode()).hexdigest()[:8]
     if case.patch is not None:
         root = copied(root, case.patch, f"{case.patch.name}-{label}")
     table = checked(case, root)
     fixed = None
-    if case.fix is not None and not exact(table):
+    if case.fix is not None and not one_devices(table):
         fixed = checked(case, copied(root, case.fix, f"{case.fix.name}-{label}"))
     if kept is not None:
         kept.append(Checked(case, table, fixed, root))

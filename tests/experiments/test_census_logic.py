@@ -1,20 +1,28 @@
 """The census's own logic (experiments/census.py) on tables built here by hand, as the check
 writes them (one row per W and part): a case is exact only when every W is; a case that is not
-exact at some W gets its fix applied and checked again; the fix column says exact only when every
-W of the fixed run is; the cells and the cause column read what the rows hold."""
+exact at some W (or whose loss is only scaled, when it has a fix: a fix of the value) gets its
+fix applied and checked again; the fix column says exact only when every W of the fixed run is;
+the cells and the cause column read what the rows hold. And, on real gloo ranks of the pool, on
+a stand-in release written here: a finding (a case with a reproducer) and its fixed copy are
+checked at W = 2, 4 and 8, another case and its fixed copy at W = 2 and 4."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
+import torch.distributed as dist
 from helpers import REPO
+from torch import nn
 
 sys.path.insert(0, str(REPO / "experiments"))
 import census
 from census_cases.common import Case, Fix
+from census_fixes import all_gather_rows
 
 FIX = Fix("sum the slices' gradients", "lightly/gather.patch")
 CASE = Case("pkg", "1.0", "Loss", "gather=True", "pkg:Loss", fix=FIX)
@@ -79,6 +87,26 @@ def test_an_exact_row_is_not_checked_again():
     assert len(checks.roots) == 1
     cells = dict(zip(census.COLUMNS, row, strict=True))
     assert (cells["fix"], cells["with the fix (W = 2, 4)"], cells["cause; where"]) == ("", "", "")
+
+
+def test_a_scaled_loss_with_a_fix_of_its_value_gets_it_checked_and_a_fix_that_scales_is_not_exact():
+    scaled = ("loss scaled", {"scale": 2.0})
+    checks = _Checks(_table(scaled, scaled), _table(EXACT, EXACT))
+    row = census.census_row(CASE, Path("/cache/pkg-1.0"), checks, _copied)
+    assert len(checks.roots) == 2 and checks.roots[1].startswith("pkg-1.0+gather-")
+    cells = dict(zip(census.COLUMNS, row, strict=True))
+    assert (cells["W = 2"], cells["fix"], cells["with the fix (W = 2, 4)"]) == (
+        "loss scaled (×2)", FIX.summary, "exact",
+    )  # fmt: skip
+    checks = _Checks(_table(BIASED, BIASED), _table(scaled, scaled))
+    row = census.census_row(CASE, Path("/cache/pkg-1.0"), checks, _copied)
+    cells = dict(zip(census.COLUMNS, row, strict=True))
+    assert cells["with the fix (W = 2, 4)"] == "loss scaled (×2) / loss scaled (×2)"
+    # without a fix, a scaled loss is a row that trains like one device: nothing to say
+    checks = _Checks(_table(scaled, scaled))
+    row = census.census_row(dataclasses.replace(CASE, fix=None), Path("/r/pkg-1.0"), checks)
+    cells = dict(zip(census.COLUMNS, row, strict=True))
+    assert len(checks.roots) == 1 and (cells["fix"], cells["with the fix (W = 2, 4)"]) == ("", "")
 
 
 def test_the_fix_column_says_exact_only_when_every_w_of_the_fixed_run_is():
@@ -172,3 +200,55 @@ def test_the_pages_are_written_when_they_differ_and_a_page_of_no_finding_removed
     assert census.publish_pages(written, check=False) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.md", "same.md"]
     assert census.publish_pages(written, check=True) == 0
+
+
+class TimesWRelease(nn.Module):
+    """A stand-in for a released loss, read from its release's folder ``root`` as the census's
+    adapters read theirs: the mean over the rank's rows of the squared distance of a row's view-0
+    embedding to the mean of every rank's view-1 embeddings (gathered with a gather whose
+    backward sums the ranks' gradients), multiplied by W when the release's file ``factor`` says
+    ``W`` (the released bug: loss and gradient W times one device's), not when it says ``1``
+    (the fixed copy: exact)."""
+
+    def __init__(self, root: str):
+        super().__init__()
+        self.times_w = (Path(root) / "factor").read_text() == "W"
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        value = ((z0 - all_gather_rows(z1).mean(0)) ** 2).sum(1).mean()
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        return value * world_size if self.times_w else value
+
+
+def _fixed_release(root: Path, fix: Fix, label: str) -> Path:
+    """A fixed copy of the stand-in release, as `census_cases.common.fixed_copy` makes one."""
+    copy = root.with_name(f"{root.name}+{label}")
+    copy.mkdir()
+    (copy / "factor").write_text("1")
+    return copy
+
+
+def _world_sizes(table: pd.DataFrame) -> list[int]:
+    return table[table["part"] == "all"]["world_size"].tolist()
+
+
+@pytest.mark.slow  # four checks on the pool, up to W = 8: 30 s
+def test_a_finding_and_its_fixed_copy_are_checked_at_w_2_4_and_8_other_rows_at_2_and_4(tmp_path):
+    release = tmp_path / "pkg-1.0"
+    release.mkdir()
+    (release / "factor").write_text("W")
+    finding = Case("pkg", "1.0", "Loss", "times_w=True", TimesWRelease, fix=FIX,
+                   repro="pkg_times_w.py")  # fmt: skip
+    other = dataclasses.replace(finding, flags="times_w=True, no reproducer", repro="")
+    kept = []
+    for case in (finding, other):
+        census.census_row(case, release, copied=_fixed_release, kept=kept)
+    (released, fixed), (other_released, other_fixed) = [(c.table, c.fixed) for c in kept]
+    assert _world_sizes(released) == _world_sizes(fixed) == [2, 4, 8]
+    assert _world_sizes(other_released) == _world_sizes(other_fixed) == [2, 4]
+    # what each checked: the release W times one device's (its gradient's norm ratio W), the
+    # fixed copy one device's
+    whole = released[released["part"] == "all"]
+    assert whole["cause"].tolist() == ["scaled"] * 3
+    assert whole["norm_ratio"].tolist() == pytest.approx([2.0, 4.0, 8.0], rel=1e-12)
+    assert set(fixed["verdict"]) == set(other_fixed["verdict"]) == {"exact"}
