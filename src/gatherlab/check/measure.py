@@ -168,11 +168,13 @@ def _on_rank(
     return measured
 
 
-# The names of the loss's two arguments in its records (`gatherlab.runs.trace`).
+# The names of the loss's two arguments in its records (`gatherlab.runs.trace`); of a loss that
+# calls the model itself (`runs.loss.calls_model`), the views.
 TRACED_INPUTS = (
     "loss's argument out0 (view 0's embeddings)",
     "loss's argument out1 (view 1's embeddings)",
 )
+TRACED_VIEWS = ("loss's argument view0 (view 0)", "loss's argument view1 (view 1)")
 
 
 def traced(
@@ -180,15 +182,19 @@ def traced(
 ) -> list[trace.Op]:
     """The operations of the loss's forward on these views, as `gatherlab.runs.trace` records
     them, with their gradients: the model and the loss built as `measure` builds them (no DDP:
-    only the loss's own tensors are compared), in this process's group, if any."""
+    only the loss's own tensors are compared), in this process's group, if any. A loss that
+    calls the model itself is given the views and the model (its calls of it recorded too)."""
     whole, _ = runs_loss.build(loss, model_factory, seed, distributed=False)
     device = world.device()
-    out0 = whole.model(view0.to(device, torch.float64))
-    out1 = whole.model(view1.to(device, torch.float64))
+    view0, view1 = view0.to(device, torch.float64), view1.to(device, torch.float64)
+    if whole.calls_model:
+        out0, out1, names, model = view0, view1, TRACED_VIEWS, (whole.model,)
+    else:
+        out0, out1, names, model = whole.model(view0), whole.model(view1), TRACED_INPUTS, ()
     args, kwargs = whole.given(out0)
     modules = [("", whole.loss)]
     before = trace.buffer_state(modules)
-    given = dict(zip(TRACED_INPUTS, (out0, out1), strict=True))
+    given = dict(zip(names, (out0, out1), strict=True))
     if loss.inputs is not None:  # the further inputs that are tensors, named as the loss's
         values = (*args, *kwargs.values())
         given |= {
@@ -197,7 +203,7 @@ def traced(
             if isinstance(value, torch.Tensor)
         }
     with trace.traced(given) as tracer:
-        value = whole.loss(out0, out1, *args, **kwargs)
+        value = whole.loss(*model, out0, out1, *args, **kwargs)
     tracer.returned(value)
     tracer.buffers(modules, before)
     tracer.keep_gradients()

@@ -6,6 +6,13 @@ forward per backward and averages the loss's own parameters (a learnt temperatur
 simulated rank (`gatherlab.ranks.simworld`) there is no DDP: the gradients are averaged after the
 backward (`average`). `build`, `value`, `backward` and `average` are also the steps of the check's
 measurement of one gradient (`gatherlab.check.measure`).
+
+A loss that calls the model itself (`calls_model`: it defines ``model_for(model)``, the module its
+training hands it, such as GradCache's losses, which embed in mini-batches and embed again inside
+their backward) is given that module and the views, ``loss(module, view0, view1, …)``; DDP then
+wraps that module alone, as a trainer wraps the model such a loss holds, so that each of the
+loss's calls of it is one of DDP's forwards; the model's forward is then the loss's to call, not
+cut into row blocks (docs/design.md §6, "A loss that calls the model itself").
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from gatherlab.runs.spec import RunSpec
 
 __all__ = [
     "Batch", "Loss", "LossContractError", "ModelFactory", "Whole", "average", "backward", "build",
-    "value",
+    "calls_model", "value",
 ]  # fmt: skip
 
 ModelFactory = Callable[[], nn.Module]
@@ -39,21 +46,38 @@ class LossContractError(ValueError):
     """The loss broke its contract: ``loss(out0, out1)`` must return a finite scalar tensor."""
 
 
+def calls_model(loss: Any) -> bool:
+    """Whether ``loss`` calls the model itself: it defines ``model_for(model)``, the module that
+    its training hands it in place of the bare model (the model behind the interface the loss
+    calls, such as a dict of features in and a dict of embeddings out); it is then called as
+    ``loss(module, view0, view1, *inputs)`` and embeds the views through the module as often as
+    it does in training."""
+    return callable(getattr(loss, "model_for", None))
+
+
 class Whole(nn.Module):
     """The model and the loss as one module, as the LightningModule holds them: DDP sees one
     forward per backward, and averages the loss's own parameters (a learnt temperature) too.
     A loss with further ``inputs`` (`Inputs`, made for the global batch) is given the rows of
     them that its views hold: ``rows`` of the global batch when set (a one-device forward of
-    some rows, `gatherlab.check.hypotheses`), else this rank's own."""
+    some rows, `gatherlab.check.hypotheses`), else this rank's own. A loss that calls the model
+    itself (`calls_model`) is given ``model`` as ``loss.model_for(model)`` makes it (``model``
+    here; DDP-wrapped on real ranks by `build`) and the views, not their embeddings."""
 
     def __init__(
         self, model: nn.Module, loss: nn.Module, row_blocks: int = 1, inputs: Inputs | None = None
     ):
         super().__init__()
+        self.calls_model = calls_model(loss)
+        if self.calls_model:
+            model = loss.model_for(model)
         self.model, self.loss, self.row_blocks, self.inputs = model, loss, row_blocks, inputs
         self.rows: slice | torch.Tensor | None = None
 
     def forward(self, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
+        if self.calls_model:  # the loss embeds the views itself, through the model it is given
+            args, kwargs = self.given(view0)
+            return self.loss(self.model, view0, view1, *args, **kwargs)
         # in row blocks: the floor's perturbation of a low precision (`runs.precision.RowBlocks`)
         out0 = precision.blocked(self.model, self.row_blocks, view0)
         out1 = precision.blocked(self.model, self.row_blocks, view1)
@@ -87,7 +111,9 @@ def build(
     device, its parameters in ``in_precision``'s dtype (float64 by default), its model's forward
     in ``row_blocks`` row blocks (the floor's perturbation, `runs.precision.RowBlocks`); and the
     module as this rank trains it: in DDP when ``distributed`` on real ranks, bare on one device
-    and on a simulated rank."""
+    and on a simulated rank. For a loss that calls the model itself (`calls_model`) that module
+    is the model and the loss unwrapped, and DDP wraps the module the loss calls, on real ranks;
+    such a loss may hold no trainable parameter of its own (no DDP would average it): refused."""
     torch.manual_seed(seed)
     model = model_factory()
     whole = Whole(model, loss(), row_blocks, loss.inputs)
@@ -95,6 +121,19 @@ def build(
     # DDP as Lightning configures it (every parameter must get a gradient: ``backward`` checks);
     # a simulated rank averages the gradients itself after its backward (``average``)
     real_ddp = distributed and simworld.size() is None
+    if whole.calls_model:
+        models = {id(p) for p in whole.model.parameters()}
+        own = [name for name, p in whole.loss.named_parameters()
+               if p.requires_grad and id(p) not in models]  # fmt: skip
+        if own:
+            raise LossContractError(
+                f"the loss calls the model itself and has a trainable parameter of its own "
+                f"({own[0]}), which no DDP would average; allowed: a loss whose parameters are "
+                "the model's, or frozen"
+            )
+        if real_ddp:  # as a trainer wraps the model that such a loss holds
+            whole.model = collectives.visible(DistributedDataParallel(whole.model))
+        return whole, whole
     wrapped = collectives.visible(DistributedDataParallel(whole)) if real_ddp else whole
     return whole, wrapped
 
