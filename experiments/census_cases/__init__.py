@@ -1,7 +1,11 @@
 """The census's cases (``experiments/census.py``), one module per released package: the files
 each loss needs, what is stubbed, the adapter that makes the loss ``loss(z0, z1)``, the flags
 checked, the remark under the table, and for a loss that is not exact its fix, a patch file in
-``fixes/<package>/`` (``common.Fix``) tried on a copy of the released files.
+``fixes/<package>/`` (``common.Fix``) tried on a copy of the released files. A loss that calls
+the model itself (GradCache's ``Cached*`` losses) is checked on the path training takes instead:
+its adapter's ``model_for(model)`` builds the model the loss is handed around the check's MLP,
+and its forward is ``loss(model, view0, view1)``, the model DDP-wrapped on real ranks and put
+into the loss as the trainer puts it (``common.hand_model``).
 
 An adapter is a top-level name of its module: the check's ranks import it (the pool sends them
 the census's import path, ``experiments/``) and build the loss themselves, each loading the

@@ -22,6 +22,7 @@ from typing import Any
 
 from public_code import absent, release_root
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 FIXES = Path(__file__).resolve().parent / "fixes"
 EINOPS = (
@@ -202,3 +203,24 @@ def torchvision_stand_in(*submodules: str) -> dict[str, types.ModuleType]:
                 parent, _, attribute = name.rpartition(".")
                 setattr(modules[parent], attribute, modules[name])
     return modules
+
+
+# --- a loss that calls the model itself (GradCache) ---------------------------------------------
+
+
+def hand_model(loss: nn.Module, model: nn.Module) -> None:
+    """Put ``model``, the module training hands a loss that calls the model itself (the check's
+    DDP wrapper of it on real ranks: `gatherlab.runs.loss.calls_model`), in ``loss`` in place of
+    the bare module the loss was built with, as sentence-transformers' trainer does once it has
+    wrapped the model in DDP (pylate trains with that trainer too): every module under ``loss``
+    whose ``model`` is the bare one is given the wrapper, and the bare one's ``preprocess``, which
+    a wrapper lacks and a cross-encoder loss calls, is reachable from the wrapper. On one device
+    ``model`` is the bare module and nothing changes."""
+    if not isinstance(model, DistributedDataParallel):
+        return
+    bare = model.module
+    if hasattr(bare, "preprocess") and not hasattr(model, "preprocess"):
+        model.preprocess = bare.preprocess
+    holders = [module for module in loss.modules() if getattr(module, "model", None) is bare]
+    for holder in holders:
+        holder.model = model

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from census_cases.common import Case, Fix, NotRun, importable, root_of
+from census_cases.common import Case, Fix, NotRun, hand_model, importable, root_of
 
 PYLATE = "1.6.0"
 TOKENS, DIM = 2, 8  # each 16-dimensional embedding read as 2 tokens of 8 dimensions
@@ -25,7 +25,9 @@ def pylate_losses(root: str | Path | None) -> types.ModuleType:
     import it (`importable`): its imports (``pylate.models``, the ColBERT model, which imports
     sentence-transformers and transformers, both installed here; ``pylate.scores`` with its
     torch backend on the CPU; ``pylate.utils.distributed``, the gathers) are the released ones.
-    Nothing is stubbed; the model the losses are given is `_TokenModel`."""
+    Nothing is stubbed; the model the losses are given is `_TokenModel` (the check's embeddings
+    as given), or for the cached loss, which calls the model itself, `_ColumnEncoder` (the
+    check's MLP)."""
     importable(root_of(root, "pylate", PYLATE), "pylate")
     return importlib.import_module("pylate.losses")
 
@@ -64,34 +66,59 @@ class PylateContrastive(nn.Module):
         return self.loss([_column(z0), _column(z1)])
 
 
+class _ColumnEncoder(nn.Module):
+    """The model a pylate loss that calls it is handed, written here: a ColBERT stand-in whose
+    forward reads each row of a tokenized column (``features["view"]``, the check's view of the
+    sample, with its ``input_ids`` and ``attention_mask``) through ``encoder``, the check's MLP,
+    and returns its 16 dimensions as the row's 2 token embeddings of 8; no skiplist, no query
+    expansion."""
+
+    skiplist: tuple[int, ...] = ()
+    do_query_expansion = False
+
+    def __init__(self, encoder: nn.Module):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        embedded = self.encoder(features["view"])
+        return {"token_embeddings": embedded.reshape(len(embedded), TOKENS, DIM)}
+
+
+def _view_column(view: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One tokenized column of the check's views: each row's view (``view``) and its 2 token
+    ids (1, 2) with attention mask 1, every token kept."""
+    ids = torch.arange(1, TOKENS + 1, device=view.device).repeat(len(view), 1)
+    return {"view": view, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
 class PylateCachedContrastive(nn.Module):
-    """pylate's released ``CachedContrastive(model, mini_batch_size=4, **flags)`` on the columns
-    of `PylateContrastive` (the queries z0, their positive documents z1, 2 tokens of 8 each),
-    through what its GradCache computes: the masks by the released ``extract_skiplist_mask``,
-    each column embedded in mini-batches of 4 rows by its ``embed_minibatch_iter`` (with
-    gradients: the model, here `_TokenModel`, and the normalisation of each token), then its
-    ``calculate_loss`` on those chunks (the documents gathered when ``gather_across_devices``,
-    the scores and the summed cross-entropy over query chunks of 4, divided by the rank's batch).
-    Its ``forward`` computes the same loss with the chunks detached, backpropagates it to them
-    inside the forward and replays the cached gradients through the model in a hook of the
-    returned loss; that gradient is the one of this graph, which the check differentiates
-    directly (the model is gatherlab's MLP, run before the loss)."""
+    """pylate's released ``CachedContrastive(model, mini_batch_size=4, **flags)`` through its own
+    ``forward`` and the backward of what it returns, the path training takes: it calls the model
+    itself (`gatherlab.runs.loss.calls_model`). ``model_for`` builds the model the loss is given,
+    `_ColumnEncoder` around the check's MLP, and the loss with it, as a user does; the check wraps
+    that model in DDP on real ranks, and `common.hand_model` puts the wrapper in the loss, as the
+    trainer does. The loss is called on two columns, the queries (view 0) and their positive
+    documents (view 1), each row embedded by the MLP and read as 2 tokens of 8. Its forward
+    embeds every mini-batch of 4 rows without gradient, computes the loss (the documents
+    gathered when ``gather_across_devices``), backpropagates it to the embeddings chunk by chunk
+    of queries and caches their gradients, and returns the loss detached with a hook; the
+    backward of the returned loss runs the hook, which embeds each mini-batch again through the
+    wrapped model and backpropagates the cached gradient into its parameters. The gradient the
+    check reads is the one the model's parameters get from that replay, after DDP's average."""
 
     def __init__(self, root: str | None = None, **flags):
         super().__init__()
-        losses = pylate_losses(root)
-        self.loss = losses.CachedContrastive(_TokenModel(), mini_batch_size=MINI_BATCH, **flags)
-        self.masks = importlib.import_module("pylate.losses.contrastive").extract_skiplist_mask
+        self.losses, self.flags = pylate_losses(root), flags
 
-    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
-        columns = [_column(z0), _column(z1)]
-        masks = self.masks(sentence_features=columns, skiplist=self.loss.model.skiplist)
-        reps = [
-            [chunk for chunk, _ in self.loss.embed_minibatch_iter(
-                sentence_feature=column, with_grad=True, copy_random_state=False)]
-            for column in columns
-        ]  # fmt: skip
-        return self.loss.calculate_loss(reps, masks)
+    def model_for(self, encoder: nn.Module) -> nn.Module:
+        model = _ColumnEncoder(encoder)
+        self.loss = self.losses.CachedContrastive(model, mini_batch_size=MINI_BATCH, **self.flags)
+        return model
+
+    def forward(self, model: nn.Module, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
+        hand_model(self.loss, model)
+        return self.loss([_view_column(view0), _view_column(view1)])
 
 
 def teacher_scores(global_batch_size: int) -> torch.Tensor:
@@ -126,11 +153,10 @@ NO_TIMES_W = Fix(
     "documents' gather (torch.distributed.nn's all_gather) already sums every rank's gradient",
     "pylate/contrastive_no_times_w.patch",
 )
-CACHED_NO_TIMES_W = Fix(
-    "sum the query chunks' cross-entropy without `loss_mbatch *= get_world_size()` when "
-    "gather_across_devices: the documents' gather (torch.distributed.nn's all_gather) already "
-    "sums every rank's gradient",
-    "pylate/cached_contrastive_no_times_w.patch",
+CACHED_VALUE = Fix(
+    "divide the returned loss by W when gather_across_devices, not the cached gradients: their "
+    "×W (each query chunk's cross-entropy times W) is what DDP's average takes back",
+    "pylate/cached_contrastive_value.patch",
 )
 TIMES_W_REMARK = (
     "the documents are gathered with `torch.distributed.nn`'s `all_gather`, whose backward sums "
@@ -138,13 +164,26 @@ TIMES_W_REMARK = (
     "did not: the loss is W times one device's and so is its gradient after DDP's average"
 )
 CACHED_TIMES_W_REMARK = (
-    "as `Contrastive`'s: the documents are gathered with `torch.distributed.nn`'s `all_gather`, "
-    "whose backward sums the ranks' gradients, and each query chunk's cross-entropy is then "
-    "multiplied by W (cached_contrastive.py:317; the check names the division by the rank's "
-    "batch that ends the sum, line 328, the first value it can set against one device's): the "
-    "loss is W times one device's and so is its gradient after DDP's average. Checked on given "
-    "embeddings (`calculate_loss` on the chunks of the released `embed_minibatch_iter`), the "
-    "loss whose gradient its GradCache caches"
+    "checked through its released `forward` and the backward of the loss it returns, the path "
+    "training takes (the model the loss calls is the check's MLP, in DDP): each query chunk's "
+    "summed cross-entropy is multiplied by W (cached_contrastive.py:317), backpropagated to the "
+    "embeddings chunk by chunk inside the forward (line 322), and the cached gradients are "
+    "replayed through the model by the hook on the returned loss. The returned loss, what a "
+    "trainer logs, is W times one device's (`loss scaled`); the gradient the model gets is one "
+    "device's: the documents' gather sums every rank's gradient, and the W that multiplies the "
+    "cached gradients is the one DDP's average divides by. Removing the ×W, the fix the census "
+    "published before (it differentiated the value `calculate_loss` returns on given embeddings, "
+    "a path training never takes, and read the gradient as W times one device's), makes that "
+    "gradient 1/W of one device's (norm ratio 0.5, 0.25, 0.125 at W = 2, 4, 8, in "
+    "`pylate_cached_contrastive.py` and on the release with that line removed): harmful. The fix "
+    "divides the value alone (cached_contrastive_value.patch). Not about W: the gradient the "
+    "forward hands the model is that of the cross-entropy summed over the batch, B times that of "
+    "the mean it returns (size_average=True; B the global batch, 16 here, on one device and on W "
+    "ranks alike: `pylate_cached_contrastive.py` measures it), where pylate's `Contrastive` "
+    "trains with the mean's: under SGD a learning rate B times larger, under Adam and AdamW "
+    "mostly cancelled. Without gathering (the row above) the same sum makes the gradient's norm "
+    "ratio about 1/W (0.484, 0.191 where the plain `Contrastive`'s is 0.967, 0.763): DDP averages"
+    " the W ranks' sums over their own rows where one device sums all rows"
 )
 GATHER_ACROSS = "gather_across_devices=True (next row)"
 CASES = [
@@ -156,7 +195,7 @@ CASES = [
     Case("pylate", PYLATE, "CachedContrastive", "defaults (gather_across_devices=False)",
          PylateCachedContrastive, note=GATHER_ACROSS),
     Case("pylate", PYLATE, "CachedContrastive", "gather_across_devices=True",
-         PylateCachedContrastive, {"gather_across_devices": True}, fix=CACHED_NO_TIMES_W,
+         PylateCachedContrastive, {"gather_across_devices": True}, fix=CACHED_VALUE,
          repro="pylate_cached_contrastive.py", remark=CACHED_TIMES_W_REMARK),
     Case("pylate", PYLATE, "Distillation", "defaults (no distributed flag)", PylateDistillation,
          inputs=teacher_scores),

@@ -6,7 +6,9 @@ themselves; ``GISTEmbedLoss`` and ``CachedGISTEmbedLoss`` with a real guide (a s
 ``(Cached)MultiVectorMultipleNegativesRankingLoss``, the sparse
 ``SparseMultipleNegativesRankingLoss`` and the cross-encoder
 ``(Cached)MultipleNegativesRankingLoss`` (each with ``gather_across_devices`` off and on where it
-has the flag; the cross-encoder losses have none)."""
+has the flag; the cross-encoder losses have none). The plain losses are checked on the check's
+embeddings; the cached ones (GradCache) through their forward and the replay of its backward,
+the path training takes (`_Cached`)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from census_cases.common import Case, Fix, NotRun, flags_text, importable, root_of
+from census_cases.common import (
+    Case,
+    Fix,
+    NotRun,
+    flags_text,
+    hand_model,
+    importable,
+    root_of,
+)
 
 SBERT = "6.2.0"
 ST = "sentence-transformers"
@@ -61,30 +72,92 @@ class SbertMNRL(nn.Module):
     ``loss=`` another class of ``sentence_transformers.sentence_transformer.losses`` built the
     same way: ``MultipleNegativesSymmetricRankingLoss``) through
     ``compute_loss_from_embeddings([z0, z1], labels=None)``, what its ``forward`` calls once the
-    model has embedded the two columns (z0 the anchors, z1 the positives); with ``cached=True``
-    ``CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, **flags)`` (or
-    ``CachedMultipleNegativesSymmetricRankingLoss``) through ``calculate_loss([[z0], [z1]])``, its
-    loss over mini-batches of 4 rows of the score matrix (GradCache's recomputation of the model
-    is not what is checked: the embeddings are given). The model (`_GivenModel`) is never called;
-    the cached losses' constructors look at its first module."""
+    model has embedded the two columns (z0 the anchors, z1 the positives). The model
+    (`_GivenModel`) is never called."""
 
-    def __init__(self, root=None, cached=False, loss="", **flags):
+    def __init__(self, root=None, loss="", **flags):
         super().__init__()
         sbert(root)
         from sentence_transformers.sentence_transformer import losses
 
-        self.cached = cached
-        if cached:
-            built = getattr(losses, loss or "CachedMultipleNegativesRankingLoss")
-            self.loss = built(_GivenModel(), mini_batch_size=4, **flags)
-        else:
-            built = getattr(losses, loss or "MultipleNegativesRankingLoss")
-            self.loss = built(_GivenModel(), **flags)
+        built = getattr(losses, loss or "MultipleNegativesRankingLoss")
+        self.loss = built(_GivenModel(), **flags)
 
     def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
-        if self.cached:
-            return self.loss.calculate_loss([[z0], [z1]])
         return self.loss.compute_loss_from_embeddings([z0, z1], None)
+
+
+# --- the cached (GradCache) losses, through their forward and its replay -------------------------
+
+
+class _SentenceEncoder(nn.Sequential):
+    """The model a cached loss is handed, written here in place of a ``SentenceTransformer``: a
+    sequence of one module, the check's MLP (the losses look at ``model[0]``, a StaticEmbedding
+    or not), whose forward embeds each row's view (``features["view"]``) and returns it as the
+    row's ``sentence_embedding`` beside the features; with a guide's ``tokenizer`` and
+    ``max_seq_length`` when there is a guide (so that GIST finds the same vocabulary and does not
+    re-tokenize)."""
+
+    def __init__(self, encoder: nn.Module, tokenizer: Any = None, max_seq_length: int = 16):
+        super().__init__(encoder)
+        self.tokenizer, self.max_seq_length = tokenizer, max_seq_length
+
+    def forward(self, features: dict[str, Any]) -> dict[str, Any]:
+        return {**features, "sentence_embedding": self[0](features["view"])}
+
+
+class _Cached(nn.Module):
+    """A released cached loss through its own ``forward`` and the backward of what it returns,
+    the path training takes: it calls the model itself (`gatherlab.runs.loss.calls_model`).
+    ``model_for`` builds the model the loss is handed (`model_around`, around the check's MLP)
+    and the loss with it (`built`), as a user does; the check wraps that model in DDP on real
+    ranks and `common.hand_model` puts the wrapper in the loss, as sentence-transformers'
+    trainer does. The loss's forward embeds every mini-batch of 4 rows without gradient,
+    computes the loss, backpropagates it to the embeddings and caches their gradients, and
+    returns the loss detached with a hook; the backward of the returned loss runs the hook
+    (``base/losses/gradcache.py``'s ``_backward_hook``), which embeds each mini-batch again
+    through the wrapped model (under DDP's ``no_sync`` but for the last) and backpropagates the
+    cached gradient into its parameters. The gradient the check reads is the one the model's
+    parameters get from that replay, after DDP's average."""
+
+    def model_around(self, encoder: nn.Module) -> nn.Module:
+        return _SentenceEncoder(encoder)
+
+    def built(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def model_for(self, encoder: nn.Module) -> nn.Module:
+        model = self.model_around(encoder)
+        self.loss = self.built(model)
+        return model
+
+    def columns(self, view0: torch.Tensor, view1: torch.Tensor, *inputs: Any) -> list[Any]:
+        return [{"view": view0}, {"view": view1}]
+
+    def forward(self, model: nn.Module, view0: torch.Tensor, view1: torch.Tensor,
+                *inputs: Any) -> torch.Tensor:  # fmt: skip
+        hand_model(self.loss, model)
+        return self.loss(self.columns(view0, view1, *inputs), None)
+
+
+class SbertCachedMNRL(_Cached):
+    """sentence-transformers' released ``CachedMultipleNegativesRankingLoss(model,
+    mini_batch_size=4, **flags)`` (or ``loss=`` another cached class of
+    ``sentence_transformers.sentence_transformer.losses`` built the same way:
+    ``CachedMultipleNegativesSymmetricRankingLoss``) on two columns, the anchors (view 0) and
+    their positives (view 1), each row embedded by the check's MLP (`_SentenceEncoder`), through
+    its forward and the replay of its backward (`_Cached`)."""
+
+    def __init__(self, root=None, loss="", **flags):
+        super().__init__()
+        sbert(root)
+        from sentence_transformers.sentence_transformer import losses
+
+        self.loss_class = getattr(losses, loss or "CachedMultipleNegativesRankingLoss")
+        self.flags = flags
+
+    def built(self, model: nn.Module) -> nn.Module:
+        return self.loss_class(model, mini_batch_size=4, **self.flags)
 
 
 # --- GISTEmbedLoss and CachedGISTEmbedLoss, with a guide --------------------------------------
@@ -145,23 +218,25 @@ def _guide(directory: str):
     return guide.eval().requires_grad_(False)
 
 
+def _texts(words: torch.Tensor) -> list[str]:
+    """Each row's text, its word indices (`gist_texts`) written out as words."""
+    return [" ".join(WORDS[i] for i in row) for row in words.tolist()]
+
+
 class SbertGIST(nn.Module):
-    """sentence-transformers' released ``GISTEmbedLoss(model, guide, **flags)``, or with
-    ``cached=True`` ``CachedGISTEmbedLoss(model, guide, mini_batch_size=4, **flags)``, the guide
-    a real ``SentenceTransformer`` (`_guide`, frozen) and the model `_GivenModel` (the check's
+    """sentence-transformers' released ``GISTEmbedLoss(model, guide, **flags)``, the guide a real
+    ``SentenceTransformer`` (`_guide`, frozen) and the model `_GivenModel` (the check's
     embeddings, with the guide's tokenizer). Besides z0 (the anchors) and z1 (the positives) the
     loss takes each row's two texts (`gist_texts`, the case's inputs: each rank its rows), which
     the adapter writes out as words and tokenizes with the guide's ``preprocess``: one column's
-    features per view, carrying its embeddings. ``GISTEmbedLoss`` runs its ``forward`` on those
-    columns: the model gives the check's embeddings, the guide embeds the texts (no gradient),
-    and its scores mask the candidates closer to an anchor than its positive.
-    ``CachedGISTEmbedLoss`` runs ``calculate_loss`` on the embeddings and the guide's
-    embeddings of the same texts (its loss over mini-batches of 4 anchors; GradCache's
-    recomputation of the model is not what is checked). The guide's weights are random: the
-    distributed path (which candidates are gathered, which terms are masked) does not depend on
-    what the guide has learnt, only on its scores being the same on W ranks and on one device."""
+    features per view, carrying its embeddings. The loss runs its ``forward`` on those columns:
+    the model gives the check's embeddings, the guide embeds the texts (no gradient), and its
+    scores mask the candidates closer to an anchor than its positive. The guide's weights are
+    random: the distributed path (which candidates are gathered, which terms are masked) does
+    not depend on what the guide has learnt, only on its scores being the same on W ranks and on
+    one device."""
 
-    def __init__(self, root=None, cached=False, **flags):
+    def __init__(self, root=None, **flags):
         super().__init__()
         sbert(root)
         from sentence_transformers.sentence_transformer import losses
@@ -169,29 +244,48 @@ class SbertGIST(nn.Module):
         with tempfile.TemporaryDirectory() as directory:
             guide = _guide(directory)
         model = _GivenModel(guide.tokenizer, guide.max_seq_length)
-        self.cached = cached
-        if cached:
-            self.loss = losses.CachedGISTEmbedLoss(model, guide, mini_batch_size=4, **flags)
-        else:
-            self.loss = losses.GISTEmbedLoss(model, guide, **flags)
-
-    def _column(self, words: torch.Tensor, embedding: torch.Tensor) -> dict[str, Any]:
-        texts = [" ".join(WORDS[i] for i in row) for row in words.tolist()]
-        return {**self.loss.guide.preprocess(texts), "embedding": embedding}
+        self.loss = losses.GISTEmbedLoss(model, guide, **flags)
 
     def forward(self, z0: torch.Tensor, z1: torch.Tensor, anchor_words: torch.Tensor,
                 positive_words: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        columns = [self._column(anchor_words, z0), self._column(positive_words, z1)]
-        if not self.cached:
-            return self.loss(columns, None)
-        with torch.no_grad():
-            guided = [self.loss.guide(dict(column))["sentence_embedding"] for column in columns]
-        return self.loss.calculate_loss([[z0], [z1]], [[guided[0]], [guided[1]]])
+        columns = [{**self.loss.guide.preprocess(_texts(words)), "embedding": z}
+                   for words, z in ((anchor_words, z0), (positive_words, z1))]  # fmt: skip
+        return self.loss(columns, None)
+
+
+class SbertCachedGIST(_Cached):
+    """sentence-transformers' released ``CachedGISTEmbedLoss(model, guide, mini_batch_size=4,
+    **flags)`` through its forward and the replay of its backward (`_Cached`), the guide
+    `SbertGIST`'s and the model `_SentenceEncoder` around the check's MLP, with the guide's
+    tokenizer. Each column is a view's rows (``view``, which the model embeds) with their texts
+    (`gist_texts`, the case's inputs) tokenized by the guide's ``preprocess``, which the guide
+    embeds in the loss's first pass (no gradient) to mask the candidates closer to an anchor
+    than its positive."""
+
+    def __init__(self, root=None, **flags):
+        super().__init__()
+        sbert(root)
+        with tempfile.TemporaryDirectory() as directory:
+            self.guide = _guide(directory)
+        self.flags = flags
+
+    def model_around(self, encoder: nn.Module) -> nn.Module:
+        return _SentenceEncoder(encoder, self.guide.tokenizer, self.guide.max_seq_length)
+
+    def built(self, model: nn.Module) -> nn.Module:
+        from sentence_transformers.sentence_transformer import losses
+
+        return losses.CachedGISTEmbedLoss(model, self.guide, mini_batch_size=4, **self.flags)
+
+    def columns(self, view0: torch.Tensor, view1: torch.Tensor, anchor_words: torch.Tensor,
+                positive_words: torch.Tensor) -> list[Any]:  # fmt: skip
+        return [{**self.guide.preprocess(_texts(words)), "view": view}
+                for words, view in ((anchor_words, view0), (positive_words, view1))]  # fmt: skip
 
 
 # --- the multi-vector, sparse and cross-encoder variants --------------------------------------
 
-PAIRS = 256  # the cross-encoder's pairs with every in-batch negative, 16 · 16 on one device
+PAIRS = 32  # the cached cross-encoder's mini-batch of pairs: 16 · 16 pairs are 8 on one device
 TOKENS, DIM = 2, 8  # a multi-vector row: its 16 dimensions read as 2 tokens of 8
 
 
@@ -210,34 +304,65 @@ class SbertMultiVector(nn.Module):
     **flags)`` on two columns, the queries (z0) and their documents (z1), each row's 16
     dimensions read as 2 tokens of 8 (ids 1, 2; attention mask 1), through its ``forward``: the
     model (`_TokenModel`) returns the tokens, the loss scores every query against every document
-    by ColBERT's MaxSim (``colbert_scores``) and takes the cross-entropy to the own document.
-    With ``cached=True`` ``CachedMultiVectorMultipleNegativesRankingLoss(model,
-    mini_batch_size=4, **flags)`` through ``calculate_loss([[q], [d]], [[mask], [mask]])``, its
-    loss over score mini-batches of 4 queries (GradCache's recomputation of the model is not
-    what is checked)."""
+    by ColBERT's MaxSim (``colbert_scores``) and takes the cross-entropy to the own document."""
 
-    def __init__(self, root=None, cached=False, **flags):
+    def __init__(self, root=None, **flags):
         super().__init__()
         sbert(root)
         from sentence_transformers.multi_vector_encoder import losses
 
-        self.cached = cached
-        if cached:
-            self.loss = losses.CachedMultiVectorMultipleNegativesRankingLoss(
-                _TokenModel(), mini_batch_size=4, **flags
-            )
-        else:
-            self.loss = losses.MultiVectorMultipleNegativesRankingLoss(_TokenModel(), **flags)
+        self.loss = losses.MultiVectorMultipleNegativesRankingLoss(_TokenModel(), **flags)
 
     def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
-        tokens = [z.view(len(z), TOKENS, DIM) for z in (z0, z1)]
-        mask = torch.ones(len(z0), TOKENS, dtype=torch.long, device=z0.device)
-        if self.cached:
-            return self.loss.calculate_loss([[t] for t in tokens], [[mask.bool()]] * 2)
-        ids = torch.arange(1, TOKENS + 1, device=z0.device).repeat(len(z0), 1)
-        columns = [{"input_ids": ids, "attention_mask": mask, "token_embeddings": t}
-                   for t in tokens]  # fmt: skip
+        columns = [{**_token_column(z), "token_embeddings": z.view(len(z), TOKENS, DIM)}
+                   for z in (z0, z1)]  # fmt: skip
         return self.loss(columns)
+
+
+def _token_column(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A multi-vector column's token ids (1, 2) and attention mask (1: every token kept)."""
+    ids = torch.arange(1, TOKENS + 1, device=rows.device).repeat(len(rows), 1)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+class _TokenEncoder(nn.Module):
+    """The multi-vector model a cached loss is handed, written here: each row's view
+    (``features["view"]``) through the check's MLP, its 16 dimensions returned as 2 token
+    embeddings of 8 with the column's attention mask, whatever the task (query or document)."""
+
+    def __init__(self, encoder: nn.Module):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, features: dict[str, Any], task: str | None = None) -> dict[str, Any]:
+        embedded = self.encoder(features["view"])
+        return {"token_embeddings": embedded.view(len(embedded), TOKENS, DIM),
+                "attention_mask": features["attention_mask"]}  # fmt: skip
+
+
+class SbertCachedMultiVector(_Cached):
+    """sentence-transformers' released ``CachedMultiVectorMultipleNegativesRankingLoss(model,
+    mini_batch_size=4, **flags)`` on two columns, the queries (view 0) and their documents (view
+    1), each row embedded by the check's MLP and read as 2 tokens of 8 (`_TokenEncoder`; ids 1,
+    2, attention mask 1), through its forward and the replay of its backward (`_Cached`)."""
+
+    def __init__(self, root=None, **flags):
+        super().__init__()
+        sbert(root)
+        self.flags = flags
+
+    def model_around(self, encoder: nn.Module) -> nn.Module:
+        return _TokenEncoder(encoder)
+
+    def built(self, model: nn.Module) -> nn.Module:
+        from sentence_transformers.multi_vector_encoder import losses
+
+        return losses.CachedMultiVectorMultipleNegativesRankingLoss(
+            model, mini_batch_size=4, **self.flags
+        )
+
+    def columns(self, view0: torch.Tensor, view1: torch.Tensor, *inputs: Any) -> list[Any]:
+        return [{**_token_column(view), "view": view} for view in (view0, view1)]
 
 
 class SbertSparse(nn.Module):
@@ -261,12 +386,14 @@ class SbertSparse(nn.Module):
         return self.loss.compute_loss_from_embeddings([z0, z1], None)
 
 
-def _pair_scorer():
+def _pair_scorer(encoder: nn.Module | None = None):
     """The cross-encoder, written here as a subclass of the released ``CrossEncoder`` (the
     losses accept no other class) that holds no transformer: a pair of texts ``("i", "j")`` is
-    row i of the rank's anchors (z0) against row j of its candidates (z1), scored by the cosine
-    of their embeddings. It replaces the transformer that would read the two texts together;
-    the loss's scores are then a function of the check's embeddings."""
+    row i of the rank's anchors against row j of its candidates (``columns``), scored by the
+    cosine of their embeddings. It replaces the transformer that would read the two texts
+    together. Without ``encoder`` the columns are the check's embeddings (z0, z1) and the scores
+    a function of them; with it, the columns are the check's views and each pair's two rows are
+    embedded by ``encoder`` (the check's MLP) whenever the pair is scored."""
     from sentence_transformers.cross_encoder import CrossEncoder
 
     class PairScorer(CrossEncoder):
@@ -275,6 +402,7 @@ def _pair_scorer():
 
         def __init__(self):
             nn.Module.__init__(self)
+            self.encoder = encoder if encoder is not None else nn.Identity()
             self.columns: tuple[torch.Tensor, torch.Tensor] | None = None
 
         def preprocess(self, pairs, prompt=None, task=None) -> dict[str, torch.Tensor]:
@@ -283,40 +411,63 @@ def _pair_scorer():
         def forward(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             anchors, candidates = self.columns
             a, b = features["pairs"].T
-            return {"scores": F.cosine_similarity(anchors[a], candidates[b], dim=-1)[:, None]}
+            scores = F.cosine_similarity(self.encoder(anchors[a]), self.encoder(candidates[b]), -1)
+            return {"scores": scores[:, None]}
 
     return PairScorer()
 
 
+def _rows(count: int) -> list[list[str]]:
+    """The cross-encoder losses' two columns of texts: the rank's anchors "0", …, "B-1" and their
+    positives likewise (a text names its row)."""
+    rows = [str(i) for i in range(count)]
+    return [rows, list(rows)]
+
+
 class SbertCrossEncoder(nn.Module):
     """sentence-transformers' released cross-encoder ``MultipleNegativesRankingLoss(model,
-    **flags)`` (or with ``cached=True`` ``CachedMultipleNegativesRankingLoss(model,
-    mini_batch_size=256, **flags)``, GradCache's two passes through the model included) through
-    its ``forward`` on two columns of texts, the rank's anchors ``"0"``, …, ``"B-1"`` and their
-    positives likewise: it pairs each anchor with its positive and with in-batch negatives, has
-    the model score the pairs (`_pair_scorer`: the cosine of the check's z0 and z1 rows), and
-    takes the cross-entropy to the positive after a sigmoid and scale 10. The cached loss's
-    mini-batch holds every pair (16 · 16 on one device): its second pass back-propagates each
-    mini-batch's cached gradient through the model once, and the stand-in's scores hang on the
-    check's one graph of z0 and z1, which a second mini-batch would traverse again."""
+    **flags)`` through its ``forward`` on two columns of texts (`_rows`): it pairs each anchor
+    with its positive and with in-batch negatives, has the model score the pairs
+    (`_pair_scorer`: the cosine of the check's z0 and z1 rows), and takes the cross-entropy to
+    the positive after a sigmoid and scale 10."""
 
-    def __init__(self, root=None, cached=False, **flags):
+    def __init__(self, root=None, **flags):
         super().__init__()
         sbert(root)
         from sentence_transformers.cross_encoder import losses
 
-        if cached:
-            built = losses.CachedMultipleNegativesRankingLoss(
-                _pair_scorer(), mini_batch_size=PAIRS, **flags
-            )
-        else:
-            built = losses.MultipleNegativesRankingLoss(_pair_scorer(), **flags)
-        self.loss = built
+        self.loss = losses.MultipleNegativesRankingLoss(_pair_scorer(), **flags)
 
     def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
         self.loss.model.columns = (z0, z1)
-        rows = [str(i) for i in range(len(z0))]
-        return self.loss([rows, list(rows)], None)
+        return self.loss(_rows(len(z0)), None)
+
+
+class SbertCachedCrossEncoder(_Cached):
+    """sentence-transformers' released cross-encoder ``CachedMultipleNegativesRankingLoss(model,
+    mini_batch_size=32, **flags)`` through its forward and the replay of its backward
+    (`_Cached`), on `SbertCrossEncoder`'s columns of texts; the model `_pair_scorer` around the
+    check's MLP, given the views: every mini-batch of 32 pairs embeds its pairs' rows through
+    the MLP, in the first pass and again in the replay."""
+
+    def __init__(self, root=None, **flags):
+        super().__init__()
+        sbert(root)
+        self.flags = flags
+
+    def model_around(self, encoder: nn.Module) -> nn.Module:
+        return _pair_scorer(encoder)
+
+    def built(self, model: nn.Module) -> nn.Module:
+        from sentence_transformers.cross_encoder import losses
+
+        return losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=PAIRS, **self.flags)
+
+    def forward(self, model: nn.Module, view0: torch.Tensor, view1: torch.Tensor) -> torch.Tensor:
+        bare = model.module if isinstance(model, DistributedDataParallel) else model
+        bare.columns = (view0, view1)  # the views the pairs' rows are read from
+        hand_model(self.loss, model)
+        return self.loss(_rows(len(view0)), None)
 
 
 # --- the cases ---------------------------------------------------------------------------------
@@ -361,8 +512,9 @@ CROSS_REMARK = (
 
 
 def _cross(loss: str, cached: bool) -> Case:
+    factory = SbertCachedCrossEncoder if cached else SbertCrossEncoder
     return Case(ST, SBERT, f"cross_encoder.{loss}", "num_negatives=None (no gathering)",
-                SbertCrossEncoder, {"cached": cached, "num_negatives": None}, note=NO_FLAG,
+                factory, {"num_negatives": None}, note=NO_FLAG,
                 remark=CROSS_REMARK if not cached else "")  # fmt: skip
 
 
@@ -382,9 +534,13 @@ GIST_REMARK = (
     "embeddings (gist_embed.py:180), so its anchor-positive and positive-positive scores of a "
     "rank's rows are one device's; its anchor-anchor term (contrast_anchors=True, the default) "
     "scores the rank's anchors against its own anchors only (gist_embed.py:223, "
-    "cached_gist_embed.py:326): the other ranks' anchors are missing from each anchor's "
-    "softmax. With contrast_anchors=False (and contrast_positives on or off) both losses are "
-    "exact (the rows after each)"
+    "cached_gist_embed.py:326): the other ranks' anchors are missing from each anchor's softmax. "
+    "With contrast_anchors=False (and contrast_positives on or off) both losses are exact (the "
+    "rows after each). CachedGISTEmbedLoss, like every cached loss of the table, is checked "
+    "through its forward and the replay of its cached gradients through the model in DDP, the "
+    "path training takes; its `where` names the guide's first operation (transformers' "
+    "modeling_bert.py) on a rank's mini-batch, which the trace cannot set against one device's "
+    "mini-batches, not the cause"
 )
 GIST_FIX = Fix(
     "the anchor-anchor term against every rank's anchors (`all_gather_with_grad`, as the "
@@ -398,29 +554,30 @@ def _gist(loss: str, cached: bool) -> list[Case]:
     """GIST gathered with its anchor-anchor term off, and with both same-column terms off."""
     rows = [{"contrast_anchors": False}, {"contrast_anchors": False, "contrast_positives": False}]
     return [
-        Case(ST, SBERT, loss, flags_text({**flags, "gather_across_devices": True}), SbertGIST,
-             {"cached": cached, **flags, "gather_across_devices": True}, **GIST)
+        Case(ST, SBERT, loss, flags_text({**flags, "gather_across_devices": True}),
+             SbertCachedGIST if cached else SbertGIST, {**flags, "gather_across_devices": True},
+             **GIST)
         for flags in rows
     ]  # fmt: skip
 
 
 CASES = [
-    *_sbert("MultipleNegativesRankingLoss", SbertMNRL, {"cached": False}),
-    *_sbert("MultipleNegativesRankingLoss", SbertMNRL, {"cached": False}, directions=SYMMETRIC),
-    *_sbert("CachedMultipleNegativesRankingLoss", SbertMNRL, {"cached": True}),
-    *_sbert("CachedMultipleNegativesRankingLoss", SbertMNRL, {"cached": True},
+    *_sbert("MultipleNegativesRankingLoss", SbertMNRL, {}),
+    *_sbert("MultipleNegativesRankingLoss", SbertMNRL, {}, directions=SYMMETRIC),
+    *_sbert("CachedMultipleNegativesRankingLoss", SbertCachedMNRL, {}),
+    *_sbert("CachedMultipleNegativesRankingLoss", SbertCachedMNRL, {},
             directions=SYMMETRIC),
-    *_sbert(MNSRL, SbertMNRL, {"cached": False, "loss": MNSRL}),
-    *_sbert(f"Cached{MNSRL}", SbertMNRL, {"cached": True, "loss": f"Cached{MNSRL}"}),
-    *_sbert("GISTEmbedLoss", SbertGIST, {"cached": False}, both=GIST, remark=GUIDE_REMARK,
+    *_sbert(MNSRL, SbertMNRL, {"loss": MNSRL}),
+    *_sbert(f"Cached{MNSRL}", SbertCachedMNRL, {"loss": f"Cached{MNSRL}"}),
+    *_sbert("GISTEmbedLoss", SbertGIST, {}, both=GIST, remark=GUIDE_REMARK,
             on={"fix": GIST_FIX, "repro": GIST_REPRO, "remark": GIST_REMARK}),
     *_gist("GISTEmbedLoss", False),
-    *_sbert("CachedGISTEmbedLoss", SbertGIST, {"cached": True}, both=GIST,
+    *_sbert("CachedGISTEmbedLoss", SbertCachedGIST, {}, both=GIST,
             on={"fix": CACHED_GIST_FIX, "repro": GIST_REPRO}),
     *_gist("CachedGISTEmbedLoss", True),
-    *_sbert("MultiVectorMultipleNegativesRankingLoss", SbertMultiVector, {"cached": False},
+    *_sbert("MultiVectorMultipleNegativesRankingLoss", SbertMultiVector, {},
             both=MULTI_VECTOR, remark=MAXSIM_REMARK),
-    *_sbert("CachedMultiVectorMultipleNegativesRankingLoss", SbertMultiVector, {"cached": True},
+    *_sbert("CachedMultiVectorMultipleNegativesRankingLoss", SbertCachedMultiVector, {},
             both=MULTI_VECTOR),
     *_sbert("SparseMultipleNegativesRankingLoss", SbertSparse, {}),
     _cross("MultipleNegativesRankingLoss", False),

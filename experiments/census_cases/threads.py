@@ -47,9 +47,17 @@ THREADS: dict[Row, tuple[tuple[str, str], ...]] = {
     ),
     ("pylate", "1.6.0", "CachedContrastive", "gather_across_devices=True"): (
         ("https://github.com/lightonai/pylate/pull/156",
-         "the cached form scales by the world size as the plain one does when gathering: its "
-         "loss and gradient are W times one device's at W = 2, 4 and 8; without the scaling, "
-         "exact"),
+         "the cached form scales by the world size when gathering as the plain one does, and for "
+         "it the scaling is what training needs: through its forward and the replay of its "
+         "cached gradients, the gradient after DDP's average is one device's at W = 2, 4 and 8, "
+         "and only the returned loss is W times one device's; without the scaling the gradient "
+         "is 1/W of one device's (the remark above)"),
+        ("https://github.com/lightonai/pylate/pull/111",
+         "the scaling by the world size this change added, to offset DDP's average: in the "
+         "cached form it does (the gradient is one device's at W = 2, 4 and 8) and it leaves the "
+         "returned loss W times one device's; in the plain `Contrastive` the documents' gather "
+         "already sums every rank's gradient, and the scaling makes the gradient W times one "
+         "device's (the census's `Contrastive` rows)"),
     ),
     ("sentence-transformers", "6.2.0", "MultipleNegativesRankingLoss",
      "gather_across_devices=True"): (
