@@ -30,7 +30,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "examples" / "jobs"
-NAMES = ("ddp", "lightning_job", "fsdp2", "zero", "st_job", "tp")
+NAMES = ("ddp", "lightning_job", "fsdp2", "zero", "st_job", "hf_job", "tp")
 TIMEOUT = 300
 
 
@@ -48,8 +48,10 @@ def variants(job: str) -> list[tuple[str, list[str], list[str]]]:
     ``VARIANTS`` (the sentence-transformers job; it imports nothing heavy at its top) gives them;
     the others each bug switch, whose reference is the correct one-device run (``sampler``'s with
     one device's own sampler)."""
-    if job == "st_job":
+    if job in ("st_job", "hf_job"):
         import importlib.util
+
+        sys.path.insert(0, str(JOBS))  # hf_job imports st_job's tokenizer
 
         spec = importlib.util.spec_from_file_location(job, JOBS / f"{job}.py")
         module = importlib.util.module_from_spec(spec)
@@ -66,9 +68,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(job: str, world: int | None, arguments: list[str], out: Path) -> float:
+def launch(
+    job: str, world: int | None, arguments: list[str], out: Path, floor: Path | None = None
+) -> float:
     """The job recorded into ``out``: plainly (``world`` None) or under torchrun with W ranks;
-    its wall time."""
+    its wall time. ``floor``: the one-device command run again with GATHERLAB_RECORD_FLOOR, which
+    records the job's floor there (a low precision's judgement, docs/design.md §2)."""
     script = str(JOBS / f"{job}.py")
     command = [sys.executable, script] if world is None else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
@@ -77,7 +82,9 @@ def launch(job: str, world: int | None, arguments: list[str], out: Path) -> floa
     started = time.perf_counter()
     result = subprocess.run(
         [*command, *arguments, "--record", str(out)], capture_output=True, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=TIMEOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1",
+             **({"GATHERLAB_RECORD_FLOOR": str(floor)} if floor else {})},
+        timeout=TIMEOUT,
     )  # fmt: skip
     seconds = time.perf_counter() - started
     if result.returncode:
@@ -86,12 +93,15 @@ def launch(job: str, world: int | None, arguments: list[str], out: Path) -> floa
     return seconds
 
 
-def judged(reference: Path, run: Path) -> dict[str, str]:
-    """The comparison's verdict, first departure, its part's gradient class and the cause."""
+def judged(reference: Path, run: Path, floor: Path | None = None) -> dict[str, str]:
+    """The comparison's precision, verdict, first departure, its part's gradient class and the
+    cause; in a low precision judged in floors of ``floor``."""
     import gatherlab.compare
+    from gatherlab.record import read
 
-    comparison = gatherlab.compare(reference, run)
-    row = {"verdict": comparison.verdict, "departs": "", "class": "", "cause": ""}
+    comparison = gatherlab.compare(reference, run, floor=floor)
+    row = {"precision": read(reference).precision, "verdict": comparison.verdict, "departs": "",
+           "class": "", "cause": ""}  # fmt: skip
     if comparison.data is not None:
         row["cause"] = comparison.data.splitlines()[0]
     if comparison.departure is not None:
@@ -127,13 +137,18 @@ def main() -> None:
             key = tuple(reference_arguments)
             if key not in references:
                 path = args.out / job / f"reference{len(references)}" / "one_device"
-                references[key] = (path, launch(job, None, reference_arguments, path))
-            reference, reference_seconds = references[key]
+                seconds = launch(job, None, reference_arguments, path)
+                floor = None
+                if read_precision(path) != "64-true":  # its floor, by the same command
+                    floor = path.with_name("floor")
+                    launch(job, None, reference_arguments, path, floor=floor)
+                references[key] = (path, seconds, floor)
+            reference, reference_seconds, floor = references[key]
             for world in args.worlds:
                 path = args.out / job / name.replace(" ", "").replace(",", "_") / f"w{world}"
                 seconds = launch(job, world, arguments, path)
                 row = {"job": job, "bug": name, "W": str(world)}
-                row |= judged(reference, path)
+                row |= judged(reference, path, floor)
                 row |= {
                     "s (W ranks)": f"{seconds:.1f}",
                     "s (one device)": f"{reference_seconds:.1f}",
@@ -145,6 +160,12 @@ def main() -> None:
         print(sections[job])
     args.doc.write_text(document(sections))
     print(f"written: {args.doc}")
+
+
+def read_precision(recording: Path) -> str:
+    from gatherlab.record import read
+
+    return read(recording).precision
 
 
 def markdown(rows: list[dict[str, str]]) -> str:
@@ -181,13 +202,17 @@ def document(sections: dict[str, str]) -> str:
 
 Written by `python experiments/jobs.py` (do not edit by hand; `--jobs` rewrites those jobs'
 sections alone): each job of `examples/jobs/` recorded with `gatherlab.record` under `torchrun
---nproc-per-node W` on CPU gloo, float64, a global batch of 16, and judged by `gatherlab.compare`
+--nproc-per-node W` on CPU gloo, at the job's own defaults (the SimCLR jobs and the
+tensor-parallel block in float64; the sentence-transformers and Hugging Face jobs in float32, the
+trainers' default, their texts padded per device batch), and judged by `gatherlab.compare`
 against the job's one-device run (plain `python`, no process group): the correct run, since each
 bug switch is the identity on one device, but for the `sampler` switch (one device's seeded
-RandomSampler) and the sentence-transformers job's variants (each loss's, sampler's and
-accumulation's own one-device run, accumulating nothing). `departs`: the first update and part
-that depart; `class`: that part's gradient against one device's; `cause`: what the comparison
-measured. The last two columns are each launch's wall time, torch imported on every rank.
+RandomSampler) and the trainer jobs' variants (each variant's own one-device run, accumulating
+nothing). A float32 job is judged in floors of its floor, the one-device command run again with
+`GATHERLAB_RECORD_FLOOR` (`exact within float32` at most 3 floors). `departs`: the first update
+and part that depart; `class`: that part's gradient against one device's; `cause`: what the
+comparison measured. The last two columns are each launch's wall time, torch imported on every
+rank.
 
 """ + "\n".join(ordered)
 

@@ -40,6 +40,14 @@ import torch
 from st_job import WORDS, tokenizer_dir
 
 CLASSES, SAMPLES = 3, 64
+VARIANTS = {  # experiments/jobs.py's rows: name → (the W ranks' arguments, one device's)
+    "defaults": ([], []),
+    "defaults, no clipping": (["--max-grad-norm", "0"], ["--max-grad-norm", "0"]),
+    "mean-loss": (["--mean-loss"], ["--mean-loss"]),
+    "defaults, K = 2, no clipping": (["--accumulation", "2", "--max-grad-norm", "0"],
+                                     ["--max-grad-norm", "0"]),
+    "mean-loss, K = 2": (["--mean-loss", "--accumulation", "2"], ["--mean-loss"]),
+}  # fmt: skip
 
 
 def sentences(samples: int = SAMPLES, seed: int = 1234) -> list[tuple[str, int]]:
