@@ -522,7 +522,18 @@ def nice_ceiling(value: float) -> float:
 SCOPES = {"whole gradient": ("all", "score"), "parts, own floor": ("parts", "score"),
           "parts, floor ≥ whole's": ("parts", "score_least"),
           "whole gradient, W-block floor": ("all", "score_w"),
-          "parts, own W-block floor": ("parts", "score_w")}  # fmt: skip
+          "parts, own W-block floor": ("parts", "score_w"),
+          "parts, W-block floor ≥ whole's": ("parts", "score_w_least")}  # fmt: skip
+RUN = ["job", "precision", "seed", "world_size", "case"]  # one W-rank run's rows
+
+
+def with_derived(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with ``score_w_least``: each part's departure in its W-block floor, at least
+    the whole gradient's W-block floor of the same run (``score_w`` for ``all``)."""
+    whole = table.loc[table["part"] == "all", [*RUN, "floor_w"]]
+    merged = table.merge(whole.rename(columns={"floor_w": "floor_w_all"}), on=RUN, how="left")
+    least = np.maximum(merged["floor_w"], merged["floor_w_all"])
+    return table.assign(score_w_least=(merged["departure"] / least).to_numpy())
 
 
 def _scope(rows: pd.DataFrame, scope: str) -> pd.Series:
@@ -535,63 +546,61 @@ def _scope(rows: pd.DataFrame, scope: str) -> pd.Series:
 @dataclass(frozen=True)
 class Constants:
     """F and T from the correct runs in the low precisions: the largest departure / u (whole
-    gradient and parts), F (1, 2 or 5 × 10^k, at least `F_MARGIN` × that departure), and the
-    same per precision (``factor_of``: F_p from that precision's runs alone); per scope of
-    `SCOPES` the largest score, T's margin over it, and the T that would leave `T_MARGIN` (T
-    itself where it does)."""
+    gradient and parts) and F (1, 2 or 5 × 10^k, at least `F_MARGIN` × it), one for every
+    precision; per precision F_p from that precision's runs alone (``factor_of``: whole
+    gradients and parts; ``factor_whole_of``: whole gradients only); per scope of `SCOPES` the
+    largest score, T's margin over it, and the T that would leave `T_MARGIN` (T itself where
+    it does)."""
 
     largest_departure_u: float
     factor: float
-    largest_departure_u_of: dict[str, float]
     factor_of: dict[str, float]
+    factor_whole_of: dict[str, float]
     largest_score: dict[str, float]
     threshold_margin: dict[str, float]
     threshold_needed: dict[str, float]
 
 
 def constants(table: pd.DataFrame) -> Constants:
-    correct = table[(table["case"] == CORRECT) & table["precision"].isin(LOW_PRECISIONS)]
+    correct = with_derived(table)
+    correct = correct[(correct["case"] == CORRECT) & correct["precision"].isin(LOW_PRECISIONS)]
+    whole = correct[correct["part"] == "all"]
     largest_departure = correct["departure_u"].max()
-    largest_of = correct.groupby("precision")["departure_u"].max().to_dict()
-    factor_of = {p: nice_ceiling(F_MARGIN * value) for p, value in largest_of.items()}
+
+    def factors(rows: pd.DataFrame) -> dict[str, float]:
+        largest = rows.groupby("precision", sort=False)["departure_u"].max()
+        return {p: nice_ceiling(F_MARGIN * value) for p, value in largest.items()}
+
     largest = {scope: float(_scope(correct, scope).max()) for scope in SCOPES}
     margin = {scope: FLOOR_THRESHOLD / score for scope, score in largest.items()}
     needed = {scope: FLOOR_THRESHOLD if margin[scope] >= T_MARGIN
               else nice_ceiling(T_MARGIN * score) for scope, score in largest.items()}  # fmt: skip
-    return Constants(largest_departure, nice_ceiling(F_MARGIN * largest_departure), largest_of,
-                     factor_of, largest, margin, needed)  # fmt: skip
+    return Constants(largest_departure, nice_ceiling(F_MARGIN * largest_departure),
+                     factors(correct), factors(whole), largest, margin, needed)  # fmt: skip
 
 
 def summary(table: pd.DataFrame) -> str:
     """The Markdown of figures/rounding.md: per precision the correct runs' maximum and 99th
-    percentile of departure / u, floor / u and score (whole gradient), the parts' largest
-    departure / u and score (with either floor), F · u and T's margin; the verdicts on F and
-    T, the float64 check, and each known bug's least departure / u and score."""
+    percentile of departure / u, floor / u and score, for whole gradients and for parts; F and
+    F_p and the relative departures they stand for; the verdict on T in each scope; the float64
+    check; and each known bug's least departure / u and score against them."""
     found = constants(table)
+    table = with_derived(table)
     correct = table[table["case"] == CORRECT]
-    header = ["precision", "u", "runs", "departure/u: max", "p99", "floor/u: max", "p99",
-              "score: max", "p99", "parts: departure/u max", "parts: score max (own floor)",
-              "parts: score max (floor ≥ whole's)", "W-block floor: score max (whole)",
-              "F · u", "F_p", "F_p · u", "T / max score (whole)"]  # fmt: skip
-    body = []
-    for precision in LOW_PRECISIONS:
-        rows = correct[correct["precision"] == precision]
-        if not len(rows):
-            continue
+    low = correct[correct["precision"].isin(LOW_PRECISIONS)]
+    whole_rows, part_rows, factor_rows = [], [], []
+    for precision, rows in low.groupby("precision", sort=False):
         whole, parts = rows[rows["part"] == "all"], rows[rows["part"] != "all"]
-        unit = Precision(precision).unit_roundoff
-        quantities = [whole[c] for c in ("departure_u", "floor_u", "score")]
-        body.append([
-            precision, f"{unit:.2g}", str(len(whole)),
-            *(f"{f(q):.3g}" for q in quantities for f in (np.max, _p99)),
-            f"{parts['departure_u'].max():.3g}", f"{parts['score'].max():.3g}",
-            f"{parts['score_least'].max():.3g}", f"{whole['score_w'].max():.3g}",
-            f"{found.factor * unit:.2g}",
-            f"{found.factor_of[precision]:g}", f"{found.factor_of[precision] * unit:.2g}",
-            f"{FLOOR_THRESHOLD / whole['score'].max():.2g}×",
+        unit = _unit(precision)
+        whole_rows.append([precision, f"{unit:.2g}", str(len(whole)), *_max_p99(
+            whole, ("departure_u", "floor_u", "score", "score_w"))])  # fmt: skip
+        part_rows.append([precision, str(len(parts)), *_max_p99(
+            parts, ("departure_u", "score", "score_least", "score_w_least"))])  # fmt: skip
+        factor_rows.append([
+            precision, f"{unit:.2g}", f"{found.factor_whole_of[precision]:g}",
+            f"{found.factor_whole_of[precision] * unit:.2g}", f"{found.factor_of[precision]:g}",
+            f"{found.factor_of[precision] * unit:.2g}", f"{found.factor * unit:.2g}",
         ])  # fmt: skip
-    checked = correct[(correct["precision"] == CHECK_PRECISION) & (correct["part"] == "all")]
-    low = correct[correct["precision"].isin(LOW_PRECISIONS) & (correct["part"] == "all")]
     verdicts = []
     for scope in SCOPES:
         largest, margin = found.largest_score[scope], found.threshold_margin[scope]
@@ -600,24 +609,39 @@ def summary(table: pd.DataFrame) -> str:
                    f"{found.threshold_needed[scope]:g} would leave {T_MARGIN:g}×")  # fmt: skip
         verdicts.append(f"- {scope}: largest score {largest:.3g}, T = {FLOOR_THRESHOLD:g} "
                         f"{verdict}")  # fmt: skip
+    checked = correct[(correct["precision"] == CHECK_PRECISION) & (correct["part"] == "all")]
+    whole_header = [f"{name}: {stat}" for name in ("departure/u", "floor/u", "score",
+                    "score in the W-block floor") for stat in ("max", "p99")]  # fmt: skip
+    part_header = [f"{name}: {stat}" for name in ("departure/u", "score (own floor)",
+                   "score (floor ≥ whole's)", "score (W-block floor ≥ whole's)")
+                   for stat in ("max", "p99")]  # fmt: skip
+    factor_header = ["precision", "u", "F_p (whole)", "F_p · u (whole)", "F_p (with parts)",
+                     "F_p · u (with parts)", f"F · u (F = {found.factor:g})"]  # fmt: skip
     text = [
         f"Correct jobs: the first update's gradient on W ranks (DDP) against one device in the "
-        f"same precision, {correct['job'].nunique()} jobs, {len(low)} runs of W ranks in the low "
-        f"precisions (and {len(checked)} in float64, the check that the jobs are correct). "
-        f"departure = ‖g_W − g₁‖/‖g₁‖, floor = ‖g_split − g₁‖/‖g₁‖ (one device, its forward in "
-        f"{FLOOR_ROW_BLOCKS} row blocks; u where that changed no bit), u the precision's unit "
-        "roundoff, score = departure/floor; the maximum and the 99th percentile over the runs "
-        "(whole gradient), and the maximum over the model's top-level children (parts), each "
-        "part with its own floor or with its floor at least the whole gradient's.\n",
-        runfiles.markdown_table(header, body),
+        f"same precision; {correct['job'].nunique()} jobs, "
+        f"{int((low['part'] == 'all').sum())} runs of W ranks in the low precisions (and "
+        f"{len(checked)} in float64, the check that the jobs are correct). departure = "
+        f"‖g_W − g₁‖/‖g₁‖; floor = ‖g_split − g₁‖/‖g₁‖, one device with its forward in "
+        f"{FLOOR_ROW_BLOCKS} row blocks (u where that changed no bit); the W-block floor the "
+        "same with as many row blocks as the run has ranks; u the precision's unit roundoff; "
+        "score = departure/floor. Maximum and 99th percentile over the runs.",
         "",
-        f"**F**: the largest departure/u of a correct job, whole gradient or part, is "
-        f"{found.largest_departure_u:.3g}; F = {found.factor:g} (at least {F_MARGIN:g}× it, "
-        "rounded up to 1, 2 or 5 × 10^k). A relative departure above F · u is no rounding: "
-        + ", ".join(f"{p} {found.factor * _unit(p):.2g}" for p in found.factor_of)
-        + ". Per precision (F_p, from that precision's runs alone, the same margin): "
-        + ", ".join(f"{p} F_p = {f:g} ({f * _unit(p):.2g})" for p, f in found.factor_of.items())
-        + ".",
+        "Whole gradient:",
+        "",
+        runfiles.markdown_table(["precision", "u", "runs", *whole_header], whole_rows),
+        "",
+        "Parts (the model's top-level children), the score with the part's own floor, with its "
+        "floor at least the whole gradient's, and with its W-block floor at least the whole's:",
+        "",
+        runfiles.markdown_table(["precision", "part runs", *part_header], part_rows),
+        "",
+        f"**F** (at least {F_MARGIN:g}× the largest departure/u of a correct run, rounded up to "
+        f"1, 2 or 5 × 10^k): one F for every precision, from the largest departure/u of all, "
+        f"{found.largest_departure_u:.3g}, is F = {found.factor:g}; F_p from each precision's "
+        "runs alone, whole gradients only and with the parts:",
+        "",
+        runfiles.markdown_table(factor_header, factor_rows),
         "",
         f"**T** = {FLOOR_THRESHOLD:g} (margin asked: {T_MARGIN:g}×):",
         *verdicts,
@@ -630,6 +654,11 @@ def summary(table: pd.DataFrame) -> str:
     return "\n".join(text) + "\n"
 
 
+def _max_p99(rows: pd.DataFrame, columns: Sequence[str]) -> list[str]:
+    """The maximum and the 99th percentile of each column."""
+    return [f"{f(rows[c]):.3g}" for c in columns for f in (np.max, _p99)]
+
+
 def _unit(precision: str) -> float:
     return Precision(precision).unit_roundoff
 
@@ -639,27 +668,29 @@ def _p99(values: pd.Series) -> float:
 
 
 def _bug_table(table: pd.DataFrame, found: Constants) -> str:
-    """Each known bug's least departure / u and score (whole gradient) per precision, and how
-    many of its runs exceed F · u, F_p · u and T."""
+    """Each known bug's least departure / u and scores (whole gradient) per precision, and how
+    many of its runs exceed F · u, F_p · u (whole gradients) and T (in either floor)."""
     bugs = table[(table["case"] != CORRECT) & (table["part"] == "all")]
     if not len(bugs):
         return ""
     body = []
     for (case, precision), rows in bugs.groupby(["case", "precision"], sort=False):
-        factor = found.factor_of.get(precision, found.factor)
 
         def above(column: str, level: float, rows: pd.DataFrame = rows) -> str:
             return f"{int((rows[column] > level).sum())}/{len(rows)}"
 
         body.append([
-            case, precision, ", ".join(sorted(rows["job"].unique())), str(len(rows)),
+            case, precision, ", ".join(sorted(rows["job"].unique())),
             f"{rows['departure'].min():.2g}", f"{rows['departure_u'].min():.3g}",
-            f"{rows['score'].min():.3g}", above("departure_u", found.factor),
-            above("departure_u", factor), above("score", FLOOR_THRESHOLD),
+            above("departure_u", found.factor),
+            above("departure_u", found.factor_whole_of[precision]),
+            f"{rows['score'].min():.3g}", above("score", FLOOR_THRESHOLD),
+            f"{rows['score_w'].min():.3g}", above("score_w", FLOOR_THRESHOLD),
         ])  # fmt: skip
-    header = ["known bug", "precision", "jobs", "runs", "departure: least", "departure/u: least",
-              "score: least", "runs > F · u", "runs > F_p · u",
-              f"runs > T = {FLOOR_THRESHOLD:g}"]  # fmt: skip
+    header = ["known bug", "precision", "jobs", "departure: least", "departure/u: least",
+              "runs > F · u", "runs > F_p · u (whole)", "score: least",
+              f"runs > T = {FLOOR_THRESHOLD:g}", "W-block score: least",
+              "runs > T (W-block)"]  # fmt: skip
     return ("Known bugs, for comparison (whole gradient, W = " + ", ".join(
         map(str, sorted(bugs["world_size"].unique()))) + "):\n\n"
         + runfiles.markdown_table(header, body))  # fmt: skip
@@ -673,24 +704,25 @@ def figure(table: pd.DataFrame) -> plt.Figure:
     """Four panels over the jobs, log scales, one colour per precision, the correct runs'
     whole gradient as dots and their parts as small rings, the known bugs (whole gradient) as
     crosses: departure / u with F (black) and each precision's F_p (its colour, dotted); the
-    score with T, the parts' floor at least the whole's; the score in the W-block floor; the
+    score with T, the parts' floor at least the whole's; the same in the W-block floor; the
     parts' score with their own floor."""
     found = constants(table)
+    table = with_derived(table)
     table = table[table["precision"].isin(LOW_PRECISIONS)]
     jobs = list(dict.fromkeys(table["job"]))
     precisions = [p for p in LOW_PRECISIONS if p in set(table["precision"])]
     whole, parts = table["part"] == "all", table["part"] != "all"
     correct = table["case"] == CORRECT
     panels = (
-        ("departure_u", found.factor, f"F = {found.factor:g}", "‖g_W − g₁‖ / ‖g₁‖ in u",
+        ("departure_u", found.factor, f"F = {found.factor:g}", "‖g_W − g₁‖ / ‖g₁‖\nin units of u",
          {"whole": whole & correct, "parts": parts & correct, "bugs": whole & ~correct}),
         ("score_least", FLOOR_THRESHOLD, f"T = {FLOOR_THRESHOLD:g}",
-         "score (a part's floor ≥ the whole's)",
+         "score (2-block floor;\na part's ≥ the whole's)",
          {"whole": whole & correct, "parts": parts & correct, "bugs": whole & ~correct}),
-        ("score_w", FLOOR_THRESHOLD, f"T = {FLOOR_THRESHOLD:g}",
-         "score (W-block floor, own)",
+        ("score_w_least", FLOOR_THRESHOLD, f"T = {FLOOR_THRESHOLD:g}",
+         "score (W-block floor;\na part's ≥ the whole's)",
          {"whole": whole & correct, "parts": parts & correct, "bugs": whole & ~correct}),
-        ("score", FLOOR_THRESHOLD, f"T = {FLOOR_THRESHOLD:g}", "parts' score (own floor)",
+        ("score", FLOOR_THRESHOLD, f"T = {FLOOR_THRESHOLD:g}", "parts' score\n(own 2-block floor)",
          {"parts": parts & correct}),
     )  # fmt: skip
     marks = {"whole": {"marker": "o", "s": 14}, "bugs": {"marker": "x", "s": 22},
@@ -714,7 +746,7 @@ def figure(table: pd.DataFrame) -> plt.Figure:
                         style["color"] = color
                     axis.scatter(x, y, linewidths=1, label=f"{precision}: {group}", **style)
                 if column == "departure_u":
-                    axis.axhline(found.factor_of[precision], color=color, linestyle=":",
+                    axis.axhline(found.factor_whole_of[precision], color=color, linestyle=":",
                                  linewidth=1.2)  # fmt: skip
             axis.axhline(level, **{**figures.REFERENCE_STYLE, "linewidth": 1.4})
             axis.text(-0.45, level * 1.4, label, fontsize=8)
@@ -728,7 +760,7 @@ def figure(table: pd.DataFrame) -> plt.Figure:
         shown.legend(handles, labels, loc="outside right center", fontsize=8)
         shown.suptitle(
             "Correct W-rank jobs against one device in the same precision (first gradient), "
-            "and known bugs; dotted: each precision's F_p", fontsize=10,
+            "and known bugs; dotted: each precision's F_p (whole gradients)", fontsize=10,
         )  # fmt: skip
     return shown
 

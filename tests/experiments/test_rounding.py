@@ -1,8 +1,9 @@
 """experiments/rounding.py's measurement on real gloo ranks (W = 2), on a tiny MLP whose code is
 correct: in float64 its two ranks equal one device to float64's rounding, in float32 they depart
 by rounding only (more than nothing, at most 100 unit roundoffs); a rank that reads the wrong
-rows departs by far more. And the table's arithmetic: F rounded up to 1, 2, 5 × 10^k, F per
-precision, T's margin, from a table written here."""
+rows departs by far more. And the table's arithmetic on a table written here: a part's W-block
+floor at least its whole's, F rounded up to 1, 2, 5 × 10^k, F per precision, T's margin in each
+scope."""
 
 from __future__ import annotations
 
@@ -44,25 +45,32 @@ def test_correct_two_ranks_equal_one_device_in_float64_and_depart_by_rounding_in
     assert _whole(float32, "same rows on every rank")["departure"] > 1e-2
 
 
-def test_f_is_rounded_up_to_one_two_or_five_and_t_is_held_to_its_margin():
+def test_f_per_precision_and_t_in_each_scope_from_a_table_worked_out_by_hand():
     assert [rounding.nice_ceiling(v) for v in (0.9, 1.0, 1.1, 2.5, 7.0, 52.0)] == [
         1.0, 1.0, 2.0, 5.0, 10.0, 100.0,
     ]  # fmt: skip
+    columns = ("precision", "part", "case", "departure_u", "score", "score_least", "departure",
+               "floor_w", "score_w")  # fmt: skip
     rows = [
-        {"case": "correct", "precision": "32-true", "part": "all", "departure_u": 6.0,
-         "score": 1.2, "score_least": 1.2, "score_w": 1.0},
-        {"case": "correct", "precision": "bf16-mixed", "part": "head", "departure_u": 0.5,
-         "score": 2.0, "score_least": 0.4, "score_w": 7.0},
-        {"case": "old gather", "precision": "32-true", "part": "all", "departure_u": 1e6,
-         "score": 1e6, "score_least": 1e6, "score_w": 1e6},
-    ]  # fmt: skip
-    found = rounding.constants(pd.DataFrame(rows))
+        ("32-true", "all", "correct", 6.0, 1.2, 1.2, 4e-7, 4e-7, 1.0),
+        ("32-true", "head", "correct", 0.5, 2.0, 0.4, 2e-7, 1e-8, 20.0),
+        ("bf16-mixed", "all", "correct", 0.25, 1.0, 1.0, 1e-3, 1e-3, 1.0),
+        ("bf16-mixed", "head", "correct", 0.75, 7.0, 1.5, 3.5e-3, 5e-4, 7.0),
+        ("32-true", "all", "old gather", 1e6, 1e6, 1e6, 0.3, 4e-7, 1e6),
+    ]
+    table = pd.DataFrame(rows, columns=columns).assign(job="a", seed=0, world_size=2)
+    # a part's W-block floor at least its run's whole one: 2e-7 / 4e-7 and 3.5e-3 / 1e-3
+    derived = rounding.with_derived(table)["score_w_least"].tolist()
+    assert derived == pytest.approx([1.0, 0.5, 1.0, 3.5, 0.3 / 4e-7])
+    found = rounding.constants(table)
     assert found.largest_departure_u == 6.0  # the bug is not counted
     assert found.factor == 50.0  # 4 × 6 = 24, rounded up
-    # each precision's F from its own runs: 4 × 0.5 = 2 for bf16-mixed, 4 × 6 → 50 for float32
-    assert found.factor_of == {"32-true": 50.0, "bf16-mixed": 2.0}
+    assert found.factor_of == {"32-true": 50.0, "bf16-mixed": 5.0}  # 4 × 0.75 = 3 → 5
+    assert found.factor_whole_of == {"32-true": 50.0, "bf16-mixed": 1.0}  # 4 × 0.25
     assert found.threshold_margin["whole gradient"] == pytest.approx(3 / 1.2)
     assert found.threshold_needed["whole gradient"] == 3.0  # 2.5× ≥ 2×: T holds
-    assert found.threshold_needed["parts, own floor"] == 5.0  # 1.5×: T = 2 · 2, rounded up
-    assert found.largest_score["parts, floor ≥ whole's"] == 0.4
-    assert found.threshold_needed["parts, own W-block floor"] == 20.0  # 2 · 7, rounded up
+    assert found.threshold_needed["parts, own floor"] == 20.0  # 2 × 7 = 14, rounded up
+    assert found.threshold_needed["parts, floor ≥ whole's"] == 3.0  # 3 / 1.5 = 2×: holds
+    assert found.threshold_needed["parts, own W-block floor"] == 50.0  # 2 × 20
+    assert found.largest_score["parts, W-block floor ≥ whole's"] == pytest.approx(3.5)
+    assert found.threshold_needed["parts, W-block floor ≥ whole's"] == 10.0  # 2 × 3.5 = 7
