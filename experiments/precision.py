@@ -9,7 +9,8 @@ gloo ranks of the warm pool: gatherlab's MLP-sized model of ``plain_steps`` and 
 and rank 1's slice scaled by 1 + ε (``precision_cases.ScaledSlice``) for ε from 1e-1 to 1e-7;
 and the naive accumulation of ``updates.naive`` (K = 2) through ``gatherlab.check
 .check_training``. Each departure ‖g_W − g₁‖ / ‖g₁‖ from one device in the same precision is
-divided by the floor, one device with its forward in two row blocks (`gatherlab.core.floor`);
+divided by the floor, one device with its forward in as many row blocks as the most ranks, 8
+(`gatherlab.core.floor`; T is `floor.FLOOR_THRESHOLD` at every W);
 the batch norm case takes the floor of the same model without batch norm (row blocks would split
 its statistics). Writes ``figures/precision.{csv,md,png,pdf}``.
 
@@ -94,7 +95,8 @@ def _gathers(precision: str, seed: int) -> list[dict]:
         ).gradient
 
     one = {name: one_device(model) for name, model in models.items()}
-    perturbed = one_device(models["plain"], FLOOR_ROW_BLOCKS)
+    blocks = max(FLOOR_ROW_BLOCKS, *WORLD_SIZES)  # as many partial sums as the most ranks
+    perturbed = one_device(models["plain"], blocks)
     floor_value = floor.floor_of(floor.relative(perturbed, one["plain"]), precision)
     rows = []
     for world_size in WORLD_SIZES:
@@ -108,7 +110,8 @@ def _gathers(precision: str, seed: int) -> list[dict]:
         results = [(c, m.gradient, one["plain"]) for c, m in measured.items()]
         results.append(("per-rank batch norm", batchnorm.gradient, one["batchnorm"]))
         for case, gradient, reference in results:
-            floored = floor.classify_at(gradient, reference, floor_value, precision, world_size)
+            floored = floor.classify_at(gradient, reference, floor_value, precision, world_size,
+                                        threshold=floor.threshold(blocks, world_size))  # fmt: skip
             name, epsilon = (f"slice × (1 + {case[1]:g})", case[1]) if isinstance(case, tuple) \
                 else (case, None)  # fmt: skip
             rows.append({

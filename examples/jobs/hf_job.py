@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.mean_loss:  # the Trainer's documented switch: divide the loss by K itself
             trainer.loss_is_scaled_for_ga = False
         trainer.train()
+        if torch.distributed.is_initialized():  # the ranks leave their group together
+            torch.distributed.barrier()  # (gloo aborts a rank whose peer left first)
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

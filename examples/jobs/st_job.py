@@ -291,6 +291,11 @@ def main(argv: list[str] | None = None) -> None:
         trainer.loss_is_scaled_for_ga = True
     trainer.remove_callback(PrinterCallback)  # the job prints its own line per update
     trainer.train()
+    import torch.distributed
+
+    if torch.distributed.is_initialized():  # the ranks leave their group together
+        torch.distributed.barrier()  # (gloo aborts a rank whose peer left first)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

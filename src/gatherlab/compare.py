@@ -32,7 +32,6 @@ from gatherlab.analysis import figures
 from gatherlab.check.compare import Comparison, NotComparable
 from gatherlab.check.compare import compare as _compare
 from gatherlab.core import cli, gradients, runfiles, terms
-from gatherlab.core.floor import FLOOR_THRESHOLD
 from gatherlab.recording.format import HEADER, Recording, RecordingError
 
 __all__ = [
@@ -110,7 +109,7 @@ def write(comparison: Comparison, out: Path) -> list[Path]:
         tolerance=None if floored or comparison.verdict == terms.NOT_JUDGED else
         gradients.FLOAT64_TOLERANCE,
         departure=None if comparison.departure is None else comparison.departure[0],
-        threshold=FLOOR_THRESHOLD if floored else None,
+        threshold=comparison.threshold if floored else None,
     )  # fmt: skip
     return [out / runfiles.CHECK, out / UPDATES, *figures.save(figure, out / FIGURE)]
 

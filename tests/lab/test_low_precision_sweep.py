@@ -41,8 +41,9 @@ def test_a_bf16_sweep_judges_each_run_in_floors_of_its_floor_run(swept):
         assert rows.loc[(gather, "cpu1_floor"), "floors"] == pytest.approx(1.0)
     for layout in ("cpu2", "cpu4"):
         exact, old = rows.loc[("fixed", layout)], rows.loc[("old", layout)]
-        assert exact["verdict"] == "matches" and exact["floors"] <= floor.FLOOR_THRESHOLD
-        assert old["verdict"] == "differs" and old["floors"] > 10 * floor.FLOOR_THRESHOLD
+        limit = floor.threshold(2, int(layout.removeprefix("cpu")))  # the floor run's 2 blocks
+        assert exact["verdict"] == "matches" and exact["floors"] <= limit
+        assert old["verdict"] == "differs" and old["floors"] > 4 * limit
         # measured, not by a fixed bound: the exact run's |Δloss| is bf16's, far above float64's
         assert exact["max_abs_loss_diff"] > 1e-5
     assert "floors (the floor)" in printed
@@ -70,11 +71,12 @@ def test_the_comparison_figure_draws_the_floor_and_its_band(swept, tmp_path, mon
     diff_axis = figure.axes[1]
     labels = [line.get_label() for line in diff_axis.get_lines()]
     assert "floor: one device, 2 row blocks" in labels
-    band = next(c for c in diff_axis.collections if c.get_label() == "within 3 floors")
+    limit = floor.threshold(2, 2)  # the floor run's 2 row blocks, the group's 2 devices at most
+    band = next(c for c in diff_axis.collections if c.get_label() == f"within {limit:g} floors")
     top = band.get_paths()[0].vertices[:, 1].max()
     table = pd.read_csv(sweep / report.COMPARISON).set_index("layout")
     floor_diff = table.loc["cpu1_floor", "max_abs_loss_diff"]
-    assert top == pytest.approx(floor.FLOOR_THRESHOLD * floor_diff, rel=1e-6)
+    assert top == pytest.approx(limit * floor_diff, rel=1e-6)
 
 
 @pytest.mark.parametrize(

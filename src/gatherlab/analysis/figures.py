@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from gatherlab.core import terms
-from gatherlab.core.floor import FLOOR_THRESHOLD
+from gatherlab.core.floor import threshold
 from gatherlab.core.terms import GradientClass, World
 
 # A style table, not a list of gathers: which gathers exist is the gather config group's options
@@ -122,7 +122,9 @@ def _draw_group_against_reference(
     reference_dir = runs["reference"].dropna().iloc[0] if runs["reference"].notna().any() else None
     floors = runs[runs["row_blocks"] > 1] if "row_blocks" in runs else runs.iloc[:0]
     if reference_dir is not None and len(floors) and runs["floors"].notna().any():
-        _draw_floor_band(diff_axis, curves[floors.iloc[0]["run_dir"]], curves[reference_dir])
+        limit = threshold(int(floors.iloc[0]["row_blocks"]), int(runs["devices"].max()))
+        _draw_floor_band(diff_axis, curves[floors.iloc[0]["run_dir"]], curves[reference_dir],
+                         limit)  # fmt: skip
     strategies = runs["strategy"].nunique() > 1 if "strategy" in runs else False
     for _, run in runs[runs["devices"] > 1].iterrows():
         run_curves = curves[run["run_dir"]]
@@ -157,19 +159,20 @@ def _draw_group_against_reference(
 
 
 def _draw_floor_band(
-    diff_axis: plt.Axes, floor_curves: pd.DataFrame, reference: pd.DataFrame
+    diff_axis: plt.Axes, floor_curves: pd.DataFrame, reference: pd.DataFrame, limit: float
 ) -> None:
     """A low precision's floor on the |Δloss| panel (docs/design.md §2): the floor run's |Δloss|
     against the reference at each step (one device with its forward in two row blocks, grey),
-    and the band up to `FLOOR_THRESHOLD` times its largest, the loss half of a run's verdict (a
+    and the band up to ``limit`` (T, `floor.threshold`) times its largest, the loss half of a
+    run's verdict (a
     run inside it matches as far as its precision lets the report tell, when its final weights
     are within as many floors too)."""
     steps = min(len(floor_curves), len(reference))
     floor = np.abs(floor_curves["loss"].to_numpy()[:steps] - reference["loss"].to_numpy()[:steps])
     x = reference["step"][:steps]
-    diff_axis.fill_between(x, ZERO_FLOOR, max(FLOOR_THRESHOLD * floor.max(), ZERO_FLOOR),
+    diff_axis.fill_between(x, ZERO_FLOOR, max(limit * floor.max(), ZERO_FLOOR),
                            color="0.85", linewidth=0, zorder=0,
-                           label=f"within {FLOOR_THRESHOLD:g} floors")  # fmt: skip
+                           label=f"within {limit:g} floors")  # fmt: skip
     diff_axis.plot(x, np.maximum(floor, ZERO_FLOOR), color="0.45", linewidth=1.0,
                    label="floor: one device, 2 row blocks")  # fmt: skip
 

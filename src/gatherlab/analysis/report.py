@@ -24,9 +24,10 @@ import pandas as pd
 
 from gatherlab.analysis import figures, results
 from gatherlab.core import cli, gradients, runfiles
-from gatherlab.core.floor import FLOOR_THRESHOLD
+from gatherlab.core.floor import threshold
 from gatherlab.core.terms import GradientClass, Precision, RunVerdict, World
 from gatherlab.gather import CLASSES
+from gatherlab.runs.precision import FLOOR_ROW_BLOCKS
 
 __all__ = [
     "audit_markdown",
@@ -212,9 +213,10 @@ def _held_against(
     """A run held against its reference (the files of each: its curves and final weights): its
     ``verdict``, its largest |Δloss| and |Δparameter| where the two can be compared, and an
     ``error`` that says why where they cannot. In float64 and float32 it matches within the
-    precision's tolerance (`gradients.TOLERANCE`); in bf16 or fp16 within
-    `floor.FLOOR_THRESHOLD` floors, ``floors`` the larger of its two differences in units of the
-    group's floor run's (``floor``, its own held numbers; `_floors`)."""
+    precision's tolerance (`gradients.TOLERANCE`); in bf16 or fp16 within T floors
+    (`floor.threshold` of the floor run's row blocks and the run's devices), ``floors`` the
+    larger of its two differences in units of the group's floor run's (``floor``, its own held
+    numbers; `_floors`)."""
     (run_curves, state), (reference_curves, reference_state) = run_files, reference_files
     why = _not_comparable(run, run_curves, reference, reference_curves)
     if why is not None:
@@ -237,7 +239,7 @@ def _held_against(
                  "sweep (docs/design.md §2, \"Low precision\")")  # fmt: skip
         return {**held, "verdict": RunVerdict.NOT_COMPARABLE, "error": error}
     floors = _floors(held, floor, run["precision"], reference_files[0]["loss"].abs().max())
-    matches = floors <= FLOOR_THRESHOLD
+    matches = floors <= threshold(FLOOR_ROW_BLOCKS, int(run.get("devices", FLOOR_ROW_BLOCKS)))
     return {**held, "floors": floors,
             "verdict": RunVerdict.MATCHES if matches else RunVerdict.DIFFERS}  # fmt: skip
 

@@ -40,14 +40,20 @@ from gatherlab.check.table import (
 )  # fmt: skip
 from gatherlab.core import gradients, runfiles, terms
 from gatherlab.core.floor import (
-    FLOOR_THRESHOLD,
+    ROUNDING_CEILING,
     WITHIN,
     Floored,
+    beyond_rounding,
+    classify_at,
     classify_floored,
     classify_sketched_floored,
+    relative,
+    threshold,
 )
 from gatherlab.core.gradients import Classified, Layout
+from gatherlab.core.terms import Forward
 from gatherlab.recording.format import TRACE, Recording, read
+from gatherlab.recording.recorder import FLOOR_BLOCKS_VARIABLE, FLOOR_ROW_BLOCKS
 
 __all__ = [
     "MUST_AGREE", "UPDATE_COLUMNS", "Comparison", "NotComparable", "compare", "recording",
@@ -87,8 +93,8 @@ class Comparison:
     trains like the reference, 1 not), the printed ``words`` (ending with a newline), the
     ``data`` difference in words (None when every update's global batch is the reference's),
     ``notes`` (what differs without failing: another order of the same rows, updates without a
-    loss), the first ``departure`` (update, part) (None when none departs), and the two
-    recordings' directories."""
+    loss), the first ``departure`` (update, part) (None when none departs), the two
+    recordings' directories, and ``threshold`` (T) where a floor recording judged it."""
 
     table: pd.DataFrame
     updates: pd.DataFrame
@@ -100,6 +106,9 @@ class Comparison:
     departure: tuple[int, str] | None
     reference: Path
     run: Path
+    threshold: float | None = None
+    """T, the most floors within the floor recording's, where one judged it (`floor.threshold`:
+    10 where the floor has as many row blocks as B has ranks, 20 where fewer); None without."""
 
     @property
     def trains_like_reference(self) -> bool:
@@ -149,10 +158,11 @@ def _judged(recording: Recording) -> str:
     return str(terms.Precision.FP16_MIXED) if precision == "16-true" else precision
 
 
-def _floor(a: Recording, c: Recording) -> tuple[str, Recording]:
-    """The precision of a comparison judged in floors and its floor recording ``c``, checked
-    against A: the same model and settings, one device, a low precision (an autocast dtype, or
-    parameters below float64); NotComparable in one line otherwise."""
+def _floor(a: Recording, b: Recording, c: Recording) -> tuple[str, Recording, float]:
+    """The precision of a comparison judged in floors, its floor recording ``c``, checked
+    against A (the same model and settings, one device, a low precision: an autocast dtype, or
+    parameters below float64; NotComparable in one line otherwise), and T, the most floors
+    within it (`floor.threshold` of C's row blocks and B's ranks)."""
     _same_model(a, c)
     _same_settings(a, c)
     if c.world_size != 1:
@@ -166,7 +176,8 @@ def _floor(a: Recording, c: Recording) -> tuple[str, Recording]:
             f"--floor {c.path}: A is recorded in {precision}, judged to 1e-10; allowed: a floor "
             "for recordings in float32, bf16 or fp16"
         )
-    return precision, c
+    blocks = max(c.row_blocks, FLOOR_ROW_BLOCKS)  # a floor recorded before its blocks were: 2
+    return precision, c, threshold(blocks, b.world_size)
 
 
 def _same_settings(a: Recording, b: Recording) -> None:
@@ -240,7 +251,7 @@ class _Read:
 
 def _read(
     a: Recording, b: Recording, index: int, world_size: int, micro_batches: int,
-    floored: tuple[str, Recording] | None = None,
+    floored: tuple[str, Recording, float] | None = None,
 ) -> _Read:  # fmt: skip
     """Update ``index``'s gradient of B against A's, from the full gradients where both hold
     them, else from the sketches and exact norms; with ``floored`` (the precision and the floor
@@ -261,9 +272,12 @@ def _read(
             layout = a.layout()
             split = [gradients.split(g, layout) for g in (full_b, full_a, full_c.double())]
             pieces |= {part: tuple(s[part] for s in split) for part in parts}
-        whole = classify_floored(*pieces.pop(ALL_PARTS), floored[0], world_size, micro_batches)
+        limit = floored[2]
+        whole = classify_floored(*pieces.pop(ALL_PARTS), floored[0], world_size, micro_batches,
+                                 threshold=limit)  # fmt: skip
         reading = {ALL_PARTS: whole} | {
-            name: classify_floored(*vectors, floored[0], world_size, micro_batches, whole.floor)
+            name: classify_floored(*vectors, floored[0], world_size, micro_batches, whole.floor,
+                                   limit)
             for name, vectors in pieces.items()
         }  # fmt: skip
         return _floored_read(reading, FULL)
@@ -285,7 +299,7 @@ def _read(
         return classify_sketched_floored(
             (_sketch(mine, group), _sketch(theirs, group), _sketch(perturbed, group)),
             (_whole_norm(mine, group), _whole_norm(theirs, group)), floored[0], world_size,
-            micro_batches, least,
+            micro_batches, least, floored[2],
         )  # fmt: skip
 
     whole = read(named.pop(ALL_PARTS))
@@ -303,7 +317,7 @@ def _floored_read(reading: dict[str, Floored], source: str) -> _Read:
 
 def _updates_table(
     a: Recording, b: Recording, world_size: int, micro_batches: int,
-    floored: tuple[str, Recording] | None = None,
+    floored: tuple[str, Recording, float] | None = None,
 ) -> tuple[pd.DataFrame, list[_Read]]:  # fmt: skip
     """The rows of ``updates.csv`` (`UPDATE_COLUMNS`, and `FLOOR_COLUMNS` judged in floors)
     and each update's reading."""
@@ -317,6 +331,9 @@ def _updates_table(
                          mine.loss, *reading.floors.get(part, ())))  # fmt: skip
     columns = UPDATE_COLUMNS + (FLOOR_COLUMNS if floored else ())
     return pd.DataFrame(rows, columns=list(columns)), reads
+
+
+_NOT_DEPARTING = (EXACT, terms.NOT_JUDGED)  # a class below the ceiling is not judged (`_ceiling`)
 
 
 def _departure(
@@ -335,9 +352,10 @@ def _departure(
     factor = scale if scale is not None and not math.isnan(scale) else 1.0
     for reading, theirs, mine in zip(reads, a.updates, b.updates, strict=True):
         judged = not floored or theirs.index == a.updates[0].index
-        if judged and reading.whole.gradient != EXACT:  # the whole if every part is alike
+        if judged and reading.whole.gradient not in _NOT_DEPARTING:  # the whole if parts agree
             alike = all(n.gradient == reading.whole.gradient for n in reading.parts.values())
-            departing = (p for p, numbers in reading.parts.items() if numbers.gradient != EXACT)
+            departing = (p for p, numbers in reading.parts.items()
+                         if numbers.gradient not in _NOT_DEPARTING)  # fmt: skip
             return theirs.index, ALL_PARTS if alike else next(departing, ALL_PARTS)
         if abs(mine.loss / factor - theirs.loss) > tolerance:
             return theirs.index, ALL_PARTS
@@ -511,44 +529,39 @@ def compare(
     a, b = recording(reference), recording(run)
     _same_model(a, b)
     _same_settings(a, b)
-    floored = None if floor is None else _floor(a, recording(floor))
+    floored = None if floor is None else _floor(a, b, recording(floor))
     precision = _judged(a)
     if tolerance is None:
         tolerance = gradients.TOLERANCE.get(precision, gradients.FLOAT64_TOLERANCE)
     world_size, micro_batches = b.world_size, _micro_batches(a, b)
     data = batches.compare(a, b)
     updates, reads = _updates_table(a, b, world_size, micro_batches, floored)
+    ceiling = None
+    if floored is None and precision != terms.Precision.FLOAT64 and data.update is None:
+        ceiling = _ceiling(a, b, reads[0], precision, micro_batches)
+    if ceiling is not None:  # departing beyond any rounding: update 0 judged without a floor
+        reads[0] = ceiling[0]
+        updates = _ceiling_updates(updates, ceiling[0])
+        tolerance = ceiling[1] * max(abs(a.updates[0].loss), 1e-300)
     unreduced, measured = _unreduced(a, b)
     desync = next(((u.index, u.drifted) for u in b.updates if u.drifted), None)
     measured = {**measured, "data_cause": data.explanation or "", "recorded": True,
                 "micro_batches": micro_batches}  # fmt: skip
     if desync is not None:
         measured |= {"desync_update": desync[0], "desync_parts": ", ".join(desync[1])}
-    full = reads[0].source == FULL
-    key = Row(loss=str(b.path), gather="native", world_size=world_size, reference=str(a.path),
-              micro_batches=micro_batches)  # fmt: skip
     unlossed = {x.index for x, y in zip(a.updates, b.updates, strict=True)
                 if math.isnan(x.loss) or math.isnan(y.loss)}  # fmt: skip
     if unlossed:
         data = dataclasses.replace(data, notes=(*data.notes, diagnosis.NO_LOSS.format(
             updates=len(unlossed), total=len(a.updates))))  # fmt: skip
-    in_precision = None
-    if floored is not None:
-        in_precision = InPrecision(floored[0], _trained(floored[1], full, unlossed))
-        tolerance = in_precision.tolerance(_trained(a, full, unlossed))
-    rows = judge(
-        _trained(b, full, unlossed), _trained(a, full, unlossed), key, tolerance=tolerance,
-        layout=a.layout() if full else _sketch_layout(a),
-        recorded=Recorded(None if full else (reads[0].whole, reads[0].parts), unreduced,
-                          data.update is not None, in_precision,
-                          () if desync is None else desync[1]),
-        where=None if data.update is not None else _where(
-            a, b, tolerance, micro_batches, floored is not None),
-    )  # fmt: skip
-    judged = floored is not None or precision == terms.Precision.FLOAT64 or data.update is not None
+    rows, tolerance = _rows(a, b, reads, data, (floored, ceiling), (unreduced, desync, unlossed),
+                            tolerance, micro_batches)  # fmt: skip
+    judged = (floored is not None or ceiling is not None or precision == terms.Precision.FLOAT64
+              or data.update is not None)  # fmt: skip
     departure = None
     if judged:
-        departure = _departure(a, b, reads, tolerance, rows[0].scale, floored is not None)
+        departure = _departure(a, b, reads, tolerance, rows[0].scale,
+                               floored is not None or ceiling is not None)  # fmt: skip
         if desync is not None and (departure is None or desync[0] < departure[0]):
             departure = (desync[0], desync[1][0])  # the ranks part before B parts from A
     if departure is not None:
@@ -561,12 +574,98 @@ def compare(
         updates = updates.assign(gradient=terms.NOT_JUDGED)
     table = frame(rows, COMPARISON_COLUMNS + (PRECISION_COLUMNS if floored else ()))
     status = 0 if trains_like_one_device(table) else 1 if judged else terms.NOT_JUDGED_STATUS
-    said = _Said(table, updates, data, departure, measured, tolerance, desync)
+    said = _Said(table, updates, data, departure, measured, tolerance, desync,
+                 floored[2] if floored else threshold(2, 1),
+                 None if ceiling is None else (precision, ceiling[1]))  # fmt: skip
     words = _words(a, b, said) if judged else _not_judged_words(a, b, said, reads[0], precision)
     return Comparison(
         table=table, updates=updates, verdict=rows[0].verdict, status=status, words=words,
         data=data.words, notes=data.notes, departure=departure, reference=a.path, run=b.path,
+        threshold=floored[2] if floored else None,
     )  # fmt: skip
+
+
+def _rows(
+    a: Recording, b: Recording, reads: list[_Read], data: batches.Batches,
+    low: tuple[tuple[str, Recording, float] | None, tuple[_Read, float] | None],
+    measured: tuple[list[str], tuple[int, list[str]] | None, set[int]], tolerance: float,
+    micro_batches: int,
+) -> tuple[list[Row], float]:  # fmt: skip
+    """The judge's rows of B against A (`judge.judge`) and the tolerance of their losses: in
+    floors of the floor recording (``low[0]``), or, beyond rounding without one (``low[1]``,
+    `_ceiling`), with the classes read at the ceiling and a forward within it not judged."""
+    (floored, ceiling), (unreduced, desync, unlossed) = low, measured
+    full = reads[0].source == FULL
+    key = Row(loss=str(b.path), gather="native", world_size=b.world_size, reference=str(a.path),
+              micro_batches=micro_batches)  # fmt: skip
+    in_precision = None
+    if floored is not None:
+        in_precision = InPrecision(floored[0], _trained(floored[1], full, unlossed),
+                                   blocks=max(floored[1].row_blocks, FLOOR_ROW_BLOCKS))  # fmt: skip
+        tolerance = in_precision.tolerance(_trained(a, full, unlossed), b.world_size)
+    given = None if full and ceiling is None else (reads[0].whole, reads[0].parts)
+    rows = judge(
+        _trained(b, full, unlossed), _trained(a, full, unlossed), key, tolerance=tolerance,
+        layout=a.layout() if full else _sketch_layout(a),
+        recorded=Recorded(given, unreduced, data.update is not None, in_precision,
+                          () if desync is None else desync[1]),
+        where=None if data.update is not None else _where(
+            a, b, tolerance, micro_batches, floored is not None or ceiling is not None),
+    )  # fmt: skip
+    if ceiling is not None:  # within the ceiling nothing is told without a floor
+        rows = [dataclasses.replace(r, forward=terms.NOT_JUDGED) if r.forward == Forward.SAME
+                else r for r in rows]  # fmt: skip
+    return rows, tolerance
+
+
+def _ceiling(
+    a: Recording, b: Recording, first: _Read, precision: str, micro_batches: int
+) -> tuple[_Read, float] | None:
+    """Without a floor, B's first gradient against A's where it departs beyond any rounding of
+    the precision (`floor.beyond_rounding`: `floor.ROUNDING_CEILING` unit roundoffs, the
+    relative L2 departure, from the full gradients or their sketches' estimate): the classes of
+    the whole and of each part read at that resolution (a part within it ``not judged``), and
+    the resolution; None where it departs less (then nothing is judged)."""
+    resolution = ROUNDING_CEILING.get(terms.Precision(precision), math.nan) * terms.Precision(
+        precision).unit_roundoff  # fmt: skip
+    full_a, full_b = a.full_gradient(0), b.full_gradient(0)
+    world_size = b.world_size
+    if first.source == FULL:
+        pieces = {ALL_PARTS: (full_b.double(), full_a.double())}
+        if len(a.parts) > 1:
+            split = [gradients.split(g.double(), a.layout()) for g in (full_b, full_a)]
+            pieces |= {part: (split[0][part], split[1][part]) for part in a.parts}
+        departures = {name: relative(*pair) for name, pair in pieces.items()}
+        classes = {name: as_classified(classify_at(*pair, resolution, precision, world_size,
+                                                   micro_batches, threshold=1.0))
+                   for name, pair in pieces.items()}  # fmt: skip
+    else:
+        named = {ALL_PARTS: first.whole} | first.parts
+        departures = {name: numbers.max_rel_err for name, numbers in named.items()}
+        theirs, mine = a.updates[0], b.updates[0]
+        groups = {ALL_PARTS: a.parts} | {part: [part] for part in a.parts}
+        classes = {name: gradients.classify_sketched(
+            _sketch(mine, groups[name]), _sketch(theirs, groups[name]),
+            _whole_norm(mine, groups[name]), _whole_norm(theirs, groups[name]), world_size,
+            micro_batches, resolution) for name in named}  # fmt: skip
+    if not beyond_rounding(departures[ALL_PARTS], precision):
+        return None
+    classes = {name: numbers if beyond_rounding(departures[name], precision) else
+               numbers._replace(gradient=terms.NOT_JUDGED)
+               for name, numbers in classes.items()}  # fmt: skip
+    whole = classes.pop(ALL_PARTS)
+    return _Read(whole, classes if len(a.parts) > 1 else {}, first.source), resolution
+
+
+def _ceiling_updates(updates: pd.DataFrame, first: _Read) -> pd.DataFrame:
+    """``updates.csv`` judged beyond rounding without a floor: update 0's classes at the
+    ceiling (`_ceiling`), every later update's gradient not judged."""
+    classes = {ALL_PARTS: first.whole.gradient} | {p: n.gradient for p, n in first.parts.items()}
+    gradient = [
+        classes.get(part, terms.NOT_JUDGED) if update == 0 else terms.NOT_JUDGED
+        for update, part in zip(updates["update"], updates["part"], strict=True)
+    ]
+    return updates.assign(gradient=gradient)
 
 
 # The columns of the comparison's printed table (check.csv has them all).
@@ -592,6 +691,10 @@ class _Said:
     measured: dict[str, str]
     tolerance: float
     desync: tuple[int, list[str]] | None = None
+    threshold: float = 0.0
+    """T, the most floors within the floor recording's (`floor.threshold`)."""
+    ceiling: tuple[str, float] | None = None
+    """Judged beyond rounding without a floor: the precision and the resolution (`_ceiling`)."""
 
 
 def _heading(a: Recording, b: Recording, said: _Said) -> list[str]:
@@ -639,7 +742,7 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
     lines += diagnosis._precision_lines(table, None)  # judged in floors (--floor)
     if trains_like_one_device(table) and floored:
         word = terms.Precision(table["precision"].iloc[0]).word
-        lines.append(f"B trains like A as far as {word} can tell (within {FLOOR_THRESHOLD:g} "
+        lines.append(f"B trains like A as far as {word} can tell (within {said.threshold:g} "
                      "floors of the floor recording).")  # fmt: skip
     elif trains_like_one_device(table):
         lines.append(f"B trains like A ({a.precision}, every update's loss and gradient).")
@@ -669,9 +772,17 @@ def _departure_words(head: pd.Series, said: _Said, floored: bool) -> str:
         difference = abs(row["loss_b"] - row["loss_a"])
         return f"{where}: its loss leaves A's by {difference:.3g} (tolerance {said.tolerance:.3g})"
     gradient = f"its gradient is {row['gradient']}"
-    if floored:
+    if said.ceiling is not None:
+        precision, resolution = said.ceiling
+        word, unit = terms.Precision(precision).word, terms.Precision(precision).unit_roundoff
+        gradient += (
+            f", beyond {resolution / unit:g} unit roundoffs of {word} ({resolution:.2g} "
+            "relative), which rounding gave no correct run measured (docs/design.md §2): judged "
+            "without a floor recording; a part that departs less is not judged"
+        )
+    elif floored:
         gradient += (f", {row['floors']:.3g} floors of the floor recording's departure there "
-                     f"({row['floor']:.2g}; at most {FLOOR_THRESHOLD:g} is within it)")  # fmt: skip
+                     f"({row['floor']:.2g}; at most {said.threshold:g} is within it)")  # fmt: skip
     first_loss = head["first_diff_step"]
     if first_loss is not None and not pd.isna(first_loss):
         step = int(first_loss)
@@ -694,10 +805,10 @@ def _within_floors_words(head: pd.Series, said: _Said) -> str:
     return (
         f"No update departs: update 0's gradient is {first['floors']:.3g} floors from A's (a "
         f"floor: {first['floor']:.2g}, the floor recording's departure; at most "
-        f"{FLOOR_THRESHOLD:g} floors is within). Later "
+        f"{said.threshold:g} floors is within). Later "
         "updates' gradients are read at weights that rounding has moved apart, in B and in the "
         "floor recording alike (updates.csv has each one's floors), and are held through the "
-        f"losses and the final weights' sketches, to {said.tolerance:.3g} ({FLOOR_THRESHOLD:g} "
+        f"losses and the final weights' sketches, to {said.tolerance:.3g} ({said.threshold:g} "
         "times the floor recording's largest departure of either from A's): B's largest "
         f"|Δloss| is {losses:.3g}, its final weights' {weights:.3g}."
     )
@@ -731,10 +842,13 @@ def _floor_command(a: Recording, b: Recording) -> str:
                 "float64 to judge them.")  # fmt: skip
     floor_dir = f"{a.path}-floor"
     again = f"python -m gatherlab.compare {a.path} {b.path} --floor {floor_dir}"
+    blocks = max(b.world_size, FLOOR_ROW_BLOCKS)  # as many partial sums as B's ranks
+    variables = f"GATHERLAB_RECORD_FLOOR={floor_dir}" + (
+        f" {FLOOR_BLOCKS_VARIABLE}={blocks}" if blocks != FLOOR_ROW_BLOCKS else "")  # fmt: skip
     command = header.get("command")
     if command:
-        return ("Record the floor, A's job on one device with its model's forward in two row "
-                f"blocks, and compare again:\n    GATHERLAB_RECORD_FLOOR={floor_dir} "
-                f"{shlex.join(command)}\n    {again}")  # fmt: skip
-    return ("Record the floor, A's job on one device run again with GATHERLAB_RECORD_FLOOR="
-            f"{floor_dir} in its environment, and compare again:\n    {again}")  # fmt: skip
+        return (f"Record the floor, A's job on one device with its model's forward in {blocks} "
+                f"row blocks, and compare again:\n    {variables} {shlex.join(command)}\n"
+                f"    {again}")  # fmt: skip
+    return (f"Record the floor, A's job on one device run again with {variables} in its "
+            f"environment, and compare again:\n    {again}")  # fmt: skip

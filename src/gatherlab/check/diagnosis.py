@@ -22,8 +22,15 @@ from gatherlab.check.table import (
     trains_like_one_device,
 )  # fmt: skip
 from gatherlab.core import gradients, runfiles, terms
-from gatherlab.core.floor import FLOOR_THRESHOLD, WITHIN, Floored, power_words
+from gatherlab.core.floor import (
+    FLOOR_THRESHOLD,
+    WITHIN,
+    Floored,
+    power_words,
+    threshold,
+)
 from gatherlab.core.terms import Culprit
+from gatherlab.runs.precision import FLOOR_ROW_BLOCKS
 from gatherlab.runs.removals import ALL, NONE, Removal
 
 # --- what each verdict means --------------------------------------------------------------------
@@ -734,12 +741,15 @@ def _precision_lines(table: pd.DataFrame, name_column: str | None) -> list[str]:
         )  # fmt: skip
         own.insert(0, f"The code runs in float64{which}, which judges it; {precision.word} adds "
                       "only its own rounding, measured here.")  # fmt: skip
-    floored = Floored(str(precision), "", "", float(whole["floor"].max()), 0.0, 0, 0, 0)
+    blocks = max(FLOOR_ROW_BLOCKS, int(whole["world_size"].max()))  # the check's floor's
+    floored = Floored(str(precision), "", "", float(whole["floor"].max()), 0.0, 0, 0, 0,
+                      threshold(blocks, blocks))  # fmt: skip
     text = " ".join([
         *own, f"Each W's gradient in {precision} is compared with one device's in {precision}, "
-        "in floors (one device with its forward in two row blocks: rounding of the same kind, "
-        f"nothing changed mathematically); at most {FLOOR_THRESHOLD:g} floors is exact within "
-        f"{precision.word}. {power_words(floored).capitalize()}.",
+        f"in floors (one device with its forward in {blocks} row blocks, as many as the most "
+        "ranks: rounding of the same kind, nothing changed mathematically); at most "
+        f"{FLOOR_THRESHOLD:g} floors is exact within {precision.word}. "
+        f"{power_words(floored).capitalize()}.",
     ])  # fmt: skip
     keys = [*([name_column] if name_column else []), "world_size",
             *(["micro_batches"] if _has_micro_batches(whole) else [])]  # fmt: skip

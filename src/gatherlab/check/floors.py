@@ -43,6 +43,9 @@ class LossFloors:
     notes: dict[str, str] = field(default_factory=dict)
     one: dict[str, measure.Measured] = field(default_factory=dict)
     perturbed: dict[str, tuple[measure.Measured, Trained | None]] = field(default_factory=dict)
+    blocks: int = FLOOR_ROW_BLOCKS
+    """The floor's row blocks: as many as the most ranks the check runs (at least
+    `FLOOR_ROW_BLOCKS`), so that every W is held to `floor.FLOOR_THRESHOLD` floors."""
 
     @property
     def low(self) -> bool:
@@ -59,10 +62,11 @@ class LossFloors:
         optimizer: Callable[..., Any],
         seed: int,
         precision: str,
+        blocks: int = FLOOR_ROW_BLOCKS,
     ) -> LossFloors:
         """Each loss watched in float64 on the first probed batch, and in a low ``precision`` its
         one-device runs there (with ``batches``, the steps, the perturbed run's training too, for
-        a loss judged in ``precision``)."""
+        a loss judged in ``precision``), the perturbed ones in ``blocks`` row blocks."""
         float64 = str(Precision.FLOAT64)
         if precision == float64:
             return cls(precision, dict.fromkeys(losses, float64))
@@ -77,17 +81,17 @@ class LossFloors:
             name: f"it cannot run in float64 ({w.lower}): judged in {word} against a measured floor"
             for name, w in seen.items() if not w.runs
         }  # fmt: skip
-        floors = cls(precision, judged_in, notes)
+        floors = cls(precision, judged_in, notes, blocks=blocks)
         for name, loss in losses.items():
             floors.one[name] = measure.measure(
                 loss, model, view0, view1, seed, False, further, precision
             )
             perturbed = measure.measure(
-                loss, model, view0, view1, seed, False, further, precision, FLOOR_ROW_BLOCKS
+                loss, model, view0, view1, seed, False, further, precision, blocks
             )
             trained = (
                 measure.train(loss, model, batches, optimizer, 1, seed, precision=precision,
-                              row_blocks=FLOOR_ROW_BLOCKS)
+                              row_blocks=blocks)
                 if batches and floors.own(name) else None
             )  # fmt: skip
             floors.perturbed[name] = perturbed, trained
@@ -99,12 +103,15 @@ class LossFloors:
 
     def in_precision(self, name: str) -> InPrecision | None:
         """What the judge needs of a loss judged in its own precision (None for the others)."""
-        return InPrecision(self.precision, *self.perturbed[name]) if self.own(name) else None
+        if not self.own(name):
+            return None
+        return InPrecision(self.precision, *self.perturbed[name], blocks=self.blocks)
 
     def beside(self, name: str, measured: measure.Measured, world_size: int) -> floor.Floored:
         """A float64-judged loss's W-rank run in the low precision (``measured``) against its
         one device's there, in floors."""
         one, perturbed = self.one[name], self.perturbed[name][0]
         return floor.classify_floored(
-            measured.gradient, one.gradient, perturbed.gradient, self.precision, world_size
-        )
+            measured.gradient, one.gradient, perturbed.gradient, self.precision, world_size,
+            threshold=floor.threshold(self.blocks, world_size),
+        )  # fmt: skip

@@ -32,6 +32,7 @@ from gatherlab.core.terms import (
     GradientClass,
     Precision,
 )  # fmt: skip
+from gatherlab.runs.precision import FLOOR_ROW_BLOCKS
 
 __all__ = ["InPrecision", "Recorded", "as_classified", "judge", "with_precision"]
 
@@ -95,6 +96,8 @@ class InPrecision:
     perturbed: Measured | Trained
     perturbed_curve: Trained | None = None
     """The perturbed run's training run, for a measured loss's curves (a trained run is its own)."""
+    blocks: int = FLOOR_ROW_BLOCKS
+    """The perturbation's row blocks: T is `floor.threshold` of them and the run's ranks."""
 
     def floored(
         self,
@@ -108,8 +111,9 @@ class InPrecision:
         its own floor, at least the whole's (`floor.floor_of`), where the gradient has several
         parts."""
         mine, theirs, perturbed = _gradient(run), _gradient(reference), _gradient(self.perturbed)
+        limit = floor.threshold(self.blocks, world_size)
         whole = floor.classify_floored(
-            mine, theirs, perturbed, self.precision, world_size, micro_batches
+            mine, theirs, perturbed, self.precision, world_size, micro_batches, threshold=limit
         )
         if not layout or len(layout) < 2 or len(mine) != len(theirs):
             return whole, {}
@@ -117,7 +121,7 @@ class InPrecision:
         return whole, {
             name: floor.classify_floored(
                 parts[0][name], parts[1][name], parts[2][name], self.precision, world_size,
-                micro_batches, least_floor=whole.floor,
+                micro_batches, least_floor=whole.floor, threshold=limit,
             )
             for name in layout
         }  # fmt: skip
@@ -127,27 +131,31 @@ class InPrecision:
         run: Measured | Trained,
         reference: Measured | Trained,
         curves: tuple[Trained, Trained] | None,
+        world_size: int,
     ) -> tuple[bool, float, float]:
         """Whether the run's first global loss is one device's in floors of this precision
         (`floor.forward_floored`), its relative difference, and the tolerance of its curves (a
         trained run's own, or a measured loss's training run's): T times the perturbed run's."""
         same, difference = floor.forward_floored(
-            _first_loss(run), _first_loss(reference), _first_loss(self.perturbed), self.precision
-        )
+            _first_loss(run), _first_loss(reference), _first_loss(self.perturbed), self.precision,
+            floor.threshold(self.blocks, world_size),
+        )  # fmt: skip
         reference_curve = reference if isinstance(run, Trained) else (curves or (None, None))[1]
-        tolerance = math.nan if reference_curve is None else self.tolerance(reference_curve)
+        tolerance = (math.nan if reference_curve is None
+                     else self.tolerance(reference_curve, world_size))  # fmt: skip
         return same, difference, tolerance
 
-    def tolerance(self, reference: Trained) -> float:
+    def tolerance(self, reference: Trained, world_size: int) -> float:
         """A trained run's tolerance in this precision (losses and weights, absolute): T times
         the perturbed run's largest departure from one device's, of a step's loss or of a final
-        weight, at least the unit roundoff of the largest loss."""
+        weight, at least the unit roundoff of the largest loss (T: `floor.threshold` of the
+        perturbation's blocks and the run's ``world_size``)."""
         perturbed = self.perturbed if isinstance(self.perturbed, Trained) else self.perturbed_curve
         assert perturbed is not None, "a measured loss's curves need the perturbed training run"
         losses = max(abs(a - b) for a, b in zip(perturbed.losses, reference.losses, strict=True))
         weights = gradients.largest_difference(perturbed.parameters, reference.parameters)
         least = Precision(self.precision).unit_roundoff * max(map(abs, reference.losses))
-        return floor.FLOOR_THRESHOLD * max(losses, weights, least)
+        return floor.threshold(self.blocks, world_size) * max(losses, weights, least)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +257,8 @@ def judge(
     low = None
     if in_precision is not None:  # the floors of its own precision replace float64's bounds
         low = in_precision.floored(run, reference, layout, world_size, micro_batches)
-        relative_same, loss_diff, tolerance = in_precision.forward(run, reference, curves)
+        relative_same, loss_diff, tolerance = in_precision.forward(run, reference, curves,
+                                                                   world_size)  # fmt: skip
         classified = as_classified(low[0]), {k: as_classified(v) for k, v in low[1].items()}
     same = abs(first - reference_first) <= tolerance if trained else relative_same
     forward = Forward.SAME if same else Forward.DIFFERS

@@ -151,7 +151,7 @@ rests on (``64-true`` where the code runs in float64, else its own), ``floor`` t
 departure of the gradient of one device with its forward in row blocks from one device's, in
 that precision, ``floors`` the W-rank gradient's relative departure from the same-precision one
 device's in floors, ``in_precision`` its verdict in that precision (``exact within bf16`` at most
-`gatherlab.core.floor.FLOOR_THRESHOLD` floors, else its class read at that resolution); the
+`gatherlab.core.floor.threshold` floors, else its class read at that resolution); the
 last three on the whole gradient's row."""
 
 

@@ -380,11 +380,12 @@ def micro_negatives(setting: Setting, world_size: int, k: int, in_group: bool) -
 
 class _Floors:
     """A check's runs in its low precision (``setting.low``), each trained once: on one device,
-    and with its forward in row blocks, the floor's perturbation (per removal), and the W-rank
-    run measured in floors beside a float64 verdict (docs/design.md §2, "Low precision")."""
+    and with its forward in ``blocks`` row blocks (as many as the most ranks the check runs),
+    the floor's perturbation (per removal), and the W-rank run measured in floors beside a
+    float64 verdict (docs/design.md §2, "Low precision")."""
 
-    def __init__(self, setting: Setting, in_group: bool) -> None:
-        self.setting, self.in_group = setting, in_group
+    def __init__(self, setting: Setting, in_group: bool, blocks: int = FLOOR_ROW_BLOCKS) -> None:
+        self.setting, self.in_group, self.blocks = setting, in_group, blocks
         self._perturbed: dict[str, Trained] = {}
         self._one: Trained | None = None
 
@@ -394,7 +395,7 @@ class _Floors:
         if removed not in self._perturbed:
             self._perturbed[removed] = _train(
                 self.setting, removed, 1, self.in_group, precision=self.setting.low,
-                row_blocks=FLOOR_ROW_BLOCKS,
+                row_blocks=self.blocks,
             )  # fmt: skip
         return self._perturbed[removed]
 
@@ -408,6 +409,7 @@ class _Floors:
         return floor.classify_floored(
             run.first_gradient, self._one.first_gradient,
             self.perturbed(removals.NONE).first_gradient, low, world_size, k,
+            threshold=floor.threshold(self.blocks, world_size),
         )  # fmt: skip
 
 
@@ -460,7 +462,8 @@ def check(
     tolerance = gradients.tolerance(setting.spec.precision)
     first = first_reference(setting) if first is None else first
     references, rows = {removals.NONE: first.value}, []
-    floors, own = _Floors(setting, first.in_group), setting.in_own_precision
+    blocks = max(FLOOR_ROW_BLOCKS, *world_sizes)  # a floor of as many partial sums as any W
+    floors, own = _Floors(setting, first.in_group, blocks), setting.in_own_precision
     unreduced: dict[tuple[int, int], Unreduced] = {}
 
     def judged(removed: str, world_size: int, k: int, **changes: Any) -> list[Row]:
@@ -477,7 +480,8 @@ def check(
         found = unreduced.get((world_size, k)) if kept else None
         reproduced = _reproduced(found)  # then no operation departs: each rank's forward is right
         located_here = kept and world_size > 1 and not own and not reproduced  # float64's bounds
-        floor_run = InPrecision(setting.low, floors.perturbed(removed)) if own else None
+        floor_run = (InPrecision(setting.low, floors.perturbed(removed), blocks=blocks) if own
+                     else None)  # fmt: skip
         departed: list[where.Departure | None] = []  # what ``where`` found, its kind a cause
         rows = judge(
             ranks[0], references[removed], key(removed, world_size, k),

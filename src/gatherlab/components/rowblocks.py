@@ -200,4 +200,5 @@ def in_row_blocks(module: nn.Module, blocks: int = 2) -> nn.Module:
     is of the same model. Wrap the part that treats each row on its own (the model before its
     loss), on one device."""
     module.forward = functools.partial(blocked, module.forward, blocks)  # the instance's own
+    module.row_blocks = blocks  # what a recording of it says (its header's ``row_blocks``)
     return module

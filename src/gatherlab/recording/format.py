@@ -111,6 +111,12 @@ class Recording:
         return int(self.header["k"])
 
     @property
+    def row_blocks(self) -> int:
+        """The row blocks its model's forward ran in (a floor's: 2 by default, 1 for any other
+        recording; recordings made before issue 59 say none: 1)."""
+        return int(self.header.get("row_blocks") or 1)
+
+    @property
     def full_updates(self) -> int:
         return min(int(self.header["full_updates"]), len(self.updates))
 

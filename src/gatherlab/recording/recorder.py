@@ -62,8 +62,8 @@ from gatherlab.runs.record import mean_over_ranks
 from gatherlab.runs.removals import batch_norms
 
 __all__ = [
-    "FLOOR_ROW_BLOCKS", "FLOOR_VARIABLE", "FLUSH_SECONDS", "FLUSH_UPDATES", "FULL_GRADIENT_LIMIT",
-    "Recorder",
+    "FLOOR_BLOCKS_VARIABLE", "FLOOR_ROW_BLOCKS", "FLOOR_VARIABLE", "FLUSH_SECONDS",
+    "FLUSH_UPDATES", "FULL_GRADIENT_LIMIT", "Recorder",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,11 @@ FLOOR_VARIABLE = "GATHERLAB_RECORD_FLOOR"
 """The environment variable that makes a one-device job record its floor: its value is the floor
 recording's directory, which replaces the job's own ``out``."""
 FLOOR_ROW_BLOCKS = 2
-"""The row blocks of a floor recording's model forward (as the check's floor, docs/design.md §2)."""
+"""The row blocks of a floor recording's model forward by default (as the check's floor,
+docs/design.md §2)."""
+FLOOR_BLOCKS_VARIABLE = "GATHERLAB_RECORD_FLOOR_BLOCKS"
+"""The variable that sets a floor recording's row blocks: as many as the ranks of the runs it
+judges, whose T is then `gatherlab.core.floor.FLOOR_THRESHOLD` (fewer: `FEWER_BLOCKS_THRESHOLD`)."""
 FLUSH_UPDATES = 16
 """The most updates the ranks keep before rank 0 writes them (one collective for all of them)."""
 FLUSH_SECONDS = 2.0
@@ -438,9 +442,14 @@ class Recorder:
         refusal one line (`refuse`). One process in a process group of its own (``torchrun
         --nproc-per-node 1``) is one device."""
         floor = os.environ.get(FLOOR_VARIABLE)
-        if not floor:
-            return out, 1
+        if not floor:  # a job that cuts a part of its model itself (in_row_blocks) says so
+            cut = [getattr(m, "row_blocks", 1) for m in _unwrapped(model).modules()]
+            return out, max((b for b in cut if isinstance(b, int)), default=1)
         said = f"{FLOOR_VARIABLE}={floor}"
+        blocks = os.environ.get(FLOOR_BLOCKS_VARIABLE, str(FLOOR_ROW_BLOCKS))
+        if not blocks.isdigit() or int(blocks) < 2:
+            refuse(f"{FLOOR_BLOCKS_VARIABLE}={blocks}: the floor's row blocks; allowed: an "
+                   "integer ≥ 2, as many as the ranks of the runs it judges")  # fmt: skip
         if self.world_size > 1:
             refuse(
                 f"{said}: a floor is one device's run, and this job runs on {self.world_size} "
@@ -454,11 +463,11 @@ class Recorder:
                 "blocks would split: no floor can be measured for it; allowed: a model without "
                 "batch norm, or both runs recorded in float64"
             )
-        self._floor_forward = _FloorForward(_unwrapped(model), FLOOR_ROW_BLOCKS, said)
+        self._floor_forward = _FloorForward(_unwrapped(model), int(blocks), said)
         log.warning("gatherlab.record: %s: recording this job's floor into %s (its model's "
-                    "forward in %d row blocks), not into %s", said, floor, FLOOR_ROW_BLOCKS,
+                    "forward in %d row blocks), not into %s", said, floor, int(blocks),
                     out)  # fmt: skip
-        return floor, FLOOR_ROW_BLOCKS
+        return floor, int(blocks)
 
     # what the job gives -----------------------------------------------------------------------
     def batch(self, batch: Any) -> None:
