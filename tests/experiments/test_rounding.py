@@ -13,6 +13,8 @@ import pandas as pd
 import pytest
 from helpers import REPO
 
+from gatherlab.core import floor
+
 sys.path.insert(0, str(REPO / "experiments"))
 import rounding
 
@@ -67,10 +69,11 @@ def test_f_per_precision_and_t_in_each_scope_from_a_table_worked_out_by_hand():
     assert found.factor == 50.0  # 4 × 6 = 24, rounded up
     assert found.factor_of == {"32-true": 50.0, "bf16-mixed": 5.0}  # 4 × 0.75 = 3 → 5
     assert found.factor_whole_of == {"32-true": 50.0, "bf16-mixed": 1.0}  # 4 × 0.25
-    assert found.threshold_margin["whole gradient"] == pytest.approx(3 / 1.2)
-    assert found.threshold_needed["whole gradient"] == 3.0  # 2.5× ≥ 2×: T holds
+    t = floor.FLOOR_THRESHOLD  # 10: a margin of 2× holds where the largest score is ≤ 5
+    assert found.threshold_margin["whole gradient"] == pytest.approx(t / 1.2)
+    assert found.threshold_needed["whole gradient"] == t  # 8.3× ≥ 2×: T holds
     assert found.threshold_needed["parts, own floor"] == 20.0  # 2 × 7 = 14, rounded up
-    assert found.threshold_needed["parts, floor ≥ whole's"] == 3.0  # 3 / 1.5 = 2×: holds
+    assert found.threshold_needed["parts, floor ≥ whole's"] == t  # 10 / 1.5 ≥ 2×: holds
     assert found.threshold_needed["parts, own W-block floor"] == 50.0  # 2 × 20
     assert found.largest_score["parts, W-block floor ≥ whole's"] == pytest.approx(3.5)
-    assert found.threshold_needed["parts, W-block floor ≥ whole's"] == 10.0  # 2 × 3.5 = 7
+    assert found.threshold_needed["parts, W-block floor ≥ whole's"] == t  # 10 / 3.5 ≥ 2×

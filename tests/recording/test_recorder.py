@@ -411,3 +411,72 @@ def test_ranks_that_step_apart_are_recorded_at_the_update_they_part(recorded):
     assert head["gradient"] == "exact"
     assert "B's ranks part from each other first at update 2: their weights differ after its " \
         "step" in " ".join(compared.words.split())  # fmt: skip
+
+
+class _Coupled(torch.nn.Module):
+    """A model whose forward returns an in-batch contrastive loss over its rows: its rows meet,
+    so row blocks change what it computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.nn.functional.normalize(self.layer(x), dim=1)
+        return torch.nn.functional.cross_entropy(z @ z.T / 0.1, torch.arange(len(x)))
+
+
+class _Classifier(torch.nn.Module):
+    """A per-row model returning a dict of its loss (the rows' mean) and its logits, as a Hugging
+    Face model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+        logits = self.layer(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def _one_floor_update(model, out, x, *args) -> None:
+    from gatherlab.recording.recorder import Recorder
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, optimizer, out):
+        output = model(x, *args)
+        (output["loss"] if isinstance(output, dict) else output).backward()
+        optimizer.step()
+
+
+def test_the_floors_join_is_checked_on_its_first_call_and_its_blocks_are_set(
+    tmp_path, monkeypatch, capsys
+):
+    """GATHERLAB_RECORD_FLOOR: a per-row model returning its loss and logits is joined (its loss
+    as the rows' mean: the floor's first gradient is one call's to float64 rounding); a model
+    whose rows meet is refused in one line naming its output and the distance; the blocks are
+    GATHERLAB_RECORD_FLOOR_BLOCKS's, refused in one line unless an integer ≥ 2."""
+    from gatherlab.recording.recorder import FLOOR_BLOCKS_VARIABLE, FLOOR_VARIABLE
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 3, (8,), generator=generator)
+    torch.manual_seed(0)
+    whole = _Classifier().double()
+    whole(x, labels)["loss"].backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in whole.parameters()])
+    monkeypatch.setenv(FLOOR_VARIABLE, str(tmp_path / "floor"))
+    monkeypatch.setenv(FLOOR_BLOCKS_VARIABLE, "4")
+    torch.manual_seed(0)
+    _one_floor_update(_Classifier().double(), tmp_path / "run", x, labels)
+    floor = format.read(tmp_path / "floor")
+    assert floor.row_blocks == 4
+    assert float((floor.full_gradient(0) - expected).abs().max()) <= 1e-15
+    monkeypatch.setenv(FLOOR_VARIABLE, str(tmp_path / "coupled"))
+    with pytest.raises(format.RecordingError, match=r"its output departs from one call's by "):
+        _one_floor_update(_Coupled().double(), tmp_path / "run2", x)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "its rows meet" in said[0]
+    monkeypatch.setenv(FLOOR_BLOCKS_VARIABLE, "1")
+    with pytest.raises(format.RecordingError, match="GATHERLAB_RECORD_FLOOR_BLOCKS=1"):
+        _one_floor_update(_Classifier().double(), tmp_path / "run3", x, labels)
