@@ -9,7 +9,7 @@ gloo ranks of the warm pool: gatherlab's MLP-sized model of ``plain_steps`` and 
 and rank 1's slice scaled by 1 + ε (``precision_cases.ScaledSlice``) for ε from 1e-1 to 1e-7;
 and the naive accumulation of ``updates.naive`` (K = 2) through ``gatherlab.check
 .check_training``. Each departure ‖g_W − g₁‖ / ‖g₁‖ from one device in the same precision is
-divided by the floor, one device with its forward in as many row blocks as the most ranks, 8
+divided by W's floor, one device with its forward in as many row blocks as W's ranks
 (`gatherlab.core.floor`; T is `floor.FLOOR_THRESHOLD` at every W);
 the batch norm case takes the floor of the same model without batch norm (row blocks would split
 its statistics). Writes ``figures/precision.{csv,md,png,pdf}``.
@@ -95,11 +95,11 @@ def _gathers(precision: str, seed: int) -> list[dict]:
         ).gradient
 
     one = {name: one_device(model) for name, model in models.items()}
-    blocks = max(FLOOR_ROW_BLOCKS, *WORLD_SIZES)  # as many partial sums as the most ranks
-    perturbed = one_device(models["plain"], blocks)
-    floor_value = floor.floor_of(floor.relative(perturbed, one["plain"]), precision)
     rows = []
     for world_size in WORLD_SIZES:
+        blocks = max(FLOOR_ROW_BLOCKS, world_size)  # W's floor: as many partial sums as ranks
+        perturbed = one_device(models["plain"], blocks)
+        floor_value = floor.floor_of(floor.relative(perturbed, one["plain"]), precision)
         measured = measure.measure_on_ranks(
             cells, models["plain"], view0, view1, world_size, seed, precision=precision
         )
@@ -180,7 +180,8 @@ def summary(table: pd.DataFrame) -> str:
         ])  # fmt: skip
     return (
         f"Gradient departure of W ranks from one device in the same precision, in floors (one "
-        f"device with its forward in two row blocks), threshold {threshold:g}: {seeds} seeds, "
+        f"device with its forward in as many row blocks as W has ranks), threshold "
+        f"{threshold:g}: {seeds} seeds, "
         f'W = {", ".join(map(str, sizes))}, global batch {GLOBAL_BATCH}. "least": the smallest '
         'score of the bug over seeds and W; "power": the smallest ε whose slice × (1 + ε) '
         'scores above the threshold at every seed and W; "bitwise exact": the ε whose W-rank '

@@ -69,11 +69,11 @@ def test_f_per_precision_and_t_in_each_scope_from_a_table_worked_out_by_hand():
     assert found.factor == 50.0  # 4 × 6 = 24, rounded up
     assert found.factor_of == {"32-true": 50.0, "bf16-mixed": 5.0}  # 4 × 0.75 = 3 → 5
     assert found.factor_whole_of == {"32-true": 50.0, "bf16-mixed": 1.0}  # 4 × 0.25
-    t = floor.FLOOR_THRESHOLD  # 10: a margin of 2× holds where the largest score is ≤ 5
+    t = floor.FLOOR_THRESHOLD  # 5: a margin of 2× holds where the largest score is ≤ 2.5
     assert found.threshold_margin["whole gradient"] == pytest.approx(t / 1.2)
-    assert found.threshold_needed["whole gradient"] == t  # 8.3× ≥ 2×: T holds
+    assert found.threshold_needed["whole gradient"] == t  # 5 / 1.2 ≥ 2×: T holds
     assert found.threshold_needed["parts, own floor"] == 20.0  # 2 × 7 = 14, rounded up
-    assert found.threshold_needed["parts, floor ≥ whole's"] == t  # 10 / 1.5 ≥ 2×: holds
+    assert found.threshold_needed["parts, floor ≥ whole's"] == t  # 5 / 1.5 ≥ 2×: holds
     assert found.threshold_needed["parts, own W-block floor"] == 50.0  # 2 × 20
     assert found.largest_score["parts, W-block floor ≥ whole's"] == pytest.approx(3.5)
-    assert found.threshold_needed["parts, W-block floor ≥ whole's"] == t  # 10 / 3.5 ≥ 2×
+    assert found.threshold_needed["parts, W-block floor ≥ whole's"] == 10.0  # 2 × 3.5 = 7

@@ -946,7 +946,8 @@ def precision_figure(table: pd.DataFrame, threshold: float) -> plt.Figure:
         handles, labels = axes_[0].get_legend_handles_labels()
         figure.legend(handles, labels, loc="outside right center", fontsize=8)
         figure.suptitle("W ranks against one device in the same low precision, in floors of one "
-                        "device with its forward in two row blocks", fontsize=10)  # fmt: skip
+                        "device with its forward in as many row blocks as ranks",
+                        fontsize=10)  # fmt: skip
     return figure
 
 

@@ -38,7 +38,7 @@ from gatherlab.gather import GatherFn
 from gatherlab.ranks import collectives, pool
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import removals
-from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64
+from gatherlab.runs.precision import InFloat64
 from gatherlab.runs.spec import RunSpec
 
 # The loss styles of docs/design.md §1, one loss each, for checking a gather.
@@ -246,7 +246,7 @@ def _run(
     probed = batches[:2]
     view0, view1 = probed[0]
     low = floors.LossFloors.of(losses, model, probed, batches[:steps], optimizer, cfg.seed,
-                               precision, max(FLOOR_ROW_BLOCKS, *world_sizes))  # fmt: skip
+                               precision)  # fmt: skip
     # the loss on one device, forward only, for the hypotheses (built once, when one is tested)
     forwards = {
         name: measure.forward_on_one_device(loss, model, cfg.seed) for name, loss in losses.items()
@@ -286,7 +286,7 @@ def _run(
                 where=None if own else functools.partial(
                     _located, loss, model, (view0, view1), world_size, cfg.seed, in_group
                 ),
-                recorded=Recorded(in_precision=low.in_precision(name)),
+                recorded=Recorded(in_precision=low.in_precision(name, world_size)),
             )  # fmt: skip
             if name in in_low:  # float64 judges; the run in its precision measured beside it
                 floored = low.beside(name, in_low[name], world_size)

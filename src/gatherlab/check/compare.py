@@ -108,7 +108,7 @@ class Comparison:
     run: Path
     threshold: float | None = None
     """T, the most floors within the floor recording's, where one judged it (`floor.threshold`:
-    10 where the floor has as many row blocks as B has ranks, 20 where fewer); None without."""
+    5 where the floor has as many row blocks as B has ranks, 20 where fewer); None without."""
 
     @property
     def trains_like_reference(self) -> bool:

@@ -27,7 +27,6 @@ from gatherlab.core.floor import (
     WITHIN,
     Floored,
     power_words,
-    threshold,
 )
 from gatherlab.core.terms import Culprit
 from gatherlab.runs.precision import FLOOR_ROW_BLOCKS
@@ -741,13 +740,12 @@ def _precision_lines(table: pd.DataFrame, name_column: str | None) -> list[str]:
         )  # fmt: skip
         own.insert(0, f"The code runs in float64{which}, which judges it; {precision.word} adds "
                       "only its own rounding, measured here.")  # fmt: skip
-    blocks = max(FLOOR_ROW_BLOCKS, int(whole["world_size"].max()))  # the check's floor's
     floored = Floored(str(precision), "", "", float(whole["floor"].max()), 0.0, 0, 0, 0,
-                      threshold(blocks, blocks))  # fmt: skip
+                      FLOOR_THRESHOLD)  # fmt: skip
     text = " ".join([
         *own, f"Each W's gradient in {precision} is compared with one device's in {precision}, "
-        f"in floors (one device with its forward in {blocks} row blocks, as many as the most "
-        "ranks: rounding of the same kind, nothing changed mathematically); at most "
+        f"in floors (one device with its forward in as many row blocks as W's ranks, at least "
+        f"{FLOOR_ROW_BLOCKS}: rounding of the same kind, nothing changed mathematically); at most "
         f"{FLOOR_THRESHOLD:g} floors is exact within {precision.word}. "
         f"{power_words(floored).capitalize()}.",
     ])  # fmt: skip

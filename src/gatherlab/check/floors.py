@@ -42,10 +42,11 @@ class LossFloors:
     judged_in: dict[str, str]
     notes: dict[str, str] = field(default_factory=dict)
     one: dict[str, measure.Measured] = field(default_factory=dict)
-    perturbed: dict[str, tuple[measure.Measured, Trained | None]] = field(default_factory=dict)
-    blocks: int = FLOOR_ROW_BLOCKS
-    """The floor's row blocks: as many as the most ranks the check runs (at least
-    `FLOOR_ROW_BLOCKS`), so that every W is held to `floor.FLOOR_THRESHOLD` floors."""
+    perturbed: dict[tuple[str, int], tuple[measure.Measured, Trained | None]] = field(
+        default_factory=dict)  # fmt: skip
+    """Per loss and row blocks, the floor's perturbed run and its training run, made when a W
+    first asks for them (`floor_for`)."""
+    make: Callable[[str, int], tuple[measure.Measured, Trained | None]] | None = None
 
     @property
     def low(self) -> bool:
@@ -62,11 +63,11 @@ class LossFloors:
         optimizer: Callable[..., Any],
         seed: int,
         precision: str,
-        blocks: int = FLOOR_ROW_BLOCKS,
     ) -> LossFloors:
         """Each loss watched in float64 on the first probed batch, and in a low ``precision`` its
-        one-device runs there (with ``batches``, the steps, the perturbed run's training too, for
-        a loss judged in ``precision``), the perturbed ones in ``blocks`` row blocks."""
+        one-device run there; its floor's perturbed runs (with ``batches``, the steps, their
+        training too, for a loss judged in ``precision``) are made for each W when it asks, in as
+        many row blocks as its ranks (`floor_for`)."""
         float64 = str(Precision.FLOAT64)
         if precision == float64:
             return cls(precision, dict.fromkeys(losses, float64))
@@ -81,11 +82,14 @@ class LossFloors:
             name: f"it cannot run in float64 ({w.lower}): judged in {word} against a measured floor"
             for name, w in seen.items() if not w.runs
         }  # fmt: skip
-        floors = cls(precision, judged_in, notes, blocks=blocks)
+        floors = cls(precision, judged_in, notes)
         for name, loss in losses.items():
             floors.one[name] = measure.measure(
                 loss, model, view0, view1, seed, False, further, precision
             )
+
+        def make(name: str, blocks: int) -> tuple[measure.Measured, Trained | None]:
+            loss = losses[name]
             perturbed = measure.measure(
                 loss, model, view0, view1, seed, False, further, precision, blocks
             )
@@ -94,24 +98,38 @@ class LossFloors:
                               row_blocks=blocks)
                 if batches and floors.own(name) else None
             )  # fmt: skip
-            floors.perturbed[name] = perturbed, trained
+            return perturbed, trained
+
+        floors.make = make
         return floors
+
+    def floor_for(
+        self, name: str, world_size: int
+    ) -> tuple[int, tuple[measure.Measured, Trained | None]]:
+        """The row blocks of W's floor, as many as its ranks (at least `FLOOR_ROW_BLOCKS`), so
+        that it is held to `floor.FLOOR_THRESHOLD` floors, and that floor's runs (made once)."""
+        blocks = max(FLOOR_ROW_BLOCKS, world_size)
+        if (name, blocks) not in self.perturbed:
+            self.perturbed[name, blocks] = self.make(name, blocks)
+        return blocks, self.perturbed[name, blocks]
 
     def own(self, name: str) -> bool:
         """Whether the loss is judged in floors of the low precision (it cannot run in float64)."""
         return self.low and self.judged_in[name] == self.precision
 
-    def in_precision(self, name: str) -> InPrecision | None:
-        """What the judge needs of a loss judged in its own precision (None for the others)."""
+    def in_precision(self, name: str, world_size: int) -> InPrecision | None:
+        """What the judge needs of a loss judged in its own precision at ``world_size`` (None for
+        the others)."""
         if not self.own(name):
             return None
-        return InPrecision(self.precision, *self.perturbed[name], blocks=self.blocks)
+        blocks, runs = self.floor_for(name, world_size)
+        return InPrecision(self.precision, *runs, blocks=blocks)
 
     def beside(self, name: str, measured: measure.Measured, world_size: int) -> floor.Floored:
         """A float64-judged loss's W-rank run in the low precision (``measured``) against its
         one device's there, in floors."""
-        one, perturbed = self.one[name], self.perturbed[name][0]
+        blocks, (perturbed, _) = self.floor_for(name, world_size)
         return floor.classify_floored(
-            measured.gradient, one.gradient, perturbed.gradient, self.precision, world_size,
-            threshold=floor.threshold(self.blocks, world_size),
+            measured.gradient, self.one[name].gradient, perturbed.gradient, self.precision,
+            world_size, threshold=floor.threshold(blocks, world_size),
         )  # fmt: skip

@@ -380,24 +380,26 @@ def micro_negatives(setting: Setting, world_size: int, k: int, in_group: bool) -
 
 class _Floors:
     """A check's runs in its low precision (``setting.low``), each trained once: on one device,
-    and with its forward in ``blocks`` row blocks (as many as the most ranks the check runs),
-    the floor's perturbation (per removal), and the W-rank run measured in floors beside a
-    float64 verdict (docs/design.md §2, "Low precision")."""
+    and with its forward in as many row blocks as each W's ranks (`blocks_for`), the floor's
+    perturbation (per removal and W), and the W-rank run measured in floors beside a float64
+    verdict (docs/design.md §2, "Low precision")."""
 
-    def __init__(self, setting: Setting, in_group: bool, blocks: int = FLOOR_ROW_BLOCKS) -> None:
-        self.setting, self.in_group, self.blocks = setting, in_group, blocks
-        self._perturbed: dict[str, Trained] = {}
+    def __init__(self, setting: Setting, in_group: bool) -> None:
+        self.setting, self.in_group = setting, in_group
+        self._perturbed: dict[tuple[str, int], Trained] = {}
         self._one: Trained | None = None
 
-    def perturbed(self, removed: str) -> Trained:
-        """One device in the low precision with its forward in row blocks, the removals
-        ``removed`` names made."""
-        if removed not in self._perturbed:
-            self._perturbed[removed] = _train(
+    def perturbed(self, removed: str, world_size: int) -> Trained:
+        """One device in the low precision with its forward in as many row blocks as
+        ``world_size`` (at least `FLOOR_ROW_BLOCKS`: W's floor, held to `floor.FLOOR_THRESHOLD`
+        floors), the removals ``removed`` names made."""
+        blocks = blocks_for(world_size)
+        if (removed, blocks) not in self._perturbed:
+            self._perturbed[removed, blocks] = _train(
                 self.setting, removed, 1, self.in_group, precision=self.setting.low,
-                row_blocks=self.blocks,
+                row_blocks=blocks,
             )  # fmt: skip
-        return self._perturbed[removed]
+        return self._perturbed[removed, blocks]
 
     def beside(self, world_size: int, k: int) -> floor.Floored:
         """The run without removals on (W, K) in the low precision, against one device in it,
@@ -408,9 +410,15 @@ class _Floors:
         run = _train(self.setting, removals.NONE, world_size, self.in_group, k, precision=low)
         return floor.classify_floored(
             run.first_gradient, self._one.first_gradient,
-            self.perturbed(removals.NONE).first_gradient, low, world_size, k,
-            threshold=floor.threshold(self.blocks, world_size),
+            self.perturbed(removals.NONE, world_size).first_gradient, low, world_size, k,
+            threshold=floor.threshold(blocks_for(world_size), world_size),
         )  # fmt: skip
+
+
+def blocks_for(world_size: int) -> int:
+    """The row blocks of the floor W ranks are judged in: as many as its ranks, at least
+    `FLOOR_ROW_BLOCKS` (docs/design.md §2)."""
+    return max(FLOOR_ROW_BLOCKS, world_size)
 
 
 def float64_watch(setting: Setting, in_group: bool = False) -> InFloat64:
@@ -462,8 +470,7 @@ def check(
     tolerance = gradients.tolerance(setting.spec.precision)
     first = first_reference(setting) if first is None else first
     references, rows = {removals.NONE: first.value}, []
-    blocks = max(FLOOR_ROW_BLOCKS, *world_sizes)  # a floor of as many partial sums as any W
-    floors, own = _Floors(setting, first.in_group, blocks), setting.in_own_precision
+    floors, own = _Floors(setting, first.in_group), setting.in_own_precision
     unreduced: dict[tuple[int, int], Unreduced] = {}
 
     def judged(removed: str, world_size: int, k: int, **changes: Any) -> list[Row]:
@@ -480,8 +487,8 @@ def check(
         found = unreduced.get((world_size, k)) if kept else None
         reproduced = _reproduced(found)  # then no operation departs: each rank's forward is right
         located_here = kept and world_size > 1 and not own and not reproduced  # float64's bounds
-        floor_run = (InPrecision(setting.low, floors.perturbed(removed), blocks=blocks) if own
-                     else None)  # fmt: skip
+        floor_run = (InPrecision(setting.low, floors.perturbed(removed, world_size),
+                                 blocks=blocks_for(world_size)) if own else None)  # fmt: skip
         departed: list[where.Departure | None] = []  # what ``where`` found, its kind a cause
         rows = judge(
             ranks[0], references[removed], key(removed, world_size, k),
