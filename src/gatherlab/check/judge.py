@@ -262,8 +262,7 @@ def judge(
         classified = as_classified(low[0]), {k: as_classified(v) for k, v in low[1].items()}
     same = abs(first - reference_first) <= tolerance if trained else relative_same
     forward = Forward.SAME if same else Forward.DIFFERS
-    cause, scale = None, None
-    shown_scale = None
+    cause, scale, shown_scale = None, None, None
     if trained:  # its own curve: a constant factor of every step's loss
         curves = (run, reference)
         scale = hypotheses.scale(run.losses, reference.losses, tolerance)
@@ -292,15 +291,7 @@ def judge(
         )  # fmt: skip
     head = _row(shared, ALL_PARTS, whole, compared is not None and compared.apart, data_differs)
     unreduced_cause = str(Cause.PARTIAL if recorded.unreduced_over else Cause.UNREDUCED)
-    if unreduced and head.verdict != EXACT:  # measured on the ranks: before any other cause
-        head = dataclasses.replace(head, cause=unreduced_cause)
-    elif recorded.desync:  # the ranks step apart: measured, whatever one device's run holds
-        diverged = DIVERGES if head.verdict in TRAINS_LIKE_ONE_DEVICE else head.verdict
-        head = dataclasses.replace(head, cause=str(Cause.DESYNC), verdict=diverged)
-    if compared is not None and not trained:  # a measured loss's training run: on its row only
-        head = dataclasses.replace(head, train_max_abs_loss_diff=max(compared.differences))
-        if head.verdict == DIVERGES:  # no first_diff_step column: its step in words
-            head = dataclasses.replace(head, departs=_diverges_words(compared))
+    head = _measured_head(head, recorded, unreduced_cause, None if trained else compared)
     rows = [head] + [
         _row(shared, part, numbers, cause=unreduced_cause if part in unreduced else None)
         for part, numbers in parts.items()
@@ -310,6 +301,26 @@ def judge(
     if rows[0].verdict in TRAINS_LIKE_ONE_DEVICE or where is None:
         return rows
     return _located(rows, where())
+
+
+def _measured_head(
+    head: Row, recorded: Recorded, unreduced_cause: str, loss_curves: _Curves | None
+) -> Row:
+    """The whole's row with what was measured beside its numbers: a part not reduced over the
+    ranks (its cause, before any other, where the whole is not exact), ranks that step apart
+    (``desync``: ``diverges`` where it would train like one device), and a measured loss's
+    training run (``loss_curves``: its largest |Δloss| on this row only, and, where it
+    diverges, its step in words: the loss check's table has no ``first_diff_step``)."""
+    if recorded.unreduced and head.verdict != EXACT:
+        head = dataclasses.replace(head, cause=unreduced_cause)
+    elif recorded.desync:  # measured, whatever one device's run holds
+        diverged = DIVERGES if head.verdict in TRAINS_LIKE_ONE_DEVICE else head.verdict
+        head = dataclasses.replace(head, cause=str(Cause.DESYNC), verdict=diverged)
+    if loss_curves is not None:
+        head = dataclasses.replace(head, train_max_abs_loss_diff=max(loss_curves.differences))
+        if head.verdict == DIVERGES:
+            head = dataclasses.replace(head, departs=_diverges_words(loss_curves))
+    return head
 
 
 def _row(

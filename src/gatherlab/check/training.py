@@ -389,6 +389,12 @@ class _Floors:
         self._perturbed: dict[tuple[str, int], Trained] = {}
         self._one: Trained | None = None
 
+    def judging(self, removed: str, world_size: int) -> InPrecision:
+        """What the judge needs of a step judged in its own precision at ``world_size``: the
+        floor's run of W's row blocks (`perturbed`)."""
+        return InPrecision(self.setting.low, self.perturbed(removed, world_size),
+                           blocks=blocks_for(world_size))  # fmt: skip
+
     def perturbed(self, removed: str, world_size: int) -> Trained:
         """One device in the low precision with its forward in as many row blocks as
         ``world_size`` (at least `FLOOR_ROW_BLOCKS`: W's floor, held to `floor.FLOOR_THRESHOLD`
@@ -487,8 +493,7 @@ def check(
         found = unreduced.get((world_size, k)) if kept else None
         reproduced = _reproduced(found)  # then no operation departs: each rank's forward is right
         located_here = kept and world_size > 1 and not own and not reproduced  # float64's bounds
-        floor_run = (InPrecision(setting.low, floors.perturbed(removed, world_size),
-                                 blocks=blocks_for(world_size)) if own else None)  # fmt: skip
+        floor_run = floors.judging(removed, world_size) if own else None
         departed: list[where.Departure | None] = []  # what ``where`` found, its kind a cause
         rows = judge(
             ranks[0], references[removed], key(removed, world_size, k),
@@ -520,16 +525,25 @@ def check(
         except RankError as error:
             rows.append(failed_row(key(removals.NONE, world_size, k), error))
             continue
-        verdicts = {r.removed: r.verdict for r in measured}
-        exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
-        found = unreduced.get((world_size, k))
-        culprits = [] if exact else _measured(
-            _culprits(verdicts, applying, step_random()), kept[0].cause, found)  # fmt: skip
-        rows += [dataclasses.replace(r, culprits=";".join(culprits))
-                 for r in [*kept, *measured[1:]]]  # fmt: skip
+        rows += _with_culprits(kept, measured[1:], applying, step_random,
+                               unreduced.get((world_size, k)))  # fmt: skip
     table = frame(rows, TRAINING_COLUMNS + (PRECISION_COLUMNS if setting.low else ()))
     table.attrs[UNREDUCED] = {f"{w},{k}": f for (w, k), f in unreduced.items() if f.parts}
     return with_reference_notes(table, {setting.name: (first.why, first.group_differs)})
+
+
+def _with_culprits(
+    kept: list[Row], removed: list[Row], applying: Sequence[removals.Removal],
+    step_random: Callable[[], bool], found: Unreduced | None,
+) -> list[Row]:  # fmt: skip
+    """A layout's rows (``kept``: its run without removals, whole and parts; ``removed``: one
+    row per run with removals) with the culprits their verdicts name (none where the run
+    without removals is exact), what was measured on the ranks in place of ``loss``."""
+    verdicts = {r.removed: r.verdict for r in [kept[0], *removed]}
+    exact = verdicts[removals.NONE] in TRAINS_LIKE_ONE_DEVICE
+    culprits = [] if exact else _measured(
+        _culprits(verdicts, applying, step_random()), kept[0].cause, found)  # fmt: skip
+    return [dataclasses.replace(r, culprits=";".join(culprits)) for r in [*kept, *removed]]
 
 
 def _recorded(reproduced: Unreduced | None, floor_run: InPrecision | None) -> Recorded:
