@@ -480,3 +480,34 @@ def test_the_floors_join_is_checked_on_its_first_call_and_its_blocks_are_set(
     monkeypatch.setenv(FLOOR_BLOCKS_VARIABLE, "1")
     with pytest.raises(format.RecordingError, match="GATHERLAB_RECORD_FLOOR_BLOCKS=1"):
         _one_floor_update(_Classifier().double(), tmp_path / "run3", x, labels)
+
+
+class _AutocastInside(torch.nn.Module):
+    """A model whose forward enters bf16 autocast itself, inside its call, as accelerate wraps a
+    Trainer's model: a hook on the model's call runs before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.body(x).float().pow(2).mean()
+
+
+def test_an_autocast_inside_the_models_call_labels_the_recording_bf16_mixed(tmp_path):
+    """The recording's precision is the one the job ran in: bf16-mixed, seen by the hook on the
+    model's child, though the model's own call is outside the autocast (a trainer's callback
+    gives the rows itself: ``batches=False``)."""
+    from gatherlab.recording.recorder import Recorder
+
+    model = _AutocastInside()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, optimizer, tmp_path / "run", batches=False) as recorder:
+        x = torch.randn(4, 4)
+        recorder.batch(x)
+        model(x).backward()
+        optimizer.step()
+    recording = format.read(tmp_path / "run")
+    assert recording.header["precision"] == "32-true"  # its parameters'
+    assert recording.precision == "bf16-mixed"  # as it ran
