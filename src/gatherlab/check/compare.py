@@ -567,11 +567,9 @@ def compare(
     if departure is not None:
         rows = [dataclasses.replace(r, first_update=departure[0], first_part=departure[1])
                 for r in rows]  # fmt: skip
-    if not judged:  # its rounding cannot be told from a departure: no class, no verdict
-        rows = [dataclasses.replace(r, forward=terms.NOT_JUDGED, gradient=terms.NOT_JUDGED,
-                                    verdict=terms.NOT_JUDGED, first_diff_step=None)
-                for r in rows]  # fmt: skip
-        updates = updates.assign(gradient=terms.NOT_JUDGED)
+    unfloored = floored is None and ceiling is None and precision != terms.Precision.FLOAT64
+    if unfloored:  # a low precision's rounding cannot be told from a departure
+        rows, updates = _not_judged(rows, updates, verdict=not judged)
     table = frame(rows, COMPARISON_COLUMNS + (PRECISION_COLUMNS if floored else ()))
     status = 0 if trains_like_one_device(table) else 1 if judged else terms.NOT_JUDGED_STATUS
     said = _Said(table, updates, data, departure, measured, tolerance, desync,
@@ -583,6 +581,18 @@ def compare(
         data=data.words, notes=data.notes, departure=departure, reference=a.path, run=b.path,
         threshold=floored[2] if floored else None,
     )  # fmt: skip
+
+
+def _not_judged(
+    rows: list[Row], updates: pd.DataFrame, verdict: bool
+) -> tuple[list[Row], pd.DataFrame]:
+    """A low precision without a floor recording, and no departure beyond its rounding: no class
+    and no forward (and, unless the data differs, no ``verdict``: `terms.NOT_JUDGED`)."""
+    unjudged = {"forward": terms.NOT_JUDGED, "gradient": terms.NOT_JUDGED}
+    if verdict:
+        unjudged |= {"verdict": terms.NOT_JUDGED, "first_diff_step": None}
+    return ([dataclasses.replace(r, **unjudged) for r in rows],
+            updates.assign(gradient=terms.NOT_JUDGED))  # fmt: skip
 
 
 def _rows(

@@ -174,9 +174,12 @@ DIAGNOSES = {
     ),
     terms.GradientClass.W: (
         "the gradient is W times one device's (norm ratio {norm_ratio:.6g}): SGD's effective "
-        "learning rate is multiplied by W. Usual cause (not tested here): the loss multiplied by "
-        "the world size to undo DDP's average, on top of a gather whose backward already sums "
-        "the ranks' gradients. Fix: drop the factor."
+        "learning rate is multiplied by W. Usual causes (not tested here): the loss multiplied "
+        "by the world size to undo DDP's average, on top of a gather whose backward already sums "
+        "the ranks' gradients; or a trainer that multiplies each rank's mean loss by the "
+        "processes, taking it for a sum over the global batch's items (a Hugging Face Trainer's "
+        "average_tokens_across_devices, for a model whose forward takes **kwargs but whose loss "
+        "is the rank's mean). Fix: drop the factor (tell such a trainer the loss is a mean)."
     ),
     terms.GradientClass.BIASED: (
         "the gradient points in another direction than one device's (cosine {cosine:.6g}, norm "
@@ -373,8 +376,9 @@ RECORDED_UNTRACED = (
     "its rank's rows (in-batch negatives local to a rank{micro}), a statistic of the rank's rows "
     "(a batch norm), randomness drawn per rank (dropout) or code that depends on the rank give "
     "the same numbers here. Record both runs with trace=True (gatherlab.record(..., trace=True), "
-    "or the callbacks' trace=True) and compare again: the first operation that departs is named "
-    "with its line; or check the step itself with python -m gatherlab.check."
+    "or the callbacks' trace=True; in float64, where a low precision's results would part by "
+    "rounding everywhere) and compare again: the first operation that departs is named with its "
+    "line; or check the step itself with python -m gatherlab.check."
 )
 
 # What reproduced a ``loss differs`` on one device (``gatherlab.check.hypotheses``), and its fix.
