@@ -16,9 +16,11 @@ to be one call's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +35,11 @@ __all__ = [
 
 def rows_of_batch(value: Any) -> int | None:
     """The number of rows of the first tensor with a first dimension in ``value`` (a tensor, or
-    tuples, lists and dicts of them), None when it holds none."""
+    tuples, lists and mappings of them), None when it holds none."""
     if isinstance(value, torch.Tensor):
         return len(value) if value.dim() else None
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(value, tuple | list | dict):
+    items = value.values() if isinstance(value, Mapping) else value
+    if isinstance(value, tuple | list | Mapping):
         for item in items:
             rows = rows_of_batch(item)
             if rows is not None:
@@ -51,9 +53,20 @@ def _block(value: Any, rows: int, part: slice) -> Any:
         return value[part] if value.dim() and len(value) == rows else value
     if isinstance(value, tuple | list):
         return type(value)(_block(item, rows, part) for item in value)
-    if isinstance(value, dict):
-        return {key: _block(item, rows, part) for key, item in value.items()}
+    if isinstance(value, Mapping):
+        return _rebuilt(value, {key: _block(item, rows, part) for key, item in value.items()})
     return value
+
+
+def _rebuilt(like: Mapping, items: dict) -> Mapping:
+    """``items`` as a mapping of ``like``'s own type: a dict; a Hugging Face ``ModelOutput`` (a
+    dataclass over an ordered dict, built from keywords); any other mapping built from a dict (a
+    tokenizer's ``BatchEncoding``)."""
+    if type(like) is dict:
+        return items
+    if dataclasses.is_dataclass(like):
+        return type(like)(**items)
+    return type(like)(items)
 
 
 SCALAR_JOINS = ("mean", "sum")
@@ -83,12 +96,9 @@ def _joined(outputs: list[Any], sizes: list[int], scalars: str | None = None) ->
         if hasattr(first, "_fields"):  # a named tuple
             return type(first)(*items)
         return type(first)(items)
-    if isinstance(first, dict):
-        joined = {key: _joined([output[key] for output in outputs], sizes, scalars)
-                  for key in first}  # fmt: skip
-        if type(first) is dict:
-            return joined
-        return type(first)(**joined)  # a ModelOutput: a dataclass over an ordered dict
+    if isinstance(first, Mapping):
+        return _rebuilt(first, {key: _joined([output[key] for output in outputs], sizes, scalars)
+                                for key in first})  # fmt: skip
     return first
 
 
@@ -119,7 +129,7 @@ def _leaves(value: Any, name: str = "output") -> list[tuple[str, torch.Tensor]]:
     """Every floating tensor of an output, named by its path (``output['loss']``)."""
     if isinstance(value, torch.Tensor):
         return [(name, value)] if value.is_floating_point() else []
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return [leaf for key, item in value.items() for leaf in _leaves(item, f"{name}[{key!r}]")]
     if isinstance(value, tuple | list):
         return [leaf for i, item in enumerate(value) for leaf in _leaves(item, f"{name}[{i}]")]
