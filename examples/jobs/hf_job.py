@@ -37,7 +37,7 @@ import os
 import tempfile
 
 import torch
-from st_job import WORDS, tokenizer_dir
+from st_job import WORDS, leave_group, tokenizer_dir
 
 CLASSES, SAMPLES = 3, 64
 VARIANTS = {  # experiments/jobs.py's rows: name → (the W ranks' arguments, one device's)
@@ -165,10 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.mean_loss:  # the Trainer's documented switch: divide the loss by K itself
             trainer.loss_is_scaled_for_ga = False
         trainer.train()
-        if torch.distributed.is_initialized():  # the ranks leave their group together
-            torch.distributed.barrier()  # (gloo aborts a rank whose peer left first)
-            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    leave_group()
