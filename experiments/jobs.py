@@ -209,10 +209,10 @@ against the job's one-device run (plain `python`, no process group): the correct
 bug switch is the identity on one device, but for the `sampler` switch (one device's seeded
 RandomSampler) and the trainer jobs' variants (each variant's own one-device run, accumulating
 nothing). A float32 job is judged in floors of its floor, the one-device command run again with
-`GATHERLAB_RECORD_FLOOR` (`exact within float32` at most 3 floors). `departs`: the first update
-and part that depart; `class`: that part's gradient against one device's; `cause`: what the
-comparison measured. The last two columns are each launch's wall time, torch imported on every
-rank.
+`GATHERLAB_RECORD_FLOOR` (`exact within float32` at most T floors, design §2). `departs`: the
+first update and part that depart; `class`: that part's gradient against one device's; `cause`:
+what the comparison measured. The last two columns are each launch's wall time, torch imported on
+every rank.
 
 """ + "\n".join(ordered)
 
