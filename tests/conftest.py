@@ -80,14 +80,15 @@ LONGEST_FILES = (
     "ranks/test_interrupt.py",  # 83 s
     "check/test_precision.py",  # 46 s
     "ranks/test_launch.py",  # 45 s
-    "journeys/test_record_st.py",  # 42 s
+    "journeys/test_record_st.py",  # 43 s
     "journeys/test_install.py",  # 41 s
+    "journeys/test_refusals.py",  # 35 s
+    "journeys/test_record_hf.py",  # 38 s
     "check/test_training_check.py",  # 33 s
     "check/test_compare.py",  # 30 s
     "check/test_sharded.py",  # 25 s
     "check/test_diagnosis.py",  # 25 s
     "check/test_check.py",  # 25 s
-    "journeys/test_record_hf.py",  # 25 s
     "journeys/test_docs.py",  # 23 s
     "journeys/test_fuzz.py",  # 23 s
     "lab/test_config.py",  # 21 s

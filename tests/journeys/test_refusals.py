@@ -74,8 +74,9 @@ def test_a_trainer_callbacks_refusal_in_torchruns_ranks_and_alone_is_one_line(tm
 
 def test_a_floor_asked_of_torchruns_ranks_and_a_directory_taken_are_one_line_each(tmp_path):
     """The floor's variable under torchrun at W = 2 (a floor is one device's run), and a
-    directory that holds a recording already, each one line before the first update."""
-    job = [str(JOBS / "hf_job.py"), "--steps", "1", "--record", str(tmp_path / "run")]
+    directory that holds a recording already, each one line before the first update (the DDP
+    job: torch's import alone per rank)."""
+    job = [str(JOBS / "ddp.py"), "--steps", "1", "--record", str(tmp_path / "run")]
     floor = {"GATHERLAB_RECORD_FLOOR": str(tmp_path / "floor")}
     line = _one_line(_run(job, 2, env=floor), 0)
     assert line == (f"gatherlab.record: GATHERLAB_RECORD_FLOOR={tmp_path / 'floor'}: a floor is "

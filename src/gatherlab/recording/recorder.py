@@ -29,9 +29,12 @@ them to rank 0 in one ``all_gather_object`` every few updates (`FLUSH_SECONDS`, 
 operations per part and update, not a collective and a file's opening.
 
 ``GATHERLAB_RECORD_FLOOR=DIR`` in a one-device job's environment records its floor instead
-(`FLOOR_VARIABLE`): the same job into DIR, its model's forward in two row blocks
-(`gatherlab.components.rowblocks.in_row_blocks`), for ``python -m gatherlab.compare A B --floor
-DIR`` in a low precision (docs/design.md §2, "Low precision").
+(`FLOOR_VARIABLE`): the same job into DIR, its model's forward in row blocks (`_FloorForward`,
+`gatherlab.components.rowblocks`), whoever calls it (the job or its trainer), for ``python -m
+gatherlab.compare A B --floor DIR`` in a low precision (docs/design.md §2, "Low precision").
+A rank's input rows are fingerprinted without their padding (`gatherlab.recording.rows`), and a
+tensor-parallel group's rows counted once (`placed.row_group`). What cannot be recorded is
+refused in one line (`gatherlab.recording.refusal`).
 """
 
 from __future__ import annotations
@@ -324,9 +327,10 @@ class Recorder:
     (``trace.pt``).
 
     With `FLOOR_VARIABLE` set, a one-device job records its floor into that directory instead
-    of ``out``, its model's forward in `FLOOR_ROW_BLOCKS` row blocks; refused in one line
-    (`gatherlab.recording.format.RecordingError`) on W ranks, for a trainer's callback and for a
-    model with batch norm, whose statistics the blocks would split."""
+    of ``out``, its model's forward in `FLOOR_ROW_BLOCKS` row blocks (`FLOOR_BLOCKS_VARIABLE`'s
+    number where set), whoever calls it (`_FloorForward`); refused in one line
+    (`gatherlab.recording.refusal`) on W ranks, for a model with batch norm, whose statistics the
+    blocks would split, and for one whose rows meet (its join checked on the first call)."""
 
     def __init__(
         self,
