@@ -85,7 +85,7 @@ LONGEST_FILES = (
     "journeys/test_refusals.py",  # 35 s
     "journeys/test_record_hf.py",  # 38 s
     "check/test_training_check.py",  # 33 s
-    "check/test_compare.py",  # 30 s
+    "check/test_recordings.py",  # 30 s
     "check/test_sharded.py",  # 25 s
     "check/test_diagnosis.py",  # 25 s
     "check/test_check.py",  # 25 s
@@ -103,7 +103,7 @@ LONGEST_FILES = (
     "check/test_near_misses.py",  # 11 s
     "journeys/test_extend.py",  # 11 s
     "components/test_accumulation.py",  # 11 s
-    "ranks/test_collectives.py",  # 10 s
+    "ranks/test_watched.py",  # 10 s
     "check/test_where.py",  # 9 s
     "check/test_update.py",  # 9 s
     "gather/test_training.py",  # 8 s

@@ -14,8 +14,8 @@ recordings in a low precision have no floor recording (``not judged``). From Pyt
     comparison = gatherlab.compare("runs/w1", "runs/w4")   # the module is callable
     comparison.verdict, comparison.status, print(comparison.words)
 
-The comparison is `gatherlab.check.compare`'s, judged by the check's one judge (docs/design.md §5,
-§6 "Comparing two recordings").
+The comparison is `gatherlab.check.recordings`'s, judged by the check's one judge
+(docs/design.md §5, §6 "Comparing two recordings").
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gatherlab.analysis import figures
-from gatherlab.check.compare import Comparison, NotComparable
-from gatherlab.check.compare import compare as _compare
+from gatherlab.check.recordings import Comparison, NotComparable
+from gatherlab.check.recordings import compare_recordings as _compare
 from gatherlab.core import cli, gradients, runfiles, terms
 from gatherlab.recording.format import HEADER, Recording, RecordingError
 
@@ -39,7 +39,7 @@ __all__ = [
 ]  # fmt: skip
 
 UPDATES = "updates.csv"
-"""The per-update table of a comparison (`gatherlab.check.compare.UPDATE_COLUMNS`)."""
+"""The per-update table of a comparison (`gatherlab.check.recordings.UPDATE_COLUMNS`)."""
 FIGURE = "compare"
 """The figure of a comparison, ``compare.png`` and ``compare.pdf``."""
 

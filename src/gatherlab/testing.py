@@ -136,7 +136,7 @@ def assert_runs_match(
             `gatherlab.compare.compare`'s; without it such recordings are not judged, and fail.
 
     Returns:
-        The `gatherlab.check.compare.Comparison`, its verdict ``exact``, ``loss scaled`` or
+        The `gatherlab.check.recordings.Comparison`, its verdict ``exact``, ``loss scaled`` or
         ``exact within …``.
 
     Raises:
@@ -145,12 +145,14 @@ def assert_runs_match(
             the data's difference, the table, the first update and part that depart, the
             diagnosis, or the command that records the floor.
         gatherlab.recording.format.RecordingError: a directory that is no finished recording.
-        gatherlab.check.compare.NotComparable: recordings of different models or settings.
+        gatherlab.check.recordings.NotComparable: recordings of different models or settings.
     """
     __tracebackhide__ = True  # pytest shows the caller's line and the message, not this frame
-    from gatherlab.check.compare import compare  # the comparison itself: it writes no files
+    from gatherlab.check.recordings import (
+        compare_recordings,
+    )  # the comparison itself: it writes no files
 
-    comparison = compare(reference, run, tolerance=tolerance, floor=floor)
+    comparison = compare_recordings(reference, run, tolerance=tolerance, floor=floor)
     if comparison.status != 0:
         raise AssertionError(comparison.words)
     return comparison

@@ -1,6 +1,6 @@
 """Plain PyTorch training loops recorded with `gatherlab.record.Recorder`, for the comparison of
-recordings (``tests/check/test_compare.py``, ``tests/journeys/test_compare_cli.py``). Each runs on
-one device without a process group, or on a rank of a gloo group (gatherlab's pool), and writes
+recordings (``tests/check/test_recordings.py``, ``tests/journeys/test_compare_cli.py``). Each runs
+on one device without a process group, or on a rank of a gloo group (gatherlab's pool), and writes
 its recording from rank 0.
 
 - `train`: the loop of gatherlab's check of a plain step (``runs.plainstep.Step``: the model of

@@ -13,7 +13,7 @@ from recorded import in_memory
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from gatherlab.check import batches
-from gatherlab.check import compare as comparer
+from gatherlab.check import recordings as comparer
 from gatherlab.data import LayoutInvariantSampler
 
 N = 8  # the global batch
@@ -44,7 +44,7 @@ def data(size: int) -> range:
 
 
 def explained(a, b) -> batches.Batches:
-    return batches.compare(in_memory(a), in_memory(b))
+    return batches.compare_batches(in_memory(a), in_memory(b))
 
 
 def test_an_unseeded_random_sampler_against_a_distributed_sampler_is_another_permutation():
@@ -147,7 +147,7 @@ def test_epoch_starts_are_where_most_rows_repeat():
 def test_a_padded_batch_names_the_row_held_twice_and_the_row_missing():
     """DistributedSampler's padding: rank 3 repeats a row of rank 0 where one device has row 15."""
     padded = [ROWS[0:4], ROWS[4:8], ROWS[8:12], [*ROWS[12:15], ROWS[0]]]
-    compared = comparer.compare(in_memory([[ROWS]]), in_memory([padded]))
+    compared = comparer.compare_recordings(in_memory([[ROWS]]), in_memory([padded]))
     assert compared.verdict == "data differs" and compared.status == 1
     assert compared.data == (
         "update 0: the global batches differ: B's rank 3 holds 1 row more often than A's batch; "
@@ -166,7 +166,7 @@ def test_a_padded_batch_names_the_row_held_twice_and_the_row_missing():
     ids=["strided", "views", "other"],
 )  # fmt: skip
 def test_the_same_rows_in_another_order_are_a_note_not_a_failure(ranks, words):
-    compared = comparer.compare(in_memory([[ROWS]]), in_memory([ranks]))
+    compared = comparer.compare_recordings(in_memory([[ROWS]]), in_memory([ranks]))
     assert (compared.verdict, compared.status) == ("exact", 0), compared.words
     assert len(compared.notes) == 1 and words in compared.notes[0], compared.notes
 
@@ -175,7 +175,9 @@ def test_updates_without_a_recorded_loss_compare_their_gradients_alone():
     """A job that gave its recorder no loss (NaN in the recording): a note, and the verdict of
     the gradients (here the same: exact), not a differing loss."""
     halves = [ROWS[0:8], ROWS[8:16]]
-    compared = comparer.compare(in_memory([[ROWS]] * 2), in_memory([halves] * 2, math.nan))
+    compared = comparer.compare_recordings(
+        in_memory([[ROWS]] * 2), in_memory([halves] * 2, math.nan)
+    )
     assert (compared.verdict, compared.status) == ("exact", 0), compared.words
     assert any("2 of 2 updates have no recorded loss" in note for note in compared.notes)
 
@@ -207,8 +209,11 @@ def test_a_trainers_own_sampler_is_the_one_device_batch_with_drop_last_and_padde
     device's 7 global batches an epoch, the second epoch too; without it accelerate completes the
     epoch's last update on W ranks with its first rows, and the words say which rank pads."""
     one = _trainer_rows(60, 1, True, 10)
-    assert batches.compare(in_memory(one), in_memory(_trainer_rows(60, 2, True, 10))).update is None
-    padded = batches.compare(in_memory(_trainer_rows(60, 1, False, 9)),
+    assert (
+        batches.compare_batches(in_memory(one), in_memory(_trainer_rows(60, 2, True, 10))).update
+        is None
+    )
+    padded = batches.compare_batches(in_memory(_trainer_rows(60, 1, False, 9)),
                              in_memory(_trainer_rows(60, 2, False, 9)))  # fmt: skip
     assert padded.update == 7  # the epoch's eighth update: 4 rows left, and 4 repeated
     assert padded.explanation.startswith(

@@ -140,7 +140,7 @@ def test_torchrun_names_collectives_that_differ_with_both_call_sites(
     tmp_path, no_leftover_processes
 ):
     """Rank 0 all-gathers where rank 1 all-reduces (examples/collective_cases.py): under torchrun
-    the row names both calls, as on the pool (tests/ranks/test_collectives.py), with a collective
+    the row names both calls, as on the pool (tests/ranks/test_watched.py), with a collective
     timeout of 10 minutes: the line cannot have come from a timeout."""
     import collective_cases
     from helpers import line_of

@@ -211,7 +211,7 @@ def test_assert_training_invariant_fails_with_the_diagnosis():
 def test_batches_are_collated_by_the_module_then_the_data_set_then_pytorch():
     from torch.utils.data import default_collate
 
-    from gatherlab.runs.lightning import collate_fn_of
+    from gatherlab.runs.fit import collate_fn_of
 
     def by_module(items):
         return "module"

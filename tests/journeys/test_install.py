@@ -13,6 +13,12 @@ and downloads nothing (a declared package missing from the lock fails the instal
 check`` must find every requirement met. deptry (tests/journeys/test_architecture.py) checks the
 other direction: nothing is imported that the metadata does not declare. The install into an empty
 environment, downloading every dependency, is ``make install-check`` (docs/testing.md).
+
+The two locks (``requirements.txt``, the base lock that ``make demo`` installs, and
+``requirements-dev.txt``, every extra on top of it, which ``make test`` installs) pin exactly what
+the metadata reaches: the base lock every package the base dependencies need, recursively, and
+nothing else (the demo installs nothing it does not import); both together every package an extra
+needs; each one ``name==version``, once, at a version every requirement on it accepts.
 """
 
 from __future__ import annotations
@@ -24,17 +30,20 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from bounds import FLOAT64_BOUND, MISS_FACTOR, differences
 from helpers import REPO
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from gatherlab.analysis import report
 from gatherlab.core import runfiles
-
-pytestmark = pytest.mark.slow
 
 # A user's script outside the repository, run by the environment's python: gatherlab.testing,
 # then the command lines `python -m gatherlab.check` and `python -m gatherlab.train -m` through
@@ -161,6 +170,7 @@ def _install_check_python() -> str:
     return re.search(r"^define INSTALL_CHECK_TESTING\n(.*?)^endef$", makefile, re.M | re.S)[1]
 
 
+@pytest.mark.slow
 def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
     elsewhere = tmp_path  # a user's directory outside the repository, with their own code
     for name in ("standins.py", "ssl_modules.py", "summing_gather.py"):  # their own losses and
@@ -215,3 +225,65 @@ def test_testing_check_and_a_sweep_run_from_the_install(installed, tmp_path):
             assert loss_diff <= FLOAT64_BOUND and param_diff <= FLOAT64_BOUND
     assert (sweep / "comparison.png").stat().st_size > 0
     assert (sweep / "0" / ".hydra" / "overrides.yaml").exists()
+
+
+def _pins(lock: Path) -> dict[str, Version]:
+    """A lock's own pins (canonical name: version); a line ``-r FILE`` is left to the caller."""
+    pins = {}
+    for line in lock.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if not line or line.startswith("-r "):
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)", line)
+        assert match, f"{lock.name}: {line!r} is not an exact pin (name==version)"
+        name = canonicalize_name(match[1])
+        assert name not in pins, f"{lock.name}: {name} pinned twice"
+        pins[name] = Version(match[2])
+    return pins
+
+
+def _reached(requirements: list[str], pins: dict[str, Version]) -> set[str]:
+    """Every package that ``requirements`` need, recursively, read from the installed packages'
+    metadata (markers evaluated here, for the extras asked); each must be pinned in ``pins`` at a
+    version its requirement accepts. gatherlab's own extras (``gatherlab[hf]``) are followed in
+    pyproject.toml."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    reached, seen = set(), set()
+    todo = [Requirement(requirement) for requirement in requirements]
+    while todo:
+        requirement = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if name == "gatherlab":
+            todo += [Requirement(r) for extra in requirement.extras for r in extras[extra]]
+            continue
+        assert name in pins, f"{requirement} is needed and not pinned"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (
+            f"{name}=={pins[name]} is pinned, and {requirement} is needed"
+        )
+        if (name, frozenset(requirement.extras)) in seen:
+            continue
+        seen.add((name, frozenset(requirement.extras)))
+        reached.add(name)
+        for line in metadata.requires(name) or []:
+            needed = Requirement(line)
+            if needed.marker is None or any(
+                needed.marker.evaluate({"extra": extra}) for extra in requirement.extras or {""}
+            ):
+                todo.append(needed)
+    return reached
+
+
+def test_the_locks_pin_exactly_what_the_package_and_its_extras_need():
+    """The base lock is what ``make demo`` installs: the base dependencies' packages, all, and
+    only those; the full lock adds what the extras need, all of it, and nothing stale."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    base = _pins(REPO / "requirements.txt")
+    full_lock = REPO / "requirements-dev.txt"
+    assert "-r requirements.txt" in full_lock.read_text().splitlines()
+    rest = _pins(full_lock)
+    assert not base.keys() & rest.keys(), f"pinned in both locks: {base.keys() & rest.keys()}"
+    assert _reached(project["dependencies"], base) == base.keys()
+    extras = [f"gatherlab[{extra}]" for extra in project["optional-dependencies"]]
+    assert _reached(project["dependencies"] + extras, base | rest) == base.keys() | rest.keys()

@@ -23,7 +23,7 @@ from gatherlab.compare import compare
 from gatherlab.ranks import launch
 from gatherlab.record import LightningRecorder, read
 from gatherlab.recording.rows import row_digests
-from gatherlab.runs.lightning import ItemsDataModule
+from gatherlab.runs.fit import ItemsDataModule
 
 pytestmark = pytest.mark.slow
 

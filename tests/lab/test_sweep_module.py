@@ -60,7 +60,7 @@ def test_a_sweep_over_a_removal_attributes_the_difference_to_batch_norm(tmp_path
         line.startswith("3: global native cpu2") and line.endswith("yes") for line in printed
     )
     assert (sweep / f"{report.FIGURE}.png").stat().st_size > 10_000
-    compared, curves = report.compare(results.load_runs(sweep), sweep)
+    compared, curves = report.compare_sweep(results.load_runs(sweep), sweep)
     figure = figures.comparison_figure(compared, curves, gradients.TOLERANCE["64-true"])
     titles = [axis.get_title() for axis in figure.axes[::2]]
     assert [title.rsplit(", ", 1)[-1] for title in titles] == [

@@ -28,8 +28,8 @@ def exit_on_rank_one() -> None:
 
 
 def global_losses_of_rank() -> list[float]:
-    """Each step's global loss (gatherlab.runs.record) from local losses that differ per rank."""
-    from gatherlab.runs.record import global_losses
+    """Each step's global loss (gatherlab.runs.steplog) from local losses that differ per rank."""
+    from gatherlab.runs.steplog import global_losses
 
     local = {0: [1e16, 3.0, 0.25], 1: [1.0, 5.0, 0.5]}[dist.get_rank()]
     return global_losses(local)

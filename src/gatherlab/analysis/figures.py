@@ -841,7 +841,7 @@ def recordings_figure(
     (left; the reference drawn as every reference is) and each part's gradient relative difference
     from the reference's per update on a log scale (right; exact zeros at the floor, the whole
     gradient black), with the first departing update marked (``departure``). ``updates`` has the
-    columns of ``updates.csv`` (`gatherlab.check.compare.UPDATE_COLUMNS`); judged in floors (its
+    columns of ``updates.csv`` (`gatherlab.check.recordings.UPDATE_COLUMNS`); judged in floors (its
     ``floor`` column), the floor recording's own departure is drawn, the rounding alone, and
     ``threshold`` times it, the most that is within it, instead of a fixed ``tolerance``."""
     whole = updates[updates["part"] == "all"]

@@ -32,7 +32,7 @@ from gatherlab.runs.precision import FLOOR_ROW_BLOCKS
 __all__ = [
     "audit_markdown",
     "common_tolerance",
-    "compare",
+    "compare_sweep",
     "comparison_text",
     "floor_run",
     "loss_matrix",
@@ -152,7 +152,7 @@ def _not_comparable(run: pd.Series, curves: pd.DataFrame, reference: pd.Series,
     return None
 
 
-def compare(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
+def compare_sweep(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
     """The comparison table of ``runs`` (from ``results.load_runs``) and every readable run's
     curves. Each row gets a ``verdict`` (``VERDICTS``); a run is compared only with a reference
     that it can be held against, and ``matches_reference`` is true only with that evidence."""
@@ -270,7 +270,7 @@ def write_report(sweep_dir: str | Path) -> pd.DataFrame:
     runs = results.load_runs(sweep_dir)
     if runs.empty:
         raise FileNotFoundError(f"no finished run (no {runfiles.SUMMARY}) below {sweep_dir}")
-    table, curves = compare(runs, sweep_dir)
+    table, curves = compare_sweep(runs, sweep_dir)
     table.to_csv(sweep_dir / COMPARISON, index=False)
     drawn = table[table["run_dir"].isin(curves)]  # failed and unreadable runs are not drawn
     if not drawn.empty:

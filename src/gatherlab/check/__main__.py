@@ -235,7 +235,7 @@ def _ranks_run(args: argparse.Namespace) -> tuple[str, ...]:
     measurement and the configs, and the training layer's for a training step."""
     common = ("gatherlab.check.measure", "gatherlab.components.config")
     if args.module is not None:
-        return *common, "lightning.pytorch", "gatherlab.runs.lightning"
+        return *common, "lightning.pytorch", "gatherlab.runs.fit"
     if args.step is not None:
         return *common, "gatherlab.runs.plainstep"
     if args.update is not None:
@@ -249,9 +249,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     as_program = argv is None
     args = _arguments(argv)
     if args.launcher == terms.Launcher.EXTERNAL:  # this process is one of the ranks; rank 0 writes
-        from gatherlab.check import external
+        from gatherlab.check import launched
 
-        status = external.run(args, _written)
+        status = launched.run(args, _written)
     else:
         forkstart.start(_ranks_run(args))
         from gatherlab.check.api import CheckError

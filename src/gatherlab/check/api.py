@@ -35,7 +35,7 @@ from gatherlab.core import cli, floor, imports, terms
 from gatherlab.core.gradients import FLOAT64_TOLERANCE
 from gatherlab.core.runfiles import Trained
 from gatherlab.gather import GatherFn
-from gatherlab.ranks import collectives, pool
+from gatherlab.ranks import pool, watched
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import removals
 from gatherlab.runs.precision import InFloat64
@@ -601,7 +601,7 @@ def check_gather(
 
 
 def _watching(timeout_s: float) -> contextlib.AbstractContextManager[None]:
-    """The check's jobs watched (``ranks.collectives``), or CheckError for a timeout that is no
+    """The check's jobs watched (``ranks.watched``), or CheckError for a timeout that is no
     positive number of seconds, before any rank runs."""
     number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
     if not number or not 0 < timeout_s < math.inf:
@@ -609,7 +609,7 @@ def _watching(timeout_s: float) -> contextlib.AbstractContextManager[None]:
             f"collective_timeout_s={timeout_s!r} (--collective-timeout); allowed: a number of "
             "seconds > 0"
         )
-    return collectives.watching(timeout_s)
+    return watched.watching(timeout_s)
 
 
 def _path_name(factory: str | Callable[..., Any]) -> str:
@@ -803,10 +803,10 @@ def _training_setting(options: defaults.TrainingOptions) -> Any:
         )
     seed = options.seed
     if kind == "module":
-        from gatherlab.runs import lightning  # Lightning: only for a LightningModule
+        from gatherlab.runs import fit  # Lightning: only for a LightningModule
 
         module = Recipe(_factory(function, "module"), dict(options.module_kwargs or {}), None, seed)
-        form = lightning.Module(module)
+        form = fit.Module(module)
     else:
         form = _plain(kind, function, options)
     spec = RunSpec(

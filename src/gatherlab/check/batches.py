@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from gatherlab.check import diagnosis
 from gatherlab.recording.format import Recording
 
-__all__ = ["MOST_BLOCKS", "Batches", "blocks", "compare", "epoch_starts", "explain"]
+__all__ = ["MOST_BLOCKS", "Batches", "blocks", "compare_batches", "epoch_starts", "explain"]
 
 NO_ROWS = "note: A holds no batch fingerprints: the data is not compared"
 
@@ -70,7 +70,7 @@ def _rows_words(update: int, theirs: Sequence[Sequence[str]], mine: Sequence[Seq
     return f"update {update}: the global batches differ: " + "; ".join(said)
 
 
-def compare(a: Recording, b: Recording) -> Batches:
+def compare_batches(a: Recording, b: Recording) -> Batches:
     """Every update's global batch of B against A's: as a set (a difference is the verdict
     ``data differs``) and as an order (the concatenation over ranks, in rank order; another order
     is a note)."""

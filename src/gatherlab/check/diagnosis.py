@@ -340,7 +340,7 @@ BLOCK_ORDER = (
     "micro-batches taken per rank in turn, the order any layout gives them."
 )
 
-# A cause a comparison of recordings names from what they hold (``gatherlab.check.compare``): a
+# A cause a comparison of recordings names from what they hold (``gatherlab.check.recordings``): a
 # recording cannot reproduce a loss on one device, so each says what in the recordings shows it.
 RECORDED_CAUSES = {
     terms.Cause.SCALED: (
@@ -588,7 +588,7 @@ def scale_text(scale: Any) -> str:
     return "—" if pd.isna(scale) else f"×{scale:.6g}"
 
 
-# What fixes ranks whose collectives differ (``gatherlab.ranks.collectives``).
+# What fixes ranks whose collectives differ (``gatherlab.ranks.watched``).
 _COLLECTIVES_FIX = (
     " Every rank must enter the same collectives in the same order, with tensors of the same "
     "shape and dtype: the calls named above depend on the rank (a branch on the rank, a return "
@@ -650,7 +650,7 @@ def diagnosis(
     """What the rows (one loss and gather, one verdict and cause, their world sizes) measured,
     what reproduced it or what its parts show, and what would make it exact; ``measured``: the
     words a comparison of recordings adds to its placeholders (``data_cause``, ``unreduced``,
-    …, `gatherlab.check.compare`)."""
+    …, `gatherlab.check.recordings`)."""
     first = rows.iloc[0]
     numbers = {"data_cause": "", **_numbers(rows), **(measured or {})}
     nothing = first["verdict"] == terms.GradientClass.NONE and rows["norm_ratio"].isna().all()

@@ -30,7 +30,7 @@ from gatherlab.core import terms
 from gatherlab.core.gradients import FLOAT64_TOLERANCE
 from gatherlab.core.terms import Cause
 from gatherlab.runs.loss import LossContractError
-from gatherlab.runs.record import mean_over_ranks
+from gatherlab.runs.steplog import mean_over_ranks
 
 Forward = Callable[..., float]
 """The loss of two views on one device, forward only: ``forward(view0, view1, rows=rows)``,

@@ -161,7 +161,7 @@ class InPrecision:
 @dataclasses.dataclass(frozen=True)
 class Recorded:
     """What was measured of a run beside its own numbers: by a recording
-    (`gatherlab.check.compare`), ``classified``, the first gradient's class and its parts' where
+    (`gatherlab.check.recordings`), ``classified``, the first gradient's class and its parts' where
     they were estimated from linear sketches (`gradients.classify_sketched`; None: classified by
     the judge from the gradients); ``unreduced``, the parts whose gradient differs between the
     run's ranks (their cause, and the whole's when it is not exact, is ``unreduced``: measured, it
@@ -242,7 +242,7 @@ def judge(
     - where: for a whole that is not exact, ``where()`` (None: no place), on every row; a loss
       check's ``diverges`` says its step in ``departs`` first.
 
-    A recorded run (`gatherlab.check.compare`) gives what its recording measured (`Recorded`).
+    A recorded run (`gatherlab.check.recordings`) gives what its recording measured (`Recorded`).
     A run judged in its own low precision (``recorded.in_precision``, `InPrecision`: the code
     cannot run in float64) has its forward, gradient and curves judged in floors of that
     precision, and the verdict ``exact within …`` where float64's would be ``exact``.

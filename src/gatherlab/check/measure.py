@@ -30,8 +30,8 @@ from gatherlab.ranks import simworld, world
 from gatherlab.ranks.external import ranks_for
 from gatherlab.runs import loss as runs_loss
 from gatherlab.runs import trace
-from gatherlab.runs.record import flat_gradient, mean_over_ranks
 from gatherlab.runs.spec import RunSpec
+from gatherlab.runs.steplog import flat_gradient, mean_over_ranks
 
 log = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ reference's, ``gather`` ``native`` (the job communicates by itself); then the tr
 ``train_max_abs_loss_diff``, ``first_diff_step`` and ``max_abs_param_diff`` (of the final
 weights' sketches), and ``first_update`` and ``first_part``, the first update whose loss or
 gradient departs and the first part that departs there (``all``: the loss alone; empty when none
-departs, `gatherlab.check.compare`)."""
+departs, `gatherlab.check.recordings`)."""
 
 NOT_MEASURED = math.nan
 """A field a row has no value for (a failed row's numbers, a part's training curve): an empty

@@ -3,7 +3,7 @@ trained N steps on W ranks of the warm pool and on one device, compared step by 
 not exact, the same again with each removal that applies made (`gatherlab.runs.removals`) and
 with all of them made, and the culprits named: the removals that make it exact. The runs are
 trained by the training layer, whichever form they are (`gatherlab.runs.spec.StepForm`:
-`runs.lightning.Module`, `runs.plainstep.Step`, `runs.update.Update`), as
+`runs.fit.Module`, `runs.plainstep.Step`, `runs.update.Update`), as
 ``ranks_for(W).run(form.train_on_rank, spec)``.
 
 ``gatherlab.check.check_training`` is the API and ``python -m gatherlab.check --module`` the
@@ -115,7 +115,7 @@ def _part_of(module: torch.nn.Module) -> Callable[[str], str]:
 
 def parts(module: torch.nn.Module) -> measure.Layout:
     """The parts of the first step's gradient (its trainable parameters in order, as
-    ``StepRecorder`` flattens them): each top-level child module, and each direct parameter (the
+    ``StepLogCallback`` flattens them): each top-level child module, and each direct parameter (the
     children's children of a module of one child, `gatherlab.core.parts`)."""
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     return measure.layout(trainable, _part_of(module))
@@ -611,7 +611,7 @@ class Unreduced:
     holds the same gradient), and the verdict of the run with those parts' gradients all-reduced
     (``reduced``: the mean over ranks after each backward, `RunSpec.reduced`; None: not run).
     Where that is not the fix and the check's DDP holds parameters its forward does not use
-    (``stalled``, `runs.sharding.OutsideForward`: its reducer waited for them, so it averaged
+    (``stalled``, `runs.sharded.OutsideForward`: its reducer waited for them, so it averaged
     nothing), the verdict of the run with DDP told to find unused parameters and their gradients
     all-reduced (``unstalled``, `RunSpec.find_unused`)."""
 

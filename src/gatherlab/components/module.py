@@ -1,5 +1,5 @@
 """The LightningModule that trains a model with a contrastive loss and its data module; the
-callbacks that record and log its training are the training layer's (`gatherlab.runs.lightning`)."""
+callbacks that record and log its training are the training layer's (`gatherlab.runs.fit`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 class ContrastiveModule(L.LightningModule):
     """Embeds both views and applies the loss; ``training_step`` returns the rank's local loss
-    (what its backward needs; `StepRecorder` records the steps).
+    (what its backward needs; `StepLogCallback` records the steps).
 
     ``loss`` is a module, or a factory (``gatherlab.components.factory.Recipe``) that each
     rank calls in ``setup``, once its process group exists and before DDP wraps the module, so a
@@ -190,7 +190,7 @@ class ContrastiveModule(L.LightningModule):
         return self.sharding.optimizer(self.optimizer_factory, self.parameters())
 
     def run_state_dict(self) -> dict[str, torch.Tensor]:
-        """What ``final_state.pt`` holds (`StepRecorder`): the model's weights, a sharded one
+        """What ``final_state.pt`` holds (`StepLogCallback`): the model's weights, a sharded one
         gathered whole (every rank calls this)."""
         return {name: world.whole(value) for name, value in self.model.state_dict().items()}
 

@@ -57,7 +57,7 @@ ROUNDING_CEILING = {
 precision is judged departing without a floor (`beyond_rounding`), 4× (rounded up) the largest
 that a correct run of `experiments/rounding.py` reached, a part's included (float32 102 u,
 bf16-mixed 2.87 u, fp16-mixed 2.25 u, bf16-true 120 u; fp16 parameters are judged as fp16's
-autocast, `check.compare`).
+autocast, `check.recordings`).
 Exactness still needs a floor."""
 
 

@@ -97,11 +97,11 @@ gradient), a later one does not (``gatherlab.check.check_training``, and a loss'
 ``steps``)."""
 DATA_DIFFERS = "data differs"
 """A comparison's verdict when the run and its reference were not given the same global batch at
-some update, as a set of rows (`gatherlab.check.compare`): said before any gradient is judged, no
+some update, as a set of rows (`gatherlab.check.recordings`): said before any gradient is judged, no
 gradient being comparable while the data differs."""
 NOT_JUDGED = "not judged"
 """A comparison's verdict when two recordings in a low precision have no floor recording beside
-them (`gatherlab.check.compare`): their rounding alone departs from one device, and without a
+them (`gatherlab.check.recordings`): their rounding alone departs from one device, and without a
 measured floor no departure can be told from it (docs/design.md §2, "Low precision"); its exit
 status is `NOT_JUDGED_STATUS`, neither a pass nor a failure."""
 NOT_JUDGED_STATUS = 3
@@ -112,7 +112,7 @@ FAILED = "failed"
 error, or starts with `COLLECTIVES_DIFFER`."""
 COLLECTIVES_DIFFER = "collectives differ:"
 """The start of a ``failed`` row's error when its ranks did not enter the same collectives: the
-rest names each rank's call (``gatherlab.ranks.collectives``, docs/design.md §10)."""
+rest names each rank's call (``gatherlab.ranks.watched``, docs/design.md §10)."""
 
 
 class Cause(StrEnum):
@@ -126,7 +126,7 @@ class Cause(StrEnum):
     reduces or normalises over the rank's part of the batch: ``gatherlab.check.where``),
     ``unexplained`` (none of these); ``parts`` (a biased gradient whose parts each have one
     factor, different ones); ``unreduced`` (a recorded run's part whose gradient differs between
-    its ranks: it is not reduced over them, `gatherlab.check.compare`); ``desync`` (a recorded
+    its ranks: it is not reduced over them, `gatherlab.check.recordings`); ``desync`` (a recorded
     run's ranks whose weights differ after an update: they step apart); ``layout`` (a tensor of a
     tensor-parallel model that is not, over the ranks, the tensor one device holds: an input
     sharded on another dimension than its plan says, a shard taken as the whole,

@@ -7,7 +7,7 @@ A training run builds data, model, gather, loss and optimizer from the config (`
 on the layout's ranks (``launch``), and writes its run files (docs/design.md §5) into its directory:
 ``curves.csv`` and ``final_state.pt`` from rank 0 during training, ``summary.json`` when it ends,
 failed or not. With ``module=user`` the user's LightningModule and data set are built inside
-each rank instead (`gatherlab.runs.lightning.Module.fit_on_rank`), with the same run files.
+each rank instead (`gatherlab.runs.fit.Module.fit_on_rank`), with the same run files.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from gatherlab.core import cli, runfiles, terms
 from gatherlab.lab import tracking
 from gatherlab.ranks import launch
 from gatherlab.ranks.pool import RankError, pool
-from gatherlab.runs import lightning, removals
-from gatherlab.runs.lightning import ProgressLog, StepRecorder
+from gatherlab.runs import fit, removals
+from gatherlab.runs.fit import ProgressLog, StepLogCallback
 from gatherlab.runs.spec import RunSpec
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def _fit(cfg: DictConfig, run_dir: Path, built: _Built | None) -> None:
         num_nodes=cfg.layout.get("nodes", 1),
         precision=cfg.precision,
         steps=cfg.steps,
-        callbacks=[StepRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
+        callbacks=[StepLogCallback(run_dir), ProgressLog(cfg.log_every, cfg.steps)],
         accelerator=cfg.layout.accelerator,
         launcher=cfg.launcher.name,
         strategy=built.module.sharding.name,
@@ -231,9 +231,9 @@ def _user_choices(cfg: DictConfig) -> dict[str, str | None]:
 
 def _fit_user_module(cfg: DictConfig, run_dir: Path, devices: int) -> None:
     """Train the user's module of ``module=user`` on its data set: each rank builds both in its
-    process group and records the run files (``lightning.Module.fit_on_rank``); one device trains
+    process group and records the run files (``fit.Module.fit_on_rank``); one device trains
     here. The config was checked: several ranks only on the worker pools."""
-    form = lightning.Module(config.module_factory(cfg))
+    form = fit.Module(config.module_factory(cfg))
     spec = RunSpec(
         data=config.dataset_factory(cfg),
         removals=removals.Removals.from_config(cfg.get("removals")),
@@ -243,7 +243,7 @@ def _fit_user_module(cfg: DictConfig, run_dir: Path, devices: int) -> None:
         precision=cfg.precision,
         shuffle=bool(cfg.data.shuffle),
     )
-    callbacks = [StepRecorder(run_dir), ProgressLog(cfg.log_every, cfg.steps)]
+    callbacks = [StepLogCallback(run_dir), ProgressLog(cfg.log_every, cfg.steps)]
     if devices == 1:
         form.fit_on_rank(spec, callbacks)
     else:

@@ -346,7 +346,7 @@ def _validate_contrastive_only(cfg: DictConfig, removed: removals.Removals) -> N
 def _validate_user_objects(cfg: DictConfig) -> int:
     """Build the user's module (as on one device: rank 0 of 1) and data set once, apply the
     removals, check both contracts; return the data set's number of samples."""
-    from gatherlab.runs import lightning
+    from gatherlab.runs import fit
 
     factory = config.module_factory(cfg)
     target = cfg.module._target_
@@ -355,7 +355,7 @@ def _validate_user_objects(cfg: DictConfig) -> int:
     except Exception as error:  # the constructor's own refusal
         raise ConfigError(f"module ({target}): {cli.first_line(error)}") from None
     try:
-        lightning.validated_module(module, f"module ({target})")
+        fit.validated_module(module, f"module ({target})")
     except ValueError as error:
         raise ConfigError(str(error)) from None
     removals_of(cfg).apply(module)

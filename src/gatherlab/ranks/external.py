@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from gatherlab.core import cli, terms
-from gatherlab.ranks import collectives
 from gatherlab.ranks import pool as pools
+from gatherlab.ranks import watched
 from gatherlab.ranks.pool import COLLECTIVE_TIMEOUT, RankError
 
 __all__ = [
@@ -151,7 +151,7 @@ class _Answer:
     # fails only after the first failing rank has left the group); 0 for a result
     warned: list[Any]
     named: int | None = None  # the rank a failure's line is about, where not this one's own
-    # (``collectives.CollectiveError``: a peer raised, or several ranks' collectives differ)
+    # (``watched.CollectiveError``: a peer raised, or several ranks' collectives differ)
     own: bool = True  # whether the line is the named rank's own error (else it names the ranks)
 
 
@@ -181,7 +181,7 @@ def _job(
     hook = sys.excepthook  # init_process_group wraps it and never unwraps it
     peers = None
     if watch_s is not None:
-        peers = collectives.Peers(store, f"watch_{number}", place.rank, watch_s)
+        peers = watched.Peers(store, f"watch_{number}", place.rank, watch_s)
     timeout = COLLECTIVE_TIMEOUT if watch_s is None else timedelta(seconds=watch_s)
     named, own = None, True
     with warnings.catch_warnings(record=True) as caught:
@@ -191,13 +191,13 @@ def _job(
                 BACKENDS[device], store=dist.PrefixStore(f"group_{number}/", store),
                 rank=place.rank, world_size=place.world_size, timeout=timeout,
             )  # fmt: skip
-            with collectives.watched(peers):
+            with watched.watched(peers):
                 value = _cpu(function(*args))
             pickle.dumps(value)  # a result that does not pickle is this rank's error
             ok, order = True, 0
         except Exception as error:
             ok, value = False, cli.error_line(error)
-            if isinstance(error, collectives.CollectiveError):
+            if isinstance(error, watched.CollectiveError):
                 value, named, own = error.line, error.rank, error.own
             order = store.add(f"failures_{number}", 1)  # before this rank leaves the group
         finally:
@@ -274,9 +274,9 @@ class Ranks:
         number = self._jobs
         self._jobs += 1
         self.store.set(
-            f"job_{number}", pickle.dumps(("run", function, args, collectives.watch_timeout()))
+            f"job_{number}", pickle.dumps(("run", function, args, watched.watch_timeout()))
         )
-        watch_s = collectives.watch_timeout()
+        watch_s = watched.watch_timeout()
         answers = {0: _job(self.store, number, self.place, self.device, function, args, watch_s)}
         failed = not answers[0].ok
         for rank in range(1, self.world_size):

@@ -28,7 +28,7 @@ from lightning.pytorch.plugins import DoublePrecision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from gatherlab.core import terms
-from gatherlab.ranks import collectives
+from gatherlab.ranks import watched
 from gatherlab.ranks.external import launched_rank
 from gatherlab.ranks.pool import COLLECTIVE_TIMEOUT, pool
 
@@ -51,7 +51,7 @@ class _QuietDDPStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         super().configure_ddp()
-        collectives.visible(self.model)  # in a check's watched job, its all-reduce is compared
+        watched.visible(self.model)  # in a check's watched job, its all-reduce is compared
 
 
 class _QuietModelParallelStrategy(ModelParallelStrategy):

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from gatherlab.core import cli, imports, terms
-from gatherlab.ranks import collectives, forkstart
+from gatherlab.ranks import forkstart, watched
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",
@@ -187,11 +187,11 @@ def _run_job(
             with contextlib.suppress(OSError):  # a directory since removed: stay
                 os.chdir(here)
             function, args = pickle.loads(job)
-            result = _watched_call(function, args, collectives.Peers(store, job, rank, watch_s))
+            result = _watched_call(function, args, watched.Peers(store, job, rank, watch_s))
         _answer(connection, ("ok", result, sendable_warnings(caught)))
     except BaseException as error:  # the job's own error, or a result that does not pickle
         detail = "".join(traceback.format_exception(error)[-6:])
-        if isinstance(error, collectives.CollectiveError):  # a peer's error, or several ranks'
+        if isinstance(error, watched.CollectiveError):  # a peer's error, or several ranks'
             named, line = error.rank, error.line
             message = f"rank {named}: {line}" if error.own else f"{line}\n{detail}"
         else:
@@ -203,9 +203,7 @@ def _run_job(
             _answer(connection, ("error", (message, None, named, line), sendable_warnings(caught)))
 
 
-def _watched_call(
-    function: Callable[..., Any], args: tuple[Any, ...], peers: collectives.Peers
-) -> Any:
+def _watched_call(function: Callable[..., Any], args: tuple[Any, ...], peers: watched.Peers) -> Any:
     """``function(*args)``; in a watched job (``peers.timeout_s`` set), its collectives compared
     with the peers' before they run, and the group's own timeout that long (``collectives``)."""
     if peers.timeout_s is None:
@@ -213,7 +211,7 @@ def _watched_call(
     group = dist.group.WORLD
     group.set_timeout(timedelta(seconds=peers.timeout_s))
     try:
-        with collectives.watched(peers):
+        with watched.watched(peers):
             return function(*args)
     finally:
         group.set_timeout(COLLECTIVE_TIMEOUT)
@@ -437,7 +435,7 @@ class WorkerPool:
         if not self.alive:
             raise RankError(f"the {self.world_size}-rank pool is closed")
         job, modules = imports.pickled((function, args))
-        watch_s = collectives.watch_timeout()
+        watch_s = watched.watch_timeout()
         payload = pickle.dumps((imports.search_path(modules), job, watch_s, os.getcwd()))
         for connection in self._connections:
             connection.send_bytes(payload)

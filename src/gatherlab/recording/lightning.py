@@ -12,7 +12,7 @@ temperature's module) included, and its direct parameters, as the check names th
   (``on_train_batch_start``; with ``accumulate_grad_batches = K`` the K batches of one update, in
   order);
 - the loss: what ``training_step`` returned for each of them, as the module computed it (its
-  ``training_step`` wrapped on this instance while fitting, as `gatherlab.runs.lightning`'s trace
+  ``training_step`` wrapped on this instance while fitting, as `gatherlab.runs.fit`'s trace
   wraps it): Lightning divides it by K for the backward and a gradient scaler multiplies it, and
   ``on_train_batch_end``'s ``outputs["loss"]`` comes after the step. The update's local loss is
   the mean of its micro-batches' losses at every K. Under manual optimization, the loss given to

@@ -61,8 +61,8 @@ from gatherlab.ranks import world
 from gatherlab.recording import format, placed, sketch
 from gatherlab.recording.refusal import refuse
 from gatherlab.recording.rows import Sampled, digests, hexadecimal, rows_of, sampled
-from gatherlab.runs.record import mean_over_ranks
 from gatherlab.runs.removals import batch_norms
+from gatherlab.runs.steplog import mean_over_ranks
 
 __all__ = [
     "FLOOR_BLOCKS_VARIABLE", "FLOOR_ROW_BLOCKS", "FLOOR_VARIABLE", "FLUSH_SECONDS",

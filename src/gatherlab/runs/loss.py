@@ -28,10 +28,10 @@ from torch.nn.parallel import DistributedDataParallel
 from gatherlab.components.factory import Inputs, Recipe
 from gatherlab.core import runfiles
 from gatherlab.core.terms import Precision
-from gatherlab.ranks import collectives, simworld, world
+from gatherlab.ranks import simworld, watched, world
 from gatherlab.runs import precision
-from gatherlab.runs.record import Recorder
 from gatherlab.runs.spec import RunSpec
+from gatherlab.runs.steplog import StepLog
 
 __all__ = [
     "Batch", "Loss", "LossContractError", "ModelFactory", "Whole", "average", "backward", "build",
@@ -132,9 +132,9 @@ def build(
                 "the model's, or frozen"
             )
         if real_ddp:  # as a trainer wraps the model that such a loss holds
-            whole.model = collectives.visible(DistributedDataParallel(whole.model))
+            whole.model = watched.visible(DistributedDataParallel(whole.model))
         return whole, whole
-    wrapped = collectives.visible(DistributedDataParallel(whole)) if real_ddp else whole
+    wrapped = watched.visible(DistributedDataParallel(whole)) if real_ddp else whole
     return whole, wrapped
 
 
@@ -204,7 +204,7 @@ class Loss:
     def train_on_rank(self, spec: RunSpec) -> runfiles.Trained:
         """Train ``spec.steps`` steps here: plain DDP on this rank of the process group (or of the
         simulated world), the bare module on one device. Returns each step's global loss
-        (`gatherlab.runs.record`), no first gradient (None), and the final parameters (the
+        (`gatherlab.runs.steplog`), no first gradient (None), and the final parameters (the
         model's, then the loss's own)."""
         distributed = world.size() > 1
         rows = world.own_rows(len(self.batches[0][0])) if distributed else slice(None)
@@ -212,7 +212,7 @@ class Loss:
             self.loss, self.model, spec.seed, distributed, spec.precision, spec.row_blocks
         )
         step = self.optimizer(whole.parameters())
-        recorder = Recorder()
+        recorder = StepLog()
         device = world.device()
         for index, (view0, view1) in enumerate(self.batches[: spec.steps]):
             step.zero_grad()

@@ -3,7 +3,7 @@ runs (docs/design.md §2, §10): the model that ``build_model(**kwargs)`` return
 rank after the same seed, wrapped in torch's ``DistributedDataParallel`` on W ranks (the bare
 module on one device), the user's optimizer, and ``training_step(model, batch)`` called on each
 rank's slice of the same global batches; the removals of `gatherlab.runs.removals` made on
-request; every step recorded by `gatherlab.runs.record.Recorder`.
+request; every step recorded by `gatherlab.runs.steplog.StepLog`.
 
 - ``Step`` is the form (`gatherlab.runs.spec.Form`): what is trained (the step, the model, the
   optimizer); ``Step.train_on_rank(spec)`` trains it here (on one device, or on this rank of the
@@ -29,12 +29,12 @@ from torch.utils.data import default_collate
 from gatherlab.components.data import GlobalBatchSampler
 from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles, terms
-from gatherlab.ranks import collectives, world
+from gatherlab.ranks import watched, world
 from gatherlab.runs import precision as runs_precision
 from gatherlab.runs import removals, tensorparallel, trace
-from gatherlab.runs.record import Recorder, reduce_gradients
-from gatherlab.runs.sharding import OutsideForward, naming_dtensors
+from gatherlab.runs.sharded import OutsideForward, naming_dtensors
 from gatherlab.runs.spec import RunSpec
+from gatherlab.runs.steplog import StepLog, reduce_gradients
 
 __all__ = [
     "PlainModel", "Step", "as_precision", "build", "built_in", "checked_model", "data_size",
@@ -89,7 +89,7 @@ class Step(PlainModel):
         """Build the model and the data set here, make the removals, seed the global random
         streams from the seed (as a training script does), and train ``spec.steps`` steps: DDP
         over this rank's process group when there is one, the bare model on one device. Returns
-        each step's global loss (`gatherlab.runs.record`), the first step's gradient as the
+        each step's global loss (`gatherlab.runs.steplog`), the first step's gradient as the
         optimizer gets it, and the final parameters."""
         device = world.device()  # a rank's own GPU in an NCCL group, else the CPU
         model = build(self, spec.removals, spec.precision, spec.tensor_parallel).to(device)
@@ -97,7 +97,7 @@ class Step(PlainModel):
         wrapped = wrapped_for_rank(model, device, spec.row_blocks, spec.find_unused)
         watch = outside_forward(model, wrapped)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
-        recorder = Recorder(True, spec.step_budget_s, spec.steps)
+        recorder = StepLog(True, spec.step_budget_s, spec.steps)
         seed_processes(spec.seed)
         partial: dict[str, str] = {}
         for index, batch in enumerate(rank_batches(data, spec)):
@@ -288,19 +288,19 @@ def wrapped_for_rank(
     ddp = DistributedDataParallel(
         model, device_ids=[device] if on_gpu else None, find_unused_parameters=find_unused
     )
-    return collectives.visible(ddp)  # its all-reduce seen by the check's watch
+    return watched.visible(ddp)  # its all-reduce seen by the check's watch
 
 
 def outside_forward(model: nn.Module, wrapped: nn.Module) -> OutsideForward | None:
     """The watch of the parameters the check's DDP (``wrapped``, around ``model``) holds that its
-    forward does not use (`runs.sharding.OutsideForward`); None where the check did not wrap."""
+    forward does not use (`runs.sharded.OutsideForward`); None where the check did not wrap."""
     if wrapped is model or not isinstance(wrapped, DistributedDataParallel):
         return None
     return OutsideForward(wrapped)
 
 
 def trained_with(
-    recorder: Recorder,
+    recorder: StepLog,
     watch: OutsideForward | None,
     parallel: nn.Module | None = None,
     partial: dict[str, str] | None = None,

@@ -1,7 +1,7 @@
 """One run, as every training form trains it on a rank (docs/design.md §2, §10): `RunSpec`, the
 facts every form needs, documented once, and `Form`, what a training form is.
 
-A form says *what* is trained (a LightningModule, `runs.lightning.Module`; a plain step,
+A form says *what* is trained (a LightningModule, `runs.fit.Module`; a plain step,
 `runs.plainstep.Step`; a whole update, `runs.update.Update`; a loss on gatherlab's MLP,
 `runs.loss.Loss`); the spec says *how* (the data, the removals, the batch, the steps, the seed,
 …). Both are picklable and travel whole to the ranks: ``ranks_for(W).run(form.train_on_rank,
@@ -70,7 +70,7 @@ class RunSpec:
     """The model's forward in this many row blocks on one device (`runs.precision.RowBlocks`):
     the perturbation a low precision's floor is measured with (docs/design.md §2)."""
     step_budget_s: float = math.inf
-    """The seconds a step may take before its run says so (`runs.record.Recorder`): a step of
+    """The seconds a step may take before its run says so (`runs.steplog.StepLog`): a step of
     one device, or of rank 0, that takes longer logs a warning with the steps done and to go."""
 
 

@@ -302,7 +302,7 @@ class Tracer(TorchFunctionMode):
 
 def tensors_in(value) -> Iterator[torch.Tensor]:
     """The tensors in a call's arguments or result (nested tuples, lists and dicts): every watch
-    of a step's operations reads them so (`runs.precision`, `runs.sharding`)."""
+    of a step's operations reads them so (`runs.precision`, `runs.sharded`)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):

@@ -40,9 +40,9 @@ from gatherlab.runs.plainstep import (
     trained_with,
     wrapped_for_rank,
 )  # fmt: skip
-from gatherlab.runs.record import Recorder, reduce_gradients
-from gatherlab.runs.sharding import naming_dtensors
+from gatherlab.runs.sharded import naming_dtensors
 from gatherlab.runs.spec import RunSpec
+from gatherlab.runs.steplog import StepLog, reduce_gradients
 
 __all__ = ["Update", "UpdateBroken", "first_loss", "rows_of"]
 
@@ -80,7 +80,7 @@ class Update(PlainModel):
         wrapped = wrapped_for_rank(model, device, spec.row_blocks, spec.find_unused)
         watch = outside_forward(model, wrapped)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
-        recorder = Recorder(True, spec.step_budget_s, spec.steps)
+        recorder = StepLog(True, spec.step_budget_s, spec.steps)
         seen = _Steps(model, recorder, spec.reduced)
         hook = optimizer.register_step_pre_hook(seen)
         seed_processes(spec.seed)
@@ -130,7 +130,7 @@ class _Steps:
     """The optimizer's steps during one update, seen by its step pre-hook: how many, and whether a
     gradient had reached the parameters; the first update's gradient goes to the recorder."""
 
-    def __init__(self, model: nn.Module, recorder: Recorder, reduced: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: nn.Module, recorder: StepLog, reduced: tuple[str, ...] = ()) -> None:
         self.model, self.recorder, self.reduced = model, recorder, reduced
         self.count, self.without_gradient, self.update = 0, False, 0
         self.partial: dict[str, str] = {}

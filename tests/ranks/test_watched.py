@@ -1,4 +1,4 @@
-"""Collectives compared across ranks before they run (`gatherlab.ranks.collectives`,
+"""Collectives compared across ranks before they run (`gatherlab.ranks.watched`,
 docs/design.md §10, "Collectives that differ"): each pattern of ``examples/collective_cases.py`` at
 W = 2 and 4 ends its W with the line that names every rank's call, found here by reading the
 source's ``# enters:`` marks; a rank that raised is named by its own error, one that hangs after
@@ -20,8 +20,8 @@ from gatherlab import check
 from gatherlab.check import CheckError
 from gatherlab.check.__main__ import main
 from gatherlab.core import terms
-from gatherlab.ranks import collectives, pool
-from gatherlab.ranks.collectives import Ended, Entered, disagreement
+from gatherlab.ranks import pool, watched
+from gatherlab.ranks.watched import Ended, Entered, disagreement
 
 W = (2, 4)
 NEVER = 600.0  # seconds: a timeout no test of the suite can reach
@@ -117,7 +117,7 @@ def test_a_rank_killed_by_a_signal_is_named_by_it_with_its_last_line_on_stderr(c
 def _gradients_of_ddp() -> torch.Tensor:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
-    model = collectives.visible(torch.nn.parallel.DistributedDataParallel(model.double()))
+    model = watched.visible(torch.nn.parallel.DistributedDataParallel(model.double()))
     torch.manual_seed(1 + dist.get_rank())
     model(torch.randn(8, 8, dtype=torch.float64)).pow(2).sum().backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -125,9 +125,9 @@ def _gradients_of_ddp() -> torch.Tensor:
 
 def test_ddps_all_reduce_seen_by_the_watch_is_its_own_bit_for_bit():
     plain = pool.pool(2).run(_gradients_of_ddp)
-    with collectives.watching(NEVER):
-        watched = pool.pool(2).run(_gradients_of_ddp)
-    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+    with watched.watching(NEVER):
+        seen = pool.pool(2).run(_gradients_of_ddp)
+    assert all(torch.equal(a, b) for a, b in zip(plain, seen, strict=True))
     assert not torch.equal(plain[0], torch.zeros_like(plain[0]))
 
 

@@ -1,8 +1,9 @@
-"""The comparison of two recordings (`gatherlab.compare`, `gatherlab.check.compare`, docs/design.md
-§5, §6 "Comparing two recordings") on real recordings of plain loops (``recorded_jobs``), made by
-`gatherlab.record.Recorder` on one device without a process group and on real gloo ranks of the
-pool at W = 2 and 4: each case's verdict, class, factor and cause as the mathematics gives them;
-the same run judged by the pooled check and by recording and comparing gets the same verdict."""
+"""The comparison of two recordings (`gatherlab.compare`, `gatherlab.check.recordings`,
+docs/design.md §5, §6 "Comparing two recordings") on real recordings of plain loops
+(``recorded_jobs``), made by `gatherlab.record.Recorder` on one device without a process group and
+on real gloo ranks of the pool at W = 2 and 4: each case's verdict, class, factor and cause as the
+mathematics gives them; the same run judged by the pooled check and by recording and comparing gets
+the same verdict."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from recorded import record, record_cases
 
 import gatherlab
 from gatherlab import check
-from gatherlab.check import compare as comparer
+from gatherlab.check import recordings as comparer
 from gatherlab.recording.format import read
 from gatherlab.testing import assert_runs_match
 
@@ -100,11 +101,11 @@ def test_micro_batches_are_counted_and_their_sum_is_k_times_the_gradient(recordi
     averaged, two micro-batches per rank are exact; summed, the gradient is K = 2 times one
     device's on one rank and on two (DDP averages the ranks' K-fold gradients), where W = K names
     the factor, to rounding."""
-    exact = comparer.compare(recordings["loop1"], recordings["accumulated2"])
+    exact = comparer.compare_recordings(recordings["loop1"], recordings["accumulated2"])
     assert (exact.verdict, exact.status) == ("exact", 0), exact.words
     assert read(recordings["accumulated2"]).updates[0].micro_batches == 2
     for name, factor in (("summed1", "K"), ("summed2", "W = K")):
-        comparison = comparer.compare(recordings["loop1"], recordings[name])
+        comparison = comparer.compare_recordings(recordings["loop1"], recordings[name])
         first = comparison.updates[comparison.updates["update"] == 0].set_index("part")
         assert first.loc["all", "gradient"] == factor, comparison.words
         assert abs(first.loc["all", "norm_ratio"] - 2) <= 2 * ROUNDING
@@ -114,7 +115,9 @@ def test_micro_batches_are_counted_and_their_sum_is_k_times_the_gradient(recordi
 @pytest.mark.parametrize("sketched", [False, True], ids=["full", "sketched"])
 def test_a_gradient_divided_by_w_is_1_over_w_to_rounding(recordings, w, sketched):
     suffix = "_sketched" if sketched else ""
-    comparison = comparer.compare(recordings[f"w1{suffix}"], recordings[f"half{w}{suffix}"])
+    comparison = comparer.compare_recordings(
+        recordings[f"w1{suffix}"], recordings[f"half{w}{suffix}"]
+    )
     assert (comparison.verdict, comparison.status) == ("1/W", 1), comparison.words
     first = comparison.updates[comparison.updates["update"] == 0].set_index("part")
     assert set(first["source"]) == {"sketch" if sketched else "full"}
@@ -155,7 +158,7 @@ def test_the_pooled_check_and_recording_and_comparing_give_one_verdict(recording
             world_sizes=(w,), steps=STEPS, global_batch_size=16,
         )  # fmt: skip
         pooled = pooled[pooled["removed"] == "none"].set_index("part")
-        compared = comparer.compare(recordings[f"{name}1"], recordings[f"{name}{w}"])
+        compared = comparer.compare_recordings(recordings[f"{name}1"], recordings[f"{name}{w}"])
         table = compared.table.set_index("part")
         assert list(table.index) == list(pooled.index) == ["all", "0", "1"]
         for column in ("forward", "gradient", "verdict", "cause"):
@@ -185,7 +188,7 @@ def test_a_per_rank_batch_norm_departs_at_its_line_as_the_check_names_it(recordi
     (tests/check/test_step_check.py names the same line for the same step)."""
     import plain_steps
 
-    comparison = comparer.compare(recordings["traced_bn1"], recordings["traced_bn2"])
+    comparison = comparer.compare_recordings(recordings["traced_bn1"], recordings["traced_bn2"])
     head = whole(comparison)
     assert head["verdict"] == "loss differs", comparison.words
     assert head["where"] == f"{line_of(plain_steps, 'model(torch.cat([x0, x1]))')}  batch_norm"
@@ -205,7 +208,7 @@ def test_a_temperature_outside_ddp_is_named_unreduced(recordings, w):
     assert ranks.shape == (w, run.k) and not np.allclose(ranks[0], ranks[1])
     one_device = reference.updates[0].sketches["loss.scale"]
     assert np.allclose(ranks.mean(axis=0), one_device, rtol=0, atol=1e-14 * abs(one_device).max())
-    comparison = comparer.compare(recordings["outside1"], recordings[f"outside{w}"])
+    comparison = comparer.compare_recordings(recordings["outside1"], recordings[f"outside{w}"])
     table = comparison.table.set_index("part")
     assert comparison.status == 1 and table.loc["all", "cause"] == "unreduced", comparison.words
     assert table.loc["loss.scale", "cause"] == "unreduced"
@@ -225,7 +228,7 @@ def test_sharded_and_per_rank_jobs_get_their_verdicts(recordings, run, verdict):
     """FSDP2's sharded gradient and ZeRO's are recorded from the ranks and are one device's;
     a per-rank batch norm's loss is not."""
     reference = "batchnorm1" if run.startswith("batchnorm") else "loop1"
-    comparison = comparer.compare(recordings[reference], recordings[run])
+    comparison = comparer.compare_recordings(recordings[reference], recordings[run])
     assert comparison.verdict == verdict, comparison.words
     assert comparison.status == (0 if verdict == "exact" else 1)
     if verdict == "exact":
@@ -237,7 +240,7 @@ def test_sharded_and_per_rank_jobs_get_their_verdicts(recordings, run, verdict):
 def test_zero_with_a_temperature_outside_ddp_is_not_exact(recordings):
     """ZeRO steps each parameter on one rank and broadcasts it, so the ranks agree with each other;
     the temperature's gradient on its rank is that rank's own, not one device's."""
-    comparison = comparer.compare(recordings["outside1"], recordings["zero_outside2"])
+    comparison = comparer.compare_recordings(recordings["outside1"], recordings["zero_outside2"])
     assert comparison.verdict != "exact" and comparison.status == 1, comparison.words
     assert comparison.table.iloc[0]["cause"] == "unreduced"
     assert comparison.departure == (0, "loss.scale")
@@ -248,7 +251,7 @@ def test_torchs_samplers_are_a_data_difference_said_before_any_gradient(recordin
     import plain_steps
     from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-    comparison = comparer.compare(recordings["torch1"], recordings[f"torch{w}"])
+    comparison = comparer.compare_recordings(recordings["torch1"], recordings[f"torch{w}"])
     assert (comparison.verdict, comparison.status) == ("data differs", 1), comparison.words
     assert comparison.table["verdict"].iloc[0] == "data differs"
     # the rows each rank holds that one device's first batch lacks, from the samplers themselves:
@@ -302,7 +305,7 @@ def test_a_comparison_writes_its_tables_and_figure_and_refuses_to_write_twice(re
 def test_a_recorded_one_rank_recording_needs_no_process_group(tmp_path):
     """W = 1 records without a process group (a one-GPU script), twice the same: exact."""
     first, again = record(tmp_path / "a", 1), record(tmp_path / "b", 1)
-    comparison = comparer.compare(first, again)
+    comparison = comparer.compare_recordings(first, again)
     assert comparison.verdict == "exact"
     assert (comparison.updates["rel_err"] == 0).all()  # the same arithmetic: bit for bit
 
@@ -372,10 +375,10 @@ def test_the_comparison_names_the_checks_cause_from_the_traces(contrastive, run,
     gradient, both 1/W of one device's at the same weights."""
     import contrastive_loops
 
-    assert whole(comparer.compare(contrastive["one"], contrastive["gathered"]))["verdict"] == (
-        "exact"
-    )
-    compared = comparer.compare(contrastive["one"], contrastive[run])
+    assert whole(comparer.compare_recordings(contrastive["one"], contrastive["gathered"]))[
+        "verdict"
+    ] == ("exact")
+    compared = comparer.compare_recordings(contrastive["one"], contrastive[run])
     head = whole(compared)
     assert (head["verdict"], head["cause"]) == ("loss differs", cause), compared.words
     line = "F.cross_entropy(logits" if op == "cross_entropy" else "return loss / world"
@@ -394,13 +397,15 @@ def test_the_comparison_names_the_checks_cause_from_the_traces(contrastive, run,
 def test_without_traces_the_comparison_says_what_it_cannot_tell_and_how_to_find_out(
     contrastive,
 ):
-    compared = comparer.compare(contrastive["one_untraced"], contrastive["local_untraced"])
+    compared = comparer.compare_recordings(
+        contrastive["one_untraced"], contrastive["local_untraced"]
+    )
     head = whole(compared)
     assert (head["verdict"], head["cause"]) == ("loss differs", ""), compared.words
     words = " ".join(compared.words.split())
     assert "The recordings cannot tell which part of the forward departs" in words
     assert "Record both runs with trace=True" in words
-    one_traced = comparer.compare(contrastive["one"], contrastive["local_untraced"])
+    one_traced = comparer.compare_recordings(contrastive["one"], contrastive["local_untraced"])
     assert whole(one_traced)["departs"] == (
         "no line named: only A traced its first update; record B with trace=True too"
     )

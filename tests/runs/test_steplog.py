@@ -1,4 +1,4 @@
-"""The one record of a run's steps (gatherlab.runs.record, docs/design.md §4): the global loss as
+"""The one record of a run's steps (gatherlab.runs.steplog, docs/design.md §4): the global loss as
 the mean over ranks, computed one way in the calling process and inside the ranks, and what the
 recorder keeps of a step."""
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from gatherlab.ranks import pool as pools
 from gatherlab.ranks import world
-from gatherlab.runs.record import NonFiniteLoss, Recorder, mean_over_ranks
+from gatherlab.runs.steplog import NonFiniteLoss, StepLog, mean_over_ranks
 
 
 def test_the_global_loss_is_the_correctly_rounded_mean_over_ranks():
@@ -34,7 +34,7 @@ def test_the_ranks_compute_the_same_mean_after_one_all_gather():
 
 def test_the_recorder_keeps_the_first_gradient_with_zeros_where_none_arrived():
     model = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 1, bias=False)).double()
-    recorder = Recorder(keep_first_gradient=True)
+    recorder = StepLog(keep_first_gradient=True)
     for step in range(2):
         model.zero_grad()
         loss = model[0](torch.ones(1, 2, dtype=torch.float64)).sum() * (step + 1)  # layer 1 unused
@@ -52,7 +52,7 @@ def test_the_recorder_keeps_the_first_gradient_with_zeros_where_none_arrived():
         recorder.loss(torch.tensor(float("nan")), 2, rank=1)
 
 
-def _steps_of(recorder: Recorder, steps: int, rank: int = 0) -> None:
+def _steps_of(recorder: StepLog, steps: int, rank: int = 0) -> None:
     model = nn.Linear(2, 1).double()
     for step in range(steps):
         model.zero_grad()
@@ -63,12 +63,12 @@ def _steps_of(recorder: Recorder, steps: int, rank: int = 0) -> None:
 
 
 def test_a_step_over_its_budget_is_one_line_with_the_steps_done_and_to_go(caplog, monkeypatch):
-    logger = logging.getLogger("gatherlab.runs.record")
+    logger = logging.getLogger("gatherlab.runs.steplog")
     # a logging.config.dictConfig elsewhere in the test session (its default disables the loggers
     # that exist then) must not hide what the recorder says
     monkeypatch.setattr(logger, "disabled", False)
-    caplog.set_level(logging.WARNING, logger="gatherlab.runs.record")
-    _steps_of(Recorder(step_budget_s=1e-12, steps=3), 3)  # every step takes longer than 1e-12 s
+    caplog.set_level(logging.WARNING, logger="gatherlab.runs.steplog")
+    _steps_of(StepLog(step_budget_s=1e-12, steps=3), 3)  # every step takes longer than 1e-12 s
     lines = [record.getMessage() for record in caplog.records]
     assert len(lines) == 3
     for step, line in enumerate(lines):
@@ -78,11 +78,11 @@ def test_a_step_over_its_budget_is_one_line_with_the_steps_done_and_to_go(caplog
         assert re.match(pattern, line), line
     caplog.clear()
     with world.alone():  # the check's second reference: one device in a one-rank group
-        _steps_of(Recorder(step_budget_s=1e-12, steps=1), 1)
+        _steps_of(StepLog(step_budget_s=1e-12, steps=1), 1)
     grouped = caplog.records[0].getMessage()
     assert re.match(r"^one device in a one-rank group: step 0 took \d+\.\d s, over the step "
                     r"budget of 1e-12 s; 1 done, 0 to go$", grouped)  # fmt: skip
     caplog.clear()
-    _steps_of(Recorder(step_budget_s=math.inf, steps=3), 3)  # the default: no budget
-    _steps_of(Recorder(step_budget_s=1e-12, steps=3), 3, rank=1)  # rank 0 alone says it
+    _steps_of(StepLog(step_budget_s=math.inf, steps=3), 3)  # the default: no budget
+    _steps_of(StepLog(step_budget_s=1e-12, steps=3), 3, rank=1)  # rank 0 alone says it
     assert caplog.records == []

@@ -56,7 +56,8 @@ from gatherlab.recording.format import TRACE, Recording, read
 from gatherlab.recording.recorder import FLOOR_BLOCKS_VARIABLE, FLOOR_ROW_BLOCKS
 
 __all__ = [
-    "MUST_AGREE", "UPDATE_COLUMNS", "Comparison", "NotComparable", "compare", "recording",
+    "MUST_AGREE", "UPDATE_COLUMNS", "Comparison", "NotComparable", "compare_recordings",
+    "recording",
 ]  # fmt: skip
 
 UPDATE_COLUMNS = (
@@ -502,7 +503,7 @@ def _outside_notes(recording: Recording) -> list[str]:
     ]  # fmt: skip
 
 
-def compare(
+def compare_recordings(
     reference: str | Path | Recording,
     run: str | Path | Recording,
     *,
@@ -534,7 +535,7 @@ def compare(
     if tolerance is None:
         tolerance = gradients.TOLERANCE.get(precision, gradients.FLOAT64_TOLERANCE)
     world_size, micro_batches = b.world_size, _micro_batches(a, b)
-    data = batches.compare(a, b)
+    data = batches.compare_batches(a, b)
     updates, reads = _updates_table(a, b, world_size, micro_batches, floored)
     ceiling = None
     if floored is None and precision != terms.Precision.FLOAT64 and data.update is None:

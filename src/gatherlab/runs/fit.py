@@ -4,7 +4,7 @@ gatherlab trains its own module (docs/design.md §2, §10): every layout sees th
 in the same order, rank r its r-th contiguous slice, and the removals of `gatherlab.runs.removals`
 made on request.
 
-- ``StepRecorder`` records every step of any LightningModule (`gatherlab.runs.record.Recorder`)
+- ``StepLogCallback`` records every step of any LightningModule (`gatherlab.runs.steplog.StepLog`)
   and, with a run directory, rank 0 writes the run files there (docs/design.md §5);
   ``ProgressLog`` logs a line every few steps;
 - ``ItemsDataModule`` serves each rank its slice of the global batches of any map-style data set
@@ -37,8 +37,8 @@ from gatherlab.core import runfiles
 from gatherlab.ranks import launch, world
 from gatherlab.runs import removals, trace
 from gatherlab.runs.plainstep import seed_processes
-from gatherlab.runs.record import Recorder, reduce_gradients
 from gatherlab.runs.spec import RunSpec
+from gatherlab.runs.steplog import StepLog, reduce_gradients
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ __all__ = [
     "ItemsDataModule",
     "Module",
     "ProgressLog",
-    "StepRecorder",
+    "StepLogCallback",
     "TraceFirstStep",
     "collate_fn_of",
     "loss_of_step",
@@ -182,7 +182,7 @@ class Module:
         """Train the run ``spec`` describes (`fit_on_rank`) and return it
         (``runfiles.Trained``: the global loss of each step, the first step's gradient, the final
         parameters)."""
-        recorder = StepRecorder(keep_first_gradient=True, step_budget_s=spec.step_budget_s,
+        recorder = StepLogCallback(keep_first_gradient=True, step_budget_s=spec.step_budget_s,
                                 steps=spec.steps)  # fmt: skip
         self.fit_on_rank(spec, [recorder])
         return recorder.trained()
@@ -247,14 +247,14 @@ def loss_of_step(output: Any) -> torch.Tensor:
     return loss
 
 
-class StepRecorder(L.Callback):
-    """Records every optimizer step of any LightningModule on its rank (`Recorder`: the loss
+class StepLogCallback(L.Callback):
+    """Records every optimizer step of any LightningModule on its rank (`StepLog`: the loss
     ``training_step`` returned, checked before its backward; the norm of the gradient the
     optimizer applies, after DDP's average; with ``keep_first_gradient`` the first step's whole
     gradient; when training ends each step's global loss and the final parameters). With
     ``run_dir``, rank 0 writes ``curves.csv`` and ``final_state.pt`` there (the module's
     ``run_state_dict()`` when it has one, else its ``state_dict()``). A NaN or infinite loss or
-    gradient norm stops the run (`gatherlab.runs.record.NonFiniteLoss`)."""
+    gradient norm stops the run (`gatherlab.runs.steplog.NonFiniteLoss`)."""
 
     def __init__(
         self,
@@ -264,7 +264,7 @@ class StepRecorder(L.Callback):
         steps: int = 0,
     ):
         self.run_dir = None if run_dir is None else Path(run_dir)
-        self.recorder = Recorder(keep_first_gradient, step_budget_s, steps)
+        self.recorder = StepLog(keep_first_gradient, step_budget_s, steps)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.recorder.start()  # the first step's time is not the Trainer's set-up
@@ -286,7 +286,7 @@ class StepRecorder(L.Callback):
                 self.recorder.write(self.run_dir, state)
 
     def trained(self) -> runfiles.Trained:
-        """The run as the checks compare it (`Recorder.trained`)."""
+        """The run as the checks compare it (`StepLog.trained`)."""
         return self.recorder.trained()
 
 

@@ -1,5 +1,5 @@
 """The one record of a training run's steps, whatever trains it (gatherlab's module and a user's
-LightningModule through `gatherlab.runs.lightning.StepRecorder`; a plain PyTorch step, a
+LightningModule through `gatherlab.runs.fit.StepLogCallback`; a plain PyTorch step, a
 whole update and the loss check's loss in `plainstep`, `update` and `loss`): each optimizer step's
 local loss (checked finite before its backward), the L2 norm of the gradient the optimizer applies
 (after DDP's average), optionally the first step's whole gradient, and when training ends each
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "NonFiniteLoss",
-    "Recorder",
+    "StepLog",
     "flat_gradient",
     "flat_parameters",
     "global_losses",
@@ -122,7 +122,7 @@ def global_losses(local: Sequence[float]) -> list[float]:
     return mean_over_ranks([values.cpu().tolist() for values in every])
 
 
-class Recorder:
+class StepLog:
     """Records every optimizer step of a run on its rank (see the module): call `loss` before the
     step's backward, `gradient` before the optimizer's step, and `trained` when training ends."""
 
