@@ -1,8 +1,13 @@
-# Every target does its own set-up: a fresh clone needs only Python 3.11 and make.
+# Every target does its own set-up: a fresh clone needs only Python 3.11 and make. Two stamps, one
+# per lock: make demo installs the base lock alone (requirements.txt: torch, Lightning, Hydra and
+# what they need, 1.2 GB), every other target the full lock on top of it (requirements-dev.txt: the
+# tests, wandb, Jupyter, Hugging Face, lint; 1 GB more), so the demo does not wait for what it never
+# imports, and make demo after make test installs nothing.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: help demo test test-fast soak mutants notebook figures examples lint docs install-check clean
 
@@ -15,16 +20,20 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP) requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $(DEV_STAMP)
+
 demo: $(STAMP)  ## reproduce the GatherLayer bug and its fix, print the verdict, write the figure
 	$(PY) -m gatherlab.train -m experiment=bug_demo
 
-test: $(STAMP)  ## run the test suite (real gloo process groups on the CPU), in 2 test processes
+test: $(DEV_STAMP)  ## run the test suite (real gloo process groups on the CPU), in 2 test processes
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
-test-fast: $(STAMP)  ## the tests not marked slow (no fresh interpreters, no sweeps): the inner loop
+test-fast: $(DEV_STAMP)  ## the tests not marked slow (no fresh interpreters, no sweeps): the inner loop
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m 'not slow and not soak' --durations=10
 
-soak: $(STAMP)  ## the soak tests, many fresh launches each (~2 min here; not in make test)
+soak: $(DEV_STAMP)  ## the soak tests, many fresh launches each (~2 min here; not in make test)
 	$(PY) -m pytest -m soak tests/journeys/test_teardown.py
 
 # Mutation testing, a habit and not CI (docs/testing.md, "Mutation testing"): mutmut (its config in
@@ -42,7 +51,7 @@ MUTANTS ?= gatherlab.core.terms.* gatherlab.check.hypotheses.* gatherlab.core.gr
     gatherlab.analysis.report.x__not_comparable* gatherlab.analysis.report.x_max_abs_weight_* \
     gatherlab.analysis.report.x_common_tolerance* gatherlab.analysis.report.x_loss_matrix* \
     gatherlab.analysis.report.x__matrix_cell*
-mutants: $(STAMP)  ## mutation testing of the code of the verdicts (~2 min here; MUTANTS= to choose)
+mutants: $(DEV_STAMP)  ## mutation testing of the code of the verdicts (~2 min here; MUTANTS= to choose)
 	rm -rf mutants && mkdir -p build
 	(OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children 2 $(MUTANTS); echo $$? > \
 	    build/mutants.status) | tee build/mutants.log; exit "$$(cat build/mutants.status)"
@@ -56,10 +65,10 @@ mutants: $(STAMP)  ## mutation testing of the code of the verdicts (~2 min here;
 # machine without a browser. Jupyter refuses root unless told (containers and CI machines run as root).
 NOTEBOOK_ARGS ?=
 AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
-notebook: $(STAMP)  ## start Jupyter on notebooks/analysis.ipynb (the newest sweep under multirun/)
+notebook: $(DEV_STAMP)  ## start Jupyter on notebooks/analysis.ipynb (the newest sweep under multirun/)
 	$(PY) -m jupyter notebook $(AS_ROOT) $(NOTEBOOK_ARGS) notebooks/analysis.ipynb
 
-figures: $(STAMP)  ## RE-RUN every experiment (~95 min here) and overwrite figures/ (PNG, PDF, tables)
+figures: $(DEV_STAMP)  ## RE-RUN every experiment (~95 min here) and overwrite figures/ (PNG, PDF, tables)
 	for script in experiments/bug_demo.py experiments/loss_matrix.py experiments/gather_audit.py \
 	    experiments/gather_scaling.py \
 	    experiments/optimizer_matrix.py experiments/downstream.py experiments/lr_sweep.py \
@@ -70,15 +79,15 @@ figures: $(STAMP)  ## RE-RUN every experiment (~95 min here) and overwrite figur
 
 # docs/examples.py: each block between <!-- example: NAME --> and <!-- /example --> is rewritten with
 # what its command prints today; python docs/examples.py --check [NAME ...] only compares.
-examples: $(STAMP)  ## re-run the commands whose output README.md and docs/usage.md print; rewrite it
+examples: $(DEV_STAMP)  ## re-run the commands whose output README.md and docs/usage.md print; rewrite it
 	$(PY) docs/examples.py
 
-lint: $(STAMP)  ## ruff, the import layers of docs/design.md §4, undeclared imports (deptry)
+lint: $(DEV_STAMP)  ## ruff, the import layers of docs/design.md §4, undeclared imports (deptry)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports
 	$(PY) -m deptry src
 
 # The modules are those gatherlab's __all__ names; -W error makes any pdoc warning fail the target.
-docs: $(STAMP)  ## build the API reference of the public Python API into build/docs (pdoc)
+docs: $(DEV_STAMP)  ## build the API reference of the public Python API into build/docs (pdoc)
 	rm -rf build/docs
 	$(PY) -W error -m pdoc --docformat google --output-directory build/docs gatherlab
 
