@@ -22,12 +22,35 @@ The public face is this package's top level: its command lines ``python -m gathe
 - `gatherlab.compare`: two recordings of a training job compared update by update
   (``gatherlab.compare(a, b)``: the module is callable).
 
-The folders hold the work, one role each, layered as docs/design.md §4 draws them (the
-import-linter contract in pyproject.toml enforces it): ``core`` (terms, errors, run files),
-``ranks`` (fork server, pools, simulated ranks, launchers), ``gather``, ``losses``,
-``components`` (models, data, optimizers, the LightningModule, configs), ``check`` (measuring a
-loss, gather or training step, its diagnoses), ``analysis`` (results, report, figures) and
-``lab`` (the commands' work: configs checked, jobs, sweeps, audit, scaling, benchmarks).
+The top-level modules are the public face of the commands and of the folders' work; the folders
+hold the work, one role each, layered as docs/design.md §4 draws them (the import-linter contract
+in pyproject.toml enforces it).
+
+Modules:
+
+- ``audit``: ``python -m gatherlab.audit``, the gradient audit (its work: ``lab.audit``)
+- ``bench``: ``python -m gatherlab.bench``, the benchmarks (its work: ``lab.bench``)
+- ``compare``: two recordings compared update by update: ``gatherlab.compare(a, b)``, its command
+- ``data``: ``LayoutInvariantSampler``, one global batch at every world size (``components.data``)
+- ``record``: ``gatherlab.record(model, optimizer, out)``, a user's job recorded where it runs
+- ``report``: every run of a sweep against its 1-device reference (its work: ``analysis.report``)
+- ``results``: run and sweep files loaded into pandas (its work: ``analysis.results``)
+- ``scaling``: ``python -m gatherlab.scaling``, the gradient error as W grows (``lab.scaling``)
+- ``testing``: the check as assertions for other projects' test suites
+- ``train``: ``python -m gatherlab.train``, the configured runs and sweeps (its work: ``lab.train``)
+
+Folders:
+
+- ``analysis``: reading what runs wrote: results, the report, figures
+- ``check``: a loss, gather or training step measured against one device, and its diagnoses
+- ``components``: what a run is made of: models, data, optimizers, the LightningModule, configs
+- ``core``: the words, errors and run files every layer shares
+- ``gather``: the gather implementations and their registry
+- ``lab``: the research harness: configs checked, jobs, sweeps, the audit, scaling, benchmarks
+- ``losses``: the contrastive losses, one family per file
+- ``ranks``: running ranks: the fork server, warm pools, simulated ranks, launchers
+- ``recording``: a user's training job recorded where it runs
+- ``runs``: the training layer: a run trained on a rank, whatever it trains
 """
 
 # The modules of the API reference (``make docs``); nothing in the package star-imports them.

@@ -11,6 +11,25 @@ W trains like one device (``exact`` or ``loss scaled``), 1 otherwise, 2 for bad 
 
 The names below are imported when first used, so that ``python -m gatherlab.check`` starts its
 ranks' fork server before it imports torch (`gatherlab.check.__main__`).
+
+Modules:
+
+- ``api``: ``check_loss``, ``check_gather``, ``check_training``: the functions this package exports
+- ``defaults``: the check's defaults, read by its API, its command line and ``gatherlab.testing``
+- ``measure``: a loss's gradient on W ranks, real or simulated, and on one device; the audit's cells
+- ``judge``: the one judge of a run against its one-device reference, for every form of the check
+- ``hypotheses``: the causes of a differing global loss, reproduced on one device, not guessed
+- ``where``: where a run departs from one device: the first operation whose result differs
+- ``reference``: the one-device reference: the plain run, or a one-rank group for code needing one
+- ``floors``: the loss check in a low precision: each W judged against a measured floor
+- ``training``: a training step's check: W ranks against one device, each removal, the culprits
+- ``table``: ``check.csv``: its columns, its typed ``Row``, the one ``verdict()``, the failed row
+- ``diagnosis``: the words of a check: each verdict's and culprit's diagnosis, the printed text
+- ``launched``: the check on the ranks that torchrun or srun started (``--launcher external``)
+- ``recordings``: a recorded run against its recorded reference, judged by ``judge``
+- ``batches``: two recordings' global batches compared update by update, as rows and as an order
+- ``sizing``: whether a training step's check fits in the memory left, told before any rank starts
+- ``__main__``: the command line, ``python -m gatherlab.check``
 """
 
 from __future__ import annotations

@@ -18,6 +18,14 @@ lists them; ``get(name)`` builds one, a function ``x -> gathered x`` that return
 without a process group of more than one rank, so the same loss code runs on one device.
 ``native`` is an option but no gather (the loss communicates by itself). A new gather is a
 callable anywhere importable plus one YAML file that names it (docs/design.md §4).
+
+Modules:
+
+- ``base``: ``Gather``, the function type a loss takes, the styles and classes it predicts, ``rule``
+- ``collectives``: the forward's all-gather and the backward's sum over ranks of a slice's gradient
+- ``exact``: the exact gathers: ``Fixed``, ``TorchNN``, ``Functional``, ``Lightning``
+- ``inexact``: the inexact gathers of public code: ``Old``, ``NogradSwap``, ``Avg``, ``Nograd``
+- ``registry``: the options of ``conf/gather/*.yaml``: ``names``, ``get``, ``resolve``, ``ordered``
 """
 
 from __future__ import annotations
