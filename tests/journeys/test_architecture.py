@@ -1,13 +1,16 @@
 """The layers of docs/design.md §4, enforced: no module imports from a layer above its own, and
-every module of the package has a layer (import-linter's contracts in pyproject.toml). Every
-third-party package the package imports is declared in its metadata (deptry, pyproject.toml)."""
+every module of the package has a layer (import-linter's contracts in pyproject.toml). The floor
+plan cannot drift: each folder's docstring names the modules it holds, no other, design §4's table
+is what those docstrings make (docs/floorplan.py), and a module's name is used twice only by a
+top-level module that holds the public face of its namesake. Every third-party package the package
+imports is declared in its metadata (deptry, pyproject.toml)."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import importlib.util
 import io
-import re
 import shutil
 import subprocess
 import sys
@@ -25,22 +28,32 @@ def test_import_layers_are_kept():
     assert exit_code == 0, output.getvalue()[-3000:]
 
 
+def _floorplan():
+    """docs/floorplan.py, the maker of design §4's table, as a module."""
+    spec = importlib.util.spec_from_file_location("docs_floorplan", REPO / "docs" / "floorplan.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _design_layers() -> list[set[str]]:
-    """The layers that docs/design.md §4's table draws, top first: per layer, the folders and
-    top-level modules its rows name in their second column (a row without a layer name continues
-    the layer above)."""
+    """The layers that docs/design.md §4's table draws, top first: per layer, the folders its rows
+    name in their second column and the top-level modules (``top level``) in their third (a row
+    without a layer name continues the layer above, without a folder the folder above)."""
     text = (REPO / "docs" / "design.md").read_text()
     table = text.split("### Layers", 1)[1].split("###", 1)[0]
     layers: list[set[str]] = []
+    folder = ""
     for line in table.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) < 3 or cells[0] == "layer" or (cells[0] and set(cells[0]) <= {"-"}):
+        if len(cells) < 4 or cells[0] == "layer" or (cells[0] and set(cells[0]) <= {"-"}):
             continue
-        # the folder or module names: `name/` or `name`, before any parenthesis
-        names = {name.rstrip("/") for name in re.findall(r"`([a-z_]+/?)`", cells[1].split("(")[0])}
         if cells[0]:
             layers.append(set())
-        layers[-1] |= names
+        folder = cells[1] or folder
+        name = cells[2] if folder == "top level" else folder
+        layers[-1].add(name.strip("`").rstrip("/"))
     return layers
 
 
@@ -49,6 +62,113 @@ def test_design_draws_the_layers_that_import_linter_enforces():
     (layered,) = [c for c in contract["contracts"] if c["type"] == "layers"]
     enforced = [{name.strip() for name in layer.split("|")} for layer in layered["layers"]]
     assert _design_layers() == enforced
+
+
+def _floor_plan_drift(source: Path) -> list[str]:
+    """Where the docstrings of the package under ``source`` (its folder ``gatherlab``) and its tree
+    differ: each folder's ``Modules:`` against its ``.py`` files (``__main__`` included,
+    ``__init__`` not), the top level's ``Folders:`` against its packages."""
+    floorplan = _floorplan()
+    package = source / "gatherlab"
+    drift = []
+    named, held = floorplan.floor_plan(package), floorplan.modules(package)
+    for folder in sorted(held):
+        where = f"gatherlab/{folder}/__init__.py".replace("//", "/")
+        if unheld := set(named[folder]) - held[folder]:
+            drift.append(f"{where} names modules the folder does not hold: {sorted(unheld)}")
+        if unnamed := held[folder] - set(named[folder]):
+            drift.append(f"{where} does not name the folder's modules {sorted(unnamed)}")
+    folders = set(floorplan.listed(package, "Folders"))
+    if folders != set(held) - {""}:
+        drift.append(f"gatherlab/__init__.py names the folders {sorted(folders)}, the tree holds "
+                     f"{sorted(set(held) - {''})}")  # fmt: skip
+    return drift
+
+
+def test_each_folder_s_docstring_names_the_modules_it_holds():
+    assert _floor_plan_drift(REPO / "src") == []
+
+
+def test_design_s_table_of_layers_is_what_the_docstrings_make():
+    """docs/design.md §4's table, a row per module, is the floor plan of the docstrings in the
+    import-linter's layers (``python docs/floorplan.py`` writes it)."""
+    floorplan = _floorplan()
+    assert floorplan.committed() == floorplan.table(), "run python docs/floorplan.py"
+
+
+def test_a_module_missing_from_the_floor_plan_is_found(tmp_path):
+    folder = tmp_path / "gatherlab" / "lab"
+    folder.mkdir(parents=True)
+    (tmp_path / "gatherlab" / "__init__.py").write_text(
+        '"""Top.\n\nModules:\n\n- ``train``: a command\n\nFolders:\n\n- ``lab``: the lab\n"""\n'
+    )
+    (tmp_path / "gatherlab" / "train.py").write_text("")
+    (folder / "__init__.py").write_text(
+        '"""The lab.\n\nModules:\n\n- ``jobs``: one job\n- ``gone``: renamed\n"""\n'
+    )
+    (folder / "jobs.py").write_text("")
+    (folder / "added.py").write_text("")
+    assert _floor_plan_drift(tmp_path) == [
+        "gatherlab/lab/__init__.py names modules the folder does not hold: ['gone']",
+        "gatherlab/lab/__init__.py does not name the folder's modules ['added']",
+    ]
+    (tmp_path / "gatherlab" / "ranks").mkdir()
+    (tmp_path / "gatherlab" / "ranks" / "__init__.py").write_text(
+        '"""Ranks.\n\nModules:\n\n- ``pool``: pools\n"""\n'
+    )
+    (tmp_path / "gatherlab" / "ranks" / "pool.py").write_text("")
+    assert _floor_plan_drift(tmp_path)[-1] == (
+        "gatherlab/__init__.py names the folders ['lab'], the tree holds ['lab', 'ranks']"
+    )
+
+
+def _names_used_twice(source: Path) -> list[str]:
+    """The module names of the package under ``source`` used more than once, but for a top-level
+    module ``gatherlab/<name>.py`` that imports from the one module of a folder of the same name,
+    whose public face it holds (``report`` and ``analysis/report``). ``__init__`` and
+    ``__main__`` are every package's own."""
+    package = source / "gatherlab"
+    homes: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        if path.stem not in ("__init__", "__main__"):
+            homes.setdefault(path.stem, []).append(path.parent.relative_to(package).as_posix())
+    clashes = []
+    for name, folders in sorted(homes.items()):
+        inner = [folder for folder in folders if folder != "."]
+        if len(folders) == 1:
+            continue
+        if "." not in folders or len(inner) != 1:
+            clashes.append(f"{name}: a module of {', '.join(sorted(folders))}")
+            continue
+        tree = ast.parse((package / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        if f"gatherlab.{inner[0].replace('/', '.')}.{name}" not in imported:
+            clashes.append(f"{name}: gatherlab/{name}.py holds nothing of {inner[0]}/{name}.py")
+    return clashes
+
+
+def test_a_module_s_name_repeats_only_as_the_public_face_of_its_namesake():
+    """One meaning per name: ``gatherlab/report.py`` is the public face of ``analysis/report.py``
+    and ``gatherlab/bench.py`` the command of ``lab/bench.py``; any other repeated name is a
+    clash."""
+    assert _names_used_twice(REPO / "src") == []
+
+
+def test_a_module_name_used_twice_is_found(tmp_path):
+    package = tmp_path / "gatherlab"
+    for folder in ("check", "analysis", "lab"):
+        (package / folder).mkdir(parents=True)
+    (package / "report.py").write_text("from gatherlab.analysis.report import main\n")
+    (package / "analysis" / "report.py").write_text("")
+    assert _names_used_twice(tmp_path) == []
+    (package / "bench.py").write_text("from gatherlab.lab.jobs import main\n")
+    (package / "lab" / "bench.py").write_text("")
+    (package / "check" / "compare.py").write_text("")
+    (package / "analysis" / "compare.py").write_text("")
+    assert _names_used_twice(tmp_path) == [
+        "bench: gatherlab/bench.py holds nothing of lab/bench.py",
+        "compare: a module of analysis, check",
+    ]
 
 
 def _imports_through_faces(source: Path) -> dict[str, set[str]]:
