@@ -44,6 +44,15 @@ CITING = (
 CITATION = re.compile(r"\bdesign(?:\.md)?\)?[\s#*]*§(\d+)((?:[\s#]*(?:,|and|or)[\s#]*§\d+)*)")
 SECTION = re.compile(r"§(\d+)")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# A file of the repository cited by its path from the repository's root (``tests/gather/x.py``),
+# in the docs and in the package's docstrings and comments; a pattern (``experiments/<name>.py``,
+# ``tests/*.py``) is no path.
+CITED_PATH = re.compile(r"(?<![\w/.-])((?:tests|src|experiments|examples)/[\w./-]*\.py)\b")
+PATH_CITING = (
+    REPO / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    *sorted((REPO / "src").rglob("*.py")),
+)
 FENCE = re.compile(r"^ *```.*?^ *```", re.DOTALL | re.MULTILINE)
 # The cheap examples the suite checks (a few seconds each, no float64 rounding in what they print).
 CHECKED_EXAMPLES = ("bad_value", "plain_step")
@@ -92,6 +101,34 @@ def test_a_stale_citation_is_found():
         f"x (docs/design.md §{a})\n# docs/design.md §2,\n# §{b} and §5\n[design §6](d#a), design §7"
     )
     assert citations(text, whole_file=False) == [(1, 42), (2, 2), (2, 43), (2, 5), (4, 6), (4, 7)]
+
+
+def cited_paths(text: str) -> list[tuple[int, str]]:
+    """(line, path) of every file path ``text`` cites."""
+    return [
+        (text.count("\n", 0, match.start()) + 1, match.group(1))
+        for match in CITED_PATH.finditer(text)
+    ]
+
+
+def test_every_cited_path_exists():
+    """A path the docs or the package's docstrings give a reader leads to a file: a renamed or
+    moved module or test leaves no stale path behind. docs/testing.md's table of tests names them
+    from ``tests/`` (``experiments/test_rounding.py``), which counts too there."""
+    stale = []
+    for path in PATH_CITING:
+        for line, cited in cited_paths(path.read_text()):
+            found = (REPO / cited).is_file() or (
+                path.name == "testing.md" and (REPO / "tests" / cited).is_file()
+            )
+            if not found:
+                stale.append(f"{path.relative_to(REPO)}:{line}: {cited}")
+    assert not stale, f"paths that lead to no file: {stale}"
+
+
+def test_a_stale_path_is_found():
+    text = "see `tests/test_gather.py`,\n(src/gatherlab/runs/record.py), experiments/<name>.py"
+    assert cited_paths(text) == [(1, "tests/test_gather.py"), (2, "src/gatherlab/runs/record.py")]
 
 
 def anchor(heading: str) -> str:
