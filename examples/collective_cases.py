@@ -1,5 +1,5 @@
 """Losses whose ranks do not enter the same collectives, or do not come to one, written for the
-check's naming of them (`gatherlab.ranks.watched`, docs/design.md §10): plain torch and
+check's naming of them (`gatherlab.ranks.watched`, docs/checking.md §10): plain torch and
 torch.distributed, no gatherlab imports. Without a process group (one device) each is a plain
 mean of the embeddings' products; on the ranks, each line marked ``# enters: <class> (<ranks>)``
 is a collective the check must name, with the ranks that call it:

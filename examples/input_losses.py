@@ -1,6 +1,6 @@
 """Losses that take more than the two views' embeddings, as papers' code writes them, and the
 functions that make those further inputs for a global batch, for ``gatherlab.check`` to take
-with no wrapper (docs/design.md §6, "A loss's inputs"):
+with no wrapper (docs/checking.md §6, "A loss's inputs"):
 ``python -m gatherlab.check input_losses:masked_nt_xent --inputs input_losses:kept_rows``.
 
 - ``masked_nt_xent(z0, z1, keep)``: NT-Xent over every rank's embeddings (an exact gather), the

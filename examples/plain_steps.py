@@ -1,6 +1,6 @@
 """Plain PyTorch training steps written the way public self-supervised code writes them (a model
 factory, a step function, torch's optimizer, no Lightning, no gatherlab imports), for the check of
-a training step's plain form (``--step``, docs/design.md §10). What a correct check finds:
+a training step's plain form (``--step``, docs/checking.md §10). What a correct check finds:
 
 - ``training_step`` with ``build_model()``: SimCLR's NT-Xent over the batch gathered with an
   autograd all-gather whose backward sums every rank's gradient of its slice (``summing_gather``):

@@ -1,6 +1,6 @@
 """LightningModules that shard themselves with FSDP2, the way Lightning's documentation asks
 (``configure_model``, over ``self.device_mesh``, under its ``ModelParallelStrategy``), for the
-check's ``--module … --strategy fsdp2`` (docs/design.md §10, "Sharded code").
+check's ``--module … --strategy fsdp2`` (docs/checking.md §10, "Sharded code").
 
 - ``ShardedSimCLR``: ``ssl_modules.SimCLR`` with each linear layer, then the backbone and the
   head, sharded over the data-parallel mesh: exact on any number of ranks.

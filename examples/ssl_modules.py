@@ -1,5 +1,5 @@
 """LightningModules and data sets written the way public self-supervised code writes them, for the
-check of a training step (``gatherlab.check.check_training``, docs/design.md §10). Each is what a
+check of a training step (``gatherlab.check.check_training``, docs/checking.md §10). Each is what a
 researcher would bring; none knows gatherlab.
 
 - ``SimCLR``: a backbone and a projection head, a local-style NT-Xent over the batch gathered by

@@ -1,7 +1,7 @@
 """A transformer encoder that parallelizes itself with torch's DTensor (tensor and sequence
 parallelism, as Megatron-style code does with ``parallelize_module``), and the ways such code
 departs from one device (no gatherlab imports), for the check of a plain step or update with
-``--tensor-parallel T`` (docs/design.md §10, "Tensor and sequence parallelism").
+``--tensor-parallel T`` (docs/checking.md §10, "Tensor and sequence parallelism").
 
 ``build(mesh=None, ...)`` is the model factory: on one device (``mesh`` None) the plain encoder;
 on W ranks the encoder parallelized over ``mesh["tp"]`` (and sharded by FSDP2 over ``mesh["dp"]``

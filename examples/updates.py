@@ -1,6 +1,6 @@
 """Whole optimizer updates written the way public training loops write them (a model, torch's
 optimizer, the update's own forwards and backwards over K micro-batches, no gatherlab imports), for
-the check of a whole update (``--update``, docs/design.md §10). Each takes ``(model, optimizer,
+the check of a whole update (``--update``, docs/checking.md §10). Each takes ``(model, optimizer,
 batch, micro_batches)``, splits its rows (the two views of ``plain_steps.Pairs``) into K
 contiguous micro-batches, steps the optimizer once and returns the loss it logs. What a correct
 check finds, against one device with the whole batch and K = 1 (N rows, W ranks, B = N/W):

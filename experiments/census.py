@@ -5,7 +5,7 @@ distributed flag on and off; every row that is not exact checked again with its 
 local copy of the released file (a row whose loss is only scaled too, when it has a fix: a fix
 of the value). A loss that calls the model itself (GradCache's: it backpropagates inside its
 forward and replays the cached gradients in a hook of the loss it returns) is checked on that
-path, its adapter's ``model_for`` giving it the model DDP wraps (docs/design.md §6, "A loss that
+path, its adapter's ``model_for`` giving it the model DDP wraps (docs/checking.md §6, "A loss that
 calls the model itself").
 
 The cases, one module per package, their adapters, stubs, remarks and fixes (patch files) are in

@@ -1,4 +1,4 @@
-"""Figure (docs/results.md, docs/design.md §10 "Sharded code"): DDP, FSDP2 and ZeRO against one
+"""Figure (docs/results.md, docs/checking.md §10 "Sharded code"): DDP, FSDP2 and ZeRO against one
 device, exact and with each trap of sharded training switched on, through the check of a plain
 step (`gatherlab.check.check_training`).
 

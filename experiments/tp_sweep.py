@@ -1,5 +1,5 @@
 """Figure (docs/results.md): the lab's sweep over tensor parallelism
-(``experiment=tensor_parallel``, docs/design.md §10 "Sharded code"): a transformer's pre-norm
+(``experiment=tensor_parallel``, docs/checking.md §10 "Sharded code"): a transformer's pre-norm
 block split with sequence parallelism over tp 2 alone and dp 2 × tp 2 CPU ranks against one
 device, correct (``strategy=tp``) and with Megatron's sequence-parallel LayerNorm bug
 (``tp_unreduced_norm``).

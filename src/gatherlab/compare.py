@@ -15,7 +15,7 @@ recordings in a low precision have no floor recording (``not judged``). From Pyt
     comparison.verdict, comparison.status, print(comparison.words)
 
 The comparison is `gatherlab.check.recordings`'s, judged by the check's one judge
-(docs/design.md §5, §6 "Comparing two recordings").
+(docs/contract.md §5, docs/checking.md §6 "Comparing two recordings").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Losses that each depart from one device at one line, written for the check of where a run
-departs (`gatherlab.check.where`, docs/design.md §6): plain torch and torch.distributed, no
+departs (`gatherlab.check.where`, docs/checking.md §6): plain torch and torch.distributed, no
 gatherlab imports. The line the check must name carries the comment ``# departs: <class>``;
 what a correct check says there follows from docs/design.md §1 (W ranks, B = N/W rows each):
 

@@ -1,4 +1,4 @@
-"""The global batches of two recordings (`gatherlab.check.batches`, docs/design.md §6 "Comparing
+"""The global batches of two recordings (`gatherlab.check.batches`, docs/checking.md §6 "Comparing
 two recordings", item 2) on recordings built in memory, their rows drawn by torch's own samplers
 and `gatherlab.data.LayoutInvariantSampler` as a job's DataLoaders draw them (a sample's row is its
 index): which run's order or rows changed, and what explains it, read from the fingerprints."""

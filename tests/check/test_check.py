@@ -310,7 +310,7 @@ def test_gather_native_is_refused_with_a_loss_that_would_gather_with_its_default
 def test_the_command_line_trains_adamw_steps_exact_with_fixed_and_biased_with_old(tmp_path):
     """``--gather NAME --optim adamw --steps N`` end to end: gatherlab's local NT-Xent (lightly's
     style) with `fixed` trains 20 AdamW steps on 2 ranks like one device to the float64 bound
-    (README; the verdict is the first gradient's, docs/design.md §6: a later step that went wrong
+    (README; the verdict is the first gradient's, docs/checking.md §6: a later step that went wrong
     shows only in the training column, asserted here); with `old` its first gradient is biased
     (§1, local style) and 5 steps leave the bound. AdamW ran: the 1-device runs, which train in
     this process (twice: the reference without a process group, and the same in a one-rank group

@@ -1,9 +1,9 @@
-"""The check's diagnosis (docs/design.md §6): on losses written as public code writes them
+"""The check's diagnosis (docs/checking.md §6): on losses written as public code writes them
 (``examples/diagnosis_cases.py``), at W = 2 and 4, the per-part gradients, ``loss scaled`` with its
 factor, the cause of a ``loss differs`` reproduced on one device, the reference run inside a
 one-rank process group, a row for every W (``failed`` for the one whose ranks raise), and the exit
 status, from Python, from ``gatherlab.testing`` and from the command line; then the same parts and
-factor for a training step (docs/design.md §10).
+factor for a training step (docs/checking.md §10).
 
 Every expected value comes from the mathematics of docs/design.md §1 (stated in
 ``diagnosis_cases``), not from a run: a gradient that reaches the model only through the rank's
@@ -127,7 +127,7 @@ def test_the_cause_of_a_differing_loss_is_the_hypothesis_that_reproduces_it(loss
 
 def test_hypotheses_reproduce_what_they_state_and_nothing_else():
     """Each hypothesis on a forward whose value names the rows it saw: the rows and their order
-    are those the hypothesis states (an independent statement of docs/design.md §6)."""
+    are those the hypothesis states (an independent statement of docs/checking.md §6)."""
     import torch
 
     view0 = torch.arange(8.0).reshape(8, 1)
@@ -208,7 +208,7 @@ def test_a_gather_without_gradient_under_a_group_is_judged_against_the_plain_run
     """The reference is the plain run (no group), whose keys keep their gradient; in a one-rank
     group they lose it, as on W ranks. So the W-rank gradient is biased, by the very numbers of
     the one-rank group's against the plain run (the W-rank gradient is the query path's only,
-    the one-rank group's too: docs/design.md §6), and the text reports that finding. A reference
+    the one-rank group's too: docs/checking.md §6), and the text reports that finding. A reference
     run in a one-rank group would call it exact."""
     table = no_grad_gathers["NoGradGatherNegatives"]
     rows = whole(table)
@@ -358,7 +358,7 @@ def test_each_distinct_warning_of_the_ranks_is_shown_once_with_its_count(recwarn
     assert shown[0].category is FutureWarning
 
 
-# case → the verdicts at W = 2, 4 and the exit status of the command line (docs/design.md §5)
+# case → the verdicts at W = 2, 4 and the exit status of the command line (docs/contract.md §5)
 COMMAND_LINE = {
     "LearntTemperatureOwnSlice": (["biased", "biased"], 1),
     "ScaledToUndoAverage": (["loss scaled", "loss scaled"], 0),

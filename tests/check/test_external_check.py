@@ -1,5 +1,5 @@
 """``python -m gatherlab.check ... --launcher external``: the check on the ranks that torchrun or
-srun started (docs/design.md §10), on gloo here, 2 ranks. Its ``check.csv`` equals the pooled
+srun started (docs/checking.md §10), on gloo here, 2 ranks. Its ``check.csv`` equals the pooled
 check's (the same global batches, the same summation order on gloo: every word equal, every number
 to 1e-12); rank 0 alone prints the table and writes the file; bad input stops every rank with the
 same one line and status 2, nothing written.

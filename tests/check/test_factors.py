@@ -1,7 +1,7 @@
 """Accumulation's causes reproduced on one device and its factors in words (issue 39): naive
 accumulation's loss (`hypotheses.micro_negatives`) against losses computed here block by block, the
 causes `hypotheses.cause` names with K micro-batches, and the diagnosis of each named factor
-(docs/design.md §1, §6). No ranks: one-device forwards on small tensors."""
+(docs/design.md §1, docs/checking.md §6). No ranks: one-device forwards on small tensors."""
 
 from __future__ import annotations
 

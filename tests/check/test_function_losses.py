@@ -1,5 +1,5 @@
 """A loss written as a plain function (``def loss(z0, z1, temperature=0.5)``) is checked as it is
-written, from the command line and the Python API, with no wrapper (docs/design.md §6, issue 51);
+written, from the command line and the Python API, with no wrapper (docs/checking.md §6, issue 51);
 before, the check called it as its own factory and failed with ``missing 2 required positional
 arguments``."""
 

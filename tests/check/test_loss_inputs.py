@@ -1,6 +1,6 @@
 """A loss that takes more than the two views' embeddings (masks, a teacher's outputs by keyword,
 prototypes held whole) is checked as it is written, from the command line and the Python API, with
-no wrapper (docs/design.md §6, "A loss's inputs"; issue 51): each rank is given its rows of every
+no wrapper (docs/checking.md §6, "A loss's inputs"; issue 51): each rank is given its rows of every
 tensor with a row per sample, the rest whole, and the one-device forwards of the hypotheses the rows
 of the slice they compute."""
 

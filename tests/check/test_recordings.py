@@ -1,9 +1,9 @@
 """The comparison of two recordings (`gatherlab.compare`, `gatherlab.check.recordings`,
-docs/design.md §5, §6 "Comparing two recordings") on real recordings of plain loops
-(``recorded_jobs``), made by `gatherlab.record.Recorder` on one device without a process group and
-on real gloo ranks of the pool at W = 2 and 4: each case's verdict, class, factor and cause as the
-mathematics gives them; the same run judged by the pooled check and by recording and comparing gets
-the same verdict."""
+docs/contract.md §5, docs/checking.md §6 "Comparing two recordings") on real recordings of plain
+loops (``recorded_jobs``), made by `gatherlab.record.Recorder` on one device without a process group
+and on real gloo ranks of the pool at W = 2 and 4: each case's verdict, class, factor and cause as
+the mathematics gives them; the same run judged by the pooled check and by recording and comparing
+gets the same verdict."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a check says at size (docs/design.md §10, "At size"): a model whose check would need more
+"""What a check says at size (docs/checking.md §10, "At size"): a model whose check would need more
 memory than the machine has left is refused in one line, with the estimate and the limit, before
 any rank starts; the estimate is the vectors `gatherlab.check.sizing` counts."""
 

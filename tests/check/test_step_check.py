@@ -1,7 +1,7 @@
-"""The check of a plain PyTorch training step (``--step``, docs/design.md §10) on steps written the
-way public code writes them (``examples/plain_steps.py``), on real gloo ranks at W = 2 and 4: each
-gets the verdict and the culprits its code predicts, from Python and from the command line; a step
-that draws augmentations from the global generator is named ``step_randomness``, for a
+"""The check of a plain PyTorch training step (``--step``, docs/checking.md §10) on steps written
+the way public code writes them (``examples/plain_steps.py``), on real gloo ranks at W = 2 and 4:
+each gets the verdict and the culprits its code predicts, from Python and from the command line; a
+step that draws augmentations from the global generator is named ``step_randomness``, for a
 LightningModule too; bad input is one line, exit status 2, before any rank runs."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def runs(table: pd.DataFrame) -> pd.DataFrame:
     return table[table["part"] == "all"]
 
 
-# case → where its run without removals departs first (docs/design.md §6, "Where it departs"): the
+# case → where its run without removals departs first (docs/checking.md §6, "Where it departs"): the
 # line of the step's code, the operation, and what differs at W = 2 (two views of 16 concatenated)
 WHERE = {
     "batch_norm": ("model(torch.cat([x0, x1]))", "batch_norm", "a batch_norm over dim 0 of the "
@@ -121,7 +121,7 @@ def test_a_lightning_step_that_draws_randomness_is_named_too():
 
 def test_assert_training_invariant_fails_a_plain_step_naming_its_culprit():
     """The public assertion on a plain PyTorch step (``step=``, ``model=``) that must fail: a model
-    with dropout draws each sample's mask on the rank that holds it (docs/design.md §10). The
+    with dropout draws each sample's mask on the rank that holds it (docs/checking.md §10). The
     message names the culprit at both W, the run with it removed exact, and the fix; the rows
     with the removal made (exact) must not let the step pass."""
     with pytest.raises(AssertionError) as failure:

@@ -1,5 +1,5 @@
 """Tensor and sequence parallelism in the check of a plain step or update (issue 62,
-docs/design.md §10 "Tensor and sequence parallelism"): a model its factory parallelizes with
+docs/checking.md §10 "Tensor and sequence parallelism"): a model its factory parallelizes with
 ``parallelize_module`` over the ``tp`` dimension of the mesh it is given (examples/tp_steps.py),
 checked against the plain model on one device, and each way such code departs named with its
 line."""

@@ -1,4 +1,4 @@
-"""The check of a training step (docs/design.md §10) on modules written the way public SSL code
+"""The check of a training step (docs/checking.md §10) on modules written the way public SSL code
 writes them (``examples/ssl_modules.py``), on real gloo ranks at W = 2 and 4: each gets the verdict
 and the causes that its code predicts, an exact module agrees with one device to the float64 bound
 at every step, the command line exits 0, 1 or 2, and bad input is one line before any rank runs."""
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 RUN = {"steps": 4, "global_batch_size": 16, "data_kwargs": {"size": 64}}
 
 # module, data → the verdict at W = 2 and 4 and the causes, from what each module's code does
-# (docs/design.md §10), not from a run
+# (docs/checking.md §10), not from a run
 EXPECTED = {
     "exact": ("SimCLR", "GaussianPairs", "exact", ""),
     "ema_teacher": ("BYOL", "GaussianPairs", "exact", ""),
@@ -40,7 +40,7 @@ EXPECTED = {
 }
 
 
-# case → where its run without removals departs first (docs/design.md §6, "Where it departs"): the
+# case → where its run without removals departs first (docs/checking.md §6, "Where it departs"): the
 # line of the module's code and the operation, and what differs at W = 2 (each view through the
 # model on its own: 16 rows on one device, 8 per rank; rank 0 draws from the streams what one device
 # draws for its first rows, so randomness shows on rank 1 first)

@@ -1,4 +1,4 @@
-"""The check of a whole optimizer update (``--update``, docs/design.md §10) over W ranks × K
+"""The check of a whole optimizer update (``--update``, docs/checking.md §10) over W ranks × K
 micro-batches, on the updates of ``examples/updates.py`` (written the way public training loops
 accumulate), against one device with the whole batch and K = 1. What each must get follows from
 the mathematics, not from a run:

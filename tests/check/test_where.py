@@ -1,4 +1,4 @@
-"""Where a run departs from one device (`gatherlab.check.where`, docs/design.md §6): the line and
+"""Where a run departs from one device (`gatherlab.check.where`, docs/checking.md §6): the line and
 the operation of each pattern of ``tests/cases/departures.py`` at W = 2 and 4, and the words of what
 differs, with the numbers the mathematics gives (B = 16/W rows per rank, one device all 16; a
 gradient through the own slice only is exactly 1/W of one device's); then the alignment and the

@@ -1,8 +1,10 @@
-"""The docs cannot drift from the code: every citation of a section of docs/design.md names one that
-exists, every link with an anchor finds its heading, design §5 names every file and column the run
-files module defines, every example in a docstring runs and prints what it shows, and the printed
-outputs of README.md and docs/usage.md that need no float64 rounding are what the code prints
-today (docs/examples.py; ``make examples`` regenerates them all)."""
+"""The docs cannot drift from the code: every citation of a section of the design (docs/design.md,
+contract.md, checking.md, recording.md: one numbering over four files) names one that its file
+holds, every path of a .py file that the docs cite is a file, every link with an anchor finds its
+heading, contract.md §5 names every file and column the run files module defines, every example in
+a docstring runs and prints what it shows, and the printed outputs of README.md and docs/usage.md
+that need no float64 rounding are what the code prints today (docs/examples.py; ``make examples``
+regenerates them all)."""
 
 from __future__ import annotations
 
@@ -24,13 +26,16 @@ import gatherlab
 from gatherlab.core import runfiles, terms
 
 REPO = Path(__file__).resolve().parents[2]
-DESIGN = REPO / "docs" / "design.md"
+# The design: four files, one numbering of sections (docs/design.md's contents: which holds which).
+DESIGN = {
+    stem: REPO / "docs" / f"{stem}.md" for stem in ("design", "contract", "checking", "recording")
+}
 MARKDOWN = (
     REPO / "README.md",
     *sorted((REPO / "docs").glob("*.md")),
     REPO / "experiments" / "README.md",
 )
-# Where code and docs cite design.md: the package, its tests, experiments, configs, notebooks and
+# Where code and docs cite the design: the package, its tests, experiments, configs, notebooks and
 # build files, and the Markdown docs.
 CITING = (
     *(path for folder in ("src", "tests", "examples", "experiments", "conf", "notebooks",
@@ -39,9 +44,13 @@ CITING = (
       if path.suffix in {".py", ".yaml", ".ipynb", ".md"}),
     REPO / "Makefile", REPO / "pyproject.toml", REPO / "README.md",
 )  # fmt: skip
-# "docs/design.md §5", "design §4", "[docs/design.md §6](...)", "design.md §2, §5", "§2 and §7", a
-# citation wrapped over a comment's or docstring's lines; inside design.md every "§N" cites it.
-CITATION = re.compile(r"\bdesign(?:\.md)?\)?[\s#*]*§(\d+)((?:[\s#]*(?:,|and|or)[\s#]*§\d+)*)")
+# "docs/contract.md §5", "design §4", "[docs/checking.md §6](...)", "design.md §2, §7", "§2 and
+# §7", a citation wrapped over a comment's or docstring's lines: the file, its first section, the
+# sections that continue it. Inside the four files every other "§N" cites a section of the design.
+CITATION = re.compile(
+    r"\b(design|contract(?=\.md)|checking(?=\.md)|recording(?=\.md))(?:\.md)?\)?[\s#*]*§(\d+)"
+    r"((?:[\s#]*(?:,|and|or)[\s#]*§\d+)*)"
+)
 SECTION = re.compile(r"§(\d+)")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # A file of the repository cited by its path from the repository's root (``tests/gather/x.py``),
@@ -63,44 +72,84 @@ CHECKED_EXAMPLES = ("bad_value", "plain_step")
 IN_PROCESS_EXAMPLES = ("plain_step", "tensor_parallel")
 
 
-def design_sections() -> set[int]:
-    return {int(n) for n in re.findall(r"^## (\d+)\. ", DESIGN.read_text(), re.MULTILINE)}
+def design_sections() -> dict[str, set[int]]:
+    """file (its stem) → the sections it holds."""
+    return {
+        stem: {int(n) for n in re.findall(r"^## (\d+)\. ", path.read_text(), re.MULTILINE)}
+        for stem, path in DESIGN.items()
+    }
 
 
-def citations(text: str, whole_file: bool) -> list[tuple[int, int]]:
-    """(line, section) of every citation of design.md in ``text``; ``whole_file``: every §N."""
-    found = []
+def citations(text: str, whole_file: bool) -> list[tuple[int, str | None, int]]:
+    """(line, file, section) of every citation of the design in ``text``: the file a citation
+    names (``design``, ``contract``, ...); ``whole_file`` (one of the design's files): also every
+    other §N, whose file is None (any of the four)."""
+    matches = []
+    cited = []
+    for match in CITATION.finditer(text):
+        cited.append(match.span())
+        matches.append((match.start(), match.group(1), match.group(2)))
+        matches += [(match.start(), match.group(1), n) for n in SECTION.findall(match.group(3))]
     if whole_file:
-        matches = [(m.start(), m.group(1)) for m in SECTION.finditer(text)]
-    else:
-        matches = []
-        for match in CITATION.finditer(text):
-            matches.append((match.start(), match.group(1)))
-            matches += [(match.start(), n) for n in SECTION.findall(match.group(2))]
-    for position, number in matches:
-        found.append((text.count("\n", 0, position) + 1, int(number)))
-    return found
+        matches += [
+            (m.start(), None, m.group(1))
+            for m in SECTION.finditer(text)
+            if not any(start <= m.start() < end for start, end in cited)
+        ]
+    found = [(text.count("\n", 0, at) + 1, file, int(number)) for at, file, number in matches]
+    return sorted(found, key=lambda cited: (cited[0], cited[1] or "", cited[2]))
+
+
+# Files other engineers were editing when the design was split (its sections 5, 6, 10 and 11 went
+# to docs/contract.md, checking.md and recording.md): their citations still say design.md for
+# those sections until ``python build/rewrite_citations.py PATH`` is run on them (build/ is ignored
+# by git: the script is in the shared checkout). Take a file out once it is rewritten: the test
+# below fails while a listed file has nothing left to rewrite.
+NOT_YET_REWRITTEN = frozenset({
+    "src/gatherlab/check/api.py", "src/gatherlab/check/defaults.py",
+    "src/gatherlab/check/training.py", "src/gatherlab/check/table.py",
+    "src/gatherlab/check/diagnosis.py", "src/gatherlab/check/options.py",
+    "src/gatherlab/testing.py", "src/gatherlab/record.py", "src/gatherlab/recording/recorder.py",
+    "src/gatherlab/recording/hf.py", "src/gatherlab/recording/lightning.py",
+})  # fmt: skip
 
 
 def test_every_citation_of_design_names_a_section_that_exists():
     sections = design_sections()
-    assert sections == set(range(1, 12)), sections
-    stale = []
+    every = set().union(*sections.values())
+    assert sorted(every) == list(range(1, 12)) == sorted(n for s in sections.values() for n in s)
+    stale, unsplit = [], set()
     for path in CITING:
         text = path.read_text(errors="replace")
-        for line, section in citations(text, whole_file=path == DESIGN):
-            if section not in sections:
-                stale.append(f"{path.relative_to(REPO)}:{line}: §{section}")
-    assert not stale, f"citations of docs/design.md sections it does not have: {stale}"
+        name = path.relative_to(REPO).as_posix()
+        for line, file, section in citations(text, whole_file=path in DESIGN.values()):
+            if section in (every if file is None else sections[file]):
+                continue
+            if name in NOT_YET_REWRITTEN and file == "design" and section in every:
+                unsplit.add(name)
+                continue
+            where = "the design" if file is None else f"docs/{file}.md"
+            stale.append(f"{name}:{line}: §{section} ({where})")
+    assert not stale, f"citations of sections their file does not hold: {stale}"
+    rewritten = {name for name in NOT_YET_REWRITTEN if (REPO / name).exists()} - unsplit
+    assert not rewritten, f"rewritten: take them out of NOT_YET_REWRITTEN: {sorted(rewritten)}"
 
 
 def test_a_stale_citation_is_found():
     """The pattern sees the forms the code uses, so the test above can fail."""
-    a, b = 42, 43  # not written out, so that this file cites no section design.md lacks
+    # the numbers not written out, so that this file cites no section a file of the design lacks
+    a, b, two, five, six, seven, eight = 42, 43, 2, 5, 6, 7, 8
     text = (
-        f"x (docs/design.md §{a})\n# docs/design.md §2,\n# §{b} and §5\n[design §6](d#a), design §7"
+        f"x (docs/design.md §{a})\n# docs/contract.md §{two},\n# §{b} and §{five}\n"
+        f"[design §{six}](d#a), checking.md §{seven}; checking §{eight}, recording.md §{a}"
     )
-    assert citations(text, whole_file=False) == [(1, 42), (2, 2), (2, 43), (2, 5), (4, 6), (4, 7)]
+    assert citations(text, whole_file=False) == [
+        (1, "design", 42), (2, "contract", 2), (2, "contract", 5), (2, "contract", 43),
+        (4, "checking", 7), (4, "design", 6), (4, "recording", 42),
+    ]  # fmt: skip
+    assert citations(f"§{five}, contract.md §{six}", whole_file=True) == [
+        (1, None, 5), (1, "contract", 6),
+    ]  # fmt: skip
 
 
 def cited_paths(text: str) -> list[tuple[int, str]]:
@@ -182,11 +231,11 @@ def test_every_link_finds_its_file_and_heading():
     assert not broken, f"links that lead nowhere: {broken}"
 
 
-def test_design_section_5_names_every_run_file_and_column():
+def test_contract_section_5_names_every_run_file_and_column():
     """The files, columns and verdicts of ``core.runfiles`` and ``terms.RunVerdict``, which eight
-    modules cite as "docs/design.md §5", are all in that section."""
-    text = DESIGN.read_text()
-    section = text[text.index("\n## 5. ") : text.index("\n## 6. ")]
+    modules cite as "docs/contract.md §5", are all in that section."""
+    text = DESIGN["contract"].read_text()
+    section = text[text.index("\n## 5. ") :]
     names = (
         runfiles.CURVES, runfiles.SUMMARY, runfiles.FINAL_STATE, runfiles.LOCK,
         runfiles.COMPARISON, runfiles.AUDIT, runfiles.CHECK, runfiles.SCALING,
@@ -196,7 +245,7 @@ def test_design_section_5_names_every_run_file_and_column():
     spans = re.findall(r"`([^`]+)`", FENCE.sub("", section))
     named = set(spans) | {word for span in spans for word in re.split(r"[,\s]+", span)}
     missing = [name for name in names if name not in named]
-    assert not missing, f"docs/design.md §5 does not name {missing}"
+    assert not missing, f"docs/contract.md §5 does not name {missing}"
 
 
 # --- the examples of the docstrings -------------------------------------------------------------

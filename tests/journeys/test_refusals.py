@@ -1,8 +1,8 @@
-"""The recorder's refusals where a job runs (docs/design.md §11, "Refusals"): one line, said once,
-inside a trainer's callback and in torchrun's ranks alike; no trainer's traceback and no
-torchrun failure summary. A job under plain ``python`` ends with exit status 2; torchrun's ranks
-end with status 0, since its agent answers any other with its summary (`recording.refusal`).
-Fresh interpreters: torchrun starts its ranks as processes of their own, which is what is tested.
+"""The recorder's refusals where a job runs (docs/recording.md §11, "Refusals"): one line, said
+once, inside a trainer's callback and in torchrun's ranks alike; no trainer's traceback and no
+torchrun failure summary. A job under plain ``python`` ends with exit status 2; torchrun's ranks end
+with status 0, since its agent answers any other with its summary (`recording.refusal`). Fresh
+interpreters: torchrun starts its ranks as processes of their own, which is what is tested.
 """
 
 from __future__ import annotations

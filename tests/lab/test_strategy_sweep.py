@@ -1,4 +1,4 @@
-"""The lab's sweep over the strategy (docs/design.md §10 "Sharded code", ``conf/strategy/``): ZeRO
+"""The lab's sweep over the strategy (docs/checking.md §10 "Sharded code", ``conf/strategy/``): ZeRO
 and FSDP2 train gatherlab's own module like one device in float64, and each FSDP2 trap departs by
 what its mathematics says; a strategy that cannot run is refused in one line before any job."""
 

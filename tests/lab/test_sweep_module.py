@@ -1,6 +1,7 @@
 """A user's own LightningModule in a sweep (``module=user``, ``data=user``): its runs are
 compared with their 1-device references exactly as gatherlab's own module's, and the ``removals.*``
-keys make each removal a group of its own, drawn as curves (docs/design.md §4, §5)."""
+keys make each removal a group of its own, drawn as curves (docs/design.md §4, docs/contract.md
+§5)."""
 
 from __future__ import annotations
 

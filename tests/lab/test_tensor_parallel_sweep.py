@@ -1,4 +1,4 @@
-"""The lab's tensor parallelism (docs/design.md §10 "Sharded code", ``strategy=tp``): a layout
+"""The lab's tensor parallelism (docs/checking.md §10 "Sharded code", ``strategy=tp``): a layout
 with a tensor-parallel degree composes and sweeps, tp 2 alone and dp 2 × tp 2 train gatherlab's
 own module like one device in float64, with and without sequence parallelism, and Megatron's
 sequence-parallel LayerNorm bug departs only where the norm's gradient is a partial sum; a

@@ -1,9 +1,9 @@
 """Collectives compared across ranks before they run (`gatherlab.ranks.watched`,
-docs/design.md §10, "Collectives that differ"): each pattern of ``examples/collective_cases.py`` at
-W = 2 and 4 ends its W with the line that names every rank's call, found here by reading the
-source's ``# enters:`` marks; a rank that raised is named by its own error, one that hangs after
-the collective timeout, one killed by a signal by the signal and its last line on stderr; the
-line itself (`disagreement`) on entries built by hand; bad timeouts refused in one line.
+docs/checking.md §10, "Collectives that differ"): each pattern of ``examples/collective_cases.py``
+at W = 2 and 4 ends its W with the line that names every rank's call, found here by reading the
+source's ``# enters:`` marks; a rank that raised is named by its own error, one that hangs after the
+collective timeout, one killed by a signal by the signal and its last line on stderr; the line
+itself (`disagreement`) on entries built by hand; bad timeouts refused in one line.
 
 Each pattern runs with a collective timeout of 10 minutes (the suite's own per-test limit is 2):
 a line that names the calls cannot have come from a timeout."""

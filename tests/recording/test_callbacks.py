@@ -1,7 +1,7 @@
 """The recorder's refusals of what it cannot hook, each one line before any training: a trainer
 given as the model, an optimizer with no step, a trainer's callback given to a trainer of another
 kind (each trainer's own construction calls it, as it does), and a Hugging Face job whose loss the
-recorder cannot see (docs/design.md §11, "The Lightning and Hugging Face callbacks")."""
+recorder cannot see (docs/recording.md §11, "The Lightning and Hugging Face callbacks")."""
 
 from __future__ import annotations
 

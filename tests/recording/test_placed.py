@@ -2,7 +2,7 @@
 sequence-parallel block (`tp_loops`) on real gloo ranks of gatherlab's pool at tp = 2 and at
 dp 2 × tp 2 (FSDP2 over tensor parallelism), against the whole gradient's sketch and against one
 device's recording; and the placements' index semantics against torch's own splitting
-(docs/design.md §11, "What is recorded")."""
+(docs/recording.md §11, "What is recorded")."""
 
 from __future__ import annotations
 

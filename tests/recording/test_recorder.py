@@ -1,6 +1,6 @@
 """`gatherlab.record` on real gloo ranks of gatherlab's pool: a recorded plain loop under DDP,
 FSDP2 and ZeroRedundancyOptimizer at W = 2 and 4 against the same loop recorded on one device
-without a process group (`recorded_loops`), and the reader's refusals (docs/design.md §11)."""
+without a process group (`recorded_loops`), and the reader's refusals (docs/recording.md §11)."""
 
 from __future__ import annotations
 

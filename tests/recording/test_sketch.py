@@ -1,4 +1,4 @@
-"""The sketch of docs/design.md §11: its definition against a loop written from the formula, its
+"""The sketch of docs/recording.md §11: its definition against a loop written from the formula, its
 linearity and additivity over shards, what it keeps exactly (equality, parallelism, a factor), and
 its estimates of the cosine and the relative error within the bounds §11 states for k, on random
 and on real gradients."""
@@ -79,7 +79,7 @@ def _real_gradients() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _estimates(a: torch.Tensor, b: torch.Tensor, k: int, seeds: int):
     """Over sketch seeds: the cosine from the two sketches, the relative error ‖a − b‖ / ‖b‖ from
-    the sketch of the difference and the exact ‖b‖ (docs/design.md §11)."""
+    the sketch of the difference and the exact ‖b‖ (docs/recording.md §11)."""
     cosines, errors = [], []
     for seed in range(seeds):
         block_signs = signs("g", len(a), k, seed)

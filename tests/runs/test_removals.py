@@ -1,4 +1,4 @@
-"""The removals of docs/design.md §10 on one process, against torch's own layers: a batch norm
+"""The removals of docs/checking.md §10 on one process, against torch's own layers: a batch norm
 swapped for the global one computes what it computed (its settings, parameters and buffers carried
 over), dropout is gone, and a data set's draws become a function of (seed, epoch, index) while the
 process's random streams go on as before. (The global batch norm across ranks: test_simclr.py.)"""
@@ -117,7 +117,7 @@ def test_unseeded_items_come_from_the_process_streams():
 
 
 def test_a_run_names_its_removals_and_a_sweep_asks_for_them_by_value():
-    # The training check's runs: nothing removed, one removal, every one (docs/design.md §10).
+    # The training check's runs: nothing removed, one removal, every one (docs/checking.md §10).
     assert removals.Removals.named(removals.NONE).made() == ()
     assert removals.Removals.named("dropout") == removals.Removals(
         frozenset({removals.Removal.DROPOUT})

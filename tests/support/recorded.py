@@ -63,7 +63,7 @@ def relative(a, b) -> float:
 def whole_sketches(recording) -> dict:
     """Independently of the ranks' sketches: a recording's update 0 whole gradient (kept in float64,
     gathered whole from any shards), cut into its parameters and sketched here, summed per part
-    (docs/design.md §11, "The sketch")."""
+    (docs/recording.md §11, "The sketch")."""
     import numpy as np
     import torch
 

@@ -6,9 +6,10 @@ comparison runs by itself when a multirun of ``python -m gatherlab.train`` ends.
 A run's reference is the first 1-device run of the sweep (in ``results.load_runs``' order) that
 finished and is readable, and whose resolved config equals the run's in everything but
 ``SPLIT_KEYS``: ``gather``, ``layout``, ``strategy``, ``launcher``, ``logger`` and ``log_every``
-(docs/design.md §2, §5). A run matches it when the loss at every step and every final parameter
-agree within the tolerance of the run's precision (``gradients.TOLERANCE``). The gradient audit's
-table is rendered here too (``write_audit``). Run files are read only through ``results``.
+(docs/design.md §2, docs/contract.md §5). A run matches it when the loss at every step and every
+final parameter agree within the tolerance of the run's precision (``gradients.TOLERANCE``). The
+gradient audit's table is rendered here too (``write_audit``). Run files are read only through
+``results``.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def load_runs(directory: str | Path) -> pd.DataFrame:
 
     Returns:
         A pandas DataFrame, one row per run (numbered directories by number), with the summary
-        fields of docs/design.md §5 (``runfiles.SUMMARY_COLUMNS``: ``experiment`` …
+        fields of docs/contract.md §5 (``runfiles.SUMMARY_COLUMNS``: ``experiment`` …
         ``loss_layout_invariant``), any further numeric summary field (``knn_accuracy``,
         ``failed_step``, …) sorted by name, then ``status`` (ok, failed or unreadable),
         ``error``, ``overrides`` (a dict ``key → value``), ``config`` (the resolved config as a
@@ -218,7 +218,7 @@ def load_comparison(sweep_dir: str | Path) -> pd.DataFrame:
 
     Returns:
         ``comparison.csv`` as a pandas DataFrame, one row per run (its columns are listed in
-        docs/design.md §5; ``run_dir`` and ``reference`` are relative to ``sweep_dir``).
+        docs/contract.md §5; ``run_dir`` and ``reference`` are relative to ``sweep_dir``).
 
     Raises:
         FileNotFoundError: ``sweep_dir`` holds no ``comparison.csv``; the message names the

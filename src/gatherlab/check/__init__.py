@@ -7,7 +7,7 @@ step. Each W runs on real gloo ranks and is judged against the same code on one 
 (`gatherlab.check.judge`): the forward, the gradient's class, the verdict, and for every verdict
 but ``exact`` its diagnosis in words. It writes ``check.csv`` into ``--out`` and exits 0 when every
 W trains like one device (``exact`` or ``loss scaled``), 1 otherwise, 2 for bad input
-(docs/design.md §6, §10).
+(docs/checking.md §6, §10).
 
 The names below are imported when first used, so that ``python -m gatherlab.check`` starts its
 ranks' fork server before it imports torch (`gatherlab.check.__main__`).

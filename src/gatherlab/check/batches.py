@@ -1,4 +1,4 @@
-"""The global batches of two recordings compared, update by update (docs/design.md §6, "Comparing
+"""The global batches of two recordings compared, update by update (docs/checking.md §6, "Comparing
 two recordings", item 2): each update's rows (their digests, `recording.rows.row_digests`) as
 a multiset, where a difference is the verdict ``data differs``, said before any gradient is
 judged, and as an order (the ranks' rows concatenated in rank order), where a difference is a

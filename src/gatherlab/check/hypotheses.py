@@ -1,5 +1,5 @@
 """Why a global loss on W ranks differs from one device's: causes reproduced, not guessed
-(docs/design.md §6). Each hypothesis computes, on one device, what the W-rank global loss would
+(docs/checking.md §6). Each hypothesis computes, on one device, what the W-rank global loss would
 be if that cause were at work; a hypothesis holds when it reproduces the measured global loss to a
 relative 1e-10 on every batch the check measured (two). Only one-device forwards are run.
 

@@ -1,11 +1,11 @@
 """The judge: how a run on W ranks is judged against its one-device reference, for every form of
 the check (a loss or gather, a plain step, a whole update, a LightningModule) and for a run
-recorded elsewhere (`gatherlab.core.runfiles.Trained`). Each rule of a row (docs/design.md §5, §6,
-§10) is written here once: the forward, the gradient's class and its parts', the cause, the
-verdict (`gatherlab.check.table.verdict`, ``loss scaled`` and ``diverges`` included), where the
-run departs. What only some forms have is given to it: the hypotheses that reproduce a differing
-loss (`gatherlab.check.hypotheses`), where the run departs (`gatherlab.check.where`), the first
-losses of naive accumulation (`gatherlab.check.training.micro_negatives`).
+recorded elsewhere (`gatherlab.core.runfiles.Trained`). Each rule of a row (docs/contract.md §5,
+docs/checking.md §6, §10) is written here once: the forward, the gradient's class and its parts',
+the cause, the verdict (`gatherlab.check.table.verdict`, ``loss scaled`` and ``diverges`` included),
+where the run departs. What only some forms have is given to it: the hypotheses that reproduce a
+differing loss (`gatherlab.check.hypotheses`), where the run departs (`gatherlab.check.where`), the
+first losses of naive accumulation (`gatherlab.check.training.micro_negatives`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``python -m gatherlab.check ... --launcher external``: the check on the ranks that torchrun or
-srun started, this process one of them (docs/design.md §10, the external launcher).
+srun started, this process one of them (docs/checking.md §10, the external launcher).
 
 Rank 0 runs the check as the command runs it on the warm pool: its one-device references without
 a process group (between jobs none exists), or, for code that needs one, in a one-rank group of

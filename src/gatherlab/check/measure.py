@@ -1,7 +1,7 @@
 """A loss on W real gloo ranks against the same loss on one device, in float64: the global loss
 (the mean over ranks of what each rank's loss returns), the parameter gradient that DDP hands to
-the optimizer, and optionally a short training run (docs/design.md §1, §6). The gradient's class
-is `gatherlab.core.gradients.classify`'s.
+the optimizer, and optionally a short training run (docs/design.md §1, docs/checking.md §6). The
+gradient's class is `gatherlab.core.gradients.classify`'s.
 
 ``audit`` measures every gather × loss × world size (the gradient audit); ``gatherlab.check``
 measures any loss. Losses are ``Recipe`` objects, built inside each rank; the ranks run in

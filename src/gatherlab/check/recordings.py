@@ -1,6 +1,7 @@
 """A recorded run against its recorded reference (`gatherlab.recording`: each optimizer update's
-batch fingerprints, losses, per-part gradient sketches and norms, docs/design.md §5, §6 "Comparing
-two recordings"), judged by the one judge of the check (`gatherlab.check.judge.judge`).
+batch fingerprints, losses, per-part gradient sketches and norms, docs/contract.md §5,
+docs/checking.md §6 "Comparing two recordings"), judged by the one judge of the check
+(`gatherlab.check.judge.judge`).
 
 The order of judgement: what was trained (the same parameters, the settings that must agree:
 `NotComparable`, one line, else), then the data (the global batch of every update as a set of rows,
@@ -256,7 +257,7 @@ def _read(
 ) -> _Read:  # fmt: skip
     """Update ``index``'s gradient of B against A's, from the full gradients where both hold
     them, else from the sketches and exact norms; with ``floored`` (the precision and the floor
-    recording C), in floors of C's departure from A at the same update (docs/design.md §6,
+    recording C), in floors of C's departure from A at the same update (docs/checking.md §6,
     "Comparing two recordings": the relative departures are then L2, ‖g − g₁‖ / ‖g₁‖)."""
     parts = a.parts
     full_a, full_b = a.full_gradient(index), b.full_gradient(index)
@@ -517,10 +518,9 @@ def compare_recordings(
     recording of one device with its forward in row blocks (``GATHERLAB_RECORD_FLOOR``,
     `gatherlab.record.in_row_blocks`): update 0's gradient is judged in floors of its departure
     from A, every update's loss and the final weights to T times its largest departure of either
-    (docs/design.md §2, "Low precision"; §6), the verdict ``exact within bf16`` where float64's
-    bounds would say ``other``. In a low precision
-    without one, the verdict is ``not judged`` (status 3) with the command that records one,
-    unless the data differs.
+    (docs/design.md §2, "Low precision"; docs/checking.md §6), the verdict ``exact within bf16``
+    where float64's bounds would say ``other``. In a low precision without one, the verdict is ``not
+    judged`` (status 3) with the command that records one, unless the data differs.
 
     Raises:
         RecordingError: a directory that is no finished recording of a version this gatherlab

@@ -1,5 +1,5 @@
 """The one-device reference of a check: the user's plain run, without a process group, whenever
-the code runs without one (docs/design.md §6, §10). Decided here and only here.
+the code runs without one (docs/checking.md §6, §10). Decided here and only here.
 
 The reference runs first as a user's one-GPU script runs it: in this process, no process group
 (``no group``). Only when that raises is it run again as rank 0 of a one-rank gloo group

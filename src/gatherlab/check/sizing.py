@@ -1,5 +1,5 @@
 """Whether a check of a training step fits in the memory this machine has left, told before any
-rank starts (docs/design.md §10, "At size").
+rank starts (docs/checking.md §10, "At size").
 
 The check holds whole float64 vectors of the trainable parameters (P of them, 8 bytes each,
 whatever the step's own precision: the verdict is float64's wherever the code runs in it). The

@@ -3,7 +3,7 @@
 device's, named by the code's ``file:line`` and the operation, with what differs in words. The
 records are `gatherlab.runs.trace`'s, of the same code with the same weights. How records are
 aligned, which part of one device's tensor a rank's corresponds to, and which operation is named
-in the forward and in the backward: docs/design.md §6, "Where it departs". A tensor-parallel
+in the forward and in the backward: docs/checking.md §6, "Where it departs". A tensor-parallel
 model's first forward (`layout_departure`: its layouts, dropout draws, and `shard_departure`: each
 operation's result against one device's whole or its shard): §10, "Tensor and sequence
 parallelism".
@@ -606,7 +606,7 @@ def layout_departure(
 ) -> Departure:  # fmt: skip
     """Where a tensor-parallel model's first forward on the ranks (``ranks``, each rank's
     `runs.tensorparallel.LayoutWatch` record, rank 0's first) leaves one device's (``one``),
-    docs/design.md §10 "Tensor and sequence parallelism": on rank 0, the first module whose
+    docs/checking.md §10 "Tensor and sequence parallelism": on rank 0, the first module whose
     input, a DTensor, has another global shape than one device's input of that module (its rows
     those of the rank's data-parallel group, 1 / ``data_parallel`` of them), named at the line
     that calls the model (what it passes is what departs), then the model's output where it is
@@ -736,7 +736,7 @@ def shard_departure(
 ) -> Departure | None:  # fmt: skip
     """The first operation of a tensor-parallel model's first forward whose result on some rank
     is neither one device's result nor its shard (`as_shard`), the ranks' records paired with one
-    device's as `align` pairs them (docs/design.md §10, "Tensor and sequence parallelism"). A
+    device's as `align` pairs them (docs/checking.md §10, "Tensor and sequence parallelism"). A
     departure is healed, and passed, when a result made from it agrees again (a partial sum the
     code completes itself). None when every result compared agrees; also when the model's input
     differs (the data, not the model) or once a draw differs (from there one device's draws are no

@@ -48,7 +48,7 @@ def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
 @dataclass(frozen=True)
 class Inputs:
     """What a loss takes besides the two views' embeddings, made for a whole global batch of
-    ``batch`` rows: ``loss(out0, out1, *args, **kwargs)`` (docs/design.md §6, "A loss's
+    ``batch`` rows: ``loss(out0, out1, *args, **kwargs)`` (docs/checking.md §6, "A loss's
     inputs"). A tensor whose first dimension is ``batch`` holds a row per sample (a mask, token
     ids, a teacher's outputs) and is split as the views are: the loss on a rank is given that
     rank's rows; anything else (prototypes, a table, a number) is given whole to every rank and
@@ -135,7 +135,7 @@ class Recipe:
 
     def __call__(self, **given: Any) -> nn.Module:
         """The object built here; ``given``: more keyword arguments (a tensor-parallel layout's
-        ``mesh``, docs/design.md §10), each passed when the factory takes it."""
+        ``mesh``, docs/checking.md §10), each passed when the factory takes it."""
         accepted = _parameters(self.factory) if given else {}
         arguments = {**self.arguments(), **{k: v for k, v in given.items() if k in accepted}}
         if is_loss_function(self.factory, arguments):

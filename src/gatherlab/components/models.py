@@ -67,7 +67,7 @@ class NormMLP(nn.Module):
     feed-forward block (without its residual), the block that Megatron's tensor and sequence
     parallelism splits. LayerNorm normalises each row over its features, so a sample's embedding
     depends on that sample alone, as `MLP`'s. `tensor_parallel_plan` says how ``strategy=tp``
-    splits it (docs/design.md §10 "Sharded code")."""
+    splits it (docs/checking.md §10 "Sharded code")."""
 
     def __init__(self, in_features: int, hidden_features: int, out_features: int):
         super().__init__()

@@ -1,4 +1,4 @@
-"""How the lab distributes gatherlab's module over its ranks (``conf/strategy/``; docs/design.md
+"""How the lab distributes gatherlab's module over its ranks (``conf/strategy/``; docs/checking.md
 §10 "Sharded code"): `Sharding`, what ``ContrastiveModule`` asks of it at each point of training.
 
 - ``ddp``: Lightning's DDP averages every gradient (the default; nothing to do here).
@@ -120,7 +120,7 @@ class Sharding:
 
 def _quiet_tensor_parallel() -> None:
     """Two warnings off in a rank that trains ``tp``, each given on every rank at every step,
-    neither about a result (every run is compared with one device, docs/design.md §10):
+    neither about a result (every run is compared with one device, docs/checking.md §10):
 
     - FSDP2's, that a module returned a view (a plan's output is ``DTensor.to_local``'s view; an
       in-place write to it would skip a hook): the module writes nothing into its embeddings;

@@ -194,7 +194,7 @@ def classify_sketched_floored(
     device's, the perturbed one device's; ``norms``: the run's and one device's) in floors, as
     `classify_floored` reads full gradients: the floor ‖S(g_split − g₁)‖ / ‖g₁‖, the class by
     `gradients.classify_sketched` at the resolution T · floor (the relative departures are the
-    sketches' estimates of the full gradients', docs/design.md §11); the floor at least
+    sketches' estimates of the full gradients', docs/recording.md §11); the floor at least
     ``least_floor``."""
     import numpy as np
 

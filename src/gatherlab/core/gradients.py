@@ -262,7 +262,7 @@ def classify_sketched(
     ratio ‖g‖ / ‖g₁‖ (exact), relative error ‖S(g − g₁)‖ / ‖g₁‖ with the exact ‖g₁‖ (its
     ``max_rel_err`` field). A linear sketch keeps equality and parallelism (S(c·g) = c·S g), so
     ``exact`` and a named factor are read exactly; a biased gradient's cosine and relative error
-    are estimates, within the bounds docs/design.md §11 states for k. ``resolution``: the
+    are estimates, within the bounds docs/recording.md §11 states for k. ``resolution``: the
     smallest relative departure read as one (1e-10 in float64; T floors in a low precision,
     `gatherlab.core.floor.classify_sketched_floored`)."""
     import numpy as np

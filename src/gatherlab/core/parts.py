@@ -1,6 +1,6 @@
-"""The parts of a model's gradient, named once (docs/design.md §10, "What is compared"; §11, "What
-is recorded"): the check of a training step and the recorder of a job both cut a gradient into
-the same parts, so that a part's class means the same in both.
+"""The parts of a model's gradient, named once (docs/checking.md §10, "What is compared";
+docs/recording.md §11, "What is recorded"): the check of a training step and the recorder of a job
+both cut a gradient into the same parts, so that a part's class means the same in both.
 
 A part is a child of the shallowest module that holds the parameters in more than one child (or
 holds one of them itself), or a parameter of that module: a model's top-level children and direct

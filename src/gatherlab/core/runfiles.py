@@ -1,4 +1,4 @@
-"""The files every run writes into its directory (docs/design.md §5), and how they are read back.
+"""The files every run writes into its directory (docs/contract.md §5), and how they are read back.
 
 Writers (training) and readers (report, results) share this module so that file names and columns
 are defined once.
@@ -25,7 +25,7 @@ SUMMARY_CHOICES = (
     "experiment", "module", "model", "loss", "data", "optim", "gather", "layout", "strategy",
     "launcher", "logger",
 )  # fmt: skip
-"""The fields of summary.json that name a run: its config groups' choices (docs/design.md §5)."""
+"""The fields of summary.json that name a run: its config groups' choices (docs/contract.md §5)."""
 SUMMARY_SIZES = ("devices", "batch_size", "global_batch_size", "precision", "steps", "seed")
 """The fields of summary.json that size a run."""
 SUMMARY_OUTCOMES = ("final_loss", "wall_s", "loss_layout_invariant")
@@ -48,7 +48,7 @@ class Trained:
     optimizer got it (after DDP's average; None where it is not kept), and the final parameters,
     flattened in float64 (the same on every rank after DDP); and the parameters DDP holds whose
     gradient its first forward's output does not reach (``outside_forward``, the check's DDP only:
-    its reducer waits for them, docs/design.md §10 "Sharded code")."""
+    its reducer waits for them, docs/checking.md §10 "Sharded code")."""
 
     losses: list[float]
     first_gradient: torch.Tensor | None
@@ -56,7 +56,7 @@ class Trained:
     outside_forward: tuple[str, ...] = ()
     replicas_apart: tuple[tuple[str, str], ...] = ()
     """Parameters replicated over a dimension of a tensor-parallel mesh whose replicas differ
-    between its ranks at the end, each with the dimension's name (docs/design.md §10, "Tensor and
+    between its ranks at the end, each with the dimension's name (docs/checking.md §10, "Tensor and
     sequence parallelism")."""
     partial: tuple[tuple[str, str], ...] = ()
     """Parameters whose first gradient is a partial sum over a mesh dimension (a DTensor

@@ -112,11 +112,11 @@ FAILED = "failed"
 error, or starts with `COLLECTIVES_DIFFER`."""
 COLLECTIVES_DIFFER = "collectives differ:"
 """The start of a ``failed`` row's error when its ranks did not enter the same collectives: the
-rest names each rank's call (``gatherlab.ranks.watched``, docs/design.md §10)."""
+rest names each rank's call (``gatherlab.ranks.watched``, docs/checking.md §10)."""
 
 
 class Cause(StrEnum):
-    """Why a check's global loss differs, as reproduced on one device (docs/design.md §6), or why
+    """Why a check's global loss differs, as reproduced on one device (docs/checking.md §6), or why
     its gradient is biased: ``scaled`` (c × the 1-device loss), ``local_negatives`` (the mean over
     ranks of the 1-device loss of each rank's slice alone), ``micro_negatives`` (with K
     micro-batches per rank: the mean over the W·K micro-batches of the 1-device loss of each
@@ -161,7 +161,7 @@ class Forward(StrEnum):
 
 
 class RunVerdict(StrEnum):
-    """What the report says of a run of a sweep against its 1-device reference (docs/design.md
+    """What the report says of a run of a sweep against its 1-device reference (docs/contract.md
     §5); only ``reference`` and ``matches`` count as a match."""
 
     REFERENCE = "reference"
@@ -301,7 +301,7 @@ class DepartureKind(StrEnum):
     in another order (``order``), what the code is given differs (``input``), a scalar on the
     loss's path whose mean over ranks differs (``scalar``), the same inputs giving another result
     (``rank``), or the backward (``gradient``); a tensor of a tensor-parallel model whose layout
-    over the ranks is not one device's shape (``layout``, docs/design.md §10), a dropout layer
+    over the ranks is not one device's shape (``layout``, docs/checking.md §10), a dropout layer
     whose masks agree or differ across a tensor-parallel group where they must not
     (``randomness``), an operation of a tensor-parallel model whose result on a rank is neither
     one device's nor its shard (``shard``); or no place, and why (``none``)."""
@@ -319,7 +319,7 @@ class DepartureKind(StrEnum):
 
 
 class Culprit(StrEnum):
-    """The culprits of a training step's check that are no removal (docs/design.md §10): the loss
+    """The culprits of a training step's check that are no removal (docs/checking.md §10): the loss
     itself (or how it communicates across ranks), left when every removal is made and the run is
     still not exact; the step's own draws from the global random streams, named instead of the
     loss when the step makes them (no removal takes that out); a parameter whose gradient no one

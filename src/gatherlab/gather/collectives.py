@@ -21,8 +21,8 @@ __all__ = [
 # The two collectives that deliver Σ_r G_r[s] to rank s in ``fixed``'s backward. NCCL's
 # reduce-scatter of S sends half the bytes of an all-reduce of W·S and copies nothing; torch's
 # reduce-scatter on gloo clones the whole W·S gradient, all-reduces the clone and copies the own
-# slice out (tests/gather/test_gather.py profiles it), the all-reduce and one copy more. So each backend
-# gets its own (``python -m gatherlab.bench gather`` times both).
+# slice out (tests/gather/test_gather.py profiles it), the all-reduce and one copy more. So each
+# backend gets its own (``python -m gatherlab.bench gather`` times both).
 BACKWARD_COLLECTIVES = ("all_reduce", "reduce_scatter")
 REDUCE_SCATTER_BACKENDS = frozenset({terms.Backend.NCCL, terms.Backend.XCCL})
 

@@ -4,10 +4,10 @@ here checks it again, but what only running finds out (a directory that already 
 that fails).
 
 A training run builds data, model, gather, loss and optimizer from the config (``config``), trains
-on the layout's ranks (``launch``), and writes its run files (docs/design.md §5) into its directory:
-``curves.csv`` and ``final_state.pt`` from rank 0 during training, ``summary.json`` when it ends,
-failed or not. With ``module=user`` the user's LightningModule and data set are built inside
-each rank instead (`gatherlab.runs.fit.Module.fit_on_rank`), with the same run files.
+on the layout's ranks (``launch``), and writes its run files (docs/contract.md §5) into its
+directory: ``curves.csv`` and ``final_state.pt`` from rank 0 during training, ``summary.json`` when
+it ends, failed or not. With ``module=user`` the user's LightningModule and data set are built
+inside each rank instead (`gatherlab.runs.fit.Module.fit_on_rank`), with the same run files.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _described(
     overrides: Sequence[str],
     built: _Built | None,
 ) -> dict[str, Any]:
-    """The summary's description of the run (docs/design.md §5), known before it trains."""
+    """The summary's description of the run (docs/contract.md §5), known before it trains."""
     devices = _devices(cfg)
     return {
         **{name: choices.get(name) for name in runfiles.SUMMARY_CHOICES},

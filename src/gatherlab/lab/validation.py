@@ -167,7 +167,7 @@ STRATEGIES = tuple(terms.Strategy)
 
 
 def _validate_strategy(cfg: Mapping[str, Any], devices: int) -> None:
-    """``strategy`` (docs/design.md §10 "Sharded code"): one of `terms.Strategy`, its FSDP2
+    """``strategy`` (docs/checking.md §10 "Sharded code"): one of `terms.Strategy`, its FSDP2
     options typed; other than ``ddp`` only for gatherlab's own module, trained on the worker
     pools (several devices), without accumulation (its manual step averages whole gradients),
     and FSDP2 and ``tp`` not in ``16-mixed`` (Lightning's ``ModelParallelStrategy`` refuses it);
@@ -219,7 +219,7 @@ def _validate_strategy(cfg: Mapping[str, Any], devices: int) -> None:
 def _validate_tensor_parallel(
     cfg: Mapping[str, Any], name: str, strategy: Mapping[str, Any], devices: int
 ) -> None:
-    """``strategy.tensor_parallel`` (``tp``'s alone, docs/design.md §10 "Sharded code"): a
+    """``strategy.tensor_parallel`` (``tp``'s alone, docs/checking.md §10 "Sharded code"): a
     positive integer that divides the layout's ranks (one device trains the plain run), on a model
     with a plan that splits it (``tensor_parallel_plan``, e.g. ``model=norm_mlp``) by that
     degree, and data whose views both go through the model (the plan splits the rows it

@@ -1,5 +1,5 @@
 """The ranks a launcher started (torchrun or srun), driven from rank 0 as the warm pool's ranks are
-driven from the process that started them (docs/design.md §10, "The external launcher").
+driven from the process that started them (docs/checking.md §10, "The external launcher").
 
 Rank 0 runs the caller's code; every other rank ``serve``s rank 0's jobs. ``Ranks.run(function,
 *args)`` runs ``function(*args)`` on every rank in a fresh default process group and returns the

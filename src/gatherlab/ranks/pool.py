@@ -9,7 +9,7 @@ reach the pool first).
 A job runs in the caller's current directory and import path (the caller's path first), whatever
 they were when the pool started. The ranks ignore Ctrl-C, which the pools' process answers, and
 end silently with ``ORPHANED_STATUS`` once that process is gone (``_end_with_parent``;
-docs/design.md §5, "Command lines"). A rank prints no warnings: each job sends back those its
+docs/contract.md §5, "Command lines"). A rank prints no warnings: each job sends back those its
 code raised, and the pools' process gives each distinct one once per ``run`` with the number of
 ranks that raised it (``... (on 2 of 4 ranks)``), or adds them to ``ranks_warnings()``.
 """

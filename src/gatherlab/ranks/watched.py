@@ -2,7 +2,7 @@
 collective it is about to enter (operation, shape, dtype, ``file:line``) and enters it only once
 every peer has told the same, so that ranks that disagree, or wait for a peer that returned or
 raised, end the job at once with one line naming each rank's call site instead of a hang, a wrong
-result or a silent gloo abort (docs/design.md §10, "Collectives that differ").
+result or a silent gloo abort (docs/checking.md §10, "Collectives that differ").
 
 The calls are seen through torch's public ``TorchFunctionMode``; a DDP module the check builds
 gets torch's Python all-reduce hook (``visible``: the same sums, bit for bit) so that its gradient

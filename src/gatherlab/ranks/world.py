@@ -23,7 +23,7 @@ __all__ = [
 MESH_DIMS = ("dp", "tp")
 """The names of the dimensions of a tensor-parallel layout's mesh: data-parallel groups (the ranks
 holding the same rows of a global batch) by tensor-parallel groups (the ranks sharing one
-replica of the model), docs/design.md §10 "Tensor and sequence parallelism"."""
+replica of the model), docs/checking.md §10 "Tensor and sequence parallelism"."""
 
 
 def size() -> int:
@@ -123,7 +123,7 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
 """The logger of torch's private module that logs a warning when a redistribution takes two
 all-gathers in sequence (its ``__name__``; tests/lab/test_tensor_parallel_sweep.py fails when
-torch renames it, docs/design.md §10)."""
+torch renames it, docs/checking.md §10)."""
 
 
 def quiet_two_gathers() -> None:

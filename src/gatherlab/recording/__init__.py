@@ -1,6 +1,6 @@
 """A user's training job recorded where it runs, in one versioned format, its gradients kept as
 linear sketches and its rows as fingerprints; two recordings are compared by `gatherlab.compare`
-(docs/design.md §11).
+(docs/recording.md §11).
 
 Modules:
 

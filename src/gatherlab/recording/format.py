@@ -1,5 +1,6 @@
 """The recording of a training job: its files, written by rank 0 (`Writer`) and read back whole
-and checked (`read`), format ``gatherlab-recording`` version 1 (docs/design.md §11, "The format").
+and checked (`read`), format ``gatherlab-recording`` version 1 (docs/recording.md §11, "The
+format").
 
 A recording is a directory:
 

@@ -1,6 +1,6 @@
 """Where each element of a ``DTensor``'s local shard lies in the whole tensor, so that a rank
 sketches its shard at the elements' global positions and the ranks' sketches add up to the whole
-tensor's (docs/design.md §11, "What is recorded" and "The sketch").
+tensor's (docs/recording.md §11, "What is recorded" and "The sketch").
 
 A DTensor's ``placements`` say, per mesh dimension, how the whole tensor is laid out over it:
 
@@ -196,7 +196,7 @@ class RowGroup:
 
 def row_group(parameters: list[torch.Tensor], rank: int) -> RowGroup:
     """This rank's tensor-parallel group, read from the model's ``DTensor`` parameters
-    (docs/design.md §11, "Tensor parallelism's rows"). A mesh dimension is tensor-parallel when
+    (docs/recording.md §11, "Tensor parallelism's rows"). A mesh dimension is tensor-parallel when
     its parameters are laid out unevenly along it: some cut on another dimension than 0
     (``RowwiseParallel``), partial, or some replicated and some cut (a sequence-parallel norm
     beside column-cut linears); FSDP2 cuts every parameter it holds on dimension 0 alike, and

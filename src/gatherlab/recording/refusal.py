@@ -1,4 +1,4 @@
-"""A refusal of the recorder where the job runs (docs/design.md §11, "Refusals"): one line on the
+"""A refusal of the recorder where the job runs (docs/recording.md §11, "Refusals"): one line on the
 job's standard error, said once (by rank 0, or by the one process), and the job ends, on every
 rank together: every refusal is decided alike on every rank (a setting each reads, or rank 0's
 answer sent to all of them), so that no rank is left waiting in a collective.

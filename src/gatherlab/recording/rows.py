@@ -1,6 +1,6 @@
 """The rows a job's model is given, fingerprinted: a 64-bit digest per row of the batch's rows
 (``input_ids`` where a call names them, else its first tensor), of its elements' bits, its shape
-and dtype, equal for equal rows in every run (docs/design.md §11, "What is recorded").
+and dtype, equal for equal rows in every run (docs/recording.md §11, "What is recorded").
 
 A row is the same row however its batch is padded. Text is padded to each device batch's longest
 row (a tokenizer's ``padding=True``, a collator), so one sentence is a row of 9 tokens in one run

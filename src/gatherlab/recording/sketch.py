@@ -1,5 +1,5 @@
 """A linear sketch of a gradient: k numbers that keep what the comparison of two runs needs,
-whatever the size of the gradient and however it is sharded (docs/design.md §11, "The sketch").
+whatever the size of the gradient and however it is sharded (docs/recording.md §11, "The sketch").
 
 A parameter of n elements, flattened row-major (global element index i), is cut into blocks of k
 elements, block b = i // k; its sketch is the signed sum of its blocks,
@@ -36,7 +36,7 @@ DEFAULT_K = 251
 """The sketch's size per part: 251 float64 numbers, 2 KB per part and update. A prime, so that no
 power-of-two row length of a weight matrix lines up with the columns (element i's column is
 i mod k): with k = 256 the rows of a 128 × 64 weight share their columns feature by feature, and
-the cosine's measured standard deviation was 1.9 times the formula's (docs/design.md §11)."""
+the cosine's measured standard deviation was 1.9 times the formula's (docs/recording.md §11)."""
 
 
 def signs(name: str, numel: int, k: int, seed: int) -> torch.Tensor:

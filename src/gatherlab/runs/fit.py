@@ -1,11 +1,11 @@
 """Training with Lightning on a rank: the callbacks of every Lightning run (gatherlab's own module
 and a user's), and a user's own ``LightningModule`` and map-style data set trained the way
-gatherlab trains its own module (docs/design.md §2, §10): every layout sees the same global batches
-in the same order, rank r its r-th contiguous slice, and the removals of `gatherlab.runs.removals`
-made on request.
+gatherlab trains its own module (docs/design.md §2, docs/checking.md §10): every layout sees the
+same global batches in the same order, rank r its r-th contiguous slice, and the removals of
+`gatherlab.runs.removals` made on request.
 
 - ``StepLogCallback`` records every step of any LightningModule (`gatherlab.runs.steplog.StepLog`)
-  and, with a run directory, rank 0 writes the run files there (docs/design.md §5);
+  and, with a run directory, rank 0 writes the run files there (docs/contract.md §5);
   ``ProgressLog`` logs a line every few steps;
 - ``ItemsDataModule`` serves each rank its slice of the global batches of any map-style data set
   (``len``, ``dataset[index]``), collated by the module's or the data set's ``collate_fn`` when it

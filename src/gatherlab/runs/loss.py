@@ -1,5 +1,5 @@
 """The loss form (`gatherlab.runs.spec.Form`): a loss trained on a small model with plain DDP, no
-Lightning (the same arithmetic in a fraction of the start-up), in float64 (docs/design.md §6).
+Lightning (the same arithmetic in a fraction of the start-up), in float64 (docs/checking.md §6).
 
 The model and the loss are one module (`Whole`), as a LightningModule holds them: DDP sees one
 forward per backward and averages the loss's own parameters (a learnt temperature) too. On a
@@ -12,7 +12,7 @@ training hands it, such as GradCache's losses, which embed in mini-batches and e
 their backward) is given that module and the views, ``loss(module, view0, view1, …)``; DDP then
 wraps that module alone, as a trainer wraps the model such a loss holds, so that each of the
 loss's calls of it is one of DDP's forwards; the model's forward is then the loss's to call, not
-cut into row blocks (docs/design.md §6, "A loss that calls the model itself").
+cut into row blocks (docs/checking.md §6, "A loss that calls the model itself").
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A user's plain PyTorch training step (no Lightning), trained the way gatherlab trains its own
-runs (docs/design.md §2, §10): the model that ``build_model(**kwargs)`` returns, built inside every
-rank after the same seed, wrapped in torch's ``DistributedDataParallel`` on W ranks (the bare
-module on one device), the user's optimizer, and ``training_step(model, batch)`` called on each
-rank's slice of the same global batches; the removals of `gatherlab.runs.removals` made on
-request; every step recorded by `gatherlab.runs.steplog.StepLog`.
+runs (docs/design.md §2, docs/checking.md §10): the model that ``build_model(**kwargs)`` returns,
+built inside every rank after the same seed, wrapped in torch's ``DistributedDataParallel`` on W
+ranks (the bare module on one device), the user's optimizer, and ``training_step(model, batch)``
+called on each rank's slice of the same global batches; the removals of `gatherlab.runs.removals`
+made on request; every step recorded by `gatherlab.runs.steplog.StepLog`.
 
 - ``Step`` is the form (`gatherlab.runs.spec.Form`): what is trained (the step, the model, the
   optimizer); ``Step.train_on_rank(spec)`` trains it here (on one device, or on this rank of the
@@ -221,7 +221,7 @@ def build(
     """The user's model, built here after the seed, its removals made, in the run's precision; a
     TypeError of one line when the factory returns no ``nn.Module``. With a tensor-parallel degree
     the factory is given the ranks' ``mesh`` (`world.mesh`; None on one device) to parallelize
-    the model itself (docs/design.md §10, "Tensor and sequence parallelism")."""
+    the model itself (docs/checking.md §10, "Tensor and sequence parallelism")."""
     model = step.model(mesh=world.mesh(tensor_parallel)) if tensor_parallel > 1 else step.model()
     if not isinstance(model, nn.Module):
         raise TypeError(

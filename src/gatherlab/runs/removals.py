@@ -1,4 +1,4 @@
-"""The removals of docs/design.md §10 (``batchnorm``, ``dropout``, ``data_randomness``): what a
+"""The removals of docs/checking.md §10 (``batchnorm``, ``dropout``, ``data_randomness``): what a
 training step may do that makes W ranks differ from one device, each taken out of a user's module
 or data set on its own, so that the check of a training step can name the part that breaks it.
 
@@ -153,7 +153,7 @@ def draws_randomness(data: Any) -> bool:
 
 class Removal(StrEnum):
     """A cause of a difference between layouts that a training step may contain, taken out of a
-    run (docs/design.md §10), in the order the check reports them. Each member holds all that is
+    run (docs/checking.md §10), in the order the check reports them. Each member holds all that is
     known of its removal (see the module)."""
 
     # name, value that keeps the cause, value that removes it, the cause is found in a module or

@@ -1,4 +1,4 @@
-"""Sharded code as a rank trains it (docs/design.md §10, "Sharded code"): the one error FSDP2's
+"""Sharded code as a rank trains it (docs/checking.md §10, "Sharded code"): the one error FSDP2's
 users meet when a sharded parameter is used outside its module's forward, named by the parameter;
 and the parameters DDP holds that its forward does not use (`OutsideForward`), which stall its
 reducer.

@@ -1,5 +1,5 @@
-"""One run, as every training form trains it on a rank (docs/design.md §2, §10): `RunSpec`, the
-facts every form needs, documented once, and `Form`, what a training form is.
+"""One run, as every training form trains it on a rank (docs/design.md §2, docs/checking.md §10):
+`RunSpec`, the facts every form needs, documented once, and `Form`, what a training form is.
 
 A form says *what* is trained (a LightningModule, `runs.fit.Module`; a plain step,
 `runs.plainstep.Step`; a whole update, `runs.update.Update`; a loss on gatherlab's MLP,
@@ -46,25 +46,25 @@ class RunSpec:
     """Lightning's precision name (``"64-true"``, ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``
     or ``"bf16-true"``, `core.terms.Precision`)."""
     removals: Removals = field(default_factory=Removals)
-    """The removals made on the module and the data set (docs/design.md §10)."""
+    """The removals made on the module and the data set (docs/checking.md §10)."""
     shuffle: bool = True
     """Whether the global batches are drawn in a seeded random order (else in index order)."""
     micro_batches: int = 1
     """K, the micro-batches of each rank's update (the whole-update form only; 1 for others)."""
     reduced: tuple[str, ...] = ()
     """Parameters whose gradients the run all-reduces (the mean over ranks) after each backward:
-    the reproduction of an unreduced part (docs/design.md §10, "Sharded code")."""
+    the reproduction of an unreduced part (docs/checking.md §10, "Sharded code")."""
     strategy: str = "ddp"
     """The Lightning strategy a LightningModule trains under on W ranks (`core.terms.Strategy`:
     ``ddp``, or ``fsdp2``: ``ModelParallelStrategy``, the module sharding itself in
     ``configure_model``); the plain forms distribute as their factories do."""
     find_unused: bool = False
     """The check's DDP built with ``find_unused_parameters=True``: the reproduction of a reducer
-    that waited for a parameter its forward does not use (docs/design.md §10, "Sharded code")."""
+    that waited for a parameter its forward does not use (docs/checking.md §10, "Sharded code")."""
     tensor_parallel: int = 1
     """T, the tensor-parallel degree of a plain form's layout: its W ranks a (W / T) × T mesh
     (`gatherlab.ranks.world.mesh`) given to the model factory as ``mesh``, the T ranks of a
-    tensor-parallel group holding the same rows of each global batch (docs/design.md §10, "Tensor
+    tensor-parallel group holding the same rows of each global batch (docs/checking.md §10, "Tensor
     and sequence parallelism"); 1: none (each rank its own rows)."""
     row_blocks: int = 1
     """The model's forward in this many row blocks on one device (`runs.precision.RowBlocks`):
@@ -95,7 +95,7 @@ class TracedForm(Form, Protocol):
 
 
 class StepForm(Form, Protocol):
-    """A form of the check of a training step (docs/design.md §10: a LightningModule, a plain
+    """A form of the check of a training step (docs/checking.md §10: a LightningModule, a plain
     step, a whole update): what the check asks of it on one device, before any rank starts."""
 
     option: ClassVar[str]

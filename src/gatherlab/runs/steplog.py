@@ -194,7 +194,7 @@ class StepLog:
 
     def write(self, run_dir: str | Path, state: dict[str, torch.Tensor]) -> None:
         """Write the run's ``curves.csv`` (step, global loss, rank 0's gradient norm) and its
-        ``final_state.pt`` (``state``) into ``run_dir`` (docs/design.md §5): rank 0's task."""
+        ``final_state.pt`` (``state``) into ``run_dir`` (docs/contract.md §5): rank 0's task."""
         rows = zip(self.steps, self.losses or [], self.grad_norms, strict=True)
         runfiles.write_curves(
             run_dir, [{"step": step, "loss": loss, "grad_norm": norm} for step, loss, norm in rows]

@@ -1,4 +1,4 @@
-"""Tensor- and sequence-parallel code as a rank trains it (docs/design.md §10, "Tensor and
+"""Tensor- and sequence-parallel code as a rank trains it (docs/checking.md §10, "Tensor and
 sequence parallelism"): a model that parallelizes itself with torch's DTensor
 (``parallelize_module`` over the ``tp`` dimension of the ranks' mesh, `gatherlab.ranks.world.mesh`).
 

@@ -1,7 +1,7 @@
 """The operations of one forward, recorded as the code under check calls them: each torch function
 (``torch.*``, ``torch.nn.functional.*``, ``Tensor`` methods, ``torch.distributed`` collectives),
 the file and line of the code that called it, a copy of its result, the recorded operations whose
-results it took, and, after the backward, the gradient of its result (docs/design.md §6, "Where it
+results it took, and, after the backward, the gradient of its result (docs/checking.md §6, "Where it
 departs"). ``gatherlab.check.where`` compares the records of one device with those of each rank.
 
 Recorded through torch's public ``TorchFunctionMode``: an operation is the call the code makes

@@ -1,5 +1,5 @@
 """A user's whole optimizer update (no Lightning), trained the way gatherlab trains a plain step
-(docs/design.md §10, "The whole update"): ``update(model, optimizer, batch, micro_batches)``
+(docs/checking.md §10, "The whole update"): ``update(model, optimizer, batch, micro_batches)``
 performs one complete update on the rows this rank holds of one global batch — its forwards and
 backwards over ``micro_batches`` micro-batches, any clipping or gradient scaler, and
 ``optimizer.step()`` — and returns the loss it logs. The model is built as for a plain step (the
