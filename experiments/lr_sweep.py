@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from _stats import interval
@@ -105,10 +107,59 @@ def cells(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def figure(
+    summary: pd.DataFrame,
+    panels: Mapping[str, str],
+    *,
+    gathers: Sequence[str],
+    shifted: Mapping[str, str],
+    base_lr: float,
+    world_size: int,
+    title: str,
+) -> plt.Figure:
+    """Probe accuracy against the SGD learning rate on ``world_size`` ranks: one panel per loss
+    (``panels``: loss → the panel's title), in each the mean over the seeds of every gather of
+    ``gathers`` in its colour, with its 95% interval as a band (``summary``: one row per loss,
+    gather and ``lr``, with ``mean`` and ``ci95``), and the experiment's learning rate
+    ``base_lr``. Where ``shifted`` maps a loss to a gather, that gather's points are drawn again,
+    open, at lr/W: the prediction that it trains as the others at W times the learning rate."""
+    grid = sorted(summary["lr"].unique())
+    ticks = 2.0 ** np.arange(np.log2(grid[0] / world_size), np.log2(grid[-1]) + 1)
+    with plt.rc_context({**figures.STYLE, "font.size": 8, "axes.titlesize": 8}):
+        drawn, axes = plt.subplots(
+            1, len(panels), figsize=(7.2, 3.1), sharey=True, layout="constrained"
+        )
+        for axis, (loss, panel_title) in zip(axes, panels.items(), strict=True):
+            loss_cells = summary[summary["loss"] == loss]
+            for gather in gathers:
+                cell = loss_cells[loss_cells["gather"] == gather]
+                color = figures.gather_color(gather)
+                axis.plot(cell["lr"], cell["mean"], "o-", color=color, markersize=4,
+                          label=f"{gather}, {world_size} ranks")  # fmt: skip
+                axis.fill_between(cell["lr"], cell["mean"] - cell["ci95"],
+                                  cell["mean"] + cell["ci95"], color=color, alpha=0.15,
+                                  linewidth=0)  # fmt: skip
+            if loss in shifted:
+                cell = loss_cells[loss_cells["gather"] == shifted[loss]]
+                axis.plot(cell["lr"] / world_size, cell["mean"], "o", mfc="none", markersize=9,
+                          color=figures.gather_color(shifted[loss]),
+                          label=f"{shifted[loss]}, drawn at lr/{world_size}")  # fmt: skip
+            axis.axvline(base_lr, color="0.5", linestyle=":", linewidth=1,
+                         label=f"the experiment's lr, {base_lr:g}")  # fmt: skip
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(ticks, [f"{lr:g}" for lr in ticks])
+            axis.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
+            axis.set(title=panel_title, xlabel="SGD learning rate")
+        axes[0].set_ylabel("1-shot probe accuracy (test)")
+        axes[0].legend(loc="lower right", fontsize=7)  # in the order drawn
+        drawn.suptitle(title)
+    return drawn
+
+
 def draw(summary: pd.DataFrame, table: pd.DataFrame, base_lr: float, world_size: int) -> None:
     """``figures/lr_sweep.{png,pdf}``: a panel per loss, each titled with its exact check."""
     seeds = summary["seeds"].min()
-    figure = figures.lr_sweep_figure(
+    drawn = figure(
         summary,
         {loss: f"{title}\n{_verdict(table, loss, base_lr)}" for loss, title in PANELS.items()},
         gathers=GATHERS,
@@ -118,7 +169,7 @@ def draw(summary: pd.DataFrame, table: pd.DataFrame, base_lr: float, world_size:
         title=f"SimCLR on the digits, {world_size} ranks, 55 SGD steps: mean and 95% interval "
         f"(band) over {seeds} seeds",
     )
-    figures.save(figure, FIGURES / "lr_sweep")
+    figures.save(drawn, FIGURES / "lr_sweep")
 
 
 def _verdict(table: pd.DataFrame, loss: str, base_lr: float) -> str:

@@ -17,6 +17,9 @@ from __future__ import annotations
 import sys
 import time
 
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 from _sweep import FIGURES
 
@@ -33,7 +36,7 @@ EXACT = gradients.FLOAT64_TOLERANCE  # the float64 bound of docs/design.md §2
 def main() -> None:
     if "--redraw" in sys.argv[1:]:  # the matrix again from figures/optimizer_matrix.csv
         table = pd.read_csv(FIGURES / "optimizer_matrix.csv")
-        figures.save(figures.optimizer_matrix_figure(table, EXACT), FIGURES / "optimizer_matrix")
+        figures.save(figure(table, EXACT), FIGURES / "optimizer_matrix")
         return
     start = time.perf_counter()
     with config.composed():
@@ -107,9 +110,9 @@ def publish(table: pd.DataFrame, curves: dict[str, list[float]], worlds: list, c
     )
     diff.columns = [(cell, w, cfg.global_batch_size // batch[w]) for cell, w in diff.columns]
     diff = diff.reindex(list(spec.optimizers))
-    figures.save(figures.optimizer_matrix_figure(table, EXACT), FIGURES / "optimizer_matrix")
+    figures.save(figure(table, EXACT), FIGURES / "optimizer_matrix")
     figures.save(
-        figures.difference_curves(
+        difference_curves(
             curves,
             f"old · ntxent_global (gradient 1/W) on {worlds[-1][0]}"
             f"{' simulated' if worlds[-1][1] else ''} ranks",
@@ -133,6 +136,78 @@ def publish(table: pd.DataFrame, curves: dict[str, list[float]], worlds: list, c
         + "\n"
     )
     print((FIGURES / "optimizer_matrix.md").read_text())
+
+
+def _short(value: float) -> str:
+    """A number in at most four characters: 0.17, 6e-8."""
+    if value >= 0.1:
+        return f"{value:.2g}"
+    mantissa, exponent = f"{value:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def figure(table: pd.DataFrame, tolerance: float) -> plt.Figure:
+    """The optimizer matrix for one paper column: rows the cells (gather on a loss, with the
+    gradient class the audit measures) × world size, columns the optimizers; colour and number
+    are max |Δloss| against one device (log scale), ✓ where it is within ``tolerance``."""
+    rows = list(dict.fromkeys(zip(table["cell"], table["ranks"], strict=True)))
+    optimizers = list(dict.fromkeys(table["optimizer"]))
+    values = table.pivot_table(
+        index=["cell", "ranks"], columns="optimizer", values="max_abs_loss_diff", sort=False
+    ).reindex(index=rows, columns=optimizers)
+    shown = np.maximum(values.to_numpy(dtype=float), figures.ZERO_FLOOR)
+    norm = matplotlib.colors.LogNorm(
+        vmin=figures.ZERO_FLOOR, vmax=max(1.0, float(np.nanmax(shown)))
+    )
+    with plt.rc_context({**figures.STYLE, "axes.grid": False, "font.size": 6.5}):
+        drawn, axis = plt.subplots(figsize=(3.5, 0.9 + 0.19 * len(rows)), layout="constrained")
+        image = axis.imshow(shown, cmap="magma_r", norm=norm, aspect="auto")
+        for row in range(len(rows)):
+            for column in range(len(optimizers)):
+                value = values.iat[row, column]
+                text = "✓" if value <= tolerance else _short(value)
+                dark = norm(shown[row, column]) > 0.55
+                axis.text(column, row, text, ha="center", va="center", fontsize=6,
+                          color="white" if dark else "black")  # fmt: skip
+        cells = [cell for cell, _ in rows]
+        for row in range(1, len(rows)):
+            if cells[row] != cells[row - 1]:
+                axis.axhline(row - 0.5, color="white", linewidth=2)
+        labels = [
+            f"{cell.replace(chr(10), ' ')}, W={ranks}" if row == 0 or cells[row - 1] != cell
+            else f"W={ranks}"
+            for row, (cell, ranks) in enumerate(rows)
+        ]  # fmt: skip
+        axis.set_yticks(range(len(rows)), labels)
+        axis.xaxis.tick_top()
+        axis.set_xticks(range(len(optimizers)), optimizers, rotation=30, ha="left")
+        axis.tick_params(length=0)
+        for spine in axis.spines.values():
+            spine.set_visible(False)
+        bar = drawn.colorbar(image, ax=axis, shrink=0.8, pad=0.02)
+        bar.set_label("max |Δloss| vs one device", fontsize=6)
+        bar.ax.tick_params(labelsize=5.5)
+        bar.ax.axhline(tolerance, color="0.3", linewidth=1.2)
+        axis.set_title(f"✓: matches within {tolerance:g} (float64)", fontsize=6.5, pad=4)
+    return drawn
+
+
+def difference_curves(
+    curves: dict[str, list[float]], title: str, tolerance: float | None = None
+) -> plt.Figure:
+    """|Δloss| against the reference per optimizer step, one line per name (log scale)."""
+    with plt.rc_context(figures.STYLE):
+        drawn, axis = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
+        lines = ("-", "--", "-.", ":")  # lines that coincide stay visible
+        for number, (name, values) in enumerate(curves.items()):
+            axis.plot(
+                np.maximum(values, figures.ZERO_FLOOR), label=name, linewidth=1.6,
+                linestyle=lines[number % len(lines)],
+            )  # fmt: skip
+        figures.style_difference_axis(axis, tolerance, "|Δloss| vs 1-device run")
+        axis.set_title(title, fontsize=10)
+        axis.legend(fontsize=8, ncols=2)
+    return drawn
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import functools
 import sys
 import time
 
+import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import torch
 from _sweep import FIGURES, REPO
@@ -37,7 +39,7 @@ from gatherlab.analysis import figures
 from gatherlab.check import check_training, measure
 from gatherlab.components.data import gaussian_pairs
 from gatherlab.components.factory import Recipe
-from gatherlab.core import floor, runfiles
+from gatherlab.core import floor, runfiles, terms
 from gatherlab.gather import get
 from gatherlab.losses import NTXentGlobalLoss
 from gatherlab.runs.precision import FLOOR_ROW_BLOCKS
@@ -145,9 +147,71 @@ def _accumulation(precision: str, seed: int) -> list[dict]:
 
 def publish(table: pd.DataFrame) -> None:
     """figures/precision.{png,pdf,md} from the table."""
-    figures.save(figures.precision_figure(table, floor.FLOOR_THRESHOLD), FIGURES / "precision")
+    figures.save(figure(table, floor.FLOOR_THRESHOLD), FIGURES / "precision")
     (FIGURES / "precision.md").write_text(summary(table))
     print((FIGURES / "precision.md").read_text())
+
+
+# The bug classes of the figure, each with its colour; the exact runs are drawn as every reference
+# is, the slices scaled by 1 + ε in one sequential map.
+PRECISION_CASES = {
+    "exact": {"color": "black", "marker": "o", "zorder": 6},  # over the slices that round away
+    "old gather": {"color": figures.GATHER_COLORS["old"], "marker": "s"},
+    "local negatives": {"color": "#ff7f0e", "marker": "^"},
+    "per-rank batch norm": {"color": "#9467bd", "marker": "D"},
+    "naive accumulation": {"color": "#8c564b", "marker": "v"},
+}
+
+
+def figure(table: pd.DataFrame, threshold: float) -> plt.Figure:
+    """One panel per precision: each case's gradient departure from the same-precision one device
+    in floors against W (the median over seeds, the band from the least to the most), on a log
+    scale with exact zeros at the floor; the threshold drawn. A case under it is ``exact within``
+    that precision: the exact runs always, a slice scaled by 1 + ε only where ε is larger than
+    the precision's power. ``table`` has the columns of ``figures/precision.csv``."""
+    precisions = list(dict.fromkeys(table["precision"]))
+    epsilons = sorted({e for e in table["epsilon"].dropna()}, reverse=True)
+    shades = plt.get_cmap("viridis")(np.linspace(0.1, 0.85, max(len(epsilons), 1)))
+    styles = dict(PRECISION_CASES)
+    for epsilon, shade in zip(epsilons, shades, strict=False):
+        styles[f"slice × (1 + {epsilon:g})"] = {"color": shade, "marker": ".", "linestyle": ":"}
+    with plt.rc_context(figures.STYLE):
+        drawn, axes = plt.subplots(1, len(precisions), figsize=(3.9 * len(precisions), 4.2),
+                                   sharey=True, layout="constrained")  # fmt: skip
+        axes_ = list(np.atleast_1d(axes))
+        for axis, precision in zip(axes_, precisions, strict=True):
+            rows = table[table["precision"] == precision]
+            for label, style in styles.items():
+                group = rows[rows["case"] == label]
+                if not len(group):
+                    continue
+                scores = group.groupby("world_size")["floors"]
+                sizes = scores.median().index.to_numpy()
+                low, mid, high = (np.maximum(f().to_numpy(float), figures.ZERO_FLOOR)
+                                  for f in (scores.min, scores.median, scores.max))  # fmt: skip
+                axis.plot(sizes, mid, linewidth=1.4, markersize=5, label=label,
+                          **{"linestyle": "-", **style})  # fmt: skip
+                axis.fill_between(sizes, low, high, color=style["color"], alpha=0.12, linewidth=0,
+                                  zorder=style.get("zorder", 1) - 1)  # fmt: skip
+            axis.axhline(threshold, **{**figures.REFERENCE_STYLE, "linewidth": 1.4})
+            axis.text(sizes[0], threshold * 1.25, f"threshold: {threshold:g} floors", fontsize=8)
+            word = terms.Precision(precision).word
+            median_floor = rows.loc[rows["case"] == "exact", "floor"].median()
+            axis.set_title(f"{word} ({precision}), median floor {median_floor:.1e}", fontsize=9)
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.set_xticks(
+                sorted(set(rows["world_size"])), map(str, sorted(set(rows["world_size"])))
+            )
+            axis.set_xlabel("W ranks")
+            if axis is axes_[0]:
+                axis.set_ylabel("‖g_W − g₁‖ / floor (same precision)")
+        handles, labels = axes_[0].get_legend_handles_labels()
+        drawn.legend(handles, labels, loc="outside right center", fontsize=8)
+        drawn.suptitle("W ranks against one device in the same low precision, in floors of one "
+                       "device with its forward in as many row blocks as ranks",
+                       fontsize=10)  # fmt: skip
+    return drawn
 
 
 def summary(table: pd.DataFrame) -> str:

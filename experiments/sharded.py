@@ -17,6 +17,8 @@ from __future__ import annotations
 import sys
 import time
 
+import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 from _sweep import FIGURES, REPO
 
@@ -84,8 +86,7 @@ def main() -> None:
 
 def publish(table: pd.DataFrame) -> None:
     """figures/sharded.{png,pdf,md} from the table."""
-    figure = figures.sharded_figure(table, gradients.FLOAT64_TOLERANCE)
-    figures.save(figure, FIGURES / "sharded")
+    figures.save(figure(table, gradients.FLOAT64_TOLERANCE), FIGURES / "sharded")
     header = ["strategy", "case", *(f"W = {w}" for w in WORLD_SIZES)]
     body = []
     for (strategy, case), rows in table.groupby(["strategy", "case"], sort=False):
@@ -102,6 +103,49 @@ def publish(table: pd.DataFrame) -> None:
         "difference from one device's.\n\n" + runfiles.markdown_table(header, body) + "\n"
     )
     print((FIGURES / "sharded.md").read_text())
+
+
+SHARDED_SIZES = {2: "#6baed6", 4: "#08519c"}  # a world size's bar in the figure
+
+
+def figure(table: pd.DataFrame, tolerance: float) -> plt.Figure:
+    """One panel per strategy (DDP, FSDP2, ZeRO): for each case, the final weights' max |Δ|
+    against one device after the run's updates (log scale, exact zeros at the floor), a bar per
+    W, its verdict written over it; the float64 tolerance drawn. ``table`` has the columns of
+    ``figures/sharded.csv``."""
+    strategies = list(dict.fromkeys(table["strategy"]))
+    sizes = sorted(set(table["world_size"]))
+    width = 0.8 / len(sizes)
+    with plt.rc_context(figures.STYLE):
+        drawn, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 4.2),
+                                   sharey=True, layout="constrained")  # fmt: skip
+        for axis, strategy in zip(np.atleast_1d(axes), strategies, strict=True):
+            rows = table[table["strategy"] == strategy]
+            cases = list(dict.fromkeys(rows["case"]))
+            for offset, size in enumerate(sizes):
+                at = rows[rows["world_size"] == size].set_index("case").loc[cases]
+                x = np.arange(len(cases)) + (offset - (len(sizes) - 1) / 2) * width
+                heights = np.maximum(at["max_abs_param_diff"].to_numpy(float), figures.ZERO_FLOOR)
+                axis.bar(x, heights, width, color=SHARDED_SIZES.get(size, "0.5"),
+                         label=f"W = {size}")  # fmt: skip
+                for left, height, (_, row) in zip(x, heights, at.iterrows(), strict=True):
+                    named = row["cause"] if isinstance(row["cause"], str) and row["cause"] else ""
+                    if row["verdict"] == "loss differs":  # the gradient says more
+                        named = f"gradient {row['gradient']}"
+                    word = f"{row['verdict']}\n({named})" if named else row["verdict"]
+                    lift = 1.6 * 12**offset  # each W a line higher: neighbours never overlap
+                    axis.text(left, height * lift, word, ha="center", va="bottom", fontsize=6.5)
+            axis.axhline(tolerance, **{**figures.REFERENCE_STYLE, "linewidth": 1.2})
+            axis.set_xticks(range(len(cases)), cases, fontsize=8)
+            axis.set_yscale("log")
+            axis.set_ylim(figures.ZERO_FLOOR / 10, 100)
+            axis.set_title(strategy, fontsize=10)
+            if axis is np.atleast_1d(axes)[0]:
+                axis.set_ylabel("final weights' max |Δ| vs one device")
+                axis.legend(fontsize=8, loc="upper left")
+        drawn.suptitle(f"Sharded training against one device (float64; dashed: {tolerance:g}; "
+                       f"exact 0 drawn at {figures.ZERO_FLOOR:g})", fontsize=10)  # fmt: skip
+    return drawn
 
 
 if __name__ == "__main__":

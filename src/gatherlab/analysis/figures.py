@@ -1,5 +1,11 @@
 """One figure style for gatherlab: every gather keeps its colour in every figure, and the
-1-device reference is always drawn the same way (black, dashed)."""
+1-device reference is always drawn the same way (black, dashed).
+
+Here are the style (`STYLE`, `gather_color`, `REFERENCE_STYLE`, `ZERO_FLOOR`,
+`style_difference_axis`, `save`: PNG beside vector PDF) and the figures the library draws: a
+sweep's comparison and loss matrix (`analysis.report`), the audit, the scaling figure, two
+recordings compared (`gatherlab.compare`), the size benchmark's, and the notebook's. A figure that
+one experiment alone draws lives in its script in ``experiments/`` and draws with this style."""
 
 from __future__ import annotations
 
@@ -68,8 +74,9 @@ def gather_color(name: str) -> str:
     return OTHER_GATHER_COLORS[zlib.crc32(name.encode()) % len(OTHER_GATHER_COLORS)]
 
 
-def _style_difference_axis(axis: plt.Axes, tolerance: float | None, ylabel: str) -> None:
-    """The |Δloss| panel of every figure: log scale, exact zeros at the floor, the tolerance."""
+def style_difference_axis(axis: plt.Axes, tolerance: float | None, ylabel: str) -> None:
+    """The |Δloss| panel of every figure, the library's and the experiments': log scale, exact
+    zeros at the floor, the tolerance."""
     axis.set(
         yscale="log",
         xlabel="optimizer step",
@@ -102,7 +109,7 @@ def comparison_figure(
         for (loss_axis, diff_axis), group in zip(axes, groups, strict=True):
             runs = table[table["group"] == group]
             _draw_group_against_reference(loss_axis, diff_axis, runs, curves)
-            _style_difference_axis(diff_axis, tolerance, "|Δ loss| vs 1-device reference")
+            style_difference_axis(diff_axis, tolerance, "|Δ loss| vs 1-device reference")
             title = _group_title(table, runs)
             loss_axis.set(title=title, xlabel="optimizer step", ylabel="global loss")
             loss_axis.legend(fontsize=8)
@@ -294,76 +301,6 @@ def matrix_figure(
             fontsize=9,
             pad=8,
         )
-    return figure
-
-
-def _short(value: float) -> str:
-    """A number in at most four characters: 0.17, 6e-8."""
-    if value >= 0.1:
-        return f"{value:.2g}"
-    mantissa, exponent = f"{value:.0e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
-
-
-def optimizer_matrix_figure(table: pd.DataFrame, tolerance: float) -> plt.Figure:
-    """The optimizer matrix for one paper column: rows the cells (gather on a loss, with the
-    gradient class the audit measures) × world size, columns the optimizers; colour and number
-    are max |Δloss| against one device (log scale), ✓ where it is within ``tolerance``."""
-    rows = list(dict.fromkeys(zip(table["cell"], table["ranks"], strict=True)))
-    optimizers = list(dict.fromkeys(table["optimizer"]))
-    values = table.pivot_table(
-        index=["cell", "ranks"], columns="optimizer", values="max_abs_loss_diff", sort=False
-    ).reindex(index=rows, columns=optimizers)
-    shown = np.maximum(values.to_numpy(dtype=float), ZERO_FLOOR)
-    norm = matplotlib.colors.LogNorm(vmin=ZERO_FLOOR, vmax=max(1.0, float(np.nanmax(shown))))
-    with plt.rc_context({**STYLE, "axes.grid": False, "font.size": 6.5}):
-        figure, axis = plt.subplots(figsize=(3.5, 0.9 + 0.19 * len(rows)), layout="constrained")
-        image = axis.imshow(shown, cmap="magma_r", norm=norm, aspect="auto")
-        for row in range(len(rows)):
-            for column in range(len(optimizers)):
-                value = values.iat[row, column]
-                text = "✓" if value <= tolerance else _short(value)
-                dark = norm(shown[row, column]) > 0.55
-                axis.text(column, row, text, ha="center", va="center", fontsize=6,
-                          color="white" if dark else "black")  # fmt: skip
-        cells = [cell for cell, _ in rows]
-        for row in range(1, len(rows)):
-            if cells[row] != cells[row - 1]:
-                axis.axhline(row - 0.5, color="white", linewidth=2)
-        labels = [
-            f"{cell.replace(chr(10), ' ')}, W={ranks}" if row == 0 or cells[row - 1] != cell
-            else f"W={ranks}"
-            for row, (cell, ranks) in enumerate(rows)
-        ]  # fmt: skip
-        axis.set_yticks(range(len(rows)), labels)
-        axis.xaxis.tick_top()
-        axis.set_xticks(range(len(optimizers)), optimizers, rotation=30, ha="left")
-        axis.tick_params(length=0)
-        for spine in axis.spines.values():
-            spine.set_visible(False)
-        bar = figure.colorbar(image, ax=axis, shrink=0.8, pad=0.02)
-        bar.set_label("max |Δloss| vs one device", fontsize=6)
-        bar.ax.tick_params(labelsize=5.5)
-        bar.ax.axhline(tolerance, color="0.3", linewidth=1.2)
-        axis.set_title(f"✓: matches within {tolerance:g} (float64)", fontsize=6.5, pad=4)
-    return figure
-
-
-def difference_curves(
-    curves: dict[str, list[float]], title: str, tolerance: float | None = None
-) -> plt.Figure:
-    """|Δloss| against the reference per optimizer step, one line per name (log scale)."""
-    with plt.rc_context(STYLE):
-        figure, axis = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
-        lines = ("-", "--", "-.", ":")  # lines that coincide stay visible
-        for number, (name, values) in enumerate(curves.items()):
-            axis.plot(
-                np.maximum(values, ZERO_FLOOR), label=name, linewidth=1.6,
-                linestyle=lines[number % len(lines)],
-            )  # fmt: skip
-        _style_difference_axis(axis, tolerance, "|Δloss| vs 1-device run")
-        axis.set_title(title, fontsize=10)
-        axis.legend(fontsize=8, ncols=2)
     return figure
 
 
@@ -594,7 +531,7 @@ def ablation_figure(
             1, 3, figsize=(15, 4.6), layout="constrained", width_ratios=[1.1, 1.1, 0.8]
         )
         _draw_variants_against_reference(loss_axis, diff_axis, table, curves, variant, colors)
-        _style_difference_axis(
+        style_difference_axis(
             diff_axis, tolerance, "|Δ loss| vs the 1-device run of the same config"
         )
         loss_axis.set(xlabel="optimizer step", ylabel="global loss", title="loss")
@@ -666,164 +603,6 @@ def _draw_metric_bars(
     metric_axis.grid(axis="y", visible=False)
 
 
-def downstream_figure(table: pd.DataFrame, raw: float, untrained: Sequence[float]) -> plt.Figure:
-    """Seed-averaged probe accuracy, sized for one column of a paper: every seed's accuracy and
-    each cell's mean with its 95% interval (top; a 1-device cell in the reference's colour, a
-    multi-device one in its gather's), against the accuracy of raw pixels ``raw`` and the mean of
-    the untrained networks ``untrained`` (one per seed); below, each multi-device cell's paired
-    difference from the 1-device run of the same seed, with its interval and the smallest
-    difference detectable at 80% power.
-
-    ``table`` has one row per cell: ``cell`` (its label), ``gather``, ``devices``, ``mean``,
-    ``ci95``, ``paired_diff``, ``paired_ci95``, ``detectable_80`` and ``per_seed`` (the
-    accuracies, separated by spaces), as ``experiments/downstream.py`` writes them."""
-    with plt.rc_context({**STYLE, "font.size": 7, "axes.titlesize": 7}):
-        figure, (top, bottom) = plt.subplots(
-            2, 1, figsize=(3.5, 4.3), layout="constrained", gridspec_kw={"height_ratios": [5, 3]}
-        )
-        _draw_seed_accuracies(top, table, raw, untrained)
-        _draw_paired_differences(bottom, table)
-        top.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.4, -0.2), ncol=2)
-    return figure
-
-
-def _cell_color(gather: str, devices: int) -> str:
-    """A cell of `downstream_figure` in its gather's colour, a 1-device cell as the reference."""
-    return REFERENCE_STYLE["color"] if devices == 1 else gather_color(gather)
-
-
-def _draw_seed_accuracies(
-    axis: plt.Axes, table: pd.DataFrame, raw: float, untrained: Sequence[float]
-) -> None:
-    """The top panel of `downstream_figure`: each cell's seeds, mean and interval; baselines."""
-    for y, (_, row) in enumerate(table.iterrows()):
-        color = _cell_color(row["gather"], row["devices"])
-        accuracies = np.array(row["per_seed"].split(), dtype=float)
-        axis.scatter(accuracies, [y] * len(accuracies), color=color, alpha=0.5, s=9)
-        axis.errorbar(row["mean"], y, xerr=row["ci95"], fmt="o", color=color, capsize=3,
-                      markersize=4)  # fmt: skip
-    axis.axvline(raw, color="0.5", linestyle=":", label=f"raw pixels {raw:.3f}")
-    axis.axvline(np.mean(untrained), color="0.5", linestyle="--",
-                 label=f"untrained network {np.mean(untrained):.3f}")  # fmt: skip
-    axis.set_yticks(range(len(table)), list(table["cell"]))
-    axis.invert_yaxis()
-    axis.set(xlabel="1-shot probe accuracy (test, 50 label draws)",
-             title=f"{len(untrained)} seeds (dots), mean and 95% interval")  # fmt: skip
-
-
-def _draw_paired_differences(axis: plt.Axes, table: pd.DataFrame) -> None:
-    """The bottom panel of `downstream_figure`: each multi-device cell's paired difference."""
-    distributed = table[table["devices"] > 1]
-    labels = []
-    for y, (_, row) in enumerate(distributed.iterrows()):
-        axis.errorbar(row["paired_diff"], y, xerr=row["paired_ci95"], fmt="o",
-                      color=_cell_color(row["gather"], row["devices"]), capsize=3,
-                      markersize=4)  # fmt: skip
-        detectable = row["detectable_80"]
-        labels.append(row["cell"] + (f"\ndetectable (80%) ±{detectable:.3f}" if detectable else ""))
-    axis.set_yticks(range(len(labels)), labels)
-    axis.invert_yaxis()
-    axis.axvline(0, color="black", linewidth=1)
-    axis.set(xlabel="Δ accuracy vs 1 device, same seed", title="paired difference, 95% interval")
-
-
-def lr_sweep_figure(
-    summary: pd.DataFrame,
-    panels: Mapping[str, str],
-    *,
-    gathers: Sequence[str],
-    shifted: Mapping[str, str],
-    base_lr: float,
-    world_size: int,
-    title: str,
-) -> plt.Figure:
-    """Probe accuracy against the SGD learning rate on ``world_size`` ranks: one panel per loss
-    (``panels``: loss → the panel's title), in each the mean over the seeds of every gather of
-    ``gathers`` in its colour, with its 95% interval as a band (``summary``: one row per loss,
-    gather and ``lr``, with ``mean`` and ``ci95``), and the experiment's learning rate
-    ``base_lr``. Where ``shifted`` maps a loss to a gather, that gather's points are drawn again,
-    open, at lr/W: the prediction that it trains as the others at W times the learning rate."""
-    grid = sorted(summary["lr"].unique())
-    ticks = 2.0 ** np.arange(np.log2(grid[0] / world_size), np.log2(grid[-1]) + 1)
-    with plt.rc_context({**STYLE, "font.size": 8, "axes.titlesize": 8}):
-        figure, axes = plt.subplots(
-            1, len(panels), figsize=(7.2, 3.1), sharey=True, layout="constrained"
-        )
-        for axis, (loss, panel_title) in zip(axes, panels.items(), strict=True):
-            cells = summary[summary["loss"] == loss]
-            for gather in gathers:
-                cell = cells[cells["gather"] == gather]
-                color = gather_color(gather)
-                axis.plot(cell["lr"], cell["mean"], "o-", color=color, markersize=4,
-                          label=f"{gather}, {world_size} ranks")  # fmt: skip
-                axis.fill_between(cell["lr"], cell["mean"] - cell["ci95"],
-                                  cell["mean"] + cell["ci95"], color=color, alpha=0.15,
-                                  linewidth=0)  # fmt: skip
-            if loss in shifted:
-                cell = cells[cells["gather"] == shifted[loss]]
-                axis.plot(cell["lr"] / world_size, cell["mean"], "o", mfc="none", markersize=9,
-                          color=gather_color(shifted[loss]),
-                          label=f"{shifted[loss]}, drawn at lr/{world_size}")  # fmt: skip
-            axis.axvline(base_lr, color="0.5", linestyle=":", linewidth=1,
-                         label=f"the experiment's lr, {base_lr:g}")  # fmt: skip
-            axis.set_xscale("log", base=2)
-            axis.set_xticks(ticks, [f"{lr:g}" for lr in ticks])
-            axis.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
-            axis.set(title=panel_title, xlabel="SGD learning rate")
-        axes[0].set_ylabel("1-shot probe accuracy (test)")
-        axes[0].legend(loc="lower right", fontsize=7)  # in the order drawn
-        figure.suptitle(title)
-    return figure
-
-
-ACCUMULATION_STYLES = {
-    "cached": {"color": "#1f77b4", "marker": "o", "linestyle": "-"},
-    "naive": {"color": "#d62728", "marker": "s", "linestyle": "--"},
-}
-
-
-def accumulation_figure(table: pd.DataFrame, tolerance: float) -> plt.Figure:
-    """One panel per loss: max |Δloss| against one device with the whole batch (log scale, exact
-    zeros at the floor) for every layout W ranks × K micro-batches, one line per accumulation;
-    a point on or under the tolerance line trains like one device."""
-    losses = list(dict.fromkeys(table["loss"]))
-    layouts = list(dict.fromkeys(zip(table["world_size"], table["micro_batches"], strict=True)))
-    with plt.rc_context(STYLE):
-        figure, axes = plt.subplots(
-            1, len(losses), figsize=(3.6 * len(losses), 3.6), sharey=True, layout="constrained"
-        )
-        axes_ = list(np.atleast_1d(axes))
-        for axis, loss in zip(axes_, losses, strict=True):
-            rows = table[table["loss"] == loss]
-            for accumulation, group in rows.groupby("accumulation", sort=False):
-                cells = group.set_index(["world_size", "micro_batches"])["max_abs_loss_diff"]
-                style = ACCUMULATION_STYLES.get(accumulation, {})
-                for world_size in dict.fromkeys(w for w, _ in layouts):  # a line per W
-                    columns = [i for i, (w, _) in enumerate(layouts) if w == world_size]
-                    values = [max(cells.loc[layouts[i]], ZERO_FLOOR) for i in columns]
-                    axis.plot(
-                        columns, values, linewidth=1.4, markersize=5, **style,
-                        label=accumulation if world_size == layouts[0][0] else None,
-                    )  # fmt: skip
-            _style_difference_axis(
-                axis, tolerance, "max |Δloss| vs one device" if axis is axes_[0] else ""
-            )
-            axis.set_title(loss, fontsize=10)
-            axis.set_xticks(range(len(layouts)), [f"W={w}\nK={k}" for w, k in layouts], fontsize=7)
-            axis.set_xlabel("W ranks × K micro-batches per rank")
-            for boundary in range(1, len(layouts)):
-                if layouts[boundary][0] != layouts[boundary - 1][0]:
-                    axis.axvline(boundary - 0.5, color="0.85", linewidth=1)
-        handles, labels = axes_[0].get_legend_handles_labels()
-        figure.legend(
-            handles, labels, loc="outside lower center", ncols=2, fontsize=8, title="accumulation"
-        )
-        figure.suptitle(
-            f"Accumulating K micro-batches (float64; exact 0 drawn at {ZERO_FLOOR:g})", fontsize=10
-        )
-    return figure
-
-
 # The colours of a recording's parts (each part keeps its place in the recording's order).
 PART_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2")
 PART_LINES = ("--", ":", "-.", (0, (5, 1, 1, 1)))
@@ -869,7 +648,7 @@ def recordings_figure(
             diff_axis.plot(whole["update"].iloc[:1], threshold * floor[:1], color="0.2",
                            marker="_", markersize=18, markeredgewidth=2, linestyle="none",
                            label=f"{threshold:g} floors at update 0: the most within")  # fmt: skip
-        _style_difference_axis(diff_axis, tolerance, f"gradient relative difference vs {reference}")
+        style_difference_axis(diff_axis, tolerance, f"gradient relative difference vs {reference}")
         if floored:  # no exact zeros to draw in a low precision: the axis fits the departures
             values = np.concatenate([updates["rel_err"].to_numpy(float), floor])
             values = values[np.isfinite(values) & (values > 0)]
@@ -886,111 +665,6 @@ def recordings_figure(
         diff_axis.legend(fontsize=8, loc="best")
         for axis in (loss_axis, diff_axis):  # updates are whole numbers
             axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    return figure
-
-
-# The bug classes of the precision figure (experiments/precision.py), each with its colour; the
-# exact runs are drawn as every reference is, the slices scaled by 1 + ε in one sequential map.
-PRECISION_CASES = {
-    "exact": {"color": "black", "marker": "o", "zorder": 6},  # over the slices that round away
-    "old gather": {"color": GATHER_COLORS["old"], "marker": "s"},
-    "local negatives": {"color": "#ff7f0e", "marker": "^"},
-    "per-rank batch norm": {"color": "#9467bd", "marker": "D"},
-    "naive accumulation": {"color": "#8c564b", "marker": "v"},
-}
-
-
-def precision_figure(table: pd.DataFrame, threshold: float) -> plt.Figure:
-    """One panel per precision: each case's gradient departure from the same-precision one device
-    in floors against W (the median over seeds, the band from the least to the most), on a log
-    scale with exact zeros at the floor; the threshold drawn. A case under it is ``exact within``
-    that precision: the exact runs always, a slice scaled by 1 + ε only where ε is larger than
-    the precision's power. ``table`` has the columns of ``figures/precision.csv``."""
-    precisions = list(dict.fromkeys(table["precision"]))
-    epsilons = sorted({e for e in table["epsilon"].dropna()}, reverse=True)
-    shades = plt.get_cmap("viridis")(np.linspace(0.1, 0.85, max(len(epsilons), 1)))
-    styles = dict(PRECISION_CASES)
-    for epsilon, shade in zip(epsilons, shades, strict=False):
-        styles[f"slice × (1 + {epsilon:g})"] = {"color": shade, "marker": ".", "linestyle": ":"}
-    with plt.rc_context(STYLE):
-        figure, axes = plt.subplots(1, len(precisions), figsize=(3.9 * len(precisions), 4.2),
-                                    sharey=True, layout="constrained")  # fmt: skip
-        axes_ = list(np.atleast_1d(axes))
-        for axis, precision in zip(axes_, precisions, strict=True):
-            rows = table[table["precision"] == precision]
-            for label, style in styles.items():
-                group = rows[rows["case"] == label]
-                if not len(group):
-                    continue
-                scores = group.groupby("world_size")["floors"]
-                sizes = scores.median().index.to_numpy()
-                low, mid, high = (np.maximum(f().to_numpy(float), ZERO_FLOOR)
-                                  for f in (scores.min, scores.median, scores.max))  # fmt: skip
-                axis.plot(sizes, mid, linewidth=1.4, markersize=5, label=label,
-                          **{"linestyle": "-", **style})  # fmt: skip
-                axis.fill_between(sizes, low, high, color=style["color"], alpha=0.12, linewidth=0,
-                                  zorder=style.get("zorder", 1) - 1)  # fmt: skip
-            axis.axhline(threshold, **{**REFERENCE_STYLE, "linewidth": 1.4})
-            axis.text(sizes[0], threshold * 1.25, f"threshold: {threshold:g} floors", fontsize=8)
-            word = terms.Precision(precision).word
-            floor = rows.loc[rows["case"] == "exact", "floor"].median()
-            axis.set_title(f"{word} ({precision}), median floor {floor:.1e}", fontsize=9)
-            axis.set_xscale("log", base=2)
-            axis.set_yscale("log")
-            axis.set_xticks(
-                sorted(set(rows["world_size"])), map(str, sorted(set(rows["world_size"])))
-            )
-            axis.set_xlabel("W ranks")
-            if axis is axes_[0]:
-                axis.set_ylabel("‖g_W − g₁‖ / floor (same precision)")
-        handles, labels = axes_[0].get_legend_handles_labels()
-        figure.legend(handles, labels, loc="outside right center", fontsize=8)
-        figure.suptitle("W ranks against one device in the same low precision, in floors of one "
-                        "device with its forward in as many row blocks as ranks",
-                        fontsize=10)  # fmt: skip
-    return figure
-
-
-SHARDED_SIZES = {2: "#6baed6", 4: "#08519c"}  # a world size's bar in the sharded figure
-
-
-def sharded_figure(table: pd.DataFrame, tolerance: float) -> plt.Figure:
-    """One panel per strategy (DDP, FSDP2, ZeRO): for each case, the final weights' max |Δ|
-    against one device after the run's updates (log scale, exact zeros at the floor), a bar per
-    W, its verdict written over it; the float64 tolerance drawn. ``table`` has the columns of
-    ``figures/sharded.csv`` (experiments/sharded.py)."""
-    strategies = list(dict.fromkeys(table["strategy"]))
-    sizes = sorted(set(table["world_size"]))
-    width = 0.8 / len(sizes)
-    with plt.rc_context(STYLE):
-        figure, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 4.2),
-                                    sharey=True, layout="constrained")  # fmt: skip
-        for axis, strategy in zip(np.atleast_1d(axes), strategies, strict=True):
-            rows = table[table["strategy"] == strategy]
-            cases = list(dict.fromkeys(rows["case"]))
-            for offset, size in enumerate(sizes):
-                at = rows[rows["world_size"] == size].set_index("case").loc[cases]
-                x = np.arange(len(cases)) + (offset - (len(sizes) - 1) / 2) * width
-                heights = np.maximum(at["max_abs_param_diff"].to_numpy(float), ZERO_FLOOR)
-                axis.bar(x, heights, width, color=SHARDED_SIZES.get(size, "0.5"),
-                         label=f"W = {size}")  # fmt: skip
-                for left, height, (_, row) in zip(x, heights, at.iterrows(), strict=True):
-                    named = row["cause"] if isinstance(row["cause"], str) and row["cause"] else ""
-                    if row["verdict"] == "loss differs":  # the gradient says more
-                        named = f"gradient {row['gradient']}"
-                    word = f"{row['verdict']}\n({named})" if named else row["verdict"]
-                    lift = 1.6 * 12**offset  # each W a line higher: neighbours never overlap
-                    axis.text(left, height * lift, word, ha="center", va="bottom", fontsize=6.5)
-            axis.axhline(tolerance, **{**REFERENCE_STYLE, "linewidth": 1.2})
-            axis.set_xticks(range(len(cases)), cases, fontsize=8)
-            axis.set_yscale("log")
-            axis.set_ylim(ZERO_FLOOR / 10, 100)
-            axis.set_title(strategy, fontsize=10)
-            if axis is np.atleast_1d(axes)[0]:
-                axis.set_ylabel("final weights' max |Δ| vs one device")
-                axis.legend(fontsize=8, loc="upper left")
-        figure.suptitle(f"Sharded training against one device (float64; dashed: {tolerance:g}; "
-                        f"exact 0 drawn at {ZERO_FLOOR:g})", fontsize=10)  # fmt: skip
     return figure
 
 
