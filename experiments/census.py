@@ -51,7 +51,7 @@ from census_pages import Checked, pages  # noqa: E402
 from public_code import RESULTS, download, release_root, sha256, write_into_results  # noqa: E402
 
 from gatherlab.check import check_loss  # noqa: E402
-from gatherlab.check.api import CheckError  # noqa: E402
+from gatherlab.check.options import CheckError  # noqa: E402
 
 START, END = "<!-- census:start -->", "<!-- census:end -->"
 WORLD_SIZES = (2, 4)  # the table's
@@ -85,7 +85,7 @@ def check(case: Case, root: Path) -> pd.DataFrame | str:
     try:
         return check_loss(
             factory, world_sizes, gather=gather, inputs=case.inputs, steps=case.steps, **kwargs
-        )
+        ).table
     except CheckError as error:
         return f"failed on one device: {str(error).splitlines()[0]}"
 

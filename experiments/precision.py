@@ -134,7 +134,7 @@ def _accumulation(precision: str, seed: int) -> list[dict]:
         update="updates:naive", model="plain_steps:build_model", data="plain_steps:Pairs",
         world_sizes=WORLD_SIZES, micro_batches=(2,), steps=1, global_batch_size=GLOBAL_BATCH,
         precision=precision, seed=seed,
-    )  # fmt: skip
+    ).table  # fmt: skip
     whole = table[(table["part"] == "all") & (table["removed"] == "none")]
     return [
         {"precision": precision, "case": "naive accumulation", "epsilon": None,

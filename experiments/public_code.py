@@ -358,7 +358,9 @@ def main() -> None:
     rows, departures = [], []
     for case in CASES:
         root = str(releases[(case.package, case.version)])
-        table = check_loss(f"public_code:{case.factory}", WORLD_SIZES, root=root, **case.kwargs)
+        table = check_loss(
+            f"public_code:{case.factory}", WORLD_SIZES, root=root, **case.kwargs
+        ).table
         for row in rows_of(case, table):
             rows.append(row)
             if row[4] != case.predicted:

@@ -68,7 +68,7 @@ def main() -> None:
                 step=f"sharded_steps:{step}", model=f"sharded_steps:{model}", model_kwargs=kwargs,
                 optimizer=optimizer, optimizer_kwargs={"lr": 0.01}, data="plain_steps:Pairs",
                 world_sizes=WORLD_SIZES, steps=STEPS,
-            )  # fmt: skip
+            ).table  # fmt: skip
             whole = table[(table["part"] == "all") & (table["removed"] == "none")]
             for _, row in whole.iterrows():
                 found = table.attrs.get(UNREDUCED, {}).get(f"{row['world_size']},1")

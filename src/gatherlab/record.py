@@ -1,5 +1,5 @@
 """Record a training job where it runs, to compare it with another run of it
-(``python -m gatherlab.compare A B``; docs/design.md §11):
+(``python -m gatherlab.compare A B``; docs/recording.md §11):
 
     import gatherlab.record
 
@@ -8,13 +8,15 @@
         ...                      # the job's own loop, unchanged
     recorder.close()
 
-``gatherlab.record(...)`` is `Recorder` (also a context manager). A Lightning ``Trainer`` takes
-``gatherlab.record.LightningRecorder(out)`` among its callbacks, a Hugging Face ``Trainer``
-``gatherlab.record.HFRecorder(out)`` (the ``hf`` extra). Every rank records; rank 0 writes.
+``gatherlab.record(...)`` is `Recorder` (also a context manager); how it records is
+`RecordOptions`, whose fields every recorder takes as keywords (``k=``, ``trace=``, …). A
+Lightning ``Trainer`` takes ``gatherlab.record.LightningRecorder(out)`` among its callbacks, a
+Hugging Face ``Trainer`` ``gatherlab.record.HFRecorder(out)`` (the ``hf`` extra). Every rank
+records; rank 0 writes.
 
-In bf16 or fp16, record a third run, the floor: one device with
-``gatherlab.record.in_row_blocks(model.backbone)`` (its forward in two row blocks), and compare
-with ``--floor`` (docs/design.md §2, "Low precision").
+In float32, bf16 or fp16, record a third run, the floor: the same one-device command with
+``GATHERLAB_RECORD_FLOOR=DIR`` set (every recorder cuts the model's forward into row blocks
+itself), and compare with ``--floor DIR`` (docs/design.md §2, "Low precision").
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from typing import Any
 
 from gatherlab.components.rowblocks import in_row_blocks
 from gatherlab.recording.format import Recording, RecordingError, read
+from gatherlab.recording.record_options import RecordOptions
 from gatherlab.recording.recorder import Recorder
 
 # The two callbacks are imported when first asked for (module __getattr__).
 __all__ = [  # noqa: F822
-    "HFRecorder", "LightningRecorder", "Recorder", "Recording", "RecordingError", "in_row_blocks",
-    "read",
+    "HFRecorder", "LightningRecorder", "RecordOptions", "Recorder", "Recording", "RecordingError",
+    "in_row_blocks", "read",
 ]  # fmt: skip
 
 

@@ -21,16 +21,14 @@ failing pytest test, pytest's traceback leaves out these helpers' own frames
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Callable, Iterable
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from gatherlab import check
 from gatherlab.check import defaults
+from gatherlab.check.options import TrainingOptions
+from gatherlab.check.table import CheckResult
 
 __all__ = ["assert_layout_invariant", "assert_runs_match", "assert_training_invariant"]
 
@@ -39,20 +37,21 @@ def assert_layout_invariant(
     factory: str | Callable[..., Any],
     world_sizes: Iterable[int] = defaults.WORLD_SIZES,
     **arguments: Any,
-) -> pd.DataFrame:
+) -> CheckResult:
     """`gatherlab.check.check_loss`, failing with its table and diagnosis unless every world size
-    trains like one device (`gatherlab.check.trains_like_one_device`); the table when it does.
+    trains like one device (`gatherlab.check.trains_like_one_device`); the result when it does.
 
     Args:
         factory: the loss class or function, or its import path (``module:attribute``).
         world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
-        **arguments: `gatherlab.check.check_loss`'s keyword arguments: ``gather=``, ``steps=``,
-            ``optim=``, ``seed=``, ``precision=`` and the loss's own keyword arguments.
+        **arguments: `gatherlab.check.check_loss`'s keyword arguments: ``options=`` (a
+            `gatherlab.check.LossOptions`), any of its fields (``gather=``, ``steps=``,
+            ``optim=``, ``seed=``, ``precision=``, …) and the loss's own keyword arguments.
 
     Returns:
-        The check's table (a pandas DataFrame, one row per world size), every verdict ``exact``
-        or ``loss scaled`` (``exact within bf16``, …, for a loss that cannot run in float64,
-        judged in its ``precision``).
+        The check's `gatherlab.check.CheckResult` (its ``table``: one row per world size), every
+        verdict ``exact`` or ``loss scaled`` (``exact within bf16``, …, for a loss that cannot
+        run in float64, judged in its ``precision``).
 
     Raises:
         AssertionError: some world size's verdict is neither ``exact`` nor ``loss scaled``; the
@@ -61,41 +60,44 @@ def assert_layout_invariant(
 
     Example:
         >>> from gatherlab.testing import assert_layout_invariant
-        >>> table = assert_layout_invariant(
+        >>> result = assert_layout_invariant(
         ...     "gatherlab.losses:NTXentLoss", (2, 4), gather="fixed", temperature=0.5
         ... )
-        >>> table["verdict"].tolist()
+        >>> result.table["verdict"].tolist()
         ['exact', 'exact']
     """
     __tracebackhide__ = True  # pytest shows the caller's line and the message, not this frame
-    table = check.check_loss(factory, world_sizes, **arguments)
-    if not check.trains_like_one_device(table):
-        raise AssertionError(check.explain(table))
-    return table
+    result = check.check_loss(factory, world_sizes, **arguments)
+    if not check.trains_like_one_device(result):
+        raise AssertionError(check.explain(result))
+    return result
 
 
 def assert_training_invariant(
     module: str | Callable[..., Any] | None = None,
     data: str | Callable[..., Any] | None = None,
     world_sizes: Iterable[int] = defaults.WORLD_SIZES,
+    *,
+    options: TrainingOptions | None = None,
     **arguments: Any,
-) -> pd.DataFrame:
+) -> CheckResult:
     """`gatherlab.check.check_training` of a ``LightningModule`` (or a plain PyTorch step
     ``step=``, or a whole update ``update=``, with ``model=``), failing with its tables and the
     causes it names unless every world size's run without removals trains like one device
-    (docs/design.md §10); the table when it does.
+    (docs/checking.md §10); the result when it does.
 
     Args:
         module: the ``LightningModule`` class or factory, or its import path (None with
             ``step=``).
         data: the map-style data set's class or factory, or its import path.
         world_sizes: the numbers of ranks, each an integer ≥ 2 dividing the global batch.
-        **arguments: `gatherlab.check.check_training`'s keyword arguments, each documented as a
-            field of `gatherlab.check.defaults.TrainingOptions`:
-            {arguments}.
+        options: the check's options (`gatherlab.check.TrainingOptions`).
+        **arguments: any field of `gatherlab.check.TrainingOptions`, set over ``options``
+            (``step=``, ``model=``, ``steps=``, …), each documented there.
 
     Returns:
-        The check's table, every run without removals ``exact`` or ``loss scaled``.
+        The check's `gatherlab.check.CheckResult`, every run without removals ``exact`` or
+        ``loss scaled``.
 
     Raises:
         AssertionError: some world size does not train like one device; the message is
@@ -104,17 +106,17 @@ def assert_training_invariant(
 
     Example:
         >>> from gatherlab.testing import assert_training_invariant
-        >>> table = assert_training_invariant(  # examples/ssl_modules.py: an exact SimCLR
+        >>> result = assert_training_invariant(  # examples/ssl_modules.py: an exact SimCLR
         ...     "ssl_modules:SimCLR", "ssl_modules:GaussianPairs", (2, 4), steps=2
         ... )
-        >>> table["verdict"].unique().tolist()
+        >>> result.table["verdict"].unique().tolist()
         ['exact']
     """
     __tracebackhide__ = True  # pytest shows the caller's line and the message, not this frame
-    table = check.check_training(module, data, world_sizes, **arguments)
-    if not check.trains_like_one_device(table):
-        raise AssertionError(check.explain_training(table))
-    return table
+    result = check.check_training(module, data, world_sizes, options=options, **arguments)
+    if not check.trains_like_one_device(result):
+        raise AssertionError(check.explain_training(result))
+    return result
 
 
 def assert_runs_match(
@@ -125,7 +127,7 @@ def assert_runs_match(
     floor: str | Path | None = None,
 ) -> Any:
     """`gatherlab.compare` of two recordings (`gatherlab.record`), failing with its words unless
-    the run trains like the reference (docs/design.md §5): for a CI job that records a short run
+    the run trains like the reference (docs/contract.md §5): for a CI job that records a short run
     at W = 1 and at W = 4 and compares them.
 
     Args:
@@ -148,23 +150,9 @@ def assert_runs_match(
         gatherlab.check.recordings.NotComparable: recordings of different models or settings.
     """
     __tracebackhide__ = True  # pytest shows the caller's line and the message, not this frame
-    from gatherlab.check.recordings import (
-        compare_recordings,
-    )  # the comparison itself: it writes no files
+    from gatherlab.check.recordings import compare_recordings  # it writes no files
 
     comparison = compare_recordings(reference, run, tolerance=tolerance, floor=floor)
     if comparison.status != 0:
         raise AssertionError(comparison.words)
     return comparison
-
-
-def _keyword_options() -> str:
-    """`check_training`'s keyword arguments beyond the first three, as the docstring lists them."""
-    names = [f"``{option.name}=``" for option in fields(defaults.TrainingOptions)][3:]
-    return textwrap.fill(", ".join(names), 84, subsequent_indent=" " * 12)
-
-
-if assert_training_invariant.__doc__:  # None under python -OO
-    assert_training_invariant.__doc__ = assert_training_invariant.__doc__.replace(
-        "{arguments}", _keyword_options()
-    )

@@ -47,7 +47,7 @@ EXPECTED = {
 @pytest.mark.parametrize("case", EXPECTED)
 def test_each_stand_in_gets_its_predicted_verdict(case):
     name, kwargs, expected = EXPECTED[case]
-    table = check.check_loss(f"standins:{name}", (2, 4), **kwargs)
+    table = check.check_loss(f"standins:{name}", (2, 4), **kwargs).table
     table = table[table["part"] == "all"]  # a learnt scale's parts: tests/check/test_diagnosis.py
     assert list(table["world_size"]) == [2, 4]
     assert list(table["verdict"]) == [expected, expected], table.to_string()
@@ -100,9 +100,9 @@ def test_every_option_of_the_gather_group_is_a_gather_the_check_takes():
 
 
 def test_built_in_gathers_through_gather():
-    fixed = check.check_gather("fixed", (2, 4))
+    fixed = check.check_gather("fixed", (2, 4)).table
     assert set(fixed["verdict"]) == {"exact"}
-    old = check.check_gather("old", (2, 4))
+    old = check.check_gather("old", (2, 4)).table
     verdicts = {(row.loss, row.world_size): row.verdict for row in old.itertuples()}
     assert verdicts == {
         ("ntxent", 2): "biased", ("ntxent", 4): "biased",
@@ -149,7 +149,7 @@ def test_the_command_line_prints_the_diagnosis_and_exits_1_with_training_steps(t
     assert "SGD's effective learning rate is divided by W" in " ".join(result.stdout.split())
     table = pd.read_csv(out / runfiles.CHECK)
     assert table[TRAIN_COLUMN].iloc[0] > MISS_FACTOR * FLOAT64_BOUND
-    exact = check.check_loss(standins.ClipLossForCheck, (2,), steps=5, gather_with_grad=True)
+    exact = check.check_loss(standins.ClipLossForCheck, (2,), steps=5, gather_with_grad=True).table
     assert exact[TRAIN_COLUMN].iloc[0] <= FLOAT64_BOUND
 
 
@@ -241,7 +241,7 @@ def test_the_help_is_plain_text():
 
 
 def test_assert_layout_invariant_fails_with_the_diagnosis():
-    table = assert_layout_invariant(standins.GatherLayerNTXent, (2,), temperature=0.2)
+    table = assert_layout_invariant(standins.GatherLayerNTXent, (2,), temperature=0.2).table
     assert list(table["verdict"]) == ["exact"]
     with pytest.raises(AssertionError) as failure:
         assert_layout_invariant("standins:ClipLossForCheck", (2,), local_loss=True)
@@ -441,7 +441,7 @@ def test_torchs_autograd_all_gather_is_wrong_on_gloo_when_its_gradient_is_not_co
     docs/results.md's words on ``torch_nn`` change with it."""
     loss = "standins:PermutedGatheredFeatures"
     verdicts = {
-        name: check.check_loss(loss, (2, 4), gather=name).set_index("world_size")
+        name: check.check_loss(loss, (2, 4), gather=name).table.set_index("world_size")
         for name in ("fixed", "functional", "torch_nn", "lightning")
     }
     for name in ("fixed", "functional"):

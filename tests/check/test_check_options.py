@@ -1,37 +1,40 @@
-"""The options of the check of a training step cannot drift: `check_training`'s keyword arguments,
-``python -m gatherlab.check``'s options and `assert_training_invariant`'s are the fields of one
-spec, `gatherlab.check.defaults.TrainingOptions`; and what the loss check trains, stated in Python
-(`defaults.LossSetting`), is what the lab's gradient audit composes (no ranks run here)."""
+"""The options of the check cannot drift: each form's options are one typed dataclass
+(`gatherlab.check.options`: `TrainingOptions`, `LossOptions`, `GatherOptions`), whose fields
+`check_training`, ``python -m gatherlab.check`` and `assert_training_invariant` all read; each
+refuses a bad value in ``__post_init__`` with one line; and what the loss check trains, stated in
+Python (`defaults.LossSetting`), is what the lab's gradient audit composes (no ranks run here)."""
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
+import typing
 from dataclasses import fields
 
-import pandas as pd
 import pytest
 
 from gatherlab import check, testing
 from gatherlab.check import __main__ as command
-from gatherlab.check import api, defaults, diagnosis
+from gatherlab.check import api, defaults, diagnosis, options
+from gatherlab.check.table import CheckResult
 
-OPTIONS = fields(defaults.TrainingOptions)
+OPTIONS = fields(options.TrainingOptions)
 ON_THE_COMMAND_LINE = [option for option in OPTIONS if option.metadata["flag"]]
-# the value the command line gives each kind of option, and what check_training then receives
+# the value the command line gives each kind of option, and what the options then hold
 SAMPLES = {
     "ints": ("3,5", (3, 5)), "int": ("7", 7), "float": ("2.5", 2.5),
     "json": ('{"k": 1}', {"k": 1}), "text": ("pkg.mod:attr", "pkg.mod:attr"),
 }  # fmt: skip
+A_STEP = {"step": "pkg.mod:step", "model": "pkg.mod:model", "data": "pkg.mod:Data"}
 
 
-def test_check_training_takes_the_spec_fields_in_order_with_their_defaults():
-    parameters = list(inspect.signature(api.check_training).parameters.values())
-    assert [(p.name, p.default) for p in parameters] == [(o.name, o.default) for o in OPTIONS]
-    kinds = [p.kind for p in parameters]
-    assert kinds == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 3 + [
-        inspect.Parameter.KEYWORD_ONLY
-    ] * (len(OPTIONS) - 3)
-    assert all(option.metadata["doc"] for option in OPTIONS)  # each documented once, there
+@pytest.mark.parametrize("kind", [options.TrainingOptions, options.LossOptions,
+                                  options.GatherOptions])  # fmt: skip
+def test_every_field_is_typed_and_documented_once(kind):
+    hints = typing.get_type_hints(kind)
+    for option in fields(kind):
+        assert hints[option.name] is not typing.Any or option.name == "inputs", option.name
+        assert option.metadata["doc"], option.name
+        assert f"{option.name}: " in kind.__doc__  # help(kind) lists it
 
 
 def test_the_command_line_has_an_option_for_each_field_but_the_seed():
@@ -40,54 +43,130 @@ def test_the_command_line_has_an_option_for_each_field_but_the_seed():
     by_flag = {flag: action for action in parser._actions for flag in action.option_strings}
     for option in ON_THE_COMMAND_LINE:
         action = by_flag[option.metadata["flag"]]
-        assert action.dest == defaults.dest(option)
+        assert action.dest == options.dest(option)
         assert action.default == option.metadata.get("cli_default", option.default)
-    training = next(g for g in parser._action_groups if g.title == defaults.TRAINING)
+    training = next(g for g in parser._action_groups if g.title == options.TRAINING)
     assert {action.dest for action in training._group_actions} == {
-        defaults.dest(o) for o in ON_THE_COMMAND_LINE if o.metadata["group"] == defaults.TRAINING
+        options.dest(o) for o in ON_THE_COMMAND_LINE if o.metadata["group"] == options.TRAINING
     }
 
 
 @pytest.fixture
 def received(monkeypatch) -> dict:
-    """What `check_training` is called with (nothing runs): its keyword arguments."""
+    """What `check_training` is called with (nothing runs): its arguments."""
     calls: dict = {}
 
     def check_training(*args, **kwargs):
         calls.update(kwargs, positional=args)
-        return pd.DataFrame()
+        return CheckResult(None)
 
     monkeypatch.setattr(api, "check_training", check_training)
     monkeypatch.setattr(check, "check_training", check_training, raising=False)
-    monkeypatch.setattr(diagnosis, "explain_training", lambda table: "")
-    monkeypatch.setattr(check, "trains_like_one_device", lambda table: True, raising=False)
+    monkeypatch.setattr(diagnosis, "explain_training", lambda result: "")
+    monkeypatch.setattr(check, "trains_like_one_device", lambda result: True, raising=False)
     return calls
 
 
 def test_the_command_line_passes_every_option_to_check_training(received):
     argv, expected = [], {}
     for option in ON_THE_COMMAND_LINE:
+        if option.name in ("module", "step", "tensor_parallel"):  # one form: an update
+            continue
         text, value = SAMPLES[option.metadata.get("kind", "text")]
+        text, value = {"strategy": ("ddp", "ddp"), "precision": ("32-true", "32-true")}.get(
+            option.name, (text, value)
+        )
         argv += [option.metadata["flag"], text]
         expected[option.name] = value
     command._check(command._parser().parse_args(argv))
-    assert received == {**expected, "positional": ()}
+    given = received.pop("options")
+    assert received == {"positional": ()}
+    assert {name: getattr(given, name) for name in expected} == expected
 
 
-def test_the_command_line_without_options_passes_check_trainings_defaults(received):
-    command._check(command._parser().parse_args(["--module", "pkg.mod:M"]))
-    for option in ON_THE_COMMAND_LINE:
-        if option.name not in ("module", "world_sizes"):
-            assert received[option.name] == option.default
-    assert received["world_sizes"] is None  # main() puts defaults.WORLD_SIZES, or the launcher's
+def test_the_command_line_without_options_passes_the_options_defaults(received):
+    command._check(command._parser().parse_args(["--module", "pkg.mod:M", "--data", "d:D"]))
+    given = received["options"]
+    for option in OPTIONS:
+        if option.name not in ("module", "data"):
+            assert getattr(given, option.name) == option.default, option.name
 
 
-def test_assert_training_invariant_names_and_passes_every_keyword_argument(received):
-    for option in OPTIONS[3:]:
-        assert f"``{option.name}=``" in testing.assert_training_invariant.__doc__
-    arguments = {option.name: object() for option in OPTIONS[3:]}
-    testing.assert_training_invariant("m:M", "d:D", (2,), **arguments)
-    assert received == {**arguments, "positional": ("m:M", "d:D", (2,))}
+def test_keywords_and_an_options_object_are_the_same_check(received):
+    keywords = {"steps": 3, "world_sizes": (2,), "global_batch_size": 8, **A_STEP}
+    testing.assert_training_invariant(**keywords)
+    rest = {k: v for k, v in keywords.items() if k not in ("data", "world_sizes")}
+    assert received == {"positional": (None, "pkg.mod:Data", (2,)), "options": None, **rest}
+    made = options.TrainingOptions(**keywords)
+    assert api._options(options.TrainingOptions, None, None, keywords) == made
+    assert api._options(options.TrainingOptions, made, (4,), {"steps": 5}) == (
+        dataclasses.replace(made, world_sizes=(4,), steps=5)
+    )
+    with pytest.raises(options.CheckError, match=r"^options=LossOptions\(...\) is not allowed"):
+        api._options(options.TrainingOptions, options.LossOptions(), None, {})
+
+
+@pytest.mark.parametrize(
+    ("given", "line"),
+    [
+        ({"data": "d:D"}, "name one of a LightningModule (--module), a plain PyTorch step"),
+        ({**A_STEP, "module": "m:M"}, "--module and --step are forms of one check"),
+        ({"module": "m:M"}, "--module needs --data (a map-style data set, module:attribute)"),
+        ({"step": "s:s", "data": "d:D"}, "--step needs --model (a function or class returning"),
+        ({**A_STEP, "micro_batches": (2,)}, "--micro-batches 2: micro-batches are the whole "
+         "update's (--update); allowed: --update with them, or 1"),
+        ({**A_STEP, "world_sizes": (0,)}, "world_sizes=(0,) (--world-sizes) is not allowed; "
+         "allowed: integers ≥ 1"),
+        ({**A_STEP, "step_budget_s": 0}, "--step-budget 0; allowed: a number of seconds > 0"),
+        ({**A_STEP, "collective_timeout_s": -1}, "collective_timeout_s=-1 (--collective-timeout); "
+         "allowed: a number of seconds > 0"),
+        ({**A_STEP, "strategy": "fsdp2"}, "--strategy fsdp2: allowed: ddp, fsdp2 with --module"),
+        ({**A_STEP, "precision": "8-true"}, "--precision '8-true' is not allowed; allowed: "),
+        ({**A_STEP, "tensor_parallel": 1}, "--tensor-parallel 1 is not allowed; allowed: an "
+         "integer ≥ 2"),
+        ({**A_STEP, "tensor_parallel": 4, "world_sizes": (2, 4)}, "--tensor-parallel 4 does not "
+         "divide --world-sizes 2,4 (W = 2): a layout's mesh is W/T × T ranks; allowed: a T "
+         "dividing every W (2)"),
+    ],
+)  # fmt: skip
+def test_a_bad_training_option_is_one_line_when_the_options_are_made(given, line):
+    with pytest.raises(options.CheckError) as refused:
+        options.TrainingOptions(**given)
+    assert line in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "line"),
+    [
+        ({"optim": "lbfgs"}, "--optim 'lbfgs' is unknown; allowed: sgd, adamw"),
+        ({"steps": -1}, "--steps -1 is not allowed; allowed: an integer ≥ 0"),
+        ({"world_sizes": (1,)}, "world_sizes=(1,) (--world-sizes) is not allowed; allowed: "
+         "integers ≥ 2"),
+        ({"world_sizes": "2,4"}, "world_sizes='2,4' (--world-sizes) is not allowed"),
+    ],
+)  # fmt: skip
+def test_a_bad_loss_option_is_one_line_when_the_options_are_made(given, line):
+    for kind in (options.GatherOptions, options.LossOptions):
+        with pytest.raises(options.CheckError) as refused:
+            kind(**given)
+        assert str(refused.value).startswith(line), str(refused.value)
+
+
+def test_a_keyword_that_is_no_option_is_named_with_what_is_allowed():
+    with pytest.raises(options.CheckError) as refused:
+        api.check_gather("fixed", optimiser="sgd")
+    assert str(refused.value).startswith("GatherOptions: optimiser= is no option; allowed: ")
+    with pytest.raises(options.CheckError, match=r"^TrainingOptions: model_kwarg= is no option"):
+        api.check_training(**A_STEP, model_kwarg={})
+
+
+def test_the_options_are_frozen_and_replaced_whole():
+    chosen = options.TrainingOptions(**A_STEP)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        chosen.steps = 3
+    assert dataclasses.replace(chosen, steps=3).steps == 3
+    with pytest.raises(options.CheckError, match="--step-budget"):
+        dataclasses.replace(chosen, step_budget_s=-1.0)
 
 
 @pytest.mark.parametrize("optim", defaults.OPTIMIZERS)

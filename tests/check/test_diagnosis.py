@@ -47,11 +47,11 @@ def part(table: pd.DataFrame, name: str) -> pd.DataFrame:
 
 
 def test_a_learnt_temperature_after_an_own_slice_gather_is_split_in_parts():
-    table = check.check_loss(diagnosis_cases.LearntTemperatureOwnSlice, W, steps=2)
-    assert list(table["part"]) == ["all", "model", "loss.log_temperature"] * 2
-    rows = whole(table)
+    result = check.check_loss(diagnosis_cases.LearntTemperatureOwnSlice, W, steps=2)
+    assert list(result.table["part"]) == ["all", "model", "loss.log_temperature"] * 2
+    rows = whole(result.table)
     assert list(rows["verdict"]) == ["biased", "biased"] and set(rows["cause"]) == {"parts"}
-    model, temperature = part(table, "model"), part(table, "loss.log_temperature")
+    model, temperature = part(result.table, "model"), part(result.table, "loss.log_temperature")
     assert list(model["gradient"]) == ["1/W", "1/W"]
     for world_size in W:
         assert model.loc[world_size, "norm_ratio"] == pytest.approx(1 / world_size, rel=RATIO)
@@ -59,9 +59,9 @@ def test_a_learnt_temperature_after_an_own_slice_gather_is_split_in_parts():
     assert list(temperature["gradient"]) == ["exact", "exact"]
     assert list(temperature["verdict"]) == ["exact", "exact"]  # a part has no curve to diverge
     assert (temperature["max_rel_err"] <= RATIO).all()
-    assert table.loc[table["part"] != "all", "train_max_abs_loss_diff"].isna().all()
-    assert not check.trains_like_one_device(table)
-    text = " ".join(check.explain(table).split())
+    assert result.table.loc[result.table["part"] != "all", "train_max_abs_loss_diff"].isna().all()
+    assert not check.trains_like_one_device(result)
+    text = " ".join(check.explain(result).split())
     assert "W = 2, 4: biased (parts)" in text
     assert "Measured per part: model 1/W (norm ratio 0.5, 0.25;" in text
     assert "loss.log_temperature exact (norm ratio 1, 1;" in text
@@ -70,18 +70,18 @@ def test_a_learnt_temperature_after_an_own_slice_gather_is_split_in_parts():
 
 
 def test_a_loss_times_w_on_a_local_slot_gather_is_loss_scaled_and_trains_exactly():
-    table = check.check_loss(diagnosis_cases.ScaledToUndoAverage, W, steps=3)
-    rows = whole(table)
-    assert list(table["part"]) == ["all", "all"]  # a loss without parameters: one part
+    result = check.check_loss(diagnosis_cases.ScaledToUndoAverage, W, steps=3)
+    rows = whole(result.table)
+    assert list(result.table["part"]) == ["all", "all"]  # a loss without parameters: one part
     assert list(rows["verdict"]) == ["loss scaled", "loss scaled"]
     assert list(rows["gradient"]) == ["exact", "exact"] and set(rows["cause"]) == {"scaled"}
     for world_size in W:  # the constant W, on both batches, to rounding
         assert rows.loc[world_size, "scale"] == pytest.approx(world_size, rel=RATIO)
     # the training run's losses divided by c are one device's
     assert (rows["train_max_abs_loss_diff"] <= RATIO).all()
-    assert check.trains_like_one_device(table)
+    assert check.trains_like_one_device(result)
     assert_layout_invariant(diagnosis_cases.ScaledToUndoAverage, W)  # passes: exit 0
-    assert "| ×2 |" in check.explain(table) and "| ×4 |" in check.explain(table)
+    assert "| ×2 |" in check.explain(result) and "| ×4 |" in check.explain(result)
 
 
 def test_assert_layout_invariant_fails_a_1_over_w_gradient_with_its_diagnosis():
@@ -104,12 +104,12 @@ def test_assert_layout_invariant_fails_a_1_over_w_gradient_with_its_diagnosis():
 
 
 def test_a_buffer_moved_by_the_ranks_own_rows_diverges_after_an_exact_first_step():
-    table = check.check_loss(diagnosis_cases.CenterFromOwnRows, W, steps=3)
-    rows = whole(table)
+    result = check.check_loss(diagnosis_cases.CenterFromOwnRows, W, steps=3)
+    rows = whole(result.table)
     assert list(rows["forward"]) == ["same", "same"] and list(rows["gradient"]) == ["exact"] * 2
     assert list(rows["verdict"]) == ["diverges", "diverges"]
-    assert not check.trains_like_one_device(table)
-    assert "W = 2, 4: diverges" in check.explain(table)
+    assert not check.trains_like_one_device(result)
+    assert "W = 2, 4: diverges" in check.explain(result)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +117,7 @@ def test_a_buffer_moved_by_the_ranks_own_rows_diverges_after_an_exact_first_step
     [("ViewsConcatenatedThenGathered", "pair_order"), ("LocalNegativesOnly", "local_negatives")],
 )
 def test_the_cause_of_a_differing_loss_is_the_hypothesis_that_reproduces_it(loss, cause):
-    table = check.check_loss(getattr(diagnosis_cases, loss), W)
+    table = check.check_loss(getattr(diagnosis_cases, loss), W).table
     rows = whole(table)
     assert list(rows["verdict"]) == ["loss differs", "loss differs"]
     assert list(rows["cause"]) == [cause, cause] and rows["scale"].isna().all()
@@ -179,23 +179,23 @@ def test_a_hypothesis_whose_replay_breaks_the_loss_s_contract_holds_no_cause():
 def test_code_that_asserts_a_process_group_runs_unchanged_on_one_device():
     """Without a group the reference raises (its bare assert), so it runs in a one-rank group,
     and the column and the text say so with the plain run's error."""
-    table = check.check_loss(diagnosis_cases.NeedsProcessGroup, W)
-    assert list(whole(table)["verdict"]) == ["exact", "exact"]
-    assert set(table["reference"]) == {"one-rank group"}
+    result = check.check_loss(diagnosis_cases.NeedsProcessGroup, W)
+    assert list(whole(result.table)["verdict"]) == ["exact", "exact"]
+    assert set(result.table["reference"]) == {"one-rank group"}
     lines, start = inspect.getsourcelines(diagnosis_cases.asserting_gather)
     line = start + next(i for i, text in enumerate(lines) if "assert dist.is_initialized()" in text)
     assert (
         "Its one-device reference ran in a one-rank process group: without one it raises "
         f"AssertionError at examples/diagnosis_cases.py:{line}."
-    ) in " ".join(check.explain(table).split())
-    gathered = check.check_gather(diagnosis_cases.asserting_gather, W)
+    ) in " ".join(check.explain(result).split())
+    gathered = check.check_gather(diagnosis_cases.asserting_gather, W).table
     assert set(gathered["verdict"]) == {"exact"}
     assert set(gathered["reference"]) == {"one-rank group"}  # each of the three losses
     assert not dist.is_initialized()  # the one-rank group is gone afterwards
 
 
 @pytest.fixture(scope="module")
-def no_grad_gathers() -> dict[str, pd.DataFrame]:
+def no_grad_gathers() -> dict[str, check.CheckResult]:
     """The check of the two losses whose ``concat_all_gather`` drops the gradient whenever a
     process group exists, at W = 2, 4."""
     cases = ("NoGradGatherNegatives", "GlobalNoGradGather")
@@ -210,7 +210,8 @@ def test_a_gather_without_gradient_under_a_group_is_judged_against_the_plain_run
     the one-rank group's against the plain run (the W-rank gradient is the query path's only,
     the one-rank group's too: docs/checking.md §6), and the text reports that finding. A reference
     run in a one-rank group would call it exact."""
-    table = no_grad_gathers["NoGradGatherNegatives"]
+    result = no_grad_gathers["NoGradGatherNegatives"]
+    table = result.table
     rows = whole(table)
     assert list(rows["forward"]) == ["same", "same"]
     assert list(rows["verdict"]) == ["biased", "biased"]
@@ -219,7 +220,7 @@ def test_a_gather_without_gradient_under_a_group_is_judged_against_the_plain_run
     assert cosine < 1 - 1e-3 and abs(norm_ratio - 1) > 1e-3  # far from exact
     assert rows.loc[4, "cosine"] == pytest.approx(cosine, rel=RATIO)  # the same at every W
     assert rows.loc[4, "norm_ratio"] == pytest.approx(norm_ratio, rel=RATIO)
-    text = " ".join(check.explain(table).split())
+    text = " ".join(check.explain(result).split())
     assert (
         "NoGradGatherNegatives: differs in a one-rank process group This loss "
         "trains differently on one device inside a process group than without one: the gradient "
@@ -232,11 +233,12 @@ def test_a_gather_without_gradient_under_a_group_is_judged_against_the_plain_run
 def test_a_global_loss_of_rows_gathered_without_gradient_gets_none_against_the_plain_run(
     no_grad_gathers,
 ):
-    table = no_grad_gathers["GlobalNoGradGather"]
+    result = no_grad_gathers["GlobalNoGradGather"]
+    table = result.table
     rows = whole(table)
     assert list(rows["verdict"]) == ["none", "none"] and (rows["norm_ratio"] == 0).all()
     assert set(table["reference"]) == {"no group"}
-    text = " ".join(check.explain(table).split())
+    text = " ".join(check.explain(result).split())
     assert "the gradient in a one-rank group is none (norm ratio 0) against the plain run's" in text
     assert "while one device has one" in text  # no gradient on W ranks only
 
@@ -244,13 +246,13 @@ def test_a_global_loss_of_rows_gathered_without_gradient_gets_none_against_the_p
 def test_a_loss_that_trains_nothing_is_none_not_exact():
     """No gradient on either side: ``none`` (never ``exact``), its numbers undefined, and the
     diagnosis says that nothing trains, not that W ranks lost a gradient one device has."""
-    table = check.check_loss(diagnosis_cases.TrainsNothing, W)
-    rows = whole(table)
+    result = check.check_loss(diagnosis_cases.TrainsNothing, W)
+    rows = whole(result.table)
     assert list(rows["forward"]) == ["same", "same"]
     assert list(rows["verdict"]) == ["none", "none"]
     assert rows[["cosine", "norm_ratio", "max_rel_err"]].isna().all().all()
-    assert not check.trains_like_one_device(table)
-    text = " ".join(check.explain(table).split())
+    assert not check.trains_like_one_device(result)
+    text = " ".join(check.explain(result).split())
     assert "W = 2, 4: none No gradient reaches the model's parameters, on W ranks or on one" in text
     assert "differs in a one-rank process group" not in text  # both have none: they agree
 
@@ -271,31 +273,35 @@ def test_a_training_step_that_needs_a_group_runs_every_one_device_run_in_one():
     """Its reference, and the reference of each removal, run in a one-rank group: the batch
     norm of its head is named, the removal's run exact against a reference that could not run
     without a group."""
-    table = check.check_training(
+    result = check.check_training(
         step="test_diagnosis:needs_a_group_step", model="plain_steps:build_model",
         model_kwargs={"batchnorm": True}, data="plain_steps:Pairs", world_sizes=W, steps=2,
         global_batch_size=16,
     )  # fmt: skip
-    assert set(table["reference"]) == {"one-rank group"} and set(table["culprits"]) == {"batchnorm"}
-    removed = whole(table[table["removed"] == "batchnorm"])
+    assert set(result.table["reference"]) == {"one-rank group"} and set(
+        result.table["culprits"]
+    ) == {"batchnorm"}
+    removed = whole(result.table[result.table["removed"] == "batchnorm"])
     assert list(removed["verdict"]) == ["exact", "exact"]
     assert "needs_a_group_step: reference in a one-rank process group" in check.explain_training(
-        table
+        result
     )
 
 
 def test_a_training_step_is_judged_against_its_plain_one_device_run():
     """The check of a training step chooses its reference as the loss check does: the plain
     run, and the one-rank group's difference from it in words, with its numbers."""
-    table = check.check_training(
+    result = check.check_training(
         step="test_diagnosis:no_grad_negatives_step", model="plain_steps:build_model",
         data="plain_steps:Pairs", world_sizes=W, steps=2, global_batch_size=16,
     )  # fmt: skip
-    assert set(table["reference"]) == {"no group"}
-    rows = whole(table[table["removed"] == "none"])
-    assert list(rows["verdict"]) == ["biased", "biased"] and set(table["culprits"]) == {"loss"}
+    assert set(result.table["reference"]) == {"no group"}
+    rows = whole(result.table[result.table["removed"] == "none"])
+    assert list(rows["verdict"]) == ["biased", "biased"] and set(result.table["culprits"]) == {
+        "loss"
+    }
     cosine, norm_ratio = rows.loc[2, "cosine"], rows.loc[2, "norm_ratio"]
-    text = " ".join(check.explain_training(table).split())
+    text = " ".join(check.explain_training(result).split())
     assert (
         "This training step trains differently on one device inside a process group than "
         f"without one: the gradient in a one-rank group is biased (cosine {cosine:.3g}, norm "
@@ -326,7 +332,7 @@ def test_a_loss_failing_at_one_w_gets_a_failed_row_and_the_others_their_verdicts
     with pytest.raises(AssertionError, match="W = 4: failed"):
         assert_layout_invariant(diagnosis_cases.FailsAtFourRanks, W)
     # an exception without a message: its type and the user's file:line, never an empty line
-    table = check.check_loss(BareAssertBelowEightRows, W)
+    table = check.check_loss(BareAssertBelowEightRows, W).table
     line = inspect.getsourcelines(BareAssertBelowEightRows.forward)[1] + 1
     assert list(table["verdict"]) == ["loss differs", "failed"]
     assert re.fullmatch(f"rank [0-3]: AssertionError at tests/check/test_diagnosis.py:{line}",
@@ -336,7 +342,7 @@ def test_a_loss_failing_at_one_w_gets_a_failed_row_and_the_others_their_verdicts
 def test_a_rank_that_raises_while_its_peer_waits_in_a_collective_fails_its_w(
     no_leftover_processes,
 ):
-    table = check.check_loss(standins.FailsOnRankOne, (2,))
+    table = check.check_loss(standins.FailsOnRankOne, (2,)).table
     assert list(table["verdict"]) == ["failed"]
     assert table["error"][0] == "rank 1: RuntimeError: rank-local failure"
 
@@ -348,7 +354,7 @@ def deprecated_gather(x):
 
 
 def test_each_distinct_warning_of_the_ranks_is_shown_once_with_its_count(recwarn):
-    table = check.check_gather(deprecated_gather, W)
+    table = check.check_gather(deprecated_gather, W).table
     assert set(table["verdict"]) == {"exact"}
     shown = [w for w in recwarn if "this collective is deprecated" in str(w.message)]
     # one run per W on the pool: 2 + 4 rank jobs, each raised it; and the reference, here
@@ -394,10 +400,10 @@ RUN = {"steps": 2, "global_batch_size": 16, "data_kwargs": {"size": 64}}
 
 
 def test_a_training_step_is_split_in_its_top_level_parts():
-    table = check.check_training(
+    result = check.check_training(
         "test_diagnosis:LearntTemperatureSimCLR", "ssl_modules:GaussianPairs", W, **RUN
     )
-    kept = table[table["removed"] == "none"]
+    kept = result.table[result.table["removed"] == "none"]
     assert list(kept["part"]) == ["all", "backbone", "projection_head", "criterion"] * 2
     rows = whole(kept)
     assert list(rows["verdict"]) == ["biased", "biased"] and set(rows["cause"]) == {"parts"}
@@ -408,7 +414,7 @@ def test_a_training_step_is_split_in_its_top_level_parts():
                 1 / world_size, rel=RATIO
             )
     assert list(part(kept, "criterion")["gradient"]) == ["exact", "exact"]
-    assert "W = 2, 4: biased (parts)" in check.explain_training(table)
+    assert "W = 2, 4: biased (parts)" in check.explain_training(result)
 
 
 class ConcatenatedViewsSimCLR(ssl_modules.SimCLR):
@@ -417,22 +423,22 @@ class ConcatenatedViewsSimCLR(ssl_modules.SimCLR):
 
 
 def test_a_training_step_whose_loss_pairs_rows_wrongly_names_the_cause_through_its_loss():
-    table = check.check_training(
+    result = check.check_training(
         "test_diagnosis:ConcatenatedViewsSimCLR", "ssl_modules:GaussianPairs", W,
         loss_attr="criterion", **RUN,
     )  # fmt: skip
-    rows = whole(table)
+    rows = whole(result.table)
     assert list(rows["verdict"]) == ["loss differs", "loss differs"]
-    assert set(table["culprits"]) == {"loss"}
-    loss_check = whole(table.attrs["loss_check"])
+    assert set(result.table["culprits"]) == {"loss"}
+    loss_check = whole(result.loss_check.table)
     assert list(loss_check["cause"]) == ["pair_order", "pair_order"]
-    assert "loss differs (pair_order)" in check.explain_training(table)
+    assert "loss differs (pair_order)" in check.explain_training(result)
 
 
 def test_a_training_step_whose_logged_loss_is_scaled_trains_like_one_device():
     table = assert_training_invariant(
         "test_diagnosis:ScaledLossSimCLR", "ssl_modules:GaussianPairs", W, **RUN
-    )
+    ).table
     rows = whole(table)
     assert list(rows["verdict"]) == ["loss scaled", "loss scaled"]
     for world_size in W:
@@ -446,22 +452,22 @@ LOSS_ATTR_ADVICE = "Name the module's loss attribute (--loss-attr) to check the 
 
 
 def test_a_step_whose_culprit_is_its_loss_gets_no_loss_attribute_advice():
-    table = check.check_training(
+    result = check.check_training(
         step="test_diagnosis:no_grad_negatives_step", model="plain_steps:build_model",
         data="plain_steps:Pairs", world_sizes=(2,), steps=2, global_batch_size=16,
     )  # fmt: skip
-    assert set(table["culprits"]) == {"loss"}
-    text = check.explain_training(table)
+    assert set(result.table["culprits"]) == {"loss"}
+    text = check.explain_training(result)
     assert "loss, W = 2:" in text  # the culprit is explained
     assert "--loss-attr" not in text, text
 
 
 def test_a_module_whose_culprit_is_its_loss_is_told_to_name_its_loss_attribute():
-    table = check.check_training(
+    result = check.check_training(
         "ssl_modules:SimCLRPre1531", "ssl_modules:GaussianPairs", (2,), steps=2,
         global_batch_size=16, data_kwargs={"size": 64},
     )  # fmt: skip
-    assert set(table["culprits"]) == {"loss"}
-    text = check.explain_training(table)
+    assert set(result.table["culprits"]) == {"loss"}
+    text = check.explain_training(result)
     assert "loss, W = 2:" in text
     assert text.count(LOSS_ATTR_ADVICE) == 1, text

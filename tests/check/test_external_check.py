@@ -81,7 +81,7 @@ def test_torchrun_loss_check_equals_the_pooled_check(tmp_path, no_leftover_proce
     assert started.returncode == 1, started.stdout[-3000:] + started.stderr[-3000:]
     assert "exitcode  : 1" in started.stderr and "exitcode  : 2" not in started.stderr
     table = _written_once(out, started, LOSS_HEADER)
-    pooled = check.check_loss(loss, (2,), steps=3)
+    pooled = check.check_loss(loss, (2,), steps=3).table
     assert table["verdict"].tolist() == ["biased", "1/W", "exact"]
     _same_table(table, pooled.reset_index(drop=True))
     # who wrote: rank 0 check.csv once, nothing else below tmp_path; rank 1 and torchrun nothing
@@ -108,7 +108,9 @@ def test_torchrun_plain_step_check_names_batchnorm_like_the_pool(tmp_path, no_le
     )  # fmt: skip
     assert started.returncode == 1, started.stdout[-3000:] + started.stderr[-3000:]
     table = _written_once(out, started, TRAINING_HEADER)
-    pooled = check.check_training(world_sizes=(2,), steps=3, global_batch_size=16, **arguments)
+    pooled = check.check_training(
+        world_sizes=(2,), steps=3, global_batch_size=16, **arguments
+    ).table
     assert set(table["culprits"]) == {"batchnorm"}
     _same_table(table, pooled.reset_index(drop=True))
 
@@ -129,7 +131,9 @@ def test_torchrun_sharded_step_names_its_unreduced_part_like_the_pool(
     )  # fmt: skip
     assert started.returncode == 1, started.stdout[-3000:] + started.stderr[-3000:]
     table = _written_once(out, started, "| world_size | verdict | cause | culprits |")
-    pooled = check.check_training(world_sizes=(2,), steps=2, global_batch_size=16, **arguments)
+    pooled = check.check_training(
+        world_sizes=(2,), steps=2, global_batch_size=16, **arguments
+    ).table
     whole = table[table["part"] == "all"]
     assert whole[["cause", "culprits"]].values.tolist() == [["unreduced", "unreduced"]]
     _same_table(table, pooled.reset_index(drop=True))

@@ -32,7 +32,7 @@ def test_a_plain_function_with_an_exact_gather_is_exact_from_the_command_line(tm
 def test_a_plain_local_function_is_named_at_its_line_from_the_python_api(loss):
     # a callable object that is no nn.Module too: before, the trace asked it for its buffers and
     # where stayed empty
-    table = check_loss(getattr(function_losses, loss), (2, 4), steps=0)
+    table = check_loss(getattr(function_losses, loss), (2, 4), steps=0).table
     assert table["verdict"].tolist() == ["loss differs", "loss differs"]
     assert set(table["cause"]) == {"local_negatives"}
     # the line that sums over the rank's own rows: found in the file, not taken from the check

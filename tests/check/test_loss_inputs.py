@@ -52,7 +52,7 @@ def test_a_masked_loss_from_the_command_line_is_named_at_its_mean_over_the_ranks
 def test_the_same_loss_divided_by_every_ranks_kept_rows_is_exact_from_the_python_api():
     table = check_loss(
         input_losses.masked_nt_xent_counted, (2, 4), inputs=input_losses.kept_rows, steps=2
-    )
+    ).table
     assert table["verdict"].tolist() == ["exact", "exact"]
     assert table["max_rel_err"].max() <= FLOAT64_BOUND
     assert table["train_max_abs_loss_diff"].max() <= FLOAT64_BOUND
@@ -66,14 +66,14 @@ def test_the_same_loss_divided_by_every_ranks_kept_rows_is_exact_from_the_python
     ],
 )
 def test_keyword_inputs_and_inputs_held_whole_are_exact(loss, inputs):
-    table = check_loss(loss, (2, 4), inputs=inputs, steps=0)
+    table = check_loss(loss, (2, 4), inputs=inputs, steps=0).table
     assert table["verdict"].tolist() == ["exact", "exact"]
     assert table["max_rel_err"].max() <= FLOAT64_BOUND
 
 
 def test_the_inputs_themselves_are_taken_too_and_split_only_where_they_have_a_row_per_sample():
     teacher = torch.randn(16, 16)
-    table = check_loss(input_losses.distilled, (2,), inputs={"teacher": teacher}, steps=0)
+    table = check_loss(input_losses.distilled, (2,), inputs={"teacher": teacher}, steps=0).table
     assert table["verdict"].tolist() == ["exact"]
     inputs = Inputs.made((teacher, torch.ones(32), torch.arange(10), 0.5), 16)
     like = torch.zeros(1, dtype=torch.float64)
@@ -89,7 +89,9 @@ def test_a_local_masked_loss_is_reproduced_by_local_negatives_on_its_slices_inpu
     """The one-device forward of each rank's slice alone is given that slice's rows of the mask
     (`hypotheses.local_negatives`): the cause is reproduced, and the sum over the rank's rows
     named."""
-    table = check_loss(input_losses.masked_sigmoid, (2, 4), inputs=input_losses.kept_rows, steps=0)
+    table = check_loss(
+        input_losses.masked_sigmoid, (2, 4), inputs=input_losses.kept_rows, steps=0
+    ).table
     assert table["verdict"].tolist() == ["loss differs", "loss differs"]
     assert table["cause"].tolist() == ["local_negatives", "local_negatives"]
     line = _line(input_losses.masked_sigmoid, ".sum()")

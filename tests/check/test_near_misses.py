@@ -44,8 +44,8 @@ def exit_status(arguments: list[str], tmp_path) -> int:
 
 
 def test_a_loss_w_times_one_devices_with_a_gradient_w_times_too_is_not_loss_scaled(tmp_path):
-    table = check.check_loss(near_misses.ScaledOverSummingGather, W)
-    rows = whole(table)
+    result = check.check_loss(near_misses.ScaledOverSummingGather, W)
+    rows = whole(result.table)
     assert list(rows["forward"]) == ["differs", "differs"]
     assert list(rows["gradient"]) == ["W", "W"]
     assert list(rows["verdict"]) == ["loss differs", "loss differs"]
@@ -56,7 +56,7 @@ def test_a_loss_w_times_one_devices_with_a_gradient_w_times_too_is_not_loss_scal
         assert rows.loc[size, "norm_ratio"] == pytest.approx(size, rel=RATIO)
         assert rows.loc[size, "cosine"] == pytest.approx(1, abs=1e-12)
         assert rows.loc[size, "max_rel_err"] == pytest.approx(size - 1, rel=RATIO)
-    assert not check.trains_like_one_device(table)
+    assert not check.trains_like_one_device(result)
     with pytest.raises(AssertionError, match=r"W = 2, 4: loss differs \(scaled\)"):
         assert_layout_invariant(near_misses.ScaledOverSummingGather, W)
     assert exit_status(["near_misses:ScaledOverSummingGather"], tmp_path) == 1
@@ -68,12 +68,12 @@ def test_a_zero_valued_term_with_a_gradient_on_rank_zero_is_neither_exact_nor_lo
     ∇L plus the term's in both. The term at weight 1e-7 changes the max. relative error 1e-7
     times as much, and is still refused."""
     plain_table = check.check_loss(near_misses.StrayGradientOnRankZero, W)
-    plain = whole(plain_table)
+    plain = whole(plain_table.table)
     assert not check.trains_like_one_device(plain_table)
     assert list(plain["forward"]) == ["same", "same"] and (plain["loss_diff"] <= RATIO).all()
     assert list(plain["verdict"]) == ["biased", "biased"] and plain["scale"].isna().all()
     scaled_table = check.check_loss(near_misses.StrayGradientOnRankZero, W, scaled=True)
-    scaled = whole(scaled_table)
+    scaled = whole(scaled_table.table)
     assert not check.trains_like_one_device(scaled_table)
     assert list(scaled["forward"]) == ["differs", "differs"]
     assert list(scaled["gradient"]) == ["biased", "biased"]
@@ -84,7 +84,7 @@ def test_a_zero_valued_term_with_a_gradient_on_rank_zero_is_neither_exact_nor_lo
         assert plain.loc[size, "cosine"] < 1 - 1e-3  # a direction one device never has
         for number in ("cosine", "norm_ratio", "max_rel_err"):
             assert scaled.loc[size, number] == pytest.approx(plain.loc[size, number], rel=RATIO)
-    small = check.check_loss(near_misses.StrayGradientOnRankZero, W, weight=1e-7)
+    small = check.check_loss(near_misses.StrayGradientOnRankZero, W, weight=1e-7).table
     rows = whole(small)
     for size in W:
         expected = 1e-7 * plain.loc[size, "max_rel_err"]
@@ -100,8 +100,8 @@ def test_a_loss_check_whose_run_leaves_one_device_only_at_its_last_update_diverg
     moves the last layer's bias by lr · (N/W) / W, at least the largest change. With
     2 steps the term never fires: exact (at W = 2). A constant added to rank 0's loss at the last
     step moves that step's global loss by offset/W: the curve's own departure (at W = 4)."""
-    table = check.check_loss(near_misses.StrayGradientAtCall, W, steps=3)
-    rows = whole(table)
+    result = check.check_loss(near_misses.StrayGradientAtCall, W, steps=3)
+    rows = whole(result.table)
     assert list(rows["gradient"]) == ["exact", "exact"]  # the first step is one device's
     assert list(rows["verdict"]) == ["diverges", "diverges"]
     assert (rows["train_max_abs_loss_diff"] <= RATIO).all()
@@ -113,12 +113,12 @@ def test_a_loss_check_whose_run_leaves_one_device_only_at_its_last_update_diverg
         )
         assert words, departs
         assert float(words[1]) >= LR * ROWS / size / size * (1 - 5e-3)  # 3 digits shown
-    assert not check.trains_like_one_device(table)
+    assert not check.trains_like_one_device(result)
     with pytest.raises(AssertionError, match="W = 2, 4: diverges"):
         assert_layout_invariant(near_misses.StrayGradientAtCall, W, steps=3)
-    control = check.check_loss(near_misses.StrayGradientAtCall, (2,), steps=2)
+    control = check.check_loss(near_misses.StrayGradientAtCall, (2,), steps=2).table
     assert list(control["verdict"]) == ["exact"]
-    value = whole(check.check_loss(near_misses.StrayValueAtCall, (4,), steps=3))
+    value = whole(check.check_loss(near_misses.StrayValueAtCall, (4,), steps=3).table)
     assert list(value["verdict"]) == ["diverges"]
     assert value.loc[4, "train_max_abs_loss_diff"] == pytest.approx(1e-6 / 4, rel=1e-6)
     assert value.loc[4, "departs"] == "step 2 is the first whose loss leaves one device's"
@@ -129,8 +129,8 @@ def test_a_plain_step_whose_run_leaves_one_device_only_at_its_last_update_diverg
         "step": "near_misses:stray_gradient_at_last_step", "model": "plain_steps:build_model",
         "data": "plain_steps:Pairs", "steps": near_misses.LAST_STEP + 1, "global_batch_size": ROWS,
     }  # fmt: skip
-    table = check.check_training(world_sizes=W, **arguments)
-    rows = whole(table[table["removed"] == "none"])
+    result = check.check_training(world_sizes=W, **arguments)
+    rows = whole(result.table[result.table["removed"] == "none"])
     assert list(rows["gradient"]) == ["exact", "exact"]
     assert list(rows["verdict"]) == ["diverges", "diverges"]
     assert rows["first_diff_step"].isna().all()  # no step's loss departs
@@ -140,7 +140,7 @@ def test_a_plain_step_whose_run_leaves_one_device_only_at_its_last_update_diverg
         # model the largest change of any weight
         expected = LR * ROWS / size / size
         assert rows.loc[size, "max_abs_param_diff"] == pytest.approx(expected, rel=1e-9)
-    assert not check.trains_like_one_device(table)
+    assert not check.trains_like_one_device(result)
     with pytest.raises(AssertionError, match="W = 2, 4: diverges"):
         assert_training_invariant(world_sizes=W, **arguments)
 
@@ -149,17 +149,17 @@ def test_a_plain_step_whose_run_leaves_one_device_only_at_its_last_update_diverg
 def test_a_world_size_that_fails_first_in_the_middle_or_last_leaves_the_others_theirs(
     failing_at, tmp_path
 ):
-    table = check.check_loss(near_misses.FailsAtWorldSize, (2, 4, 8), failing_at=failing_at)
-    assert list(table["world_size"]) == [2, 4, 8]
-    assert list(table["verdict"]) == [
+    result = check.check_loss(near_misses.FailsAtWorldSize, (2, 4, 8), failing_at=failing_at)
+    assert list(result.table["world_size"]) == [2, 4, 8]
+    assert list(result.table["verdict"]) == [
         "failed" if size == failing_at else "exact" for size in (2, 4, 8)
     ]
-    assert list(table["error"]) == [
+    assert list(result.table["error"]) == [
         f"rank {size - 1}: ValueError: fails at world size {size}" if size == failing_at else ""
         for size in (2, 4, 8)
     ]
-    assert not check.trains_like_one_device(table)
-    text = " ".join(check.explain(table).split())
+    assert not check.trains_like_one_device(result)
+    text = " ".join(check.explain(result).split())
     assert (
         f"FailsAtWorldSize, W = {failing_at}: failed The ranks failed (W = {failing_at}: rank "
         f"{failing_at - 1}: ValueError: fails at world size {failing_at})"

@@ -100,7 +100,7 @@ def floored() -> dict:
                 table = check_loss(
                     NTXentGlobalLoss, (2, 4), gather=gather, steps=0, seed=seed,
                     precision=precision, temperature=0.5,
-                )  # fmt: skip
+                ).table  # fmt: skip
                 for _, row in table[table["part"] == "all"].iterrows():
                     results[precision, seed, row["world_size"], name] = row
     return results
@@ -142,7 +142,7 @@ def test_naive_accumulation_is_beyond_the_floor_beside_float64s_verdict(precisio
         update="updates:naive", model="plain_steps:build_model", data="plain_steps:Pairs",
         world_sizes=(2, 4), micro_batches=(1, 2), steps=1, global_batch_size=32,
         precision=precision,
-    )  # fmt: skip
+    ).table  # fmt: skip
     whole = table[(table["part"] == "all") & (table["removed"] == "none")].set_index(
         ["world_size", "micro_batches"]
     )
@@ -181,14 +181,16 @@ def test_the_float64_watch_names_the_line_that_leaves_float64():
 
 
 def test_a_model_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_so():
-    table = check_training(
+    result = check_training(
         step="plain_steps:training_step", model="precision_cases:build_float32_scale",
         data="plain_steps:Pairs", world_sizes=(2,), steps=2, precision="bf16-mixed",
     )  # fmt: skip
-    row = table[(table["part"] == "all") & (table["removed"] == "none")].iloc[0]
+    row = result.table[(result.table["part"] == "all") & (result.table["removed"] == "none")].iloc[
+        0
+    ]
     assert (row["judged_in"], row["verdict"]) == ("bf16-mixed", "exact within bf16")
     assert row["floors"] <= floor.FLOOR_THRESHOLD
-    text = " ".join(explain_training(table).split())  # the paragraph's lines joined
+    text = " ".join(explain_training(result).split())  # the paragraph's lines joined
     assert "cannot run in float64 (precision_cases.py:" in text
     assert "full → float32): judged in bf16 against a measured floor" in text
     assert "In bf16 this check detects departures of the gradient of ~" in text
@@ -198,12 +200,12 @@ def test_a_model_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_
 
 
 def test_a_loss_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_so():
-    table = check_loss(precision_cases.Float32TemperatureNTXent, (2, 4), steps=2,
+    result = check_loss(precision_cases.Float32TemperatureNTXent, (2, 4), steps=2,
                        precision="bf16-mixed")  # fmt: skip
-    whole = table[table["part"] == "all"]
+    whole = result.table[result.table["part"] == "all"]
     assert set(whole["judged_in"]) == {"bf16-mixed"}
     assert set(whole["verdict"]) == {"exact within bf16"}
-    text = " ".join(explain(table).split())
+    text = " ".join(explain(result).split())
     assert "Loss Float32TemperatureNTXent: it cannot run in float64 (precision_cases.py:" in text
     assert "tensor → float32): judged in bf16 against a measured floor." in text
     assert text.endswith("Every world size trains like one device as far as bf16 can tell "
@@ -212,13 +214,13 @@ def test_a_loss_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_s
 
 def test_a_model_with_batch_norm_is_judged_in_float64_alone_and_says_why():
     # row blocks would split its statistics: no floor, float64's verdict and culprit stand
-    table = check_training(
+    result = check_training(
         step="plain_steps:training_step", model="precision_cases:build_with_batchnorm",
         data="plain_steps:Pairs", world_sizes=(2,), steps=1, precision="bf16-mixed",
     )  # fmt: skip
-    assert "in_precision" not in table.columns
-    assert set(table.loc[table["removed"] == "none", "culprits"]) == {"batchnorm"}
-    text = " ".join(explain_training(table).split())
+    assert "in_precision" not in result.table.columns
+    assert set(result.table.loc[result.table["removed"] == "none", "culprits"]) == {"batchnorm"}
+    text = " ".join(explain_training(result).split())
     assert (
         "Low precision: The floor in bf16 is not measured for a model with batch norm (row blocks "
         "would split its statistics): judged in float64." in text
@@ -243,14 +245,14 @@ def check_loss_scaled(epsilon: float):
         "gatherlab.losses:NTXentGlobalLoss", (2,),
         gather=precision_cases.ScaledSlice(epsilon), steps=0, precision="bf16-mixed",
         temperature=0.5,
-    )  # fmt: skip
+    ).table  # fmt: skip
 
 
 @pytest.mark.slow
 def test_float32_judges_exact_code_exact_where_it_runs_in_float64():
     # before: --precision 32-true gave this exact step "other" and exit 1 (float64's bounds on
     # float32 numbers); float64 judges it now, and its float32 run is within its floor
-    table = check_gather("fixed", (2,), steps=0, precision="32-true")
+    table = check_gather("fixed", (2,), steps=0, precision="32-true").table
     assert set(table["verdict"]) == {"exact"}
     assert set(table["in_precision"]) == {"exact within float32"}
 

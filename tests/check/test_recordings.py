@@ -156,7 +156,7 @@ def test_the_pooled_check_and_recording_and_comparing_give_one_verdict(recording
         pooled = check.check_training(
             step=step, model="plain_steps:build_model", data="plain_steps:Pairs",
             world_sizes=(w,), steps=STEPS, global_batch_size=16,
-        )  # fmt: skip
+        ).table  # fmt: skip
         pooled = pooled[pooled["removed"] == "none"].set_index("part")
         compared = comparer.compare_recordings(recordings[f"{name}1"], recordings[f"{name}{w}"])
         table = compared.table.set_index("part")

@@ -33,7 +33,7 @@ def test_a_sharded_step_is_exact_in_float64_its_weights_to_1e_12(options):
     table = check_training(
         step="plain_steps:training_step", data="plain_steps:Pairs", world_sizes=W, steps=5,
         **options,
-    )  # fmt: skip
+    ).table  # fmt: skip
     whole = _whole_rows(table)
     assert whole["verdict"].tolist() == ["exact", "exact"]
     assert whole["max_rel_err"].max() <= 1e-12
@@ -45,7 +45,7 @@ def test_a_sharded_whole_update_is_exact_at_every_layout():
     table = check_training(
         update="updates:cached", model="sharded_steps:build_fsdp2", data="plain_steps:Pairs",
         world_sizes=W, micro_batches=(1, 2), steps=3,
-    )  # fmt: skip
+    ).table  # fmt: skip
     whole = _whole_rows(table)
     assert whole["verdict"].tolist() == ["exact"] * 4
     assert whole["max_abs_param_diff"].max() <= 1e-12
@@ -79,7 +79,8 @@ def unreduced() -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["fsdp2", "ddp", "zero"])
 def test_a_parameter_no_one_reduces_is_the_cause_with_the_model_part_exact(unreduced, case):
-    table = unreduced[case]
+    result = unreduced[case]
+    table = result.table
     rows = table[table["removed"] == "none"].set_index(["world_size", "part"])
     for world_size in W:
         assert rows.loc[(world_size, "all"), ["verdict", "cause", "culprits"]].tolist() == [
@@ -89,10 +90,10 @@ def test_a_parameter_no_one_reduces_is_the_cause_with_the_model_part_exact(unred
         ]
         assert rows.loc[(world_size, "log_temperature"), "cause"] == "unreduced"
         assert rows.loc[(world_size, "net"), "gradient"] == "exact"
-        found = table.attrs["unreduced"][f"{world_size},1"]
+        found = result.unreduced[world_size, 1]
         # reproduced: with the temperature's gradient all-reduced the run is exact
         assert (found.parts, found.reduced) == (("log_temperature",), "exact")
-    text = " ".join(explain_training(table).split())
+    text = " ".join(explain_training(result).split())
     assert "the gradient of log_temperature differs between the run's ranks" in text
     assert "All-reduced after each backward (the mean over the ranks), the run is exact" in text
     # each rank's own forward is right: no operation of it is named as where the run departs
@@ -104,13 +105,14 @@ def test_ranks_that_differ_are_no_cause_where_reducing_them_is_not_the_fix(unred
     # the own-slice gather breaks the model's gradient too: reducing the parts whose ranks differ
     # leaves it biased, so neither the cause nor the culprit is "unreduced" (a cause given
     # whenever ranks differ fails here)
-    table = unreduced["own_slice"]
+    result = unreduced["own_slice"]
+    table = result.table
     whole = table[(table["removed"] == "none") & (table["part"] == "all")]
     assert set(whole["verdict"]) == {"biased"}
     assert "unreduced" not in set(whole["cause"])
     assert set(whole["culprits"]) == {"loss"}
     for world_size in W:
-        assert table.attrs["unreduced"][f"{world_size},1"].reduced == "biased"
+        assert result.unreduced[world_size, 1].reduced == "biased"
 
 
 @pytest.mark.slow
@@ -118,11 +120,13 @@ def test_ddps_reducer_stalled_by_a_parameter_its_forward_does_not_use_is_named()
     # GradCache with the learnt temperature in the loss over the cached embeddings: the check's DDP
     # holds the temperature, which its forward never uses, so its reducer waits for it and never
     # averages the model's gradient (each rank steps its own: net differs between the ranks)
-    table = check_training(
+    result = check_training(
         update="updates:cached_learnt_temperature", model="updates:build_with_temperature",
         data="plain_steps:Pairs", world_sizes=W, micro_batches=(1, 2), steps=3,
     )  # fmt: skip
-    rows = table[table["removed"] == "none"].set_index(["world_size", "micro_batches", "part"])
+    rows = result.table[result.table["removed"] == "none"].set_index(
+        ["world_size", "micro_batches", "part"]
+    )
     for world_size in W:
         assert rows.loc[(world_size, 1, "all"), ["verdict", "cause", "culprits"]].tolist() == [
             "biased", "unreduced", "unreduced",
@@ -130,13 +134,13 @@ def test_ddps_reducer_stalled_by_a_parameter_its_forward_does_not_use_is_named()
         assert rows.loc[(world_size, 1, "net"), "cause"] == "unreduced"
         # its gradient is the global loss's on every rank: nothing to reduce there
         assert rows.loc[(world_size, 1, "log_temperature"), "gradient"] == "exact"
-        found = table.attrs["unreduced"][f"{world_size},1"]
+        found = result.unreduced[world_size, 1]
         assert found.parts == ("net",) and found.stalled == ("log_temperature",)
         # reducing net by hand is not the fix; DDP finding unused parameters is, and is exact
         assert found.reduced not in ("exact", None) and found.unstalled == "exact"
         # two micro-batches: DDP itself refuses the second forward (its own message)
         assert "find_unused_parameters=True" in rows.loc[(world_size, 2, "all"), "error"]
-    text = " ".join(explain_training(table).split())
+    text = " ".join(explain_training(result).split())
     assert ("log_temperature gets no gradient from DDP's forward" in text
             and "With DDP's find_unused_parameters=True and log_temperature's gradient "
             "all-reduced, the run is exact" in text)  # fmt: skip
@@ -147,7 +151,7 @@ def test_fsdp2s_divide_factor_of_1_on_every_module_is_w_on_every_part():
     table = check_training(
         step="plain_steps:training_step", model="sharded_steps:build_fsdp2_divided",
         data="plain_steps:Pairs", world_sizes=W, steps=1,
-    )  # fmt: skip
+    ).table  # fmt: skip
     rows = table[table["removed"] == "none"]
     for world_size in W:
         at = rows[rows["world_size"] == world_size]
@@ -161,7 +165,7 @@ def test_a_sharded_parameter_used_outside_its_forward_is_one_line_naming_it():
         step="sharded_steps:raw_temperature_step",
         model="sharded_steps:build_fsdp2_temperature_inside",
         model_kwargs={"reshard_root": True}, data="plain_steps:Pairs", world_sizes=(2,), steps=1,
-    )  # fmt: skip
+    ).table  # fmt: skip
     (error,) = table["error"]
     assert error.startswith(
         "rank 0: ShardedParameterOutsideForward: parameter log_temperature is sharded by FSDP2 (a "
@@ -176,11 +180,12 @@ def test_a_sharded_parameter_used_outside_its_forward_is_one_line_naming_it():
 @pytest.mark.slow
 def test_a_lightningmodule_sharding_itself_is_exact_and_its_own_temperature_unreduced():
     common = {"data": "ssl_modules:GaussianPairs", "world_sizes": W, "strategy": "fsdp2"}
-    exact = _whole_rows(check_training("sharded_modules:ShardedSimCLR", steps=3, **common))
+    exact = _whole_rows(check_training("sharded_modules:ShardedSimCLR", steps=3, **common).table)
     assert exact["verdict"].tolist() == ["exact", "exact"]
     assert exact["max_abs_param_diff"].max() <= 1e-12
     # the temperature the module holds is in no sharded module: each rank steps its own
-    table = check_training("sharded_modules:ShardedSimCLRLearntTemperature", steps=2, **common)
+    result = check_training("sharded_modules:ShardedSimCLRLearntTemperature", steps=2, **common)
+    table = result.table
     rows = table[table["removed"] == "none"].set_index(["world_size", "part"])
     for world_size in W:
         assert rows.loc[(world_size, "all"), ["verdict", "cause"]].tolist() == [
@@ -188,7 +193,7 @@ def test_a_lightningmodule_sharding_itself_is_exact_and_its_own_temperature_unre
         ]  # fmt: skip
         assert rows.loc[(world_size, "backbone"), "gradient"] == "exact"
         assert rows.loc[(world_size, "projection_head"), "gradient"] == "exact"
-        found = table.attrs["unreduced"][f"{world_size},1"]
+        found = result.unreduced[world_size, 1]
         assert (found.parts, found.reduced) == (("log_temperature",), "exact")
 
 

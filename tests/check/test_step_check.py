@@ -57,7 +57,7 @@ def test_each_plain_step_gets_its_verdict_and_culprits(case):
     table = check.check_training(
         step=f"plain_steps:{step}", model="plain_steps:build_model", model_kwargs=model_kwargs,
         data=f"plain_steps:{data}", world_sizes=W, **RUN,
-    )  # fmt: skip
+    ).table  # fmt: skip
     kept = runs(table)[runs(table)["removed"] == "none"].set_index("world_size")
     assert list(kept["verdict"]) == [verdict, verdict], table.to_string()
     assert set(table["culprits"]) == {culprits}, table.to_string()

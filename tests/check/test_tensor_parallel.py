@@ -102,7 +102,7 @@ def test_the_parallelized_encoders_gradient_is_the_plain_models_to_rounding(worl
 
 @pytest.mark.slow
 def test_a_tensor_and_sequence_parallel_encoder_is_exact_at_tp_2_and_dp_2_by_tp_2():
-    table = check_training(**STEP, world_sizes=(2, 4), steps=3)
+    table = check_training(**STEP, world_sizes=(2, 4), steps=3).table
     whole = _whole(table)
     assert whole["verdict"].tolist() == ["exact", "exact"]
     assert whole["max_rel_err"].max() <= 1e-12
@@ -112,7 +112,7 @@ def test_a_tensor_and_sequence_parallel_encoder_is_exact_at_tp_2_and_dp_2_by_tp_
 @pytest.mark.slow
 def test_a_tensor_parallel_whole_update_is_exact_with_micro_batches():
     options = {**STEP, "update": "tp_steps:cosine_update", "step": None}
-    table = check_training(**options, world_sizes=(2,), micro_batches=(1, 2), steps=2)
+    table = check_training(**options, world_sizes=(2,), micro_batches=(1, 2), steps=2).table
     assert _whole(table)["verdict"].tolist() == ["exact", "exact"]
 
 
@@ -151,15 +151,15 @@ def test_a_tensor_parallel_whole_update_is_exact_with_micro_batches():
 def test_each_way_tensor_parallel_code_departs_is_named_with_its_line(
     options, cause, culprit, line, op, words
 ):
-    table = check_training(**{**STEP, **options}, world_sizes=(2,), steps=3)
-    head = _whole(table).iloc[0]
+    result = check_training(**{**STEP, **options}, world_sizes=(2,), steps=3)
+    head = _whole(result.table).iloc[0]
     assert head["verdict"] != "exact"
     assert (head["cause"] if isinstance(head["cause"], str) else "") == cause
     assert head["culprits"] == culprit
     assert head["where"] == _line(line) + op
     assert words in head["departs"]
     if cause == "partial":  # the reproduction: the partial sums made whole, exact
-        found = table.attrs["unreduced"]["2,1"]
+        found = result.unreduced[2, 1]
         assert found.reduced == "exact" and found.over == "tp"
         assert found.partial == (
             "attention.norm.weight",
@@ -169,7 +169,7 @@ def test_each_way_tensor_parallel_code_departs_is_named_with_its_line(
             "norm.weight",
             "norm.bias",
         )
-        assert f"LocalSGD.step at {_line('def step(self, closure')}" in explain_training(table)
+        assert f"LocalSGD.step at {_line('def step(self, closure')}" in explain_training(result)
 
 
 @pytest.mark.parametrize(

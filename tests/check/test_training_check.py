@@ -61,7 +61,9 @@ WHERE = {
 @pytest.mark.parametrize("case", EXPECTED)
 def test_each_module_gets_its_verdict_and_causes(case):
     module, data, verdict, culprits = EXPECTED[case]
-    table = check.check_training(f"ssl_modules:{module}", f"ssl_modules:{data}", (2, 4), **RUN)
+    table = check.check_training(
+        f"ssl_modules:{module}", f"ssl_modules:{data}", (2, 4), **RUN
+    ).table
     table = table[table["part"] == "all"]  # the runs (their parts: tests/check/test_diagnosis.py)
     baseline = table[table["removed"] == "none"].set_index("world_size")
     assert list(baseline.index) == [2, 4]
@@ -90,22 +92,22 @@ def test_each_module_gets_its_verdict_and_causes(case):
 
 
 def test_the_gather_that_breaks_a_module_is_checked_as_a_loss_on_its_own():
-    table = check.check_training(
+    result = check.check_training(
         "ssl_modules:SimCLRPre1531", "ssl_modules:GaussianPairs", (2, 4), loss_attr="criterion",
         **RUN,
     )  # fmt: skip
     # the module's first step is the first step of the loss on the module's embeddings: the same
     # loss value, a gradient that is not the 1-device one
-    first = table[table["part"] == "all"].set_index("world_size")
+    first = result.table[result.table["part"] == "all"].set_index("world_size")
     assert (first["forward"] == "same").all() and (first["first_diff_step"] == 1).all()
     # the loss attribute checked alone equals the stand-in checked directly (same class, same
     # embeddings of gatherlab's MLP): biased, as lightly's issue #1528 describes
-    loss_check = table.attrs["loss_check"]
-    direct = check.check_loss(standins.Pre1531NTXent, (2, 4), temperature=0.5)
+    loss_check = result.loss_check.table
+    direct = check.check_loss(standins.Pre1531NTXent, (2, 4), temperature=0.5).table
     assert list(loss_check["verdict"]) == ["biased", "biased"]
     for column in ("cosine", "norm_ratio", "max_rel_err"):
         assert loss_check[column].tolist() == pytest.approx(direct[column].tolist(), rel=1e-12)
-    text = " ".join(check.explain_training(table).split())
+    text = " ".join(check.explain_training(result).split())
     assert "loss, W = 2, 4:" in text and "Fix: a gather whose backward sums every rank" in text
 
 

@@ -26,7 +26,7 @@ from plain_steps import Pairs, build_model, nt_xent
 from gatherlab import check
 from gatherlab.check import api, training
 from gatherlab.check.__main__ import main
-from gatherlab.check.defaults import TrainingOptions
+from gatherlab.check.options import TrainingOptions
 from gatherlab.runs import plainstep
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ FLOAT64 = 1e-10  # docs/design.md §2's bound
 
 def checked(update: str, model: str = "plain_steps:build_model", **layout) -> dict:
     """The rows of the run without removals, ``part`` → (W, K) → row."""
-    table = check.check_training(update=f"updates:{update}", model=model, **RUN, **layout)
+    table = check.check_training(update=f"updates:{update}", model=model, **RUN, **layout).table
     kept = table[table["removed"] == "none"]
     return {
         part: {(r["world_size"], r["micro_batches"]): r for r in rows.to_dict("records")}
@@ -126,9 +126,9 @@ def test_the_gradient_measured_is_the_one_the_step_takes_after_clipping():
     """torch's ``clip_grad_norm_`` multiplies a gradient of norm n > CLIP by CLIP / (n + 1e-6):
     the step hook sees the clipped norm CLIP·n/(n + 1e-6), n the unclipped update's norm."""
     options = TrainingOptions(data="plain_steps:Pairs", model="plain_steps:build_model", steps=1,
-                              global_batch_size=BATCH)  # fmt: skip
+                              global_batch_size=BATCH, update="updates:cached")  # fmt: skip
     setting = api._training_setting(replace(options, update="updates:cached_clipped"))
-    unclipped = api._training_setting(replace(options, update="updates:cached"))
+    unclipped = api._training_setting(options)
 
     def first_norm(update, k: int) -> float:
         trained = update.train_on_rank(replace(setting.spec, micro_batches=k))

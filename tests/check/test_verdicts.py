@@ -688,11 +688,13 @@ def test_the_checks_text_has_a_paragraph_per_loss_gather_verdict_and_cause():
                    cause="scaled", scale=2.0, loss_diff=1.0),
         _check_row("L3", "fixed", 2, "exact"),
     ]  # fmt: skip
-    checked = pd.DataFrame(rows)
-    checked.attrs[table.REFERENCE_NOTES] = {
-        "L1": {"why": "", "group_differs": "its loss, by 0.5"},
-        "L2": {"why": "RuntimeError: no group", "group_differs": ""},
-    }
+    checked = table.CheckResult(
+        pd.DataFrame(rows),
+        reference_notes={
+            "L1": table.ReferenceNote(group_differs="its loss, by 0.5"),
+            "L2": table.ReferenceNote(why="RuntimeError: no group"),
+        },
+    )
     blocks = diagnosis.explain(checked).split("\n\n")
     assert diagnosis.explain(checked).endswith(".\n")
     shown = [line.split("|")[1:5] for line in blocks[0].splitlines()[2:]]
@@ -721,9 +723,10 @@ def test_the_checks_text_has_a_paragraph_per_loss_gather_verdict_and_cause():
         "L2, W = 2: loss scaled The global loss is 2 times the 1-device loss on every batch"
     )  # a scaled loss's heading does not repeat its cause
     assert len(blocks) == 6  # no paragraph for L3 (exact), and no "Every world size …"
-    # a table filtered by its caller keeps every loss's notes (pandas keeps attrs): a loss with
-    # no row left is named alone
-    only_l3 = diagnosis.explain(checked[checked["loss"] == "L3"]).split("\n\n")
+    # a result whose table its caller filtered keeps every loss's notes: a loss with no row left
+    # is named alone
+    rows_of_l3 = checked.table[checked.table["loss"] == "L3"]
+    only_l3 = diagnosis.explain(dataclasses.replace(checked, table=rows_of_l3)).split("\n\n")
     assert only_l3[1].startswith("L1: differs in a one-rank process group\n")
     assert only_l3[2].startswith("L2: reference in a one-rank process group\n")
 

@@ -34,7 +34,7 @@ def marked(name: str) -> str:
 
 
 def located(name: str, steps: int = 0) -> dict[int, tuple[str, str, str, str]]:
-    table = check.check_loss(f"departures:{name}", W, steps=steps)
+    table = check.check_loss(f"departures:{name}", W, steps=steps).table
     rows = table[table["part"] == "all"].set_index("world_size")
     return {w: tuple(rows.loc[w, ["verdict", "cause", "where", "departs"]]) for w in W}
 

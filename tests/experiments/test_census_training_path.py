@@ -95,7 +95,7 @@ def _whole(table):
 
 
 def test_a_value_reported_w_times_with_its_gradient_replayed_exact_reads_loss_scaled():
-    table = check_loss(ChunkCachedLoss, (2, 4), steps=0, reported="W", cached="1")
+    table = check_loss(ChunkCachedLoss, (2, 4), steps=0, reported="W", cached="1").table
     whole = _whole(table)
     assert whole["verdict"].tolist() == ["loss scaled", "loss scaled"]
     assert whole["scale"].tolist() == pytest.approx([2.0, 4.0], rel=1e-12)
@@ -109,7 +109,7 @@ def test_a_value_reported_w_times_with_its_gradient_replayed_exact_reads_loss_sc
 
 
 def test_the_gradient_cached_over_w_is_read_one_over_w_whatever_the_value():
-    table = check_loss(ChunkCachedLoss, (2, 4), steps=0, reported="1", cached="1/W")
+    table = check_loss(ChunkCachedLoss, (2, 4), steps=0, reported="1", cached="1/W").table
     whole = _whole(table)
     assert whole["forward"].tolist() == ["same", "same"]
     assert whole["verdict"].tolist() == ["1/W", "1/W"]

@@ -100,39 +100,20 @@ def citations(text: str, whole_file: bool) -> list[tuple[int, str | None, int]]:
     return sorted(found, key=lambda cited: (cited[0], cited[1] or "", cited[2]))
 
 
-# Files other engineers were editing when the design was split (its sections 5, 6, 10 and 11 went
-# to docs/contract.md, checking.md and recording.md): their citations still say design.md for
-# those sections until ``python build/rewrite_citations.py PATH`` is run on them (build/ is ignored
-# by git: the script is in the shared checkout). Take a file out once it is rewritten: the test
-# below fails while a listed file has nothing left to rewrite.
-NOT_YET_REWRITTEN = frozenset({
-    "src/gatherlab/check/api.py", "src/gatherlab/check/defaults.py",
-    "src/gatherlab/check/training.py", "src/gatherlab/check/table.py",
-    "src/gatherlab/check/diagnosis.py", "src/gatherlab/check/options.py",
-    "src/gatherlab/testing.py", "src/gatherlab/record.py", "src/gatherlab/recording/recorder.py",
-    "src/gatherlab/recording/hf.py", "src/gatherlab/recording/lightning.py",
-})  # fmt: skip
-
-
 def test_every_citation_of_design_names_a_section_that_exists():
     sections = design_sections()
     every = set().union(*sections.values())
     assert sorted(every) == list(range(1, 12)) == sorted(n for s in sections.values() for n in s)
-    stale, unsplit = [], set()
+    stale = []
     for path in CITING:
         text = path.read_text(errors="replace")
         name = path.relative_to(REPO).as_posix()
         for line, file, section in citations(text, whole_file=path in DESIGN.values()):
             if section in (every if file is None else sections[file]):
                 continue
-            if name in NOT_YET_REWRITTEN and file == "design" and section in every:
-                unsplit.add(name)
-                continue
             where = "the design" if file is None else f"docs/{file}.md"
             stale.append(f"{name}:{line}: §{section} ({where})")
     assert not stale, f"citations of sections their file does not hold: {stale}"
-    rewritten = {name for name in NOT_YET_REWRITTEN if (REPO / name).exists()} - unsplit
-    assert not rewritten, f"rewritten: take them out of NOT_YET_REWRITTEN: {sorted(rewritten)}"
 
 
 def test_a_stale_citation_is_found():

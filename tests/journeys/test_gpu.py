@@ -54,13 +54,14 @@ def test_torchrun_check_on_two_gpus_equals_the_pooled_check(tmp_path):
     runs = {
         "loss": (("diagnosis_cases:LearntTemperatureOwnSlice", "--steps", "3"),
                  lambda: check.check_loss("diagnosis_cases:LearntTemperatureOwnSlice", (2,),
-                                          steps=3)),
+                                          steps=3).table),
         "module": (("--module", "ssl_modules:SimCLRWithBatchNorm", "--data",
                     "ssl_modules:GaussianPairs", "--steps", "3", "--global-batch-size", "16",
                     "--data-kwargs", '{"size": 64}'),
                    lambda: check.check_training("ssl_modules:SimCLRWithBatchNorm",
                                                 "ssl_modules:GaussianPairs", (2,), steps=3,
-                                                global_batch_size=16, data_kwargs={"size": 64})),
+                                                global_batch_size=16,
+                                                data_kwargs={"size": 64}).table),
         "step": (("--step", "plain_steps:training_step", "--model", "plain_steps:build_model",
                   "--model-kwargs", '{"batchnorm": true}', "--data", "plain_steps:Pairs",
                   "--steps", "3", "--global-batch-size", "16"),
@@ -68,7 +69,7 @@ def test_torchrun_check_on_two_gpus_equals_the_pooled_check(tmp_path):
                                               model="plain_steps:build_model",
                                               model_kwargs={"batchnorm": True},
                                               data="plain_steps:Pairs", world_sizes=(2,),
-                                              steps=3, global_batch_size=16)),
+                                              steps=3, global_batch_size=16).table),
     }  # fmt: skip
     for name, (arguments, pooled) in runs.items():
         out = tmp_path / name

@@ -105,7 +105,7 @@ if __name__ == "__main__":  # the pool's ranks import this file again: nothing e
     table = assert_training_invariant(
         "ssl_modules:BYOL", "ssl_modules:GaussianPairs", (2,), steps=2, global_batch_size=8,
         data_kwargs={"size": 16},
-    )
+    ).table
     print("training check:", list(table.loc[table["part"] == "all", "verdict"]), flush=True)
 """
 

@@ -33,7 +33,7 @@ def marked(text: str) -> str:
 
 
 def errors(name: str, timeout_s: float = NEVER) -> dict[int, str]:
-    table = check.check_loss(f"collective_cases:{name}", W, collective_timeout_s=timeout_s)
+    table = check.check_loss(f"collective_cases:{name}", W, collective_timeout_s=timeout_s).table
     assert (table["verdict"] == terms.FAILED).all(), table
     return dict(zip(table["world_size"], table["error"], strict=True))
 

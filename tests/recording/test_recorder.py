@@ -511,3 +511,33 @@ def test_an_autocast_inside_the_models_call_labels_the_recording_bf16_mixed(tmp_
     recording = format.read(tmp_path / "run")
     assert recording.header["precision"] == "32-true"  # its parameters'
     assert recording.precision == "bf16-mixed"  # as it ran
+
+
+def test_the_recording_options_are_one_typed_object_every_recorder_reads(tmp_path, capsys):
+    """`RecordOptions` is what `gatherlab.record` and both callbacks read: keywords and an
+    options object give the same header; a bad value or an unknown keyword is one line."""
+    from gatherlab.record import LightningRecorder, RecordOptions
+
+    model = torch.nn.Linear(4, 2).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    chosen = RecordOptions(k=7, seed=3, settings={"lr": 0.1})
+    with gatherlab.record(model, optimizer, tmp_path / "by_keywords", k=7, seed=3,
+                          settings={"lr": 0.1}):  # fmt: skip
+        pass
+    with gatherlab.record(model, optimizer, tmp_path / "by_options", options=chosen):
+        pass
+    headers = [format.read(tmp_path / name).header for name in ("by_keywords", "by_options")]
+    assert headers[0] == headers[1] and (headers[0]["k"], headers[0]["seed"]) == (7, 3)
+    assert LightningRecorder(tmp_path, options=chosen, trace=True).options == RecordOptions(
+        k=7, seed=3, settings={"lr": 0.1}, trace=True
+    )
+    for given, line in (
+        ({"k": 1}, "k=1: the sketch's size per part; allowed: an integer ≥ 2"),
+        ({"full_updates": -1}, "full_updates=-1: allowed: an integer ≥ 0, or None"),
+        ({"sketch_k": 8}, "sketch_k= is no option of a recording; allowed: batches, full_updates"),
+    ):
+        with pytest.raises(gatherlab.record.RecordingError) as refused:
+            gatherlab.record(model, optimizer, tmp_path / "refused", **given)
+        assert str(refused.value).startswith(line)
+        assert capsys.readouterr().err.count("\n") == 1
+    assert not (tmp_path / "refused").exists()

@@ -15,7 +15,8 @@ ranks' fork server before it imports torch (`gatherlab.check.__main__`).
 Modules:
 
 - ``api``: ``check_loss``, ``check_gather``, ``check_training``: the functions this package exports
-- ``defaults``: the check's defaults, read by its API, its command line and ``gatherlab.testing``
+- ``options``: the options of every form of the check, typed, documented and validated once
+- ``defaults``: the check's defaults (the options' values) and what a loss's check trains
 - ``measure``: a loss's gradient on W ranks, real or simulated, and on one device; the audit's cells
 - ``judge``: the one judge of a run against its one-device reference, for every form of the check
 - ``hypotheses``: the causes of a differing global loss, reproduced on one device, not guessed
@@ -38,13 +39,16 @@ import importlib
 from typing import Any
 
 __all__ = [
-    "COLUMNS", "CheckError", "check_gather", "check_loss", "check_training",
-    "explain", "explain_training", "trains_like_one_device",
+    "COLUMNS", "CheckError", "CheckResult", "GatherOptions", "LossOptions", "TrainingOptions",
+    "check_gather", "check_loss", "check_training", "explain", "explain_training",
+    "trains_like_one_device",
 ]  # fmt: skip
 
 # Where each public name lives (module of this package).
 _HOMES = {
-    "CheckError": "api", "check_gather": "api", "check_loss": "api", "check_training": "api",
+    "CheckError": "options", "GatherOptions": "options", "LossOptions": "options",
+    "TrainingOptions": "options", "CheckResult": "table",
+    "check_gather": "api", "check_loss": "api", "check_training": "api",
     "COLUMNS": "table", "trains_like_one_device": "table",
     "explain": "diagnosis", "explain_training": "diagnosis",
 }  # fmt: skip

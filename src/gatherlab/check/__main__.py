@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -18,12 +17,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from gatherlab.check import defaults
+from gatherlab.check import defaults, options
 from gatherlab.core import cli, terms
 from gatherlab.ranks import forkstart
 
 if TYPE_CHECKING:
-    import pandas as pd
+    from gatherlab.check.table import CheckResult
 
 # The launchers of the check: the warm pool, or the ranks a launcher started (not spawn's).
 LAUNCHERS = (terms.Launcher.POOL, terms.Launcher.EXTERNAL)
@@ -65,19 +64,19 @@ class _Parser(argparse.ArgumentParser):
         cli.fail("check", message)
 
 
-# How the command line reads each kind of option of `defaults.TrainingOptions`.
+# How the command line reads each kind of option of `options.TrainingOptions`.
 _KINDS = {"text": None, "int": int, "float": float, "ints": _world_sizes, "json": _kwargs}
 
 
 def _add(parser: Any, option: Any) -> None:
-    """The command line's option of a field of `defaults.TrainingOptions`: its flag, kind,
+    """The command line's option of a field of `options.TrainingOptions`: its flag, kind,
     default (the command line's where it has its own), help (the field's doc, or the command
     line's own text) and metavar."""
     meta = option.metadata
     extra = {"metavar": meta["metavar"]} if "metavar" in meta else {}
     parser.add_argument(
         meta["flag"],
-        dest=defaults.dest(option),
+        dest=options.dest(option),
         type=_KINDS[meta.get("kind", "text")],
         default=meta.get("cli_default", option.default),
         help=meta.get("help", meta["doc"]),
@@ -87,12 +86,12 @@ def _add(parser: Any, option: Any) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     """The command line's parser: a loss's and a gather's options here, a training step's
-    generated from `defaults.TrainingOptions` (``_add``), in its groups."""
+    generated from `options.TrainingOptions` (``_add``), in its groups."""
     parser = _Parser(prog="python -m gatherlab.check", description=DESCRIPTION, allow_abbrev=False)
-    options = [option for option in fields(defaults.TrainingOptions) if option.metadata["flag"]]
+    flagged = [field for field in fields(options.TrainingOptions) if field.metadata["flag"]]
 
     def group(name: str) -> list[Any]:
-        return [option for option in options if option.metadata["group"] == name]
+        return [field for field in flagged if field.metadata["group"] == name]
 
     parser.add_argument("loss", nargs="?", help="the loss factory, module:attribute")
     parser.add_argument("--kwargs", type=_kwargs, default={}, help="its keyword arguments (JSON)")
@@ -108,16 +107,16 @@ def _parser() -> argparse.ArgumentParser:
         "without a loss: "
         "check this gather with gatherlab's local, global and mixed losses",
     )
-    for option in group(defaults.COMMON):
+    for option in group(options.COMMON):
         _add(parser, option)
     parser.add_argument(
         "--optim", choices=defaults.OPTIMIZERS, default=defaults.OPTIM, help="for a loss's --steps"
     )
-    training = parser.add_argument_group(defaults.TRAINING)
-    for option in group(defaults.TRAINING):
+    training = parser.add_argument_group(options.TRAINING)
+    for option in group(options.TRAINING):
         _add(training, option)
     parser.add_argument("--out", type=Path, help="output directory (default: a new outputs/ dir)")
-    ranks = parser.add_argument_group(defaults.RANKS)
+    ranks = parser.add_argument_group(options.RANKS)
     ranks.add_argument(
         "--launcher", choices=LAUNCHERS, default=terms.Launcher.POOL,
         help="pool: warm worker processes started here (CPU, gloo); external: the ranks torchrun "
@@ -127,23 +126,35 @@ def _parser() -> argparse.ArgumentParser:
         "--device", choices=tuple(terms.Device), default=terms.Device.CPU,
         help="cuda: NCCL and each rank's own GPU (only with --launcher external)",
     )  # fmt: skip
-    for option in group(defaults.RANKS):
+    for option in group(options.RANKS):
         _add(ranks, option)
     return parser
 
 
-def training_options(args: argparse.Namespace) -> dict[str, Any]:
-    """`check_training`'s keyword arguments from the parsed arguments: every field of
-    `defaults.TrainingOptions` the command line has (``--steps`` omitted: the training check's
-    default)."""
-    chosen = {
-        option.name: getattr(args, defaults.dest(option))
-        for option in fields(defaults.TrainingOptions)
-        if option.metadata["flag"]
-    }
-    if chosen["steps"] is None:
-        chosen["steps"] = defaults.TRAINING_STEPS
-    return chosen
+def check_options(
+    args: argparse.Namespace,
+) -> options.TrainingOptions | options.LossOptions | options.GatherOptions:
+    """The options of the check the parsed arguments ask for, validated (`options.CheckError` of
+    one line): a training step's from every field of `options.TrainingOptions` the command line
+    has (``--steps`` omitted: the training check's default), a loss's or a gather's from theirs.
+    ``args.world_sizes`` None is the default's (`defaults.WORLD_SIZES`)."""
+    world_sizes = args.world_sizes or defaults.WORLD_SIZES
+    if any(getattr(args, form) is not None for form in ("module", "step", "update")):
+        chosen = {
+            field.name: getattr(args, options.dest(field))
+            for field in fields(options.TrainingOptions)
+            if field.metadata["flag"]
+        }
+        steps = defaults.TRAINING_STEPS if args.steps is None else args.steps
+        return options.TrainingOptions(**chosen | {"world_sizes": world_sizes, "steps": steps})
+    common = {
+        "world_sizes": world_sizes, "optim": args.optim,
+        "steps": defaults.LOSS_STEPS if args.steps is None else args.steps,
+        "collective_timeout_s": args.collective_timeout, "precision": args.precision,
+    }  # fmt: skip
+    if args.loss is None:
+        return options.GatherOptions(**common)
+    return options.LossOptions(**common, gather=args.gather, inputs=args.inputs)
 
 
 def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -162,72 +173,54 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"{forms[0]} checks a training step; a loss or --gather without it")
     if args.inputs is not None and args.loss is None:
         parser.error("--inputs are a loss's; allowed: with a loss (module:attribute)")
-    if trains and args.data is None:
-        parser.error(f"{forms[0]} needs --data (a map-style data set, module:attribute)")
-    if (args.step is not None or args.update is not None) and args.model is None:
-        parser.error(f"{forms[0]} needs --model (a function or class returning the nn.Module)")
-    if args.micro_batches != (1,) and args.update is None:
-        parser.error("--micro-batches are a whole update's; allowed: with --update")
     if not trains and args.loss is None and args.gather is None:
         parser.error(
             "name a loss (module:attribute), a gather (--gather), --module and --data, or --step "
             "(or --update), --model and --data"
         )
-    if not 0 < args.collective_timeout < math.inf:
-        parser.error(
-            f"--collective-timeout {args.collective_timeout:g}; allowed: a number of seconds > 0"
-        )
+    if args.world_sizes is not None or args.launcher == terms.Launcher.POOL:
+        try:  # every option's own check, before the fork server starts
+            check_options(args)
+        except options.CheckError as error:
+            parser.error(str(error))
     if args.device != terms.Device.CPU and args.launcher != terms.Launcher.EXTERNAL:
         parser.error(f"--device {args.device} runs on the ranks a launcher started; allowed: "
                      "--launcher external with it, or --device cpu")  # fmt: skip
     return args
 
 
-def _check(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
-    """The check the arguments ask for: its table and its text."""
+def _check(args: argparse.Namespace) -> tuple[CheckResult, str]:
+    """The check the arguments ask for: its result and its text."""
     from gatherlab.check.api import check_gather, check_training, loss_check
     from gatherlab.check.diagnosis import explain, explain_training
 
-    if args.module is not None or args.step is not None or args.update is not None:
-        table = check_training(**training_options(args))
-        return table, explain_training(table)
-    if args.loss is None:
-        steps = defaults.LOSS_STEPS if args.steps is None else args.steps
-        table = check_gather(
-            args.gather, args.world_sizes, steps=steps, optim=args.optim,
-            collective_timeout_s=args.collective_timeout, precision=args.precision,
-        )  # fmt: skip
+    chosen = check_options(args)
+    if isinstance(chosen, options.TrainingOptions):
+        result = check_training(options=chosen)
+        return result, explain_training(result)
+    if isinstance(chosen, options.LossOptions):  # --kwargs whole: each of its keys goes to the loss
+        result = loss_check(args.loss, args.kwargs, chosen)
     else:
-        table = loss_check(  # --kwargs as one mapping: each of its keys goes to the loss
-            args.loss,
-            args.world_sizes,
-            args.kwargs,
-            gather=args.gather,
-            inputs=args.inputs,
-            steps=defaults.LOSS_STEPS if args.steps is None else args.steps,
-            optim=args.optim,
-            collective_timeout_s=args.collective_timeout,
-            precision=args.precision,
-        )
-    return table, explain(table)
+        result = check_gather(args.gather, options=chosen)
+    return result, explain(result)
 
 
 def _written(args: argparse.Namespace) -> int:
     """The check, its ``check.csv`` written and its text printed: the exit status (0 when every W
     trains like one device, else 1). Bad input raises (``CheckError``, ``ConfigError``)."""
-    from gatherlab.check.api import CheckError
+    from gatherlab.check.options import CheckError
     from gatherlab.check.table import trains_like_one_device
     from gatherlab.core import runfiles
 
     out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
     if (out / runfiles.CHECK).exists():
         raise CheckError(f"--out {out} already holds a check; it is never overwritten")
-    table, text = _check(args)
+    result, text = _check(args)
     out.mkdir(parents=True, exist_ok=True)
-    runfiles.write_table(table, out / runfiles.CHECK)
+    runfiles.write_table(result.table, out / runfiles.CHECK)
     print(text)
     print(f"written: {out / runfiles.CHECK}")
-    return 0 if trains_like_one_device(table) else 1
+    return 0 if trains_like_one_device(result) else 1
 
 
 def _ranks_run(args: argparse.Namespace) -> tuple[str, ...]:
@@ -254,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         status = launched.run(args, _written)
     else:
         forkstart.start(_ranks_run(args))
-        from gatherlab.check.api import CheckError
+        from gatherlab.check.options import CheckError
         from gatherlab.components.config import ConfigError
 
         args.world_sizes = args.world_sizes or defaults.WORLD_SIZES

@@ -1,5 +1,5 @@
 """The check of a loss, a gather or a training step on W real ranks against one device: the
-functions `gatherlab.check` exports (docs/design.md §6, §10)."""
+functions `gatherlab.check` exports (docs/checking.md §6, §10)."""
 
 from __future__ import annotations
 
@@ -7,27 +7,32 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import math
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import pandas as pd
 import torch
 
 from gatherlab.check import defaults, floors, hypotheses, measure, where
 from gatherlab.check.judge import Recorded, judge, with_precision
+from gatherlab.check.options import (
+    CheckError,
+    GatherOptions,
+    LossOptions,
+    TrainingOptions,
+    options_of,
+)  # fmt: skip
 from gatherlab.check.reference import Reference, choose, loss_differs, one_device
 from gatherlab.check.table import (
     COLUMNS,
     PRECISION_COLUMNS,
-    PRECISION_NOTES,
     TRAIN_COLUMN,
+    CheckResult,
     Row,
     failed_row,
     frame,
-    with_reference_notes,
+    reference_notes,
 )  # fmt: skip
 from gatherlab.components import config
 from gatherlab.components.factory import AttributeOf, Inputs, Recipe, locate
@@ -44,23 +49,10 @@ from gatherlab.runs.spec import RunSpec
 # The loss styles of docs/design.md §1, one loss each, for checking a gather.
 STYLE_LOSSES = tuple(name for name, _, _ in defaults.LOSS_SETTING.style_losses)
 
-__all__ = ["CheckError", "check_gather", "check_loss", "check_training", "loss_check"]
-
-
-class CheckError(ValueError):
-    """Bad input, found before any rank runs: the message is one line naming the part.
-
-    Raised by `check_loss` and `check_gather` for a factory or gather that does not import or is
-    not callable, a gather name that is no option of the ``gather`` config group, ``native``
-    where it cannot run (no loss, or a loss that would gather with its own default), a world size
-    that is not an integer ≥ 2 dividing the global batch of 16, an unknown ``optim``, a ``steps``
-    that is not an integer ≥ 0, a loss keyword argument that the check passes itself
-    (``gather``), a factory or gather that the ranks cannot receive (it does not pickle, or its
-    module is found under its name in no directory), and a loss that fails on one device (its
-    arguments are refused, its forward raises, or it returns no finite scalar; without a process
-    group and in a one-rank group alike).
-    ``python -m gatherlab.check`` prints it and exits with status 2.
-    """
+__all__ = [
+    "CheckError", "CheckResult", "GatherOptions", "LossOptions", "TrainingOptions", "check_gather",
+    "check_loss", "check_training", "loss_check",
+]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -208,11 +200,6 @@ def _built(optim: str) -> tuple[measure.ModelFactory, Callable[..., Any], Any]:
 def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, ...]:
     """The loss check's setting (`defaults.LOSS_SETTING`: the model, the data and the global
     batch), the model factory, the optimizer, and the global batches of the check."""
-    if optim not in defaults.OPTIMIZERS:
-        allowed = ", ".join(defaults.OPTIMIZERS)
-        raise CheckError(f"--optim {optim!r} is unknown; allowed: {allowed}")
-    if not terms.is_integer(steps, 0):
-        raise CheckError(f"--steps {steps!r} is not allowed; allowed: {terms.allowed_integer(0)}")
     setting = defaults.LOSS_SETTING
     model, optimizer, dataset = _built(optim)
     size = setting.global_batch_size
@@ -225,22 +212,14 @@ def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, .
 
 
 @warnings_once()
-def _run(
-    losses: Mapping[str, Recipe],
-    gather_name: str,
-    world_sizes: Sequence[int],
-    steps: int,
-    optim: str,
-    precision: str = terms.Precision.FLOAT64,
-) -> pd.DataFrame:
-    """The loss check's table: each loss on each W judged against its one-device reference
+def _run(losses: Mapping[str, Recipe], gather_name: str, options: GatherOptions) -> CheckResult:
+    """The loss check's result: each loss on each W judged against its one-device reference
     (`judge.judge`), with the hypotheses of a differing loss and where a W departs. In a low
     ``precision``, a loss that runs in float64 is judged there and its run in ``precision`` is
     measured in floors beside it; one that cannot is judged in floors of ``precision``
     (`floors.LossFloors`, docs/design.md §2, "Low precision")."""
-    world_sizes = list(world_sizes)
-    cfg, model, optimizer, batches = _setting(optim, world_sizes, steps)
-    _precision(precision)
+    world_sizes, steps, precision = list(options.world_sizes), options.steps, options.precision
+    cfg, model, optimizer, batches = _setting(options.optim, world_sizes, steps)
     # the batches whose global loss is compared: the first (with the gradient) and the second
     # (forward only), so that a cause holds on two batches, not on one number
     probed = batches[:2]
@@ -293,11 +272,12 @@ def _run(
                 judged = with_precision(judged, floored, low.judged_in[name])
             rows += judged
     columns = list(COLUMNS) + ([TRAIN_COLUMN] if steps else [])
-    table = frame(rows, columns + (list(PRECISION_COLUMNS) if low.low else []))
-    if low.low:
-        table.attrs[PRECISION_NOTES] = low.notes
-    return with_reference_notes(table, {name: (one.why, one.group_differs)
-                                        for name, one in chosen.items()})  # fmt: skip
+    return CheckResult(
+        frame(rows, columns + (list(PRECISION_COLUMNS) if low.low else [])),
+        reference_notes=reference_notes({name: (one.why, one.group_differs)
+                                         for name, one in chosen.items()}),
+        precision_notes=low.notes if low.low else {},
+    )  # fmt: skip
 
 
 def _on_ranks(
@@ -322,13 +302,6 @@ def _on_ranks(
         beside, model, view0, view1, world_size, seed, precision=low.precision
     ) if beside else {}  # fmt: skip
     return measured, in_low
-
-
-def _precision(precision: str) -> None:
-    """CheckError unless ``precision`` is one a check takes, before any rank runs."""
-    if precision not in terms.PRECISIONS:
-        allowed = ", ".join(terms.PRECISIONS)
-        raise CheckError(f"--precision {precision!r} is not allowed; allowed: {allowed}")
 
 
 def _reference(
@@ -401,77 +374,69 @@ def _located(
 
 def check_loss(
     factory: str | Callable[..., Any],
-    world_sizes: Iterable[int] = defaults.WORLD_SIZES,
+    world_sizes: Iterable[int] | None = None,
     *,
-    gather: str | GatherFn | None = None,
-    inputs: Any = None,
-    steps: int = defaults.LOSS_STEPS,
-    optim: str = defaults.OPTIM,
-    seed: int = defaults.SEED,
-    collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
-    precision: str = defaults.PRECISION,
+    options: LossOptions | None = None,
     **kwargs: Any,
-) -> pd.DataFrame:
+) -> CheckResult:
     """Check a loss on real gloo ranks of the warm worker pool against the same loss on one
     device, in the gradient audit's setting (`gatherlab.check.defaults.LossSetting`;
-    docs/design.md §6).
+    docs/checking.md §6).
 
     Every rank builds ``factory(**kwargs)``, adding ``rank=``/``world_size=`` when its signature
-    takes them and ``kwargs`` does not set them, and ``gather=`` when ``gather`` is given.
+    takes them and ``kwargs`` does not set them, and ``gather=`` when the options give one.
 
     Args:
         factory: the loss class or function, or its import path (``module:attribute`` or a dotted
             path).
-        world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
-        gather: passed to the loss as ``gather=``: an option of the ``gather`` config group
-            (gatherlab's are `gatherlab.gather.NAMES`), a function ``x -> gathered x``, or its
-            import path. ``None`` or ``"native"`` passes none, for a loss that communicates by
-            itself; refused for a loss whose ``gather=`` has a default (gatherlab's losses), which
-            would gather with it.
-        inputs: what the loss takes besides the two views' embeddings, for the whole global
-            batch of 16 (`gatherlab.components.factory.Inputs`; docs/design.md §6): a tuple or
-            list (given positionally after them), a dict (by keyword) or one tensor; or a
-            function that makes them, or its import path, called once with the seed drawn and
-            with ``global_batch_size=`` and ``embedding_dim=`` where it takes them. Each rank is
-            given its rows of every tensor with a row per sample, the rest whole.
-        steps: also train this many steps of plain DDP and compare the losses with one device
-            (0: no training).
-        optim: the optimizer of those steps, ``"sgd"`` (lr 0.01) or ``"adamw"`` (lr 1e-3,
-            weight decay 0.01).
-        seed: the seed the loss's own parameters, if any, are drawn from, the same in every rank
-            and on one device.
-        collective_timeout_s: how long a rank waits at a collective for its peers to enter it
-            before the W fails with a line that names who did not come (docs/design.md §10,
-            "Collectives that differ"); the process group's own timeout in the check's jobs.
-        precision: the precision the loss trains in (`gatherlab.core.terms.PRECISIONS`): in a
-            low one, a loss that runs in float64 is judged there and its run in ``precision``
-            measured in floors beside it (the columns of `PRECISION_COLUMNS`); one that cannot
-            is judged in floors of ``precision`` (docs/design.md §2, "Low precision").
-        **kwargs: the loss's own keyword arguments (`loss_check` takes them as one mapping, so
-            that a key named like a parameter above goes to the loss).
+        world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16 (the
+            options' when not given).
+        options: the check's options (`LossOptions`: ``gather``, ``inputs``, ``steps``,
+            ``optim``, ``seed``, ``collective_timeout_s``, ``precision``, each documented there).
+        **kwargs: a keyword named like a field of `LossOptions` sets that option (over
+            ``options``); every other one is the loss's own keyword argument (`loss_check` takes
+            the loss's as one mapping, so that a key named like an option goes to the loss).
 
     Returns:
-        A pandas DataFrame with the columns of `COLUMNS` (and ``train_max_abs_loss_diff`` when
-        ``steps`` > 0): per world size in the order given, the row of the whole gradient
-        (``part`` ``all``), then, when the gradient has several parts, one per part (``model``,
-        ``loss.<name>`` per trainable parameter of the loss). A world size whose ranks raise, or
-        break the loss's contract, has one ``failed`` row with the rank's error line in
-        ``error``. The ``loss`` column is the import path when ``factory`` is one, else the
-        factory's qualified name.
+        The `CheckResult`, whose ``table`` has the columns of `COLUMNS` (and
+        ``train_max_abs_loss_diff`` when ``steps`` > 0): per world size in the order given, the
+        row of the whole gradient (``part`` ``all``), then, when the gradient has several parts,
+        one per part (``model``, ``loss.<name>`` per trainable parameter of the loss). A world
+        size whose ranks raise, or break the loss's contract, has one ``failed`` row with the
+        rank's error line in ``error``. The ``loss`` column is the import path when ``factory``
+        is one, else the factory's qualified name.
 
     Raises:
-        CheckError: bad input, before any rank runs (``native`` refused as above included);
-            also when the loss fails on one device.
+        CheckError: bad input, before any rank runs (``native`` refused where it cannot run
+            included); also when the loss fails on one device.
 
     Example:
         >>> from gatherlab.check import check_loss
-        >>> table = check_loss("gatherlab.losses:NTXentLoss", (2, 4), gather="old", temperature=0.5)
-        >>> table["verdict"].tolist()
+        >>> result = check_loss("gatherlab.losses:NTXentLoss", gather="old", temperature=0.5)
+        >>> result.table["verdict"].tolist()
         ['biased', 'biased']
     """
-    return loss_check(factory, world_sizes, kwargs, gather=gather, inputs=inputs, steps=steps,
-                      optim=optim, seed=seed, collective_timeout_s=collective_timeout_s,
-                      precision=precision)  # fmt: skip
+    chosen = {key: value for key, value in kwargs.items() if key in _LOSS_OPTIONS}
+    loss_kwargs = {key: value for key, value in kwargs.items() if key not in _LOSS_OPTIONS}
+    return loss_check(factory, loss_kwargs, _options(LossOptions, options, world_sizes, chosen))
+
+
+_LOSS_OPTIONS = frozenset(option.name for option in dataclasses.fields(LossOptions))
+
+
+def _options(kind: type, options: Any, world_sizes: Iterable[int] | None, chosen: Any) -> Any:
+    """The options of a check: ``options`` (the kind's defaults when None) with the world sizes
+    and the keywords ``chosen`` over them, validated again (`CheckError` of one line)."""
+    if options is not None and not isinstance(options, kind):
+        raise CheckError(
+            f"options={type(options).__name__}(...) is not allowed; allowed: {kind.__name__}"
+        )
+    chosen = options_of(kind, chosen, kind.__name__)
+    if world_sizes is not None:
+        chosen["world_sizes"] = world_sizes
+    if options is None:
+        return kind(**chosen)
+    return dataclasses.replace(options, **chosen) if chosen else options
 
 
 # The keyword arguments the check itself passes to a loss (`Recipe.arguments`), each with the
@@ -482,22 +447,14 @@ PASSED_BY_THE_CHECK = {"gather": "--gather NAME or module:function (gather= in P
 
 def loss_check(
     factory: str | Callable[..., Any],
-    world_sizes: Iterable[int],
     kwargs: Mapping[str, Any],
-    *,
-    gather: str | GatherFn | None = None,
-    inputs: Any = None,
-    steps: int = defaults.LOSS_STEPS,
-    optim: str = defaults.OPTIM,
-    seed: int = defaults.SEED,
-    collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
-    precision: str = defaults.PRECISION,
-) -> pd.DataFrame:
+    options: LossOptions | None = None,
+) -> CheckResult:
     """`check_loss` with the loss's keyword arguments as one mapping, ``kwargs`` (the command
-    line's ``--kwargs``): a key named like one of `check_loss`'s parameters (``seed``,
-    ``steps``, …) goes to the loss; a key the check passes to the loss itself
-    (`PASSED_BY_THE_CHECK`: ``gather``) is refused in one line (CheckError), before any rank
-    runs."""
+    line's ``--kwargs``): a key named like one of the options (``seed``, ``steps``, …) goes to
+    the loss; a key the check passes to the loss itself (`PASSED_BY_THE_CHECK`: ``gather``) is
+    refused in one line (CheckError), before any rank runs."""
+    options = LossOptions() if options is None else options
     for key, option in PASSED_BY_THE_CHECK.items():
         if key in kwargs:
             raise CheckError(
@@ -506,10 +463,11 @@ def loss_check(
             )
     function = _factory(factory)
     name = factory if isinstance(factory, str) else getattr(function, "__qualname__", "loss")
-    gather_name, gather_fn = _gather(gather, function, name)
-    loss = Recipe(function, dict(kwargs), gather_fn, seed, _inputs(inputs, seed))
-    with _watching(collective_timeout_s):
-        return _run({name: loss}, gather_name, tuple(world_sizes), steps, optim, precision)
+    gather_name, gather_fn = _gather(options.gather, function, name)
+    loss = Recipe(function, dict(kwargs), gather_fn, options.seed,
+                  _inputs(options.inputs, options.seed))  # fmt: skip
+    with watched.watching(options.collective_timeout_s):
+        return _run({name: loss}, gather_name, options)
 
 
 # What a loss's inputs factory is given, where its signature takes it: the loss check's global
@@ -549,14 +507,11 @@ def _inputs(inputs: Any, seed: int) -> Inputs | None:
 
 def check_gather(
     gather: str | GatherFn,
-    world_sizes: Iterable[int] = defaults.WORLD_SIZES,
+    world_sizes: Iterable[int] | None = None,
     *,
-    steps: int = defaults.LOSS_STEPS,
-    optim: str = defaults.OPTIM,
-    seed: int = defaults.SEED,
-    collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
-    precision: str = defaults.PRECISION,
-) -> pd.DataFrame:
+    options: GatherOptions | None = None,
+    **chosen: Any,
+) -> CheckResult:
     """Check a gather with gatherlab's three loss styles (local ``ntxent``, global
     ``ntxent_global``, mixed ``vicreg``, `defaults.LossSetting.style_losses`) against one
     device: one row per loss × world size.
@@ -564,72 +519,60 @@ def check_gather(
     Args:
         gather: an option of the ``gather`` config group but ``native`` (gatherlab's are
             `gatherlab.gather.NAMES`), a function ``x -> gathered x``, or its import path.
-        world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16.
-        steps: as in `check_loss`.
-        optim: as in `check_loss`.
-        seed: the seed the losses are built with.
-        collective_timeout_s: as in `check_loss`.
-        precision: as in `check_loss`.
+        world_sizes: the numbers of ranks to check, each an integer ≥ 2 that divides 16 (the
+            options' when not given).
+        options: the check's options (`GatherOptions`: ``steps``, ``optim``, ``seed``,
+            ``collective_timeout_s``, ``precision``, each documented there).
+        **chosen: any of those fields, set over ``options``.
 
     Returns:
-        A pandas DataFrame like `check_loss`'s, for each world size in the order given the three
-        losses in the order above (a world size whose ranks raise: one ``failed`` row per loss);
-        its ``gather`` column is the name or import path given, or the function's qualified name.
+        The `CheckResult`, its ``table`` like `check_loss`'s, for each world size in the order
+        given the three losses in the order above (a world size whose ranks raise: one
+        ``failed`` row per loss); its ``gather`` column is the name or import path given, or
+        the function's qualified name.
 
     Raises:
         CheckError: bad input, before any rank runs: ``None`` or ``"native"`` (no gather), a
             name that is no option of the ``gather`` group, a path that does not import, an
-            object that is not callable, or a world size, ``steps`` or ``optim`` that is not
-            allowed.
+            object that is not callable, an option that is not allowed, or a keyword that is
+            no option.
 
     Example:
         >>> from gatherlab.check import check_gather
-        >>> table = check_gather("old", world_sizes=(2, 4))
-        >>> table["verdict"].tolist()
+        >>> result = check_gather("old", world_sizes=(2, 4))
+        >>> result.table["verdict"].tolist()
         ['biased', '1/W', 'biased', 'biased', '1/W', 'biased']
     """
+    options = _options(GatherOptions, options, world_sizes, chosen)
     gather_name, gather_fn = _gather(gather)
     losses = {
-        name: Recipe(locate(target), dict(kwargs), gather_fn, seed)
+        name: Recipe(locate(target), dict(kwargs), gather_fn, options.seed)
         for name, target, kwargs in defaults.LOSS_SETTING.style_losses
     }
-    with _watching(collective_timeout_s):
-        return _run(losses, gather_name, tuple(world_sizes), steps, optim, precision)
+    with watched.watching(options.collective_timeout_s):
+        return _run(losses, gather_name, options)
 
 
-# --- the check of a training step (docs/design.md §10) -------------------------------------------
-
-
-def _watching(timeout_s: float) -> contextlib.AbstractContextManager[None]:
-    """The check's jobs watched (``ranks.watched``), or CheckError for a timeout that is no
-    positive number of seconds, before any rank runs."""
-    number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
-    if not number or not 0 < timeout_s < math.inf:
-        raise CheckError(
-            f"collective_timeout_s={timeout_s!r} (--collective-timeout); allowed: a number of "
-            "seconds > 0"
-        )
-    return watched.watching(timeout_s)
+# --- the check of a training step (docs/checking.md §10)
+# -------------------------------------------
 
 
 def _path_name(factory: str | Callable[..., Any]) -> str:
     return factory if isinstance(factory, str) else getattr(factory, "__qualname__", "module")
 
 
-def _plain(form: str, function: str | Callable[..., Any], options: defaults.TrainingOptions) -> Any:
-    """The plain PyTorch form to check, its parts imported: ``form`` ``step``
-    (`gatherlab.runs.plainstep.Step`) or ``update`` (`gatherlab.runs.update.Update`); CheckError
-    for a path that does not import or an object that is not callable."""
-    if options.model is None:
-        raise CheckError(f"--{form} needs --model (a function or class returning the nn.Module)")
+def _plain(options: TrainingOptions) -> Any:
+    """The plain PyTorch form to check, its parts imported: a ``step``
+    (`gatherlab.runs.plainstep.Step`) or an ``update`` (`gatherlab.runs.update.Update`);
+    CheckError for a path that does not import or an object that is not callable."""
     optimizer, optimizer_kwargs = options.optimizer, options.optimizer_kwargs
     if optimizer_kwargs is None:
         optimizer_kwargs = defaults.OPTIMIZER_KWARGS if optimizer == defaults.OPTIMIZER else {}
     from gatherlab.runs import plainstep, update
 
-    kind = plainstep.Step if form == "step" else update.Update
+    kind = plainstep.Step if options.form == "step" else update.Update
     return kind(
-        _factory(function, form),
+        _factory(options.function, options.form),
         Recipe(_factory(options.model, "model"), dict(options.model_kwargs or {}), None,
                options.seed),
         _factory(optimizer, "optimizer"),
@@ -640,72 +583,69 @@ def _plain(form: str, function: str | Callable[..., Any], options: defaults.Trai
 def check_training(
     module: str | Callable[..., Any] | None = None,
     data: str | Callable[..., Any] | None = None,
-    world_sizes: Iterable[int] = defaults.WORLD_SIZES,
+    world_sizes: Iterable[int] | None = None,
     *,
-    step: str | Callable[..., Any] | None = None,
-    update: str | Callable[..., Any] | None = None,
-    micro_batches: Iterable[int] = defaults.ONE_MICRO_BATCH,
-    model: str | Callable[..., Any] | None = None,
-    tensor_parallel: int | None = None,
-    model_kwargs: Mapping[str, Any] | None = None,
-    optimizer: str | Callable[..., Any] = defaults.OPTIMIZER,
-    optimizer_kwargs: Mapping[str, Any] | None = None,
-    steps: int = defaults.TRAINING_STEPS,
-    global_batch_size: int = defaults.GLOBAL_BATCH_SIZE,
-    module_kwargs: Mapping[str, Any] | None = None,
-    data_kwargs: Mapping[str, Any] | None = None,
-    precision: str = defaults.PRECISION,
-    strategy: str = terms.Strategy.DDP,
-    seed: int = defaults.SEED,
-    loss_attr: str | None = None,
-    step_budget_s: float = defaults.STEP_BUDGET_S,
-    collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S,
-) -> pd.DataFrame:
+    options: TrainingOptions | None = None,
+    **chosen: Any,
+) -> CheckResult:
     """Check a training step (a ``LightningModule``, a plain PyTorch step or a whole update)
     trained on W real ranks against the same on one device, and name the part that breaks it:
-    docs/design.md §10 says how and what the table holds. Each argument is documented once, as a
-    field of `gatherlab.check.defaults.TrainingOptions`. Raises `CheckError` for bad input,
-    before any rank runs. ``table.attrs["trained"]`` is how the command line names what was
-    trained (``--module M``, ``--step S``, ``--update U``).
+    docs/checking.md §10 says how and what the table holds.
+
+    Args:
+        module: the ``LightningModule`` class or factory, or its import path (or give ``step=``
+            or ``update=``).
+        data: the map-style data set's class or factory, or its import path.
+        world_sizes: the numbers of ranks (the options' when not given).
+        options: the check's options (`TrainingOptions`, each field documented there).
+        **chosen: any field of `TrainingOptions`, set over ``options`` (``step=``, ``model=``,
+            ``steps=``, …).
+
+    Returns:
+        The `CheckResult`: its ``table`` (`gatherlab.check.table.TRAINING_COLUMNS`), ``trained``
+        (how the command line names what was trained: ``--module M``, ``--step S``, ``--update
+        U``), the notes the text prints, and ``loss_check`` where the loss attribute was checked.
+
+    Raises:
+        CheckError: bad input, before any rank runs.
 
     Example:
         >>> from gatherlab.check import check_training
-        >>> table = check_training(  # examples/ssl_modules.py
+        >>> result = check_training(  # examples/ssl_modules.py
         ...     "ssl_modules:SimCLRWithBatchNorm", "ssl_modules:GaussianPairs", steps=2
         ... )
-        >>> table.groupby("world_size")["culprits"].first().tolist()
+        >>> result.table.groupby("world_size")["culprits"].first().tolist()
         ['batchnorm', 'batchnorm']
     """
-    options = defaults.TrainingOptions(**locals())  # the arguments above, nothing else yet
+    given = {"module": module, "data": data, "world_sizes": world_sizes}
+    chosen = {key: value for key, value in given.items() if value is not None} | chosen
+    options = _options(TrainingOptions, options, None, chosen)
     from gatherlab.check import training  # Lightning is imported only for a LightningModule
 
     setting = _training_setting(options)
-    world_sizes, micro_batches = tuple(options.world_sizes), tuple(options.micro_batches)
-    if setting.update is None and micro_batches != (1,):
-        raise CheckError(
-            f"--micro-batches {','.join(map(str, micro_batches))}: micro-batches are the whole "
-            "update's (--update); allowed: --update with them, or 1"
-        )
+    world_sizes, micro_batches = options.world_sizes, options.micro_batches
     applying, layout = _validated(setting, world_sizes, options.loss_attr, micro_batches)
     _fits(setting, layout, max(world_sizes))
     setting, precision_words = _in_precision(setting, applying)
-    with warnings_once(), _watching(options.collective_timeout_s):
+    with warnings_once(), watched.watching(options.collective_timeout_s):
         try:  # one device, in this process: a training_step without a loss is found here
             first = training.first_reference(setting)
         except Exception as error:
             raise CheckError(f"{setting.label} on one device: {cli.error_line(error)}") from None
-        table = training.check(setting, world_sizes, applying, first, layout, micro_batches)
-    table.attrs["trained"] = setting.label  # the diagnosis's advice depends on the form
-    if precision_words is not None:
-        table.attrs[PRECISION_NOTES] = {setting.name: precision_words}
+        result = training.check(setting, world_sizes, applying, first, layout, micro_batches)
+    table = result.table
     blamed = table.loc[table["culprits"].str.contains(terms.Culprit.LOSS), "world_size"]
+    loss_check = None
     if options.loss_attr is not None and len(blamed):
         loss = AttributeOf(setting.built, options.loss_attr)
-        table.attrs["loss_check"] = check_loss(
+        loss_check = check_loss(
             loss, sorted(set(blamed)), seed=options.seed,
             collective_timeout_s=options.collective_timeout_s,
         )  # fmt: skip
-    return table
+    notes = {} if precision_words is None else {setting.name: precision_words}
+    return dataclasses.replace(
+        result, trained=setting.label, precision_notes=notes, loss_check=loss_check
+    )
 
 
 def _fits(setting: Any, layout: measure.Layout, world_size: int) -> None:
@@ -775,78 +715,40 @@ def _precision_words(setting: Any, watched: InFloat64) -> str:
     )
 
 
-def _training_setting(options: defaults.TrainingOptions) -> Any:
+def _training_setting(options: TrainingOptions) -> Any:
     """What `check_training` trains (``training.Setting``: the form and its `RunSpec`), its parts
-    imported; CheckError for none or several forms, no data set, or a path that does not import."""
+    imported; CheckError for a path that does not import."""
     from gatherlab.check import training
 
-    forms = {"module": options.module, "step": options.step, "update": options.update}
-    if sum(function is not None for function in forms.values()) != 1:
-        raise CheckError(
-            "name one of a LightningModule (--module), a plain PyTorch step (--step with "
-            "--model) or a whole update (--update with --model)"
-        )
-    if options.data is None:
-        raise CheckError("--data is needed: a map-style data set (class or factory), module:attr")
-    budget = options.step_budget_s
-    if not (isinstance(budget, int | float) and 0 < budget <= math.inf):
-        raise CheckError(
-            f"--step-budget {options.step_budget_s!r}; allowed: a number of seconds > 0"
-        )
     data_factory = _factory(options.data, "data")
-    kind, function = next((kind, f) for kind, f in forms.items() if f is not None)
-    strategies = (terms.Strategy.DDP, terms.Strategy.FSDP2)  # Lightning's; ZeRO: an optimizer
-    if options.strategy not in strategies or (kind != "module" and options.strategy != "ddp"):
-        raise CheckError(
-            f"--strategy {options.strategy}: allowed: {', '.join(strategies)} with --module (a "
-            "--step's or --update's model factory distributes the model itself)"
-        )
     seed = options.seed
-    if kind == "module":
+    if options.form == "module":
         from gatherlab.runs import fit  # Lightning: only for a LightningModule
 
-        module = Recipe(_factory(function, "module"), dict(options.module_kwargs or {}), None, seed)
+        module = Recipe(_factory(options.module, "module"), dict(options.module_kwargs or {}),
+                        None, seed)  # fmt: skip
         form = fit.Module(module)
     else:
-        form = _plain(kind, function, options)
+        form = _plain(options)
     spec = RunSpec(
         data=Recipe(data_factory, dict(options.data_kwargs or {}), None, seed),
         global_batch_size=options.global_batch_size, steps=options.steps, seed=seed,
         precision=options.precision, strategy=options.strategy,
         step_budget_s=options.step_budget_s,
-        tensor_parallel=_tensor_parallel(options, kind),
+        tensor_parallel=_tensor_parallel(options),
     )  # fmt: skip
-    return training.Setting(form, spec, _path_name(function))
+    return training.Setting(form, spec, _path_name(options.function))
 
 
-def _tensor_parallel(options: defaults.TrainingOptions, kind: str) -> int:
-    """The tensor-parallel degree T of a plain form's layout (1: none); CheckError of one line
-    for a T that is not an integer ≥ 2 dividing every W ≥ 2, or asked of a LightningModule, or of
-    a model factory without a ``mesh`` argument (code that does not parallelize itself),
-    docs/design.md §10, "Tensor and sequence parallelism"."""
+def _tensor_parallel(options: TrainingOptions) -> int:
+    """The tensor-parallel degree T of a plain form's layout (1: none; its value checked by the
+    options); CheckError of one line for a model factory without a ``mesh`` argument (code that
+    does not parallelize itself), docs/checking.md §10, "Tensor and sequence parallelism"."""
     degree = options.tensor_parallel
     if degree is None:
         return 1
-    if not terms.is_integer(degree, 2):
-        raise CheckError(f"--tensor-parallel {degree!r} is not allowed; allowed: an integer ≥ 2")
-    if kind == "module":
-        raise CheckError(
-            f"--tensor-parallel {degree} with --module: a LightningModule is distributed by its "
-            "strategy; allowed: --tensor-parallel with --step or --update, whose model factory "
-            "parallelizes the model over the mesh it is given"
-        )
-    ranks = [w for w in options.world_sizes if w != 1]
-    apart = [w for w in ranks if w % degree]
-    if apart:
-        allowed = ", ".join(str(t) for t in range(2, min(ranks) + 1)
-                            if all(w % t == 0 for w in ranks)) or "none"  # fmt: skip
-        raise CheckError(
-            f"--tensor-parallel {degree} does not divide --world-sizes "
-            f"{','.join(map(str, options.world_sizes))} (W = {apart[0]}): a layout's mesh is "
-            f"W/T × T ranks; allowed: a T dividing every W ({allowed})"
-        )
-    model = _factory(options.model, "model") if options.model is not None else None
-    if model is not None and not Recipe(model).accepts("mesh"):
+    model = _factory(options.model, "model")
+    if not Recipe(model).accepts("mesh"):
         raise CheckError(
             f"--tensor-parallel {degree}: --model {_path_name(options.model)} takes no mesh "
             "argument, so it cannot parallelize itself; allowed: a factory build(mesh=None, ...) "

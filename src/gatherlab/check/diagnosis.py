@@ -1,5 +1,5 @@
 """The words of a check: each verdict's diagnosis (its meaning, usual cause in code and fix), each
-culprit's of docs/design.md §10 (a removal's is its own, `gatherlab.runs.removals.Removal`), and
+culprit's of docs/checking.md §10 (a removal's is its own, `gatherlab.runs.removals.Removal`), and
 the text the command prints; the table they describe is `gatherlab.check.table`'s."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from gatherlab.check.table import (
     ALL_PARTS,
     COLUMNS,
     EXACT,
-    PRECISION_NOTES,
     REFERENCE,
-    REFERENCE_NOTES,
     TRAIN_COLUMN,
     TRAINS_LIKE_ONE_DEVICE,
+    CheckResult,
+    result_of,
     trains_like_one_device,
 )  # fmt: skip
 from gatherlab.core import gradients, runfiles, terms
@@ -519,7 +519,7 @@ PART_MEANINGS = {
         if factor not in (terms.Factor.K, terms.Factor.ONE_OVER_K)
     },
 }
-# What each culprit of docs/design.md §10 means, and its fix (the check of a training step): the
+# What each culprit of docs/checking.md §10 means, and its fix (the check of a training step): the
 # cause each removal takes out (its own words), the step's randomness, and the loss, which remains
 # when all of them are made.
 CULPRIT_DIAGNOSES = {
@@ -674,7 +674,7 @@ def diagnosis(
     return text
 
 
-# The words of a one-device reference that says more than its ``reference`` column (docs/design.md
+# The words of a one-device reference that says more than its ``reference`` column (docs/checking.md
 # §6): it needed a process group, or it runs otherwise inside one than without.
 NEEDED_A_GROUP = (
     "its one-device reference ran in a one-rank process group: without one it raises {why}"
@@ -690,17 +690,17 @@ def _via(gather: str) -> str:
     return "" if gather in ("native", "") else f" with gather {gather}"
 
 
-def _reference_notes(table: pd.DataFrame, what: str, heading: Any = None) -> list[str]:
-    """The printed paragraphs of each loss's (or step's) reference notes (``table.attrs``,
-    `table.with_reference_notes`), headed ``heading(name)`` (the name itself by default)."""
+def _reference_notes(result: CheckResult, what: str, heading: Any = None) -> list[str]:
+    """The printed paragraphs of each loss's (or step's) reference notes
+    (`CheckResult.reference_notes`), headed ``heading(name)`` (the name itself by default)."""
     lines = []
-    for name, notes in table.attrs.get(REFERENCE_NOTES, {}).items():
+    for name, notes in result.reference_notes.items():
         title = name if heading is None else heading(name)
-        if notes["why"]:
-            text = NEEDED_A_GROUP.format(why=notes["why"]).rstrip(".") + "."
+        if notes.why:
+            text = NEEDED_A_GROUP.format(why=notes.why).rstrip(".") + "."
             lines.append(f"{title}: reference in a one-rank process group\n{_paragraph(text)}")
-        if notes["group_differs"]:
-            text = GROUP_DIFFERS.format(what=what, differs=notes["group_differs"])
+        if notes.group_differs:
+            text = GROUP_DIFFERS.format(what=what, differs=notes.group_differs)
             lines.append(f"{title}: differs in a one-rank process group\n{_paragraph(text)}")
     return lines
 
@@ -721,12 +721,14 @@ def _shown_parts(table: pd.DataFrame) -> pd.DataFrame:
     return table[[r["part"] == ALL_PARTS or key(r) in differing for r in records]]
 
 
-def _precision_lines(table: pd.DataFrame, name_column: str | None) -> list[str]:
+def _precision_lines(checked: CheckResult | pd.DataFrame, name_column: str | None) -> list[str]:
     """The paragraph of a check in a low precision (`table.PRECISION_COLUMNS`): what judges each
     loss (or the step) and why, its W-rank runs in floors of that precision, and what that
     precision cannot see (docs/design.md §2, "Low precision"); none for a float64 check."""
+    result = result_of(checked)
+    table = result.table
     if "in_precision" not in table.columns:  # float64, or a low precision without a floor
-        notes = table.attrs.get(PRECISION_NOTES, {}).values()
+        notes = result.precision_notes.values()
         return [f"Low precision:\n{_paragraph(words + '.')}" for words in notes]
     whole = table[(table["part"] == ALL_PARTS) & table["in_precision"].map(_filled)]
     if "removed" in whole.columns:
@@ -734,7 +736,7 @@ def _precision_lines(table: pd.DataFrame, name_column: str | None) -> list[str]:
     if not len(whole):
         return []
     precision = terms.Precision(whole["precision"].iloc[0])
-    notes = table.attrs.get(PRECISION_NOTES, {})
+    notes = result.precision_notes
     own = [f"{f'loss {name}: ' if name_column else ''}{words}." for name, words in notes.items()]
     in_float64 = whole["judged_in"] == terms.Precision.FLOAT64
     if in_float64.any():
@@ -778,21 +780,22 @@ def _closing(table: pd.DataFrame) -> str:
     return f"Every world size trains like one device (float64, to {_FLOAT64})."
 
 
-def explain(table: pd.DataFrame) -> str:
+def explain(checked: CheckResult | pd.DataFrame) -> str:
     """The check as text, what ``python -m gatherlab.check`` prints and the message of
     `gatherlab.testing.assert_layout_invariant`'s ``AssertionError``.
 
     Args:
-        table: a table of `check_loss` or `check_gather` (the columns of `COLUMNS`, and
-            ``train_max_abs_loss_diff`` when present).
+        checked: the result of `check_loss` or `check_gather`, or its table alone (the columns
+            of `COLUMNS`, and ``train_max_abs_loss_diff`` when present; ``check.csv`` read
+            back), which holds no notes.
 
     Returns:
         The table as Markdown (a loss's parts only where one differs in class from the whole
-        gradient), the notes on its one-device reference (`gatherlab.check.table.REFERENCE_NOTES`),
+        gradient), the notes on its one-device reference (`CheckResult.reference_notes`),
         then one paragraph per loss, gather, verdict and cause other than ``exact``, for all the
         world sizes that share it: what was measured or reproduced, the usual causes (labelled as
-        not tested) and the fix (docs/design.md §1, §6). When every verdict is exact (or ``loss
-        scaled``), a last line says so. The text ends with a newline.
+        not tested) and the fix (docs/design.md §1, docs/checking.md §6). When every verdict is
+        exact (or ``loss scaled``), a last line says so. The text ends with a newline.
 
     Example:
         >>> from gatherlab.check import check_loss, explain
@@ -806,9 +809,11 @@ def explain(table: pd.DataFrame) -> str:
           The gradient points in another direction than one device's (cosine 0.980813, 0.928893, ...
         ...
     """
+    result = result_of(checked)
+    table = result.table
     lines = [markdown(_shown_parts(table))]
     gathers = dict(zip(table["loss"], table["gather"], strict=True))
-    lines += _reference_notes(table, "loss", lambda name: name + _via(gathers.get(name, "")))
+    lines += _reference_notes(result, "loss", lambda name: name + _via(gathers.get(name, "")))
     whole = table[table["part"] == ALL_PARTS]
     failing = whole[~whole["verdict"].isin((EXACT, *WITHIN))]  # within: the precision's text
     for (loss, gather, verdict_, cause), rows in failing.groupby(
@@ -823,7 +828,7 @@ def explain(table: pd.DataFrame) -> str:
         named = f" ({cause})" if cause and verdict_ != terms.LOSS_SCALED else ""
         lines.append(f"{loss}{via}, W = {sizes}: {verdict_}{named}\n"
                      f"{_paragraph(diagnosis(rows, parts))}{_departs(rows)}")  # fmt: skip
-    lines += _precision_lines(table, "loss")
+    lines += _precision_lines(result, "loss")
     if trains_like_one_device(table):
         lines.append(_closing(table))
     return "\n\n".join(lines) + "\n"
@@ -899,13 +904,11 @@ def _filled(value: Any) -> bool:
     return not (value is None or value == "" or (isinstance(value, float) and pd.isna(value)))
 
 
-def _unreduced_words(table: pd.DataFrame, rows: pd.DataFrame) -> dict[str, str]:
+def _unreduced_words(result: CheckResult, rows: pd.DataFrame) -> dict[str, str]:
     """The words of the cause ``unreduced`` for a training check's rows (their first layout's
-    measurement, ``table.attrs["unreduced"]``, `gatherlab.check.training.Unreduced`)."""
+    measurement, `CheckResult.unreduced`, `gatherlab.check.training.Unreduced`)."""
     first = rows.iloc[0]
-    found = table.attrs.get("unreduced", {}).get(
-        f"{first['world_size']},{first.get('micro_batches', 1)}"
-    )
+    found = result.unreduced.get((int(first["world_size"]), int(first.get("micro_batches", 1))))
     if found is None:
         return {}
     if found.over:
@@ -953,18 +956,21 @@ def _partial_words(found: Any) -> dict[str, str]:
     }
 
 
-def explain_training(table: pd.DataFrame) -> str:
+def explain_training(checked: CheckResult | pd.DataFrame) -> str:
     """The check of a training step as text: one row per W (its verdict, the culprits found, the
     verdict with all removals made), the table of its runs, then what each culprit means and its
     fix.
 
     Args:
-        table: a table of `check_training`.
+        checked: the result of `check_training`, or its table alone (``check.csv`` read back),
+            which holds no notes.
 
     Returns:
         The text ``python -m gatherlab.check --module`` prints, ending with a newline; the
         reference's paragraphs as `explain` has them (needed a one-rank group, or differs in one).
     """
+    result = result_of(checked)
+    table = result.table
     summary = []
     runs = table[table["part"] == ALL_PARTS]
     micro = _has_micro_batches(table)
@@ -981,7 +987,7 @@ def explain_training(table: pd.DataFrame) -> str:
               "verdict with every removal made"]  # fmt: skip
     lines = [runfiles.markdown_table(header, summary),
              markdown(_shown_parts(table), TRAINING_COLUMNS)]  # fmt: skip
-    lines += _reference_notes(table, "training step")
+    lines += _reference_notes(result, "training step")
     kept = runs[runs["removed"] == NONE]
     # the verdicts that say more than their culprits: measured, reproduced or split in parts
     named_causes = (terms.Cause.PARTS, terms.Cause.MICRO_NEGATIVES, terms.Cause.UNREDUCED,
@@ -994,7 +1000,7 @@ def explain_training(table: pd.DataFrame) -> str:
         parts = table[table[keys].apply(tuple, axis=1).isin(rows[keys].apply(tuple, axis=1))
                       & (table["part"] != ALL_PARTS)]  # fmt: skip
         named = f" ({cause})" if cause in named_causes else ""
-        text = diagnosis(rows, parts, _unreduced_words(table, rows))
+        text = diagnosis(rows, parts, _unreduced_words(result, rows))
         lines.append(f"{_layouts(rows)}: {verdict_}{named}\n{_paragraph(text)}")
     departing = kept[kept["where"].map(_filled)]
     if len(departing):
@@ -1003,14 +1009,13 @@ def explain_training(table: pd.DataFrame) -> str:
     for culprit in found:
         blamed = runs[(runs["removed"] == NONE) & runs["culprits"].str.contains(culprit)]
         lines.append(f"{culprit}, {_layouts(blamed)}:\n{_paragraph(CULPRIT_DIAGNOSES[culprit])}")
-    loss_check = table.attrs.get("loss_check")
-    if loss_check is not None:
+    if result.loss_check is not None:
         lines.append("The loss on its own (gatherlab.check on the loss attribute):\n"
-                     + explain(loss_check).rstrip())  # fmt: skip
-    elif Culprit.LOSS in found and str(table.attrs.get("trained", "")).startswith("--module "):
+                     + explain(result.loss_check).rstrip())  # fmt: skip
+    elif Culprit.LOSS in found and result.trained.startswith("--module "):
         # only a module has a loss attribute to name (a plain step or update has none)
         lines.append("  Name the module's loss attribute (--loss-attr) to check the loss alone.")
-    lines += _precision_lines(table, None)
+    lines += _precision_lines(result, None)
     if trains_like_one_device(table):
         own = _closing(table)
         lines.append(own if "as far as" in own else "Every world size trains like one device.")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from gatherlab.check.api import CheckError
+from gatherlab.check.options import CheckError
 from gatherlab.components.config import ConfigError
 from gatherlab.core import cli, terms
 from gatherlab.ranks import external

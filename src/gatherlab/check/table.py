@@ -1,14 +1,16 @@
-"""The table of a check (``check.csv``): its columns, its typed row (`Row`) and the one conversion
-of rows to the table (`frame`), the verdict of a row, the row of a world size whose ranks raised,
-and whether a table says "trains like one device". Rows are made by `gatherlab.check.judge` for
-every form of the check; `gatherlab.check.diagnosis` puts them into words (docs/design.md §5)."""
+"""The result of a check (`CheckResult`: its table, ``check.csv``, and the words that go with it),
+the table's columns, its typed row (`Row`) and the one conversion of rows to the table (`frame`),
+the verdict of a row, the row of a world size whose ranks raised, and whether a result says
+"trains like one device". Rows are made by `gatherlab.check.judge` for
+every form of the check; `gatherlab.check.diagnosis` puts them into words (docs/contract.md §5)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 
@@ -17,10 +19,9 @@ from gatherlab.runs.removals import NONE
 
 __all__ = [
     "ALL_PARTS", "COLUMNS", "COMPARISON_COLUMNS", "EXACT", "MICRO_BATCHES", "PRECISION_COLUMNS",
-    "PRECISION_NOTES",
-    "REFERENCE",
-    "REFERENCE_NOTES", "TRAINING_COLUMNS", "TRAINS_LIKE_ONE_DEVICE", "TRAIN_COLUMN", "Row",
-    "failed_row", "frame", "trains_like_one_device", "verdict", "with_reference_notes",
+    "REFERENCE", "TRAINING_COLUMNS", "TRAINS_LIKE_ONE_DEVICE", "TRAIN_COLUMN", "CheckResult",
+    "ReferenceNote", "Row", "failed_row", "frame", "reference_notes", "result_of",
+    "trains_like_one_device", "verdict",
 ]  # fmt: skip
 
 EXACT = terms.GradientClass.EXACT
@@ -50,7 +51,8 @@ how the one-device reference ran, the same on every row of a loss: ``no group`` 
 as a one-GPU script runs it) or ``one-rank group`` (rank 0 of a one-rank gloo process group, for
 code that raises without one; `gatherlab.check.reference`); ``where`` the first operation that
 departs from one device (``file:line  op``) and ``departs`` what differs there, in words, empty
-where the verdict is exact or nothing departs (`gatherlab.check.where`) (docs/design.md §5, §6)."""
+where the verdict is exact or nothing departs (`gatherlab.check.where`) (docs/contract.md §5,
+docs/checking.md §6)."""
 TRAIN_COLUMN = "train_max_abs_loss_diff"
 MICRO_BATCHES = "micro_batches"
 TRAINING_COLUMNS = (
@@ -129,20 +131,10 @@ def frame(rows: Sequence[Row], columns: Sequence[str]) -> pd.DataFrame:
     return table
 
 
-REFERENCE_NOTES = "reference_notes"
-"""The key of ``table.attrs`` that holds, per loss (or step) whose reference says more than its
-``reference`` column, the words the printed text adds: ``why`` (the plain run's error line, when
-the reference needed a group) and ``group_differs`` (what differs in a one-rank group). Words to
-print only: ``check.csv`` holds the ``reference`` column, not these."""
-
 TRAINS_LIKE_ONE_DEVICE = frozenset({EXACT, terms.LOSS_SCALED, *floor.WITHIN})
 """The verdicts of a world size that trains like one device: ``loss scaled`` only logs a scaled
 value; ``exact within bf16`` (float32, fp16) is as close as a low precision lets a check tell
 (docs/design.md §2, "Low precision")."""
-
-PRECISION_NOTES = "precision_notes"
-"""The key of ``table.attrs`` that holds, per loss (or step) judged in its own low precision
-because it cannot run in float64, that precision; words to print only."""
 
 PRECISION_COLUMNS = ("precision", "judged_in", "floor", "floors", "in_precision")
 """The columns a check in a low precision adds at the end of its table (docs/design.md §2, "Low
@@ -192,26 +184,66 @@ def failed_row(key: Row, error: BaseException) -> Row:
     return dataclasses.replace(key, verdict=str(terms.FAILED), error=cli.first_line(error))
 
 
-def with_reference_notes(
-    table: pd.DataFrame, notes: Mapping[str, tuple[str, str | None]]
-) -> pd.DataFrame:
-    """``table`` with ``attrs[REFERENCE_NOTES]``: for each loss of ``notes`` (its name → the
-    reference's ``why`` and ``group_differs``, `gatherlab.check.reference.Reference`) that has
-    either, both as strings."""
-    kept = {
-        name: {"why": why, "group_differs": differs or ""}
+@dataclass(frozen=True)
+class ReferenceNote:
+    """What the printed text adds about a loss's (or step's) one-device reference beyond its
+    ``reference`` column (`gatherlab.check.reference.Reference`): words to print only."""
+
+    why: str = ""
+    """The plain run's error line, when the reference needed a one-rank process group."""
+    group_differs: str = ""
+    """What differs in a one-rank group from the plain run."""
+
+
+def reference_notes(notes: Mapping[str, tuple[str, str | None]]) -> dict[str, ReferenceNote]:
+    """The notes of each loss of ``notes`` (its name → the reference's ``why`` and
+    ``group_differs``) that has either."""
+    return {
+        name: ReferenceNote(why or "", differs or "")
         for name, (why, differs) in notes.items()
         if why or differs
     }
-    if kept:
-        table.attrs[REFERENCE_NOTES] = kept
-    return table
 
 
-def trains_like_one_device(table: pd.DataFrame) -> bool:
-    """Whether a check's table says every world size trains like one device: every verdict of
-    the whole gradient in `TRAINS_LIKE_ONE_DEVICE` (`check_loss`, `check_gather`), or for
-    `check_training` every run without removals."""
+@dataclass(frozen=True)
+class CheckResult:
+    """What a check returns (`gatherlab.check.check_loss`, `check_gather`, `check_training`):
+    its table and the words that go with it. `gatherlab.check.explain` and `explain_training`
+    put it into words; ``check.csv`` is its ``table``."""
+
+    table: pd.DataFrame
+    """The rows (`COLUMNS`, or `TRAINING_COLUMNS` for a training step; `PRECISION_COLUMNS`
+    after them in a low precision), as `frame` makes them."""
+    trained: str = ""
+    """How the command line names what a training step's check trained (``--module M``,
+    ``--step S``, ``--update U``); empty for a loss or a gather."""
+    reference_notes: Mapping[str, ReferenceNote] = field(default_factory=dict)
+    """Per loss (or step) whose reference says more than its ``reference`` column, those words."""
+    precision_notes: Mapping[str, str] = field(default_factory=dict)
+    """Per loss (or step) judged in a precision other than the one asked (it cannot run in
+    float64, or its floor is not measured), why, in words."""
+    unreduced: Mapping[tuple[int, int], Any] = field(default_factory=dict)
+    """Per layout (W, K) of a training step whose ranks' gradients of some part differ, what
+    was found (`gatherlab.check.training.Unreduced`)."""
+    loss_check: CheckResult | None = None
+    """The check of the module's loss attribute (``loss_attr``) where the loss was blamed."""
+
+    @property
+    def trains_like_one_device(self) -> bool:
+        """Whether every world size trains like one device (`trains_like_one_device`)."""
+        return trains_like_one_device(self.table)
+
+
+def result_of(checked: CheckResult | pd.DataFrame) -> CheckResult:
+    """A check's result, or a table alone (``check.csv`` read back) as a result without words."""
+    return checked if isinstance(checked, CheckResult) else CheckResult(checked)
+
+
+def trains_like_one_device(checked: CheckResult | pd.DataFrame) -> bool:
+    """Whether a check's result (or its table) says every world size trains like one device:
+    every verdict of the whole gradient in `TRAINS_LIKE_ONE_DEVICE` (`check_loss`,
+    `check_gather`), or for `check_training` every run without removals."""
+    table = result_of(checked).table
     if "removed" in table:
         table = table[table["removed"] == NONE]
     if "part" in table:

@@ -1,4 +1,4 @@
-"""The check of a training step (docs/design.md §10): a user's ``LightningModule`` and data set
+"""The check of a training step (docs/checking.md §10): a user's ``LightningModule`` and data set
 trained N steps on W ranks of the warm pool and on one device, compared step by step; when a W is
 not exact, the same again with each removal that applies made (`gatherlab.runs.removals`) and
 with all of them made, and the culprits named: the removals that make it exact. The runs are
@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import pandas as pd
 import torch
 
 from gatherlab.check import measure, where
@@ -34,10 +33,11 @@ from gatherlab.check.table import (
     PRECISION_COLUMNS,
     TRAINING_COLUMNS,
     TRAINS_LIKE_ONE_DEVICE,
+    CheckResult,
     Row,
     failed_row,
     frame,
-    with_reference_notes,
+    reference_notes,
 )  # fmt: skip
 from gatherlab.components.factory import Recipe
 from gatherlab.core import cli, floor, gradients, imports, terms
@@ -347,7 +347,7 @@ def _layout_departure(setting: Setting, world_size: int, in_group: bool) -> wher
 
 def micro_negatives(setting: Setting, world_size: int, k: int, in_group: bool) -> list[float]:
     """What a whole update's first logged loss would be at (W, K) if each micro-batch's loss saw
-    only its micro-batch's rows (naive accumulation, docs/design.md §10): on one device, the
+    only its micro-batch's rows (naive accumulation, docs/checking.md §10): on one device, the
     update with one micro-batch on each group of rows alone, from the initial weights, averaged.
     Two groupings, each a value: the W·K micro-batches one by one (rank r's micro-batch j: its
     rows r·B + j·B/K …, a loss of the rank's own rows), and the K micro-batches of all ranks
@@ -464,15 +464,17 @@ def check(
     first: Reference[Trained] | None = None,
     layout: measure.Layout | None = None,
     micro_batches: Sequence[int] = (1,),
-) -> pd.DataFrame:
-    """The check's table (`TRAINING_COLUMNS`): for every layout (W, K) (`layouts`; K, the
-    micro-batches of a whole update, is 1 for the other forms) the rows of its run without
+) -> CheckResult:
+    """The check's result, its table (`TRAINING_COLUMNS`): for every layout (W, K) (`layouts`; K,
+    the micro-batches of a whole update, is 1 for the other forms) the rows of its run without
     removals (`judge.judge`: the whole, then its parts of ``layout`` when the gradient has several)
     and, when that run is not exact, a row per run with removals (each that applies, then all);
     ``culprits`` on every row of a layout; a layout whose ranks raised has one ``failed`` row.
     ``first`` is the 1-device run without removals as `first_reference` chose it (made here when
-    None); the runs with removals on one device run as it ran, and its notes go to
-    ``table.attrs`` (`table.with_reference_notes`)."""
+    None); the runs with removals on one device run as it ran. The result (`CheckResult`) holds
+    the reference's notes and, per layout whose ranks' gradients of some part differ, what was
+    found (`Unreduced`; the cause ``unreduced`` and the culprit are named only where
+    all-reducing those parts makes the run exact: reproduced)."""
     tolerance = gradients.tolerance(setting.spec.precision)
     first = first_reference(setting) if first is None else first
     references, rows = {removals.NONE: first.value}, []
@@ -527,9 +529,11 @@ def check(
             continue
         rows += _with_culprits(kept, measured[1:], applying, step_random,
                                unreduced.get((world_size, k)))  # fmt: skip
-    table = frame(rows, TRAINING_COLUMNS + (PRECISION_COLUMNS if setting.low else ()))
-    table.attrs[UNREDUCED] = {f"{w},{k}": f for (w, k), f in unreduced.items() if f.parts}
-    return with_reference_notes(table, {setting.name: (first.why, first.group_differs)})
+    return CheckResult(
+        frame(rows, TRAINING_COLUMNS + (PRECISION_COLUMNS if setting.low else ())),
+        reference_notes=reference_notes({setting.name: (first.why, first.group_differs)}),
+        unreduced={layout: found for layout, found in unreduced.items() if found.parts},
+    )
 
 
 def _with_culprits(
@@ -599,12 +603,6 @@ def _stepped_where(rows: list[Row], found: Unreduced) -> list[Row]:
     return [dataclasses.replace(r, where=found.stepped_by, departs=departs) for r in rows]
 
 
-UNREDUCED = "unreduced"
-"""The key of ``table.attrs`` that holds, per layout ``"W,K"`` whose ranks' gradients of some part
-differ, what was found (`Unreduced`): words to print only. The cause ``unreduced`` and the culprit
-are named only where all-reducing those parts makes the run exact (reproduced)."""
-
-
 @dataclass
 class Unreduced:
     """The parts of a run whose gradient differs between its ranks (``parts``; none: every rank
@@ -621,7 +619,7 @@ class Unreduced:
     unstalled: str | None = None
     over: str = ""
     """A tensor-parallel model's: the mesh dimension over which the parameters ``partial`` names
-    have partial-sum gradients and replicas that ended apart (docs/design.md §10, "Tensor and
+    have partial-sum gradients and replicas that ended apart (docs/checking.md §10, "Tensor and
     sequence parallelism"); ``reduced`` is then the run with those sums made whole before each
     step. Empty otherwise."""
     partial: tuple[str, ...] = ()

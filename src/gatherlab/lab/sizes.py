@@ -115,7 +115,7 @@ def check(model: str, size: str, precision: str) -> dict:
         data_kwargs={"size": STEPS * GLOBAL_BATCH, "image": sizemodels.IMAGE[model]},
         world_sizes=(WORLD_SIZE,), steps=STEPS, global_batch_size=GLOBAL_BATCH,
         precision=precision,
-    )  # fmt: skip
+    ).table  # fmt: skip
     seconds = time.perf_counter() - start
     return {
         "check_s": seconds,

@@ -5,6 +5,7 @@ linear sketches and its rows as fingerprints; two recordings are compared by `ga
 Modules:
 
 - ``recorder``: ``Recorder``, a job recorded through torch's public hooks on every rank
+- ``record_options``: ``RecordOptions``, how a job is recorded, typed and documented once
 - ``rows``: the rows a model is given, fingerprinted: a 64-bit digest per row
 - ``sketch``: the linear sketch of a gradient, additive over shards
 - ``placed``: where a ``DTensor`` shard's elements lie in the whole tensor, for its sketch

@@ -1,5 +1,5 @@
 """A Hugging Face ``Trainer`` job recorded by one callback:
-``Trainer(..., callbacks=[HFRecorder(DIR)])`` (docs/design.md §11, "The Lightning and Hugging
+``Trainer(..., callbacks=[HFRecorder(DIR)])`` (docs/recording.md §11, "The Lightning and Hugging
 Face callbacks"). Needs the optional extra ``hf`` (``pip install 'gatherlab[hf]'``: transformers
 and accelerate); this module is imported only when ``gatherlab.record.HFRecorder`` is first used,
 so that ``gatherlab.record`` imports without them.
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from gatherlab.recording.callbacks import OneTrainer
+from gatherlab.recording.record_options import RecordOptions, record_options
 from gatherlab.recording.recorder import Recorder
 from gatherlab.recording.refusal import refuse
-from gatherlab.recording.sketch import DEFAULT_K
 
 try:
     from transformers import TrainerCallback
@@ -107,7 +107,7 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 class HFRecorder(OneTrainer, TrainerCallback):
     """Records every optimizer update of a Hugging Face ``Trainer.train`` into ``out`` (only the
     main process writes): each rank's rows and loss, each part's gradient sketch and norm, the
-    first ``full_updates`` whole gradients, the final weights (docs/design.md §11, "The format").
+    first ``full_updates`` whole gradients, the final weights (docs/recording.md §11, "The format").
 
     ``k``: the sketch's size per part; ``seed``: the run's seed written into the header (default:
     ``TrainingArguments.seed``); ``settings``: more of the job's settings for the header that must
@@ -127,16 +127,12 @@ class HFRecorder(OneTrainer, TrainerCallback):
         out: str | Path,
         *,
         loss: torch.nn.Module | None = None,
-        k: int = DEFAULT_K,
-        full_updates: int | None = None,
-        seed: int | None = None,
-        settings: Mapping[str, Any] | None = None,
-        trace: bool = False,
+        options: RecordOptions | None = None,
+        **chosen: Any,
     ) -> None:
         self.out = Path(out)
-        self.k, self.full_updates, self.seed, self.trace = k, full_updates, seed, trace
+        self.options = record_options(options, chosen)
         self.loss_module = loss
-        self.settings = dict(settings or {})
         self.recorder: Recorder | None = None
         self._hooks: list[Any] = []
 
@@ -150,21 +146,19 @@ class HFRecorder(OneTrainer, TrainerCallback):
             "trainer": "transformers",
             "max_steps": args.max_steps,
             "max_grad_norm": args.max_grad_norm,
-            **self.settings,
+            **self.options.settings,
         }
         self.recorder = Recorder(
             model,
             torch_optimizer(optimizer),
             self.out,
             loss=self.loss_module,
-            k=self.k,
-            full_updates=self.full_updates,
-            seed=args.seed if self.seed is None else self.seed,
+            options=self.options,
+            seed=args.seed if self.options.seed is None else self.options.seed,
             settings=settings,
             precision=precision_of(args, model),
             batches=False,
             losses=self.loss_module is not None,  # the loss module's output, by its own hook
-            trace=self.trace,
         )
         self._hooks = [model.register_forward_pre_hook(self._rows, with_kwargs=True)]
         if self.loss_module is None:

@@ -1,5 +1,5 @@
 """A Lightning ``Trainer`` job recorded by one callback,
-``Trainer(callbacks=[LightningRecorder(DIR)])`` (docs/design.md §11, "The Lightning and Hugging
+``Trainer(callbacks=[LightningRecorder(DIR)])`` (docs/recording.md §11, "The Lightning and Hugging
 Face callbacks").
 
 The recording is `gatherlab.recording.recorder.Recorder`'s, built when fitting starts over the
@@ -40,9 +40,9 @@ import lightning as L
 import torch
 
 from gatherlab.recording.callbacks import OneTrainer
+from gatherlab.recording.record_options import RecordOptions, record_options
 from gatherlab.recording.recorder import Recorder
 from gatherlab.recording.refusal import refuse
-from gatherlab.recording.sketch import DEFAULT_K
 
 __all__ = ["LightningRecorder"]
 
@@ -50,7 +50,7 @@ __all__ = ["LightningRecorder"]
 class LightningRecorder(OneTrainer, L.Callback):
     """Records every optimizer update of a Lightning ``Trainer.fit`` into ``out`` (only rank 0
     writes): each rank's rows and loss, each part's gradient sketch and norm, the first
-    ``full_updates`` whole gradients, the final weights (docs/design.md §11, "The format").
+    ``full_updates`` whole gradients, the final weights (docs/recording.md §11, "The format").
 
     ``k``: the sketch's size per part; ``seed``: the run's seed written into the header (default:
     the one ``lightning.seed_everything`` set, else none); ``settings``: more of the job's
@@ -68,15 +68,11 @@ class LightningRecorder(OneTrainer, L.Callback):
         self,
         out: str | Path,
         *,
-        k: int = DEFAULT_K,
-        full_updates: int | None = None,
-        seed: int | None = None,
-        settings: Mapping[str, Any] | None = None,
-        trace: bool = False,
+        options: RecordOptions | None = None,
+        **chosen: Any,
     ) -> None:
         self.out = Path(out)
-        self.k, self.full_updates, self.seed, self.trace = k, full_updates, seed, trace
-        self.settings = dict(settings or {})
+        self.options = record_options(options, chosen)
         self.recorder: Recorder | None = None
         self._wrapped: Any = None
 
@@ -86,7 +82,7 @@ class LightningRecorder(OneTrainer, L.Callback):
                 f"LightningRecorder records one optimizer; {type(pl_module).__name__}"
                 f".configure_optimizers gave {len(trainer.optimizers)}; allowed: one optimizer"
             )
-        seed = self.seed
+        seed = self.options.seed
         if seed is None and os.environ.get("PL_GLOBAL_SEED", "").lstrip("-").isdigit():
             seed = int(os.environ["PL_GLOBAL_SEED"])  # lightning.seed_everything's
         settings = {
@@ -94,20 +90,18 @@ class LightningRecorder(OneTrainer, L.Callback):
             "max_steps": trainer.max_steps,
             "gradient_clip_val": trainer.gradient_clip_val,
             "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
-            **self.settings,
+            **self.options.settings,
         }
         self.recorder = Recorder(
             pl_module,
             trainer.optimizers[0],
             self.out,
-            k=self.k,
-            full_updates=self.full_updates,
+            options=self.options,
             seed=seed,
             settings=settings,
             precision=str(trainer.precision),
             batches=False,
             losses=False,
-            trace=self.trace,
         )
         if pl_module.automatic_optimization:
             self._record_losses(pl_module)

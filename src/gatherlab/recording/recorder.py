@@ -1,5 +1,5 @@
 """A training job recorded where it runs: what each optimizer update received, through torch's
-public hooks, on every rank, written by rank 0 (`gatherlab.recording.format`; docs/design.md
+public hooks, on every rank, written by rank 0 (`gatherlab.recording.format`; docs/recording.md
 §11).
 
 `Recorder` is added to a job with one line (``gatherlab.record(model, optimizer, out,
@@ -59,6 +59,7 @@ from gatherlab.components.rowblocks import blocked_as, join_measured
 from gatherlab.core.parts import part_of
 from gatherlab.ranks import world
 from gatherlab.recording import format, placed, sketch
+from gatherlab.recording.record_options import RecordOptions, record_options
 from gatherlab.recording.refusal import refuse
 from gatherlab.recording.rows import Sampled, digests, hexadecimal, rows_of, sampled
 from gatherlab.runs.removals import batch_norms
@@ -312,19 +313,10 @@ class Recorder:
     ``loss``: the job's loss module, whose output is each micro-batch's loss and whose parameters
     (a learnt temperature) are parts of their own. ``names``: a name for each parameter the
     optimizer updates outside the model and the loss (``{"temperature": tau}``; unnamed, one is
-    ``optimizer.<group>.<index>``). ``k``: the sketch's size per part. ``full_updates``: how many
-    first updates keep their whole gradient (float64; None: the first, for a model of at most
-    `FULL_GRADIENT_LIMIT` parameters). ``seed``: the job's seed, for the header (compared between
-    runs). ``settings``: more of the job's settings that must agree between two runs (JSON
-    values). ``precision``: the job's precision (``64-true``, ``32-true``, ``bf16-mixed``…;
-    default from the parameters' dtype, an autocast seen in the forward recorded per update).
-    ``batches``: whether the model's forward inputs are the batch (False: the job calls
-    ``batch(x)``); ``losses``: whether the loss module's or the model output's loss is the
-    micro-batch's loss (False: the job calls ``loss(value)``, as the Lightning and Hugging Face
-    callbacks do). ``trace``: record the operations of the first update's forward, from the
-    model's first call to the loss, with their gradients (`gatherlab.runs.trace`; every result is
-    copied: for small runs), so that the comparison names the line where two runs part
-    (``trace.pt``).
+    ``optimizer.<group>.<index>``). ``options``: how it records (`RecordOptions`: ``k``,
+    ``full_updates``, ``seed``, ``settings``, ``trace``, ``precision``, ``batches``, ``losses``,
+    ``sketch_seed``, each documented there); any of its fields may also be given as a keyword,
+    set over ``options``.
 
     With `FLOOR_VARIABLE` set, a one-device job records its floor into that directory instead
     of ``out``, its model's forward in `FLOOR_ROW_BLOCKS` row blocks (`FLOOR_BLOCKS_VARIABLE`'s
@@ -340,21 +332,12 @@ class Recorder:
         *,
         loss: nn.Module | None = None,
         names: Mapping[str, torch.Tensor] | None = None,
-        k: int = sketch.DEFAULT_K,
-        full_updates: int | None = None,
-        seed: int | None = None,
-        settings: Mapping[str, Any] | None = None,
-        precision: str | None = None,
-        batches: bool = True,
-        losses: bool = True,
-        sketch_seed: int = 0,
-        trace: bool = False,
+        options: RecordOptions | None = None,
+        **chosen: Any,
     ) -> None:
         _hookable(model, optimizer)
-        if not isinstance(k, int) or k < 2:
-            refuse(f"k={k!r}: the sketch's size per part; allowed: an integer ≥ 2")
-        if full_updates is not None and (not isinstance(full_updates, int) or full_updates < 0):
-            refuse(f"full_updates={full_updates!r}: allowed: an integer ≥ 0, or None")
+        options = record_options(options, chosen)
+        k, full_updates, trace = options.k, options.full_updates, options.trace
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self._distributed else 1
         self.rank = dist.get_rank() if self._distributed else 0
@@ -364,7 +347,7 @@ class Recorder:
         if full_updates is None:  # the first update's whole gradient where it is small
             numel = sum(p.parameter.numel() for p in self._parameters)
             full_updates = 1 if numel <= FULL_GRADIENT_LIMIT else 0
-        self.k, self.full_updates, self.sketch_seed = k, full_updates, sketch_seed
+        self.k, self.full_updates, self.sketch_seed = k, full_updates, options.sketch_seed
         self.parts = list(dict.fromkeys(p.part for p in self._parameters))
         self._signs: dict[str, torch.Tensor] = {}
         self._plan: tuple[list[_Batched], list[tuple[int, _Parameter]]] | None = None
@@ -386,11 +369,12 @@ class Recorder:
         dtype = first.dtype if first is not None else torch.float32
         header = {
             "gatherlab": _version(), "torch": torch.__version__,
-            "world_size": self.world_size, "precision": precision or _precision(dtype),
+            "world_size": self.world_size, "precision": options.precision or _precision(dtype),
             "dtype": str(dtype).removeprefix("torch."),
             "device": first.device.type if first is not None else "cpu",
-            "seed": seed, "k": k, "sketch_seed": sketch_seed, "full_updates": full_updates,
-            "settings": {**_settings(optimizer), **dict(settings or {})},
+            "seed": options.seed, "k": k, "sketch_seed": options.sketch_seed,
+            "full_updates": full_updates,
+            "settings": {**_settings(optimizer), **dict(options.settings)},
             "optimizer_wrapper": (
                 type(optimizer).__name__ if _stepping(optimizer) is not optimizer else None
             ),
@@ -401,10 +385,10 @@ class Recorder:
             ],
             "parts": self.parts,
             "row_blocks": row_blocks, "batch_norm": batch_norms(_unwrapped(model)),
-            "hooks": "model" if batches else "trainer", "command": _launch_command(),
+            "hooks": "model" if options.batches else "trainer", "command": _launch_command(),
         }  # fmt: skip
         self._writer = self._open(Path(out), header)
-        self._hooks = self._attach(model, optimizer, loss, batches, losses)
+        self._hooks = self._attach(model, optimizer, loss, options.batches, options.losses)
 
     def _open(self, out: Path, header: dict[str, Any]) -> format.Writer | None:
         """Rank 0's writer of ``out``; every rank raises the one line when rank 0 cannot write,
@@ -753,7 +737,7 @@ class Recorder:
             self._writer.close(final)
 
     def _count_rows(self, every: list[dict[str, Any]], first: int) -> None:
-        """Tensor parallelism's rows counted once (docs/design.md §11): the ranks of a
+        """Tensor parallelism's rows counted once (docs/recording.md §11): the ranks of a
         tensor-parallel group (`placed.row_group`, from the parameters' mesh) train the same
         rows, which the group's first rank holds for it; the others' are compared with them and
         left out. A group the parameters only suggest (`RowGroup.sure` False) whose rows differ
