@@ -15,9 +15,9 @@ from gatherlab.core import gradients
 
 if __name__ == "__main__":
     sweep_dir = run_sweep("simclr_digits")
-    table, curves = report.compare_sweep(results.load_runs(sweep_dir), sweep_dir)
+    compared = report.compare_sweep(results.load_runs(sweep_dir), sweep_dir)
     figure = figures.ablation_figure(
-        table, curves, variant="simclr_ablation", metric="knn_accuracy",
+        compared.table, compared.curves, variant="simclr_ablation", metric="knn_accuracy",
         tolerance=gradients.FLOAT64_TOLERANCE,
     )  # fmt: skip
     for path in figures.save(figure, FIGURES / "simclr_digits"):

@@ -56,8 +56,9 @@ def main() -> None:
     two_torchrun_nodes(sweep / "two_nodes")
     for name in (runfiles.COMPARISON, "comparison.png", "comparison.pdf"):
         (sweep / name).unlink(missing_ok=True)  # the sweep's own report, before the third run
-    table = report.write_report(sweep)
-    print(report.comparison_text(table))
+    compared = report.write_report(sweep)
+    print(report.comparison_text(compared))
+    table = compared.table
 
     cpu4, nodes = sweep / "1", sweep / "two_nodes"
     summary = runfiles.read_summary(nodes)

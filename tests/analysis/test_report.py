@@ -14,9 +14,7 @@ def _table(rows: list[dict]) -> pd.DataFrame:
         "optim": "sgd", "global_batch_size": 16, "precision": "64-true", "steps": 5, "seed": 0,
         "error": None, "max_abs_loss_diff": 0.0, "matches_reference": True,
     }  # fmt: skip
-    table = pd.DataFrame([{**common, **row} for row in rows])
-    table.attrs["override_columns"] = []
-    return table
+    return pd.DataFrame([{**common, **row} for row in rows])
 
 
 def _run(number: int, **row) -> dict:

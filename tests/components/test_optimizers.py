@@ -71,7 +71,7 @@ def test_fixed_on_two_ranks_matches_one_device_under_every_optimizer(tmp_path):
             )  # fmt: skip
         if layout == "cpu1":  # in this process (the 2-rank runs step in the pool's ranks)
             assert steps == [STEPPED[optim]] * 5, (optim, steps)
-    table = report.compare_sweep(results.load_runs(tmp_path), tmp_path)[0]
+    table = report.compare_sweep(results.load_runs(tmp_path), tmp_path).table
     assert list(zip(table["optim"], table["devices"], strict=True)) == [
         (optim, devices) for optim in optimizers for devices in (1, 2)
     ]

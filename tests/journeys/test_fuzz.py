@@ -147,7 +147,7 @@ def _check_one(drawn: dict[str, str], broken: str | None, run_dir, seen: dict[st
     pair = run_dir.with_name(f"pair-{run_dir.name}")
     shutil.copytree(run_dir, pair / "run")
     shutil.copytree(reference, pair / "reference")
-    table = report.compare_sweep(results.load_runs(pair), pair)[0].set_index("run_dir")
+    table = report.compare_sweep(results.load_runs(pair), pair).table.set_index("run_dir")
     assert table.loc["reference", "verdict"] == "reference"
     assert table.loc["run", "reference"] == "reference", drawn
     loss_diff, param_diff = differences(run_dir, reference)  # read here, not by the report

@@ -128,7 +128,7 @@ def test_the_final_loss_figure_shows_each_runs_difference_from_its_reference(pr1
     notebook = json.loads(NOTEBOOK.read_text())
     assert "figures.final_loss_figure(table, tolerance)" in "".join(notebook["cells"][10]["source"])
     sweep, _ = pr1531_sweep
-    table, _ = report.compare_sweep(results.load_runs(sweep), sweep)
+    table = report.compare_sweep(results.load_runs(sweep), sweep).table
     figure = figures.final_loss_figure(table, 1e-10)
     (axis,) = figure.axes
     ticks, names = axis.get_yticks(), [label.get_text() for label in axis.get_yticklabels()]

@@ -62,7 +62,7 @@ def sweep_runs(tmp_path_factory):
     (root / "corrupt" / runfiles.SUMMARY).write_text("{ not json")
     with pytest.raises(jobs.RunFailed):
         run_training(root / "nan", *common, "layout=cpu2", "optim.lr=inf")
-    return root, report.write_report(root).set_index("run_dir")
+    return root, report.write_report(root).table.set_index("run_dir")
 
 
 @pytest.mark.parametrize(

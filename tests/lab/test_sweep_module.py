@@ -61,8 +61,10 @@ def test_a_sweep_over_a_removal_attributes_the_difference_to_batch_norm(tmp_path
         line.startswith("3: global native cpu2") and line.endswith("yes") for line in printed
     )
     assert (sweep / f"{report.FIGURE}.png").stat().st_size > 10_000
-    compared, curves = report.compare_sweep(results.load_runs(sweep), sweep)
-    figure = figures.comparison_figure(compared, curves, gradients.TOLERANCE["64-true"])
+    compared = report.compare_sweep(results.load_runs(sweep), sweep)
+    figure = figures.comparison_figure(
+        compared.table, compared.curves, gradients.TOLERANCE["64-true"], compared.override_columns
+    )
     titles = [axis.get_title() for axis in figure.axes[::2]]
     assert [title.rsplit(", ", 1)[-1] for title in titles] == [
         "removals.batchnorm=as_is", "removals.batchnorm=global",

@@ -108,7 +108,7 @@ def test_the_report_writes_the_matrix_as_measured(matrix_runs, monkeypatch):
     # the comparison and its matrix; the sweep report around them (with its comparison figure)
     # is tested on the sweeps of test_extend.py and test_cli.py
     runs = results.load_runs(matrix_runs)
-    table, _ = report.compare_sweep(runs, matrix_runs)
+    table = report.compare_sweep(runs, matrix_runs).table
     figures = capture_figures(monkeypatch)
     report.write_loss_matrix(table, runs, matrix_runs)
     for name in ("loss_matrix.png", "loss_matrix.pdf", "loss_matrix.md"):

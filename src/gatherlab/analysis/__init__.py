@@ -5,5 +5,5 @@ Modules:
 
 - ``results``: run and sweep files loaded into pandas, the only reader of run files above training
 - ``report``: a sweep's runs against their 1-device references, the loss matrix, the audit's tables
-- ``figures``: every figure, in one style: each gather's colour, the reference always drawn alike
+- ``figures``: the library's figures, and the one style of every figure (colours, the reference)
 """

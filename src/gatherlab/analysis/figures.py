@@ -94,12 +94,16 @@ def style_difference_axis(axis: plt.Axes, tolerance: float | None, ylabel: str) 
 
 
 def comparison_figure(
-    table: pd.DataFrame, curves: Mapping[str, pd.DataFrame], tolerance: float | None = None
+    table: pd.DataFrame,
+    curves: Mapping[str, pd.DataFrame],
+    tolerance: float | None = None,
+    override_columns: Sequence[str] = (),
 ) -> plt.Figure:
     """Loss curves beside the reference (left) and |Δloss| against it on a log scale (right).
 
     One row of panels per group of comparable runs (``table.group``); ``curves`` maps ``run_dir``
-    to that run's curves.
+    to that run's curves; ``override_columns`` are the table's columns of overrides that vary
+    between runs (`gatherlab.analysis.report.SweepComparison`), which name a group in its title.
     """
     groups = list(dict.fromkeys(table["group"]))
     with plt.rc_context(STYLE):
@@ -110,7 +114,7 @@ def comparison_figure(
             runs = table[table["group"] == group]
             _draw_group_against_reference(loss_axis, diff_axis, runs, curves)
             style_difference_axis(diff_axis, tolerance, "|Δ loss| vs 1-device reference")
-            title = _group_title(table, runs)
+            title = _group_title(table, runs, override_columns)
             loss_axis.set(title=title, xlabel="optimizer step", ylabel="global loss")
             loss_axis.legend(fontsize=8)
             if diff_axis.get_legend_handles_labels()[0]:  # a group may hold no compared run
@@ -235,7 +239,7 @@ def final_loss_figure(table: pd.DataFrame, tolerance: float | None = None) -> pl
     return figure
 
 
-def _group_title(table: pd.DataFrame, runs: pd.DataFrame) -> str:
+def _group_title(table: pd.DataFrame, runs: pd.DataFrame, override_columns: Sequence[str]) -> str:
     """What one group of `comparison_figure` is: its experiment, loss, model and precision, and
     the keys that tell it from the table's other groups (e.g. ``removals.batchnorm=global``)."""
     first = runs.iloc[0]
@@ -245,7 +249,7 @@ def _group_title(table: pd.DataFrame, runs: pd.DataFrame) -> str:
     )
     what = ", ".join(str(first[c]) for c in ("loss", "model") if not pd.isna(first[c]))
     what = f"{what}, {precision}" if what else precision
-    keys = [c for c in table.attrs.get("override_columns", []) if c in table]
+    keys = [c for c in override_columns if c in table]
     named = [c for c in keys if table[c].nunique() > 1 and runs[c].nunique() == 1]
     what += "".join(f", {c}={first[c]}" for c in named)
     return f"{first['experiment']} — {what}" if first["experiment"] else what

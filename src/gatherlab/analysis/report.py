@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from gatherlab.gather import CLASSES
 from gatherlab.runs.precision import FLOOR_ROW_BLOCKS
 
 __all__ = [
+    "SweepComparison",
     "audit_markdown",
     "common_tolerance",
     "compare_sweep",
@@ -153,10 +155,25 @@ def _not_comparable(run: pd.Series, curves: pd.DataFrame, reference: pd.Series,
     return None
 
 
-def compare_sweep(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
-    """The comparison table of ``runs`` (from ``results.load_runs``) and every readable run's
-    curves. Each row gets a ``verdict`` (``VERDICTS``); a run is compared only with a reference
-    that it can be held against, and ``matches_reference`` is true only with that evidence."""
+@dataclass(frozen=True)
+class SweepComparison:
+    """A sweep's runs held against their one-device references (`compare_sweep`)."""
+
+    table: pd.DataFrame
+    """One row per run (``comparison.csv``): its verdict (``VERDICTS``), reference and
+    differences, and a column per override that varies between the runs."""
+    curves: Mapping[str, pd.DataFrame] = field(default_factory=dict)
+    """Every readable run's curves (``results.load_curves``), by its ``run_dir``."""
+    override_columns: tuple[str, ...] = ()
+    """The columns of ``table`` that are overrides varying between the runs (``optim.lr``, …),
+    which name a run beside the table's own keys."""
+
+
+def compare_sweep(runs: pd.DataFrame, root: Path) -> SweepComparison:
+    """The comparison of ``runs`` (from ``results.load_runs``): its table and every readable
+    run's curves. Each row gets a ``verdict`` (``VERDICTS``); a run is compared only with a
+    reference that it can be held against, and ``matches_reference`` is true only with that
+    evidence."""
     table = runs.copy()
     files: dict[str, tuple[pd.DataFrame, dict]] = {}
     table["verdict"] = None
@@ -200,8 +217,7 @@ def compare_sweep(runs: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, dict[st
         table[column] = table[column].map(lambda path: _relative(path, root))
     curves = {_relative(path, root): frame for path, (frame, _) in files.items()}
     table = table.drop(columns=["overrides", "config"])
-    table.attrs["override_columns"] = list(varying.columns)
-    return table, curves
+    return SweepComparison(table, curves, tuple(varying.columns))
 
 
 def _held_against(
@@ -263,7 +279,7 @@ def _relative(path: str | None, root: Path) -> str | None:
         return str(path)
 
 
-def write_report(sweep_dir: str | Path) -> pd.DataFrame:
+def write_report(sweep_dir: str | Path) -> SweepComparison:
     """Compare the runs below ``sweep_dir``; write ``comparison.csv``, ``.png``, ``.pdf`` there."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
@@ -271,15 +287,18 @@ def write_report(sweep_dir: str | Path) -> pd.DataFrame:
     runs = results.load_runs(sweep_dir)
     if runs.empty:
         raise FileNotFoundError(f"no finished run (no {runfiles.SUMMARY}) below {sweep_dir}")
-    table, curves = compare_sweep(runs, sweep_dir)
+    compared = compare_sweep(runs, sweep_dir)
+    table, curves = compared.table, compared.curves
     table.to_csv(sweep_dir / COMPARISON, index=False)
     drawn = table[table["run_dir"].isin(curves)]  # failed and unreadable runs are not drawn
     if not drawn.empty:
-        figure = figures.comparison_figure(drawn, curves, common_tolerance(table))
+        figure = figures.comparison_figure(
+            drawn, curves, common_tolerance(table), compared.override_columns
+        )
         figures.save(figure, sweep_dir / FIGURE)
     if table["loss"].nunique() > 1:
         write_loss_matrix(table, runs, sweep_dir)
-    return table
+    return compared
 
 
 def common_tolerance(table: pd.DataFrame) -> float | None:
@@ -389,10 +408,14 @@ def _matrix_cell(value: float, match: bool, verdict: str | None) -> str:
     return verdict  # a run without a number says why: failed, unreadable, not comparable
 
 
-def comparison_text(table: pd.DataFrame) -> str:
-    """The comparison as a short text table: run, devices × batch, max |Δloss|, verdict (and,
-    for a run that failed or could not be compared, why)."""
-    extra = table.attrs.get("override_columns", [])
+def comparison_text(compared: SweepComparison | pd.DataFrame) -> str:
+    """The comparison (or its table alone, ``comparison.csv`` read back: no override columns
+    named) as a short text table: run, devices × batch, max |Δloss|, verdict (and, for a run that
+    failed or could not be compared, why)."""
+    if isinstance(compared, SweepComparison):
+        table, extra = compared.table, compared.override_columns
+    else:
+        table, extra = compared, ()
     keys = [
         c for c in (*KEY_COLUMNS, *extra) if c in table and c not in (*NAMING_KEYS, *DERIVED_KEYS)
     ]
@@ -519,10 +542,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("sweep_dir", type=Path, help="the directory of a finished multirun")
     args = parser.parse_args(argv)
     try:
-        table = write_report(args.sweep_dir)
+        compared = write_report(args.sweep_dir)
     except FileNotFoundError as error:
         cli.fail("report", error)
-    print(comparison_text(table))
+    print(comparison_text(compared))
     print(f"figure: {args.sweep_dir / FIGURE}.png")
     if (args.sweep_dir / f"{MATRIX}.png").exists():
         print(f"loss matrix: {args.sweep_dir / MATRIX}.png and .md")

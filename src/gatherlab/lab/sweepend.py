@@ -33,11 +33,13 @@ class ReportOnMultirunEnd(Callback):
 
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
-            table = report.write_report(sweep_dir)
+            compared = report.write_report(sweep_dir)
         except FileNotFoundError as error:
             log.error("no report: %s", error)
             return
-        log.info("comparison of %d runs:\n%s", len(table), report.comparison_text(table))
+        log.info(
+            "comparison of %d runs:\n%s", len(compared.table), report.comparison_text(compared)
+        )
         log.info("figure: %s", sweep_dir / f"{report.FIGURE}.png")
         if (sweep_dir / f"{report.MATRIX}.png").exists():
             log.info("loss matrix: %s", sweep_dir / f"{report.MATRIX}.png")
