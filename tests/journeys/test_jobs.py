@@ -10,15 +10,22 @@ comparison names it: its verdict, its first update and part, its cause.
 
 These tests start fresh interpreters on purpose: torchrun starting the job's ranks, each process
 building its own process group, is what they test (docs/testing.md, "Tests that start a fresh
-interpreter"). Each launch costs torch's import on every rank (and Lightning's in its job), so
-each run is launched once and serves every test of it (a module-scoped cache of the runs and their
-recordings), every job runs 5 updates of a tiny model, and each correct job and each bug switch
-runs where its code differs (`BUGS`, `WORLD_SIZES`; ``experiments/jobs.py`` runs the whole
-matrix). The one-device runs, which no launcher starts and which hold no process group, run the
-job's ``main`` in the test process instead (`bundled_jobs.run_plainly`, one torch thread as a
-launch has): a fresh interpreter would add only its imports (3.4 s here, Lightning's job 8 s)."""
+interpreter"). Each launch costs torch's import on every rank and in torchrun's agent (and
+Lightning's in its job), so each run is made once and serves every test of it (a module-scoped
+cache of the runs and their recordings), every job runs 5 updates of a tiny model, each correct
+job and each bug switch runs where its code differs (`BUGS`, `WORLD_SIZES`;
+``experiments/jobs.py`` runs the whole matrix), and the runs at one W share one launch
+(`TOGETHER`, `bundled_jobs.launch_together`: each job's ``main`` in turn in the ranks torchrun
+started, the first building the process group; the same numbers, bit for bit, as a launch each).
+Lightning's job is launched alone: its test reads that Lightning joined the group torchrun's
+ranks built, and Lightning's import stays out of the other launches. The one-device runs, which
+no launcher starts and which hold no process group, run the job's ``main`` in the test process
+instead (`bundled_jobs.run_plainly`, one torch thread as a launch has): a fresh interpreter would
+add only its imports (3.4 s here, Lightning's job 8 s)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from bounds import FLOAT64_BOUND, MISS_FACTOR
@@ -27,6 +34,7 @@ from bundled_jobs import (
     SIMCLR_PARTS,
     largest_difference,
     launch,
+    launch_together,
     printed,
     run_plainly,
 )
@@ -91,27 +99,48 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
     }[bug]
 
 
+TOGETHER = {
+    world_size: [(job, bug) for job in BUGS if job != "lightning_job"
+                 for bug in ("none", *BUGS[job])
+                 if world_size in (WORLD_SIZES[job] if bug == "none" else (2,))]
+    for world_size in (2, 4)
+}  # fmt: skip
+"""The runs that share a launch at each W (`bundled_jobs.launch_together`): every correct job at
+its W and every switch at 2, but Lightning's job."""
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """(job, W, bug) → (what rank 0 printed, the recording), each run once with ``--record``; W
-    None is the one-device run (in this process). Every switch but ``sampler`` leaves one device
-    unchanged (a gather, batch norm or division over one rank is the identity), so those share the
-    correct one-device run."""
+    """(job, W, bug) → (what rank 0 printed, the recording, the launch), each run once with
+    ``--record``; W None is the one-device run (in this process). Every switch but ``sampler``
+    leaves one device unchanged (a gather, batch norm or division over one rank is the identity),
+    so those share the correct one-device run. The first run asked for at a W launches every run
+    of `TOGETHER` at that W."""
     root, runs = tmp_path_factory.mktemp("jobs"), {}
+
+    def out(job: str, world_size: int | None, bug: str) -> str:
+        return str(root / f"{job}-{bug}-{world_size or 'one'}")
 
     def run(job: str, world_size: int | None, bug: str = "none"):
         if world_size is None and bug != "sampler":
             bug = "none"
         key = (job, world_size, bug)
         if key not in runs:
-            out = root / f"{job}-{bug}-{world_size or 'one'}"
-            arguments = ("--bug", bug, "--record", str(out))
+            arguments = ("--bug", bug, "--record", out(*key))
             if world_size is None:  # python JOB: no launcher, no process group
-                result = run_plainly(job, *arguments)
+                runs[key] = run_plainly(job, *arguments)
+            elif (job, bug) in TOGETHER.get(world_size, ()):
+                together = TOGETHER[world_size]
+                launched = launch_together(world_size, [
+                    (other, "--bug", switch, "--record", out(other, world_size, switch))
+                    for other, switch in together
+                ])  # fmt: skip
+                runs.update({(other, world_size, switch): result for (other, switch), result
+                             in zip(together, launched, strict=True)})  # fmt: skip
             else:
-                result = launch(job, world_size, *arguments)
-            runs[key] = (printed(result, PARTS.get(job, SIMCLR_PARTS)), out, result)
-        return runs[key]
+                runs[key] = launch(job, world_size, *arguments)
+        result = runs[key]
+        return printed(result, PARTS.get(job, SIMCLR_PARTS)), Path(out(*key)), result
 
     return run
 

@@ -2,13 +2,16 @@
 run them (``tests/journeys/test_jobs.py`` on CPU gloo, ``tests/journeys/test_gpu.py`` on NCCL):
 plainly for one device, or under torchrun on a free port; what rank 0 printed, parsed. The
 one-device run can also run in the test process (`run_plainly`), where the session has imported
-torch and Lightning already."""
+torch and Lightning already, and several runs at one W can share one launch
+(`start_together`, this file run as the ranks' script)."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import io
+import json
 import os
 import random
 import re
@@ -21,6 +24,7 @@ import numpy as np
 
 JOBS = Path(__file__).resolve().parents[2] / "examples" / "jobs"
 LAUNCH_TIMEOUT = 150  # seconds per launch: four ranks importing torch on two loaded cores
+RUN_MARK = "--- bundled_jobs run"  # the line before each run's output in `launch_together`
 
 
 def free_port() -> int:
@@ -41,6 +45,91 @@ def launch(job: str, world_size: int | None, *arguments: str) -> subprocess.Comp
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([*command, *arguments], capture_output=True, text=True, env=env,
                           timeout=LAUNCH_TIMEOUT)  # fmt: skip
+
+
+def start_together(
+    world_size: int | None,
+    runs: list[tuple[str, ...]],
+    environments: list[dict[str, str]] | None = None,
+    **popen,
+) -> subprocess.Popen:
+    """Runs of the bundled jobs in one launch (each run a job's name and its arguments, as
+    ``launch`` takes them; ``environments``: variables set for each run alone), started: under
+    torchrun at ``world_size`` or, None, as one plain process. One run is its job's script as
+    ``launch`` starts it. Several: in every rank, each job's ``main`` in turn with its command
+    line, as its script runs it (this file the ranks' script); the first builds the process group
+    (the job's own ``init_process_group``), the later ones find it built and use it, and the group
+    is left as the last job's script leaves it. A launch costs torchrun's agent and torch's import
+    in every rank (~3 s of CPU each here, with a Hugging Face trainer's ~8 s), so runs that need
+    no launch of their own share one. ``popen``: Popen's options (``env`` added to)."""
+    environments = environments or [{} for _ in runs]
+    env = {**popen.pop("env", os.environ), "OMP_NUM_THREADS": "1"}
+    if len(runs) == 1:
+        [(job, *arguments)] = runs
+        command = [sys.executable, str(JOBS / f"{job}.py"), *arguments]
+        env |= environments[0]
+    else:
+        command = [sys.executable, __file__, json.dumps(runs), json.dumps(environments)]
+    if world_size is not None:
+        command[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+                        "--master-addr", "127.0.0.1", "--master-port",
+                        str(free_port())]  # fmt: skip
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True} | popen
+    return subprocess.Popen(command, env=env, **options)
+
+
+def finish_together(
+    process: subprocess.Popen, runs: list[tuple[str, ...]]
+) -> list[subprocess.CompletedProcess]:
+    """Per run of `start_together`'s launch, what rank 0 printed for it; the launch's exit status
+    and standard error are every run's (a hang fails here, with what was printed)."""
+    stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT + 30 * len(runs))
+    printed = {0: stdout} if len(runs) == 1 else dict.fromkeys(range(len(runs)), "")
+    for part in re.split(f"^{RUN_MARK} ", stdout, flags=re.M)[1:]:
+        number, _, text = part.partition("\n")
+        printed[int(number)] = text
+    return [subprocess.CompletedProcess(run, process.returncode, printed[number], stderr)
+            for number, run in enumerate(runs)]  # fmt: skip
+
+
+def launch_together(
+    world_size: int | None, runs: list[tuple[str, ...]]
+) -> list[subprocess.CompletedProcess]:
+    """`start_together`, then `finish_together`."""
+    return finish_together(start_together(world_size, runs), runs)
+
+
+def _run_together(runs: list[list[str]], environments: list[dict[str, str]]) -> None:
+    """The ranks' side of `start_together`: each run's ``main`` in turn (its variables set for it
+    alone), then what the last job's script does after its ``main``: ``leave_group`` (the
+    trainer jobs) or ``common.finish``."""
+    sys.path.insert(0, str(JOBS))
+    import torch.distributed as dist
+
+    init_process_group = dist.init_process_group
+
+    def built_once(*arguments, **options):  # a later job's init: the group is built already
+        if not dist.is_initialized():
+            init_process_group(*arguments, **options)
+
+    dist.init_process_group = built_once
+    for number, (job, *arguments) in enumerate(runs):
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"{RUN_MARK} {number}", flush=True)
+        environment = environments[number]
+        os.environ.update(environment)
+        sys.argv = [str(JOBS / f"{job}.py"), *arguments]
+        module = importlib.import_module(job)
+        module.main()
+        for name in environment:
+            del os.environ[name]
+        if dist.is_initialized():
+            gc.collect()  # what the run left in reference cycles (FSDP2's modules), as finish does
+            dist.barrier()
+    if hasattr(module, "leave_group"):
+        module.leave_group()
+    else:
+        importlib.import_module("common").finish()
 
 
 def run_plainly(job: str, *arguments: str) -> subprocess.CompletedProcess:
@@ -103,3 +192,7 @@ def largest_difference(run, reference) -> float:
         *(abs(a - b) for a, b in zip(losses, reference_losses, strict=True)),
         *(abs(weights[part] - reference_weights[part]) for part in reference_weights),
     )
+
+
+if __name__ == "__main__":  # the ranks of `start_together`
+    _run_together(json.loads(sys.argv[1]), json.loads(sys.argv[2]))
