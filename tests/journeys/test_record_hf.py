@@ -3,7 +3,10 @@
 
 The jobs run in fresh interpreters: torchrun starts its ranks as processes of their own, and the
 one-process job too, so that accelerate's process-wide state (its ``PartialState``, made once per
-process) never outlives a test in the test process. The two run side by side (~10 s each here).
+process) never outlives a test in the test process. Each process imports transformers (~6 s of
+CPU here), so the file's runs are made once (`recordings`): the one-process runs in one process
+and the two-rank runs in one torchrun launch, side by side (`bundled_jobs.start_together`: the
+job's ``main`` in turn; the same recordings, bit for bit, as a process or launch each).
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from bundled_jobs import finish_together, start_together
 from helpers import REPO, pythonpath
 
 from gatherlab.compare import compare
@@ -44,23 +49,48 @@ def _job_module():
     return module
 
 
-def _start(out, world_size: int, *options: str, env: dict | None = None) -> subprocess.Popen:
-    job = [str(JOB), "--record", str(out), "--max-grad-norm", str(MAX_GRAD_NORM), *options]
-    if world_size > 1:
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
-        job = launcher + job
-    env = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen(
-        [sys.executable, *job], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+RUNS = {  # name → (world size, the job's options, a variable set for it)
+    "exact-w1": (1, ("--steps", "10", "--dtype", "float64", "--mean-loss"), None),
+    "w1": (1, ("--max-grad-norm", "0"), None),
+    "w1-floor": (1, ("--max-grad-norm", "0"), FLOOR_VARIABLE),  # w1's command, and the variable
+    "exact-w2": (2, ("--steps", "10", "--accumulation", "2", "--dtype", "float64", "--mean-loss"),
+                 None),
+    "w2": (2, ("--max-grad-norm", "0"), None),
+}  # fmt: skip
+"""The file's runs: exact, W = 1 with one micro-batch and W = 2 with two (the first test), and at
+the Trainer's defaults without clipping (the second)."""
 
 
-def _finish(process: subprocess.Popen) -> None:
-    output, _ = process.communicate(timeout=110)
-    assert process.returncode == 0, output[-3000:]
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory) -> dict[str, Path]:
+    """name → its recording's directory, of every run in `RUNS`, each job's command ``hf_job.py
+    --record DIR --max-grad-norm MAX_GRAD_NORM OPTIONS`` (the floor's: w1's, recorded into
+    ``w1-floor``)."""
+    root = tmp_path_factory.mktemp("hf")
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+
+    def job(name):
+        return ("hf_job", "--record", str(root / name.removesuffix("-floor")), "--max-grad-norm",
+                str(MAX_GRAD_NORM), *RUNS[name][1])  # fmt: skip
+
+    def variables(name):
+        return {RUNS[name][2]: str(root / name)} if RUNS[name][2] else {}
+
+    started = []
+    for world_size in (1, 2):
+        names = [name for name, (size, _, _) in RUNS.items() if size == world_size]
+        process = start_together(world_size if world_size > 1 else None,
+                                 [job(name) for name in names],
+                                 [variables(name) for name in names], env=env)  # fmt: skip
+        started.append((names, process))
+    for names, process in started:
+        [result, *_] = finish_together(process, [job(name) for name in names])
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {name: root / name for name in RUNS}
 
 
-def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(tmp_path):
+@pytest.mark.timeout(300)  # the file's runs (~6 s of CPU each to import)
+def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(recordings, tmp_path):
     """W = 1 with one micro-batch, W = 2 with two (``gradient_accumulation_steps``), float64,
     the Trainer told the model's loss is its rows' mean (``--mean-loss``): the same global
     batches (accelerate gives rank r the r-th of every W per-rank batches of one seeded sampler;
@@ -72,14 +102,7 @@ def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(tmp_pa
     its rows name (each text tokenized alone, unpadded): the mean cross-entropy of those rows at
     the initial weights and its gradient, scaled as ``torch.nn.utils.clip_grad_norm_`` does."""
     steps = 10  # 64 texts, 8 a global batch: the second epoch from update 8, reseeded alike
-    exact = ("--dtype", "float64", "--mean-loss")
-    processes = [
-        _start(tmp_path / "w1", 1, "--steps", str(steps), *exact),
-        _start(tmp_path / "w2", 2, "--steps", str(steps), "--accumulation", "2", *exact),
-    ]
-    for process in processes:
-        _finish(process)
-    one, two = read(tmp_path / "w1"), read(tmp_path / "w2")
+    one, two = read(recordings["exact-w1"]), read(recordings["exact-w2"])
     assert (one.world_size, two.world_size) == (1, 2)
     assert one.parts == two.parts == ["bert", "classifier"]
     assert one.header["precision"] == "64-true" and one.header["seed"] == 0
@@ -121,23 +144,17 @@ def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(tmp_pa
     assert float((recorded - expected).abs().max()) <= 1e-12 * float(expected.abs().max())
 
 
-def test_at_the_trainers_defaults_two_ranks_step_on_w_times_the_gradient(tmp_path):
+@pytest.mark.timeout(300)  # the file's runs (~6 s of CPU each to import)
+def test_at_the_trainers_defaults_two_ranks_step_on_w_times_the_gradient(recordings):
     """The Trainer's defaults (float32, ``average_tokens_across_devices=True``), judged in floors
     of the floor the one-device command records with GATHERLAB_RECORD_FLOOR (the callback's
     model cut in row blocks, its loss joined as the rows' mean): two ranks' gradient is W = 2
     times one device's (norm ratio 2 to float32's rounding, ``--max-grad-norm 0``), millions of
     floors; the floor itself is one device's to a few unit roundoffs."""
-    env = {FLOOR_VARIABLE: str(tmp_path / "w1-floor")}
-    processes = [
-        _start(tmp_path / "w1", 1, "--max-grad-norm", "0"),
-        _start(tmp_path / "w1", 1, "--max-grad-norm", "0", env=env),
-        _start(tmp_path / "w2", 2, "--max-grad-norm", "0"),
-    ]
-    for process in processes:
-        _finish(process)
-    floor = read(tmp_path / "w1-floor")
-    assert floor.header["row_blocks"] == 2 and floor.precision == "32-true"
-    comparison = compare(tmp_path / "w1", tmp_path / "w2", floor=tmp_path / "w1-floor")
+    w1, w2, floor = (recordings[name] for name in ("w1", "w2", "w1-floor"))
+    floored = read(floor)
+    assert floored.header["row_blocks"] == 2 and floored.precision == "32-true"
+    comparison = compare(w1, w2, floor=floor)
     head = comparison.table.iloc[0]
     assert (head["gradient"], comparison.status) == ("W", 1), comparison.words
     assert abs(float(head["norm_ratio"]) - 2) <= 1e-5 and float(head["floors"]) > 1e5
