@@ -4,17 +4,21 @@ random BERT ``SentenceTransformer``, a ``datasets.Dataset`` of text pairs, the
 on two ranks under torchrun (gloo): the recordings agree and `gatherlab.compare` says ``exact``.
 W = 4, the other losses, samplers, accumulation and the desync run in ``experiments/jobs.py``
 (docs/jobs.md). Fresh interpreters: torchrun starts its ranks as processes of their own, and
-accelerate's process-wide state (its ``PartialState``) must not outlive a test."""
+accelerate's process-wide state (its ``PartialState``) must not outlive a test in the test
+process. Each process imports sentence-transformers (~6 s of CPU here), so the file's runs are
+made once (`recordings`): the one-process runs in one process (`bundled_jobs.start_together`:
+the job's ``main`` in turn; each recording bit for bit a process's own), each two-rank run in a
+launch of its own (a later run in ranks that hold a process group already fails: the job saves
+its model and loads it again, and transformers saves on rank 0 alone then), all side by side."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+from bundled_jobs import finish_together, start_together
 from helpers import REPO, pythonpath
 
 from gatherlab.compare import compare
@@ -30,38 +34,60 @@ pytestmark = [
 ]
 
 JOB = REPO / "examples" / "jobs" / "st_job.py"
+RUNS = {  # name → (world size, the job's options, a variable set for it)
+    "float64-w1": (1, ("--dtype", "float64"), None),
+    "w1": (1, (), None),
+    "w1-floor": (1, (), FLOOR_VARIABLE),  # w1's command, and the floor's variable
+    "float64-w2": (2, ("--dtype", "float64"), None),
+    "w2": (2, (), None),
+    "local": (2, ("--loss", "mnrl"), None),
+}
+"""The file's runs: in float64 (the first test) and at the trainer's defaults (the second)."""
 
 
-def _start(out, world_size: int, *options: str, env: dict | None = None) -> subprocess.Popen:
-    job = [str(JOB), "--record", str(out), *options]
-    if world_size > 1:
-        job = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               *job]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, *job], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory) -> dict[str, tuple]:
+    """name → (its recording's directory, the losses rank 0 printed) of every run in `RUNS`, each
+    job's command ``st_job.py --record DIR OPTIONS`` (the floor's: w1's, recorded into
+    ``w1-floor``)."""
+    root = tmp_path_factory.mktemp("st")
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    recorded = {name: root / name for name in RUNS}
+
+    def job(name):
+        return ("st_job", "--record", str(root / name.removesuffix("-floor")), *RUNS[name][1])
+
+    def variables(name):
+        return {RUNS[name][2]: str(root / name)} if RUNS[name][2] else {}
+
+    one = [name for name, (world_size, _, _) in RUNS.items() if world_size == 1]
+    launches = [(one, None)] + [([name], 2) for name in RUNS if name not in one]
+    started = [(names, start_together(world_size, [job(name) for name in names],
+                                      [variables(name) for name in names], env=env))
+               for names, world_size in launches]  # fmt: skip
+    printed = {}
+    for names, process in started:
+        finished = finish_together(process, [job(name) for name in names])
+        for name, result in zip(names, finished, strict=True):
+            assert result.returncode == 0, result.stderr[-3000:]
+            losses = re.findall(r"^update (\d+) loss (\S+)$", result.stdout, re.M)
+            printed[name] = [float(loss) for _, loss in losses]
+    return {name: (recorded[name], printed[name]) for name in RUNS}
 
 
-def _printed(process: subprocess.Popen) -> list[float]:
-    output, errors = process.communicate(timeout=110)
-    assert process.returncode == 0, errors[-3000:]
-    return [float(loss) for _, loss in re.findall(r"^update (\d+) loss (\S+)$", output, re.M)]
-
-
-def test_a_gathered_mnrl_job_on_two_ranks_records_one_devices_updates(tmp_path):
+@pytest.mark.timeout(300)  # the file's runs (~6 s of CPU each to import)
+def test_a_gathered_mnrl_job_on_two_ranks_records_one_devices_updates(recordings):
     """MultipleNegativesRankingLoss with ``gather_across_devices=True``, 4 updates of 16 text
     pairs of different lengths, each device batch padded to its own longest, in float64: each
     update's rows are the two columns' (two calls of the model, 8 rows each per rank, 16 on one
     device), its loss is the loss module's (the trainer's float32 log of it, 1e-6), both ranks'
     rows together are one device's however they are padded, and the comparison is ``exact`` to
     float64 rounding, every part but BERT's pooler, which mean pooling never trains (``none``)."""
-    processes = [_start(tmp_path / "w1", 1, "--dtype", "float64"),
-                 _start(tmp_path / "w2", 2, "--dtype", "float64")]  # fmt: skip
-    logged = [_printed(process) for process in processes]
-    one, two = read(tmp_path / "w1"), read(tmp_path / "w2")
+    (w1, one_logged), (w2, two_logged) = recordings["float64-w1"], recordings["float64-w2"]
+    one, two = read(w1), read(w2)
     assert one.parts == two.parts == ["0.model.embeddings", "0.model.encoder", "0.model.pooler"]
     assert one.header["hooks"] == "trainer" and one.precision == "64-true"
-    for recording, losses in zip((one, two), logged, strict=True):
+    for recording, losses in zip((one, two), (one_logged, two_logged), strict=True):
         assert [u.loss for u in recording.updates] == pytest.approx(losses, rel=1e-6)
     for a, b in zip(one.updates, two.updates, strict=True):
         assert a.calls == [2] and b.calls == [2, 2]
@@ -73,27 +99,23 @@ def test_a_gathered_mnrl_job_on_two_ranks_records_one_devices_updates(tmp_path):
     assert float(table.loc["all", "max_rel_err"]) <= 1e-12
 
 
-def test_at_the_trainers_defaults_the_floor_is_recorded_by_the_same_command(tmp_path):
+@pytest.mark.timeout(300)  # the file's runs (~6 s of CPU each to import)
+def test_at_the_trainers_defaults_the_floor_is_recorded_by_the_same_command(recordings):
     """The job as its users run it, float32 and padded per device batch: the one-device command
     run again with GATHERLAB_RECORD_FLOOR records the floor (the callback's model, a
     SentenceTransformer returning a dict of rows, cut in two row blocks); without it the
     comparison is ``not judged`` and names that command, with it the gathered MNRL is ``exact
     within float32`` and the ungathered one departs by millions of floors."""
-    env = {FLOOR_VARIABLE: str(tmp_path / "w1-floor")}
-    processes = [_start(tmp_path / "w1", 1), _start(tmp_path / "w1", 1, env=env),
-                 _start(tmp_path / "w2", 2),
-                 _start(tmp_path / "local", 2, "--loss", "mnrl")]  # fmt: skip
-    for process in processes:
-        _printed(process)
-    assert read(tmp_path / "w1").precision == "32-true"
-    floor = read(tmp_path / "w1-floor")
-    assert floor.header["row_blocks"] == 2 and floor.world_size == 1
-    unfloored = compare(tmp_path / "w1", tmp_path / "w2")
+    w1, w2, floor, local = (recordings[name][0] for name in ("w1", "w2", "w1-floor", "local"))
+    assert read(w1).precision == "32-true"
+    floored = read(floor)
+    assert floored.header["row_blocks"] == 2 and floored.world_size == 1
+    unfloored = compare(w1, w2)
     assert (unfloored.verdict, unfloored.status) == ("not judged", 3)
-    assert f"GATHERLAB_RECORD_FLOOR={tmp_path / 'w1'}-floor " in unfloored.words
-    judged = compare(tmp_path / "w1", tmp_path / "w2", floor=tmp_path / "w1-floor")
+    assert f"GATHERLAB_RECORD_FLOOR={w1}-floor " in unfloored.words
+    judged = compare(w1, w2, floor=floor)
     assert (judged.verdict, judged.status) == ("exact within float32", 0), judged.words
-    local = compare(tmp_path / "w1", tmp_path / "local", floor=tmp_path / "w1-floor")
+    local = compare(w1, local, floor=floor)
     assert local.status == 1 and float(local.table.iloc[0]["floors"]) > 1e4, local.words
 
 
