@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from bundled_jobs import run_plainly
 from helpers import REPO, pythonpath
 
 pytestmark = [
@@ -75,17 +76,19 @@ def test_a_trainer_callbacks_refusal_in_torchruns_ranks_and_alone_is_one_line(tm
 def test_a_floor_asked_of_torchruns_ranks_and_a_directory_taken_are_one_line_each(tmp_path):
     """The floor's variable under torchrun at W = 2 (a floor is one device's run), and a
     directory that holds a recording already, each one line before the first update (the DDP
-    job: torch's import alone per rank)."""
-    job = [str(JOBS / "ddp.py"), "--steps", "1", "--record", str(tmp_path / "run")]
+    job: torch's import alone per rank). The one-device command (``python ddp.py``: no launcher,
+    no process group) runs its ``main`` in this process (`bundled_jobs.run_plainly`: its exit
+    status and what it printed; a fresh interpreter would add only its imports)."""
+    job = ["--steps", "1", "--record", str(tmp_path / "run")]
     floor = {"GATHERLAB_RECORD_FLOOR": str(tmp_path / "floor")}
-    line = _one_line(_run(job, 2, env=floor), 0)
+    line = _one_line(_run([str(JOBS / "ddp.py"), *job], 2, env=floor), 0)
     assert line == (f"gatherlab.record: GATHERLAB_RECORD_FLOOR={tmp_path / 'floor'}: a floor is "
                     "one device's run, and this job runs on 2 ranks; allowed: the job's "
                     "one-device command (python, or torchrun --nproc-per-node 1) with the "
                     "variable")  # fmt: skip
     assert not (tmp_path / "floor").exists() and not (tmp_path / "run").exists()
-    assert _run(job, 0).returncode == 0  # one device records
-    line = _one_line(_run(job, 2), 0)
+    assert run_plainly("ddp", *job).returncode == 0  # one device records
+    line = _one_line(_run([str(JOBS / "ddp.py"), *job], 2), 0)
     assert line == (f"gatherlab.record: {tmp_path / 'run'} already holds a recording: give each "
                     "run its own directory")  # fmt: skip
-    assert _one_line(_run(job, 0), 2) == line
+    assert _one_line(run_plainly("ddp", *job), 2) == line
