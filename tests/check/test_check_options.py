@@ -24,6 +24,12 @@ SAMPLES = {
     "ints": ("3,5", (3, 5)), "int": ("7", 7), "float": ("2.5", 2.5),
     "json": ('{"k": 1}', {"k": 1}), "text": ("pkg.mod:attr", "pkg.mod:attr"),
 }  # fmt: skip
+# the options whose sample must be one the options allow together: a whole update's layouts
+ALLOWED = {
+    "strategy": ("ddp", "ddp"), "precision": ("32-true", "32-true"),
+    "world_sizes": ("2,4", (2, 4)), "micro_batches": ("1,2", (1, 2)),
+    "global_batch_size": ("8", 8),
+}  # fmt: skip
 A_STEP = {"step": "pkg.mod:step", "model": "pkg.mod:model", "data": "pkg.mod:Data"}
 
 
@@ -73,9 +79,7 @@ def test_the_command_line_passes_every_option_to_check_training(received):
         if option.name in ("module", "step", "tensor_parallel"):  # one form: an update
             continue
         text, value = SAMPLES[option.metadata.get("kind", "text")]
-        text, value = {"strategy": ("ddp", "ddp"), "precision": ("32-true", "32-true")}.get(
-            option.name, (text, value)
-        )
+        text, value = ALLOWED.get(option.name, (text, value))
         argv += [option.metadata["flag"], text]
         expected[option.name] = value
     command._check(command._parser().parse_args(argv))
@@ -104,6 +108,8 @@ def test_keywords_and_an_options_object_are_the_same_check(received):
     )
     with pytest.raises(options.CheckError, match=r"^options=LossOptions\(...\) is not allowed"):
         api._options(options.TrainingOptions, options.LossOptions(), None, {})
+    with pytest.raises(options.CheckError, match=r"allowed: GatherOptions$"):  # its gather unused
+        api._options(options.GatherOptions, options.LossOptions(gather="old"), None, {})
 
 
 @pytest.mark.parametrize(
@@ -116,12 +122,24 @@ def test_keywords_and_an_options_object_are_the_same_check(received):
         ({**A_STEP, "micro_batches": (2,)}, "--micro-batches 2: micro-batches are the whole "
          "update's (--update); allowed: --update with them, or 1"),
         ({**A_STEP, "world_sizes": (0,)}, "world_sizes=(0,) (--world-sizes) is not allowed; "
-         "allowed: integers ≥ 1"),
+         "allowed: integers ≥ 2"),
         ({**A_STEP, "step_budget_s": 0}, "--step-budget 0; allowed: a number of seconds > 0"),
         ({**A_STEP, "collective_timeout_s": -1}, "collective_timeout_s=-1 (--collective-timeout); "
          "allowed: a number of seconds > 0"),
         ({**A_STEP, "strategy": "fsdp2"}, "--strategy fsdp2: allowed: ddp, fsdp2 with --module"),
         ({**A_STEP, "precision": "8-true"}, "--precision '8-true' is not allowed; allowed: "),
+        ({**A_STEP, "steps": -1}, "--steps -1 is not allowed; allowed: a positive integer"),
+        ({**A_STEP, "global_batch_size": -4}, "--global-batch-size -4 is not allowed; allowed: a "
+         "positive integer"),
+        ({**A_STEP, "world_sizes": (3,)}, "world size 3 does not divide --global-batch-size 32; "
+         "allowed: divisors of 32"),
+        ({**A_STEP, "world_sizes": (1,)}, "world_sizes=(1,) (--world-sizes) is not allowed; "
+         "allowed: integers ≥ 2"),
+        ({**A_STEP, "step": None, "update": "u:u", "micro_batches": (3,)}, "--micro-batches 3 "
+         "does not divide the 16 rows of each of 2 ranks (--global-batch-size 32); allowed: W × K "
+         "dividing 32"),
+        ({**A_STEP, "step": None, "update": "u:u", "world_sizes": (1,)}, "--world-sizes 1 with "
+         "--micro-batches 1 is the reference itself"),
         ({**A_STEP, "tensor_parallel": 1}, "--tensor-parallel 1 is not allowed; allowed: an "
          "integer ≥ 2"),
         ({**A_STEP, "tensor_parallel": 4, "world_sizes": (2, 4)}, "--tensor-parallel 4 does not "
@@ -143,6 +161,8 @@ def test_a_bad_training_option_is_one_line_when_the_options_are_made(given, line
         ({"world_sizes": (1,)}, "world_sizes=(1,) (--world-sizes) is not allowed; allowed: "
          "integers ≥ 2"),
         ({"world_sizes": "2,4"}, "world_sizes='2,4' (--world-sizes) is not allowed"),
+        ({"world_sizes": (2, 3)}, "world size 3 does not divide the global batch of 16; allowed: "
+         "divisors of 16"),
     ],
 )  # fmt: skip
 def test_a_bad_loss_option_is_one_line_when_the_options_are_made(given, line):

@@ -175,7 +175,8 @@ def test_each_way_tensor_parallel_code_departs_is_named_with_its_line(
 @pytest.mark.parametrize(
     ("options", "line"),
     [
-        ({"world_sizes": (2, 6), "tensor_parallel": 4}, "--tensor-parallel 4 does not divide "
+        ({"world_sizes": (2, 6), "global_batch_size": 24, "tensor_parallel": 4},
+         "--tensor-parallel 4 does not divide "
          "--world-sizes 2,6 (W = 2): a layout's mesh is W/T × T ranks; allowed: a T dividing every "
          "W (2)"),
         ({"model": "tp_steps:build_plain"}, "--tensor-parallel 2: --model tp_steps:build_plain "

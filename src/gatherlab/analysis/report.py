@@ -157,21 +157,25 @@ def _not_comparable(run: pd.Series, curves: pd.DataFrame, reference: pd.Series,
 
 @dataclass(frozen=True)
 class SweepComparison:
-    """A sweep's runs held against their one-device references (`compare_sweep`)."""
+    """A sweep's runs held against their one-device references (`compare_sweep`).
+
+    Attributes:
+        table: One row per run (``comparison.csv``): its verdict (``VERDICTS``), reference and
+            differences, and a column per override that varies between the runs.
+        curves: Every readable run's curves (``results.load_curves``), by its ``run_dir``.
+        override_columns: The columns of ``table`` that are overrides varying between the runs
+            (``optim.lr``, …), which name a run beside the table's own keys.
+    """
 
     table: pd.DataFrame
-    """One row per run (``comparison.csv``): its verdict (``VERDICTS``), reference and
-    differences, and a column per override that varies between the runs."""
     curves: Mapping[str, pd.DataFrame] = field(default_factory=dict)
-    """Every readable run's curves (``results.load_curves``), by its ``run_dir``."""
     override_columns: tuple[str, ...] = ()
-    """The columns of ``table`` that are overrides varying between the runs (``optim.lr``, …),
-    which name a run beside the table's own keys."""
 
 
 def compare_sweep(runs: pd.DataFrame, root: Path) -> SweepComparison:
     """The comparison of ``runs`` (from ``results.load_runs``): its table and every readable
-    run's curves. Each row gets a ``verdict`` (``VERDICTS``); a run is compared only with a
+    run's curves, its paths (``run_dir``, ``reference``) relative to ``root`` (the sweep's
+    directory). Each row gets a ``verdict`` (``VERDICTS``); a run is compared only with a
     reference that it can be held against, and ``matches_reference`` is true only with that
     evidence."""
     table = runs.copy()

@@ -203,10 +203,6 @@ def _setting(optim: str, world_sizes: Sequence[int], steps: int) -> tuple[Any, .
     setting = defaults.LOSS_SETTING
     model, optimizer, dataset = _built(optim)
     size = setting.global_batch_size
-    try:
-        measure.validate_world_sizes(world_sizes, size, f"the global batch of {size}")
-    except ValueError as error:
-        raise CheckError(str(error)) from None
     batches = measure.global_batches(dataset, size, setting.seed, setting.shuffle, max(steps, 2))
     return setting, model, optimizer, batches
 
@@ -427,7 +423,7 @@ _LOSS_OPTIONS = frozenset(option.name for option in dataclasses.fields(LossOptio
 def _options(kind: type, options: Any, world_sizes: Iterable[int] | None, chosen: Any) -> Any:
     """The options of a check: ``options`` (the kind's defaults when None) with the world sizes
     and the keywords ``chosen`` over them, validated again (`CheckError` of one line)."""
-    if options is not None and not isinstance(options, kind):
+    if options is not None and type(options) is not kind:  # a LossOptions' gather: not a gather's
         raise CheckError(
             f"options={type(options).__name__}(...) is not allowed; allowed: {kind.__name__}"
         )
@@ -624,7 +620,7 @@ def check_training(
 
     setting = _training_setting(options)
     world_sizes, micro_batches = options.world_sizes, options.micro_batches
-    applying, layout = _validated(setting, world_sizes, options.loss_attr, micro_batches)
+    applying, layout = _validated(setting, options.loss_attr, micro_batches)
     _fits(setting, layout, max(world_sizes))
     setting, precision_words = _in_precision(setting, applying)
     with warnings_once(), watched.watching(options.collective_timeout_s):
@@ -760,7 +756,6 @@ def _tensor_parallel(options: TrainingOptions) -> int:
 
 def _validated(
     setting: Any,
-    world_sizes: tuple[int, ...],
     loss_attr: str | None,
     micro_batches: tuple[int, ...] = (1,),
 ) -> tuple[tuple[removals.Removal, ...], measure.Layout]:
@@ -771,7 +766,7 @@ def _validated(
     from gatherlab.check import training
 
     def validated() -> tuple[tuple[removals.Removal, ...], measure.Layout, Any]:
-        applying, layout = training.validate(setting, world_sizes, micro_batches)
+        applying, layout = training.validate(setting, micro_batches)
         attribute = None if loss_attr is None else getattr(setting.built(), loss_attr, None)
         return applying, layout, attribute
 

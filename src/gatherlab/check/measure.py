@@ -57,7 +57,6 @@ __all__ = [
     "measure_on_ranks",
     "require_simulatable",
     "train",
-    "validate_world_sizes",
 ]  # fmt: skip
 
 
@@ -318,19 +317,6 @@ def train(
     if simulated:
         require_simulatable(loss)
     return _run(world_size, simulated, form.train_on_rank, spec)[0]
-
-
-def validate_world_sizes(world_sizes: Sequence[int], global_batch_size: int, batch: str) -> None:
-    """A ValueError of one line unless every world size is an integer ≥ 2 that divides the global
-    batch (``batch`` names it in the message, e.g. "the global batch of 16")."""
-    for world_size in world_sizes:
-        if not terms.is_integer(world_size, 2):
-            raise ValueError(f"world size {world_size!r} is not allowed; allowed: integers ≥ 2")
-        if global_batch_size % world_size:
-            raise ValueError(
-                f"world size {world_size} does not divide {batch}; allowed: divisors of "
-                f"{global_batch_size}"
-            )
 
 
 def style(factory: Recipe | Callable[..., nn.Module]) -> Style | None:

@@ -69,11 +69,12 @@ def dest(option: Field) -> str:
 def _documented(cls: type) -> type:
     """``cls`` with each field's doc appended to its docstring, for ``help(cls)`` and the API
     reference."""
-    cls.__doc__ = (cls.__doc__ or "") + "".join(
+    listed = "".join(
         textwrap.indent(textwrap.fill(f"{option.name}: {option.metadata['doc']}", 88), " " * 8)
         + "\n"
         for option in fields(cls)
     )
+    cls.__doc__ = f"{(cls.__doc__ or '').rstrip()}\n{listed}"
     return cls
 
 
@@ -109,6 +110,22 @@ def _world_sizes(value: Any, minimum: int) -> tuple[int, ...]:
             f"world_sizes={value!r} (--world-sizes) is not allowed; allowed: integers ≥ {minimum}"
         )
     return sizes
+
+
+def _dividing(world_sizes: tuple[int, ...], batch: int, named: str) -> None:
+    """CheckError of one line for a world size that does not divide the global batch (``named``
+    names it in the message, e.g. "the global batch of 16")."""
+    for world_size in world_sizes:
+        if batch % world_size:
+            raise CheckError(
+                f"world size {world_size} does not divide {named}; allowed: divisors of {batch}"
+            )
+
+
+def _positive(key: str, value: Any) -> None:
+    """CheckError of one line unless ``value`` is an integer ≥ 1."""
+    if not terms.is_integer(value, 1):
+        raise CheckError(f"{key} {value!r} is not allowed; allowed: {terms.allowed_integer(1)}")
 
 
 # --- what every form has -----------------------------------------------------------------------
@@ -197,6 +214,8 @@ class GatherOptions(_Common):
     def __post_init__(self) -> None:
         super().__post_init__()
         _set(self, "world_sizes", _world_sizes(self.world_sizes, 2))
+        batch = defaults.LOSS_SETTING.global_batch_size
+        _dividing(self.world_sizes, batch, f"the global batch of {batch}")
         if self.optim not in defaults.OPTIMIZERS:
             allowed = ", ".join(defaults.OPTIMIZERS)
             raise CheckError(f"--optim {self.optim!r} is unknown; allowed: {allowed}")
@@ -431,14 +450,9 @@ class TrainingOptions(_Common):
             raise CheckError(
                 f"--{form} needs --model (a function or class returning the nn.Module)"
             )
-        _set(self, "world_sizes", _world_sizes(self.world_sizes, 1))
-        micro_batches = _world_sizes(self.micro_batches, 1)
-        if form != "update" and micro_batches != (1,):
-            raise CheckError(
-                f"--micro-batches {','.join(map(str, micro_batches))}: micro-batches are the "
-                "whole update's (--update); allowed: --update with them, or 1"
-            )
-        _set(self, "micro_batches", micro_batches)
+        _positive("--steps", self.steps)
+        _positive("--global-batch-size", self.global_batch_size)
+        self._check_layouts()
         budget = self.step_budget_s
         if not (isinstance(budget, int | float) and 0 < budget <= math.inf):
             raise CheckError(f"--step-budget {budget!r}; allowed: a number of seconds > 0")
@@ -449,6 +463,37 @@ class TrainingOptions(_Common):
                 "--step's or --update's model factory distributes the model itself)"
             )
         self._check_tensor_parallel()
+
+    def _check_layouts(self) -> None:
+        """The world sizes and micro-batches as tuples, or CheckError of one line: W ≥ 2 dividing
+        the global batch; for a whole update W ≥ 1 and K ≥ 1 whose product divides it (each rank
+        splits its rows into K micro-batches), at least one layout besides (1, 1), the reference
+        itself; micro-batches only for a whole update."""
+        batch, update = self.global_batch_size, self.form == "update"
+        world_sizes = _world_sizes(self.world_sizes, 1 if update else 2)
+        micro_batches = _world_sizes(self.micro_batches, 1)
+        _set(self, "world_sizes", world_sizes)
+        _set(self, "micro_batches", micro_batches)
+        if not update:
+            if micro_batches != (1,):
+                raise CheckError(
+                    f"--micro-batches {','.join(map(str, micro_batches))}: micro-batches are the "
+                    "whole update's (--update); allowed: --update with them, or 1"
+                )
+            _dividing(world_sizes, batch, f"--global-batch-size {batch}")
+            return
+        for w in world_sizes:
+            for k in micro_batches:
+                if batch % (w * k):
+                    raise CheckError(
+                        f"--micro-batches {k} does not divide the {batch // w} rows of each of {w} "
+                        f"ranks (--global-batch-size {batch}); allowed: W × K dividing {batch}"
+                    )
+        if set(world_sizes) == {1} and set(micro_batches) == {1}:
+            raise CheckError(
+                "--world-sizes 1 with --micro-batches 1 is the reference itself; allowed: a world "
+                "size ≥ 2 or a number of micro-batches ≥ 2"
+            )
 
     def _check_tensor_parallel(self) -> None:
         """CheckError of one line for a tensor-parallel degree T that is not an integer ≥ 2

@@ -187,12 +187,15 @@ def failed_row(key: Row, error: BaseException) -> Row:
 @dataclass(frozen=True)
 class ReferenceNote:
     """What the printed text adds about a loss's (or step's) one-device reference beyond its
-    ``reference`` column (`gatherlab.check.reference.Reference`): words to print only."""
+    ``reference`` column (`gatherlab.check.reference.Reference`): words to print only.
+
+    Attributes:
+        why: The plain run's error line, when the reference needed a one-rank process group.
+        group_differs: What differs in a one-rank group from the plain run.
+    """
 
     why: str = ""
-    """The plain run's error line, when the reference needed a one-rank process group."""
     group_differs: str = ""
-    """What differs in a one-rank group from the plain run."""
 
 
 def reference_notes(notes: Mapping[str, tuple[str, str | None]]) -> dict[str, ReferenceNote]:
@@ -209,24 +212,29 @@ def reference_notes(notes: Mapping[str, tuple[str, str | None]]) -> dict[str, Re
 class CheckResult:
     """What a check returns (`gatherlab.check.check_loss`, `check_gather`, `check_training`):
     its table and the words that go with it. `gatherlab.check.explain` and `explain_training`
-    put it into words; ``check.csv`` is its ``table``."""
+    put it into words; ``check.csv`` is its ``table``.
+
+    Attributes:
+        table: The rows (`COLUMNS`, or `TRAINING_COLUMNS` for a training step;
+            `PRECISION_COLUMNS` after them in a low precision), as `frame` makes them.
+        trained: How the command line names what a training step's check trained (``--module
+            M``, ``--step S``, ``--update U``); empty for a loss or a gather.
+        reference_notes: Per loss (or step) whose reference says more than its ``reference``
+            column, those words.
+        precision_notes: Per loss (or step) judged in a precision other than the one asked (it
+            cannot run in float64, or its floor is not measured), why, in words.
+        unreduced: Per layout (W, K) of a training step whose ranks' gradients of some part
+            differ, what was found (`gatherlab.check.training.Unreduced`).
+        loss_check: The check of the module's loss attribute (``loss_attr``) where the loss was
+            blamed.
+    """
 
     table: pd.DataFrame
-    """The rows (`COLUMNS`, or `TRAINING_COLUMNS` for a training step; `PRECISION_COLUMNS`
-    after them in a low precision), as `frame` makes them."""
     trained: str = ""
-    """How the command line names what a training step's check trained (``--module M``,
-    ``--step S``, ``--update U``); empty for a loss or a gather."""
     reference_notes: Mapping[str, ReferenceNote] = field(default_factory=dict)
-    """Per loss (or step) whose reference says more than its ``reference`` column, those words."""
     precision_notes: Mapping[str, str] = field(default_factory=dict)
-    """Per loss (or step) judged in a precision other than the one asked (it cannot run in
-    float64, or its floor is not measured), why, in words."""
     unreduced: Mapping[tuple[int, int], Any] = field(default_factory=dict)
-    """Per layout (W, K) of a training step whose ranks' gradients of some part differ, what
-    was found (`gatherlab.check.training.Unreduced`)."""
     loss_check: CheckResult | None = None
-    """The check of the module's loss attribute (``loss_attr``) where the loss was blamed."""
 
     @property
     def trains_like_one_device(self) -> bool:

@@ -122,23 +122,14 @@ def parts(module: torch.nn.Module) -> measure.Layout:
 
 
 def validate(
-    setting: Setting, world_sizes: Sequence[int], micro_batches: Sequence[int] = (1,)
+    setting: Setting, micro_batches: Sequence[int] = (1,)
 ) -> tuple[tuple[removals.Removal, ...], measure.Layout]:
     """Build the module and the data set here (rank 0 of 1) and check what can be checked before
     any rank starts; a ValueError of one line otherwise. Returns the removals that apply (the
     module's batch norms and dropout layers, the data set's own randomness) and the parts of the
     module's gradient (`parts`). A whole update is also run once on one device with each number
     of micro-batches (`update_form.UpdateBroken` otherwise), and W = 1 is a layout of its own."""
-    spec = setting.spec
-    if spec.precision not in terms.PRECISIONS:  # checked again: the Python API's too
-        allowed = ", ".join(terms.PRECISIONS)
-        raise ValueError(f"--precision {spec.precision!r} is not allowed; allowed: {allowed}")
-    for key, value, minimum in (
-        ("--steps", spec.steps, 1), ("--global-batch-size", spec.global_batch_size, 1),
-    ):  # fmt: skip
-        if not terms.is_integer(value, minimum):
-            allowed = terms.allowed_integer(minimum)
-            raise ValueError(f"{key} {value!r} is not allowed; allowed: {allowed}")
+    spec = setting.spec  # its values checked when its options were made (`TrainingOptions`)
     recipe = setting.built
     label = setting.form.built_label(setting.label)
     try:
@@ -158,10 +149,8 @@ def validate(
             f"--global-batch-size {batch} exceeds the {size} samples of the data set; allowed: at "
             f"most {size}"
         )
-    if setting.update is None:
-        measure.validate_world_sizes(world_sizes, batch, f"--global-batch-size {batch}")
-    else:
-        _validate_layouts(setting, world_sizes, micro_batches)
+    if setting.update is not None:
+        _honest_with_every_k(setting, micro_batches)
     return removals.found_in(module, data), parts(module)
 
 
@@ -205,29 +194,9 @@ def _train(
     return _train_ranks(setting, removed, world_size, in_group, micro_batches, **changes)[0]
 
 
-def _validate_layouts(
-    setting: Setting, world_sizes: Sequence[int], micro_batches: Sequence[int]
-) -> None:
-    """A whole update's layouts: integers W ≥ 1 and K ≥ 1 whose product divides the global batch
-    (each rank splits its rows into K micro-batches), at least one layout besides (1, 1); and the
-    update honest with each K on one device (one step after a backward)."""
-    batch = setting.spec.global_batch_size
-    for key, values in (("--world-sizes", world_sizes), ("--micro-batches", micro_batches)):
-        for value in values:
-            if not terms.is_integer(value, 1):
-                raise ValueError(f"{key} {value!r} is not allowed; allowed: integers ≥ 1")
-    for w in world_sizes:
-        for k in micro_batches:
-            if batch % (w * k):
-                raise ValueError(
-                    f"--micro-batches {k} does not divide the {batch // w} rows of each of {w} "
-                    f"ranks (--global-batch-size {batch}); allowed: W × K dividing {batch}"
-                )
-    if not layouts(world_sizes, micro_batches):
-        raise ValueError(
-            "--world-sizes 1 with --micro-batches 1 is the reference itself; allowed: a world "
-            "size ≥ 2 or a number of micro-batches ≥ 2"
-        )
+def _honest_with_every_k(setting: Setting, micro_batches: Sequence[int]) -> None:
+    """A ValueError of one line unless the whole update is honest with each K on one device (one
+    step after a backward); its layouts were checked with its options (`TrainingOptions`)."""
     for k in sorted(set(micro_batches)):
         try:
             once = dataclasses.replace(setting.spec, steps=1, micro_batches=k)

@@ -19,34 +19,39 @@ __all__ = ["RecordOptions", "record_options"]
 class RecordOptions:
     """How a job is recorded (docs/recording.md §11). ``gatherlab.record(model, optimizer, out,
     k=64)`` and ``LightningRecorder(out, trace=True)`` take any field as a keyword; or
-    ``options=RecordOptions(...)``, with keywords set over it."""
+    ``options=RecordOptions(...)``, with keywords set over it.
+
+    Attributes:
+        k: The sketch's size per part: an integer ≥ 2.
+        full_updates: How many first updates keep their whole gradient (float64); None: the
+            first, for a model of at most `gatherlab.recording.recorder.FULL_GRADIENT_LIMIT`
+            parameters.
+        seed: The job's seed, for the header (compared between runs); a callback reads the
+            trainer's where none is given.
+        settings: More of the job's settings that must agree between two runs (JSON values).
+        trace: Record the operations of the first update's forward, from the model's first call
+            to the loss, with their gradients (`gatherlab.runs.trace`; every result is copied:
+            for small runs), so that the comparison names the line where two runs part
+            (``trace.pt``).
+        precision: The job's precision (``64-true``, ``32-true``, ``bf16-mixed``…); None: from
+            the parameters' dtype, an autocast seen in the forward recorded per update (a
+            callback gives its trainer's).
+        batches: Whether the model's forward inputs are the batch (False: the job calls
+            ``batch(x)``, as the callbacks do).
+        losses: Whether the loss module's or the model output's loss is the micro-batch's loss
+            (False: the job calls ``loss(value)``, as the callbacks do).
+        sketch_seed: The seed of the sketch's random signs (the same in both runs compared).
+    """
 
     k: int = DEFAULT_K
-    """The sketch's size per part: an integer ≥ 2."""
     full_updates: int | None = None
-    """How many first updates keep their whole gradient (float64); None: the first, for a model
-    of at most `gatherlab.recording.recorder.FULL_GRADIENT_LIMIT` parameters."""
     seed: int | None = None
-    """The job's seed, for the header (compared between runs); a callback reads the trainer's
-    where none is given."""
     settings: Mapping[str, Any] = field(default_factory=dict)
-    """More of the job's settings that must agree between two runs (JSON values)."""
     trace: bool = False
-    """Record the operations of the first update's forward, from the model's first call to the
-    loss, with their gradients (`gatherlab.runs.trace`; every result is copied: for small runs),
-    so that the comparison names the line where two runs part (``trace.pt``)."""
     precision: str | None = None
-    """The job's precision (``64-true``, ``32-true``, ``bf16-mixed``…); None: from the
-    parameters' dtype, an autocast seen in the forward recorded per update (a callback gives its
-    trainer's)."""
     batches: bool = True
-    """Whether the model's forward inputs are the batch (False: the job calls ``batch(x)``, as
-    the callbacks do)."""
     losses: bool = True
-    """Whether the loss module's or the model output's loss is the micro-batch's loss (False:
-    the job calls ``loss(value)``, as the callbacks do)."""
     sketch_seed: int = 0
-    """The seed of the sketch's random signs (the same in both runs compared)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 2:
