@@ -15,8 +15,9 @@ Lightning's in its job), so each run is made once and serves every test of it (a
 cache of the runs and their recordings), every job runs 5 updates of a tiny model, each correct
 job and each bug switch runs where its code differs (`BUGS`, `WORLD_SIZES`;
 ``experiments/jobs.py`` runs the whole matrix), and the runs at one W share one launch
-(`TOGETHER`, `bundled_jobs.launch_together`: each job's ``main`` in turn in the ranks torchrun
-started, the first building the process group; the same numbers, bit for bit, as a launch each).
+(`TOGETHER`, `bundled_jobs.launch_together`: each job in turn in the ranks torchrun started, as
+its script runs it, building and leaving its own process group; the same numbers, bit for bit,
+as a launch each).
 Lightning's job is launched alone: its test reads that Lightning joined the group torchrun's
 ranks built, and Lightning's import stays out of the other launches. The one-device runs, which
 no launcher starts and which hold no process group, run the job's ``main`` in the test process

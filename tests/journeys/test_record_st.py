@@ -6,10 +6,9 @@ W = 4, the other losses, samplers, accumulation and the desync run in ``experime
 (docs/jobs.md). Fresh interpreters: torchrun starts its ranks as processes of their own, and
 accelerate's process-wide state (its ``PartialState``) must not outlive a test in the test
 process. Each process imports sentence-transformers (~6 s of CPU here), so the file's runs are
-made once (`recordings`): the one-process runs in one process (`bundled_jobs.start_together`:
-the job's ``main`` in turn; each recording bit for bit a process's own), each two-rank run in a
-launch of its own (a later run in ranks that hold a process group already fails: the job saves
-its model and loads it again, and transformers saves on rank 0 alone then), all side by side."""
+made once (`recordings`): the one-process runs in one process and the two-rank runs in one
+torchrun launch, side by side (`bundled_jobs.start_together`: each run as the job's script runs
+it, in turn; each recording bit for bit a process's or launch's own)."""
 
 from __future__ import annotations
 
@@ -60,11 +59,13 @@ def recordings(tmp_path_factory) -> dict[str, tuple]:
     def variables(name):
         return {RUNS[name][2]: str(root / name)} if RUNS[name][2] else {}
 
-    one = [name for name, (world_size, _, _) in RUNS.items() if world_size == 1]
-    launches = [(one, None)] + [([name], 2) for name in RUNS if name not in one]
-    started = [(names, start_together(world_size, [job(name) for name in names],
-                                      [variables(name) for name in names], env=env))
-               for names, world_size in launches]  # fmt: skip
+    started = []
+    for world_size in (1, 2):
+        names = [name for name, (size, _, _) in RUNS.items() if size == world_size]
+        process = start_together(world_size if world_size > 1 else None,
+                                 [job(name) for name in names],
+                                 [variables(name) for name in names], env=env)  # fmt: skip
+        started.append((names, process))
     printed = {}
     for names, process in started:
         finished = finish_together(process, [job(name) for name in names])

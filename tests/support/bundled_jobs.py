@@ -8,7 +8,6 @@ torch and Lightning already, and several runs at one W can share one launch
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import io
 import json
@@ -56,12 +55,13 @@ def start_together(
     """Runs of the bundled jobs in one launch (each run a job's name and its arguments, as
     ``launch`` takes them; ``environments``: variables set for each run alone), started: under
     torchrun at ``world_size`` or, None, as one plain process. One run is its job's script as
-    ``launch`` starts it. Several: in every rank, each job's ``main`` in turn with its command
-    line, as its script runs it (this file the ranks' script); the first builds the process group
-    (the job's own ``init_process_group``), the later ones find it built and use it, and the group
-    is left as the last job's script leaves it. A launch costs torchrun's agent and torch's import
-    in every rank (~3 s of CPU each here, with a Hugging Face trainer's ~8 s), so runs that need
-    no launch of their own share one. ``popen``: Popen's options (``env`` added to)."""
+    ``launch`` starts it. Several: in every rank, each run as its script runs it, in turn (this
+    file the ranks' script, `_run_together`): each builds its own process group and leaves it, as
+    in a launch of its own, and its recording and what it prints are that launch's, bit for bit
+    (every run of tests/journeys/test_jobs.py, test_record_hf.py and test_record_st.py compared
+    once). A launch costs torchrun's agent and torch's import in every rank (~3 s of CPU each
+    here, with a trainer's and sentence-transformers' ~8 s), so runs that need no launch of their
+    own share one. ``popen``: Popen's options (``env`` added to)."""
     environments = environments or [{} for _ in runs]
     env = {**popen.pop("env", os.environ), "OMP_NUM_THREADS": "1"}
     if len(runs) == 1:
@@ -100,19 +100,16 @@ def launch_together(
 
 
 def _run_together(runs: list[list[str]], environments: list[dict[str, str]]) -> None:
-    """The ranks' side of `start_together`: each run's ``main`` in turn (its variables set for it
-    alone), then what the last job's script does after its ``main``: ``leave_group`` (the
-    trainer jobs) or ``common.finish``."""
+    """The ranks' side of `start_together`: each run as its script runs it, in turn (its
+    variables set for it alone): the job's ``main``, then what its script does after it
+    (``leave_group`` for the trainer jobs, ``common.finish`` for the others: the process group
+    left by every rank together), then what a new process would not hold either is dropped
+    (accelerate's process-wide state). So each run builds its own process group: on torchrun's
+    one store, under keys of its own (`_group_of_its_own`)."""
     sys.path.insert(0, str(JOBS))
     import torch.distributed as dist
 
     init_process_group = dist.init_process_group
-
-    def built_once(*arguments, **options):  # a later job's init: the group is built already
-        if not dist.is_initialized():
-            init_process_group(*arguments, **options)
-
-    dist.init_process_group = built_once
     for number, (job, *arguments) in enumerate(runs):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"{RUN_MARK} {number}", flush=True)
@@ -120,16 +117,39 @@ def _run_together(runs: list[list[str]], environments: list[dict[str, str]]) -> 
         os.environ.update(environment)
         sys.argv = [str(JOBS / f"{job}.py"), *arguments]
         module = importlib.import_module(job)
+        dist.init_process_group = _group_of_its_own(init_process_group, number)
         module.main()
+        if hasattr(module, "leave_group"):
+            module.leave_group()
+        else:
+            importlib.import_module("common").finish()
         for name in environment:
             del os.environ[name]
-        if dist.is_initialized():
-            gc.collect()  # what the run left in reference cycles (FSDP2's modules), as finish does
-            dist.barrier()
-    if hasattr(module, "leave_group"):
-        module.leave_group()
-    else:
-        importlib.import_module("common").finish()
+        if "accelerate" in sys.modules:  # made once per process by the trainer (PartialState)
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+
+def _group_of_its_own(init_process_group, number: int):
+    """``init_process_group`` for a process's ``number``-th run: the first as it is; a later one
+    on torchrun's store under a prefix of its own (a group made again on the same store under the
+    same keys may read its peers' addresses from the last group: a rank then reached a closed
+    one, "Connection reset by peer", here)."""
+    import torch.distributed as dist
+
+    if number == 0:
+        return init_process_group
+
+    def init(*arguments, **options):
+        if options.get("store") is None:
+            store, rank, world_size = next(dist.rendezvous(options.pop("init_method", "env://")))
+            options |= {"store": dist.PrefixStore(f"run {number}/", store), "rank": rank,
+                        "world_size": world_size}  # fmt: skip
+        return init_process_group(*arguments, **options)
+
+    return init
 
 
 def run_plainly(job: str, *arguments: str) -> subprocess.CompletedProcess:
