@@ -17,9 +17,7 @@ job and each bug switch runs where its code differs (`BUGS`, `WORLD_SIZES`;
 ``experiments/jobs.py`` runs the whole matrix), and the runs at one W share one launch
 (`TOGETHER`, `bundled_jobs.launch_together`: each job in turn in the ranks torchrun started, as
 its script runs it, building and leaving its own process group; the same numbers, bit for bit,
-as a launch each).
-Lightning's job is launched alone: its test reads that Lightning joined the group torchrun's
-ranks built, and Lightning's import stays out of the other launches. The one-device runs, which
+as a launch each). The one-device runs, which
 no launcher starts and which hold no process group, run the job's ``main`` in the test process
 instead (`bundled_jobs.run_plainly`, one torch thread as a launch has): a fresh interpreter would
 add only its imports (3.4 s here, Lightning's job 8 s)."""
@@ -34,7 +32,6 @@ from bundled_jobs import (
     LAUNCH_TIMEOUT,
     SIMCLR_PARTS,
     largest_difference,
-    launch,
     launch_together,
     printed,
     run_plainly,
@@ -101,13 +98,14 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
 
 
 TOGETHER = {
-    world_size: [(job, bug) for job in BUGS if job != "lightning_job"
+    world_size: [(job, bug) for job in sorted(BUGS, key=lambda job: job == "lightning_job")
                  for bug in ("none", *BUGS[job])
                  if world_size in (WORLD_SIZES[job] if bug == "none" else (2,))]
     for world_size in (2, 4)
 }  # fmt: skip
 """The runs that share a launch at each W (`bundled_jobs.launch_together`): every correct job at
-its W and every switch at 2, but Lightning's job."""
+its W and every switch at 2; Lightning's job last (it sets process-wide state: its seed's
+variable)."""
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +114,7 @@ def recorded(tmp_path_factory):
     ``--record``; W None is the one-device run (in this process). Every switch but ``sampler``
     leaves one device unchanged (a gather, batch norm or division over one rank is the identity),
     so those share the correct one-device run. The first run asked for at a W launches every run
-    of `TOGETHER` at that W."""
+    of `TOGETHER` at that W, in one launch."""
     root, runs = tmp_path_factory.mktemp("jobs"), {}
 
     def out(job: str, world_size: int | None, bug: str) -> str:
@@ -126,20 +124,16 @@ def recorded(tmp_path_factory):
         if world_size is None and bug != "sampler":
             bug = "none"
         key = (job, world_size, bug)
-        if key not in runs:
-            arguments = ("--bug", bug, "--record", out(*key))
-            if world_size is None:  # python JOB: no launcher, no process group
-                runs[key] = run_plainly(job, *arguments)
-            elif (job, bug) in TOGETHER.get(world_size, ()):
-                together = TOGETHER[world_size]
-                launched = launch_together(world_size, [
-                    (other, "--bug", switch, "--record", out(other, world_size, switch))
-                    for other, switch in together
-                ])  # fmt: skip
-                runs.update({(other, world_size, switch): result for (other, switch), result
-                             in zip(together, launched, strict=True)})  # fmt: skip
-            else:
-                runs[key] = launch(job, world_size, *arguments)
+        if world_size is None and key not in runs:  # python JOB: no launcher, no process group
+            runs[key] = run_plainly(job, "--bug", bug, "--record", out(*key))
+        elif key not in runs:
+            together = TOGETHER[world_size]
+            launched = launch_together(world_size, [
+                (other, "--bug", switch, "--record", out(other, world_size, switch))
+                for other, switch in together
+            ])  # fmt: skip
+            runs.update({(other, world_size, switch): result for (other, switch), result
+                         in zip(together, launched, strict=True)})  # fmt: skip
         result = runs[key]
         return printed(result, PARTS.get(job, SIMCLR_PARTS)), Path(out(*key)), result
 
@@ -155,7 +149,7 @@ def test_each_job_on_its_ranks_trains_as_one_device(job, recorded):
         difference = largest_difference(numbers, reference)
         assert difference <= FLOAT64_BOUND, (job, world_size, difference)
         if job == "lightning_job":  # the ranks torchrun started, no launch of Lightning's own
-            assert f"MEMBER: 1/{world_size}" in result.stdout + result.stderr
+            assert f"MEMBER: 1/{world_size}" in result.stdout + result.stderr  # (its launch's)
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
