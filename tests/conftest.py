@@ -63,64 +63,69 @@ def pr1531_sweep(tmp_path_factory, worker_id):
     return sweep, Finished(**json.loads(printed.read_text()))
 
 
-# The files that take longest (seconds of test time each, setup included: issue 61's run with
-# ``--durations=0`` on the 2-core machine while a benchmark shared it, load average 3-10; see
-# docs/testing.md, "Its time"), longest first: every file of a second or more, whether its tests
-# are marked slow or not. ``make test`` hands whole files to two test processes in the order they
-# come (``--dist loadfile``), each process taking the next file as it runs out; starting the
-# longest first and ending with the shortest lets both finish together (30 s sooner than file
-# order, where a 50 s file could start last). A file not named here comes after them (its slow
-# tests first). Only the order depends on it, never a result. Each file is named by its path
-# below tests/ (a name not found fails the collection: a file moved or renamed here too).
+# The files that take longest (seconds of test time each, setup included: issue 69's run with
+# ``--durations=0`` on the 2-core machine while other engineers' work shared it, load average 1.3
+# at its start and 4.7 at its end; see docs/testing.md, "Its time"), longest first: every file of a
+# second or more, whether its tests are marked slow or not. ``make test`` hands whole files to two
+# test processes in the order they come (``--dist loadfile``), each process taking the next file as
+# it runs out; starting the longest first and ending with the shortest lets both finish together
+# (30 s sooner than file order, where a 50 s file could start last). A file not named here comes
+# after them (its slow tests first). Only the order depends on it, never a result. Each file is
+# named by its path below tests/ (a name not found fails the collection: a file moved or renamed
+# here too).
 TESTS = Path(__file__).resolve().parent
 LONGEST_FILES = (
-    "journeys/test_jobs.py",  # 189 s
-    "lab/test_reliability.py",  # 127 s
-    "check/test_external_check.py",  # 93 s
-    "ranks/test_interrupt.py",  # 83 s
-    "check/test_precision.py",  # 46 s
-    "ranks/test_launch.py",  # 45 s
-    "journeys/test_record_st.py",  # 43 s
-    "journeys/test_install.py",  # 41 s
-    "journeys/test_refusals.py",  # 35 s
-    "journeys/test_record_hf.py",  # 38 s
-    "check/test_training_check.py",  # 33 s
-    "check/test_recordings.py",  # 30 s
-    "check/test_sharded.py",  # 25 s
-    "check/test_diagnosis.py",  # 25 s
-    "check/test_check.py",  # 25 s
-    "journeys/test_docs.py",  # 23 s
-    "journeys/test_fuzz.py",  # 23 s
-    "lab/test_config.py",  # 21 s
-    "lab/test_low_precision_sweep.py",  # 20 s
+    "lab/test_reliability.py",  # 93 s
+    "journeys/test_refusals.py",  # 75 s
+    "check/test_external_check.py",  # 58 s
+    "journeys/test_install.py",  # 48 s
+    "ranks/test_interrupt.py",  # 47 s
+    "journeys/test_jobs.py",  # 43 s
+    "check/test_tensor_parallel.py",  # 35 s
+    "check/test_precision.py",  # 30 s
+    "ranks/test_launch.py",  # 25 s
+    "journeys/test_record_st.py",  # 21 s
+    "check/test_sharded.py",  # 21 s
+    "lab/test_tensor_parallel_sweep.py",  # 21 s
+    "journeys/test_record_hf.py",  # 21 s
+    "check/test_training_check.py",  # 21 s
     "components/test_simclr.py",  # 19 s
-    "lab/test_strategy_sweep.py",  # 19 s
-    "check/test_step_check.py",  # 17 s
-    "losses/test_loss_matrix.py",  # 16 s
-    "journeys/test_notebook.py",  # 14 s
-    "journeys/test_compare_cli.py",  # 13 s
-    "lab/test_audit.py",  # 12 s
-    "check/test_near_misses.py",  # 11 s
-    "journeys/test_extend.py",  # 11 s
-    "components/test_accumulation.py",  # 11 s
-    "ranks/test_watched.py",  # 10 s
-    "check/test_where.py",  # 9 s
-    "check/test_update.py",  # 9 s
-    "gather/test_training.py",  # 8 s
-    "gather/test_gather.py",  # 7 s
+    "losses/test_loss_matrix.py",  # 19 s
+    "lab/test_config.py",  # 19 s
+    "journeys/test_fuzz.py",  # 18 s
+    "check/test_check.py",  # 17 s
+    "journeys/test_compare_cli.py",  # 17 s
+    "journeys/test_docs.py",  # 16 s
+    "check/test_step_check.py",  # 15 s
+    "lab/test_low_precision_sweep.py",  # 15 s
+    "check/test_diagnosis.py",  # 15 s
+    "lab/test_strategy_sweep.py",  # 14 s
+    "journeys/test_extend.py",  # 13 s
+    "check/test_near_misses.py",  # 13 s
+    "check/test_recordings.py",  # 9 s
+    "lab/test_audit.py",  # 9 s
+    "components/test_accumulation.py",  # 9 s
+    "ranks/test_watched.py",  # 8 s
+    "check/test_where.py",  # 8 s
+    "journeys/test_notebook.py",  # 7 s
     "journeys/test_cli.py",  # 7 s
-    "lab/test_tracking.py",  # 6 s
+    "lab/test_sweep_module.py",  # 6 s
+    "gather/test_gather.py",  # 6 s
+    "gather/test_training.py",  # 6 s
+    "check/test_update.py",  # 6 s
     "ranks/test_simworld.py",  # 6 s
-    "lab/test_sweep_module.py",  # 5 s
-    "components/test_optimizers.py",  # 5 s
-    "recording/test_recorder.py",  # 5 s
-    "check/test_function_losses.py",  # 3 s
-    "journeys/test_architecture.py",  # 3 s
-    "ranks/test_processes.py",  # 3 s
-    "check/test_loss_inputs.py",  # 3 s
-    "components/test_data.py",  # 2 s
-    "recording/test_sketch.py",  # 1 s
-    "runs/test_removals.py",  # 1 s
+    "lab/test_tracking.py",  # 6 s
+    "recording/test_recorder.py",  # 4 s
+    "experiments/test_census_logic.py",  # 4 s
+    "recording/test_placed.py",  # 4 s
+    "components/test_optimizers.py",  # 4 s
+    "journeys/test_architecture.py",  # 2 s
+    "check/test_loss_inputs.py",  # 2 s
+    "ranks/test_processes.py",  # 2 s
+    "experiments/test_census_training_path.py",  # 1 s
+    "journeys/test_record_lightning.py",  # 1 s
+    "check/test_function_losses.py",  # 1 s
+    "check/test_sizing.py",  # 1 s
 )
 
 
