@@ -23,7 +23,7 @@ import numpy as np
 
 JOBS = Path(__file__).resolve().parents[2] / "examples" / "jobs"
 LAUNCH_TIMEOUT = 150  # seconds per launch: four ranks importing torch on two loaded cores
-RUN_MARK = "--- bundled_jobs run"  # the line before each run's output in `launch_together`
+RUN_MARK = "--- bundled_jobs run"  # the line before each run's output in `start_together`
 
 
 def free_port() -> int:
@@ -33,17 +33,10 @@ def free_port() -> int:
 
 
 def launch(job: str, world_size: int | None, *arguments: str) -> subprocess.CompletedProcess:
-    """``python JOB`` (``world_size`` None: one device) or torchrun with W ranks on a free port."""
-    script = str(JOBS / f"{job}.py")
-    if world_size is None:
-        command = [sys.executable, script]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                   str(world_size), "--master-addr", "127.0.0.1", "--master-port",
-                   str(free_port()), script]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*command, *arguments], capture_output=True, text=True, env=env,
-                          timeout=LAUNCH_TIMEOUT)  # fmt: skip
+    """``python JOB ARGUMENTS`` (``world_size`` None: one device) or torchrun with W ranks on a
+    free port, one torch thread per process; what it printed, its exit status."""
+    [finished] = launch_together(world_size, [(job, *arguments)])
+    return finished
 
 
 def start_together(
@@ -54,14 +47,14 @@ def start_together(
 ) -> subprocess.Popen:
     """Runs of the bundled jobs in one launch (each run a job's name and its arguments, as
     ``launch`` takes them; ``environments``: variables set for each run alone), started: under
-    torchrun at ``world_size`` or, None, as one plain process. One run is its job's script as
-    ``launch`` starts it. Several: in every rank, each run as its script runs it, in turn (this
-    file the ranks' script, `_run_together`): each builds its own process group and leaves it, as
-    in a launch of its own, and its recording and what it prints are that launch's, bit for bit
-    (every run of tests/journeys/test_jobs.py, test_record_hf.py and test_record_st.py compared
-    once). A launch costs torchrun's agent and torch's import in every rank (~3 s of CPU each
-    here, with a trainer's and sentence-transformers' ~8 s), so runs that need no launch of their
-    own share one. ``popen``: Popen's options (``env`` added to)."""
+    torchrun at ``world_size`` on a free port or, None, as one plain process, one torch thread
+    per process. One run is its job's script. Several: in every rank, each run as its script
+    runs it, in turn (this file the ranks' script, `_run_together`): each builds its own process
+    group and leaves it, as in a launch of its own, and its recording and what it prints are that
+    launch's, bit for bit (every run of tests/journeys/test_jobs.py, test_record_hf.py and
+    test_record_st.py compared once). A launch costs torchrun's agent and torch's import in every
+    rank (~3 s of CPU each here, with a trainer's and sentence-transformers' ~8 s), so runs that
+    need no launch of their own share one. ``popen``: Popen's options (``env`` added to)."""
     environments = environments or [{} for _ in runs]
     env = {**popen.pop("env", os.environ), "OMP_NUM_THREADS": "1"}
     if len(runs) == 1:
