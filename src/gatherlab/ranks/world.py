@@ -16,14 +16,20 @@ from gatherlab.core import terms
 from gatherlab.ranks import simworld
 
 __all__ = [
-    "MESH_DIMS", "REDISTRIBUTE_LOGGER", "alone", "data_parallel", "device", "mesh", "own_rows",
-    "quiet_two_gathers", "rank", "size", "whole",
+    "EXPERT_MESH_DIMS", "MESH_DIMS", "REDISTRIBUTE_LOGGER", "alone", "data_parallel", "device",
+    "mesh", "own_rows", "quiet_two_gathers", "rank", "size", "whole",
 ]  # fmt: skip
 
 MESH_DIMS = ("dp", "tp")
 """The names of the dimensions of a tensor-parallel layout's mesh: data-parallel groups (the ranks
 holding the same rows of a global batch) by tensor-parallel groups (the ranks sharing one
 replica of the model), docs/checking.md §10 "Tensor and sequence parallelism"."""
+
+
+EXPERT_MESH_DIMS = ("dp", "ep")
+"""The names of the dimensions of an expert-parallel layout's mesh: the replicas of each expert
+(the ranks that hold the same experts) by expert-parallel groups (the ranks that hold every
+expert between them and exchange their tokens), docs/checking.md §10 "Expert parallelism"."""
 
 
 def size() -> int:
@@ -60,17 +66,18 @@ def device() -> torch.device:
     return torch.device(terms.Device.CPU)
 
 
-def mesh(tensor_parallel: int):
-    """The ranks as a (W / T) × T ``DeviceMesh`` named `MESH_DIMS` (``init_device_mesh``: rank r
-    is data-parallel group r // T, tensor-parallel rank r % T) for a layout of tensor-parallel
-    degree T = ``tensor_parallel`` ≥ 2; None on one device and without a tensor-parallel degree
-    (1). Its sub-groups are made by every rank of the default process group (a collective)."""
+def mesh(tensor_parallel: int, names: tuple[str, str] = MESH_DIMS):
+    """The ranks as a (W / T) × T ``DeviceMesh`` named ``names`` (`MESH_DIMS`, or
+    `EXPERT_MESH_DIMS`; ``init_device_mesh``: rank r is data-parallel group r // T, rank r % T of
+    the second dimension) for a layout of tensor-parallel (or expert-parallel) degree T =
+    ``tensor_parallel`` ≥ 2; None on one device and without a degree (1). Its sub-groups are
+    made by every rank of the default process group (a collective)."""
     if tensor_parallel < 2 or size() == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (size() // tensor_parallel, tensor_parallel)
-    return init_device_mesh(device().type, shape, mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device().type, shape, mesh_dim_names=names)
 
 
 def data_parallel(tensor_parallel: int) -> tuple[int, int]:

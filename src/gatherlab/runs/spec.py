@@ -66,6 +66,12 @@ class RunSpec:
     (`gatherlab.ranks.world.mesh`) given to the model factory as ``mesh``, the T ranks of a
     tensor-parallel group holding the same rows of each global batch (docs/checking.md §10, "Tensor
     and sequence parallelism"); 1: none (each rank its own rows)."""
+    expert_parallel: int = 1
+    """E, the expert-parallel degree of a plain form's layout: its W ranks a (W / E) × E mesh
+    named ("dp", "ep") (`gatherlab.ranks.world.mesh`) given to the model factory as ``mesh``,
+    which keeps the rank's experts under one device's names; each rank its own rows of each
+    global batch; no DDP around it: the code reduces its gradients itself (docs/checking.md §10,
+    "Expert parallelism"); 1: none."""
     row_blocks: int = 1
     """The model's forward in this many row blocks on one device (`runs.precision.RowBlocks`):
     the perturbation a low precision's floor is measured with (docs/design.md §2)."""
