@@ -346,6 +346,19 @@ class TrainingOptions(_Common):
             metavar="T",
         ),
     )
+    expert_parallel: int | None = field(
+        default=None,
+        metadata=_option(
+            "for --step, --update: the expert-parallel degree E dividing every W; the W ranks a "
+            "(W/E) × E DeviceMesh named ('dp', 'ep') given to the model factory as mesh= (None on "
+            "one device, which holds every expert), each rank keeping its experts under one "
+            "device's names and its own rows of each global batch; the code reduces its "
+            'gradients itself, no DDP (docs/checking.md §10, "Expert parallelism")',
+            "--expert-parallel",
+            kind="int",
+            metavar="E",
+        ),
+    )
     model_kwargs: Mapping[str, Any] | None = field(
         default=None,
         metadata=_option(
@@ -463,6 +476,7 @@ class TrainingOptions(_Common):
                 "--step's or --update's model factory distributes the model itself)"
             )
         self._check_tensor_parallel()
+        self._check_expert_parallel()
 
     def _check_layouts(self) -> None:
         """The world sizes and micro-batches as tuples, or CheckError of one line: W ≥ 2 dividing
@@ -521,4 +535,37 @@ class TrainingOptions(_Common):
                 f"--tensor-parallel {degree} does not divide --world-sizes "
                 f"{','.join(map(str, self.world_sizes))} (W = {apart[0]}): a layout's mesh is "
                 f"W/T × T ranks; allowed: a T dividing every W ({allowed})"
+            )
+
+    def _check_expert_parallel(self) -> None:
+        """CheckError of one line for an expert-parallel degree E that is not an integer ≥ 2
+        dividing every W ≥ 2, asked of a LightningModule, or beside a tensor-parallel degree
+        (docs/checking.md §10, "Expert parallelism")."""
+        degree = self.expert_parallel
+        if degree is None:
+            return
+        if not terms.is_integer(degree, 2):
+            raise CheckError(
+                f"--expert-parallel {degree!r} is not allowed; allowed: an integer ≥ 2"
+            )
+        if self.form == "module":
+            raise CheckError(
+                f"--expert-parallel {degree} with --module: a LightningModule is distributed by "
+                "its strategy; allowed: --expert-parallel with --step or --update, whose model "
+                "factory keeps its experts of the mesh it is given"
+            )
+        if self.tensor_parallel is not None:
+            raise CheckError(
+                f"--expert-parallel {degree} with --tensor-parallel {self.tensor_parallel}: one "
+                "mesh of the ranks at a time; allowed: one of them"
+            )
+        ranks = [w for w in self.world_sizes if w != 1]
+        apart = [w for w in ranks if w % degree]
+        if apart:
+            allowed = ", ".join(str(e) for e in range(2, min(ranks) + 1)
+                                if all(w % e == 0 for w in ranks)) or "none"  # fmt: skip
+            raise CheckError(
+                f"--expert-parallel {degree} does not divide --world-sizes "
+                f"{','.join(map(str, self.world_sizes))} (W = {apart[0]}): a layout's mesh is "
+                f"W/E × E ranks; allowed: an E dividing every W ({allowed})"
             )

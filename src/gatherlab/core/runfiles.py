@@ -61,6 +61,10 @@ class Trained:
     partial: tuple[tuple[str, str], ...] = ()
     """Parameters whose first gradient is a partial sum over a mesh dimension (a DTensor
     ``Partial(sum)``), each with the dimension's name."""
+    held: tuple[tuple[str, tuple[int, ...], bool], ...] = ()
+    """The parameters the rank trained, in the order of ``parameters`` (the trainable ones, in
+    that order, are ``first_gradient``'s): each one's name (one device's, where the rank holds a
+    part of the model: its experts), its shape and whether it trains. Empty where not kept."""
 
 
 def write_curves(run_dir: Path, rows: Iterable[Mapping[str, float]]) -> None:

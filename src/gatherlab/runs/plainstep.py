@@ -38,7 +38,7 @@ from gatherlab.runs.steplog import StepLog, reduce_gradients
 
 __all__ = [
     "PlainModel", "Step", "as_precision", "build", "built_in", "checked_model", "data_size",
-    "distributes_itself", "first_batch", "first_on_rank",
+    "distributes_itself", "first_batch", "first_on_rank", "held_names", "mesh_of",
     "rank_batches", "seed_processes", "step_loss", "wrapped_for_rank",
 ]  # fmt: skip
 
@@ -92,9 +92,13 @@ class Step(PlainModel):
         each step's global loss (`gatherlab.runs.steplog`), the first step's gradient as the
         optimizer gets it, and the final parameters."""
         device = world.device()  # a rank's own GPU in an NCCL group, else the CPU
-        model = build(self, spec.removals, spec.precision, spec.tensor_parallel).to(device)
+        model = build(
+            self, spec.removals, spec.precision, spec.tensor_parallel, spec.expert_parallel
+        ).to(device)
         data = spec.data()
-        wrapped = wrapped_for_rank(model, device, spec.row_blocks, spec.find_unused)
+        wrapped = wrapped_for_rank(
+            model, device, spec.row_blocks, spec.find_unused, spec.expert_parallel
+        )
         watch = outside_forward(model, wrapped)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
         recorder = StepLog(True, spec.step_budget_s, spec.steps)
@@ -114,7 +118,8 @@ class Step(PlainModel):
             recorder.gradient(model.parameters(), index, world.rank())
             optimizer.step()
         recorder.finish(model.parameters())
-        return trained_with(recorder, watch, model if spec.tensor_parallel > 1 else None, partial)
+        parallel = model if spec.tensor_parallel > 1 else None
+        return trained_with(recorder, watch, parallel, partial, held_names(model))
 
     def trace_on_rank(self, spec: RunSpec) -> list[trace.Op]:
         """The operations of the first step's forward (`gatherlab.runs.trace`), with their
@@ -122,9 +127,11 @@ class Step(PlainModel):
         this rank's slice of the first global batch (the whole batch on one device)."""
         spec = replace(spec, removals=removals.Removals(), steps=1)
         device = world.device()
-        model = build(self, spec.removals, spec.precision, spec.tensor_parallel).to(device)
+        model = build(
+            self, spec.removals, spec.precision, spec.tensor_parallel, spec.expert_parallel
+        ).to(device)
         data = spec.data()
-        wrapped = wrapped_for_rank(model, device)
+        wrapped = wrapped_for_rank(model, device, expert_parallel=spec.expert_parallel)
         seed_processes(spec.seed)
         batch = as_precision(next(rank_batches(data, spec)), spec.precision, device)
         modules = [("", model)]
@@ -159,7 +166,9 @@ def first_on_rank(form: PlainModel, spec: RunSpec) -> tuple[nn.Module, Any]:
     the first global batch, the global random streams seeded."""
     spec = replace(spec, removals=removals.Removals(), steps=1)
     device = world.device()
-    model = build(form, spec.removals, spec.precision, spec.tensor_parallel).to(device)
+    model = build(
+        form, spec.removals, spec.precision, spec.tensor_parallel, spec.expert_parallel
+    ).to(device)
     data = spec.data()
     seed_processes(spec.seed)
     return model, as_precision(next(rank_batches(data, spec)), spec.precision, device)
@@ -216,13 +225,19 @@ def step_loss(value: Any) -> torch.Tensor:
 
 
 def build(
-    step: Step, removed: removals.Removals, precision: str, tensor_parallel: int = 1
-) -> nn.Module:
+    step: Step, removed: removals.Removals, precision: str, tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+) -> nn.Module:  # fmt: skip
     """The user's model, built here after the seed, its removals made, in the run's precision; a
     TypeError of one line when the factory returns no ``nn.Module``. With a tensor-parallel degree
     the factory is given the ranks' ``mesh`` (`world.mesh`; None on one device) to parallelize
-    the model itself (docs/checking.md §10, "Tensor and sequence parallelism")."""
-    model = step.model(mesh=world.mesh(tensor_parallel)) if tensor_parallel > 1 else step.model()
+    the model itself (docs/checking.md §10, "Tensor and sequence parallelism"); with an
+    expert-parallel degree, their ``("dp", "ep")`` mesh to keep its experts of it ("Expert
+    parallelism")."""
+    if max(tensor_parallel, expert_parallel) > 1:
+        model = step.model(mesh=mesh_of(tensor_parallel, expert_parallel))
+    else:
+        model = step.model()
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"--model {step.model.name} returned a {type(model).__name__}; allowed: a "
@@ -240,6 +255,22 @@ def build(
             "before DDP wraps it, or --precision in its dtype"
         )
     return built_in(model, precision)
+
+
+def mesh_of(tensor_parallel: int, expert_parallel: int):
+    """The mesh a plain form's model factory is given (`world.mesh`): ``("dp", "tp")`` for a
+    tensor-parallel degree, ``("dp", "ep")`` for an expert-parallel one, None otherwise and on one
+    device."""
+    if expert_parallel > 1:
+        return world.mesh(expert_parallel, world.EXPERT_MESH_DIMS)
+    return world.mesh(tensor_parallel)
+
+
+def held_names(model: nn.Module) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
+    """Each parameter of the model a rank trains, as `runfiles.Trained.held` lists it: its name
+    (inside a DDP the factory put it in: one device's), its shape and whether it trains."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    return tuple((name, tuple(p.shape), p.requires_grad) for name, p in inner.named_parameters())
 
 
 def built_in(model: nn.Module, precision: str) -> nn.Module:
@@ -272,17 +303,20 @@ def as_precision(batch: Any, precision: str, device: torch.device | None = None)
 
 
 def wrapped_for_rank(
-    model: nn.Module, device: torch.device, row_blocks: int = 1, find_unused: bool = False
-) -> nn.Module:
+    model: nn.Module, device: torch.device, row_blocks: int = 1, find_unused: bool = False,
+    expert_parallel: int = 1,
+) -> nn.Module:  # fmt: skip
     """The model as this rank trains it: in ``DistributedDataParallel`` over the rank's process
     group when there is one (on the rank's own GPU in an NCCL group; ``find_unused``: its
     ``find_unused_parameters``), bare on one device (its forward in ``row_blocks`` row blocks,
     the floor's perturbation, `runs.precision.RowBlocks`); as the factory made it when it
     distributes itself (`distributes_itself`: sharded by FSDP2, or in DDP already), never
-    wrapped twice."""
+    wrapped twice; never in DDP in an expert-parallel layout (``expert_parallel`` ≥ 2), whose
+    ranks hold different experts and whose code reduces its gradients itself (docs/checking.md
+    §10, "Expert parallelism")."""
     if world.size() == 1:
         return model if row_blocks == 1 else runs_precision.RowBlocks(model, row_blocks)
-    if distributes_itself(model):
+    if distributes_itself(model) or expert_parallel > 1:
         return model
     on_gpu = device.type == terms.Device.CUDA
     ddp = DistributedDataParallel(
@@ -304,16 +338,17 @@ def trained_with(
     watch: OutsideForward | None,
     parallel: nn.Module | None = None,
     partial: dict[str, str] | None = None,
+    held: tuple[tuple[str, tuple[int, ...], bool], ...] = (),
 ) -> runfiles.Trained:
     """The recorder's run, with the parameters the watch found outside the forward; of a
     tensor-parallel model (``parallel``; every rank calls this), the parameters whose replicas
     ended apart (`tensorparallel.replicas_apart`) and those whose first gradient was a partial
-    sum (``partial``)."""
+    sum (``partial``); the parameters the rank holds (``held``, `held_names`)."""
     names = watch.names if watch is not None else ()
     apart = tensorparallel.replicas_apart(parallel) if parallel is not None else {}
     return replace(
         recorder.trained(), outside_forward=names, replicas_apart=tuple(apart.items()),
-        partial=tuple((partial or {}).items()),
+        partial=tuple((partial or {}).items()), held=held,
     )  # fmt: skip
 
 

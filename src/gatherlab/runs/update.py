@@ -33,6 +33,7 @@ from gatherlab.runs.plainstep import (
     as_precision,
     build,
     first_on_rank,
+    held_names,
     outside_forward,
     rank_batches,
     seed_processes,
@@ -75,9 +76,13 @@ class Update(PlainModel):
         it, and the final parameters; `UpdateBroken` for an update that does not step exactly
         once after a backward. Not traced: its backwards run inside the user's function."""
         device = world.device()
-        model = build(self, spec.removals, spec.precision, spec.tensor_parallel).to(device)
+        model = build(
+            self, spec.removals, spec.precision, spec.tensor_parallel, spec.expert_parallel
+        ).to(device)
         data = spec.data()
-        wrapped = wrapped_for_rank(model, device, spec.row_blocks, spec.find_unused)
+        wrapped = wrapped_for_rank(
+            model, device, spec.row_blocks, spec.find_unused, spec.expert_parallel
+        )
         watch = outside_forward(model, wrapped)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
         recorder = StepLog(True, spec.step_budget_s, spec.steps)
@@ -103,7 +108,7 @@ class Update(PlainModel):
             hook.remove()
         recorder.finish(model.parameters())
         parallel = model if spec.tensor_parallel > 1 else None
-        return trained_with(recorder, watch, parallel, seen.partial)
+        return trained_with(recorder, watch, parallel, seen.partial, held_names(model))
 
     def layout_on_rank(
         self, spec: RunSpec
