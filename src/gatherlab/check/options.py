@@ -359,6 +359,21 @@ class TrainingOptions(_Common):
             metavar="E",
         ),
     )
+    pipeline_parallel: int | None = field(
+        default=None,
+        metadata=_option(
+            "for --update: the pipeline-parallel degree P dividing every W; the W ranks a (W/P) "
+            "× P DeviceMesh named ('dp', 'pp') given to the model factory as mesh= (None on one "
+            "device) to keep this rank's stages of the model under one device's parameter names, "
+            "the update running their schedule (torch.distributed.pipelining) over its "
+            "micro-batches (--micro-batches: the schedule's M) and reducing over 'dp' itself; the "
+            'P ranks of a pipeline given the same rows (docs/checking.md §10, "Pipeline '
+            'parallelism")',
+            "--pipeline-parallel",
+            kind="int",
+            metavar="P",
+        ),
+    )
     model_kwargs: Mapping[str, Any] | None = field(
         default=None,
         metadata=_option(
@@ -476,6 +491,7 @@ class TrainingOptions(_Common):
                 "--step's or --update's model factory distributes the model itself)"
             )
         self._check_tensor_parallel()
+        self._check_pipeline_parallel()
         self._check_expert_parallel()
 
     def _check_layouts(self) -> None:
@@ -496,6 +512,8 @@ class TrainingOptions(_Common):
                 )
             _dividing(world_sizes, batch, f"--global-batch-size {batch}")
             return
+        if self.pipeline_parallel is not None:
+            return  # a pipeline's ranks share their rows: `_check_pipeline_parallel`
         for w in world_sizes:
             for k in micro_batches:
                 if batch % (w * k):
@@ -569,3 +587,50 @@ class TrainingOptions(_Common):
                 f"{','.join(map(str, self.world_sizes))} (W = {apart[0]}): a layout's mesh is "
                 f"W/E × E ranks; allowed: an E dividing every W ({allowed})"
             )
+
+    def _check_pipeline_parallel(self) -> None:
+        """CheckError of one line for a pipeline-parallel degree P that is not an integer ≥ 2
+        dividing every W, asked of another form than a whole update or beside another
+        model-parallel degree, or micro-batches that do not divide a pipeline's rows
+        (docs/checking.md §10, "Pipeline parallelism")."""
+        degree = self.pipeline_parallel
+        if degree is None:
+            return
+        if not terms.is_integer(degree, 2):
+            raise CheckError(
+                f"--pipeline-parallel {degree!r} is not allowed; allowed: an integer ≥ 2"
+            )
+        if self.form != "update":
+            raise CheckError(
+                f"--pipeline-parallel {degree} with --{self.form}: a pipeline's schedule runs "
+                "every micro-batch's forward and backward and the update steps once; allowed: "
+                "--pipeline-parallel with --update"
+            )
+        other = next((f"--{name.replace('_', '-')} {getattr(self, name)}"
+                      for name in ("tensor_parallel", "expert_parallel")
+                      if getattr(self, name, None) is not None), None)  # fmt: skip
+        if other is not None:
+            raise CheckError(
+                f"--pipeline-parallel {degree} with {other}: one mesh of the ranks at a time; "
+                "allowed: one of them"
+            )
+        apart = [w for w in self.world_sizes if w % degree]
+        if apart:
+            allowed = ", ".join(str(p) for p in range(2, min(self.world_sizes) + 1)
+                                if all(w % p == 0 for w in self.world_sizes)) or "none"  # fmt: skip
+            raise CheckError(
+                f"--pipeline-parallel {degree} does not divide --world-sizes "
+                f"{','.join(map(str, self.world_sizes))} (W = {apart[0]}): a layout's mesh is "
+                f"W/P × P ranks; allowed: a P dividing every W ({allowed})"
+            )
+        batch = self.global_batch_size
+        for w in self.world_sizes:
+            pipelines = w // degree
+            for k in self.micro_batches:
+                if batch % (pipelines * k):
+                    raise CheckError(
+                        f"--micro-batches {k} does not divide the {batch // pipelines} rows of "
+                        f"each of the {pipelines} pipelines at W = {w} (--global-batch-size "
+                        f"{batch}, --pipeline-parallel {degree}); allowed: W/P × K dividing "
+                        f"{batch}"
+                    )

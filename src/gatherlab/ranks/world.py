@@ -16,8 +16,8 @@ from gatherlab.core import terms
 from gatherlab.ranks import simworld
 
 __all__ = [
-    "EXPERT_MESH_DIMS", "MESH_DIMS", "REDISTRIBUTE_LOGGER", "alone", "data_parallel", "device",
-    "mesh", "own_rows", "quiet_two_gathers", "rank", "size", "whole",
+    "EXPERT_MESH_DIMS", "MESH_DIMS", "PIPELINE_MESH_DIMS", "REDISTRIBUTE_LOGGER", "alone",
+    "data_parallel", "device", "mesh", "own_rows", "quiet_two_gathers", "rank", "size", "whole",
 ]  # fmt: skip
 
 MESH_DIMS = ("dp", "tp")
@@ -30,6 +30,12 @@ EXPERT_MESH_DIMS = ("dp", "ep")
 """The names of the dimensions of an expert-parallel layout's mesh: the replicas of each expert
 (the ranks that hold the same experts) by expert-parallel groups (the ranks that hold every
 expert between them and exchange their tokens), docs/checking.md §10 "Expert parallelism"."""
+
+
+PIPELINE_MESH_DIMS = ("dp", "pp")
+"""The names of the dimensions of a pipeline-parallel layout's mesh: data-parallel groups (the
+replicas of each stage) by pipelines (the ranks that hold every stage between them and take the
+same rows), docs/checking.md §10 "Pipeline parallelism"."""
 
 
 def size() -> int:

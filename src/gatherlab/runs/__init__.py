@@ -13,6 +13,7 @@ Modules:
 - ``trace``: the operations of one forward, recorded with their ``file:line`` and gradients
 - ``sharded``: sharded code: a sharded parameter used outside its forward, DDP's unused parameters
 - ``tensorparallel``: a model that parallelizes itself with torch's DTensor over the ``tp`` mesh
+- ``stages``: a pipeline's stages on its ranks: one device's parameters from their pieces, losses
 
 The check trains any form as ``ranks_for(W).run(form.train_on_rank, spec)``; only ``fit`` imports
 Lightning. The lab trains its runs with this layer, and the check (`gatherlab.check`) trains what it

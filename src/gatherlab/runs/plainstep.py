@@ -226,15 +226,18 @@ def step_loss(value: Any) -> torch.Tensor:
 
 def build(
     step: Step, removed: removals.Removals, precision: str, tensor_parallel: int = 1,
-    expert_parallel: int = 1,
+    expert_parallel: int = 1, mesh: Any = None,
 ) -> nn.Module:  # fmt: skip
     """The user's model, built here after the seed, its removals made, in the run's precision; a
     TypeError of one line when the factory returns no ``nn.Module``. With a tensor-parallel degree
     the factory is given the ranks' ``mesh`` (`world.mesh`; None on one device) to parallelize
     the model itself (docs/checking.md §10, "Tensor and sequence parallelism"); with an
     expert-parallel degree, their ``("dp", "ep")`` mesh to keep its experts of it ("Expert
-    parallelism")."""
-    if max(tensor_parallel, expert_parallel) > 1:
+    parallelism"); given a ``mesh`` (a pipeline's ``("dp", "pp")``, "Pipeline parallelism"),
+    that one."""
+    if mesh is not None:
+        model = step.model(mesh=mesh)
+    elif max(tensor_parallel, expert_parallel) > 1:
         model = step.model(mesh=mesh_of(tensor_parallel, expert_parallel))
     else:
         model = step.model()
@@ -368,7 +371,7 @@ def rank_batches(
     data-parallel group's, the same for the T ranks of a tensor-parallel group), or the whole
     batch with ``one_device``, collated by ``collate``, else the data set's ``collate_fn``, else
     PyTorch's default."""
-    rank, size = (0, 1) if one_device else world.data_parallel(spec.tensor_parallel)
+    rank, size = (0, 1) if one_device else world.data_parallel(spec.replica_ranks)
     sampler = GlobalBatchSampler(
         num_samples=len(dataset), global_batch_size=spec.global_batch_size,
         num_batches=spec.steps, rank=rank, world_size=size, seed=spec.seed, shuffle=spec.shuffle,

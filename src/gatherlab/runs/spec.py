@@ -72,12 +72,23 @@ class RunSpec:
     which keeps the rank's experts under one device's names; each rank its own rows of each
     global batch; no DDP around it: the code reduces its gradients itself (docs/checking.md §10,
     "Expert parallelism"); 1: none."""
+    pipeline_parallel: int = 1
+    """P, the pipeline-parallel degree of a whole update's layout: its W ranks a (W / P) × P mesh
+    named ``("dp", "pp")`` given to the model factory as ``mesh``, each rank keeping its stages
+    of the model, the P ranks of a pipeline holding the same rows of each global batch
+    (docs/checking.md §10, "Pipeline parallelism"); 1: none."""
     row_blocks: int = 1
     """The model's forward in this many row blocks on one device (`runs.precision.RowBlocks`):
     the perturbation a low precision's floor is measured with (docs/design.md §2)."""
     step_budget_s: float = math.inf
     """The seconds a step may take before its run says so (`runs.steplog.StepLog`): a step of
     one device, or of rank 0, that takes longer logs a warning with the steps done and to go."""
+
+    @property
+    def replica_ranks(self) -> int:
+        """The ranks that hold one replica of the model between them and take the same rows of
+        each global batch: T of a tensor-parallel layout, P of a pipeline, else 1."""
+        return self.tensor_parallel * self.pipeline_parallel
 
 
 @runtime_checkable

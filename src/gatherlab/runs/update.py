@@ -27,7 +27,7 @@ from gatherlab.components.factory import Recipe
 from gatherlab.core import runfiles
 from gatherlab.ranks import world
 from gatherlab.runs import precision as runs_precision
-from gatherlab.runs import removals, tensorparallel
+from gatherlab.runs import removals, stages, tensorparallel
 from gatherlab.runs.plainstep import (
     PlainModel,
     as_precision,
@@ -74,7 +74,11 @@ class Update(PlainModel):
         rows of one global batch (the whole batch on one device) with ``spec.micro_batches``.
         Returns each update's global loss, the first update's gradient as its optimizer step took
         it, and the final parameters; `UpdateBroken` for an update that does not step exactly
-        once after a backward. Not traced: its backwards run inside the user's function."""
+        once after a backward. Not traced: its backwards run inside the user's function. A
+        pipeline's ranks (``spec.pipeline_parallel``) train as `train_pipeline_on_rank` does;
+        one device trains the whole model."""
+        if spec.pipeline_parallel > 1 and world.size() > 1:
+            return self.train_pipeline_on_rank(spec)
         device = world.device()
         model = build(
             self, spec.removals, spec.precision, spec.tensor_parallel, spec.expert_parallel
@@ -109,6 +113,62 @@ class Update(PlainModel):
         recorder.finish(model.parameters())
         parallel = model if spec.tensor_parallel > 1 else None
         return trained_with(recorder, watch, parallel, seen.partial, held_names(model))
+
+    def train_pipeline_on_rank(self, spec: RunSpec) -> runfiles.Trained:
+        """`train_on_rank` on a rank of a pipeline (docs/checking.md §10, "Pipeline
+        parallelism"): the factory given the ranks' ``("dp", "pp")`` mesh keeps this rank's
+        stages, under one device's names; no DDP around them (the update reduces over ``dp``);
+        the update returns its loss on the rank of the last stage and None on the others. The
+        first gradient is this rank's pipeline's and the final parameters rank 0's pipeline's,
+        both assembled in one device's order from every rank's pieces, with the copies that
+        ended apart (`stages.trained`)."""
+        device = world.device()
+        mesh = world.mesh(spec.pipeline_parallel, world.PIPELINE_MESH_DIMS)
+        one_device = stages.OneDevice.of(self.model())  # the whole model, as one device builds it
+        model = build(self, spec.removals, spec.precision, mesh=mesh).to(device)
+        data = spec.data()
+        optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
+        recorder = StepLog(False, spec.step_budget_s, spec.steps)
+        seen = _PipelineSteps(model, recorder, spec.reduced, mesh)
+        hook = optimizer.register_step_pre_hook(seen)
+        seed_processes(spec.seed)
+        local: list[float | None] = []
+        try:
+            for index, batch in enumerate(rank_batches(data, spec)):
+                optimizer.zero_grad(set_to_none=True)
+                seen.count, seen.without_gradient, seen.update = 0, False, index
+                batch = as_precision(batch, spec.precision, device)
+                with runs_precision.autocast(spec.precision, device):
+                    loss = self.update(model, optimizer, batch, spec.micro_batches)
+                _honest(seen, spec.micro_batches)
+                if loss is None:
+                    local.append(None)
+                    continue
+                value = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+                recorder.loss(step_loss(value.detach()), index, world.rank())
+                local.append(recorder.local_losses[-1])
+        finally:
+            hook.remove()
+        return stages.trained(model, mesh, one_device, seen.first, local)
+
+    def held_on_rank(self, spec: RunSpec, micro_batches: tuple[int, ...]) -> stages.Held:
+        """On the P ranks of one pipeline, before any rank trains: what the factory kept on each
+        (`stages.held_on_rank`), and its update run once with each number of micro-batches on
+        the first batch, from the initial weights."""
+        mesh = world.mesh(spec.pipeline_parallel, world.PIPELINE_MESH_DIMS)
+        data = spec.data()
+        seed_processes(spec.seed)
+        batch = as_precision(next(rank_batches(data, spec)), spec.precision, world.device())
+
+        def built() -> nn.Module:
+            return build(self, spec.removals, spec.precision, mesh=mesh).to(world.device())
+
+        def run(model: nn.Module, k: int) -> None:
+            optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
+            with runs_precision.autocast(spec.precision, world.device()):
+                self.update(model, optimizer, batch, k)
+
+        return stages.held_on_rank(built, run, micro_batches)
 
     def layout_on_rank(
         self, spec: RunSpec
@@ -151,6 +211,25 @@ class _Steps:
         reduce_gradients(self.model, self.reduced)  # the reproduction of an unreduced part
         if self.count == 1:  # what the step applies: clipped, unscaled, divided as the user does
             self.recorder.gradient(self.model.parameters(), self.update, world.rank())
+
+
+class _PipelineSteps(_Steps):
+    """`_Steps` on a rank of a pipeline: the first update's gradient kept as this rank's named
+    pieces (`stages.pieces`), and a reproduction's parameters (``reduced``) averaged over the
+    stage's replicas (``mesh["dp"]``), which hold the same names."""
+
+    def __init__(self, model: nn.Module, recorder: StepLog, reduced: tuple[str, ...], mesh: Any):
+        super().__init__(model, recorder)
+        self.replicated, self.mesh = reduced, mesh
+        self.first: list = []
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        super().__call__(optimizer, args, kwargs)
+        if self.without_gradient:
+            return
+        stages.reduce_replicas(self.model, self.replicated, self.mesh)
+        if self.count == 1 and self.update == 0:
+            self.first = stages.pieces(self.model, gradients=True)
 
 
 def _honest(steps: _Steps, micro_batches: int) -> None:

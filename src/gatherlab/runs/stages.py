@@ -1,0 +1,193 @@
+"""A pipeline-parallel whole update as a rank trains it (docs/checking.md §10, "Pipeline
+parallelism"): the user's model factory, given the ranks' ``("dp", "pp")`` mesh
+(`gatherlab.ranks.world.mesh`), keeps this rank's stages of the model under one device's
+parameter names, and the user's update runs their schedule (``torch.distributed.pipelining``):
+every micro-batch's forward and backward, then one optimizer step. No DDP is put around the
+model: a schedule calls its stages' modules, never a wrapper's forward; the update reduces over
+``dp`` itself.
+
+- `OneDevice`: one device's order of the parameters (names and shapes) and the aliases of a
+  weight it ties, from the whole model built here as one device builds it;
+- `pieces`: this rank's named parameters, or their gradients, as `core.held.Piece`s;
+- `reduce_replicas`: named gradients averaged over a stage's replicas (``dp``): the reproduction
+  of a replica nobody reduced;
+- `trained`: what a rank's run returns: each step's global loss (`global_losses`), the first
+  gradient of its pipeline and rank 0's final parameters assembled in one device's order, and
+  the copies of a parameter that ended apart (`core.held.copies_apart`, every rank's copies);
+- `held_on_rank`: the names each rank's factory kept, for the check's refusals before any rank
+  trains, and its update run once with each number of micro-batches (a schedule that refuses
+  them raises there).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gatherlab.core import held, runfiles
+from gatherlab.ranks import world
+
+__all__ = [
+    "Held", "NoLoss", "OneDevice", "global_losses", "held_on_rank", "pieces", "reduce_replicas",
+    "schedule_of", "trained",
+]  # fmt: skip
+
+PP = world.PIPELINE_MESH_DIMS[1]
+
+
+class NoLoss(ValueError):
+    """No rank of the pipeline returned a loss for a step (one line)."""
+
+
+@dataclass(frozen=True)
+class OneDevice:
+    """One device's parameters as a pipeline's pieces are assembled into them: each trainable
+    parameter's name and shape in ``named_parameters`` order, and every name of each parameter
+    (a tied one's aliases included) → the name it is ordered by."""
+
+    order: tuple[tuple[str, tuple[int, ...]], ...]
+    names: dict[str, str]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> OneDevice:
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return cls(tuple(held.order_of(trainable)),
+                   held.aliases(model.named_parameters(remove_duplicate=False)))  # fmt: skip
+
+
+def pieces(model: nn.Module, gradients: bool = False) -> list[held.Piece]:
+    """This rank's trainable parameters (or, with ``gradients``, their gradients: zeros where a
+    parameter has none) as pieces under the names the rank holds them by."""
+    rank = world.rank()
+    found = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        value = (p.grad if p.grad is not None else torch.zeros_like(p)) if gradients else p
+        found.append(held.Piece(rank, name, value.detach().double().cpu().clone()))
+    return found
+
+
+def reduce_replicas(model: nn.Module, names: Sequence[str], mesh: Any) -> None:
+    """The gradients of ``model``'s parameters named ``names`` averaged over the stage's replicas
+    (an all-reduce each over ``mesh["dp"]``, whose ranks hold the same stage: the same names);
+    nothing with one replica or no names."""
+    wanted = set(names)
+    dp = mesh[world.PIPELINE_MESH_DIMS[0]]
+    if not wanted or dp.size() == 1:
+        return
+    for name, parameter in model.named_parameters():
+        if name in wanted and parameter.grad is not None:
+            dist.all_reduce(parameter.grad, group=dp.get_group())
+            parameter.grad /= dp.size()
+
+
+def _pipeline_group(mesh: Any) -> Any:
+    return mesh[PP].get_group()
+
+
+def global_losses(local: Sequence[float | None]) -> list[float]:
+    """Each step's global loss: the mean of the losses the ranks returned for it (a pipeline's
+    last stage returns its loss, the other stages None; the mean over the data-parallel
+    pipelines, docs/design.md §2), summed correctly rounded; every rank calls this (an
+    all-gather of objects). `NoLoss` for a step no rank returned a loss for."""
+    every: list[Any] = [None] * world.size()
+    dist.all_gather_object(every, list(local))
+    losses = []
+    for step, values in enumerate(zip(*every, strict=True)):
+        returned = [v for v in values if v is not None]
+        if not returned:
+            raise NoLoss(
+                f"the update returned no loss on any rank at update {step}; allowed: the loss on "
+                "the rank of the pipeline's last stage (None on the others)"
+            )
+        losses.append(math.fsum(returned) / len(returned))
+    return losses
+
+
+def trained(
+    model: nn.Module,
+    mesh: Any,
+    one_device: OneDevice,
+    first_gradient: list[held.Piece],
+    local_losses: Sequence[float | None],
+) -> runfiles.Trained:
+    """A rank's run as the check compares it (every rank calls this: collectives). The first
+    gradient is its pipeline's (its ranks' pieces all-gathered over ``pp``, assembled in one
+    device's order): a rank of another data-parallel replica holds its own, which the check
+    compares with rank 0's. The final parameters are rank 0's pipeline's, assembled on rank 0
+    from every rank's pieces (gathered to it), where every parameter held by several ranks
+    (the replicas of a stage, the copies of a tied weight) is compared across its holders:
+    those that ended apart are ``copies_apart`` (`core.held.Apart`); the other ranks return no
+    parameters."""
+    losses = global_losses(local_losses)
+    mine = [None] * mesh[PP].size()
+    dist.all_gather_object(mine, first_gradient, group=_pipeline_group(mesh))
+    gradient = held.assemble(one_device.order, [p for ps in mine for p in ps], one_device.names)
+    every: list[Any] | None = [None] * world.size() if world.rank() == 0 else None
+    dist.gather_object(pieces(model), every, dst=0)
+    if every is None:
+        return runfiles.Trained(losses, gradient, torch.empty(0, dtype=torch.float64))
+    ranks = set(dist.get_process_group_ranks(_pipeline_group(mesh)))
+    everything = [p for ps in every for p in ps]
+    ours = [p for p in everything if p.rank in ranks]
+    parameters = held.assemble(one_device.order, ours, one_device.names)
+    apart = tuple(held.copies_apart(everything, one_device.names))
+    return runfiles.Trained(losses, gradient, parameters, copies_apart=apart)
+
+
+def schedule_of(error: BaseException) -> str | None:
+    """The class of the pipeline schedule (``torch.distributed.pipelining``'s
+    ``PipelineScheduleSingle`` or ``PipelineScheduleMulti``) in whose code ``error`` was raised,
+    or None: the innermost frame of its traceback whose ``self`` is one."""
+    from torch.distributed.pipelining import PipelineScheduleMulti, PipelineScheduleSingle
+
+    found, trace = None, error.__traceback__
+    while trace is not None:
+        owner = trace.tb_frame.f_locals.get("self")
+        if isinstance(owner, PipelineScheduleSingle | PipelineScheduleMulti):
+            found = type(owner).__name__
+        trace = trace.tb_next
+    return found
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a rank's factory kept (each trainable parameter's name and shape) and, when every
+    rank kept some, what its update did once with each number of micro-batches: None where it
+    ran, else the error's line and the schedule that raised it (`schedule_of`)."""
+
+    names: tuple[tuple[str, tuple[int, ...]], ...]
+    refused: tuple[int, str, str | None] | None = None
+
+
+def held_on_rank(
+    build: Callable[[], nn.Module],
+    run: Callable[[nn.Module, int], Any],
+    micro_batches: Sequence[int],
+) -> Held:
+    """On each rank of a pipeline (W = P, before any rank trains): ``build()`` (the factory with
+    the mesh), the names it kept; when no rank of the group kept nothing, ``run(model, K)`` (one
+    update from the initial weights on the first batch) with each K on a fresh build, until one
+    raises: its K, its line and its schedule. Every rank decides alike (an all-gather of the
+    names)."""
+    from gatherlab.core import cli
+
+    model = build()
+    names = tuple(held.order_of((n, p) for n, p in model.named_parameters() if p.requires_grad))
+    every: list[Any] = [None] * world.size()
+    dist.all_gather_object(every, names)
+    if not all(every):
+        return Held(names)
+    for k in micro_batches:
+        try:
+            run(model if k == micro_batches[0] else build(), k)
+        except Exception as error:
+            return Held(names, (k, cli.error_line(error), schedule_of(error)))
+    return Held(names)
