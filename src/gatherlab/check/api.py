@@ -622,6 +622,12 @@ def check_training(
     world_sizes, micro_batches = options.world_sizes, options.micro_batches
     applying, layout = _validated(setting, options.loss_attr, micro_batches)
     _fits(setting, layout, max(world_sizes))
+    if setting.spec.pipeline_parallel > 1:  # on one pipeline's ranks, before any rank trains
+        try:
+            with watched.watching(options.collective_timeout_s):
+                training.validate_pipeline(setting, micro_batches)
+        except ValueError as error:
+            raise CheckError(str(error)) from None
     setting, precision_words = _in_precision(setting, applying)
     with warnings_once(), watched.watching(options.collective_timeout_s):
         try:  # one device, in this process: a training_step without a loss is found here
@@ -683,7 +689,9 @@ def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[A
         else "a model with batch norm (row blocks would split its statistics)"
         if removals.Removal.BATCHNORM in applying
         else "a tensor-parallel model (row blocks do not split its sums over features as its "
-        "ranks do)" if setting.spec.tensor_parallel > 1 else None
+        "ranks do)" if setting.spec.tensor_parallel > 1
+        else "a pipeline (its stages are built on its ranks alone)"
+        if setting.spec.pipeline_parallel > 1 else None
     )  # fmt: skip
     if low is not None and unfloored is not None:
         if judged != terms.Precision.FLOAT64:
@@ -732,6 +740,7 @@ def _training_setting(options: TrainingOptions) -> Any:
         precision=options.precision, strategy=options.strategy,
         step_budget_s=options.step_budget_s,
         tensor_parallel=_tensor_parallel(options),
+        pipeline_parallel=_pipeline_parallel(options),
     )  # fmt: skip
     return training.Setting(form, spec, _path_name(options.function))
 
@@ -750,6 +759,24 @@ def _tensor_parallel(options: TrainingOptions) -> int:
             "argument, so it cannot parallelize itself; allowed: a factory build(mesh=None, ...) "
             "that calls parallelize_module(model, mesh['tp'], plan) when a mesh is given, or no "
             "--tensor-parallel"
+        )
+    return degree
+
+
+def _pipeline_parallel(options: TrainingOptions) -> int:
+    """The pipeline-parallel degree P of a whole update's layout (1: none; its value checked by
+    the options); CheckError of one line for a model factory without a ``mesh`` argument (code
+    that cannot keep its stages of the ranks' mesh), docs/checking.md §10, "Pipeline
+    parallelism"."""
+    degree = options.pipeline_parallel
+    if degree is None:
+        return 1
+    if not Recipe(_factory(options.model, "model")).accepts("mesh"):
+        raise CheckError(
+            f"--pipeline-parallel {degree}: --model {_path_name(options.model)} takes no mesh "
+            "argument, so it cannot keep its stages of the ranks' mesh; allowed: a factory "
+            "build(mesh=None, ...) that keeps this rank's stages of mesh['pp'] when given a mesh, "
+            "or no --pipeline-parallel"
         )
     return degree
 

@@ -81,12 +81,18 @@ FACTOR_CAUSES = {
     terms.Factor.ONE_OVER_K: (
         "the loss divided by K twice (by the loop and by a trainer that already divides, such as "
         "Lightning's accumulate_grad_batches), or a cached recomputation that backpropagates the "
-        "whole batch's loss divided by K. Fix: " + _ACCUMULATION_FIX + "."
+        "whole batch's loss divided by K. Fix: " + _ACCUMULATION_FIX + ". In a pipeline (K its "
+        "schedule's micro-batches): the schedule's scale_grads=True (its default: each gradient "
+        "÷ K) on a loss_fn that already divides by the micro-batches, such as a sum ÷ the global "
+        "count of tokens; fix there: scale_grads=False."
     ),
     terms.Factor.K: (
         "K micro-batches each backpropagating their mean loss undivided (their gradients add up "
         "over the K backwards), or the whole batch's cached loss backpropagated in each of the K "
-        "passes where it belongs once. Fix: " + _ACCUMULATION_FIX + "."
+        "passes where it belongs once. Fix: " + _ACCUMULATION_FIX + ". In a pipeline (K its "
+        "schedule's micro-batches): a schedule made with scale_grads=False on a loss_fn that "
+        "returns each micro-batch's mean; fix there: scale_grads=True (the schedule's default, "
+        "each gradient ÷ K), or a loss_fn that divides by the micro-batches."
     ),
     terms.Factor.ONE_OVER_W_K: (
         "a factor 1/W (a gather whose backward keeps only the own slice while every rank "
@@ -160,7 +166,10 @@ DIAGNOSES = {
         "it with one device. Usual cause (not tested here): a loss multiplied by W to undo "
         "DDP's average, on a gather whose backward keeps only the rank's own slot. Cleaner: "
         + _GATHER_FIX
-        + " without the factor, which logs the 1-device value too."
+        + " without the factor, which logs the 1-device value too. In a pipeline, a factor 1/K "
+        "(K its schedule's micro-batches) is the logged mean of micro-batch losses that are each "
+        "a part of the whole (a sum ÷ the global count of tokens): a correct run; log their sum "
+        "to read one device's loss."
     ),
     terms.GradientClass.ONE_OVER_W: (
         "the gradient is 1/W of one device's (norm ratio {norm_ratio:.6g}, cosine "
@@ -439,6 +448,37 @@ CAUSES = {
         "so that its gradient is reduced with the others, or all-reduce its gradient (the mean "
         "over ranks) before the optimizer's step."
     ),
+    terms.Cause.MICRO_SCALE: (
+        "Measured: every part's gradient is the same factor of one device's (cosine 1), a factor "
+        "of the pipeline's K micro-batches. Its schedule adds the K micro-batches' gradients and "
+        "divides them by K where scale_grads=True (its default): a loss_fn that returns each "
+        "micro-batch's mean under scale_grads=False gives K times one device's gradient, and one "
+        "that already divides by the micro-batches (a sum ÷ the global count of tokens) under "
+        "scale_grads=True gives 1/K. Fix: divide once, by the schedule or by the loss_fn: "
+        "scale_grads=True with a per-micro-batch mean over equal counts, or scale_grads=False "
+        "with a loss_fn that sums and divides by the global count."
+    ),
+    terms.Cause.COPIES_APART: (
+        "Measured on the ranks, from the copies alone: {copies}. One device holds one such "
+        "parameter; its copies on the pipeline's stages (a weight one device ties, an embedding "
+        "on the first stage and its head on the last; or a stage's data-parallel replicas) "
+        "each stepped with their own gradient, the part of one device's gradient that reaches "
+        "their stage (the gradient of the first holder is the run's). Fix: sum the tied copies' "
+        "gradients over the ranks that hold them before the optimizer's step (dist.all_reduce("
+        "p.grad, group=mesh['pp'].get_group()), a rank without a copy adding zeros), and "
+        "average the replicas' over mesh['dp']."
+    ),
+    terms.Cause.MICRO_MEAN: (
+        "Reproduced on one device: the first global loss is the mean over the pipeline's "
+        "micro-batches of the 1-device loss of each micro-batch's rows alone. Each micro-batch's "
+        "loss is a mean over its own rows or tokens: with padding (ignore_index) the micro-"
+        "batches hold different counts of tokens, and the mean of their means weighs a token of "
+        "a short micro-batch more than one device's mean over every token does (its gradient "
+        "too). Fix: a loss_fn that sums over the micro-batch's tokens and divides by the count "
+        "of every micro-batch's tokens (reduction='sum' / the global count, all-reduced over "
+        "mesh['dp']), with scale_grads=False; its logged loss is then the sum of the "
+        "micro-batches' losses."
+    ),
     terms.Cause.PARTIAL: (
         "Measured on the ranks: each of {partial} is replicated over the mesh's {partial_over} "
         "dimension and its gradient there is a partial sum (a DTensor Partial(sum), as a "
@@ -542,6 +582,14 @@ CULPRIT_DIAGNOSES = {
         "the run is exact (reproduced). Fix: put the parameter inside the module DDP or FSDP wraps "
         "and use it in that module's forward, or all-reduce its gradient before the optimizer's "
         "step."
+    ),
+    Culprit.COPIES_APART: (
+        "copies of one device's parameter held on several ranks of a pipeline (a tied weight on "
+        "two stages, a stage's replicas) end the run apart (measured: every rank's copies "
+        "against the first holder's, to float64's 1e-10 of its largest): nothing sums or "
+        "averages their gradients over their holders, and no removal changes that. Fix: "
+        "all-reduce the tied copies' gradients over the pipeline (a sum) and the replicas' over "
+        "its data-parallel group (a mean) before the optimizer's step."
     ),
     Culprit.PARTIAL: (
         "a replicated parameter's gradient is a partial sum over a tensor-parallel mesh "
@@ -656,7 +704,11 @@ def diagnosis(
     nothing = first["verdict"] == terms.GradientClass.NONE and rows["norm_ratio"].isna().all()
     text = (TRAINS_NOTHING if nothing else DIAGNOSES[first["verdict"]]).format(**numbers)
     cause = first["cause"]
-    if cause in (terms.Cause.UNREDUCED, terms.Cause.DESYNC, terms.Cause.PARTIAL):  # measured
+    if cause == terms.Cause.COPIES_APART:
+        numbers["copies"] = "; ".join(rows["departs"].dropna().astype(str).unique())
+    measured_causes = (terms.Cause.UNREDUCED, terms.Cause.DESYNC, terms.Cause.PARTIAL,
+                       terms.Cause.COPIES_APART, terms.Cause.MICRO_SCALE)  # fmt: skip
+    if cause in measured_causes:  # measured
         text = (
             f"the gradient is {first['gradient']} against one device's (cosine "
             f"{numbers['cosine']:.6g}, norm ratio {numbers['norm_ratio']:.4g}). "
@@ -991,7 +1043,8 @@ def explain_training(checked: CheckResult | pd.DataFrame) -> str:
     kept = runs[runs["removed"] == NONE]
     # the verdicts that say more than their culprits: measured, reproduced or split in parts
     named_causes = (terms.Cause.PARTS, terms.Cause.MICRO_NEGATIVES, terms.Cause.UNREDUCED,
-                    terms.Cause.PARTIAL)  # fmt: skip
+                    terms.Cause.PARTIAL, terms.Cause.COPIES_APART, terms.Cause.MICRO_MEAN,
+                    terms.Cause.MICRO_SCALE)  # fmt: skip
     said = kept[
         kept["verdict"].isin((terms.DIVERGES, terms.LOSS_SCALED, terms.FAILED))
         | kept["cause"].isin(named_causes)

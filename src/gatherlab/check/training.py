@@ -47,7 +47,7 @@ from gatherlab.core.terms import Cause, Culprit
 from gatherlab.ranks import world
 from gatherlab.ranks.external import ranks_for
 from gatherlab.ranks.pool import RankError
-from gatherlab.runs import plainstep, removals, tensorparallel
+from gatherlab.runs import plainstep, removals, stages, tensorparallel
 from gatherlab.runs import update as update_form
 from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64
 from gatherlab.runs.spec import RunSpec, StepForm, TracedForm
@@ -466,10 +466,11 @@ def check(
         located_here = kept and world_size > 1 and not own and not reproduced  # float64's bounds
         floor_run = floors.judging(removed, world_size) if own else None
         departed: list[where.Departure | None] = []  # what ``where`` found, its kind a cause
+        pipelines = world_size // setting.spec.pipeline_parallel  # a pipeline's ranks: one row
         rows = judge(
-            ranks[0], references[removed], key(removed, world_size, k),
+            ranks[0], references[removed], key(removed, pipelines, k),
             tolerance=tolerance, layout=layout or {},
-            accumulated=functools.partial(micro_negatives, setting, world_size, k, first.in_group)
+            accumulated=functools.partial(micro_negatives, setting, pipelines, k, first.in_group)
             if accumulated else None,
             where=_keeping(functools.partial(located, setting, world_size, first.in_group),
                            departed) if located_here else None,
@@ -477,6 +478,7 @@ def check(
         )  # fmt: skip
         rows = _stepped_where(rows, found) if reproduced else rows
         rows = _shard_caused(rows, departed)
+        rows = _pipeline_rows(rows, world_size, ranks[0], setting.spec.pipeline_parallel)
         if kept and setting.low is not None and not own:  # its low-precision run beside it
             rows = with_precision(rows, floors.beside(world_size, k), setting.spec.precision)
         return rows
@@ -533,8 +535,8 @@ def _measured(culprits: list[str], cause: str, found: Unreduced | None) -> list[
     ``layout`` where a tensor's shape departs (no removal takes it out), and first ``unreduced``
     (or ``partial``, a tensor-parallel model's) where reducing reproduces one device; and
     ``shard_as_whole`` where an operation's result is neither one device's nor its shard."""
-    if cause in (Cause.LAYOUT, Cause.SHARD_AS_WHOLE):
-        measured = Culprit.LAYOUT if cause == Cause.LAYOUT else Culprit.SHARD_AS_WHOLE
+    if cause in (Cause.LAYOUT, Cause.SHARD_AS_WHOLE, Cause.COPIES_APART):
+        measured = Culprit(cause)
         culprits = [measured if c == Culprit.LOSS else c for c in culprits]
     if _reproduced(found):
         named = Culprit.PARTIAL if found.over else Culprit.UNREDUCED
@@ -561,6 +563,73 @@ def _shard_caused(rows: list[Row], departed: Sequence[where.Departure | None]) -
     if not any(d is not None and d.kind == terms.DepartureKind.SHARD for d in departed):
         return rows
     return [dataclasses.replace(r, cause=str(Cause.SHARD_AS_WHOLE)) for r in rows]
+
+
+def _pipeline_rows(
+    rows: list[Row], world_size: int, rank0: Trained, pipeline_parallel: int
+) -> list[Row]:
+    """A pipeline's rows, judged as its W / P data-parallel pipelines (a factor W names the
+    replicas, docs/design.md §1), with their world size W; where copies of a parameter ended apart
+    (`Trained.copies_apart`, from the copies alone), the cause ``copies_apart`` and the copies in
+    ``departs``; where the micro-batches' losses reproduce the first loss (the judge's
+    ``micro_negatives``), the cause ``micro_mean``: a mean over each micro-batch's own rows or
+    tokens; where every part's gradient is K or 1/K times one device's, ``micro_scale``
+    (docs/checking.md §10, "Pipeline parallelism")."""
+    if pipeline_parallel == 1:
+        return rows
+    rows = [dataclasses.replace(r, world_size=world_size) for r in rows]
+    if rows and rows[0].cause == Cause.MICRO_NEGATIVES:
+        rows = [dataclasses.replace(r, cause=str(Cause.MICRO_MEAN)) for r in rows]
+    scaled = (terms.Factor.K, terms.Factor.ONE_OVER_K)
+    if rows and rows[0].verdict in scaled and all(r.gradient == rows[0].verdict for r in rows):
+        rows = [dataclasses.replace(r, cause=str(Cause.MICRO_SCALE)) for r in rows]
+    if not rows or not rank0.copies_apart or rows[0].verdict in TRAINS_LIKE_ONE_DEVICE:
+        return rows
+    words = "; ".join(apart.words() for apart in rank0.copies_apart)
+    return [dataclasses.replace(r, cause=str(Cause.COPIES_APART), departs=words) for r in rows]
+
+
+def validate_pipeline(setting: Setting, micro_batches: Sequence[int]) -> None:
+    """A pipeline's split and schedule checked on the P ranks of one pipeline before any rank
+    trains (`update_form.Update.held_on_rank`): a ValueError of one line when the factory given
+    the mesh raises, keeps no parameter on a rank (an empty stage), keeps a parameter under a
+    name or shape one device's model does not have, or leaves one of its parameters on no rank
+    (`core.held.assemble`), and when the update raises with some number of micro-batches (the
+    schedule that raised named: a schedule that does not take them)."""
+    from gatherlab.core import held
+
+    label, degree = setting.form.built_label(setting.label), setting.spec.pipeline_parallel
+    plain = setting.checked(setting.built())
+    one = stages.OneDevice.of(plain)
+    ks = tuple(sorted(set(micro_batches)))
+    try:
+        kept = ranks_for(degree).run(setting.form.held_on_rank, setting.spec, ks)
+    except RankError as error:
+        raise ValueError(
+            f"{label} with a ('dp', 'pp') mesh on {degree} ranks: rank {error.rank}: {error.line}"
+        ) from None
+    empty = [rank for rank, found in enumerate(kept) if not found.names]
+    if empty:
+        raise ValueError(
+            f"--pipeline-parallel {degree}: {label} keeps no parameter on rank {empty[0]} of the "
+            f"pipeline (its stage is empty); allowed: a split that gives each of the {degree} "
+            "ranks a stage with parameters"
+        )
+    pieces = [held.Piece(rank, name, torch.zeros(shape, dtype=torch.float64))
+              for rank, found in enumerate(kept) for name, shape in found.names]  # fmt: skip
+    try:
+        held.assemble(one.order, pieces, one.names)
+    except held.HeldError as error:
+        raise ValueError(f"--pipeline-parallel {degree}: {label}: {error}") from None
+    refused = next((found.refused for found in kept if found.refused is not None), None)
+    if refused is not None:
+        k, line, schedule = refused
+        rows = setting.spec.global_batch_size // k
+        raise ValueError(
+            f"--pipeline-parallel {degree} --micro-batches {k}: {schedule or 'the update'} "
+            f"refuses {label}'s stages: {line}; allowed: a schedule and micro-batches it takes "
+            f"(each micro-batch of a pipeline at W = {degree}: {rows} rows)"
+        )
 
 
 def _stepped_where(rows: list[Row], found: Unreduced) -> list[Row]:

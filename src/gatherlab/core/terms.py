@@ -150,6 +150,18 @@ class Cause(StrEnum):
     LAYOUT = "layout"
     PARTIAL = "partial"
     SHARD_AS_WHOLE = "shard_as_whole"
+    COPIES_APART = "copies_apart"
+    """A pipeline's parameter held by several ranks (a weight one device ties, held on two
+    stages; a stage's replicas) whose copies end the run apart, named from the copies alone
+    (`gatherlab.core.held.copies_apart`, docs/checking.md §10 "Pipeline parallelism")."""
+    MICRO_MEAN = "micro_mean"
+    """A pipeline's first loss reproduced as the mean over its micro-batches of one device's loss
+    of each micro-batch alone: a mean over each micro-batch's own rows or tokens, which with
+    ragged padding weighs them otherwise than one device's mean over all of them."""
+    MICRO_SCALE = "micro_scale"
+    """A pipeline's gradient, every part of it, K or 1/K times one device's (K its schedule's
+    micro-batches): the schedule's ``scale_grads`` and its ``loss_fn`` divide by K both or
+    neither."""
 
 
 class Forward(StrEnum):
@@ -334,6 +346,9 @@ class Culprit(StrEnum):
     PARTIAL = "partial"
     LAYOUT = "layout"
     SHARD_AS_WHOLE = "shard_as_whole"
+    COPIES_APART = "copies_apart"
+    """A pipeline's copies of one parameter that end the run apart (measured on the ranks, named
+    instead of the loss)."""
 
 
 class ReferenceMode(StrEnum):
