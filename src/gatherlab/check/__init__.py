@@ -24,6 +24,7 @@ Modules:
 - ``reference``: the one-device reference: the plain run, or a one-rank group for code needing one
 - ``floors``: the loss check in a low precision: each W judged against a measured floor
 - ``training``: a training step's check: W ranks against one device, each removal, the culprits
+- ``experts``: an expert-parallel run made one device's from its ranks' pieces, and its causes
 - ``table``: ``check.csv``: its columns, its typed ``Row``, the one ``verdict()``, the failed row
 - ``diagnosis``: the words of a check: each verdict's and culprit's diagnosis, the printed text
 - ``launched``: the check on the ranks that torchrun or srun started (``--launcher external``)

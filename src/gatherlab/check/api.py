@@ -621,6 +621,7 @@ def check_training(
     setting = _training_setting(options)
     world_sizes, micro_batches = options.world_sizes, options.micro_batches
     applying, layout = _validated(setting, options.loss_attr, micro_batches)
+    _experts_split(setting, world_sizes)
     _fits(setting, layout, max(world_sizes))
     if setting.spec.pipeline_parallel > 1:  # on one pipeline's ranks, before any rank trains
         try:
@@ -648,6 +649,21 @@ def check_training(
     return dataclasses.replace(
         result, trained=setting.label, precision_notes=notes, loss_check=loss_check
     )
+
+
+def _experts_split(setting: Any, world_sizes: Sequence[int]) -> None:
+    """CheckError of one line where an expert-parallel model factory, built on the ranks of each
+    W before any trains, does not split one device's model over them (`experts.split_refused`:
+    it raises there, a rank holds a parameter one device does not have, no rank holds one, a
+    rank holds no expert, every rank holds every parameter), docs/checking.md §10, "Expert
+    parallelism"."""
+    if setting.spec.expert_parallel < 2:
+        return
+    from gatherlab.check import experts
+
+    refused = experts.split_refused(setting, world_sizes)
+    if refused is not None:
+        raise CheckError(refused)
 
 
 def _fits(setting: Any, layout: measure.Layout, world_size: int) -> None:
@@ -691,7 +707,9 @@ def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[A
         else "a tensor-parallel model (row blocks do not split its sums over features as its "
         "ranks do)" if setting.spec.tensor_parallel > 1
         else "a pipeline (its stages are built on its ranks alone)"
-        if setting.spec.pipeline_parallel > 1 else None
+        if setting.spec.pipeline_parallel > 1
+        else "an expert-parallel model (row blocks would split its routing's statistics)"
+        if setting.spec.expert_parallel > 1 else None
     )  # fmt: skip
     if low is not None and unfloored is not None:
         if judged != terms.Precision.FLOAT64:
@@ -741,6 +759,7 @@ def _training_setting(options: TrainingOptions) -> Any:
         step_budget_s=options.step_budget_s,
         tensor_parallel=_tensor_parallel(options),
         pipeline_parallel=_pipeline_parallel(options),
+        expert_parallel=_expert_parallel(options),
     )  # fmt: skip
     return training.Setting(form, spec, _path_name(options.function))
 
@@ -777,6 +796,24 @@ def _pipeline_parallel(options: TrainingOptions) -> int:
             "argument, so it cannot keep its stages of the ranks' mesh; allowed: a factory "
             "build(mesh=None, ...) that keeps this rank's stages of mesh['pp'] when given a mesh, "
             "or no --pipeline-parallel"
+        )
+    return degree
+
+
+def _expert_parallel(options: TrainingOptions) -> int:
+    """The expert-parallel degree E of a plain form's layout (1: none; its value checked by the
+    options); CheckError of one line for a model factory without a ``mesh`` argument (code that
+    cannot keep its experts of the ranks' mesh), docs/checking.md §10, "Expert parallelism"."""
+    degree = options.expert_parallel
+    if degree is None:
+        return 1
+    model = _factory(options.model, "model")
+    if not Recipe(model).accepts("mesh"):
+        raise CheckError(
+            f"--expert-parallel {degree}: --model {_path_name(options.model)} takes no mesh "
+            "argument, so it cannot keep its experts of the ranks' mesh; allowed: a factory "
+            "build(mesh=None, ...) that keeps this rank's experts of mesh['ep'] when given a "
+            "mesh, or no --expert-parallel"
         )
     return degree
 

@@ -448,16 +448,6 @@ CAUSES = {
         "so that its gradient is reduced with the others, or all-reduce its gradient (the mean "
         "over ranks) before the optimizer's step."
     ),
-    terms.Cause.MICRO_SCALE: (
-        "Measured: every part's gradient is the same factor of one device's (cosine 1), a factor "
-        "of the pipeline's K micro-batches. Its schedule adds the K micro-batches' gradients and "
-        "divides them by K where scale_grads=True (its default): a loss_fn that returns each "
-        "micro-batch's mean under scale_grads=False gives K times one device's gradient, and one "
-        "that already divides by the micro-batches (a sum ÷ the global count of tokens) under "
-        "scale_grads=True gives 1/K. Fix: divide once, by the schedule or by the loss_fn: "
-        "scale_grads=True with a per-micro-batch mean over equal counts, or scale_grads=False "
-        "with a loss_fn that sums and divides by the global count."
-    ),
     terms.Cause.COPIES_APART: (
         "Measured on the ranks, from the copies alone: {copies}. One device holds one such "
         "parameter; its copies on the pipeline's stages (a weight one device ties, an embedding "
@@ -467,6 +457,16 @@ CAUSES = {
         "gradients over the ranks that hold them before the optimizer's step (dist.all_reduce("
         "p.grad, group=mesh['pp'].get_group()), a rank without a copy adding zeros), and "
         "average the replicas' over mesh['dp']."
+    ),
+    terms.Cause.MICRO_SCALE: (
+        "Measured: every part's gradient is the same factor of one device's (cosine 1), a factor "
+        "of the pipeline's K micro-batches. Its schedule adds the K micro-batches' gradients and "
+        "divides them by K where scale_grads=True (its default): a loss_fn that returns each "
+        "micro-batch's mean under scale_grads=False gives K times one device's gradient, and one "
+        "that already divides by the micro-batches (a sum ÷ the global count of tokens) under "
+        "scale_grads=True gives 1/K. Fix: divide once, by the schedule or by the loss_fn: "
+        "scale_grads=True with a per-micro-batch mean over equal counts, or scale_grads=False "
+        "with a loss_fn that sums and divides by the global count."
     ),
     terms.Cause.MICRO_MEAN: (
         "Reproduced on one device: the first global loss is the mean over the pipeline's "
@@ -500,6 +500,38 @@ CAUSES = {
         "chunk at the rank's tensor-parallel index along one dimension), though the shapes may "
         "agree: the code takes the rank's shard for the whole (where the run departs, below, "
         "names the operation and the fix)."
+    ),
+    terms.Cause.LOCAL_TOKENS: (
+        "Reproduced on one device: the first loss of the expert-parallel run is the mean over "
+        "ranks of one device's loss on each rank's rows alone. Something of the routing is "
+        "computed over the rank's own tokens where one device takes the global batch: a "
+        "load-balancing (auxiliary) loss whose expert fractions and mean probabilities are the "
+        "rank's, or an expert's capacity (capacity factor × tokens / experts) counted on the "
+        "rank's tokens, which drops other tokens. Fix: all-reduce the counts and the summed "
+        "router probabilities over every rank before the load-balancing loss (the "
+        "probabilities through an all-reduce whose backward is again an all-reduce), and count "
+        "a token's place in its expert's queue after the tokens of the ranks before its own, "
+        "against a capacity of the global batch's tokens."
+    ),
+    terms.Cause.EXPERTS_MIXED: (
+        "Measured from the ranks' pieces of the first gradient: two experts held by different "
+        "ranks got one gradient where one device's differ (named at the end): "
+        "each expert's gradient was reduced together with the gradients of other experts, over "
+        "ranks that hold other experts at its place: every parameter all-reduced over all ranks, "
+        "or the model in DDP over all ranks (whose broadcast also gives every rank rank 0's "
+        "experts' weights). Fix: reduce each expert's gradient over its replicas only (the "
+        "ranks of its mesh['dp'] group), and the replicated parameters over all ranks; no DDP "
+        "around the experts."
+    ),
+    terms.Cause.EXPERTS_SCALED: (
+        "Measured from the ranks' pieces of the first gradient: the experts' gradient is a "
+        "constant times one device's while every parameter all ranks hold is exact (named at "
+        "the end): the experts' reduction divides by another count. A "
+        "rank's expert already sums, through the all-to-all's backward, the gradients of every "
+        "token its ep group sent it; averaged over its W/E replicas it is E times one device's. "
+        "Fix: sum each expert's gradient over its replicas (mesh['dp']) and divide by W, the "
+        "number of ranks whose losses one device's averages (DeepSpeed's and Megatron-LM's "
+        "expert scaling)."
     ),
     terms.Cause.DESYNC: (
         "Measured from the recording: the run's ranks end update {desync_update} with different "
@@ -611,6 +643,20 @@ CULPRIT_DIAGNOSES = {
         "the model's count where the rank holds a part, a statistic of the rank's part of a "
         "dimension. No removal changes that. Where it departs names the operation and the fix."
     ),
+    Culprit.LOCAL_TOKENS: (
+        "the expert-parallel run's routing statistics (a load-balancing loss, an expert's "
+        "capacity) are computed over each rank's own tokens (reproduced: one device's loss on "
+        "each rank's rows alone gives its first loss). No removal changes that."
+    ),
+    Culprit.EXPERTS_MIXED: (
+        "experts held by different ranks get one gradient (measured from the ranks' pieces): "
+        "their gradients are reduced over ranks that hold other experts. No removal changes that."
+    ),
+    Culprit.EXPERTS_SCALED: (
+        "the experts' gradient is a constant times one device's, the replicated parameters exact "
+        "(measured from the ranks' pieces): the experts' reduction divides by another count than "
+        "W. No removal changes that."
+    ),
     Culprit.LOSS: (
         "with batch norm, dropout and the data's randomness removed the run is still not exact: "
         "the loss itself, or how it communicates across ranks (its gather), breaks it."
@@ -692,6 +738,9 @@ def _parts_text(parts: pd.DataFrame) -> str:
     )
 
 
+_EXPERT_CAUSES = (terms.Cause.EXPERTS_MIXED, terms.Cause.EXPERTS_SCALED)
+
+
 def diagnosis(
     rows: pd.DataFrame, parts: pd.DataFrame | None = None, measured: dict[str, Any] | None = None
 ) -> str:
@@ -717,12 +766,16 @@ def diagnosis(
     elif first["verdict"] == terms.LOSS_DIFFERS and cause:
         causes = RECORDED_CAUSES if numbers.get("recorded") and cause in RECORDED_CAUSES else CAUSES
         text += " " + causes[terms.Cause(cause)].format(**numbers)
+    elif cause in _EXPERT_CAUSES:  # measured from an expert-parallel run's pieces
+        text += " " + CAUSES[terms.Cause(cause)].format(**numbers)
     elif cause == terms.Cause.PARTS and parts is not None and len(parts):
         text = (
             f"the gradient points in another direction than one device's (cosine "
             f"{numbers['cosine']:.6g}, norm ratio {numbers['norm_ratio']:.4g}). "
             + _parts_text(parts)
         )
+    if cause in _EXPERT_CAUSES and isinstance(first.get("departs"), str):
+        text += f" Measured: {first['departs']}."
     return text
 
 
@@ -1043,7 +1096,8 @@ def explain_training(checked: CheckResult | pd.DataFrame) -> str:
     kept = runs[runs["removed"] == NONE]
     # the verdicts that say more than their culprits: measured, reproduced or split in parts
     named_causes = (terms.Cause.PARTS, terms.Cause.MICRO_NEGATIVES, terms.Cause.UNREDUCED,
-                    terms.Cause.PARTIAL, terms.Cause.COPIES_APART, terms.Cause.MICRO_MEAN,
+                    terms.Cause.PARTIAL, terms.Cause.LOCAL_TOKENS, *_EXPERT_CAUSES,
+                    terms.Cause.COPIES_APART, terms.Cause.MICRO_MEAN,
                     terms.Cause.MICRO_SCALE)  # fmt: skip
     said = kept[
         kept["verdict"].isin((terms.DIVERGES, terms.LOSS_SCALED, terms.FAILED))

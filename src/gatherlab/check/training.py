@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gatherlab.check import measure, where
+from gatherlab.check import experts, measure, where
 from gatherlab.check.judge import InPrecision, Recorded, judge, with_precision
 from gatherlab.check.reference import Reference, choose, one_device, training_differs
 from gatherlab.check.table import (
@@ -283,7 +283,9 @@ def located(setting: Setting, world_size: int, in_group: bool) -> where.Departur
     tensor_parallel = setting.spec.tensor_parallel
     if tensor_parallel > 1:
         return _layout_departure(setting, world_size, in_group)
-    if not isinstance(setting.form, TracedForm):
+    if not isinstance(setting.form, TracedForm) or setting.spec.expert_parallel > 1:
+        # an expert-parallel forward runs other operations on a rank (its dispatch) than one
+        # device: no pairing of them
         return None
     try:
         ranks = ranks_for(world_size).run(setting.form.trace_on_rank, setting.spec)
@@ -460,7 +462,10 @@ def check(
                 setting, ranks, layout or {},
                 lambda **changes: judged(removed, world_size, k, **changes)[0].verdict,
             )  # fmt: skip
-        accumulated = kept and setting.update is not None and k > 1
+        # naive accumulation's first losses; of an expert-parallel update at K = 1, the loss of
+        # each rank's rows alone: its routing's statistics over the rank's tokens
+        expert = setting.spec.expert_parallel > 1 and world_size > 1
+        accumulated = kept and setting.update is not None and (k > 1 or expert)
         found = unreduced.get((world_size, k)) if kept else None
         reproduced = _reproduced(found)  # then no operation departs: each rank's forward is right
         located_here = kept and world_size > 1 and not own and not reproduced  # float64's bounds
@@ -478,6 +483,8 @@ def check(
         )  # fmt: skip
         rows = _stepped_where(rows, found) if reproduced else rows
         rows = _shard_caused(rows, departed)
+        if expert:
+            rows = _experts_caused(setting, rows, ranks[0], references[removed], k)
         rows = _pipeline_rows(rows, world_size, ranks[0], setting.spec.pipeline_parallel)
         if kept and setting.low is not None and not own:  # its low-precision run beside it
             rows = with_precision(rows, floors.beside(world_size, k), setting.spec.precision)
@@ -530,18 +537,42 @@ def _recorded(reproduced: Unreduced | None, floor_run: InPrecision | None) -> Re
                     unreduced_over=reproduced.over)  # fmt: skip
 
 
+def _experts_caused(
+    setting: Setting, rows: list[Row], run: Trained, reference: Trained, k: int
+) -> list[Row]:
+    """An expert-parallel run's rows with the cause read from its ranks' pieces
+    (`experts.departure`: ``experts_mixed``, ``experts_scaled``, with their words in
+    ``departs``), or ``local_tokens`` where the loss of each rank's rows alone on one device
+    reproduced its first loss at K = 1 (the judge's ``micro_negatives``)."""
+    if rows[0].verdict in TRAINS_LIKE_ONE_DEVICE:
+        return rows
+    if rows[0].cause == Cause.MICRO_NEGATIVES and k == 1:
+        return [dataclasses.replace(r, cause=str(Cause.LOCAL_TOKENS)) for r in rows]
+    if rows[0].cause not in ("", Cause.PARTS):
+        return rows
+    found = experts.departure(run, reference, setting.checked(setting.built()),
+                              setting.spec.expert_parallel)  # fmt: skip
+    if found is None:
+        return rows
+    head = dataclasses.replace(rows[0], cause=str(found.cause), departs=found.words)
+    return [head, *(dataclasses.replace(r, cause=str(found.cause)) for r in rows[1:])]
+
+
 def _measured(culprits: list[str], cause: str, found: Unreduced | None) -> list[str]:
     """The culprits the removals name, with what was measured on the ranks in place of ``loss``:
     ``layout`` where a tensor's shape departs (no removal takes it out), and first ``unreduced``
     (or ``partial``, a tensor-parallel model's) where reducing reproduces one device; and
     ``shard_as_whole`` where an operation's result is neither one device's nor its shard."""
-    if cause in (Cause.LAYOUT, Cause.SHARD_AS_WHOLE, Cause.COPIES_APART):
+    if cause in (Cause.LAYOUT, Cause.SHARD_AS_WHOLE, *_EXPERT_CAUSES, Cause.COPIES_APART):
         measured = Culprit(cause)
         culprits = [measured if c == Culprit.LOSS else c for c in culprits]
     if _reproduced(found):
         named = Culprit.PARTIAL if found.over else Culprit.UNREDUCED
         culprits = [named, *(c for c in culprits if c != Culprit.LOSS)]
     return culprits
+
+
+_EXPERT_CAUSES = (Cause.LOCAL_TOKENS, Cause.EXPERTS_MIXED, Cause.EXPERTS_SCALED)
 
 
 def _keeping(
@@ -676,6 +707,8 @@ def _unreduced(
     verdict of the run with their parameters' gradients all-reduced (``verdict_with(reduced=
     names)``): the reproduction; failing that, with a stalled DDP reducer unstalled
     (``verdict_with(reduced=…, find_unused=True)``)."""
+    if ranks[0].rank_gradients:  # an expert-parallel run, made one device's from its pieces
+        return _experts_unreduced(setting, ranks[0], verdict_with)
     found = Unreduced(unreduced_parts(ranks, layout))
     if not found.parts and ranks[0].replicas_apart:
         return _partial(setting, ranks[0], verdict_with)
@@ -685,6 +718,24 @@ def _unreduced(
     if found.reduced not in TRAINS_LIKE_ONE_DEVICE and ranks[0].outside_forward:
         found.stalled = ranks[0].outside_forward
         found.unstalled = verdict_with(reduced=found.stalled, find_unused=True)
+    return found
+
+
+def _experts_unreduced(
+    setting: Setting, run: Trained, verdict_with: Callable[..., str]
+) -> Unreduced:
+    """An expert-parallel run's parts whose parameters' copies got different first gradients on
+    their holders (`experts.unreduced`), and, where those parameters are held by every rank (the
+    replicated ones), the verdict of the run with their gradients all-reduced (the mean over all
+    ranks, `RunSpec.reduced`): the reproduction. An expert's replicas that differ are named and
+    not reproduced (their reduction is over their own group)."""
+    apart, everywhere = experts.unreduced(run)
+    if not apart:
+        return Unreduced(())
+    part = _part_of(setting.checked(setting.built()))
+    found = Unreduced(tuple(dict.fromkeys(part(a.name) for a in apart)))
+    if everywhere and len(everywhere) == len(apart):
+        found.reduced = verdict_with(reduced=everywhere)
     return found
 
 
@@ -777,7 +828,10 @@ def _train_ranks(
     if world_size == 1:
         with one_device(in_group):  # as the reference ran (`first_reference`)
             return [setting.form.train_on_rank(spec)]
-    return ranks_for(world_size).run(_trained_on_rank, setting.form, spec)
+    ranks = ranks_for(world_size).run(_trained_on_rank, setting.form, spec)
+    if spec.expert_parallel > 1:  # each rank holds some of one device's parameters
+        return [experts.assembled(ranks, setting.checked(setting.built()))]
+    return ranks
 
 
 def _trained_on_rank(form: StepForm, spec: RunSpec) -> Trained:
@@ -786,6 +840,6 @@ def _trained_on_rank(form: StepForm, spec: RunSpec) -> Trained:
     only their first gradient (`unreduced_parts`), so a model of 86M float64 parameters sends
     690 MB less per rank to the command, which holds them all at once."""
     trained = form.train_on_rank(spec)
-    if world.rank() == 0:
+    if world.rank() == 0 or spec.expert_parallel > 1:  # each rank its part of one device's
         return trained
     return dataclasses.replace(trained, parameters=torch.empty(0, dtype=torch.float64))

@@ -65,6 +65,10 @@ class Trained:
     """The parameters the rank trained, in the order of ``parameters`` (the trainable ones, in
     that order, are ``first_gradient``'s): each one's name (one device's, where the rank holds a
     part of the model: its experts), its shape and whether it trains. Empty where not kept."""
+    rank_gradients: tuple[tuple[Any, ...], ...] = ()
+    """A run made one device's from its ranks' parts (expert parallelism: each rank holds some of
+    one device's parameters): each rank's first gradient as the pieces it holds
+    (`gatherlab.core.held.Piece`, one device's names), in rank order. Empty otherwise."""
     copies_apart: tuple[Any, ...] = ()
     """The parameters held by several ranks whose copies ended the run apart (`core.held.Apart`:
     the copies' ranks and names and by how much; a pipeline's tied weights and stage replicas,

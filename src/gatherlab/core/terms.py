@@ -136,7 +136,13 @@ class Cause(StrEnum):
     operation of a tensor-parallel model's forward whose result on a rank is neither one device's
     nor its shard, though the shapes may be: the rank's shard taken as the whole, as a reshape by
     the model's head count or a mean over the rank's part of the sequence does,
-    `gatherlab.check.where.shard_departure`)."""
+    `gatherlab.check.where.shard_departure`); ``local_tokens`` (an expert-parallel run's global
+    loss reproduced as the mean over ranks of one device's loss on each rank's rows alone: a
+    load-balancing loss or an expert's capacity computed over the rank's own tokens);
+    ``experts_mixed`` (two experts held by different ranks given one gradient where one device's
+    differ: reduced over ranks that hold other experts); ``experts_scaled`` (the experts'
+    gradient a constant other than 1 times one device's, every replicated parameter exact:
+    `gatherlab.check.experts`)."""
 
     SCALED = "scaled"
     LOCAL_NEGATIVES = "local_negatives"
@@ -150,6 +156,9 @@ class Cause(StrEnum):
     LAYOUT = "layout"
     PARTIAL = "partial"
     SHARD_AS_WHOLE = "shard_as_whole"
+    LOCAL_TOKENS = "local_tokens"
+    EXPERTS_MIXED = "experts_mixed"
+    EXPERTS_SCALED = "experts_scaled"
     COPIES_APART = "copies_apart"
     """A pipeline's parameter held by several ranks (a weight one device ties, held on two
     stages; a stage's replicas) whose copies end the run apart, named from the copies alone
@@ -338,7 +347,10 @@ class Culprit(StrEnum):
     reduces over the ranks, named when reducing it makes the run exact; a tensor-parallel model's
     partial-sum gradient stepped unreduced, a tensor whose shape, or an operation whose result,
     is not one device's over the ranks (``partial``, ``layout``, ``shard_as_whole``: measured on
-    the ranks, named instead of the loss)."""
+    the ranks, named instead of the loss); an expert-parallel run's routing statistics over the
+    rank's own tokens, or its experts' gradients reduced over the wrong ranks or by the wrong
+    count (``local_tokens``, ``experts_mixed``, ``experts_scaled``: reproduced or measured from
+    the ranks' pieces, named instead of the loss)."""
 
     LOSS = "loss"
     STEP_RANDOMNESS = "step_randomness"
@@ -346,6 +358,9 @@ class Culprit(StrEnum):
     PARTIAL = "partial"
     LAYOUT = "layout"
     SHARD_AS_WHOLE = "shard_as_whole"
+    LOCAL_TOKENS = "local_tokens"
+    EXPERTS_MIXED = "experts_mixed"
+    EXPERTS_SCALED = "experts_scaled"
     COPIES_APART = "copies_apart"
     """A pipeline's copies of one parameter that end the run apart (measured on the ranks, named
     instead of the loss)."""

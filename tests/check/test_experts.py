@@ -1,0 +1,148 @@
+"""Expert parallelism in the check of a whole update (issue 70, docs/checking.md §10 "Expert
+parallelism"): a mixture-of-experts model written as users write it on ``all_to_all_single``
+(tests/cases/moe_steps.py), each rank its experts of the ("dp", "ep") mesh it is given, checked
+against the plain model on one device, and each way such code departs named."""
+
+from __future__ import annotations
+
+import re
+
+import moe_steps
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gatherlab.check import CheckError, check_training, explain_training
+
+UPDATE = {"update": "moe_steps:update", "model": "moe_steps:build", "data": "moe_steps:Tokens",
+          "global_batch_size": 16, "expert_parallel": 2, "steps": 2}  # fmt: skip
+
+
+def _whole(table):
+    return table[(table["part"] == "all") & (table["removed"] == "none")]
+
+
+def _part(table, world_size: int, part: str):
+    rows = table[(table["world_size"] == world_size) & (table["part"] == part)]
+    return rows[rows["removed"] == "none"].iloc[0]
+
+
+def _one_device(
+    rows: slice, bug: str = "", capacity_factor: float | None = None, aux_weight: float = 0.1
+):
+    """One device's first loss and gradient (by name) of the plain model on ``rows`` of the first
+    global batch, computed here with torch's autograd: the check's data order (seed 0) is the
+    sampler's, so the rows are read from it."""
+    from gatherlab.components.data import GlobalBatchSampler
+
+    data = moe_steps.Tokens()
+    sampler = GlobalBatchSampler(num_samples=len(data), global_batch_size=16, num_batches=1)
+    keys = next(iter(sampler))  # seed 0, shuffled: the check's first global batch
+    x = torch.stack([data[key][0] for key in keys])[rows]
+    y = torch.stack([data[key][1] for key in keys])[rows]
+    torch.manual_seed(0)
+    model = moe_steps.build(capacity_factor=capacity_factor, bug=bug)
+    prediction, balance = model(x)
+    loss = F.mse_loss(prediction, y) + aux_weight * balance
+    loss.backward()
+    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_is_exact_at_ep_2_and_dp_2_by_ep_2():
+    # the load-balancing loss and the capacity over the global batch (the counts and the
+    # router's probabilities all-reduced, a token's place counted after the earlier ranks'), the
+    # replicated parameters averaged over all ranks, each expert summed over its replicas ÷ W
+    options = {**UPDATE, "model_kwargs": {"capacity_factor": 1.0}, "steps": 3}
+    result = check_training(**options, world_sizes=(2, 4))
+    whole = _whole(result.table)
+    assert whole["verdict"].tolist() == ["exact", "exact"]
+    assert whole["max_rel_err"].max() <= 1e-12  # measured 3.3e-16
+    assert whole["max_abs_param_diff"].max() <= 1e-12  # after 3 updates
+    assert set(result.table["part"]) == {"all", "embed", "router", "experts", "head"}
+    # the capacity drops tokens (19 of 32 kept at factor 1 in the measurement), so the global
+    # count is what makes it exact: the same code counting per rank is not (below)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("options", "world_sizes", "cause"),
+    [
+        ({"model_kwargs": {"bug": "world_mean"}}, (2,), "experts_mixed"),
+        ({"model_kwargs": {"bug": "ddp"}}, (2,), "experts_mixed"),
+        ({"model_kwargs": {"bug": "replica_mean"}}, (2, 4), "experts_scaled"),
+        ({"model_kwargs": {"bug": "local_aux"}}, (2,), "local_tokens"),
+        ({"model_kwargs": {"bug": "local_capacity", "capacity_factor": 1.0, "aux_weight": 0}},
+         (2,), "local_tokens"),
+        # a capacity per rank beside a global load-balancing loss: no one-device loss of the
+        # ranks' rows reproduces it (each rank's rows alone count both per rank)
+        ({"model_kwargs": {"bug": "local_capacity", "capacity_factor": 1.0}}, (2,), ""),
+    ],
+    ids=["world-mean", "ddp", "replica-mean", "local-aux", "local-capacity",
+         "local-capacity-global-aux"],
+)  # fmt: skip
+def test_each_way_expert_parallel_code_departs_is_named(options, world_sizes, cause):
+    result = check_training(**{**UPDATE, **options}, world_sizes=world_sizes)
+    whole = _whole(result.table)
+    assert whole["verdict"].map(lambda v: v != "exact").all()
+    assert whole["cause"].fillna("").tolist() == [cause] * len(world_sizes)
+    assert whole["culprits"].tolist() == [cause or "loss"] * len(world_sizes)
+    assert not cause or f"({cause})" in explain_training(result)
+    kwargs = options["model_kwargs"]
+    bug, aux = kwargs["bug"], kwargs.get("aux_weight", 0.1)
+    one_loss, one = _one_device(slice(0, 16), "" if bug == "ddp" else bug,
+                                kwargs.get("capacity_factor"), aux)  # fmt: skip
+    experts = torch.cat([one[n].reshape(-1) for n in one if n.startswith("experts.")])
+    if bug == "world_mean":
+        # every parameter averaged over W = E = 2: rank 0's experts.0 gets one device's
+        # gradient of experts.0 plus that of experts.2, rank 1's experts at the same places
+        # (each rank's own is W times its share: its ep group sums its tokens' gradients)
+        mixed = torch.cat([(one[n] + one[n.replace(f"experts.{e}", f"experts.{e + 2}")])
+                           .reshape(-1) for e in (0, 1) for n in one
+                           if n.startswith(f"experts.{e}.")] * 2)  # fmt: skip
+        ratio = float(mixed.norm() / experts.norm())
+        assert _part(result.table, 2, "experts")["norm_ratio"] == pytest.approx(ratio, rel=1e-12)
+        assert _part(result.table, 2, "router")["verdict"] == "exact"
+    if bug == "replica_mean":  # averaged over their W/E replicas: E = 2 times one device's
+        for world_size in world_sizes:
+            row = _part(result.table, world_size, "experts")
+            assert row["norm_ratio"] == pytest.approx(2, rel=1e-12)
+            assert row["cosine"] == pytest.approx(1, abs=1e-12)
+        assert " = E times one device's" in whole["departs"].iloc[-1]
+    if cause == "local_tokens":
+        # the run's first loss is the mean of one device's losses on each rank's rows alone
+        local = sum(_one_device(rows, "", kwargs.get("capacity_factor"), aux)[0]
+                    for rows in (slice(0, 8), slice(8, 16))) / 2  # fmt: skip
+        assert whole["loss_diff"].iloc[0] == pytest.approx(abs(local - one_loss) / abs(one_loss),
+                                                           rel=1e-9)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("options", "line"),
+    [
+        ({"world_sizes": (2, 6), "global_batch_size": 24, "expert_parallel": 4},
+         "--expert-parallel 4 does not divide --world-sizes 2,6 (W = 2): a layout's mesh is "
+         "W/E × E ranks; allowed: an E dividing every W (2)"),
+        ({"expert_parallel": 1}, "--expert-parallel 1 is not allowed; allowed: an integer ≥ 2"),
+        ({"model": "moe_steps:build_without_mesh"}, "--expert-parallel 2: --model "
+         "moe_steps:build_without_mesh takes no mesh argument"),
+        ({"model_kwargs": {"experts": 3}}, "--model moe_steps:build with a (dp, ep) mesh on 2 "
+         "ranks: rank N: ValueError: 3 experts do not split evenly over 2 ep ranks"),
+        ({"model": "moe_steps:build_strided", "world_sizes": (4,), "expert_parallel": 4},
+         "--expert-parallel 4: rank 2 (ep rank 2 of 4) holds no expert: the model's 2 experts "
+         "(experts.0, experts.1) are fewer than the 4 ranks of an ep group; allowed: an E of at "
+         "most 2"),
+        ({"model": "moe_steps:build_keeping_every_expert"}, "--model "
+         "moe_steps:build_keeping_every_expert was given a mesh and every rank holds every "
+         "parameter: it does not split its experts over mesh['ep']"),
+    ],
+    ids=["not-dividing", "degree-1", "no-mesh-argument", "factory-raises", "more-ranks",
+         "no-split"],
+)  # fmt: skip
+def test_bad_expert_parallel_input_is_one_line_before_any_rank_trains(options, line):
+    with pytest.raises(CheckError) as raised:
+        check_training(**{**UPDATE, "world_sizes": (2,), **options})
+    message = str(raised.value)
+    assert "\n" not in message
+    # the rank that raises first is named (either may)
+    assert re.sub(r"ranks: rank \d", "ranks: rank N", message).startswith(line), message
