@@ -114,7 +114,9 @@ def build(
     stages_per_rank: int = 1, keep: str = "",
 ):  # fmt: skip
     """The whole model on one device; on a rank of ``mesh`` its stages (see the module).
-    ``keep``: ``"nothing"`` keeps no module on the last rank (a split that leaves it empty)."""
+    ``keep``: ``"nothing"`` keeps no module on the last rank (a split that leaves it empty);
+    ``"renamed"`` returns the rank's model inside a wrapper (its names ``module.…``, as DDP's
+    are), not under one device's names."""
     model = CausalLM(layers, tied)
     if mesh is None:
         return model
@@ -129,7 +131,7 @@ def build(
               for s in mine]  # fmt: skip
     kept = {name for stage in stages for name, _ in stage.named_modules()}
     if keep == "nothing" and rank == ranks - 1:
-        stages, kept = [], set()
+        stages, mine, kept = [], [], set()
     _keep_only(model, {id(m) for stage in stages for m in stage.modules()} if kept else set())
     model.stages = [
         pipelining.PipelineStage(stage, s, total, torch.device("cpu"), group=pp.get_group())
@@ -137,6 +139,10 @@ def build(
     ]
     model.schedule_class = getattr(pipelining, SCHEDULES[schedule])
     model.mesh = mesh
+    if keep == "renamed":
+        wrapper = nn.Module()
+        wrapper.module = model
+        return wrapper
     return model
 
 

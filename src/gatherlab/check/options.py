@@ -630,7 +630,7 @@ class TrainingOptions(_Common):
                 if batch % (pipelines * k):
                     raise CheckError(
                         f"--micro-batches {k} does not divide the {batch // pipelines} rows of "
-                        f"each of the {pipelines} pipelines at W = {w} (--global-batch-size "
-                        f"{batch}, --pipeline-parallel {degree}); allowed: W/P × K dividing "
-                        f"{batch}"
+                        f"a pipeline at W = {w} (--global-batch-size {batch} over W/P = "
+                        f"{pipelines} pipelines, --pipeline-parallel {degree}); allowed: W/P × K "
+                        f"dividing {batch}"
                     )

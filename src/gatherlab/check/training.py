@@ -625,10 +625,8 @@ def validate_pipeline(setting: Setting, micro_batches: Sequence[int]) -> None:
     trains (`update_form.Update.held_on_rank`): a ValueError of one line when the factory given
     the mesh raises, keeps no parameter on a rank (an empty stage), keeps a parameter under a
     name or shape one device's model does not have, or leaves one of its parameters on no rank
-    (`core.held.assemble`), and when the update raises with some number of micro-batches (the
+    (`stages.splits`), and when the update raises with some number of micro-batches (the
     schedule that raised named: a schedule that does not take them)."""
-    from gatherlab.core import held
-
     label, degree = setting.form.built_label(setting.label), setting.spec.pipeline_parallel
     plain = setting.checked(setting.built())
     one = stages.OneDevice.of(plain)
@@ -639,19 +637,9 @@ def validate_pipeline(setting: Setting, micro_batches: Sequence[int]) -> None:
         raise ValueError(
             f"{label} with a ('dp', 'pp') mesh on {degree} ranks: rank {error.rank}: {error.line}"
         ) from None
-    empty = [rank for rank, found in enumerate(kept) if not found.names]
-    if empty:
-        raise ValueError(
-            f"--pipeline-parallel {degree}: {label} keeps no parameter on rank {empty[0]} of the "
-            f"pipeline (its stage is empty); allowed: a split that gives each of the {degree} "
-            "ranks a stage with parameters"
-        )
-    pieces = [held.Piece(rank, name, torch.zeros(shape, dtype=torch.float64))
-              for rank, found in enumerate(kept) for name, shape in found.names]  # fmt: skip
-    try:
-        held.assemble(one.order, pieces, one.names)
-    except held.HeldError as error:
-        raise ValueError(f"--pipeline-parallel {degree}: {label}: {error}") from None
+    wrong = stages.splits([found.names for found in kept], one)
+    if wrong:
+        raise ValueError(f"--pipeline-parallel {degree}: {label}: {wrong}")
     refused = next((found.refused for found in kept if found.refused is not None), None)
     if refused is not None:
         k, line, schedule = refused

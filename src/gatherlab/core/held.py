@@ -118,7 +118,7 @@ def assemble(
     whole: dict[str, torch.Tensor] = {}
     filled: dict[str, torch.Tensor] = {}
     covered: dict[str, torch.Tensor] = {}
-    for piece in sorted(pieces, key=lambda p: p.rank, reverse=True):  # the lowest rank last
+    for piece in sorted(pieces, key=lambda p: p.rank):  # the lowest rank's copy is kept
         name = _canonical(piece, names, known)
         shape = shapes[name]
         value = piece.value.detach().double().cpu()
@@ -128,7 +128,7 @@ def assemble(
                     f"rank {piece.rank} holds {piece.name} of shape {tuple(value.shape)}; allowed: "
                     f"one device's shape {shape}"
                 )
-            whole[name] = value
+            whole.setdefault(name, value)
             continue
         start, stop = piece.rows
         if not shape or tuple(value.shape[1:]) != shape[1:] or start < 0 or stop > shape[0]:
@@ -138,7 +138,8 @@ def assemble(
             )
         target = filled.setdefault(name, torch.zeros(shape, dtype=torch.float64))
         mask = covered.setdefault(name, torch.zeros(shape[0], dtype=torch.bool))
-        target[start:stop] = value
+        fresh = ~mask[start:stop]  # rows no lower rank holds
+        target[start:stop][fresh] = value[fresh]
         mask[start:stop] = True
     vectors = []
     for name, shape in order:

@@ -15,8 +15,9 @@ model: a schedule calls its stages' modules, never a wrapper's forward; the upda
   gradient of its pipeline and rank 0's final parameters assembled in one device's order, and
   the copies of a parameter that ended apart (`core.held.copies_apart`, every rank's copies);
 - `held_on_rank`: the names each rank's factory kept, for the check's refusals before any rank
-  trains, and its update run once with each number of micro-batches (a schedule that refuses
-  them raises there).
+  trains (`splits`: an empty stage, a name one device lacks, a parameter no rank holds), and its
+  update run once with each number of micro-batches (a schedule that refuses them raises
+  there).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from gatherlab.ranks import world
 
 __all__ = [
     "Held", "NoLoss", "OneDevice", "global_losses", "held_on_rank", "pieces", "reduce_replicas",
-    "schedule_of", "trained",
+    "schedule_of", "splits", "trained",
 ]  # fmt: skip
 
 PP = world.PIPELINE_MESH_DIMS[1]
@@ -143,10 +144,13 @@ def trained(
 
 
 def schedule_of(error: BaseException) -> str | None:
-    """The class of the pipeline schedule (``torch.distributed.pipelining``'s
+    """The class of the pipeline schedule (``torch.distributed.pipelining.schedules``'
     ``PipelineScheduleSingle`` or ``PipelineScheduleMulti``) in whose code ``error`` was raised,
     or None: the innermost frame of its traceback whose ``self`` is one."""
-    from torch.distributed.pipelining import PipelineScheduleMulti, PipelineScheduleSingle
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )  # fmt: skip
 
     found, trace = None, error.__traceback__
     while trace is not None:
@@ -167,23 +171,44 @@ class Held:
     refused: tuple[int, str, str | None] | None = None
 
 
+def splits(kept: Sequence[Sequence[tuple[str, tuple[int, ...]]]], one_device: OneDevice) -> str:
+    """What is wrong with the names and shapes each rank of a pipeline kept (``kept[r]``), as
+    one line with what is allowed: a rank that kept nothing (its stage is empty), or what
+    `core.held.assemble` finds (a name or shape one device's model does not have, a parameter
+    no rank holds); empty where they make one device's model."""
+    empty = [rank for rank, names in enumerate(kept) if not names]
+    if empty:
+        return (
+            f"rank {empty[0]} of the pipeline keeps no parameter (its stage is empty); allowed: a "
+            "split that gives each rank of the pipeline a stage with parameters"
+        )
+    pieces = [held.Piece(rank, name, torch.zeros(shape, dtype=torch.float64))
+              for rank, names in enumerate(kept) for name, shape in names]  # fmt: skip
+    try:
+        held.assemble(one_device.order, pieces, one_device.names)
+    except held.HeldError as error:
+        return str(error)
+    return ""
+
+
 def held_on_rank(
     build: Callable[[], nn.Module],
     run: Callable[[nn.Module, int], Any],
     micro_batches: Sequence[int],
+    one_device: OneDevice,
 ) -> Held:
     """On each rank of a pipeline (W = P, before any rank trains): ``build()`` (the factory with
-    the mesh), the names it kept; when no rank of the group kept nothing, ``run(model, K)`` (one
-    update from the initial weights on the first batch) with each K on a fresh build, until one
-    raises: its K, its line and its schedule. Every rank decides alike (an all-gather of the
-    names)."""
+    the mesh), the names it kept; when the ranks' names make one device's model (`splits`),
+    ``run(model, K)`` (one update from the initial weights on the first batch) with each K on a
+    fresh build, until one raises: its K, its line and its schedule. Every rank decides alike
+    (an all-gather of the names)."""
     from gatherlab.core import cli
 
     model = build()
     names = tuple(held.order_of((n, p) for n, p in model.named_parameters() if p.requires_grad))
     every: list[Any] = [None] * world.size()
     dist.all_gather_object(every, names)
-    if not all(every):
+    if splits(every, one_device):
         return Held(names)
     for k in micro_batches:
         try:

@@ -168,7 +168,7 @@ class Update(PlainModel):
             with runs_precision.autocast(spec.precision, world.device()):
                 self.update(model, optimizer, batch, k)
 
-        return stages.held_on_rank(built, run, micro_batches)
+        return stages.held_on_rank(built, run, micro_batches, stages.OneDevice.of(self.model()))
 
     def layout_on_rank(
         self, spec: RunSpec
