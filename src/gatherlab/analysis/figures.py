@@ -46,6 +46,7 @@ DEVICE_STYLES = {2: "-", 4: "-.", 8: ":"}
 STRATEGY_COLORS = {
     "ddp": "#1f77b4", "zero": "#2ca02c", "fsdp2": "#17becf", "tp": "#3949ab",
     "fsdp2_unreduced": "#ff7f0e", "fsdp2_summed": "#d62728", "tp_unreduced_norm": "#e6550d",
+    "pp": "#2ca02c", "pp_unscaled": "#d62728", "pp_untied": "#ff7f0e",
 }  # fmt: skip
 # |Δloss| of exactly 0 cannot sit on a log axis; such points are drawn at this floor.
 ZERO_FLOOR = 1e-18

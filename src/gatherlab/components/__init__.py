@@ -15,4 +15,5 @@ Modules:
 - ``accumulation``: how the module's K micro-batches make one optimizer update
 - ``rowblocks``: a forward in row blocks, the perturbation that measures a low precision's floor
 - ``sharding``: ``Sharding``, how the lab distributes its module over its ranks (``conf/strategy/``)
+- ``pipeline``: ``PipelineModule``, a language model trained in pipeline stages (``strategy=pp``)
 """

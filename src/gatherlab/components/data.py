@@ -66,6 +66,33 @@ def gaussian_pairs(num_samples: int, dim: int, noise: float = 0.5, seed: int = 0
     return PairDataset(view0, view1)
 
 
+def token_pairs(
+    num_samples: int, length: int, vocab_size: int, seed: int = 0, sharpness: float = 3.0
+) -> PairDataset:
+    """Sequences of ``length + 1`` token ids from a Markov chain drawn from ``seed`` (each token's
+    next-token distribution the softmax of standard normal logits times ``sharpness``: peaked, so a
+    language model has something to learn), as pairs (the first ``length`` tokens, the next token
+    at each position): the inputs and targets of a causal language model (``model=tiny_lm``; the
+    second view is the target, not encoded)."""
+    if num_samples < 1 or length < 1 or vocab_size < 2:
+        raise ValueError(
+            f"data.num_samples={num_samples}, data.length={length}, data.vocab_size={vocab_size}; "
+            "allowed: positive counts and a vocabulary of at least 2 tokens"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    logits = sharpness * torch.randn(
+        vocab_size, vocab_size, generator=generator, dtype=torch.float64
+    )
+    transitions = torch.softmax(logits, dim=1)
+    tokens = torch.empty(num_samples, length + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(vocab_size, (num_samples,), generator=generator)
+    for position in range(length):
+        tokens[:, position + 1] = torch.multinomial(
+            transitions[tokens[:, position]], 1, generator=generator
+        ).squeeze(1)
+    return PairDataset(tokens[:, :-1].clone(), tokens[:, 1:].clone(), encode_second_view=False)
+
+
 class DigitsPairs(Dataset):
     """Two augmented views of each image of scikit-learn's 8×8 handwritten digits (1,797 images,
     shipped with the package), pixel values scaled to [0, 1].

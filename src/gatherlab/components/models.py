@@ -1,4 +1,5 @@
-"""Models that map a view to its embedding. Weights are initialised from torch's global RNG, which
+"""Models that map a view to its embedding, and the small language model that ``strategy=pp`` cuts
+into pipeline stages (`TinyLM`). Weights are initialised from torch's global RNG, which
 the runner seeds before construction, so every layout starts from the same weights."""
 
 from __future__ import annotations
@@ -119,6 +120,105 @@ class NormMLP(nn.Module):
             "up": ColwiseParallel(),
             "down": RowwiseParallel(output_layouts=Replicate()),
         }
+
+
+class CausalBlock(nn.Module):
+    """A pre-norm residual block over a sequence: each position normalised, replaced by the mean
+    of the positions up to it (causal: position t reads positions ≤ t, so a sequence's outputs
+    depend on that sequence alone), then Linear → ReLU → Linear added back."""
+
+    def __init__(self, features: int, hidden_features: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(features)
+        self.up = nn.Linear(features, hidden_features)
+        self.down = nn.Linear(hidden_features, features)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.norm(hidden)
+        seen = torch.arange(1, x.shape[1] + 1, dtype=x.dtype, device=x.device)
+        x = x.cumsum(dim=1) / seen[:, None]
+        return hidden + self.down(torch.relu(self.up(x)))
+
+
+class TinyLM(nn.Module):
+    """A small causal language model whose head is tied to its embedding: token ids (batch ×
+    length) → embedding → ``depth`` `CausalBlock` s → LayerNorm → logits over the vocabulary by
+    the embedding's own weight (one parameter, ``embed.weight``, used first and last).
+    `pipeline_stages` cuts it for ``strategy=pp`` (docs/checking.md §10, "Pipeline parallelism in
+    the lab")."""
+
+    def __init__(self, vocab_size: int, features: int, hidden_features: int, depth: int):
+        super().__init__()
+        if depth < 1:
+            raise ValueError(f"model.depth must be at least 1, got {depth}")
+        self.embed = nn.Embedding(vocab_size, features)
+        nn.init.normal_(self.embed.weight, std=features**-0.5)  # logits of order 1 at the start
+        self.blocks = nn.ModuleList(CausalBlock(features, hidden_features) for _ in range(depth))
+        self.norm = nn.LayerNorm(features)
+
+    @property
+    def tied_weight(self) -> nn.Parameter:
+        """The parameter the first stage embeds with and the last stage's head reads."""
+        return self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return nn.functional.linear(self.norm(hidden), self.embed.weight)
+
+    def pipeline_stages(self, count: int, head_weight: nn.Parameter | None = None) -> list:
+        """The model cut into ``count`` stages of consecutive blocks (the earlier stages one block
+        more where ``depth`` does not divide evenly): the first embeds, the last normalises and
+        computes the logits with ``head_weight`` (its own copy of the tied weight, on another rank
+        than the first stage's; the embedding's when None). Each stage holds the model's own
+        modules (its parameters are the model's, under the model's names), and maps the previous
+        stage's output (the token ids for the first) to its own. A ValueError of one line when a
+        stage would hold no block."""
+        depth = len(self.blocks)
+        if not 1 <= count <= depth:
+            raise ValueError(
+                f"{count} pipeline stages of a model of model.depth={depth} blocks leave a stage "
+                f"without a block; allowed: at most {depth} stages (model.depth ≥ "
+                "strategy.pipeline_parallel × the schedule's stages per rank)"
+            )
+        sizes = [depth // count + (index < depth % count) for index in range(count)]
+        starts = list(itertools.accumulate([0, *sizes]))
+        head = self.embed.weight if head_weight is None else head_weight
+        return [
+            _Stage(
+                embed=self.embed if index == 0 else None,
+                blocks=list(self.blocks[starts[index] : starts[index + 1]]),
+                norm=self.norm if index == count - 1 else None,
+                head_weight=head if index == count - 1 else None,
+            )
+            for index in range(count)
+        ]
+
+
+class _Stage(nn.Module):
+    """One pipeline stage of `TinyLM`: its embedding (first stage), its blocks, its final norm and
+    head (last stage), each the model's own module; the head's weight registered here."""
+
+    def __init__(
+        self,
+        embed: nn.Embedding | None,
+        blocks: list[nn.Module],
+        norm: nn.LayerNorm | None,
+        head_weight: nn.Parameter | None,
+    ):
+        super().__init__()
+        self.embed, self.blocks, self.norm = embed, nn.ModuleList(blocks), norm
+        self.head_weight = head_weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            hidden = self.embed(hidden)
+        for block in self.blocks:
+            hidden = block(hidden)
+        if self.norm is not None:
+            hidden = nn.functional.linear(self.norm(hidden), self.head_weight)
+        return hidden
 
 
 NORMS = ("global", "local", "sync")

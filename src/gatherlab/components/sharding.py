@@ -22,6 +22,9 @@
   sum over the group that torch all-reduces (a ``Partial`` DTensor redistributed to
   ``Replicate``); ``reduce_norm: false`` declares each rank's partial sum reduced without
   reducing it, so each rank steps its own: Megatron's sequence-parallel LayerNorm bug (a trap).
+- ``pp``: the model cut into pipeline stages over ``pipeline_parallel`` ranks, trained by
+  ``PipelineModule`` (`gatherlab.components.pipeline`, which reads the pipeline's fields:
+  ``schedule``, ``micro_batches``, ``scale_grads``, ``sum_tied``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ class Sharding:
     tensor_parallel: int = 1
     sequence_parallel: bool = True
     reduce_norm: bool = True
+    pipeline_parallel: int = 1
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+    scale_grads: bool = True
+    sum_tied: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", terms.Strategy(self.name))
@@ -65,6 +73,11 @@ class Sharding:
     def tensor_parallel_size(self) -> int:
         """The ranks of a tensor-parallel group: ``tensor_parallel`` under ``tp``, else 1."""
         return self.tensor_parallel if self.name == terms.Strategy.TP else 1
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """The ranks of a pipeline: ``pipeline_parallel`` under ``pp``, else 1."""
+        return self.pipeline_parallel if self.name == terms.Strategy.PP else 1
 
     def shard(self, model: nn.Module, mesh) -> None:
         """Under ``tp``, ``model`` split over ``mesh["tensor_parallel"]`` by its plan; then FSDP2

@@ -227,13 +227,15 @@ class Strategy(StrEnum):
     `gatherlab.components.sharding`): Lightning's DDP (``ddp``), FSDP2's ``fully_shard`` under
     Lightning's ``ModelParallelStrategy`` (``fsdp2``), DDP with torch's
     ``ZeroRedundancyOptimizer`` (``zero``), or tensor parallelism over the tensor-parallel mesh
-    of that strategy and FSDP2 over its data-parallel mesh (``tp``). One device trains the plain
-    run whatever it says."""
+    of that strategy and FSDP2 over its data-parallel mesh (``tp``), or pipeline parallelism
+    (``pp``: the model's stages over the pipeline ranks, `gatherlab.components.pipeline`). One
+    device trains the plain run whatever it says."""
 
     DDP = "ddp"
     FSDP2 = "fsdp2"
     ZERO = "zero"
     TP = "tp"
+    PP = "pp"
 
 
 class Backend(StrEnum):

@@ -26,6 +26,7 @@ from gatherlab.components import config
 from gatherlab.components.accumulation import Accumulation
 from gatherlab.components.config import ConfigError
 from gatherlab.components.module import ContrastiveModule, PairDataModule
+from gatherlab.components.pipeline import PipelineModule
 from gatherlab.core import cli, runfiles, terms
 from gatherlab.lab import tracking
 from gatherlab.ranks import launch
@@ -107,25 +108,31 @@ class _Built:
 
     dataset: Any
     model: torch.nn.Module
-    module: ContrastiveModule
+    module: ContrastiveModule | PipelineModule
     datamodule: PairDataModule
     layout_invariant: bool | None  # what the loss class predicts with an exact gather (§3)
 
     @classmethod
     def of(cls, cfg: DictConfig) -> _Built:
+        """The module of ``strategy=pp`` (a language model cut into pipeline stages:
+        `PipelineModule`), else gatherlab's contrastive module."""
         dataset = config.build_dataset(cfg)
         model = config.build_model(cfg)
         loss = config.loss_factory(cfg)  # each rank builds the loss in its process group
-        module = ContrastiveModule(
-            model,
-            loss,
-            config.build_optimizer(cfg),
-            getattr(dataset, "encode_second_view", True),
-            accumulation=cfg.layout.get("accumulation", Accumulation.NONE),
-            micro_batches=cfg.layout.get("micro_batches", 1),
-            row_blocks=cfg.layout.get("row_blocks", 1),
-            sharding=config.build_sharding(cfg),
-        )
+        sharding = config.build_sharding(cfg)
+        if sharding.name == terms.Strategy.PP:
+            module = PipelineModule(model, loss, config.build_optimizer(cfg), sharding)
+        else:
+            module = ContrastiveModule(
+                model,
+                loss,
+                config.build_optimizer(cfg),
+                getattr(dataset, "encode_second_view", True),
+                accumulation=cfg.layout.get("accumulation", Accumulation.NONE),
+                micro_batches=cfg.layout.get("micro_batches", 1),
+                row_blocks=cfg.layout.get("row_blocks", 1),
+                sharding=sharding,
+            )
         datamodule = PairDataModule(
             dataset, cfg.global_batch_size, cfg.steps, seed=cfg.seed, shuffle=cfg.data.shuffle
         )

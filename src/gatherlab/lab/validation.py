@@ -25,6 +25,7 @@ from gatherlab.components import config
 from gatherlab.components.accumulation import Accumulation
 from gatherlab.components.config import ConfigError
 from gatherlab.core import cli, terms
+from gatherlab.core.imports import locate
 from gatherlab.gather import rule
 from gatherlab.runs import plainstep, removals
 
@@ -176,7 +177,8 @@ def _validate_strategy(cfg: Mapping[str, Any], devices: int) -> None:
     name = strategy.get("name")
     if name not in STRATEGIES:
         raise ConfigError(f"strategy.name={name!r} is unknown; allowed: {', '.join(STRATEGIES)}")
-    for key in ("reshard_after_forward", "reduce_outside", "sequence_parallel", "reduce_norm"):
+    for key in ("reshard_after_forward", "reduce_outside", "sequence_parallel", "reduce_norm",
+                "scale_grads", "sum_tied"):  # fmt: skip
         if not isinstance(strategy.get(key, True), bool):
             raise ConfigError(
                 f"strategy.{key}={strategy[key]!r} is not allowed; allowed: true or false"
@@ -189,6 +191,7 @@ def _validate_strategy(cfg: Mapping[str, Any], devices: int) -> None:
             f"strategy.divide_factor={factor!r} is not allowed; allowed: null (FSDP2's mean) "
             "or a number > 0"
         )
+    _validate_pipeline(cfg, name, strategy, devices)
     if name == terms.Strategy.DDP:
         return
     if config.is_user_module(cfg):
@@ -214,6 +217,82 @@ def _validate_strategy(cfg: Mapping[str, Any], devices: int) -> None:
             "it; allowed: 64-true, 32-true, bf16-mixed, bf16-true"
         )
     _validate_tensor_parallel(cfg, name, strategy, devices)
+
+
+def _validate_pipeline(
+    cfg: Mapping[str, Any], name: str, strategy: Mapping[str, Any], devices: int
+) -> None:
+    """``strategy=pp`` (docs/checking.md §10 "Pipeline parallelism in the lab"): a language model
+    that cuts itself into stages (``pipeline_stages``, ``model=tiny_lm``) on token data, and that
+    model under ``pp`` alone; ``pipeline_parallel`` dividing the layout's ranks, one of
+    `Schedule`, and ``micro_batches`` dividing each pipeline's rows in as many as the schedule
+    takes (1F1B: at least one per stage; interleaved: a multiple of the pipeline's ranks), the
+    model deep enough for a block per stage. Checked on one device too (it trains the plain run,
+    the sweep's reference)."""
+    if config.is_user_module(cfg):
+        return  # refused by the caller: a user's module trains under ddp alone
+    pipelined = name == terms.Strategy.PP
+    try:
+        model_cuts = callable(getattr(locate(str(cfg["model"]["_target_"])), "pipeline_stages", 0))
+    except Exception:  # no model to read: _validate_objects says why in one line
+        return
+    if model_cuts != pipelined:
+        target = cfg["model"]["_target_"]
+        raise ConfigError(
+            f"strategy={name} with model ({target}): "
+            + ("strategy=pp trains a language model cut into pipeline stages, which this model "
+               "is not; allowed: model=tiny_lm" if pipelined else
+               "a language model cut into pipeline stages is trained by strategy=pp alone; "
+               "allowed: strategy=pp, or a model of a view (model=mlp, norm_mlp, ...)")
+        )  # fmt: skip
+    if not pipelined:
+        return
+    from gatherlab.components.pipeline import Schedule
+
+    size = _integer("strategy.pipeline_parallel", strategy.get("pipeline_parallel", 1), minimum=1)
+    if devices > 1 and devices % size:
+        divisors = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
+        raise ConfigError(
+            f"strategy.pipeline_parallel={size} does not divide the layout's {devices} ranks "
+            f"(layout.devices × layout.nodes); allowed: {divisors}"
+        )
+    schedule = strategy.get("schedule", Schedule.ONE_F_ONE_B)
+    if schedule not in tuple(Schedule):
+        raise ConfigError(
+            f"strategy.schedule={schedule!r} is not supported; allowed: {', '.join(Schedule)}"
+        )
+    schedule = Schedule(schedule)
+    count = _integer("strategy.micro_batches", strategy.get("micro_batches", 1), minimum=1)
+    if devices > 1:
+        rows = cfg["global_batch_size"] // (devices // size)
+        if rows % count:
+            divisors = ", ".join(str(d) for d in range(1, rows + 1) if rows % d == 0)
+            raise ConfigError(
+                f"strategy.micro_batches={count} does not divide the {rows} rows of each "
+                f"pipeline (global_batch_size / the data-parallel groups); allowed: {divisors}"
+            )
+        stages = size * schedule.stages_per_rank
+        if schedule == Schedule.INTERLEAVED_1F1B and count % size:
+            raise ConfigError(
+                f"strategy.micro_batches={count} with strategy.schedule={schedule}: interleaved "
+                f"1F1B takes a multiple of the pipeline's {size} ranks; allowed: a multiple of "
+                f"{size} that divides {rows}"
+            )
+        if schedule == Schedule.ONE_F_ONE_B and count < stages:
+            raise ConfigError(
+                f"strategy.micro_batches={count} with strategy.schedule={schedule}: 1F1B takes at "
+                f"least one micro-batch per stage ({stages}); allowed: at least {stages}"
+            )
+        try:
+            config.build_model(cfg).pipeline_stages(stages)
+        except ValueError as error:
+            raise ConfigError(f"model ({cfg['model']['_target_']}): {error}") from None
+    item = config.instantiate("data", cfg["data"]["dataset"])[(0, 0)]
+    if item[0].is_floating_point():
+        raise ConfigError(
+            "strategy=pp with a data set of real-valued views: its language model reads token ids; "
+            "allowed: data=tokens"
+        )
 
 
 def _validate_tensor_parallel(
