@@ -9,6 +9,7 @@ Modules:
 - ``rows``: the rows a model is given, fingerprinted: a 64-bit digest per row
 - ``sketch``: the linear sketch of a gradient, additive over shards
 - ``placed``: where a ``DTensor`` shard's elements lie in the whole tensor, for its sketch
+- ``pieces``: ranks that hold different parameters (pipeline stages, experts), as one device's
 - ``format``: the versioned files: ``Writer``, ``read``, ``RecordingError``
 - ``refusal``: a refusal of the recorder: one line, said once, every rank ending together
 - ``callbacks``: what the two trainer callbacks share: ``OneTrainer`` refuses the wrong trainer

@@ -45,7 +45,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,12 +56,23 @@ import torch.distributed as dist
 from torch import nn
 
 from gatherlab.components.rowblocks import blocked_as, join_measured
+from gatherlab.core.held import Piece, assemble
 from gatherlab.core.parts import part_of
 from gatherlab.ranks import world
-from gatherlab.recording import format, placed, sketch
+from gatherlab.recording import format, pieces, placed, sketch
 from gatherlab.recording.record_options import RecordOptions, record_options
 from gatherlab.recording.refusal import refuse
-from gatherlab.recording.rows import Sampled, digests, hexadecimal, rows_of, sampled
+from gatherlab.recording.rows import (
+    Sampled,
+    digests,
+    first_tensor,
+    given_rows,
+    hexadecimal,
+    kept,
+    kept_together,
+    sampled,
+    unmasked_ids,
+)
 from gatherlab.runs.removals import batch_norms
 from gatherlab.runs.steplog import mean_over_ranks
 
@@ -121,13 +132,20 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 
 def _parameters(
-    model: nn.Module, loss: nn.Module | None, optimizer, names: Mapping[str, torch.Tensor]
+    model: nn.Module,
+    loss: nn.Module | None,
+    optimizer,
+    names: Mapping[str, torch.Tensor],
+    model_names: Sequence[str] | None = None,
 ) -> list[_Parameter]:
     """Every parameter the optimizer updates, named and placed in its part: the model's (its
-    part: `gatherlab.core.parts.part_of`, the top-level child, or the children of a model of one
-    child), the loss module's (``loss.<name>``, each its own part), one the job names in
-    ``names`` (that name, its own part), any other (``optimizer.<group>.<index>``, its own part).
-    A name given twice, or a named tensor the optimizer does not update, is a ValueError."""
+    part: `gatherlab.core.parts.part_of` of ``model_names``, one device's model's names where
+    the ranks hold different parameters, else this model's: the top-level child, or the
+    children of a model of one child), the loss module's (``loss.<name>``, each its own part), one
+    the job names in ``names`` (that name, its own part; a parameter of the model named there is
+    recorded under that name, one device's: a tied weight's copy on another stage), any other
+    (``optimizer.<group>.<index>``, its own part). A name given twice, or a named tensor the
+    optimizer does not update, is refused in one line."""
     named: list[_Parameter] = []
     seen: set[int] = set()
 
@@ -137,8 +155,12 @@ def _parameters(
             named.append(_Parameter(name, part, parameter))
 
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    in_model = [(n, p) for n, p in _unwrapped(model).named_parameters() if id(p) in optimized]
-    part = part_of([n for n, p in in_model if p.requires_grad])
+    own = dict(_unwrapped(model).named_parameters())
+    renamed = {id(t): name for name, t in names.items()
+               if isinstance(t, torch.Tensor) and name not in own}  # fmt: skip
+    in_model = [(renamed.get(id(p), n), p) for n, p in own.items() if id(p) in optimized]
+    part = part_of(model_names if model_names is not None
+                   else [n for n, p in in_model if p.requires_grad])  # fmt: skip
     for name, parameter in in_model:
         add(name, part(name), parameter)
     if loss is not None:
@@ -150,7 +172,7 @@ def _parameters(
         if not isinstance(parameter, torch.Tensor) or id(parameter) not in optimized:
             refuse(f"names={{{name!r}: ...}}: not a tensor the optimizer updates; "
                              "allowed: its parameters outside the model and the loss")  # fmt: skip
-        if name in taken:
+        if name in taken and renamed.get(id(parameter)) != name:
             refuse(f"names={{{name!r}: ...}}: the model or the loss has a parameter "
                              f"of that name already; allowed: a name of its own")  # fmt: skip
         add(name, name, parameter)
@@ -158,6 +180,17 @@ def _parameters(
         for i, parameter in enumerate(group["params"]):
             add(f"optimizer.{g}.{i}", f"optimizer.{g}.{i}", parameter)
     return named
+
+
+def _tied(model: nn.Module) -> dict[str, str]:
+    """The model's tied parameters: each other name of a parameter the model holds under
+    several → the name ``named_parameters`` gives it (a language model's head and embedding)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, parameter in _unwrapped(model).named_parameters(remove_duplicate=False):
+        if first.setdefault(id(parameter), name) != name:
+            tied[name] = first[id(parameter)]
+    return tied
 
 
 def _stepping(optimizer) -> Any:
@@ -344,18 +377,27 @@ class Recorder:
         self._floor_forward: _FloorForward | None = None
         out, row_blocks = self._floor(model, out)
         self._parameters = _parameters(model, loss, optimizer, names or {})
+        self._held, self._pieces = self._holding(model, loss, optimizer, names or {})
         if full_updates is None:  # the first update's whole gradient where it is small
-            numel = sum(p.parameter.numel() for p in self._parameters)
+            shapes = ([shape for _, shape in self._held.order] if self._held is not None
+                      else [p.parameter.shape for p in self._parameters])  # fmt: skip
+            numel = sum(math.prod(shape) for shape in shapes)
             full_updates = 1 if numel <= FULL_GRADIENT_LIMIT else 0
         self.k, self.full_updates, self.sketch_seed = k, full_updates, options.sketch_seed
         self.parts = list(dict.fromkeys(p.part for p in self._parameters))
+        self._sketched = self.parts  # the rows of a rank's sketches: its parts
+        if self._held is not None:  # one device's parts, in one device's order; pieces sketched
+            self.parts = list(dict.fromkeys(self._part(name) for name, _ in self._held.order))
+            self._sketched = [piece.key for piece in self._pieces]
         self._signs: dict[str, torch.Tensor] = {}
         self._plan: tuple[list[_Batched], list[tuple[int, _Parameter]]] | None = None
         self._weight_samples: list | None = None  # `_weights_digests`' parameters and strides
         self._row_group: placed.RowGroup | None = None  # this rank's tensor-parallel group
         self._counted: list[placed.RowGroup] | None = None  # each rank's, once decided
-        self._rows: list[Sampled] = []  # the update's rows, copied (`rows.sampled`)
+        self._rows: list[Sampled | torch.Tensor] = []  # the update's rows, copied (`rows.sampled`;
+        # token ids without a mask whole, until the update's end: `rows.kept_together`)
         self._calls = 0  # the model's forward calls (or batches given) in the update
+        self._last_given: dict[str, tuple] = {}  # where the last rows and labels lay (`_again`)
         self._losses: list[float] = []
         self._autocast: str | None = None
         self._pending: list[dict[str, Any]] = []  # this rank's updates not yet sent to rank 0
@@ -382,13 +424,55 @@ class Recorder:
                 {"name": p.name, "shape": list(p.parameter.shape), "part": p.part,
                  "sharded": placed.is_sharded(p.parameter)}
                 for p in self._parameters
+            ] if self._held is None else [
+                {"name": name, "shape": list(shape), "part": self._part(name), "sharded": False}
+                for name, shape in self._held.order
             ],
             "parts": self.parts,
+            "tied": _tied(model),
+            "held": None if self._held is None else [[name for name, _ in held]
+                                                     for held in self._held.ranks],
             "row_blocks": row_blocks, "batch_norm": batch_norms(_unwrapped(model)),
             "hooks": "model" if options.batches else "trainer", "command": _launch_command(),
         }  # fmt: skip
         self._writer = self._open(Path(out), header)
         self._hooks = self._attach(model, optimizer, loss, options.batches, options.losses)
+
+    def _holding(self, model, loss, optimizer, names) -> tuple[Any, list[pieces.Piece]]:
+        """Where the ranks hold different parameters (pipeline stages, experts): what each holds
+        (`pieces.Held`, one collective) and every part's pieces (the parts cut as one device's
+        model is, from every rank's names of it), each parameter placed in its piece; (None, [])
+        where they hold the same. Refused in one line: a DTensor among them (pipeline or expert
+        parallelism over FSDP2 or tensor parallelism is not recorded)."""
+        ids = {id(p) for p in _unwrapped(model).parameters()}
+        own = {n for n, _ in _unwrapped(model).named_parameters()}
+        from_model = [p.name for p in self._parameters if id(p.parameter) in ids]
+        copies = [name for name in from_model if name not in own]
+        held = pieces.held_by([(p.name, tuple(p.parameter.shape)) for p in self._parameters],
+                              from_model, copies, self._distributed)  # fmt: skip
+        if held is None:
+            return None, []
+        if any(isinstance(p.parameter, _dtensor()) for p in self._parameters):
+            refuse(
+                "the ranks hold different parameters (pipeline stages or experts) and some are "
+                "DTensors (FSDP2, tensor parallelism): the recorder does not combine the two; "
+                "allowed: each rank's parameters plain tensors (replicas reduced by the job, or "
+                "DDP)"
+            )
+        model_names = sorted(held.from_model)
+        self._held, self._model_part = held, part_of(model_names)
+        found = held.pieces(self._part)
+        piece_of = {name: piece.key for piece in found for name in piece.names}
+        self._parameters = [  # each sketched in its piece's row (`_sketched`)
+            _Parameter(p.name, piece_of[p.name], p.parameter)
+            for p in _parameters(model, loss, optimizer, names, model_names)
+        ]  # fmt: skip
+        return held, found
+
+    def _part(self, name: str) -> str:
+        """One device's part of a parameter of a job whose ranks hold different ones: the
+        model's cut as one device's model is, any other its own."""
+        return self._model_part(name) if name in self._held.from_model else name
 
     def _open(self, out: Path, header: dict[str, Any]) -> format.Writer | None:
         """Rank 0's writer of ``out``; every rank raises the one line when rank 0 cannot write,
@@ -464,10 +548,13 @@ class Recorder:
     def batch(self, batch: Any) -> None:
         """This rank's input rows of the update (``batch``'s ``input_ids``, else its first tensor;
         their padding left out: `gatherlab.recording.rows.rows_of`), in order."""
-        found = rows_of(batch)
+        found = given_rows(batch)
         if found is not None:
-            tensor, keep = found
-            self._rows.append(sampled(tensor, keep))
+            tensor, mask = found
+            if unmasked_ids(tensor, mask):  # its padding found with the update's other calls'
+                self._rows.append(tensor.detach().cpu().clone())
+            else:
+                self._rows.append(sampled(tensor, kept(tensor, mask)))
             self._calls += 1
             if self._trace and self.updates == 0 and self._traced is None:
                 self._trace_input(tensor)
@@ -498,8 +585,34 @@ class Recorder:
     # A forward without gradients (an evaluation, a monitor between updates) trains nothing: its
     # rows and loss are not the update's.
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self._received(args, kwargs):
+            if self._again("rows", first_tensor((args, kwargs))) and self._calls:
+                self._rows.pop()  # the stage's shapes were inferred on them: counted once
+                self._calls -= 1
             self.batch((args, kwargs))
+
+    def _again(self, kind: str, given: torch.Tensor | None) -> bool:
+        """Whether a pipeline's forward (``kind`` rows) or loss (``kind`` loss, ``given`` its
+        labels) is given the same memory as the last of the update (where the ranks hold
+        different parameters): a stage that infers its shapes (``PipelineStage`` without
+        ``input_args``, torch's default) runs its first micro-batch through the model, and the
+        last stage its loss on the first micro-batch's labels, once before the step's schedule,
+        on detached views of the same tensors; the step's run of that micro-batch replaces it."""
+        if self._held is None or given is None:
+            return False
+        place = (given.data_ptr(), tuple(given.shape), given.stride(), self.updates)
+        seen, self._last_given[kind] = self._last_given.get(kind), place
+        return seen == place
+
+    def _received(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a forward's first tensor is the activation a pipeline stage received from the
+        stage before (the ranks hold different parameters, and it is a leaf that requires its
+        gradient: ``PipelineStage`` makes its received activations so, for the backward it sends
+        back), not rows of the batch: only a first stage's are."""
+        if self._held is None:
+            return False
+        first = first_tensor((args, kwargs))
+        return first is not None and first.requires_grad and first.is_leaf
 
     def _on_autocast(self, module: nn.Module, args: tuple) -> None:
         """The autocast dtype a training forward runs under, once seen (`_attach`)."""
@@ -510,6 +623,9 @@ class Recorder:
 
     def _on_loss(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.numel() == 1:
+            labels = [a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad]
+            if self._again("loss", labels[-1] if labels else None) and self._losses:
+                self._losses.pop()  # the inferred shapes' loss: `_again`
             self.loss(output)
 
     def _on_output(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -545,7 +661,7 @@ class Recorder:
         parameters are what the job trains (an FSDP2 one a ``DTensor``)."""
         if self._plan is not None:
             return self._plan
-        index = {part: i for i, part in enumerate(self.parts)}
+        index = {part: i for i, part in enumerate(self._sketched)}
         groups: dict[tuple, list[_Parameter]] = {}
         others = []
         for p in self._parameters:
@@ -561,7 +677,8 @@ class Recorder:
         whole blocks of k, each block's sign in its part's row."""
         first = members[0].parameter
         signs = [self._signs_of(p.name, p.parameter.numel()) for p in members]
-        matrix = torch.zeros(len(self.parts), sum(len(s) for s in signs), dtype=torch.float64)
+        matrix = torch.zeros(len(self._sketched), sum(len(s) for s in signs),
+                             dtype=torch.float64)  # fmt: skip
         start = 0
         for block_signs, p in zip(signs, members, strict=True):
             matrix[index[p.part], start : start + len(block_signs)] = block_signs
@@ -575,7 +692,7 @@ class Recorder:
         """This rank's sketches (parts × k) and squared norms (parts) of its plain gradients (or
         weights), ``replicated``, and of its DTensor shards per group of ranks whose shards sum to
         the whole (`gatherlab.recording.placed`), ``groups``: {ranks: (sketches, squares)}."""
-        k, count = self.k, len(self.parts)
+        k, count = self.k, len(self._sketched)
         replicated, squares = np.zeros((count, k)), np.zeros(count)
         groups: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
         batched, others = self._planned()
@@ -612,7 +729,12 @@ class Recorder:
         plain sketch plus, for each group of ranks it belongs to, the sum of that group's shards'
         sketches (the ranks of one copy); rank 0's is recorded, and the parts that some rank sees
         otherwise (a gradient not reduced over ranks, or over a replicated mesh dimension) keep
-        every rank's."""
+        every rank's. Where the ranks hold different parameters, the pieces' first copies summed
+        (`pieces.Held.combined`)."""
+        if self._held is not None:
+            return pieces.Held.combined(self._pieces, self.parts,
+                                        [payload["replicated"] for payload in every],
+                                        [payload["squares"] for payload in every])  # fmt: skip
         sums: dict[tuple[int, ...], list[np.ndarray]] = {}
         for payload in every:  # in rank order: every rank of a group sums it in the same order
             for ranks, (values, squares) in payload["groups"].items():
@@ -636,7 +758,11 @@ class Recorder:
         return views[0], norms, unreduced
 
     def _full_gradient(self) -> torch.Tensor | None:
-        """The whole gradient in float64 (every rank takes part: a sharded one is gathered)."""
+        """The whole gradient in float64 (every rank takes part: a sharded one is gathered; where
+        the ranks hold different parameters, each rank's sent to every rank and assembled in one
+        device's order, each from its lowest holder: `gatherlab.core.held.assemble`)."""
+        if self._held is not None:
+            return self._assembled()
         pieces = []
         for p in self._parameters:
             grad = p.parameter.grad
@@ -646,6 +772,19 @@ class Recorder:
             grad = world.whole(grad)  # a DTensor gathered (torch's two-gather warning quiet)
             pieces.append(grad.detach().reshape(-1).double().cpu())
         return torch.cat(pieces) if self.rank == 0 else None
+
+    def _assembled(self) -> torch.Tensor | None:
+        """The whole gradient of a job whose ranks hold different parameters, on rank 0."""
+        mine = {p.name: (p.parameter.grad if p.parameter.grad is not None else
+                         torch.zeros_like(p.parameter)).detach().double().cpu()
+                for p in self._parameters}  # fmt: skip
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        if self.rank != 0:
+            return None
+        sent = [Piece(rank, name, value) for rank, values in enumerate(every)
+                for name, value in values.items()]  # fmt: skip
+        return assemble(list(self._held.order), sent)
 
     def _record_update(self) -> None:
         """This update's numbers, kept until the ranks send them (`_flush`). A floor whose model
@@ -657,6 +796,9 @@ class Recorder:
                 "itself); allowed: the part of the model before its loss in "
                 "gatherlab.record.in_row_blocks(...) in the job"
             )
+        ids = [i for i, rows in enumerate(self._rows) if isinstance(rows, torch.Tensor)]
+        for i, keep in zip(ids, kept_together([self._rows[i] for i in ids]), strict=True):
+            self._rows[i] = sampled(self._rows[i], keep)  # `rows.kept_together`
         entry = {
             **self._sketches(of_gradients=True),
             "loss": float(np.mean(self._losses)) if self._losses else math.nan,
@@ -691,7 +833,7 @@ class Recorder:
                 [(p.parameter, -(-p.parameter.numel() // _WEIGHT_SAMPLES))
                  for p in self._parameters
                  if p.part == part and not isinstance(p.parameter, _dtensor())]
-                for part in self.parts
+                for part in self._sketched
             ]  # fmt: skip
         rows = [torch.cat([w.detach().reshape(-1)[::stride] for w, stride in members])
                 if members else torch.zeros(1) for members in self._weight_samples]  # fmt: skip
@@ -771,8 +913,11 @@ class Recorder:
         drifted = []
         if "weights" in ranks[0]:  # the parts whose weights differ between ranks after the step
             digests = np.stack([r["weights"] for r in ranks])
-            drifted = [part for i, part in enumerate(self.parts)
-                       if not (digests[:, i] == digests[0, i]).all()]  # fmt: skip
+            if self._held is not None:  # between the copies of each piece alone
+                drifted = pieces.Held.drifted(self._pieces, self.parts, digests)
+            else:
+                drifted = [part for i, part in enumerate(self.parts)
+                           if not (digests[:, i] == digests[0, i]).all()]  # fmt: skip
         start = writer.sketch(sketches.reshape(-1))
         starts = {part: [writer.sketch(values) for values in per_rank]
                   for part, per_rank in unreduced.items()}  # fmt: skip
@@ -781,14 +926,18 @@ class Recorder:
         if "trace" in ranks[0]:
             writer.trace([r["trace"] for r in ranks])
         losses = [r["loss"] for r in ranks]
+        counted = losses
+        if self._held is not None:  # a pipeline's loss is its last stages' alone
+            counted = [v for v in losses if not math.isnan(v)] or losses
+        micro_batches = next((r["micro_batches"] for r in ranks if r["micro_batches"]), 0)
         writer.update({
             "update": update, "losses": [_json_float(v) for v in losses],
-            "loss": _json_float(mean_over_ranks([[v] for v in losses])[0]),
+            "loss": _json_float(mean_over_ranks([[v] for v in counted])[0]),
             "rows": [hexadecimal(r["rows"]) if self._counts(rank) else []
                      for rank, r in enumerate(ranks)],
             "calls": [r["calls"] if self._counts(rank) else 0 for rank, r in enumerate(ranks)],
             "norms": norms, "unreduced": starts, "sketch": start,
-            "autocast": ranks[0]["autocast"], "micro_batches": ranks[0]["micro_batches"],
+            "autocast": ranks[0]["autocast"], "micro_batches": micro_batches,
             "drifted": drifted,
         })  # fmt: skip
 

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "Sampled", "digests", "first_tensor", "hexadecimal", "kept", "row_digests", "rows_of",
-    "sampled",
+    "Sampled", "digests", "first_tensor", "given_rows", "hexadecimal", "kept", "kept_together",
+    "row_digests", "rows_of", "sampled", "unmasked_ids",
 ]  # fmt: skip
 
 _SAMPLED = 256
@@ -51,6 +51,42 @@ def hexadecimal(numbers: np.ndarray) -> list[str]:
 
 
 # --- which rows, and which of their positions --------------------------------------------------
+
+
+def given_rows(value: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The rows a call's inputs ``value`` hold (as `rows_of` finds them) and the attention mask
+    given beside them (None where there is none); None when ``value`` holds no tensor."""
+    rows = _named_ids(value)
+    rows = rows if rows is not None else first_tensor(value)
+    return None if rows is None else (rows, _mask_in(value, rows))
+
+
+def unmasked_ids(rows: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether ``rows`` are rows of integers (token ids) given without a mask, whose padding the
+    batch shows (`_trailing_padding`)."""
+    return (
+        mask is None
+        and rows.dim() >= 2
+        and not (rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool)
+    )
+
+
+def kept_together(calls: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """`kept` of each of an update's calls of token ids without a mask (`unmasked_ids`), their
+    padding found over every call of one shape together: a pipeline's micro-batches are cut from
+    one padded batch, and a micro-batch of two rows padded alike shows no padding of its own,
+    where the batch does (a digest of its padded rows would differ from one device's)."""
+    found: list[torch.Tensor | None] = [None] * len(calls)
+    shapes: dict[tuple, list[int]] = {}
+    for i, rows in enumerate(calls):
+        shapes.setdefault((tuple(rows.shape[1:]), rows.dtype), []).append(i)
+    for members in shapes.values():
+        keep = _trailing_padding(torch.cat([calls[i] for i in members]))
+        if keep is not None:
+            pieces = keep.split([len(calls[i]) for i in members])
+            for i, piece in zip(members, pieces, strict=True):
+                found[i] = piece
+    return found
 
 
 def rows_of(value: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
