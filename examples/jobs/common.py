@@ -50,9 +50,11 @@ def parse(
     description: str,
     bugs: tuple[str, ...],
     more: Callable[[argparse.ArgumentParser], None] | None = None,
+    dtype: str = "float64",
 ) -> argparse.Namespace:
     """The jobs' command line; ``--bug`` outside ``bugs`` (those the job applies) is refused in
-    one line, exit status 2. ``more`` adds a job's own options (``tp.py``'s ``--tp``)."""
+    one line, exit status 2. ``more`` adds a job's own options (``tp.py``'s ``--tp``); ``dtype``
+    is the job's default (``pp.py``'s and ``ep.py``'s float32, as their users train)."""
     parser = argparse.ArgumentParser(description=description)
     if more is not None:
         more(parser)
@@ -68,7 +70,7 @@ def parse(
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    parser.add_argument("--dtype", choices=("float64", "float32"), default=dtype)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--bug", choices=("none", *dict.fromkeys((*BUGS, *bugs))), default="none")
     args = parser.parse_args()
