@@ -620,7 +620,7 @@ def check_training(
 
     setting = _training_setting(options)
     world_sizes, micro_batches = options.world_sizes, options.micro_batches
-    applying, layout = _validated(setting, options.loss_attr, micro_batches)
+    applying, layout = _validated(setting, options.loss_attr, micro_batches, world_sizes)
     _experts_split(setting, world_sizes)
     _fits(setting, layout, max(world_sizes))
     if setting.spec.pipeline_parallel > 1:  # on one pipeline's ranks, before any rank trains
@@ -693,11 +693,20 @@ def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[A
     refused with one line (CheckError) where it does not."""
     from gatherlab.check import training
 
-    requested = setting.spec.precision
+    requested, raised = setting.spec.precision, False
     try:  # as the reference runs: in a one-rank group when it raises without one
         watched = choose(lambda: training.float64_watch(setting)).value
     except Exception as error:  # even in a one-rank group: the reference runs it as asked
-        watched = InFloat64(f"in float64 it raises {cli.error_line(error)}", None)
+        watched, raised = InFloat64(f"in float64 it raises {cli.error_line(error)}", None), True
+    if setting.spec.tensor_parallel > 1 and not (watched.runs or raised or watched.autocast):
+        # its own casts (transformers' RMSNorm, rotary embedding and loss compute in float32
+        # whatever the parameters' dtype): the rest runs in float64, which judges it
+        spec = dataclasses.replace(setting.spec, precision=str(terms.Precision.FLOAT64))
+        return dataclasses.replace(setting, spec=spec), (
+            f"It computes some operations in float32 itself (the first: {watched.lower}), and "
+            "the floor is not measured for a tensor-parallel model: judged in float64, its own "
+            "float32 operations kept"
+        )
     judged, low = floor.judged_in(requested, watched.runs, watched.autocast)
     setting = dataclasses.replace(setting, spec=dataclasses.replace(setting.spec, precision=judged))
     unfloored = (
@@ -822,6 +831,7 @@ def _validated(
     setting: Any,
     loss_attr: str | None,
     micro_batches: tuple[int, ...] = (1,),
+    world_sizes: tuple[int, ...] = (),
 ) -> tuple[tuple[removals.Removal, ...], measure.Layout]:
     """The setting validated as on one device (``training.validate``: the removals that apply
     and the parts of the gradient), and ``loss_attr`` a callable attribute of what it builds;
@@ -830,7 +840,7 @@ def _validated(
     from gatherlab.check import training
 
     def validated() -> tuple[tuple[removals.Removal, ...], measure.Layout, Any]:
-        applying, layout = training.validate(setting, micro_batches)
+        applying, layout = training.validate(setting, micro_batches, world_sizes)
         attribute = None if loss_attr is None else getattr(setting.built(), loss_attr, None)
         return applying, layout, attribute
 

@@ -122,13 +122,15 @@ def parts(module: torch.nn.Module) -> measure.Layout:
 
 
 def validate(
-    setting: Setting, micro_batches: Sequence[int] = (1,)
+    setting: Setting, micro_batches: Sequence[int] = (1,), world_sizes: Sequence[int] = ()
 ) -> tuple[tuple[removals.Removal, ...], measure.Layout]:
     """Build the module and the data set here (rank 0 of 1) and check what can be checked before
     any rank starts; a ValueError of one line otherwise. Returns the removals that apply (the
     module's batch norms and dropout layers, the data set's own randomness) and the parts of the
     module's gradient (`parts`). A whole update is also run once on one device with each number
-    of micro-batches (`update_form.UpdateBroken` otherwise), and W = 1 is a layout of its own."""
+    of micro-batches (`update_form.UpdateBroken` otherwise), and W = 1 is a layout of its own.
+    A tensor-parallel model that is plain on a 1 × 1 mesh is built on the ranks of the first of
+    ``world_sizes`` above 1, before any trains (`_validate_tensor_parallel`)."""
     spec = setting.spec  # its values checked when its options were made (`TrainingOptions`)
     recipe = setting.built
     label = setting.form.built_label(setting.label)
@@ -138,7 +140,7 @@ def validate(
         raise ValueError(f"{label}: cannot be built: {type(error).__name__}: {error}") from None
     module = setting.checked(built)
     if spec.tensor_parallel > 1:
-        _validate_tensor_parallel(setting, module)
+        _validate_tensor_parallel(setting, module, [w for w in world_sizes if w > 1][:1])
     try:
         data = spec.data()
     except Exception as error:
@@ -154,28 +156,53 @@ def validate(
     return removals.found_in(module, data), parts(module)
 
 
-def _validate_tensor_parallel(setting: Setting, plain: torch.nn.Module) -> None:
+def _validate_tensor_parallel(
+    setting: Setting, plain: torch.nn.Module, first: Sequence[int] = ()
+) -> None:
     """A tensor-parallel layout's model factory run here on a 1 × 1 mesh: a ValueError of one
     line when it raises, when its plan names a module the model does not have (torch only warns
     and skips that entry), or when it makes no parameter a DTensor over ``tp`` (code that does
-    not parallelize itself)."""
+    not parallelize itself). Where it makes none here, it is built once more on the ranks of the
+    ``first`` layout (W of them, `tensorparallel.built_on_ranks`) before any trains: transformers
+    applies a model's own plan (``from_pretrained(..., distributed_config=...)``) only where its
+    ``tp_size`` is above 1, and builds the plain model on a 1 × 1 mesh. The same refusals apply
+    to what the ranks built."""
     label = setting.form.built_label(setting.label)
     try:
         parallel, warned = tensorparallel.built_on_one_rank(setting.built)
     except Exception as error:
         raise ValueError(f"{label} with a mesh: {cli.error_line(error)}") from None
+    _refuse_unresolved(label, plain, warned)
+    if tensorparallel.parallelizes(setting.checked(parallel)):
+        return
+    built = []
+    for world_size in first:
+        try:
+            built = ranks_for(world_size).run(
+                tensorparallel.built_on_ranks, setting.built, setting.spec.tensor_parallel
+            )
+        except RankError as error:
+            raise ValueError(
+                f"{label} with a mesh on {world_size} ranks: {cli.error_line(error)}"
+            ) from None
+        _refuse_unresolved(label, plain, [text for _, warned in built for text in warned])
+    if not built or not all(made for made, _ in built):
+        raise ValueError(
+            f"{label} was given a mesh and made no parameter a DTensor over mesh['tp']: it does "
+            "not parallelize itself; allowed: a factory that calls parallelize_module(model, "
+            "mesh['tp'], plan) when given a mesh, or no --tensor-parallel"
+        )
+
+
+def _refuse_unresolved(label: str, plain: torch.nn.Module, warned: Sequence[str]) -> None:
+    """A ValueError of one line when the factory's plan named a module the model does not have:
+    torch only warns and skips that plan entry."""
     unresolved = [text for text in warned if "plan" in text.lower()]
     if unresolved:
         modules = ", ".join(name for name, _ in plain.named_modules() if name)
         raise ValueError(
             f"{label}: parallelize_module: {unresolved[0].split(' in module')[0]}; allowed: a plan "
             f"whose keys name the model's modules ({modules})"
-        )
-    if not tensorparallel.parallelizes(setting.checked(parallel)):
-        raise ValueError(
-            f"{label} was given a mesh and made no parameter a DTensor over mesh['tp']: it does "
-            "not parallelize itself; allowed: a factory that calls parallelize_module(model, "
-            "mesh['tp'], plan) when given a mesh, or no --tensor-parallel"
         )
 
 

@@ -4,7 +4,9 @@ sequence parallelism"): a model that parallelizes itself with torch's DTensor
 
 - `built_on_one_rank` builds the user's model on a 1 × 1 mesh in this process (a one-rank process
   group), before any rank starts, with the warnings its plan raises: a plan key that names no
-  module is only a warning in torch, which the check makes bad input;
+  module is only a warning in torch, which the check makes bad input; `built_on_ranks` builds it
+  on a layout's ranks, before any trains, where it is plain on a 1 × 1 mesh (transformers' own
+  tensor parallelism applies only at a ``tp_size`` above 1);
 - `parallelizes` says whether a model holds a parameter sharded or replicated over ``tp``;
 - `reduced_partial` is a gradient that is a partial sum over some mesh dimension
   (``Partial(sum)``: a sequence-parallel LayerNorm's) made whole over it, as torch's optimizers
@@ -41,8 +43,8 @@ from gatherlab.runs import trace
 from gatherlab.runs.trace import tensors_in
 
 __all__ = [
-    "Drawn", "LayoutWatch", "Seen", "built_on_one_rank", "parallelizes", "partial_gradients",
-    "reduced_partial", "replicas_apart",
+    "Drawn", "LayoutWatch", "Seen", "built_on_one_rank", "built_on_ranks", "parallelizes",
+    "partial_gradients", "reduced_partial", "replicas_apart",
 ]  # fmt: skip
 
 TP = world.MESH_DIMS[1]
@@ -58,6 +60,17 @@ def built_on_one_rank(build: Any) -> tuple[Any, list[str]]:
         mesh = init_device_mesh(world.device().type, (1, 1), mesh_dim_names=world.MESH_DIMS)
         built = build(mesh=mesh)
         return built, [str(w.message) for w in caught]
+
+
+def built_on_ranks(build: Any, tensor_parallel: int) -> tuple[bool, list[str]]:
+    """On each rank of a layout: ``build(mesh=…)`` on the ranks' (W / T) × T mesh (`world.mesh`,
+    T = ``tensor_parallel``), whether what it made holds a parameter over ``tp`` (`parallelizes`),
+    and the text of every warning it raised. For a factory whose model is plain on a 1 × 1 mesh:
+    transformers applies a model's own plan only where its ``tp_size`` is above 1."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = build(mesh=world.mesh(tensor_parallel))
+    return isinstance(built, nn.Module) and parallelizes(built), [str(w.message) for w in caught]
 
 
 def parallelizes(model: nn.Module) -> bool:
