@@ -767,7 +767,11 @@ def diagnosis(
         causes = RECORDED_CAUSES if numbers.get("recorded") and cause in RECORDED_CAUSES else CAUSES
         text += " " + causes[terms.Cause(cause)].format(**numbers)
     elif cause in _EXPERT_CAUSES:  # measured from an expert-parallel run's pieces
-        text += " " + CAUSES[terms.Cause(cause)].format(**numbers)
+        text = (
+            f"the gradient is {first['gradient']} against one device's (cosine "
+            f"{numbers['cosine']:.6g}, norm ratio {numbers['norm_ratio']:.4g}). "
+            + CAUSES[terms.Cause(cause)].format(**numbers)
+        )
     elif cause == terms.Cause.PARTS and parts is not None and len(parts):
         text = (
             f"the gradient points in another direction than one device's (cosine "
