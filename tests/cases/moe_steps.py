@@ -32,7 +32,9 @@ The flags (``bug=``) are the departures found in such code:
   experts' weights, its average mixes the experts);
 - ``local_aux``: the load-balancing loss over each rank's own tokens;
 - ``local_capacity``: each expert's capacity ``capacity_factor`` × the rank's tokens /
-  ``experts``, a token's place counted among the rank's tokens only.
+  ``experts``, a token's place counted among the rank's tokens only;
+- ``replicated_unreduced``: the replicated parameters not reduced (each rank steps its own);
+- ``replicas_unreduced``: each expert divided by W but not summed over its replicas.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 FEATURES, HIDDEN, EXPERTS = 4, 8, 4
-BUGS = ("", "world_mean", "replica_mean", "ddp", "local_aux", "local_capacity")
+BUGS = ("", "world_mean", "replica_mean", "ddp", "local_aux", "local_capacity",
+        "replicated_unreduced", "replicas_unreduced")
 
 
 class AllToAll(torch.autograd.Function):
@@ -220,9 +223,10 @@ def reduce_gradients(model: nn.Module) -> None:
         if p.grad is None:  # an expert no token reached: its replicas still reduce
             p.grad = torch.zeros_like(p)
         if name.startswith("experts.") and model.bug != "world_mean":
-            dist.all_reduce(p.grad, group=dp.get_group())
+            if model.bug != "replicas_unreduced":
+                dist.all_reduce(p.grad, group=dp.get_group())
             p.grad /= dp.size() if model.bug == "replica_mean" else world
-        else:
+        elif model.bug != "replicated_unreduced":
             dist.all_reduce(p.grad)
             p.grad /= world
 

@@ -74,12 +74,14 @@ def test_a_mixture_of_experts_is_exact_at_ep_2_and_dp_2_by_ep_2():
         ({"model_kwargs": {"bug": "local_aux"}}, (2,), "local_tokens"),
         ({"model_kwargs": {"bug": "local_capacity", "capacity_factor": 1.0, "aux_weight": 0}},
          (2,), "local_tokens"),
+        ({"model_kwargs": {"bug": "replicated_unreduced"}}, (2, 4), "unreduced"),
+        ({"model_kwargs": {"bug": "replicas_unreduced"}}, (4,), "copies_apart"),
         # a capacity per rank beside a global load-balancing loss: no one-device loss of the
         # ranks' rows reproduces it (each rank's rows alone count both per rank)
         ({"model_kwargs": {"bug": "local_capacity", "capacity_factor": 1.0}}, (2,), ""),
     ],
     ids=["world-mean", "ddp", "replica-mean", "local-aux", "local-capacity",
-         "local-capacity-global-aux"],
+         "replicated-unreduced", "replicas-unreduced", "local-capacity-global-aux"],
 )  # fmt: skip
 def test_each_way_expert_parallel_code_departs_is_named(options, world_sizes, cause):
     result = check_training(**{**UPDATE, **options}, world_sizes=world_sizes)
@@ -109,6 +111,14 @@ def test_each_way_expert_parallel_code_departs_is_named(options, world_sizes, ca
             assert row["norm_ratio"] == pytest.approx(2, rel=1e-12)
             assert row["cosine"] == pytest.approx(1, abs=1e-12)
         assert " = E times one device's" in whole["departs"].iloc[-1]
+    if bug == "replicated_unreduced":  # all-reduced, the replicated parts: reproduced exact
+        assert {found.parts for found in result.unreduced.values()} == {("embed", "router", "head")}
+        assert {found.reduced for found in result.unreduced.values()} == {"exact"}
+    if bug == "replicas_unreduced":  # each expert's two replicas (ranks 0 and 2) named
+        assert (
+            "experts.0.up.weight on rank 0 and experts.0.up.weight on rank 2"
+            in (whole["departs"].iloc[0])
+        )
     if cause == "local_tokens":
         # the run's first loss is the mean of one device's losses on each rank's rows alone
         local = sum(_one_device(rows, "", kwargs.get("capacity_factor"), aux)[0]

@@ -451,12 +451,14 @@ CAUSES = {
     terms.Cause.COPIES_APART: (
         "Measured on the ranks, from the copies alone: {copies}. One device holds one such "
         "parameter; its copies on the pipeline's stages (a weight one device ties, an embedding "
-        "on the first stage and its head on the last; or a stage's data-parallel replicas) "
+        "on the first stage and its head on the last; or a stage's data-parallel replicas; or "
+        "an expert's replicas, the ranks of its mesh['dp'] group, under expert parallelism) "
         "each stepped with their own gradient, the part of one device's gradient that reaches "
         "their stage (the gradient of the first holder is the run's). Fix: sum the tied copies' "
         "gradients over the ranks that hold them before the optimizer's step (dist.all_reduce("
         "p.grad, group=mesh['pp'].get_group()), a rank without a copy adding zeros), and "
-        "average the replicas' over mesh['dp']."
+        "average the replicas' over mesh['dp'] (an expert's: sum them over mesh['dp'] and "
+        "divide by W)."
     ),
     terms.Cause.MICRO_SCALE: (
         "Measured: every part's gradient is the same factor of one device's (cosine 1), a factor "
@@ -617,8 +619,9 @@ CULPRIT_DIAGNOSES = {
     ),
     Culprit.COPIES_APART: (
         "copies of one device's parameter held on several ranks of a pipeline (a tied weight on "
-        "two stages, a stage's replicas) end the run apart (measured: every rank's copies "
-        "against the first holder's, to float64's 1e-10 of its largest): nothing sums or "
+        "two stages, a stage's replicas), or an expert's replicas, end the run apart (measured: "
+        "every rank's copies against the first holder's, to float64's 1e-10 of its largest; an "
+        "expert's, of their first gradients): nothing sums or "
         "averages their gradients over their holders, and no removal changes that. Fix: "
         "all-reduce the tied copies' gradients over the pipeline (a sum) and the replicas' over "
         "its data-parallel group (a mean) before the optimizer's step."

@@ -165,7 +165,8 @@ def departure(run: Trained, reference: Trained, model: nn.Module, degree: int) -
     pieces (``run.rank_gradients``) against one device's (``reference``, in ``model``'s order):
 
     - ``experts_mixed``: two experts held by different ranks at one place of their ranks'
-      parameters got one gradient (equal to float64's 1e-10) where one device's differ: their
+      parameters got one gradient, not zero (equal to float64's 1e-10; zero where no token of
+      either's ep group reached them), where one device's differ: their
       gradients were reduced together, over ranks that hold other experts (every parameter
       all-reduced over all ranks, or a DDP around the experts);
     - ``experts_scaled``: the experts' gradient (the parameters not every rank holds) is one
@@ -190,7 +191,8 @@ def departure(run: Trained, reference: Trained, model: nn.Module, degree: int) -
             scale = gradients.largest_difference(theirs[first.name]) or 1.0
             same = gradients.largest_difference(first.value, other.value) <= tolerance * scale
             apart = gradients.largest_difference(theirs[first.name], theirs[other.name])
-            if same and apart > tolerance * scale:
+            some = gradients.largest_difference(first.value) > tolerance * scale  # not both 0
+            if same and some and apart > tolerance * scale:
                 return Departure(Cause.EXPERTS_MIXED, (
                     f"{first.name} on rank 0 and {other.name} on rank {rank}, two experts, got "
                     "one gradient, where one device's differ by "

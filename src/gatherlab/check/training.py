@@ -569,8 +569,10 @@ def _experts_caused(
 ) -> list[Row]:
     """An expert-parallel run's rows with the cause read from its ranks' pieces
     (`experts.departure`: ``experts_mixed``, ``experts_scaled``, with their words in
-    ``departs``), or ``local_tokens`` where the loss of each rank's rows alone on one device
-    reproduced its first loss at K = 1 (the judge's ``micro_negatives``)."""
+    ``departs``; else ``copies_apart`` where copies of a parameter got different first
+    gradients on their holders and reducing did not reproduce one device, the copies named), or
+    ``local_tokens`` where the loss of each rank's rows alone on one device reproduced its first
+    loss at K = 1 (the judge's ``micro_negatives``)."""
     if rows[0].verdict in TRAINS_LIKE_ONE_DEVICE:
         return rows
     if rows[0].cause == Cause.MICRO_NEGATIVES and k == 1:
@@ -579,6 +581,10 @@ def _experts_caused(
         return rows
     found = experts.departure(run, reference, setting.checked(setting.built()),
                               setting.spec.expert_parallel)  # fmt: skip
+    apart, _ = experts.unreduced(run)
+    if found is None and apart and not rows[0].cause:  # not reproduced: named from the copies
+        words = "their first gradients: " + "; ".join(a.words() for a in apart[:3])
+        found = experts.Departure(Cause.COPIES_APART, words)
     if found is None:
         return rows
     head = dataclasses.replace(rows[0], cause=str(found.cause), departs=found.words)
