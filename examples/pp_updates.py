@@ -28,6 +28,8 @@ The updates (each ``update(model, optimizer, batch, micro_batches)``, one optimi
   divides by M once more: every gradient 1/M of one device's;
 - ``token_sum_mean_logged_update``: the same as ``token_sum_update``, logging the mean of the
   micro-batches' losses: a correct run whose logged loss is 1/M of one device's;
+- ``unreplicated_update``: ``mean_update`` without averaging the replicas' gradients over
+  ``dp``: each data-parallel pipeline steps with its own rows' gradient;
 - ``untied_update``: ``mean_update`` without summing the tied copies' gradients: the embedding
   and the head step with their own stage's part of one device's gradient and drift apart.
 
@@ -201,7 +203,8 @@ def _run(model, batch, micro_batches, loss_fn, scale_grads):
     return losses
 
 
-def _mean_update(model, optimizer, batch, micro_batches, scale_grads=True, tied=True):
+def _mean_update(model, optimizer, batch, micro_batches, scale_grads=True, tied=True,
+                 replicas=True):  # fmt: skip
     if model.stages is None:  # one device: the whole batch's mean
         loss = mean_token_loss(model(batch[0]), batch[1])
         loss.backward()
@@ -210,7 +213,8 @@ def _mean_update(model, optimizer, batch, micro_batches, scale_grads=True, tied=
     losses = _run(model, batch, micro_batches, mean_token_loss, scale_grads)
     if tied and model.tied:
         _sum_tied(model)
-    _reduce_replicas(model, "avg")
+    if replicas:
+        _reduce_replicas(model, "avg")
     optimizer.step()
     return torch.stack(losses).mean().detach() if losses else None
 
@@ -223,6 +227,11 @@ def mean_update(model, optimizer, batch, micro_batches):
 def unscaled_update(model, optimizer, batch, micro_batches):
     """``mean_update`` with ``scale_grads=False``: the micro-batches' gradients summed."""
     return _mean_update(model, optimizer, batch, micro_batches, scale_grads=False)
+
+
+def unreplicated_update(model, optimizer, batch, micro_batches):
+    """``mean_update`` without the replicas' gradients averaged over ``dp``."""
+    return _mean_update(model, optimizer, batch, micro_batches, replicas=False)
 
 
 def untied_update(model, optimizer, batch, micro_batches):

@@ -11,6 +11,8 @@ the whole model on one device. What each must get follows from the mathematics:
 - ÷ M left out (or made twice): every gradient M (or 1/M) times one device's;
 - a per-micro-batch mean over ragged padding: the first loss is the mean over the micro-batches
   of one device's loss of each alone (computed here directly);
+- the replicas of a stage not averaged over ``dp``: its ranks' gradients differ from the other
+  pipeline's, and averaging them reproduces one device;
 - the tied embedding and head not summed over the pipeline: their copies end apart, named with
   their ranks; the first holder's gradient is the embedding path's part of one device's
   (computed here by autograd on an untied copy of the plain model);
@@ -177,6 +179,19 @@ def test_tied_copies_not_summed_over_the_pipeline_are_named_from_the_copies():
     assert emb["norm_ratio"] == pytest.approx(float(path.norm() / whole.norm()), rel=1e-10)
     assert _part(result, "layers")["gradient"] == "exact"
     assert "dist.all_reduce(p.grad, group=mesh['pp'].get_group())" in explain_training(result)
+
+
+def test_replicas_not_averaged_over_dp_are_unreduced_and_averaging_them_reproduces_one_device():
+    result = check_training(update="pp_updates:unreplicated_update", **RUN, world_sizes=(4,),
+                            micro_batches=(2,))  # fmt: skip
+    row = _whole(result)[4, 2]
+    assert (row["verdict"], row["cause"], row["culprits"]) == ("biased", "unreduced", "unreduced")
+    found = result.unreduced[4, 2]
+    assert found.parts == ("emb", "layers", "norm") and found.reduced == "exact"
+    # the final copies, rank 0's pipeline against rank 2's (its dp replica), named too
+    assert row["departs"].startswith("emb.weight on rank 0, head.weight on rank 1, emb.weight on "
+                                     "rank 2 and head.weight on rank 3, copies of one device's "
+                                     "emb.weight, differ by ")  # fmt: skip
 
 
 def test_a_logged_mean_of_micro_batch_parts_is_a_correct_run_whose_loss_is_1_over_m():

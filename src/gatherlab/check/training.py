@@ -649,8 +649,21 @@ def _pipeline_rows(
         rows = [dataclasses.replace(r, cause=str(Cause.MICRO_SCALE)) for r in rows]
     if not rows or not rank0.copies_apart or rows[0].verdict in TRAINS_LIKE_ONE_DEVICE:
         return rows
-    words = "; ".join(apart.words() for apart in rank0.copies_apart)
+    words = _copies_words(rank0.copies_apart)
+    if rows[0].cause == Cause.UNREDUCED:  # reducing the replicas reproduced one device: said so
+        return [dataclasses.replace(r, departs=words) for r in rows]
     return [dataclasses.replace(r, cause=str(Cause.COPIES_APART), departs=words) for r in rows]
+
+
+def _copies_words(apart: Sequence[Any]) -> str:
+    """The copies that ended apart (`core.held.Apart`) in a few words: each tied parameter's
+    copies, then the replicas, the first of them in full and how many more."""
+    tied = [a.words() for a in apart if a.tied]
+    replicas = [a for a in apart if not a.tied]
+    if replicas:
+        more = f" (and {len(replicas) - 1} more parameters' replicas)" if len(replicas) > 1 else ""
+        tied.append(f"{replicas[0].words()}{more}")
+    return "; ".join(tied)
 
 
 def validate_pipeline(setting: Setting, micro_batches: Sequence[int]) -> None:

@@ -75,16 +75,19 @@ def pieces(model: nn.Module, gradients: bool = False) -> list[held.Piece]:
     return found
 
 
-def reduce_replicas(model: nn.Module, names: Sequence[str], mesh: Any) -> None:
-    """The gradients of ``model``'s parameters named ``names`` averaged over the stage's replicas
-    (an all-reduce each over ``mesh["dp"]``, whose ranks hold the same stage: the same names);
-    nothing with one replica or no names."""
+def reduce_replicas(
+    model: nn.Module, names: Sequence[str], mesh: Any, aliases: dict[str, str] | None = None
+) -> None:
+    """The gradients of ``model``'s parameters named ``names`` (one device's names; a copy held
+    under an alias of one, ``aliases``, too) averaged over the stage's replicas (an all-reduce
+    each over ``mesh["dp"]``, whose ranks hold the same stage: the same names); nothing with one
+    replica or no names."""
     wanted = set(names)
     dp = mesh[world.PIPELINE_MESH_DIMS[0]]
     if not wanted or dp.size() == 1:
         return
     for name, parameter in model.named_parameters():
-        if name in wanted and parameter.grad is not None:
+        if (aliases or {}).get(name, name) in wanted and parameter.grad is not None:
             dist.all_reduce(parameter.grad, group=dp.get_group())
             parameter.grad /= dp.size()
 

@@ -129,7 +129,7 @@ class Update(PlainModel):
         data = spec.data()
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
         recorder = StepLog(False, spec.step_budget_s, spec.steps)
-        seen = _PipelineSteps(model, recorder, spec.reduced, mesh)
+        seen = _PipelineSteps(model, recorder, spec.reduced, mesh, one_device.names)
         hook = optimizer.register_step_pre_hook(seen)
         seed_processes(spec.seed)
         local: list[float | None] = []
@@ -215,19 +215,23 @@ class _Steps:
 
 class _PipelineSteps(_Steps):
     """`_Steps` on a rank of a pipeline: the first update's gradient kept as this rank's named
-    pieces (`stages.pieces`), and a reproduction's parameters (``reduced``) averaged over the
-    stage's replicas (``mesh["dp"]``), which hold the same names."""
+    pieces (`stages.pieces`), and a reproduction's parameters (``reduced``, one device's names:
+    a tied copy's by its ``aliases``) averaged over the stage's replicas (``mesh["dp"]``), which
+    hold the same names."""
 
-    def __init__(self, model: nn.Module, recorder: StepLog, reduced: tuple[str, ...], mesh: Any):
+    def __init__(
+        self, model: nn.Module, recorder: StepLog, reduced: tuple[str, ...], mesh: Any,
+        aliases: dict[str, str],
+    ) -> None:  # fmt: skip
         super().__init__(model, recorder)
-        self.replicated, self.mesh = reduced, mesh
+        self.replicated, self.mesh, self.aliases = reduced, mesh, aliases
         self.first: list = []
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         super().__call__(optimizer, args, kwargs)
         if self.without_gradient:
             return
-        stages.reduce_replicas(self.model, self.replicated, self.mesh)
+        stages.reduce_replicas(self.model, self.replicated, self.mesh, self.aliases)
         if self.count == 1 and self.update == 0:
             self.first = stages.pieces(self.model, gradients=True)
 
