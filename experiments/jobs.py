@@ -30,7 +30,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "examples" / "jobs"
-NAMES = ("ddp", "lightning_job", "fsdp2", "zero", "st_job", "hf_job", "tp")
+NAMES = ("ddp", "lightning_job", "fsdp2", "zero", "st_job", "hf_job", "tp", "pp", "ep")
+FLOOR_BLOCKS = {"pp": 4, "ep": 4}
+"""A job's floor's row blocks where not 2: the pipeline's 4 micro-batches, the most ranks."""
 TIMEOUT = 300
 
 
@@ -83,7 +85,9 @@ def launch(
     result = subprocess.run(
         [*command, *arguments, "--record", str(out)], capture_output=True, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1",
-             **({"GATHERLAB_RECORD_FLOOR": str(floor)} if floor else {})},
+             **({"GATHERLAB_RECORD_FLOOR": str(floor),
+                 "GATHERLAB_RECORD_FLOOR_BLOCKS": str(FLOOR_BLOCKS.get(job, 2))}
+                if floor else {})},
         timeout=TIMEOUT,
     )  # fmt: skip
     seconds = time.perf_counter() - started
@@ -204,7 +208,8 @@ Written by `python experiments/jobs.py` (do not edit by hand; `--jobs` rewrites 
 sections alone): each job of `examples/jobs/` recorded with `gatherlab.record` under `torchrun
 --nproc-per-node W` on CPU gloo, at the job's own defaults (the SimCLR jobs and the
 tensor-parallel block in float64; the sentence-transformers and Hugging Face jobs in float32, the
-trainers' default, their texts padded per device batch), and judged by `gatherlab.compare`
+trainers' default, their texts padded per device batch; the pipeline and the mixture of experts
+in float32, their floors in 4 row blocks), and judged by `gatherlab.compare`
 against the job's one-device run (plain `python`, no process group): the correct run, since each
 bug switch is the identity on one device, but for the `sampler` switch (one device's seeded
 RandomSampler) and the trainer jobs' variants (each variant's own one-device run, accumulating
