@@ -46,8 +46,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 FEATURES, HIDDEN, EXPERTS = 4, 8, 4
-BUGS = ("", "world_mean", "replica_mean", "ddp", "local_aux", "local_capacity",
-        "replicated_unreduced", "replicas_unreduced")
+BUGS = (
+    "",
+    "world_mean",
+    "replica_mean",
+    "ddp",
+    "local_aux",
+    "local_capacity",
+    "replicated_unreduced",
+    "replicas_unreduced",
+)
 
 
 class AllToAll(torch.autograd.Function):
@@ -272,3 +280,34 @@ def build_strided(mesh=None, experts: int = 2) -> nn.Module:
         kept = {k: v for k, v in model.experts.items() if int(k) % ranks == index}
         model.experts = nn.ModuleDict(kept)
     return model
+
+
+def build_hooked(mesh=None, capacity_factor: float | None = None) -> nn.Module:
+    """The model for a plain step, whose caller runs the backward and the optimizer's step: on W
+    ranks each parameter reduces its own gradient as soon as it is accumulated (a hook, the rule
+    of `reduce_gradients`), since no code of the step runs after the backward."""
+    model = build(mesh, capacity_factor=capacity_factor)
+    if mesh is None:
+        return model
+    world, dp = dist.get_world_size(), mesh["dp"]
+
+    def reduced(group):
+        def hook(p: torch.Tensor) -> None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= world
+
+        return hook
+
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            reduced(dp.get_group() if name.startswith("experts.") else None)
+        )
+    return model
+
+
+def step(model: nn.Module, batch) -> torch.Tensor:
+    """A plain step's loss: the mean squared error plus the model's ``aux_weight`` × its
+    load-balancing loss."""
+    x, y = batch
+    prediction, balance = model(x)
+    return F.mse_loss(prediction, y) + model.aux_weight * balance

@@ -60,6 +60,11 @@ def test_a_mixture_of_experts_is_exact_at_ep_2_and_dp_2_by_ep_2():
     assert whole["max_rel_err"].max() <= 1e-12  # measured 3.3e-16
     assert whole["max_abs_param_diff"].max() <= 1e-12  # after 3 updates
     assert set(result.table["part"]) == {"all", "embed", "router", "experts", "head"}
+    # a plain step: the check runs its backward and step, each parameter's hook reduces it
+    step = {**options, "update": None, "step": "moe_steps:step", "model": "moe_steps:build_hooked"}
+    whole = _whole(check_training(**step, world_sizes=(2, 4)).table)
+    assert whole["verdict"].tolist() == ["exact", "exact"]
+    assert whole["max_rel_err"].max() <= 1e-12
     # the capacity drops tokens (19 of 32 kept at factor 1 in the measurement), so the global
     # count is what makes it exact: the same code counting per rank is not (below)
 
