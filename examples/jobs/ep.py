@@ -188,9 +188,10 @@ def main() -> None:
     args = common.parse(__doc__.splitlines()[0], BUGS, dtype="float32")
     world, device = common.start(args)
     rank = dist.get_rank() if distributed() else 0
-    if EXPERTS % world:
-        print(f"{world} ranks do not divide the {EXPERTS} experts; allowed: 1, 2 or 4 ranks",
-              file=sys.stderr)  # fmt: skip
+    if EXPERTS % world:  # one line (by rank 0), before any rank trains
+        if rank == 0:
+            print(f"{world} ranks do not divide the {EXPERTS} experts; allowed: 1, 2 or 4 ranks",
+                  file=sys.stderr)  # fmt: skip
         sys.exit(2)
     per = EXPERTS // world
     torch.manual_seed(args.seed)  # every rank draws the whole model: its experts one device's

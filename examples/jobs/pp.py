@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 
 import common
@@ -174,7 +175,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 
 def _refuse(line: str) -> None:
-    print(line, file=sys.stderr)
+    """Bad input: one line (by rank 0), exit status 2 on every rank, before any trains."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
     sys.exit(2)
 
 
@@ -218,7 +221,7 @@ def main() -> None:
     loss_fn = TokenLoss(mean=args.bug == "ragged")
     stage = schedule = replicas = tied = None
     replica, dp = 0, 1
-    if common.distributed():
+    if common.distributed() and world > 1:  # torchrun --nproc-per-node 1: one device's run
         stage, schedule, replicas, tied, replica, dp = pipeline(model, loss_fn, args, world)
     micro_batches = args.micro_batches if stage is not None else 1
     optimizer = common.optimizer(model.parameters(), args)

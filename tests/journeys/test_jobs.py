@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from bounds import FLOAT64_BOUND, MISS_FACTOR
 from bundled_jobs import (
@@ -126,15 +127,26 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
     }[bug]
 
 
+FLOAT64 = "float64"
+"""A float32 job's run in float64 (``--dtype float64``, in place of a switch), at W = 4 (dp 2 ×
+pp 2; four ranks of one expert each), where its recording must be one device's to float64's
+rounding, number by number."""
+
 TOGETHER = {
     world_size: [(job, bug) for job in sorted(BUGS, key=lambda job: job == "lightning_job")
-                 for bug in ("none", *BUGS[job])
-                 if world_size in (WORLD_SIZES[job] if bug == "none" else (2,))]
+                 for bug in ("none", *BUGS[job], *((FLOAT64,) if job in FLOAT32 else ()))
+                 if world_size in (WORLD_SIZES[job] if bug == "none" else
+                                   (4,) if bug == FLOAT64 else (2,))]
     for world_size in (2, 4)
 }  # fmt: skip
 """The runs that share a launch at each W (`bundled_jobs.launch_together`): every correct job at
-its W and every switch at 2; Lightning's job last (it sets process-wide state: its seed's
-variable)."""
+its W and every switch at 2, the float32 jobs in float64 at 4; Lightning's job last (it sets
+process-wide state: its seed's variable)."""
+
+
+def switched(bug: str) -> tuple[str, ...]:
+    """A run's arguments for ``bug``: the switch, or float64 (`FLOAT64`)."""
+    return ("--dtype", "float64") if bug == FLOAT64 else ("--bug", bug)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +162,7 @@ def recorded(tmp_path_factory):
         return str(root / f"{job}-{bug}-{world_size or 'one'}")
 
     def run(job: str, world_size: int | None, bug: str = "none"):
-        if world_size is None and bug not in ("sampler", "floor"):
+        if world_size is None and bug not in ("sampler", "floor", FLOAT64):
             bug = "none"
         key = (job, world_size, bug)
         if world_size is None and bug == "floor" and key not in runs:  # the same command again
@@ -160,11 +172,11 @@ def recorded(tmp_path_factory):
             finally:
                 del os.environ[FLOOR_VARIABLE], os.environ[FLOOR_BLOCKS_VARIABLE]
         elif world_size is None and key not in runs:  # python JOB: no launcher, no process group
-            runs[key] = run_plainly(job, "--bug", bug, "--record", out(*key))
+            runs[key] = run_plainly(job, *switched(bug), "--record", out(*key))
         elif key not in runs:
             together = TOGETHER[world_size]
             launched = launch_together(world_size, [
-                (other, "--bug", switch, "--record", out(other, world_size, switch))
+                (other, *switched(switch), "--record", out(other, world_size, switch))
                 for other, switch in together
             ])  # fmt: skip
             runs.update({(other, world_size, switch): result for (other, switch), result
@@ -248,3 +260,33 @@ def test_a_switch_that_does_not_apply_is_refused_in_one_line(monkeypatch, capsys
         "lightning_job.py: --bug temperature-outside does not apply to this job; allowed: none, "
         "old-gather, local-batchnorm, sampler, divide-twice"
     )
+
+
+@pytest.mark.parametrize("job", FLOAT32)
+def test_a_pipeline_and_experts_record_one_devices_numbers_in_float64(job, recorded):
+    """The float32 jobs run in float64 at W = 4 (a pipeline of 2 stages, each with 2 replicas;
+    4 ranks of one expert each, a router and every other layer replicated): the recording made
+    of the ranks' pieces is one device's recording, number by number, to float64's rounding: the
+    rows (the first stages' only, in rank order), every update's loss (the last stages'), each
+    part's sketch and norm, the first update's whole gradient assembled in one device's order,
+    the final weights' sketches; no part unreduced or drifted; the comparison ``exact``."""
+    from gatherlab.recording.format import read
+
+    one, many = (read(recorded(job, w, FLOAT64)[1]) for w in (None, 4))
+    assert many.header["held"] and not one.header["held"] and many.parts == one.parts
+    assert len(many.header["held"]) == 4
+    for a, b in zip(one.updates, many.updates, strict=True):
+        assert [row for rows in b.rows for row in rows] == a.rows[0]
+        assert abs(b.loss - a.loss) <= 1e-12 * abs(a.loss)
+        assert not b.unreduced and not b.drifted
+        for part in one.parts:
+            assert np.linalg.norm(b.sketches[part] - a.sketches[part]) <= 1e-12 * np.linalg.norm(
+                a.sketches[part])  # fmt: skip
+            assert abs(b.norms[part] - a.norms[part]) <= 1e-12 * a.norms[part]
+    whole_a, whole_b = one.full_gradient(0), many.full_gradient(0)
+    assert float((whole_b - whole_a).abs().max()) <= 1e-12 * float(whole_a.abs().max())
+    for part in one.parts:
+        final_a, final_b = one.weights_sketch[part], many.weights_sketch[part]
+        assert np.linalg.norm(final_b - final_a) <= 1e-10 * np.linalg.norm(final_a)
+    comparison = compare.compare(one.path, many.path)
+    assert (comparison.verdict, comparison.status) == ("exact", 0), comparison.words
