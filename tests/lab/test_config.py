@@ -87,7 +87,10 @@ def test_bug_demo_sweeps_reference_old_and_fixed():
         (["loss=infonce"], "loss='infonce' is unknown; allowed: barlowtwins"),
         (["loss=user"], "loss._target_ is missing; allowed: an import path"),
         (["loss=user", "loss._target_=nopkg:Loss"], "loss._target_=nopkg:Loss: cannot import"),
-        (["model=resnet"], "model='resnet' is unknown; allowed: linear, mlp, norm_mlp, simclr"),
+        (
+            ["model=resnet"],
+            "model='resnet' is unknown; allowed: linear, mlp, moe, norm_mlp, simclr, tiny_lm",
+        ),
         (["layout.accelerator=tpu"], "layout.accelerator='tpu' is unknown; allowed: cpu, gpu"),
         (["layout=gpu2", "launcher=pool"], "launcher=pool is not allowed with"),
         (["model=simclr", "data=digits", "model.norm=sync"], "model.norm='sync'"),

@@ -84,7 +84,8 @@ def test_fsdp2s_divide_factor_of_1_sums_the_gradient_w_times(swept):
          "strategy.divide_factor=-1 is not allowed; allowed: null (FSDP2's mean) or a number > 0"),
         (["strategy=fsdp2", "strategy.reduce_outside=maybe"],
          "strategy.reduce_outside='maybe' is not allowed; allowed: true or false"),
-        (["strategy.name=cp"], "strategy.name='cp' is unknown; allowed: ddp, fsdp2, zero, tp, pp"),
+        (["strategy.name=cp"],
+         "strategy.name='cp' is unknown; allowed: ddp, fsdp2, zero, tp, pp, ep"),
     ],
 )  # fmt: skip
 def test_a_strategy_that_cannot_run_is_refused_in_one_line(overrides, message):

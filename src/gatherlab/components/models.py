@@ -122,6 +122,112 @@ class NormMLP(nn.Module):
         }
 
 
+class MoEMLP(nn.Module):
+    """Linear → ReLU → a top-1 mixture of experts (a residual: each row plus its gate times its
+    expert's output) → Linear, on the last dimension. The router sends each row to its most
+    probable of ``experts`` experts (each Linear → ReLU) and weights the expert's output by that
+    probability; a row's embedding depends on that row alone.
+
+    On one device every expert computes its own rows. After `expert_parallel` (``strategy=ep``)
+    the experts are spread over the ranks of a group (rank r computes experts r·E/W to
+    (r+1)·E/W − 1): each rank sends each of its rows to the rank of its expert and gets the
+    outputs back, with ``all_to_all_single`` and its autograd form, as users write token
+    dispatch (docs/checking.md §10, "Expert parallelism in the lab")."""
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int, experts: int):
+        super().__init__()
+        if experts < 1:
+            raise ValueError(f"model.experts must be at least 1, got {experts}")
+        self.up = nn.Linear(in_features, hidden_features)
+        self.router = nn.Linear(hidden_features, experts)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden_features, hidden_features), nn.ReLU())
+            for _ in range(experts)
+        )
+        self.down = nn.Linear(hidden_features, out_features)
+        self.group = None  # the expert-parallel group, once `expert_parallel` set it
+
+    def expert_parallel(self, group) -> None:
+        """Spread the experts over the ranks of ``group`` (a process group whose size divides
+        ``experts``; every rank keeps every expert's parameters and computes its own experts')."""
+        import torch.distributed as dist
+
+        size = dist.get_world_size(group)
+        if len(self.experts) % size:
+            raise ValueError(
+                f"model.experts={len(self.experts)} does not divide over {size} ranks; allowed: "
+                f"a multiple of {size}"
+            )
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.up(x))
+        gate, choice = torch.softmax(self.router(hidden), dim=-1).max(dim=-1)
+        if self.group is None:
+            expert_out = self._own_experts(hidden, choice, range(len(self.experts)))
+        else:
+            expert_out = self._dispatched(hidden, choice)
+        return self.down(hidden + gate[:, None] * expert_out)
+
+    def _own_experts(self, rows: torch.Tensor, choice: torch.Tensor, experts) -> torch.Tensor:
+        """Each row through its expert (one of ``experts``), each expert on its own rows."""
+        out = torch.zeros_like(rows)
+        for index in experts:
+            # an expert without rows takes part too (a zero gradient: DDP waits for every one)
+            chosen = (choice == index).nonzero().squeeze(1)
+            out = out.index_put((chosen,), self.experts[index](rows[chosen]))
+        return out
+
+    def _dispatched(self, hidden: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs of this rank's rows, each row computed on its expert's rank: the
+        rows sorted by expert, sent (``all_to_all_single``, the counts first), computed by the
+        receiving rank's experts, sent back and put in their places."""
+        import torch.distributed as dist
+
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        per_rank = len(self.experts) // size
+        order = torch.argsort(choice, stable=True)
+        counts = torch.bincount(choice // per_rank, minlength=size)
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts, group=self.group)
+        sent, received = counts.tolist(), received_counts.tolist()
+        experts = torch.empty(sum(received), dtype=choice.dtype, device=choice.device)
+        dist.all_to_all_single(experts, choice[order], received, sent, group=self.group)
+        rows = _AllToAll.apply(hidden[order], sent, received, self.group)
+        computed = self._own_experts(rows, experts, range(rank * per_rank, (rank + 1) * per_rank))
+        return _unsorted(_AllToAll.apply(computed, received, sent, self.group), order)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows sent to the ranks of ``group`` (``dist.all_to_all_single``): ``sent[r]`` rows of
+    ``rows`` to rank r, in order, and ``received[r]`` rows from it. Its backward sends each
+    received row's gradient back to the rank that sent the row (the same collective with the
+    counts swapped), so every rank gets its own rows' gradients, summed over nothing: each row
+    went to one rank."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, sent: list[int], received: list[int], group):
+        import torch.distributed as dist
+
+        ctx.sent, ctx.received, ctx.group = sent, received, group
+        out = rows.new_empty(sum(received), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        back = grad.new_empty(sum(ctx.sent), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
+        return back, None, None, None
+
+
+def _unsorted(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``rows`` (sorted by ``order``) back in their places: row ``order[i]`` is ``rows[i]``."""
+    return rows[torch.argsort(order)]
+
+
 class CausalBlock(nn.Module):
     """A pre-norm residual block over a sequence: each position normalised, replaced by the mean
     of the positions up to it (causal: position t reads positions ≤ t, so a sequence's outputs

@@ -22,6 +22,13 @@
   sum over the group that torch all-reduces (a ``Partial`` DTensor redistributed to
   ``Replicate``); ``reduce_norm: false`` declares each rank's partial sum reduced without
   reducing it, so each rank steps its own: Megatron's sequence-parallel LayerNorm bug (a trap).
+- ``ep``: a mixture of experts (``model=moe``) whose experts are spread over the ranks
+  (``expert_parallel`` on the data-parallel mesh of Lightning's ``ModelParallelStrategy``: each
+  rank computes its own experts' rows, sent to it by every rank), every rank holding every
+  parameter. After each backward one all-reduce averages every gradient over the ranks, zeros
+  where a rank computed none: a replicated parameter's mean, as DDP's, and an expert's gradient,
+  which its rank alone computed summed over every rank's rows, divided by W. With
+  ``scale_experts: false`` the experts' gradients are left summed, W times one device's (a trap).
 - ``pp``: the model cut into pipeline stages over ``pipeline_parallel`` ranks, trained by
   ``PipelineModule`` (`gatherlab.components.pipeline`, which reads the pipeline's fields:
   ``schedule``, ``micro_batches``, ``scale_grads``, ``sum_tied``).
@@ -61,13 +68,16 @@ class Sharding:
     micro_batches: int = 1
     scale_grads: bool = True
     sum_tied: bool = True
+    scale_experts: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", terms.Strategy(self.name))
 
     @property
     def shards(self) -> bool:
-        return self.name in (terms.Strategy.FSDP2, terms.Strategy.TP)
+        """Whether the module parallelises its model itself (in ``configure_model``) and finishes
+        its gradients after each backward: ``fsdp2``, ``tp``, ``ep``."""
+        return self.name in (terms.Strategy.FSDP2, terms.Strategy.TP, terms.Strategy.EP)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -85,6 +95,9 @@ class Sharding:
         the model itself (the order FSDP2's documentation asks: inner modules first)."""
         from torch.distributed.fsdp import fully_shard
 
+        if self.name == terms.Strategy.EP:  # the experts over the data-parallel ranks, no FSDP2
+            model.expert_parallel(mesh["data_parallel"].get_group())
+            return
         if self.name == terms.Strategy.TP:
             from torch.distributed.tensor.parallel import parallelize_module
 
@@ -109,6 +122,9 @@ class Sharding:
         one all-reduce each."""
         if not self.shards or not dist.is_initialized():
             return
+        if self.name == terms.Strategy.EP:
+            self._experts_after_backward(model, outside)
+            return
         if self.tensor_parallel_size > 1:
             for parameter in model.parameters():
                 if parameter.grad is not None:
@@ -118,6 +134,23 @@ class Sharding:
         for parameter in outside:
             if parameter.grad is not None:
                 dist.all_reduce(parameter.grad, op=dist.ReduceOp.AVG)
+
+    def _experts_after_backward(self, model: nn.Module, outside: Iterable[nn.Parameter]) -> None:
+        """Under ``ep``: every gradient of ``model`` and ``outside`` averaged over the ranks in
+        one all-reduce, zeros where a rank has none (see the module docstring); without
+        ``scale_experts`` the experts' then multiplied by W (left summed: the trap)."""
+        parameters = [*model.parameters(), *outside]
+        flat = torch.cat([
+            torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if p.grad is None
+            else p.grad.reshape(-1) for p in parameters
+        ])  # fmt: skip
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+        for parameter, piece in zip(parameters, flat.split([p.numel() for p in parameters]),
+                                    strict=True):  # fmt: skip
+            parameter.grad = piece.view_as(parameter).clone()
+        if not self.scale_experts:
+            for parameter in model.experts.parameters():
+                parameter.grad.mul_(dist.get_world_size())
 
     def optimizer(
         self, factory: Callable[..., torch.optim.Optimizer], parameters: Iterable[nn.Parameter]

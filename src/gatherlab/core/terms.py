@@ -228,14 +228,16 @@ class Strategy(StrEnum):
     Lightning's ``ModelParallelStrategy`` (``fsdp2``), DDP with torch's
     ``ZeroRedundancyOptimizer`` (``zero``), or tensor parallelism over the tensor-parallel mesh
     of that strategy and FSDP2 over its data-parallel mesh (``tp``), or pipeline parallelism
-    (``pp``: the model's stages over the pipeline ranks, `gatherlab.components.pipeline`). One
-    device trains the plain run whatever it says."""
+    (``pp``: the model's stages over the pipeline ranks, `gatherlab.components.pipeline`), or
+    expert parallelism (``ep``: a mixture of experts' experts spread over the ranks). One device
+    trains the plain run whatever it says."""
 
     DDP = "ddp"
     FSDP2 = "fsdp2"
     ZERO = "zero"
     TP = "tp"
     PP = "pp"
+    EP = "ep"
 
 
 class Backend(StrEnum):

@@ -178,7 +178,7 @@ def _validate_strategy(cfg: Mapping[str, Any], devices: int) -> None:
     if name not in STRATEGIES:
         raise ConfigError(f"strategy.name={name!r} is unknown; allowed: {', '.join(STRATEGIES)}")
     for key in ("reshard_after_forward", "reduce_outside", "sequence_parallel", "reduce_norm",
-                "scale_grads", "sum_tied"):  # fmt: skip
+                "scale_grads", "sum_tied", "scale_experts"):  # fmt: skip
         if not isinstance(strategy.get(key, True), bool):
             raise ConfigError(
                 f"strategy.{key}={strategy[key]!r} is not allowed; allowed: true or false"
@@ -217,6 +217,28 @@ def _validate_strategy(cfg: Mapping[str, Any], devices: int) -> None:
             "it; allowed: 64-true, 32-true, bf16-mixed, bf16-true"
         )
     _validate_tensor_parallel(cfg, name, strategy, devices)
+    if name == terms.Strategy.EP:
+        _validate_experts(cfg, devices)
+
+
+def _validate_experts(cfg: Mapping[str, Any], devices: int) -> None:
+    """``strategy=ep`` (docs/checking.md §10 "Expert parallelism in the lab"): a model whose
+    experts spread over the ranks (``expert_parallel``, ``model=moe``), as many of them on each
+    rank."""
+    model = config.build_model(cfg)
+    target = cfg["model"]["_target_"]
+    if not callable(getattr(model, "expert_parallel", None)):
+        raise ConfigError(
+            f"strategy=ep spreads a mixture of experts' experts over the ranks, and model "
+            f"({target}) has none; allowed: model=moe"
+        )
+    experts = len(model.experts)
+    if devices > 1 and experts % devices:
+        multiples = f"a multiple of {devices}"
+        raise ConfigError(
+            f"model.experts={experts} does not divide over the layout's {devices} ranks under "
+            f"strategy=ep; allowed: {multiples}"
+        )
 
 
 def _validate_pipeline(

@@ -212,9 +212,10 @@ def fit_in_group(
     """``Trainer.fit`` on this rank of the already initialised default process group: on the CPU
     (gloo), or on an NCCL group on the GPU ``torch.cuda.set_device`` chose for this rank; through
     Lightning's DDP strategy, or its ``ModelParallelStrategy`` for ``strategy="fsdp2"``,
-    ``"tp"`` or ``"pp"`` (the module parallelises itself: in ``configure_model``, or its pipeline
-    at its first step), with as many ranks in the mesh's second dimension as the module's
-    ``tensor_parallel_size`` says (1 when it says nothing; a pipeline's ranks under ``pp``)."""
+    ``"tp"``, ``"pp"`` or ``"ep"`` (the module parallelises itself: in ``configure_model``, or
+    its pipeline at its first step), with as many ranks in the mesh's second dimension as the
+    module's ``tensor_parallel_size`` says (1 when it says nothing; a pipeline's ranks under
+    ``pp``)."""
     quiet_frameworks()
     if dist.get_backend() == terms.Backend.NCCL:
         accelerator, devices = terms.Device.CUDA, torch.cuda.device_count()
@@ -222,7 +223,7 @@ def fit_in_group(
     else:
         accelerator, devices = terms.Device.CPU, dist.get_world_size()
         environment = _ExistingGroup()
-    if strategy in (terms.Strategy.FSDP2, terms.Strategy.TP, terms.Strategy.PP):
+    if strategy in (terms.Strategy.FSDP2, terms.Strategy.TP, terms.Strategy.PP, terms.Strategy.EP):
         tensor_parallel = getattr(module, "tensor_parallel_size", 1)
         lightning_strategy = _QuietModelParallelStrategy(environment, tensor_parallel)
     else:
