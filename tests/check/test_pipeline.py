@@ -67,12 +67,14 @@ def _first_batch(ragged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([t for t, _ in rows]), torch.stack([y for _, y in rows])
 
 
+# (the update, the factory's keywords, W, M, ragged padding): GPipe and 1F1B at pp 2 and dp 2 ×
+# pp 2, interleaved 1F1B at pp 2 (4 stages on 2 ranks), the sum ÷ the global count at dp 2 × pp 2
 EXACT = {
-    "gpipe": ("mean_update", {}, (2, 4), (2, 4), False),
+    "gpipe": ("mean_update", {}, (2, 4), (4,), False),
     "1f1b": ("mean_update", {"schedule": "1f1b"}, (2, 4), (2,), False),
     "interleaved": ("mean_update", {"schedule": "interleaved", "stages_per_rank": 2}, (2,),
                     (2, 4), False),
-    "token-sum-ragged": ("token_sum_update", {}, (2, 4), (2,), True),
+    "token-sum-ragged": ("token_sum_update", {}, (4,), (2,), True),
 }  # fmt: skip
 
 
