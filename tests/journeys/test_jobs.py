@@ -52,6 +52,7 @@ BUGS = {
     "tp": ("unreduced-norm", "local-logits", "whole-sequence", "same-dropout"),
     "pp": ("unscaled", "untied", "ragged"),
     "ep": ("averaged", "local-balance"),
+    "hf_tp": ("clip-per-mesh",),
 }
 """The switches tested per job, each once where its code is: ``common.py``'s on ``ddp`` (the
 gather, the sampler) or in a sharded module (the batch norm); each job's own temperature
@@ -61,7 +62,7 @@ sampler, which Lightning replaces by a DistributedSampler) cost a Lightning impo
 (docs/jobs.md)."""
 
 WORLD_SIZES = {"ddp": (4,), "fsdp2": (4,), "zero": (2,), "lightning_job": (2,), "tp": (4,),
-               "pp": (2, 4), "ep": (2, 4)}  # fmt: skip
+               "pp": (2, 4), "ep": (2, 4), "hf_tp": (2, 4)}  # fmt: skip
 """The world size each correct job is launched at (their bug switches run at 2; FSDP2's shards
 uneven at 4; ``tp`` at 4, dp 2 × tp 2 with its default ``--tp 2``, FSDP2 over tensor parallelism,
 its switches at tp = 2 alone); the recorder under DDP, FSDP2 and ZeRO at W = 2 and 4 is tested on
@@ -72,6 +73,7 @@ PARTS = {
     "tp": ("attn_norm", "attn", "mlp_norm", "mlp", "norm", "head"),
     "pp": ("emb", "position", "layers", "norm"),
     "ep": ("emb", "position", "attn_norm", "qkv", "out", "moe_norm", "moe", "norm", "head"),
+    "hf_tp": ("model", "lm_head"),
 }
 """The parts whose final weights a job prints, where they are not SimCLR's."""
 
@@ -79,13 +81,17 @@ FLOAT32 = ("pp", "ep")
 """The jobs that train in float32 at their defaults, as their users run them (pipeline and expert
 parallelism): judged in floors of their floor recording (the one-device command run again with
 ``GATHERLAB_RECORD_FLOOR``), not to float64's bound."""
+FLOORED = (*FLOAT32, "hf_tp")
+"""The jobs judged in floors: `FLOAT32`'s, and transformers' own tensor parallelism at its
+defaults (float32; transformers computes its loss in float32 whatever the parameters' dtype, so
+that its float64 run at dp 2 × tp 2 is not one device's number by number)."""
 FLOOR_BLOCKS = 4
 """The floor's row blocks: as many as the most ranks these jobs run on (and as a 2-stage
 pipeline's 4 micro-batches), so that T is 5 (design §2, "Low precision")."""
 
 
 FIRST_PART = {"ddp": "backbone", "fsdp2": "backbone", "zero": "backbone", "lightning_job": "model",
-              "tp": "attn_norm", "pp": "emb", "ep": "emb"}  # fmt: skip
+              "tp": "attn_norm", "pp": "emb", "ep": "emb", "hf_tp": "model"}  # fmt: skip
 """The first part of each job's model, where a departure of every part is named."""
 
 
@@ -124,6 +130,7 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
         "ragged": ("loss differs", 0, "all", "biased", None),
         "averaged": ("biased", 0, "moe", "biased", None),
         "local-balance": ("loss differs", 0, first, "biased", None),
+        "clip-per-mesh": ("biased", 0, "model", "biased", None),
     }[bug]
 
 
@@ -187,7 +194,7 @@ def recorded(tmp_path_factory):
     return run
 
 
-FLOAT64_JOBS = [job for job in BUGS if job not in FLOAT32]
+FLOAT64_JOBS = [job for job in BUGS if job not in FLOORED]
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
@@ -215,8 +222,8 @@ def test_the_comparison_of_each_correct_job_is_exact(job, recorded):
     """The recordings of the runs above (no launch of its own); a float32 job (`FLOAT32`) is
     judged with its floor, recorded by its one-device command run again with the floor's
     variable (in this process), as its users record it: ``exact within float32``."""
-    floor = recorded(job, None, "floor")[1] if job in FLOAT32 else None
-    verdict = "exact within float32" if job in FLOAT32 else "exact"
+    floor = recorded(job, None, "floor")[1] if job in FLOORED else None
+    verdict = "exact within float32" if job in FLOORED else "exact"
     for world_size in WORLD_SIZES[job]:
         comparison = compare.compare(recorded(job, None)[1], recorded(job, world_size)[1],
                                      floor=floor)  # fmt: skip
@@ -226,7 +233,7 @@ def test_the_comparison_of_each_correct_job_is_exact(job, recorded):
 
 @pytest.mark.parametrize(("job", "bug"), [(job, bug) for job in BUGS for bug in BUGS[job]])
 def test_the_comparison_names_each_bug_with_its_update_part_and_cause(job, bug, recorded):
-    floor = recorded(job, None, "floor")[1] if job in FLOAT32 else None
+    floor = recorded(job, None, "floor")[1] if job in FLOORED else None
     comparison = compare.compare(recorded(job, None, bug)[1], recorded(job, 2, bug)[1],
                                  floor=floor)  # fmt: skip
     verdict, update, part, gradient, cause = expected(job, bug)
