@@ -621,7 +621,7 @@ def check_training(
     setting = _training_setting(options)
     world_sizes, micro_batches = options.world_sizes, options.micro_batches
     applying, layout = _validated(setting, options.loss_attr, micro_batches, world_sizes)
-    _experts_split(setting, world_sizes)
+    _experts_split(setting, world_sizes, options.collective_timeout_s)
     _fits(setting, layout, max(world_sizes))
     if setting.spec.pipeline_parallel > 1:  # on one pipeline's ranks, before any rank trains
         try:
@@ -651,17 +651,19 @@ def check_training(
     )
 
 
-def _experts_split(setting: Any, world_sizes: Sequence[int]) -> None:
+def _experts_split(setting: Any, world_sizes: Sequence[int], timeout_s: float) -> None:
     """CheckError of one line where an expert-parallel model factory, built on the ranks of each
     W before any trains, does not split one device's model over them (`experts.split_refused`:
     it raises there, a rank holds a parameter one device does not have, no rank holds one, a
     rank holds no expert, every rank holds every parameter), docs/checking.md §10, "Expert
-    parallelism"."""
+    parallelism"; the ranks' collectives watched (``timeout_s``: a rank that never comes is
+    named, nothing hangs)."""
     if setting.spec.expert_parallel < 2:
         return
     from gatherlab.check import experts
 
-    refused = experts.split_refused(setting, world_sizes)
+    with watched.watching(timeout_s):
+        refused = experts.split_refused(setting, world_sizes)
     if refused is not None:
         raise CheckError(refused)
 
