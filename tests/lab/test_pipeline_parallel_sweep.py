@@ -94,6 +94,10 @@ def test_a_pipeline_trains_like_one_device_and_each_trap_departs(swept):
          "strategy=ddp with model (gatherlab.components.models.TinyLM): a language model cut "
          "into pipeline stages is trained by strategy=pp alone; allowed: strategy=pp, or a model "
          "of a view (model=mlp, norm_mlp, ...)"),
+        (["layout=cpu1_floor", "precision=bf16-mixed"],
+         "layout.row_blocks=2 with strategy=pp: its module runs one device's batch whole, with "
+         "no floor run in row blocks; allowed: layout.row_blocks=1 (a low precision judged by "
+         "the check, python -m gatherlab.check --pipeline-parallel)"),
         (["layout=cpu2", "strategy.sum_tied=sometimes"],
          "strategy.sum_tied='sometimes' is not allowed; allowed: true or false"),
     ],

@@ -269,6 +269,13 @@ def _validate_pipeline(
         )  # fmt: skip
     if not pipelined:
         return
+    blocks = cfg["layout"].get("row_blocks", 1)
+    if blocks != 1:
+        raise ConfigError(
+            f"layout.row_blocks={blocks} with strategy=pp: its module runs one device's batch "
+            "whole, with no floor run in row blocks; allowed: layout.row_blocks=1 (a low precision "
+            "judged by the check, python -m gatherlab.check --pipeline-parallel)"
+        )
     from gatherlab.components.pipeline import Schedule
 
     size = _integer("strategy.pipeline_parallel", strategy.get("pipeline_parallel", 1), minimum=1)
