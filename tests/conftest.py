@@ -99,6 +99,7 @@ LONGEST_FILES = (
     "check/test_check.py",  # 17 s
     "journeys/test_compare_cli.py",  # 17 s
     "journeys/test_docs.py",  # 16 s
+    "check/test_experts.py",  # 15 s (alone at load 7, its pools started; 28-40 s cold; issue 70)
     "check/test_step_check.py",  # 15 s
     "lab/test_low_precision_sweep.py",  # 15 s
     "check/test_diagnosis.py",  # 15 s
