@@ -30,8 +30,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "examples" / "jobs"
-NAMES = ("ddp", "lightning_job", "fsdp2", "zero", "st_job", "hf_job", "tp", "pp", "ep")
-FLOOR_BLOCKS = {"pp": 4, "ep": 4}
+NAMES = ("ddp", "lightning_job", "fsdp2", "zero", "st_job", "hf_job", "tp", "pp", "ep", "hf_tp")
+FLOOR_BLOCKS = {"pp": 4, "ep": 4, "hf_tp": 4}
 """A job's floor's row blocks where not 2: the pipeline's 4 micro-batches, the most ranks."""
 TIMEOUT = 300
 
