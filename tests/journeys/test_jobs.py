@@ -108,8 +108,8 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
     where a shard is declared, and one dropout mask shared by the tp ranks change the forward.
     A pipeline's (``pp``, judged in floors): a schedule that does not average its micro-batches
     while each micro-batch's loss is a mean gives K = 4 times every gradient; the tied weight's
-    copies not summed over their stages differ (each its stage's share of one device's gradient,
-    whose sum is one device's); a mean over each micro-batch's own tokens weighs ragged
+    copies not summed over their stages differ (each its stage's share of one device's gradient),
+    named from the copies; a mean over each micro-batch's own tokens weighs ragged
     micro-batches otherwise, the loss first. Expert parallelism's (``ep``): an expert's gradient
     averaged with other ranks' experts; a load-balancing loss over each rank's own tokens changes
     the loss, every part's gradient."""
@@ -126,7 +126,7 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
         "whole-sequence": ("loss differs", 0, "all", "biased", None),
         "same-dropout": ("loss differs", 0, "all", "biased", None),
         "unscaled": ("K", 0, "all", "K", None),
-        "untied": ("biased", 0, "emb", "biased", "unreduced"),
+        "untied": ("biased", 0, "emb", "biased", "copies_apart"),
         "ragged": ("loss differs", 0, "all", "biased", None),
         "averaged": ("biased", 0, "moe", "biased", None),
         "local-balance": ("loss differs", 0, first, "biased", None),

@@ -413,6 +413,10 @@ def _unreduced(a: Recording, b: Recording) -> tuple[list[str], dict[str, str]]:
                 f"{update.index}, relative difference {error:.3g} of the sketches): reducing it "
                 "alone does not make it A's."
             )
+    apart = next((u for u in b.updates if u.copies_apart), None)
+    if apart is not None:  # named from the copies themselves, without A
+        mean_words.insert(0, f"Copies that differ in B's whole gradient of update {apart.index}: "
+                             + "; ".join(apart.copies_apart) + ".")  # fmt: skip
     at = [w if len(parts) == 1 else f"{p} {w}" for p, w in zip(parts, where, strict=True)]
     measured = {
         "unreduced_source": "from the recording",
@@ -445,6 +449,18 @@ def _copies_summed(b: Recording, views: np.ndarray, reference: np.ndarray) -> st
             "one device ties, held on several stages, each copy given the share of the gradient "
             "that reaches its stage; summing them over the ranks that hold them "
             "(dist.all_reduce of its gradient on a group of those ranks) is the fix.")  # fmt: skip
+
+
+def _copies_apart(b: Recording, rows: list[Row]) -> list[Row]:
+    """Where B's ranks hold different parameters and the copies of one differ in its whole
+    gradient (`Update.copies_apart`, named from the copies alone), an ``unreduced`` cause is
+    ``copies_apart``, the copies its words (``departs``), as the check names a pipeline's
+    (docs/checking.md §10, "Pipeline parallelism")."""
+    apart = next((u.copies_apart for u in b.updates if u.copies_apart), None)
+    if not apart or not b.header.get("held"):
+        return rows
+    return [dataclasses.replace(r, cause=str(terms.Cause.COPIES_APART), departs="; ".join(apart))
+            if r.cause == terms.Cause.UNREDUCED else r for r in rows]  # fmt: skip
 
 
 _COPIES_SUMMED = 1e-4
@@ -599,6 +615,7 @@ def compare_recordings(
             updates=len(unlossed), total=len(a.updates))))  # fmt: skip
     rows, tolerance = _rows(a, b, reads, data, (floored, ceiling), (unreduced, desync, unlossed),
                             tolerance, micro_batches)  # fmt: skip
+    rows = _copies_apart(b, rows)
     judged = (floored is not None or ceiling is not None or precision == terms.Precision.FLOAT64
               or data.update is not None)  # fmt: skip
     departure = None

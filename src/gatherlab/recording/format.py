@@ -74,6 +74,10 @@ class Update:
     micro_batches: int = 1
     calls: list[int] | None = None
     drifted: list[str] = dataclasses.field(default_factory=list)
+    copies_apart: list[str] = dataclasses.field(default_factory=list)
+    """Where the ranks hold different parameters, the copies of one that differ in the update's
+    whole gradient, each in words (`gatherlab.core.held.Apart.words`: the ranks, the names they
+    hold it under, by how much); recorded with the whole gradient (the first updates)."""
 
 
 @dataclass(frozen=True)
@@ -274,7 +278,7 @@ def _update(number: int, text: str, path: Path, sketches: _Sketches, parts: list
         sketches={p: values[i * k : (i + 1) * k] for i, p in enumerate(parts)},
         norms=line["norms"], unreduced=unreduced, autocast=line.get("autocast"),
         micro_batches=line.get("micro_batches", 1), calls=line.get("calls"),
-        drifted=line.get("drifted", []),
+        drifted=line.get("drifted", []), copies_apart=line.get("copies_apart", []),
     )  # fmt: skip
 
 

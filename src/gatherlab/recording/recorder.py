@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gatherlab.components.rowblocks import blocked_as, join_measured
-from gatherlab.core.held import Piece, assemble
+from gatherlab.core.held import Piece, assemble, copies_apart
 from gatherlab.core.parts import part_of
 from gatherlab.ranks import world
 from gatherlab.recording import format, pieces, placed, sketch
@@ -398,6 +398,7 @@ class Recorder:
         # token ids without a mask whole, until the update's end: `rows.kept_together`)
         self._calls = 0  # the model's forward calls (or batches given) in the update
         self._last_given: dict[str, tuple] = {}  # where the last rows and labels lay (`_again`)
+        self._apart: list[str] = []  # the copies that differ in the assembled gradient
         self._losses: list[float] = []
         self._autocast: str | None = None
         self._pending: list[dict[str, Any]] = []  # this rank's updates not yet sent to rank 0
@@ -461,6 +462,8 @@ class Recorder:
             )
         model_names = sorted(held.from_model)
         self._held, self._model_part = held, part_of(model_names)
+        held_as = {id(p): n for n, p in _unwrapped(model).named_parameters()}
+        self._held_as = {p.name: held_as.get(id(p.parameter), p.name) for p in self._parameters}
         found = held.pieces(self._part)
         piece_of = {name: piece.key for piece in found for name in piece.names}
         self._parameters = [  # each sketched in its piece's row (`_sketched`)
@@ -774,17 +777,21 @@ class Recorder:
         return torch.cat(pieces) if self.rank == 0 else None
 
     def _assembled(self) -> torch.Tensor | None:
-        """The whole gradient of a job whose ranks hold different parameters, on rank 0."""
-        mine = {p.name: (p.parameter.grad if p.parameter.grad is not None else
-                         torch.zeros_like(p.parameter)).detach().double().cpu()
+        """The whole gradient of a job whose ranks hold different parameters, on rank 0, and
+        the copies that differ in it (`copies_apart`: each with the ranks and the names they
+        hold it under, a tied copy under its own), kept for the update's line."""
+        mine = {p.name: (self._held_as[p.name], (p.parameter.grad if p.parameter.grad is not None
+                         else torch.zeros_like(p.parameter)).detach().double().cpu())
                 for p in self._parameters}  # fmt: skip
         every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, mine)
         if self.rank != 0:
             return None
-        sent = [Piece(rank, name, value) for rank, values in enumerate(every)
-                for name, value in values.items()]  # fmt: skip
-        return assemble(list(self._held.order), sent)
+        sent = [Piece(rank, held, value) for rank, values in enumerate(every)
+                for held, value in values.values()]  # fmt: skip
+        names = {held: name for values in every for name, (held, _) in values.items()}
+        self._apart = [apart.words() for apart in copies_apart(sent, names)]
+        return assemble(list(self._held.order), sent, names)
 
     def _record_update(self) -> None:
         """This update's numbers, kept until the ranks send them (`_flush`). A floor whose model
@@ -806,6 +813,8 @@ class Recorder:
             "calls": self._calls, "micro_batches": len(self._losses), "autocast": self._autocast,
         }  # fmt: skip
         full = self._full_gradient() if self.updates < self.full_updates else None
+        if self._apart:  # the copies that differ in the whole gradient just assembled
+            entry["copies_apart"], self._apart = self._apart, []
         if self.updates == 0 and self._trace:
             if self._tracer is not None:  # no loss was seen: the trace ends at the step
                 self._trace_end(None)
@@ -939,6 +948,7 @@ class Recorder:
             "norms": norms, "unreduced": starts, "sketch": start,
             "autocast": ranks[0]["autocast"], "micro_batches": micro_batches,
             "drifted": drifted,
+            **({"copies_apart": ranks[0]["copies_apart"]} if "copies_apart" in ranks[0] else {}),
         })  # fmt: skip
 
     def _counts(self, rank: int) -> bool:
