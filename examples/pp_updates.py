@@ -113,9 +113,12 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 
 def build(
     mesh=None, layers: int = 4, tied: bool = True, schedule: str = "gpipe",
-    stages_per_rank: int = 1, keep: str = "",
+    stages_per_rank: int = 1, keep: str = "", traced_rows: int = 0,
 ):  # fmt: skip
     """The whole model on one device; on a rank of ``mesh`` its stages (see the module).
+    ``traced_rows``: the stages cut by torch's tracing front end instead, ``pipeline()`` on a
+    micro-batch of that many rows (in float64: the stages' buffers take the traced dtype), and
+    ``build_stage``: the rank's stage module keeps the whole model's names (`traced`).
     ``keep``: ``"nothing"`` keeps no module on the last rank (a split that leaves it empty);
     ``"renamed"`` returns the rank's model inside a wrapper (its names ``module.…``, as DDP's
     are), not under one device's names."""
@@ -124,6 +127,8 @@ def build(
         return model
     from torch.distributed import pipelining
 
+    if traced_rows:
+        return traced(model, mesh, traced_rows, schedule)
     pp = mesh["pp"]
     ranks, rank = pp.size(), pp.get_local_rank()
     total = ranks * stages_per_rank
@@ -148,6 +153,26 @@ def build(
     return model
 
 
+def traced(model: CausalLM, mesh, rows: int, schedule: str = "gpipe") -> nn.Module:
+    """This rank's stage as ``pipeline()`` cuts the model (one stage a rank, at the layers'
+    boundaries) and ``build_stage`` builds it: a ``GraphModule`` whose parameters keep the whole
+    model's names. ``pipeline()`` leaves a copy of the tied head's weight on the first stage, which
+    its graph does not use."""
+    from torch.distributed import pipelining
+
+    pp = mesh["pp"]
+    ranks, rank = pp.size(), pp.get_local_rank()
+    cut = {f"layers.{len(model.layers) * s // ranks}": pipelining.SplitPoint.BEGINNING
+           for s in range(1, ranks)}  # fmt: skip
+    example = torch.zeros(rows, LENGTH, dtype=torch.long)
+    pipe = pipelining.pipeline(model.double(), mb_args=(example,), split_spec=cut)
+    stage = pipe.get_stage_module(rank)
+    stage.stages = [pipe.build_stage(rank, torch.device("cpu"), group=pp.get_group())]
+    stage.schedule_class = getattr(pipelining, SCHEDULES[schedule])
+    stage.mesh, stage.tied = mesh, model.tied
+    return stage
+
+
 def _keep_only(model: CausalLM, kept: set[int]) -> None:
     """The model without the modules no stage of this rank holds (torchtitan's way: the names of
     those it keeps stay the whole model's)."""
@@ -167,7 +192,8 @@ def mean_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 def _sum_tied(model: CausalLM) -> None:
     """The tied embedding's and head's gradients summed over the pipeline's ranks: each copy then
     holds one device's gradient (a rank without a copy adds zeros)."""
-    copy = model.emb if model.emb is not None else model.head
+    first = getattr(model, "emb", None)  # a traced stage holds no attribute it does not use
+    copy = first if first is not None else getattr(model, "head", None)
     grad = copy.weight.grad if copy is not None else None
     summed = grad if grad is not None else torch.zeros(VOCAB, FEATURES, dtype=torch.float64)
     dist.all_reduce(summed, group=model.mesh["pp"].get_group())

@@ -626,7 +626,7 @@ def check_training(
     if setting.spec.pipeline_parallel > 1:  # on one pipeline's ranks, before any rank trains
         try:
             with watched.watching(options.collective_timeout_s):
-                training.validate_pipeline(setting, micro_batches)
+                training.validate_pipeline(setting, micro_batches, world_sizes)
         except ValueError as error:
             raise CheckError(str(error)) from None
     setting, precision_words = _in_precision(setting, applying)

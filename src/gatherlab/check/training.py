@@ -666,19 +666,21 @@ def _copies_words(apart: Sequence[Any]) -> str:
     return "; ".join(tied)
 
 
-def validate_pipeline(setting: Setting, micro_batches: Sequence[int]) -> None:
+def validate_pipeline(
+    setting: Setting, micro_batches: Sequence[int], world_sizes: Sequence[int]
+) -> None:
     """A pipeline's split and schedule checked on the P ranks of one pipeline before any rank
     trains (`update_form.Update.held_on_rank`): a ValueError of one line when the factory given
     the mesh raises, keeps no parameter on a rank (an empty stage), keeps a parameter under a
     name or shape one device's model does not have, or leaves one of its parameters on no rank
-    (`stages.splits`), and when the update raises with some number of micro-batches (the
-    schedule that raised named: a schedule that does not take them)."""
+    (`stages.splits`), and when the update raises at a layout (W/P pipelines, K micro-batches:
+    a pipeline's rows of the first batch there), the schedule that raised named: a schedule that
+    does not take those micro-batches."""
     label, degree = setting.form.built_label(setting.label), setting.spec.pipeline_parallel
-    plain = setting.checked(setting.built())
-    one = stages.OneDevice.of(plain)
-    ks = tuple(sorted(set(micro_batches)))
+    one = stages.OneDevice.of(setting.checked(setting.built()))
+    pairs = tuple(sorted({(w // degree, k) for w in world_sizes for k in micro_batches}))
     try:
-        kept = ranks_for(degree).run(setting.form.held_on_rank, setting.spec, ks)
+        kept = ranks_for(degree).run(setting.form.held_on_rank, setting.spec, pairs)
     except RankError as error:
         raise ValueError(
             f"{label} with a ('dp', 'pp') mesh on {degree} ranks: rank {error.rank}: {error.line}"
@@ -688,12 +690,12 @@ def validate_pipeline(setting: Setting, micro_batches: Sequence[int]) -> None:
         raise ValueError(f"--pipeline-parallel {degree}: {label}: {wrong}")
     refused = next((found.refused for found in kept if found.refused is not None), None)
     if refused is not None:
-        k, line, schedule = refused
-        rows = setting.spec.global_batch_size // k
+        pipelines, k, line, schedule = refused
+        rows = setting.spec.global_batch_size // (pipelines * k)
         raise ValueError(
-            f"--pipeline-parallel {degree} --micro-batches {k}: {schedule or 'the update'} "
-            f"refuses {label}'s stages: {line}; allowed: a schedule and micro-batches it takes "
-            f"(each micro-batch of a pipeline at W = {degree}: {rows} rows)"
+            f"--pipeline-parallel {degree} --micro-batches {k} at W = {pipelines * degree}: "
+            f"{schedule or 'the update'} refuses {label}'s stages: {line}; allowed: a schedule "
+            f"and micro-batches it takes (each micro-batch there: {rows} rows)"
         )
 
 

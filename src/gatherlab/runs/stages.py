@@ -121,6 +121,7 @@ def trained(
     one_device: OneDevice,
     first_gradient: list[held.Piece],
     local_losses: Sequence[float | None],
+    unused: frozenset[str] = frozenset(),
 ) -> runfiles.Trained:
     """A rank's run as the check compares it (every rank calls this: collectives). The first
     gradient is its pipeline's (its ranks' pieces all-gathered over ``pp``, assembled in one
@@ -129,21 +130,35 @@ def trained(
     from every rank's pieces (gathered to it), where every parameter held by several ranks
     (the replicas of a stage, the copies of a tied weight) is compared across its holders:
     those that ended apart are ``copies_apart`` (`core.held.Apart`); the other ranks return no
-    parameters."""
+    parameters. A copy the rank holds but its stages never use (``unused``: no gradient at the
+    first step, as ``pipeline()`` leaves a tied head's copy on the first stage) counts only
+    where no rank holds a used one."""
     losses = global_losses(local_losses)
-    mine = [None] * mesh[PP].size()
-    dist.all_gather_object(mine, first_gradient, group=_pipeline_group(mesh))
-    gradient = held.assemble(one_device.order, [p for ps in mine for p in ps], one_device.names)
+    mine: list[Any] = [None] * mesh[PP].size()
+    dist.all_gather_object(mine, (first_gradient, unused), group=_pipeline_group(mesh))
+    gradient = held.assemble(one_device.order, _used(mine, one_device), one_device.names)
     every: list[Any] | None = [None] * world.size() if world.rank() == 0 else None
-    dist.gather_object(pieces(model), every, dst=0)
+    dist.gather_object((pieces(model), unused), every, dst=0)
     if every is None:
         return runfiles.Trained(losses, gradient, torch.empty(0, dtype=torch.float64))
     ranks = set(dist.get_process_group_ranks(_pipeline_group(mesh)))
-    everything = [p for ps in every for p in ps]
+    everything = _used(every, one_device)
     ours = [p for p in everything if p.rank in ranks]
     parameters = held.assemble(one_device.order, ours, one_device.names)
     apart = tuple(held.copies_apart(everything, one_device.names))
     return runfiles.Trained(losses, gradient, parameters, copies_apart=apart)
+
+
+def _used(
+    gathered: Sequence[tuple[list[held.Piece], frozenset[str]]], one_device: OneDevice
+) -> list[held.Piece]:
+    """The ranks' pieces but the copies their stages never used, unless no rank used any copy
+    of that parameter (then it is held all the same)."""
+    used = [p for ps, unused in gathered for p in ps if p.name not in unused]
+    have = {one_device.names.get(p.name, p.name) for p in used}
+    dead = [p for ps, unused in gathered for p in ps
+            if p.name in unused and one_device.names.get(p.name, p.name) not in have]  # fmt: skip
+    return used + dead
 
 
 def schedule_of(error: BaseException) -> str | None:
@@ -166,12 +181,13 @@ def schedule_of(error: BaseException) -> str | None:
 
 @dataclass(frozen=True)
 class Held:
-    """What a rank's factory kept (each trainable parameter's name and shape) and, when every
-    rank kept some, what its update did once with each number of micro-batches: None where it
-    ran, else the error's line and the schedule that raised it (`schedule_of`)."""
+    """What a rank's factory kept (each trainable parameter's name and shape) and, when the
+    ranks' names make one device's model, what its update did once at each layout: None where it
+    ran, else the layout (the pipelines, W/P, and the micro-batches K), the error's line and the
+    schedule that raised it (`schedule_of`)."""
 
     names: tuple[tuple[str, tuple[int, ...]], ...]
-    refused: tuple[int, str, str | None] | None = None
+    refused: tuple[int, int, str, str | None] | None = None
 
 
 def splits(kept: Sequence[Sequence[tuple[str, tuple[int, ...]]]], one_device: OneDevice) -> str:
@@ -196,15 +212,15 @@ def splits(kept: Sequence[Sequence[tuple[str, tuple[int, ...]]]], one_device: On
 
 def held_on_rank(
     build: Callable[[], nn.Module],
-    run: Callable[[nn.Module, int], Any],
-    micro_batches: Sequence[int],
+    run: Callable[[nn.Module, int, int], Any],
+    layouts: Sequence[tuple[int, int]],
     one_device: OneDevice,
 ) -> Held:
     """On each rank of a pipeline (W = P, before any rank trains): ``build()`` (the factory with
     the mesh), the names it kept; when the ranks' names make one device's model (`splits`),
-    ``run(model, K)`` (one update from the initial weights on the first batch) with each K on a
-    fresh build, until one raises: its K, its line and its schedule. Every rank decides alike
-    (an all-gather of the names)."""
+    ``run(model, pipelines, K)`` (one update from the initial weights on a pipeline's rows of the
+    first batch at that layout) at each layout on a fresh build, until one raises: its layout,
+    its line and its schedule. Every rank decides alike (an all-gather of the names)."""
     from gatherlab.core import cli
 
     model = build()
@@ -213,9 +229,9 @@ def held_on_rank(
     dist.all_gather_object(every, names)
     if splits(every, one_device):
         return Held(names)
-    for k in micro_batches:
+    for index, (pipelines, k) in enumerate(layouts):
         try:
-            run(model if k == micro_batches[0] else build(), k)
+            run(model if index == 0 else build(), pipelines, k)
         except Exception as error:
-            return Held(names, (k, cli.error_line(error), schedule_of(error)))
+            return Held(names, (pipelines, k, cli.error_line(error), schedule_of(error)))
     return Held(names)

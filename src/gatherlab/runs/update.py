@@ -149,12 +149,13 @@ class Update(PlainModel):
                 local.append(recorder.local_losses[-1])
         finally:
             hook.remove()
-        return stages.trained(model, mesh, one_device, seen.first, local)
+        return stages.trained(model, mesh, one_device, seen.first, local, seen.unused)
 
-    def held_on_rank(self, spec: RunSpec, micro_batches: tuple[int, ...]) -> stages.Held:
+    def held_on_rank(self, spec: RunSpec, layouts: tuple[tuple[int, int], ...]) -> stages.Held:
         """On the P ranks of one pipeline, before any rank trains: what the factory kept on each
-        (`stages.held_on_rank`), and its update run once with each number of micro-batches on
-        the first batch, from the initial weights."""
+        (`stages.held_on_rank`), and its update run once at each layout (W/P pipelines, K
+        micro-batches) on a pipeline's rows of the first batch there, from the initial
+        weights."""
         mesh = world.mesh(spec.pipeline_parallel, world.PIPELINE_MESH_DIMS)
         data = spec.data()
         seed_processes(spec.seed)
@@ -163,12 +164,13 @@ class Update(PlainModel):
         def built() -> nn.Module:
             return build(self, spec.removals, spec.precision, mesh=mesh).to(world.device())
 
-        def run(model: nn.Module, k: int) -> None:
+        def run(model: nn.Module, pipelines: int, k: int) -> None:
             optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
+            rows = rows_of(batch, torch.arange(spec.global_batch_size // pipelines))
             with runs_precision.autocast(spec.precision, world.device()):
-                self.update(model, optimizer, batch, k)
+                self.update(model, optimizer, rows, k)
 
-        return stages.held_on_rank(built, run, micro_batches, stages.OneDevice.of(self.model()))
+        return stages.held_on_rank(built, run, layouts, stages.OneDevice.of(self.model()))
 
     def layout_on_rank(
         self, spec: RunSpec
@@ -226,6 +228,7 @@ class _PipelineSteps(_Steps):
         super().__init__(model, recorder)
         self.replicated, self.mesh, self.aliases = reduced, mesh, aliases
         self.first: list = []
+        self.unused: frozenset[str] = frozenset()  # held, never given a gradient by its stages
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         super().__call__(optimizer, args, kwargs)
@@ -234,6 +237,8 @@ class _PipelineSteps(_Steps):
         stages.reduce_replicas(self.model, self.replicated, self.mesh, self.aliases)
         if self.count == 1 and self.update == 0:
             self.first = stages.pieces(self.model, gradients=True)
+            self.unused = frozenset(n for n, p in self.model.named_parameters()
+                                    if p.requires_grad and p.grad is None)  # fmt: skip
 
 
 def _honest(steps: _Steps, micro_batches: int) -> None:
