@@ -409,3 +409,24 @@ def test_without_traces_the_comparison_says_what_it_cannot_tell_and_how_to_find_
     assert whole(one_traced)["departs"] == (
         "no line named: only A traced its first update; record B with trace=True too"
     )
+
+
+def test_a_tied_weights_unsummed_copies_are_named_from_their_sum_where_only_sketches_are_kept():
+    """A pipeline recorded without its whole gradient (a model of more than 2²⁰ parameters keeps
+    sketches alone): a part whose copies hold distinct gradients that sum to one device's (a
+    tied weight's copies on two stages, each its stage's share) is said to want the sum; equal
+    replicas, or distinct copies whose sum is not one device's, are not."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(0)
+    embedding, head = rng.standard_normal(251), rng.standard_normal(251)
+    pipeline = SimpleNamespace(header={"held": [["emb.weight"], ["emb.weight"]]})
+    summed = comparer._copies_summed(pipeline, np.stack([embedding, head]), embedding + head)
+    assert summed is not None and "2 different gradients whose sum is A's" in summed
+    twice = np.stack([embedding, head, embedding, head])  # dp 2 × pp 2: two copies of each
+    assert comparer._copies_summed(pipeline, twice, embedding + head) is not None
+    assert comparer._copies_summed(pipeline, np.stack([embedding, head]), embedding) is None
+    assert comparer._copies_summed(pipeline, np.stack([embedding, embedding]), embedding) is None
+    replicated = SimpleNamespace(header={"held": None})  # DDP: every rank holds every parameter
+    apart = np.stack([embedding, head])
+    assert comparer._copies_summed(replicated, apart, embedding + head) is None
