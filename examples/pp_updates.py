@@ -10,8 +10,9 @@ first, the final norm and the head on the last) and keeps only this rank's stage
 the whole model's names; each stage is a `Stage` over those modules, given to a ``PipelineStage``
 over ``mesh["pp"]``, kept on the model as ``model.stages`` (a list: no module of the model's own).
 ``model.schedule_class`` is the schedule the update builds with its micro-batches: ``gpipe``
-(``ScheduleGPipe``), ``1f1b`` (``Schedule1F1B``) or ``interleaved`` (``ScheduleInterleaved1F1B``,
-several stages per rank, loop style). The head is tied to the embedding (``tied=True``): one
+(``ScheduleGPipe``), ``1f1b`` (``Schedule1F1B``), or with several stages per rank (loop style)
+``interleaved`` (``ScheduleInterleaved1F1B``), ``looped_bfs`` (``ScheduleLoopedBFS``) or
+``zero_bubble`` (``ScheduleInterleavedZeroBubble``). The head is tied to the embedding (``tied=True``): one
 parameter on one device, a copy on each of the first and the last stage.
 
 The updates (each ``update(model, optimizer, batch, micro_batches)``, one optimizer step):
@@ -108,7 +109,8 @@ class Stage(nn.Module):
 
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-             "interleaved": "ScheduleInterleaved1F1B"}  # fmt: skip
+             "interleaved": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
+             "zero_bubble": "ScheduleInterleavedZeroBubble"}  # fmt: skip
 
 
 def build(
