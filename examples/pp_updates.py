@@ -12,8 +12,8 @@ over ``mesh["pp"]``, kept on the model as ``model.stages`` (a list: no module of
 ``model.schedule_class`` is the schedule the update builds with its micro-batches: ``gpipe``
 (``ScheduleGPipe``), ``1f1b`` (``Schedule1F1B``), or with several stages per rank (loop style)
 ``interleaved`` (``ScheduleInterleaved1F1B``), ``looped_bfs`` (``ScheduleLoopedBFS``) or
-``zero_bubble`` (``ScheduleInterleavedZeroBubble``). The head is tied to the embedding (``tied=True``): one
-parameter on one device, a copy on each of the first and the last stage.
+``zero_bubble`` (``ScheduleInterleavedZeroBubble``). The head is tied to the embedding
+(``tied=True``): one parameter on one device, a copy on each of the first and the last stage.
 
 The updates (each ``update(model, optimizer, batch, micro_batches)``, one optimizer step):
 
