@@ -111,17 +111,9 @@ def refused(model: nn.Module, every: Sequence[Held], degree: int, label: str) ->
 
 def _pieces(trained: Trained, rank: int, gradient: bool) -> list[held.Piece]:
     """A rank's first gradient (``gradient``) or final parameters as pieces under the names it
-    holds them by (`Trained.held`)."""
+    holds them by (`Trained.held`, `core.held.pieces_of`)."""
     entries = [(name, shape) for name, shape, trains in trained.held if trains or not gradient]
-    vector = trained.first_gradient if gradient else trained.parameters
-    sizes = [int(torch.Size(shape).numel()) for _, shape in entries]
-    values = vector.split(sizes) if sum(sizes) == len(vector) else ()
-    if len(values) != len(entries):  # a rank that sent no vector (its final parameters)
-        return []
-    return [
-        held.Piece(rank, name, value.reshape(shape))
-        for (name, shape), value in zip(entries, values, strict=True)
-    ]
+    return held.pieces_of(rank, entries, trained.first_gradient if gradient else trained.parameters)
 
 
 def assembled(ranks: Sequence[Trained], model: nn.Module) -> Trained:
