@@ -25,7 +25,12 @@ FSDP2 over its ``fsdp`` mesh.
 - ``causal_lm_update``: its whole update over K micro-batches (each loss divided by K): exact;
 - ``build(plan="auto")``: the same through ``DistributedConfig(tp_plan="auto", ...)``;
 - ``build_plain``: the checkpoint loaded without a distributed config whatever the mesh: code that
-  does not parallelize itself.
+  does not parallelize itself;
+- ``build(family="qwen3")`` with ``causal_lm_update``: Qwen3's per-head ``q_norm`` and ``k_norm``,
+  replicated, see only the rank's heads; transformers' plan (``replicated_with_grad_allreduce``)
+  all-reduces their gradient in a hook after each backward that accumulates into it, so that
+  with K micro-batches the earlier micro-batches' share is summed again at each later one: at
+  tp 2 and K = 2, 2·G₁ + G₂ where one device has G₁ + G₂ (transformers 5.23).
 """
 
 from __future__ import annotations
@@ -41,31 +46,34 @@ from torch.utils.data import Dataset
 VOCABULARY, SEQUENCE = 64, 8
 
 
-def config():
-    """The tiny Llama's configuration: 2 layers, width 16, 4 heads over 2 key-value heads."""
-    from transformers import LlamaConfig
+def config(family: str = "llama"):
+    """The tiny model's configuration: 2 layers, width 16, 4 heads of 4 features over 2 key-value
+    heads; ``family``: ``llama``, or ``qwen3`` (Llama's layers with an RMSNorm over each head's
+    queries and keys, ``q_norm`` and ``k_norm``)."""
+    from transformers import LlamaConfig, Qwen3Config
 
-    return LlamaConfig(
+    kind = {"llama": LlamaConfig, "qwen3": Qwen3Config}[family]
+    return kind(
         vocab_size=VOCABULARY, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * SEQUENCE,
-        tie_word_embeddings=False,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+        max_position_embeddings=4 * SEQUENCE, tie_word_embeddings=False,
     )  # fmt: skip
 
 
-def saved(directory: str | None = None, seed: int = 0) -> str:
-    """The tiny Llama's random weights (drawn from ``seed``) saved with ``save_pretrained`` into
-    ``directory`` (by default one in the temporary directory, per seed), once: written beside it
-    and renamed into place, so that ranks saving it at once leave one whole checkpoint."""
-    from transformers import LlamaForCausalLM
+def saved(directory: str | None = None, seed: int = 0, family: str = "llama") -> str:
+    """The tiny model's random weights (drawn from ``seed``) saved with ``save_pretrained`` into
+    ``directory`` (by default one in the temporary directory, per family and seed), once: written
+    beside it and renamed into place, so that ranks saving it at once leave one checkpoint."""
+    from transformers import AutoModelForCausalLM
 
-    directory = directory or os.path.join(tempfile.gettempdir(), f"gatherlab-tiny-llama-{seed}")
+    directory = directory or os.path.join(tempfile.gettempdir(), f"gatherlab-tiny-{family}-{seed}")
     if os.path.exists(os.path.join(directory, "config.json")):
         return directory
     os.makedirs(os.path.dirname(directory) or ".", exist_ok=True)
     partial = tempfile.mkdtemp(prefix=os.path.basename(directory), dir=os.path.dirname(directory))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        LlamaForCausalLM(config()).save_pretrained(partial)
+        AutoModelForCausalLM.from_config(config(family)).save_pretrained(partial)
     try:
         os.rename(partial, directory)
     except OSError:  # another process renamed its copy first: the same weights
@@ -73,28 +81,28 @@ def saved(directory: str | None = None, seed: int = 0) -> str:
     return directory
 
 
-def build(mesh=None, directory: str | None = None, plan: str | None = None):
-    """The tiny Llama loaded from its checkpoint; with a mesh, split by transformers' own tensor
+def build(mesh=None, directory: str | None = None, plan: str | None = None, family: str = "llama"):
+    """The tiny model loaded from its checkpoint; with a mesh, split by transformers' own tensor
     parallelism over ``mesh["tp"].size()`` ranks (and FSDP2 over ``mesh["dp"].size()``);
     ``plan="auto"``: the model's own plan asked for by name."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    path = saved(directory)
+    path = saved(directory, family=family)
     if mesh is None:
-        return LlamaForCausalLM.from_pretrained(path)
+        return AutoModelForCausalLM.from_pretrained(path)
     from transformers.distributed import DistributedConfig
 
     distributed = DistributedConfig(
         tp_size=mesh["tp"].size(), fsdp_size=mesh["dp"].size(), tp_plan=plan
     )
-    return LlamaForCausalLM.from_pretrained(path, distributed_config=distributed)
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=distributed)
 
 
 def build_plain(mesh=None, directory: str | None = None):
     """The checkpoint loaded as on one device whatever the mesh: it does not parallelize itself."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(saved(directory))
+    return AutoModelForCausalLM.from_pretrained(saved(directory))
 
 
 def causal_lm_step(model, batch: torch.Tensor) -> torch.Tensor:

@@ -110,3 +110,48 @@ def test_a_factory_that_loads_it_plain_on_the_ranks_too_is_refused_in_one_line(c
         "--model hf_tp_steps:build_plain was given a mesh and made no parameter a DTensor over "
         "mesh['tp']: it does not parallelize itself"
     )
+
+
+Q_NORM = "model.layers.0.self_attn.q_norm.weight"
+
+
+def _accumulated_q_norm_gradient_on_rank(directory: str) -> torch.Tensor:
+    """Qwen3's first q_norm's gradient on this rank (tp 2) after two micro-batches of the first
+    8 rows, each loss divided by 2, as `hf_tp_steps.causal_lm_update` accumulates them."""
+    import hf_tp_steps
+
+    model = hf_tp_steps.build(world.mesh(2), directory=directory, family="qwen3").double()
+    rows = torch.stack([hf_tp_steps.Tokens()[i] for i in range(8)])
+    for micro_batch in rows.chunk(2):
+        (hf_tp_steps.causal_lm_step(model, micro_batch) / 2).backward()
+    return dict(model.named_parameters())[Q_NORM].grad.clone()
+
+
+def test_transformers_sums_a_per_head_norms_gradient_again_at_each_micro_batch(tmp_path):
+    # transformers 5.23 itself: Qwen3's q_norm and k_norm, replicated, see the rank's heads only;
+    # its plan all-reduces their gradient in a hook after each backward that accumulates into
+    # it, so K micro-batches sum the earlier ones' share again (fails when transformers fixes it)
+    import hf_tp_steps
+
+    directory = hf_tp_steps.saved(str(tmp_path / "qwen3"), family="qwen3")
+    options = {**STEP, "update": "hf_tp_steps:causal_lm_update", "step": None,
+               "model_kwargs": {"directory": directory, "family": "qwen3"}}  # fmt: skip
+    table = check_training(**options, world_sizes=(2,), micro_batches=(1, 2), steps=2).table
+    kept = table[table["removed"] == "none"].set_index(["micro_batches", "part"])
+    assert kept.loc[(1, "all"), "verdict"] == "exact"
+    assert (kept.loc[(2, "all"), "verdict"], kept.loc[(2, "model"), "gradient"]) == ("biased",) * 2
+    assert kept.loc[(2, "lm_head"), "gradient"] == "exact"
+    # independently: each micro-batch's gradient on one device, G1 and G2; the ranks hold
+    # 2·G1 + G2 where one device's update holds G1 + G2
+    ranks = pools.pool(2).run(_accumulated_q_norm_gradient_on_rank, directory)
+    rows = torch.stack([hf_tp_steps.Tokens()[i] for i in range(8)])
+    shares = []
+    for micro_batch in rows.chunk(2):
+        plain = hf_tp_steps.build(directory=directory, family="qwen3").double()
+        (hf_tp_steps.causal_lm_step(plain, micro_batch) / 2).backward()
+        shares.append(dict(plain.named_parameters())[Q_NORM].grad)
+    first, second = shares
+    for gradient in ranks:
+        scale = float((first + second).abs().max())
+        assert float((gradient - (2 * first + second)).abs().max()) <= 1e-12 * scale
+        assert float((gradient - (first + second)).abs().max()) >= 0.1 * scale
