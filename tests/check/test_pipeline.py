@@ -232,8 +232,8 @@ def test_a_logged_mean_of_micro_batch_parts_is_a_correct_run_whose_loss_is_1_ove
          "takes no mesh argument, so it cannot keep its stages of the ranks' mesh"),
         # found on the pipeline's ranks, before any rank trains
         ({"model_kwargs": {"keep": "nothing"}}, "--pipeline-parallel 2: --model pp_updates:build: "
-         "rank 1 of the pipeline keeps no parameter (its stage is empty); allowed: a split that "
-         "gives each rank of the pipeline a stage with parameters"),
+         "rank 1 keeps no parameter (its stage is empty); allowed: a split that gives each rank "
+         "of a pipeline a stage with parameters"),
         ({"model_kwargs": {"keep": "renamed"}}, "--pipeline-parallel 2: --model pp_updates:build: "
          "rank 0 holds module.emb.weight, which one device's model does not have; allowed: one "
          "device's names (emb.weight, layers.0.norm.weight,"),

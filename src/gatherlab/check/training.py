@@ -669,8 +669,9 @@ def _copies_words(apart: Sequence[Any]) -> str:
 def validate_pipeline(
     setting: Setting, micro_batches: Sequence[int], world_sizes: Sequence[int]
 ) -> None:
-    """A pipeline's split and schedule checked on the P ranks of one pipeline before any rank
-    trains (`update_form.Update.held_on_rank`): a ValueError of one line when the factory given
+    """A pipeline's split and schedule checked on the ranks of the smallest W before any rank
+    trains (`update_form.Update.held_on_rank`; the launcher's ranks under ``--launcher
+    external``): a ValueError of one line when the factory given
     the mesh raises, keeps no parameter on a rank (an empty stage), keeps a parameter under a
     name or shape one device's model does not have, or leaves one of its parameters on no rank
     (`stages.splits`), and when the update raises at a layout (W/P pipelines, K micro-batches:
@@ -679,11 +680,12 @@ def validate_pipeline(
     label, degree = setting.form.built_label(setting.label), setting.spec.pipeline_parallel
     one = stages.OneDevice.of(setting.checked(setting.built()))
     pairs = tuple(sorted({(w // degree, k) for w in world_sizes for k in micro_batches}))
+    first = min(world_sizes)
     try:
-        kept = ranks_for(degree).run(setting.form.held_on_rank, setting.spec, pairs)
+        kept = ranks_for(first).run(setting.form.held_on_rank, setting.spec, pairs)
     except RankError as error:
         raise ValueError(
-            f"{label} with a ('dp', 'pp') mesh on {degree} ranks: rank {error.rank}: {error.line}"
+            f"{label} with a ('dp', 'pp') mesh on {first} ranks: rank {error.rank}: {error.line}"
         ) from None
     wrong = stages.splits([found.names for found in kept], one)
     if wrong:

@@ -191,15 +191,16 @@ class Held:
 
 
 def splits(kept: Sequence[Sequence[tuple[str, tuple[int, ...]]]], one_device: OneDevice) -> str:
-    """What is wrong with the names and shapes each rank of a pipeline kept (``kept[r]``), as
+    """What is wrong with the names and shapes each rank kept (``kept[r]``: the ranks of one or
+    more pipelines), as
     one line with what is allowed: a rank that kept nothing (its stage is empty), or what
     `core.held.assemble` finds (a name or shape one device's model does not have, a parameter
     no rank holds); empty where they make one device's model."""
     empty = [rank for rank, names in enumerate(kept) if not names]
     if empty:
         return (
-            f"rank {empty[0]} of the pipeline keeps no parameter (its stage is empty); allowed: a "
-            "split that gives each rank of the pipeline a stage with parameters"
+            f"rank {empty[0]} keeps no parameter (its stage is empty); allowed: a split that gives "
+            "each rank of a pipeline a stage with parameters"
         )
     pieces = [held.Piece(rank, name, torch.zeros(shape, dtype=torch.float64))
               for rank, names in enumerate(kept) for name, shape in names]  # fmt: skip
@@ -216,8 +217,8 @@ def held_on_rank(
     layouts: Sequence[tuple[int, int]],
     one_device: OneDevice,
 ) -> Held:
-    """On each rank of a pipeline (W = P, before any rank trains): ``build()`` (the factory with
-    the mesh), the names it kept; when the ranks' names make one device's model (`splits`),
+    """On each rank of a layout (before any rank trains): ``build()`` (the factory with the
+    mesh), the names it kept; when the ranks' names make one device's model (`splits`),
     ``run(model, pipelines, K)`` (one update from the initial weights on a pipeline's rows of the
     first batch at that layout) at each layout on a fresh build, until one raises: its layout,
     its line and its schedule. Every rank decides alike (an all-gather of the names)."""

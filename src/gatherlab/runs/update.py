@@ -152,10 +152,10 @@ class Update(PlainModel):
         return stages.trained(model, mesh, one_device, seen.first, local, seen.unused)
 
     def held_on_rank(self, spec: RunSpec, layouts: tuple[tuple[int, int], ...]) -> stages.Held:
-        """On the P ranks of one pipeline, before any rank trains: what the factory kept on each
+        """On the ranks of a layout, before any rank trains: what the factory kept on each
         (`stages.held_on_rank`), and its update run once at each layout (W/P pipelines, K
-        micro-batches) on a pipeline's rows of the first batch there, from the initial
-        weights."""
+        micro-batches) on a pipeline's rows of the first batch there (the first of the rank's
+        rows here: a layout of at least as many pipelines), from the initial weights."""
         mesh = world.mesh(spec.pipeline_parallel, world.PIPELINE_MESH_DIMS)
         data = spec.data()
         seed_processes(spec.seed)
