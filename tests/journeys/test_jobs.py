@@ -111,7 +111,7 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
     copies not summed over their stages differ (each its stage's share of one device's gradient),
     named from the copies; a mean over each micro-batch's own tokens weighs ragged
     micro-batches otherwise, the loss first. Expert parallelism's (``ep``): an expert's gradient
-    averaged with other ranks' experts; a load-balancing loss over each rank's own tokens changes
+    averaged with other ranks' experts (two experts given one gradient); a load-balancing loss over each rank's own tokens changes
     the loss, every part's gradient."""
     first = FIRST_PART[job]
     divided = "loss differs" if job == "lightning_job" else "1/W"
@@ -128,7 +128,7 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
         "unscaled": ("K", 0, "all", "K", None),
         "untied": ("biased", 0, "emb", "biased", "copies_apart"),
         "ragged": ("loss differs", 0, "all", "biased", None),
-        "averaged": ("biased", 0, "moe", "biased", None),
+        "averaged": ("biased", 0, "moe", "biased", "experts_mixed"),
         "local-balance": ("loss differs", 0, first, "biased", None),
         "clip-per-mesh": ("biased", 0, "model", "biased", None),
     }[bug]

@@ -463,6 +463,56 @@ def _copies_apart(b: Recording, rows: list[Row]) -> list[Row]:
             if r.cause == terms.Cause.UNREDUCED else r for r in rows]  # fmt: skip
 
 
+def _experts_mixed(a: Recording, b: Recording, rows: list[Row]) -> list[Row]:
+    """Where B's ranks hold different parameters and two of them, held by different ranks (two
+    experts), got one gradient (not zero; equal to ``_MIXED`` of its largest entry) in B's whole
+    first gradient where A's differ, the departing rows' cause is ``experts_mixed``, those two
+    its words (``departs``): each expert's gradient was reduced with other experts', over ranks
+    that hold other experts at its place, as the check names it (`gatherlab.check.experts`)."""
+    held = b.header.get("held")
+    first = rows[0]
+    if not held or first.verdict in (EXACT, *WITHIN) or first.cause:
+        return rows
+    mine, theirs = b.full_gradient(0), a.full_gradient(0)
+    if mine is None or theirs is None:
+        return rows
+    holders: dict[str, set[int]] = {}
+    for rank, names in enumerate(held):
+        for name in names:
+            holders.setdefault(name, set()).add(rank)
+    sizes = [math.prod(p["shape"]) for p in b.header["parameters"]]
+    names = [p["name"] for p in b.header["parameters"]]
+    own = dict(zip(names, mine.double().split(sizes), strict=True))
+    one = dict(zip([p["name"] for p in a.header["parameters"]],
+                   theirs.double().split([math.prod(p["shape"]) for p in a.header["parameters"]]),
+                   strict=True))  # fmt: skip
+    for i, name in enumerate(names):
+        for other in names[i + 1 :]:
+            if own[name].shape != own[other].shape or holders[name] & holders[other]:
+                continue
+            scale = float(one[name].abs().max()) or 1.0
+            same = float((own[name] - own[other]).abs().max()) <= _MIXED * scale
+            apart = float((one[name] - one[other]).abs().max())
+            if same and float(own[name].abs().max()) > _MIXED * scale and apart > _MIXED * scale:
+                words = (
+                    f"{name} on rank {min(holders[name])} and {other} on rank "
+                    f"{min(holders[other])}, two experts, got one gradient, where one device's "
+                    f"differ by {apart / scale:.2g} (max relative difference)"
+                )
+                return [dataclasses.replace(r, cause=str(terms.Cause.EXPERTS_MIXED),
+                                            departs=words)
+                        if r.verdict not in (EXACT, *WITHIN) and not r.cause else r
+                        for r in rows]  # fmt: skip
+    return rows
+
+
+_MIXED = 1e-6
+"""How close two experts' gradients must be in B (of one device's largest entry) to be one
+gradient: float32's sums over the ranks (an all-reduce of two experts' gradients gives both the
+same bits, 0 measured in ``ep.py --bug averaged``; one device's two experts there differ by 1.4
+of the largest entry)."""
+
+
 _COPIES_SUMMED = 1e-4
 """How close the sum of a part's distinct copies must be to A's gradient (relative, of the
 sketches) for the comparison to name unsummed tied copies: beside float64's 1e-10, the rounding
@@ -616,6 +666,7 @@ def compare_recordings(
     rows, tolerance = _rows(a, b, reads, data, (floored, ceiling), (unreduced, desync, unlossed),
                             tolerance, micro_batches)  # fmt: skip
     rows = _copies_apart(b, rows)
+    rows = _experts_mixed(a, b, rows)
     judged = (floored is not None or ceiling is not None or precision == terms.Precision.FLOAT64
               or data.update is not None)  # fmt: skip
     departure = None
