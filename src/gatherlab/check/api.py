@@ -707,7 +707,9 @@ def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[A
         return dataclasses.replace(setting, spec=spec), (
             f"It computes some operations in float32 itself (the first: {watched.lower}), and "
             "the floor is not measured for a tensor-parallel model: judged in float64, its own "
-            "float32 operations kept"
+            "float32 operations kept. One over rows that the data-parallel groups split (a mean "
+            "loss in float32, as transformers' own) rounds otherwise than one device by a float32 "
+            "unit: a loss computed from the logits in float64 is judged to float64's rounding"
         )
     judged, low = floor.judged_in(requested, watched.runs, watched.autocast)
     setting = dataclasses.replace(setting, spec=dataclasses.replace(setting.spec, precision=judged))
