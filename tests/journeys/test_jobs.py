@@ -62,11 +62,13 @@ sampler, which Lightning replaces by a DistributedSampler) cost a Lightning impo
 (docs/jobs.md)."""
 
 WORLD_SIZES = {"ddp": (4,), "fsdp2": (4,), "zero": (2,), "lightning_job": (2,), "tp": (4,),
-               "pp": (2, 4), "ep": (2, 4), "hf_tp": (2, 4)}  # fmt: skip
+               "pp": (2,), "ep": (2,), "hf_tp": (2, 4)}  # fmt: skip
 """The world size each correct job is launched at (their bug switches run at 2; FSDP2's shards
 uneven at 4; ``tp`` at 4, dp 2 × tp 2 with its default ``--tp 2``, FSDP2 over tensor parallelism,
-its switches at tp = 2 alone); the recorder under DDP, FSDP2 and ZeRO at W = 2 and 4 is tested on
-the pool (tests/recording/test_recorder.py), under tensor parallelism at tp = 2 and dp 2 × tp 2 in
+its switches at tp = 2 alone; ``pp`` and ``ep`` at 2 in float32, and at 4, dp 2 × pp 2 and one
+expert per rank, in float64, `FLOAT64`, number by number; docs/jobs.md has them at 4 in
+float32); the recorder under DDP, FSDP2 and ZeRO at W = 2 and 4 is tested on the pool
+(tests/recording/test_recorder.py), under tensor parallelism at tp = 2 and dp 2 × tp 2 in
 tests/recording/test_placed.py."""
 
 PARTS = {
@@ -111,8 +113,8 @@ def expected(job: str, bug: str) -> tuple[str, int, str, str, str | None]:
     copies not summed over their stages differ (each its stage's share of one device's gradient),
     named from the copies; a mean over each micro-batch's own tokens weighs ragged
     micro-batches otherwise, the loss first. Expert parallelism's (``ep``): an expert's gradient
-    averaged with other ranks' experts (two experts given one gradient); a load-balancing loss over each rank's own tokens changes
-    the loss, every part's gradient."""
+    averaged with other ranks' experts (two experts given one gradient); a load-balancing loss
+    over each rank's own tokens changes the loss, every part's gradient."""
     first = FIRST_PART[job]
     divided = "loss differs" if job == "lightning_job" else "1/W"
     return {
