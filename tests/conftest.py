@@ -87,7 +87,7 @@ LONGEST_FILES = (
     "lab/test_pipeline_parallel_sweep.py",  # 28 s (alone, its pools started: 5 s warm; issue 70)
     "check/test_pipeline.py",  # 26 s (alone at load 6.5, 18 s CPU, its pools started; issue 70)
     "check/test_hf_tensor_parallel.py",  # 25 s (alone, its pools started; issue 70)
-    "recording/test_hf_tensor_parallel.py",  # 20 s (alone, its pool started; issue 70)
+    "recording/test_hf_tp_recording.py",  # 20 s (alone, its pool started; issue 70)
     "ranks/test_launch.py",  # 25 s
     "journeys/test_record_st.py",  # 21 s
     "check/test_sharded.py",  # 21 s
