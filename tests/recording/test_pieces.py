@@ -8,7 +8,10 @@ in micro-batches: `rows.kept_together`."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -142,3 +145,32 @@ def test_token_ids_cut_in_micro_batches_keep_the_positions_of_their_batch():
     assert np.array_equal(together, whole)
     unpadded = torch.tensor([[1 + (3 * 0 + j) % 9 for j in range(5)]])
     assert digests([sampled(unpadded)])[0][0] == whole[0]
+
+
+def test_a_tied_models_recording_names_its_tied_weights_and_a_copy_under_its_own_name_is_refused(
+    tmp_path,
+):
+    """One device's recording of a model whose head is tied to its embedding writes the tie
+    (``named_parameters(remove_duplicate=False)`` lists the one parameter under both names);
+    compared with it, a pipeline's recording that holds the head's copy under its own name is
+    refused in one line that gives the ``names=`` to record it under one device's."""
+    import gatherlab.record
+    from gatherlab.check import recordings
+    from gatherlab.recording.format import read
+
+    model = _LM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gatherlab.record(model, optimizer, tmp_path / "one"):
+        for _ in range(2):
+            optimizer.zero_grad()
+            model.head(model.norm(model.emb(torch.tensor([[1, 2, 3]])))).sum().backward()
+            optimizer.step()
+    one = read(tmp_path / "one")
+    assert one.header["tied"] == {"head.weight": "emb.weight"}
+    assert [p["name"] for p in one.header["parameters"]].count("emb.weight") == 1
+    stage = {"parameters": [*one.header["parameters"],
+                            {"name": "head.weight", "shape": [10, 4], "part": "head"}]}  # fmt: skip
+    with pytest.raises(recordings.NotComparable) as refused:
+        recordings._same_model(one, SimpleNamespace(header=stage))
+    assert "which A's model ties to emb.weight" in str(refused.value)
+    assert "names={'emb.weight': <its head.weight>}" in str(refused.value)
