@@ -174,3 +174,39 @@ def test_a_tied_models_recording_names_its_tied_weights_and_a_copy_under_its_own
         recordings._same_model(one, SimpleNamespace(header=stage))
     assert "which A's model ties to emb.weight" in str(refused.value)
     assert "names={'emb.weight': <its head.weight>}" in str(refused.value)
+
+
+def test_ranks_holding_different_parameters_beside_a_dtensor_are_refused_alike(tmp_path):
+    """Pipeline or expert parallelism beside a DTensor (here on rank 0 alone) is refused in one
+    line on every rank, before any update (each rank decides from every rank's parameters: a
+    rank that went on would wait for the others at its first collective). On the pool's real
+    gloo ranks."""
+    from gatherlab.ranks import pool as pools
+
+    refused = pools.pool(2).run(_stage_beside_a_shard, str(tmp_path / "run"))
+    assert refused == ["the ranks hold different parameters (pipeline stages or experts) and "
+                       "some are DTensors (FSDP2, tensor parallelism): the recorder does not "
+                       "combine the two"] * 2  # fmt: skip
+    assert not (tmp_path / "run").exists()
+
+
+def _stage_beside_a_shard(out: str) -> str:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from gatherlab.recording.format import RecordingError
+    from gatherlab.recording.recorder import Recorder
+
+    mesh = init_device_mesh("cpu", (2,))
+    rank = dist.get_rank()
+    model = nn.Module()
+    setattr(model, f"stage{rank}", nn.Linear(3, 3))  # each rank its own stage
+    if rank == 0:  # and a shard of a parameter beside it
+        model.shard = nn.Parameter(DTensor.from_local(torch.zeros(1, 3), mesh, [Shard(0)],
+                                                      run_check=False))  # fmt: skip
+    try:
+        Recorder(model, torch.optim.SGD(model.parameters(), lr=0.1), out)
+    except RecordingError as error:
+        return str(error).removeprefix("gatherlab.record: ").split(";")[0]
+    return "recorded"

@@ -82,11 +82,13 @@ class Piece:
 class Held:
     """What each rank holds (``ranks``: its parameters, one device's names and shapes, in its
     order; ``from_model``: the names that are the model's, whose parts are cut as one device's
-    model is) and one device's order of them (``order``)."""
+    model is), one device's order of them (``order``), and whether some are DTensors."""
 
     ranks: tuple[tuple[Named, ...], ...]
     from_model: frozenset[str]
     order: tuple[Named, ...]
+    sharded: bool = False
+    """Whether some rank holds a ``DTensor`` among them (FSDP2, tensor parallelism)."""
 
     def pieces(self, part_of: Callable[[str], str]) -> list[Piece]:
         """The pieces of every part: its parameters grouped by the ranks that hold them (each
@@ -146,19 +148,24 @@ class Held:
 
 
 def held_by(
-    held: Sequence[Named], from_model: Sequence[str], copies: Sequence[str], distributed: bool
+    held: Sequence[Named],
+    from_model: Sequence[str],
+    copies: Sequence[str],
+    distributed: bool,
+    sharded: bool = False,
 ) -> Held | None:
     """Every rank's parameters (one collective, when the recorder is made), as `Held`: what it
-    holds, which of them are the model's, which it holds as another's copy (`merged`); None
-    without a process group or where every rank holds the same parameters."""
+    holds, which of them are the model's, which it holds as another's copy (`merged`), and
+    whether some rank holds a ``DTensor`` (``sharded``: every rank decides alike); None without
+    a process group or where every rank holds the same parameters."""
     if not distributed:
         return None
     every: list = [None] * dist.get_world_size()
-    sent = ([(n, tuple(s)) for n, s in held], list(from_model), list(copies))
+    sent = ([(n, tuple(s)) for n, s in held], list(from_model), list(copies), sharded)
     dist.all_gather_object(every, sent)
-    ranks = tuple(tuple(parameters) for parameters, _, _ in every)
+    ranks = tuple(tuple(parameters) for parameters, _, _, _ in every)
     if all(parameters == ranks[0] for parameters in ranks):
         return None
-    model = frozenset(name for _, names, _ in every for name in names)
-    order = merged(ranks, [frozenset(names) for _, _, names in every])
-    return Held(ranks, model, tuple(order))
+    model = frozenset(name for _, names, _, _ in every for name in names)
+    order = merged(ranks, [frozenset(names) for _, _, names, _ in every])
+    return Held(ranks, model, tuple(order), any(shard for *_, shard in every))

@@ -449,11 +449,12 @@ class Recorder:
         own = {n for n, _ in _unwrapped(model).named_parameters()}
         from_model = [p.name for p in self._parameters if id(p.parameter) in ids]
         copies = [name for name in from_model if name not in own]
+        sharded = any(isinstance(p.parameter, _dtensor()) for p in self._parameters)
         held = pieces.held_by([(p.name, tuple(p.parameter.shape)) for p in self._parameters],
-                              from_model, copies, self._distributed)  # fmt: skip
+                              from_model, copies, self._distributed, sharded)  # fmt: skip
         if held is None:
             return None, []
-        if any(isinstance(p.parameter, _dtensor()) for p in self._parameters):
+        if held.sharded:  # decided alike on every rank
             refuse(
                 "the ranks hold different parameters (pipeline stages or experts) and some are "
                 "DTensors (FSDP2, tensor parallelism): the recorder does not combine the two; "
