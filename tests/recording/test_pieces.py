@@ -210,3 +210,29 @@ def _stage_beside_a_shard(out: str) -> str:
     except RecordingError as error:
         return str(error).removeprefix("gatherlab.record: ").split(";")[0]
     return "recorded"
+
+
+def test_a_bad_name_given_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """``names=`` differs between a pipeline's ranks (its last stage names the tied copy): a bad
+    one on rank 1 alone is refused in its one line on both ranks, before any update, where rank
+    0 would otherwise wait for rank 1 at the recorder's first collective."""
+    from gatherlab.ranks import pool as pools
+
+    refused = pools.pool(2).run(_named_on_rank_one, str(tmp_path / "run"))
+    assert refused == ["names={'emb.weight': ...}: not a tensor the optimizer updates"] * 2
+    assert not (tmp_path / "run").exists()
+
+
+def _named_on_rank_one(out: str) -> str:
+    import torch.distributed as dist
+
+    from gatherlab.recording.format import RecordingError
+    from gatherlab.recording.recorder import Recorder
+
+    model = nn.Linear(3, 3)
+    names = {"emb.weight": torch.zeros(3)} if dist.get_rank() == 1 else {}
+    try:
+        Recorder(model, torch.optim.SGD(model.parameters(), lr=0.1), out, names=names)
+    except RecordingError as error:
+        return str(error).split(";")[0]
+    return "recorded"

@@ -145,7 +145,7 @@ def _parameters(
     the job names in ``names`` (that name, its own part; a parameter of the model named there is
     recorded under that name, one device's: a tied weight's copy on another stage), any other
     (``optimizer.<group>.<index>``, its own part). A name given twice, or a named tensor the
-    optimizer does not update, is refused in one line."""
+    optimizer does not update, raises `_Unnamed` with its one line (`Recorder._named`)."""
     named: list[_Parameter] = []
     seen: set[int] = set()
 
@@ -170,16 +170,21 @@ def _parameters(
     taken = {p.name for p in named}
     for name, parameter in names.items():
         if not isinstance(parameter, torch.Tensor) or id(parameter) not in optimized:
-            refuse(f"names={{{name!r}: ...}}: not a tensor the optimizer updates; "
+            raise _Unnamed(f"names={{{name!r}: ...}}: not a tensor the optimizer updates; "
                              "allowed: its parameters outside the model and the loss")  # fmt: skip
         if name in taken and renamed.get(id(parameter)) != name:
-            refuse(f"names={{{name!r}: ...}}: the model or the loss has a parameter "
+            raise _Unnamed(f"names={{{name!r}: ...}}: the model or the loss has a parameter "
                              f"of that name already; allowed: a name of its own")  # fmt: skip
         add(name, name, parameter)
     for g, group in enumerate(optimizer.param_groups):
         for i, parameter in enumerate(group["params"]):
             add(f"optimizer.{g}.{i}", f"optimizer.{g}.{i}", parameter)
     return named
+
+
+class _Unnamed(ValueError):
+    """A bad ``names=`` of `_parameters`: its one line, refused by `Recorder._named` on every
+    rank alike."""
 
 
 def _tied(model: nn.Module) -> dict[str, str]:
@@ -376,7 +381,7 @@ class Recorder:
         self.rank = dist.get_rank() if self._distributed else 0
         self._floor_forward: _FloorForward | None = None
         out, row_blocks = self._floor(model, out)
-        self._parameters = _parameters(model, loss, optimizer, names or {})
+        self._parameters = self._named(model, loss, optimizer, names or {})
         self._held, self._pieces = self._holding(model, loss, optimizer, names or {})
         if full_updates is None:  # the first update's whole gradient where it is small
             shapes = ([shape for _, shape in self._held.order] if self._held is not None
@@ -438,6 +443,22 @@ class Recorder:
         }  # fmt: skip
         self._writer = self._open(Path(out), header)
         self._hooks = self._attach(model, optimizer, loss, options.batches, options.losses)
+
+    def _named(self, model, loss, optimizer, names) -> list[_Parameter]:
+        """`_parameters`, a bad ``names=`` refused on every rank alike: the ranks may be given
+        different names (a pipeline's last stage names its tied copy), so each rank's answer is
+        sent to all of them (one collective) and the first refusal is every rank's."""
+        try:
+            named, why = _parameters(model, loss, optimizer, names), None
+        except _Unnamed as refused:
+            named, why = [], str(refused)
+        if self._distributed:
+            every: list[Any] = [None] * self.world_size
+            dist.all_gather_object(every, why)
+            why = next((line for line in every if line), None)
+        if why is not None:
+            refuse(why)
+        return named
 
     def _holding(self, model, loss, optimizer, names) -> tuple[Any, list[pieces.Piece]]:
         """Where the ranks hold different parameters (pipeline stages, experts): what each holds
