@@ -9,9 +9,9 @@ agree, whether a rank's initial weights are one device's, and the routing (the s
 between a token's top two probabilities, the tokens a capacity keeps).
 
 For each flag of the stand-in (the correct code, a capacity factor of 1, and each departure) at
-(W, E) ∈ {(2, 2), (4, 2), (4, 4)}. Writes ``figures/expert_parallel.{csv,md}``.
+(W, E) ∈ {(2, 2), (4, 2), (4, 4)}. Writes ``figures/expert_parallel_stand_in.{csv,md}``.
 
-Usage: ``python experiments/expert_parallel.py``
+Usage: ``python experiments/expert_parallel_stand_in.py``
 """
 
 from __future__ import annotations
@@ -147,17 +147,17 @@ def table(results: pd.DataFrame) -> str:
 def main() -> None:
     results = measure()
     FIGURES.mkdir(exist_ok=True)
-    runfiles.write_table(results, FIGURES / "expert_parallel.csv")
+    runfiles.write_table(results, FIGURES / "expert_parallel_stand_in.csv")
     first = results.iloc[0]
     text = (
-        "# Expert parallelism against one device (`python experiments/expert_parallel.py`)\n\n"
+        "# Expert parallelism against one device (`python experiments/expert_parallel_stand_in.py`)\n\n"
         "One update of `tests/cases/moe_steps.py` (float64, global batch "
         f"{GLOBAL_BATCH}); the smallest gap between a token's top two router probabilities "
         f"{first['smallest_top_two_gap']:.2g}; with a capacity factor of 1, "
         f"{results.loc[results['case'] == 'correct, capacity factor 1', 'tokens_kept'].iloc[0]} "
         "tokens kept.\n\n" + table(results) + "\n"
     )
-    (FIGURES / "expert_parallel.md").write_text(text)
+    (FIGURES / "expert_parallel_stand_in.md").write_text(text)
     print(text)
     pools.close_pools()
 
