@@ -1,5 +1,5 @@
-"""Functions that tests/ranks/test_rank_messages.py runs on every rank of a pool: warnings and an
-error without a message. Apart from the tests, so that a worker unpickling them imports torch
+"""Functions that tests/ranks/test_rank_messages.py and test_watched.py run on every rank of a pool:
+warnings, an error without a message, and a job that does more each time it is sent. Apart from
 alone."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import contextlib
 import io
 import warnings
 
+import torch
 import torch.distributed as dist
 
 MESSAGE = "every rank warns here"
@@ -32,3 +33,17 @@ def bare_assert_on_rank_one() -> None:
 
 def bare_assert(value: object) -> None:
     assert value
+
+
+_sent = 0  # how many times this rank ran `one_more_all_reduce_each_time`
+
+
+def one_more_all_reduce_each_time() -> int:
+    """All-reduces as many times as this rank has run it (the same job, sent again, does more):
+    the second run's collectives are ones the first never entered."""
+    global _sent
+    _sent += 1
+    total = torch.ones(1)
+    for _ in range(_sent):
+        dist.all_reduce(total)
+    return int(total.item())

@@ -186,3 +186,16 @@ def test_the_command_refuses_a_bad_collective_timeout_in_one_line(bad, capsys):
     assert ended.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--collective-timeout" in err[0] and "allowed" in err[0], err
+
+
+def test_the_same_job_sent_again_is_watched_afresh():
+    """A job's watch keys are its own run's: a warm pool sent the same job twice (the same check
+    run again) must not read the first run's marks, where each rank had ended after one
+    all-reduce, as peers that returned before the second run's second all-reduce."""
+    import rank_messages
+
+    ranks = pool.pool(2)
+    with watched.watching(NEVER):
+        first = ranks.run(rank_messages.one_more_all_reduce_each_time)
+        second = ranks.run(rank_messages.one_more_all_reduce_each_time)
+    assert first == [2, 2] and second == [4, 4]  # 1 × 2, then (1 × 2) × 2

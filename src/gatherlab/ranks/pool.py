@@ -180,13 +180,15 @@ def _run_job(
             # current directory that is not this worker's (a user's loss, gather, model or
             # data set), and a module is found where the caller finds it, not in a directory
             # an earlier job left on this rank's path.
-            search_path, job, watch_s, here = pickle.loads(payload)
+            search_path, pickled, watch_s, here = pickle.loads(payload)
             sys.path[:] = [*search_path, *(e for e in sys.path if e not in search_path)]
             # The caller's current directory: a relative path in the job (a file the user's
             # code opens, a place shown relative to it: `cli.place`) reads as in the caller.
             with contextlib.suppress(OSError):  # a directory since removed: stay
                 os.chdir(here)
-            function, args = pickle.loads(job)
+            function, args = pickle.loads(pickled)
+            # The watch's keys are this job's number (``job``), never its bytes: a job sent
+            # twice (the same check run again on a warm pool) must not read the first's keys.
             result = _watched_call(function, args, watched.Peers(store, job, rank, watch_s))
         _answer(connection, ("ok", result, sendable_warnings(caught)))
     except BaseException as error:  # the job's own error, or a result that does not pickle
