@@ -1,6 +1,6 @@
 """Functions that tests/ranks/test_rank_messages.py and test_watched.py run on every rank of a pool:
 warnings, an error without a message, and a job that does more each time it is sent. Apart from
-alone."""
+the tests, so that a worker unpickling them imports torch alone."""
 
 from __future__ import annotations
 
