@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 import warnings
 
 import torch
@@ -47,3 +48,18 @@ def one_more_all_reduce_each_time() -> int:
     for _ in range(_sent):
         dist.all_reduce(total)
     return int(total.item())
+
+
+def raises_on_two_while_three_waits_elsewhere() -> None:
+    """Rank 2 raises; ranks 0 and 1 wait for it in an all-reduce over ranks 0-2 and pass its error
+    on; rank 3 comes late to an all-reduce with rank 0, which rank 0 never entered: what rank 3
+    reads of rank 0 is its end, with the error it passed on."""
+    first, other = dist.new_group([0, 1, 2]), dist.new_group([0, 3])
+    rank = dist.get_rank()
+    if rank == 2:
+        raise ValueError("rank two's own error")
+    if rank == 3:
+        time.sleep(1.0)
+        dist.all_reduce(torch.ones(1), group=other)
+    else:
+        dist.all_reduce(torch.ones(1), group=first)

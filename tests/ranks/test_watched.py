@@ -199,3 +199,14 @@ def test_the_same_job_sent_again_is_watched_afresh():
         first = ranks.run(rank_messages.one_more_all_reduce_each_time)
         second = ranks.run(rank_messages.one_more_all_reduce_each_time)
     assert first == [2, 2] and second == [4, 4]  # 1 × 2, then (1 × 2) × 2
+
+
+def test_a_peers_error_passed_on_is_named_by_the_rank_that_raised_it():
+    """Rank 2 raises; ranks 0 and 1, waiting for it, pass its error on; rank 3, waiting for rank 0
+    in another group, reads rank 0's end with the error it passed on: the job's error is still rank
+    2's, not rank 0's."""
+    import rank_messages
+
+    with watched.watching(NEVER), pytest.raises(pool.RankError) as raised:
+        pool.pool(4).run(rank_messages.raises_on_two_while_three_waits_elsewhere)
+    assert (raised.value.rank, raised.value.line) == (2, "ValueError: rank two's own error")

@@ -84,11 +84,19 @@ class Entered:
 @dataclasses.dataclass(frozen=True)
 class Ended:
     """A rank that left the job's code: ``counts`` the collectives it entered in each group,
-    ``error`` its error in one line when it raised (None: it returned)."""
+    ``error`` its error in one line when it raised (None: it returned), and ``raised_by`` the rank
+    whose error that is (a peer's error this rank passed on keeps the peer's rank; None: its
+    own)."""
 
     rank: int
     counts: dict[str, int]
     error: str | None
+    raised_by: int | None = None
+
+    @property
+    def raiser(self) -> int:
+        """The rank whose error ``error`` is."""
+        return self.rank if self.raised_by is None else self.raised_by
 
 
 class CollectiveError(RuntimeError):
@@ -310,7 +318,9 @@ class _Watch(TorchFunctionMode):
         seen = dict(zip(others, told, strict=True))
         raised = [item for item in seen.values() if isinstance(item, Ended) and item.error]
         if raised:  # a peer raised: its error is the job's, as if this rank had not waited
-            return CollectiveError(raised[0].error, raised[0].rank, own=True)
+            # named by the rank that raised it, not by a peer that passed it on first
+            first_raised = min(raised, key=lambda item: (item.raised_by is not None, item.raiser))
+            return CollectiveError(first_raised.error, first_raised.raiser, own=True)
         line = f"{terms.COLLECTIVES_DIFFER} {disagreement(mine, seen) or first}"
         return CollectiveError(line, min([mine.rank, *seen]))
 
@@ -330,7 +340,8 @@ def watched(peers: Peers | None) -> Iterator[None]:
             yield
     except BaseException as error:
         line = error.line if isinstance(error, CollectiveError) else cli.error_line(error)
-        peers.publish(peers.ended_key(peers.rank), Ended(peers.rank, watch.counts, line))
+        passed_on = error.rank if isinstance(error, CollectiveError) and error.own else None
+        peers.publish(peers.ended_key(peers.rank), Ended(peers.rank, watch.counts, line, passed_on))
         raise
     finally:
         _active.watch = None
