@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
@@ -534,10 +534,7 @@ class TrainingOptions(_Common):
         degree = self.tensor_parallel
         if degree is None:
             return
-        if not terms.is_integer(degree, 2):
-            raise CheckError(
-                f"--tensor-parallel {degree!r} is not allowed; allowed: an integer ≥ 2"
-            )
+        _integer_degree("--tensor-parallel", degree)
         if self.form == "module":
             raise CheckError(
                 f"--tensor-parallel {degree} with --module: a LightningModule is distributed by "
@@ -545,15 +542,7 @@ class TrainingOptions(_Common):
                 "factory parallelizes the model over the mesh it is given"
             )
         ranks = [w for w in self.world_sizes if w != 1]
-        apart = [w for w in ranks if w % degree]
-        if apart:
-            allowed = ", ".join(str(t) for t in range(2, min(ranks) + 1)
-                                if all(w % t == 0 for w in ranks)) or "none"  # fmt: skip
-            raise CheckError(
-                f"--tensor-parallel {degree} does not divide --world-sizes "
-                f"{','.join(map(str, self.world_sizes))} (W = {apart[0]}): a layout's mesh is "
-                f"W/T × T ranks; allowed: a T dividing every W ({allowed})"
-            )
+        _dividing_every_w("--tensor-parallel", degree, "a T", self.world_sizes, ranks)
 
     def _check_expert_parallel(self) -> None:
         """CheckError of one line for an expert-parallel degree E that is not an integer ≥ 2
@@ -562,10 +551,7 @@ class TrainingOptions(_Common):
         degree = self.expert_parallel
         if degree is None:
             return
-        if not terms.is_integer(degree, 2):
-            raise CheckError(
-                f"--expert-parallel {degree!r} is not allowed; allowed: an integer ≥ 2"
-            )
+        _integer_degree("--expert-parallel", degree)
         if self.form == "module":
             raise CheckError(
                 f"--expert-parallel {degree} with --module: a LightningModule is distributed by "
@@ -578,15 +564,7 @@ class TrainingOptions(_Common):
                 "mesh of the ranks at a time; allowed: one of them"
             )
         ranks = [w for w in self.world_sizes if w != 1]
-        apart = [w for w in ranks if w % degree]
-        if apart:
-            allowed = ", ".join(str(e) for e in range(2, min(ranks) + 1)
-                                if all(w % e == 0 for w in ranks)) or "none"  # fmt: skip
-            raise CheckError(
-                f"--expert-parallel {degree} does not divide --world-sizes "
-                f"{','.join(map(str, self.world_sizes))} (W = {apart[0]}): a layout's mesh is "
-                f"W/E × E ranks; allowed: an E dividing every W ({allowed})"
-            )
+        _dividing_every_w("--expert-parallel", degree, "an E", self.world_sizes, ranks)
 
     def _check_pipeline_parallel(self) -> None:
         """CheckError of one line for a pipeline-parallel degree P that is not an integer ≥ 2
@@ -596,10 +574,7 @@ class TrainingOptions(_Common):
         degree = self.pipeline_parallel
         if degree is None:
             return
-        if not terms.is_integer(degree, 2):
-            raise CheckError(
-                f"--pipeline-parallel {degree!r} is not allowed; allowed: an integer ≥ 2"
-            )
+        _integer_degree("--pipeline-parallel", degree)
         if self.form != "update":
             raise CheckError(
                 f"--pipeline-parallel {degree} with --{self.form}: a pipeline's schedule runs "
@@ -614,15 +589,7 @@ class TrainingOptions(_Common):
                 f"--pipeline-parallel {degree} with {other}: one mesh of the ranks at a time; "
                 "allowed: one of them"
             )
-        apart = [w for w in self.world_sizes if w % degree]
-        if apart:
-            allowed = ", ".join(str(p) for p in range(2, min(self.world_sizes) + 1)
-                                if all(w % p == 0 for w in self.world_sizes)) or "none"  # fmt: skip
-            raise CheckError(
-                f"--pipeline-parallel {degree} does not divide --world-sizes "
-                f"{','.join(map(str, self.world_sizes))} (W = {apart[0]}): a layout's mesh is "
-                f"W/P × P ranks; allowed: a P dividing every W ({allowed})"
-            )
+        _dividing_every_w("--pipeline-parallel", degree, "a P", self.world_sizes, self.world_sizes)
         batch = self.global_batch_size
         for w in self.world_sizes:
             pipelines = w // degree
@@ -634,3 +601,28 @@ class TrainingOptions(_Common):
                         f"{pipelines} pipelines, --pipeline-parallel {degree}); allowed: W/P × K "
                         f"dividing {batch}"
                     )
+
+
+def _integer_degree(option: str, degree: Any) -> None:
+    """CheckError of one line for a model-parallel degree (``option``'s) that is not an integer
+    ≥ 2."""
+    if not terms.is_integer(degree, 2):
+        raise CheckError(f"{option} {degree!r} is not allowed; allowed: an integer ≥ 2")
+
+
+def _dividing_every_w(
+    option: str, degree: int, named: str, world_sizes: Sequence[int], ranks: Sequence[int]
+) -> None:
+    """CheckError of one line for a model-parallel degree (``option``'s, ``named`` "a T" in the
+    words) that does not divide every W of ``ranks`` (the layouts of ``world_sizes`` that have a
+    mesh): a layout's mesh is W/degree × degree ranks."""
+    apart = [w for w in ranks if w % degree]
+    if apart:
+        allowed = ", ".join(str(d) for d in range(2, min(ranks) + 1)
+                            if all(w % d == 0 for w in ranks)) or "none"  # fmt: skip
+        letter = named.split()[-1]
+        raise CheckError(
+            f"{option} {degree} does not divide --world-sizes "
+            f"{','.join(map(str, world_sizes))} (W = {apart[0]}): a layout's mesh is "
+            f"W/{letter} × {letter} ranks; allowed: {named} dividing every W ({allowed})"
+        )
