@@ -1,15 +1,17 @@
 """A causal language model trained with pipeline parallelism (``torch.distributed.pipelining``: a
 manual ``PipelineStage`` per rank, ``Schedule1F1B`` or ``ScheduleGPipe`` over ``--micro-batches``
-micro-batches, on the ``pp`` dimension of ``init_device_mesh("cpu", (W / pp, pp))`` on gloo,
-``--pp`` 2 by default, the replicas of a stage averaged over ``dp`` when W > pp), in float32
-(the users' default; ``--dtype float64`` to judge to float64's 1e-10). The model: a token and
-a position embedding, ``DEPTH`` pre-norm transformer blocks, a final LayerNorm and a head tied to
-the token embedding (one ``nn.Parameter`` on one device). Its text: token sequences of ragged
-lengths, padded to ``LENGTH``, the padding's labels ignored (-100).
+micro-batches, or two stages a rank with ``ScheduleInterleaved1F1B``, on the ``pp`` dimension of
+``init_device_mesh("cpu", (W / pp, pp))`` on gloo, ``--pp`` 2 by default, the replicas of a
+stage averaged over ``dp`` when W > pp), in float32 (the users' default; ``--dtype float64`` to
+judge to float64's 1e-10). The model: a token and a position embedding, ``DEPTH`` pre-norm
+transformer blocks, a final LayerNorm and a head tied to the token embedding (one
+``nn.Parameter`` on one device). Its text: token sequences of ragged lengths, padded to
+``LENGTH``, the padding's labels ignored (-100).
 
     python examples/jobs/pp.py --record runs/one                 # one device, no process group
     torchrun --nproc-per-node 2 examples/jobs/pp.py --record runs/pp2
     torchrun --nproc-per-node 4 examples/jobs/pp.py --record runs/dp2pp2    # dp 2 × pp 2
+    torchrun --nproc-per-node 2 examples/jobs/pp.py --schedule interleaved --record runs/i2
     GATHERLAB_RECORD_FLOOR=runs/one-floor GATHERLAB_RECORD_FLOOR_BLOCKS=4 \\
         python examples/jobs/pp.py --record runs/one
     python -m gatherlab.compare runs/one runs/pp2 --floor runs/one-floor
@@ -20,7 +22,10 @@ head's weight, a copy of the first stage's embedding; recorded with the one docu
 every rank, ``gatherlab.record(model, optimizer, DIR, loss=loss_fn, names=...)``, where
 ``names={"emb.weight": model.head.weight}`` on the last stage gives that copy one device's name.
 The first stage feeds the rows (the recorder digests them there), the last computes the loss
-(recorded there alone).
+(recorded there alone). Interleaved, a rank keeps the blocks of its two stages (rank 0 of 2
+blocks 0 and 2, rank 1 blocks 1 and 3) in its one model, and each stage's module calls that
+model's forward on its own blocks (`Chunk`), so that the recorder on the model sees each stage's
+call.
 
 Correct (``--bug none``): each micro-batch's loss is its tokens' cross-entropy summed and divided
 by the global batch's tokens (every micro-batch's and every replica's, counted before the step),
@@ -44,6 +49,7 @@ PART NORM`` at the end.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import sys
@@ -59,6 +65,12 @@ import gatherlab.data
 import gatherlab.record
 
 BUGS = ("unscaled", "untied", "ragged")
+Ends = collections.namedtuple("Ends", "is_first is_last")
+"""Whether a rank holds the pipeline's first stage (it is given the rows) and its last (the
+labels)."""
+SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
+             "interleaved": "ScheduleInterleaved1F1B"}  # fmt: skip
+"""The schedules the job takes: ``torch.distributed.pipelining``'s class of each."""
 VOCAB, LENGTH, WIDTH, HEADS, DEPTH = 32, 12, 16, 2, 4
 PAD, IGNORED = 0, -100
 
@@ -118,27 +130,53 @@ class LanguageModel(nn.Module):
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.head.weight = self.emb.weight  # tied: one parameter on one device
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.emb is not None:
+    def forward(self, h: torch.Tensor, blocks: list[str] | None = None) -> torch.Tensor:
+        """The blocks ``blocks`` (an interleaved stage's; by default every block it keeps), after
+        the embeddings where they start at block 0 and before the norm and head where they end
+        at the last block."""
+        blocks = list(self.layers) if blocks is None else blocks
+        if self.emb is not None and "0" in blocks:
             h = self.emb(h) + self.position(torch.arange(h.shape[1], device=h.device))
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.head(h) if self.head is not None else h
+        for key in blocks:
+            h = self.layers[key](h)
+        if self.head is not None and str(DEPTH - 1) in blocks:
+            h = self.head(self.norm(h))
+        return h
 
 
-def split(model: LanguageModel, stage: int, stages: int) -> None:
-    """Keep stage ``stage`` of ``stages`` in ``model``: its ``DEPTH`` / stages blocks, the
-    embeddings on the first, the final norm and the head on the last."""
+class Chunk(nn.Module):
+    """One of an interleaved rank's stages: its blocks (and the embeddings on the first stage,
+    the norm and head on the last) registered here, whose gradients the schedule scales, and a
+    forward that calls the rank's model on them (a plain reference, not a submodule: the
+    schedule would scale the model's other stage's gradients too)."""
+
+    def __init__(self, model: LanguageModel, blocks: list[str]):
+        super().__init__()
+        self.blocks, self.call = blocks, [model]
+        self.layers = nn.ModuleList(model.layers[key] for key in blocks)
+        if "0" in blocks:
+            self.emb, self.position = model.emb, model.position
+        if str(DEPTH - 1) in blocks:
+            self.norm, self.head = model.norm, model.head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.call[0](h, blocks=self.blocks)
+
+
+def split(model: LanguageModel, mine: list[int], stages: int) -> list[list[str]]:
+    """Keep the stages ``mine`` of ``stages`` in ``model``: their ``DEPTH`` / stages blocks each,
+    the embeddings on the first, the final norm and the head on the last; each kept stage's
+    blocks."""
     per = DEPTH // stages
+    kept = [[str(i) for i in range(stage * per, (stage + 1) * per)] for stage in mine]
     for i in range(DEPTH):
-        if not stage * per <= i < (stage + 1) * per:
+        if not any(str(i) in blocks for blocks in kept):
             del model.layers[str(i)]
-    if stage > 0:
+    if 0 not in mine:
         model.emb = model.position = None
-    if stage < stages - 1:
+    if stages - 1 not in mine:
         model.norm = model.head = None
+    return kept
 
 
 class TokenLoss(nn.Module):
@@ -171,7 +209,12 @@ def _options(parser: argparse.ArgumentParser) -> None:
         default=4,
         help="micro-batches per update, at least the stages (default: 4)",
     )
-    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")  # fmt: skip
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="1f1b",
+        help="1f1b, gpipe, or interleaved: two stages per rank, interleaved 1F1B (default: 1f1b)",
+    )
 
 
 def _refuse(line: str) -> None:
@@ -184,27 +227,36 @@ def _refuse(line: str) -> None:
 def pipeline(model: LanguageModel, loss_fn: TokenLoss, args: argparse.Namespace, world: int):
     """The mesh, this rank's stage of ``model`` and its schedule; the groups of its replicas and
     of the tied weight's two stages. Bad input refused in one line, before any training."""
+    from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    pp = args.pp
-    if pp < 2 or world % pp or DEPTH % pp:
-        _refuse(f"--pp={pp}: the pipeline's stages; allowed: at least 2, dividing the "
-                f"{world} ranks and the {DEPTH} blocks")  # fmt: skip
+    pp, interleaved = args.pp, args.schedule == "interleaved"
+    stages = pp * (2 if interleaved else 1)
+    if pp < 2 or world % pp or DEPTH % stages:
+        _refuse(f"--pp={pp}: the pipeline's ranks; allowed: at least 2, dividing the {world} "
+                f"ranks, their {stages} stages dividing the {DEPTH} blocks")  # fmt: skip
     if args.schedule == "1f1b" and args.micro_batches < pp:
         _refuse(f"--micro-batches={args.micro_batches}: 1F1B needs at least one per stage; "
                 f"allowed: {pp} or more, or --schedule gpipe")  # fmt: skip
+    if interleaved and args.micro_batches % pp:
+        _refuse(f"--micro-batches={args.micro_batches}: interleaved 1F1B needs a multiple of the "
+                f"pipeline's {pp} ranks; allowed: {pp}, {2 * pp}, …")  # fmt: skip
     if args.global_batch % (world // pp * args.micro_batches):
         _refuse(f"--global-batch={args.global_batch} does not divide into {world // pp} "
                 f"replicas × {args.micro_batches} micro-batches; allowed: a multiple of "
                 f"{world // pp * args.micro_batches}")  # fmt: skip
     mesh = init_device_mesh("cpu", (world // pp, pp), mesh_dim_names=("dp", "pp"))
     replica, index = mesh.get_coordinate()
-    split(model, index, pp)
-    stage = PipelineStage(model, index, pp, torch.device("cpu"), group=mesh["pp"].get_group())
-    built = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.schedule]
-    schedule = built(stage, args.micro_batches, loss_fn=loss_fn,
-                     scale_grads=args.bug != "unscaled")  # fmt: skip
+    mine = [index, index + pp] if interleaved else [index]  # stage s on rank s % pp
+    kept = split(model, mine, stages)
+    modules = [Chunk(model, blocks) for blocks in kept] if interleaved else [model]
+    built = [pipelining.PipelineStage(module, s, stages, torch.device("cpu"),
+                                      group=mesh["pp"].get_group())
+             for module, s in zip(modules, mine, strict=True)]  # fmt: skip
+    schedule = getattr(pipelining, SCHEDULES[args.schedule])(
+        built if interleaved else built[0], args.micro_batches, loss_fn=loss_fn,
+        scale_grads=args.bug != "unscaled")  # fmt: skip
+    stage = Ends(built[0].is_first, built[-1].is_last)
     tied = None
     for row in mesh.mesh.tolist():  # every rank makes every group
         group = dist.new_group([row[0], row[-1]])

@@ -141,20 +141,31 @@ FLOAT64 = "float64"
 pp 2; four ranks of one expert each), where its recording must be one device's to float64's
 rounding, number by number."""
 
+INTERLEAVED = "interleaved"
+"""The pipeline's run with two stages a rank (``--schedule interleaved``: rank 0 of a pipeline
+holds stages 0 and 2) in float64 (in place of a switch), at W = 4 (dp 2 × pp 2), whose recording
+must be one device's number by number as `FLOAT64`'s is; its one device is `FLOAT64`'s."""
+
+OWN_RUNS = {"pp": (FLOAT64, INTERLEAVED), "ep": (FLOAT64,)}
+"""The float32 jobs' runs at W = 4 beside their correct run and switches."""
+
 TOGETHER = {
     world_size: [(job, bug) for job in sorted(BUGS, key=lambda job: job == "lightning_job")
-                 for bug in ("none", *BUGS[job], *((FLOAT64,) if job in FLOAT32 else ()))
+                 for bug in ("none", *BUGS[job], *OWN_RUNS.get(job, ()))
                  if world_size in (WORLD_SIZES[job] if bug == "none" else
-                                   (4,) if bug == FLOAT64 else (2,))]
+                                   (4,) if bug in OWN_RUNS.get(job, ()) else (2,))]
     for world_size in (2, 4)
 }  # fmt: skip
 """The runs that share a launch at each W (`bundled_jobs.launch_together`): every correct job at
-its W and every switch at 2, the float32 jobs in float64 at 4; Lightning's job last (it sets
-process-wide state: its seed's variable)."""
+its W and every switch at 2, the float32 jobs in float64 at 4 (the pipeline interleaved too);
+Lightning's job last (it sets process-wide state: its seed's variable)."""
 
 
 def switched(bug: str) -> tuple[str, ...]:
-    """A run's arguments for ``bug``: the switch, or float64 (`FLOAT64`)."""
+    """A run's arguments for ``bug``: the switch, float64 (`FLOAT64`), or interleaved stages in
+    float64 (`INTERLEAVED`)."""
+    if bug == INTERLEAVED:
+        return "--schedule", "interleaved", "--dtype", "float64"
     return ("--dtype", "float64") if bug == FLOAT64 else ("--bug", bug)
 
 
@@ -171,6 +182,8 @@ def recorded(tmp_path_factory):
         return str(root / f"{job}-{bug}-{world_size or 'one'}")
 
     def run(job: str, world_size: int | None, bug: str = "none"):
+        if world_size is None and bug == INTERLEAVED:  # one device has no schedule
+            bug = FLOAT64
         if world_size is None and bug not in ("sampler", "floor", FLOAT64):
             bug = "none"
         key = (job, world_size, bug)
@@ -271,17 +284,18 @@ def test_a_switch_that_does_not_apply_is_refused_in_one_line(monkeypatch, capsys
     )
 
 
-@pytest.mark.parametrize("job", FLOAT32)
-def test_a_pipeline_and_experts_record_one_devices_numbers_in_float64(job, recorded):
-    """The float32 jobs run in float64 at W = 4 (a pipeline of 2 stages, each with 2 replicas;
-    4 ranks of one expert each, a router and every other layer replicated): the recording made
-    of the ranks' pieces is one device's recording, number by number, to float64's rounding: the
-    rows (the first stages' only, in rank order), every update's loss (the last stages'), each
-    part's sketch and norm, the first update's whole gradient assembled in one device's order,
-    the final weights' sketches; no part unreduced or drifted; the comparison ``exact``."""
+@pytest.mark.parametrize(("job", "run"), [(job, run) for job in FLOAT32 for run in OWN_RUNS[job]])
+def test_a_pipeline_and_experts_record_one_devices_numbers_in_float64(job, run, recorded):
+    """The float32 jobs run in float64 at W = 4 (a pipeline of 2 stages, each with 2 replicas,
+    and of 4 stages interleaved two a rank; 4 ranks of one expert each, a router and every other
+    layer replicated): the recording made of the ranks' pieces is one device's recording, number
+    by number, to float64's rounding: the rows (the first stages' only, in rank order), every
+    update's loss (the last stages'), each part's sketch and norm, the first update's whole
+    gradient assembled in one device's order, the final weights' sketches; no part unreduced or
+    drifted; the comparison ``exact``."""
     from gatherlab.recording.format import read
 
-    one, many = (read(recorded(job, w, FLOAT64)[1]) for w in (None, 4))
+    one, many = (read(recorded(job, w, run)[1]) for w in (None, 4))
     assert many.header["held"] and not one.header["held"] and many.parts == one.parts
     assert len(many.header["held"]) == 4
     for a, b in zip(one.updates, many.updates, strict=True):

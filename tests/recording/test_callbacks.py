@@ -33,7 +33,11 @@ def test_a_trainer_given_as_the_model_and_an_optimizer_without_a_step_are_refuse
         gatherlab.record(trainer, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "a")
     with pytest.raises(RecordingError, match=r"optimizer is a builtins\.dict, which has no step"):
         gatherlab.record(model, {"lr": 0.1}, tmp_path / "b")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    stages = [model, torch.nn.Linear(2, 2)]  # a rank's two stages, as a list of model parts
+    with pytest.raises(RecordingError, match=r"model is a list of 2 modules \(a rank's stages\?\)"
+                       r".*allowed: one module holding them under one device's names"):  # fmt: skip
+        gatherlab.record(stages, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "c")
+    assert not any((tmp_path / name).exists() for name in "abc")
 
 
 @needs_transformers

@@ -73,6 +73,24 @@ def test_the_ranks_parameters_are_merged_in_one_devices_order():
     assert merged(ranks) == _named(moe)
 
 
+def test_interleaved_stages_and_experts_dealt_in_turn_merge_in_one_devices_order():
+    """Interleaved 1F1B's four stages on two ranks (rank 0 stages 0 and 2, rank 1 stages 1 and 3
+    with the tied head's copy; and their replicas at dp 2 × pp 2), and four experts dealt in turn
+    (rank r experts r and r + 2): merged, one device's ``named_parameters`` order, the numbered
+    siblings in their numbers' order whichever rank holds them."""
+    lm = _LM()
+    first = _named(lm, lambda n: n.startswith(("emb.", "layers.0.", "layers.2.")))
+    last = _named(lm, lambda n: n.startswith(("layers.1.", "layers.3.", "norm.")),
+                  copies=[("head.weight", "emb.weight")])  # fmt: skip
+    copies = [frozenset(), frozenset({"emb.weight"})]
+    assert merged([first, last], copies) == _named(lm)
+    assert merged([first, last, first, last], copies * 2) == _named(lm)
+    moe = _MoE()
+    dealt = [_named(moe, lambda n, r=r: not n.startswith("experts.") or int(n[8]) % 2 == r)
+             for r in range(2)]  # fmt: skip
+    assert merged(dealt) == _named(moe)
+
+
 def test_a_parts_sketch_from_its_pieces_is_its_whole_gradients_and_copies_are_compared():
     """A part holding a replicated router (both ranks) and two experts per rank: the pieces'
     first copies summed give the sketch of the part's whole gradient (each parameter's signs

@@ -36,8 +36,11 @@ Named = tuple[str, tuple[int, ...]]
 
 def merged(ranks: Sequence[Sequence[Named]], copies: Sequence[frozenset[str]] = ()) -> list[Named]:
     """Every rank's parameters in one order that keeps each rank's own (one device's, for
-    consecutive stages and for experts numbered in order): repeatedly the next parameter of the
-    lowest rank that no other rank holds later in its own order. ``copies``: per rank, the names
+    consecutive stages, for stages interleaved over the ranks and for experts numbered in
+    order): repeatedly the next parameter of a rank that no other rank holds later in its own
+    order, of the lowest such rank but where another's is a lower-numbered sibling
+    (`_numbered_before`: ``layers.1.…`` before ``layers.2.…``, as an ``nn.ModuleList`` or a
+    ``ModuleDict`` keyed by number orders them on one device). ``copies``: per rank, the names
     it holds as another parameter's copy (a tied weight on the last stage, named by the job as
     one device names it), which take the place their own holder gives them and order nothing."""
     queues = [[item for item in held if item[0] not in (copies[rank] if copies else ())]
@@ -51,6 +54,9 @@ def merged(ranks: Sequence[Sequence[Named]], copies: Sequence[frozenset[str]] = 
             if not any(queue[0][0] in (n for n, _ in other[1:]) for other in queues)
         ]
         queue = (ready or waiting)[0]  # orders that disagree: the lowest rank's first
+        for other in ready[1:]:
+            if _numbered_before(other[0][0], queue[0][0]):
+                queue = other
         name = queue[0][0]
         order.append(queue[0])
         for other in queues:
@@ -62,6 +68,17 @@ def merged(ranks: Sequence[Sequence[Named]], copies: Sequence[frozenset[str]] = 
                 placed.add(item[0])
                 order.append(item)
     return order
+
+
+def _numbered_before(name: str, other: str) -> bool:
+    """Whether parameter ``name`` is a lower-numbered sibling's than ``other``: at the first
+    component of their dotted paths where they differ, both are numbers and ``name``'s is less
+    (stage 1's ``layers.1.w`` before stage 2's ``layers.2.w``, held by rank 1 and rank 0 of an
+    interleaved pipeline). Other names are not ordered by this."""
+    for mine, theirs in zip(name.split("."), other.split("."), strict=False):
+        if mine != theirs:
+            return mine.isdigit() and theirs.isdigit() and int(mine) < int(theirs)
+    return False
 
 
 @dataclass(frozen=True)

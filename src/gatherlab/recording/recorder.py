@@ -262,6 +262,13 @@ class _Batched:
 def _hookable(model: Any, optimizer: Any) -> None:
     """One line (`format.RecordingError`) for a model or optimizer the recorder cannot hook: a
     trainer given as the model (a trainer takes a callback), an optimizer with no step."""
+    if isinstance(model, list | tuple) and model and all(isinstance(m, nn.Module) for m in model):
+        refuse(
+            f"gatherlab.record: model is a {type(model).__name__} of {len(model)} modules (a "
+            f"rank's stages?), not one torch.nn.Module whose forward can be hooked; allowed: one "
+            f"module holding them under one device's names, whose forward each stage's module "
+            f'calls (docs/recording.md §11, "Pipeline and expert parallelism")'
+        )
     if not isinstance(model, nn.Module):
         kind = f"{type(model).__module__}.{type(model).__qualname__}"
         refuse(
