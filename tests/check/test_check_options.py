@@ -76,8 +76,10 @@ def received(monkeypatch) -> dict:
 def test_the_command_line_passes_every_option_to_check_training(received):
     argv, expected = [], {}
     for option in ON_THE_COMMAND_LINE:
-        # one form: an update; one mesh of the ranks (the pipeline's option: test_pipeline.py)
-        if option.name in ("module", "step", "tensor_parallel", "pipeline_parallel"):
+        # one form: an update; one mesh of the ranks (the pipeline's option: test_pipeline.py);
+        # context parallelism is refused whatever its degree (below)
+        if option.name in ("module", "step", "tensor_parallel", "pipeline_parallel",
+                           "context_parallel"):  # fmt: skip
             continue
         text, value = SAMPLES[option.metadata.get("kind", "text")]
         text, value = ALLOWED.get(option.name, (text, value))
@@ -146,6 +148,13 @@ def test_keywords_and_an_options_object_are_the_same_check(received):
         ({**A_STEP, "tensor_parallel": 4, "world_sizes": (2, 4)}, "--tensor-parallel 4 does not "
          "divide --world-sizes 2,4 (W = 2): a layout's mesh is W/T × T ranks; allowed: a T "
          "dividing every W (2)"),
+        ({**A_STEP, "context_parallel": 2}, "--context-parallel 2: context parallelism does not "
+         "run on a CPU, where the check's ranks run: torch 2.13's context_parallel has no "
+         "sharding strategy for the CPU's scaled-dot-product attention "
+         "(aten._scaled_dot_product_flash_attention_for_cpu); allowed: no --context-parallel "
+         "(the sequence's shards of tensor parallelism: --tensor-parallel)"),
+        ({**A_STEP, "context_parallel": 1.5}, "--context-parallel 1.5 is not allowed; allowed: an "
+         "integer ≥ 2"),
     ],
 )  # fmt: skip
 def test_a_bad_training_option_is_one_line_when_the_options_are_made(given, line):
@@ -219,3 +228,28 @@ def test_the_loss_checks_setting_is_the_gradient_audits(optim):
     for name, target, kwargs in setting.style_losses:
         recipe = config.loss_factory_of(cfg.audit.losses[name], None, 0)
         assert (recipe.factory, dict(recipe.kwargs)) == (api.locate(target), kwargs)
+
+
+def test_context_parallelism_still_cannot_run_on_a_cpu():
+    """The reason `options.CONTEXT_PARALLEL_ON_CPU` gives, measured: torch's ring attention over a
+    CPU mesh (one rank of gloo in this process: the sharding rule is looked up before any rank
+    is sent anything) raises for the CPU's attention kernel. Once torch can, this fails, and the
+    refusal is to be replaced by a check of context parallelism."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+        q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+        sharded = context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2])
+        with pytest.raises(NotImplementedError) as raised, sharded:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    finally:
+        dist.destroy_process_group()
+    assert "_scaled_dot_product_flash_attention_for_cpu" in str(raised.value)
+    assert "does not have a sharding strategy" in str(raised.value)
+    assert torch.__version__.startswith("2.13")  # the version the refusal names

@@ -374,6 +374,18 @@ class TrainingOptions(_Common):
             metavar="P",
         ),
     )
+    context_parallel: int | None = field(
+        default=None,
+        metadata=_option(
+            "for --step, --update: the context-parallel degree C (ring attention over sequence "
+            "shards, torch.distributed.tensor.experimental.context_parallel): refused, since on "
+            "a CPU, where the check's ranks run, torch cannot run it (docs/checking.md §10, "
+            '"Pipeline parallelism")',
+            "--context-parallel",
+            kind="int",
+            metavar="C",
+        ),
+    )
     model_kwargs: Mapping[str, Any] | None = field(
         default=None,
         metadata=_option(
@@ -493,6 +505,7 @@ class TrainingOptions(_Common):
         self._check_tensor_parallel()
         self._check_pipeline_parallel()
         self._check_expert_parallel()
+        self._check_context_parallel()
 
     def _check_layouts(self) -> None:
         """The world sizes and micro-batches as tuples, or CheckError of one line: W ≥ 2 dividing
@@ -601,6 +614,28 @@ class TrainingOptions(_Common):
                         f"{pipelines} pipelines, --pipeline-parallel {degree}); allowed: W/P × K "
                         f"dividing {batch}"
                     )
+
+    def _check_context_parallel(self) -> None:
+        """CheckError of one line for any context-parallel degree: the check's ranks run on CPUs
+        (gloo), where torch's ring attention has no sharding strategy for the CPU's attention
+        kernel (`CONTEXT_PARALLEL_ON_CPU`; tests/check/test_check_options.py runs it, and fails
+        once torch can)."""
+        degree = self.context_parallel
+        if degree is None:
+            return
+        _integer_degree("--context-parallel", degree)
+        raise CheckError(
+            f"--context-parallel {degree}: context parallelism does not run on a CPU, where the "
+            f"check's ranks run: {CONTEXT_PARALLEL_ON_CPU}; allowed: no --context-parallel "
+            "(the sequence's shards of tensor parallelism: --tensor-parallel)"
+        )
+
+
+CONTEXT_PARALLEL_ON_CPU = (
+    "torch 2.13's context_parallel has no sharding strategy for the CPU's scaled-dot-product "
+    "attention (aten._scaled_dot_product_flash_attention_for_cpu)"
+)
+"""Why a context-parallel check is refused: what torch says when asked, measured here."""
 
 
 def _integer_degree(option: str, degree: Any) -> None:
