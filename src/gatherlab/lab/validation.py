@@ -276,6 +276,21 @@ def _validate_pipeline(
             "whole, with no floor run in row blocks; allowed: layout.row_blocks=1 (a low precision "
             "judged by the check, python -m gatherlab.check --pipeline-parallel)"
         )
+    _validate_pipeline_layout(cfg, strategy, devices)
+    item = config.instantiate("data", cfg["data"]["dataset"])[(0, 0)]
+    if item[0].is_floating_point():
+        raise ConfigError(
+            "strategy=pp with a data set of real-valued views: its language model reads token ids; "
+            "allowed: data=tokens"
+        )
+
+
+def _validate_pipeline_layout(
+    cfg: Mapping[str, Any], strategy: Mapping[str, Any], devices: int
+) -> None:
+    """``strategy=pp``'s degree, schedule and micro-batches at a layout of ``devices`` ranks
+    (`_validate_pipeline`'s), and the model's stages at that many: the schedule's own
+    requirements, each one line."""
     from gatherlab.components.pipeline import Schedule
 
     size = _integer("strategy.pipeline_parallel", strategy.get("pipeline_parallel", 1), minimum=1)
@@ -316,12 +331,6 @@ def _validate_pipeline(
             config.build_model(cfg).pipeline_stages(stages)
         except ValueError as error:
             raise ConfigError(f"model ({cfg['model']['_target_']}): {error}") from None
-    item = config.instantiate("data", cfg["data"]["dataset"])[(0, 0)]
-    if item[0].is_floating_point():
-        raise ConfigError(
-            "strategy=pp with a data set of real-valued views: its language model reads token ids; "
-            "allowed: data=tokens"
-        )
 
 
 def _validate_tensor_parallel(
