@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gatherlab.recording.rows import row_digests, rows_of
+from gatherlab.recording.rows import padding, paddings_together, resolved, row_digests, rows_of
 
 SENTENCES = [[2, 7, 9, 3], [2, 5, 3], [2, 8, 8, 6, 11, 3], [2, 4, 3]]  # [CLS] … [SEP], pad 0
 
@@ -63,6 +63,26 @@ def test_without_a_mask_the_pad_value_is_read_from_the_batch_where_it_shows():
     assert row_digests(torch.tensor([[2, 8, 3, 0, 0]]))[0] != alone([2, 8, 3])
     floats = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
     assert rows_of(floats)[1] is None
+
+
+def test_two_rows_whose_ends_tie_are_resolved_by_the_pad_other_batches_show():
+    """Two rows of a device's batch, the first padded by one 0 and the second ending in 17, a
+    token nowhere else: 0 and 17 each end one row in a run of one, so either could pad the
+    other row. The batch alone keeps every position (as before) and names both; the run's other
+    batches, in which 0 padded, choose 0; seen as often, or neither seen, every position."""
+    tied = torch.tensor([[5, 6, 7, 0], [8, 9, 10, 17]])
+    found = padding(tied)
+    assert found.keep is None and found.pad is None
+    assert [pad for pad, _ in found.ties] in ([(0,), (17,)], [(17,), (0,)])
+    zero = dict(found.ties)[(0,)]
+    assert zero.tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert resolved(found, {(0,): 3}).tolist() == zero.tolist()
+    assert resolved(found, {}) is None and resolved(found, {(0,): 2, (17,): 2}) is None
+    shown = padding(padded(SENTENCES))  # a batch that shows its pad: no tie, its value
+    assert shown.pad == (0,) and not shown.ties and resolved(shown, {(17,): 9}) is shown.keep
+    # micro-batches of one batch: the tie's positions cut as the calls are
+    halves = paddings_together([tied[:1], tied[1:]])
+    assert [dict(h.ties)[(0,)].tolist() for h in halves] == [[zero[0].tolist()], [zero[1].tolist()]]
 
 
 def test_rows_that_differ_inside_or_in_their_tokens_count_are_told_apart():

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 __all__ = [
-    "Sampled", "digests", "first_tensor", "given_rows", "hexadecimal", "kept", "kept_together",
-    "row_digests", "rows_of", "sampled", "unmasked_ids",
+    "Padding", "Sampled", "digests", "first_tensor", "given_rows", "hexadecimal", "kept",
+    "kept_together", "padding", "paddings_together", "resolved", "row_digests", "rows_of",
+    "sampled", "unmasked_ids",
 ]  # fmt: skip
 
 _SAMPLED = 256
@@ -73,20 +74,58 @@ def unmasked_ids(rows: torch.Tensor, mask: torch.Tensor | None) -> bool:
 
 def kept_together(calls: list[torch.Tensor]) -> list[torch.Tensor | None]:
     """`kept` of each of an update's calls of token ids without a mask (`unmasked_ids`), their
-    padding found over every call of one shape together: a pipeline's micro-batches are cut from
-    one padded batch, and a micro-batch of two rows padded alike shows no padding of its own,
-    where the batch does (a digest of its padded rows would differ from one device's)."""
-    found: list[torch.Tensor | None] = [None] * len(calls)
+    padding found over every call of one shape together (`paddings_together`)."""
+    return [found.keep for found in paddings_together(calls)]
+
+
+def paddings_together(calls: list[torch.Tensor]) -> list[Padding]:
+    """The `Padding` of each of an update's calls of token ids without a mask (`unmasked_ids`),
+    found over every call of one shape together: a pipeline's micro-batches are cut from one
+    padded batch, and a micro-batch of two rows padded alike shows no padding of its own, where
+    the batch does (a digest of its padded rows would differ from one device's)."""
+    found = [Padding(None)] * len(calls)
     shapes: dict[tuple, list[int]] = {}
     for i, rows in enumerate(calls):
         shapes.setdefault((tuple(rows.shape[1:]), rows.dtype), []).append(i)
     for members in shapes.values():
-        keep = _trailing_padding(torch.cat([calls[i] for i in members]))
-        if keep is not None:
-            pieces = keep.split([len(calls[i]) for i in members])
-            for i, piece in zip(members, pieces, strict=True):
-                found[i] = piece
+        together = padding(torch.cat([calls[i] for i in members]).detach().cpu())
+        counts = [len(calls[i]) for i in members]
+        pieces = [None] * len(members) if together.keep is None else together.keep.split(counts)
+        ties = [keep.split(counts) for _, keep in together.ties]
+        for j, (i, piece) in enumerate(zip(members, pieces, strict=True)):
+            found[i] = Padding(
+                piece,
+                together.pad,
+                tuple((pad, split[j]) for (pad, _), split in zip(together.ties, ties, strict=True)),
+            )
     return found
+
+
+@dataclass(frozen=True)
+class Padding:
+    """What a batch of token ids without a mask shows of its padding (`padding`): the positions
+    before each row's trailing run of its pad value (``keep``; None: every position) and that
+    value (``pad``, its elements as a tuple; None where the batch shows none); or, where values
+    end its rows alike (``ties``: each value and the positions it would leave), none of them.
+    Two rows of a device's batch, one ending in one pad and the other in a token that appears
+    nowhere else, tie: which is the padding only other batches tell (the recorder's
+    `resolved`)."""
+
+    keep: torch.Tensor | None
+    pad: tuple | None = None
+    ties: tuple[tuple[tuple, torch.Tensor], ...] = ()
+
+
+def resolved(found: Padding, seen: Mapping[tuple, int]) -> torch.Tensor | None:
+    """The positions a call's rows keep: its `Padding`'s, or, where values tie, the positions
+    of the tied value that pads the most of the run's other batches (``seen``: each pad value's
+    number of batches that showed it, on every rank), every position where none or several
+    tied values are seen as often."""
+    if not found.ties:
+        return found.keep
+    counts = sorted(((seen.get(pad, 0), i) for i, (pad, _) in enumerate(found.ties)), reverse=True)
+    best, second = counts[0][0], counts[1][0] if len(counts) > 1 else 0
+    return found.ties[counts[0][1]][1] if best > second else None
 
 
 def rows_of(value: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -168,6 +207,11 @@ def kept(rows: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor |
 
 
 def _trailing_padding(rows: torch.Tensor) -> torch.Tensor | None:
+    """`padding`'s positions: None where the batch shows no padding or values tie."""
+    return padding(rows).keep
+
+
+def padding(rows: torch.Tensor) -> Padding:
     """The positions before each row's trailing run of the pad value, where the batch shows which
     value pads it. A pad value appears in no row but in its trailing run (a sentence's end token
     appears inside every padded row, before its padding), and some row ends otherwise (the
@@ -180,10 +224,10 @@ def _trailing_padding(rows: torch.Tensor) -> torch.Tensor | None:
     them. What it cannot tell: rows of one length all padded by as many (kept padded), and, in a
     batch of unpadded rows of one length whose end tokens repeat only at the ends (no end token
     appended), the commonest end is taken for padding; an attention mask given with the rows
-    decides instead (`kept`)."""
+    decides instead (`kept`). Values that qualify alike are `Padding.ties`."""
     count, length = rows.shape[:2]
     if count < 2 or length < 2:
-        return None
+        return Padding(None)
     positions = rows.reshape(count, length, -1)
     ends, ending = torch.unique(positions[:, -1], dim=0, return_counts=True)
     qualified = []
@@ -192,13 +236,19 @@ def _trailing_padding(rows: torch.Tensor) -> torch.Tensor | None:
         trailing = equal.flip(1).cumprod(1).flip(1).bool()
         if not (equal & ~trailing).any():  # only in trailing runs: it may be padding
             runs = trailing.sum(1)
-            qualified.append((int(ending[candidate]), int(runs.max()), trailing, runs))
+            pad = tuple(ends[candidate].tolist())
+            qualified.append((int(ending[candidate]), int(runs.max()), trailing, runs, pad))
     if len(ends) == 1:  # every row ends alike: padding where the runs differ in length
-        return ~qualified[0][2] if qualified and len(set(qualified[0][3].tolist())) > 1 else None
+        if qualified and len(set(qualified[0][3].tolist())) > 1:
+            return Padding(~qualified[0][2], qualified[0][4])
+        return Padding(None)
     qualified.sort(key=lambda found: found[:2], reverse=True)
-    if not qualified or (len(qualified) > 1 and qualified[0][:2] == qualified[1][:2]):
-        return None
-    return ~qualified[0][2]
+    if not qualified:
+        return Padding(None)
+    tied = [found for found in qualified if found[:2] == qualified[0][:2]]
+    if len(tied) > 1:
+        return Padding(None, None, tuple((found[4], ~found[2]) for found in tied))
+    return Padding(~qualified[0][2], qualified[0][4])
 
 
 _CANDIDATES = 4
