@@ -457,8 +457,9 @@ CAUSES = {
         "their stage (the gradient of the first holder is the run's). Fix: sum the tied copies' "
         "gradients over the ranks that hold them before the optimizer's step (dist.all_reduce("
         "p.grad, group=mesh['pp'].get_group()), a rank without a copy adding zeros), and "
-        "average the replicas' over mesh['dp'] (an expert's: sum them over mesh['dp'] and "
-        "divide by W)."
+        "reduce the replicas' over mesh['dp'] as the loss is divided: their mean where each "
+        "replica's loss is the mean over its own rows, their sum where each divides by the "
+        "global batch's count (an expert's likewise over the ranks that hold it)."
     ),
     terms.Cause.MICRO_SCALE: (
         "Measured: every part's gradient is the same factor of one device's (cosine 1), a factor "
@@ -624,7 +625,9 @@ CULPRIT_DIAGNOSES = {
         "expert's, of their first gradients): nothing sums or "
         "averages their gradients over their holders, and no removal changes that. Fix: "
         "all-reduce the tied copies' gradients over the pipeline (a sum) and the replicas' over "
-        "its data-parallel group (a mean) before the optimizer's step."
+        "its data-parallel group (a mean where each replica's loss is the mean over its own "
+        "rows, a sum where each divides by the global batch's count) before the optimizer's "
+        "step."
     ),
     Culprit.PARTIAL: (
         "a replicated parameter's gradient is a partial sum over a tensor-parallel mesh "
