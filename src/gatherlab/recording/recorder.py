@@ -40,6 +40,7 @@ refused in one line (`gatherlab.recording.refusal`).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import os
@@ -67,10 +68,10 @@ from gatherlab.recording.rows import (
     digests,
     first_tensor,
     given_rows,
-    hexadecimal,
     kept,
     kept_together,
     sampled,
+    sampled_bits,
     unmasked_ids,
 )
 from gatherlab.runs.removals import batch_norms
@@ -240,23 +241,29 @@ class _Batched:
     parameters: list[_Parameter]
     pads: list[torch.Tensor]
     signs: torch.Tensor  # parts × blocks, in the blocks' dtype
-    member: torch.Tensor  # parts × blocks, 1 where the block is the part's, float64
+    member: np.ndarray  # parts × blocks, 1 where the block is the part's, float64
 
     def sketch(self, k: int, of_gradients: bool) -> tuple[np.ndarray, np.ndarray]:
         """The sketches (parts × k, float64) of these parameters' gradients (or weights) and each
-        part's squared norm."""
+        part's squared norm: three torch operations (the concatenation, the product, the blocks'
+        norms), the rest in numpy on the CPU (a torch operation on a tiny tensor costs a few
+        microseconds of dispatch, numpy's one)."""
         pieces = []
         for p, pad in zip(self.parameters, self.pads, strict=True):
             tensor = p.parameter.grad if of_gradients else p.parameter.data
-            flat = tensor.detach().reshape(-1) if tensor is not None else pad.new_zeros(
-                p.parameter.numel())  # fmt: skip
-            pieces += [flat, pad]
+            pieces += [tensor.reshape(-1) if tensor is not None else pad.new_zeros(
+                p.parameter.numel()), pad]  # fmt: skip
         blocks = torch.cat(pieces).view(-1, k)
         if blocks.dtype not in (torch.float64, torch.float32):  # half precisions: in float32
             blocks = blocks.float()
-        sketches = (self.signs @ blocks).double()
-        squares = self.member @ torch.linalg.vector_norm(blocks, dim=1).double().square()
-        return sketches.cpu().numpy(), squares.cpu().numpy()
+        sketches = _array(self.signs @ blocks).astype(np.float64)
+        norms = _array(torch.linalg.vector_norm(blocks, dim=1)).astype(np.float64)
+        return sketches, self.member @ (norms * norms)
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a numpy array (its memory on the CPU; copied to it elsewhere)."""
+    return tensor.numpy() if tensor.device.type == "cpu" else tensor.cpu().numpy()
 
 
 def _hookable(model: Any, optimizer: Any) -> None:
@@ -396,7 +403,8 @@ class Recorder:
             self._sketched = [piece.key for piece in self._pieces]
         self._signs: dict[str, torch.Tensor] = {}
         self._plan: tuple[list[_Batched], list[tuple[int, _Parameter]]] | None = None
-        self._weight_samples: list | None = None  # `_weights_digests`' parameters and strides
+        self._weight_samples: tuple | None = None  # `_weights_sampled`'s views, made once
+        self._weight_lengths: list[int] = []  # each part's samples of its weights
         self._row_group: placed.RowGroup | None = None  # this rank's tensor-parallel group
         self._counted: list[placed.RowGroup] | None = None  # each rank's, once decided
         self._rows: list[Sampled | torch.Tensor] = []  # the update's rows, copied (`rows.sampled`;
@@ -406,6 +414,9 @@ class Recorder:
         self._apart: list[str] = []  # the copies that differ in the assembled gradient
         self._losses: list[float] = []
         self._autocast: str | None = None
+        self._autocast_hooks: dict[nn.Module, Any] = {}  # `_attach`, `_pruned`
+        self._first_child: nn.Module | None = None  # the first the first update's forward called
+        self._model = model
         self._pending: list[dict[str, Any]] = []  # this rank's updates not yet sent to rank 0
         self._due, self._flushed_at = 1, time.perf_counter()  # the first update is sent at once
         self.updates = 0
@@ -414,6 +425,7 @@ class Recorder:
         self._tracer: Any = None  # the first update's, while it records
         self._traced: list | None = None
         first = self._parameters[0].parameter if self._parameters else None
+        self._device = first.device.type if first is not None else "cpu"  # its autocast's
         dtype = first.dtype if first is not None else torch.float32
         header = {
             "gatherlab": _version(), "torch": torch.__version__,
@@ -519,7 +531,8 @@ class Recorder:
         the batches; the loss module's output, or the model output's loss, unless the job gives
         the losses; and, for the autocast its forward runs under, the model's and its children's
         forwards (a trainer's autocast can wrap the model's forward itself, inside its call:
-        accelerate's does, which a hook on the model's call does not see)."""
+        accelerate's does, which a hook on the model's call does not see); after the first update
+        the model's and the first child it called alone (`_pruned`)."""
         hooks = [optimizer.register_step_pre_hook(self._before_step),
                  optimizer.register_step_post_hook(self._after_step)]  # fmt: skip
         if batches:
@@ -532,8 +545,8 @@ class Recorder:
         elif losses:
             hooks.append(model.register_forward_hook(self._on_output))
         for module in (model, *_unwrapped(model).children()):
-            hooks.append(module.register_forward_pre_hook(self._on_autocast))
-        return hooks
+            self._autocast_hooks[module] = module.register_forward_pre_hook(self._on_autocast)
+        return hooks + list(self._autocast_hooks.values())
 
     def _floor(self, model: nn.Module, out: str | Path) -> tuple[str | Path, int]:
         """Where the recording goes and its model's row blocks: ``out`` and 1, or, with
@@ -575,14 +588,17 @@ class Recorder:
         their padding left out: `gatherlab.recording.rows.rows_of`), in order."""
         found = given_rows(batch)
         if found is not None:
-            tensor, mask = found
-            if unmasked_ids(tensor, mask):  # its padding found with the update's other calls'
-                self._rows.append(tensor.detach().cpu().clone())
-            else:
-                self._rows.append(sampled(tensor, kept(tensor, mask)))
-            self._calls += 1
-            if self._trace and self.updates == 0 and self._traced is None:
-                self._trace_input(tensor)
+            self._given(*found)
+
+    def _given(self, tensor: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """One call's rows and their mask (`batch`), copied."""
+        if unmasked_ids(tensor, mask):  # its padding found with the update's other calls'
+            self._rows.append(tensor.detach().cpu().clone())
+        else:
+            self._rows.append(sampled(tensor, kept(tensor, mask)))
+        self._calls += 1
+        if self._trace and self.updates == 0 and self._traced is None:
+            self._trace_input(tensor)
 
     def _trace_input(self, tensor: torch.Tensor) -> None:
         from gatherlab.runs import trace
@@ -610,7 +626,13 @@ class Recorder:
     # A forward without gradients (an evaluation, a monitor between updates) trains nothing: its
     # rows and loss are not the update's.
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled() and not self._received(args, kwargs):
+        if not torch.is_grad_enabled():
+            return
+        one = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+        if one and self._held is None:  # one tensor: its rows, no mask (`given_rows`'s answer)
+            self._given(args[0], None)
+            return
+        if not self._received(args, kwargs):
             if self._again("rows", first_tensor((args, kwargs))) and self._calls:
                 self._rows.pop()  # the stage's shapes were inferred on them: counted once
                 self._calls -= 1
@@ -642,9 +664,21 @@ class Recorder:
     def _on_autocast(self, module: nn.Module, args: tuple) -> None:
         """The autocast dtype a training forward runs under, once seen (`_attach`)."""
         if self._autocast is None and torch.is_grad_enabled():
-            device = self._parameters[0].parameter.device.type if self._parameters else "cpu"
-            if torch.is_autocast_enabled(device):
-                self._autocast = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+            if self._first_child is None and module is not self._model:
+                self._first_child = module
+            if torch.is_autocast_enabled(self._device):
+                self._autocast = str(torch.get_autocast_dtype(self._device)).removeprefix("torch.")
+
+    def _pruned(self) -> None:
+        """After the first update, the autocast's hooks that are left (`_attach`): none once an
+        autocast is seen (it is the recording's from then on), else the model's and the first
+        child its forward called (a hook on a module makes torch take its slower call path, a
+        few microseconds a call: on every child of a tiny model, 10 % of its update)."""
+        keep = (self._model, self._first_child) if self._autocast is None else ()
+        for module, hook in list(self._autocast_hooks.items()):
+            if module not in keep:
+                hook.remove()
+                del self._autocast_hooks[module]
 
     def _on_loss(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.numel() == 1:
@@ -711,18 +745,22 @@ class Recorder:
         pads = [first.new_zeros(-p.parameter.numel() % self.k) for p in members]
         dtype = first.dtype if first.dtype in (torch.float64, torch.float32) else torch.float32
         return _Batched(members, pads, matrix.to(first.device, dtype),
-                        matrix.abs().to(first.device))  # fmt: skip
+                        matrix.abs().numpy())  # fmt: skip
 
     def _sketches(self, of_gradients: bool) -> dict[str, Any]:
         """This rank's sketches (parts × k) and squared norms (parts) of its plain gradients (or
         weights), ``replicated``, and of its DTensor shards per group of ranks whose shards sum to
         the whole (`gatherlab.recording.placed`), ``groups``: {ranks: (sketches, squares)}."""
         k, count = self.k, len(self._sketched)
-        replicated, squares = np.zeros((count, k)), np.zeros(count)
         groups: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
         batched, others = self._planned()
-        for group in batched:
-            values, squared = group.sketch(k, of_gradients)
+        with torch.no_grad():  # a gradient made with create_graph=True: no graph of the sketch
+            made = [group.sketch(k, of_gradients) for group in batched]
+        if len(made) == 1 and not others:  # the sketch of one batch of small parameters: its own
+            replicated, squares = made[0]
+            return {"replicated": replicated, "squares": squares, "groups": groups}
+        replicated, squares = np.zeros((count, k)), np.zeros(count)
+        for values, squared in made:
             replicated += values
             squares += squared
         for index, p in others:
@@ -760,6 +798,9 @@ class Recorder:
             return pieces.Held.combined(self._pieces, self.parts,
                                         [payload["replicated"] for payload in every],
                                         [payload["squares"] for payload in every])  # fmt: skip
+        if len(every) == 1 and not every[0]["groups"]:  # one rank's plain sketches: its own
+            norms = dict(zip(self.parts, np.sqrt(every[0]["squares"]).tolist(), strict=True))
+            return every[0]["replicated"], norms, {}
         sums: dict[tuple[int, ...], list[np.ndarray]] = {}
         for payload in every:  # in rank order: every rank of a group sums it in the same order
             for ranks, (values, squares) in payload["groups"].items():
@@ -830,7 +871,8 @@ class Recorder:
             self._rows[i] = sampled(self._rows[i], keep)  # `rows.kept_together`
         entry = {
             **self._sketches(of_gradients=True),
-            "loss": float(np.mean(self._losses)) if self._losses else math.nan,
+            "loss": (self._losses[0] if len(self._losses) == 1 else float(np.mean(self._losses))
+                     if self._losses else math.nan),
             "rows": self._rows,
             "calls": self._calls, "micro_batches": len(self._losses), "autocast": self._autocast,
         }  # fmt: skip
@@ -843,6 +885,8 @@ class Recorder:
             entry["trace"] = self._traced.detached() if self._traced is not None else []
         self._pending.append((entry, full))
         self.updates += 1
+        if self.updates == 1 or (self._autocast is not None and self._autocast_hooks):
+            self._pruned()
         self._rows, self._losses, self._calls = [], [], 0
 
     def _after_step(self, optimizer, args: tuple, kwargs: dict) -> None:
@@ -850,38 +894,67 @@ class Recorder:
         so that ranks that step apart are seen at the update they part; then the kept updates
         are sent when due."""
         if self._distributed and self._pending and "weights" not in self._pending[-1][0]:
-            self._pending[-1][0]["weights"] = self._weights_digests()
+            self._pending[-1][0]["weights"] = self._weights_sampled()
         if self.updates >= self._due:
             self._flush()
 
-    def _weights_digests(self) -> np.ndarray:
-        """A 64-bit digest of each part's replicated weights after the step, from at most
-        `_WEIGHT_SAMPLES` elements of each parameter, evenly spaced (ranks that step apart move
-        almost every element; an FSDP2 shard is each rank's own, and is not compared): every
-        part's samples in one row of a matrix, digested at once."""
-        if self._weight_samples is None:  # each part's parameters and their strides, once
-            self._weight_samples = [
-                [(p.parameter, -(-p.parameter.numel() // _WEIGHT_SAMPLES))
-                 for p in self._parameters
-                 if p.part == part and not isinstance(p.parameter, _dtensor())]
-                for part in self._sketched
-            ]  # fmt: skip
-        rows = [torch.cat([w.detach().reshape(-1)[::stride] for w, stride in members])
-                if members else torch.zeros(1) for members in self._weight_samples]  # fmt: skip
-        width = max(len(row) for row in rows)
-        matrix = torch.stack([torch.nn.functional.pad(row.double(), (0, width - len(row)))
-                              for row in rows])  # fmt: skip
-        return digests([sampled(matrix)])[0]
+    def _weights_sampled(self) -> np.ndarray:
+        """The samples of the weights after the step that `_weights_digests` digests when the
+        updates are sent: at most `_WEIGHT_SAMPLES` elements of each replicated parameter, evenly
+        spaced (ranks that step apart move almost every element; an FSDP2 shard is each rank's
+        own, and is not compared), copied in one concatenation of views made once (re-made where
+        a parameter's storage moved)."""
+        made = self._weight_samples
+        if made is None or any(tensor.data_ptr() != at for tensor, at in made[1]):
+            members = [p for part in self._sketched for p in self._parameters
+                       if p.part == part and not isinstance(p.parameter, _dtensor())]  # fmt: skip
+            views = [p.parameter.detach().reshape(-1)[:: -(-p.parameter.numel() // _WEIGHT_SAMPLES)]
+                     for p in members]  # fmt: skip
+            lengths = {part: 0 for part in self._sketched}
+            for p, view in zip(members, views, strict=True):
+                lengths[p.part] += len(view)
+            self._weight_samples = (views, [(p.parameter, p.parameter.data_ptr())
+                                            for p in members])  # fmt: skip
+            self._weight_lengths = list(lengths.values())
+        views = self._weight_samples[0]
+        if not views:
+            return np.zeros(0)
+        if not all(p.is_contiguous() for p, _ in self._weight_samples[1]):
+            self._weight_samples = None  # a reshaped copy: made again at the next step
+        samples = torch.cat(views)
+        if samples.dtype == torch.bfloat16:  # numpy has none: float32 holds it exactly
+            samples = samples.float()
+        return samples.cpu().numpy()
+
+    def _weights_digests(self, samples: list[np.ndarray]) -> list[Sampled]:
+        """Each update's weights' samples (`_weights_sampled`) as one matrix of a row per part,
+        its samples in float64, zero-padded to the longest (a part without any: one zero), to be
+        digested with the rows (`rows.digests`): each part's 64-bit digest."""
+        if not samples:
+            return []
+        lengths = [length or 1 for length in self._weight_lengths]
+        ends = np.cumsum([0, *self._weight_lengths])
+        made = []
+        for values in samples:
+            matrix = np.zeros((len(lengths), max(lengths)))
+            for row, (start, stop) in enumerate(itertools.pairwise(ends)):
+                matrix[row, : stop - start] = values[start:stop]
+            made.append(sampled_bits(matrix))
+        return made
 
     def _flush(self, final: dict[str, np.ndarray] | None = None) -> None:
         """Every rank sends rank 0 its kept updates (and, at the end, its final weights' sketch) in
         one collective; rank 0 writes them and says when the next are due (`FLUSH_SECONDS`)."""
         pending, self._pending = self._pending, []
         samples = [sample for entry, _ in pending for sample in entry["rows"]]
-        made = iter(digests(samples))  # every update's rows at once
+        weighed = [entry for entry, _ in pending if "weights" in entry]
+        samples += self._weights_digests([entry["weights"] for entry in weighed])
+        made = iter(digests(samples))  # every update's rows and weights at once
         for entry, _ in pending:
             rows = [next(made) for _ in entry["rows"]]
             entry["rows"] = np.concatenate(rows) if rows else np.zeros(0, np.uint64)
+        for entry in weighed:
+            entry["weights"] = next(made)
         now = time.perf_counter()
         each = (now - self._flushed_at) / max(len(pending), 1)
         self._flushed_at = now
@@ -956,6 +1029,8 @@ class Recorder:
             writer.full(update, full)
         if "trace" in ranks[0]:
             writer.trace([r["trace"] for r in ranks])
+        counted_rows = [r["rows"] if self._counts(rank) else np.zeros(0, np.uint64)
+                        for rank, r in enumerate(ranks)]  # fmt: skip
         losses = [r["loss"] for r in ranks]
         counted = losses
         if self._held is not None:  # a pipeline's loss is its last stages' alone
@@ -964,8 +1039,8 @@ class Recorder:
         writer.update({
             "update": update, "losses": [_json_float(v) for v in losses],
             "loss": _json_float(mean_over_ranks([[v] for v in counted])[0]),
-            "rows": [hexadecimal(r["rows"]) if self._counts(rank) else []
-                     for rank, r in enumerate(ranks)],
+            "rows": {"start": writer.rows(np.concatenate(counted_rows)),
+                     "counts": [len(rows) for rows in counted_rows]},
             "calls": [r["calls"] if self._counts(rank) else 0 for rank, r in enumerate(ranks)],
             "norms": norms, "unreduced": starts, "sketch": start,
             "autocast": ranks[0]["autocast"], "micro_batches": micro_batches,
