@@ -235,19 +235,23 @@ class _Batched:
     (`_BATCHED`): each padded with zeros to whole blocks of k and concatenated, so that their
     blocks are one matrix; ``signs`` (parts × blocks) holds each block's sign in its part's row
     and 0 elsewhere, so that one matrix product gives every part's sketch, the same sketch as
-    each parameter's own, summed. Squared norms: each block's in the blocks' own precision (a half
-    one in float32), summed per part in float64, as `_norm` sums its rows."""
+    each parameter's own, summed. Squared norms: each block's, summed per part in float64 (on the
+    CPU each block's squares in float64; elsewhere its norm in the blocks' own precision, a half
+    one in float32, as `_norm` sums its rows)."""
 
     parameters: list[_Parameter]
     pads: list[torch.Tensor]
     signs: torch.Tensor  # parts × blocks, in the blocks' dtype
     member: np.ndarray  # parts × blocks, 1 where the block is the part's, float64
+    cpu_signs: np.ndarray | None = None  # ``signs`` in numpy, on the CPU
 
     def sketch(self, k: int, of_gradients: bool) -> tuple[np.ndarray, np.ndarray]:
         """The sketches (parts × k, float64) of these parameters' gradients (or weights) and each
-        part's squared norm: three torch operations (the concatenation, the product, the blocks'
-        norms), the rest in numpy on the CPU (a torch operation on a tiny tensor costs a few
-        microseconds of dispatch, numpy's one)."""
+        part's squared norm. On the CPU one torch operation (the concatenation), the product and
+        the blocks' squares in numpy (a torch operation on a tiny tensor costs several
+        microseconds of dispatch, numpy's one or two); each block's squares summed in float64,
+        exactly squared from float32. Elsewhere in torch, each block's norm in the blocks' own
+        precision."""
         pieces = []
         for p, pad in zip(self.parameters, self.pads, strict=True):
             tensor = p.parameter.grad if of_gradients else p.parameter.data
@@ -256,14 +260,15 @@ class _Batched:
         blocks = torch.cat(pieces).view(-1, k)
         if blocks.dtype not in (torch.float64, torch.float32):  # half precisions: in float32
             blocks = blocks.float()
-        sketches = _array(self.signs @ blocks).astype(np.float64)
-        norms = _array(torch.linalg.vector_norm(blocks, dim=1)).astype(np.float64)
+        if blocks.device.type == "cpu":
+            values = blocks.numpy()
+            if self.cpu_signs is None:
+                self.cpu_signs = self.signs.numpy()
+            squares = np.einsum("ij,ij->i", values, values, dtype=np.float64)
+            return (self.cpu_signs @ values).astype(np.float64), self.member @ squares
+        sketches = (self.signs @ blocks).cpu().numpy().astype(np.float64)
+        norms = torch.linalg.vector_norm(blocks, dim=1).cpu().numpy().astype(np.float64)
         return sketches, self.member @ (norms * norms)
-
-
-def _array(tensor: torch.Tensor) -> np.ndarray:
-    """A tensor's values as a numpy array (its memory on the CPU; copied to it elsewhere)."""
-    return tensor.numpy() if tensor.device.type == "cpu" else tensor.cpu().numpy()
 
 
 def _hookable(model: Any, optimizer: Any) -> None:
