@@ -106,6 +106,16 @@ _BATCHED = 1 << 16
 its part in one product (each padded to whole blocks of k and concatenated): a few torch
 operations per part and update instead of per parameter."""
 
+_DEFERRED = 1 << 17
+"""A model whose gradients are one batch of small ones (`_BATCHED`) of at most this many elements,
+padded (a tiny model: 512 KiB in float32), on the CPU, has them copied at each update (one
+concatenation) and sketched when the updates are sent (`Recorder._sketched_later`), all kept
+updates in one pass: each update's sketch made alone after its backward took 0.19–0.25 ms of the
+thread's CPU time here (bench record-fixed's job, the machine loaded), about four times what
+the same operations take in a row (its code and data fetched again after the training's); the
+copy takes 0.09–0.11 ms, the pass ~0.05 ms an update. At most `FLUSH_UPDATES` such copies are
+kept (8 MiB in float32, 16 in float64)."""
+
 FULL_GRADIENT_LIMIT = 1 << 20
 """By default (``full_updates=None``) the first update keeps its whole gradient when the model has
 at most this many parameters (8 MiB in float64), none above: a recording's size stays that of its
@@ -235,9 +245,8 @@ class _Batched:
     (`_BATCHED`): each padded with zeros to whole blocks of k and concatenated, so that their
     blocks are one matrix; ``signs`` (parts × blocks) holds each block's sign in its part's row
     and 0 elsewhere, so that one matrix product gives every part's sketch, the same sketch as
-    each parameter's own, summed. Squared norms: each block's, summed per part in float64 (on the
-    CPU each block's squares in float64; elsewhere its norm in the blocks' own precision, a half
-    one in float32, as `_norm` sums its rows)."""
+    each parameter's own, summed. Squared norms: each block's in the blocks' own precision (a half
+    one in float32), summed per part in float64, as `_norm` sums its rows."""
 
     parameters: list[_Parameter]
     pads: list[torch.Tensor]
@@ -247,11 +256,12 @@ class _Batched:
 
     def sketch(self, k: int, of_gradients: bool) -> tuple[np.ndarray, np.ndarray]:
         """The sketches (parts × k, float64) of these parameters' gradients (or weights) and each
-        part's squared norm. On the CPU one torch operation (the concatenation), the product and
-        the blocks' squares in numpy (a torch operation on a tiny tensor costs several
-        microseconds of dispatch, numpy's one or two); each block's squares summed in float64,
-        exactly squared from float32. Elsewhere in torch, each block's norm in the blocks' own
-        precision."""
+        part's squared norm (`blocks`, `sketched`)."""
+        return self.sketched(self.blocks(k, of_gradients))
+
+    def blocks(self, k: int, of_gradients: bool) -> torch.Tensor:
+        """These parameters' gradients (or weights), padded and concatenated: a copy, blocks × k,
+        in float32 or float64 (one torch operation where they are float32 or float64)."""
         pieces = []
         for p, pad in zip(self.parameters, self.pads, strict=True):
             tensor = p.parameter.grad if of_gradients else p.parameter.data
@@ -260,13 +270,21 @@ class _Batched:
         blocks = torch.cat(pieces).view(-1, k)
         if blocks.dtype not in (torch.float64, torch.float32):  # half precisions: in float32
             blocks = blocks.float()
-        if blocks.device.type == "cpu":
-            values = blocks.numpy()
+        return blocks
+
+    def sketched(self, blocks: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """`sketch` of `blocks`' copy: the product (in numpy on the CPU), each block's norm in the
+        blocks' own precision, the parts' sums of their squares in float64."""
+        with torch.no_grad():  # a gradient made with create_graph=True: no graph of the sketch
+            return self._sketched(blocks)
+
+    def _sketched(self, blocks: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        if blocks.device.type == "cpu":  # the product in numpy: 4 µs here, torch's 9
             if self.cpu_signs is None:
                 self.cpu_signs = self.signs.numpy()
-            squares = np.einsum("ij,ij->i", values, values, dtype=np.float64)
-            return (self.cpu_signs @ values).astype(np.float64), self.member @ squares
-        sketches = (self.signs @ blocks).cpu().numpy().astype(np.float64)
+            sketches = (self.cpu_signs @ blocks.numpy()).astype(np.float64)
+        else:
+            sketches = (self.signs @ blocks).cpu().numpy().astype(np.float64)
         norms = torch.linalg.vector_norm(blocks, dim=1).cpu().numpy().astype(np.float64)
         return sketches, self.member @ (norms * norms)
 
@@ -687,9 +705,10 @@ class Recorder:
 
     def _on_loss(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.numel() == 1:
-            labels = [a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad]
-            if self._again("loss", labels[-1] if labels else None) and self._losses:
-                self._losses.pop()  # the inferred shapes' loss: `_again`
+            if self._held is not None:  # a pipeline's stage: its loss given again (`_again`)
+                labels = [a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad]
+                if self._again("loss", labels[-1] if labels else None) and self._losses:
+                    self._losses.pop()  # the inferred shapes' loss
             self.loss(output)
 
     def _on_output(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -759,7 +778,11 @@ class Recorder:
         k, count = self.k, len(self._sketched)
         groups: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
         batched, others = self._planned()
-        with torch.no_grad():  # a gradient made with create_graph=True: no graph of the sketch
+        if len(batched) == 1 and not others and batched[0].signs.shape[1] * k <= _DEFERRED and (
+                of_gradients and self._device == "cpu"):  # fmt: skip
+            with torch.no_grad():  # a gradient made with create_graph=True: no graph of the copy
+                return {"later": batched[0].blocks(k, of_gradients)}  # `_sketched_later`
+        with torch.no_grad():
             made = [group.sketch(k, of_gradients) for group in batched]
         if len(made) == 1 and not others:  # the sketch of one batch of small parameters: its own
             replicated, squares = made[0]
@@ -784,6 +807,14 @@ class Recorder:
             groups[held.group][0][index] += values
             groups[held.group][1][index] += _norm(held.local) ** 2
         return {"replicated": replicated, "squares": squares, "groups": groups}
+
+    def _sketched_later(self, pending: list[tuple[dict[str, Any], Any]]) -> None:
+        """The sketches of the updates whose gradients were copied (``later``, `_DEFERRED`), made
+        when they are sent, one after the other in one pass."""
+        for entry, _ in pending:
+            if "later" in entry:
+                replicated, squares = self._plan[0][0].sketched(entry.pop("later"))
+                entry.update(replicated=replicated, squares=squares, groups={})
 
     def _gathered(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
         if not self._distributed:
@@ -951,31 +982,21 @@ class Recorder:
         """Every rank sends rank 0 its kept updates (and, at the end, its final weights' sketch) in
         one collective; rank 0 writes them and says when the next are due (`FLUSH_SECONDS`)."""
         pending, self._pending = self._pending, []
-        samples = [sample for entry, _ in pending for sample in entry["rows"]]
-        weighed = [entry for entry, _ in pending if "weights" in entry]
-        samples += self._weights_digests([entry["weights"] for entry in weighed])
-        made = iter(digests(samples))  # every update's rows and weights at once
-        for entry, _ in pending:
-            rows = [next(made) for _ in entry["rows"]]
-            entry["rows"] = np.concatenate(rows) if rows else np.zeros(0, np.uint64)
-        for entry in weighed:
-            entry["weights"] = next(made)
+        first = self.updates - len(pending)
         now = time.perf_counter()
         each = (now - self._flushed_at) / max(len(pending), 1)
         self._flushed_at = now
         kept = max(1, min(FLUSH_UPDATES, int(FLUSH_SECONDS / max(each, 1e-9))))
         if self._row_group is None:
             self._row_group = placed.row_group([p.parameter for p in self._parameters], self.rank)
+        self._made(pending)
         every = self._gathered({"updates": [entry for entry, _ in pending], "final": final,
                                 "kept": kept, "row_group": self._row_group})  # fmt: skip
         self._due = self.updates + every[0]["kept"]  # rank 0's choice, the same on every rank
-        self._count_rows(every, self.updates - len(pending))
+        self._count_rows(every, first)
         if self._writer is None:
             return
-        for position, (_, full) in enumerate(pending):
-            self._write(self.updates - len(pending) + position, [r["updates"][position]
-                                                                 for r in every], full)  # fmt: skip
-        self._writer.flush()
+        self._written(pending, first, every)
         if final is not None:
             sketches, norms, _ = self._combined([r["final"] for r in every])
             start = self._writer.sketch(sketches.reshape(-1))
@@ -986,6 +1007,27 @@ class Recorder:
                 "row_groups": sorted({g.ranks for g in self._counted or [] if len(g.ranks) > 1}),
             }
             self._writer.close(final)
+
+    def _made(self, pending: list[tuple[dict[str, Any], Any]]) -> None:
+        """The kept updates' numbers that are made when they are sent: the sketches of copied
+        gradients (`_sketched_later`), every update's rows' and weights' digests at once."""
+        self._sketched_later(pending)
+        samples = [sample for entry, _ in pending for sample in entry["rows"]]
+        weighed = [entry for entry, _ in pending if "weights" in entry]
+        samples += self._weights_digests([entry["weights"] for entry in weighed])
+        made = iter(digests(samples))  # every update's rows and weights at once
+        for entry, _ in pending:
+            rows = [next(made) for _ in entry["rows"]]
+            entry["rows"] = np.concatenate(rows) if rows else np.zeros(0, np.uint64)
+        for entry in weighed:
+            entry["weights"] = next(made)
+
+    def _written(self, pending: list, first: int, every: list[dict[str, Any]]) -> None:
+        """Rank 0 writes the kept updates, the first numbered ``first``, from every rank's
+        numbers."""
+        for position, (_, full) in enumerate(pending):
+            self._write(first + position, [r["updates"][position] for r in every], full)
+        self._writer.flush()
 
     def _count_rows(self, every: list[dict[str, Any]], first: int) -> None:
         """Tensor parallelism's rows counted once (docs/recording.md §11): the ranks of a
