@@ -236,10 +236,12 @@ def sampled(batch: torch.Tensor, keep: torch.Tensor | None = None) -> Sampled:
 def _piece(batch: torch.Tensor) -> tuple[str, np.ndarray]:
     """One description and its rows' bits (`Sampled`'s pieces)."""
     rows = batch.detach()
-    rows = rows.reshape(rows.shape[0], -1) if rows.dim() else rows.reshape(1, 1)
+    if rows.dim() != 2:
+        rows = rows.reshape(rows.shape[0], -1) if rows.dim() else rows.reshape(1, 1)
     if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
         rows = rows.view(torch.int16)
-    return _bits(f"{tuple(batch.shape[1:])} {batch.dtype}", rows.cpu().numpy())
+    array = rows.numpy() if rows.device.type == "cpu" else rows.cpu().numpy()
+    return _bits(f"{tuple(batch.shape[1:])} {batch.dtype}", array)
 
 
 def _bits(description: str, array: np.ndarray) -> tuple[str, np.ndarray]:
@@ -248,7 +250,11 @@ def _bits(description: str, array: np.ndarray) -> tuple[str, np.ndarray]:
     width = array.shape[1]
     if width > _SAMPLED:  # every s-th element, s the least stride that leaves at most _SAMPLED
         array = array[:, :: -(-width // _SAMPLED)]  # (numpy's strided copy: torch's took 3 ms)
-    return description, array.view(f"u{array.dtype.itemsize}").astype(np.uint64)
+    return description, array.view(_UNSIGNED[array.dtype.itemsize]).astype(np.uint64)
+
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+"""The unsigned integers of each width, whose values are an element's bits (`_bits`)."""
 
 
 def sampled_bits(matrix: np.ndarray) -> Sampled:
