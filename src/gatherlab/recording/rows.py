@@ -295,8 +295,8 @@ def digests(samples: list[Sampled]) -> list[np.ndarray]:
 
 def _mixed_sums(bits: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Σ_i mix(bits_i + r_i) of each row (modulo 2⁶⁴), in chunks of `_CHUNK` elements that stay
-    in the cache, each step in place (`digests`): 2.5 times faster than whole-array steps on 2048
-    rows of 64 measured here (1.4 ms before)."""
+    in the cache, each step in place (`digests`): 1.9 times faster than whole-array steps on 2,048
+    rows of 64 measured here (0.38 ms, 0.72 before)."""
     rows = max(1, _CHUNK // max(bits.shape[1], 1))
     out = np.empty(len(bits), np.uint64)
     mixed = np.empty((min(rows, len(bits)), bits.shape[1]), np.uint64)
