@@ -545,6 +545,43 @@ def test_an_autocast_inside_the_models_call_labels_the_recording_bf16_mixed(tmp_
     assert recording.precision == "bf16-mixed"  # as it ran
 
 
+class _AutocastLater(torch.nn.Module):
+    """Two children; from ``mixed_from`` on, its forward enters bf16 autocast inside its call,
+    around its first child only."""
+
+    def __init__(self, mixed_from: int) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+        self.mixed_from, self.calls = mixed_from, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = self.calls >= self.mixed_from
+        self.calls += 1
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            hidden = self.first(x).float()
+        return self.second(hidden).pow(2).mean()
+
+
+def test_an_autocast_that_starts_later_inside_the_models_call_is_seen_by_its_first_child(tmp_path):
+    """After the first update the autocast's hooks stay on the model and the first child its
+    forward called: an autocast that starts at update 2, inside the model's call, around that
+    child, labels updates 2 and 3 (none before) and the recording bf16-mixed."""
+    from gatherlab.recording.recorder import Recorder
+
+    model = _AutocastLater(mixed_from=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, optimizer, tmp_path / "run", batches=False) as recorder:
+        for _ in range(4):
+            x = torch.randn(4, 4)
+            recorder.batch(x)
+            optimizer.zero_grad()
+            model(x).backward()
+            optimizer.step()
+    recording = format.read(tmp_path / "run")
+    assert [u.autocast for u in recording.updates] == [None, None, "bfloat16", "bfloat16"]
+    assert recording.precision == "bf16-mixed"
+
+
 def test_the_recording_options_are_one_typed_object_every_recorder_reads(tmp_path, capsys):
     """`RecordOptions` is what `gatherlab.record` and both callbacks read: keywords and an
     options object give the same header; a bad value or an unknown keyword is one line."""
