@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,6 +125,11 @@ def test_the_reader_refuses_what_is_not_a_finished_recording(recorded, tmp_path)
     with pytest.raises(format.RecordingError, match="is truncated at update 3"):
         format.read(copy)
     (copy / format.UPDATES).write_text(lines)
+    digests = (copy / format.ROWS).read_bytes()
+    (copy / format.ROWS).write_bytes(digests[:-8])  # the last update's last row
+    with pytest.raises(format.RecordingError, match=r"rows\.u64 is truncated: update 3's rows"):
+        format.read(copy)
+    (copy / format.ROWS).write_bytes(digests)
     data = (copy / format.SKETCHES).read_bytes()
     (copy / format.SKETCHES).write_bytes(data[:-8])
     with pytest.raises(format.RecordingError, match=r"sketches\.f64 is truncated: the final"):
@@ -131,6 +137,32 @@ def test_the_reader_refuses_what_is_not_a_finished_recording(recorded, tmp_path)
     (copy / format.FINAL).unlink()
     with pytest.raises(format.RecordingError, match=r"is unfinished: it has no final\.json"):
         format.read(copy)
+
+
+VERSION_1 = Path(__file__).parent / "recording_v1"
+"""`recorded_loops.loop` (DDP) at W = 1 and 2, recorded by gatherlab in format version 1 (the rows'
+digests in hexadecimal in each line), before version 2 (README.md there: how it was made)."""
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_version_1_recording_is_read_as_the_same_loop_recorded_now(recorded, world_size):
+    """A recording of format version 1 reads as today's recording of the same loop (version 2,
+    its digests in rows.u64): the same rows' digests rank by rank, losses, norms and sketches
+    (float64, the same operations: to the last bits' rounding); and the two compare exact."""
+    old, new = format.read(VERSION_1 / f"w{world_size}"), recorded("ddp", "", world_size)
+    assert (old.header["version"], new.header["version"]) == (1, 2) == (1, format.VERSION)
+    assert not (old.path / format.ROWS).exists() and (new.path / format.ROWS).is_file()
+    assert len(old.updates) == len(new.updates) == recorded_loops.STEPS
+    for a, b in zip(old.updates, new.updates, strict=True):
+        assert [len(rows) for rows in a.rows] == [recorded_loops.GLOBAL // world_size] * world_size
+        assert a.rows == b.rows and a.losses == b.losses and a.calls == b.calls
+        for part in old.parts:
+            assert relative(b.sketches[part], a.sketches[part]) <= 1e-14
+            assert abs(b.norms[part] / a.norms[part] - 1) <= 1e-14
+    from gatherlab import compare
+
+    assert compare(old.path, new.path).verdict == "exact"
+    assert compare(new.path, VERSION_1 / "w1").verdict == "exact"
 
 
 def test_a_directory_holding_a_recording_is_never_written_again(recorded):
@@ -511,6 +543,43 @@ def test_an_autocast_inside_the_models_call_labels_the_recording_bf16_mixed(tmp_
     recording = format.read(tmp_path / "run")
     assert recording.header["precision"] == "32-true"  # its parameters'
     assert recording.precision == "bf16-mixed"  # as it ran
+
+
+class _AutocastLater(torch.nn.Module):
+    """Two children; from ``mixed_from`` on, its forward enters bf16 autocast inside its call,
+    around its first child only."""
+
+    def __init__(self, mixed_from: int) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+        self.mixed_from, self.calls = mixed_from, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = self.calls >= self.mixed_from
+        self.calls += 1
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            hidden = self.first(x).float()
+        return self.second(hidden).pow(2).mean()
+
+
+def test_an_autocast_that_starts_later_inside_the_models_call_is_seen_by_its_first_child(tmp_path):
+    """After the first update the autocast's hooks stay on the model and the first child its
+    forward called: an autocast that starts at update 2, inside the model's call, around that
+    child, labels updates 2 and 3 (none before) and the recording bf16-mixed."""
+    from gatherlab.recording.recorder import Recorder
+
+    model = _AutocastLater(mixed_from=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, optimizer, tmp_path / "run", batches=False) as recorder:
+        for _ in range(4):
+            x = torch.randn(4, 4)
+            recorder.batch(x)
+            optimizer.zero_grad()
+            model(x).backward()
+            optimizer.step()
+    recording = format.read(tmp_path / "run")
+    assert [u.autocast for u in recording.updates] == [None, None, "bfloat16", "bfloat16"]
+    assert recording.precision == "bf16-mixed"
 
 
 def test_the_recording_options_are_one_typed_object_every_recorder_reads(tmp_path, capsys):

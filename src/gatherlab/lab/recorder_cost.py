@@ -7,10 +7,14 @@ views of a global batch of 64 rows, SimCLR's NT-Xent over the exactly gathered b
 W > 1) and SGD. Two copies of it train in one process per rank, one plain and one recorded with
 the one line a job adds (``gatherlab.record(model, optimizer, out, loss=criterion)``); their
 updates alternate (which goes first alternating too), each timed from the update's start to its end
-on every rank (a barrier before each), so that both see the same machine. Printed per W: the mean
+on every rank (a barrier before each), so that both see the same machine. Every rank runs one
+torch thread on its core (the pool's), and W = 1, in this process, one thread too: with two, a
+loaded machine's stalls made its update 70–200 ms where it takes 2 (its threads waiting on each
+other). Printed per W: the mean
 update of both (the recorder writes every few updates: a mean counts that writing, a median would
-hide it), their difference (the recorder's fixed cost, milliseconds per update) and the ratio of
-the means.
+hide it), their difference (the recorder's fixed cost, milliseconds per update), the ratio of
+the means and the median of the pairs' ratios (each timed pair's recorded ÷ plain update: what a
+busy machine's stalls move least).
 """
 
 from __future__ import annotations
@@ -79,21 +83,33 @@ def _times_on_rank(repeats: int, root: str) -> dict | None:
     return times if rank == 0 else None
 
 
+def median_of_pairs(times: dict[str, list[float]]) -> float:
+    """The median of the pairs' ratios: each pair's recorded update ÷ its plain one."""
+    return statistics.median(r / p for p, r in zip(times["plain"], times["recorded"], strict=True))
+
+
 def measure(world_sizes: tuple[int, ...] = WORLD_SIZES, repeats: int = 200) -> list[dict]:
-    """Each W's mean updates (ms), the recorder's fixed cost and the ratio of the means."""
+    """Each W's mean updates (ms), the recorder's fixed cost, the ratio of the means and the
+    median of the pairs' ratios (`median_of_pairs`)."""
     from gatherlab.ranks import pool as pools
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="gatherlab-bench-") as root:
         for world in world_sizes:
             if world == 1:
-                times = _times_on_rank(repeats, root)
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)  # as each rank of the pool
+                try:
+                    times = _times_on_rank(repeats, root)
+                finally:
+                    torch.set_num_threads(threads)
             else:
                 times = pools.pool(world).run(_times_on_rank, repeats, root)[0]
                 pools.close_pools()
             plain, recorded = (1e3 * statistics.fmean(times[n]) for n in ("plain", "recorded"))
             rows.append({"world_size": world, "plain_ms": plain, "recorded_ms": recorded,
-                         "fixed_ms": recorded - plain, "ratio": recorded / plain})  # fmt: skip
+                         "fixed_ms": recorded - plain, "ratio": recorded / plain,
+                         "median_ratio": median_of_pairs(times)})  # fmt: skip
     return rows
 
 
@@ -103,10 +119,11 @@ def report(world_sizes: tuple[int, ...] = WORLD_SIZES, repeats: int = 200) -> li
     print(f"a tiny job's update (MLP {FEATURES}→{HIDDEN}→{HIDDEN}→{EMBEDDING}, NT-Xent over the "
           f"gathered global batch of {GLOBAL_BATCH}, DDP at W > 1, SGD), plain and recorded in "
           f"turns on every rank, the mean of {repeats} pairs after {WARM_UP}; "
-          f"{torch.get_num_threads()} CPU threads per rank, gloo")  # fmt: skip
+          "one CPU thread per rank, gloo")  # fmt: skip
     print(f"{'W':>2} {'plain [ms]':>11} {'recorded [ms]':>14} {'fixed cost [ms/update]':>23} "
-          f"{'recorded/plain':>15}")  # fmt: skip
+          f"{'recorded/plain':>15} {'median of pairs':>16}")  # fmt: skip
     for row in rows:
         print(f"{row['world_size']:>2} {row['plain_ms']:>11.2f} {row['recorded_ms']:>14.2f} "
-              f"{row['fixed_ms']:>23.3f} {row['ratio']:>15.3f}")  # fmt: skip
+              f"{row['fixed_ms']:>23.3f} {row['ratio']:>15.3f} "
+              f"{row['median_ratio']:>16.3f}")  # fmt: skip
     return rows

@@ -29,7 +29,8 @@ def update(model, optimizer, criterion, inputs, targets) -> None:
 
 
 def recording_bytes(out: Path) -> dict[str, int]:
-    """The sizes of a recording's files: its update lines, its sketches, its full gradients, the
+    """The sizes of a recording's files: its update lines (with their rows' digests, which
+    format version 2 writes beside them in ``rows.u64``), its sketches, its full gradients, the
     rest (header, final record)."""
     from gatherlab.recording import format as recording_format
 
@@ -37,7 +38,7 @@ def recording_bytes(out: Path) -> dict[str, int]:
     for path in out.rglob("*"):
         if not path.is_file():
             continue
-        if path.name == recording_format.UPDATES:
+        if path.name in (recording_format.UPDATES, recording_format.ROWS):
             sizes["lines"] += path.stat().st_size
         elif path.name == recording_format.SKETCHES:
             sizes["sketches"] += path.stat().st_size

@@ -1,6 +1,6 @@
 """The recording of a training job: its files, written by rank 0 (`Writer`) and read back whole
-and checked (`read`), format ``gatherlab-recording`` version 1 (docs/recording.md §11, "The
-format").
+and checked (`read`), format ``gatherlab-recording`` version 2; version 1 (the rows' digests in
+hexadecimal in each update's line) is still read (docs/recording.md §11, "The format").
 
 A recording is a directory:
 
@@ -9,10 +9,13 @@ A recording is a directory:
   seed, how many updates keep their full gradient, the optimizer's settings, every parameter
   (name, shape, part, whether it is sharded) and the parts in order;
 - ``updates.jsonl``, one line per optimizer update, appended after it: each rank's loss and the
-  global loss (their mean), each rank's input rows (their digests, in order), each part's exact
+  global loss (their mean), where its input rows' digests start in ``rows.u64`` and how many each
+  rank has (version 1: each rank's digests in hexadecimal, in the line), each part's exact
   gradient norm, where its sketch starts in ``sketches.f64``, and the parts whose gradient differs
   between ranks (not reduced) with where each rank's sketch of it starts;
 - ``sketches.f64``: the sketches, raw little-endian float64, appended in that order;
+- ``rows.u64`` (version 2): each update's rows' 64-bit digests, raw little-endian, rank after
+  rank, each rank's in the order its model was given them;
 - ``full/update_<u>.pt``: the whole gradient of the first updates (float64, parameter order);
 - ``trace.pt`` (when asked for): each rank's records of the first update's forward;
 - ``final.json``, written when recording ends: the number of updates, the final weights'
@@ -23,6 +26,7 @@ A recording is a directory:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -35,15 +39,24 @@ import numpy as np
 from gatherlab.core.terms import Precision
 
 __all__ = [
-    "FINAL", "FORMAT", "FULL", "HEADER", "SKETCHES", "TRACE", "UPDATES", "VERSION", "Recording",
-    "RecordingError", "Update", "Writer", "read",
+    "FINAL", "FORMAT", "FULL", "HEADER", "ROWS", "SKETCHES", "TRACE", "UPDATES", "VERSION",
+    "Recording", "RecordingError", "Update", "Writer", "hexadecimal", "read",
 ]  # fmt: skip
 
 FORMAT = "gatherlab-recording"
-VERSION = 1
-HEADER, UPDATES, SKETCHES, FINAL, FULL, TRACE = (
-    "header.json", "updates.jsonl", "sketches.f64", "final.json", "full", "trace.pt",
+VERSION = 2
+"""2: the rows' digests in ``rows.u64``, binary (an update's line says where they start and how
+many each rank has), where version 1 wrote them in hexadecimal in the line: the recorder's JSON of
+a small job's update took a third of its writing (issue 71)."""
+HEADER, UPDATES, SKETCHES, ROWS, FINAL, FULL, TRACE = (
+    "header.json", "updates.jsonl", "sketches.f64", "rows.u64", "final.json", "full", "trace.pt",
 )  # fmt: skip
+
+
+def hexadecimal(numbers: np.ndarray) -> list[str]:
+    """Each 64-bit digest as 16 hexadecimal digits (how a row's digest is shown and compared)."""
+    text = numbers.astype(">u8").tobytes().hex()  # big-endian: each number's 16 digits in order
+    return [text[i : i + 16] for i in range(0, len(text), 16)]
 
 
 class RecordingError(ValueError):
@@ -170,8 +183,9 @@ class Writer:
         (self.out / FULL).mkdir(exist_ok=True)
         header = {"format": FORMAT, "version": VERSION, **header}
         (self.out / HEADER).write_text(json.dumps(header, indent=1) + "\n")
-        self._offset = 0  # in float64 numbers
+        self._offset, self._rows_offset = 0, 0  # in float64 numbers, in digests
         self._sketches = open(self.out / SKETCHES, "ab")  # noqa: SIM115 (open while recording)
+        self._rows = open(self.out / ROWS, "ab")  # noqa: SIM115
         self._updates = open(self.out / UPDATES, "a")  # noqa: SIM115
 
     def sketch(self, values: np.ndarray) -> int:
@@ -180,6 +194,14 @@ class Writer:
         array = np.ascontiguousarray(values, dtype="<f8")
         self._sketches.write(array.tobytes())
         self._offset += array.size
+        return start
+
+    def rows(self, digests: np.ndarray) -> int:
+        """Appends an update's rows' digests (uint64) to ``rows.u64``; returns where they start."""
+        start = self._rows_offset
+        array = np.ascontiguousarray(digests, dtype="<u8")
+        self._rows.write(array.tobytes())
+        self._rows_offset += array.size
         return start
 
     def full(self, update: int, gradient) -> None:
@@ -197,13 +219,15 @@ class Writer:
         self._updates.write(json.dumps(line) + "\n")
 
     def flush(self) -> None:
-        """The updates written so far handed to the system: their sketches first, then their
-        lines, so that a line is never read before its sketches."""
+        """The updates written so far handed to the system: their sketches and rows first, then
+        their lines, so that a line is never read before its sketches and rows."""
         self._sketches.flush()
+        self._rows.flush()
         self._updates.flush()
 
     def close(self, final: Mapping[str, Any]) -> None:
         self._sketches.close()
+        self._rows.close()
         self._updates.close()
         (self.out / FINAL).write_text(json.dumps({**final, "complete": True}, indent=1) + "\n")
 
@@ -245,11 +269,13 @@ def _header(path: Path) -> dict[str, Any]:
 
 
 class _Sketches:
-    """``sketches.f64`` read whole; a block of it, or one line saying it is truncated."""
+    """``sketches.f64`` (or ``rows.u64``) read whole; a block of it, or one line saying it is
+    truncated."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path / SKETCHES
-        self.values = np.fromfile(self.path, dtype="<f8") if self.path.exists() else np.zeros(0)
+    def __init__(self, path: Path, name: str = SKETCHES, dtype: str = "<f8") -> None:
+        self.path = path / name
+        self.values = np.fromfile(self.path, dtype=dtype) if self.path.exists() else np.zeros(
+            0, dtype)  # fmt: skip
 
     def block(self, start: int, count: int, what: str) -> np.ndarray:
         if start + count > self.values.size:
@@ -260,12 +286,19 @@ class _Sketches:
         return self.values[start : start + count]
 
 
-def _update(number: int, text: str, path: Path, sketches: _Sketches, parts: list[str], k: int):
-    """Line ``number`` of ``updates.jsonl`` as an `Update`, its sketches read."""
+def _update(number: int, text: str, path: Path, sketches: _Sketches, parts: list[str], k: int,
+            rows: _Sketches | None = None):  # fmt: skip
+    """Line ``number`` of ``updates.jsonl`` as an `Update`, its sketches read, and its rows'
+    digests from ``rows`` (version 2; version 1's are in the line)."""
     try:
         line = json.loads(text)
     except json.JSONDecodeError:
         raise RecordingError(f"{path / UPDATES} is truncated at update {number}") from None
+    if rows is not None:
+        start, counts = line["rows"]["start"], line["rows"]["counts"]
+        digests = hexadecimal(rows.block(start, sum(counts), f"update {number}'s rows"))
+        ends = np.cumsum([0, *counts]).tolist()
+        line["rows"] = [digests[a:b] for a, b in itertools.pairwise(ends)]
     values = sketches.block(line["sketch"], k * len(parts), f"update {number}'s sketch")
     unreduced = {
         part: np.stack([sketches.block(s, k, f"update {number}'s rank sketch of {part}")
@@ -290,12 +323,13 @@ def read(path: str | Path) -> Recording:
     header = _header(path)
     final = _json(path / FINAL, "the final record")
     sketches = _Sketches(path)
+    rows = _Sketches(path, ROWS, "<u8") if header["version"] >= 2 else None
     k, parts = int(header["k"]), list(header["parts"])
     lines = (path / UPDATES).read_text().splitlines() if (path / UPDATES).exists() else []
     if len(lines) != final["updates"]:
         raise RecordingError(f"{path / UPDATES} is truncated: {len(lines)} updates of the "
                              f"{final['updates']} that {FINAL} records")  # fmt: skip
-    updates = [_update(n, text, path, sketches, parts, k) for n, text in enumerate(lines)]
+    updates = [_update(n, text, path, sketches, parts, k, rows) for n, text in enumerate(lines)]
     weights = sketches.block(final["weights_sketch"], k * len(parts), "the final weights' sketch")
     return Recording(
         path=path, header=header, updates=updates,

@@ -40,6 +40,7 @@ refused in one line (`gatherlab.recording.refusal`).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import os
@@ -67,10 +68,10 @@ from gatherlab.recording.rows import (
     digests,
     first_tensor,
     given_rows,
-    hexadecimal,
     kept,
     kept_together,
     sampled,
+    sampled_bits,
     unmasked_ids,
 )
 from gatherlab.runs.removals import batch_norms
@@ -104,6 +105,16 @@ _BATCHED = 1 << 16
 """A replicated gradient of at most this many elements is sketched with the other small ones of
 its part in one product (each padded to whole blocks of k and concatenated): a few torch
 operations per part and update instead of per parameter."""
+
+_DEFERRED = 1 << 17
+"""A model whose gradients are one batch of small ones (`_BATCHED`) of at most this many elements,
+padded (a tiny model: 512 KiB in float32), on the CPU, has them copied at each update (one
+concatenation) and sketched when the updates are sent (`Recorder._sketched_later`), all kept
+updates in one pass: each update's sketch made alone after its backward took 0.19–0.25 ms of the
+thread's CPU time here (bench record-fixed's job, the machine loaded), about four times what
+the same operations take in a row (its code and data fetched again after the training's); the
+copy takes 0.09–0.11 ms, the pass ~0.05 ms an update. At most `FLUSH_UPDATES` such copies are
+kept (8 MiB in float32, 16 in float64)."""
 
 FULL_GRADIENT_LIMIT = 1 << 20
 """By default (``full_updates=None``) the first update keeps its whole gradient when the model has
@@ -240,23 +251,42 @@ class _Batched:
     parameters: list[_Parameter]
     pads: list[torch.Tensor]
     signs: torch.Tensor  # parts × blocks, in the blocks' dtype
-    member: torch.Tensor  # parts × blocks, 1 where the block is the part's, float64
+    member: np.ndarray  # parts × blocks, 1 where the block is the part's, float64
+    cpu_signs: np.ndarray | None = None  # ``signs`` in numpy, on the CPU
 
     def sketch(self, k: int, of_gradients: bool) -> tuple[np.ndarray, np.ndarray]:
         """The sketches (parts × k, float64) of these parameters' gradients (or weights) and each
-        part's squared norm."""
+        part's squared norm (`blocks`, `sketched`)."""
+        return self.sketched(self.blocks(k, of_gradients))
+
+    def blocks(self, k: int, of_gradients: bool) -> torch.Tensor:
+        """These parameters' gradients (or weights), padded and concatenated: a copy, blocks × k,
+        in float32 or float64 (one torch operation where they are float32 or float64)."""
         pieces = []
         for p, pad in zip(self.parameters, self.pads, strict=True):
             tensor = p.parameter.grad if of_gradients else p.parameter.data
-            flat = tensor.detach().reshape(-1) if tensor is not None else pad.new_zeros(
-                p.parameter.numel())  # fmt: skip
-            pieces += [flat, pad]
+            pieces += [tensor.reshape(-1) if tensor is not None else pad.new_zeros(
+                p.parameter.numel()), pad]  # fmt: skip
         blocks = torch.cat(pieces).view(-1, k)
         if blocks.dtype not in (torch.float64, torch.float32):  # half precisions: in float32
             blocks = blocks.float()
-        sketches = (self.signs @ blocks).double()
-        squares = self.member @ torch.linalg.vector_norm(blocks, dim=1).double().square()
-        return sketches.cpu().numpy(), squares.cpu().numpy()
+        return blocks
+
+    def sketched(self, blocks: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """`sketch` of `blocks`' copy: the product (in numpy on the CPU), each block's norm in the
+        blocks' own precision, the parts' sums of their squares in float64."""
+        with torch.no_grad():  # a gradient made with create_graph=True: no graph of the sketch
+            return self._sketched(blocks)
+
+    def _sketched(self, blocks: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        if blocks.device.type == "cpu":  # the product in numpy: 4 µs here, torch's 9
+            if self.cpu_signs is None:
+                self.cpu_signs = self.signs.numpy()
+            sketches = (self.cpu_signs @ blocks.numpy()).astype(np.float64)
+        else:
+            sketches = (self.signs @ blocks).cpu().numpy().astype(np.float64)
+        norms = torch.linalg.vector_norm(blocks, dim=1).cpu().numpy().astype(np.float64)
+        return sketches, self.member @ (norms * norms)
 
 
 def _hookable(model: Any, optimizer: Any) -> None:
@@ -403,7 +433,8 @@ class Recorder:
             self._sketched = [piece.key for piece in self._pieces]
         self._signs: dict[str, torch.Tensor] = {}
         self._plan: tuple[list[_Batched], list[tuple[int, _Parameter]]] | None = None
-        self._weight_samples: list | None = None  # `_weights_digests`' parameters and strides
+        self._weight_samples: tuple | None = None  # `_weights_sampled`'s views, made once
+        self._weight_lengths: list[int] = []  # each part's samples of its weights
         self._row_group: placed.RowGroup | None = None  # this rank's tensor-parallel group
         self._counted: list[placed.RowGroup] | None = None  # each rank's, once decided
         self._rows: list[Sampled | torch.Tensor] = []  # the update's rows, copied (`rows.sampled`;
@@ -413,6 +444,9 @@ class Recorder:
         self._apart: list[str] = []  # the copies that differ in the assembled gradient
         self._losses: list[float] = []
         self._autocast: str | None = None
+        self._autocast_hooks: dict[nn.Module, Any] = {}  # `_attach`, `_pruned`
+        self._first_child: nn.Module | None = None  # the first the first update's forward called
+        self._model = model
         self._pending: list[dict[str, Any]] = []  # this rank's updates not yet sent to rank 0
         self._due, self._flushed_at = 1, time.perf_counter()  # the first update is sent at once
         self.updates = 0
@@ -421,6 +455,7 @@ class Recorder:
         self._tracer: Any = None  # the first update's, while it records
         self._traced: list | None = None
         first = self._parameters[0].parameter if self._parameters else None
+        self._device = first.device.type if first is not None else "cpu"  # its autocast's
         dtype = first.dtype if first is not None else torch.float32
         header = {
             "gatherlab": _version(), "torch": torch.__version__,
@@ -526,7 +561,8 @@ class Recorder:
         the batches; the loss module's output, or the model output's loss, unless the job gives
         the losses; and, for the autocast its forward runs under, the model's and its children's
         forwards (a trainer's autocast can wrap the model's forward itself, inside its call:
-        accelerate's does, which a hook on the model's call does not see)."""
+        accelerate's does, which a hook on the model's call does not see); after the first update
+        the model's and the first child it called alone (`_pruned`)."""
         hooks = [optimizer.register_step_pre_hook(self._before_step),
                  optimizer.register_step_post_hook(self._after_step)]  # fmt: skip
         if batches:
@@ -539,8 +575,8 @@ class Recorder:
         elif losses:
             hooks.append(model.register_forward_hook(self._on_output))
         for module in (model, *_unwrapped(model).children()):
-            hooks.append(module.register_forward_pre_hook(self._on_autocast))
-        return hooks
+            self._autocast_hooks[module] = module.register_forward_pre_hook(self._on_autocast)
+        return hooks + list(self._autocast_hooks.values())
 
     def _floor(self, model: nn.Module, out: str | Path) -> tuple[str | Path, int]:
         """Where the recording goes and its model's row blocks: ``out`` and 1, or, with
@@ -582,14 +618,17 @@ class Recorder:
         their padding left out: `gatherlab.recording.rows.rows_of`), in order."""
         found = given_rows(batch)
         if found is not None:
-            tensor, mask = found
-            if unmasked_ids(tensor, mask):  # its padding found with the update's other calls'
-                self._rows.append(tensor.detach().cpu().clone())
-            else:
-                self._rows.append(sampled(tensor, kept(tensor, mask)))
-            self._calls += 1
-            if self._trace and self.updates == 0 and self._traced is None:
-                self._trace_input(tensor)
+            self._given(*found)
+
+    def _given(self, tensor: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """One call's rows and their mask (`batch`), copied."""
+        if unmasked_ids(tensor, mask):  # its padding found with the update's other calls'
+            self._rows.append(tensor.detach().cpu().clone())
+        else:
+            self._rows.append(sampled(tensor, kept(tensor, mask)))
+        self._calls += 1
+        if self._trace and self.updates == 0 and self._traced is None:
+            self._trace_input(tensor)
 
     def _trace_input(self, tensor: torch.Tensor) -> None:
         from gatherlab.runs import trace
@@ -617,7 +656,13 @@ class Recorder:
     # A forward without gradients (an evaluation, a monitor between updates) trains nothing: its
     # rows and loss are not the update's.
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled() and not self._received(args, kwargs):
+        if not torch.is_grad_enabled():
+            return
+        one = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+        if one and self._held is None:  # one tensor: its rows, no mask (`given_rows`'s answer)
+            self._given(args[0], None)
+            return
+        if not self._received(args, kwargs):
             if self._again("rows", first_tensor((args, kwargs))) and self._calls:
                 self._rows.pop()  # the stage's shapes were inferred on them: counted once
                 self._calls -= 1
@@ -649,15 +694,28 @@ class Recorder:
     def _on_autocast(self, module: nn.Module, args: tuple) -> None:
         """The autocast dtype a training forward runs under, once seen (`_attach`)."""
         if self._autocast is None and torch.is_grad_enabled():
-            device = self._parameters[0].parameter.device.type if self._parameters else "cpu"
-            if torch.is_autocast_enabled(device):
-                self._autocast = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+            if self._first_child is None and module is not self._model:
+                self._first_child = module
+            if torch.is_autocast_enabled(self._device):
+                self._autocast = str(torch.get_autocast_dtype(self._device)).removeprefix("torch.")
+
+    def _pruned(self) -> None:
+        """After the first update, the autocast's hooks that are left (`_attach`): none once an
+        autocast is seen (it is the recording's from then on), else the model's and the first
+        child its forward called (a hook on a module makes torch take its slower call path, a
+        few microseconds a call: on every child of a tiny model, 10 % of its update)."""
+        keep = (self._model, self._first_child) if self._autocast is None else ()
+        for module, hook in list(self._autocast_hooks.items()):
+            if module not in keep:
+                hook.remove()
+                del self._autocast_hooks[module]
 
     def _on_loss(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.numel() == 1:
-            labels = [a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad]
-            if self._again("loss", labels[-1] if labels else None) and self._losses:
-                self._losses.pop()  # the inferred shapes' loss: `_again`
+            if self._held is not None:  # a pipeline's stage: its loss given again (`_again`)
+                labels = [a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad]
+                if self._again("loss", labels[-1] if labels else None) and self._losses:
+                    self._losses.pop()  # the inferred shapes' loss
             self.loss(output)
 
     def _on_output(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -718,18 +776,26 @@ class Recorder:
         pads = [first.new_zeros(-p.parameter.numel() % self.k) for p in members]
         dtype = first.dtype if first.dtype in (torch.float64, torch.float32) else torch.float32
         return _Batched(members, pads, matrix.to(first.device, dtype),
-                        matrix.abs().to(first.device))  # fmt: skip
+                        matrix.abs().numpy())  # fmt: skip
 
     def _sketches(self, of_gradients: bool) -> dict[str, Any]:
         """This rank's sketches (parts × k) and squared norms (parts) of its plain gradients (or
         weights), ``replicated``, and of its DTensor shards per group of ranks whose shards sum to
         the whole (`gatherlab.recording.placed`), ``groups``: {ranks: (sketches, squares)}."""
         k, count = self.k, len(self._sketched)
-        replicated, squares = np.zeros((count, k)), np.zeros(count)
         groups: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
         batched, others = self._planned()
-        for group in batched:
-            values, squared = group.sketch(k, of_gradients)
+        if len(batched) == 1 and not others and batched[0].signs.shape[1] * k <= _DEFERRED and (
+                of_gradients and self._device == "cpu"):  # fmt: skip
+            with torch.no_grad():  # a gradient made with create_graph=True: no graph of the copy
+                return {"later": batched[0].blocks(k, of_gradients)}  # `_sketched_later`
+        with torch.no_grad():
+            made = [group.sketch(k, of_gradients) for group in batched]
+        if len(made) == 1 and not others:  # the sketch of one batch of small parameters: its own
+            replicated, squares = made[0]
+            return {"replicated": replicated, "squares": squares, "groups": groups}
+        replicated, squares = np.zeros((count, k)), np.zeros(count)
+        for values, squared in made:
             replicated += values
             squares += squared
         for index, p in others:
@@ -749,6 +815,14 @@ class Recorder:
             groups[held.group][1][index] += _norm(held.local) ** 2
         return {"replicated": replicated, "squares": squares, "groups": groups}
 
+    def _sketched_later(self, pending: list[tuple[dict[str, Any], Any]]) -> None:
+        """The sketches of the updates whose gradients were copied (``later``, `_DEFERRED`), made
+        when they are sent, one after the other in one pass."""
+        for entry, _ in pending:
+            if "later" in entry:
+                replicated, squares = self._plan[0][0].sketched(entry.pop("later"))
+                entry.update(replicated=replicated, squares=squares, groups={})
+
     def _gathered(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
         if not self._distributed:
             return [payload]
@@ -767,6 +841,9 @@ class Recorder:
             return pieces.Held.combined(self._pieces, self.parts,
                                         [payload["replicated"] for payload in every],
                                         [payload["squares"] for payload in every])  # fmt: skip
+        if len(every) == 1 and not every[0]["groups"]:  # one rank's plain sketches: its own
+            norms = dict(zip(self.parts, np.sqrt(every[0]["squares"]).tolist(), strict=True))
+            return every[0]["replicated"], norms, {}
         sums: dict[tuple[int, ...], list[np.ndarray]] = {}
         for payload in every:  # in rank order: every rank of a group sums it in the same order
             for ranks, (values, squares) in payload["groups"].items():
@@ -837,7 +914,8 @@ class Recorder:
             self._rows[i] = sampled(self._rows[i], keep)  # `rows.kept_together`
         entry = {
             **self._sketches(of_gradients=True),
-            "loss": float(np.mean(self._losses)) if self._losses else math.nan,
+            "loss": (self._losses[0] if len(self._losses) == 1 else float(np.mean(self._losses))
+                     if self._losses else math.nan),
             "rows": self._rows,
             "calls": self._calls, "micro_batches": len(self._losses), "autocast": self._autocast,
         }  # fmt: skip
@@ -850,6 +928,8 @@ class Recorder:
             entry["trace"] = self._traced.detached() if self._traced is not None else []
         self._pending.append((entry, full))
         self.updates += 1
+        if self.updates == 1 or (self._autocast is not None and self._autocast_hooks):
+            self._pruned()
         self._rows, self._losses, self._calls = [], [], 0
 
     def _after_step(self, optimizer, args: tuple, kwargs: dict) -> None:
@@ -857,54 +937,73 @@ class Recorder:
         so that ranks that step apart are seen at the update they part; then the kept updates
         are sent when due."""
         if self._distributed and self._pending and "weights" not in self._pending[-1][0]:
-            self._pending[-1][0]["weights"] = self._weights_digests()
+            self._pending[-1][0]["weights"] = self._weights_sampled()
         if self.updates >= self._due:
             self._flush()
 
-    def _weights_digests(self) -> np.ndarray:
-        """A 64-bit digest of each part's replicated weights after the step, from at most
-        `_WEIGHT_SAMPLES` elements of each parameter, evenly spaced (ranks that step apart move
-        almost every element; an FSDP2 shard is each rank's own, and is not compared): every
-        part's samples in one row of a matrix, digested at once."""
-        if self._weight_samples is None:  # each part's parameters and their strides, once
-            self._weight_samples = [
-                [(p.parameter, -(-p.parameter.numel() // _WEIGHT_SAMPLES))
-                 for p in self._parameters
-                 if p.part == part and not isinstance(p.parameter, _dtensor())]
-                for part in self._sketched
-            ]  # fmt: skip
-        rows = [torch.cat([w.detach().reshape(-1)[::stride] for w, stride in members])
-                if members else torch.zeros(1) for members in self._weight_samples]  # fmt: skip
-        width = max(len(row) for row in rows)
-        matrix = torch.stack([torch.nn.functional.pad(row.double(), (0, width - len(row)))
-                              for row in rows])  # fmt: skip
-        return digests([sampled(matrix)])[0]
+    def _weights_sampled(self) -> np.ndarray:
+        """The samples of the weights after the step that `_weights_digests` digests when the
+        updates are sent: at most `_WEIGHT_SAMPLES` elements of each replicated parameter, evenly
+        spaced (ranks that step apart move almost every element; an FSDP2 shard is each rank's
+        own, and is not compared), copied in one concatenation of views made once (re-made where
+        a parameter's storage moved)."""
+        made = self._weight_samples
+        if made is None or any(tensor.data_ptr() != at for tensor, at in made[1]):
+            members = [p for part in self._sketched for p in self._parameters
+                       if p.part == part and not isinstance(p.parameter, _dtensor())]  # fmt: skip
+            views = [p.parameter.detach().reshape(-1)[:: -(-p.parameter.numel() // _WEIGHT_SAMPLES)]
+                     for p in members]  # fmt: skip
+            lengths = {part: 0 for part in self._sketched}
+            for p, view in zip(members, views, strict=True):
+                lengths[p.part] += len(view)
+            self._weight_samples = (views, [(p.parameter, p.parameter.data_ptr())
+                                            for p in members])  # fmt: skip
+            self._weight_lengths = list(lengths.values())
+        views = self._weight_samples[0]
+        if not views:
+            return np.zeros(0)
+        if not all(p.is_contiguous() for p, _ in self._weight_samples[1]):
+            self._weight_samples = None  # a reshaped copy: made again at the next step
+        samples = torch.cat(views)
+        if samples.dtype == torch.bfloat16:  # numpy has none: float32 holds it exactly
+            samples = samples.float()
+        return samples.cpu().numpy()
+
+    def _weights_digests(self, samples: list[np.ndarray]) -> list[Sampled]:
+        """Each update's weights' samples (`_weights_sampled`) as one matrix of a row per part,
+        its samples in float64, zero-padded to the longest (a part without any: one zero), to be
+        digested with the rows (`rows.digests`): each part's 64-bit digest."""
+        if not samples:
+            return []
+        lengths = [length or 1 for length in self._weight_lengths]
+        ends = np.cumsum([0, *self._weight_lengths])
+        made = []
+        for values in samples:
+            matrix = np.zeros((len(lengths), max(lengths)))
+            for row, (start, stop) in enumerate(itertools.pairwise(ends)):
+                matrix[row, : stop - start] = values[start:stop]
+            made.append(sampled_bits(matrix))
+        return made
 
     def _flush(self, final: dict[str, np.ndarray] | None = None) -> None:
         """Every rank sends rank 0 its kept updates (and, at the end, its final weights' sketch) in
         one collective; rank 0 writes them and says when the next are due (`FLUSH_SECONDS`)."""
         pending, self._pending = self._pending, []
-        samples = [sample for entry, _ in pending for sample in entry["rows"]]
-        made = iter(digests(samples))  # every update's rows at once
-        for entry, _ in pending:
-            rows = [next(made) for _ in entry["rows"]]
-            entry["rows"] = np.concatenate(rows) if rows else np.zeros(0, np.uint64)
+        first = self.updates - len(pending)
         now = time.perf_counter()
         each = (now - self._flushed_at) / max(len(pending), 1)
         self._flushed_at = now
         kept = max(1, min(FLUSH_UPDATES, int(FLUSH_SECONDS / max(each, 1e-9))))
         if self._row_group is None:
             self._row_group = placed.row_group([p.parameter for p in self._parameters], self.rank)
+        self._made(pending)
         every = self._gathered({"updates": [entry for entry, _ in pending], "final": final,
                                 "kept": kept, "row_group": self._row_group})  # fmt: skip
         self._due = self.updates + every[0]["kept"]  # rank 0's choice, the same on every rank
-        self._count_rows(every, self.updates - len(pending))
+        self._count_rows(every, first)
         if self._writer is None:
             return
-        for position, (_, full) in enumerate(pending):
-            self._write(self.updates - len(pending) + position, [r["updates"][position]
-                                                                 for r in every], full)  # fmt: skip
-        self._writer.flush()
+        self._written(pending, first, every)
         if final is not None:
             sketches, norms, _ = self._combined([r["final"] for r in every])
             start = self._writer.sketch(sketches.reshape(-1))
@@ -915,6 +1014,27 @@ class Recorder:
                 "row_groups": sorted({g.ranks for g in self._counted or [] if len(g.ranks) > 1}),
             }
             self._writer.close(final)
+
+    def _made(self, pending: list[tuple[dict[str, Any], Any]]) -> None:
+        """The kept updates' numbers that are made when they are sent: the sketches of copied
+        gradients (`_sketched_later`), every update's rows' and weights' digests at once."""
+        self._sketched_later(pending)
+        samples = [sample for entry, _ in pending for sample in entry["rows"]]
+        weighed = [entry for entry, _ in pending if "weights" in entry]
+        samples += self._weights_digests([entry["weights"] for entry in weighed])
+        made = iter(digests(samples))  # every update's rows and weights at once
+        for entry, _ in pending:
+            rows = [next(made) for _ in entry["rows"]]
+            entry["rows"] = np.concatenate(rows) if rows else np.zeros(0, np.uint64)
+        for entry in weighed:
+            entry["weights"] = next(made)
+
+    def _written(self, pending: list, first: int, every: list[dict[str, Any]]) -> None:
+        """Rank 0 writes the kept updates, the first numbered ``first``, from every rank's
+        numbers."""
+        for position, (_, full) in enumerate(pending):
+            self._write(first + position, [r["updates"][position] for r in every], full)
+        self._writer.flush()
 
     def _count_rows(self, every: list[dict[str, Any]], first: int) -> None:
         """Tensor parallelism's rows counted once (docs/recording.md §11): the ranks of a
@@ -963,6 +1083,8 @@ class Recorder:
             writer.full(update, full)
         if "trace" in ranks[0]:
             writer.trace([r["trace"] for r in ranks])
+        counted_rows = [r["rows"] if self._counts(rank) else np.zeros(0, np.uint64)
+                        for rank, r in enumerate(ranks)]  # fmt: skip
         losses = [r["loss"] for r in ranks]
         counted = losses
         if self._held is not None:  # a pipeline's loss is its last stages' alone
@@ -971,8 +1093,8 @@ class Recorder:
         writer.update({
             "update": update, "losses": [_json_float(v) for v in losses],
             "loss": _json_float(mean_over_ranks([[v] for v in counted])[0]),
-            "rows": [hexadecimal(r["rows"]) if self._counts(rank) else []
-                     for rank, r in enumerate(ranks)],
+            "rows": {"start": writer.rows(np.concatenate(counted_rows)),
+                     "counts": [len(rows) for rows in counted_rows]},
             "calls": [r["calls"] if self._counts(rank) else 0 for rank, r in enumerate(ranks)],
             "norms": norms, "unreduced": starts, "sketch": start,
             "autocast": ranks[0]["autocast"], "micro_batches": micro_batches,

@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from gatherlab.recording.format import hexadecimal
+
 __all__ = [
     "Padding", "Sampled", "digests", "first_tensor", "given_rows", "hexadecimal", "kept",
     "kept_together", "padding", "paddings_together", "resolved", "row_digests", "rows_of",
-    "sampled", "unmasked_ids",
+    "sampled", "sampled_bits", "unmasked_ids",
 ]  # fmt: skip
 
 _SAMPLED = 256
@@ -43,12 +45,6 @@ def row_digests(batch: Any) -> list[str]:
     if found is None:
         return []
     return hexadecimal(digests([sampled(*found)])[0])
-
-
-def hexadecimal(numbers: np.ndarray) -> list[str]:
-    """Each 64-bit digest as 16 hexadecimal digits."""
-    text = numbers.astype(">u8").tobytes().hex()  # big-endian: each number's 16 digits in order
-    return [text[i : i + 16] for i in range(0, len(text), 16)]
 
 
 # --- which rows, and which of their positions --------------------------------------------------
@@ -290,15 +286,32 @@ def sampled(batch: torch.Tensor, keep: torch.Tensor | None = None) -> Sampled:
 def _piece(batch: torch.Tensor) -> tuple[str, np.ndarray]:
     """One description and its rows' bits (`Sampled`'s pieces)."""
     rows = batch.detach()
-    rows = rows.reshape(rows.shape[0], -1) if rows.dim() else rows.reshape(1, 1)
+    if rows.dim() != 2:
+        rows = rows.reshape(rows.shape[0], -1) if rows.dim() else rows.reshape(1, 1)
     if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
         rows = rows.view(torch.int16)
-    array = rows.cpu().numpy()
+    array = rows.numpy() if rows.device.type == "cpu" else rows.cpu().numpy()
+    return _bits(f"{tuple(batch.shape[1:])} {batch.dtype}", array)
+
+
+def _bits(description: str, array: np.ndarray) -> tuple[str, np.ndarray]:
+    """A piece of rows (a 2-D array) as `_piece` makes it: at most `_SAMPLED` elements of each
+    row, their bits as 64-bit integers (a copy)."""
     width = array.shape[1]
     if width > _SAMPLED:  # every s-th element, s the least stride that leaves at most _SAMPLED
         array = array[:, :: -(-width // _SAMPLED)]  # (numpy's strided copy: torch's took 3 ms)
-    return f"{tuple(batch.shape[1:])} {batch.dtype}", array.view(
-        f"u{array.dtype.itemsize}").astype(np.uint64)  # fmt: skip
+    return description, array.view(_UNSIGNED[array.dtype.itemsize]).astype(np.uint64)
+
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+"""The unsigned integers of each width, whose values are an element's bits (`_bits`)."""
+
+
+def sampled_bits(matrix: np.ndarray) -> Sampled:
+    """`sampled` of a float64 torch tensor's rows, given as the numpy array of its values
+    (the recorder's samples of its weights, `Recorder._weights_digests`): the same digests."""
+    return Sampled([_bits(f"{tuple(matrix.shape[1:])} {torch.float64}",
+                          np.ascontiguousarray(matrix, dtype=np.float64))])  # fmt: skip
 
 
 def digests(samples: list[Sampled]) -> list[np.ndarray]:
@@ -314,13 +327,7 @@ def digests(samples: list[Sampled]) -> list[np.ndarray]:
         kinds.setdefault((description, bits.shape[1]), []).append(position)
     for (description, width), positions in kinds.items():
         key, offsets = _hash_of(description, width)
-        mixed = np.concatenate([pieces[i][1] for i in positions]) + offsets  # in place below
-        mixed ^= mixed >> _SHIFTS[0]
-        mixed *= _MULTIPLIERS[0]
-        mixed ^= mixed >> _SHIFTS[1]
-        mixed *= _MULTIPLIERS[1]
-        mixed ^= mixed >> _SHIFTS[2]
-        summed = mixed.sum(axis=1, dtype=np.uint64) + key
+        summed = _mixed_sums(np.concatenate([pieces[i][1] for i in positions]), offsets) + key
         ends = np.cumsum([len(pieces[i][1]) for i in positions])
         for i, part in zip(positions, np.split(summed, ends[:-1]), strict=True):
             made[i] = part
@@ -336,6 +343,29 @@ def digests(samples: list[Sampled]) -> list[np.ndarray]:
     return out
 
 
+def _mixed_sums(bits: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Σ_i mix(bits_i + r_i) of each row (modulo 2⁶⁴), in chunks of `_CHUNK` elements that stay
+    in the cache, each step in place (`digests`): 1.9 times faster than whole-array steps on 2,048
+    rows of 64 measured here (0.38 ms, 0.72 before)."""
+    rows = max(1, _CHUNK // max(bits.shape[1], 1))
+    out = np.empty(len(bits), np.uint64)
+    mixed = np.empty((min(rows, len(bits)), bits.shape[1]), np.uint64)
+    shifted = np.empty_like(mixed)
+    for start in range(0, len(bits), rows):
+        chunk = bits[start : start + rows]
+        m, t = mixed[: len(chunk)], shifted[: len(chunk)]
+        np.add(chunk, offsets, out=m)
+        for shift, multiplier in zip(_SHIFTS, (*_MULTIPLIERS, None), strict=True):
+            np.right_shift(m, shift, out=t)
+            m ^= t
+            if multiplier is not None:
+                m *= multiplier
+        np.sum(m, axis=1, dtype=np.uint64, out=out[start : start + len(chunk)])
+    return out
+
+
+_CHUNK = 1 << 14
+"""The elements `_mixed_sums` mixes at once (128 KiB of 64-bit numbers, twice)."""
 _SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
 _MULTIPLIERS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
