@@ -65,24 +65,35 @@ def test_without_a_mask_the_pad_value_is_read_from_the_batch_where_it_shows():
     assert rows_of(floats)[1] is None
 
 
-def test_two_rows_whose_ends_tie_are_resolved_by_the_pad_other_batches_show():
-    """Two rows of a device's batch, the first padded by one 0 and the second ending in 17, a
-    token nowhere else: 0 and 17 each end one row in a run of one, so either could pad the
-    other row. The batch alone keeps every position (as before) and names both; the run's other
-    batches, in which 0 padded, choose 0; seen as often, or neither seen, every position."""
+def test_a_batch_that_cannot_show_its_pad_is_padded_as_the_runs_other_batches_show():
+    """A job pads with one value. Two rows of a device's batch, the first padded by one 0 and the
+    second ending in 17, a token nowhere else: 0 and 17 each end one row in a run of one, so
+    either could pad the other row; the batch alone keeps every position (as before), the run's
+    other batches, in which 0 padded, choose 0; seen as often, or neither seen, every position.
+    Two unpadded rows of one length ending in 27 and in 27, 27 show 27 as their pad; where the
+    run pads with 0, which ends no row here, every position is kept."""
     tied = torch.tensor([[5, 6, 7, 0], [8, 9, 10, 17]])
     found = padding(tied)
     assert found.keep is None and found.pad is None
-    assert [pad for pad, _ in found.ties] in ([(0,), (17,)], [(17,), (0,)])
-    zero = dict(found.ties)[(0,)]
+    assert sorted(pad for pad, _ in found.candidates) == [(0,), (17,)]
+    zero = dict(found.candidates)[(0,)]
     assert zero.tolist() == [[True, True, True, False], [True, True, True, True]]
     assert resolved(found, {(0,): 3}).tolist() == zero.tolist()
     assert resolved(found, {}) is None and resolved(found, {(0,): 2, (17,): 2}) is None
-    shown = padding(padded(SENTENCES))  # a batch that shows its pad: no tie, its value
-    assert shown.pad == (0,) and not shown.ties and resolved(shown, {(17,): 9}) is shown.keep
-    # micro-batches of one batch: the tie's positions cut as the calls are
+    assert row_digests(tied[:1, :3])[0] == alone([5, 6, 7])
+    ending = torch.tensor([[4, 5, 27, 27], [6, 7, 8, 27]])
+    shown = padding(ending)
+    assert shown.pad == (27,) and shown.keep.tolist() == [[True, True, False, False]] * 1 + [
+        [True, True, True, False]]  # fmt: skip
+    assert resolved(shown, {(0,): 5}) is None  # the run's pad ends no row: none is padded
+    assert resolved(shown, {}).tolist() == shown.keep.tolist()  # no run yet: the batch's own
+    assert resolved(shown, {(0,): 5, (27,): 1}) is None
+    padded_batch = padding(padded(SENTENCES))  # a batch that shows the run's pad
+    assert resolved(padded_batch, {(0,): 9}).tolist() == padded_batch.keep.tolist()
+    # micro-batches of one batch: each candidate's positions cut as the calls are
     halves = paddings_together([tied[:1], tied[1:]])
-    assert [dict(h.ties)[(0,)].tolist() for h in halves] == [[zero[0].tolist()], [zero[1].tolist()]]
+    assert [dict(h.candidates)[(0,)].tolist() for h in halves] == [[zero[0].tolist()],
+                                                                   [zero[1].tolist()]]  # fmt: skip
 
 
 def test_rows_that_differ_inside_or_in_their_tokens_count_are_told_apart():
@@ -103,16 +114,19 @@ def test_padded_feature_sequences_with_a_mask_keep_their_real_positions():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mask", [False, True])
-def test_a_loop_over_text_padded_per_device_batch_is_one_devices_data_at_w_2(tmp_path, mask):
-    """Each rank pads its half of every global batch to its own longest; the comparison finds
-    one device's rows at every update (no ``data differs``) and the run exact in float64."""
+def test_a_loop_over_text_padded_per_device_batch_is_one_devices_data_at_w_2_and_4(tmp_path, mask):
+    """Each rank pads its part of every global batch to its own longest; the comparison finds
+    one device's rows at every update (no ``data differs``) and the run exact in float64. At
+    W = 4 without a mask (two rows a rank) the batches' own ends cannot show the pad at three of
+    the twelve: two rows whose ends tie at updates 0 and 2, and two unpadded rows ending in 27
+    and in 27, 27 at update 2; the run's other batches show 0 (`rows.choice`)."""
     from recorded import record
 
     from gatherlab.compare import compare
 
     one = record(tmp_path / "one", 1, "padded_loops:loop", mask=mask)
-    two = record(tmp_path / "two", 2, "padded_loops:loop", mask=mask)
-    compared = compare(one, two)
-    assert compared.data is None and (compared.verdict, compared.status) == ("exact", 0), (
-        compared.words
-    )
+    for world_size in (2, 4):
+        many = record(tmp_path / f"w{world_size}", world_size, "padded_loops:loop", mask=mask)
+        compared = compare(one, many)
+        assert compared.data is None and (compared.verdict, compared.status) == ("exact", 0), (
+            world_size, compared.words)  # fmt: skip

@@ -65,11 +65,12 @@ from gatherlab.recording.record_options import RecordOptions, record_options
 from gatherlab.recording.refusal import refuse
 from gatherlab.recording.rows import (
     Sampled,
+    choice,
     digests,
     first_tensor,
     given_rows,
     kept,
-    kept_together,
+    paddings_together,
     sampled,
     sampled_bits,
     unmasked_ids,
@@ -289,6 +290,16 @@ class _Batched:
         return sketches, self.member @ (norms * norms)
 
 
+@dataclass(frozen=True)
+class _Candidates:
+    """A call's rows of the first update, before the run's pad value is known: whole (``by_pad``
+    at None) and without each candidate value's trailing runs (`rows.Padding.candidates`), one
+    to be chosen once every rank's pads are counted (``own``: the batch's own choice)."""
+
+    own: tuple | None
+    by_pad: dict[tuple | None, Sampled]
+
+
 def _hookable(model: Any, optimizer: Any) -> None:
     """One line (`format.RecordingError`) for a model or optimizer the recorder cannot hook: a
     trainer given as the model (a trainer takes a callback), an optimizer with no step."""
@@ -438,7 +449,8 @@ class Recorder:
         self._row_group: placed.RowGroup | None = None  # this rank's tensor-parallel group
         self._counted: list[placed.RowGroup] | None = None  # each rank's, once decided
         self._rows: list[Sampled | torch.Tensor] = []  # the update's rows, copied (`rows.sampled`;
-        # token ids without a mask whole, until the update's end: `rows.kept_together`)
+        # token ids without a mask whole, until the update's end: `rows.paddings_together`)
+        self._pads: dict[tuple, int] = {}  # each pad value's batches on every rank (`_untied`)
         self._calls = 0  # the model's forward calls (or batches given) in the update
         self._last_given: dict[str, tuple] = {}  # where the last rows and labels lay (`_again`)
         self._apart: list[str] = []  # the copies that differ in the assembled gradient
@@ -910,13 +922,22 @@ class Recorder:
                 "gatherlab.record.in_row_blocks(...) in the job"
             )
         ids = [i for i, rows in enumerate(self._rows) if isinstance(rows, torch.Tensor)]
-        for i, keep in zip(ids, kept_together([self._rows[i] for i in ids]), strict=True):
-            self._rows[i] = sampled(self._rows[i], keep)  # `rows.kept_together`
+        pads: dict[tuple, int] = {}
+        for i, found in zip(ids, paddings_together([self._rows[i] for i in ids]), strict=True):
+            raw, keeps = self._rows[i], {None: None, **dict(found.candidates)}
+            if self.updates or not found.candidates:  # the run's pads seen: `rows.choice`
+                pad = choice(found.pad, list(keeps)[1:], self._pads)
+                self._rows[i] = sampled(raw, keeps[pad])
+            else:  # the first update: each candidate's rows, for every rank's pads to choose
+                made = {pad: sampled(raw, keep) for pad, keep in keeps.items()}
+                self._rows[i] = _Candidates(found.pad, made)
+            if found.pad is not None:
+                pads[found.pad] = pads.get(found.pad, 0) + 1
         entry = {
             **self._sketches(of_gradients=True),
             "loss": (self._losses[0] if len(self._losses) == 1 else float(np.mean(self._losses))
                      if self._losses else math.nan),
-            "rows": self._rows,
+            "rows": self._rows, "pads": pads,
             "calls": self._calls, "micro_batches": len(self._losses), "autocast": self._autocast,
         }  # fmt: skip
         full = self._full_gradient() if self.updates < self.full_updates else None
@@ -1000,6 +1021,7 @@ class Recorder:
         every = self._gathered({"updates": [entry for entry, _ in pending], "final": final,
                                 "kept": kept, "row_group": self._row_group})  # fmt: skip
         self._due = self.updates + every[0]["kept"]  # rank 0's choice, the same on every rank
+        self._untied(every)
         self._count_rows(every, first)
         if self._writer is None:
             return
@@ -1022,12 +1044,41 @@ class Recorder:
         samples = [sample for entry, _ in pending for sample in entry["rows"]]
         weighed = [entry for entry, _ in pending if "weights" in entry]
         samples += self._weights_digests([entry["weights"] for entry in weighed])
-        made = iter(digests(samples))  # every update's rows and weights at once
+        each = [tuple(row.by_pad.values()) if isinstance(row, _Candidates) else (row,)
+                for row in samples]  # fmt: skip
+        made = iter(digests([sample for row in each for sample in row]))  # all at once
         for entry, _ in pending:
-            rows = [next(made) for _ in entry["rows"]]
-            entry["rows"] = np.concatenate(rows) if rows else np.zeros(0, np.uint64)
+            rows = [next(made) if isinstance(row, Sampled) else
+                    (row.own, {pad: next(made) for pad in row.by_pad})
+                    for row in entry["rows"]]  # fmt: skip
+            untied = all(isinstance(row, np.ndarray) for row in rows)
+            entry["rows"] = (
+                (np.concatenate(rows) if rows else np.zeros(0, np.uint64)) if untied else rows
+            )  # a tied call's digests: `_untied`, once every rank's are here
         for entry in weighed:
             entry["weights"] = next(made)
+
+    def _untied(self, every: list[dict[str, Any]]) -> None:
+        """Every rank's calls of the first update given the digests of their rows without the
+        run's pad value (`rows.choice`: the value that padded the most of the run's batches so
+        far on every rank, ``pads``, counted here on every rank alike): two rows of a device's
+        batch, one padded by one and the other ending in a token nowhere else, and rows of one
+        length ending alike, are padded as the run's other batches show."""
+        for payload in every:
+            for entry in payload["updates"]:
+                for pad, count in entry.pop("pads", {}).items():
+                    self._pads[pad] = self._pads.get(pad, 0) + count
+        for payload in every:
+            for entry in payload["updates"]:
+                if isinstance(entry["rows"], np.ndarray):
+                    continue
+                rows = []
+                for row in entry["rows"]:
+                    if isinstance(row, tuple):
+                        own, by_pad = row
+                        row = by_pad[choice(own, list(by_pad)[1:], self._pads)]
+                    rows.append(row)
+                entry["rows"] = np.concatenate(rows) if rows else np.zeros(0, np.uint64)
 
     def _written(self, pending: list, first: int, every: list[dict[str, Any]]) -> None:
         """Rank 0 writes the kept updates, the first numbered ``first``, from every rank's

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +26,9 @@ import torch
 from gatherlab.recording.format import hexadecimal
 
 __all__ = [
-    "Padding", "Sampled", "digests", "first_tensor", "given_rows", "hexadecimal", "kept",
-    "kept_together", "padding", "paddings_together", "resolved", "row_digests", "rows_of",
-    "sampled", "sampled_bits", "unmasked_ids",
+    "Padding", "Sampled", "choice", "chosen", "digests", "first_tensor", "given_rows",
+    "hexadecimal", "kept", "kept_together", "padding", "paddings_together", "resolved",
+    "row_digests", "rows_of", "sampled", "sampled_bits", "unmasked_ids",
 ]  # fmt: skip
 
 _SAMPLED = 256
@@ -87,13 +87,9 @@ def paddings_together(calls: list[torch.Tensor]) -> list[Padding]:
         together = padding(torch.cat([calls[i] for i in members]).detach().cpu())
         counts = [len(calls[i]) for i in members]
         pieces = [None] * len(members) if together.keep is None else together.keep.split(counts)
-        ties = [keep.split(counts) for _, keep in together.ties]
+        cut = [(pad, keep.split(counts)) for pad, keep in together.candidates]
         for j, (i, piece) in enumerate(zip(members, pieces, strict=True)):
-            found[i] = Padding(
-                piece,
-                together.pad,
-                tuple((pad, split[j]) for (pad, _), split in zip(together.ties, ties, strict=True)),
-            )
+            found[i] = Padding(piece, together.pad, tuple((pad, keeps[j]) for pad, keeps in cut))
     return found
 
 
@@ -101,27 +97,46 @@ def paddings_together(calls: list[torch.Tensor]) -> list[Padding]:
 class Padding:
     """What a batch of token ids without a mask shows of its padding (`padding`): the positions
     before each row's trailing run of its pad value (``keep``; None: every position) and that
-    value (``pad``, its elements as a tuple; None where the batch shows none); or, where values
-    end its rows alike (``ties``: each value and the positions it would leave), none of them.
-    Two rows of a device's batch, one ending in one pad and the other in a token that appears
-    nowhere else, tie: which is the padding only other batches tell (the recorder's
-    `resolved`)."""
+    value (``pad``, its elements as a tuple; None where the batch shows none), and every value
+    that could pad it (``candidates``: each and the positions it would leave; a value that ends
+    rows and appears nowhere else). Which of them pads only the run's other batches tell where
+    the batch cannot (`choice`): two rows of a device's batch, one ending in one pad and the
+    other in a token that appears nowhere else, tie; rows of one length ending alike in runs of
+    other lengths show a pad that is none."""
 
     keep: torch.Tensor | None
     pad: tuple | None = None
-    ties: tuple[tuple[tuple, torch.Tensor], ...] = ()
+    candidates: tuple[tuple[tuple, torch.Tensor], ...] = ()
 
 
 def resolved(found: Padding, seen: Mapping[tuple, int]) -> torch.Tensor | None:
-    """The positions a call's rows keep: its `Padding`'s, or, where values tie, the positions
-    of the tied value that pads the most of the run's other batches (``seen``: each pad value's
-    number of batches that showed it, on every rank), every position where none or several
-    tied values are seen as often."""
-    if not found.ties:
-        return found.keep
-    counts = sorted(((seen.get(pad, 0), i) for i, (pad, _) in enumerate(found.ties)), reverse=True)
+    """The positions a call's rows keep, as `choice` chooses their pad value."""
+    pad = choice(found.pad, [value for value, _ in found.candidates], seen)
+    return None if pad is None else dict(found.candidates)[pad]
+
+
+def choice(
+    own: tuple | None, candidates: Sequence[tuple], seen: Mapping[tuple, int]
+) -> tuple | None:
+    """The pad value whose trailing runs a call's rows leave out (None: none): the run's, the
+    value that padded the most of its batches on every rank so far (``seen``: each value's
+    number of batches that showed it as their pad), if it could pad this batch (``candidates``),
+    else none (the value this batch alone shows, ``own``, pads nothing elsewhere); the batch's
+    own where the run has none yet, or several as often. A job pads with one value."""
+    run = chosen(list(seen), seen)
+    if run is None:
+        return own
+    return run if run in candidates else None
+
+
+def chosen(values: Sequence[tuple], seen: Mapping[tuple, int]) -> tuple | None:
+    """Of ``values``, the one that padded the most of the run's batches (``seen``); None where
+    none did, or several as often."""
+    counts = sorted(((seen.get(value, 0), value) for value in values), reverse=True)
+    if not counts:
+        return None
     best, second = counts[0][0], counts[1][0] if len(counts) > 1 else 0
-    return found.ties[counts[0][1]][1] if best > second else None
+    return counts[0][1] if best > second else None
 
 
 def rows_of(value: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -234,17 +249,15 @@ def padding(rows: torch.Tensor) -> Padding:
             runs = trailing.sum(1)
             pad = tuple(ends[candidate].tolist())
             qualified.append((int(ending[candidate]), int(runs.max()), trailing, runs, pad))
+    candidates = tuple((found[4], ~found[2]) for found in qualified)
     if len(ends) == 1:  # every row ends alike: padding where the runs differ in length
         if qualified and len(set(qualified[0][3].tolist())) > 1:
-            return Padding(~qualified[0][2], qualified[0][4])
-        return Padding(None)
+            return Padding(~qualified[0][2], qualified[0][4], candidates)
+        return Padding(None, None, candidates)
     qualified.sort(key=lambda found: found[:2], reverse=True)
-    if not qualified:
-        return Padding(None)
-    tied = [found for found in qualified if found[:2] == qualified[0][:2]]
-    if len(tied) > 1:
-        return Padding(None, None, tuple((found[4], ~found[2]) for found in tied))
-    return Padding(~qualified[0][2], qualified[0][4])
+    if len(qualified) > 1 and qualified[0][:2] == qualified[1][:2]:  # values tie: none shows
+        return Padding(None, None, candidates)
+    return Padding(~qualified[0][2], qualified[0][4], candidates) if qualified else Padding(None)
 
 
 _CANDIDATES = 4
