@@ -7,14 +7,16 @@ The recordings are made once, into a temporary directory: the bundled DDP job
 2 gloo ranks (B, ``torchrun``); a small bf16 job (`bf16_job`: an MLP under CPU bf16 autocast, DDP,
 SGD) on one device (A), its floor (C: the same command with ``GATHERLAB_RECORD_FLOOR``) and on 2
 ranks (B). Then, ``repeats`` times, each case's command in a fresh interpreter, in turns with
-``python -c "import torch"`` (what any command that imports torch costs), with the command at
-``--no-figure`` and, given ``baseline`` (another source tree, e.g. main's ``src``), with that
-tree's command: every variant in one round, which goes first turning round by round. Printed per
-case: each variant's median seconds, when the verdict's line came (median), and the command's
-phases, timed inside a fresh interpreter that does what the command does, step by step
-(`PHASES_PROGRAM`): the interpreter's start, importing torch, importing the rest (pandas,
-the judge), reading the recordings, judging, writing the two tables, importing matplotlib, drawing
-and saving the figure, the interpreter's exit.
+``python -c "import torch"`` (what any command that imports torch costs, its interpreter's
+teardown included, which the command skips: `gatherlab.core.cli.exit_now`), with the command at
+``--no-figure``, given ``baseline`` (another source tree, e.g. main's ``src``) with that tree's
+command, and with the phases' program (`PHASES_PROGRAM`): every variant in one round, which goes
+first turning round by round. Printed per case: each variant's median seconds, when the
+verdict's line came (median), its ratio to ``import torch`` and to the baseline (medians of the
+rounds' ratios), the goal (`GOALS`) met or not at the load, and the command's phases, timed
+inside a fresh interpreter that does what the command does, step by step: the interpreter's
+start, importing torch, importing the rest (pandas, the judge), reading the recordings, judging,
+writing the two tables, importing matplotlib, drawing and saving the figure, the exit.
 """
 
 from __future__ import annotations
@@ -239,11 +241,15 @@ def _case(name: str, case: tuple[Path, Path, Path | None], repeats: int, source:
     totals: dict[str, list[float]] = {variant: [] for variant in variants}
     verdicts: dict[str, list[float]] = {variant: [] for variant in variants}
     said: dict[str, str] = {}
+    samples: list[dict[str, float]] = []
     runs = 0
     for repeat in range(repeats):
-        order = list(variants)
+        order = [*variants, "phases"]
         order = order[repeat % len(order) :] + order[: repeat % len(order)]
         for variant in order:
+            if variant == "phases":  # in the same rounds, under the same load
+                samples.append(_phases_of(_environment(source), case, out / f"{name}-p{repeat}"))
+                continue
             argv, env = variants[variant]
             if variant.startswith("compare"):
                 runs += 1
@@ -252,8 +258,6 @@ def _case(name: str, case: tuple[Path, Path, Path | None], repeats: int, source:
             totals[variant].append(total)
             verdicts[variant].append(first)
             said.setdefault(variant, stdout)
-    samples = [_phases_of(_environment(source), case, out / f"{name}-phases-{repeat}")
-               for repeat in range(repeats)]  # fmt: skip
     medians = {variant: statistics.median(times) for variant, times in totals.items()}
     print(f"\n{name}: {reference.name} vs {run.name}" + (f", floor {floor.name}" if floor else ""))
     words = {variant: text.rsplit("written:", 1)[0] for variant, text in said.items()}
@@ -282,7 +286,7 @@ def _case(name: str, case: tuple[Path, Path, Path | None], repeats: int, source:
               f"(load average {os.getloadavg()[0]:.2f})")  # fmt: skip
     phase = {key: statistics.median(sample[key] for sample in samples) for key in PHASES}
     whole = sum(phase.values())
-    print("  phases (median of " + str(repeats) + ", fresh interpreters): "
+    print("  phases (medians of " + str(repeats) + ", fresh interpreters in the same rounds): "
           + ", ".join(f"{key} {value:.2f}" for key, value in phase.items())
           + f"; sum {whole:.2f} s")  # fmt: skip
     largest = max(phase, key=phase.__getitem__)
