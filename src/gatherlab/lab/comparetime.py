@@ -42,12 +42,12 @@ def bf16_job(out: str, updates: int = BF16_UPDATES) -> None:
     """A small job in bf16 autocast on one device or on each rank torchrun starts (gloo): an MLP
     (16 → 64 → 8, tanh) regressing fixed targets (mean squared error), DDP on W ranks, SGD; rank
     r takes the r-th consecutive rows of the same global batch of 32, so that W ranks train as
-    one device does to bf16's rounding. Recorded with ``gatherlab.record``; with
+    one device does to bf16's rounding. Recorded with ``gatherlab.record`` (`Recorder`); with
     ``GATHERLAB_RECORD_FLOOR`` set on one device, its floor is recorded."""
     import torch
     import torch.distributed as dist
 
-    import gatherlab.record
+    from gatherlab.recording.recorder import Recorder  # gatherlab.record(...)
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun's ranks
     if distributed:
@@ -63,7 +63,7 @@ def bf16_job(out: str, updates: int = BF16_UPDATES) -> None:
     inputs = torch.randn(updates, BF16_BATCH, BF16_FEATURES, generator=generator)
     targets = torch.randn(updates, BF16_BATCH, BF16_OUTPUTS, generator=generator)
     rows = slice(rank * BF16_BATCH // world, (rank + 1) * BF16_BATCH // world)
-    with gatherlab.record(model, optimizer, out, loss=criterion, seed=0):
+    with Recorder(model, optimizer, out, loss=criterion, seed=0):
         for update in range(updates):
             optimizer.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16):
