@@ -1,10 +1,11 @@
 """Compare two recordings of a training job (`gatherlab.record`): does run B train like reference A
 (normally the one-device run) at every update, and where do they part?
 
-    python -m gatherlab.compare A B [--out DIR] [--tolerance X] [--floor C]
+    python -m gatherlab.compare A B [--out DIR] [--tolerance X] [--floor C] [--no-figure]
 
-prints the verdict, the table and the first update and part that depart, and writes
-``check.csv``, ``updates.csv`` and the figure ``compare.png``/``compare.pdf`` into ``--out``
+prints the verdict, the table and the first update and part that depart, then writes
+``check.csv``, ``updates.csv`` and the figure ``compare.png``/``compare.pdf`` (not with
+``--no-figure``) into ``--out``
 (default: beside B, ``<B>-vs-<A's name>/``, `default_out`); exit status 0 when B trains like A, 1
 when it does not (``data differs`` included), 2 for bad input (a directory that is no finished
 recording, a newer format, recordings of different models or settings), each one line, 3 when
@@ -28,7 +29,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from gatherlab.analysis import figures
 from gatherlab.check.recordings import Comparison, NotComparable
 from gatherlab.check.recordings import compare_recordings as _compare
 from gatherlab.core import cli, gradients, runfiles, terms
@@ -51,6 +51,7 @@ def compare(
     out: str | Path | None = None,
     tolerance: float | None = None,
     floor: str | Path | Recording | None = None,
+    figure: bool = True,
 ) -> Comparison:
     """Recording ``run`` (B) against ``reference`` (A); with ``out``, its files written there
     (`write`).
@@ -65,6 +66,7 @@ def compare(
         floor: in float32, bf16 or fp16, the recording of one device with its forward in row
             blocks (`gatherlab.record.in_row_blocks`): B is judged in floors of its departure
             from A (``exact within bf16``; docs/design.md §2, "Low precision").
+        figure: with ``out``, draw the figure too (False: the two tables alone).
 
     Returns:
         The `Comparison`: ``table`` (``check.csv``'s rows), ``updates`` (``updates.csv``'s),
@@ -82,7 +84,7 @@ def compare(
         _refuse_finished(Path(out))
     comparison = _compare(reference, run, tolerance=tolerance, floor=floor)
     if out is not None:
-        write(comparison, Path(out))
+        write(comparison, Path(out), figure=figure)
     return comparison
 
 
@@ -94,32 +96,39 @@ def _refuse_finished(out: Path) -> None:
         )
 
 
-def write(comparison: Comparison, out: Path) -> list[Path]:
-    """Write ``check.csv``, ``updates.csv`` and the figure (PNG and PDF) into ``out``; the paths
-    written."""
+def write(comparison: Comparison, out: Path, *, figure: bool = True) -> list[Path]:
+    """Write ``check.csv``, ``updates.csv`` and, with ``figure``, the figure (PNG and PDF) into
+    ``out``; the paths written."""
     _refuse_finished(out)
     out.mkdir(parents=True, exist_ok=True)
     runfiles.write_table(comparison.table, out / runfiles.CHECK)
     runfiles.write_table(comparison.updates, out / UPDATES)
+    tables = [out / runfiles.CHECK, out / UPDATES]
+    if not figure:
+        return tables
+    # matplotlib is imported to draw, not with the module: importing and drawing are about half
+    # of a small comparison's time (docs/performance.md, "Comparing two recordings: its time").
+    from gatherlab.analysis import figures
+
     sizes = [json.loads((Path(path) / HEADER).read_text())["world_size"]
              for path in (comparison.reference, comparison.run)]  # fmt: skip
     floored = "floor" in comparison.updates.columns
-    figure = figures.recordings_figure(
+    drawn = figures.recordings_figure(
         comparison.updates, f"A (W = {sizes[0]})", f"B (W = {sizes[1]})",
         tolerance=None if floored or comparison.verdict == terms.NOT_JUDGED else
         gradients.FLOAT64_TOLERANCE,
         departure=None if comparison.departure is None else comparison.departure[0],
         threshold=comparison.threshold if floored else None,
     )  # fmt: skip
-    return [out / runfiles.CHECK, out / UPDATES, *figures.save(figure, out / FIGURE)]
+    return [*tables, *figures.save(drawn, out / FIGURE)]
 
 
 # The help's description, plain text as a terminal shows it.
 DESCRIPTION = (
     "Compare recording B (the run) against recording A (the reference, normally the one-device "
-    "run), update by update; write check.csv, updates.csv and the figure into --out (beside B by "
-    "default) and exit 0 when B trains like A, 1 otherwise, 2 for bad input, 3 not judged (a low "
-    "precision without --floor)."
+    "run), update by update; print the verdict, then write check.csv, updates.csv and the figure "
+    "into --out (beside B by default) and exit 0 when B trains like A, 1 otherwise, 2 for bad "
+    "input, 3 not judged (a low precision without --floor)."
 )
 
 
@@ -158,6 +167,11 @@ def _parser() -> argparse.ArgumentParser:
         help="in float32, bf16 or fp16: recording C of one device with its forward in row blocks "
         "(gatherlab.record.in_row_blocks); B is judged in floors of C's departure from A",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-figure", dest="figure", action="store_false",
+        help="write the two tables alone, not compare.png and compare.pdf (drawing them is "
+        "about half of a small comparison's time)",
+    )  # fmt: skip
     return parser
 
 
@@ -173,28 +187,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     """The command line (``argv``: its arguments, ``sys.argv`` when not given): exit status 0 when
     B trains like A, 1 when it does not, 2 for bad input, 3 when a low precision without a floor
     is not judged, 130 on Ctrl-C. Without ``--out`` the files go beside B (`default_out`), and a
-    comparison already there is kept: the verdict is printed, nothing is written."""
+    comparison already there is kept: the verdict is printed, nothing is written. The verdict is
+    printed before the files are written (the figure takes as long as the rest)."""
     as_program = argv is None
     args = _parser().parse_args(argv)
     out = args.out or default_out(args.reference, args.run, args.floor)
     kept = args.out is None and (out / runfiles.CHECK).exists()
     try:
-        comparison = compare(args.reference, args.run, out=None if kept else out,
-                             tolerance=args.tolerance, floor=args.floor)  # fmt: skip
+        if not kept:  # refused before comparing, as `compare` does
+            _refuse_finished(out)
+        comparison = compare(args.reference, args.run, tolerance=args.tolerance, floor=args.floor)
+        print(comparison.words, flush=True)
+        written = [] if kept else write(comparison, out, figure=args.figure)
     except (RecordingError, NotComparable, runfiles.RunFinished) as error:
         cli.fail("compare", cli.first_line(error))
     except KeyboardInterrupt:
-        written = "nothing was written" if kept or not out.exists() else f"{out} may be incomplete"
-        print(f"gatherlab.compare: interrupted; {written}", file=sys.stderr)
+        said = "nothing was written" if kept or not out.exists() else f"{out} may be incomplete"
+        print(f"gatherlab.compare: interrupted; {said}", file=sys.stderr)
         sys.exit(130)
-    print(comparison.words)
     if kept:
         print(f"not written: {out}/ holds a comparison already (never overwritten; --out DIR "
               "writes this one elsewhere)")  # fmt: skip
     else:
-        print(f"written: {out}/ ({runfiles.CHECK}, {UPDATES}, {FIGURE}.png, {FIGURE}.pdf)")
-    if as_program:
-        cli.exiting()
+        print(f"written: {out}/ ({', '.join(path.name for path in written)})")
+    if as_program:  # its files are closed, no thread of its own runs: no teardown
+        cli.exit_now(comparison.status)
     sys.exit(comparison.status)
 
 

@@ -171,6 +171,68 @@ def test_the_real_command_runs_in_a_fresh_interpreter(recordings, tmp_path):
     assert (tmp_path / "out" / "updates.csv").exists()
 
 
+def test_no_figure_writes_the_two_tables_alone_and_prints_the_same(recordings, tmp_path):
+    """``--no-figure``: ``check.csv`` and ``updates.csv`` as the command writes them with its
+    figure, byte for byte, no ``compare.png``/``.pdf``, the same words and exit status, and the
+    files it wrote named."""
+    arguments = (str(recordings["w1"]), str(recordings["half2"]))
+    full = run_command("compare", *arguments, "--out", str(tmp_path / "full"))
+    bare = run_command("compare", *arguments, "--out", str(tmp_path / "bare"), "--no-figure")
+    assert bare.returncode == full.returncode == 1, bare
+    assert {p.name for p in (tmp_path / "bare").iterdir()} == {"check.csv", "updates.csv"}
+    for name in ("check.csv", "updates.csv"):
+        assert (tmp_path / "bare" / name).read_bytes() == (tmp_path / "full" / name).read_bytes()
+    words, said = bare.stdout.rstrip().rsplit("\n", 1)
+    assert said == f"written: {tmp_path / 'bare'}/ (check.csv, updates.csv)"
+    assert full.stdout.rstrip().rsplit("\n", 1)[0] == words
+
+
+def test_a_comparison_imports_matplotlib_only_to_draw_and_never_the_tensor_parallel_modules(
+    recordings, tmp_path
+):
+    """In a fresh interpreter: comparing and writing the tables import neither matplotlib
+    (~0.4 s, imported to draw the figure) nor torch.distributed.tensor (~0.6 s, the tensor-parallel
+    check's); drawing the figure imports matplotlib (docs/performance.md, "Comparing two
+    recordings: its time")."""
+    a, b = str(recordings["w1"]), str(recordings["w2"])
+    code = (
+        "import sys\n"
+        "import gatherlab.compare as c\n"
+        "heavy = ('matplotlib', 'torch.distributed.tensor')\n"
+        f"c.compare({a!r}, {b!r}, out={str(tmp_path / 'bare')!r}, figure=False)\n"
+        "print(*[name for name in heavy if name in sys.modules])\n"
+        f"c.compare({a!r}, {b!r}, out={str(tmp_path / 'full')!r})\n"
+        "print(*[name for name in heavy if name in sys.modules])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=120)  # fmt: skip
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout.splitlines() == ["", "matplotlib"]
+
+
+def test_the_commands_exit_runs_atexit_flushes_its_streams_and_keeps_its_status(tmp_path):
+    """`gatherlab.core.cli.exit_now`, the command's end without the interpreter's teardown: the
+    process's ``atexit`` handlers ran (one writes a file), what it printed, held in the stream's
+    buffer (1,000 characters, no newline, into a pipe), reaches the pipe whole, and the exit status
+    is the one given."""
+    code = (
+        "import atexit, pathlib, sys\n"
+        "from gatherlab.core import cli\n"
+        f"atexit.register(pathlib.Path({str(tmp_path / 'ran')!r}).write_text, 'yes')\n"
+        "print('x' * 1000, end='')\n"
+        "print('last', end='', file=sys.stderr)\n"
+        "cli.exit_now(3)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    env.pop("PYTHONUNBUFFERED", None)  # the streams buffered, as a user's shell has them
+    finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=60)  # fmt: skip
+    assert finished.returncode == 3, finished.stderr
+    assert finished.stdout == "x" * 1000 and finished.stderr == "last"
+    assert (tmp_path / "ran").read_text() == "yes"
+
+
 def test_ctrl_c_is_one_line_and_exit_status_130(recordings, monkeypatch, tmp_path):
     """Ctrl-C while the recordings are compared (a KeyboardInterrupt where the work is done):
     one line on stderr, no traceback, status 130, nothing written."""

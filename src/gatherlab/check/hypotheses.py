@@ -29,8 +29,9 @@ import torch
 from gatherlab.core import terms
 from gatherlab.core.gradients import FLOAT64_TOLERANCE
 from gatherlab.core.terms import Cause
-from gatherlab.runs.loss import LossContractError
-from gatherlab.runs.steplog import mean_over_ranks
+
+# gatherlab.runs.loss and .steplog are imported where a hypothesis is replayed (a check's): they
+# import torch.distributed.tensor (~0.6 s), which a comparison of recordings never needs.
 
 Forward = Callable[..., float]
 """The loss of two views on one device, forward only: ``forward(view0, view1, rows=rows)``,
@@ -65,6 +66,8 @@ def local_negatives(forward: Forward, batch: Batch, world_size: int) -> float:
     """The mean over ranks of the 1-device loss of each rank's slice of ``batch`` alone."""
     view0, view1 = batch
     slices = [terms.rows_of(rank, world_size, len(view0)) for rank in range(world_size)]
+    from gatherlab.runs.steplog import mean_over_ranks
+
     return mean_over_ranks([[forward(view0[rows], view1[rows], rows=rows)] for rows in slices])[0]
 
 
@@ -83,6 +86,8 @@ def micro_negatives(forward: Forward, batch: Batch, world_size: int, micro_batch
             f"{micro_batches} micro-batches"
         )
     slices = [terms.rows_of(block, blocks, len(view0)) for block in range(blocks)]
+    from gatherlab.runs.steplog import mean_over_ranks
+
     return mean_over_ranks([[forward(view0[rows], view1[rows], rows=rows)] for rows in slices])[0]
 
 
@@ -138,6 +143,8 @@ def _reproduces(
 ) -> bool:
     """Whether ``hypothesis`` gives ``loss`` on ``batch``; not where its replay breaks the loss's
     contract (a loss that is not finite on the slices it gives)."""
+    from gatherlab.runs.loss import LossContractError
+
     try:
         return _close(loss, hypothesis(forward, batch, world_size))
     except LossContractError:

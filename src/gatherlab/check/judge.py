@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from gatherlab.check import hypotheses
-from gatherlab.check.measure import Measured
 from gatherlab.check.table import ALL_PARTS, EXACT, TRAINS_LIKE_ONE_DEVICE, Row, verdict
 from gatherlab.check.where import Departure
 from gatherlab.core import floor, gradients
@@ -33,6 +33,9 @@ from gatherlab.core.terms import (
     Precision,
 )  # fmt: skip
 from gatherlab.runs.precision import FLOOR_ROW_BLOCKS
+
+if TYPE_CHECKING:  # a run is a `Measured` or a `Trained`, told apart by the second: the measuring
+    from gatherlab.check.measure import Measured  # module imports torch.distributed.tensor (~0.6 s)
 
 __all__ = ["InPrecision", "Recorded", "as_classified", "judge", "with_precision"]
 
@@ -68,11 +71,11 @@ def _curves(run: Trained, reference: Trained, tolerance: float, scale: float | N
 
 
 def _gradient(run: Measured | Trained) -> torch.Tensor:
-    return run.gradient if isinstance(run, Measured) else run.first_gradient
+    return run.first_gradient if isinstance(run, Trained) else run.gradient
 
 
 def _first_loss(run: Measured | Trained) -> float:
-    return run.loss if isinstance(run, Measured) else run.losses[0]
+    return run.losses[0] if isinstance(run, Trained) else run.loss
 
 
 def _diverges_words(curves: _Curves) -> str:
@@ -408,7 +411,7 @@ def _classified_parts(
     parts are its reference's; a trained run's are ``layout``'s, when the run kept its parameters
     (a removal may replace a layer and its parameters with it)."""
     gradient = _gradient(run)
-    if isinstance(run, Measured):  # the parts its reference measured
+    if not isinstance(run, Trained):  # a `Measured`: the parts its reference measured
         layout = reference.parts
     elif layout is None or len(gradient) != sum(b - a for r in layout.values() for a, b in r):
         return {}

@@ -54,7 +54,7 @@ from gatherlab.core.floor import (
 from gatherlab.core.gradients import Classified, Layout
 from gatherlab.core.terms import Forward
 from gatherlab.recording.format import TRACE, Recording, read
-from gatherlab.recording.recorder import FLOOR_BLOCKS_VARIABLE, FLOOR_ROW_BLOCKS
+from gatherlab.recording.record_options import FLOOR_BLOCKS_VARIABLE, FLOOR_ROW_BLOCKS
 
 __all__ = [
     "MUST_AGREE", "UPDATE_COLUMNS", "Comparison", "NotComparable", "compare_recordings",

@@ -16,13 +16,16 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gatherlab.core import gradients
 from gatherlab.core.terms import DepartureKind
-from gatherlab.runs.tensorparallel import Drawn, Seen
 from gatherlab.runs.trace import INPUT, Op
+
+if TYPE_CHECKING:  # annotations only: the module imports torch.distributed.tensor (~0.6 s), which
+    from gatherlab.runs.tensorparallel import Drawn, Seen  # a comparison never needs
 
 __all__ = [
     "NOWHERE", "AsShard", "Departure", "align", "as_shard", "backward", "departure", "forward",

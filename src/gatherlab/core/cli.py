@@ -128,3 +128,20 @@ def exiting() -> None:
     them all once more (~0.3 s with torch and pandas loaded). ``atexit`` handlers still run.
     Only for a process that ends now: frozen objects are never collected."""
     gc.freeze()
+
+
+def exit_now(status: int) -> NoReturn:
+    """End a command line's process with ``status`` now, its work done and its files closed: its
+    ``atexit`` handlers run and its standard streams are flushed, then the process ends without
+    the interpreter's teardown (``os._exit``), which with torch, pandas and matplotlib loaded
+    takes ~0.1-0.4 s (its modules cleared, their objects freed one by one; `exiting` leaves that
+    work). Only for a command that has no thread of its own left running and no file open:
+    those would not be joined, or flushed."""
+    import atexit
+    import contextlib
+
+    atexit._run_exitfuncs()  # CPython's, as the interpreter's exit calls it (logging's flush)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone, a stream closed
+            stream.flush()
+    os._exit(status)

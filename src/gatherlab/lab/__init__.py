@@ -17,4 +17,5 @@ Modules:
 - ``recordtime``: one update plain and recorded in turns: the recorder's cost against the update
 - ``sizes``: ``bench size``: what checking and recording cost at real model sizes
 - ``sizemodels``: the size benchmark's models: a ResNet and a ViT of 1M-86M parameters, in code
+- ``comparetime``: ``bench compare``: ``python -m gatherlab.compare`` from a fresh shell, timed
 """

@@ -1,5 +1,5 @@
 """Benchmarks, apart from the tests: ``python -m gatherlab.bench
-{launcher,gather,sweep,check,record,record-fixed} [options]``.
+{launcher,gather,sweep,check,record,record-fixed,size,compare} [options]``.
 
 Each benchmark measures everything it compares in one invocation and prints ratios; nothing here
 asserts a time. docs/performance.md gives each one's method and results.
@@ -24,6 +24,10 @@ asserts a time. docs/performance.md gives each one's method and results.
   (`gatherlab.lab.recorder_cost`).
 - ``size``: the check of a plain step and the recorder on a ResNet-like and a ViT-like model of
   1M to 86M parameters, against the plain training's compute and memory (`gatherlab.lab.sizes`).
+- ``compare``: ``python -m gatherlab.compare A B`` from a fresh shell on the bundled DDP job's
+  recordings (5 and 100 updates) and on a bf16 pair with its floor, in turns with ``import torch``
+  and ``--no-figure`` (and ``--baseline SRC``'s command), and the command's phases
+  (`gatherlab.lab.comparetime`).
 """
 
 from __future__ import annotations
@@ -556,6 +560,16 @@ def _parser() -> argparse.ArgumentParser:
     check_parser.add_argument("--repeats", type=int, default=5, help="runs of each (default 5)")
     _record_options(commands)
     sizes.options(commands)
+    compare_parser = commands.add_parser(
+        "compare", help="python -m gatherlab.compare A B from a fresh shell, and its phases"
+    )
+    compare_parser.add_argument(
+        "--repeats", type=int, default=5, help="rounds of every variant, per case (default 5)"
+    )
+    compare_parser.add_argument(
+        "--baseline", type=Path, default=None, metavar="SRC",
+        help="another tree's src (e.g. main's), whose command is timed in turns with this one's",
+    )  # fmt: skip
     return parser
 
 
@@ -581,6 +595,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.out is None:
             parser.error("size --redraw needs --out OUT (the OUT.csv to draw)")
         sizes.redraw(args.out)
+    elif args.benchmark == "compare":
+        from gatherlab.lab import comparetime
+
+        comparetime.run(args.repeats, args.baseline)
     elif args.benchmark == "size":
         sizes.run(args.models, args.sizes, args.precisions, args.record_repeats, args.out)
 

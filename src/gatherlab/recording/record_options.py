@@ -12,7 +12,22 @@ from typing import Any
 from gatherlab.recording.refusal import refuse
 from gatherlab.recording.sketch import DEFAULT_K
 
-__all__ = ["RecordOptions", "record_options"]
+__all__ = [
+    "FLOOR_BLOCKS_VARIABLE", "FLOOR_ROW_BLOCKS", "FLOOR_VARIABLE", "RecordOptions",
+    "record_options",
+]  # fmt: skip
+
+# The floor's variables (`gatherlab.recording.recorder` reads them), here where a comparison of
+# recordings names them without importing the recorder.
+FLOOR_VARIABLE = "GATHERLAB_RECORD_FLOOR"
+"""The environment variable that makes a one-device job record its floor: its value is the floor
+recording's directory, which replaces the job's own ``out``."""
+FLOOR_ROW_BLOCKS = 2
+"""The row blocks of a floor recording's model forward by default (as the check's floor,
+docs/design.md §2)."""
+FLOOR_BLOCKS_VARIABLE = "GATHERLAB_RECORD_FLOOR_BLOCKS"
+"""The variable that sets a floor recording's row blocks: as many as the ranks of the runs it
+judges, whose T is then `gatherlab.core.floor.FLOOR_THRESHOLD` (fewer: `FEWER_BLOCKS_THRESHOLD`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -61,7 +61,13 @@ from gatherlab.core.held import Piece, assemble, copies_apart
 from gatherlab.core.parts import part_of
 from gatherlab.ranks import world
 from gatherlab.recording import format, pieces, placed, sketch
-from gatherlab.recording.record_options import RecordOptions, record_options
+from gatherlab.recording.record_options import (
+    FLOOR_BLOCKS_VARIABLE,
+    FLOOR_ROW_BLOCKS,
+    FLOOR_VARIABLE,
+    RecordOptions,
+    record_options,
+)
 from gatherlab.recording.refusal import refuse
 from gatherlab.recording.rows import (
     Sampled,
@@ -85,15 +91,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FLOOR_VARIABLE = "GATHERLAB_RECORD_FLOOR"
-"""The environment variable that makes a one-device job record its floor: its value is the floor
-recording's directory, which replaces the job's own ``out``."""
-FLOOR_ROW_BLOCKS = 2
-"""The row blocks of a floor recording's model forward by default (as the check's floor,
-docs/design.md §2)."""
-FLOOR_BLOCKS_VARIABLE = "GATHERLAB_RECORD_FLOOR_BLOCKS"
-"""The variable that sets a floor recording's row blocks: as many as the ranks of the runs it
-judges, whose T is then `gatherlab.core.floor.FLOOR_THRESHOLD` (fewer: `FEWER_BLOCKS_THRESHOLD`)."""
 FLUSH_UPDATES = 16
 """The most updates the ranks keep before rank 0 writes them (one collective for all of them)."""
 FLUSH_SECONDS = 2.0
