@@ -430,3 +430,15 @@ def test_a_tied_weights_unsummed_copies_are_named_from_their_sum_where_only_sket
     replicated = SimpleNamespace(header={"held": None})  # DDP: every rank holds every parameter
     apart = np.stack([embedding, head])
     assert comparer._copies_summed(replicated, apart, embedding + head) is None
+
+
+def test_the_floor_command_records_into_no_directory_that_exists(tmp_path):
+    """The directory the printed floor command records into is A's ``-floor`` beside it, or
+    the first numbered one that does not exist (the recorder refuses to write into one that
+    does): a recording of B's or a floor of other row blocks there is never recorded over."""
+    taken = tmp_path / "one-floor"
+    assert comparer._unused(taken) == taken
+    taken.mkdir()
+    (tmp_path / "one-floor-2").mkdir()
+    assert comparer._unused(taken) == tmp_path / "one-floor-3"
+    assert not comparer._floor_recorded(taken, 2)  # not a recording

@@ -75,6 +75,10 @@ def test_copies_that_drift_apart_are_named_with_their_ranks_and_the_first_holder
     ]
     (apart,) = held.copies_apart(replicas, names)
     assert not apart.tied and apart.copies == ((0, "layer.bias"), (2, "layer.bias"))
+    # many copies apart (a stage's replicas unreduced): three named, the rest counted
+    words = [f"p{i} on rank 0 and p{i} on rank 2 differ" for i in range(73)]
+    assert held.listed(words) == "; ".join(words[:3]) + "; and 70 more parameters' copies"
+    assert held.listed(words[:3]) == "; ".join(words[:3])
 
 
 def test_blocks_of_rows_fill_one_parameter_and_a_missing_row_is_named():

@@ -113,7 +113,8 @@ def test_at_the_trainers_defaults_the_floor_is_recorded_by_the_same_command(reco
     assert floored.header["row_blocks"] == 2 and floored.world_size == 1
     unfloored = compare(w1, w2)
     assert (unfloored.verdict, unfloored.status) == ("not judged", 3)
-    assert f"GATHERLAB_RECORD_FLOOR={w1}-floor " in unfloored.words
+    # its floor recorded where the command would record it: named, never recorded over
+    assert f"A's floor in 2 row blocks is recorded in {w1}-floor; compare again" in unfloored.words
     judged = compare(w1, w2, floor=floor)
     assert (judged.verdict, judged.status) == ("exact within float32", 0), judged.words
     local = compare(w1, local, floor=floor)

@@ -17,6 +17,7 @@ both recordings traced their first update, where B departs, as the check names i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import shlex
 from collections.abc import Callable, Sequence
@@ -39,7 +40,7 @@ from gatherlab.check.table import (
     frame,
     trains_like_one_device,
 )  # fmt: skip
-from gatherlab.core import gradients, runfiles, terms
+from gatherlab.core import gradients, held, runfiles, terms
 from gatherlab.core.floor import (
     ROUNDING_CEILING,
     WITHIN,
@@ -53,7 +54,7 @@ from gatherlab.core.floor import (
 )
 from gatherlab.core.gradients import Classified, Layout
 from gatherlab.core.terms import Forward
-from gatherlab.recording.format import TRACE, Recording, read
+from gatherlab.recording.format import TRACE, Recording, RecordingError, read
 from gatherlab.recording.record_options import FLOOR_BLOCKS_VARIABLE, FLOOR_ROW_BLOCKS
 
 __all__ = [
@@ -416,7 +417,7 @@ def _unreduced(a: Recording, b: Recording) -> tuple[list[str], dict[str, str]]:
     apart = next((u for u in b.updates if u.copies_apart), None)
     if apart is not None:  # named from the copies themselves, without A
         mean_words.insert(0, f"Copies that differ in B's whole gradient of update {apart.index}: "
-                             + "; ".join(apart.copies_apart) + ".")  # fmt: skip
+                             + held.listed(apart.copies_apart) + ".")  # fmt: skip
     at = [w if len(parts) == 1 else f"{p} {w}" for p, w in zip(parts, where, strict=True)]
     measured = {
         "unreduced_source": "from the recording",
@@ -459,7 +460,7 @@ def _copies_apart(b: Recording, rows: list[Row]) -> list[Row]:
     apart = next((u.copies_apart for u in b.updates if u.copies_apart), None)
     if not apart or not b.header.get("held"):
         return rows
-    return [dataclasses.replace(r, cause=str(terms.Cause.COPIES_APART), departs="; ".join(apart))
+    return [dataclasses.replace(r, cause=str(terms.Cause.COPIES_APART), departs=held.listed(apart))
             if r.cause == terms.Cause.UNREDUCED else r for r in rows]  # fmt: skip
 
 
@@ -951,6 +952,21 @@ def _not_judged_words(a: Recording, b: Recording, said: _Said, first: _Read, pre
     return "\n\n".join(lines) + "\n"
 
 
+def _unused(path: Path) -> Path:
+    """``path``, or the first of ``path-2``, ``path-3``, … that does not exist."""
+    numbered = (path.with_name(f"{path.name}-{n}") for n in itertools.count(2))
+    return next(p for p in itertools.chain([path], numbered) if not p.exists())
+
+
+def _floor_recorded(path: Path, blocks: int) -> bool:
+    """Whether ``path`` holds a finished floor recording of ``blocks`` row blocks."""
+    try:
+        floor = read(path)
+    except RecordingError:
+        return False
+    return floor.world_size == 1 and floor.row_blocks == blocks
+
+
 def _floor_command(a: Recording, b: Recording) -> str:
     """How to record A's floor: A's own command (the one that launched it, torchrun's included)
     with ``GATHERLAB_RECORD_FLOOR``, which every recorder reads (the plain one and the trainers'
@@ -961,9 +977,14 @@ def _floor_command(a: Recording, b: Recording) -> str:
         return (f"A's model has batch norm ({', '.join(norms)}), whose statistics a floor's row "
                 "blocks would split: no floor can be measured for it; record both runs in "
                 "float64 to judge them.")  # fmt: skip
-    floor_dir = f"{a.path}-floor"
-    again = f"python -m gatherlab.compare {a.path} {b.path} --floor {floor_dir}"
     blocks = max(b.world_size, FLOOR_ROW_BLOCKS)  # as many partial sums as B's ranks
+    floor_dir = Path(f"{a.path}-floor{'' if blocks == FLOOR_ROW_BLOCKS else blocks}")
+    again = f"python -m gatherlab.compare {a.path} {b.path} --floor {{}}"
+    if _floor_recorded(floor_dir, blocks):
+        return (f"A's floor in {blocks} row blocks is recorded in {floor_dir}; compare again "
+                f"with it:\n    {again.format(floor_dir)}")  # fmt: skip
+    floor_dir = _unused(floor_dir)  # the recorder writes into no directory that exists
+    again = again.format(floor_dir)
     variables = f"GATHERLAB_RECORD_FLOOR={floor_dir}" + (
         f" {FLOOR_BLOCKS_VARIABLE}={blocks}" if blocks != FLOOR_ROW_BLOCKS else "")  # fmt: skip
     command = header.get("command")

@@ -190,6 +190,13 @@ class Apart:
         )
 
 
+def listed(words: Sequence[str], most: int = 3) -> str:
+    """The first ``most`` of some copies' `Apart.words`, and how many more differ: a stage's
+    replicas left unreduced make every parameter's copies differ, too many to read."""
+    more = len(words) - most
+    return "; ".join(words[:most]) + (f"; and {more} more parameters' copies" if more > 0 else "")
+
+
 def copies_apart(
     pieces: Iterable[Piece],
     names: Mapping[str, str] | None = None,
