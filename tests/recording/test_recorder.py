@@ -352,6 +352,9 @@ def test_the_floor_is_recorded_by_its_variable_and_compared(tmp_path, monkeypatc
         assert float((floored(rows) - floored.encoder(rows)).abs().max()) <= 1e-15
     judged = compare(tmp_path / "one", tmp_path / "one", floor=f"{tmp_path / 'one'}-floor")
     assert (judged.verdict, judged.status) == ("exact within bf16", 0)
+    again = compare(tmp_path / "one", tmp_path / "one")  # its floor recorded: named, not over
+    assert f"A's floor in 2 row blocks is recorded in {tmp_path / 'one'}-floor; " in again.words
+    assert "GATHERLAB_RECORD_FLOOR=" not in again.words
 
 
 def test_a_floor_is_refused_on_ranks_and_for_batch_norm_and_one_rank_is_one_device(
