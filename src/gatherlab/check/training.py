@@ -72,6 +72,12 @@ class Setting:
     beside the verdict when ``spec.precision`` is float64, the verdict's own when it is the
     same; None: none."""
 
+    floors_alone: bool = False
+    """Judged in floors of ``low`` alone, at size or when asked (`sizing.floors_alone`,
+    docs/design.md §2, "Low precision at size"): no float64 verdict, the runs' vectors kept in
+    the precision, the one-device reference run once (without a process group, or in a one-rank
+    group where it raises without one)."""
+
     @property
     def in_own_precision(self) -> bool:
         """Whether the verdict rests on a low precision's floors (the code cannot run in
@@ -293,12 +299,14 @@ def first_reference(setting: Setting) -> Reference[Trained]:
     """The 1-device run without removals, as the reference of the check (`reference.choose`):
     without a process group, or in a one-rank group when the step raises without one; when both
     run, what differs between them (`reference.training_differs`, to the precision's
-    tolerance)."""
+    tolerance). Judged in floors alone (`Setting.floors_alone`), the one-rank group runs only
+    where the plain run raises: what differs between them is not looked for."""
     tolerance = gradients.tolerance(setting.spec.precision)
     return choose(
         lambda: _train(setting, removals.NONE, 1),
-        lambda grouped, plain: training_differs(grouped, plain, tolerance),
-    )
+        None if setting.floors_alone
+        else lambda grouped, plain: training_differs(grouped, plain, tolerance),
+    )  # fmt: skip
 
 
 def located(setting: Setting, world_size: int, in_group: bool) -> where.Departure | None:
@@ -827,6 +835,8 @@ def unreduced_parts(ranks: Sequence[Trained], layout: measure.Layout) -> tuple[s
     first = ranks[0].first_gradient
     if first is None or len(ranks) < 2:
         return ()
+    if all(torch.equal(first, other.first_gradient) for other in ranks[1:]):
+        return ()  # every rank holds rank 0's gradient bit for bit (DDP's average): one pass
     parts = layout if layout else {ALL_PARTS: [(0, len(first))]}
     mine = {name: gradients.split(first, {name: ranges})[name] for name, ranges in parts.items()}
     found = []
