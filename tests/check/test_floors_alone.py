@@ -94,6 +94,20 @@ def test_a_check_at_or_above_the_threshold_is_judged_in_floors_alone_and_says_so
     assert (_whole(below)["judged_in"], _whole(below)["verdict"]) == ("64-true", "exact")
 
 
+def test_a_model_whose_floor_is_not_measured_keeps_the_float64_verdict_in_floors_alone():
+    # row blocks would split batch norm's statistics: no floor, so float64 judges it whatever
+    # judge_in asks, and its culprit is named as before
+    result = check_training(
+        step="plain_steps:training_step", model="precision_cases:build_with_batchnorm",
+        data="plain_steps:Pairs", world_sizes=(2,), steps=1, precision="bf16-mixed",
+        judge_in="floors",
+    )  # fmt: skip
+    assert "in_precision" not in result.table.columns
+    assert set(result.table.loc[result.table["removed"] == "none", "culprits"]) == {"batchnorm"}
+    text = " ".join(explain_training(result).split())
+    assert "The floor in bf16 is not measured for a model with batch norm" in text
+
+
 def test_a_judge_in_that_is_no_mode_is_refused_in_one_line():
     with pytest.raises(CheckError) as refused:
         check_training(step="floors_alone_steps:training_step", judge_in="fast", **STEP)

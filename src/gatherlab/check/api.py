@@ -624,6 +624,7 @@ def check_training(
     _experts_split(setting, world_sizes, options.collective_timeout_s)
     parameters = sum(stop - start for ranges in layout.values() for start, stop in ranges)
     alone = sizing.floors_alone(setting.spec.precision, parameters, options.judge_in)
+    alone = alone and _unfloored(setting, applying) is None  # else float64's verdict at any size
     _fits(setting, parameters, max(world_sizes), alone)
     if setting.spec.pipeline_parallel > 1:  # on one pipeline's ranks, before any rank trains
         try:
@@ -700,15 +701,15 @@ def _in_precision(
     would split its statistics) nor for a tensor-parallel model (the blocks split rows, its ranks
     split the sums over features): such code is judged in float64 where it runs there, and
     refused with one line (CheckError) where it does not. A check judged in floors alone
-    (``alone``, `sizing.floors_alone`: by its trainable parameters ``at_size``, or asked for
-    where None) whose floor can be measured is judged in its precision's floors without the watch
+    (``alone``: `sizing.floors_alone`, by its trainable parameters ``at_size`` or asked for where
+    None, and a floor that is measured) is judged in its precision's floors without the watch
     (`_floors_alone`)."""
     from gatherlab.check import training
 
     requested, raised = setting.spec.precision, False
-    unfloored = _unfloored(setting, applying)
-    if alone and unfloored is None:
+    if alone:
         return _floors_alone(setting, at_size)
+    unfloored = _unfloored(setting, applying)
     try:  # as the reference runs: in a one-rank group when it raises without one
         watched = choose(lambda: training.float64_watch(setting)).value
     except Exception as error:  # even in a one-rank group: the reference runs it as asked
