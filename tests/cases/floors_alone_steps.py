@@ -12,7 +12,10 @@ from torch import nn
 
 from gatherlab.gather import get
 
-__all__ = ["old_gather_step", "training_step"]
+__all__ = ["THREADS", "counting_threads_step", "old_gather_step", "training_step"]
+
+THREADS: list[tuple[str, int]] = []
+"""What `counting_threads_step` saw in this process: each step's dtype and torch's threads."""
 
 
 def old_gather_step(model: nn.Module, batch) -> torch.Tensor:
@@ -26,3 +29,10 @@ def old_gather_step(model: nn.Module, batch) -> torch.Tensor:
     n = len(z) // 2
     targets = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
     return F.cross_entropy(logits, targets)
+
+
+def counting_threads_step(model: nn.Module, batch) -> torch.Tensor:
+    """plain_steps' step, noting its parameters' dtype and torch's intra-op threads (in the
+    process that runs it: the command's one-device runs are seen here, the ranks' are not)."""
+    THREADS.append((str(next(model.parameters()).dtype), torch.get_num_threads()))
+    return training_step(model, batch)

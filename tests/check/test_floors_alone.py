@@ -108,6 +108,28 @@ def test_a_model_whose_floor_is_not_measured_keeps_the_float64_verdict_in_floors
     assert "The floor in bf16 is not measured for a model with batch norm" in text
 
 
+def test_one_device_runs_in_a_low_precision_compute_on_one_thread_as_each_rank(monkeypatch):
+    # a CPU kernel's rounding depends on its threads: the floor's one-device runs compute on
+    # the one thread each rank of the pool has; float64's reference keeps the process's own
+    import floors_alone_steps
+    import torch
+
+    monkeypatch.setattr(floors_alone_steps, "THREADS", [])
+    before = torch.get_num_threads()
+    threads = max(2, before)
+    torch.set_num_threads(threads)
+    try:
+        check_training(step="floors_alone_steps:counting_threads_step", precision="32-true",
+                       judge_in="float64", **STEP)  # fmt: skip
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    seen = set(floors_alone_steps.THREADS)
+    assert ("torch.float32", 1) in seen  # the floor's runs: one device, its row blocks
+    assert ("torch.float64", threads) in seen  # the float64 verdict's reference
+    assert ("torch.float32", threads) not in seen
+
+
 def test_a_judge_in_that_is_no_mode_is_refused_in_one_line():
     with pytest.raises(CheckError) as refused:
         check_training(step="floors_alone_steps:training_step", judge_in="fast", **STEP)

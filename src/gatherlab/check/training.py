@@ -49,7 +49,7 @@ from gatherlab.ranks.external import ranks_for
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import plainstep, removals, stages, tensorparallel
 from gatherlab.runs import update as update_form
-from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64
+from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64, threads_of_a_rank
 from gatherlab.runs.spec import RunSpec, StepForm, TracedForm
 
 __all__ = [
@@ -873,8 +873,8 @@ def _train_ranks(
     """`_train`'s run, every rank's result in rank order (one device: one); the ranks after rank
     0 send no final parameters (`_trained_on_rank`)."""
     spec = setting.run_spec(removed, micro_batches=micro_batches, **changes)
-    if world_size == 1:
-        with one_device(in_group):  # as the reference ran (`first_reference`)
+    if world_size == 1:  # as the reference ran (`first_reference`); a low precision's threads
+        with one_device(in_group), threads_of_a_rank(spec.precision):  # as a rank's
             return [setting.form.train_on_rank(spec)]
     ranks = ranks_for(world_size).run(_trained_on_rank, setting.form, spec)
     if spec.expert_parallel > 1:  # each rank holds some of one device's parameters
