@@ -711,7 +711,7 @@ def size_cost_figure(table: pd.DataFrame, goals: Mapping[str, object]) -> plt.Fi
         table["judge_in"] = "auto"
     threshold = goals.get("floors_alone")
     with plt.rc_context(STYLE):
-        figure, axes = plt.subplots(1, 3, figsize=(14, 4.6), layout="constrained")
+        figure, axes = plt.subplots(1, 3, figsize=(14, 5.6), layout="constrained")
         for axis, (column, label, goal) in zip(axes, panels, strict=True):
             groups = table.groupby(["model", "precision", "judge_in"], sort=False)
             for (model, precision, judge_in), rows in groups:
@@ -748,9 +748,14 @@ def size_cost_figure(table: pd.DataFrame, goals: Mapping[str, object]) -> plt.Fi
                 axis.yaxis.set_minor_formatter(plain)
             axis.set_xlabel("parameters")
             axis.set_ylabel(label)
-            handles, labels = axis.get_legend_handles_labels()
-            by_label = dict(zip(labels, handles, strict=True))
-            axis.legend(by_label.values(), by_label.keys(), fontsize=6, ncol=1)
+            if column == "record_ratio":
+                handles, labels = axis.get_legend_handles_labels()
+                by_label = dict(zip(labels, handles, strict=True))
+                axis.legend(by_label.values(), by_label.keys(), fontsize=7)
+        handles, labels = axes[0].get_legend_handles_labels()  # one legend below the panels
+        by_label = dict(zip(labels, handles, strict=True))
+        figure.legend(by_label.values(), by_label.keys(), loc="outside lower center", ncol=5,
+                      fontsize=7)  # fmt: skip
         figure.suptitle("What a check (W = 2, 3 steps) and a recording cost against the plain "
                         "training, by model size; solid: as the check runs by default, dotted: "
                         "the other mode", fontsize=10)  # fmt: skip

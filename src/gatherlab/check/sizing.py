@@ -26,8 +26,11 @@ The coefficients are those peaks as
 `python -m gatherlab.bench size` measured them at 86M parameters, W = 2 (docs/performance.md):
 in float64 the command 7.5 (ResNet) and 8.4-9.5 (ViT) vectors over three runs, in float32 10.9
 and 11.5, a rank 5.1 and 5.2 in both, so the estimate is at most 31 % over a peak and under
-none. Activations and an optimizer's state are not in them: a step with large activations or
-Adam's two moments needs more than its estimate.
+none. Judged in floors alone (2026-12-07, float32 and bf16-mixed): the command 8.4 (ResNet) and
+9.7 (ViT) vectors of E bytes at 86M, a rank 5.1 to 5.5, and at 25M the ResNet's bf16-mixed
+command 10.8 and rank 6.2, so 11 and 7: at 86M 12-27 % over the command's peak and 24-31 % over
+a rank's, at 25M over both. Activations and an optimizer's state are not in them: a step with
+large activations or Adam's two moments needs more than its estimate.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ __all__ = [
 FLOAT64 = 8
 RANK_START = 300 * 2**20  # a pool rank's resident memory before its job (forked with torch loaded)
 LOW_PRECISION_VECTORS = 4  # the command's vectors more when the step runs in a low precision
-FLOORS_COMMAND = 10  # the command's vectors in the precision, judged in floors alone
-FLOORS_RANK = 6  # a rank's, judged in floors alone
+FLOORS_COMMAND = 11  # the command's vectors in the precision, judged in floors alone
+FLOORS_RANK = 7  # a rank's, judged in floors alone
 
 
 @dataclass(frozen=True)
