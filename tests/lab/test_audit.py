@@ -292,7 +292,7 @@ def test_float32_vectors_and_their_parts_are_read_in_float64_as_numpy_reads_them
     generator = torch.Generator().manual_seed(2)
     reference = (1 + torch.rand(size, generator=generator)).float()
     gradient = reference.clone()
-    gradient[:: 3] += torch.finfo(torch.float32).eps  # 2⁻²³ where the entry is in [1, 2)
+    gradient[::3] += torch.finfo(torch.float32).eps  # 2⁻²³ where the entry is in [1, 2)
     a, b = reference.double().numpy(), gradient.double().numpy()
     threads = torch.get_num_threads()
     assert gradients.largest_difference(gradient, reference) == np.abs(b - a).max()
