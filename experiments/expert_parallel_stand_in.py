@@ -150,7 +150,8 @@ def main() -> None:
     runfiles.write_table(results, FIGURES / "expert_parallel_stand_in.csv")
     first = results.iloc[0]
     text = (
-        "# Expert parallelism against one device (`python experiments/expert_parallel_stand_in.py`)\n\n"
+        "# Expert parallelism against one device "
+        "(`python experiments/expert_parallel_stand_in.py`)\n\n"
         "One update of `tests/cases/moe_steps.py` (float64, global batch "
         f"{GLOBAL_BATCH}); the smallest gap between a token's top two router probabilities "
         f"{first['smallest_top_two_gap']:.2g}; with a capacity factor of 1, "

@@ -28,7 +28,7 @@ SAMPLES = {
 ALLOWED = {
     "strategy": ("ddp", "ddp"), "precision": ("32-true", "32-true"),
     "world_sizes": ("2,4", (2, 4)), "micro_batches": ("1,2", (1, 2)),
-    "global_batch_size": ("8", 8), "expert_parallel": ("2", 2),
+    "global_batch_size": ("8", 8), "expert_parallel": ("2", 2), "judge_in": ("floors", "floors"),
 }  # fmt: skip
 A_STEP = {"step": "pkg.mod:step", "model": "pkg.mod:model", "data": "pkg.mod:Data"}
 

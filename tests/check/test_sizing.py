@@ -60,20 +60,46 @@ def test_a_check_too_large_for_the_memory_left_is_refused_before_any_rank_starts
     assert set(pools._pools) == started  # no pool of 3 ranks was started
 
 
+def _refused_estimate(precision: str, judge_in: str) -> tuple[float, float]:
+    """The command's and a rank's estimates (GiB) in the line that refuses the wide model's check
+    at W = 3 in ``precision``, judged as ``judge_in`` says."""
+    with pytest.raises(check.CheckError) as refused:
+        check.check_training(
+            step=plain_steps.training_step, model=wide_model, data=plain_steps.Pairs,
+            world_sizes=(3,), steps=1, global_batch_size=6, precision=precision,
+            judge_in=judge_in,
+        )  # fmt: skip
+    found = re.search(r"the command (\d+\.\d) GiB, each rank (\d+\.\d) GiB", str(refused.value))
+    return float(found[1]), float(found[2])
+
+
 def test_a_step_in_a_low_precision_is_estimated_with_its_floors_runs(monkeypatch):
-    """The same step in float32: its command's estimate 4 vectors of 8 · 25,100,016 bytes (0.75
-    GiB) above float64's, as the floor's runs in float32 add to the command's peak."""
+    """The same step in float32 judged by float64 (``judge_in="float64"``): its command's estimate
+    4 vectors of 8 · 25,100,016 bytes (0.75 GiB) above float64's, as the floor's runs in float32
+    add to the command's peak."""
     monkeypatch.setattr(sizing, "available_bytes", lambda: 2 * 2**30)
-    commands = {}
-    for precision in ("64-true", "32-true"):
-        with pytest.raises(check.CheckError) as refused:
-            check.check_training(
-                step=plain_steps.training_step, model=wide_model, data=plain_steps.Pairs,
-                world_sizes=(3,), steps=1, global_batch_size=6, precision=precision,
-            )  # fmt: skip
-        commands[precision] = float(re.search(r"the command (\d+\.\d) GiB", str(refused.value))[1])
+    commands = {p: _refused_estimate(p, "float64")[0] for p in ("64-true", "32-true")}
     more = sizing.LOW_PRECISION_VECTORS * 8 * 25_100_016 / 2**30
     assert commands["32-true"] - commands["64-true"] == pytest.approx(more, abs=0.1)
+
+
+def test_a_step_judged_in_floors_alone_is_estimated_with_its_vectors_in_its_precision(monkeypatch):
+    """At 25.1M parameters (above `defaults.FLOORS_ALONE_PARAMETERS`) a float32 check is judged in
+    floors alone by default: the command FLOORS_COMMAND vectors of 4 · 25,100,016 bytes where the
+    float64 verdict's had 8 + W + 4 of 8 bytes, a rank RANK_START + FLOORS_RANK of them."""
+    monkeypatch.setattr(sizing, "available_bytes", lambda: 2**28)
+    vector = 4 * 25_100_016
+    command, rank = _refused_estimate("32-true", "auto")
+    float64s, _ = _refused_estimate("32-true", "float64")
+    fewer = (8 + 3 + sizing.LOW_PRECISION_VECTORS) * 2 * vector - sizing.FLOORS_COMMAND * vector
+    assert float64s - command == pytest.approx(fewer / 2**30, abs=0.1)
+    assert rank == round((sizing.RANK_START + sizing.FLOORS_RANK * vector) / 2**30, 1)
+    low = sizing.estimate(25_100_016, 3, "32-true", floors=True)
+    assert low.rank == sizing.RANK_START + sizing.FLOORS_RANK * vector
+    assert 0 < low.command - sizing.FLOORS_COMMAND * vector < 2**40  # what the command held
+    assert sizing.estimate(25_100_016, 3, "bf16-true", floors=True).rank == (
+        sizing.RANK_START + sizing.FLOORS_RANK * 2 * 25_100_016
+    )
 
 
 def test_the_memory_available_is_what_the_kernel_reports_or_less():

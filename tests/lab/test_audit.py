@@ -281,6 +281,37 @@ def test_classify_reads_a_vector_of_several_blocks_as_the_whole_vector_formulas_
     assert math.isnan(gradients.largest_difference(gradient, reference))
 
 
+def test_float32_vectors_and_their_parts_are_read_in_float64_as_numpy_reads_them():
+    """A precision's vectors kept in it (float32, a check judged in floors alone) are read in
+    float64 block by block: ``largest_difference`` and ``floor.relative`` are numpy's float64
+    numbers of the float32 values to 1e-14, where float32 arithmetic's sums are ~1e-7 off;
+    ``part_moments``
+    reads each part and the whole in one pass, the whole's numbers those of the whole vectors;
+    torch's threads are as they were."""
+    size = 2 * gradients._BLOCK + 9
+    generator = torch.Generator().manual_seed(2)
+    reference = (1 + torch.rand(size, generator=generator)).float()
+    gradient = reference.clone()
+    gradient[::3] += torch.finfo(torch.float32).eps  # 2⁻²³ where the entry is in [1, 2)
+    a, b = reference.double().numpy(), gradient.double().numpy()
+    threads = torch.get_num_threads()
+    assert gradients.largest_difference(gradient, reference) == np.abs(b - a).max()
+    relative = np.linalg.norm(b - a) / np.linalg.norm(a)
+    assert floor.relative(gradient, reference) == pytest.approx(relative, rel=1e-14, abs=0)
+    layout = {"first": [(0, 5), (size - 4, size)], "second": [(5, size - 4)]}
+    whole, parts = gradients.part_moments(gradient, reference, layout)
+    pieces = {"first": np.r_[0:5, size - 4 : size], "second": np.r_[5 : size - 4]}
+    for read, rows in [(whole, np.r_[0:size]), *((parts[n], r) for n, r in pieces.items())]:
+        x, y = b[rows], a[rows]
+        assert read.squares == pytest.approx(x @ x, rel=1e-14, abs=0)
+        assert read.reference_squares == pytest.approx(y @ y, rel=1e-14, abs=0)
+        assert read.product == pytest.approx(x @ y, rel=1e-14, abs=0)
+        assert read.difference_squares == pytest.approx((x - y) @ (x - y), rel=1e-14, abs=0)
+        assert (read.peak, read.reference_peak) == (np.abs(x).max(), np.abs(y).max())
+        assert read.departure == np.abs(x - y).max()
+    assert torch.get_num_threads() == threads
+
+
 def test_without_micro_batches_no_name_needs_k():
     """micro_batches=1, every caller before accumulation: 1/W and W only, at each W."""
     for world_size in range(1, 9):

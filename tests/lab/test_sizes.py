@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gatherlab.lab import sizemodels
+from gatherlab.check import defaults
+from gatherlab.lab import sizemodels, sizes
 
 
 def vit_parameters(dim: int, depth: int) -> int:
@@ -68,3 +69,13 @@ def test_the_benchmarks_step_is_simclrs_nt_xent_of_both_views(model):
         positive = similarity[i, (i + 4) % 8]
         expected -= float(torch.log(positive / (similarity[i].sum() - similarity[i, i]))) / 8
     assert loss == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_benchmark_measures_a_low_precision_both_ways_and_float64_once():
+    # the default (auto) and the other mode: the float64 verdict where auto judges in floors
+    # alone (at or above the threshold), floors alone below it
+    threshold = defaults.FLOORS_ALONE_PARAMETERS
+    assert sizes._modes("64-true", 10**9) == ("auto",)
+    assert sizes._modes("32-true", threshold) == ("auto", "float64")
+    assert sizes._modes("bf16-mixed", threshold - 1) == ("auto", "floors")
+    assert sizes.PRECISIONS == ("64-true", "32-true", "bf16-mixed")

@@ -686,36 +686,52 @@ def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
     return [png, pdf]
 
 
-SIZE_MODEL_COLORS = {"resnet": "#d62728", "vit": "#1f77b4"}  # the size benchmark's two models
-SIZE_PRECISION_STYLES = {"64-true": "-", "32-true": "--"}
+SIZE_MODEL_MARKERS = {"resnet": "o", "vit": "s"}  # the size benchmark's two models
+SIZE_PRECISION_COLORS = {"64-true": "0.15", "32-true": "#1f77b4", "bf16-mixed": "#ff7f0e"}
+SIZE_MODE_WORDS = {"float64": "float64 verdict", "floors": "floors alone"}
 
 
 def size_cost_figure(table: pd.DataFrame, goals: Mapping[str, object]) -> plt.Figure:
     """The cost of checking and recording against the model's size (``python -m gatherlab.bench
     size``; ``table`` has the columns of its CSV): the check's time ÷ the plain training's
     compute, its peak resident memory per process ÷ a plain rank's (log axes), and the recorded
-    update ÷ the plain one (linear), against the parameters; one colour per model, one line style
-    per precision, the goals (``goals``: ``check_time``, ``check_memory``, ``record`` by size) in
-    black, dashed."""
+    update ÷ the plain one (linear), against the parameters; one colour per precision, one marker
+    per model; a check as it runs by default (``judge_in`` ``auto``, or no such column) solid, in
+    the other mode (its ``judge_in``: the float64 verdict, floors alone) dotted; the goals
+    (``goals``: ``check_time``, ``check_memory``, ``record`` by size) in black, dashed, and where
+    a low precision is judged in floors alone by default (``floors_alone``, parameters) a grey
+    vertical line."""
     panels = (
         ("time_ratio", "check time ÷ plain compute", goals["check_time"]),
         ("memory_ratio", "check peak memory ÷ plain rank's", goals["check_memory"]),
         ("record_ratio", "recorded ÷ plain update (float32, batch 256)", None),
     )
+    table = table.copy()
+    if "judge_in" not in table.columns:
+        table["judge_in"] = "auto"
+    threshold = goals.get("floors_alone")
     with plt.rc_context(STYLE):
-        figure, axes = plt.subplots(1, 3, figsize=(13, 4.0), layout="constrained")
+        figure, axes = plt.subplots(1, 3, figsize=(14, 5.6), layout="constrained")
         for axis, (column, label, goal) in zip(axes, panels, strict=True):
-            for (model, precision), rows in table.groupby(["model", "precision"], sort=False):
+            groups = table.groupby(["model", "precision", "judge_in"], sort=False)
+            for (model, precision, judge_in), rows in groups:
                 rows = rows.dropna(subset=[column]).sort_values("parameters")
                 if rows.empty:
                     continue
-                axis.plot(rows["parameters"], rows[column], marker="o",
-                          color=SIZE_MODEL_COLORS.get(model, "0.4"),
-                          linestyle=SIZE_PRECISION_STYLES.get(precision, ":"),
-                          label=f"{model}, {terms.Precision(precision).word}"
-                          if column != "record_ratio" else model)  # fmt: skip
+                word = terms.Precision(precision).word
+                mode = SIZE_MODE_WORDS.get(judge_in)
+                axis.plot(
+                    rows["parameters"], rows[column], marker=SIZE_MODEL_MARKERS.get(model, "^"),
+                    color=SIZE_PRECISION_COLORS.get(precision, "0.5"),
+                    linestyle=":" if mode else "-", markersize=4 if mode else 5,
+                    label=model if column == "record_ratio"
+                    else f"{model}, {word}" + (f", {mode}" if mode else ""),
+                )  # fmt: skip
             if goal is not None:
                 axis.axhline(goal, **{**REFERENCE_STYLE, "linewidth": 1.2}, label=f"goal {goal:g}")
+            if threshold is not None and column != "record_ratio":
+                axis.axvline(float(threshold), color="0.6", linewidth=0.8,  # type: ignore[arg-type]
+                             label=f"floors alone from {float(threshold) / 1e6:g}M")  # type: ignore[arg-type]  # fmt: skip
             if column == "record_ratio":
                 for size, bound in dict(goals["record"]).items():  # type: ignore[call-overload]
                     at = table.loc[table["size"] == size, "parameters"]
@@ -732,9 +748,15 @@ def size_cost_figure(table: pd.DataFrame, goals: Mapping[str, object]) -> plt.Fi
                 axis.yaxis.set_minor_formatter(plain)
             axis.set_xlabel("parameters")
             axis.set_ylabel(label)
-            handles, labels = axis.get_legend_handles_labels()
-            by_label = dict(zip(labels, handles, strict=True))
-            axis.legend(by_label.values(), by_label.keys(), fontsize=7)
+            if column == "record_ratio":
+                handles, labels = axis.get_legend_handles_labels()
+                by_label = dict(zip(labels, handles, strict=True))
+                axis.legend(by_label.values(), by_label.keys(), fontsize=7)
+        handles, labels = axes[0].get_legend_handles_labels()  # one legend below the panels
+        by_label = dict(zip(labels, handles, strict=True))
+        figure.legend(by_label.values(), by_label.keys(), loc="outside lower center", ncol=5,
+                      fontsize=7)  # fmt: skip
         figure.suptitle("What a check (W = 2, 3 steps) and a recording cost against the plain "
-                        "training, by model size", fontsize=10)  # fmt: skip
+                        "training, by model size; solid: as the check runs by default, dotted: "
+                        "the other mode", fontsize=10)  # fmt: skip
     return figure

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gatherlab.check import defaults, floors, hypotheses, measure, where
+from gatherlab.check import defaults, floors, hypotheses, measure, sizing, where
 from gatherlab.check.judge import Recorded, judge, with_precision
 from gatherlab.check.options import (
     CheckError,
@@ -622,14 +622,18 @@ def check_training(
     world_sizes, micro_batches = options.world_sizes, options.micro_batches
     applying, layout = _validated(setting, options.loss_attr, micro_batches, world_sizes)
     _experts_split(setting, world_sizes, options.collective_timeout_s)
-    _fits(setting, layout, max(world_sizes))
+    parameters = sum(stop - start for ranges in layout.values() for start, stop in ranges)
+    alone = sizing.floors_alone(setting.spec.precision, parameters, options.judge_in)
+    alone = alone and _unfloored(setting, applying) is None  # else float64's verdict at any size
+    _fits(setting, parameters, max(world_sizes), alone)
     if setting.spec.pipeline_parallel > 1:  # on one pipeline's ranks, before any rank trains
         try:
             with watched.watching(options.collective_timeout_s):
                 training.validate_pipeline(setting, micro_batches, world_sizes)
         except ValueError as error:
             raise CheckError(str(error)) from None
-    setting, precision_words = _in_precision(setting, applying)
+    at_size = None if options.judge_in == "floors" else parameters  # else asked for
+    setting, precision_words = _in_precision(setting, applying, at_size if alone else None, alone)
     with warnings_once(), watched.watching(options.collective_timeout_s):
         try:  # one device, in this process: a training_step without a loss is found here
             first = training.first_reference(setting)
@@ -668,23 +672,27 @@ def _experts_split(setting: Any, world_sizes: Sequence[int], timeout_s: float) -
         raise CheckError(refused)
 
 
-def _fits(setting: Any, layout: measure.Layout, world_size: int) -> None:
-    """CheckError of one line when the check at its largest W would need more memory than this
-    machine has left (`sizing.too_large`), before any rank starts; the ranks a launcher started
-    are each on their own machine's memory and are not estimated here."""
-    from gatherlab.check import sizing
+def _fits(setting: Any, parameters: int, world_size: int, floors: bool) -> None:
+    """CheckError of one line when the check at its largest W of a step of ``parameters``
+    trainable parameters (judged in floors alone with ``floors``) would need more memory than
+    this machine has left (`sizing.too_large`), before any rank starts; the ranks a launcher
+    started are each on their own machine's memory and are not estimated here."""
     from gatherlab.ranks import external
 
     if external.launched():
         return
-    parameters = sum(stop - start for ranges in layout.values() for start, stop in ranges)
     precision = setting.spec.precision
-    refused = sizing.too_large(parameters, world_size, sizing.available_bytes(), precision)
+    refused = sizing.too_large(parameters, world_size, sizing.available_bytes(), precision, floors)
     if refused is not None:
         raise CheckError(f"{setting.label}: {refused}")
 
 
-def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[Any, str | None]:
+def _in_precision(
+    setting: Any,
+    applying: Sequence[removals.Removal],
+    at_size: int | None = None,
+    alone: bool = False,
+) -> tuple[Any, str | None]:
     """The setting with the precision its verdict rests on and the low precision measured in
     floors (`floor.judged_in`), from its first step run in float64 on one device
     (``training.float64_watch``), and the words of the printed text on its precision (None for
@@ -692,10 +700,16 @@ def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[A
     cannot be split into row blocks from outside), for a model with batch norm (the blocks
     would split its statistics) nor for a tensor-parallel model (the blocks split rows, its ranks
     split the sums over features): such code is judged in float64 where it runs there, and
-    refused with one line (CheckError) where it does not."""
+    refused with one line (CheckError) where it does not. A check judged in floors alone
+    (``alone``: `sizing.floors_alone`, by its trainable parameters ``at_size`` or asked for where
+    None, and a floor that is measured) is judged in its precision's floors without the watch
+    (`_floors_alone`)."""
     from gatherlab.check import training
 
     requested, raised = setting.spec.precision, False
+    if alone:
+        return _floors_alone(setting, at_size)
+    unfloored = _unfloored(setting, applying)
     try:  # as the reference runs: in a one-rank group when it raises without one
         watched = choose(lambda: training.float64_watch(setting)).value
     except Exception as error:  # even in a one-rank group: the reference runs it as asked
@@ -713,17 +727,6 @@ def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[A
         )
     judged, low = floor.judged_in(requested, watched.runs, watched.autocast)
     setting = dataclasses.replace(setting, spec=dataclasses.replace(setting.spec, precision=judged))
-    unfloored = (
-        "a LightningModule (Lightning calls its forward)" if setting.form.option == "--module"
-        else "a model with batch norm (row blocks would split its statistics)"
-        if removals.Removal.BATCHNORM in applying
-        else "a tensor-parallel model (row blocks do not split its sums over features as its "
-        "ranks do)" if setting.spec.tensor_parallel > 1
-        else "a pipeline (its stages are built on its ranks alone)"
-        if setting.spec.pipeline_parallel > 1
-        else "an expert-parallel model (row blocks would split its routing's statistics)"
-        if setting.spec.expert_parallel > 1 else None
-    )  # fmt: skip
     if low is not None and unfloored is not None:
         if judged != terms.Precision.FLOAT64:
             raise CheckError(
@@ -734,6 +737,42 @@ def _in_precision(setting: Any, applying: Sequence[removals.Removal]) -> tuple[A
         return setting, f"The floor in {word} is not measured for {unfloored}: judged in float64"
     setting = dataclasses.replace(setting, low=low)
     return setting, None if low is None else _precision_words(setting, watched)
+
+
+def _floors_alone(setting: Any, at_size: int | None) -> tuple[Any, str]:
+    """A low-precision check judged in floors of its precision alone (docs/design.md §2, "Low
+    precision at size"), by its trainable parameters ``at_size`` (None: asked for): its verdict
+    rests on the precision (``exact within float32`` where float64's would be ``exact``), its
+    runs keep their vectors in it and the one-device reference runs once
+    (`training.Setting.floors_alone`); the words of the printed text."""
+    low = setting.spec.precision
+    spec = dataclasses.replace(setting.spec, keep_precision=True)
+    setting = dataclasses.replace(setting, spec=spec, low=low, floors_alone=True)
+    word = terms.Precision(low).word
+    why = (
+        "Asked for (--judge-in floors), it" if at_size is None
+        else f"At {at_size:,} trainable parameters (from {defaults.FLOORS_ALONE_PARAMETERS:,}) it"
+    )  # fmt: skip
+    return setting, (
+        f"{why} is judged in {word} against a measured floor alone: three runs in {word}, no "
+        "float64 verdict, no line named where a run departs; --judge-in float64 "
+        "(judge_in='float64') asks for the float64 verdict"
+    )
+
+
+def _unfloored(setting: Any, applying: Sequence[removals.Removal]) -> str | None:
+    """Why no floor is measured for what the setting trains, in words (None: one is)."""
+    return (
+        "a LightningModule (Lightning calls its forward)" if setting.form.option == "--module"
+        else "a model with batch norm (row blocks would split its statistics)"
+        if removals.Removal.BATCHNORM in applying
+        else "a tensor-parallel model (row blocks do not split its sums over features as its "
+        "ranks do)" if setting.spec.tensor_parallel > 1
+        else "a pipeline (its stages are built on its ranks alone)"
+        if setting.spec.pipeline_parallel > 1
+        else "an expert-parallel model (row blocks would split its routing's statistics)"
+        if setting.spec.expert_parallel > 1 else None
+    )  # fmt: skip
 
 
 def _precision_words(setting: Any, watched: InFloat64) -> str:

@@ -40,6 +40,19 @@ STEP_BUDGET_S = 10.0
 """The seconds a training step may take before the check says so (``--step-budget``): a step of
 the one-device reference, or of rank 0, that takes longer prints one line with its time and the
 steps done and to go, and the check goes on."""
+JUDGE_IN = "auto"
+"""How a training step's check in a low precision is judged when not told (``--judge-in``):
+below `FLOORS_ALONE_PARAMETERS` trainable parameters as always (float64 judges code that runs in
+it, its low-precision run measured in floors beside), at or above it in floors of the precision
+alone (docs/design.md §2, "Low precision at size")."""
+JUDGE_IN_CHOICES = ("auto", "float64", "floors")
+"""``--judge-in``'s values: ``auto`` (by size, `JUDGE_IN`), ``float64`` (the float64 verdict
+wherever the code runs in float64, at any size), ``floors`` (floors of the precision alone, at any
+size)."""
+FLOORS_ALONE_PARAMETERS = 20_000_000
+"""The trainable parameters at and above which a low-precision check is judged in floors alone
+by default: where the float64 verdict's check of float32 code passed 4× a plain rank's memory in
+`python -m gatherlab.bench size` (25M: 4.17 and 4.52; 10M: 3.05 and 3.41, docs/performance.md)."""
 COLLECTIVE_TIMEOUT_S = 30.0
 """How long a rank of the check waits at a collective for its peers to enter it before its W fails
 with a line that says who did not come (``--collective-timeout``). A collective of the check's

@@ -115,19 +115,30 @@ class InPrecision:
         parts."""
         mine, theirs, perturbed = _gradient(run), _gradient(reference), _gradient(self.perturbed)
         limit = floor.threshold(self.blocks, world_size)
-        whole = floor.classify_floored(
-            mine, theirs, perturbed, self.precision, world_size, micro_batches, threshold=limit
-        )
         if not layout or len(layout) < 2 or len(mine) != len(theirs):
-            return whole, {}
-        parts = [gradients.split(g, layout) for g in (mine, theirs, perturbed)]
-        return whole, {
-            name: floor.classify_floored(
-                parts[0][name], parts[1][name], parts[2][name], self.precision, world_size,
-                micro_batches, least_floor=whole.floor, threshold=limit,
+            whole = floor.classify_floored(
+                mine, theirs, perturbed, self.precision, world_size, micro_batches, threshold=limit
             )
+            return whole, {}
+        # each part's moments read once, the whole's summed from them: two passes, not four
+        (run_whole, run_parts), (floor_whole, floor_parts) = (
+            gradients.part_moments(g, theirs, layout) for g in (mine, perturbed)
+        )
+        whole = self._classified(run_whole, floor_whole, world_size, micro_batches, limit)
+        return whole, {
+            name: self._classified(run_parts[name], floor_parts[name], world_size, micro_batches,
+                                   limit, least=whole.floor)
             for name in layout
         }  # fmt: skip
+
+    def _classified(
+        self, run: gradients.Moments, perturbed: gradients.Moments, world_size: int,
+        micro_batches: int, limit: float, least: float = 0.0,
+    ) -> Floored:  # fmt: skip
+        """`floor.classify_floored` of a gradient, its reference and the perturbed one device as
+        their moments against the reference read them."""
+        level = floor.floor_of(floor.relative_read(perturbed), self.precision, least)
+        return floor.classify_read(run, level, self.precision, world_size, micro_batches, limit)
 
     def forward(
         self,

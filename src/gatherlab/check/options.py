@@ -450,6 +450,21 @@ class TrainingOptions(_Common):
             "--loss-attr",
         ),
     )
+    judge_in: str = field(
+        default=defaults.JUDGE_IN,
+        metadata=_option(
+            "how a step checked in a low precision (32-true, bf16-mixed, …) is judged: auto (below "
+            f"{defaults.FLOORS_ALONE_PARAMETERS / 1e6:g}M trainable parameters in float64 where "
+            "the code runs in it, its run in the precision measured in floors beside; at or above, "
+            "in floors of the precision alone: three runs in it, no float64 verdict), float64 "
+            "(the float64 verdict at any size) or floors (floors alone at any size); "
+            'docs/design.md §2, "Low precision at size"',
+            "--judge-in",
+            metavar="{auto,float64,floors}",
+            help="a low precision judged by float64 with its floors beside, or in floors alone "
+            f"(auto: floors alone from {defaults.FLOORS_ALONE_PARAMETERS / 1e6:g}M parameters)",
+        ),
+    )
     step_budget_s: float = field(
         default=defaults.STEP_BUDGET_S,
         metadata=_option(
@@ -493,6 +508,11 @@ class TrainingOptions(_Common):
         _positive("--steps", self.steps)
         _positive("--global-batch-size", self.global_batch_size)
         self._check_layouts()
+        if self.judge_in not in defaults.JUDGE_IN_CHOICES:
+            raise CheckError(
+                f"--judge-in {self.judge_in!r} is not allowed; allowed: "
+                f"{', '.join(defaults.JUDGE_IN_CHOICES)}"
+            )
         budget = self.step_budget_s
         if not (isinstance(budget, int | float) and 0 < budget <= math.inf):
             raise CheckError(f"--step-budget {budget!r}; allowed: a number of seconds > 0")

@@ -49,7 +49,7 @@ from gatherlab.ranks.external import ranks_for
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import plainstep, removals, stages, tensorparallel
 from gatherlab.runs import update as update_form
-from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64
+from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64, threads_of_a_rank
 from gatherlab.runs.spec import RunSpec, StepForm, TracedForm
 
 __all__ = [
@@ -71,6 +71,12 @@ class Setting:
     """A low precision its run is measured in, in floors (docs/design.md §2, "Low precision"):
     beside the verdict when ``spec.precision`` is float64, the verdict's own when it is the
     same; None: none."""
+
+    floors_alone: bool = False
+    """Judged in floors of ``low`` alone, at size or when asked (`sizing.floors_alone`,
+    docs/design.md §2, "Low precision at size"): no float64 verdict, the runs' vectors kept in
+    the precision, the one-device reference run once (without a process group, or in a one-rank
+    group where it raises without one)."""
 
     @property
     def in_own_precision(self) -> bool:
@@ -293,12 +299,14 @@ def first_reference(setting: Setting) -> Reference[Trained]:
     """The 1-device run without removals, as the reference of the check (`reference.choose`):
     without a process group, or in a one-rank group when the step raises without one; when both
     run, what differs between them (`reference.training_differs`, to the precision's
-    tolerance)."""
+    tolerance). Judged in floors alone (`Setting.floors_alone`), the one-rank group runs only
+    where the plain run raises: what differs between them is not looked for."""
     tolerance = gradients.tolerance(setting.spec.precision)
     return choose(
         lambda: _train(setting, removals.NONE, 1),
-        lambda grouped, plain: training_differs(grouped, plain, tolerance),
-    )
+        None if setting.floors_alone
+        else lambda grouped, plain: training_differs(grouped, plain, tolerance),
+    )  # fmt: skip
 
 
 def located(setting: Setting, world_size: int, in_group: bool) -> where.Departure | None:
@@ -827,6 +835,8 @@ def unreduced_parts(ranks: Sequence[Trained], layout: measure.Layout) -> tuple[s
     first = ranks[0].first_gradient
     if first is None or len(ranks) < 2:
         return ()
+    if all(torch.equal(first, other.first_gradient) for other in ranks[1:]):
+        return ()  # every rank holds rank 0's gradient bit for bit (DDP's average): one pass
     parts = layout if layout else {ALL_PARTS: [(0, len(first))]}
     mine = {name: gradients.split(first, {name: ranges})[name] for name, ranges in parts.items()}
     found = []
@@ -863,8 +873,8 @@ def _train_ranks(
     """`_train`'s run, every rank's result in rank order (one device: one); the ranks after rank
     0 send no final parameters (`_trained_on_rank`)."""
     spec = setting.run_spec(removed, micro_batches=micro_batches, **changes)
-    if world_size == 1:
-        with one_device(in_group):  # as the reference ran (`first_reference`)
+    if world_size == 1:  # as the reference ran (`first_reference`); a low precision's threads
+        with one_device(in_group), threads_of_a_rank(spec.precision):  # as a rank's
             return [setting.form.train_on_rank(spec)]
     ranks = ranks_for(world_size).run(_trained_on_rank, setting.form, spec)
     if spec.expert_parallel > 1:  # each rank holds some of one device's parameters

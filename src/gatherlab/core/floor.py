@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FEWER_BLOCKS_THRESHOLD", "FLOOR_THRESHOLD", "ROUNDING_CEILING", "WITHIN", "Floored",
-    "beyond_rounding", "classify_at", "classify_floored", "classify_sketched_floored", "floor_of",
-    "forward_floored", "judged_in", "power_words", "relative", "threshold", "within",
+    "beyond_rounding", "classify_at", "classify_floored", "classify_read",
+    "classify_sketched_floored", "floor_of", "forward_floored", "judged_in", "power_words",
+    "relative", "relative_read", "threshold", "within",
 ]  # fmt: skip
 
 FLOOR_THRESHOLD = 5.0
@@ -92,6 +93,11 @@ def relative(vector: torch.Tensor, reference: torch.Tensor) -> float:
     from gatherlab.core.gradients import moments
 
     return _relative(moments(vector, reference))
+
+
+def relative_read(read: Moments) -> float:
+    """`relative` of two vectors as their `gradients.moments` read them."""
+    return _relative(read)
 
 
 def _relative(read: Moments) -> float:
@@ -162,9 +168,23 @@ def classify_at(
 ) -> Floored:
     """``gradient`` against ``reference`` in units of ``floor``: its class by
     `gradients.class_of` at the resolution T · floor (T: ``threshold``)."""
-    from gatherlab.core.gradients import class_of, moments, read_cosine_and_norm_ratio
+    from gatherlab.core.gradients import moments
 
     read = moments(gradient, reference)  # one pass over both
+    return classify_read(read, floor, precision, world_size, micro_batches, threshold)
+
+
+def classify_read(
+    read: Moments,
+    floor: float,
+    precision: str,
+    world_size: int,
+    micro_batches: int = 1,
+    threshold: float = FLOOR_THRESHOLD,
+) -> Floored:
+    """`classify_at` of a gradient and its reference as their `gradients.moments` read them."""
+    from gatherlab.core.gradients import class_of, read_cosine_and_norm_ratio
+
     zero_gradient = not read.peak > 0
     if read.reference_squares == 0:
         measured = class_of(math.nan, math.nan, math.nan, zero_gradient, True, world_size)

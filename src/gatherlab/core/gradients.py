@@ -16,9 +16,10 @@ A gradient against one device's:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from gatherlab.core.terms import Factor, GradientClass, Precision
@@ -30,8 +31,8 @@ __all__ = [
     "FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "PARALLEL_COSINE", "SINGLE_FACTORS", "TOLERANCE",
     "Classified", "Layout", "Moments", "class_of", "classify", "classify_parts",
     "classify_sketched", "cosine_and_norm_ratio", "factor_name", "factors", "largest_difference",
-    "moments", "read_cosine_and_norm_ratio", "same_forward", "single_factors", "split",
-    "tolerance",
+    "moments", "part_moments", "read_cosine_and_norm_ratio", "same_forward", "single_factors",
+    "split", "tolerance",
 ]  # fmt: skip
 
 # Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
@@ -174,6 +175,23 @@ def class_of(
 # temporaries of the gradient's size and eight passes (measured at 85M float64 elements, one
 # thread: `classify` 1.6-3.0 s before, 0.4 s in blocks of 2^14 to 2^17, 0.76 s in blocks of 2^18).
 _BLOCK = 1 << 15
+# ... on one thread (`_one_thread`): each block's few operations are too small to split, and where
+# other processes share the cores, a second thread that is not scheduled holds every operation up
+# at its barrier (measured on two shared cores: `moments` of two 85M-element vectors 18-65 s with
+# two threads, 0.6-0.9 s on one).
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's intra-op threads set to one, and back to what they were."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Moments(NamedTuple):
@@ -199,13 +217,45 @@ def moments(gradient: torch.Tensor, reference: torch.Tensor) -> Moments:
     mine, theirs = gradient.reshape(-1), reference.reshape(-1)
     sums = torch.zeros(4, dtype=torch.float64)
     peaks = torch.zeros(3, dtype=torch.float64)
-    for start in range(0, mine.numel(), _BLOCK):
-        a = mine[start : start + _BLOCK].double()
-        b = theirs[start : start + _BLOCK].double()
-        d = a - b
-        sums += torch.stack([a @ a, b @ b, a @ b, d @ d])
-        peaks = torch.maximum(peaks, torch.stack([a.abs().max(), b.abs().max(), d.abs().max()]))
+    blocks = torch.empty(3, min(_BLOCK, mine.numel()), dtype=torch.float64)  # reused: no allocation
+    with _one_thread():
+        for start in range(0, mine.numel(), _BLOCK):
+            stop = min(start + _BLOCK, mine.numel())
+            a, b, d = blocks[:, : stop - start]
+            a.copy_(mine[start:stop])  # in float64, whatever the vectors' dtype
+            b.copy_(theirs[start:stop])
+            torch.sub(a, b, out=d)
+            sums += torch.stack([a @ a, b @ b, a @ b, d @ d])
+            peaks = torch.maximum(peaks, torch.stack([a.abs().max(), b.abs().max(), d.abs().max()]))
     return Moments(*sums.tolist(), *peaks.tolist())
+
+
+def part_moments(
+    gradient: torch.Tensor, reference: torch.Tensor, parts: Layout
+) -> tuple[Moments, dict[str, Moments]]:
+    """The `Moments` of each part of ``parts`` (its ranges of the flattened vectors) and of the
+    whole, in one pass over both vectors: the whole's sums are its parts' sums and its peaks their
+    largest, where the parts' ranges cover the vectors (else the whole is read on its own)."""
+    read = {
+        name: _summed([moments(gradient[a:b], reference[a:b]) for a, b in ranges])
+        for name, ranges in parts.items()
+    }
+    covered = sum(b - a for ranges in parts.values() for a, b in ranges)
+    whole = _summed(list(read.values())) if covered == gradient.numel() else None
+    return (moments(gradient, reference) if whole is None else whole), read
+
+
+def _summed(read: Sequence[Moments]) -> Moments:
+    """The `Moments` of vectors made of pieces from the pieces' own: sums added, peaks the
+    largest (a NaN kept)."""
+    if len(read) == 1:
+        return read[0]
+    sums = [math.fsum(r[i] for r in read) for i in range(4)]
+    peaks = [
+        math.nan if any(math.isnan(r[i]) for r in read) else max(r[i] for r in read)
+        for i in range(4, 7)
+    ]
+    return Moments(*sums, *peaks)
 
 
 def largest_difference(tensor: torch.Tensor, other: torch.Tensor | None = None) -> float:
@@ -217,11 +267,15 @@ def largest_difference(tensor: torch.Tensor, other: torch.Tensor | None = None) 
     mine = tensor.reshape(-1)
     theirs = None if other is None else other.reshape(-1)
     peak = torch.zeros((), dtype=torch.float64)
-    for start in range(0, mine.numel(), _BLOCK):
-        block = mine[start : start + _BLOCK]
-        if theirs is not None:
-            block = block - theirs[start : start + _BLOCK]
-        peak = torch.maximum(peak, block.abs().max().double())  # a NaN stays
+    blocks = torch.empty(2, min(_BLOCK, mine.numel()), dtype=torch.float64)  # reused
+    with _one_thread():
+        for start in range(0, mine.numel(), _BLOCK):
+            stop = min(start + _BLOCK, mine.numel())
+            block, other_block = blocks[:, : stop - start]
+            block.copy_(mine[start:stop])  # in float64, whatever the vectors' dtype
+            if theirs is not None:
+                block.sub_(other_block.copy_(theirs[start:stop]))
+            peak = torch.maximum(peak, block.abs_().max())  # a NaN stays
     return float(peak)
 
 

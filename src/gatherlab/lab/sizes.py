@@ -2,7 +2,7 @@
 (docs/performance.md, "Checking and recording at real sizes").
 
 For each model of `gatherlab.lab.sizemodels` (a ResNet-like CNN, a ViT-like transformer) at each
-size (about 1M, 10M, 25M, 86M parameters) and each precision (float64, float32):
+size (about 1M, 10M, 25M, 86M parameters) and each precision (float64, float32, bf16-mixed):
 
 - **plain**: the training as its user runs it, W = 2 ranks of a fresh pool, the model in
   torch's ``DistributedDataParallel``, SGD, ``contrastive_step`` on each rank's rows of the same
@@ -11,7 +11,10 @@ size (about 1M, 10M, 25M, 86M parameters) and each precision (float64, float32):
 - **check**: ``check_training(step=contrastive_step, model=build, world_sizes=(2,))`` of the same
   steps, in a process of its own whose W = 2 pool has started before the clock starts (start-up
   aside); its wall time, and the peak resident memory of the process (which trains the one-device
-  references) and of each rank;
+  references) and of each rank. In a low precision twice: as the check runs by default
+  (``judge_in="auto"``: the float64 verdict below `defaults.FLOORS_ALONE_PARAMETERS` trainable
+  parameters, floors alone at or above) and in the other mode (``float64`` or ``floors``), so that
+  both sides of the choice are measured (docs/design.md §2, "Low precision at size");
 - **record** (float32, batch 256): one update of the model plain and recorded
   (`gatherlab.record`), in turns, the median of the pairs' time ratios, and the bytes the
   recording writes per update.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -35,17 +39,23 @@ from pathlib import Path
 
 import torch
 
+from gatherlab.check import defaults
 from gatherlab.lab import sizemodels
 
 __all__ = ["MODELS", "PRECISIONS", "SIZES", "main", "options", "redraw", "run"]
 
 MODELS = tuple(sizemodels.SIZES)
 SIZES = tuple(sizemodels.SIZES["vit"])
-PRECISIONS = ("64-true", "32-true")
-DTYPES = {"64-true": torch.float64, "32-true": torch.float32}
+PRECISIONS = ("64-true", "32-true", "bf16-mixed")
+DTYPES = {"64-true": torch.float64, "32-true": torch.float32, "bf16-mixed": torch.float32}
+"""The parameters' dtype of each precision (bf16-mixed: float32 parameters, its forward under
+``torch.autocast`` in bfloat16, as the check's runs)."""
 STEPS, GLOBAL_BATCH, WORLD_SIZE = 3, 8, 2
 RECORD_BATCH = 256
-GOALS = {"check_time": 5.0, "check_memory": 4.0, "record": {"10M": 1.05, "86M": 1.02}}
+GOALS = {
+    "check_time": 5.0, "check_memory": 4.0, "record": {"10M": 1.05, "86M": 1.02},
+    "floors_alone": defaults.FLOORS_ALONE_PARAMETERS,
+}  # fmt: skip
 _MODULE = "gatherlab.lab.sizemodels"
 
 
@@ -63,6 +73,8 @@ def _plain_on_rank(model: str, size: str, precision: str, steps: int, batch: int
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from gatherlab.runs.precision import autocast
+
     torch.manual_seed(0)
     dtype = DTYPES[precision]
     net = DistributedDataParallel(sizemodels.build(model, size).to(dtype))
@@ -76,7 +88,9 @@ def _plain_on_rank(model: str, size: str, precision: str, steps: int, batch: int
         rows = slice(step * batch + rank * local, step * batch + (rank + 1) * local)
         views = (data.views[0][rows].to(dtype), data.views[1][rows].to(dtype))
         optimizer.zero_grad()
-        sizemodels.contrastive_step(net, views).backward()
+        with autocast(precision):
+            loss = sizemodels.contrastive_step(net, views)
+        loss.backward()
         optimizer.step()
     dist.barrier()
     return {"seconds": time.perf_counter() - start, "peak_mib": _peak_mib()}
@@ -100,26 +114,32 @@ def plain(model: str, size: str, precision: str) -> dict:
     }
 
 
-def check(model: str, size: str, precision: str) -> dict:
-    """``check_training`` of the same steps at W = 2 on a warm pool: its wall time and verdict,
-    the peak of this process (the one-device references) and of each rank."""
+def check(model: str, size: str, precision: str, judge_in: str = "auto") -> dict:
+    """``check_training`` of the same steps at W = 2 on a warm pool, judged as ``judge_in`` says
+    (`sizing.floors_alone`): its wall time and verdict, the peak of this process (the one-device
+    references) and of each rank."""
     from gatherlab.check import check_training, sizing
 
     ranks = _warm_pool(WORLD_SIZE)
     parameters = sizemodels.parameters(sizemodels.build(model, size))
-    estimated = sizing.estimate(parameters, WORLD_SIZE, precision)
+    alone = sizing.floors_alone(precision, parameters, judge_in)
+    estimated = sizing.estimate(parameters, WORLD_SIZE, precision, alone)
     start = time.perf_counter()
     table = check_training(
         step=f"{_MODULE}:contrastive_step", model=f"{_MODULE}:build",
         model_kwargs={"model": model, "size": size}, data=f"{_MODULE}:Views",
         data_kwargs={"size": STEPS * GLOBAL_BATCH, "image": sizemodels.IMAGE[model]},
         world_sizes=(WORLD_SIZE,), steps=STEPS, global_batch_size=GLOBAL_BATCH,
-        precision=precision,
+        precision=precision, judge_in=judge_in,
     ).table  # fmt: skip
     seconds = time.perf_counter() - start
+    whole = table.iloc[0]
     return {
         "check_s": seconds,
-        "verdict": str(table["verdict"].iloc[0]),
+        "judge_in": judge_in,
+        "floors_alone": alone,
+        "verdict": str(whole["verdict"]),
+        "floors": float(whole["floors"]) if "floors" in table.columns else math.nan,
         "check_process_mib": _peak_mib(),
         "check_rank_mib": max(_peak_mib(pid) for pid in ranks.pids),
         "estimated_process_mib": estimated.command / 2**20,
@@ -174,29 +194,44 @@ def run(
             parameters = sizemodels.parameters(sizemodels.build(model, size))
             recorded = _one("record", model=model, size=size, repeats=record_repeats)
             for precision in precisions:
-                row = {"model": model, "size": size, "parameters": parameters,
-                       "precision": precision}  # fmt: skip
-                row |= _one("plain", model=model, size=size, precision=precision)
-                row |= _one("check", model=model, size=size, precision=precision)
-                row |= recorded if precision == "32-true" else {}
-                row["time_ratio"] = row["check_s"] / row["plain_s"]
-                peak = max(row["check_process_mib"], row["check_rank_mib"])
-                row["memory_ratio"] = peak / row["plain_rank_mib"]
-                rows.append(row)
-                _print_row(row)
+                plain_row = {"model": model, "size": size, "parameters": parameters,
+                             "precision": precision}  # fmt: skip
+                plain_row |= _one("plain", model=model, size=size, precision=precision)
+                for judge_in in _modes(precision, parameters):
+                    row = dict(plain_row)
+                    row |= _one("check", model=model, size=size, precision=precision,
+                                judge_in=judge_in)  # fmt: skip
+                    row |= recorded if precision == "32-true" and judge_in == "auto" else {}
+                    row["time_ratio"] = row["check_s"] / row["plain_s"]
+                    peak = max(row["check_process_mib"], row["check_rank_mib"])
+                    row["memory_ratio"] = peak / row["plain_rank_mib"]
+                    rows.append(row)
+                    _print_row(row)
     if out is not None:
         _write(rows, out)
     return rows
 
 
+def _modes(precision: str, parameters: int) -> tuple[str, ...]:
+    """The ``judge_in`` of each check measured: ``auto`` (the default), and in a low precision
+    the other mode too (``float64`` where ``auto`` judges in floors alone, else ``floors``)."""
+    from gatherlab.check import sizing
+
+    if precision == "64-true":
+        return ("auto",)
+    return ("auto", "float64" if sizing.floors_alone(precision, parameters) else "floors")
+
+
 def _print_row(row: dict) -> None:
+    mode = "floors alone" if row["floors_alone"] else "float64 verdict"
+    mode += "" if row["judge_in"] == "auto" else f", asked: {row['judge_in']}"
     line = (
         f"{row['model']:<7}{row['size']:>4} ({row['parameters'] / 1e6:6.2f}M) {row['precision']}: "
-        f"plain {row['plain_s']:7.1f} s, {row['plain_rank_mib']:7.0f} MiB/rank; check "
-        f"{row['check_s']:7.1f} s ({row['verdict']}), process {row['check_process_mib']:7.0f} "
-        f"MiB, ranks {row['check_rank_mib']:7.0f} MiB (estimated {row['estimated_process_mib']:.0f}"
-        f", {row['estimated_rank_mib']:.0f}); check/plain time {row['time_ratio']:.2f}, "
-        f"memory {row['memory_ratio']:.2f}"
+        f"plain {row['plain_s']:7.1f} s, {row['plain_rank_mib']:7.0f} MiB/rank; check [{mode}] "
+        f"{row['check_s']:7.1f} s ({row['verdict']}, {row['floors']:.3g} floors), process "
+        f"{row['check_process_mib']:7.0f} MiB, ranks {row['check_rank_mib']:7.0f} MiB (estimated "
+        f"{row['estimated_process_mib']:.0f}, {row['estimated_rank_mib']:.0f}); check/plain time "
+        f"{row['time_ratio']:.2f}, memory {row['memory_ratio']:.2f}"
     )
     if "record_ratio" in row:
         line += (f"; recorded/plain update {row['record_ratio']:.3f} (plain "

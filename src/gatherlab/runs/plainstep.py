@@ -101,7 +101,7 @@ class Step(PlainModel):
         )
         watch = outside_forward(model, wrapped)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
-        recorder = StepLog(True, spec.step_budget_s, spec.steps)
+        recorder = StepLog(True, spec.step_budget_s, spec.steps, spec.keep_precision)
         seed_processes(spec.seed)
         partial: dict[str, str] = {}
         for index, batch in enumerate(rank_batches(data, spec)):

@@ -28,6 +28,7 @@ from gatherlab.runs.trace import tensors_in
 
 __all__ = [
     "FLOOR_ROW_BLOCKS", "InFloat64", "RowBlocks", "autocast", "blocked", "dtype", "in_float64",
+    "threads_of_a_rank",
 ]  # fmt: skip
 
 
@@ -38,6 +39,25 @@ FLOOR_ROW_BLOCKS = 2
 def dtype(precision: str) -> torch.dtype:
     """The dtype of a run's parameters and floating inputs in ``precision``."""
     return getattr(torch, Precision(precision).dtype_name)
+
+
+@contextlib.contextmanager
+def threads_of_a_rank(precision: str) -> Iterator[None]:
+    """A one-device run in a low precision computed on one intra-op thread, as each rank of the
+    pool computes (`gatherlab.ranks.pool` sets one), so that the one-device runs the floor is
+    measured with use the CPU kernels the ranks use: a kernel's rounding depends on its threads
+    (measured on the size benchmark's ResNet at 25M parameters, float32, W = 2: the W-rank run
+    6.96 floors from one device on two threads, a correct step read ``other``; 1.00 on one);
+    float64's runs as they are (its 1e-10 holds either way)."""
+    if precision == Precision.FLOAT64:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

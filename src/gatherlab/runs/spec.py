@@ -80,6 +80,10 @@ class RunSpec:
     row_blocks: int = 1
     """The model's forward in this many row blocks on one device (`runs.precision.RowBlocks`):
     the perturbation a low precision's floor is measured with (docs/design.md §2)."""
+    keep_precision: bool = False
+    """The first gradient and the final parameters kept in the parameters' own dtype (float32 for
+    float32 and the mixed precisions), not float64 (`runs.steplog.StepLog`): a check judged in
+    floors of its precision alone (docs/design.md §2, "Low precision at size")."""
     step_budget_s: float = math.inf
     """The seconds a step may take before its run says so (`runs.steplog.StepLog`): a step of
     one device, or of rank 0, that takes longer logs a warning with the steps done and to go."""

@@ -95,10 +95,11 @@ def gradient_norm(parameters: Iterable[nn.Parameter]) -> float:
     return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
 
-def flat_parameters(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+def flat_parameters(parameters: Iterable[nn.Parameter], keep: bool = False) -> torch.Tensor:
     """The values of ``parameters`` flattened into one float64 vector on the CPU, each whole
-    (`gatherlab.ranks.world.whole`)."""
-    return torch.cat([world.whole(p.detach()).reshape(-1) for p in parameters]).double().cpu()
+    (`gatherlab.ranks.world.whole`); in their own dtype with ``keep``."""
+    flat = torch.cat([world.whole(p.detach()).reshape(-1) for p in parameters])
+    return (flat if keep else flat.double()).cpu()
 
 
 def mean_over_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
@@ -127,9 +128,14 @@ class StepLog:
     step's backward, `gradient` before the optimizer's step, and `trained` when training ends."""
 
     def __init__(
-        self, keep_first_gradient: bool = False, step_budget_s: float = math.inf, steps: int = 0
+        self,
+        keep_first_gradient: bool = False,
+        step_budget_s: float = math.inf,
+        steps: int = 0,
+        keep_precision: bool = False,
     ):
         self.keep_first_gradient = keep_first_gradient
+        self.keep_precision = keep_precision  # the vectors in the parameters' dtype, not float64
         self.step_budget_s, self.planned = step_budget_s, steps
         self._step_began = time.perf_counter()
         self.steps: list[int] = []
@@ -161,7 +167,7 @@ class StepLog:
             raise NonFiniteLoss("gradient norm", norm, step, rank)
         self.grad_norms.append(norm)
         if keep:
-            self.first_gradient = gradient.double().cpu()
+            self.first_gradient = (gradient if self.keep_precision else gradient.double()).cpu()
         self._over_budget(step, rank)
 
     def start(self) -> None:
@@ -190,7 +196,7 @@ class StepLog:
         """Training ended: each step's global loss (a collective on W ranks: every rank calls
         this) and the final parameters."""
         self.losses = global_losses(self.local_losses)
-        self.parameters = flat_parameters(parameters)
+        self.parameters = flat_parameters(parameters, self.keep_precision)
 
     def write(self, run_dir: str | Path, state: dict[str, torch.Tensor]) -> None:
         """Write the run's ``curves.csv`` (step, global loss, rank 0's gradient norm) and its

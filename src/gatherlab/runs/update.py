@@ -89,7 +89,7 @@ class Update(PlainModel):
         )
         watch = outside_forward(model, wrapped)
         optimizer = self.optimizer(model.parameters(), **self.optimizer_kwargs)
-        recorder = StepLog(True, spec.step_budget_s, spec.steps)
+        recorder = StepLog(True, spec.step_budget_s, spec.steps, spec.keep_precision)
         seen = _Steps(model, recorder, spec.reduced)
         hook = optimizer.register_step_pre_hook(seen)
         seed_processes(spec.seed)
