@@ -352,3 +352,17 @@ def test_each_sampler_recipe_is_what_its_bundled_job_runs():
     for words in ("use_distributed_sampler=False", "dataloader_drop_last=True",
                   "LayoutInvariantSampler(dataset, global_batch_size"):  # fmt: skip
         assert words in " ".join(recipes.split()), words
+
+
+def test_the_readmes_numbers_at_real_sizes_are_the_size_benchmarks():
+    """README.md's "At real sizes" says what `gatherlab.lab.sizes.summary` reads from the size
+    benchmark's table beside its figure (figures/size_cost.csv), which ``python -m gatherlab.bench
+    size --out figures/size_cost`` writes and prints: a new run, or a sentence edited by hand,
+    that does not match fails here."""
+    import pandas as pd
+
+    from gatherlab.lab import sizes
+
+    readme = " ".join((REPO / "README.md").read_text().split())
+    said = sizes.summary(pd.read_csv(REPO / "figures" / "size_cost.csv"))
+    assert f"**At real sizes.** {said}" in readme, said

@@ -42,7 +42,7 @@ import torch
 from gatherlab.check import defaults
 from gatherlab.lab import sizemodels
 
-__all__ = ["MODELS", "PRECISIONS", "SIZES", "main", "options", "redraw", "run"]
+__all__ = ["MODELS", "PRECISIONS", "SIZES", "main", "options", "redraw", "run", "summary"]
 
 MODELS = tuple(sizemodels.SIZES)
 SIZES = tuple(sizemodels.SIZES["vit"])
@@ -248,13 +248,47 @@ def _write(rows: list[dict], out: Path) -> None:
 
 
 def redraw(out: Path) -> None:
-    """The figure ``out``.png and .pdf drawn from ``out``.csv."""
+    """The figure ``out``.png and .pdf drawn from ``out``.csv, and the README's sentence of it."""
     import pandas as pd
 
     from gatherlab.analysis import figures
 
-    figures.save(figures.size_cost_figure(pd.read_csv(out.with_suffix(".csv")), GOALS), out)
+    table = pd.read_csv(out.with_suffix(".csv"))
+    figures.save(figures.size_cost_figure(table, GOALS), out)
     print(f"written: {out.with_suffix('.csv')}, {out}.png, {out}.pdf")
+    print(f"the README's sentence of it:\n{summary(table)}")
+
+
+def summary(table) -> str:
+    """The README's sentence of a run's table at its largest size (README.md, "At real sizes";
+    tests/journeys/test_docs.py holds the README to it): each precision's check time and peak
+    memory over the plain training's, the range over the models, as the check runs by default
+    (a low precision at size: floors alone), the float64 verdict asked for in float32, and the
+    recorded update over the plain one."""
+    largest = table[table["size"] == table["size"].iloc[-1]]
+
+    def span(rows, column: str) -> str:
+        low, high = rows[column].min(), rows[column].max()
+        return f"{low:.1f}×" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}–{high:.1f}×"
+
+    def of(precision: str, judge_in: str = "auto"):
+        rows = largest[largest["precision"] == precision]
+        return rows[rows["judge_in"] == judge_in] if "judge_in" in rows else rows
+
+    f64, f32, bf16 = of("64-true"), of("32-true"), of("bf16-mixed")
+    verdict64 = of("32-true", "float64")
+    recorded = largest["record_ratio"].dropna()
+    low, high = recorded.min(), recorded.max()
+    return (
+        f"A check (W = 2, 3 steps) of an {largest['size'].iloc[0]}-parameter ResNet- or ViT-like "
+        f"step costs {span(f64, 'time_ratio')} the plain training's compute and "
+        f"{span(f64, 'memory_ratio')} its memory in float64, {span(f32, 'time_ratio')} and "
+        f"{span(f32, 'memory_ratio')} in float32, {span(bf16, 'time_ratio')} and "
+        f"{span(bf16, 'memory_ratio')} in bf16, a low precision judged in floors alone at this "
+        f"size ({span(verdict64, 'time_ratio')} and {span(verdict64, 'memory_ratio')} with the "
+        f"float64 verdict asked for in float32); a recording {low:.2f}–{high:.2f}× an update "
+        f"(five pairs)."
+    )
 
 
 def options(commands) -> None:
