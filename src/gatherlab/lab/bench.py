@@ -568,7 +568,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare_parser.add_argument(
         "--baseline", type=Path, default=None, metavar="SRC",
-        help="another tree's src (e.g. main's), whose command is timed in turns with this one's",
+        help="another tree's src (e.g. main's), whose command is timed in turns with this one's "
+             "on this tree's recordings (so one that reads their format: 2 since issue 71)",
     )  # fmt: skip
     return parser
 
