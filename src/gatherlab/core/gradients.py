@@ -31,8 +31,8 @@ __all__ = [
     "FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "PARALLEL_COSINE", "SINGLE_FACTORS", "TOLERANCE",
     "Classified", "Layout", "Moments", "class_of", "classify", "classify_parts",
     "classify_sketched", "cosine_and_norm_ratio", "factor_name", "factors", "largest_difference",
-    "moments", "part_moments", "read_cosine_and_norm_ratio", "same_forward", "single_factors",
-    "split", "tolerance",
+    "moments", "one_thread", "part_moments", "read_cosine_and_norm_ratio", "same_forward",
+    "single_factors", "split", "tolerance",
 ]  # fmt: skip
 
 # Layouts agree up to the order of floating-point sums (gloo's all-reduce, DDP's gradient average).
@@ -175,14 +175,14 @@ def class_of(
 # temporaries of the gradient's size and eight passes (measured at 85M float64 elements, one
 # thread: `classify` 1.6-3.0 s before, 0.4 s in blocks of 2^14 to 2^17, 0.76 s in blocks of 2^18).
 _BLOCK = 1 << 15
-# ... on one thread (`_one_thread`): each block's few operations are too small to split, and where
+# ... on one thread (`one_thread`): each block's few operations are too small to split, and where
 # other processes share the cores, a second thread that is not scheduled holds every operation up
 # at its barrier (measured on two shared cores: `moments` of two 85M-element vectors 18-65 s with
 # two threads, 0.6-0.9 s on one).
 
 
 @contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
+def one_thread() -> Iterator[None]:
     """torch's intra-op threads set to one, and back to what they were."""
     import torch
 
@@ -218,7 +218,7 @@ def moments(gradient: torch.Tensor, reference: torch.Tensor) -> Moments:
     sums = torch.zeros(4, dtype=torch.float64)
     peaks = torch.zeros(3, dtype=torch.float64)
     blocks = torch.empty(3, min(_BLOCK, mine.numel()), dtype=torch.float64)  # reused: no allocation
-    with _one_thread():
+    with one_thread():
         for start in range(0, mine.numel(), _BLOCK):
             stop = min(start + _BLOCK, mine.numel())
             a, b, d = blocks[:, : stop - start]
@@ -268,7 +268,7 @@ def largest_difference(tensor: torch.Tensor, other: torch.Tensor | None = None) 
     theirs = None if other is None else other.reshape(-1)
     peak = torch.zeros((), dtype=torch.float64)
     blocks = torch.empty(2, min(_BLOCK, mine.numel()), dtype=torch.float64)  # reused
-    with _one_thread():
+    with one_thread():
         for start in range(0, mine.numel(), _BLOCK):
             stop = min(start + _BLOCK, mine.numel())
             block, other_block = blocks[:, : stop - start]

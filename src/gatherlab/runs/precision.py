@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from gatherlab.components.rowblocks import RowBlocks, blocked
 from gatherlab.core import cli, imports
+from gatherlab.core.gradients import one_thread
 from gatherlab.core.terms import Precision
 from gatherlab.runs.trace import tensors_in
 
@@ -52,12 +53,8 @@ def threads_of_a_rank(precision: str) -> Iterator[None]:
     if precision == Precision.FLOAT64:
         yield
         return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
