@@ -238,6 +238,15 @@ def _case(name: str, case: tuple[Path, Path, Path | None], repeats: int, source:
     }
     if baseline is not None:
         variants[f"compare ({baseline})"] = (command, _environment(baseline))
+    totals, verdicts, said, samples = _rounds(name, case, variants, repeats, source, out)
+    return _report(name, case, repeats, baseline, totals, verdicts, said, samples)
+
+
+def _rounds(name: str, case: tuple[Path, Path, Path | None],
+            variants: dict[str, tuple[list[str], dict[str, str]]], repeats: int, source: Path,
+            out: Path) -> tuple[dict, dict, dict, list]:  # fmt: skip
+    """``repeats`` rounds of every variant and of the phases, in an order that turns each round:
+    each variant's times, when its verdict came and its first output, and the phases' samples."""
     totals: dict[str, list[float]] = {variant: [] for variant in variants}
     verdicts: dict[str, list[float]] = {variant: [] for variant in variants}
     said: dict[str, str] = {}
@@ -258,6 +267,15 @@ def _case(name: str, case: tuple[Path, Path, Path | None], repeats: int, source:
             totals[variant].append(total)
             verdicts[variant].append(first)
             said.setdefault(variant, stdout)
+    return totals, verdicts, said, samples
+
+
+def _report(name: str, case: tuple[Path, Path, Path | None], repeats: int,
+            baseline: Path | None, totals: dict, verdicts: dict, said: dict,
+            samples: list) -> dict[str, float]:  # fmt: skip
+    """A case's rounds printed: each variant's median and its ratio to ``import torch``, the
+    baseline's ratio, the goal, and the phases; its medians returned."""
+    reference, run, floor = case
     medians = {variant: statistics.median(times) for variant, times in totals.items()}
     print(f"\n{name}: {reference.name} vs {run.name}" + (f", floor {floor.name}" if floor else ""))
     words = {variant: text.rsplit("written:", 1)[0] for variant, text in said.items()}
