@@ -465,8 +465,18 @@ class Recorder:
         self._traced: list | None = None
         first = self._parameters[0].parameter if self._parameters else None
         self._device = first.device.type if first is not None else "cpu"  # its autocast's
+        header = self._header(model, optimizer, options, k, full_updates, row_blocks)
+        self._writer = self._open(Path(out), header)
+        self._hooks = self._attach(model, optimizer, loss, options.batches, options.losses)
+
+    def _header(self, model, optimizer, options: RecordOptions, k: int, full_updates: int,
+                row_blocks: int) -> dict[str, Any]:  # fmt: skip
+        """The recording's header (docs/contract.md §5): the versions, the layout, the precision,
+        the settings, one device's parameters and parts, what the ranks hold, how rows are seen,
+        and the command that launched the job."""
+        first = self._parameters[0].parameter if self._parameters else None
         dtype = first.dtype if first is not None else torch.float32
-        header = {
+        return {
             "gatherlab": _version(), "torch": torch.__version__,
             "world_size": self.world_size, "precision": options.precision or _precision(dtype),
             "dtype": str(dtype).removeprefix("torch."),
@@ -492,8 +502,6 @@ class Recorder:
             "row_blocks": row_blocks, "batch_norm": batch_norms(_unwrapped(model)),
             "hooks": "model" if options.batches else "trainer", "command": _launch_command(),
         }  # fmt: skip
-        self._writer = self._open(Path(out), header)
-        self._hooks = self._attach(model, optimizer, loss, options.batches, options.losses)
 
     def _named(self, model, loss, optimizer, names) -> list[_Parameter]:
         """`_parameters`, a bad ``names=`` refused on every rank alike: the ranks may be given
