@@ -1,7 +1,7 @@
 """The size benchmark's figure (``python -m gatherlab.bench size``), drawn by
 `gatherlab.analysis.figures` from rows written here and read back from the Figure: each model and
-precision against its parameters, the goals, the axes' scales. (The experiments' own figures:
-tests/experiments/.)"""
+precision against its parameters, the goals, the axes' scales; the comparison's log axis labelled
+in plain text. (The experiments' own figures: tests/experiments/.)"""
 
 from __future__ import annotations
 
@@ -55,3 +55,33 @@ def test_a_size_table_without_modes_is_drawn_as_the_default_mode():
                                               "record": {}})  # fmt: skip
     lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
     assert list(lines["resnet, float32"].get_ydata()) == [9.0, 14.5]
+
+
+def test_a_comparisons_log_axis_labels_its_ticks_in_plain_text():
+    """The comparison figure's difference axis (`figures.PlainPowers`): each decade and each
+    labelled tick between decades written as its value is, 10⁻¹⁰ and 3×10⁻⁵, with Unicode
+    superscripts and no mathtext (a ``$`` in a label is laid out as mathtext, 0.3 s a figure)."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots()
+    axis.set_yscale("log")
+    formatter = figures.PlainPowers()
+    formatter.set_axis(axis.yaxis)
+    axis.set_ylim(1e-17, 1e-3)
+    formatter.set_locs([1e-16, 1e-10, 1e-4])
+    assert [formatter(x) for x in (1e-16, 1e-10, 1.0, 10.0)] == ["10⁻¹⁶", "10⁻¹⁰", "10⁰", "10¹"]
+    axis.set_ylim(2e-5, 9e-5)  # under one decade: the ticks between decades are labelled
+    between = figures.PlainPowers(labelOnlyBase=False)
+    between.set_axis(axis.yaxis)
+    between.set_locs([3e-5, 5e-5])
+    assert between(3e-5) == "3×10⁻⁵"
+    plt.close(figure)
+    updates = pd.DataFrame({"update": [0, 0, 1, 1], "part": ["all", "w", "all", "w"],
+                            "loss_a": [1.0, 1.0, 0.5, 0.5], "loss_b": [1.0, 1.0, 0.5, 0.5],
+                            "rel_err": [1e-15, 2e-15, 3e-13, 1e-12]})  # fmt: skip
+    drawn = figures.recordings_figure(updates, tolerance=1e-10)
+    drawn.canvas.draw()
+    labels = [tick.get_text() for tick in drawn.axes[1].get_yticklabels() if tick.get_text()]
+    assert labels and not any("$" in label for label in labels), labels
+    assert "10⁻¹⁰" in labels, labels
+    plt.close(drawn)
