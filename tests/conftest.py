@@ -45,22 +45,46 @@ def no_leftover_processes():
     assert not left, f"processes left behind: {left}"
 
 
+def _once_per_session(tmp_path_factory, worker_id: str, name: str, make) -> tuple[Path, object]:
+    """The directory ``name`` and ``make(directory)``'s JSON-able result, made once for the whole
+    test session: with two test processes (``pytest -n 2``) the first to need it makes it in their
+    common temporary directory and the other reads it (a file lock there)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent  # this session's, for every process
+    made = shared / name / "made.json"
+    with FileLock(shared / f"{name}.lock"):
+        if not made.exists():
+            (shared / name).mkdir(exist_ok=True)
+            result = make(shared / name)
+            made.write_text(json.dumps(result))
+    return shared / name, json.loads(made.read_text())
+
+
 @pytest.fixture(scope="session")
 def pr1531_sweep(tmp_path_factory, worker_id):
     """One finished sweep that every test reading a sweep shares (lightly PR #1531's case, `old`
     and `fixed` on 1 and 2 ranks, float64), run in-process on the warm pools: its directory and
-    what the command printed. Tests copy it before changing it. With two test processes
-    (``pytest -n 2``) the first to need it runs it and the other reads it (a file lock in their
-    common temporary directory)."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base if worker_id == "master" else base.parent  # this session's, for every process
-    sweep, printed = shared / "pr1531" / "sweep", shared / "pr1531" / "printed.json"
-    with FileLock(shared / "pr1531.lock"):
-        if not printed.exists():
-            result = run_command("train", *PR1531_SWEEP, f"hydra.sweep.dir={sweep}")
-            assert result.returncode == 0, result.stderr[-3000:]
-            printed.write_text(json.dumps(dataclasses.asdict(result)))
-    return sweep, Finished(**json.loads(printed.read_text()))
+    what the command printed. Tests copy it before changing it."""
+
+    def make(directory):
+        result = run_command("train", *PR1531_SWEEP, f"hydra.sweep.dir={directory / 'sweep'}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return dataclasses.asdict(result)
+
+    directory, printed = _once_per_session(tmp_path_factory, worker_id, "pr1531", make)
+    return directory / "sweep", Finished(**printed)
+
+
+@pytest.fixture(scope="session")
+def trainer_recordings(tmp_path_factory, worker_id):
+    """The trainer jobs' recordings that test_record_hf.py and test_record_st.py read
+    (`trainer_jobs.record`: job → name → its directory and the losses rank 0 printed), made once
+    for the session in one process and one torchrun launch."""
+    import trainer_jobs
+
+    _, made = _once_per_session(tmp_path_factory, worker_id, "trainers", trainer_jobs.record)
+    return {job: {name: (Path(out), losses) for name, (out, losses) in runs.items()}
+            for job, runs in made.items()}  # fmt: skip
 
 
 # The files that take longest (seconds of test time each, setup included: issue 69's run with

@@ -3,10 +3,10 @@
 
 The jobs run in fresh interpreters: torchrun starts its ranks as processes of their own, and the
 one-process job too, so that accelerate's process-wide state (its ``PartialState``, made once per
-process) never outlives a test in the test process. Each process imports transformers (~6 s of
-CPU here), so the file's runs are made once (`recordings`): the one-process runs in one process
-and the two-rank runs in one torchrun launch, side by side (`bundled_jobs.start_together`: the
-job's ``main`` in turn; the same recordings, bit for bit, as a process or launch each).
+process) never outlives a test in the test process. Each process imports transformers' Trainer
+(~8 s of CPU here), so the runs (`trainer_jobs.HF_RUNS`) are made once for the session, with
+test_record_st.py's, in one process and one torchrun launch (`trainer_jobs.record`: each job's
+``main`` in turn; the same recordings, bit for bit, as a process or launch each).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from bundled_jobs import finish_together, start_together
 from helpers import REPO, pythonpath
+from trainer_jobs import HF_MAX_GRAD_NORM
 
 from gatherlab.compare import compare
 from gatherlab.record import read
-from gatherlab.recording.recorder import FLOOR_VARIABLE
 from gatherlab.recording.rows import row_digests
 
 pytestmark = [
@@ -37,7 +36,6 @@ pytestmark = [
 ]
 
 JOB = REPO / "examples" / "jobs" / "hf_job.py"
-MAX_GRAD_NORM = 0.2  # below the gradient's norm at the start (asserted): the Trainer clips
 
 
 def _job_module():
@@ -49,47 +47,14 @@ def _job_module():
     return module
 
 
-RUNS = {  # name → (world size, the job's options, a variable set for it)
-    "exact-w1": (1, ("--steps", "10", "--dtype", "float64", "--mean-loss"), None),
-    "w1": (1, ("--max-grad-norm", "0"), None),
-    "w1-floor": (1, ("--max-grad-norm", "0"), FLOOR_VARIABLE),  # w1's command, and the variable
-    "exact-w2": (2, ("--steps", "10", "--accumulation", "2", "--dtype", "float64", "--mean-loss"),
-                 None),
-    "w2": (2, ("--max-grad-norm", "0"), None),
-}  # fmt: skip
-"""The file's runs: exact, W = 1 with one micro-batch and W = 2 with two (the first test), and at
-the Trainer's defaults without clipping (the second)."""
+@pytest.fixture
+def recordings(trainer_recordings) -> dict[str, Path]:
+    """name → its recording's directory, of every run of `trainer_jobs.HF_RUNS`, made once for
+    the session beside the sentence-transformers job's."""
+    return {name: out for name, (out, _) in trainer_recordings["hf_job"].items()}
 
 
-@pytest.fixture(scope="module")
-def recordings(tmp_path_factory) -> dict[str, Path]:
-    """name → its recording's directory, of every run in `RUNS`, each job's command ``hf_job.py
-    --record DIR --max-grad-norm MAX_GRAD_NORM OPTIONS`` (the floor's: w1's, recorded into
-    ``w1-floor``)."""
-    root = tmp_path_factory.mktemp("hf")
-    env = {**os.environ, "PYTHONPATH": pythonpath()}
-
-    def job(name):
-        return ("hf_job", "--record", str(root / name.removesuffix("-floor")), "--max-grad-norm",
-                str(MAX_GRAD_NORM), *RUNS[name][1])  # fmt: skip
-
-    def variables(name):
-        return {RUNS[name][2]: str(root / name)} if RUNS[name][2] else {}
-
-    started = []
-    for world_size in (1, 2):
-        names = [name for name, (size, _, _) in RUNS.items() if size == world_size]
-        process = start_together(world_size if world_size > 1 else None,
-                                 [job(name) for name in names],
-                                 [variables(name) for name in names], env=env)  # fmt: skip
-        started.append((names, process))
-    for names, process in started:
-        [result, *_] = finish_together(process, [job(name) for name in names])
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {name: root / name for name in RUNS}
-
-
-@pytest.mark.timeout(300)  # the file's runs (~6 s of CPU each to import)
+@pytest.mark.timeout(420)  # the session's trainer runs (~10 s of CPU a process to import)
 def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(recordings, tmp_path):
     """W = 1 with one micro-batch, W = 2 with two (``gradient_accumulation_steps``), float64,
     the Trainer told the model's loss is its rows' mean (``--mean-loss``): the same global
@@ -106,7 +71,7 @@ def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(record
     assert (one.world_size, two.world_size) == (1, 2)
     assert one.parts == two.parts == ["bert", "classifier"]
     assert one.header["precision"] == "64-true" and one.header["seed"] == 0
-    assert one.header["settings"]["max_grad_norm"] == MAX_GRAD_NORM
+    assert one.header["settings"]["max_grad_norm"] == HF_MAX_GRAD_NORM
     assert len(one.updates) == len(two.updates) == steps
     for a, b in zip(one.updates, two.updates, strict=True):
         assert len(a.rows[0]) == 8 and [len(rows) for rows in b.rows] == [4, 4]
@@ -136,15 +101,15 @@ def test_one_process_and_two_ranks_under_torchrun_record_the_same_updates(record
     loss.backward()
     gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
     norm = float(torch.linalg.vector_norm(gradient))
-    assert norm > 2 * MAX_GRAD_NORM  # the clipping is not a no-op
-    expected = gradient * min(1.0, MAX_GRAD_NORM / (norm + 1e-6))
+    assert norm > 2 * HF_MAX_GRAD_NORM  # the clipping is not a no-op
+    expected = gradient * min(1.0, HF_MAX_GRAD_NORM / (norm + 1e-6))
     assert one.updates[0].loss == pytest.approx(float(loss.detach()), rel=1e-14)
     recorded = one.full_gradient(0)
     recorded = recorded[recorded != 0] if len(recorded) != len(expected) else recorded
     assert float((recorded - expected).abs().max()) <= 1e-12 * float(expected.abs().max())
 
 
-@pytest.mark.timeout(300)  # the file's runs (~6 s of CPU each to import)
+@pytest.mark.timeout(420)  # the session's trainer runs (~10 s of CPU a process to import)
 def test_at_the_trainers_defaults_two_ranks_step_on_w_times_the_gradient(recordings):
     """The Trainer's defaults (float32, ``average_tokens_across_devices=True``), judged in floors
     of the floor the one-device command records with GATHERLAB_RECORD_FLOOR (the callback's

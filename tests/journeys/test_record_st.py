@@ -5,24 +5,20 @@ on two ranks under torchrun (gloo): the recordings agree and `gatherlab.compare`
 W = 4, the other losses, samplers, accumulation and the desync run in ``experiments/jobs.py``
 (docs/jobs.md). Fresh interpreters: torchrun starts its ranks as processes of their own, and
 accelerate's process-wide state (its ``PartialState``) must not outlive a test in the test
-process. Each process imports sentence-transformers (~6 s of CPU here), so the file's runs are
-made once (`recordings`): the one-process runs in one process and the two-rank runs in one
-torchrun launch, side by side (`bundled_jobs.start_together`: each run as the job's script runs
-it, in turn; each recording bit for bit a process's or launch's own)."""
+process. Each process imports sentence-transformers (~10 s of CPU here), so the runs
+(`trainer_jobs.ST_RUNS`) are made once for the session, with test_record_hf.py's, in one process
+and one torchrun launch (`trainer_jobs.record`: each run as the job's script runs it, in turn;
+each recording bit for bit a process's or launch's own)."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import re
 
 import pytest
-from bundled_jobs import finish_together, start_together
-from helpers import REPO, pythonpath
+from helpers import REPO
 
 from gatherlab.compare import compare
 from gatherlab.record import read
-from gatherlab.recording.recorder import FLOOR_VARIABLE
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,50 +29,16 @@ pytestmark = [
 ]
 
 JOB = REPO / "examples" / "jobs" / "st_job.py"
-RUNS = {  # name → (world size, the job's options, a variable set for it)
-    "float64-w1": (1, ("--dtype", "float64"), None),
-    "w1": (1, (), None),
-    "w1-floor": (1, (), FLOOR_VARIABLE),  # w1's command, and the floor's variable
-    "float64-w2": (2, ("--dtype", "float64"), None),
-    "w2": (2, (), None),
-    "local": (2, ("--loss", "mnrl"), None),
-}
-"""The file's runs: in float64 (the first test) and at the trainer's defaults (the second)."""
 
 
-@pytest.fixture(scope="module")
-def recordings(tmp_path_factory) -> dict[str, tuple]:
-    """name → (its recording's directory, the losses rank 0 printed) of every run in `RUNS`, each
-    job's command ``st_job.py --record DIR OPTIONS`` (the floor's: w1's, recorded into
-    ``w1-floor``)."""
-    root = tmp_path_factory.mktemp("st")
-    env = {**os.environ, "PYTHONPATH": pythonpath()}
-    recorded = {name: root / name for name in RUNS}
-
-    def job(name):
-        return ("st_job", "--record", str(root / name.removesuffix("-floor")), *RUNS[name][1])
-
-    def variables(name):
-        return {RUNS[name][2]: str(root / name)} if RUNS[name][2] else {}
-
-    started = []
-    for world_size in (1, 2):
-        names = [name for name, (size, _, _) in RUNS.items() if size == world_size]
-        process = start_together(world_size if world_size > 1 else None,
-                                 [job(name) for name in names],
-                                 [variables(name) for name in names], env=env)  # fmt: skip
-        started.append((names, process))
-    printed = {}
-    for names, process in started:
-        finished = finish_together(process, [job(name) for name in names])
-        for name, result in zip(names, finished, strict=True):
-            assert result.returncode == 0, result.stderr[-3000:]
-            losses = re.findall(r"^update (\d+) loss (\S+)$", result.stdout, re.M)
-            printed[name] = [float(loss) for _, loss in losses]
-    return {name: (recorded[name], printed[name]) for name in RUNS}
+@pytest.fixture
+def recordings(trainer_recordings) -> dict[str, tuple]:
+    """name → (its recording's directory, the losses rank 0 printed) of every run of
+    `trainer_jobs.ST_RUNS`, made once for the session beside the Hugging Face job's."""
+    return trainer_recordings["st_job"]
 
 
-@pytest.mark.timeout(300)  # the file's runs (~6 s of CPU each to import)
+@pytest.mark.timeout(420)  # the session's trainer runs (~10 s of CPU a process to import)
 def test_a_gathered_mnrl_job_on_two_ranks_records_one_devices_updates(recordings):
     """MultipleNegativesRankingLoss with ``gather_across_devices=True``, 4 updates of 16 text
     pairs of different lengths, each device batch padded to its own longest, in float64: each
@@ -100,7 +62,7 @@ def test_a_gathered_mnrl_job_on_two_ranks_records_one_devices_updates(recordings
     assert float(table.loc["all", "max_rel_err"]) <= 1e-12
 
 
-@pytest.mark.timeout(300)  # the file's runs (~6 s of CPU each to import)
+@pytest.mark.timeout(420)  # the session's trainer runs (~10 s of CPU a process to import)
 def test_at_the_trainers_defaults_the_floor_is_recorded_by_the_same_command(recordings):
     """The job as its users run it, float32 and padded per device batch: the one-device command
     run again with GATHERLAB_RECORD_FLOOR records the floor (the callback's model, a
