@@ -123,14 +123,18 @@ def test_an_out_that_holds_a_comparison_is_refused_in_one_line(recordings, tmp_p
     assert (out / "check.csv").read_text() == written
 
 
-def test_without_out_the_files_go_beside_b_and_are_kept_when_there(recordings, tmp_path):
+def test_without_out_the_files_go_beside_b_and_are_kept_when_there(
+    recordings, tmp_path, monkeypatch
+):
     """No ``--out``: the files go beside B, named after both recordings; run again, the verdict
     is printed and its exit status returned, and the comparison there is kept, as it says;
-    nothing is written into the working directory."""
+    nothing is written into the working directory (an empty one of its own: the repository's
+    gets other test processes' files, hypothesis' ``.hypothesis`` among them)."""
     runs = tmp_path / "runs"
     shutil.copytree(recordings["w1"], runs / "one")
     shutil.copytree(recordings["half2"], runs / "two")
-    before = set(os.listdir())
+    (tmp_path / "working").mkdir()
+    monkeypatch.chdir(tmp_path / "working")
     first = run_command("compare", str(runs / "one"), str(runs / "two"))
     out = runs / "two-vs-one"
     assert first.returncode == 1 and (out / "check.csv").exists(), first
@@ -145,7 +149,7 @@ def test_without_out_the_files_go_beside_b_and_are_kept_when_there(recordings, t
         "this one elsewhere)"
     )
     assert (out / "check.csv").read_text() == written
-    assert set(os.listdir()) == before  # nothing in the working directory
+    assert os.listdir() == []  # nothing in the working directory
 
 
 @pytest.mark.parametrize(
