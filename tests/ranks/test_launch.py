@@ -3,6 +3,8 @@ failing rank ends its job quickly with its message, and no worker outlives its p
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import pytest
 import ranks
@@ -17,6 +19,46 @@ from gatherlab.ranks import pool as pools
 def test_pool_runs_functions_on_every_rank_of_one_group():
     assert pools.pool(2).run(ranks.rank_and_sum) == [(0, 3.0), (1, 3.0)]
     assert pools.pool(4).run(ranks.rank_and_sum) == [(r, 10.0) for r in range(4)]
+
+
+def test_run_beside_computes_in_this_process_while_the_ranks_run(tmp_path):
+    """`WorkerPool.run_beside` (a one-device run of the check beside its W ranks): ``beside``
+    runs while the ranks' job runs (it sees the job's first file and writes the file the job waits
+    for: one after the other, either would wait for ever), and both results come back."""
+    started, done = tmp_path / "started", tmp_path / "done"
+
+    def beside() -> str:
+        deadline = time.monotonic() + 30
+        while not started.exists():
+            assert time.monotonic() < deadline, "the ranks' job never started"
+            time.sleep(0.01)
+        done.write_text("")
+        return "computed here"
+
+    results, computed = pools.pool(2).run_beside(
+        beside, ranks.mark_started_then_wait, str(started), str(done)
+    )
+    assert (results, computed) == ([0, 1], "computed here")
+    assert pools.pool(2).run(ranks.rank_and_sum) == [(0, 3.0), (1, 3.0)]
+
+
+def test_run_beside_closes_the_pool_when_this_process_fails(tmp_path):
+    """``beside`` raising (Ctrl-C among its errors) while the ranks are mid-job: the error is
+    raised, the pool closed (its answers are never read into a later job's), a new one started on
+    next use."""
+    pool = pools.pool(3)
+
+    def beside() -> None:
+        raise KeyboardInterrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.run_beside(beside, ranks.mark_started_then_wait, str(tmp_path / "s"),
+                            str(tmp_path / "never"))  # fmt: skip
+        assert not pool.alive
+        assert pools.pool(3).run(ranks.rank_and_sum) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+    finally:
+        pools._pools.pop(3).close()
 
 
 # The failure tests break pools of 3 ranks of their own, so that the session's pools, which the

@@ -33,3 +33,19 @@ def global_losses_of_rank() -> list[float]:
 
     local = {0: [1e16, 3.0, 0.25], 1: [1.0, 5.0, 0.5]}[dist.get_rank()]
     return global_losses(local)
+
+
+def mark_started_then_wait(started: str, done: str) -> int:
+    """Rank 0 writes the file ``started``; then every rank waits (up to 30 s) for ``done``, which
+    only the calling process writes: the job ends only if the caller works while it runs."""
+    import time
+    from pathlib import Path
+
+    if dist.get_rank() == 0:
+        Path(started).write_text("")
+    deadline = time.monotonic() + 30
+    while not Path(done).exists():
+        assert time.monotonic() < deadline, f"{done} never written"
+        time.sleep(0.01)
+    dist.barrier()
+    return dist.get_rank()

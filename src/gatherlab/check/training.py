@@ -20,7 +20,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,7 +46,7 @@ from gatherlab.core.runfiles import Trained
 from gatherlab.core.terms import Cause, Culprit
 from gatherlab.ranks import world
 from gatherlab.ranks.external import ranks_for
-from gatherlab.ranks.pool import RankError
+from gatherlab.ranks.pool import RankError, WorkerPool
 from gatherlab.runs import plainstep, removals, stages, tensorparallel
 from gatherlab.runs import update as update_form
 from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64, threads_of_a_rank
@@ -56,6 +56,8 @@ __all__ = [
     "Setting", "check", "first_reference", "located", "reference",
     "validate",
 ]  # fmt: skip
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -491,7 +493,13 @@ def check(
         if removed not in references:
             references[removed] = reference(setting, removed, first.in_group)
         kept = removed == removals.NONE and not changes  # only this run is explained further
-        ranks = _train_ranks(setting, removed, world_size, first.in_group, k, **changes)
+        if own and not changes:  # the floor's row blocks on this process while the ranks train
+            floor_here = functools.partial(floors.judging, removed, world_size)
+            ranks, floor_run = _train_ranks_beside(setting, removed, world_size, first.in_group, k,
+                                                   floor_here)  # fmt: skip
+        else:
+            ranks = _train_ranks(setting, removed, world_size, first.in_group, k, **changes)
+            floor_run = floors.judging(removed, world_size) if own else None
         if kept and world_size > 1:  # each rank's gradient of each part against rank 0's
             unreduced[world_size, k] = _unreduced(
                 setting, ranks, layout or {},
@@ -504,7 +512,6 @@ def check(
         found = unreduced.get((world_size, k)) if kept else None
         reproduced = _reproduced(found)  # then no operation departs: each rank's forward is right
         located_here = kept and world_size > 1 and not own and not reproduced  # float64's bounds
-        floor_run = floors.judging(removed, world_size) if own else None
         departed: list[where.Departure | None] = []  # what ``where`` found, its kind a cause
         pipelines = world_size // setting.spec.pipeline_parallel  # a pipeline's ranks: one row
         rows = judge(
@@ -880,6 +887,22 @@ def _train_ranks(
     if spec.expert_parallel > 1:  # each rank holds some of one device's parameters
         return [experts.assembled(ranks, setting.checked(setting.built()))]
     return ranks
+
+
+def _train_ranks_beside(
+    setting: Setting, removed: str, world_size: int, in_group: bool, micro_batches: int,
+    beside: Callable[[], T],
+) -> tuple[list[Trained], T]:  # fmt: skip
+    """`_train_ranks`' run and ``beside()``, computed in this process while the pool's ranks
+    train: a one-device run of the check on the cores the ranks leave (the floor's row blocks,
+    on one thread: docs/design.md §2). One device, experts to assemble from the ranks, or a
+    launcher's ranks (this process is rank 0): one after the other. Each is a run of its own,
+    seeded, so the order changes no number."""
+    spec = setting.run_spec(removed, micro_batches=micro_batches)
+    ranks = ranks_for(world_size) if world_size > 1 else None
+    if not isinstance(ranks, WorkerPool) or spec.expert_parallel > 1:
+        return _train_ranks(setting, removed, world_size, in_group, micro_batches), beside()
+    return ranks.run_beside(beside, _trained_on_rank, setting.form, spec)
 
 
 def _trained_on_rank(form: StepForm, spec: RunSpec) -> Trained:

@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,9 @@ _SETTLE_S = 1.0
 _DEATH_SHOWS_S = 0.1
 # How many of a dead rank's last lines on its standard error its error shows.
 _LAST_WORDS = 5
+
+
+T = TypeVar("T")
 
 
 class RankError(RuntimeError):
@@ -434,6 +437,25 @@ class WorkerPool:
     def run(
         self, function: Callable[..., Any], *args: Any, timeout_s: float | None = None
     ) -> list[Any]:
+        return self._results(self._send(function, args), timeout_s)
+
+    def run_beside(
+        self, beside: Callable[[], T], function: Callable[..., Any], *args: Any
+    ) -> tuple[list[Any], T]:
+        """`run`'s results, and ``beside()`` computed in this process while the ranks run the
+        job (a one-device run of the check beside its W ranks, on the cores they leave). If
+        ``beside`` raises, Ctrl-C included, the pool is closed (its ranks are mid-job, their
+        answers unread) and the error raised."""
+        watch_s = self._send(function, args)
+        try:
+            computed = beside()
+        except BaseException:
+            self._abandon()
+            raise
+        return self._results(watch_s, None), computed
+
+    def _send(self, function: Callable[..., Any], args: tuple[Any, ...]) -> float | None:
+        """The job sent to every rank; its collectives' watch (``None``: unwatched)."""
         if not self.alive:
             raise RankError(f"the {self.world_size}-rank pool is closed")
         job, modules = imports.pickled((function, args))
@@ -441,6 +463,10 @@ class WorkerPool:
         payload = pickle.dumps((imports.search_path(modules), job, watch_s, os.getcwd()))
         for connection in self._connections:
             connection.send_bytes(payload)
+        return watch_s
+
+    def _results(self, watch_s: float | None, timeout_s: float | None) -> list[Any]:
+        """Every rank's answer to the job `_send` sent, in rank order, its warnings delivered."""
         warned: dict[int, list[_SentWarning]] = {}
         try:
             results = self._collect(timeout_s, warned, watched=watch_s is not None)
