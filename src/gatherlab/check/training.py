@@ -483,15 +483,47 @@ def check(
     the reference's notes and, per layout whose ranks' gradients of some part differ, what was
     found (`Unreduced`; the cause ``unreduced`` and the culprit are named only where
     all-reducing those parts makes the run exact: reproduced)."""
-    tolerance = gradients.tolerance(setting.spec.precision)
     first = first_reference(setting) if first is None else first
-    references, rows = {removals.NONE: first.value}, []
-    floors, own = _Floors(setting, first.in_group), setting.in_own_precision
-    unreduced: dict[tuple[int, int], Unreduced] = {}
+    judging, rows = _Judging(setting, first, layout or {}), []
+    with_removals = [*applying, removals.ALL] if len(applying) > 1 else list(applying)
+    step_random = functools.cache(lambda: step_draws_randomness(setting, first.in_group))  # once
+    for world_size, k in layouts(world_sizes, micro_batches):
+        try:
+            kept = judging.rows(removals.NONE, world_size, k)
+            measured = [kept[0]]
+            if kept[0].verdict not in TRAINS_LIKE_ONE_DEVICE:
+                measured += [judging.rows(removed, world_size, k)[0] for removed in with_removals]
+        except RankError as error:
+            rows.append(failed_row(judging.key(removals.NONE, world_size, k), error))
+            continue
+        rows += _with_culprits(kept, measured[1:], applying, step_random,
+                               judging.unreduced.get((world_size, k)))  # fmt: skip
+    return CheckResult(
+        frame(rows, TRAINING_COLUMNS + (PRECISION_COLUMNS if setting.low else ())),
+        reference_notes=reference_notes({setting.name: (first.why, first.group_differs)}),
+        unreduced={layout: found for layout, found in judging.unreduced.items() if found.parts},
+    )
 
-    def judged(removed: str, world_size: int, k: int, **changes: Any) -> list[Row]:
-        if removed not in references:
-            references[removed] = reference(setting, removed, first.in_group)
+
+class _Judging:
+    """What `check`'s runs share while it judges each layout: the setting and its one-device
+    reference (``first``), the references with removals made as they are needed, the runs in the
+    low precision (`_Floors`), and per layout whose ranks' gradients of some part differ, what was
+    found (`Unreduced`)."""
+
+    def __init__(self, setting: Setting, first: Reference[Trained], layout: measure.Layout):
+        self.setting, self.first, self.layout = setting, first, layout
+        self.tolerance = gradients.tolerance(setting.spec.precision)
+        self.references = {removals.NONE: first.value}
+        self.floors, self.own = _Floors(setting, first.in_group), setting.in_own_precision
+        self.unreduced: dict[tuple[int, int], Unreduced] = {}
+
+    def rows(self, removed: str, world_size: int, k: int, **changes: Any) -> list[Row]:
+        """The rows of the run at (W, K) with the removals ``removed`` names (``changes`` to its
+        spec: a run that reproduces a finding, judged by its verdict alone)."""
+        setting, first, floors, own = self.setting, self.first, self.floors, self.own
+        if removed not in self.references:
+            self.references[removed] = reference(setting, removed, first.in_group)
         kept = removed == removals.NONE and not changes  # only this run is explained further
         if own and not changes:  # the floor's row blocks on this process while the ranks train
             floor_here = functools.partial(floors.judging, removed, world_size)
@@ -501,22 +533,22 @@ def check(
             ranks = _train_ranks(setting, removed, world_size, first.in_group, k, **changes)
             floor_run = floors.judging(removed, world_size) if own else None
         if kept and world_size > 1:  # each rank's gradient of each part against rank 0's
-            unreduced[world_size, k] = _unreduced(
-                setting, ranks, layout or {},
-                lambda **changes: judged(removed, world_size, k, **changes)[0].verdict,
+            self.unreduced[world_size, k] = _unreduced(
+                setting, ranks, self.layout,
+                lambda **changes: self.rows(removed, world_size, k, **changes)[0].verdict,
             )  # fmt: skip
         # naive accumulation's first losses; of an expert-parallel update at K = 1, the loss of
         # each rank's rows alone: its routing's statistics over the rank's tokens
         expert = setting.spec.expert_parallel > 1 and world_size > 1
         accumulated = kept and setting.update is not None and (k > 1 or expert)
-        found = unreduced.get((world_size, k)) if kept else None
+        found = self.unreduced.get((world_size, k)) if kept else None
         reproduced = _reproduced(found)  # then no operation departs: each rank's forward is right
         located_here = kept and world_size > 1 and not own and not reproduced  # float64's bounds
         departed: list[where.Departure | None] = []  # what ``where`` found, its kind a cause
         pipelines = world_size // setting.spec.pipeline_parallel  # a pipeline's ranks: one row
         rows = judge(
-            ranks[0], references[removed], key(removed, pipelines, k),
-            tolerance=tolerance, layout=layout or {},
+            ranks[0], self.references[removed], self.key(removed, pipelines, k),
+            tolerance=self.tolerance, layout=self.layout,
             accumulated=functools.partial(micro_negatives, setting, pipelines, k, first.in_group)
             if accumulated else None,
             where=_keeping(functools.partial(located, setting, world_size, first.in_group),
@@ -526,34 +558,15 @@ def check(
         rows = _stepped_where(rows, found) if reproduced else rows
         rows = _shard_caused(rows, departed)
         if expert:
-            rows = _experts_caused(setting, rows, ranks[0], references[removed], k)
+            rows = _experts_caused(setting, rows, ranks[0], self.references[removed], k)
         rows = _pipeline_rows(rows, world_size, ranks[0], setting.spec.pipeline_parallel)
         if kept and setting.low is not None and not own:  # its low-precision run beside it
             rows = with_precision(rows, floors.beside(world_size, k), setting.spec.precision)
         return rows
 
-    def key(removed: str, world_size: int, k: int) -> Row:
-        return Row(setting.name, "native", world_size, str(first.mode), micro_batches=k,
-                   removed=removed)  # fmt: skip
-
-    with_removals = [*applying, removals.ALL] if len(applying) > 1 else list(applying)
-    step_random = functools.cache(lambda: step_draws_randomness(setting, first.in_group))  # once
-    for world_size, k in layouts(world_sizes, micro_batches):
-        try:
-            kept = judged(removals.NONE, world_size, k)
-            measured = [kept[0]]
-            if kept[0].verdict not in TRAINS_LIKE_ONE_DEVICE:
-                measured += [judged(removed, world_size, k)[0] for removed in with_removals]
-        except RankError as error:
-            rows.append(failed_row(key(removals.NONE, world_size, k), error))
-            continue
-        rows += _with_culprits(kept, measured[1:], applying, step_random,
-                               unreduced.get((world_size, k)))  # fmt: skip
-    return CheckResult(
-        frame(rows, TRAINING_COLUMNS + (PRECISION_COLUMNS if setting.low else ())),
-        reference_notes=reference_notes({setting.name: (first.why, first.group_differs)}),
-        unreduced={layout: found for layout, found in unreduced.items() if found.parts},
-    )
+    def key(self, removed: str, world_size: int, k: int) -> Row:
+        return Row(self.setting.name, "native", world_size, str(self.first.mode),
+                   micro_batches=k, removed=removed)  # fmt: skip
 
 
 def _with_culprits(
