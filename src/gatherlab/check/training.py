@@ -525,13 +525,10 @@ class _Judging:
         if removed not in self.references:
             self.references[removed] = reference(setting, removed, first.in_group)
         kept = removed == removals.NONE and not changes  # only this run is explained further
-        if own and not changes:  # the floor's row blocks on this process while the ranks train
-            floor_here = functools.partial(floors.judging, removed, world_size)
-            ranks, floor_run = _train_ranks_beside(setting, removed, world_size, first.in_group, k,
-                                                   floor_here)  # fmt: skip
-        else:
-            ranks = _train_ranks(setting, removed, world_size, first.in_group, k, **changes)
-            floor_run = floors.judging(removed, world_size) if own else None
+        # the floor's row blocks, judged in the precision, on this process while the ranks train
+        floor_here = functools.partial(floors.judging, removed, world_size) if own else _nothing
+        ranks, floor_run = _train_ranks_beside(setting, removed, world_size, first.in_group, k,
+                                               floor_here, **changes)  # fmt: skip
         if kept and world_size > 1:  # each rank's gradient of each part against rank 0's
             self.unreduced[world_size, k] = _unreduced(
                 setting, ranks, self.layout,
@@ -902,19 +899,25 @@ def _train_ranks(
     return ranks
 
 
+def _nothing() -> None:
+    """What is computed beside the ranks where nothing is (`_train_ranks_beside`)."""
+
+
 def _train_ranks_beside(
     setting: Setting, removed: str, world_size: int, in_group: bool, micro_batches: int,
-    beside: Callable[[], T],
+    beside: Callable[[], T], **changes: Any,
 ) -> tuple[list[Trained], T]:  # fmt: skip
-    """`_train_ranks`' run and ``beside()``, computed in this process while the pool's ranks
-    train: a one-device run of the check on the cores the ranks leave (the floor's row blocks,
-    on one thread: docs/design.md §2). One device, experts to assemble from the ranks, or a
-    launcher's ranks (this process is rank 0): one after the other. Each is a run of its own,
+    """`_train_ranks`' run (``changes`` to its spec, as it takes them) and ``beside()``, computed
+    in this process while the pool's ranks train: a one-device run of the check on the cores the
+    ranks leave (the floor's row blocks, on one thread: docs/design.md §2). One device, experts
+    to assemble from the ranks, or a launcher's ranks (this process is rank 0): one after the
+    other. Each is a run of its own,
     seeded, so the order changes no number."""
-    spec = setting.run_spec(removed, micro_batches=micro_batches)
+    spec = setting.run_spec(removed, micro_batches=micro_batches, **changes)
     ranks = ranks_for(world_size) if world_size > 1 else None
     if not isinstance(ranks, WorkerPool) or spec.expert_parallel > 1:
-        return _train_ranks(setting, removed, world_size, in_group, micro_batches), beside()
+        trained = _train_ranks(setting, removed, world_size, in_group, micro_batches, **changes)
+        return trained, beside()
     return ranks.run_beside(beside, _trained_on_rank, setting.form, spec)
 
 
