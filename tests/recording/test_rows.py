@@ -130,3 +130,28 @@ def test_a_loop_over_text_padded_per_device_batch_is_one_devices_data_at_w_2_and
         compared = compare(one, many)
         assert compared.data is None and (compared.verdict, compared.status) == ("exact", 0), (
             world_size, compared.words)  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [8, 300])
+def test_rows_are_copied_when_seen_a_buffer_refilled_in_place_keeps_each_updates(tmp_path, width):
+    """A job that refills one input tensor in place for every update (a reused buffer): each
+    update's recorded digests are those of the rows it trained on, made by `row_digests` of each
+    batch alone; rows of 8 elements are copied whole (`rows.Whole`), rows of 300 as their bits
+    (`rows.sampled`)."""
+    import gatherlab
+    from gatherlab.recording.format import read
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(width, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [torch.randn(4, width) for _ in range(3)]
+    buffer = torch.empty(4, width)
+    with gatherlab.record(model, optimizer, tmp_path / "run"):
+        for batch in batches:
+            buffer.copy_(batch)
+            optimizer.zero_grad()
+            model(buffer).square().mean().backward()
+            optimizer.step()
+    recorded = [update.rows[0] for update in read(tmp_path / "run").updates]
+    assert recorded == [row_digests(batch) for batch in batches]
+    assert len({digest for rows in recorded for digest in rows}) == 12

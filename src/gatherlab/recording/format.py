@@ -51,6 +51,10 @@ a small job's update took a third of its writing (issue 71)."""
 HEADER, UPDATES, SKETCHES, ROWS, FINAL, FULL, TRACE = (
     "header.json", "updates.jsonl", "sketches.f64", "rows.u64", "final.json", "full", "trace.pt",
 )  # fmt: skip
+_BUFFER = 1 << 20
+"""The bytes each of a recording's open files keeps before handing them to the system: an
+update's sketches (8·k bytes a part) outgrew the default 8 KiB, so that each update's write was
+a system call of its own; with this, one per file and batch of updates (`Writer.flush`)."""
 
 
 def hexadecimal(numbers: np.ndarray) -> list[str]:
@@ -184,9 +188,10 @@ class Writer:
         header = {"format": FORMAT, "version": VERSION, **header}
         (self.out / HEADER).write_text(json.dumps(header, indent=1) + "\n")
         self._offset, self._rows_offset = 0, 0  # in float64 numbers, in digests
-        self._sketches = open(self.out / SKETCHES, "ab")  # noqa: SIM115 (open while recording)
-        self._rows = open(self.out / ROWS, "ab")  # noqa: SIM115
-        self._updates = open(self.out / UPDATES, "a")  # noqa: SIM115
+        # open while recording (noqa: SIM115); each file's writes kept until `flush`
+        self._sketches = open(self.out / SKETCHES, "ab", buffering=_BUFFER)  # noqa: SIM115
+        self._rows = open(self.out / ROWS, "ab", buffering=_BUFFER)  # noqa: SIM115
+        self._updates = open(self.out / UPDATES, "a", buffering=_BUFFER)  # noqa: SIM115
 
     def sketch(self, values: np.ndarray) -> int:
         """Appends ``values`` (float64) to ``sketches.f64``; returns where they start."""

@@ -71,15 +71,15 @@ from gatherlab.recording.record_options import (
 from gatherlab.recording.refusal import refuse
 from gatherlab.recording.rows import (
     Sampled,
+    Whole,
     choice,
     digests,
     first_tensor,
     given_rows,
-    kept,
     paddings_together,
     sampled,
     sampled_bits,
-    unmasked_ids,
+    seen,
 )
 from gatherlab.runs.removals import batch_norms
 from gatherlab.runs.steplog import mean_over_ranks
@@ -445,7 +445,7 @@ class Recorder:
         self._weight_lengths: list[int] = []  # each part's samples of its weights
         self._row_group: placed.RowGroup | None = None  # this rank's tensor-parallel group
         self._counted: list[placed.RowGroup] | None = None  # each rank's, once decided
-        self._rows: list[Sampled | torch.Tensor] = []  # the update's rows, copied (`rows.sampled`;
+        self._rows: list[Sampled | Whole | torch.Tensor] = []  # the update's rows (`rows.seen`;
         # token ids without a mask whole, until the update's end: `rows.paddings_together`)
         self._pads: dict[tuple, int] = {}  # each pad value's batches on every rank (`_untied`)
         self._calls = 0  # the model's forward calls (or batches given) in the update
@@ -639,10 +639,7 @@ class Recorder:
 
     def _given(self, tensor: torch.Tensor, mask: torch.Tensor | None) -> None:
         """One call's rows and their mask (`batch`), copied."""
-        if unmasked_ids(tensor, mask):  # its padding found with the update's other calls'
-            self._rows.append(tensor.detach().cpu().clone())
-        else:
-            self._rows.append(sampled(tensor, kept(tensor, mask)))
+        self._rows.append(seen(tensor, mask))
         self._calls += 1
         if self._trace and self.updates == 0 and self._traced is None:
             self._trace_input(tensor)
@@ -1046,6 +1043,9 @@ class Recorder:
         """The kept updates' numbers that are made when they are sent: the sketches of copied
         gradients (`_sketched_later`), every update's rows' and weights' digests at once."""
         self._sketched_later(pending)
+        for entry, _ in pending:  # rows copied whole: their bits now (`rows.Whole`)
+            entry["rows"] = [row.sampled() if isinstance(row, Whole) else row
+                             for row in entry["rows"]]  # fmt: skip
         samples = [sample for entry, _ in pending for sample in entry["rows"]]
         weighed = [entry for entry, _ in pending if "weights" in entry]
         samples += self._weights_digests([entry["weights"] for entry in weighed])
