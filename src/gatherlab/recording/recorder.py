@@ -40,6 +40,7 @@ refused in one line (`gatherlab.recording.refusal`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import logging
 import math
@@ -1020,14 +1021,13 @@ class Recorder:
         if self._row_group is None:
             self._row_group = placed.row_group([p.parameter for p in self._parameters], self.rank)
         self._made(pending)
-        every = self._gathered({"updates": [entry for entry, _ in pending], "final": final,
-                                "kept": kept, "row_group": self._row_group})  # fmt: skip
+        every, alike = self._sent([entry for entry, _ in pending], final, kept)
         self._due = self.updates + every[0]["kept"]  # rank 0's choice, the same on every rank
         self._untied(every)
         self._count_rows(every, first)
         if self._writer is None:
             return
-        self._written(pending, first, every)
+        self._written(pending, first, every, alike)
         if final is not None:
             sketches, norms, _ = self._combined([r["final"] for r in every])
             start = self._writer.sketch(sketches.reshape(-1))
@@ -1063,6 +1063,28 @@ class Recorder:
         for entry in weighed:
             entry["weights"] = next(made)
 
+    def _sent(self, mine: list[dict[str, Any]], final: dict[str, np.ndarray] | None,
+              kept: int) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
+        """Every rank's kept updates, sent to every rank (`_gathered`), and whether every rank's
+        sketches are rank 0's (``alike``: rank 0's entries then hold its own, and the others'
+        none). Where the ranks hold the same parameters, each first sends its updates without
+        their sketches (`_without_sketches`), then, where some rank's differ from rank 0's or
+        cannot be told alike, every rank's sketches in a second collective."""
+        digested = self._distributed and self._held is None  # else every rank's numbers at once
+        every = self._gathered({
+            "updates": [_without_sketches(entry) for entry in mine] if digested else mine,
+            "final": final, "kept": kept, "row_group": self._row_group,
+        })  # fmt: skip
+        if not digested:
+            return every, not self._distributed
+        alike = _sketched_alike(every)
+        own = [{key: entry[key] for key in _SKETCHED} for entry in mine]
+        numbers = [own] if alike else self._gathered(own)  # alike: rank 0's, its own
+        for payload, theirs in zip(every, numbers, strict=False):
+            for entry, values in zip(payload["updates"], theirs, strict=True):
+                entry.update(values)
+        return every, alike
+
     def _untied(self, every: list[dict[str, Any]]) -> None:
         """Every rank's calls of the first update given the digests of their rows without the
         run's pad value (`rows.choice`: the value that padded the most of the run's batches so
@@ -1085,11 +1107,12 @@ class Recorder:
                     rows.append(row)
                 entry["rows"] = np.concatenate(rows) if rows else np.zeros(0, np.uint64)
 
-    def _written(self, pending: list, first: int, every: list[dict[str, Any]]) -> None:
+    def _written(self, pending: list, first: int, every: list[dict[str, Any]],
+                 alike: bool = False) -> None:  # fmt: skip
         """Rank 0 writes the kept updates, the first numbered ``first``, from every rank's
-        numbers."""
+        numbers (``alike``: every rank's sketches are rank 0's, `_sketched_alike`)."""
         for position, (_, full) in enumerate(pending):
-            self._write(first + position, [r["updates"][position] for r in every], full)
+            self._write(first + position, [r["updates"][position] for r in every], full, alike)
         self._writer.flush()
 
     def _count_rows(self, every: list[dict[str, Any]], first: int) -> None:
@@ -1120,10 +1143,12 @@ class Recorder:
                     "rows>) on its ranks"
                 )
 
-    def _write(self, update: int, ranks: list[dict[str, Any]], full: torch.Tensor | None) -> None:
-        """Rank 0 writes one update from every rank's numbers."""
+    def _write(self, update: int, ranks: list[dict[str, Any]], full: torch.Tensor | None,
+               alike: bool = False) -> None:  # fmt: skip
+        """Rank 0 writes one update from every rank's numbers (``alike``: every rank's sketches
+        are rank 0's, combined from rank 0's alone)."""
         writer = self._writer
-        sketches, norms, unreduced = self._combined(ranks)
+        sketches, norms, unreduced = self._combined(ranks[:1] if alike else ranks)
         drifted = []
         if "weights" in ranks[0]:  # the parts whose weights differ between ranks after the step
             digests = np.stack([r["weights"] for r in ranks])
@@ -1195,6 +1220,36 @@ class Recorder:
             self.close()
         else:  # the job failed: the recording stays unfinished, what it wrote stays readable
             self.abandon()
+
+
+_SKETCHED = ("replicated", "squares", "groups")
+"""The numbers of an update's sketches that rank 0 combines (`Recorder._combined`)."""
+
+
+def _without_sketches(entry: dict[str, Any]) -> dict[str, Any]:
+    """What a rank sends of an update at first where the ranks hold the same parameters
+    (`Recorder._flush`): all but its sketches, which a digest of their bytes stands for where
+    they are plain (none: a sharded gradient's, whose groups rank 0 sums, or sketches holding a
+    NaN, which equals nothing). A data-parallel job's reduced gradient is the same on every rank
+    to the last bit, and so is its sketch: rank 0 needs its own alone (each update's sketches
+    are 8·k bytes a part, and W = 4 spent 0.5 ms an update sending every rank's to every
+    rank)."""
+    sent = {key: value for key, value in entry.items() if key not in _SKETCHED}
+    values = entry["replicated"]
+    plain = not entry["groups"] and not np.isnan(values).any()
+    sent["sketched"] = hashlib.blake2b(values.tobytes(), digest_size=16).digest() if plain else None
+    return sent
+
+
+def _sketched_alike(every: list[dict[str, Any]]) -> bool:
+    """Whether every rank's sketches of every update sent are rank 0's, by their digests
+    (`_without_sketches`); False where one cannot be told (no digest), decided alike on every
+    rank. Equal bytes are what `Recorder._combined` compares, but for NaN."""
+    for position, entry in enumerate(every[0]["updates"]):
+        digest = entry.get("sketched")
+        if digest is None or any(p["updates"][position]["sketched"] != digest for p in every[1:]):
+            return False
+    return True
 
 
 def _rows_differ(every: list[dict[str, Any]], groups: list[placed.RowGroup], position: int):
