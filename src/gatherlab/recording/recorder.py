@@ -26,7 +26,9 @@ sketches of the whole differ (two ranks, or two copies along a replicated mesh d
 gradient was not reduced, and every rank's sketch is kept. The ranks keep their numbers and send
 them to rank 0 in one ``all_gather_object`` every few updates (`FLUSH_SECONDS`, at most
 `FLUSH_UPDATES`; none without a process group), which writes them: a job pays a few torch
-operations per part and update, not a collective and a file's opening.
+operations per part and update, not a collective and a file's opening. A rank's sketches are
+sent as a digest of their bytes where the ranks hold the same parameters, and whole in a second
+collective only where some rank's differ from rank 0's (`_without_sketches`).
 
 ``GATHERLAB_RECORD_FLOOR=DIR`` in a one-device job's environment records its floor instead
 (`FLOOR_VARIABLE`): the same job into DIR, its model's forward in row blocks (`_FloorForward`,

@@ -7,9 +7,9 @@ row (a tokenizer's ``padding=True``, a collator), so one sentence is a row of 9 
 and of 12 in another; only its tokens are fingerprinted (`kept`): the positions its attention
 mask keeps (the call's ``attention_mask``, or a tensor of 0s and 1s of the rows' positions given
 beside them), else, for rows of integers (token ids) with no mask, the positions before a
-trailing run of the batch's pad value, where the batch shows one (`_trailing_padding`). The rows'
-bits are copied when they are seen (`sampled`) and digested many at once when the recording is
-written (`digests`).
+trailing run of the batch's pad value, where the batch shows one (`_trailing_padding`). The rows
+are copied when they are seen (`seen`: small rows whole, others their bits) and digested many at
+once when the recording is written (`digests`).
 """
 
 from __future__ import annotations
