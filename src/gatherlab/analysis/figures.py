@@ -767,6 +767,8 @@ def size_cost_figure(table: pd.DataFrame, goals: Mapping[str, object]) -> plt.Fi
                 plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
                 axis.yaxis.set_major_formatter(plain)
                 axis.yaxis.set_minor_formatter(plain)
+                subs = (1.5, *range(2, 10))  # 15 too: a top between 10 and 20 labelled
+                axis.yaxis.set_minor_locator(matplotlib.ticker.LogLocator(subs=subs))
             axis.set_xlabel("parameters")
             axis.set_ylabel(label)
             if column == "record_ratio":
