@@ -400,12 +400,35 @@ def _floor_on_ranks(out: str) -> str:
 
 def test_updates_are_written_in_batches_and_every_one_is_there_at_the_end(tmp_path):
     """The ranks keep their updates and rank 0 writes them every few (at most FLUSH_UPDATES):
-    40 updates are 40 lines once the recorder closes, in order."""
+    more than two batches' updates are as many lines once the recorder closes, in order."""
     from gatherlab.recording.recorder import FLUSH_UPDATES
 
-    _job(tmp_path / "run", updates=40)
+    updates = 2 * FLUSH_UPDATES + 5
+    _job(tmp_path / "run", updates=updates)
     recording = format.read(tmp_path / "run")
-    assert [u.index for u in recording.updates] == list(range(40)) and FLUSH_UPDATES < 40
+    assert [u.index for u in recording.updates] == list(range(updates))
+
+
+def test_a_model_of_large_sketches_is_written_in_batches_of_at_most_flush_bytes(tmp_path):
+    """Each update's sketches are 8·k bytes a part: 8 parts at k = 20,000 are 1.28 MB an update,
+    so the recorder keeps FLUSH_BYTES // 1.28 MB of them (6) before writing, not FLUSH_UPDATES:
+    the lines appear after the first update (written at once), then 6 at a time."""
+    from gatherlab.recording.recorder import FLUSH_BYTES, FLUSH_UPDATES
+
+    parts, k = 8, 20_000
+    kept = FLUSH_BYTES // (parts * k * 8)
+    assert kept == 6 < FLUSH_UPDATES
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(parts)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    lines = []
+    with gatherlab.record(model, optimizer, tmp_path / "run", k=k):
+        for _ in range(14):
+            optimizer.zero_grad()
+            model(torch.randn(3, 4)).square().sum().backward()
+            optimizer.step()
+            lines.append(len((tmp_path / "run" / format.UPDATES).read_text().splitlines()))
+    assert lines == [1] * kept + [1 + kept] * kept + [1 + 2 * kept] * 2
 
 
 def test_ranks_that_part_only_at_the_last_update_are_diverges_with_exit_status_1(recorded):

@@ -25,10 +25,10 @@ gathered but for a partial gradient and the full gradients of the first updates.
 sketches of the whole differ (two ranks, or two copies along a replicated mesh dimension), its
 gradient was not reduced, and every rank's sketch is kept. The ranks keep their numbers and send
 them to rank 0 in one ``all_gather_object`` every few updates (`FLUSH_SECONDS`, at most
-`FLUSH_UPDATES`; none without a process group), which writes them: a job pays a few torch
-operations per part and update, not a collective and a file's opening. A rank's sketches are
-sent as a digest of their bytes where the ranks hold the same parameters, and whole in a second
-collective only where some rank's differ from rank 0's (`_without_sketches`).
+`FLUSH_UPDATES` and `FLUSH_BYTES`; none without a process group), which writes them: a job
+pays a few torch operations per part and update, not a collective and a file's opening. A rank's
+sketches are sent as a digest of their bytes where the ranks hold the same parameters, and whole
+in a second collective only where some rank's differ from rank 0's (`_without_sketches`).
 
 ``GATHERLAB_RECORD_FLOOR=DIR`` in a one-device job's environment records its floor instead
 (`FLOOR_VARIABLE`): the same job into DIR, its model's forward in row blocks (`_FloorForward`,
@@ -88,14 +88,20 @@ from gatherlab.runs.removals import batch_norms
 from gatherlab.runs.steplog import mean_over_ranks
 
 __all__ = [
-    "FLOOR_BLOCKS_VARIABLE", "FLOOR_ROW_BLOCKS", "FLOOR_VARIABLE", "FLUSH_SECONDS",
-    "FLUSH_UPDATES", "FULL_GRADIENT_LIMIT", "Recorder",
+    "FLOOR_BLOCKS_VARIABLE", "FLOOR_ROW_BLOCKS", "FLOOR_VARIABLE", "FLUSH_BYTES",
+    "FLUSH_SECONDS", "FLUSH_UPDATES", "FULL_GRADIENT_LIMIT", "Recorder",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
-FLUSH_UPDATES = 16
-"""The most updates the ranks keep before rank 0 writes them (one collective for all of them)."""
+FLUSH_UPDATES = 64
+"""The most updates the ranks keep before rank 0 writes them (one collective for all of them; at
+W > 1 a batch's collectives wait for every rank, whatever it holds: bench record-fixed's job at
+W = 4 cost 1.00 ms an update with 16, 0.50 with 64, the medians of four runs each)."""
+FLUSH_BYTES = 8 << 20
+"""The most bytes of kept numbers a rank holds before they are sent: each update's sketches (8·k
+bytes a part, W times where every rank's are sent) and a tiny model's gradient copy (`_DEFERRED`);
+a model of many parts sends fewer updates at once (`Recorder._most_kept`)."""
 FLUSH_SECONDS = 2.0
 """How long, at most, the ranks keep their updates when updates are slow: the number kept is
 chosen by rank 0 at each writing from the updates' measured time, and sent with it."""
@@ -114,8 +120,7 @@ concatenation) and sketched when the updates are sent (`Recorder._sketched_later
 updates in one pass: each update's sketch made alone after its backward took 0.19–0.25 ms of the
 thread's CPU time here (bench record-fixed's job, the machine loaded), about four times what
 the same operations take in a row (its code and data fetched again after the training's); the
-copy takes 0.09–0.11 ms, the pass ~0.05 ms an update. At most `FLUSH_UPDATES` such copies are
-kept (8 MiB in float32, 16 in float64)."""
+copy takes 0.09–0.11 ms, the pass ~0.05 ms an update. The copies count in `FLUSH_BYTES`."""
 
 FULL_GRADIENT_LIMIT = 1 << 20
 """By default (``full_updates=None``) the first update keeps its whole gradient when the model has
@@ -795,6 +800,23 @@ class Recorder:
         return _Batched(members, pads, matrix.to(first.device, dtype),
                         matrix.abs().numpy())  # fmt: skip
 
+    def _deferred(self) -> bool:
+        """Whether each update's gradients are copied and sketched when sent (`_DEFERRED`): one
+        batch of small ones, of at most `_DEFERRED` elements padded, on the CPU."""
+        batched, others = self._planned()
+        return (len(batched) == 1 and not others and self._device == "cpu"
+                and batched[0].signs.shape[1] * self.k <= _DEFERRED)  # fmt: skip
+
+    def _most_kept(self) -> int:
+        """The most updates kept before they are sent: `FLUSH_UPDATES`, fewer where their numbers
+        would pass `FLUSH_BYTES` (each update's sketches, counted W times, and its gradients'
+        copy where they are sketched later)."""
+        each = self.world_size * len(self._sketched) * self.k * 8
+        if self._deferred():
+            signs = self._planned()[0][0].signs
+            each += signs.shape[1] * self.k * signs.element_size()
+        return max(1, min(FLUSH_UPDATES, FLUSH_BYTES // each))
+
     def _sketches(self, of_gradients: bool) -> dict[str, Any]:
         """This rank's sketches (parts × k) and squared norms (parts) of its plain gradients (or
         weights), ``replicated``, and of its DTensor shards per group of ranks whose shards sum to
@@ -802,8 +824,7 @@ class Recorder:
         k, count = self.k, len(self._sketched)
         groups: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
         batched, others = self._planned()
-        if len(batched) == 1 and not others and batched[0].signs.shape[1] * k <= _DEFERRED and (
-                of_gradients and self._device == "cpu"):  # fmt: skip
+        if of_gradients and self._deferred():
             with torch.no_grad():  # a gradient made with create_graph=True: no graph of the copy
                 return {"later": batched[0].blocks(k, of_gradients)}  # `_sketched_later`
         with torch.no_grad():
@@ -1019,7 +1040,7 @@ class Recorder:
         now = time.perf_counter()
         each = (now - self._flushed_at) / max(len(pending), 1)
         self._flushed_at = now
-        kept = max(1, min(FLUSH_UPDATES, int(FLUSH_SECONDS / max(each, 1e-9))))
+        kept = max(1, min(self._most_kept(), int(FLUSH_SECONDS / max(each, 1e-9))))
         if self._row_group is None:
             self._row_group = placed.row_group([p.parameter for p in self._parameters], self.rank)
         self._made(pending)
