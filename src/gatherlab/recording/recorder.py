@@ -97,7 +97,7 @@ log = logging.getLogger(__name__)
 FLUSH_UPDATES = 64
 """The most updates the ranks keep before rank 0 writes them (one collective for all of them; at
 W > 1 a batch's collectives wait for every rank, whatever it holds: bench record-fixed's job at
-W = 4 cost 1.00 ms an update with 16, 0.50 with 64, the medians of four runs each)."""
+W = 4 cost 0.91 ms an update with 16, 0.59 with 64, the medians of nine runs each)."""
 FLUSH_BYTES = 8 << 20
 """The most bytes of kept numbers a rank holds before they are sent: each update's sketches (8·k
 bytes a part, W times where every rank's are sent) and a tiny model's gradient copy (`_DEFERRED`);
