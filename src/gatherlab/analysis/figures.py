@@ -712,6 +712,16 @@ SIZE_PRECISION_COLORS = {"64-true": "0.15", "32-true": "#1f77b4", "bf16-mixed": 
 SIZE_MODE_WORDS = {"float64": "float64 verdict", "floors": "floors alone"}
 
 
+def _log_ratios(axis) -> None:
+    """A log y axis of ratios, its ticks labelled as numbers (4, 15, 20), 15 and 1.5 too, so
+    that a top between 10 and 20 is labelled."""
+    axis.set_yscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+    axis.yaxis.set_major_formatter(plain)
+    axis.yaxis.set_minor_formatter(plain)
+    axis.yaxis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(1.5, *range(2, 10))))
+
+
 def size_cost_figure(table: pd.DataFrame, goals: Mapping[str, object]) -> plt.Figure:
     """The cost of checking and recording against the model's size (``python -m gatherlab.bench
     size``; ``table`` has the columns of its CSV): the check's time ÷ the plain training's
@@ -763,12 +773,7 @@ def size_cost_figure(table: pd.DataFrame, goals: Mapping[str, object]) -> plt.Fi
                                       fontsize=7, va="bottom", ha="right")  # fmt: skip
             axis.set_xscale("log")
             if column != "record_ratio":  # ratios of a few percent read better on a linear axis
-                axis.set_yscale("log")
-                plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
-                axis.yaxis.set_major_formatter(plain)
-                axis.yaxis.set_minor_formatter(plain)
-                subs = (1.5, *range(2, 10))  # 15 too: a top between 10 and 20 labelled
-                axis.yaxis.set_minor_locator(matplotlib.ticker.LogLocator(subs=subs))
+                _log_ratios(axis)
             axis.set_xlabel("parameters")
             axis.set_ylabel(label)
             if column == "record_ratio":
