@@ -442,3 +442,59 @@ def test_the_floor_command_records_into_no_directory_that_exists(tmp_path):
     (tmp_path / "one-floor-2").mkdir()
     assert comparer._unused(taken) == tmp_path / "one-floor-3"
     assert not comparer._floor_recorded(taken, 2)  # not a recording
+
+
+@pytest.fixture(scope="module")
+def float32_recordings(tmp_path_factory):
+    """The plain loop in float32: twice on one device (the same bits), and with its learnt scale
+    outside DDP on one device and on two ranks."""
+    cases = {
+        "one": (1, LOOP, {"dtype": "float32"}), "again": (1, LOOP, {"dtype": "float32"}),
+        "outside1": (1, LOOP, {"dtype": "float32", "bug": "temperature_outside"}),
+        "outside2": (2, LOOP, {"dtype": "float32", "bug": "temperature_outside"}),
+    }  # fmt: skip
+    return record_cases(tmp_path_factory.mktemp("float32"), cases)
+
+
+def test_float32_recordings_equal_to_the_last_bit_are_exact_without_a_floor(
+    float32_recordings, tmp_path
+):
+    """Two float32 runs whose every recorded number is the same (the job run twice, or with
+    torchrun and with python) need no floor: they are ``exact`` (status 0). One bit of one
+    sketch changed, they are ``not judged`` again (status 3), as any two float32 runs without a
+    floor."""
+    import shutil
+
+    from gatherlab.recording.format import SKETCHES
+
+    same = comparer.compare_recordings(float32_recordings["one"], float32_recordings["again"])
+    assert (same.verdict, same.status) == ("exact", 0), same.words
+    assert "A's to the last bit" in " ".join(same.words.split())
+    flipped = tmp_path / "flipped"
+    shutil.copytree(float32_recordings["again"], flipped)
+    values = np.fromfile(flipped / SKETCHES, dtype="<u8")
+    values[0] ^= 1  # the last bit of the first update's first sketch number
+    values.tofile(flipped / SKETCHES)
+    apart = comparer.compare_recordings(float32_recordings["one"], flipped)
+    assert (apart.verdict, apart.status) == ("not judged", 3), apart.words
+
+
+def test_in_float32_an_unreduced_gradients_mean_within_rounding_is_named_the_fix(
+    float32_recordings,
+):
+    """In float32 the mean over the ranks of an unreduced gradient is one device's to rounding,
+    not to float64's 1e-10: measured from the recordings, its sketch departs by more than 1e-10
+    and by less than 500 unit roundoffs of float32 (the resolution without a floor), and the
+    diagnosis names reducing it as the fix."""
+    reference = read(float32_recordings["outside1"])
+    run = read(float32_recordings["outside2"])
+    mean = run.updates[0].unreduced["loss.scale"].mean(axis=0)
+    one_device = reference.updates[0].sketches["loss.scale"]
+    error = np.linalg.norm(mean - one_device) / np.linalg.norm(one_device)
+    assert 1e-10 < error < 500 * 2.0**-24, error
+    comparison = comparer.compare_recordings(reference, run)
+    words = " ".join(comparison.words.split())
+    assert comparison.status == 1 and whole(comparison)["cause"] == "unreduced", words
+    assert "The mean over the ranks of loss.scale's gradients is A's" in words
+    assert "unit roundoffs of float32): reducing it is the fix" in words
+    assert "is not A's either" not in words

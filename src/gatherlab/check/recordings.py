@@ -376,10 +376,15 @@ def _departure(
 # --- the ranks' own gradients -------------------------------------------------------------------
 
 
-def _unreduced(a: Recording, b: Recording) -> tuple[list[str], dict[str, str]]:
+def _unreduced(a: Recording, b: Recording, precision: str) -> tuple[list[str], dict[str, str]]:
     """B's parts whose gradient differs between its ranks (recorded per rank, `Update.unreduced`)
     and the words the diagnosis adds: at which updates, and whether their mean over the ranks is
-    A's gradient (then reducing it is the fix)."""
+    A's gradient (then reducing it is the fix): to float64's tolerance, or in a low precision
+    within its rounding (`floor.ROUNDING_CEILING` unit roundoffs, beyond which a departure is
+    judged without a floor: a mean 1.4 unit roundoffs of float32 from A's is A's to rounding)."""
+    unit = terms.Precision(precision).unit_roundoff
+    within = (gradients.FLOAT64_TOLERANCE if precision == terms.Precision.FLOAT64
+              else ROUNDING_CEILING.get(terms.Precision(precision), 0.0) * unit)  # fmt: skip
     seen: dict[str, list[int]] = {}
     for update in b.updates:
         for part in update.unreduced:
@@ -403,11 +408,15 @@ def _unreduced(a: Recording, b: Recording) -> tuple[list[str], dict[str, str]]:
         summed = _copies_summed(b, update.unreduced[part], reference)
         if summed is not None:
             mean_words.append(summed.format(part=part, update=update.index))
-        elif error <= gradients.FLOAT64_TOLERANCE:
+        elif error <= within:
+            word = terms.Precision(precision).word
+            rounding = ("" if precision == terms.Precision.FLOAT64 else
+                        f", {error / unit:.2g} unit roundoffs of {word}")  # fmt: skip
             mean_words.append(
                 f"The mean over the ranks of {part}'s gradients is A's (update {update.index}, "
-                f"relative difference {error:.2g} of the sketches): reducing it is the fix."
-            )
+                f"relative difference {error:.2g} of the sketches{rounding}): reducing it is the "
+                "fix."
+            )  # fmt: skip
         else:
             mean_words.append(
                 f"The mean over the ranks of {part}'s gradients is not A's either (update "
@@ -629,7 +638,9 @@ def compare_recordings(
     from A, every update's loss and the final weights to T times its largest departure of either
     (docs/design.md §2, "Low precision"; docs/checking.md §6), the verdict ``exact within bf16``
     where float64's bounds would say ``other``. In a low precision without one, the verdict is ``not
-    judged`` (status 3) with the command that records one, unless the data differs.
+    judged`` (status 3) with the command that records one, unless the data differs, the first
+    gradient departs beyond any rounding (`_ceiling`), or B's every number is A's to the last bit
+    (`_identical`: ``exact``).
 
     Raises:
         RecordingError: a directory that is no finished recording of a version this gatherlab
@@ -649,11 +660,13 @@ def compare_recordings(
     ceiling = None
     if floored is None and precision != terms.Precision.FLOAT64 and data.update is None:
         ceiling = _ceiling(a, b, reads[0], precision, micro_batches)
+    identical = floored is None and ceiling is None and precision != terms.Precision.FLOAT64 and (
+        data.update is None and _identical(a, b))  # fmt: skip
     if ceiling is not None:  # departing beyond any rounding: update 0 judged without a floor
         reads[0] = ceiling[0]
         updates = _ceiling_updates(updates, ceiling[0])
         tolerance = ceiling[1] * max(abs(a.updates[0].loss), 1e-300)
-    unreduced, measured = _unreduced(a, b)
+    unreduced, measured = _unreduced(a, b, precision)
     desync = next(((u.index, u.drifted) for u in b.updates if u.drifted), None)
     measured = {**measured, "data_cause": data.explanation or "", "recorded": True,
                 "micro_batches": micro_batches}  # fmt: skip
@@ -669,7 +682,7 @@ def compare_recordings(
     rows = _copies_apart(b, rows)
     rows = _experts_mixed(a, b, rows)
     judged = (floored is not None or ceiling is not None or precision == terms.Precision.FLOAT64
-              or data.update is not None)  # fmt: skip
+              or data.update is not None or identical)  # fmt: skip
     departure = None
     if judged:
         departure = _departure(a, b, reads, tolerance, rows[0].scale,
@@ -680,19 +693,38 @@ def compare_recordings(
         rows = [dataclasses.replace(r, first_update=departure[0], first_part=departure[1])
                 for r in rows]  # fmt: skip
     unfloored = floored is None and ceiling is None and precision != terms.Precision.FLOAT64
-    if unfloored:  # a low precision's rounding cannot be told from a departure
+    if unfloored and not identical:  # a low precision's rounding cannot be told from a departure
         rows, updates = _not_judged(rows, updates, verdict=not judged)
     table = frame(rows, COMPARISON_COLUMNS + (PRECISION_COLUMNS if floored else ()))
     status = 0 if trains_like_one_device(table) else 1 if judged else terms.NOT_JUDGED_STATUS
     said = _Said(table, updates, data, departure, measured, tolerance, desync,
                  floored[2] if floored else threshold(2, 1),
-                 None if ceiling is None else (precision, ceiling[1]))  # fmt: skip
+                 None if ceiling is None else (precision, ceiling[1]), identical)  # fmt: skip
     words = _words(a, b, said) if judged else _not_judged_words(a, b, said, reads[0], precision)
     return Comparison(
         table=table, updates=updates, verdict=rows[0].verdict, status=status, words=words,
         data=data.words, notes=data.notes, departure=departure, reference=a.path, run=b.path,
         threshold=floored[2] if floored else None,
     )  # fmt: skip
+
+
+def _identical(a: Recording, b: Recording) -> bool:
+    """Whether B's every recorded number is A's to the last bit (in a low precision without a
+    floor, which then needs none: no rounding departs by 0): each update's global loss, each
+    part's sketch and norm, none unreduced, the first updates' whole gradients where both kept
+    them, and the final weights' sketches and norms (a job launched with ``torchrun
+    --nproc-per-node 1`` against ``python``, or run twice)."""
+    weights = (np.array_equal(a.weights_sketch[p], b.weights_sketch[p]) for p in a.parts)
+    if a.weights_norms != b.weights_norms or not all(weights):
+        return False
+    for x, y in zip(a.updates, b.updates, strict=True):
+        if x.loss != y.loss or x.norms != y.norms or y.unreduced or any(
+                not np.array_equal(x.sketches[p], y.sketches[p]) for p in a.parts):  # fmt: skip
+            return False
+    for update in range(min(a.full_updates, b.full_updates)):
+        if not torch.equal(a.full_gradient(update), b.full_gradient(update)):
+            return False
+    return True
 
 
 def _not_judged(
@@ -817,6 +849,9 @@ class _Said:
     """T, the most floors within the floor recording's (`floor.threshold`)."""
     ceiling: tuple[str, float] | None = None
     """Judged beyond rounding without a floor: the precision and the resolution (`_ceiling`)."""
+    identical: bool = False
+    """A low precision judged without a floor: B's every number is A's to the last bit
+    (`_identical`)."""
 
 
 def _heading(a: Recording, b: Recording, said: _Said) -> list[str]:
@@ -866,6 +901,11 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
         word = terms.Precision(table["precision"].iloc[0]).word
         lines.append(f"B trains like A as far as {word} can tell (within {said.threshold:g} "
                      "floors of the floor recording).")  # fmt: skip
+    elif trains_like_one_device(table) and said.identical:
+        lines.append(
+            f"B trains like A ({a.precision}): every number it recorded is A's to the "
+            "last bit, which no rounding departs by: no floor recording is needed."
+        )
     elif trains_like_one_device(table):
         lines.append(f"B trains like A ({a.precision}, every update's loss and gradient).")
     return "\n\n".join(lines) + "\n"
