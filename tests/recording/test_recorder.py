@@ -330,15 +330,22 @@ def test_every_part_is_sketched_as_the_formula_gives_whatever_path_sketches_it(t
 def test_the_floor_is_recorded_by_its_variable_and_compared(tmp_path, monkeypatch):
     """GATHERLAB_RECORD_FLOOR=DIR: the job run again unchanged records its floor into DIR, its
     model's forward in two row blocks (the same function, bf16's rounding of two partial sums);
-    the comparison without it names that exact command, with it judges in floors."""
+    the comparison without it (of a run one bit apart: the same bits need none) names that exact
+    command, with it judges in floors."""
     import shlex
+    import shutil
     import sys
 
     from gatherlab import compare
     from gatherlab.recording.recorder import FLOOR_VARIABLE
 
     _job(tmp_path / "one", autocast=True)
-    not_judged = compare(tmp_path / "one", tmp_path / "one")
+    assert compare(tmp_path / "one", tmp_path / "one").verdict == "exact"  # the same bits
+    shutil.copytree(tmp_path / "one", tmp_path / "apart")  # one bit of one sketch apart
+    values = np.fromfile(tmp_path / "apart" / format.SKETCHES, dtype="<u8")
+    values[0] ^= 1
+    values.tofile(tmp_path / "apart" / format.SKETCHES)
+    not_judged = compare(tmp_path / "one", tmp_path / "apart")
     assert (not_judged.verdict, not_judged.status) == ("not judged", 3)
     command = f"GATHERLAB_RECORD_FLOOR={tmp_path / 'one'}-floor {shlex.join(sys.orig_argv)}"
     assert command in not_judged.words
@@ -352,7 +359,7 @@ def test_the_floor_is_recorded_by_its_variable_and_compared(tmp_path, monkeypatc
         assert float((floored(rows) - floored.encoder(rows)).abs().max()) <= 1e-15
     judged = compare(tmp_path / "one", tmp_path / "one", floor=f"{tmp_path / 'one'}-floor")
     assert (judged.verdict, judged.status) == ("exact within bf16", 0)
-    again = compare(tmp_path / "one", tmp_path / "one")  # its floor recorded: named, not over
+    again = compare(tmp_path / "one", tmp_path / "apart")  # its floor recorded: named, not over
     assert f"A's floor in 2 row blocks is recorded in {tmp_path / 'one'}-floor; " in again.words
     assert "GATHERLAB_RECORD_FLOOR=" not in again.words
 
