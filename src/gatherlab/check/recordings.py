@@ -657,11 +657,11 @@ def compare_recordings(
     world_size, micro_batches = b.world_size, _micro_batches(a, b)
     data = batches.compare_batches(a, b)
     updates, reads = _updates_table(a, b, world_size, micro_batches, floored)
-    ceiling = None
-    if floored is None and precision != terms.Precision.FLOAT64 and data.update is None:
+    rounded = floored is None and precision != terms.Precision.FLOAT64  # no floor to judge by
+    ceiling, identical = None, False
+    if rounded and data.update is None:
         ceiling = _ceiling(a, b, reads[0], precision, micro_batches)
-    identical = floored is None and ceiling is None and precision != terms.Precision.FLOAT64 and (
-        data.update is None and _identical(a, b))  # fmt: skip
+        identical = ceiling is None and _identical(a, b)
     if ceiling is not None:  # departing beyond any rounding: update 0 judged without a floor
         reads[0] = ceiling[0]
         updates = _ceiling_updates(updates, ceiling[0])
@@ -692,8 +692,7 @@ def compare_recordings(
     if departure is not None:
         rows = [dataclasses.replace(r, first_update=departure[0], first_part=departure[1])
                 for r in rows]  # fmt: skip
-    unfloored = floored is None and ceiling is None and precision != terms.Precision.FLOAT64
-    if unfloored and not identical:  # a low precision's rounding cannot be told from a departure
+    if rounded and ceiling is None and not identical:  # rounding cannot be told from departing
         rows, updates = _not_judged(rows, updates, verdict=not judged)
     table = frame(rows, COMPARISON_COLUMNS + (PRECISION_COLUMNS if floored else ()))
     status = 0 if trains_like_one_device(table) else 1 if judged else terms.NOT_JUDGED_STATUS
