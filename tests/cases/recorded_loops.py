@@ -36,14 +36,26 @@ class Scaled(nn.Module):
         return ((prediction * self.scale - target) ** 2).mean()
 
 
+class Mixed(nn.Module):
+    """Each row mixed with another row of the same call at random (mixup inside the forward): a
+    random draw that depends on the call's rows, so that in row blocks it draws otherwise."""
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return 0.5 * rows + 0.5 * rows[torch.randperm(len(rows))]
+
+
 class Net(nn.Module):
     """A small MLP and, unless it is given one at each call (outside), its loss."""
 
-    def __init__(self, criterion: nn.Module | None, batchnorm: bool = False) -> None:
+    def __init__(
+        self, criterion: nn.Module | None, batchnorm: bool = False, mixed: bool = False
+    ) -> None:
         super().__init__()
         norm = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
+        drawn = [Mixed()] if mixed else []
         self.body = nn.Sequential(
-            nn.Linear(DIM, 16), norm, nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+            nn.Linear(DIM, 16), norm, nn.Tanh(), *drawn, nn.Linear(16, 16), nn.Tanh(),
+            nn.Linear(16, 4),
         ).double()
         self.criterion = criterion
 
@@ -66,7 +78,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 def loop(
     out: str, wrap: str = "ddp", bug: str = "", k: int = 64, full_updates: int = 1,
     trace: bool = False, micro_batches: int = 1, dtype: str = "float64", row_blocks: int = 1,
-    autocast: str | None = None,
+    autocast: str | None = None, mixed: bool = False,
 ) -> None:  # fmt: skip
     """Trains ``STEPS`` updates of SGD and records them into ``out``; ``wrap``: ``ddp``,
     ``fsdp2`` or ``zero`` (DDP with ``ZeroRedundancyOptimizer``); without a process group the
@@ -76,12 +88,14 @@ def loop(
     data's (``float32``: a low precision's recording); ``row_blocks``: on one device, the body's
     forward in that many row blocks (the floor's recording, `gatherlab.record.in_row_blocks`);
     ``autocast``: the forward under ``torch.autocast`` in that dtype (``bfloat16``: bf16-mixed,
-    with float32 parameters)."""
+    with float32 parameters); ``mixed``: each row mixed with another of its call at random in the
+    body (`Mixed`: in row blocks, the floor's forward draws otherwise)."""
     world_size, rank = _world()
     torch.manual_seed(0)
     criterion = Scaled().to(getattr(torch, dtype))
     outside = bug == "temperature_outside"
-    network = Net(None if outside else criterion, batchnorm=bug == "batchnorm")
+    network = Net(None if outside else criterion, batchnorm=bug == "batchnorm",
+                  mixed=mixed)  # fmt: skip
     network.to(getattr(torch, dtype))
     if row_blocks > 1:
         gatherlab.record.in_row_blocks(network.body, row_blocks)

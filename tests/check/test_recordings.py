@@ -21,6 +21,7 @@ from recorded import record, record_cases
 import gatherlab
 from gatherlab import check
 from gatherlab.check import recordings as comparer
+from gatherlab.core.floor import WITHIN
 from gatherlab.recording.format import read
 from gatherlab.testing import assert_runs_match
 
@@ -498,3 +499,22 @@ def test_in_float32_an_unreduced_gradients_mean_within_rounding_is_named_the_fix
     assert "The mean over the ranks of loss.scale's gradients is A's" in words
     assert "unit roundoffs of float32): reducing it is the fix" in words
     assert "is not A's either" not in words
+
+
+def test_a_floor_that_departs_beyond_rounding_is_set_aside_and_b_judged_without_it(tmp_path):
+    """A job whose forward draws at random from its call's rows (mixup: dropout in a transformer's
+    attention did it to a user's BERT): its floor recording (the forward in row blocks) draws
+    otherwise, so it departs from A far beyond any rounding of float32 (500 unit roundoffs are
+    3e-5), and T times it would let any departure through: a learnt scale outside DDP,
+    unreduced on two ranks, read `exact within float32` (status 0) so. The floor is set aside
+    with a note that says why, and B is judged as without one: not one device's (status 1)."""
+    job = {"dtype": "float32", "mixed": True, "bug": "temperature_outside"}
+    cases = {"one": (1, LOOP, job), "floor": (1, LOOP, {**job, "row_blocks": 2}),
+             "outside": (2, LOOP, job)}  # fmt: skip
+    paths = record_cases(tmp_path, cases)
+    compared = comparer.compare_recordings(paths["one"], paths["outside"], floor=paths["floor"])
+    said = " ".join(compared.words.split())
+    assert f"note: the floor recording {paths['floor']} departs from A by" in said
+    assert "so it is no floor; B is judged without it" in said
+    assert compared.status == 1, compared.words
+    assert compared.verdict not in WITHIN and compared.verdict != "exact", compared.words

@@ -335,6 +335,14 @@ NO_LOSS = (
     "loss module, no output's loss and no recorder.loss(value)): their losses are not compared, "
     "their gradients are."
 )
+# A floor recording (``--floor``) that departs from A beyond any rounding of the precision.
+NO_ROUNDING_FLOOR = (
+    "note: the floor recording {floor} departs from A by {departure:.2g} (relative) at update 0, "
+    "beyond any rounding of {word} (at most {ceiling:.2g}): its forward is not A's up to rounding "
+    "(a random draw, dropout say, that its row blocks draw otherwise), so it is no floor; B is "
+    "judged without it. For a floor, record A and its floor with nothing drawn at random in the "
+    "forward (dropout off), or compare in float64."
+)
 # The same, where rank r holds the reference's rows r, r + W, …: a strided sampler's order.
 STRIDED_ORDER = (
     "note: the global batch holds the reference's rows strided over the ranks (rank r its rows "

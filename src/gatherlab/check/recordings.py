@@ -651,11 +651,16 @@ def compare_recordings(
     _same_model(a, b)
     _same_settings(a, b)
     floored = None if floor is None else _floor(a, b, recording(floor))
+    set_aside = None if floored is None else _no_rounding_floor(a, floored)
+    if set_aside is not None:  # a floor of something else than rounding: judged without it
+        floored = None
     precision = _judged(a)
     if tolerance is None:
         tolerance = gradients.TOLERANCE.get(precision, gradients.FLOAT64_TOLERANCE)
     world_size, micro_batches = b.world_size, _micro_batches(a, b)
     data = batches.compare_batches(a, b)
+    if set_aside is not None:
+        data = dataclasses.replace(data, notes=(*data.notes, set_aside))
     updates, reads = _updates_table(a, b, world_size, micro_batches, floored)
     rounded = floored is None and precision != terms.Precision.FLOAT64  # no floor to judge by
     ceiling, identical = None, False
@@ -705,6 +710,26 @@ def compare_recordings(
         data=data.words, notes=data.notes, departure=departure, reference=a.path, run=b.path,
         threshold=floored[2] if floored else None,
     )  # fmt: skip
+
+
+def _no_rounding_floor(a: Recording, floored: tuple[str, Recording, float]) -> str | None:
+    """The note that sets the floor recording C aside, where C's first gradient departs from A's
+    beyond any rounding of the precision (`floor.beyond_rounding`, the relative L2 departure, as
+    `_ceiling` reads B's): C is then no perturbation of rounding but of something the row blocks
+    change otherwise (a dropout mask), and T times it would let any departure through; None
+    where C is a floor."""
+    precision, c = floored[0], floored[1]
+    full_a, full_c = a.full_gradient(0), c.full_gradient(0)
+    if full_a is not None and full_c is not None:
+        departure = relative(full_c.double(), full_a.double())
+    else:
+        departure = _read(a, c, 0, 1, 1).whole.max_rel_err
+    if not beyond_rounding(departure, precision):
+        return None
+    ceiling = ROUNDING_CEILING[terms.Precision(precision)] * terms.Precision(precision).unit_roundoff
+    return diagnosis.NO_ROUNDING_FLOOR.format(
+        floor=c.path, departure=departure, word=terms.Precision(precision).word, ceiling=ceiling
+    )
 
 
 def _identical(a: Recording, b: Recording) -> bool:
