@@ -726,10 +726,11 @@ def _no_rounding_floor(a: Recording, floored: tuple[str, Recording, float]) -> s
         departure = _read(a, c, 0, 1, 1).whole.max_rel_err
     if not beyond_rounding(departure, precision):
         return None
-    ceiling = ROUNDING_CEILING[terms.Precision(precision)] * terms.Precision(precision).unit_roundoff
+    judged = terms.Precision(precision)
     return diagnosis.NO_ROUNDING_FLOOR.format(
-        floor=c.path, departure=departure, word=terms.Precision(precision).word, ceiling=ceiling
-    )
+        floor=c.path, departure=departure, word=judged.word,
+        ceiling=ROUNDING_CEILING[judged] * judged.unit_roundoff,
+    )  # fmt: skip
 
 
 def _identical(a: Recording, b: Recording) -> bool:
