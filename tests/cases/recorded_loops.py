@@ -53,10 +53,8 @@ class Net(nn.Module):
         super().__init__()
         norm = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
         drawn = [Mixed()] if mixed else []
-        self.body = nn.Sequential(
-            nn.Linear(DIM, 16), norm, nn.Tanh(), *drawn, nn.Linear(16, 16), nn.Tanh(),
-            nn.Linear(16, 4),
-        ).double()
+        layers = [nn.Linear(DIM, 16), norm, nn.Tanh(), *drawn, nn.Linear(16, 16), nn.Tanh()]
+        self.body = nn.Sequential(*layers, nn.Linear(16, 4)).double()
         self.criterion = criterion
 
     def forward(self, batch, target, criterion: nn.Module | None = None) -> torch.Tensor:
