@@ -650,17 +650,13 @@ def compare_recordings(
     a, b = recording(reference), recording(run)
     _same_model(a, b)
     _same_settings(a, b)
-    floored = None if floor is None else _floor(a, b, recording(floor))
-    set_aside = None if floored is None else _no_rounding_floor(a, floored)
-    if set_aside is not None:  # a floor of something else than rounding: judged without it
-        floored = None
+    floored, set_aside = _floored(a, b, floor)
     precision = _judged(a)
     if tolerance is None:
         tolerance = gradients.TOLERANCE.get(precision, gradients.FLOAT64_TOLERANCE)
     world_size, micro_batches = b.world_size, _micro_batches(a, b)
     data = batches.compare_batches(a, b)
-    if set_aside is not None:
-        data = dataclasses.replace(data, notes=(*data.notes, set_aside))
+    data = dataclasses.replace(data, notes=(*data.notes, *set_aside))
     updates, reads = _updates_table(a, b, world_size, micro_batches, floored)
     rounded = floored is None and precision != terms.Precision.FLOAT64  # no floor to judge by
     ceiling, identical = None, False
@@ -710,6 +706,16 @@ def compare_recordings(
         data=data.words, notes=data.notes, departure=departure, reference=a.path, run=b.path,
         threshold=floored[2] if floored else None,
     )  # fmt: skip
+
+
+def _floored(
+    a: Recording, b: Recording, floor: str | Path | Recording | None
+) -> tuple[tuple[str, Recording, float] | None, tuple[str, ...]]:
+    """The floor recording as `_floor` reads it, or None: without one, or where it is no floor
+    of rounding (`_no_rounding_floor`), then with the note that says so."""
+    floored = None if floor is None else _floor(a, b, recording(floor))
+    set_aside = None if floored is None else _no_rounding_floor(a, floored)
+    return (floored, ()) if set_aside is None else (None, (set_aside,))
 
 
 def _no_rounding_floor(a: Recording, floored: tuple[str, Recording, float]) -> str | None:
