@@ -518,3 +518,28 @@ def test_a_floor_that_departs_beyond_rounding_is_set_aside_and_b_judged_without_
     assert "so it is no floor; B is judged without it" in said
     assert compared.status == 1, compared.words
     assert compared.verdict not in WITHIN and compared.verdict != "exact", compared.words
+
+
+def test_a_floor_whose_calls_do_not_span_bs_holds_b_to_20_floors_and_says_why(tmp_path):
+    """The floor is A's calls of the forward cut into row blocks: it rounds as calls of A's
+    smallest block to A's largest call. Ranks whose calls are larger (a GradCache job embedding
+    16 rows at once against one device's chunks of 8 read 8.2 floors, `other`, exit 1, where
+    its weights were as close as two one-device runs in other chunks) round in matrix kernels
+    the floor never measured: T is then 20, with a note that says why; ranks whose calls lie
+    within keep 5. Here one device in 4 micro-batches (calls of 4 rows, the floor's blocks 2),
+    against ranks of 8 rows in one call, and of 4 in two."""
+    job = {"dtype": "float32", "micro_batches": 4}
+    cases = {"one": (1, LOOP, job), "floor": (1, LOOP, {**job, "row_blocks": 2}),
+             "whole": (2, LOOP, {"dtype": "float32"}),
+             "chunked": (2, LOOP, {"dtype": "float32", "micro_batches": 2})}  # fmt: skip
+    paths = record_cases(tmp_path, cases)
+    larger = comparer.compare_recordings(paths["one"], paths["whole"], floor=paths["floor"])
+    said = " ".join(larger.words.split())
+    assert larger.threshold == 20, said
+    assert ("B's calls of the model's forward hold 8 rows a rank, and the floor recording rounds "
+            "as calls of 2 to 4 rows") in said  # fmt: skip
+    assert (larger.verdict, larger.status) == ("exact within float32", 0), said
+    within = comparer.compare_recordings(paths["one"], paths["chunked"], floor=paths["floor"])
+    assert within.threshold == 5, within.words
+    assert "B's calls of the model's forward" not in within.words
+    assert (within.verdict, within.status) == ("exact within float32", 0), within.words

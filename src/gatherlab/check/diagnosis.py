@@ -343,6 +343,15 @@ NO_ROUNDING_FLOOR = (
     "judged without it. For a floor, record A and its floor with nothing drawn at random in the "
     "forward (dropout off), or compare in float64."
 )
+# A floor recording whose calls of the forward do not span B's (`check.recordings._floor`).
+CALLS_UNSPANNED = (
+    "note: B's calls of the model's forward hold {b} rows a rank, and the floor recording rounds "
+    "as calls of {least} to {most} rows (A's calls in its row blocks): the matrix kernels round "
+    "calls of other sizes otherwise, which it never measured, so at most {threshold:g} floors is "
+    "within it, not 5 (docs/design.md §2). A floor whose calls span B's keeps 5: A's chunks no "
+    "smaller than B's per rank, in as many row blocks as the floor needs to reach B's "
+    "(GATHERLAB_RECORD_FLOOR_BLOCKS)."
+)
 # The same, where rank r holds the reference's rows r, r + W, …: a strided sampler's order.
 STRIDED_ORDER = (
     "note: the global batch holds the reference's rows strided over the ranks (rank r its rows "
@@ -844,10 +853,13 @@ def _shown_parts(table: pd.DataFrame) -> pd.DataFrame:
     return table[[r["part"] == ALL_PARTS or key(r) in differing for r in records]]
 
 
-def _precision_lines(checked: CheckResult | pd.DataFrame, name_column: str | None) -> list[str]:
+def _precision_lines(
+    checked: CheckResult | pd.DataFrame, name_column: str | None, threshold: float = FLOOR_THRESHOLD
+) -> list[str]:
     """The paragraph of a check in a low precision (`table.PRECISION_COLUMNS`): what judges each
-    loss (or the step) and why, its W-rank runs in floors of that precision, and what that
-    precision cannot see (docs/design.md §2, "Low precision"); none for a float64 check."""
+    loss (or the step) and why, its W-rank runs in floors of that precision (at most
+    ``threshold`` of them exact within it: a comparison of recordings passes its own T), and what
+    that precision cannot see (docs/design.md §2, "Low precision"); none for a float64 check."""
     result = result_of(checked)
     table = result.table
     if "in_precision" not in table.columns:  # float64, or a low precision without a floor
@@ -870,12 +882,12 @@ def _precision_lines(checked: CheckResult | pd.DataFrame, name_column: str | Non
         own.insert(0, f"The code runs in float64{which}, which judges it; {precision.word} adds "
                       "only its own rounding, measured here.")  # fmt: skip
     floored = Floored(str(precision), "", "", float(whole["floor"].max()), 0.0, 0, 0, 0,
-                      FLOOR_THRESHOLD)  # fmt: skip
+                      threshold)  # fmt: skip
     text = " ".join([
         *own, f"Each W's gradient in {precision} is compared with one device's in {precision}, "
         f"in floors (one device with its forward in as many row blocks as W's ranks, at least "
         f"{FLOOR_ROW_BLOCKS}: rounding of the same kind, nothing changed mathematically); at most "
-        f"{FLOOR_THRESHOLD:g} floors is exact within {precision.word}. "
+        f"{threshold:g} floors is exact within {precision.word}. "
         f"{power_words(floored).capitalize()}.",
     ])  # fmt: skip
     keys = [*([name_column] if name_column else []), "world_size",

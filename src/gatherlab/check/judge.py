@@ -101,6 +101,15 @@ class InPrecision:
     """The perturbed run's training run, for a measured loss's curves (a trained run is its own)."""
     blocks: int = FLOOR_ROW_BLOCKS
     """The perturbation's row blocks: T is `floor.threshold` of them and the run's ranks."""
+    threshold: float | None = None
+    """T where the caller decided it from more than the blocks (a comparison of recordings, which
+    knows each run's calls of the forward: `check.recordings._floor`)."""
+
+    def limit(self, world_size: int) -> float:
+        """T for a run of ``world_size`` ranks (`threshold`, else `floor.threshold`)."""
+        if self.threshold is not None:
+            return self.threshold
+        return floor.threshold(self.blocks, world_size)
 
     def floored(
         self,
@@ -114,7 +123,7 @@ class InPrecision:
         its own floor, at least the whole's (`floor.floor_of`), where the gradient has several
         parts."""
         mine, theirs, perturbed = _gradient(run), _gradient(reference), _gradient(self.perturbed)
-        limit = floor.threshold(self.blocks, world_size)
+        limit = self.limit(world_size)
         if not layout or len(layout) < 2 or len(mine) != len(theirs):
             whole = floor.classify_floored(
                 mine, theirs, perturbed, self.precision, world_size, micro_batches, threshold=limit
@@ -152,7 +161,7 @@ class InPrecision:
         trained run's own, or a measured loss's training run's): T times the perturbed run's."""
         same, difference = floor.forward_floored(
             _first_loss(run), _first_loss(reference), _first_loss(self.perturbed), self.precision,
-            floor.threshold(self.blocks, world_size),
+            self.limit(world_size),
         )  # fmt: skip
         reference_curve = reference if isinstance(run, Trained) else (curves or (None, None))[1]
         tolerance = (math.nan if reference_curve is None
@@ -169,7 +178,7 @@ class InPrecision:
         losses = max(abs(a - b) for a, b in zip(perturbed.losses, reference.losses, strict=True))
         weights = gradients.largest_difference(perturbed.parameters, reference.parameters)
         least = Precision(self.precision).unit_roundoff * max(map(abs, reference.losses))
-        return floor.threshold(self.blocks, world_size) * max(losses, weights, least)
+        return self.limit(world_size) * max(losses, weights, least)
 
 
 @dataclasses.dataclass(frozen=True)

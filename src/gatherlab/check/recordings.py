@@ -42,6 +42,7 @@ from gatherlab.check.table import (
 )  # fmt: skip
 from gatherlab.core import gradients, held, runfiles, terms
 from gatherlab.core.floor import (
+    FEWER_BLOCKS_THRESHOLD,
     ROUNDING_CEILING,
     WITHIN,
     Floored,
@@ -169,11 +170,14 @@ def _judged(recording: Recording) -> str:
     return str(terms.Precision.FP16_MIXED) if precision == "16-true" else precision
 
 
-def _floor(a: Recording, b: Recording, c: Recording) -> tuple[str, Recording, float]:
+def _floor(
+    a: Recording, b: Recording, c: Recording
+) -> tuple[tuple[str, Recording, float], str | None]:
     """The precision of a comparison judged in floors, its floor recording ``c``, checked
     against A (the same model and settings, one device, a low precision: an autocast dtype, or
     parameters below float64; NotComparable in one line otherwise), and T, the most floors
-    within it (`floor.threshold` of C's row blocks and B's ranks)."""
+    within it (`floor.threshold` of C's row blocks, B's ranks and whether C's calls of the forward
+    span B's: `_calls_unspanned`, whose note says so where they do not)."""
     _same_model(a, c)
     _same_settings(a, c)
     if c.world_size != 1:
@@ -188,7 +192,36 @@ def _floor(a: Recording, b: Recording, c: Recording) -> tuple[str, Recording, fl
             "for recordings in float32, bf16 or fp16"
         )
     blocks = max(c.row_blocks, FLOOR_ROW_BLOCKS)  # a floor recorded before its blocks were: 2
-    return precision, c, threshold(blocks, b.world_size)
+    note = _calls_unspanned(a, b, blocks)
+    return (precision, c, threshold(blocks, b.world_size, note is None)), note
+
+
+def _calls_unspanned(a: Recording, b: Recording, blocks: int) -> str | None:
+    """The note that the floor's calls of the forward do not span B's, or None where they do
+    (or are not recorded). The floor is A's calls cut into ``blocks`` row blocks, so it rounds as
+    calls of A's smallest block to A's largest call; a rank's call outside them (a GradCache job
+    whose ranks embed 16 rows at once against A's chunks of 8; A's calls of 32 in blocks of 16
+    against ranks' calls of 8) rounds in other matrix kernels, which the floor never measured."""
+    sizes_a, sizes_b = _rows_per_call(a), _rows_per_call(b)
+    if not sizes_a or not sizes_b:
+        return None
+    least, most = min(sizes_a) // blocks, max(sizes_a)
+    if least <= min(sizes_b) and max(sizes_b) <= most:
+        return None
+    return diagnosis.CALLS_UNSPANNED.format(
+        b=f"{min(sizes_b)}" if min(sizes_b) == max(sizes_b) else f"{min(sizes_b)}–{max(sizes_b)}",
+        least=least, most=most, threshold=FEWER_BLOCKS_THRESHOLD,
+    )  # fmt: skip
+
+
+def _rows_per_call(recording: Recording) -> list[int]:
+    """Each rank's rows per call of the forward at each update (rounded down), where it recorded
+    its calls and held rows."""
+    return [
+        len(rows) // calls
+        for update in recording.updates if update.calls
+        for rows, calls in zip(update.rows, update.calls, strict=True) if calls and rows
+    ]  # fmt: skip
 
 
 def _same_settings(a: Recording, b: Recording) -> None:
@@ -712,10 +745,15 @@ def _floored(
     a: Recording, b: Recording, floor: str | Path | Recording | None
 ) -> tuple[tuple[str, Recording, float] | None, tuple[str, ...]]:
     """The floor recording as `_floor` reads it, or None: without one, or where it is no floor
-    of rounding (`_no_rounding_floor`), then with the note that says so."""
-    floored = None if floor is None else _floor(a, b, recording(floor))
-    set_aside = None if floored is None else _no_rounding_floor(a, floored)
-    return (floored, ()) if set_aside is None else (None, (set_aside,))
+    of rounding (`_no_rounding_floor`), then with the note that says so; and the note that its
+    calls do not span B's (`_calls_unspanned`), where it is judged by."""
+    if floor is None:
+        return None, ()
+    floored, unspanned = _floor(a, b, recording(floor))
+    set_aside = _no_rounding_floor(a, floored)
+    if set_aside is not None:
+        return None, (set_aside,)
+    return floored, () if unspanned is None else (unspanned,)
 
 
 def _no_rounding_floor(a: Recording, floored: tuple[str, Recording, float]) -> str | None:
@@ -786,7 +824,8 @@ def _rows(
     in_precision = None
     if floored is not None:
         in_precision = InPrecision(floored[0], _trained(floored[1], full, unlossed),
-                                   blocks=max(floored[1].row_blocks, FLOOR_ROW_BLOCKS))  # fmt: skip
+                                   blocks=max(floored[1].row_blocks, FLOOR_ROW_BLOCKS),
+                                   threshold=floored[2])  # fmt: skip
         tolerance = in_precision.tolerance(_trained(a, full, unlossed), b.world_size)
     given = None if full and ceiling is None else (reads[0].whole, reads[0].parts)
     rows = judge(
@@ -927,7 +966,7 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
             text += " " + diagnosis.RECORDED_UNTRACED.format(micro=micro)
         lines.append(f"B against A, W = {head['world_size']}: {head['verdict']}{named}\n"
                      + diagnosis._paragraph(text) + diagnosis._departs(table.iloc[:1]))  # fmt: skip
-    lines += diagnosis._precision_lines(table, None)  # judged in floors (--floor)
+    lines += diagnosis._precision_lines(table, None, said.threshold)  # judged in floors (--floor)
     if trains_like_one_device(table) and floored:
         word = terms.Precision(table["precision"].iloc[0]).word
         lines.append(f"B trains like A as far as {word} can tell (within {said.threshold:g} "

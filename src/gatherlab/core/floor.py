@@ -62,11 +62,14 @@ autocast, `check.recordings`).
 Exactness still needs a floor."""
 
 
-def threshold(floor_blocks: int, world_size: int) -> float:
+def threshold(floor_blocks: int, world_size: int, spanned: bool = True) -> float:
     """T for a run of ``world_size`` ranks judged in floors of ``floor_blocks`` row blocks:
     `FLOOR_THRESHOLD` where the floor's blocks are at least the ranks (a perturbation of as many
-    partial sums), else `FEWER_BLOCKS_THRESHOLD`."""
-    return FLOOR_THRESHOLD if floor_blocks >= world_size else FEWER_BLOCKS_THRESHOLD
+    partial sums) and its calls of the forward span the run's (``spanned``: each rank's calls
+    hold no fewer rows than the floor's smallest block and no more than one device's calls: the
+    matrix kernels round the run's calls as the floor's perturbation measured), else
+    `FEWER_BLOCKS_THRESHOLD`."""
+    return FLOOR_THRESHOLD if floor_blocks >= world_size and spanned else FEWER_BLOCKS_THRESHOLD
 
 
 def beyond_rounding(departure: float, precision: str) -> bool:
