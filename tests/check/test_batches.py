@@ -62,6 +62,19 @@ def test_an_unseeded_random_sampler_against_a_distributed_sampler_is_another_per
     assert "RandomSampler(data) without generator=" in compared.explanation
 
 
+def test_a_per_device_batch_that_is_not_the_global_batch_over_w_is_named_before_any_sampler():
+    """One device at a global batch of 8 against 2 ranks given 8 rows each (a trainer's
+    per_device_train_batch_size left at one device's): the global batches differ from update 0,
+    and the words name the sizes, not the samplers' permutations (which a user then chases)."""
+    one = [[ROWS[:8]], [ROWS[8:]]]
+    two = [[ROWS[:8], ROWS[8:]], [ROWS[:8], ROWS[8:]]]
+    compared = explained(one, two)
+    assert compared.update == 0
+    assert compared.explanation.startswith(
+        "From the fingerprints: B's global batch holds 16 rows an update, A's 8"
+    ), compared.explanation
+
+
 def test_a_seeded_random_sampler_reshuffles_otherwise_from_the_second_epoch():
     """RandomSampler(generator seeded 0) on one device draws DistributedSampler(seed=0)'s first
     permutation (torch.randperm on a generator seeded 0), then continues its generator where

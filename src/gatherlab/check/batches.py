@@ -162,11 +162,15 @@ def _repeats_epoch(batches: list[list[str]], starts: list[int], epoch: int) -> b
 def explain(a: Recording, b: Recording, first: int, strided: bool = False) -> str:
     """What explains that B's global batch of update ``first`` (the first that differs) is not
     A's, with its fix, from the two recordings' fingerprints (the module's docstring), in the
-    order: a row held twice within an epoch, a batch most of whose rows one run never gives though
+    order: global batches of other sizes from update 0, a row held twice within an epoch, a
+    batch most of whose rows one run never gives though
     it covered its data set, another permutation from update 0, another reshuffle where an epoch
     starts, epochs cut differently; ``strided``: B held A's rows strided over its ranks before (a
     DistributedSampler's order)."""
     batches = {"A": _global(a), "B": _global(b)}
+    sizes = {name: len(rows[0]) if rows else 0 for name, rows in batches.items()}
+    if first == 0 and sizes["A"] != sizes["B"]:  # another global batch from the first update
+        return diagnosis.DATA_CAUSES["size"].format(rows_a=sizes["A"], rows_b=sizes["B"])
     starts = {name: epoch_starts(rows) for name, rows in batches.items()}
     for name, recording, other in (("B", b, "A"), ("A", a, "B")):
         held = _held_twice(recording, starts[name], first)

@@ -269,6 +269,13 @@ DATA_CAUSES = {
         "each sample's randomness from the sample itself (its index and epoch: "
         "gatherlab.components.data.sample_generator, docs/design.md §2)."
     ),
+    "size": (
+        "From the fingerprints: B's global batch holds {rows_b} rows an update, A's {rows_a}: "
+        "the per-device batch is not A's batch over the ranks (a trainer's "
+        "per_device_train_batch_size, a DataLoader's batch_size, is each rank's). Fix: give each "
+        "of the W ranks A's global batch over W rows (or A the ranks' whole batch), so that every "
+        "W trains on one device's global batch."
+    ),
     "start": (
         "From the fingerprints: the two runs' samplers start from different permutations: "
         "already update 0's global batches differ, before any epoch ends or is padded (striding "
