@@ -155,7 +155,7 @@ DIAGNOSES = {
     terms.LOSS_DIFFERS: (
         "the loss itself is not the 1-device loss: the mean over ranks of what the ranks return "
         "differs from the loss of the whole batch (relative difference {loss_diff:.2g}); no "
-        "backward can make it exact."
+        "gather's backward can make it exact: the loss itself must change."
     ),
     terms.LOSS_SCALED: (
         "the global loss is {scale:.6g} times the 1-device loss on every batch compared (to a "
