@@ -1100,7 +1100,8 @@ def _floor_command(a: Recording, b: Recording) -> str:
     command = header.get("command")
     if command:
         return (f"Record the floor, A's job on one device with its model's forward in {blocks} "
-                f"row blocks, and compare again:\n    {variables} {shlex.join(command)}\n"
+                "row blocks (A's own command: what else it writes, saved weights or logs, it "
+                f"writes again), and compare again:\n    {variables} {shlex.join(command)}\n"
                 f"    {again}")  # fmt: skip
     return (f"Record the floor, A's job on one device run again with {variables} in its "
             f"environment, and compare again:\n    {again}")  # fmt: skip
