@@ -81,17 +81,19 @@ def test_a_loss_gets_rank_and_world_size_when_it_takes_them_and_the_user_did_not
 
 
 def test_every_option_of_the_gather_group_is_a_gather_the_check_takes():
-    """conf/gather/ is the one registry of gathers: every option of the group is a name that
-    ``check_gather``/``--gather`` takes (``api._gather``: built by Hydra as the audit composes it,
-    ``config.build_gather_option``), the same gather ``gatherlab.gather.get`` reads from the file;
-    ``native`` is an option but no gather, refused in one line. (No ranks: the real run is the
-    command line's, ``--gather fixed_all_reduce`` below.)"""
+    """conf/gather/ is the one registry of gathers: every option of the group as Hydra lists it
+    is a name that ``check_gather``/``--gather`` takes (``api._gather``, which reads the files
+    through ``gatherlab.gather``, composing nothing), built as Hydra's composition builds it
+    (``config.build_gather_option``, the audit's); ``native`` is an option but no gather, refused
+    in one line. (No ranks: the real run is the command line's, ``--gather fixed_all_reduce``
+    below.)"""
     with config.composed():
-        options = config.group_options("gather", list(api.GATHER_SETTING))
+        options = config.group_options("gather")
+        composed = {name: config.build_gather_option(name) for name in options}
     gathers = [name for name in options if name != "native"]
     assert set(gathers) == set(gathering.NAMES) and "fixed_all_reduce" in gathers
     for name in gathers:
-        assert api._gather(name) == (name, gathering.get(name)), name
+        assert api._gather(name) == (name, composed[name]), name
     with pytest.raises(check.CheckError) as refusal:
         check.check_gather("native")
     message = str(refusal.value)
