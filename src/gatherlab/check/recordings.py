@@ -192,7 +192,8 @@ def _floor(
             "for recordings in float32, bf16 or fp16"
         )
     blocks = max(c.row_blocks, FLOOR_ROW_BLOCKS)  # a floor recorded before its blocks were: 2
-    note = _calls_unspanned(a, b, blocks)
+    # where C has fewer blocks than B has ranks T is the looser one already, and nothing is noted
+    note = _calls_unspanned(a, b, blocks) if blocks >= b.world_size else None
     return (precision, c, threshold(blocks, b.world_size, note is None)), note
 
 
