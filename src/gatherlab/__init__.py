@@ -57,10 +57,16 @@ Folders:
 __all__ = ["check", "compare", "gather", "losses", "report", "results", "testing"]
 
 
+# What ``import gatherlab`` reaches as an attribute, imported when first used: the API
+# reference's modules, the two callable ones and the sampler's (``gatherlab.data.
+# LayoutInvariantSampler``, as the docs write it).
+_LAZY = (*__all__, "record", "data")
+
+
 def __getattr__(name: str):
-    """``gatherlab.record(...)`` and ``gatherlab.compare(...)`` after ``import gatherlab``: the two
-    callable modules, imported when first used."""
-    if name in ("record", "compare"):
+    """``gatherlab.record(...)``, ``gatherlab.compare(...)``, ``gatherlab.data.…`` and every module
+    of `__all__` after ``import gatherlab`` alone (`_LAZY`), imported when first used."""
+    if name in _LAZY:
         import importlib
 
         return importlib.import_module(f"gatherlab.{name}")

@@ -366,3 +366,16 @@ def test_the_readmes_numbers_at_real_sizes_are_the_size_benchmarks():
     readme = " ".join((REPO / "README.md").read_text().split())
     said = sizes.summary(pd.read_csv(REPO / "figures" / "size_cost.csv"))
     assert f"**At real sizes.** {said}" in readme, said
+
+
+def test_import_gatherlab_alone_reaches_every_module_the_docs_write_as_its_attribute():
+    """The docs write ``gatherlab.data.LayoutInvariantSampler(...)``, ``gatherlab.record(...)``,
+    ``gatherlab.check.check_loss(...)`` after ``import gatherlab``: each is imported when first
+    reached (the package's ``__getattr__``, called here directly, since this process has imported
+    them all already). A user's Lightning job met ``module 'gatherlab' has no attribute 'data'``."""
+    import gatherlab
+
+    for name in ("data", "record", "compare", "check", "testing", "gather", "losses"):
+        assert gatherlab.__getattr__(name) is importlib.import_module(f"gatherlab.{name}"), name
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        gatherlab.__getattr__("nothing")
