@@ -51,6 +51,7 @@ from gatherlab.core.floor import (
     classify_floored,
     classify_sketched_floored,
     relative,
+    rounding_resolution,
     threshold,
 )
 from gatherlab.core.gradients import Classified, Layout
@@ -771,10 +772,9 @@ def _no_rounding_floor(a: Recording, floored: tuple[str, Recording, float]) -> s
         departure = _read(a, c, 0, 1, 1).whole.max_rel_err
     if not beyond_rounding(departure, precision):
         return None
-    judged = terms.Precision(precision)
     return diagnosis.NO_ROUNDING_FLOOR.format(
-        floor=c.path, departure=departure, word=judged.word,
-        ceiling=ROUNDING_CEILING[judged] * judged.unit_roundoff,
+        floor=c.path, departure=departure, word=terms.Precision(precision).word,
+        ceiling=rounding_resolution(precision),
     )  # fmt: skip
 
 
@@ -851,8 +851,7 @@ def _ceiling(
     relative L2 departure, from the full gradients or their sketches' estimate): the classes of
     the whole and of each part read at that resolution (a part within it ``not judged``), and
     the resolution; None where it departs less (then nothing is judged)."""
-    resolution = ROUNDING_CEILING.get(terms.Precision(precision), math.nan) * terms.Precision(
-        precision).unit_roundoff  # fmt: skip
+    resolution = rounding_resolution(precision)
     full_a, full_b = a.full_gradient(0), b.full_gradient(0)
     world_size = b.world_size
     if first.source == FULL:

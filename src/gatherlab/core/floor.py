@@ -32,7 +32,7 @@ __all__ = [
     "FEWER_BLOCKS_THRESHOLD", "FLOOR_THRESHOLD", "ROUNDING_CEILING", "WITHIN", "Floored",
     "beyond_rounding", "classify_at", "classify_floored", "classify_read",
     "classify_sketched_floored", "floor_of", "forward_floored", "judged_in", "power_words",
-    "relative", "relative_read", "threshold", "within",
+    "relative", "relative_read", "rounding_resolution", "threshold", "within",
 ]  # fmt: skip
 
 FLOOR_THRESHOLD = 5.0
@@ -72,12 +72,16 @@ def threshold(floor_blocks: int, world_size: int, spanned: bool = True) -> float
     return FLOOR_THRESHOLD if floor_blocks >= world_size and spanned else FEWER_BLOCKS_THRESHOLD
 
 
+def rounding_resolution(precision: str) -> float:
+    """The largest relative departure of a first gradient that rounding in ``precision`` gave any
+    correct run measured: `ROUNDING_CEILING` unit roundoffs (NaN for a precision without one)."""
+    return ROUNDING_CEILING.get(Precision(precision), math.nan) * Precision(precision).unit_roundoff
+
+
 def beyond_rounding(departure: float, precision: str) -> bool:
     """Whether a relative departure of a first gradient in ``precision`` is beyond what rounding
-    gave any correct run measured (`ROUNDING_CEILING` unit roundoffs): departing, floor or no
-    floor."""
-    ceiling = ROUNDING_CEILING.get(Precision(precision))
-    return ceiling is not None and departure > ceiling * Precision(precision).unit_roundoff
+    gave any correct run measured (`rounding_resolution`): departing, floor or no floor."""
+    return departure > rounding_resolution(precision)  # False against NaN
 
 
 def within(precision: str) -> str:
