@@ -147,15 +147,19 @@ digests in hexadecimal in each line), before version 2 (README.md there: how it 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_version_1_recording_is_read_as_the_same_loop_recorded_now(recorded, world_size):
     """A recording of format version 1 reads as today's recording of the same loop (version 2,
-    its digests in rows.u64): the same rows' digests rank by rank, losses, norms and sketches
-    (float64, the same operations: to the last bits' rounding); and the two compare exact."""
+    its digests in rows.u64): the same rows' digests and calls rank by rank; losses, norms and
+    sketches (float64, the same operations: to the last bits' rounding); and the two compare
+    exact."""
     old, new = format.read(VERSION_1 / f"w{world_size}"), recorded("ddp", "", world_size)
     assert (old.header["version"], new.header["version"]) == (1, 2) == (1, format.VERSION)
     assert not (old.path / format.ROWS).exists() and (new.path / format.ROWS).is_file()
     assert len(old.updates) == len(new.updates) == recorded_loops.STEPS
     for a, b in zip(old.updates, new.updates, strict=True):
         assert [len(rows) for rows in a.rows] == [recorded_loops.GLOBAL // world_size] * world_size
-        assert a.rows == b.rows and a.losses == b.losses and a.calls == b.calls
+        assert a.rows == b.rows and a.calls == b.calls
+        # the losses too are float64 sums whose last bit follows the CPU's kernels (this machine's
+        # AVX-512 ones differ from those the old recording was made with in the 16th digit)
+        assert a.losses == pytest.approx(b.losses, rel=1e-14, abs=0)
         for part in old.parts:
             assert relative(b.sketches[part], a.sketches[part]) <= 1e-14
             assert abs(b.norms[part] / a.norms[part] - 1) <= 1e-14
