@@ -283,11 +283,13 @@ def test_classify_reads_a_vector_of_several_blocks_as_the_whole_vector_formulas_
 
 def test_float32_vectors_and_their_parts_are_read_in_float64_as_numpy_reads_them():
     """A precision's vectors kept in it (float32, a check judged in floors alone) are read in
-    float64 block by block: ``largest_difference`` and ``floor.relative`` are numpy's float64
-    numbers of the float32 values to 1e-14, where float32 arithmetic's sums are ~1e-7 off;
-    ``part_moments``
-    reads each part and the whole in one pass, the whole's numbers those of the whole vectors;
-    torch's threads are as they were."""
+    float64 block by block: ``largest_difference`` is numpy's float64 number of the float32
+    values, and ``floor.relative`` and ``part_moments``' sums are the exact sums (`math.fsum` of
+    the terms, each exact in float64 here: a float32 product has 48 bits) to within n unit
+    roundoffs of float64 for n positive terms, the bound of any order of summation (7e-12 here,
+    where float32 arithmetic's sums are ~1e-7 off; the order, and so the last digits, follow the
+    CPU's kernels); ``part_moments`` reads each part and the whole in one pass, the whole's
+    numbers those of the whole vectors; torch's threads are as they were."""
     size = 2 * gradients._BLOCK + 9
     generator = torch.Generator().manual_seed(2)
     reference = (1 + torch.rand(size, generator=generator)).float()
@@ -296,17 +298,19 @@ def test_float32_vectors_and_their_parts_are_read_in_float64_as_numpy_reads_them
     a, b = reference.double().numpy(), gradient.double().numpy()
     threads = torch.get_num_threads()
     assert gradients.largest_difference(gradient, reference) == np.abs(b - a).max()
-    relative = np.linalg.norm(b - a) / np.linalg.norm(a)
-    assert floor.relative(gradient, reference) == pytest.approx(relative, rel=1e-14, abs=0)
+
+    def exact(x, y):  # the sum of x·y, correctly rounded, and its bound for positive terms
+        return pytest.approx(math.fsum((x * y).tolist()), rel=len(x) * 2.0**-53, abs=0)
+
+    relative = math.sqrt(exact(b - a, b - a).expected / exact(a, a).expected)
+    assert floor.relative(gradient, reference) == pytest.approx(relative, rel=size * 2.0**-53)
     layout = {"first": [(0, 5), (size - 4, size)], "second": [(5, size - 4)]}
     whole, parts = gradients.part_moments(gradient, reference, layout)
     pieces = {"first": np.r_[0:5, size - 4 : size], "second": np.r_[5 : size - 4]}
     for read, rows in [(whole, np.r_[0:size]), *((parts[n], r) for n, r in pieces.items())]:
         x, y = b[rows], a[rows]
-        assert read.squares == pytest.approx(x @ x, rel=1e-14, abs=0)
-        assert read.reference_squares == pytest.approx(y @ y, rel=1e-14, abs=0)
-        assert read.product == pytest.approx(x @ y, rel=1e-14, abs=0)
-        assert read.difference_squares == pytest.approx((x - y) @ (x - y), rel=1e-14, abs=0)
+        assert read.squares == exact(x, x) and read.reference_squares == exact(y, y)
+        assert read.product == exact(x, y) and read.difference_squares == exact(x - y, x - y)
         assert (read.peak, read.reference_peak) == (np.abs(x).max(), np.abs(y).max())
         assert read.departure == np.abs(x - y).max()
     assert torch.get_num_threads() == threads
