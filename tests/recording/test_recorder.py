@@ -409,6 +409,46 @@ def _floor_on_ranks(out: str) -> str:
     return "recorded"
 
 
+def _fsdp2_under_autocast(out) -> None:
+    """One update of an MLP whose layers and root are FSDP2's (``fully_shard``, on this
+    process's one-rank group: ``torchrun --nproc-per-node 1``) under bf16 autocast, recorded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)]
+    model = torch.nn.Sequential(layers[0], torch.nn.Tanh(), layers[1], torch.nn.Tanh(), layers[2])
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in layers[1:]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    with gatherlab.record(model, optimizer, out, full_updates=1):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(rows).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+
+
+def test_an_fsdp2_models_floor_under_autocast_keeps_every_weights_gradient(tmp_path, monkeypatch):
+    """The floor's first call measures its row blocks without gradients, inside the step's
+    autocast: FSDP2's modules then re-used those casts of their weights, which had no gradient
+    path, and every weight of an FSDP2 layer trained without a gradient (a user's floor departed
+    from A by 0.51). Its update-0 gradient is A's to bf16's rounding (2.8e-3 measured; 1e-2 held,
+    where the lost layers made it 0.97)."""
+    from gatherlab.recording.recorder import FLOOR_VARIABLE
+
+    with world.alone():
+        _fsdp2_under_autocast(tmp_path / "one")
+        monkeypatch.setenv(FLOOR_VARIABLE, str(tmp_path / "floor"))
+        _fsdp2_under_autocast(tmp_path / "one")  # its floor, into tmp_path / "floor"
+    one, floor = format.read(tmp_path / "one"), format.read(tmp_path / "floor")
+    assert floor.row_blocks == 2 and one.precision == floor.precision == "bf16-mixed"
+    a, b = one.full_gradient(0), floor.full_gradient(0)
+    assert float((b - a).norm() / a.norm()) <= 1e-2, float((b - a).norm() / a.norm())
+
+
 def test_updates_are_written_in_batches_and_every_one_is_there_at_the_end(tmp_path):
     """The ranks keep their updates and rank 0 writes them every few (at most FLUSH_UPDATES):
     more than two batches' updates are as many lines once the recorder closes, in order."""

@@ -374,6 +374,10 @@ class _FloorForward:
         finally:
             for module, training in modes.items():
                 module.training = training
+            # The casts made without gradients, in the step's autocast, are not the training's:
+            # FSDP2's modules re-use a weight's cached cast, which then has no gradient path, and
+            # every weight under them trained with no gradient (a user's floor, 0.51 from A).
+            torch.clear_autocast_cache()
         self.measured, self.scalars = True, joined.scalars
         unit = torch.finfo(joined.dtype).eps / 2
         if joined.relative > JOIN_ROUNDINGS * unit:
