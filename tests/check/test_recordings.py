@@ -8,6 +8,7 @@ gets the same verdict."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -22,7 +23,7 @@ import gatherlab
 from gatherlab import check
 from gatherlab.check import recordings as comparer
 from gatherlab.core.floor import WITHIN
-from gatherlab.recording.format import read
+from gatherlab.recording.format import SKETCHES, read
 from gatherlab.testing import assert_runs_match
 
 pytestmark = pytest.mark.slow
@@ -464,10 +465,6 @@ def test_float32_recordings_equal_to_the_last_bit_are_exact_without_a_floor(
     torchrun and with python) need no floor: they are ``exact`` (status 0). One bit of one
     sketch changed, they are ``not judged`` again (status 3), as any two float32 runs without a
     floor."""
-    import shutil
-
-    from gatherlab.recording.format import SKETCHES
-
     same = comparer.compare_recordings(float32_recordings["one"], float32_recordings["again"])
     assert (same.verdict, same.status) == ("exact", 0), same.words
     assert "A's to the last bit" in " ".join(same.words.split())
@@ -521,6 +518,16 @@ def test_a_floor_that_departs_beyond_rounding_is_set_aside_and_b_judged_without_
     assert "so it is no floor; B is judged without it" in said
     assert compared.status == 1, compared.words
     assert compared.verdict not in WITHIN and compared.verdict != "exact", compared.words
+    apart = tmp_path / "apart"  # A one bit apart: within any rounding, so not judged without
+    shutil.copytree(paths["one"], apart)  # a floor, and the words say how to record one that is
+    values = np.fromfile(apart / SKETCHES, dtype="<u8")
+    values[0] ^= 1
+    values.tofile(apart / SKETCHES)
+    unjudged = comparer.compare_recordings(paths["one"], apart, floor=paths["floor"])
+    said = " ".join(unjudged.words.split())
+    assert unjudged.status == 3 and "so it is no floor; B is judged without it" in said, said
+    assert "The floor recording given is no floor (the note above): record A and its" in said
+    assert "GATHERLAB_RECORD_FLOOR=" not in said and "compare again with it" not in said
 
 
 def test_a_floor_whose_calls_do_not_span_bs_holds_b_to_20_floors_and_says_why(tmp_path):

@@ -350,6 +350,12 @@ NO_ROUNDING_FLOOR = (
     "judged without it. For a floor, record A and its floor with nothing drawn at random in the "
     "forward (dropout off), or compare in float64."
 )
+# Not judged, where the floor recording given was set aside (`check.recordings._not_judged_words`).
+FLOOR_SET_ASIDE = (
+    "The floor recording given is no floor (the note above): record A and its floor again with "
+    "nothing drawn at random in the forward (dropout off) and compare with that floor, or record "
+    "both runs in float64."
+)
 # A floor recording whose calls of the forward do not span B's (`check.recordings._floor`).
 CALLS_UNSPANNED = (
     "note: B's calls of the model's forward hold {b} rows a rank, and the floor recording rounds "

@@ -734,7 +734,8 @@ def compare_recordings(
     status = 0 if trains_like_one_device(table) else 1 if judged else terms.NOT_JUDGED_STATUS
     said = _Said(table, updates, data, departure, measured, tolerance, desync,
                  floored[2] if floored else threshold(2, 1),
-                 None if ceiling is None else (precision, ceiling[1]), identical)  # fmt: skip
+                 None if ceiling is None else (precision, ceiling[1]), identical,
+                 bool(set_aside))  # fmt: skip
     words = _words(a, b, said) if judged else _not_judged_words(a, b, said, reads[0], precision)
     return Comparison(
         table=table, updates=updates, verdict=rows[0].verdict, status=status, words=words,
@@ -922,6 +923,8 @@ class _Said:
     identical: bool = False
     """A low precision judged without a floor: B's every number is A's to the last bit
     (`_identical`)."""
+    set_aside: bool = False
+    """A floor recording was given and set aside (`_no_rounding_floor`)."""
 
 
 def _heading(a: Recording, b: Recording, said: _Said) -> list[str]:
@@ -1048,7 +1051,7 @@ def _within_floors_words(head: pd.Series, said: _Said) -> str:
 
 def _not_judged_words(a: Recording, b: Recording, said: _Said, first: _Read, precision: str) -> str:
     """A low precision without a floor recording: what was measured, and the command that
-    records the floor."""
+    records the floor (where the one given was set aside, how to record one that is a floor)."""
     word = terms.Precision(precision).word
     lines = _heading(a, b, said)
     departure = first.whole.max_rel_err
@@ -1057,7 +1060,8 @@ def _not_judged_words(a: Recording, b: Recording, said: _Said, first: _Read, pre
         f"not judged: A and B are recorded in {precision}, whose rounding alone makes W ranks "
         f"depart from one device; without a floor no departure can be told from it (B's first "
         f"gradient departs from A's by {departure:.2g}, {measure}; {word}'s unit roundoff is "
-        f"{terms.Precision(precision).unit_roundoff:.2g}). " + _floor_command(a, b)
+        f"{terms.Precision(precision).unit_roundoff:.2g}). "
+        + (diagnosis.FLOOR_SET_ASIDE if said.set_aside else _floor_command(a, b))
     )
     return "\n\n".join(lines) + "\n"
 
