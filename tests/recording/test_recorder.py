@@ -409,23 +409,25 @@ def _floor_on_ranks(out: str) -> str:
     return "recorded"
 
 
-def _fsdp2_under_autocast(out) -> None:
+def _fsdp2_under_autocast(out, policy: bool = False) -> None:
     """One update of an MLP whose layers and root are FSDP2's (``fully_shard``, on this
-    process's one-rank group: ``torchrun --nproc-per-node 1``) under bf16 autocast, recorded."""
+    process's one-rank group: ``torchrun --nproc-per-node 1``) under bf16 autocast, recorded;
+    ``policy``: no autocast, FSDP2's own mixed precision (bf16 weights in the forward)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(4, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)]
     model = torch.nn.Sequential(layers[0], torch.nn.Tanh(), layers[1], torch.nn.Tanh(), layers[2])
     mesh = init_device_mesh("cpu", (1,))
+    mixed = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if policy else {}
     for layer in layers[1:]:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **mixed)
+    fully_shard(model, mesh=mesh, **mixed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     rows = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     with gatherlab.record(model, optimizer, out, full_updates=1):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not policy):
             loss = model(rows).float().pow(2).mean()
         loss.backward()
         optimizer.step()
@@ -447,6 +449,24 @@ def test_an_fsdp2_models_floor_under_autocast_keeps_every_weights_gradient(tmp_p
     assert floor.row_blocks == 2 and one.precision == floor.precision == "bf16-mixed"
     a, b = one.full_gradient(0), floor.full_gradient(0)
     assert float((b - a).norm() / a.norm()) <= 1e-2, float((b - a).norm() / a.norm())
+
+
+def test_fsdp2s_mixed_precision_policy_is_recorded_as_bf16_mixed(tmp_path):
+    """FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` keeps float32 parameters and
+    computes the forward in bf16, as an autocast does: the recording is ``bf16-mixed``, judged in
+    bf16's rounding (labelled ``32-true``, a user's correct two-rank job read ``biased``, beyond
+    float32's); the same job without the policy is ``32-true``."""
+    with world.alone():
+        _fsdp2_under_autocast(tmp_path / "policy", policy=True)
+    policy = format.read(tmp_path / "policy")
+    assert (policy.header["precision"], policy.precision) == ("32-true", "bf16-mixed")
+    assert policy.updates[0].autocast == "bfloat16"
+    model = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gatherlab.record(model, optimizer, tmp_path / "plain"):
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+    assert format.read(tmp_path / "plain").precision == "32-true"
 
 
 def test_updates_are_written_in_batches_and_every_one_is_there_at_the_end(tmp_path):

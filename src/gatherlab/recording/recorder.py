@@ -393,6 +393,10 @@ class _FloorForward:
             )
 
 
+_HALF = (torch.bfloat16, torch.float16)
+"""The half precisions a wrapper may cast a job's wider parameters to for its forward."""
+
+
 @functools.cache
 def _dtensor() -> type:
     from torch.distributed.tensor import DTensor
@@ -477,6 +481,8 @@ class Recorder:
         self._traced: list | None = None
         first = self._parameters[0].parameter if self._parameters else None
         self._device = first.device.type if first is not None else "cpu"  # its autocast's
+        self._dtype = first.dtype if first is not None else torch.float32  # the parameters'
+        self._cast_hooks: list[Any] = []  # `_attach`, `_on_cast`: the first update's alone
         header = self._header(model, optimizer, options, k, full_updates, row_blocks)
         self._writer = self._open(Path(out), header)
         self._hooks = self._attach(model, optimizer, loss, options.batches, options.losses)
@@ -605,7 +611,11 @@ class Recorder:
             hooks.append(model.register_forward_hook(self._on_output))
         for module in (model, *_unwrapped(model).children()):
             self._autocast_hooks[module] = module.register_forward_pre_hook(self._on_autocast)
-        return hooks + list(self._autocast_hooks.values())
+        if self._dtype not in _HALF:  # a wrapper that casts the weights for the forward
+            owners = [m for m in _unwrapped(model).modules()
+                      if next(m.parameters(recurse=False), None) is not None]  # fmt: skip
+            self._cast_hooks = [m.register_forward_pre_hook(self._on_cast) for m in owners]
+        return hooks + list(self._autocast_hooks.values()) + self._cast_hooks
 
     def _floor(self, model: nn.Module, out: str | Path) -> tuple[str | Path, int]:
         """Where the recording goes and its model's row blocks: ``out`` and 1, or, with
@@ -724,6 +734,18 @@ class Recorder:
                 self._first_child = module
             if torch.is_autocast_enabled(self._device):
                 self._autocast = str(torch.get_autocast_dtype(self._device)).removeprefix("torch.")
+
+    def _on_cast(self, module: nn.Module, args: tuple) -> None:
+        """The half precision a module's weights are in when its forward runs, where the job's
+        parameters are wider: a wrapper that casts them for the forward and keeps its parameters
+        in float32 (FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``) trains as
+        an autocast does, and is recorded as one (``autocast``, its precision ``bf16-mixed``);
+        looked for in the first update's forward alone (`_record_update`)."""
+        if self._autocast is None and torch.is_grad_enabled():
+            cast = next((p.dtype for p in module.parameters(recurse=False) if p.dtype in _HALF),
+                        None)  # fmt: skip
+            if cast is not None:
+                self._autocast = str(cast).removeprefix("torch.")
 
     def _pruned(self) -> None:
         """After the first update, the autocast's hooks that are left (`_attach`): none once an
@@ -981,6 +1003,9 @@ class Recorder:
         self.updates += 1
         if self.updates == 1 or (self._autocast is not None and self._autocast_hooks):
             self._pruned()
+        for hook in self._cast_hooks:
+            hook.remove()
+        self._cast_hooks = []
         self._rows, self._losses, self._calls = [], [], 0
 
     def _after_step(self, optimizer, args: tuple, kwargs: dict) -> None:
