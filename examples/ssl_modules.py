@@ -12,6 +12,10 @@ researcher would bring; none knows gatherlab.
   pattern of lightly before PR #1531).
 - ``BYOL``: an online network with a predictor and an EMA target network (no batch norm), a
   per-sample loss: exact, the target follows the exact gradient it is given.
+- ``LightningGatherCLIP``: an encoder and a learnt logit scale, each rank's own rows against the
+  batch gathered by Lightning's own ``self.all_gather(z, sync_grads=True)`` (whose backward sums
+  every rank's gradient): exact; with ``sync_grads=False`` the other ranks' gradients of the
+  rank's rows are dropped: biased.
 - ``NotALightningModule``: a plain ``nn.Module`` (no ``training_step``), a mistake to refuse.
 - ``GaussianPairs``: two fixed noisy views of Gaussian points. ``AugmentedGaussians``: the same
   points, the views drawn in ``__getitem__`` from the global torch generator, as torchvision's
@@ -106,6 +110,28 @@ class BYOL(L.LightningModule):
         ):
             for p, q in zip(online.parameters(), target.parameters(), strict=True):
                 q.mul_(self.momentum).add_(p, alpha=1 - self.momentum)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class LightningGatherCLIP(L.LightningModule):
+    def __init__(self, lr: float = 0.05, dim: int = 8, sync_grads: bool = True):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(dim, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+        self.lr, self.sync_grads = lr, sync_grads
+
+    def training_step(self, batch, batch_index):
+        x0, x1 = batch
+        z0 = F.normalize(self.encoder(x0), dim=1)
+        z1 = F.normalize(self.encoder(x1), dim=1)
+        gathered = self.all_gather(z1, sync_grads=self.sync_grads).reshape(-1, z1.shape[1])
+        logits = self.logit_scale.exp() * z0 @ gathered.T
+        labels = torch.arange(len(z0)) + self.global_rank * len(z0)
+        loss = F.cross_entropy(logits, labels)
+        self.log("loss", loss)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -91,6 +91,26 @@ def test_each_module_gets_its_verdict_and_causes(case):
         assert (alone["verdict"] == "loss differs").all(), table.to_string()
 
 
+@pytest.mark.parametrize(("sync_grads", "verdict"), [(True, "exact"), (False, "biased")])
+def test_a_module_that_gathers_with_lightnings_own_all_gather_is_checked(sync_grads, verdict):
+    """``self.all_gather(z, sync_grads=True)``, Lightning's own gather, sums every rank's gradient
+    of the rank's rows: exact at W = 2, every step and weight to the float64 bound; with
+    ``sync_grads=False`` the other ranks' gradients are dropped: biased. Its step run alone (the
+    check's first step in float64) reaches one device's ``all_gather`` and ``self.log``; it
+    raised "not attached to a Trainer", and the check refused the module in one line."""
+    table = check.check_training(
+        "ssl_modules:LightningGatherCLIP", "ssl_modules:GaussianPairs", (2,), **RUN,
+        module_kwargs={"sync_grads": sync_grads},
+    ).table  # fmt: skip
+    run = table[(table["part"] == "all") & (table["removed"] == "none")].iloc[0]
+    assert run["verdict"] == verdict, table.to_string()
+    if verdict == "exact":
+        assert run["train_max_abs_loss_diff"] <= FLOAT64_BOUND
+        assert run["max_abs_param_diff"] <= FLOAT64_BOUND
+    else:
+        assert run["train_max_abs_loss_diff"] > MISS_FACTOR * FLOAT64_BOUND
+
+
 def test_the_gather_that_breaks_a_module_is_checked_as_a_loss_on_its_own():
     result = check.check_training(
         "ssl_modules:SimCLRPre1531", "ssl_modules:GaussianPairs", (2, 4), loss_attr="criterion",

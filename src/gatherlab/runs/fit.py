@@ -175,8 +175,14 @@ class Module:
         return collate_fn_of(self.module(), data)
 
     def one_step(self, built: L.LightningModule, batch: Any) -> Any:
-        """What ``training_step`` returns on ``batch`` (index 0)."""
-        return built.training_step(batch, 0)
+        """What ``training_step`` returns on ``batch`` (index 0), run as one device's Trainer runs
+        it (`OneDevice`: ``self.all_gather`` and ``self.log`` reach it)."""
+        one_device = OneDevice()
+        built.fabric = one_device  # a weak reference: ``one_device`` outlives the step
+        try:
+            return built.training_step(batch, 0)
+        finally:
+            built.fabric = None
 
     def train_on_rank(self, spec: RunSpec) -> runfiles.Trained:
         """Train the run ``spec`` describes (`fit_on_rank`) and return it
@@ -217,6 +223,34 @@ class Module:
             )
         else:
             launch.fit(lightning_module, datamodule, 1, spec.precision, spec.steps, callbacks)
+
+
+class OneDevice:
+    """What a LightningModule's step reaches of its Trainer where gatherlab runs the step alone (a
+    check's first step in float64, its draws of randomness): one device's, as Lightning's
+    single-device strategy gives them; attached through the module's public ``fabric`` attribute,
+    which Lightning's module methods read before its Trainer. ``all_gather`` returns the tensor
+    itself (one device, no leading dimension), ``log_dict`` keeps nothing, ``backward`` is the
+    loss's own (``manual_backward``). Without it ``self.all_gather``, Lightning's own gather,
+    raised "not attached to a Trainer", and the check refused the module as code that cannot run
+    in float64."""
+
+    loggers: ClassVar[list] = []
+    logger = None
+    global_rank, local_rank, node_rank, world_size = 0, 0, 0, 1
+
+    @property
+    def strategy(self) -> OneDevice:
+        return self
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False):
+        return tensor
+
+    def log_dict(self, metrics: Any, step: int | None = None) -> None:
+        pass
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(*args, **kwargs)
 
 
 class _ReducedGradients(L.Callback):
