@@ -196,7 +196,9 @@ DIAGNOSES = {
         "a loss over the rank's own rows (its anchors against the gathered batch) with a gather "
         "that drops the other ranks' gradients of this rank's slice (no gradient, or the own "
         "slice only), or a gather that averages the gathered path while the direct use of the "
-        "local embeddings keeps its size. Fix: " + _GATHER_FIX + "."
+        "local embeddings keeps its size; or a loss term normalised per rank where one device "
+        "normalises over the global batch (a mean over the rank's own tokens, a sum over the "
+        "ranks not divided by W). Fix: " + _GATHER_FIX + "; or one device's normalisation."
     ),
     terms.GradientClass.NONE: (
         "no gradient reaches the model's parameters on W ranks, while one device has one: "
