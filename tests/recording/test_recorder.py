@@ -409,6 +409,55 @@ def _floor_on_ranks(out: str) -> str:
     return "recorded"
 
 
+class _TokenMean(torch.nn.Module):
+    """A model that returns its loss, a mean over its rows' tokens (as many as each row's mask
+    keeps: a causal language model's, which its Trainer calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Linear(4, 4).double()
+
+    def forward(self, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return ((self.backbone(rows) ** 2).sum(-1) * mask).sum() / mask.sum()
+
+
+def _token_job(out, cut: bool = False) -> None:
+    """Two updates of `_TokenMean` in float64; ``cut``: its backbone in row blocks, cut by the
+    job itself (`gatherlab.record.in_row_blocks`)."""
+    torch.manual_seed(0)
+    model = _TokenMean()
+    if cut:
+        gatherlab.record.in_row_blocks(model.backbone)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(2, 8, 5, 4, dtype=torch.float64, generator=generator)
+    mask = (torch.arange(5) < torch.randint(1, 6, (2, 8, 1), generator=generator)).double()
+    with gatherlab.record(model, optimizer, out, full_updates=1):
+        for update in range(2):
+            optimizer.zero_grad()
+            model(rows[update], mask[update]).backward()
+            optimizer.step()
+
+
+def test_the_floor_of_a_job_that_cuts_its_model_itself_is_that_cut(tmp_path, monkeypatch):
+    """A model whose loss is a mean over its rows' tokens cannot be cut whole (the joined loss
+    is no token mean): refused in one line that says what works, the part before the loss in
+    ``in_row_blocks`` in the job. With the floor's variable set, such a job's floor is its own
+    cut, recorded into the variable's directory (the recorder cut the whole model again and
+    refused it), and in float64 its first gradient is one call's to rounding."""
+    from gatherlab.recording.recorder import FLOOR_VARIABLE
+
+    _token_job(tmp_path / "one")
+    monkeypatch.setenv(FLOOR_VARIABLE, str(tmp_path / "whole"))
+    with pytest.raises(format.RecordingError, match=r"a mean over tokens\), and row blocks"):
+        _token_job(tmp_path / "one")
+    monkeypatch.setenv(FLOOR_VARIABLE, str(tmp_path / "floor"))
+    _token_job(tmp_path / "one", cut=True)
+    floor, one = format.read(tmp_path / "floor"), format.read(tmp_path / "one")
+    a, b = one.full_gradient(0), floor.full_gradient(0)
+    assert floor.row_blocks == 2 and float((b - a).norm() / a.norm()) <= 1e-14
+
+
 def _fsdp2_under_autocast(out, policy: bool = False) -> None:
     """One update of an MLP whose layers and root are FSDP2's (``fully_shard``, on this
     process's one-rank group: ``torchrun --nproc-per-node 1``) under bf16 autocast, recorded;

@@ -386,10 +386,11 @@ class _FloorForward:
                 f"{self.said}: the model's forward in {self.blocks} row blocks is not one "
                 f"call's: its {joined.leaf} departs from one call's by {joined.relative:.2g} "
                 f"(relative, without dropout), beyond {JOIN_ROUNDINGS} unit roundoffs of "
-                f"{dtype}: its rows meet (a loss over the batch's rows, a batch statistic), and "
-                "row blocks change what it computes; allowed: the part of the model before its "
-                "loss in gatherlab.record.in_row_blocks(...) in the job, or both runs recorded "
-                "in float64"
+                f"{dtype}: its rows meet (a loss over the batch's rows, a batch statistic, a "
+                "mean over tokens), and row blocks change what it computes; allowed: the part of "
+                "the model before its loss in gatherlab.record.in_row_blocks(...) in the job "
+                "(with the variable set, the recorder then cuts nothing itself), or both runs "
+                "recorded in float64"
             )
 
 
@@ -624,9 +625,10 @@ class Recorder:
         refusal one line (`refuse`). One process in a process group of its own (``torchrun
         --nproc-per-node 1``) is one device."""
         floor = os.environ.get(FLOOR_VARIABLE)
+        cuts = [getattr(m, "row_blocks", 1) for m in _unwrapped(model).modules()]
+        cut = max((b for b in cuts if isinstance(b, int)), default=1)
         if not floor:  # a job that cuts a part of its model itself (in_row_blocks) says so
-            cut = [getattr(m, "row_blocks", 1) for m in _unwrapped(model).modules()]
-            return out, max((b for b in cut if isinstance(b, int)), default=1)
+            return out, cut
         said = f"{FLOOR_VARIABLE}={floor}"
         blocks = os.environ.get(FLOOR_BLOCKS_VARIABLE, str(FLOOR_ROW_BLOCKS))
         if not blocks.isdigit() or int(blocks) < 2:
@@ -645,6 +647,11 @@ class Recorder:
                 "blocks would split: no floor can be measured for it; allowed: a model without "
                 "batch norm, or both runs recorded in float64"
             )
+        if cut > 1:  # the job cuts the part before its loss itself: the floor is that cut
+            log.warning("gatherlab.record: %s: recording this job's floor into %s (its own "
+                        "in_row_blocks cut, %d row blocks), not into %s", said, floor, cut,
+                        out)  # fmt: skip
+            return floor, cut
         self._floor_forward = _FloorForward(_unwrapped(model), int(blocks), said)
         log.warning("gatherlab.record: %s: recording this job's floor into %s (its model's "
                     "forward in %d row blocks), not into %s", said, floor, int(blocks),
