@@ -390,7 +390,8 @@ def test_the_comparison_names_the_checks_cause_from_the_traces(contrastive, run,
         assert math.isclose(head["scale"], 0.5, rel_tol=1e-12) and head["gradient"] == "1/W"
         assert "B's global loss of update 0, computed at A's weights on A's rows, is 0.5 times" in (
             words
-        )
+        )  # and the first departure's words compare B's losses divided by that scale, as it does
+        assert "its loss (divided by its scale, 0.5) first leaves A's" in words, words
     else:
         assert "of the rank's 8 entries, where one device takes all 16" in head["departs"]
         assert "Named from the traces of the first update" in words

@@ -1019,14 +1019,17 @@ def _departure_words(head: pd.Series, said: _Said, floored: bool) -> str:
         gradient += (f", {row['floors']:.3g} floors of the floor recording's departure there "
                      f"({row['floor']:.2g}; at most {said.threshold:g} is within it)")  # fmt: skip
     first_loss = head["first_diff_step"]
+    scale = head.get("scale")  # B's losses are compared divided by it (`_departure`)
+    scaled = ("" if scale is None or pd.isna(scale) or scale == 1 else
+              f" (divided by its scale, {scale:.6g})")  # fmt: skip
     if first_loss is not None and not pd.isna(first_loss):
         step = int(first_loss)
         when = ("the same update" if step == update else
                 f"the first computed with the weights of update {update}'s step"
                 if step == update + 1 else f"{step - update} updates later")  # fmt: skip
-        loss = f"; its loss first leaves A's at update {step} (first_diff_step: {when})"
+        loss = f"; its loss{scaled} first leaves A's at update {step} (first_diff_step: {when})"
     else:
-        loss = f"; no update's loss leaves A's by more than {said.tolerance:.3g}"
+        loss = f"; no update's loss{scaled} leaves A's by more than {said.tolerance:.3g}"
     return f"{where}: {gradient}{loss}"
 
 
