@@ -169,7 +169,9 @@ DIAGNOSES = {
         + " without the factor, which logs the 1-device value too. In a pipeline, a factor 1/K "
         "(K its schedule's micro-batches) is the logged mean of micro-batch losses that are each "
         "a part of the whole (a sum ÷ the global count of tokens): a correct run; log their sum "
-        "to read one device's loss."
+        "to read one device's loss. Under a Hugging Face Trainer, a factor 1/W is its model's "
+        "loss over the global count of tokens (num_items_in_batch), which the Trainer multiplies "
+        "by the processes outside the model: a correct run."
     ),
     terms.GradientClass.ONE_OVER_W: (
         "the gradient is 1/W of one device's (norm ratio {norm_ratio:.6g}, cosine "
@@ -179,7 +181,9 @@ DIAGNOSES = {
         "without gradient with the live local tensor put back in its slot, or a gather whose "
         "backward keeps only the own slice, while every rank computes the full loss; or the "
         "loss or its gradients divided by W where DDP already averages them over the ranks. "
-        "Fix: " + _GATHER_FIX + "; or drop the division by W."
+        "Fix: " + _GATHER_FIX + "; or drop the division by W; where every rank computes the "
+        "whole global loss (GradCache's cached embeddings), multiply it by W before its backward, "
+        "since DDP averages."
     ),
     terms.GradientClass.W: (
         "the gradient is W times one device's (norm ratio {norm_ratio:.6g}): SGD's effective "
