@@ -44,10 +44,12 @@ class InfoNCE(nn.Module):
 
 
 def loop(
-    out: str, bug: str = "", micro_batches: int = 1, trace: bool = False, seed: int = 0
-) -> None:
+    out: str, bug: str = "", micro_batches: int = 1, trace: bool = False, seed: int = 0,
+    chunks: int = 1,
+) -> None:  # fmt: skip
     """Trains ``STEPS`` updates of SGD and records them into ``out`` (``bug``: ``local``,
-    ``scaled`` or none)."""
+    ``scaled`` or none; ``chunks``: the rows embedded in that many calls, one loss over them all,
+    as a job that embeds in chunks does)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(seed)
@@ -66,6 +68,7 @@ def loop(
             for micro in range(micro_batches):
                 start = update * GLOBAL + rank * GLOBAL // world + micro * rows
                 batch = slice(start, start + rows)
-                embedded = trained(torch.cat([views[0][batch], views[1][batch]]))
+                both = torch.cat([views[0][batch], views[1][batch]])
+                embedded = torch.cat([trained(part) for part in both.chunk(chunks)])
                 (criterion(*embedded.chunk(2)) / micro_batches).backward()
             optimizer.step()

@@ -22,6 +22,7 @@ from recorded import record, record_cases
 import gatherlab
 from gatherlab import check
 from gatherlab.check import recordings as comparer
+from gatherlab.core import terms
 from gatherlab.core.floor import WITHIN
 from gatherlab.recording.format import SKETCHES, read
 from gatherlab.testing import assert_runs_match
@@ -353,10 +354,11 @@ CONTRASTIVE = "contrastive_loops:loop"
 def contrastive(tmp_path_factory):
     """An in-batch contrastive loop (`contrastive_loops`) recorded on one device and on 2 ranks,
     each traced unless named ``untraced``: gathered (correct), local negatives, the loss divided
-    by W, naive accumulation of K = 2 gathered micro-batches."""
+    by W, naive accumulation of K = 2 gathered micro-batches; one device in 4 calls (chunks)."""
     return record_cases(tmp_path_factory.mktemp("contrastive"), {
         "one": (1, CONTRASTIVE, {"trace": True}),
         "one_untraced": (1, CONTRASTIVE, {}),
+        "one_chunked": (1, CONTRASTIVE, {"trace": True, "chunks": 4}),
         "gathered": (2, CONTRASTIVE, {"trace": True}),
         "local": (2, CONTRASTIVE, {"bug": "local", "trace": True}),
         "local_untraced": (2, CONTRASTIVE, {"bug": "local"}),
@@ -395,6 +397,30 @@ def test_the_comparison_names_the_checks_cause_from_the_traces(contrastive, run,
     else:
         assert "of the rank's 8 entries, where one device takes all 16" in head["departs"]
         assert "Named from the traces of the first update" in words
+
+
+def test_a_trace_of_calls_that_do_not_align_names_no_rows_and_keeps_the_loss_line(
+    contrastive, monkeypatch
+):
+    """One device embedding its rows in 4 calls (chunks) against ranks in one call each: a trace
+    reads the rows given call against call, so a departure of the rows it reads is no finding
+    (a user's GradCache job was told "the data differs before any code runs", where the rows'
+    digests were the same): no line, and the words say why. The loss's line, read after the
+    calls are joined, still names the local negatives; the verdict is unchanged."""
+    from gatherlab.check import where
+
+    compared = comparer.compare_recordings(contrastive["one_chunked"], contrastive["local"])
+    head = whole(compared)
+    assert head["verdict"] == "loss differs" and compared.data is None, compared.words
+    assert head["where"].startswith("contrastive_loops.py:") and "cross_entropy" in head["where"]
+    given = where.Departure("batch 0  input", "differs", terms.DepartureKind.INPUT)
+    monkeypatch.setattr(where, "departure", lambda *args: given)  # as the user's trace read it
+    compared = comparer.compare_recordings(contrastive["one_chunked"], contrastive["local"])
+    words = " ".join(compared.words.split())
+    assert "no line named: A's first update called its model's forward 4 times and B's ranks" in (
+        words
+    )
+    assert whole(compared)["where"] in ("", None) or pd.isna(whole(compared)["where"]), words
 
 
 def test_without_traces_the_comparison_says_what_it_cannot_tell_and_how_to_find_out(

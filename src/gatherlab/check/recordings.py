@@ -598,11 +598,30 @@ def _where(
         return lambda: where.unlocated(why)
     first_a, first_b = a.updates[0], b.updates[0]
     rows = [row for rank in first_a.rows for row in rank]
-    batch = len(rows) // (batches.blocks(rows, first_b.rows) or 1)
+    count = batches.blocks(rows, first_b.rows) or 1
+    batch = len(rows) // count
+    calls_a, calls_b = (first_a.calls or [count])[0], [c for c in first_b.calls or [] if c]
+    if micro_batches == 1 and (calls_a not in (1, count) or any(c != calls_a for c in calls_b)):
+        why = (f"no line named: A's first update called its model's forward {calls_a} times and "
+               f"B's ranks {', '.join(map(str, calls_b))} times (chunks), and a trace reads the "
+               "rows given call against call (each of A's calls one block of its batch, each "
+               "rank's call its part of it); the rows are judged by their digests")  # fmt: skip
+        return lambda: _not_of_the_rows(
+            where.departure(ones[0], ranks, b.world_size, batch, tolerance), why
+        )
     if micro_batches > 1:  # rank 0's first micro-batch: the first of W·K blocks of A's rows
         return lambda: where.departure(ones[0], ranks[:1], b.world_size * micro_batches, batch,
                                        tolerance)  # fmt: skip
     return lambda: where.departure(ones[0], ranks, b.world_size, batch, tolerance)
+
+
+def _not_of_the_rows(found: where.Departure | None, why: str) -> where.Departure | None:
+    """A trace's departure where A's and B's calls do not align (`_where`): one about the rows
+    given (their values or order) is read from calls that hold other rows, so it is ``why``
+    unlocated; any other stands."""
+    if found is not None and found.kind in (terms.DepartureKind.INPUT, terms.DepartureKind.ORDER):
+        return where.unlocated(why)
+    return found
 
 
 def _trained(recording: Recording, full: bool, unlossed: set[int]) -> runfiles.Trained:
