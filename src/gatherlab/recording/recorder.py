@@ -494,7 +494,7 @@ class Recorder:
         the settings, one device's parameters and parts, what the ranks hold, how rows are seen,
         and the command that launched the job."""
         first = self._parameters[0].parameter if self._parameters else None
-        dtype = first.dtype if first is not None else torch.float32
+        dtype = self._dtype
         return {
             "gatherlab": _version(), "torch": torch.__version__,
             "world_size": self.world_size, "precision": options.precision or _precision(dtype),
@@ -747,7 +747,7 @@ class Recorder:
         parameters are wider: a wrapper that casts them for the forward and keeps its parameters
         in float32 (FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``) trains as
         an autocast does, and is recorded as one (``autocast``, its precision ``bf16-mixed``);
-        looked for in the first update's forward alone (`_record_update`)."""
+        looked for in the first update's forward alone (`_pruned`)."""
         if self._autocast is None and torch.is_grad_enabled():
             cast = next((p.dtype for p in module.parameters(recurse=False) if p.dtype in _HALF),
                         None)  # fmt: skip
@@ -764,6 +764,9 @@ class Recorder:
             if module not in keep:
                 hook.remove()
                 del self._autocast_hooks[module]
+        for hook in self._cast_hooks:  # `_on_cast`: the first update's alone
+            hook.remove()
+        self._cast_hooks = []
 
     def _on_loss(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.numel() == 1:
@@ -1010,9 +1013,6 @@ class Recorder:
         self.updates += 1
         if self.updates == 1 or (self._autocast is not None and self._autocast_hooks):
             self._pruned()
-        for hook in self._cast_hooks:
-            hook.remove()
-        self._cast_hooks = []
         self._rows, self._losses, self._calls = [], [], 0
 
     def _after_step(self, optimizer, args: tuple, kwargs: dict) -> None:
