@@ -192,6 +192,12 @@ def test_code_that_asserts_a_process_group_runs_unchanged_on_one_device():
     assert set(gathered["verdict"]) == {"exact"}
     assert set(gathered["reference"]) == {"one-rank group"}  # each of the three losses
     assert not dist.is_initialized()  # the one-rank group is gone afterwards
+    # in float32 its floor's one-device runs too (they raised "Default process group has not
+    # been initialized" as a traceback, exit 1): judged in float64, its float32 run in floors
+    low = check.check_loss(diagnosis_cases.NeedsProcessGroup, (2,), precision="32-true")
+    assert list(whole(low.table)["verdict"]) == ["exact"], low.table.to_string()
+    assert list(whole(low.table)["in_precision"]) == ["exact within float32"]
+    assert not dist.is_initialized()
 
 
 @pytest.fixture(scope="module")

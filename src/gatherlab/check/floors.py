@@ -13,6 +13,7 @@ from typing import Any
 
 from gatherlab.check import measure
 from gatherlab.check.judge import InPrecision
+from gatherlab.check.reference import choose
 from gatherlab.components.factory import Recipe
 from gatherlab.core import cli, floor
 from gatherlab.core.runfiles import Trained
@@ -20,6 +21,13 @@ from gatherlab.core.terms import Precision
 from gatherlab.runs.precision import FLOOR_ROW_BLOCKS, InFloat64, in_float64
 
 __all__ = ["LossFloors", "watched"]
+
+
+def _one_device(run: Callable[[], Any]) -> Any:
+    """``run()`` on one device as the check's reference runs it (`choose`): without a process
+    group, or in a one-rank group where the code needs one (a gather's ``all_gather``; before,
+    its floor raised "Default process group has not been initialized" as a traceback)."""
+    return choose(run).value
 
 
 def watched(function: Callable[[], Any]) -> InFloat64:
@@ -73,9 +81,10 @@ class LossFloors:
             return cls(precision, dict.fromkeys(losses, float64))
         (view0, view1), further = probed[0], probed[1:]
         seen = {
-            name: watched(lambda loss=loss: measure.measure(loss, model, view0, view1, seed))
+            name: watched(lambda loss=loss: _one_device(
+                lambda: measure.measure(loss, model, view0, view1, seed)))
             for name, loss in losses.items()
-        }
+        }  # fmt: skip
         judged_in = {name: float64 if w.runs else precision for name, w in seen.items()}
         word = Precision(precision).word
         notes = {
@@ -84,18 +93,16 @@ class LossFloors:
         }  # fmt: skip
         floors = cls(precision, judged_in, notes)
         for name, loss in losses.items():
-            floors.one[name] = measure.measure(
-                loss, model, view0, view1, seed, False, further, precision
-            )
+            floors.one[name] = _one_device(lambda loss=loss: measure.measure(
+                loss, model, view0, view1, seed, False, further, precision))  # fmt: skip
 
         def make(name: str, blocks: int) -> tuple[measure.Measured, Trained | None]:
             loss = losses[name]
-            perturbed = measure.measure(
-                loss, model, view0, view1, seed, False, further, precision, blocks
-            )
+            perturbed = _one_device(lambda: measure.measure(
+                loss, model, view0, view1, seed, False, further, precision, blocks))  # fmt: skip
             trained = (
-                measure.train(loss, model, batches, optimizer, 1, seed, precision=precision,
-                              row_blocks=blocks)
+                _one_device(lambda: measure.train(loss, model, batches, optimizer, 1, seed,
+                                                  precision=precision, row_blocks=blocks))
                 if batches and floors.own(name) else None
             )  # fmt: skip
             return perturbed, trained
