@@ -6,7 +6,8 @@ to a target per sentence. One device is the plain call (no process group); on W 
 gatherlab's pool with torch's DDP, each rank its contiguous slice of every global batch, padded to
 its own longest: one sentence is a row of another length at every W. ``mask``: the collator
 also returns the attention mask and the model takes it as its second argument (``model(ids,
-mask)``); else the model finds the padding itself (its ids of 0).
+mask)``); else the model finds the padding itself (its ids of 0). ``fixed``: every sentence
+of 8 ids, no padding at all (a language model's synthetic data of one length), no mask.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ class Bag(nn.Module):
         return self.head(summed / mask.sum(1, keepdim=True))
 
 
-def sentences() -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``GLOBAL * STEPS`` sentences of 3 to 9 ids in 1 … VOCABULARY − 1, and a target each."""
+def sentences(fixed: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``GLOBAL * STEPS`` sentences of 3 to 9 ids (``fixed``: 8) in 1 … VOCABULARY − 1, and a
+    target each."""
     generator = torch.Generator().manual_seed(3)
     lengths = torch.randint(3, 10, (GLOBAL * STEPS,), generator=generator)
+    if fixed:
+        lengths = torch.full_like(lengths, 8)
     ids = [torch.randint(1, VOCABULARY, (int(n),), generator=generator) for n in lengths]
     return ids, torch.randn(GLOBAL * STEPS, 2, generator=generator, dtype=torch.float64)
 
@@ -49,7 +53,7 @@ def collate(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, (ids != 0).long()
 
 
-def loop(out: str, mask: bool = False) -> None:
+def loop(out: str, mask: bool = False, fixed: bool = False) -> None:
     """Trains ``STEPS`` updates of SGD on the padded sentences and records them into ``out``."""
     distributed = dist.is_available() and dist.is_initialized()
     world_size, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
@@ -57,7 +61,7 @@ def loop(out: str, mask: bool = False) -> None:
     model = Bag().double()
     trained = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    ids, targets = sentences()
+    ids, targets = sentences(fixed)
     rows = GLOBAL // world_size
     with gatherlab.record(trained, optimizer, out, seed=0):
         for update in range(STEPS):

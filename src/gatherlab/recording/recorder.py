@@ -73,6 +73,7 @@ from gatherlab.recording.record_options import (
 )
 from gatherlab.recording.refusal import refuse
 from gatherlab.recording.rows import (
+    NO_PAD,
     Sampled,
     Whole,
     choice,
@@ -993,8 +994,8 @@ class Recorder:
             else:  # the first update: each candidate's rows, for every rank's pads to choose
                 made = {pad: sampled(raw, keep) for pad, keep in keeps.items()}
                 self._rows[i] = _Candidates(found.pad, made)
-            if found.pad is not None:
-                pads[found.pad] = pads.get(found.pad, 0) + 1
+            shown = NO_PAD if found.pad is None else found.pad  # `rows.choice`
+            pads[shown] = pads.get(shown, 0) + 1
         entry = {
             **self._sketches(of_gradients=True),
             "loss": (self._losses[0] if len(self._losses) == 1 else float(np.mean(self._losses))

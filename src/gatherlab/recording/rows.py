@@ -115,15 +115,23 @@ def resolved(found: Padding, seen: Mapping[tuple, int]) -> torch.Tensor | None:
     return None if pad is None else dict(found.candidates)[pad]
 
 
+NO_PAD: tuple = ()
+"""What a batch of token ids without a mask counts in a run's ``seen`` where it shows no pad of its
+own (`choice`): a run whose batches mostly show none pads none, whatever a batch's ends suggest."""
+
+
 def choice(
     own: tuple | None, candidates: Sequence[tuple], seen: Mapping[tuple, int]
 ) -> tuple | None:
     """The pad value whose trailing runs a call's rows leave out (None: none): the run's, the
     value that padded the most of its batches on every rank so far (``seen``: each value's
     number of batches that showed it as their pad), if it could pad this batch (``candidates``),
-    else none (the value this batch alone shows, ``own``, pads nothing elsewhere); the batch's
-    own where the run has none yet, or several as often. A job pads with one value."""
+    else none (the value this batch alone shows, ``own``, pads nothing elsewhere); none where
+    the run's batches mostly showed no pad (`NO_PAD`); the batch's own where the run has none
+    yet, or several as often. A job pads with one value."""
     run = chosen(list(seen), seen)
+    if run == NO_PAD:
+        return None
     if run is None:
         return own
     return run if run in candidates else None
@@ -228,14 +236,17 @@ def padding(rows: torch.Tensor) -> Padding:
     appears inside every padded row, before its padding), and some row ends otherwise (the
     longest, which padding to the batch's longest leaves whole); of the values that qualify, the
     one that ends the most rows, with the longest run, unless another ends as many with runs as
-    long; where every row ends alike (all padded, to a length past the longest), that value if
-    its runs differ in length. None (every position kept) where the batch shows no padding: one
-    row, rows that all end alike in runs of one length, or an ambiguous end. Two runs' batches of
-    one row then keep the same positions: a padded row its own tokens, an unpadded row all of
-    them. What it cannot tell: rows of one length all padded by as many (kept padded), and, in a
-    batch of unpadded rows of one length whose end tokens repeat only at the ends (no end token
-    appended), the commonest end is taken for padding; an attention mask given with the rows
-    decides instead (`kept`). Values that qualify alike are `Padding.ties`."""
+    long, and only where that run is two or more long (an unpadded row's end token, found nowhere
+    else in the batch, ends it in a run of one as often: every such value is a candidate, for the
+    run's batches to choose, `choice`); where every row ends alike (all padded, to a length
+    past the longest), that value if its runs differ in length. None (every position kept) where
+    the batch shows no padding: one row, rows that all end alike in runs of one length, runs of
+    one alone, or an ambiguous end. Two runs' batches of one row then keep the same positions: a
+    padded row its own tokens, an unpadded row all of them. What it cannot tell: rows of one
+    length all padded by as many (kept padded), and, in a batch of unpadded rows of one length
+    whose end tokens repeat only at the ends (no end token appended), the commonest end is taken
+    for padding where it repeats there; an attention mask given with the rows decides instead
+    (`kept`). Values that qualify alike are `Padding.ties`."""
     count, length = rows.shape[:2]
     if count < 2 or length < 2:
         return Padding(None)
@@ -257,7 +268,9 @@ def padding(rows: torch.Tensor) -> Padding:
     qualified.sort(key=lambda found: found[:2], reverse=True)
     if len(qualified) > 1 and qualified[0][:2] == qualified[1][:2]:  # values tie: none shows
         return Padding(None, None, candidates)
-    return Padding(~qualified[0][2], qualified[0][4], candidates) if qualified else Padding(None)
+    if not qualified or qualified[0][1] < 2:  # runs of one: what unpadded rows' ends make too
+        return Padding(None, None, candidates)
+    return Padding(~qualified[0][2], qualified[0][4], candidates)
 
 
 _CANDIDATES = 4
