@@ -6,11 +6,13 @@ device's recording; and the placements' index semantics against torch's own spli
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import tp_loops
 from recorded import relative, whole_sketches
 
+from gatherlab.compare import compare
 from gatherlab.ranks import pool as pools
 from gatherlab.recording import format, placed
 from gatherlab.recording.sketch import signs, sketch
@@ -85,6 +87,16 @@ def test_a_norm_left_out_of_the_plan_is_recorded_unreduced_over_tp(recorded, wor
         assert b.drifted == (["norm"] if world_size == 2 else [])
     assert relative(many.updates[0].sketches["norm"], one.updates[0].sketches["norm"]) > 1e-3
     assert relative(many.updates[0].sketches["up"], one.updates[0].sketches["up"]) <= 1e-12
+    # each tp group's sum of its ranks' norm gradients is one device's: the comparison measures
+    # it and names the sum over the group as the fix, not DDP's mean
+    groups = {2: [[0, 1]], 4: [[0, 1], [2, 3]]}[world_size]
+    assert many.row_groups == groups
+    for group in groups:
+        summed = np.asarray(many.updates[0].unreduced["norm"])[group].sum(axis=0)
+        assert relative(summed, one.updates[0].sketches["norm"]) <= 1e-12
+    words = " ".join(compare(one, many).words.split())
+    assert (f"The sum over each tensor-parallel group's ranks ({', '.join(map(str, groups))}) "
+            "of norm's gradients is A's (update 0") in words, words  # fmt: skip
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

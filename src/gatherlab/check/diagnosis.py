@@ -356,6 +356,21 @@ NO_ROUNDING_FLOOR = (
     "judged without it. For a floor, record A and its floor with nothing drawn at random in the "
     "forward (dropout off), or compare in float64."
 )
+# An unreduced part of a tensor-parallel recording whose sum over each group is A's, measured, and
+# where none is (`check.recordings._unreduced`).
+TENSOR_PARALLEL_SUMMED = (
+    "The sum over each tensor-parallel group's ranks ({groups}) of {part}'s gradients is A's "
+    "(update {update}, relative difference {error:.2g} of the sketches): each rank holds a "
+    "partial gradient of a weight its group replicates (a norm under sequence parallelism, its "
+    "input the rank's shard of the sequence); summing it over the group is the fix "
+    "(SequenceParallel() on it in the plan), not DDP's mean."
+)
+TENSOR_PARALLEL_PARTIAL = (
+    "B is tensor-parallel (groups {groups}): a weight its group replicates whose gradient each "
+    "rank computes from its own shard (a norm under sequence parallelism) holds a partial "
+    "gradient, which the group sums, not averages (not tested here): declare it in the plan "
+    "(SequenceParallel() on the norm), or all-reduce its gradient with a sum over the group."
+)
 # Not judged, where the floor recording given was set aside (`check.recordings._not_judged_words`).
 FLOOR_SET_ASIDE = (
     "The floor recording given is no floor (the note above): record A and its floor again with "

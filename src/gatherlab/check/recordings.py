@@ -441,8 +441,13 @@ def _unreduced(a: Recording, b: Recording, precision: str) -> tuple[list[str], d
         reference = np.asarray(a.updates[update.index].sketches[part])
         error = float(np.linalg.norm(mean - reference) / max(np.linalg.norm(reference), 1e-300))
         summed = _copies_summed(b, update.unreduced[part], reference)
+        partials = _partials_summed(b, update.unreduced[part], reference, within)
         if summed is not None:
             mean_words.append(summed.format(part=part, update=update.index))
+        elif partials is not None:
+            mean_words.append(diagnosis.TENSOR_PARALLEL_SUMMED.format(
+                part=part, update=update.index, error=partials,
+                groups=", ".join(str(group) for group in b.row_groups)))  # fmt: skip
         elif error <= within:
             word = terms.Precision(precision).word
             rounding = ("" if precision == terms.Precision.FLOAT64 else
@@ -462,6 +467,9 @@ def _unreduced(a: Recording, b: Recording, precision: str) -> tuple[list[str], d
     if apart is not None:  # named from the copies themselves, without A
         mean_words.insert(0, f"Copies that differ in B's whole gradient of update {apart.index}: "
                              + held.listed(apart.copies_apart) + ".")  # fmt: skip
+    if b.row_groups and not any("tensor-parallel group" in words for words in mean_words):
+        groups = ", ".join(str(group) for group in b.row_groups)  # not measured: the usual cause
+        mean_words.append(diagnosis.TENSOR_PARALLEL_PARTIAL.format(groups=groups))
     at = [w if len(parts) == 1 else f"{p} {w}" for p, w in zip(parts, where, strict=True)]
     measured = {
         "unreduced_source": "from the recording",
@@ -470,6 +478,23 @@ def _unreduced(a: Recording, b: Recording, precision: str) -> tuple[list[str], d
         "unreduced_mean": " ".join(mean_words),
     }
     return parts, measured
+
+
+def _partials_summed(
+    b: Recording, views: np.ndarray, reference: np.ndarray, within: float
+) -> float | None:
+    """Where B is tensor-parallel (its ``row_groups``), the relative difference from A's of the
+    largest of each group's sum of its ranks' gradients of a part, where every group's sum is A's
+    (within ``within``): each rank held a partial gradient of a weight the group replicates (a
+    norm under sequence parallelism, its input the rank's shard of the sequence). None
+    otherwise."""
+    if not b.row_groups:
+        return None
+    views = np.asarray(views)
+    norm = max(float(np.linalg.norm(reference)), 1e-300)
+    errors = [float(np.linalg.norm(views[list(group)].sum(axis=0) - reference)) / norm
+              for group in b.row_groups if max(group) < len(views)]  # fmt: skip
+    return max(errors) if errors and max(errors) <= within else None
 
 
 def _copies_summed(b: Recording, views: np.ndarray, reference: np.ndarray) -> str | None:
