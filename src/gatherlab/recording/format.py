@@ -268,7 +268,8 @@ def _header(path: Path) -> dict[str, Any]:
     if not (path / FINAL).is_file():
         raise RecordingError(
             f"{path} is unfinished: it has no {FINAL} (the job stopped before its recorder "
-            f"closed, or is still running); record the job to its end"
+            f"closed: a refusal the recorder printed in the job's output, or a failure; or it is "
+            f"still running); record the job to its end"
         )
     return header
 
