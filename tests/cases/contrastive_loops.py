@@ -45,21 +45,22 @@ class InfoNCE(nn.Module):
 
 def loop(
     out: str, bug: str = "", micro_batches: int = 1, trace: bool = False, seed: int = 0,
-    chunks: int = 1,
+    chunks: int = 1, dtype: str = "float64",
 ) -> None:  # fmt: skip
     """Trains ``STEPS`` updates of SGD and records them into ``out`` (``bug``: ``local``,
     ``scaled`` or none; ``chunks``: the rows embedded in that many calls, one loss over them all,
-    as a job that embeds in chunks does)."""
+    as a job that embeds in chunks does; ``dtype``: the model's and the views')."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Linear(16, 8)).double()
+    model = nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Linear(16, 8)).to(getattr(torch, dtype))
     criterion = InfoNCE(local=bug == "local", scaled=bug == "scaled")
     trained = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(1)
     points = torch.randn(GLOBAL * STEPS, DIM, generator=generator, dtype=torch.float64)
-    views = [points + 0.1 * torch.randn(points.shape, generator=generator, dtype=torch.float64)
+    views = [(points + 0.1 * torch.randn(points.shape, generator=generator,
+                                         dtype=torch.float64)).to(getattr(torch, dtype))
              for _ in range(2)]  # fmt: skip
     rows = GLOBAL // world // micro_batches
     with gatherlab.record(trained, optimizer, out, loss=criterion, seed=0, trace=trace):

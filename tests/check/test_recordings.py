@@ -423,6 +423,26 @@ def test_a_trace_of_calls_that_do_not_align_names_no_rows_and_keeps_the_loss_lin
     assert whole(compared)["where"] in ("", None) or pd.isna(whole(compared)["where"]), words
 
 
+def test_in_bf16_a_loss_ratio_that_is_no_layouts_factor_is_not_named_scaled(
+    tmp_path, monkeypatch
+):
+    """Local negatives in bf16, judged in floors: B's loss is 0.64 of A's at both updates, a
+    ratio the floors' loose tolerance of the losses reads as constant; no layout's factor gives
+    it, so the cause is not ``scaled`` (whose words say "drop the factor": a user's
+    sentence-transformers job without its gather read so), and the verdict stays."""
+    from gatherlab.recording.recorder import FLOOR_VARIABLE
+
+    one = record(tmp_path / "one", 1, CONTRASTIVE, dtype="bfloat16")
+    monkeypatch.setenv(FLOOR_VARIABLE, str(tmp_path / "floor"))
+    record(tmp_path / "one", 1, CONTRASTIVE, dtype="bfloat16")  # its floor, into tmp_path/floor
+    monkeypatch.delenv(FLOOR_VARIABLE)
+    local = record(tmp_path / "local", 2, CONTRASTIVE, bug="local", dtype="bfloat16")
+    compared = comparer.compare_recordings(one, local, floor=tmp_path / "floor")
+    head = whole(compared)
+    assert compared.status == 1 and head["verdict"] == "loss differs", compared.words
+    assert head["cause"] != "scaled" and "drop the factor" not in compared.words, compared.words
+
+
 def test_without_traces_the_comparison_says_what_it_cannot_tell_and_how_to_find_out(
     contrastive,
 ):

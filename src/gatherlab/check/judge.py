@@ -289,6 +289,12 @@ def judge(
     if trained:  # its own curve: a constant factor of every step's loss
         curves = (run, reference)
         scale = hypotheses.scale(run.losses, reference.losses, tolerance)
+        if scale is not None and in_precision is not None and gradients.factor_name(
+                scale, world_size, micro_batches, tolerance) is None:  # fmt: skip
+            # to a floor's tolerance a ratio that merely stays near one value is no factor: a
+            # loss over each rank's own negatives read ×0.746, "drop the factor"; only the
+            # layout's named factors are
+            scale = None
         cause = Cause.SCALED if scale is not None else None
     elif not same and reproduce is not None:
         cause, scale = reproduce()
