@@ -124,16 +124,7 @@ def test_a_loop_over_text_padded_per_device_batch_is_one_devices_data_at_w_2_and
     W = 4 without a mask (two rows a rank) the batches' own ends cannot show the pad at three of
     the twelve: two rows whose ends tie at updates 0 and 2, and two unpadded rows ending in 27
     and in 27, 27 at update 2; the run's other batches show 0 (`rows.choice`)."""
-    from recorded import record
-
-    from gatherlab.compare import compare
-
-    one = record(tmp_path / "one", 1, "padded_loops:loop", mask=mask)
-    for world_size in (2, 4):
-        many = record(tmp_path / f"w{world_size}", world_size, "padded_loops:loop", mask=mask)
-        compared = compare(one, many)
-        assert compared.data is None and (compared.verdict, compared.status) == ("exact", 0), (
-            world_size, compared.words)  # fmt: skip
+    _is_one_devices_data_at_w_2_and_4(tmp_path, mask=mask)
 
 
 @pytest.mark.slow
@@ -143,13 +134,19 @@ def test_unpadded_ids_of_one_length_without_a_mask_are_one_devices_data_at_w_2_a
     value in each device batch; a batch shows its own pad only in a run of two or more, and a
     run whose batches show none pads none (`rows.choice`), so the rows are one device's and the
     run exact (it was `data differs` at W = 2, a user's tensor-parallel job's false alarm)."""
+    _is_one_devices_data_at_w_2_and_4(tmp_path, fixed=True)
+
+
+def _is_one_devices_data_at_w_2_and_4(tmp_path, **loop) -> None:
+    """`padded_loops.loop` (with ``loop``'s options) recorded on one device and on 2 and 4 ranks:
+    the comparison finds one device's rows (no ``data differs``) and the run exact."""
     from recorded import record
 
     from gatherlab.compare import compare
 
-    one = record(tmp_path / "one", 1, "padded_loops:loop", fixed=True)
+    one = record(tmp_path / "one", 1, "padded_loops:loop", **loop)
     for world_size in (2, 4):
-        many = record(tmp_path / f"w{world_size}", world_size, "padded_loops:loop", fixed=True)
+        many = record(tmp_path / f"w{world_size}", world_size, "padded_loops:loop", **loop)
         compared = compare(one, many)
         assert compared.data is None and (compared.verdict, compared.status) == ("exact", 0), (
             world_size, compared.words)  # fmt: skip

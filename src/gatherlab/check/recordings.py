@@ -434,40 +434,15 @@ def _unreduced(a: Recording, b: Recording, precision: str) -> tuple[list[str], d
         every = count == len(b.updates)
         where.append("at every update" if every else
                      f"at {count} of {len(b.updates)} updates, from {min(seen[part])}")  # fmt: skip
-    mean_words = []
-    for part in parts:
-        update = b.updates[first] if first in seen[part] else b.updates[min(seen[part])]
-        mean = np.asarray(update.unreduced[part]).mean(axis=0)
-        reference = np.asarray(a.updates[update.index].sketches[part])
-        error = float(np.linalg.norm(mean - reference) / max(np.linalg.norm(reference), 1e-300))
-        summed = _copies_summed(b, update.unreduced[part], reference)
-        partials = _partials_summed(b, update.unreduced[part], reference, within)
-        if summed is not None:
-            mean_words.append(summed.format(part=part, update=update.index))
-        elif partials is not None:
-            mean_words.append(diagnosis.TENSOR_PARALLEL_SUMMED.format(
-                part=part, update=update.index, error=partials,
-                groups=", ".join(str(group) for group in b.row_groups)))  # fmt: skip
-        elif error <= within:
-            word = terms.Precision(precision).word
-            rounding = ("" if precision == terms.Precision.FLOAT64 else
-                        f", {error / unit:.2g} unit roundoffs of {word}")  # fmt: skip
-            mean_words.append(
-                f"The mean over the ranks of {part}'s gradients is A's (update {update.index}, "
-                f"relative difference {error:.2g} of the sketches{rounding}): reducing it is the "
-                "fix."
-            )  # fmt: skip
-        else:
-            mean_words.append(
-                f"The mean over the ranks of {part}'s gradients is not A's either (update "
-                f"{update.index}, relative difference {error:.3g} of the sketches): reducing it "
-                "alone does not make it A's."
-            )
+    said = [_reduced_words(a, b, part, b.updates[first] if first in seen[part] else
+                           b.updates[min(seen[part])], precision, within)
+            for part in parts]  # fmt: skip
+    mean_words = [words for words, _ in said]
     apart = next((u for u in b.updates if u.copies_apart), None)
     if apart is not None:  # named from the copies themselves, without A
         mean_words.insert(0, f"Copies that differ in B's whole gradient of update {apart.index}: "
                              + held.listed(apart.copies_apart) + ".")  # fmt: skip
-    if b.row_groups and not any("tensor-parallel group" in words for words in mean_words):
+    if b.row_groups and not any(over_groups for _, over_groups in said):
         groups = ", ".join(str(group) for group in b.row_groups)  # not measured: the usual cause
         mean_words.append(diagnosis.TENSOR_PARALLEL_PARTIAL.format(groups=groups))
     at = [w if len(parts) == 1 else f"{p} {w}" for p, w in zip(parts, where, strict=True)]
@@ -478,6 +453,37 @@ def _unreduced(a: Recording, b: Recording, precision: str) -> tuple[list[str], d
         "unreduced_mean": " ".join(mean_words),
     }
     return parts, measured
+
+
+def _reduced_words(
+    a: Recording, b: Recording, part: str, update: Any, precision: str, within: float
+) -> tuple[str, bool]:
+    """What reducing ``part``'s gradient at ``update`` over B's ranks would give, in words, and
+    whether it is measured as the sum over each tensor-parallel group (`_partials_summed`): a
+    sum over the ranks that hold copies of it (`_copies_summed`), that group sum, or the mean
+    over the ranks, A's (within ``within``: reducing it is the fix) or not."""
+    views = update.unreduced[part]
+    reference = np.asarray(a.updates[update.index].sketches[part])
+    summed = _copies_summed(b, views, reference)
+    if summed is not None:
+        return summed.format(part=part, update=update.index), False
+    partials = _partials_summed(b, views, reference, within)
+    if partials is not None:
+        groups = ", ".join(str(group) for group in b.row_groups)
+        return diagnosis.TENSOR_PARALLEL_SUMMED.format(
+            part=part, update=update.index, error=partials, groups=groups), True  # fmt: skip
+    mean = np.asarray(views).mean(axis=0)
+    error = float(np.linalg.norm(mean - reference) / max(np.linalg.norm(reference), 1e-300))
+    if error > within:
+        return (f"The mean over the ranks of {part}'s gradients is not A's either (update "
+                f"{update.index}, relative difference {error:.3g} of the sketches): reducing it "
+                "alone does not make it A's.", False)  # fmt: skip
+    unit, word = terms.Precision(precision).unit_roundoff, terms.Precision(precision).word
+    rounding = ("" if precision == terms.Precision.FLOAT64 else
+                f", {error / unit:.2g} unit roundoffs of {word}")  # fmt: skip
+    return (f"The mean over the ranks of {part}'s gradients is A's (update {update.index}, "
+            f"relative difference {error:.2g} of the sketches{rounding}): reducing it is the "
+            "fix.", False)  # fmt: skip
 
 
 def _partials_summed(
