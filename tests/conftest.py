@@ -31,6 +31,19 @@ def worker_pools():
     assert not alive, f"pool workers outlived the session: {[p.pid for p in alive]}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Each test process computes with one torch thread, as each rank of the pools does. The two
+    test processes and their pools' ranks share the machine's cores; a test process computing on
+    every core (torch's default) only makes their threads wait on each other (measured on the
+    2-core machine: ``make test-fast`` 45.8–47.2 s with the default, 37.2–39.1 s with one thread,
+    81–86 s of CPU against 66–69 s; docs/testing.md, "Its time"). A test about a user's process
+    on every core sets its threads itself (test_config.py)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def no_leftover_processes():
     """Fails a test that leaves a process of its own running (a descendant of this test process)
