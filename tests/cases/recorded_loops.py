@@ -31,9 +31,11 @@ class Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.tensor([1.5], dtype=torch.float64))
+        self.divisor = 1  # the bug ``divide_in_loss``: the loss divided by K in the loss itself
 
     def forward(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return ((prediction * self.scale - target) ** 2).mean()
+        loss = ((prediction * self.scale - target) ** 2).mean()
+        return loss if self.divisor == 1 else loss / self.divisor
 
 
 class Mixed(nn.Module):
@@ -91,6 +93,8 @@ def loop(
     world_size, rank = _world()
     torch.manual_seed(0)
     criterion = Scaled().to(getattr(torch, dtype))
+    if bug == "divide_in_loss":  # divided by K again, where the loss is recorded (a pipeline's
+        criterion.divisor = micro_batches  # loss function divided, its schedule scaling too)
     outside = bug == "temperature_outside"
     network = Net(None if outside else criterion, batchnorm=bug == "batchnorm",
                   mixed=mixed)  # fmt: skip

@@ -53,6 +53,7 @@ def recordings(tmp_path_factory):
         "accumulated2": (2, LOOP, {"micro_batches": 2}),
         "summed1": (1, LOOP, {"bug": "accumulate_sum", "micro_batches": 2}),
         "summed2": (2, LOOP, {"bug": "accumulate_sum", "micro_batches": 2}),
+        "divided_in_loss1": (1, LOOP, {"bug": "divide_in_loss", "micro_batches": 2}),
     }  # fmt: skip
     for w in W:
         cases |= {
@@ -112,6 +113,24 @@ def test_micro_batches_are_counted_and_their_sum_is_k_times_the_gradient(recordi
         first = comparison.updates[comparison.updates["update"] == 0].set_index("part")
         assert first.loc["all", "gradient"] == factor, comparison.words
         assert abs(first.loc["all", "norm_ratio"] - 2) <= 2 * ROUNDING
+
+
+def test_a_loss_divided_by_k_where_it_is_recorded_is_scaled_and_its_curve_read_divided(
+    recordings,
+):
+    """K = 2 micro-batches whose loss is divided by K in the loss itself, then by K again by the
+    loop (a pipeline's loss function divided while its schedule scales too): update 0's loss and
+    gradient are 1/K of one device's, the cause ``scaled``, named alone (no guess about
+    micro-batches' negatives beside it); divided by the scale the loss of update 0 is one
+    device's, and the half step moves update 1's first."""
+    comparison = comparer.compare_recordings(recordings["loop1"], recordings["divided_in_loss1"])
+    head = whole(comparison)
+    assert (head["verdict"], head["cause"], head["gradient"]) == ("loss differs", "scaled", "1/K")
+    assert math.isclose(head["scale"], 0.5, rel_tol=1e-12)
+    assert head["first_diff_step"] == 1
+    words = " ".join(comparison.words.split())
+    assert "its loss (divided by its scale, 0.5) first leaves A's at update 1" in words, words
+    assert "micro-batches per update" not in words, words
 
 
 @pytest.mark.parametrize("w", W)
@@ -393,7 +412,10 @@ def test_the_comparison_names_the_checks_cause_from_the_traces(contrastive, run,
         assert "B's global loss of update 0, computed at A's weights on A's rows, is 0.5 times" in (
             words
         )  # and the first departure's words compare B's losses divided by that scale, as it does
-        assert "its loss (divided by its scale, 0.5) first leaves A's" in words, words
+        # divided by 0.5 its update-0 loss is A's (the same weights and rows); its half step
+        # moves the loss of update 1 first
+        assert head["first_diff_step"] == 1
+        assert "its loss (divided by its scale, 0.5) first leaves A's at update 1" in words, words
     else:
         assert "of the rank's 8 entries, where one device takes all 16" in head["departs"]
         assert "Named from the traces of the first update" in words
@@ -423,9 +445,7 @@ def test_a_trace_of_calls_that_do_not_align_names_no_rows_and_keeps_the_loss_lin
     assert whole(compared)["where"] in ("", None) or pd.isna(whole(compared)["where"]), words
 
 
-def test_in_bf16_a_loss_ratio_that_is_no_layouts_factor_is_not_named_scaled(
-    tmp_path, monkeypatch
-):
+def test_in_bf16_a_loss_ratio_that_is_no_layouts_factor_is_not_named_scaled(tmp_path, monkeypatch):
     """Local negatives in bf16, judged in floors: B's loss is 0.64 of A's at both updates, a
     ratio the floors' loose tolerance of the losses reads as constant; no layout's factor gives
     it, so the cause is not ``scaled`` (whose words say "drop the factor": a user's

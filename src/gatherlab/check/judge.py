@@ -307,6 +307,8 @@ def judge(
     if trained and cause is None and not same:  # its first loss and gradient, one factor
         shown_scale = _first_factor(first, reference_first, whole, key, tolerance)
         cause = Cause.SCALED if shown_scale is not None else None
+        if shown_scale is not None:  # its curve divided by c, as every scaled loss's is
+            compared = _curves(*curves, tolerance, shown_scale)
     if whole.gradient == GradientClass.BIASED and gradients.single_factors(parts):
         cause = Cause.PARTS
     elif cause is None and not same and accumulated is not None:

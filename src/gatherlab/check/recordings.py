@@ -1011,8 +1011,9 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
         named = f" ({cause})" if cause and head["verdict"] != terms.LOSS_SCALED else ""
         text = diagnosis.diagnosis(table.iloc[:1], parts, said.measured)
         micro_batches = int(said.measured.get("micro_batches", 1))
-        named_by_trace = cause in (terms.Cause.MICRO_NEGATIVES, terms.Cause.LOCAL_NEGATIVES)
-        if head["forward"] == terms.Forward.DIFFERS and micro_batches > 1 and not named_by_trace:
+        explained = cause in (terms.Cause.MICRO_NEGATIVES, terms.Cause.LOCAL_NEGATIVES,
+                              terms.Cause.SCALED)  # a cause read: no other guessed  # fmt: skip
+        if head["forward"] == terms.Forward.DIFFERS and micro_batches > 1 and not explained:
             text += " " + diagnosis.RECORDED_MICRO_BATCHES.format(micro_batches=micro_batches)
         if head["verdict"] == terms.LOSS_DIFFERS and not cause and not _traced(a, b):
             micro = " or to its micro-batch's" if micro_batches > 1 else ""
