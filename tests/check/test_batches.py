@@ -121,6 +121,26 @@ def test_padding_names_the_run_and_rank_that_hold_a_row_twice():
     )
 
 
+def test_equal_samples_in_a_batch_whose_epoch_goes_on_are_not_blamed_on_padding():
+    """A data set whose samples repeat (equal texts, as a tokenizer that maps every word to one
+    token makes them): one device's first batch holds row 0 three times, and its next update
+    rows never given, so its epoch goes on, where a sampler's padding (the epoch's first rows
+    again, at its end) cannot be; B's 2 ranks drew other permutations (a data seed set per
+    rank). The words name the permutations (a user's Trainer job with its data seed per rank
+    read "A's rank 0 ... its sampler pads the data set")."""
+    one = [[[ROWS[0], ROWS[1], ROWS[0], ROWS[2], ROWS[3], ROWS[0], ROWS[4], ROWS[5]]],
+           [ROWS[6:14]]]  # fmt: skip
+    two = [
+        [[ROWS[0], ROWS[2], ROWS[7], ROWS[8]], [ROWS[4], ROWS[5], ROWS[9], ROWS[10]]],
+        [[ROWS[1], ROWS[3], ROWS[6], ROWS[11]], [ROWS[12], ROWS[13], ROWS[14], ROWS[15]]],
+    ]
+    compared = explained(one, two)
+    assert compared.update == 0
+    assert compared.explanation.startswith(
+        "From the fingerprints: the two runs' samplers start from different permutations"
+    ), compared.explanation
+
+
 def test_epochs_cut_differently_are_said_with_their_sizes():
     """One device's DataLoader keeps the last 6 of 30 rows as a short batch (4 updates an epoch);
     the layout-invariant sampler drops them (3): they part at update 3."""

@@ -135,8 +135,11 @@ def test_the_reader_refuses_what_is_not_a_finished_recording(recorded, tmp_path)
     with pytest.raises(format.RecordingError, match=r"sketches\.f64 is truncated: the final"):
         format.read(copy)
     (copy / format.FINAL).unlink()
-    with pytest.raises(format.RecordingError, match=r"is unfinished: it has no final\.json \(the "
-                       r"job stopped before its recorder closed: a refusal the recorder printed"):
+    with pytest.raises(
+        format.RecordingError,
+        match=r"is unfinished: it has no final\.json \(the "
+        r"job stopped before its recorder closed: a refusal the recorder printed",
+    ):
         format.read(copy)
 
 

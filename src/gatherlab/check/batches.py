@@ -143,6 +143,17 @@ def _held_twice(
     return None
 
 
+def _ends_epoch(batches: list[list[str]], update: int) -> bool:
+    """Whether ``update`` may end its epoch, where a sampler pads with the epoch's first rows: it
+    is the last recorded, or the next update gives no row the run has not given before it (a
+    new epoch of the same data set). A next update of rows never given continues the epoch, and
+    rows held twice before it are equal samples of the data set, not padding."""
+    if update + 1 >= len(batches):
+        return True
+    given = {row for rows in batches[: update + 1] for row in rows}
+    return all(row in given for row in batches[update + 1])
+
+
 def _epoch_counts(batches: list[list[str]], starts: list[int], epoch: int) -> Counter:
     """How often each row appears in a run's epoch ``epoch``, all of it that was recorded."""
     if epoch >= len(starts):
@@ -162,7 +173,8 @@ def _repeats_epoch(batches: list[list[str]], starts: list[int], epoch: int) -> b
 def explain(a: Recording, b: Recording, first: int, strided: bool = False) -> str:
     """What explains that B's global batch of update ``first`` (the first that differs) is not
     A's, with its fix, from the two recordings' fingerprints (the module's docstring), in the
-    order: global batches of other sizes from update 0, a row held twice within an epoch, a
+    order: global batches of other sizes from update 0, a row held twice within an epoch (as
+    padding only at an epoch's end, `_ends_epoch`), a
     batch most of whose rows one run never gives though
     it covered its data set, another permutation from update 0, another reshuffle where an epoch
     starts, epochs cut differently; ``strided``: B held A's rows strided over its ranks before (a
@@ -179,6 +191,8 @@ def explain(a: Recording, b: Recording, first: int, strided: bool = False) -> st
             epoch = bisect.bisect_right(starts[name], update) - 1
             theirs = _epoch_counts(batches[other], starts[other], epoch)
             kind = "duplicated" if all(theirs[row] >= 2 for row in again) else "padded"
+            if kind == "padded" and not _ends_epoch(batches[name], update):
+                continue  # no padding there: the data set's equal samples
             return diagnosis.DATA_CAUSES[kind].format(
                 run=name, rank=rank, rows=len(again), held=_rows(len(again)), epoch=epoch,
                 update=update, other=other,
