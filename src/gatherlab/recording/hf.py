@@ -52,7 +52,9 @@ __all__ = ["HFRecorder", "output_loss", "precision_of"]
 NO_LOSS = (
     "HFRecorder saw no loss in the model's first training forward: its output carries none, as "
     "where the Trainer computes the loss outside the model (a sentence-transformers trainer, a "
-    "compute_loss_func); allowed: HFRecorder(DIR, loss=<the loss module the Trainer calls>)"
+    "compute_loss_func, a Trainer subclass's own compute_loss); allowed: HFRecorder(DIR, "
+    "loss=<the loss module the Trainer calls>), a loss function (F.cross_entropy) called "
+    "through an nn.Module that wraps it"
 )
 NOT_CALLED = (
     "HFRecorder saw no loss in the first update: the loss module given as loss= was never called "
