@@ -620,3 +620,25 @@ def test_a_floor_whose_calls_do_not_span_bs_holds_b_to_20_floors_and_says_why(tm
     assert within.threshold == 5, within.words
     assert "B's calls of the model's forward" not in within.words
     assert (within.verdict, within.status) == ("exact within float32", 0), within.words
+
+
+def test_a_floor_whose_blocks_are_larger_than_bs_calls_says_how_many_blocks_span_them(tmp_path):
+    """Ranks whose calls are smaller than the floor's row blocks (a pipeline's micro-batches:
+    2 ranks of 4 calls of 2 rows, against one device's one call of 16 in 2 blocks of 8) are held
+    to 20 floors, and the note names the blocks whose calls span B's: 8 (16 rows in blocks of
+    2); the floor recorded in 8 blocks keeps 5 (a user's pipeline job was told the variable,
+    not its value)."""
+    cases = {"one": (1, LOOP, {"dtype": "float32"}),
+             "floor": (1, LOOP, {"dtype": "float32", "row_blocks": 2}),
+             "floor8": (1, LOOP, {"dtype": "float32", "row_blocks": 8}),
+             "micro": (2, LOOP, {"dtype": "float32", "micro_batches": 4})}  # fmt: skip
+    paths = record_cases(tmp_path, cases)
+    noted = comparer.compare_recordings(paths["one"], paths["micro"], floor=paths["floor"])
+    said = " ".join(noted.words.split())
+    assert noted.threshold == 20, said
+    assert "hold 2 rows a rank, and the floor recording rounds as calls of 8 to 16 rows" in said
+    assert "(GATHERLAB_RECORD_FLOOR_BLOCKS=8)" in said, said
+    spanned = comparer.compare_recordings(paths["one"], paths["micro"], floor=paths["floor8"])
+    assert spanned.threshold == 5, spanned.words
+    assert "B's calls of the model's forward" not in spanned.words
+    assert (spanned.verdict, spanned.status) == ("exact within float32", 0), spanned.words

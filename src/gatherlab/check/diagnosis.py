@@ -384,7 +384,7 @@ CALLS_UNSPANNED = (
     "calls of other sizes otherwise, which it never measured, so at most {threshold:g} floors is "
     "within it, not 5 (docs/design.md §2). A floor whose calls span B's keeps 5: A's chunks no "
     "smaller than B's per rank, in as many row blocks as the floor needs to reach B's "
-    "(GATHERLAB_RECORD_FLOOR_BLOCKS)."
+    "(GATHERLAB_RECORD_FLOOR_BLOCKS{blocks})."
 )
 # The same, where rank r holds the reference's rows r, r + W, …: a strided sampler's order.
 STRIDED_ORDER = (

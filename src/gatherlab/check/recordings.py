@@ -210,9 +210,12 @@ def _calls_unspanned(a: Recording, b: Recording, blocks: int) -> str | None:
     least, most = min(sizes_a) // blocks, max(sizes_a)
     if least <= min(sizes_b) and max(sizes_b) <= most:
         return None
+    needed = ""  # B's calls smaller than the blocks (a pipeline's micro-batches): blocks of
+    if max(sizes_b) <= most:  # at most B's smallest call
+        needed = f"={max(blocks, -(-min(sizes_a) // min(sizes_b)))}"
     return diagnosis.CALLS_UNSPANNED.format(
         b=f"{min(sizes_b)}" if min(sizes_b) == max(sizes_b) else f"{min(sizes_b)}–{max(sizes_b)}",
-        least=least, most=most, threshold=FEWER_BLOCKS_THRESHOLD,
+        least=least, most=most, threshold=FEWER_BLOCKS_THRESHOLD, blocks=needed,
     )  # fmt: skip
 
 
