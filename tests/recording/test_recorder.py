@@ -760,3 +760,26 @@ def test_the_recording_options_are_one_typed_object_every_recorder_reads(tmp_pat
         assert str(refused.value).startswith(line)
         assert capsys.readouterr().err.count("\n") == 1
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_launchers_console_script_is_recorded_as_a_shell_starts_it(tmp_path, monkeypatch):
+    """torchrun's agent reads ``python …/bin/torchrun --nproc-per-node 1 job.py`` (its console
+    script run by the interpreter its first line names); the recorded command, which the floor's
+    command repeats, is the script by its name where the PATH finds it by that name, else by
+    its path; a module run with ``-m`` and a Python file stay as they are."""
+    from gatherlab.recording.recorder import _as_typed
+
+    script = tmp_path / "bin" / "launch"
+    script.parent.mkdir()
+    script.write_text("#!/usr/bin/env python\nprint('launch')\n")
+    script.chmod(0o755)
+    agent = ["/venv/bin/python3.11", str(script), "--nproc-per-node", "1", "job.py"]
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert _as_typed(agent) == [str(script), "--nproc-per-node", "1", "job.py"]
+    monkeypatch.setenv("PATH", str(script.parent))
+    assert _as_typed(agent) == ["launch", "--nproc-per-node", "1", "job.py"]
+    module = ["/venv/bin/python", "-m", "torch.distributed.run", "job.py"]
+    source = ["/venv/bin/python", str(tmp_path / "job.py"), "--steps", "2"]
+    (tmp_path / "job.py").write_text("#!/usr/bin/env python\n")
+    (tmp_path / "job.py").chmod(0o755)
+    assert _as_typed(module) == module and _as_typed(source) == source

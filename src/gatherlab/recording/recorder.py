@@ -47,6 +47,7 @@ import itertools
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -1334,10 +1335,27 @@ def _launch_command() -> list[str]:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         try:
             line = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-            return [part.decode() for part in line.split(b"\0") if part]
+            return _as_typed([part.decode() for part in line.split(b"\0") if part])
         except OSError:  # not Linux: the rank's own command
             pass
     return list(sys.orig_argv)
+
+
+def _as_typed(command: list[str]) -> list[str]:
+    """``command`` as a shell starts it: a console script (an executable file of no Python source
+    that its first line runs with the interpreter: the agent's ``python …/bin/torchrun …``) by
+    its name where the PATH finds that file by it, else by its path."""
+    if len(command) < 2 or not Path(command[0]).name.startswith("python"):
+        return command
+    script = Path(command[1])
+    if script.suffix == ".py" or not script.is_file() or not os.access(script, os.X_OK):
+        return command
+    with open(script, "rb") as file:
+        if file.read(2) != b"#!":
+            return command
+    found = shutil.which(script.name)
+    named = found is not None and Path(found).resolve() == script.resolve()
+    return [script.name if named else str(script), *command[2:]]
 
 
 def _norm(values: torch.Tensor) -> float:
