@@ -642,3 +642,41 @@ def test_a_floor_whose_blocks_are_larger_than_bs_calls_says_how_many_blocks_span
     assert spanned.threshold == 5, spanned.words
     assert "B's calls of the model's forward" not in spanned.words
     assert (spanned.verdict, spanned.status) == ("exact within float32", 0), spanned.words
+
+
+def _clipping_run(norm: float, world_size: int, max_grad_norm: float | None):
+    """A float64 recording in memory of one part whose gradient at its 2 updates is one
+    direction at ``norm``, the same rows and loss at every W, its header's clipping bound."""
+    from pathlib import Path
+
+    from gatherlab.recording.format import Recording, Update
+
+    direction = np.array([1.0, -2.0, 0.5, 3.0])
+    sketch = norm * direction / np.linalg.norm(direction)
+    rows = [[f"{i:016x}" for i in range(r * 4, r * 4 + 4)] for r in range(world_size)]
+    settings = {"optimizer": "AdamW"} | ({} if max_grad_norm is None else
+                                         {"max_grad_norm": max_grad_norm})  # fmt: skip
+    header = {"world_size": world_size, "k": 4, "parts": ["w"], "seed": 0, "sketch_seed": 0,
+              "parameters": [{"name": "w", "shape": [4], "part": "w", "sharded": False}],
+              "precision": "64-true", "full_updates": 0, "settings": settings}  # fmt: skip
+    updates = [Update(u, [0.7] * world_size, 0.7, rows, {"w": sketch}, {"w": norm}, {}, None)
+               for u in range(2)]  # fmt: skip
+    return Recording(Path(f"/nonexistent/w{world_size}"), header, updates, {"w": sketch},
+                     {"w": 1.0})  # fmt: skip
+
+
+def test_a_gradient_clipped_to_its_bound_says_the_factor_read_is_after_clipping():
+    """A Hugging Face Trainer at its defaults on 2 ranks (its loss W times one device's) with
+    max_grad_norm 1.0: one device's gradient of norm 0.552 is left alone, B's of 1.10 is clipped
+    to 1.0, and reads as a factor 1.81 that no layout gives (`other`, a user's job). The words
+    say that B's norm is its bound, and to read the factor with clipping off; B's gradient at
+    another norm, or a recording without a bound, says nothing of clipping."""
+    a = _clipping_run(0.551741, 1, 1.0)
+    clipped = comparer.compare_recordings(a, _clipping_run(1.0 - 1e-6, 2, 1.0))
+    words = " ".join(clipped.words.split())
+    assert (whole(clipped)["gradient"], clipped.status) == ("other", 1), words
+    assert ("B clips its gradient (max_grad_norm 1 in its recording): its norm at update 0 is "
+            "0.999999, the bound, where A's is 0.551741") in words, words  # fmt: skip
+    unbound = _clipping_run(0.551741, 1, None)
+    for one, b in ((a, _clipping_run(0.99, 2, 1.0)), (unbound, _clipping_run(1.0, 2, None))):
+        assert "clips its gradient" not in comparer.compare_recordings(one, b).words

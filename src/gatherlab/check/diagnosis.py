@@ -329,6 +329,16 @@ RECORDED_MICRO_BATCHES = (
     "without gradients, then re-embeds each with its cached gradient), the trainer accumulating "
     "nothing."
 )
+# B's job clips its gradient (a trainer's max_grad_norm, in its recording's header), and B's norm
+# at the first departing update is that bound (`check.recordings._clipped`).
+CLIPPED = (
+    "B clips its gradient (max_grad_norm {bound:g} in its recording): its norm at update {update} "
+    "is {norm:.6g}, the bound, where A's is {norm_a:.6g}, so the factor read is that of B's "
+    "gradient after clipping, not of the gradient its loss gives (a layout's factor, W or 1/W, "
+    "clipped to the bound reads as another). Record both runs with clipping off "
+    "(max_grad_norm=0) to read that factor; a Hugging Face Trainer's loss at W ranks is W times "
+    "one device's unless the model's loss is a mean over the global tokens (docs/usage.md)."
+)
 # A run whose epoch repeats the previous epoch's order (its sampler never told the epoch).
 DATA_REPEATS = (
     "{run} gives epoch {epoch} in epoch {previous}'s order: its sampler is never told the new "

@@ -1013,6 +1013,7 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
         cause = head["cause"]
         named = f" ({cause})" if cause and head["verdict"] != terms.LOSS_SCALED else ""
         text = diagnosis.diagnosis(table.iloc[:1], parts, said.measured)
+        text += _clipped(a, b, said.departure[0] if said.departure is not None else 0)
         micro_batches = int(said.measured.get("micro_batches", 1))
         explained = cause in (terms.Cause.MICRO_NEGATIVES, terms.Cause.LOCAL_NEGATIVES,
                               terms.Cause.SCALED)  # a cause read: no other guessed  # fmt: skip
@@ -1041,6 +1042,21 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
 def _traced(a: Recording, b: Recording) -> bool:
     """Whether both recordings traced their first update (their ``trace.pt``)."""
     return all((recording.path / TRACE).is_file() for recording in (a, b))
+
+
+def _clipped(a: Recording, b: Recording, update: int) -> str:
+    """Where B's job clips its gradient (``max_grad_norm`` in its header's settings, which the
+    trainers' callbacks record) and B's gradient norm at ``update`` is that bound, to 1e-4
+    relative (clipping scales the gradient to bound · n / (n + 1e-6)): the words that say so
+    (`diagnosis.CLIPPED`), else nothing."""
+    bound = (b.header.get("settings") or {}).get("max_grad_norm")
+    if not bound or update >= min(len(a.updates), len(b.updates)):
+        return ""
+    norm_b = math.sqrt(sum(value * value for value in b.updates[update].norms.values()))
+    if abs(norm_b - bound) > 1e-4 * bound:
+        return ""
+    norm_a = math.sqrt(sum(value * value for value in a.updates[update].norms.values()))
+    return " " + diagnosis.CLIPPED.format(bound=bound, update=update, norm=norm_b, norm_a=norm_a)
 
 
 def _departure_words(head: pd.Series, said: _Said, floored: bool) -> str:
