@@ -288,17 +288,10 @@ def judge(
     cause, scale, shown_scale = None, None, None
     if trained:  # its own curve: a constant factor of every step's loss
         curves = (run, reference)
-        scale = hypotheses.scale(run.losses, reference.losses, tolerance)
-        if scale is not None and in_precision is not None and gradients.factor_name(
-                scale, world_size, micro_batches, tolerance) is None:  # fmt: skip
-            # to a floor's tolerance a ratio that merely stays near one value is no factor: a
-            # loss over each rank's own negatives read ×0.746, "drop the factor"; only the
-            # layout's named factors are
-            scale = None
+        scale = _curve_scale(run, reference, tolerance, in_precision is not None, key)
         cause = Cause.SCALED if scale is not None else None
     elif not same and reproduce is not None:
         cause, scale = reproduce()
-    compared = None if curves is None else _curves(*curves, tolerance, scale)
     if classified is None:
         whole = gradients.classify(_gradient(run), _gradient(reference), world_size, micro_batches)
         parts = _classified_parts(run, reference, layout, world_size, micro_batches)
@@ -307,8 +300,8 @@ def judge(
     if trained and cause is None and not same:  # its first loss and gradient, one factor
         shown_scale = _first_factor(first, reference_first, whole, key, tolerance)
         cause = Cause.SCALED if shown_scale is not None else None
-        if shown_scale is not None:  # its curve divided by c, as every scaled loss's is
-            compared = _curves(*curves, tolerance, shown_scale)
+    # its curve divided by c, as every scaled loss's is (c read from its first update too)
+    compared = None if curves is None else _curves(*curves, tolerance, scale or shown_scale)
     if whole.gradient == GradientClass.BIASED and gradients.single_factors(parts):
         cause = Cause.PARTS
     elif cause is None and not same and accumulated is not None:
@@ -397,6 +390,20 @@ def _located(rows: list[Row], departure: Departure | None) -> list[Row]:
     if departure.kind == DepartureKind.LAYOUT:  # measured: a shape one device does not have
         located["cause"] = str(Cause.LAYOUT)
     return [dataclasses.replace(r, **located) for r in rows]
+
+
+def _curve_scale(
+    run: Trained, reference: Trained, tolerance: float, floored: bool, key: Row
+) -> float | None:
+    """c where every step's loss of ``run`` is c times the reference's (`hypotheses.scale`), to
+    ``tolerance``; judged in floors (``floored``) only where c is one of the layout's named
+    factors: to a floor's tolerance a ratio that merely stays near one value is no factor (a loss
+    over each rank's own negatives read ×0.746, "drop the factor")."""
+    scale = hypotheses.scale(run.losses, reference.losses, tolerance)
+    if scale is not None and floored and gradients.factor_name(
+            scale, key.world_size, key.micro_batches, tolerance) is None:  # fmt: skip
+        return None
+    return scale
 
 
 def _first_factor(
