@@ -161,3 +161,52 @@ def test_bad_expert_parallel_input_is_one_line_before_any_rank_trains(options, l
     assert "\n" not in message
     # the rank that raises first is named (either may)
     assert re.sub(r"ranks: rank \d", "ranks: rank N", message).startswith(line), message
+
+
+def _held_recording(path, gradient, held):
+    """A recording on disk of a model of a router (``router.w``, every rank's) and two experts
+    (``experts.0.w`` on rank 0, ``experts.1.w`` on rank 1, where ``held`` says so), whose whole
+    first gradient is ``gradient`` (a dict of each parameter's values)."""
+    from gatherlab.recording.format import FULL, Recording, Update
+
+    names = ["router.w", "experts.0.w", "experts.1.w"]
+    (path / FULL).mkdir(parents=True)
+    torch.save(torch.cat([gradient[n] for n in names]), path / FULL / "update_0.pt")
+    header = {"world_size": len(held or [0]), "held": held, "full_updates": 1,
+              "parameters": [{"name": n, "shape": [3], "part": n.split(".")[0],
+                              "sharded": False} for n in names]}  # fmt: skip
+    update = Update(0, [1.0], 1.0, [[]], {}, {}, {}, None)  # its first, whose gradient is kept
+    return Recording(path, header, [update], {}, {})
+
+
+def test_a_recordings_experts_w_times_one_devices_with_the_router_exact_are_experts_scaled(
+    tmp_path,
+):
+    """A user's expert-parallel job that leaves its experts' gradients undivided by W (each
+    rank's loss a mean over its own rows, the all-to-all's backward summing every rank's
+    tokens): the router, every rank's, is one device's; the two experts, each a rank's, twice
+    theirs. Its part ``moe`` mixes router and experts (norm ratio 1.96, ``biased``), and the
+    comparison named a gather's causes; from the whole first gradients it is ``experts_scaled``,
+    c = 2 = E. Experts at one device's with a router that departs, or a factor only on one
+    expert, name nothing."""
+    from gatherlab.check import recordings as comparer
+    from gatherlab.check.table import Row
+
+    one = {"router.w": torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64),
+           "experts.0.w": torch.tensor([1.0, 0.25, -3.0], dtype=torch.float64),
+           "experts.1.w": torch.tensor([-0.5, 4.0, 1.5], dtype=torch.float64)}  # fmt: skip
+    held = [["router.w", "experts.0.w"], ["router.w", "experts.1.w"]]
+    a = _held_recording(tmp_path / "a", one, None)
+    rows = [Row("b", "native", 2, "a", verdict="biased", gradient="biased")]
+    twice = {name: 2 * one[name] for name in ("experts.0.w", "experts.1.w")}
+    cases = {
+        "scaled": {**one, **twice},
+        "router": {**one, "router.w": 1.5 * one["router.w"]},
+        "one expert": {**one, "experts.0.w": twice["experts.0.w"]},
+    }
+    named = {name: comparer._experts_scaled(a, _held_recording(tmp_path / name, g, held), rows)[0]
+             for name, g in cases.items()}  # fmt: skip
+    assert named["scaled"].cause == "experts_scaled", named["scaled"]
+    assert "is 2 = E times one device's" in named["scaled"].departs
+    assert "(E = 2)" in named["scaled"].departs
+    assert named["router"].cause == "" and named["one expert"].cause == ""

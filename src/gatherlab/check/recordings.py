@@ -542,19 +542,16 @@ def _copies_apart(b: Recording, rows: list[Row]) -> list[Row]:
             if r.cause == terms.Cause.UNREDUCED else r for r in rows]  # fmt: skip
 
 
-def _experts_mixed(a: Recording, b: Recording, rows: list[Row]) -> list[Row]:
-    """Where B's ranks hold different parameters and two of them, held by different ranks (two
-    experts), got one gradient (not zero; equal to ``_MIXED`` of its largest entry) in B's whole
-    first gradient where A's differ, the departing rows' cause is ``experts_mixed``, those two
-    its words (``departs``): each expert's gradient was reduced with other experts', over ranks
-    that hold other experts at its place, as the check names it (`gatherlab.check.experts`)."""
+def _held_gradients(a: Recording, b: Recording, rows: list[Row]):
+    """Where B's ranks hold different parameters and its first row departs with no cause yet:
+    each parameter's holders in B, and B's and A's whole first gradients per parameter (float64);
+    None elsewhere."""
     held = b.header.get("held")
-    first = rows[0]
-    if not held or first.verdict in (EXACT, *WITHIN) or first.cause:
-        return rows
+    if not held or rows[0].verdict in (EXACT, *WITHIN) or rows[0].cause:
+        return None
     mine, theirs = b.full_gradient(0), a.full_gradient(0)
     if mine is None or theirs is None:
-        return rows
+        return None
     holders: dict[str, set[int]] = {}
     for rank, names in enumerate(held):
         for name in names:
@@ -565,6 +562,27 @@ def _experts_mixed(a: Recording, b: Recording, rows: list[Row]) -> list[Row]:
     one = dict(zip([p["name"] for p in a.header["parameters"]],
                    theirs.double().split([math.prod(p["shape"]) for p in a.header["parameters"]]),
                    strict=True))  # fmt: skip
+    return holders, own, one
+
+
+def _caused(rows: list[Row], cause: terms.Cause, words: str) -> list[Row]:
+    """The departing rows with no cause given ``cause`` and ``words`` (``departs``)."""
+    return [dataclasses.replace(r, cause=str(cause), departs=words)
+            if r.verdict not in (EXACT, *WITHIN) and not r.cause else r
+            for r in rows]  # fmt: skip
+
+
+def _experts_mixed(a: Recording, b: Recording, rows: list[Row]) -> list[Row]:
+    """Where B's ranks hold different parameters and two of them, held by different ranks (two
+    experts), got one gradient (not zero; equal to ``_MIXED`` of its largest entry) in B's whole
+    first gradient where A's differ, the departing rows' cause is ``experts_mixed``, those two
+    its words (``departs``): each expert's gradient was reduced with other experts', over ranks
+    that hold other experts at its place, as the check names it (`gatherlab.check.experts`)."""
+    found = _held_gradients(a, b, rows)
+    if found is None:
+        return rows
+    holders, own, one = found
+    names = list(own)
     for i, name in enumerate(names):
         for other in names[i + 1 :]:
             if own[name].shape != own[other].shape or holders[name] & holders[other]:
@@ -573,16 +591,46 @@ def _experts_mixed(a: Recording, b: Recording, rows: list[Row]) -> list[Row]:
             same = float((own[name] - own[other]).abs().max()) <= _MIXED * scale
             apart = float((one[name] - one[other]).abs().max())
             if same and float(own[name].abs().max()) > _MIXED * scale and apart > _MIXED * scale:
-                words = (
+                return _caused(rows, terms.Cause.EXPERTS_MIXED, (
                     f"{name} on rank {min(holders[name])} and {other} on rank "
                     f"{min(holders[other])}, two experts, got one gradient, where one device's "
                     f"differ by {apart / scale:.2g} (max relative difference)"
-                )
-                return [dataclasses.replace(r, cause=str(terms.Cause.EXPERTS_MIXED),
-                                            departs=words)
-                        if r.verdict not in (EXACT, *WITHIN) and not r.cause else r
-                        for r in rows]  # fmt: skip
+                ))  # fmt: skip
     return rows
+
+
+def _experts_scaled(a: Recording, b: Recording, rows: list[Row]) -> list[Row]:
+    """Where B's ranks hold different parameters, its parameters every rank holds are A's in its
+    whole first gradient (to ``_SCALED_REPLICATED`` of their largest entry) and those some ranks
+    hold alone (the experts) are one constant c ≠ 1 times A's (cosine ≥ 1 − ``_SCALED_COSINE``),
+    the departing rows' cause is ``experts_scaled``: the experts' reduction divides by another
+    count, as the check names it (`gatherlab.check.experts`; c = E, the expert groups, where
+    their replicas' average leaves E times one device's)."""
+    found = _held_gradients(a, b, rows)
+    if found is None:
+        return rows
+    holders, own, one = found
+    everyone = set().union(*holders.values())
+    experts = [name for name in own if holders[name] != everyone]
+    replicated = [name for name in own if holders[name] == everyone]
+    if not experts or not replicated:
+        return rows
+    mine_r, one_r = (torch.cat([g[n] for n in replicated]) for g in (own, one))
+    mine_e, one_e = (torch.cat([g[n] for n in experts]) for g in (own, one))
+    scale = float(one_r.abs().max()) or 1.0
+    if float((mine_r - one_r).abs().max()) > _SCALED_REPLICATED * scale or not one_e.any():
+        return rows
+    cosine, ratio = gradients.cosine_and_norm_ratio(mine_e, one_e)
+    if cosine < 1 - _SCALED_COSINE or abs(ratio - 1) <= _SCALED_REPLICATED:
+        return rows
+    degree = len({frozenset(holders[name]) for name in experts})
+    named = next((f" = {name}" for name, c in (("E", degree), ("1/E", 1 / degree))
+                  if abs(ratio - c) <= 1e-3 * c), "")  # fmt: skip
+    return _caused(rows, terms.Cause.EXPERTS_SCALED, (
+        f"the experts' gradient ({len(experts)} parameters some ranks hold alone) is "
+        f"{ratio:.6g}{named} times one device's (cosine {cosine:.12g}), every parameter every "
+        f"rank holds A's (E = {degree})"
+    ))  # fmt: skip
 
 
 _MIXED = 1e-6
@@ -590,6 +638,14 @@ _MIXED = 1e-6
 gradient: float32's sums over the ranks (an all-reduce of two experts' gradients gives both the
 same bits, 0 measured in ``ep.py --bug averaged``; one device's two experts there differ by 1.4
 of the largest entry)."""
+
+
+_SCALED_REPLICATED = 1e-4
+"""How close B's parameters every rank holds must be to A's (of A's largest entry), and how far
+the experts' norm ratio from 1, for the comparison to name the experts' gradient scaled: beside
+float64's 1e-10, float32's rounding of the same sums in other orders (~1e-7)."""
+_SCALED_COSINE = 1e-6
+"""How parallel B's experts' gradient must be to A's (1 − cosine) to be a constant times it."""
 
 
 _COPIES_SUMMED = 1e-4
@@ -769,7 +825,7 @@ def compare_recordings(
     rows, tolerance = _rows(a, b, reads, data, (floored, ceiling), (unreduced, desync, unlossed),
                             tolerance, micro_batches)  # fmt: skip
     rows = _copies_apart(b, rows)
-    rows = _experts_mixed(a, b, rows)
+    rows = _experts_scaled(a, b, _experts_mixed(a, b, rows))
     judged = (floored is not None or ceiling is not None or precision == terms.Precision.FLOAT64
               or data.update is not None or identical)  # fmt: skip
     departure = None
