@@ -32,9 +32,11 @@ class Scaled(nn.Module):
         super().__init__()
         self.scale = nn.Parameter(torch.tensor([1.5], dtype=torch.float64))
         self.divisor = 1  # the bug ``divide_in_loss``: the loss divided by K in the loss itself
+        self.in_float32 = False  # the mean in float32 (``logits.float()`` in a float64 job)
 
     def forward(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = ((prediction * self.scale - target) ** 2).mean()
+        squares = (prediction * self.scale - target) ** 2
+        loss = (squares.float() if self.in_float32 else squares).mean()
         return loss if self.divisor == 1 else loss / self.divisor
 
 
@@ -78,7 +80,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 def loop(
     out: str, wrap: str = "ddp", bug: str = "", k: int = 64, full_updates: int = 1,
     trace: bool = False, micro_batches: int = 1, dtype: str = "float64", row_blocks: int = 1,
-    autocast: str | None = None, mixed: bool = False,
+    autocast: str | None = None, mixed: bool = False, float32_loss: bool = False,
 ) -> None:  # fmt: skip
     """Trains ``STEPS`` updates of SGD and records them into ``out``; ``wrap``: ``ddp``,
     ``fsdp2`` or ``zero`` (DDP with ``ZeroRedundancyOptimizer``); without a process group the
@@ -89,10 +91,12 @@ def loop(
     forward in that many row blocks (the floor's recording, `gatherlab.record.in_row_blocks`);
     ``autocast``: the forward under ``torch.autocast`` in that dtype (``bfloat16``: bf16-mixed,
     with float32 parameters); ``mixed``: each row mixed with another of its call at random in the
-    body (`Mixed`: in row blocks, the floor's forward draws otherwise)."""
+    body (`Mixed`: in row blocks, the floor's forward draws otherwise); ``float32_loss``: the
+    loss a float32 mean of the float64 model's squares (``logits.float()``)."""
     world_size, rank = _world()
     torch.manual_seed(0)
     criterion = Scaled().to(getattr(torch, dtype))
+    criterion.in_float32 = float32_loss
     if bug == "divide_in_loss":  # divided by K again, where the loss is recorded (a pipeline's
         criterion.divisor = micro_batches  # loss function divided, its schedule scaling too)
     outside = bug == "temperature_outside"

@@ -358,6 +358,12 @@ NO_LOSS = (
     "loss module, no output's loss and no recorder.loss(value)): their losses are not compared, "
     "their gradients are."
 )
+# A float64 recording whose loss tensor was of a narrower dtype (`check.recordings._loss_rounding`).
+LOSS_ROUNDED = (
+    "note: the job's loss is a {dtype} number (its loss tensor's dtype), which one device and W "
+    "ranks round otherwise: the losses are held to {rounding:.2g} ({units} unit roundoffs of "
+    "{dtype} of A's largest loss), the gradients and weights to float64's bound."
+)
 # A floor recording (``--floor``) that departs from A beyond any rounding of the precision.
 NO_ROUNDING_FLOOR = (
     "note: the floor recording {floor} departs from A by {departure:.2g} (relative) at update 0, "

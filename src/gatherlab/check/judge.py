@@ -60,12 +60,15 @@ class _Curves:
         return self.first is not None or self.weights > self.tolerance
 
 
-def _curves(run: Trained, reference: Trained, tolerance: float, scale: float | None) -> _Curves:
-    """The runs' losses compared, the run's divided by ``scale`` (when there is one), and their
-    final weights."""
+def _curves(
+    run: Trained, reference: Trained, tolerance: float, scale: float | None,
+    losses: float | None = None,
+) -> _Curves:  # fmt: skip
+    """The runs' losses compared (to ``losses``, else ``tolerance``), the run's divided by
+    ``scale`` (when there is one), and their final weights (to ``tolerance``)."""
     factor = scale or 1.0
     differences = [abs(a / factor - b) for a, b in zip(run.losses, reference.losses, strict=True)]
-    first = next((step for step, d in enumerate(differences) if d > tolerance), None)
+    first = next((step for step, d in enumerate(differences) if d > (losses or tolerance)), None)
     weights = gradients.largest_difference(run.parameters, reference.parameters)
     return _Curves(differences, first, weights, tolerance)
 
@@ -203,6 +206,10 @@ class Recorded:
     unreduced_over: str = ""
     """The mesh dimension over which ``unreduced``'s gradients are partial sums (a tensor-parallel
     model's, cause ``partial``); empty: gradients not reduced over the ranks (``unreduced``)."""
+    loss_rounding: float = 0.0
+    """The rounding of the losses' own dtype where it is narrower than the precision the run is
+    judged in (absolute; a float64 job whose loss is a float32 mean): its losses are held to it
+    where it is larger than ``tolerance``, its gradient and weights to ``tolerance``."""
 
 
 def _within(rows: list[Row], whole: Floored) -> list[Row]:
@@ -283,12 +290,13 @@ def judge(
         relative_same, loss_diff, tolerance = in_precision.forward(run, reference, curves,
                                                                    world_size)  # fmt: skip
         classified = as_classified(low[0]), {k: as_classified(v) for k, v in low[1].items()}
-    same = abs(first - reference_first) <= tolerance if trained else relative_same
+    losses = max(tolerance, recorded.loss_rounding)  # the losses' own tolerance
+    same = abs(first - reference_first) <= losses if trained else relative_same
     forward = Forward.SAME if same else Forward.DIFFERS
     cause, scale, shown_scale = None, None, None
     if trained:  # its own curve: a constant factor of every step's loss
         curves = (run, reference)
-        scale = _curve_scale(run, reference, tolerance, in_precision is not None, key)
+        scale = _curve_scale(run, reference, losses, in_precision is not None, key)
         cause = Cause.SCALED if scale is not None else None
     elif not same and reproduce is not None:
         cause, scale = reproduce()
@@ -298,10 +306,11 @@ def judge(
     else:
         whole, parts = classified
     if trained and cause is None and not same:  # its first loss and gradient, one factor
-        shown_scale = _first_factor(first, reference_first, whole, key, tolerance)
+        shown_scale = _first_factor(first, reference_first, whole, key, losses)
         cause = Cause.SCALED if shown_scale is not None else None
     # its curve divided by c, as every scaled loss's is (c read from its first update too)
-    compared = None if curves is None else _curves(*curves, tolerance, scale or shown_scale)
+    compared = (None if curves is None else
+                _curves(*curves, tolerance, scale or shown_scale, losses))  # fmt: skip
     if whole.gradient == GradientClass.BIASED and gradients.single_factors(parts):
         cause = Cause.PARTS
     elif cause is None and not same and accumulated is not None:

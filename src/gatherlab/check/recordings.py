@@ -633,6 +633,13 @@ def _experts_scaled(a: Recording, b: Recording, rows: list[Row]) -> list[Row]:
     ))  # fmt: skip
 
 
+_LOSS_ROUNDING = 64
+"""Unit roundoffs of a loss's own dtype (relative to A's largest loss) within which two layouts'
+losses are one loss rounded: a mean of n values in torch's cascaded sums rounds by a few log2(n)
+unit roundoffs (a float64 job's float32 loss: 3e-8 apart, 0.6 of float32's unit roundoff, at
+W = 2 in a user's Lightning job whose gradients agreed to 2.5e-16)."""
+
+
 _MIXED = 1e-6
 """How close two experts' gradients must be in B (of one device's largest entry) to be one
 gradient: float32's sums over the ranks (an all-reduce of two experts' gradients gives both the
@@ -822,8 +829,11 @@ def compare_recordings(
     if unlossed:
         data = dataclasses.replace(data, notes=(*data.notes, diagnosis.NO_LOSS.format(
             updates=len(unlossed), total=len(a.updates))))  # fmt: skip
+    rounding, rounding_note = _loss_rounding(a, b, floored is not None or ceiling is not None)
+    if rounding_note:
+        data = dataclasses.replace(data, notes=(*data.notes, rounding_note))
     rows, tolerance = _rows(a, b, reads, data, (floored, ceiling), (unreduced, desync, unlossed),
-                            tolerance, micro_batches)  # fmt: skip
+                            (tolerance, rounding), micro_batches)  # fmt: skip
     rows = _copies_apart(b, rows)
     rows = _experts_scaled(a, b, _experts_mixed(a, b, rows))
     judged = (floored is not None or ceiling is not None or precision == terms.Precision.FLOAT64
@@ -922,13 +932,14 @@ def _not_judged(
 def _rows(
     a: Recording, b: Recording, reads: list[_Read], data: batches.Batches,
     low: tuple[tuple[str, Recording, float] | None, tuple[_Read, float] | None],
-    measured: tuple[list[str], tuple[int, list[str]] | None, set[int]], tolerance: float,
-    micro_batches: int,
+    measured: tuple[list[str], tuple[int, list[str]] | None, set[int]],
+    tolerances: tuple[float, float], micro_batches: int,
 ) -> tuple[list[Row], float]:  # fmt: skip
     """The judge's rows of B against A (`judge.judge`) and the tolerance of their losses: in
     floors of the floor recording (``low[0]``), or, beyond rounding without one (``low[1]``,
     `_ceiling`), with the classes read at the ceiling and a forward within it not judged."""
     (floored, ceiling), (unreduced, desync, unlossed) = low, measured
+    tolerance, rounding = tolerances  # the losses' own rounding (`_loss_rounding`) beside it
     full = reads[0].source == FULL
     key = Row(loss=str(b.path), gather="native", world_size=b.world_size, reference=str(a.path),
               micro_batches=micro_batches)  # fmt: skip
@@ -943,14 +954,30 @@ def _rows(
         _trained(b, full, unlossed), _trained(a, full, unlossed), key, tolerance=tolerance,
         layout=a.layout() if full else _sketch_layout(a),
         recorded=Recorded(given, unreduced, data.update is not None, in_precision,
-                          () if desync is None else desync[1]),
+                          () if desync is None else desync[1], loss_rounding=rounding),
         where=None if data.update is not None else _where(
             a, b, tolerance, micro_batches, floored is not None or ceiling is not None),
     )  # fmt: skip
     if ceiling is not None:  # within the ceiling nothing is told without a floor
         rows = [dataclasses.replace(r, forward=terms.NOT_JUDGED) if r.forward == Forward.SAME
                 else r for r in rows]  # fmt: skip
-    return rows, tolerance
+    return rows, max(tolerance, rounding)
+
+
+def _loss_rounding(a: Recording, b: Recording, floored: bool) -> tuple[float, str]:
+    """Judged to float64's bound (not ``floored``), where either recording's loss tensor was of a
+    narrower dtype (a float64 job's ``F.cross_entropy(logits.float(), …)``: a float32 mean of its
+    rows, which one device and W ranks round otherwise): `_LOSS_ROUNDING` unit roundoffs of that
+    dtype times A's largest |loss|, the losses' own tolerance, and the note that says so; 0 and
+    no note elsewhere."""
+    dtypes = {u.loss_dtype for r in (a, b) for u in r.updates if u.loss_dtype} - {"float64"}
+    losses = [abs(u.loss) for u in a.updates if not math.isnan(u.loss)]
+    if floored or _judged(a) != terms.Precision.FLOAT64 or not dtypes or not losses:
+        return 0.0, ""
+    dtype = max(dtypes, key=lambda name: torch.finfo(getattr(torch, name)).eps)
+    rounding = _LOSS_ROUNDING * torch.finfo(getattr(torch, dtype)).eps / 2 * max(losses)
+    return rounding, diagnosis.LOSS_ROUNDED.format(dtype=dtype, rounding=rounding,
+                                                   units=_LOSS_ROUNDING)  # fmt: skip
 
 
 def _ceiling(

@@ -95,6 +95,10 @@ class Update:
     """Where the ranks hold different parameters, the copies of one that differ in the update's
     whole gradient, each in words (`gatherlab.core.held.Apart.words`: the ranks, the names they
     hold it under, by how much); recorded with the whole gradient (the first updates)."""
+    loss_dtype: str | None = None
+    """The dtype of the loss tensor the job's loss was (``float32`` where a float64 job computes
+    its loss in float32: ``logits.float()``), whose rounding the comparison allows its losses;
+    None where the loss was a number, or in a recording made before it was recorded."""
 
 
 @dataclass(frozen=True)
@@ -318,6 +322,7 @@ def _update(number: int, text: str, path: Path, sketches: _Sketches, parts: list
         norms=line["norms"], unreduced=unreduced, autocast=line.get("autocast"),
         micro_batches=line.get("micro_batches", 1), calls=line.get("calls"),
         drifted=line.get("drifted", []), copies_apart=line.get("copies_apart", []),
+        loss_dtype=line.get("loss_dtype"),
     )  # fmt: skip
 
 

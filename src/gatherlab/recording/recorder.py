@@ -471,6 +471,7 @@ class Recorder:
         self._last_given: dict[str, tuple] = {}  # where the last rows and labels lay (`_again`)
         self._apart: list[str] = []  # the copies that differ in the assembled gradient
         self._losses: list[float] = []
+        self._loss_dtype: str | None = None  # the dtype of the update's loss tensor
         self._autocast: str | None = None
         self._autocast_hooks: dict[nn.Module, Any] = {}  # `_attach`, `_pruned`
         self._first_child: nn.Module | None = None  # the first the first update's forward called
@@ -696,6 +697,8 @@ class Recorder:
         """This rank's loss of a micro-batch of the update."""
         if self._tracer is not None:
             self._trace_end(value if isinstance(value, torch.Tensor) else None)
+        if isinstance(value, torch.Tensor):  # its dtype: the losses' rounding (`format.Update`)
+            self._loss_dtype = str(value.dtype).removeprefix("torch.")
         self._losses.append(float(value.detach() if isinstance(value, torch.Tensor) else value))
 
     # A forward without gradients (an evaluation, a monitor between updates) trains nothing: its
@@ -1003,6 +1006,7 @@ class Recorder:
                      if self._losses else math.nan),
             "rows": self._rows, "pads": pads,
             "calls": self._calls, "micro_batches": len(self._losses), "autocast": self._autocast,
+            "loss_dtype": self._loss_dtype,
         }  # fmt: skip
         full = self._full_gradient() if self.updates < self.full_updates else None
         if self._apart:  # the copies that differ in the whole gradient just assembled
@@ -1015,7 +1019,7 @@ class Recorder:
         self.updates += 1
         if self.updates == 1 or (self._autocast is not None and self._autocast_hooks):
             self._pruned()
-        self._rows, self._losses, self._calls = [], [], 0
+        self._rows, self._losses, self._calls, self._loss_dtype = [], [], 0, None
 
     def _after_step(self, optimizer, args: tuple, kwargs: dict) -> None:
         """After the step: on W ranks, this rank's weights' fingerprint (`_weights_digests`),
@@ -1240,6 +1244,7 @@ class Recorder:
             "calls": [r["calls"] if self._counts(rank) else 0 for rank, r in enumerate(ranks)],
             "norms": norms, "unreduced": starts, "sketch": start,
             "autocast": ranks[0]["autocast"], "micro_batches": micro_batches,
+            "loss_dtype": next((r["loss_dtype"] for r in ranks if r.get("loss_dtype")), None),
             "drifted": drifted,
             **({"copies_apart": ranks[0]["copies_apart"]} if "copies_apart" in ranks[0] else {}),
         })  # fmt: skip
