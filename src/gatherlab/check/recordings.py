@@ -824,14 +824,7 @@ def compare_recordings(
                 "micro_batches": micro_batches}  # fmt: skip
     if desync is not None:
         measured |= {"desync_update": desync[0], "desync_parts": ", ".join(desync[1])}
-    unlossed = {x.index for x, y in zip(a.updates, b.updates, strict=True)
-                if math.isnan(x.loss) or math.isnan(y.loss)}  # fmt: skip
-    if unlossed:
-        data = dataclasses.replace(data, notes=(*data.notes, diagnosis.NO_LOSS.format(
-            updates=len(unlossed), total=len(a.updates))))  # fmt: skip
-    rounding, rounding_note = _loss_rounding(a, b, floored is not None or ceiling is not None)
-    if rounding_note:
-        data = dataclasses.replace(data, notes=(*data.notes, rounding_note))
+    data, unlossed, rounding = _losses_noted(a, b, data, floored is not None or ceiling is not None)
     rows, tolerance = _rows(a, b, reads, data, (floored, ceiling), (unreduced, desync, unlossed),
                             (tolerance, rounding), micro_batches)  # fmt: skip
     rows = _copies_apart(b, rows)
@@ -962,6 +955,19 @@ def _rows(
         rows = [dataclasses.replace(r, forward=terms.NOT_JUDGED) if r.forward == Forward.SAME
                 else r for r in rows]  # fmt: skip
     return rows, max(tolerance, rounding)
+
+
+def _losses_noted(
+    a: Recording, b: Recording, data: batches.Batches, floored: bool
+) -> tuple[batches.Batches, set[int], float]:
+    """What the losses allow: the updates either recording has no loss at (``unlossed``: their
+    losses not compared) and the losses' own rounding (`_loss_rounding`), each with its note."""
+    unlossed = {x.index for x, y in zip(a.updates, b.updates, strict=True)
+                if math.isnan(x.loss) or math.isnan(y.loss)}  # fmt: skip
+    rounding, rounding_note = _loss_rounding(a, b, floored)
+    no_loss = unlossed and diagnosis.NO_LOSS.format(updates=len(unlossed), total=len(a.updates))
+    notes = [note for note in (no_loss, rounding_note) if note]
+    return dataclasses.replace(data, notes=(*data.notes, *notes)), unlossed, rounding
 
 
 def _loss_rounding(a: Recording, b: Recording, floored: bool) -> tuple[float, str]:
