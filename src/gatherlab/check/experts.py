@@ -194,23 +194,35 @@ def departure(run: Trained, reference: Trained, model: nn.Module, degree: int) -
     replicated = torch.cat(
         [torch.full((size,), n in everywhere) for n, size in zip(names, sizes, strict=True)]
     )
-    mine, one = run.first_gradient, reference.first_gradient
-    held_by_some = _experts([n for n in names if n not in everywhere])
+    words = scaled(run.first_gradient, reference.first_gradient, replicated,
+                   [n for n in names if n not in everywhere], degree)  # fmt: skip
+    return None if words is None else Departure(Cause.EXPERTS_SCALED, words)
+
+
+def scaled(
+    mine: torch.Tensor, one: torch.Tensor, replicated: torch.Tensor, experts: Sequence[str],
+    degree: int, tolerance: float = gradients.FLOAT64_TOLERANCE,
+    parallel: float = gradients.PARALLEL_COSINE,
+) -> str | None:  # fmt: skip
+    """The words of ``experts_scaled``, None where it does not hold: a whole first gradient
+    (``mine``) whose entries every rank holds (``replicated``, a mask) are one device's (``one``)
+    to ``tolerance`` of their largest, and whose others (the ``experts``' parameters, not all
+    zero) are a constant c ≠ 1 times one device's (cosine ≥ ``parallel``); c = E or 1/E named
+    (E = ``degree``, the expert groups). The check's rule and the comparison of recordings'
+    (`gatherlab.check.recordings`, in float32's rounding)."""
     if replicated.all() or not one[~replicated].abs().max() > 0:
         return None
     scale = gradients.largest_difference(one[replicated]) or 1.0
     if gradients.largest_difference(mine[replicated], one[replicated]) > tolerance * scale:
         return None
     cosine, ratio = gradients.cosine_and_norm_ratio(mine[~replicated], one[~replicated])
-    if cosine >= gradients.PARALLEL_COSINE and abs(ratio - 1) > tolerance:
-        named = next((f" = {name}" for name, c in (("E", degree), ("1/E", 1 / degree))
-                      if abs(ratio - c) <= tolerance * c), "")  # fmt: skip
-        return Departure(Cause.EXPERTS_SCALED, (
-            f"the experts' gradient ({', '.join(held_by_some)}) is {ratio:.6g}{named} times one "
-            f"device's (cosine {cosine:.12g}), every parameter every rank holds exact "
-            f"(E = {degree})"
-        ))  # fmt: skip
-    return None
+    if cosine < parallel or abs(ratio - 1) <= tolerance:
+        return None
+    named = next((f" = {name}" for name, c in (("E", degree), ("1/E", 1 / degree))
+                  if abs(ratio - c) <= tolerance * c), "")  # fmt: skip
+    return (f"the experts' gradient ({', '.join(_experts(experts))}) is {ratio:.6g}{named} times "
+            f"one device's (cosine {cosine:.12g}), every parameter every rank holds exact "
+            f"(E = {degree})")  # fmt: skip
 
 
 def split_refused(setting: Any, world_sizes: Sequence[int]) -> str | None:

@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 
 from gatherlab.check import batches, diagnosis, where
+from gatherlab.check.experts import scaled
 from gatherlab.check.judge import InPrecision, Recorded, as_classified, judge
 from gatherlab.check.table import (
     ALL_PARTS,
@@ -601,9 +602,9 @@ def _experts_mixed(a: Recording, b: Recording, rows: list[Row]) -> list[Row]:
 
 def _experts_scaled(a: Recording, b: Recording, rows: list[Row]) -> list[Row]:
     """Where B's ranks hold different parameters, its parameters every rank holds are A's in its
-    whole first gradient (to ``_SCALED_REPLICATED`` of their largest entry) and those some ranks
-    hold alone (the experts) are one constant c ≠ 1 times A's (cosine ≥ 1 − ``_SCALED_COSINE``),
-    the departing rows' cause is ``experts_scaled``: the experts' reduction divides by another
+    whole first gradient and those some ranks hold alone (the experts) are one constant c ≠ 1
+    times A's, to ``_SCALED_TOLERANCE`` (`experts.scaled`, the check's rule), the departing
+    rows' cause is ``experts_scaled``: the experts' reduction divides by another
     count, as the check names it (`gatherlab.check.experts`; c = E, the expert groups, where
     their replicas' average leaves E times one device's)."""
     found = _held_gradients(a, b, rows)
@@ -612,25 +613,13 @@ def _experts_scaled(a: Recording, b: Recording, rows: list[Row]) -> list[Row]:
     holders, own, one = found
     everyone = set().union(*holders.values())
     experts = [name for name in own if holders[name] != everyone]
-    replicated = [name for name in own if holders[name] == everyone]
-    if not experts or not replicated:
+    if len(experts) == len(own):  # no parameter every rank holds: nothing to hold them against
         return rows
-    mine_r, one_r = (torch.cat([g[n] for n in replicated]) for g in (own, one))
-    mine_e, one_e = (torch.cat([g[n] for n in experts]) for g in (own, one))
-    scale = float(one_r.abs().max()) or 1.0
-    if float((mine_r - one_r).abs().max()) > _SCALED_REPLICATED * scale or not one_e.any():
-        return rows
-    cosine, ratio = gradients.cosine_and_norm_ratio(mine_e, one_e)
-    if cosine < 1 - _SCALED_COSINE or abs(ratio - 1) <= _SCALED_REPLICATED:
-        return rows
-    degree = len({frozenset(holders[name]) for name in experts})
-    named = next((f" = {name}" for name, c in (("E", degree), ("1/E", 1 / degree))
-                  if abs(ratio - c) <= 1e-3 * c), "")  # fmt: skip
-    return _caused(rows, terms.Cause.EXPERTS_SCALED, (
-        f"the experts' gradient ({len(experts)} parameters some ranks hold alone) is "
-        f"{ratio:.6g}{named} times one device's (cosine {cosine:.12g}), every parameter every "
-        f"rank holds A's (E = {degree})"
-    ))  # fmt: skip
+    replicated = torch.cat([torch.full((len(own[n]),), holders[n] == everyone) for n in own])
+    words = scaled(torch.cat(list(own.values())), torch.cat([one[n] for n in own]), replicated,
+                   experts, len({frozenset(holders[name]) for name in experts}),
+                   _SCALED_TOLERANCE, 1 - _SCALED_TOLERANCE)  # fmt: skip
+    return rows if words is None else _caused(rows, terms.Cause.EXPERTS_SCALED, words)
 
 
 _LOSS_ROUNDING = 64
@@ -647,12 +636,11 @@ same bits, 0 measured in ``ep.py --bug averaged``; one device's two experts ther
 of the largest entry)."""
 
 
-_SCALED_REPLICATED = 1e-4
-"""How close B's parameters every rank holds must be to A's (of A's largest entry), and how far
-the experts' norm ratio from 1, for the comparison to name the experts' gradient scaled: beside
-float64's 1e-10, float32's rounding of the same sums in other orders (~1e-7)."""
-_SCALED_COSINE = 1e-6
-"""How parallel B's experts' gradient must be to A's (1 − cosine) to be a constant times it."""
+_SCALED_TOLERANCE = 1e-4
+"""How close B's parameters every rank holds must be to A's (of A's largest entry), how far the
+experts' norm ratio from 1 and how parallel their gradient (1 − cosine), for the comparison to
+name the experts' gradient scaled (`experts.scaled`): beside float64's 1e-10, float32's rounding
+of the same sums in other orders (~1e-7)."""
 
 
 _COPIES_SUMMED = 1e-4
