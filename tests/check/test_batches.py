@@ -141,6 +141,64 @@ def test_equal_samples_in_a_batch_whose_epoch_goes_on_are_not_blamed_on_padding(
     ), compared.explanation
 
 
+def _deduplicated(order: list[int], per_batch: int) -> list[list[int]]:
+    """``order`` cut into batches of ``per_batch`` samples, a sample equal to one the batch holds
+    moved to the next (a sampler that keeps duplicates out of a batch); samples 3 and 9 are
+    equal (one text twice)."""
+    text = {9: 3}
+    batches, waiting = [], list(order)
+    while waiting:
+        batch, later = [], []
+        for sample in waiting:
+            if len(batch) < per_batch and text.get(sample, sample) not in {
+                text.get(s, s) for s in batch
+            }:
+                batch.append(sample)
+            else:
+                later.append(sample)
+        batches.append(batch)
+        waiting = later
+    return batches
+
+
+def _rows_of(samples: list[int]) -> list[str]:
+    return [ROWS[{9: 3}.get(s, s)] for s in samples]
+
+
+def test_equal_samples_grouped_per_device_are_named_where_the_batches_hold_the_same_rows():
+    """One text twice in the data set (samples 3 and 9): one device keeps the second out of its
+    batch of 8 (a no-duplicates batch sampler), each of B's 2 ranks decides over its own 4 rows
+    and both hold it at update 0, the global batch otherwise A's: the words name the per-device
+    decision."""
+    order = [0, 3, 1, 9, 2, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15]
+    one = [[_rows_of(batch)] for batch in _deduplicated(order, 8)]
+    halves = [_deduplicated(order[:8], 4), _deduplicated(order[8:], 4)]
+    two = [[_rows_of(halves[u][0]), _rows_of(halves[u][1])] for u in range(2)]
+    assert two[0] == [[ROWS[0], ROWS[3], ROWS[1], ROWS[2]], [ROWS[3], ROWS[4], ROWS[5], ROWS[6]]]
+    compared = explained(one, two)
+    assert compared.update == 0
+    assert compared.explanation.startswith(
+        "From the fingerprints: B's rank 1 holds 1 row at update 0 that its epoch 0 has given "
+        "already, and that A's epoch 0 gives twice too"
+    ), compared.explanation
+
+
+def test_equal_samples_in_batches_of_another_permutation_are_not_blamed_on_grouping():
+    """The same data set, B's ranks drawing another permutation (a data seed per rank) whose
+    update 0 holds the equal text on both ranks: its global batch shares one row with A's, so the
+    words name the permutations, not a per-device grouping of equal samples (which moves a few
+    rows of one batch, not most)."""
+    order = [0, 3, 1, 9, 2, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15]
+    one = [[_rows_of(batch)] for batch in _deduplicated(order, 8)]
+    two = [[_rows_of([8, 3, 10, 11]), _rows_of([9, 12, 13, 14])],
+           [_rows_of([0, 1, 2, 4]), _rows_of([5, 6, 7, 15])]]  # fmt: skip
+    compared = explained(one, two)
+    assert compared.update == 0
+    assert compared.explanation.startswith(
+        "From the fingerprints: the two runs' samplers start from different permutations"
+    ), compared.explanation
+
+
 def test_epochs_cut_differently_are_said_with_their_sizes():
     """One device's DataLoader keeps the last 6 of 30 rows as a short batch (4 updates an epoch);
     the layout-invariant sampler drops them (3): they part at update 3."""

@@ -154,6 +154,14 @@ def _ends_epoch(batches: list[list[str]], update: int) -> bool:
     return all(row in given for row in batches[update + 1])
 
 
+def _grouped_alike(batches: dict[str, list[list[str]]], update: int) -> bool:
+    """Whether the runs' global batches at ``update`` share most of their rows: equal samples
+    grouped per device move a few rows of a batch to another (a duplicate kept out of one
+    device's batch), where another permutation moves most of them."""
+    a, b = Counter(batches["A"][update]), Counter(batches["B"][update])
+    return 2 * (a & b).total() > max(a.total(), b.total())
+
+
 def _epoch_counts(batches: list[list[str]], starts: list[int], epoch: int) -> Counter:
     """How often each row appears in a run's epoch ``epoch``, all of it that was recorded."""
     if epoch >= len(starts):
@@ -174,10 +182,10 @@ def explain(a: Recording, b: Recording, first: int, strided: bool = False) -> st
     """What explains that B's global batch of update ``first`` (the first that differs) is not
     A's, with its fix, from the two recordings' fingerprints (the module's docstring), in the
     order: global batches of other sizes from update 0, a row held twice within an epoch (as
-    padding only at an epoch's end, `_ends_epoch`), a
-    batch most of whose rows one run never gives though
-    it covered its data set, another permutation from update 0, another reshuffle where an epoch
-    starts, epochs cut differently; ``strided``: B held A's rows strided over its ranks before (a
+    padding only at an epoch's end, `_ends_epoch`; as equal samples grouped per device only where
+    the batches share most rows, `_grouped_alike`), a batch most of whose rows one run never
+    gives though it covered its data set, another permutation from update 0, another reshuffle
+    where an epoch starts, epochs cut differently; ``strided``: B held A's rows strided over its ranks before (a
     DistributedSampler's order)."""
     batches = {"A": _global(a), "B": _global(b)}
     sizes = {name: len(rows[0]) if rows else 0 for name, rows in batches.items()}
@@ -193,6 +201,8 @@ def explain(a: Recording, b: Recording, first: int, strided: bool = False) -> st
             kind = "duplicated" if all(theirs[row] >= 2 for row in again) else "padded"
             if kind == "padded" and not _ends_epoch(batches[name], update):
                 continue  # no padding there: the data set's equal samples
+            if kind == "duplicated" and not _grouped_alike(batches, update):
+                continue  # other batches, not the same samples grouped otherwise
             return diagnosis.DATA_CAUSES[kind].format(
                 run=name, rank=rank, rows=len(again), held=_rows(len(again)), epoch=epoch,
                 update=update, other=other,
