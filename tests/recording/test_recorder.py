@@ -504,6 +504,51 @@ def test_an_fsdp2_models_floor_under_autocast_keeps_every_weights_gradient(tmp_p
     assert float((b - a).norm() / a.norm()) <= 1e-2, float((b - a).norm() / a.norm())
 
 
+def _fsdp2_or_plain(out, fsdp2: bool) -> torch.nn.Module:
+    """Three float32 updates of an MLP, its layers and root FSDP2's on this process's one-rank
+    group where ``fsdp2`` (``torchrun --nproc-per-node 1``), else plain (``python``); returns
+    the model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)]
+    model = torch.nn.Sequential(layers[0], torch.nn.Tanh(), layers[1], torch.nn.Tanh(), layers[2])
+    if fsdp2:
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(1))
+    with gatherlab.record(model, optimizer, out):
+        for update in range(3):
+            optimizer.zero_grad()
+            model(rows[update]).pow(2).mean().backward()
+            optimizer.step()
+    return model
+
+
+def test_a_one_rank_fsdp2_job_and_its_plain_run_equal_bit_for_bit_are_exact(tmp_path):
+    """FSDP2 on one rank (``torchrun --nproc-per-node 1``) trains what the plain model trains,
+    to the bit; its recording is then the plain run's, and their comparison ``exact``. A user's
+    such pair read ``not judged`` (float32, no floor): its DTensors, each its shard and here the
+    whole, were sketched one by one, the plain parameters together, summed in another order."""
+    from gatherlab import compare
+
+    plain = _fsdp2_or_plain(tmp_path / "plain", fsdp2=False)
+    with world.alone():
+        sharded = _fsdp2_or_plain(tmp_path / "fsdp2", fsdp2=True)
+        weights = [p.full_tensor() for p in sharded.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), weights, strict=True))
+    one, two = format.read(tmp_path / "plain"), format.read(tmp_path / "fsdp2")
+    for a, b in zip(one.updates, two.updates, strict=True):
+        assert all(np.array_equal(a.sketches[part], b.sketches[part]) for part in one.parts)
+        assert a.norms == b.norms
+    compared = compare(tmp_path / "plain", tmp_path / "fsdp2")
+    assert (compared.verdict, compared.status) == ("exact", 0), compared.words
+
+
 def test_fsdp2s_mixed_precision_policy_is_recorded_as_bf16_mixed(tmp_path):
     """FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` keeps float32 parameters and
     computes the forward in bf16, as an autocast does: the recording is ``bf16-mixed``, judged in

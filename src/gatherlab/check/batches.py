@@ -185,8 +185,8 @@ def explain(a: Recording, b: Recording, first: int, strided: bool = False) -> st
     padding only at an epoch's end, `_ends_epoch`; as equal samples grouped per device only where
     the batches share most rows, `_grouped_alike`), a batch most of whose rows one run never
     gives though it covered its data set, another permutation from update 0, another reshuffle
-    where an epoch starts, epochs cut differently; ``strided``: B held A's rows strided over its ranks before (a
-    DistributedSampler's order)."""
+    where an epoch starts, epochs cut differently; ``strided``: B held A's rows strided over its
+    ranks before (a DistributedSampler's order)."""
     batches = {"A": _global(a), "B": _global(b)}
     sizes = {name: len(rows[0]) if rows else 0 for name, rows in batches.items()}
     if first == 0 and sizes["A"] != sizes["B"]:  # another global batch from the first update

@@ -881,15 +881,16 @@ def _no_rounding_floor(a: Recording, floored: tuple[str, Recording, float]) -> s
 
 def _identical(a: Recording, b: Recording) -> bool:
     """Whether B's every recorded number is A's to the last bit (in a low precision without a
-    floor, which then needs none: no rounding departs by 0): each update's global loss, each
-    part's sketch and norm, none unreduced, the first updates' whole gradients where both kept
-    them, and the final weights' sketches and norms (a job launched with ``torchrun
-    --nproc-per-node 1`` against ``python``, or run twice)."""
+    floor, which then needs none: no rounding departs by 0): each update's global loss (where
+    either recorded one), each part's sketch and norm, none unreduced, the first updates' whole
+    gradients where both kept them, and the final weights' sketches and norms (a job launched
+    with ``torchrun --nproc-per-node 1`` against ``python``, or run twice)."""
     weights = (np.array_equal(a.weights_sketch[p], b.weights_sketch[p]) for p in a.parts)
     if a.weights_norms != b.weights_norms or not all(weights):
         return False
     for x, y in zip(a.updates, b.updates, strict=True):
-        if x.loss != y.loss or x.norms != y.norms or y.unreduced or any(
+        unrecorded = math.isnan(x.loss) and math.isnan(y.loss)  # no loss in either: not compared
+        if (x.loss != y.loss and not unrecorded) or x.norms != y.norms or y.unreduced or any(
                 not np.array_equal(x.sketches[p], y.sketches[p]) for p in a.parts):  # fmt: skip
             return False
     for update in range(min(a.full_updates, b.full_updates)):

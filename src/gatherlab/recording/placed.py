@@ -33,7 +33,9 @@ import torch
 
 from gatherlab.recording import sketch
 
-__all__ = ["Placed", "RowGroup", "is_sharded", "placed", "row_group", "sketched"]
+__all__ = [
+    "Placed", "RowGroup", "is_sharded", "local", "placed", "row_group", "sketched", "whole_here",
+]  # fmt: skip
 
 _CHUNK = 1 << 22
 """The most elements whose global positions are made at once (8 bytes each) for a shard that is
@@ -110,13 +112,26 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return any(p.is_shard() or isinstance(p, _strided_type()) for p in tensor.placements)
 
 
+def whole_here(tensor: torch.Tensor) -> bool:
+    """Whether this rank holds all of ``tensor``'s values as one tensor: a plain tensor, or a
+    DTensor on a mesh of one rank (FSDP2 under ``torchrun --nproc-per-node 1``), whose local
+    tensor is the whole, to the bit (one shard, one copy, a sum of one)."""
+    return not isinstance(tensor, _dtensor()) or tensor.device_mesh.size() == 1
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, _dtensor()) else tensor
+
+
 def placed(tensor: torch.Tensor, rank: int) -> Placed:
     """This rank's values of ``tensor`` and where they lie (`Placed`): a plain tensor whole, on its
-    own; a DTensor's local shard at its global indices, its group the ranks of its mesh that
-    differ from this one only along cut or partial mesh dimensions. A placement of another kind,
-    or a local shard of another shape than the placements give, is a NotImplementedError."""
-    if not isinstance(tensor, _dtensor()):
-        return Placed(tensor, tuple(tensor.shape), None, (rank,))
+    own, as a DTensor on a mesh of one rank (`whole_here`); a DTensor's local shard at its global
+    indices, its group the ranks of its mesh that differ from this one only along cut or partial
+    mesh dimensions. A placement of another kind, or a local shard of another shape than the
+    placements give, is a NotImplementedError."""
+    if whole_here(tensor):  # a plain tensor's values, whatever holds them
+        return Placed(local(tensor), tuple(tensor.shape), None, (rank,))
     from torch.distributed.tensor import Replicate
 
     placements = tensor.placements
@@ -142,16 +157,16 @@ def placed(tensor: torch.Tensor, rank: int) -> Placed:
                 f"gatherlab.record cannot place a DTensor with placement {placement} "
                 f"({placements}); allowed: Shard, _StridedShard, Replicate, Partial"
             )
-    local = tensor.to_local()
-    if tuple(local.shape) != tuple(len(i) for i in indices):
+    shard = tensor.to_local()
+    if tuple(shard.shape) != tuple(len(i) for i in indices):
         raise NotImplementedError(
-            f"a DTensor shard of shape {tuple(local.shape)} where its placements {placements} "
+            f"a DTensor shard of shape {tuple(shard.shape)} where its placements {placements} "
             f"give {tuple(len(i) for i in indices)}: gatherlab.record cannot place it"
         )
     at = tuple(slice(None) if not p.is_replicate() else c
                for p, c in zip(placements, coordinate, strict=True))  # fmt: skip
     group = tuple(int(r) for r in mesh.mesh[at].reshape(-1).tolist())
-    return Placed(local, shape, tuple(indices), group)
+    return Placed(shard, shape, tuple(indices), group)
 
 
 def sketched(held: Placed, k: int, block_signs: torch.Tensor) -> torch.Tensor:

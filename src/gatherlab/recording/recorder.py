@@ -273,7 +273,7 @@ class _Batched:
         pieces = []
         for p, pad in zip(self.parameters, self.pads, strict=True):
             tensor = p.parameter.grad if of_gradients else p.parameter.data
-            pieces += [tensor.reshape(-1) if tensor is not None else pad.new_zeros(
+            pieces += [placed.local(tensor).reshape(-1) if tensor is not None else pad.new_zeros(
                 p.parameter.numel()), pad]  # fmt: skip
         blocks = torch.cat(pieces).view(-1, k)
         if blocks.dtype not in (torch.float64, torch.float32):  # half precisions: in float32
@@ -817,8 +817,8 @@ class Recorder:
         index = {part: i for i, part in enumerate(self._sketched)}
         groups: dict[tuple, list[_Parameter]] = {}
         others = []
-        for p in self._parameters:
-            if isinstance(p.parameter, _dtensor()) or p.parameter.numel() > _BATCHED:
+        for p in self._parameters:  # a DTensor whole here as a plain tensor (`placed.whole_here`)
+            if not placed.whole_here(p.parameter) or p.parameter.numel() > _BATCHED:
                 others.append((index[p.part], p))
             else:
                 groups.setdefault((p.parameter.dtype, p.parameter.device), []).append(p)
@@ -836,7 +836,7 @@ class Recorder:
         for block_signs, p in zip(signs, members, strict=True):
             matrix[index[p.part], start : start + len(block_signs)] = block_signs
             start += len(block_signs)
-        pads = [first.new_zeros(-p.parameter.numel() % self.k) for p in members]
+        pads = [placed.local(first).new_zeros(-p.parameter.numel() % self.k) for p in members]
         dtype = first.dtype if first.dtype in (torch.float64, torch.float32) else torch.float32
         return _Batched(members, pads, matrix.to(first.device, dtype),
                         matrix.abs().numpy())  # fmt: skip
