@@ -670,14 +670,16 @@ def test_a_floor_whose_blocks_are_larger_than_bs_calls_says_how_many_blocks_span
     assert (spanned.verdict, spanned.status) == ("exact within float32", 0), spanned.words
 
 
-def _clipping_run(norm: float, world_size: int, max_grad_norm: float | None):
+def _clipping_run(norm: float, world_size: int, max_grad_norm: float | None,
+                  turned: bool = False):  # fmt: skip
     """A float64 recording in memory of one part whose gradient at its 2 updates is one
-    direction at ``norm``, the same rows and loss at every W, its header's clipping bound."""
+    direction at ``norm`` (``turned``: another), the same rows and loss at every W, its header's
+    clipping bound."""
     from pathlib import Path
 
     from gatherlab.recording.format import Recording, Update
 
-    direction = np.array([1.0, -2.0, 0.5, 3.0])
+    direction = np.array([3.0, -2.0, 0.5, 1.0] if turned else [1.0, -2.0, 0.5, 3.0])
     sketch = norm * direction / np.linalg.norm(direction)
     rows = [[f"{i:016x}" for i in range(r * 4, r * 4 + 4)] for r in range(world_size)]
     settings = {"optimizer": "AdamW"} | ({} if max_grad_norm is None else
@@ -696,7 +698,8 @@ def test_a_gradient_clipped_to_its_bound_says_the_factor_read_is_after_clipping(
     max_grad_norm 1.0: one device's gradient of norm 0.552 is left alone, B's of 1.10 is clipped
     to 1.0, and reads as a factor 1.81 that no layout gives (`other`, a user's job). The words
     say that B's norm is its bound, and to read the factor with clipping off; B's gradient at
-    another norm, or a recording without a bound, says nothing of clipping."""
+    another norm, a recording without a bound, or a gradient in another direction (biased,
+    which no clipping makes: a user's job read the paragraph there) says nothing of clipping."""
     a = _clipping_run(0.551741, 1, 1.0)
     clipped = comparer.compare_recordings(a, _clipping_run(1.0 - 1e-6, 2, 1.0))
     words = " ".join(clipped.words.split())
@@ -706,3 +709,6 @@ def test_a_gradient_clipped_to_its_bound_says_the_factor_read_is_after_clipping(
     unbound = _clipping_run(0.551741, 1, None)
     for one, b in ((a, _clipping_run(0.99, 2, 1.0)), (unbound, _clipping_run(1.0, 2, None))):
         assert "clips its gradient" not in comparer.compare_recordings(one, b).words
+    turned = comparer.compare_recordings(a, _clipping_run(1.0 - 1e-6, 2, 1.0, turned=True))
+    assert whole(turned)["gradient"] == "biased", turned.words  # clipping turns no direction
+    assert "clips its gradient" not in turned.words, turned.words

@@ -197,6 +197,76 @@ def test_a_traced_recording_names_the_line_where_per_rank_statistics_depart(tmp_
     assert format.read(tmp_path / "untraced").trace() is None
 
 
+class _CachedLoss(torch.nn.Module):
+    """A GradCache loss as cached ranking losses write it: the model's embeddings of the rows
+    made in chunks without gradients, the loss over all of them and its gradient of them kept;
+    then, in the loss's backward (a hook on the loss it returns), the model called again chunk by
+    chunk with gradients, each chunk's embeddings backpropagated with the kept gradient.
+    ``shift``: a term that makes the loss another function (a bug)."""
+
+    def __init__(self, model: torch.nn.Module, shift: float = 0.0) -> None:
+        super().__init__()
+        self.model, self.shift = model, shift
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            embedded = torch.cat([self.model(chunk) for chunk in rows.split(2)])
+        embedded.requires_grad_()
+        with torch.enable_grad():
+            loss = embedded.pow(2).sum(1).mean() + self.shift * embedded.sum()
+            (kept,) = torch.autograd.grad(loss, embedded)
+        cached = loss.detach().requires_grad_()
+
+        def again(grad: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                for chunk, gradient in zip(rows.split(2), kept.split(2), strict=True):
+                    (self.model(chunk) * gradient).sum().mul(grad).backward()
+            return grad
+
+        cached.register_hook(again)
+        return cached
+
+
+def _cached_job(out, shift: float = 0.0) -> None:
+    """Two updates of an MLP trained through `_CachedLoss`, recorded with ``trace=True``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model.double()
+    loss = _CachedLoss(model, shift)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = torch.randn(2, 8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with gatherlab.record(model, optimizer, out, loss=loss, trace=True):
+        for update in range(2):
+            optimizer.zero_grad()
+            loss(rows[update]).backward()
+            optimizer.step()
+
+
+def test_a_loss_that_calls_its_model_from_its_backward_is_recorded_untraced_in_one_line(
+    tmp_path, caplog
+):
+    """A cached loss calls the model with gradients only from its backward hook, where autograd
+    keeps the trace's mode for the hook alone: ``trace=True`` said a traceback at the first step
+    ("trying to pop from empty mode stack", a user's sentence-transformers job). Now the
+    recording goes on untraced with one line said, its gradients still recorded; the comparison
+    of two such runs says why it names no line, and does not ask for a trace."""
+    from gatherlab import compare
+
+    with caplog.at_level("WARNING", logger="gatherlab.recording.recorder"):
+        _cached_job(tmp_path / "one")
+    said = [r.getMessage() for r in caplog.records if "trace" in r.getMessage()]
+    assert len(said) == 1 and "inside its backward" in said[0], said
+    one = format.read(tmp_path / "one")
+    assert one.trace() == [[]] and len(one.updates) == 2
+    _cached_job(tmp_path / "shifted", shift=0.1)
+    compared = compare(tmp_path / "one", tmp_path / "shifted")
+    assert compared.verdict == "loss differs", compared.words
+    assert compared.table.iloc[0]["departs"].startswith(
+        "no line named: both runs were recorded with trace=True and their traces hold no operation"
+    )
+    assert "Record both runs with trace=True" not in " ".join(compared.words.split())
+
+
 def test_the_recorded_norms_are_the_full_gradients_norms(recorded):
     """Each part's recorded norm at the first update against its full gradient's, summed in
     float64 here, on one device and from FSDP2's shards."""

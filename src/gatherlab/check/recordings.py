@@ -56,7 +56,7 @@ from gatherlab.core.floor import (
     threshold,
 )
 from gatherlab.core.gradients import Classified, Layout
-from gatherlab.core.terms import Forward
+from gatherlab.core.terms import Forward, GradientClass
 from gatherlab.recording.format import TRACE, Recording, RecordingError, read
 from gatherlab.recording.record_options import FLOOR_BLOCKS_VARIABLE, FLOOR_ROW_BLOCKS
 
@@ -653,6 +653,13 @@ against one device, where its copies' differences from A's are 0.57 and 0.83).""
 # --- the comparison -----------------------------------------------------------------------------
 
 
+_UNTRACEABLE = (
+    "no line named: both runs were recorded with trace=True and their traces hold no operation: "
+    "the model ran with gradients only inside the backward (a cached, GradCache-style loss "
+    "calls it from its backward hook), where a trace cannot follow it"
+)
+
+
 def _where(
     a: Recording, b: Recording, tolerance: float, micro_batches: int, floored: bool
 ) -> Callable[[], where.Departure | None] | None:
@@ -660,12 +667,12 @@ def _where(
     recorded a trace of it (``trace.pt``) and B has ranks: A's one device's records against each
     of B's ranks'. One device's global batch is A's rows of update 0, divided by the number of
     blocks its forward concatenates (two views: 2) where B's order shows them. Where a trace was
-    recorded but no line can be read from it, why (`where.unlocated`); None where neither run
-    traced."""
+    recorded but no line can be read from it, why (`where.unlocated`; both traced and empty:
+    `_UNTRACEABLE`); None where neither run traced."""
     ones, ranks = a.trace(), b.trace()
     traced_a, traced_b = bool(ones and ones[0]), bool(ranks and all(ranks))
-    if not traced_a and not traced_b:
-        return None
+    if not traced_a and not traced_b:  # both traced and neither recorded an operation: said
+        return None if ones is None or ranks is None else lambda: where.unlocated(_UNTRACEABLE)
     why = None
     if traced_a != traced_b:
         why = (f"no line named: only {'A' if traced_a else 'B'} traced its first update; record "
@@ -1091,7 +1098,8 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
         cause = head["cause"]
         named = f" ({cause})" if cause and head["verdict"] != terms.LOSS_SCALED else ""
         text = diagnosis.diagnosis(table.iloc[:1], parts, said.measured)
-        text += _clipped(a, b, said.departure[0] if said.departure is not None else 0)
+        if head["gradient"] not in (GradientClass.BIASED, GradientClass.NONE):  # turns none
+            text += _clipped(a, b, said.departure[0] if said.departure is not None else 0)
         micro_batches = int(said.measured.get("micro_batches", 1))
         explained = cause in (terms.Cause.MICRO_NEGATIVES, terms.Cause.LOCAL_NEGATIVES,
                               terms.Cause.SCALED)  # a cause read: no other guessed  # fmt: skip
@@ -1126,7 +1134,8 @@ def _clipped(a: Recording, b: Recording, update: int) -> str:
     """Where B's job clips its gradient (``max_grad_norm`` in its header's settings, which the
     trainers' callbacks record) and B's gradient norm at ``update`` is that bound, to 1e-4
     relative (clipping scales the gradient to bound · n / (n + 1e-6)): the words that say so
-    (`diagnosis.CLIPPED`), else nothing."""
+    (`diagnosis.CLIPPED`), else nothing. Said only of a gradient in A's direction: clipping
+    scales a gradient, it turns none."""
     bound = (b.header.get("settings") or {}).get("max_grad_norm")
     if not bound or update >= min(len(a.updates), len(b.updates)):
         return ""

@@ -685,8 +685,19 @@ class Recorder:
         self._tracer.given(f"batch {self._calls - 1}", tensor)
 
     def _trace_end(self, loss: torch.Tensor | None) -> None:
-        """The first update's forward has reached its loss: its records keep their gradients."""
+        """The first update's forward has reached its loss: its records keep their gradients.
+        A trace begun inside the backward (the model's first call with gradients made by the
+        loss's backward hook, as a cached loss makes it), which autograd has left since
+        (`runs.trace.Tracer.active`), is no trace: said in one line, the update recorded
+        untraced."""
         tracer, self._tracer = self._tracer, None
+        if not tracer.active():
+            log.warning("gatherlab.record: trace=True: the first update's model ran with "
+                        "gradients only inside its backward (a loss that calls the model from "
+                        "its backward hook, as a cached, GradCache-style loss does), where a "
+                        "trace cannot follow it: this recording is untraced, its gradients "
+                        "recorded as always")  # fmt: skip
+            return
         if loss is not None:
             tracer.returned(loss)
         tracer.keep_gradients()

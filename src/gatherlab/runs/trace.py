@@ -220,6 +220,7 @@ class Tracer(TorchFunctionMode):
         self.ops: list[Op] = []
         self._results: list[list[torch.Tensor]] = []  # each record's result tensors, kept alive
         self._producer: dict[int, int] = {}  # id(tensor) -> the record that produced it
+        self._probed: bool | None = None  # `active`'s probe: None, else whether it was seen
 
     def __enter__(self) -> Tracer:
         for what, tensor in self._given.items():  # before the mode records anything
@@ -231,8 +232,21 @@ class Tracer(TorchFunctionMode):
         of the model that takes it, as a recorded job's second view)."""
         self._record(INPUT, what, [tensor], (), (), None, False)
 
+    def active(self) -> bool:
+        """Whether this mode still sees the calls of the thread that entered it. Autograd runs a
+        backward hook in its thread's state of the backward's start and restores that state
+        after the hook: a mode entered inside a hook (a cached loss calls its model from its
+        backward) is gone afterwards, and leaving it then would pop another."""
+        self._probed = False
+        torch.empty(0)  # a torch function: the mode sees it where it is active
+        seen, self._probed = self._probed, None
+        return bool(seen)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._probed is not None:  # `active`'s probe: not recorded
+            self._probed = True
+            return func(*args, **kwargs)
         result = func(*args, **kwargs)
         where = _caller()
         if where is None:
