@@ -697,6 +697,7 @@ class Recorder:
                         "its backward hook, as a cached, GradCache-style loss does), where a "
                         "trace cannot follow it: this recording is untraced, its gradients "
                         "recorded as always")  # fmt: skip
+            self._traced = type(tracer)()  # an empty trace, none begun again in the update
             return
         if loss is not None:
             tracer.returned(loss)
