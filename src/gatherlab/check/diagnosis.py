@@ -169,9 +169,10 @@ DIAGNOSES = {
         + " without the factor, which logs the 1-device value too. In a pipeline, a factor 1/K "
         "(K its schedule's micro-batches) is the logged mean of micro-batch losses that are each "
         "a part of the whole (a sum ÷ the global count of tokens): a correct run; log their sum "
-        "to read one device's loss. Under a Hugging Face Trainer, a factor 1/W is its model's "
-        "loss over the global count of tokens (num_items_in_batch), which the Trainer multiplies "
-        "by the processes outside the model: a correct run."
+        "to read one device's loss. Under a Hugging Face Trainer, a factor 1/W, 1/K or 1/(W·K) "
+        "(K its gradient accumulation steps) is its model's loss over the global count of the "
+        "update's tokens (num_items_in_batch), each micro-batch's a part of the whole, which the "
+        "Trainer multiplies by the processes outside the model: a correct run."
     ),
     terms.GradientClass.ONE_OVER_W: (
         "the gradient is 1/W of one device's (norm ratio {norm_ratio:.6g}, cosine "
