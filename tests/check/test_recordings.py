@@ -670,6 +670,52 @@ def test_a_floor_whose_blocks_are_larger_than_bs_calls_says_how_many_blocks_span
     assert (spanned.verdict, spanned.status) == ("exact within float32", 0), spanned.words
 
 
+def _float32_run(name: str, world_size: int, apart: list[float], row_blocks: int = 1):
+    """A float32 recording in memory of one part over 3 updates: its gradient each update one
+    direction plus ``apart[u]`` (relative) along another, its loss and final weights as far
+    from one device's (``apart`` all 0: one device's own numbers), 8 rows of the same global
+    batch at every W."""
+    from pathlib import Path
+
+    from gatherlab.recording.format import Recording, Update
+
+    direction, other = np.array([1.0, -2.0, 0.5, 3.0]), np.array([3.0, 1.0, -1.0, 0.5])
+    rows = [[f"{i:016x}" for i in range(r * 8 // world_size, (r + 1) * 8 // world_size)]
+            for r in range(world_size)]  # fmt: skip
+    header = {"world_size": world_size, "k": 4, "parts": ["w"], "seed": 0, "sketch_seed": 0,
+              "parameters": [{"name": "w", "shape": [4], "part": "w", "sharded": False}],
+              "precision": "32-true", "full_updates": 0, "settings": {"optimizer": "AdamW"},
+              "row_blocks": row_blocks}  # fmt: skip
+    updates = []
+    for u, by in enumerate(apart):
+        sketch = direction + by * np.linalg.norm(direction) * other / np.linalg.norm(other)
+        loss = 0.7 * (1 + by)
+        updates.append(Update(u, [loss] * world_size, loss, rows, {"w": sketch},
+                              {"w": float(np.linalg.norm(sketch))}, {}, None))  # fmt: skip
+    weights = direction * (1 + apart[-1])
+    return Recording(Path(f"/nonexistent/{name}"), header, updates, {"w": weights},
+                     {"w": float(np.linalg.norm(weights))})  # fmt: skip
+
+
+def test_a_float32_run_within_floors_at_its_first_update_that_departs_later_is_not_judged():
+    """In a low precision the floor recording is one run of rounding, and training can amplify
+    rounding past it (AdamW steps an element of the gradient that rounding sets near zero by the
+    learning rate in either sign: a user's correct Lightning job read `diverges` at 2 of 6 seeds
+    in float32, `exact` in float64 at every seed). B within floors at its first update and
+    beyond them later is `not judged` (status 3), with the float64 recording that judges it; a
+    departure at the first update stays judged."""
+    a = _float32_run("one", 1, [0.0, 0.0, 0.0])
+    floor = _float32_run("floor", 1, [1e-7, 1e-7, 1e-7], row_blocks=2)
+    later = comparer.compare_recordings(a, _float32_run("two", 2, [2e-7, 1e-3, 1e-3]),
+                                        floor=floor)  # fmt: skip
+    words = " ".join(later.words.split())
+    assert (later.verdict, later.status) == ("not judged", 3), words
+    assert later.departure[0] == 1 and "Record both runs in float64" in words, words
+    first = comparer.compare_recordings(a, _float32_run("two", 2, [1e-3, 1e-3, 1e-3]),
+                                        floor=floor)  # fmt: skip
+    assert (first.status, first.departure[0]) == (1, 0), first.words
+
+
 def _clipping_run(norm: float, world_size: int, max_grad_norm: float | None,
                   turned: bool = False):  # fmt: skip
     """A float64 recording in memory of one part whose gradient at its 2 updates is one

@@ -225,6 +225,17 @@ DIAGNOSES = {
         "first step's loss and gradient depends on the layout (an optimizer state, a buffer "
         "updated per rank, randomness drawn after the first step)."
     ),
+    # a comparison judged in floors whose run departs only after its first update (`recordings`)
+    terms.NOT_JUDGED: (
+        "the first update is within floors of the floor recording, a later one is not, and one "
+        "floor recording cannot tell that from rounding that training amplified: an adaptive "
+        "optimizer (Adam's) steps each element by about its learning rate whatever the "
+        "element's size, so an element of the gradient that rounding alone sets near zero moves "
+        "by the learning rate in either sign, in one run and not in another. A layout that "
+        "departs after the first update (an optimizer state, a buffer updated per rank, "
+        "randomness drawn after the first step) reads the same. Record both runs in float64, "
+        "where every update is judged to 1e-10."
+    ),
     terms.FAILED: (
         "the ranks failed ({error}): the check has no verdict at this world size; the other "
         "world sizes have theirs.{collectives_fix}"

@@ -837,8 +837,12 @@ def compare_recordings(
                 for r in rows]  # fmt: skip
     if rounded and ceiling is None and not identical:  # rounding cannot be told from departing
         rows, updates = _not_judged(rows, updates, verdict=not judged)
+    if floored is not None and desync is None:  # departing only later: rounding amplified?
+        rows = [dataclasses.replace(r, verdict=terms.NOT_JUDGED) if r.verdict == terms.DIVERGES
+                else r for r in rows]  # fmt: skip
     table = frame(rows, COMPARISON_COLUMNS + (PRECISION_COLUMNS if floored else ()))
-    status = 0 if trains_like_one_device(table) else 1 if judged else terms.NOT_JUDGED_STATUS
+    status = (0 if trains_like_one_device(table) else 1 if judged
+              and rows[0].verdict != terms.NOT_JUDGED else terms.NOT_JUDGED_STATUS)  # fmt: skip
     said = _Said(table, updates, data, departure, measured, tolerance, desync,
                  floored[2] if floored else threshold(2, 1),
                  None if ceiling is None else (precision, ceiling[1]), identical,
