@@ -14,6 +14,8 @@ is a collective the check must name, with the ranks that call it:
 - ``LastRankSleeps``: the last rank sleeps a minute before the all_reduce its peers enter (a
   rank that hangs).
 - ``LastRankAborts``: the last rank writes a line to its standard error and aborts (SIGABRT).
+- ``CollectiveRaises``: every rank enters the same all_reduce, which torch.distributed refuses
+  (a reduce operation it has no name for): an error from inside a collective.
 """
 
 from __future__ import annotations
@@ -112,3 +114,15 @@ class EveryRankRaises:
             return (z0 * z1).mean()
         time.sleep(0.05 * (size - 1 - rank))  # the last rank raises first
         raise NameError(f"name 'exists' is not defined (rank {rank})")
+
+
+class CollectiveRaises:
+    """Every rank enters the same all_reduce with a reduce operation torch.distributed has no
+    name for, which raises inside the collective on every rank."""
+
+    def __call__(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        _, size = _world()
+        loss = (z0 * z1).mean()
+        if size > 1:
+            dist.all_reduce(loss.detach().clone(), op="no such operation")  # enters: every rank
+        return loss

@@ -86,6 +86,21 @@ def test_a_rank_that_raises_is_named_by_its_own_error_not_by_its_waiting_peers()
         assert found[size] == f"rank {size - 1}: ValueError: the last rank stops here"
 
 
+def test_an_error_from_inside_a_collective_closes_the_pool_and_the_next_check_is_judged():
+    """A job's error raised inside torch.distributed (a collective that timed out, or whose
+    peer left, can leave half an operation in the group's transport: a user's correct loss read
+    `failed`, "Connection closed by peer", after a loss whose rank 0 alone all-reduced) closes
+    the pool, where an error of the job's own code before any collective keeps it; the next check
+    at that W is judged on a pool that works."""
+    kept = pool.pool(2)
+    errors("LastRankRaises")
+    assert pool.pool(2) is kept  # every rank answered, none from inside a collective
+    found = errors("CollectiveRaises")
+    assert set(found) == set(W) and pool.pool(2) is not kept
+    table = check.check_loss("gatherlab.losses:NTXentLoss", (2,), gather="fixed").table
+    assert list(table["verdict"]) == ["exact"], table
+
+
 def test_ranks_that_all_raise_are_named_by_the_lowest_whichever_answers_first():
     found = errors("EveryRankRaises")
     for size in W:

@@ -195,6 +195,9 @@ def _run_job(
             result = _watched_call(function, args, watched.Peers(store, job, rank, watch_s))
         _answer(connection, ("ok", result, sendable_warnings(caught)))
     except BaseException as error:  # the job's own error, or a result that does not pickle
+        # an error from inside a collective leaves the group's transport unusable: "broken"
+        status = "error" if isinstance(error, watched.CollectiveError) or not _in_torch_distributed(
+            error) else "broken"  # fmt: skip
         detail = "".join(traceback.format_exception(error)[-6:])
         if isinstance(error, watched.CollectiveError):  # a peer's error, or several ranks'
             named, line = error.rank, error.line
@@ -203,9 +206,22 @@ def _run_job(
             named, line = rank, cli.error_line(error)
             message = f"rank {named}: {line}\n{detail}"
         try:
-            _answer(connection, ("error", (message, error, named, line), sendable_warnings(caught)))
+            _answer(connection, (status, (message, error, named, line), sendable_warnings(caught)))
         except Exception:  # an exception that does not pickle: its message only
-            _answer(connection, ("error", (message, None, named, line), sendable_warnings(caught)))
+            _answer(connection, (status, (message, None, named, line), sendable_warnings(caught)))
+
+
+_TORCH_DISTRIBUTED = os.path.join(os.path.dirname(os.path.realpath(dist.__file__)), "")
+
+
+def _in_torch_distributed(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside torch.distributed: a collective that timed out, or
+    whose peer left or went elsewhere, can leave its half of an operation in the group's
+    transport, which the next job's collectives would read (a user's correct loss failed with
+    "Connection closed by peer" after a loss whose rank 0 alone all-reduced). The watch's own
+    errors are raised before the collective runs (`watched.CollectiveError`)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return any(os.path.realpath(frame.filename).startswith(_TORCH_DISTRIBUTED) for frame in frames)
 
 
 def _watched_call(function: Callable[..., Any], args: tuple[Any, ...], peers: watched.Peers) -> Any:
@@ -486,7 +502,8 @@ class WorkerPool:
         """Each rank's answer, in rank order (each rank's warnings into ``warned``); on the first
         failure, or when this process is interrupted (Ctrl-C) while it waits, close the pool and
         raise. A failed ``watched`` job (``collectives``) whose every rank answers within
-        ``_SETTLE_S`` leaves the pool open: no rank is left in a collective."""
+        ``_SETTLE_S``, none from inside a collective (`_in_torch_distributed`), leaves the pool
+        open: no rank is left in a collective, and none left half of one behind."""
         try:
             return self._answers(timeout_s, {} if warned is None else warned, watched)
         except KeyboardInterrupt:
@@ -521,7 +538,7 @@ class WorkerPool:
                         error = self._death(rank)
                         self._abandon()
                         raise error from None
-                    if status == "error":
+                    if status in ("error", "broken"):
                         # A peer that died is the cause of the transport errors of the ranks in
                         # a collective with it (gloo's "Connection reset by peer"), which can
                         # arrive before its death does: the death is named.
@@ -532,7 +549,8 @@ class WorkerPool:
                             raise error
                         errors = [value]
                         answered = {*results, rank}
-                        if not (watched and self._settled(by_connection, answered, warned, errors)):
+                        if not (watched and status == "error" and self._settled(
+                                by_connection, answered, warned, errors)):  # fmt: skip
                             self._abandon()
                         # ranks that all raised: the lowest one named, whichever answered first
                         raise RankError(*min(errors, key=lambda error: error[2]))
@@ -568,8 +586,10 @@ class WorkerPool:
                     status, value, warned[rank] = connection.recv()
                 except (EOFError, ConnectionResetError):  # it died
                     return False
-                if status == "error":
+                if status in ("error", "broken"):
                     errors.append(value)
+                if status == "broken":  # its transport unusable: the pool is closed
+                    return False
         return not pending
 
     def _death(self, rank: int) -> RankError:
