@@ -33,9 +33,14 @@ def locate(path: str) -> Any:
         >>> locate("gatherlab.core.terms:Nothing")
         Traceback (most recent call last):
         ImportError: gatherlab.core.terms has no attribute 'Nothing'
+        >>> locate("mylib/loss.py:NTXent")
+        Traceback (most recent call last):
+        ImportError: 'mylib/loss.py:NTXent' is a file path; allowed: package.module:attribute
     """
     if not isinstance(path, str) or not path.strip(" .:") or path.endswith((":", ".")):
         raise ImportError(f"{path!r} is not an import path; allowed: package.module:attribute")
+    if "/" in path or path.partition(":")[0].endswith(".py"):
+        raise ImportError(f"{path!r} is a file path; allowed: package.module:attribute")
     if ":" in path:
         module_name, _, attributes = path.partition(":")
         target = _import(module_name)
