@@ -670,11 +670,12 @@ def test_a_floor_whose_blocks_are_larger_than_bs_calls_says_how_many_blocks_span
     assert (spanned.verdict, spanned.status) == ("exact within float32", 0), spanned.words
 
 
-def _float32_run(name: str, world_size: int, apart: list[float], row_blocks: int = 1):
+def _float32_run(name: str, world_size: int, apart: list[float], row_blocks: int = 1,
+                 loss_apart: float | None = None):  # fmt: skip
     """A float32 recording in memory of one part over 3 updates: its gradient each update one
-    direction plus ``apart[u]`` (relative) along another, its loss and final weights as far
-    from one device's (``apart`` all 0: one device's own numbers), 8 rows of the same global
-    batch at every W."""
+    direction plus ``apart[u]`` (relative) along another, its loss (``loss_apart`` where given)
+    and final weights as far from one device's (``apart`` all 0: one device's own numbers), 8
+    rows of the same global batch at every W."""
     from pathlib import Path
 
     from gatherlab.recording.format import Recording, Update
@@ -689,7 +690,7 @@ def _float32_run(name: str, world_size: int, apart: list[float], row_blocks: int
     updates = []
     for u, by in enumerate(apart):
         sketch = direction + by * np.linalg.norm(direction) * other / np.linalg.norm(other)
-        loss = 0.7 * (1 + by)
+        loss = 0.7 * (1 + (by if loss_apart is None else loss_apart))
         updates.append(Update(u, [loss] * world_size, loss, rows, {"w": sketch},
                               {"w": float(np.linalg.norm(sketch))}, {}, None))  # fmt: skip
     weights = direction * (1 + apart[-1])
@@ -714,6 +715,24 @@ def test_a_float32_run_within_floors_at_its_first_update_that_departs_later_is_n
     first = comparer.compare_recordings(a, _float32_run("two", 2, [1e-3, 1e-3, 1e-3]),
                                         floor=floor)  # fmt: skip
     assert (first.status, first.departure[0]) == (1, 0), first.words
+
+
+def test_a_first_loss_beyond_floors_differs_though_the_runs_curves_allow_it():
+    """Update 0's loss, computed at A's weights on A's rows, is judged in floors of the floor
+    recording's loss there (at least the unit roundoff), as a check's measured loss is; the
+    curves' tolerance, T times the floor's largest departure of any loss or weight over the run,
+    holds the later updates. A user's bf16 job whose mean-pool forgot the padding mask read
+    `forward same` beside a first loss 0.034 apart, where its floor's was 0, and was told to fix
+    its gather."""
+    a = _float32_run("one", 1, [0.0, 0.0, 0.0])
+    floor = _float32_run("floor", 1, [1e-7, 1e-7, 1e-7], row_blocks=2)
+    b = _float32_run("two", 2, [1e-3, 1e-3, 1e-3], loss_apart=1e-6)  # within the curves' 2e-6
+    compared = comparer.compare_recordings(a, b, floor=floor)
+    assert (whole(compared)["forward"], compared.verdict) == ("differs", "loss differs"), (
+        compared.words
+    )
+    within = _float32_run("two", 2, [2e-7, 2e-7, 2e-7], loss_apart=2e-7)  # 2 floors of the loss
+    assert whole(comparer.compare_recordings(a, within, floor=floor))["forward"] == "same"
 
 
 def _clipping_run(norm: float, world_size: int, max_grad_norm: float | None,

@@ -292,6 +292,8 @@ def judge(
         classified = as_classified(low[0]), {k: as_classified(v) for k, v in low[1].items()}
     losses = max(tolerance, recorded.loss_rounding)  # the losses' own tolerance
     same = abs(first - reference_first) <= losses if trained else relative_same
+    if trained and in_precision is not None:  # the first loss in floors too, as a measured one
+        same = same and relative_same
     forward = Forward.SAME if same else Forward.DIFFERS
     cause, scale, shown_scale = None, None, None
     if trained:  # its own curve: a constant factor of every step's loss
