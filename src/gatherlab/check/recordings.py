@@ -1190,7 +1190,8 @@ def _departure_words(head: pd.Series, said: _Said, floored: bool) -> str:
                 if step == update + 1 else f"{step - update} updates later")  # fmt: skip
         loss = f"; its loss{scaled} first leaves A's at update {step} (first_diff_step: {when})"
     else:
-        loss = f"; no update's loss{scaled} leaves A's by more than {said.tolerance:.3g}"
+        loss = (f"; no update's loss{scaled} leaves A's by more than its tolerance, "
+                f"{said.tolerance:.3g}")  # fmt: skip
     return f"{where}: {gradient}{loss}"
 
 
