@@ -11,12 +11,16 @@ a training step's plain form (``--step``, docs/checking.md §10). What a correct
   culprit ``dropout``;
 - ``augmenting_step`` on ``Points``: the two views drawn in the step from the global generator
   (as GPU augmentation pipelines apply them to the batch): culprit ``step_randomness``;
+- ``own_slice_step``: each rank's own rows as anchors against the second views gathered with a
+  gather whose backward keeps only the gradient of the rank's own slice (lightly's
+  ``GatherLayer`` before PR #1531, ``OwnSliceGather``): biased, departing at that backward;
 - ``Pairs`` / ``Points``: fixed Gaussian points (and two noisy views of them).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from summing_gather import gather
 from torch import nn
@@ -90,3 +94,33 @@ def returns_per_sample(model: nn.Module, batch) -> torch.Tensor:
 
 def builds_a_dict(dim: int = 8) -> dict:
     return {"backbone": nn.Linear(dim, 32)}
+
+
+class OwnSliceGather(torch.autograd.Function):
+    """Forward: every rank's rows, in rank order. Backward: the rank's own slice of the gathered
+    rows' gradient, the other ranks' gradients of that slice dropped."""
+
+    @staticmethod
+    def forward(ctx, rows):
+        rank, size = dist.get_rank(), dist.get_world_size()
+        ctx.own = slice(rank * len(rows), (rank + 1) * len(rows))
+        parts = [torch.empty_like(rows) for _ in range(size)]
+        dist.all_gather(parts, rows.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.own]
+
+
+def own_slice_step(model: nn.Module, batch) -> torch.Tensor:
+    """The rank's first views as anchors, every rank's second views gathered as candidates: a
+    mean over the rank's own rows, as a local loss takes it."""
+    x0, x1 = batch
+    z0, z1 = model(torch.cat([x0, x1])).chunk(2)
+    z0, z1 = F.normalize(z0, dim=1), F.normalize(z1, dim=1)
+    grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank = dist.get_rank() if grouped else 0
+    candidates = OwnSliceGather.apply(z1) if grouped else z1
+    targets = torch.arange(len(z0)) + rank * len(z0)
+    return F.cross_entropy(z0 @ candidates.T / 0.5, targets)

@@ -77,6 +77,23 @@ def test_each_plain_step_gets_its_verdict_and_culprits(case):
         assert (removed["max_abs_param_diff"] <= FLOAT64_BOUND).all()
 
 
+def test_a_local_losss_dropped_gradient_is_named_at_its_gather_not_at_the_ranks_mean():
+    """A step whose loss is a mean over the rank's own anchors returns the rank's part of one
+    device's loss (their mean over ranks is it): the walk reads the returned loss's path so. A
+    user's such step with a gather that keeps its own slice alone was named at its
+    cross_entropy, "over dim 0 of the rank's 8 rows", where the loss check named the gather's
+    backward: the step's loss, reshaped by the check, was no record."""
+    table = check.check_training(
+        step="plain_steps:own_slice_step", model="plain_steps:build_model",
+        data="plain_steps:Pairs", world_sizes=(2,), **RUN,
+    ).table  # fmt: skip
+    kept = runs(table)[runs(table)["removed"] == "none"].iloc[0]
+    assert kept["verdict"] == "biased", table.to_string()
+    assert kept["departs"].endswith(
+        f"OwnSliceGather.backward at {line_of(plain_steps, 'def backward(ctx, grad)')} produces it"
+    ), kept["departs"]
+
+
 def test_the_command_line_checks_each_step_and_exits_by_its_verdict(tmp_path):
     """Each step with ``--optimizer torch.optim:AdamW``: the 1-device runs, in this process, step
     AdamW with lr 1e-3 and its default weight decay 0.01 (stepped.optimizer_steps)."""

@@ -64,12 +64,12 @@ PATH_CITING = (
 )
 FENCE = re.compile(r"^ *```.*?^ *```", re.DOTALL | re.MULTILINE)
 # The cheap examples the suite checks (a few seconds each, no float64 rounding in what they print).
-CHECKED_EXAMPLES = ("bad_value", "plain_step")
+CHECKED_EXAMPLES = ("bad_value", "plain_step", "collectives")
 # Those whose block is what the command prints on stdout, run in the test process on the warm pools
 # (in an empty directory, the examples on the path as PYTHONPATH puts them): a fresh interpreter
 # adds to what a terminal shows only what it prints on stderr (a warning at import), which the
 # other block is; `make examples` runs every block in a fresh interpreter.
-IN_PROCESS_EXAMPLES = ("plain_step", "tensor_parallel")
+IN_PROCESS_EXAMPLES = ("plain_step", "tensor_parallel", "collectives")
 
 
 def design_sections() -> dict[str, set[int]]:

@@ -137,8 +137,9 @@ class Step(PlainModel):
         modules = [("", model)]
         before = trace.buffer_state(modules)
         with trace.traced(trace.batch_tensors(batch)) as tracer:
-            loss = step_loss(self.step(wrapped, batch))
-        tracer.returned(loss)
+            returned = self.step(wrapped, batch)
+            loss = step_loss(returned)
+        tracer.returned(returned)  # the step's own tensor (`step_loss`'s reshape is no record)
         tracer.buffers(modules, before)
         tracer.keep_gradients()
         if loss.requires_grad:
