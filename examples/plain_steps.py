@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from summing_gather import gather
+from summing_gather import SummingGather, gather
 from torch import nn
 
 
@@ -96,17 +96,9 @@ def builds_a_dict(dim: int = 8) -> dict:
     return {"backbone": nn.Linear(dim, 32)}
 
 
-class OwnSliceGather(torch.autograd.Function):
-    """Forward: every rank's rows, in rank order. Backward: the rank's own slice of the gathered
-    rows' gradient, the other ranks' gradients of that slice dropped."""
-
-    @staticmethod
-    def forward(ctx, rows):
-        rank, size = dist.get_rank(), dist.get_world_size()
-        ctx.own = slice(rank * len(rows), (rank + 1) * len(rows))
-        parts = [torch.empty_like(rows) for _ in range(size)]
-        dist.all_gather(parts, rows.contiguous())
-        return torch.cat(parts)
+class OwnSliceGather(SummingGather):
+    """`SummingGather`'s forward; a backward that keeps the rank's own slice of the gathered rows'
+    gradient, the other ranks' gradients of that slice dropped."""
 
     @staticmethod
     def backward(ctx, grad):
