@@ -196,8 +196,8 @@ def _run_job(
         _answer(connection, ("ok", result, sendable_warnings(caught)))
     except BaseException as error:  # the job's own error, or a result that does not pickle
         # an error from inside a collective leaves the group's transport unusable: "broken"
-        status = "error" if isinstance(error, watched.CollectiveError) or not _in_torch_distributed(
-            error) else "broken"  # fmt: skip
+        broken = not isinstance(error, watched.CollectiveError) and _in_torch_distributed(error)
+        status = "broken" if broken else "error"
         detail = "".join(traceback.format_exception(error)[-6:])
         if isinstance(error, watched.CollectiveError):  # a peer's error, or several ranks'
             named, line = error.rank, error.line
