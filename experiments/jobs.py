@@ -19,7 +19,6 @@ import argparse
 import ast
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+
+from gatherlab.ranks.ports import unclaimed_port
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "examples" / "jobs"
@@ -64,12 +65,6 @@ def variants(job: str) -> list[tuple[str, list[str], list[str]]]:
             for bug in ("none", *applicable(job))]  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def launch(
     job: str, world: int | None, arguments: list[str], out: Path, floor: Path | None = None
 ) -> float:
@@ -79,7 +74,7 @@ def launch(
     script = str(JOBS / f"{job}.py")
     command = [sys.executable, script] if world is None else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script,
+        "--master-addr", "127.0.0.1", "--master-port", str(unclaimed_port()), script,
     ]  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run(

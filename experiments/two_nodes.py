@@ -15,7 +15,6 @@ more than the suite's budget allows).
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,20 +24,15 @@ from _sweep import REPO, run_sweep
 
 from gatherlab import report
 from gatherlab.core import gradients, runfiles, terms
+from gatherlab.ranks.ports import unclaimed_port
 
 STEPS = 30
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def two_torchrun_nodes(run_dir: Path) -> None:
     """Node 0 and node 1 started side by side, as on two machines."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{unclaimed_port()}"
     command = [
         str(torchrun), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}", "--rdzv-id=gatherlab-two-nodes",

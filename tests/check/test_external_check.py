@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ from helpers import pythonpath
 
 from gatherlab import check
 from gatherlab.core import runfiles
+from gatherlab.ranks.ports import unclaimed_port
 
 pytestmark = pytest.mark.slow
 
@@ -164,16 +164,10 @@ def test_torchrun_names_collectives_that_differ_with_both_call_sites(
     assert "Every rank must enter the same collectives" in " ".join(started.stdout.split())
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _srun(out, *arguments: str) -> list[subprocess.CompletedProcess]:
     """The two ranks as srun starts them (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; MASTER_ADDR
     and MASTER_PORT given by the user), each rank's status and output its own."""
-    port = _free_port()
+    port = unclaimed_port()
 
     def rank_env(rank: int) -> dict[str, str]:
         return {**ENV, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),

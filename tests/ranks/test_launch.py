@@ -3,7 +3,10 @@ failing rank ends its job quickly with its message, and no worker outlives its p
 
 from __future__ import annotations
 
+import random
+import socket
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -11,8 +14,9 @@ import ranks
 import torch
 from helpers import descendants, run_command, run_training
 
-from gatherlab.core import runfiles
+from gatherlab.core import runfiles, terms
 from gatherlab.lab import jobs
+from gatherlab.ranks import launch, ports
 from gatherlab.ranks import pool as pools
 
 
@@ -261,3 +265,31 @@ def test_only_rank_zero_writes_the_summary_and_logs_the_run_to_wandb(
     else:
         assert (summary, logged) == ({}, [])
     assert (tmp_path / "run" / runfiles.SUMMARY).exists() == rank_zero
+
+
+def test_the_spawned_ranks_rendezvous_port_is_one_the_kernel_never_lends(monkeypatch):
+    """Lightning's own choice for ``ddp_spawn``, a port ``bind(0)`` lent and took back, was taken
+    by another process's gloo connection before rank 0 listened on it (EADDRINUSE in CI): the
+    spawn launcher's port lies below the kernel's ephemeral range, is drawn afresh whatever the
+    job's seed, and a port held is passed by."""
+    low, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    with socket.socket() as held:
+        held.bind(("", 0))
+        taken = held.getsockname()[1]
+        draws = iter([taken, 24680])
+        with monkeypatch.context() as patched:
+            patched.setattr(ports.random.SystemRandom, "randint", lambda *_: next(draws))
+            assert ports.unclaimed_port() == 24680
+
+    def spawn_port(seed: int) -> int:
+        """The port of the trainer ``launcher=spawn`` builds, after a job seeded ``seed``."""
+        random.seed(seed)
+        built = []
+        monkeypatch.setattr(launch, "_trainer", lambda _, strategy, *__: built.append(strategy))
+        monkeypatch.setattr(launch, "_fit_interruptibly", lambda *_: None)
+        launch.fit(None, None, 2, "64-true", 1, [], launcher=terms.Launcher.SPAWN)
+        return built[0].cluster_environment.main_port
+
+    chosen = [spawn_port(seed=0) for _ in range(8)]
+    assert all(ports.LOWEST <= port < low for port in chosen), chosen
+    assert len(set(chosen)) > 1, chosen

@@ -14,22 +14,17 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from gatherlab.ranks.ports import unclaimed_port
+
 JOBS = Path(__file__).resolve().parents[2] / "examples" / "jobs"
 LAUNCH_TIMEOUT = 150  # seconds per launch: four ranks importing torch on two loaded cores
 RUN_MARK = "--- bundled_jobs run"  # the line before each run's output in `start_together`
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch(job: str, world_size: int | None, *arguments: str) -> subprocess.CompletedProcess:
@@ -66,7 +61,7 @@ def start_together(
     if world_size is not None:
         command[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
                         "--master-addr", "127.0.0.1", "--master-port",
-                        str(free_port())]  # fmt: skip
+                        str(unclaimed_port())]  # fmt: skip
     options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True} | popen
     return subprocess.Popen(command, env=env, **options)
 

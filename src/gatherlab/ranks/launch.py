@@ -23,12 +23,12 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
 from lightning.pytorch.plugins import DoublePrecision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from gatherlab.core import terms
-from gatherlab.ranks import watched
+from gatherlab.ranks import ports, watched
 from gatherlab.ranks.external import launched_rank
 from gatherlab.ranks.pool import COLLECTIVE_TIMEOUT, pool
 
@@ -52,6 +52,21 @@ class _QuietDDPStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         super().configure_ddp()
         watched.visible(self.model)  # in a check's watched job, its all-reduce is compared
+
+
+class _SpawnEnvironment(LightningEnvironment):
+    """Lightning's environment for ``ddp_spawn``, whose rank 0 listens on a port outside the
+    kernel's ephemeral range (`ports.unclaimed_port`), chosen when the job is built: Lightning's
+    own choice, a port the kernel lent and took back, was once taken by another process's
+    connection before rank 0 listened on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._port = ports.unclaimed_port()
+
+    @property
+    def main_port(self) -> int:
+        return self._port
 
 
 class _QuietModelParallelStrategy(ModelParallelStrategy):
@@ -260,6 +275,7 @@ def fit(
         return
     elif launcher == terms.Launcher.SPAWN:
         strategy = _QuietDDPStrategy(
+            cluster_environment=_SpawnEnvironment(),
             start_method="spawn",
             process_group_backend=_backend(accelerator),
             timeout=COLLECTIVE_TIMEOUT,
