@@ -7,7 +7,9 @@ with ``loss=user gather=native``, and gatherlab's own losses are refused with it
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
+import types
 
 import pandas as pd
 import pytest
@@ -111,6 +113,33 @@ def test_built_in_gathers_through_gather():
         ("ntxent_global", 2): "1/W", ("ntxent_global", 4): "1/W",
         ("vicreg", 2): "biased", ("vicreg", 4): "biased",
     }  # fmt: skip
+
+
+def test_a_gather_class_is_made_as_a_file_of_the_gather_group_makes_it():
+    """A `Gather` subclass (as docs/design.md §4 has a newcomer write one, and as a file of the
+    gather group names it), by its import path or as the class: made with no arguments, as Hydra
+    makes it. It was called on the embeddings as they were, and the refusal blamed the loss; a
+    class that needs arguments is one line naming the gather."""
+    by_path = check.check_gather("gatherlab.gather.inexact:Old", (2,)).table
+    assert list(by_path["verdict"]) == ["biased", "1/W", "biased"]
+    assert set(by_path["gather"]) == {"gatherlab.gather.inexact:Old"}
+    by_class = check.check_loss(
+        "gatherlab.losses:NTXentLoss", (2,), gather=gathering.inexact.Old, temperature=0.5
+    ).table
+    assert by_class.loc[by_class["part"] == "all", "verdict"].tolist() == ["biased"]
+
+    class Needs(gathering.Gather):
+        def __init__(self, group):
+            self.group = group
+
+    with pytest.raises(check.CheckError) as refusal:
+        check.check_gather(Needs)
+    assert str(refusal.value) == (
+        "gather test_a_gather_class_is_made_as_a_file_of_the_gather_group_makes_it.<locals>.Needs:"
+        " TypeError: test_a_gather_class_is_made_as_a_file_of_the_gather_group_makes_it.<locals>."
+        "Needs.__init__() missing 1 required positional argument: 'group'; allowed: a gather "
+        "class made with no arguments, an instance, or a function x -> gathered x"
+    )
 
 
 def test_the_command_line_checks_a_foreign_gather_and_writes_check_csv(tmp_path):
@@ -307,6 +336,59 @@ def test_gather_native_is_refused_with_a_loss_that_would_gather_with_its_default
         "would gather with its default, 'fixed', not by itself; allowed: gather=fixed (or another "
         "option of the gather group), or native with a loss that communicates by itself"
     )
+
+
+def _as_main(script, monkeypatch, spec_name=None) -> dict:
+    """``script`` run as ``python SCRIPT`` runs it (``python -m NAME`` with ``spec_name``), in
+    this process: its namespace is that of ``__main__``, named ``__main__``."""
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    main.__spec__ = None if spec_name is None else importlib.machinery.ModuleSpec(spec_name, None)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    exec(compile(script.read_text(), str(script), "exec"), vars(main))
+    return vars(main)
+
+
+def test_a_script_that_starts_the_check_at_its_top_level_is_refused_in_one_line(
+    tmp_path, monkeypatch
+):
+    """multiprocessing prepares each rank it starts by running the script that started it: a
+    check started at a script's top level was started again by each rank, which printed a page
+    of multiprocessing's traceback and left a ``failed`` row. It is refused before any rank
+    starts, naming the statement. Under ``if __name__ == "__main__":``, in a package's
+    ``__main__`` (which multiprocessing never runs again), on one rank, or on ranks torchrun
+    started, nothing is refused."""
+    found = tmp_path / "found.py"
+    found.write_text(
+        "from gatherlab.ranks import forkstart\n"
+        "def where():\n"
+        "    return forkstart.unguarded_main()\n"
+        "top = where()\n"
+        "if __name__ == '__main__':\n"
+        "    guarded = where()\n"
+    )
+    ran = _as_main(found, monkeypatch)
+    assert (ran["top"], ran["guarded"]) == (f"{found}:4", None)
+    assert _as_main(found, monkeypatch, spec_name="mypackage.__main__")["top"] is None
+    assert _as_main(found, monkeypatch, spec_name="mypackage.mine")["top"] == f"{found}:4"
+
+    script = tmp_path / "my_check.py"
+    script.write_text(
+        "from gatherlab import check\n"
+        "from gatherlab.check import api\n"
+        "api._startable((1,))\n"
+        "result = check.check_loss('gatherlab.losses:NTXentLoss', gather='fixed')\n"
+    )
+    with pytest.raises(check.CheckError) as refusal:
+        _as_main(script, monkeypatch)
+    assert str(refusal.value) == (
+        f"{script}:4 starts the check at the script's top level, which every rank the check "
+        'starts runs again; allowed: the call under `if __name__ == "__main__":`'
+    )
+    launched = tmp_path / "launched.py"  # as torchrun starts it: no rank for the check to start
+    launched.write_text("from gatherlab.check import api\napi._startable((2,))\n")
+    monkeypatch.setenv("RANK", "0")
+    _as_main(launched, monkeypatch)
 
 
 def test_the_command_line_trains_adamw_steps_exact_with_fixed_and_biased_with_old(tmp_path):

@@ -103,8 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--gather",
-        help="pass gather= to the loss: an option of the gather config group or module:function; "
-        "without a loss: "
+        help="pass gather= to the loss: an option of the gather config group, module:function, "
+        "or module:Class (a Gather subclass, made with no arguments); without a loss: "
         "check this gather with gatherlab's local, global and mixed losses",
     )
     for option in group(options.COMMON):

@@ -40,7 +40,8 @@ from gatherlab.core import cli, floor, imports, terms
 from gatherlab.core.gradients import FLOAT64_TOLERANCE
 from gatherlab.core.runfiles import Trained
 from gatherlab.gather import GatherFn, registry
-from gatherlab.ranks import pool, watched
+from gatherlab.ranks import forkstart, pool, watched
+from gatherlab.ranks.external import launched_rank
 from gatherlab.ranks.pool import RankError
 from gatherlab.runs import removals
 from gatherlab.runs.precision import InFloat64
@@ -152,7 +153,7 @@ def _gather(
         if not any(separator in gather for separator in ".:"):  # a name, not an import path
             raise CheckError(f"gather={gather} is unknown; allowed: {allowed}")
         try:
-            located = locate(gather)
+            located = _made(locate(gather), f"gather={gather}")
         except ImportError as error:
             raise CheckError(f"gather={gather}: {error}; allowed: {allowed}") from None
         _sendable(located, f"gather={gather}")
@@ -160,8 +161,24 @@ def _gather(
     if not callable(gather):
         raise CheckError(f"gather {gather!r} is not callable; allowed: a function x -> gathered x")
     name = getattr(gather, "__qualname__", type(gather).__name__)
+    gather = _made(gather, f"gather {name}")
     _sendable(gather, f"gather {name}")
     return name, gather
+
+
+def _made(gather: Any, named: str) -> Any:
+    """A gather class (a `gatherlab.gather.Gather` subclass, as a file of the gather group names
+    it) made with no arguments, as Hydra makes it from that file; a function or an instance as
+    it is."""
+    if not isinstance(gather, type):
+        return gather
+    try:
+        return gather()
+    except Exception as error:
+        raise CheckError(
+            f"{named}: {cli.error_line(error)}; allowed: a gather class made with no arguments, "
+            "an instance, or a function x -> gathered x"
+        ) from None
 
 
 def _gather_options() -> list[str]:
@@ -420,8 +437,25 @@ def _options(kind: type, options: Any, world_sizes: Iterable[int] | None, chosen
     if world_sizes is not None:
         chosen["world_sizes"] = world_sizes
     if options is None:
-        return kind(**chosen)
-    return dataclasses.replace(options, **chosen) if chosen else options
+        options = kind(**chosen)
+    elif chosen:
+        options = dataclasses.replace(options, **chosen)
+    _startable(options.world_sizes)
+    return options
+
+
+def _startable(world_sizes: Sequence[int]) -> None:
+    """CheckError of one line where the ranks this check starts would each run the user's
+    script again and, from its top level, start ranks of their own (`forkstart.unguarded_main`):
+    a script without ``if __name__ == "__main__":``. Ranks torchrun started are not started."""
+    if max(world_sizes) == 1 or launched_rank() is not None:
+        return
+    statement = forkstart.unguarded_main()
+    if statement is not None:
+        raise CheckError(
+            f"{statement} starts the check at the script's top level, which every rank the "
+            'check starts runs again; allowed: the call under `if __name__ == "__main__":`'
+        )
 
 
 # The keyword arguments the check itself passes to a loss (`Recipe.arguments`), each with the

@@ -15,8 +15,10 @@ command).
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
+import inspect
 import multiprocessing
 import os
 import signal
@@ -25,6 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing import forkserver, resource_tracker
+from pathlib import Path
 
 # What the fork server imports before it forks any worker: what every job runs (DDP's first use
 # imports torch._dynamo, ~1–3 s), and of the rest what the starting process has imported itself: a
@@ -34,7 +37,7 @@ from multiprocessing import forkserver, resource_tracker
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
 PRELOAD_IF_IMPORTED = ("lightning.pytorch", "gatherlab.ranks.launch", "gatherlab.check.measure")
 
-__all__ = ["PRELOAD", "PRELOAD_IF_IMPORTED", "start", "stop"]
+__all__ = ["PRELOAD", "PRELOAD_IF_IMPORTED", "start", "stop", "unguarded_main"]
 
 # How long ``stop`` waits for the resource tracker to end once its last client has (it ends in
 # milliseconds; a process that still holds its pipe would make it wait forever).
@@ -66,6 +69,40 @@ def start(also: Sequence[str] = ()) -> None:
         forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGINT, handler)
+
+
+def unguarded_main() -> str | None:
+    """``FILE:LINE`` of the statement of the running script that is starting ranks now, when
+    each rank would run that statement again: multiprocessing prepares every process it starts by
+    running the script that started it (not a ``python -m pkg`` package's ``__main__``, nor a
+    session without a file), and the statement is not under ``if __name__ == "__main__":``. The
+    rank would then start ranks of its own while it starts, and fail with a traceback."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if path is None or name == "__main__" or name.endswith(".__main__"):
+        return None
+    frame, line = inspect.currentframe(), None
+    while frame is not None:  # the script's own outermost frame: the statement running in it
+        if frame.f_globals is vars(main) and frame.f_code.co_name == "<module>":
+            line = frame.f_lineno
+        frame = frame.f_back
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    guarded = [node for node in tree.body if isinstance(node, ast.If) and _names_main(node.test)]
+    if line is None or any(node.lineno <= line <= node.end_lineno for node in guarded):
+        return None
+    return f"{path}:{line}"
+
+
+def _names_main(test: ast.expr) -> bool:
+    """``__name__ == "__main__"``, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    sides = {ast.unparse(test.left), ast.unparse(test.comparators[0])}
+    return isinstance(test.ops[0], ast.Eq) and sides == {"__name__", "'__main__'"}
 
 
 def stop() -> None:
