@@ -201,12 +201,13 @@ class _CachedLoss(torch.nn.Module):
     """A GradCache loss as cached ranking losses write it: the model's embeddings of the rows
     made in chunks without gradients, the loss over all of them and its gradient of them kept;
     then, in the loss's backward (a hook on the loss it returns), the model called again chunk by
-    chunk with gradients, each chunk's embeddings backpropagated with the kept gradient.
+    chunk with gradients, each chunk's embeddings backpropagated with the kept gradient; or
+    (``in_forward``) that done at once in its forward, which returns the loss detached.
     ``shift``: a term that makes the loss another function (a bug)."""
 
-    def __init__(self, model: torch.nn.Module, shift: float = 0.0) -> None:
+    def __init__(self, model: torch.nn.Module, shift: float = 0.0, in_forward=False) -> None:
         super().__init__()
-        self.model, self.shift = model, shift
+        self.model, self.shift, self.in_forward = model, shift, in_forward
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -215,7 +216,7 @@ class _CachedLoss(torch.nn.Module):
         with torch.enable_grad():
             loss = embedded.pow(2).sum(1).mean() + self.shift * embedded.sum()
             (kept,) = torch.autograd.grad(loss, embedded)
-        cached = loss.detach().requires_grad_()
+        cached = loss.detach().requires_grad_(not self.in_forward)
 
         def again(grad: torch.Tensor) -> torch.Tensor:
             with torch.enable_grad():
@@ -223,42 +224,51 @@ class _CachedLoss(torch.nn.Module):
                     (self.model(chunk) * gradient).sum().mul(grad).backward()
             return grad
 
-        cached.register_hook(again)
+        if self.in_forward:
+            again(torch.ones((), dtype=loss.dtype))
+        else:
+            cached.register_hook(again)
         return cached
 
 
-def _cached_job(out, shift: float = 0.0) -> None:
+def _cached_job(out, shift: float = 0.0, in_forward: bool = False) -> None:
     """Two updates of an MLP trained through `_CachedLoss`, recorded with ``trace=True``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     model.double()
-    loss = _CachedLoss(model, shift)
+    loss = _CachedLoss(model, shift, in_forward)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     rows = torch.randn(2, 8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     with gatherlab.record(model, optimizer, out, loss=loss, trace=True):
         for update in range(2):
             optimizer.zero_grad()
-            loss(rows[update]).backward()
+            value = loss(rows[update])
+            if not in_forward:
+                value.backward()
             optimizer.step()
 
 
-def test_a_loss_that_calls_its_model_from_its_backward_is_recorded_untraced_in_one_line(
-    tmp_path, caplog
+@pytest.mark.parametrize("in_forward", [False, True], ids=["from-its-backward", "in-its-forward"])
+def test_a_loss_that_calls_its_model_again_is_recorded_untraced_in_one_line(
+    in_forward, tmp_path, caplog
 ):
     """A cached loss calls the model with gradients only from its backward hook, where autograd
     keeps the trace's mode for the hook alone: ``trace=True`` said a traceback at the first step
-    ("trying to pop from empty mode stack", a user's sentence-transformers job). Now the
-    recording goes on untraced with one line said, its gradients still recorded; the comparison
-    of two such runs says why it names no line, and does not ask for a trace."""
+    ("trying to pop from empty mode stack", a user's sentence-transformers job). One that does
+    so inside its forward and returns its loss detached (a user's DDP job) was traced, and the
+    comparison named its embedding's line for every bug, the labels' included: the trace held
+    the model's last chunk, not what the loss was computed from. Now either recording goes on
+    untraced with one line said, its gradients still recorded; the comparison of two such runs
+    says why it names no line, and does not ask for a trace."""
     from gatherlab import compare
 
     with caplog.at_level("WARNING", logger="gatherlab.recording.recorder"):
-        _cached_job(tmp_path / "one")
+        _cached_job(tmp_path / "one", in_forward=in_forward)
     said = [r.getMessage() for r in caplog.records if "trace" in r.getMessage()]
-    assert len(said) == 1 and "inside its backward" in said[0], said
+    assert len(said) == 1 and "loss was not computed from the model's calls" in said[0], said
     one = format.read(tmp_path / "one")
     assert one.trace() == [[]] and len(one.updates) == 2
-    _cached_job(tmp_path / "shifted", shift=0.1)
+    _cached_job(tmp_path / "shifted", shift=0.1, in_forward=in_forward)
     compared = compare(tmp_path / "one", tmp_path / "shifted")
     assert compared.verdict == "loss differs", compared.words
     assert compared.table.iloc[0]["departs"].startswith(

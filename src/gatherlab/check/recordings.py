@@ -655,8 +655,9 @@ against one device, where its copies' differences from A's are 0.57 and 0.83).""
 
 _UNTRACEABLE = (
     "no line named: both runs were recorded with trace=True and their traces hold no operation: "
-    "the model ran with gradients only inside the backward (a cached, GradCache-style loss "
-    "calls it from its backward hook), where a trace cannot follow it"
+    "their loss was not computed from the model's calls with gradients (a cached, GradCache-style "
+    "loss runs the model again inside its forward or from its backward hook), which a trace "
+    "cannot follow"
 )
 
 

@@ -688,15 +688,19 @@ class Recorder:
         """The first update's forward has reached its loss: its records keep their gradients.
         A trace begun inside the backward (the model's first call with gradients made by the
         loss's backward hook, as a cached loss makes it), which autograd has left since
-        (`runs.trace.Tracer.active`), is no trace: said in one line, the update recorded
-        untraced."""
+        (`runs.trace.Tracer.active`), or one whose records the loss was not computed from (a
+        cached loss that runs the model again inside its forward: `runs.trace.Tracer.computed`),
+        is no trace: said in one line, the update recorded untraced."""
         tracer, self._tracer = self._tracer, None
-        if not tracer.active():
-            log.warning("gatherlab.record: trace=True: the first update's model ran with "
-                        "gradients only inside its backward (a loss that calls the model from "
-                        "its backward hook, as a cached, GradCache-style loss does), where a "
-                        "trace cannot follow it: this recording is untraced, its gradients "
+        active = tracer.active()
+        if not active or (loss is not None and not tracer.computed(loss)):
+            log.warning("gatherlab.record: trace=True: the first update's loss was not computed "
+                        "from the model's calls with gradients (a cached, GradCache-style loss "
+                        "runs the model again inside its forward or from its backward hook), "
+                        "so a trace cannot follow it: this recording is untraced, its gradients "
                         "recorded as always")  # fmt: skip
+            if active:
+                tracer.__exit__(None, None, None)
             self._traced = type(tracer)()  # an empty trace, none begun again in the update
             return
         if loss is not None:

@@ -302,6 +302,23 @@ class Tracer(TorchFunctionMode):
             if writers:
                 writers[-1].updates = name
 
+    def computed(self, loss: torch.Tensor) -> bool:
+        """Whether ``loss`` was computed from a result this tracer recorded: its autograd graph
+        reaches one. A loss that runs its model and the model's backward inside its own forward
+        (a cached, GradCache-style loss: the loss taken on embeddings made without gradients,
+        the model run again chunk by chunk) returns one that reaches none."""
+        made = {id(r.grad_fn) for results in self._results for r in results if r.grad_fn}
+        seen, frontier = set(), [loss.grad_fn]
+        while frontier:
+            node = frontier.pop()
+            if node is None or id(node) in seen:
+                continue
+            if id(node) in made:
+                return True
+            seen.add(id(node))
+            frontier.extend(next_node for next_node, _ in node.next_functions)
+        return False
+
     def returned(self, tensor: torch.Tensor) -> None:
         """Mark the record whose result the code returned (the loss)."""
         if id(tensor) in self._producer:
