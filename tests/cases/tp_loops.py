@@ -7,7 +7,10 @@ the sketch's blocks of k = 7.
 
 Bug ``norm_outside``: the LayerNorm left out of the plan while its input is the sequence shard,
 so its parameters are plain tensors and each tp rank's gradient is the sum over its own positions
-only (never reduced over tp)."""
+only (never reduced over tp). Bug ``local_head``: the head's output left each rank's shard of the
+features (no ``output_layouts=Replicate()``), over which the loss's log-sum-exp runs (one device's
+runs over all of them). Bug ``local_clip``: each rank clips its gradient by the norm of its own
+shards (and its own copies of the replicated weights), not the whole gradient's."""
 
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ def _parallel(block: Block, tp: int, bug: str, whole: bool = False) -> tuple[int
         "down": RowwiseParallel(output_layouts=Shard(1)),
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
+    if bug == "local_head":
+        plan["head"] = ColwiseParallel(input_layouts=Shard(1))
     if bug != "norm_outside":
         plan["norm"] = SequenceParallel()
     if whole:
@@ -102,10 +107,22 @@ def loop(out: str, tp: int = 2, bug: str = "", given: str = "recipe") -> dict[st
         if given == "recipe" and tp_rank == 0:  # a tp group's rows, given by its first rank
             recorder.batch(x)
         optimizer.zero_grad()
-        loss = criterion(block(x if given == "whole" else x.chunk(tp, dim=1)[tp_rank]), y)
+        out = block(x if given == "whole" else x.chunk(tp, dim=1)[tp_rank])
+        loss = torch.logsumexp(out, dim=-1).mean() if bug == "local_head" else criterion(out, y)
         if given == "recipe":
             recorder.loss(loss)
         loss.backward()
+        if bug == "local_clip":
+            _clip_by_own_norm(block, 0.1)
         optimizer.step()
     recorder.close()
     return {name: str(getattr(p.grad, "placements", None)) for name, p in block.named_parameters()}
+
+
+def _clip_by_own_norm(block: nn.Module, bound: float) -> None:
+    """The gradient scaled by bound / (its norm) where that is below 1, the norm taken over the
+    tensors this rank holds (the ``local_clip`` bug; on one device, torch's clipping)."""
+    held = [getattr(p.grad, "to_local", lambda g=p.grad: g)() for p in block.parameters()]
+    norm = float(torch.sqrt(sum(g.pow(2).sum() for g in held)))
+    for g in held:
+        g.mul_(min(1.0, bound / norm))

@@ -199,3 +199,22 @@ def test_bad_tensor_parallel_input_is_one_line_before_any_rank(options, line):
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith(line)
+
+
+def test_a_vocabulary_parallel_embeddings_forward_is_recorded_without_redistributing_it():
+    """The record of the first forward copied each result through DTensor's own operations: a
+    vocabulary-parallel embedding's pending sum had its mask consumed there, the plan's own
+    redistribution then failed with a bare AssertionError, and ``departs`` printed its page of
+    traceback. Copied from its local tensor, the forward is read: a loss that depends on the
+    rank, outside the model, is said to be outside its first forward."""
+    table = check_training(
+        step="vocab_parallel:rank_offset_step", model="vocab_parallel:build",
+        data="vocab_parallel:Ids", world_sizes=(2,), tensor_parallel=2, steps=2,
+        global_batch_size=8,
+    ).table  # fmt: skip
+    kept = _whole(table).iloc[0]
+    assert kept["verdict"] == "loss differs", table.to_string()
+    assert kept["departs"].startswith(
+        "no line named: every module's input and the model's output have one device's shapes on "
+        "the ranks, and every result of the first forward compared is one device's or its shard"
+    ), kept["departs"]

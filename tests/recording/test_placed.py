@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import tp_loops
+import vocab_parallel
 from recorded import relative, whole_sketches
 
 from gatherlab.compare import compare
@@ -172,3 +173,52 @@ def test_a_scattered_shard_is_sketched_as_its_elements_at_their_positions():
     assert float((placed.sketched(held, 7, block_signs) - expected).abs().max()) <= 1e-14
     contiguous = placed.Placed(whole[2:4], (6, 9), (torch.arange(2, 4), torch.arange(9)), (0,))
     assert contiguous.offset() == 18
+
+
+def test_a_tensor_parallel_job_recorded_with_trace_is_recorded_untraced_in_one_line(tmp_path):
+    """``trace=True`` on a vocabulary-parallel embedding's ranks stopped a user's job at its first
+    forward with a bare AssertionError: the trace's copy of the embedding's pending sum consumed
+    the mask its plan's redistribution needs. A trace does not read shards against one device's
+    tensors anyway: each rank now records untraced, the job trains on, and the comparison says
+    why no line is named. Code that depends on the rank gives the group's replicated weights
+    different gradients: said so, without DDP's mean as the fix."""
+    runs = {}
+    for name, world_size, trace, bug in (("one", 1, True, ""), ("two", 2, True, ""),
+                                         ("offset", 2, True, "rank_offset")):  # fmt: skip
+        runs[name] = out = str(tmp_path / name)
+        if world_size == 1:
+            vocab_parallel.loop(out, trace, bug)
+        else:
+            pools.pool(world_size).run(vocab_parallel.loop, out, trace, bug)
+    assert format.read(runs["one"]).trace()[0], "one device's run traced"
+    assert format.read(runs["two"]).trace() == [[], []]
+    assert format.read(runs["two"]).row_groups == [[0, 1]]
+    assert compare(runs["one"], runs["two"]).verdict == "exact"
+    offset = compare(runs["one"], runs["offset"])
+    assert offset.verdict == "loss differs", offset.words
+    assert offset.table.iloc[0]["departs"].startswith(
+        "no line named: B was recorded with trace=True and its trace holds no operation"
+    )
+    assert "tensor-parallel (groups [0, 1]), and the ranks of a group must compute" in " ".join(
+        offset.words.split()
+    )  # the mean over ranks, DDP's fix, is no fix there: not offered
+    assert "the mean over ranks) before the optimizer's step" not in " ".join(offset.words.split())
+
+
+def test_a_tensor_parallel_jobs_departures_are_told_in_tensor_parallel_terms(recorded):
+    """Two users' tensor-parallel bugs, each told what a data-parallel job would be told. A loss
+    over each rank's shard of the head's features (``local_head``), recorded untraced: the words
+    named trace=True, which a tensor-parallel model's DTensors cannot give; they name the check
+    of the step, which reads shards against one device's. Each rank clipping by the norm of its
+    own shards (``local_clip``): the fix offered was DDP's mean of the gradient over the ranks;
+    the words name the group's sum, losses of their own and clipping by the rank's own norm."""
+    compared = compare(recorded(1, "local_head")[0].path, recorded(2, "local_head")[0].path)
+    assert compared.verdict == "loss differs", compared.words
+    words = " ".join(compared.words.split())
+    assert "a trace does not follow a tensor-parallel model's DTensors" in words
+    assert "Record both runs with trace=True" not in words
+    clipped = compare(recorded(1, "local_clip")[0].path, recorded(2, "local_clip")[0].path)
+    assert (clipped.verdict, clipped.table.iloc[0]["cause"]) == ("biased", "unreduced")
+    words = " ".join(clipped.words.split())
+    assert "as clipping by the norm of the rank's own shards does" in words
+    assert "(the mean over ranks) before the optimizer's step" not in words

@@ -384,6 +384,12 @@ NO_ROUNDING_FLOOR = (
     "judged without it. For a floor, record A and its floor with nothing drawn at random in the "
     "forward (dropout off), or compare in float64."
 )
+# The fix of a gradient nothing reduces over the ranks, but where the measured words give another.
+UNREDUCED_FIX = (
+    " Fix: put the parameter inside the module DDP or FSDP wraps and use it in that module's "
+    "forward, so that its gradient is reduced with the others, or all-reduce its gradient (the "
+    "mean over ranks) before the optimizer's step."
+)
 # An unreduced part of a tensor-parallel recording whose sum over each group is A's, measured, and
 # where none is (`check.recordings._unreduced`).
 TENSOR_PARALLEL_SUMMED = (
@@ -394,10 +400,15 @@ TENSOR_PARALLEL_SUMMED = (
     "(SequenceParallel() on it in the plan), not DDP's mean."
 )
 TENSOR_PARALLEL_PARTIAL = (
-    "B is tensor-parallel (groups {groups}): a weight its group replicates whose gradient each "
-    "rank computes from its own shard (a norm under sequence parallelism) holds a partial "
-    "gradient, which the group sums, not averages (not tested here): declare it in the plan "
-    "(SequenceParallel() on the norm), or all-reduce its gradient with a sum over the group."
+    "B is tensor-parallel (groups {groups}), and the ranks of a group must compute the same "
+    "gradient of a weight the group replicates. Usual causes (not tested here): the weight's "
+    "gradient computed from the rank's own shard (a norm under sequence parallelism) is a "
+    "partial gradient, which the group sums, not averages: declare it in the plan "
+    "(SequenceParallel() on the norm), or all-reduce its gradient with a sum over the group; "
+    "the group's ranks compute different losses (code that depends on the rank, rows of their "
+    "own): give every rank of a group the same; or each rank scales its gradient by a number of "
+    "its own, as clipping by the norm of the rank's own shards does: clip by the whole "
+    "gradient's norm (torch.nn.utils.clip_grad_norm_ on the DTensor parameters takes it)."
 )
 # Not judged, where the floor recording given was set aside (`check.recordings._not_judged_words`).
 FLOOR_SET_ASIDE = (
@@ -468,6 +479,15 @@ RECORDED_UNTRACED = (
     "rounding everywhere) and compare again: the first operation that departs is named with its "
     "line; or check the step itself with python -m gatherlab.check."
 )
+# The same, for a B whose ranks train a tensor-parallel model (its recording's row groups).
+RECORDED_TENSOR_PARALLEL = (
+    "The recordings cannot tell which part of the forward departs: a loss over the rank's shard "
+    "of the logits or rows (a tensor-parallel output read as a local tensor{micro}), a statistic "
+    "of them, randomness drawn per rank or code that depends on the rank give the same numbers "
+    "here, and a trace does not follow a tensor-parallel model's DTensors. Check the step itself "
+    "with python -m gatherlab.check --step ... --tensor-parallel T, which reads each operation's "
+    "shards against one device's and names its line."
+)
 
 # What reproduced a ``loss differs`` on one device (``gatherlab.check.hypotheses``), and its fix.
 CAUSES = {
@@ -522,10 +542,8 @@ CAUSES = {
     terms.Cause.UNREDUCED: (
         "Measured {unreduced_source}: the gradient of {unreduced} differs between the run's ranks "
         "({unreduced_updates}): it is not reduced over the ranks, so each rank's optimizer steps "
-        "with its own gradient (the run's gradient shown is rank 0's). {unreduced_mean} Fix: put "
-        "the parameter inside the module DDP or FSDP wraps and use it in that module's forward, "
-        "so that its gradient is reduced with the others, or all-reduce its gradient (the mean "
-        "over ranks) before the optimizer's step."
+        "with its own gradient (the run's gradient shown is rank 0's). {unreduced_mean}"
+        "{unreduced_fix}"
     ),
     terms.Cause.COPIES_APART: (
         "Measured on the ranks, from the copies alone: {copies}. One device holds one such "
@@ -834,7 +852,8 @@ def diagnosis(
     words a comparison of recordings adds to its placeholders (``data_cause``, ``unreduced``,
     …, `gatherlab.check.recordings`)."""
     first = rows.iloc[0]
-    numbers = {"data_cause": "", **_numbers(rows), **(measured or {})}
+    numbers = {"data_cause": "", "unreduced_fix": UNREDUCED_FIX, **_numbers(rows),
+               **(measured or {})}  # fmt: skip
     nothing = first["verdict"] == terms.GradientClass.NONE and rows["norm_ratio"].isna().all()
     text = (TRAINS_NOTHING if nothing else DIAGNOSES[first["verdict"]]).format(**numbers)
     cause = first["cause"]

@@ -442,12 +442,13 @@ def _unreduced(a: Recording, b: Recording, precision: str) -> tuple[list[str], d
                            b.updates[min(seen[part])], precision, within)
             for part in parts]  # fmt: skip
     mean_words = [words for words, _ in said]
+    kinds = {kind for _, kind in said}
     apart = next((u for u in b.updates if u.copies_apart), None)
     if apart is not None:  # named from the copies themselves, without A
         mean_words.insert(0, f"Copies that differ in B's whole gradient of update {apart.index}: "
                              + held.listed(apart.copies_apart) + ".")  # fmt: skip
-    if b.row_groups and not any(over_groups for _, over_groups in said):
-        groups = ", ".join(str(group) for group in b.row_groups)  # not measured: the usual cause
+    if b.row_groups and _PARTIALS not in kinds:
+        groups = ", ".join(str(group) for group in b.row_groups)  # not measured: the usual causes
         mean_words.append(diagnosis.TENSOR_PARALLEL_PARTIAL.format(groups=groups))
     at = [w if len(parts) == 1 else f"{p} {w}" for p, w in zip(parts, where, strict=True)]
     measured = {
@@ -456,38 +457,44 @@ def _unreduced(a: Recording, b: Recording, precision: str) -> tuple[list[str], d
         "unreduced_updates": "; ".join(at) + ", each rank's own sketch of it recorded",
         "unreduced_mean": " ".join(mean_words),
     }
+    if b.row_groups:  # DDP's mean is no fix there: the words above say what is
+        measured["unreduced_fix"] = ""
     return parts, measured
+
+
+# What a part's gradients over B's ranks are, measured (`_reduced_words`).
+_COPIES, _PARTIALS, _MEAN = "copies", "partials", "mean"
 
 
 def _reduced_words(
     a: Recording, b: Recording, part: str, update: Any, precision: str, within: float
 ) -> tuple[str, bool]:
     """What reducing ``part``'s gradient at ``update`` over B's ranks would give, in words, and
-    whether it is measured as the sum over each tensor-parallel group (`_partials_summed`): a
-    sum over the ranks that hold copies of it (`_copies_summed`), that group sum, or the mean
-    over the ranks, A's (within ``within``: reducing it is the fix) or not."""
+    what was measured (`_COPIES`, `_PARTIALS`, `_MEAN`): a sum over the ranks that hold copies
+    of it (`_copies_summed`), a sum over each tensor-parallel group (`_partials_summed`), or the
+    mean over the ranks, A's (within ``within``: reducing it is the fix) or not."""
     views = update.unreduced[part]
     reference = np.asarray(a.updates[update.index].sketches[part])
     summed = _copies_summed(b, views, reference)
     if summed is not None:
-        return summed.format(part=part, update=update.index), False
+        return summed.format(part=part, update=update.index), _COPIES
     partials = _partials_summed(b, views, reference, within)
     if partials is not None:
         groups = ", ".join(str(group) for group in b.row_groups)
         return diagnosis.TENSOR_PARALLEL_SUMMED.format(
-            part=part, update=update.index, error=partials, groups=groups), True  # fmt: skip
+            part=part, update=update.index, error=partials, groups=groups), _PARTIALS  # fmt: skip
     mean = np.asarray(views).mean(axis=0)
     error = float(np.linalg.norm(mean - reference) / max(np.linalg.norm(reference), 1e-300))
     if error > within:
         return (f"The mean over the ranks of {part}'s gradients is not A's either (update "
                 f"{update.index}, relative difference {error:.3g} of the sketches): reducing it "
-                "alone does not make it A's.", False)  # fmt: skip
+                "alone does not make it A's.", _MEAN)  # fmt: skip
     unit, word = terms.Precision(precision).unit_roundoff, terms.Precision(precision).word
     rounding = ("" if precision == terms.Precision.FLOAT64 else
                 f", {error / unit:.2g} unit roundoffs of {word}")  # fmt: skip
     return (f"The mean over the ranks of {part}'s gradients is A's (update {update.index}, "
             f"relative difference {error:.2g} of the sketches{rounding}): reducing it is the "
-            "fix.", False)  # fmt: skip
+            "fix.", _MEAN)  # fmt: skip
 
 
 def _partials_summed(
@@ -653,12 +660,16 @@ against one device, where its copies' differences from A's are 0.57 and 0.83).""
 # --- the comparison -----------------------------------------------------------------------------
 
 
-_UNTRACEABLE = (
-    "no line named: both runs were recorded with trace=True and their traces hold no operation: "
-    "their loss was not computed from the model's calls with gradients (a cached, GradCache-style "
-    "loss runs the model again inside its forward or from its backward hook), which a trace "
-    "cannot follow"
-)
+def _untraceable(empty: list[str]) -> str:
+    """Why no line is named where runs recorded with trace=True hold an empty trace (``empty``:
+    ``A``, ``B`` or both): the recorder said why as it recorded each."""
+    held = ("both runs were recorded with trace=True and their traces hold" if len(empty) == 2
+            else f"{empty[0]} was recorded with trace=True and its trace holds")  # fmt: skip
+    return (
+        f"no line named: {held} no operation: the recorder said why as it recorded (a loss not "
+        "computed from the model's calls with gradients, as a cached, GradCache-style loss's; "
+        "calls that give DTensors, as tensor parallelism's), which a trace cannot follow"
+    )
 
 
 def _where(
@@ -668,16 +679,20 @@ def _where(
     recorded a trace of it (``trace.pt``) and B has ranks: A's one device's records against each
     of B's ranks'. One device's global batch is A's rows of update 0, divided by the number of
     blocks its forward concatenates (two views: 2) where B's order shows them. Where a trace was
-    recorded but no line can be read from it, why (`where.unlocated`; both traced and empty:
-    `_UNTRACEABLE`); None where neither run traced."""
+    recorded but no line can be read from it, why (`where.unlocated`; a trace recorded empty:
+    `_untraceable`); None where neither run traced."""
     ones, ranks = a.trace(), b.trace()
-    traced_a, traced_b = bool(ones and ones[0]), bool(ranks and all(ranks))
-    if not traced_a and not traced_b:  # both traced and neither recorded an operation: said
-        return None if ones is None or ranks is None else lambda: where.unlocated(_UNTRACEABLE)
+    if ones is None and ranks is None:
+        return None
+    empty = [name for name, held in (("A", ones), ("B", ranks))
+             if held is not None and not (held and all(held))]  # fmt: skip
     why = None
-    if traced_a != traced_b:
-        why = (f"no line named: only {'A' if traced_a else 'B'} traced its first update; record "
-               f"{'B' if traced_a else 'A'} with trace=True too")  # fmt: skip
+    if empty:
+        why = _untraceable(empty)
+    elif (ones is None) != (ranks is None):
+        traced = "A" if ranks is None else "B"
+        why = (f"no line named: only {traced} traced its first update; record "
+               f"{'B' if traced == 'A' else 'A'} with trace=True too")  # fmt: skip
     elif a.world_size != 1:
         why = f"no line named: A ran on {a.world_size} ranks, and a line is read against one device"
     elif b.world_size < 2:
@@ -1112,7 +1127,9 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
             text += " " + diagnosis.RECORDED_MICRO_BATCHES.format(micro_batches=micro_batches)
         if head["verdict"] == terms.LOSS_DIFFERS and not cause and not _traced(a, b):
             micro = " or to its micro-batch's" if micro_batches > 1 else ""
-            text += " " + diagnosis.RECORDED_UNTRACED.format(micro=micro)
+            parallel = any(len(group) > 1 for group in b.row_groups)
+            words = diagnosis.RECORDED_TENSOR_PARALLEL if parallel else diagnosis.RECORDED_UNTRACED
+            text += " " + words.format(micro=micro)
         lines.append(f"B against A, W = {head['world_size']}: {head['verdict']}{named}\n"
                      + diagnosis._paragraph(text) + diagnosis._departs(table.iloc[:1]))  # fmt: skip
     lines += diagnosis._precision_lines(table, None, said.threshold)  # judged in floors (--floor)

@@ -680,7 +680,7 @@ class Recorder:
         from gatherlab.runs import trace
 
         if self._tracer is None:  # the update's first forward call
-            self._tracer = trace.Tracer()
+            self._tracer = trace.Tracer(plain=True)
             self._tracer.__enter__()
         self._tracer.given(f"batch {self._calls - 1}", tensor)
 
@@ -690,15 +690,23 @@ class Recorder:
         loss's backward hook, as a cached loss makes it), which autograd has left since
         (`runs.trace.Tracer.active`), or one whose records the loss was not computed from (a
         cached loss that runs the model again inside its forward: `runs.trace.Tracer.computed`),
-        is no trace: said in one line, the update recorded untraced."""
+        or one of DTensors (tensor parallelism: `runs.trace.Tracer.sharded`), is no trace: said
+        in one line, the update recorded untraced."""
         tracer, self._tracer = self._tracer, None
         active = tracer.active()
-        if not active or (loss is not None and not tracer.computed(loss)):
-            log.warning("gatherlab.record: trace=True: the first update's loss was not computed "
-                        "from the model's calls with gradients (a cached, GradCache-style loss "
-                        "runs the model again inside its forward or from its backward hook), "
-                        "so a trace cannot follow it: this recording is untraced, its gradients "
-                        "recorded as always")  # fmt: skip
+        why = None
+        if not active or (loss is not None and not tracer.sharded and not tracer.computed(loss)):
+            why = ("the first update's loss was not computed from the model's calls with "
+                   "gradients (a cached, GradCache-style loss runs the model again inside its "
+                   "forward or from its backward hook)")  # fmt: skip
+        elif tracer.sharded:
+            why = (
+                "the model's calls give DTensors (tensor or sequence parallelism), whose "
+                "shards a trace does not read against one device's whole tensors"
+            )
+        if why is not None:
+            log.warning(f"gatherlab.record: trace=True: {why}, so a trace cannot follow it: this "
+                        "recording is untraced, its gradients recorded as always")  # fmt: skip
             if active:
                 tracer.__exit__(None, None, None)
             self._traced = type(tracer)()  # an empty trace, none begun again in the update

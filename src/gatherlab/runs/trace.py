@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from gatherlab.core import cli, imports
@@ -204,6 +205,11 @@ def _dims(name: str, arguments: dict, shapes: tuple[tuple[int, ...], ...]) -> Di
 def _value(tensor: torch.Tensor) -> torch.Tensor | None:
     if not tensor.is_floating_point() or tensor.is_meta:
         return None
+    if isinstance(tensor, DTensor):  # copied without an operation of DTensor's own, which could
+        # redistribute it: a vocabulary-parallel embedding's pending sum consumes its mask there
+        local = tensor.to_local().detach().to("cpu", torch.float64, copy=True)
+        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                  shape=tensor.shape, stride=tensor.stride())  # fmt: skip
     return tensor.detach().to("cpu", torch.float64, copy=True)
 
 
@@ -214,8 +220,12 @@ class Tracer(TorchFunctionMode):
     `keep_gradients` (after the forward, before the backward) makes the backward fill each
     record's ``grad``; `buffers` names the records that wrote a module's buffers."""
 
-    def __init__(self, given: Mapping[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, given: Mapping[str, torch.Tensor] | None = None, plain=False) -> None:
         super().__init__()
+        self._plain = plain
+        self.sharded = False
+        """With ``plain``: whether a call gave a DTensor (tensor or sequence parallelism), which
+        is then not recorded: a recording's trace is read against one device's whole tensors."""
         self._given = dict(given or {})
         self.ops: list[Op] = []
         self._results: list[list[torch.Tensor]] = []  # each record's result tensors, kept alive
@@ -257,6 +267,9 @@ class Tracer(TorchFunctionMode):
         if not results and (name.startswith(_IN_PLACE_MODULES) or name in _WRITES) and args:
             results = list(tensors_in(args[0]))  # in place: its inputs include what it overwrites
         if not results:
+            return result
+        if self._plain and any(isinstance(r, DTensor) for r in results):
+            self.sharded = True
             return result
         shapes = tuple(tuple(a.shape) for a in flat_args)
         dims = _dims(name, _arguments(func, args, kwargs), shapes)
