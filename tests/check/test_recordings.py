@@ -53,6 +53,8 @@ def recordings(tmp_path_factory):
         "accumulated2": (2, LOOP, {"micro_batches": 2}),
         "summed1": (1, LOOP, {"bug": "accumulate_sum", "micro_batches": 2}),
         "summed2": (2, LOOP, {"bug": "accumulate_sum", "micro_batches": 2}),
+        "accumulated1_k4": (1, LOOP, {"micro_batches": 4}),
+        "summed2_k4": (2, LOOP, {"bug": "accumulate_sum", "micro_batches": 4}),
         "divided_in_loss1": (1, LOOP, {"bug": "divide_in_loss", "micro_batches": 2}),
         "float32_loss1": (1, LOOP, {"float32_loss": True}),
         "float32_loss2": (2, LOOP, {"float32_loss": True}),
@@ -108,15 +110,19 @@ def test_micro_batches_are_counted_and_their_sum_is_k_times_the_gradient(recordi
     """K, the micro-batches of B's update per A's, is the number of losses each update recorded:
     averaged, two micro-batches per rank are exact; summed, the gradient is K = 2 times one
     device's on one rank and on two (DDP averages the ranks' K-fold gradients), where W = K names
-    the factor, to rounding."""
+    the factor, to rounding. A factor is named by B's own K: against an A that accumulates as
+    many micro-batches, averaged, B's K = 4 summed read ``other``, "a factor that no name of the
+    layout gives" (a user's job, whose A accumulated too)."""
     exact = comparer.compare_recordings(recordings["loop1"], recordings["accumulated2"])
     assert (exact.verdict, exact.status) == ("exact", 0), exact.words
     assert read(recordings["accumulated2"]).updates[0].micro_batches == 2
-    for name, factor in (("summed1", "K"), ("summed2", "W = K")):
-        comparison = comparer.compare_recordings(recordings["loop1"], recordings[name])
+    for a, b, factor, ratio in (("loop1", "summed1", "K", 2), ("loop1", "summed2", "W = K", 2),
+                                ("accumulated1_k4", "summed2_k4", "K", 4)):  # fmt: skip
+        comparison = comparer.compare_recordings(recordings[a], recordings[b])
         first = comparison.updates[comparison.updates["update"] == 0].set_index("part")
         assert first.loc["all", "gradient"] == factor, comparison.words
-        assert abs(first.loc["all", "norm_ratio"] - 2) <= 2 * ROUNDING
+        assert abs(first.loc["all", "norm_ratio"] - ratio) <= ratio * ROUNDING
+        assert whole(comparison)["verdict"] == factor, comparison.words
 
 
 def test_a_loss_divided_by_k_where_it_is_recorded_is_scaled_and_its_curve_read_divided(

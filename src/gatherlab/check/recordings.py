@@ -279,6 +279,13 @@ def _micro_batches(a: Recording, b: Recording) -> int:
     return mine // theirs if theirs and mine and mine % theirs == 0 else 1
 
 
+def _own_micro_batches(b: Recording) -> int:
+    """The K a factor of B's gradient is named by: the micro-batches its ranks accumulate per
+    update, whatever A accumulates (B's K losses not divided by K give K, also where A
+    accumulates as many and divides)."""
+    return max(b.updates[0].micro_batches, 1) if b.updates else 1
+
+
 def _sketch(update: Any, parts: Sequence[str]) -> np.ndarray:
     return np.concatenate([update.sketches[part] for part in parts])
 
@@ -819,11 +826,12 @@ def compare_recordings(
     world_size, micro_batches = b.world_size, _micro_batches(a, b)
     data = batches.compare_batches(a, b)
     data = dataclasses.replace(data, notes=(*data.notes, *set_aside))
-    updates, reads = _updates_table(a, b, world_size, micro_batches, floored)
+    named_k = _own_micro_batches(b)
+    updates, reads = _updates_table(a, b, world_size, named_k, floored)
     rounded = floored is None and precision != terms.Precision.FLOAT64  # no floor to judge by
     ceiling, identical = None, False
     if rounded and data.update is None:
-        ceiling = _ceiling(a, b, reads[0], precision, micro_batches)
+        ceiling = _ceiling(a, b, reads[0], precision, named_k)
         identical = ceiling is None and _identical(a, b)
     if ceiling is not None:  # departing beyond any rounding: update 0 judged without a floor
         reads[0] = ceiling[0]
@@ -958,7 +966,7 @@ def _rows(
                                    blocks=max(floored[1].row_blocks, FLOOR_ROW_BLOCKS),
                                    threshold=floored[2])  # fmt: skip
         tolerance = in_precision.tolerance(_trained(a, full, unlossed), b.world_size)
-    given = None if full and ceiling is None else (reads[0].whole, reads[0].parts)
+    given = (reads[0].whole, reads[0].parts)  # its factors named by B's own K (`_read`)
     rows = judge(
         _trained(b, full, unlossed), _trained(a, full, unlossed), key, tolerance=tolerance,
         layout=a.layout() if full else _sketch_layout(a),

@@ -16,13 +16,13 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from gatherlab.core import cli, imports
@@ -202,14 +202,22 @@ def _dims(name: str, arguments: dict, shapes: tuple[tuple[int, ...], ...]) -> Di
     return tuple(d % rank if rank else d for d in dims)
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor, without importing DTensor's module (~0.6 s; a comparison
+    of recordings never needs it): none exists before it is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def _value(tensor: torch.Tensor) -> torch.Tensor | None:
     if not tensor.is_floating_point() or tensor.is_meta:
         return None
-    if isinstance(tensor, DTensor):  # copied without an operation of DTensor's own, which could
+    if _is_dtensor(tensor):  # copied without an operation of DTensor's own, which could
         # redistribute it: a vocabulary-parallel embedding's pending sum consumes its mask there
         local = tensor.to_local().detach().to("cpu", torch.float64, copy=True)
-        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
-                                  shape=tensor.shape, stride=tensor.stride())  # fmt: skip
+        return type(tensor).from_local(local, tensor.device_mesh, tensor.placements,
+                                       run_check=False, shape=tensor.shape,
+                                       stride=tensor.stride())  # fmt: skip
     return tensor.detach().to("cpu", torch.float64, copy=True)
 
 
@@ -268,7 +276,7 @@ class Tracer(TorchFunctionMode):
             results = list(tensors_in(args[0]))  # in place: its inputs include what it overwrites
         if not results:
             return result
-        if self._plain and any(isinstance(r, DTensor) for r in results):
+        if self._plain and any(_is_dtensor(r) for r in results):
             self.sharded = True
             return result
         shapes = tuple(tuple(a.shape) for a in flat_args)
