@@ -741,6 +741,26 @@ def test_a_first_loss_beyond_floors_differs_though_the_runs_curves_allow_it():
     assert whole(comparer.compare_recordings(a, within, floor=floor))["forward"] == "same"
 
 
+def test_a_departing_gradient_beside_a_loss_within_floors_says_what_the_loss_cannot_show():
+    """A loss within floors reads the same, yet may differ by less than they resolve: a user's
+    bf16 job whose positives' labels missed the rank's offset (its loss 1.4 % apart, 5 floors
+    of 0.4 % each) read `biased` with the gather's usual causes alone. The words now say how
+    far the first loss is held, T floors of the floor recording's (its relative departure,
+    1e-7 here, above float32's unit roundoff), and that float64 recordings tell the two apart."""
+    a = _float32_run("one", 1, [0.0, 0.0, 0.0])
+    floor = _float32_run("floor", 1, [1e-7, 1e-7, 1e-7], row_blocks=2)
+    b = _float32_run("two", 2, [1e-3, 1e-3, 1e-3], loss_apart=2e-7)
+    compared = comparer.compare_recordings(a, b, floor=floor)
+    assert (whole(compared)["forward"], compared.verdict) == ("same", "biased"), compared.words
+    threshold = compared.threshold
+    words = " ".join(compared.words.split())
+    assert (
+        f"In float32 the first loss is held to {threshold:g} floors of the floor recording's "
+        f"({threshold * 1e-7:.1e} relative): a loss that differs by less"
+    ) in words, words
+    assert "compare float64 recordings to tell a loss that differs" in words
+
+
 def _clipping_run(norm: float, world_size: int, max_grad_norm: float | None,
                   turned: bool = False):  # fmt: skip
     """A float64 recording in memory of one part whose gradient at its 2 updates is one

@@ -469,6 +469,13 @@ RECORDED_CAUSES = {
         "it), the embeddings gathered across ranks through " + _GATHER_FIX + "."
     ),
 }
+# A recorded run judged in floors whose first loss reads the same and whose gradient departs.
+LOSS_UNRESOLVED = (
+    "In {word} the first loss is held to {threshold:g} floors of the floor recording's "
+    "({resolution:.1e} relative): a loss that differs by less (its labels or a term, say) reads "
+    "the same here and shows only in the gradient, so the usual causes above are not all there "
+    "is; compare float64 recordings to tell a loss that differs from a gradient that does."
+)
 # A recorded run whose loss differs with no cause named and no traces to name one by.
 RECORDED_UNTRACED = (
     "The recordings cannot tell which part of the forward departs: a loss whose rows meet only "

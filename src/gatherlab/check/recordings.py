@@ -841,6 +841,11 @@ def compare_recordings(
     desync = next(((u.index, u.drifted) for u in b.updates if u.drifted), None)
     measured = {**measured, "data_cause": data.explanation or "", "recorded": True,
                 "micro_batches": micro_batches}  # fmt: skip
+    if floored is not None:  # the first loss's resolution in floors (`floor.forward_floored`)
+        first, perturbed = a.updates[0].loss, floored[1].updates[0].loss
+        floor_ = max(abs(perturbed - first) / max(abs(first), 1e-300),
+                     terms.Precision(floored[0]).unit_roundoff)  # fmt: skip
+        measured["loss_resolution"] = floored[2] * floor_
     if desync is not None:
         measured |= {"desync_update": desync[0], "desync_parts": ", ".join(desync[1])}
     data, unlossed, rounding = _losses_noted(a, b, data, floored is not None or ceiling is not None)
@@ -1128,6 +1133,12 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
         text = diagnosis.diagnosis(table.iloc[:1], parts, said.measured)
         if head["gradient"] not in (GradientClass.BIASED, GradientClass.NONE):  # turns none
             text += _clipped(a, b, said.departure[0] if said.departure is not None else 0)
+        resolution = said.measured.get("loss_resolution")
+        if resolution is not None and head["forward"] == terms.Forward.SAME and not cause:
+            text += " " + diagnosis.LOSS_UNRESOLVED.format(
+                word=terms.Precision(head["precision"]).word, resolution=resolution,
+                threshold=said.threshold,
+            )  # fmt: skip
         micro_batches = int(said.measured.get("micro_batches", 1))
         explained = cause in (terms.Cause.MICRO_NEGATIVES, terms.Cause.LOCAL_NEGATIVES,
                               terms.Cause.SCALED)  # a cause read: no other guessed  # fmt: skip
