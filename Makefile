@@ -27,11 +27,15 @@ $(DEV_STAMP): $(STAMP) requirements-dev.txt
 demo: $(STAMP)  ## reproduce the GatherLayer bug and its fix, print the verdict, write the figure
 	$(PY) -m gatherlab.train -m experiment=bug_demo
 
+# pytest keeps each test module with its asserts rewritten in __pycache__, unless
+# PYTHONDONTWRITEBYTECODE is set: then each test process rewrites every module again (~3 s of CPU).
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
+
 test: $(DEV_STAMP)  ## run the test suite (real gloo process groups on the CPU), in 2 test processes
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: $(DEV_STAMP)  ## the tests not marked slow (no fresh interpreters, no sweeps): the inner loop
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m 'not slow and not soak' --durations=10
+	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -m 'not slow and not soak' --durations=10
 
 soak: $(DEV_STAMP)  ## the soak tests, many fresh launches each (~2 min here; not in make test)
 	$(PY) -m pytest -m soak tests/journeys/test_teardown.py
