@@ -279,6 +279,32 @@ def _micro_batches(a: Recording, b: Recording) -> int:
     return mine // theirs if theirs and mine and mine % theirs == 0 else 1
 
 
+def _measured(
+    a: Recording, b: Recording, precision: str, data: batches.Batches, micro_batches: int,
+    floored: tuple[str, Recording, float] | None,
+) -> tuple[list[str], tuple[int, list[str]] | None, dict[str, Any]]:  # fmt: skip
+    """What the recordings measured beside the classes, for the words: the unreduced parts
+    (`_unreduced`), the first update whose ranks step apart and its parts, and the numbers the
+    diagnosis reads."""
+    unreduced, measured = _unreduced(a, b, precision)
+    desync = next(((u.index, u.drifted) for u in b.updates if u.drifted), None)
+    measured = {**measured, "data_cause": data.explanation or "", "recorded": True,
+                "micro_batches": micro_batches}  # fmt: skip
+    if floored is not None:
+        measured["loss_resolution"] = _loss_resolution(a, floored)
+    if desync is not None:
+        measured |= {"desync_update": desync[0], "desync_parts": ", ".join(desync[1])}
+    return unreduced, desync, measured
+
+
+def _loss_resolution(a: Recording, floored: tuple[str, Recording, float]) -> float:
+    """How far B's first loss is held from A's judged in floors (`floor.forward_floored`): T
+    floors of the floor recording's relative departure there, at least the unit roundoff."""
+    first, perturbed = a.updates[0].loss, floored[1].updates[0].loss
+    departure = abs(perturbed - first) / max(abs(first), 1e-300)
+    return floored[2] * max(departure, terms.Precision(floored[0]).unit_roundoff)
+
+
 def _own_micro_batches(b: Recording) -> int:
     """The K a factor of B's gradient is named by: the micro-batches its ranks accumulate per
     update, whatever A accumulates (B's K losses not divided by K give K, also where A
@@ -837,17 +863,7 @@ def compare_recordings(
         reads[0] = ceiling[0]
         updates = _ceiling_updates(updates, ceiling[0])
         tolerance = ceiling[1] * max(abs(a.updates[0].loss), 1e-300)
-    unreduced, measured = _unreduced(a, b, precision)
-    desync = next(((u.index, u.drifted) for u in b.updates if u.drifted), None)
-    measured = {**measured, "data_cause": data.explanation or "", "recorded": True,
-                "micro_batches": micro_batches}  # fmt: skip
-    if floored is not None:  # the first loss's resolution in floors (`floor.forward_floored`)
-        first, perturbed = a.updates[0].loss, floored[1].updates[0].loss
-        floor_ = max(abs(perturbed - first) / max(abs(first), 1e-300),
-                     terms.Precision(floored[0]).unit_roundoff)  # fmt: skip
-        measured["loss_resolution"] = floored[2] * floor_
-    if desync is not None:
-        measured |= {"desync_update": desync[0], "desync_parts": ", ".join(desync[1])}
+    unreduced, desync, measured = _measured(a, b, precision, data, micro_batches, floored)
     data, unlossed, rounding = _losses_noted(a, b, data, floored is not None or ceiling is not None)
     rows, tolerance = _rows(a, b, reads, data, (floored, ceiling), (unreduced, desync, unlossed),
                             (tolerance, rounding), micro_batches)  # fmt: skip
