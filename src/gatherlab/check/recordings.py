@@ -501,7 +501,7 @@ _COPIES, _PARTIALS, _MEAN = "copies", "partials", "mean"
 
 def _reduced_words(
     a: Recording, b: Recording, part: str, update: Any, precision: str, within: float
-) -> tuple[str, bool]:
+) -> tuple[str, str]:
     """What reducing ``part``'s gradient at ``update`` over B's ranks would give, in words, and
     what was measured (`_COPIES`, `_PARTIALS`, `_MEAN`): a sum over the ranks that hold copies
     of it (`_copies_summed`), a sum over each tensor-parallel group (`_partials_summed`), or the
@@ -1150,7 +1150,8 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
         if head["gradient"] not in (GradientClass.BIASED, GradientClass.NONE):  # turns none
             text += _clipped(a, b, said.departure[0] if said.departure is not None else 0)
         resolution = said.measured.get("loss_resolution")
-        if resolution is not None and head["forward"] == terms.Forward.SAME and not cause:
+        unnamed = head["gradient"] in (GradientClass.BIASED, GradientClass.OTHER)  # no factor
+        if resolution is not None and head["forward"] == terms.Forward.SAME and unnamed:
             text += " " + diagnosis.LOSS_UNRESOLVED.format(
                 word=terms.Precision(head["precision"]).word, resolution=resolution,
                 threshold=said.threshold,
