@@ -1150,7 +1150,7 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
         if head["gradient"] not in (GradientClass.BIASED, GradientClass.NONE):  # turns none
             text += _clipped(a, b, said.departure[0] if said.departure is not None else 0)
         resolution = said.measured.get("loss_resolution")
-        unnamed = head["gradient"] in (GradientClass.BIASED, GradientClass.OTHER)  # no factor
+        unnamed = head["gradient"] in (GradientClass.BIASED, GradientClass.OTHER) and not cause
         if resolution is not None and head["forward"] == terms.Forward.SAME and unnamed:
             text += " " + diagnosis.LOSS_UNRESOLVED.format(
                 word=terms.Precision(head["precision"]).word, resolution=resolution,
