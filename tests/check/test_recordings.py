@@ -239,12 +239,16 @@ def test_the_pooled_check_and_recording_and_comparing_give_one_verdict(recording
 
 def test_a_per_rank_batch_norm_departs_at_its_line_as_the_check_names_it(recordings):
     """Both runs traced: the place is the batch norm of the model's forward, in the check's words
-    (tests/check/test_step_check.py names the same line for the same step)."""
+    (tests/check/test_step_check.py names the same line for the same step), and its cause
+    ``local_statistic`` with a batch norm's fix (a user's Lightning job read no cause, and that
+    the loss itself must change)."""
     import plain_steps
 
     comparison = comparer.compare_recordings(recordings["traced_bn1"], recordings["traced_bn2"])
     head = whole(comparison)
-    assert head["verdict"] == "loss differs", comparison.words
+    assert (head["verdict"], head["cause"]) == ("loss differs", "local_statistic"), comparison.words
+    words = " ".join(comparison.words.split())
+    assert "Fix: a batch norm synchronised over the ranks" in words, words
     assert head["where"] == f"{line_of(plain_steps, 'model(torch.cat([x0, x1]))')}  batch_norm"
     assert head["departs"] == (
         "a batch_norm over dim 0 of the rank's 16 rows, where one device takes all 32"

@@ -520,12 +520,16 @@ def test_a_differing_loss_is_followed_by_the_cause_that_reproduced_it():
     text = diagnosis.diagnosis(_rows(verdict="loss differs", cause="local_negatives",
                                      gradient="biased", loss_diff=0.25))  # fmt: skip
     assert text.startswith("the loss itself is not the 1-device loss: the mean over ranks of")
-    assert ("(relative difference 0.25); no gather's backward can make it exact: the loss itself "
-            "must change. Reproduced on one ") in text  # fmt: skip
+    assert ("(relative difference 0.25); no gather's backward can make it exact: what computes "
+            "the loss must change (the loss, or the model's forward before it). Reproduced on "
+            "one ") in text  # fmt: skip
     assert text.endswith("compute the loss, or its statistics, over the gathered batch.")
     # without a cause: the loss's diagnosis alone
     alone = diagnosis.diagnosis(_rows(verdict="loss differs", gradient="biased", loss_diff=0.25))
-    assert alone.endswith("no gather's backward can make it exact: the loss itself must change.")
+    assert alone.endswith(
+        "no gather's backward can make it exact: what computes the loss must change (the loss, "
+        "or the model's forward before it)."
+    )
 
 
 def test_parts_are_described_only_for_the_cause_parts():

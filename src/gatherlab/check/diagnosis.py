@@ -155,7 +155,8 @@ DIAGNOSES = {
     terms.LOSS_DIFFERS: (
         "the loss itself is not the 1-device loss: the mean over ranks of what the ranks return "
         "differs from the loss of the whole batch (relative difference {loss_diff:.2g}); no "
-        "gather's backward can make it exact: the loss itself must change."
+        "gather's backward can make it exact: what computes the loss must change (the loss, or "
+        "the model's forward before it)."
     ),
     terms.LOSS_SCALED: (
         "the global loss is {scale:.6g} times the 1-device loss on every batch compared (to a "
@@ -408,7 +409,9 @@ TENSOR_PARALLEL_PARTIAL = (
     "the group's ranks compute different losses (code that depends on the rank, rows of their "
     "own): give every rank of a group the same; or each rank scales its gradient by a number of "
     "its own, as clipping by the norm of the rank's own shards does: clip by the whole "
-    "gradient's norm (torch.nn.utils.clip_grad_norm_ on the DTensor parameters takes it)."
+    "gradient's norm, the square root of the sum of every parameter's squared gradient norm, a "
+    "DTensor's read whole (grad.full_tensor(); torch.nn.utils.clip_grad_norm_ takes it where "
+    "every parameter is a DTensor, and refuses a mix of plain tensors and DTensors)."
 )
 # Not judged, where the floor recording given was set aside (`check.recordings._not_judged_words`).
 FLOOR_SET_ASIDE = (
@@ -457,6 +460,15 @@ RECORDED_CAUSES = {
         "rank's loss sees only its own rows as its negatives (or targets): they are local. Fix: "
         "gather every rank's embeddings through " + _GATHER_FIX + ", and compute the loss over "
         "the gathered batch."
+    ),
+    terms.Cause.LOCAL_STATISTIC: (
+        "Named from the traces of the first update (below: where it departs; a recording cannot "
+        "reproduce it on one device): the first result that leaves one device's takes a "
+        "statistic over the rank's own rows where one device takes all of them (a batch norm, or "
+        "a mean or standard deviation over the batch). Fix: a batch norm synchronised over the "
+        "ranks (torch.nn.SyncBatchNorm.convert_sync_batchnorm, on GPUs), or the statistic taken "
+        "over the gathered batch (gathered through " + _GATHER_FIX + "), or its sums and counts "
+        "all-reduced before dividing."
     ),
     terms.Cause.MICRO_NEGATIVES: (
         "Named from the traces of the first update (below: where it departs; a recording cannot "

@@ -206,6 +206,10 @@ class Recorded:
     unreduced_over: str = ""
     """The mesh dimension over which ``unreduced``'s gradients are partial sums (a tensor-parallel
     model's, cause ``partial``); empty: gradients not reduced over the ranks (``unreduced``)."""
+    rows_statistic: bool = False
+    """Whether a departure that is a statistic over the rank's rows (a batch norm) is the cause,
+    ``local_statistic``: a recording's, which has no removals to name it by (the check's name
+    the batch norm a culprit)."""
     loss_rounding: float = 0.0
     """The rounding of the losses' own dtype where it is narrower than the precision the run is
     judged in (absolute; a float64 job whose loss is a float32 mean): its losses are held to it
@@ -335,7 +339,7 @@ def judge(
         rows = _within(rows, low[0])
     if rows[0].verdict in TRAINS_LIKE_ONE_DEVICE or where is None:
         return rows
-    return _located(rows, where())
+    return _located(rows, where(), recorded.rows_statistic)
 
 
 def _measured_head(
@@ -377,10 +381,12 @@ def _row(
     )  # fmt: skip
 
 
-def _located(rows: list[Row], departure: Departure | None) -> list[Row]:
+def _located(rows: list[Row], departure: Departure | None, rows_statistic: bool) -> list[Row]:
     """The rows with where the run departs (None: no place found), on every row; a ``diverges``
     whose step is in words keeps them first. An ``unexplained`` cause whose departure is a
-    statistic over the rank's part is ``local_statistic``: that is why."""
+    statistic over the rank's part is ``local_statistic``: that is why. With no cause read, a
+    statistic over the entries its rows meet is its negatives (`_statistic_cause`), and, where
+    ``rows_statistic`` (`Recorded`), one over the rank's rows (a batch norm) ``local_statistic``."""
     if departure is None:
         return rows
     head = rows[0]
@@ -389,15 +395,14 @@ def _located(rows: list[Row], departure: Departure | None) -> list[Row]:
         return rows  # the step it departs at says where; no line of the first step to add
     words = departure.words if steps is None else f"{steps}; at step 0: {departure.words}"
     located = {"where": departure.where, "departs": words}
-    if head.cause == Cause.UNEXPLAINED and departure.kind == DepartureKind.STATISTIC:
+    statistic = departure.kind == DepartureKind.STATISTIC
+    over_rows = not departure.over or departure.over[0] == 0  # not the entries its rows meet
+    if statistic and head.cause == Cause.UNEXPLAINED:
         located["cause"] = str(Cause.LOCAL_STATISTIC)
-    elif (
-        not head.cause
-        and departure.kind == DepartureKind.STATISTIC
-        and departure.over
-        and departure.over[0] > 0
-    ):  # over the entries the rows meet: their negatives
+    elif statistic and not head.cause and not over_rows:  # the entries its rows meet: negatives
         located["cause"] = str(_statistic_cause(departure.over, head))
+    elif statistic and not head.cause and rows_statistic:  # the rank's rows: a batch norm's
+        located["cause"] = str(Cause.LOCAL_STATISTIC)
     if departure.kind == DepartureKind.LAYOUT:  # measured: a shape one device does not have
         located["cause"] = str(Cause.LAYOUT)
     return [dataclasses.replace(r, **located) for r in rows]
@@ -436,8 +441,7 @@ def _statistic_cause(over: tuple[int, int, int], head: Row) -> Cause:
     one-device run to reproduce it on): a reduction over the rank's part of the entries its rows
     meet (a similarity's columns, dimension ``over[0]`` ≥ 1) is the rank's own rows as each row's
     negatives (``local_negatives``), or its micro-batch's where the run accumulates K
-    micro-batches (``micro_negatives``). A statistic over the rank's rows (dimension 0) is left
-    to the check's removals (a batch norm's culprit) and the words of where it departs."""
+    micro-batches (``micro_negatives``)."""
     return Cause.MICRO_NEGATIVES if head.micro_batches > 1 else Cause.LOCAL_NEGATIVES
 
 

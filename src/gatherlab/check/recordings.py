@@ -992,7 +992,8 @@ def _rows(
         _trained(b, full, unlossed), _trained(a, full, unlossed), key, tolerance=tolerance,
         layout=a.layout() if full else _sketch_layout(a),
         recorded=Recorded(given, unreduced, data.update is not None, in_precision,
-                          () if desync is None else desync[1], loss_rounding=rounding),
+                          () if desync is None else desync[1], loss_rounding=rounding,
+                          rows_statistic=True),
         where=None if data.update is not None else _where(
             a, b, tolerance, micro_batches, floored is not None or ceiling is not None),
     )  # fmt: skip
