@@ -725,6 +725,14 @@ def test_a_float32_run_within_floors_at_its_first_update_that_departs_later_is_n
     first = comparer.compare_recordings(a, _float32_run("two", 2, [1e-3, 1e-3, 1e-3]),
                                         floor=floor)  # fmt: skip
     assert (first.status, first.departure[0]) == (1, 0), first.words
+    # only the final weights beyond the tolerance (a user's clipped tensor-parallel job): said so,
+    # where "No update departs" began the words
+    weights = comparer.compare_recordings(
+        a, _float32_run("two", 2, [2e-7, 2e-7, 1e-3], loss_apart=2e-7), floor=floor
+    )
+    words = " ".join(weights.words.split())
+    assert weights.status == 3 and words.count("Update 0 is within floors: ") == 1, words
+    assert "beyond it: its final weights." in words and "No update departs" not in words, words
 
 
 def test_a_first_loss_beyond_floors_differs_though_the_runs_curves_allow_it():

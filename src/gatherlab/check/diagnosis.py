@@ -228,7 +228,8 @@ DIAGNOSES = {
     ),
     # a comparison judged in floors whose run departs only after its first update (`recordings`)
     terms.NOT_JUDGED: (
-        "the first update is within floors of the floor recording, a later one is not, and one "
+        "the first update is within floors of the floor recording, what follows is not (a "
+        "later update's loss, or the final weights), and one "
         "floor recording cannot tell that from rounding that training amplified: an adaptive "
         "optimizer (Adam's) steps each element by about its learning rate whatever the "
         "element's size, so an element of the gradient that rounding alone sets near zero moves "

@@ -1257,15 +1257,19 @@ def _within_floors_words(head: pd.Series, said: _Said) -> str:
     floor recording's."""
     first = said.updates[(said.updates["part"] == ALL_PARTS)].iloc[0]
     losses, weights = head["train_max_abs_loss_diff"], head["max_abs_param_diff"]
+    beyond = [what for what, value in (("its losses", losses), ("its final weights", weights))
+              if value > said.tolerance]  # fmt: skip
+    opening = "No update departs" if not beyond else "Update 0 is within floors"
+    closing = f", beyond it: {' and '.join(beyond)}" if beyond else ""
     return (
-        f"No update departs: update 0's gradient is {first['floors']:.3g} floors from A's (a "
+        f"{opening}: update 0's gradient is {first['floors']:.3g} floors from A's (a "
         f"floor: {first['floor']:.2g}, the floor recording's departure; at most "
         f"{said.threshold:g} floors is within). Later "
         "updates' gradients are read at weights that rounding has moved apart, in B and in the "
         "floor recording alike (updates.csv has each one's floors), and are held through the "
         f"losses and the final weights' sketches, to {said.tolerance:.3g} ({said.threshold:g} "
         "times the floor recording's largest departure of either from A's): B's largest "
-        f"|Δloss| is {losses:.3g}, its final weights' {weights:.3g}."
+        f"|Δloss| is {losses:.3g}, its final weights' {weights:.3g}{closing}."
     )
 
 
