@@ -97,8 +97,9 @@ def test_assert_layout_invariant_fails_a_1_over_w_gradient_with_its_diagnosis():
     assert "The gradient is 1/W of one device's (norm ratio 0.5, 0.25, cosine 1, 1)" in text
     assert (
         "Fix: a gather whose backward sums every rank's gradient of each slice "
-        "(gatherlab.gather.Fixed, or an autograd Function whose backward sums the gradient over "
-        "the ranks (torch.distributed.all_reduce) and returns the rank's own slice)" in text
+        "(gatherlab.gather.Fixed, Lightning's self.all_gather(x, sync_grads=True), or an "
+        "autograd Function whose backward sums the gradient over the ranks "
+        "(torch.distributed.all_reduce) and returns the rank's own slice)" in text
     )
     assert "torch.distributed.nn" not in text  # deprecated by this torch: never recommended
 

@@ -38,8 +38,9 @@ from gatherlab.runs.removals import ALL, NONE, Removal
 _FLOAT64 = f"{gradients.FLOAT64_TOLERANCE:g}"
 _GATHER_FIX = (
     "a gather whose backward sums every rank's gradient of each slice (gatherlab.gather.Fixed, "
-    "or an autograd Function whose backward sums the gradient over the ranks "
-    "(torch.distributed.all_reduce) and returns the rank's own slice)"
+    "Lightning's self.all_gather(x, sync_grads=True), or an autograd Function whose backward "
+    "sums the gradient over the ranks (torch.distributed.all_reduce) and returns the rank's own "
+    "slice)"
 )
 
 # What a constant factor of the whole gradient does to training, per optimizer (docs/design.md §1).
