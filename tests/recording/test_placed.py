@@ -222,3 +222,16 @@ def test_a_tensor_parallel_jobs_departures_are_told_in_tensor_parallel_terms(rec
     words = " ".join(clipped.words.split())
     assert "as clipping by the norm of the rank's own shards does" in words
     assert "(the mean over ranks) before the optimizer's step" not in words
+
+
+def test_a_plan_that_cuts_every_parameter_on_dimension_0_counts_its_groups_rows_once(tmp_path):
+    """A vocabulary-parallel embedding beside a column-cut head: every parameter a DTensor cut on
+    dimension 0, as FSDP2 cuts them, which read as data parallelism: each rank's copy of the
+    group's rows counted, and the comparison said `data differs` (16 rows against 8). No module
+    is FSDP2's: the cut is tensor parallelism's, the group's rows counted once."""
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    vocab_parallel.loop(one, False, "local_features")
+    pools.pool(2).run(vocab_parallel.loop, two, False, "local_features")
+    assert format.read(two).row_groups == [[0, 1]]
+    compared = compare(one, two)
+    assert compared.data is None and compared.verdict == "loss differs", compared.words

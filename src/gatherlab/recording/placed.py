@@ -209,7 +209,7 @@ class RowGroup:
     sure: bool = True
 
 
-def row_group(parameters: list[torch.Tensor], rank: int) -> RowGroup:
+def row_group(parameters: list[torch.Tensor], rank: int, fsdp: bool = True) -> RowGroup:
     """This rank's tensor-parallel group, read from the model's ``DTensor`` parameters
     (docs/recording.md §11, "Tensor parallelism's rows"). A mesh dimension is tensor-parallel when
     its parameters are laid out unevenly along it: some cut on another dimension than 0
@@ -217,7 +217,8 @@ def row_group(parameters: list[torch.Tensor], rank: int) -> RowGroup:
     beside column-cut linears); FSDP2 cuts every parameter it holds on dimension 0 alike, and
     HSDP replicates every one. Only cut on dimension 0 (``ColwiseParallel`` alone) while some of
     the model's parameters are not on the mesh, it may be either (``sure`` False): the recorder
-    decides by the rows themselves."""
+    decides by the rows themselves. Where no module is FSDP2's (``fsdp`` False), a cut is tensor
+    parallelism's alone (a vocabulary-parallel embedding beside a column-cut head)."""
     dtensor = _dtensor()
     meshes: dict[int, tuple] = {}
     for parameter in parameters:
@@ -233,7 +234,7 @@ def row_group(parameters: list[torch.Tensor], rank: int) -> RowGroup:
             continue
         for dim in range(mesh.ndim):
             kind = _dimension_kind([layout[dim] for layout in layouts],
-                                   partly=on_mesh < len(parameters))  # fmt: skip
+                                   partly=on_mesh < len(parameters), fsdp=fsdp)  # fmt: skip
             if kind is None:
                 continue
             sure = sure and kind
@@ -242,10 +243,11 @@ def row_group(parameters: list[torch.Tensor], rank: int) -> RowGroup:
     return RowGroup(tuple(sorted(members | {rank})), sure)
 
 
-def _dimension_kind(placements: list, partly: bool) -> bool | None:
+def _dimension_kind(placements: list, partly: bool, fsdp: bool = True) -> bool | None:
     """Whether a mesh dimension with these placements of its parameters is tensor-parallel: True
-    (surely), False (perhaps: all cut on dimension 0 while ``partly`` the model's parameters are
-    on the mesh), None (not: data-parallel, or every parameter replicated)."""
+    (surely; any cut where no module is FSDP2's), False (perhaps: all cut on dimension 0 while
+    ``partly`` the model's parameters are on the mesh), None (not: data-parallel, or every
+    parameter replicated)."""
     from torch.distributed.tensor import Partial, Replicate
 
     if any(isinstance(p, Partial) for p in placements):
@@ -254,7 +256,7 @@ def _dimension_kind(placements: list, partly: bool) -> bool | None:
     cut = [p for p in placements if getattr(p, "dim", None) is not None]
     if any(p.dim != 0 for p in cut):
         return True
-    if cut and any(isinstance(p, Replicate) for p in placements):
+    if cut and (not fsdp or any(isinstance(p, Replicate) for p in placements)):
         return True
     if cut and partly:
         return False

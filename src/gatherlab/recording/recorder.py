@@ -407,6 +407,13 @@ def _dtensor() -> type:
     return DTensor
 
 
+def _fully_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) wraps a module of ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
 class Recorder:
     """Records every optimizer update of a training job (see the module's docstring); a context
     manager: leaving it closes the recording (``close``). Every rank makes one and calls
@@ -1108,7 +1115,8 @@ class Recorder:
         self._flushed_at = now
         kept = max(1, min(self._most_kept(), int(FLUSH_SECONDS / max(each, 1e-9))))
         if self._row_group is None:
-            self._row_group = placed.row_group([p.parameter for p in self._parameters], self.rank)
+            self._row_group = placed.row_group([p.parameter for p in self._parameters], self.rank,
+                                               fsdp=_fully_sharded(self._model))  # fmt: skip
         self._made(pending)
         every, alike = self._sent([entry for entry, _ in pending], final, kept)
         self._due = self.updates + every[0]["kept"]  # rank 0's choice, the same on every rank
