@@ -85,3 +85,24 @@ def test_a_comparisons_log_axis_labels_its_ticks_in_plain_text():
     assert labels and not any("$" in label for label in labels), labels
     assert "10⁻¹⁰" in labels, labels
     plt.close(drawn)
+
+
+def test_the_final_loss_figure_tells_apart_runs_that_share_gather_and_layout():
+    """A sweep over strategies: two runs of `fixed cpu2` (2 × 32), a correct one 6.9e-18 from its
+    reference and a departing one 2.7e-4, were drawn under the same label, indistinguishable. The
+    choice that tells them apart follows a shared label; a label no other run has stays as it is."""
+    import matplotlib.pyplot as plt
+
+    table = pd.DataFrame({
+        "run_dir": ["0", "1", "2", "3"], "gather": ["fixed"] * 4,
+        "layout": ["cpu1", "cpu2", "cpu2", "cpu4"], "devices": [1, 2, 2, 4],
+        "batch_size": [64, 32, 32, 16], "strategy": ["ddp", "tp", "tp_unreduced", "tp"],
+        "verdict": ["reference", "matches", "differs", "matches"],
+        "reference": [None, "0", "0", "0"], "final_loss": [1.0, 1.0, 1.00027, 1.0],
+        "precision": ["64-true"] * 4,
+    })  # fmt: skip
+    figure = figures.final_loss_figure(table, 1e-10)
+    labels = [label.get_text() for label in figure.axes[0].get_yticklabels()]  # bottom first
+    assert labels == ["fixed cpu2 (2 × 32), strategy=tp", "fixed cpu2 (2 × 32), strategy=tp_unreduced",
+                      "fixed cpu4 (4 × 16)"]  # fmt: skip
+    plt.close(figure)

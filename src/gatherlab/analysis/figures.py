@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # headless: matplotlib picks Agg; notebooks: th
 import numpy as np
 import pandas as pd
 
-from gatherlab.core import terms
+from gatherlab.core import runfiles, terms
 from gatherlab.core.floor import threshold
 from gatherlab.core.terms import GradientClass, World
 
@@ -205,8 +205,8 @@ def final_loss_figure(table: pd.DataFrame, tolerance: float | None = None) -> pl
     final = dict(zip(table["run_dir"], table["final_loss"], strict=True))
     runs = table[(table["verdict"] != "reference") & table["reference"].notna()]
     runs = runs[runs["final_loss"].notna() & runs["reference"].map(final).notna()]
-    labels = [f"{run.gather} {run.layout} ({run.devices} × {run.batch_size})"
-              for run in runs.itertuples()]  # fmt: skip
+    labels = _told_apart(runs, [f"{run.gather} {run.layout} ({run.devices} × {run.batch_size})"
+                                for run in runs.itertuples()])  # fmt: skip
     differences = [abs(run.final_loss - final[run.reference]) for run in runs.itertuples()]
     precisions = set(runs["precision"])
     epsilon = EPSILON.get(precisions.pop()) if len(precisions) == 1 else None
@@ -239,6 +239,19 @@ def final_loss_figure(table: pd.DataFrame, tolerance: float | None = None) -> pl
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncols=2)
     return figure
+
+
+def _told_apart(runs: pd.DataFrame, labels: list[str]) -> list[str]:
+    """``labels``, each that several runs share followed by the choices that tell those runs
+    apart (``strategy=tp``: a sweep over strategies, whose runs share gather and layout)."""
+    shared = pd.Series(labels, index=runs.index)
+    told = []
+    for index, label in shared.items():
+        alike = runs.loc[shared == label]
+        keys = [key for key in runfiles.SUMMARY_CHOICES
+                if key in runs and alike[key].nunique(dropna=False) > 1]  # fmt: skip
+        told.append(label + "".join(f", {key}={runs.at[index, key]}" for key in keys))
+    return told
 
 
 def _group_title(table: pd.DataFrame, runs: pd.DataFrame, override_columns: Sequence[str]) -> str:
