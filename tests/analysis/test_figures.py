@@ -102,7 +102,10 @@ def test_the_final_loss_figure_tells_apart_runs_that_share_gather_and_layout():
         "precision": ["64-true"] * 4,
     })  # fmt: skip
     figure = figures.final_loss_figure(table, 1e-10)
-    labels = [label.get_text() for label in figure.axes[0].get_yticklabels()]  # bottom first
-    assert labels == ["fixed cpu2 (2 × 32), strategy=tp", "fixed cpu2 (2 × 32), strategy=tp_unreduced",
-                      "fixed cpu4 (4 × 16)"]  # fmt: skip
+    labels = [label.get_text() for label in figure.axes[0].get_yticklabels()]  # the table's order
+    assert labels == [
+        "fixed cpu2 (2 × 32), strategy=tp",
+        "fixed cpu2 (2 × 32), strategy=tp_unreduced",
+        "fixed cpu4 (4 × 16)",
+    ]
     plt.close(figure)
