@@ -4,6 +4,7 @@ rows, and a loss-matrix cell without a number says why."""
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from gatherlab.analysis import report
 
@@ -142,3 +143,19 @@ def test_a_cell_of_several_runs_shows_a_match_only_when_every_run_matched():
     for loss in ("failed_false", "failed_missing", "failed_first"):
         assert rows[loss].endswith("| ✗ 1e-15 (failed) |"), rows[loss]
     assert rows["none_readable"].endswith("| unreadable, failed |")
+
+
+def test_a_fresh_clone_without_a_sweep_is_told_to_run_one(tmp_path, monkeypatch):
+    """The notebook on a fresh clone stopped at its second cell with "no multirun/ folder"; what
+    makes one is said beside it, also where a multirun/ folder holds no finished sweep."""
+    from gatherlab.analysis import results
+
+    monkeypatch.chdir(tmp_path)
+    for made in (False, True):
+        if made:
+            (tmp_path / "multirun").mkdir()
+        with pytest.raises(FileNotFoundError) as missing:
+            results.newest_sweep()
+        assert str(missing.value).endswith(
+            "; run a sweep first (make demo, or python -m gatherlab.train -m ...)"
+        )

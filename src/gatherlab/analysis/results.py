@@ -242,6 +242,10 @@ def load_comparison(sweep_dir: str | Path) -> pd.DataFrame:
     return pd.read_csv(path)
 
 
+# What finds a sweep where none is: one run first.
+_SWEEP_FIRST = "run a sweep first (make demo, or python -m gatherlab.train -m ...)"
+
+
 def newest_sweep(root: str | Path | None = None) -> Path:
     """The most recently finished sweep below ``root``: the directory with the newest
     ``comparison.csv``.
@@ -267,9 +271,11 @@ def newest_sweep(root: str | Path | None = None) -> Path:
         here = Path.cwd()
         folders = [p / "multirun" for p in (here, *here.parents) if (p / "multirun").is_dir()]
         if not folders:
-            raise FileNotFoundError(f"no multirun/ folder in {here} or its parents")
+            raise FileNotFoundError(f"no multirun/ folder in {here} or its parents; {_SWEEP_FIRST}")
         root = folders[0]
     found = sorted(Path(root).rglob(runfiles.COMPARISON), key=lambda path: path.stat().st_mtime)
     if not found:
-        raise FileNotFoundError(f"no finished sweep (no {runfiles.COMPARISON}) below {root}")
+        raise FileNotFoundError(
+            f"no finished sweep (no {runfiles.COMPARISON}) below {root}; {_SWEEP_FIRST}"
+        )
     return found[-1].parent
