@@ -109,3 +109,17 @@ def test_the_final_loss_figure_tells_apart_runs_that_share_gather_and_layout():
         "fixed cpu4 (4 × 16)",
     ]
     plt.close(figure)
+
+
+def test_a_saved_figures_pdf_embeds_truetype_fonts_not_type_3(tmp_path):
+    """Many publishers refuse a PDF with Type 3 fonts, matplotlib's default (a researcher's
+    review of the figures); `figures.save` embeds TrueType."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots()
+    axis.plot([0, 1], [1, 0], label="old")
+    axis.set(xlabel="optimizer step", ylabel="global loss")
+    axis.legend()
+    _, pdf = figures.save(figure, tmp_path / "figure")
+    written = pdf.read_bytes()
+    assert b"/Type3" not in written and b"/FontFile2" in written

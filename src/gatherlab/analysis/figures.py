@@ -711,11 +711,14 @@ def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
     """Write the figure as PNG and vector PDF; return both paths.
 
     The layout is computed once, for the PNG, and kept for the PDF: it is in figure coordinates,
-    the same for both, and computing it is most of the time a figure of many panels takes."""
+    the same for both, and computing it is most of the time a figure of many panels takes. The
+    PDF embeds its fonts as TrueType (``pdf.fonttype`` 42), which publishers take; matplotlib's
+    default, Type 3, many refuse."""
     png, pdf = Path(f"{path_without_suffix}.png"), Path(f"{path_without_suffix}.pdf")
     figure.savefig(png, dpi=STYLE["savefig.dpi"])  # the style's resolution (saved outside it)
     figure.set_layout_engine("none")
-    figure.savefig(pdf)
+    with plt.rc_context({"pdf.fonttype": 42}):
+        figure.savefig(pdf)
     plt.close(figure)
     return [png, pdf]
 
