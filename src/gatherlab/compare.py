@@ -89,10 +89,15 @@ def compare(
 
 
 def _refuse_finished(out: Path) -> None:
-    """`runfiles.RunFinished` when ``out`` holds a comparison (its ``check.csv``)."""
+    """`runfiles.RunFinished` when ``out`` holds a comparison (its ``check.csv``), or where a
+    file stands in its place."""
     if (out / runfiles.CHECK).exists():
         raise runfiles.RunFinished(
             f"--out {out} already holds a comparison; it is never overwritten"
+        )
+    if (file := runfiles.not_a_directory(out)) is not None:
+        raise runfiles.RunFinished(
+            f"--out {out}: {file} is a file; allowed: a directory, new or empty"
         )
 
 

@@ -121,6 +121,18 @@ def test_an_out_that_holds_a_comparison_is_refused_in_one_line(recordings, tmp_p
     line = one_line(run_command("compare", *arguments))
     assert line == PREFIX + f"--out {out} already holds a comparison; it is never overwritten"
     assert (out / "check.csv").read_text() == written
+    # a file where the directory would go: refused before comparing (was the verdict, then a
+    # traceback from mkdir, its files lost); likewise the check's --out
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for place in (notes, notes / "sub"):
+        line = one_line(run_command("compare", *arguments[:2], "--out", str(place)))
+        refused = f"--out {place}: {notes} is a file; allowed: a directory, new or empty"
+        assert line == PREFIX + refused
+        checked = run_command("check", "gatherlab.losses:NTXentLoss", "--out", str(place))
+        assert checked.returncode == 2, checked.stderr
+        assert checked.stderr.splitlines() == [f"gatherlab.check: error: {refused}"]
+    assert notes.read_text() == "mine"
 
 
 def test_without_out_the_files_go_beside_b_and_are_kept_when_there(

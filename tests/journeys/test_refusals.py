@@ -92,3 +92,39 @@ def test_a_floor_asked_of_torchruns_ranks_and_a_directory_taken_are_one_line_eac
     assert line == (f"gatherlab.record: {tmp_path / 'run'} already holds a recording: give each "
                     "run its own directory")  # fmt: skip
     assert _one_line(run_plainly("ddp", *job), 2) == line
+
+
+ONE_RANK_ATTACHES = """\
+import torch
+import torch.distributed as dist
+
+import gatherlab.record
+from gatherlab.recording import recorder
+
+recorder.ATTACH_TIMEOUT_S = 3.0
+dist.init_process_group("gloo")
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+if dist.get_rank() == 0:  # the user's slip: the one line on rank 0 alone
+    gatherlab.record(model, optimizer, DIRECTORY)
+dist.all_reduce(torch.ones(1))  # rank 1's own collective, as DDP's first backward makes
+"""
+
+
+def test_a_recorder_attached_on_one_rank_alone_is_said_in_one_line_not_a_hang(tmp_path):
+    """A user's recorder attached on rank 0 alone met rank 1's own collective (DDP's), and both
+    waited for ever with nothing said. The recorders' first act is gloo's bounded barrier: after
+    `recorder.ATTACH_TIMEOUT_S` (3 s here) rank 0 names the rank that did not attach, in one line,
+    and ends; rank 1's own collective then fails as any job's does when a peer leaves. Fresh
+    interpreters: the wait and the end are the processes' own."""
+    script = tmp_path / "one_rank.py"
+    script.write_text(ONE_RANK_ATTACHES.replace("DIRECTORY", repr(str(tmp_path / "out"))))
+    finished = _run([str(script)], world_size=2)
+    printed = finished.stdout + finished.stderr
+    said = [line for line in printed.splitlines() if line.startswith("gatherlab.record:")]
+    assert said == [
+        "gatherlab.record: rank 0's recorder waited 3 s for the other ranks' (RuntimeError: "
+        "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 3000 ms); allowed: "
+        "gatherlab.record on every rank, the one documented line run by each"
+    ], printed[-3000:]
+    assert finished.returncode != 0 and not (tmp_path / "out").exists()

@@ -37,7 +37,12 @@ def test_a_trainer_given_as_the_model_and_an_optimizer_without_a_step_are_refuse
     with pytest.raises(RecordingError, match=r"model is a list of 2 modules \(a rank's stages\?\)"
                        r".*allowed: one module holding them under one device's names"):  # fmt: skip
         gatherlab.record(stages, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "c")
-    assert not any((tmp_path / name).exists() for name in "abc")
+    # a loss given by name: was a traceback from the parameters' names, 74 lines under torchrun
+    with pytest.raises(RecordingError, match=r"loss is a builtins\.str, not a torch\.nn\.Module"
+                       r".*allowed: the loss module the job calls"):  # fmt: skip
+        gatherlab.record(model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "d",
+                         loss="mse")  # fmt: skip
+    assert not any((tmp_path / name).exists() for name in "abcd")
 
 
 @needs_transformers

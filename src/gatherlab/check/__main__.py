@@ -215,6 +215,8 @@ def _written(args: argparse.Namespace) -> int:
     out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
     if (out / runfiles.CHECK).exists():
         raise CheckError(f"--out {out} already holds a check; it is never overwritten")
+    if (file := runfiles.not_a_directory(out)) is not None:
+        raise CheckError(f"--out {out}: {file} is a file; allowed: a directory, new or empty")
     result, text = _check(args)
     out.mkdir(parents=True, exist_ok=True)
     runfiles.write_table(result.table, out / runfiles.CHECK)

@@ -152,6 +152,15 @@ def refuse_finished(run_dir: Path) -> None:
         )
 
 
+def not_a_directory(out: Path) -> Path | None:
+    """The nearest of ``out`` and its parents that exists and is no directory (a file where a
+    command would write its directory), None where each that exists is one."""
+    for path in (Path(out), *Path(out).parents):
+        if path.exists():
+            return None if path.is_dir() else path
+    return None
+
+
 LOCK = ".running"
 
 

@@ -52,6 +52,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gatherlab.components.rowblocks import blocked_as, join_measured
+from gatherlab.core import cli
 from gatherlab.core.held import Piece, assemble, copies_apart
 from gatherlab.core.parts import part_of
 from gatherlab.ranks import world
@@ -307,9 +309,35 @@ class _Candidates:
     by_pad: dict[tuple | None, Sampled]
 
 
-def _hookable(model: Any, optimizer: Any) -> None:
-    """One line (`format.RecordingError`) for a model or optimizer the recorder cannot hook: a
-    trainer given as the model (a trainer takes a callback), an optimizer with no step."""
+ATTACH_TIMEOUT_S = 120.0
+"""How long a rank's recorder waits for every other rank's to attach (`_every_rank_attaches`)."""
+
+
+def _every_rank_attaches() -> None:
+    """Every rank attaches its recorder, or each that waited says in one line which did not and
+    ends the job, where the group runs on gloo: a recorder attached on some ranks alone would
+    meet the others' own collectives (DDP's), and both would wait for ever. gloo's
+    ``monitored_barrier`` bounds the wait (`ATTACH_TIMEOUT_S`); NCCL has none, and there such a
+    job waits for its process group's timeout."""
+    if "gloo" not in str(dist.get_backend()):
+        return
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=ATTACH_TIMEOUT_S), wait_all_ranks=True)
+    except RuntimeError as error:
+        print(
+            f"gatherlab.record: rank {dist.get_rank()}'s recorder waited {ATTACH_TIMEOUT_S:g} s "
+            f"for the other ranks' ({cli.error_line(error)}); allowed: gatherlab.record on every "
+            f"rank, the one documented line run by each",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        sys.stdout.flush()
+        os._exit(2)
+
+
+def _hookable(model: Any, optimizer: Any, loss: Any = None) -> None:
+    """One line (`format.RecordingError`) for a model, optimizer or loss the recorder cannot
+    hook: a trainer given as the model (a trainer takes a callback), an optimizer with no step,
+    a loss that is no module (a name, a function)."""
     if isinstance(model, list | tuple) and model and all(isinstance(m, nn.Module) for m in model):
         refuse(
             f"gatherlab.record: model is a {type(model).__name__} of {len(model)} modules (a "
@@ -331,6 +359,13 @@ def _hookable(model: Any, optimizer: Any) -> None:
             f"gatherlab.record: optimizer is a {kind}, which has no step() and param_groups to "
             f"hook; allowed: a torch.optim.Optimizer or a wrapper of one (ZeroRedundancyOptimizer, "
             f"accelerate's AcceleratedOptimizer)"
+        )
+    if loss is not None and not isinstance(loss, nn.Module):
+        kind = f"{type(loss).__module__}.{type(loss).__qualname__}"
+        refuse(
+            f"gatherlab.record: loss is a {kind}, not a torch.nn.Module whose output can be "
+            f"hooked; allowed: the loss module the job calls (its forward returns the loss), or "
+            f"none: a model output's loss, or recorder.loss(value)"
         )
 
 
@@ -444,12 +479,14 @@ class Recorder:
         options: RecordOptions | None = None,
         **chosen: Any,
     ) -> None:
-        _hookable(model, optimizer)
+        _hookable(model, optimizer, loss)
         options = record_options(options, chosen)
         k, full_updates, trace = options.k, options.full_updates, options.trace
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self._distributed else 1
         self.rank = dist.get_rank() if self._distributed else 0
+        if self._distributed:
+            _every_rank_attaches()
         self._floor_forward: _FloorForward | None = None
         out, row_blocks = self._floor(model, out)
         self._parameters = self._named(model, loss, optimizer, names or {})
