@@ -534,3 +534,21 @@ def test_torchs_autograd_all_gather_is_wrong_on_gloo_when_its_gradient_is_not_co
     for name in ("torch_nn", "lightning"):
         assert verdicts[name]["verdict"].tolist() == ["biased", "biased"], name
         assert (verdicts[name]["cosine"] < 0.5).all(), verdicts[name]["cosine"]
+
+
+def test_ctrl_c_in_the_checks_command_is_one_line_and_status_130(monkeypatch, capsys):
+    """Ctrl-C during a check printed a page of KeyboardInterrupt traceback (44–51 lines); the
+    command says in one line that nothing was written and ends with 130, as the sweeps' and the
+    comparison's do. (That no process outlives it: tests/ranks/test_interrupt.py.)"""
+    from gatherlab.check import __main__ as command
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "_written", interrupted)
+    with pytest.raises(SystemExit) as ended:
+        command.main(["--gather", "fixed", "--world-sizes", "2"])
+    assert ended.value.code == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "gatherlab.check: interrupted; nothing was written: run the command again"
+    ]

@@ -257,6 +257,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             status = _written(args)
         except (CheckError, ConfigError) as error:
             cli.fail("check", error)
+        except KeyboardInterrupt:  # the pools end with the process (their exit hook)
+            print("gatherlab.check: interrupted; nothing was written: run the command again",
+                  file=sys.stderr)  # fmt: skip
+            status = 130
     if as_program:
         cli.exiting()
     sys.exit(status)
