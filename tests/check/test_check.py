@@ -247,6 +247,11 @@ def test_bad_input_is_one_line(arguments, status, message, tmp_path, no_leftover
         (["x:y", "--world-sizes", "2,x"], "argument --world-sizes: '2,x' is not a list of world"),
         (["x:y", "--gathr", "fixed"], "unrecognized arguments: --gathr fixed"),
         (["x:y", "--world-size", "2"], "unrecognized arguments: --world-size 2"),  # no abbrev.
+        (  # read by a training step's check alone: a loss's ignored it, exit 0
+            ["x:y", "--global-batch-size", "7"],
+            "--global-batch-size is an option of the check of a training step; allowed: with "
+            "--module, --step or --update",
+        ),
         (
             ["mypkg/losses.py"],
             "loss mypkg/losses.py is a file path; allowed: module:attribute, e.g. "

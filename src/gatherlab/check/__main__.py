@@ -173,6 +173,12 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"{forms[0]} checks a training step; a loss or --gather without it")
     if args.inputs is not None and args.loss is None:
         parser.error("--inputs are a loss's; allowed: with a loss (module:attribute)")
+    unread = [] if trains else [flag for field in fields(options.TrainingOptions)
+                                if field.metadata["group"] == options.TRAINING
+                                and (flag := _flag_given(args, field))]  # fmt: skip
+    if unread:  # a training step's option given to a loss's or a gather's check
+        parser.error(f"{unread[0]} is an option of the check of a training step; allowed: with "
+                     "--module, --step or --update")  # fmt: skip
     if not trains and args.loss is None and args.gather is None:
         parser.error(
             "name a loss (module:attribute), a gather (--gather), --module and --data, or --step "
@@ -187,6 +193,15 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--device {args.device} runs on the ranks a launcher started; allowed: "
                      "--launcher external with it, or --device cpu")  # fmt: skip
     return args
+
+
+def _flag_given(args: argparse.Namespace, field: Any) -> str | None:
+    """The flag of a field of `options.TrainingOptions` given another value than its default."""
+    meta = field.metadata
+    if not meta["flag"]:
+        return None
+    given = getattr(args, options.dest(field))
+    return meta["flag"] if given != meta.get("cli_default", field.default) else None
 
 
 def _check(args: argparse.Namespace) -> tuple[CheckResult, str]:
