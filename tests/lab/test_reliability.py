@@ -326,6 +326,23 @@ def test_a_directory_held_by_a_live_process_is_refused_in_one_line(tmp_path):
     assert runfiles.read_summary(held)["status"] == "ok"
 
 
+def test_a_sweep_into_a_directory_that_holds_a_sweep_is_refused_before_any_job(tmp_path):
+    """A user's sweep given another sweep's directory rewrote its multirun.yaml and its
+    comparison, every job failing on the finished runs; it is refused in one line, exit 2,
+    before any file is written, and names the resume."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text("the earlier sweep's\n")
+    result = run_command("train", "-m", "gather=avg", "layout=cpu1,cpu2", "steps=2",
+                         f"hydra.sweep.dir={sweep}")  # fmt: skip
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"gatherlab.train: error: hydra.sweep.dir={sweep} already holds a sweep; it is never "
+        f"overwritten; allowed: +resume={sweep} to finish it, or a directory of its own"
+    ], result.stderr
+    assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]
+    assert (sweep / "multirun.yaml").read_text() == "the earlier sweep's\n"
+
+
 # --- exact reruns -------------------------------------------------------------------------------
 
 

@@ -71,6 +71,12 @@ class Command:
         if self.resume_dir is not None:
             resume.check_jobs(self.resume_dir, jobs)
         configs = preflight.validated_configs(jobs, compose)
+        swept = Path(str(configs[0].hydra.sweep.dir)) if configs and "hydra" in configs[0] else None
+        if self.resume_dir is None and swept is not None and (swept / "multirun.yaml").exists():
+            raise ConfigError(
+                f"hydra.sweep.dir={swept} already holds a sweep; it is never overwritten; "
+                f"allowed: +resume={swept} to finish it, or a directory of its own"
+            )
         self.jobs_total = len(configs)
         return configs
 
