@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from helpers import REPO, compose, run_command
 from omegaconf import OmegaConf
@@ -344,3 +346,15 @@ def test_a_key_the_config_lacks_is_one_line_naming_the_keys_it_has(override, all
     named = rest.removesuffix(f", or +{key}=VALUE to add it").split(", ")
     assert set(allowed) <= set(named) and key not in named
     assert named == sorted(named)
+
+
+def test_the_keys_named_are_no_bytecode_cache(tmp_path, monkeypatch):
+    """Python writes conf/__pycache__ beside conf/__init__.py (the configs travel as a package)
+    wherever bytecode is written: it was named among the config's keys, `-` binding before `|`
+    in its removal."""
+    shutil.copytree(config.CONFIG_DIR, tmp_path / "conf",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    (tmp_path / "conf" / "__pycache__").mkdir()
+    monkeypatch.setattr(config, "CONFIG_DIR", tmp_path / "conf")
+    named = config.known_keys("step")
+    assert "__pycache__" not in named and {"layout", "steps"} <= set(named)

@@ -112,7 +112,7 @@ def known_keys(key: str) -> list[str]:
     parent = key.rpartition(".")[0]
     if not parent:
         groups = {p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name.isidentifier()}
-        return sorted(groups | {str(k) for k in primary if k != "defaults"} - {"__pycache__"})
+        return sorted((groups | {str(k) for k in primary if k != "defaults"}) - {"__pycache__"})
     head, _, rest = parent.partition(".")
     nodes = [OmegaConf.load(path) for path in sorted((CONFIG_DIR / head).glob("*.yaml"))]
     nodes += [primary[head]] if head in primary else []
