@@ -22,6 +22,7 @@ from recorded import record, record_cases
 import gatherlab
 from gatherlab import check
 from gatherlab.check import recordings as comparer
+from gatherlab.check.recordings import NotComparable
 from gatherlab.core import terms
 from gatherlab.core.floor import WITHIN
 from gatherlab.recording.format import SKETCHES, read
@@ -771,6 +772,20 @@ def test_a_departing_gradient_beside_a_loss_within_floors_says_what_the_loss_can
         f"({threshold * 1e-7:.1e} relative): a loss that differs by less"
     ) in words, words
     assert "compare float64 recordings to tell a loss that differs" in words
+
+
+def test_a_floor_of_other_settings_is_named_as_the_floor():
+    """A floor recorded at another learning rate was refused as "A and B record different
+    settings", though A and B agreed: the refusal names the floor first."""
+    a = _float32_run("one", 1, [0.0, 0.0, 0.0])
+    floor = _float32_run("floor", 1, [1e-7, 1e-7, 1e-7], row_blocks=2)
+    floor.header["settings"] = {"optimizer": "SGD"}
+    with pytest.raises(NotComparable) as refused:
+        comparer.compare_recordings(a, _float32_run("two", 2, [0.0] * 3), floor=floor)
+    assert str(refused.value).startswith(
+        "--floor /nonexistent/floor, read as B here, is no floor of A: A and B record different "
+        "settings: settings optimizer is 'AdamW' in A, 'SGD' in B"
+    ), refused.value
 
 
 def _clipping_run(norm: float, world_size: int, max_grad_norm: float | None,

@@ -43,6 +43,11 @@ def test_a_trainer_given_as_the_model_and_an_optimizer_without_a_step_are_refuse
         gatherlab.record(model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "d",
                          loss="mse")  # fmt: skip
     assert not any((tmp_path / name).exists() for name in "abcd")
+    (tmp_path / "notes.txt").write_text("mine")  # a file where the directory goes: an OSError's
+    with pytest.raises(RecordingError, match=r"cannot write a recording into .*notes\.txt "
+                       r"\(FileExistsError: .*\); allowed: a directory, new or empty"):  # fmt: skip
+        gatherlab.record(model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 @needs_transformers

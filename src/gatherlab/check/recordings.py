@@ -180,8 +180,12 @@ def _floor(
     parameters below float64; NotComparable in one line otherwise), and T, the most floors
     within it (`floor.threshold` of C's row blocks, B's ranks and whether C's calls of the forward
     span B's: `_calls_unspanned`, whose note says so where they do not)."""
-    _same_model(a, c)
-    _same_settings(a, c)
+    try:
+        _same_model(a, c)
+        _same_settings(a, c)
+    except NotComparable as error:  # its words name C as B: said so
+        raise NotComparable(f"--floor {c.path}, read as B here, is no floor of A: {error}; a "
+                            "floor is A's own command recorded again") from None  # fmt: skip
     if c.world_size != 1:
         raise NotComparable(
             f"--floor {c.path} was recorded on {c.world_size} ranks; allowed: one device with its "

@@ -631,8 +631,13 @@ class Recorder:
         if self.rank == 0:
             try:
                 writer = format.Writer(out, header)
-            except (format.RecordingError, OSError) as refused:
+            except format.RecordingError as refused:
                 error = [str(refused)]
+            except OSError as refused:  # a file where the directory goes, no permission
+                error = [
+                    f"gatherlab.record: cannot write a recording into {out} "
+                    f"({cli.error_line(refused)}); allowed: a directory, new or empty"
+                ]
         if self._distributed:
             dist.broadcast_object_list(error, src=0)
         if error[0] is not None:
