@@ -908,3 +908,25 @@ def test_a_launchers_console_script_is_recorded_as_a_shell_starts_it(tmp_path, m
     (tmp_path / "job.py").write_text("#!/usr/bin/env python\n")
     (tmp_path / "job.py").chmod(0o755)
     assert _as_typed(module) == module and _as_typed(source) == source
+
+
+def test_a_recording_left_unclosed_is_said_at_the_processs_exit(tmp_path, capsys):
+    """A job that forgot ``close()`` ended with status 0 and an unfinished recording, nothing
+    said until a comparison refused it; the exit hook the recorder registers (called here as the
+    interpreter's exit calls it) says so in one line, and nothing once the recording is closed."""
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = gatherlab.record(model, optimizer, tmp_path / "rec")
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(4, 3)).pow(2).mean().backward()
+        optimizer.step()
+    recorder._unclosed()
+    assert capsys.readouterr().err.splitlines() == [
+        f"gatherlab.record: {tmp_path / 'rec'} is unfinished: the job ended without "
+        "recorder.close(), and gatherlab.compare refuses it; allowed: recorder.close() after the "
+        "last update on every rank, or `with gatherlab.record(...)`"
+    ]
+    recorder.close()
+    recorder._unclosed()
+    assert capsys.readouterr().err == ""

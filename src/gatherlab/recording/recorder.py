@@ -41,6 +41,7 @@ refused in one line (`gatherlab.recording.refusal`).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import itertools
@@ -534,6 +535,18 @@ class Recorder:
         header = self._header(model, optimizer, options, k, full_updates, row_blocks)
         self._writer = self._open(Path(out), header)
         self._hooks = self._attach(model, optimizer, loss, options.batches, options.losses)
+        if self._writer is not None:  # rank 0 says so where the job ends without close()
+            self._out = Path(out)
+            atexit.register(self._unclosed)
+
+    def _unclosed(self) -> None:
+        """At the process's exit, the one line that says a recording was left unfinished: the
+        job ended without `close` (or its ``with`` block's end) after recording updates."""
+        if not self._closed and self.updates:
+            print(f"gatherlab.record: {self._out} is unfinished: the job ended without "
+                  "recorder.close(), and gatherlab.compare refuses it; allowed: recorder.close() "
+                  "after the last update on every rank, or `with gatherlab.record(...)`",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def _header(self, model, optimizer, options: RecordOptions, k: int, full_updates: int,
                 row_blocks: int) -> dict[str, Any]:  # fmt: skip
@@ -1335,6 +1348,7 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._unclosed)
         for hook in self._hooks:
             hook.remove()
         self._flush(final=self._sketches(of_gradients=False))
@@ -1349,6 +1363,7 @@ class Recorder:
     def abandon(self) -> None:
         """Stop recording without closing (the job stops: the recording stays unfinished)."""
         self._closed = True
+        atexit.unregister(self._unclosed)
         for hook in self._hooks:
             hook.remove()
 
