@@ -315,8 +315,8 @@ ATTACH_TIMEOUT_S = 120.0
 
 
 def _every_rank_attaches() -> None:
-    """Every rank attaches its recorder, or each that waited says in one line which did not and
-    ends the job, where the group runs on gloo: a recorder attached on some ranks alone would
+    """Every rank attaches its recorder, or each that waited refuses in one line, naming the
+    ranks that did not, where the group runs on gloo: a recorder attached on some ranks alone would
     meet the others' own collectives (DDP's), and both would wait for ever. gloo's
     ``monitored_barrier`` bounds the wait (`ATTACH_TIMEOUT_S`); NCCL has none, and there such a
     job waits for its process group's timeout."""
@@ -325,14 +325,12 @@ def _every_rank_attaches() -> None:
     try:
         dist.monitored_barrier(timeout=timedelta(seconds=ATTACH_TIMEOUT_S), wait_all_ranks=True)
     except RuntimeError as error:
-        print(
+        refuse(
             f"gatherlab.record: rank {dist.get_rank()}'s recorder waited {ATTACH_TIMEOUT_S:g} s "
             f"for the other ranks' ({cli.error_line(error)}); allowed: gatherlab.record on every "
             f"rank, the one documented line run by each",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
-        sys.stdout.flush()
-        os._exit(2)
+            by_this_rank=True,
+        )
 
 
 def _hookable(model: Any, optimizer: Any, loss: Any = None) -> None:

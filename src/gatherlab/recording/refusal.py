@@ -43,14 +43,16 @@ class Refused(RecordingError, SystemExit):
         return self.args[0]
 
 
-def refuse(line: str) -> NoReturn:
-    """Say ``line`` once on standard error and end the job (`Refused`). A rank of torchrun's
+def refuse(line: str, by_this_rank: bool = False) -> NoReturn:
+    """Say ``line`` once on standard error and end the job (`Refused`): by rank 0, the ranks'
+    refusals being alike, or ``by_this_rank`` (one only some ranks reach: a rank that waited for
+    the others). A rank of torchrun's
     with a process group ends at once (``os._exit(0)``, its output flushed): raised, the
     interpreter's exit tore the group down while its peer still held its own, and gloo aborted
     one of them (SIGABRT, ``terminate called without an active exception``, and torchrun's
     failure summary: 3 of 10 refused two-rank launches here, 0 of 20 since)."""
     grouped = dist.is_available() and dist.is_initialized()
-    if not grouped or dist.get_rank() == 0:
+    if not grouped or by_this_rank or dist.get_rank() == 0:
         said = line if line.startswith("gatherlab.record") else PREFIX + line
         print(said, file=sys.stderr, flush=True)
     if UNDER_TORCHRUN in os.environ and grouped:
