@@ -124,6 +124,19 @@ def test_the_reader_refuses_what_is_not_a_finished_recording(recorded, tmp_path)
     (copy / format.UPDATES).write_text(lines[: len(lines) - 40])
     with pytest.raises(format.RecordingError, match="is truncated at update 3"):
         format.read(copy)
+    second = lines.index("\n") + 1  # a whole line the recorder never writes, not a cut one
+    (copy / format.UPDATES).write_text(
+        lines[:second] + "garbage\n" + lines[lines.index("\n", second) + 1 :]
+    )
+    with pytest.raises(
+        format.RecordingError, match=r"line 2 \(update 1\) is not a line the recorder"
+    ):
+        format.read(copy)
+    (copy / format.UPDATES).write_text(lines + '{"update": 4}\n')
+    with pytest.raises(
+        format.RecordingError, match=r"holds 5 lines where final\.json records 4 updates"
+    ):
+        format.read(copy)
     (copy / format.UPDATES).write_text(lines)
     digests = (copy / format.ROWS).read_bytes()
     (copy / format.ROWS).write_bytes(digests[:-8])  # the last update's last row

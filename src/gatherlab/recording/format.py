@@ -297,13 +297,19 @@ class _Sketches:
 
 
 def _update(number: int, text: str, path: Path, sketches: _Sketches, parts: list[str], k: int,
-            rows: _Sketches | None = None):  # fmt: skip
+            rows: _Sketches | None = None, cut: bool = False):  # fmt: skip
     """Line ``number`` of ``updates.jsonl`` as an `Update`, its sketches read, and its rows'
-    digests from ``rows`` (version 2; version 1's are in the line)."""
+    digests from ``rows`` (version 2; version 1's are in the line); ``cut``: the file's last
+    line, which ends without its newline."""
     try:
         line = json.loads(text)
     except json.JSONDecodeError:
-        raise RecordingError(f"{path / UPDATES} is truncated at update {number}") from None
+        if cut:
+            raise RecordingError(f"{path / UPDATES} is truncated at update {number}") from None
+        raise RecordingError(
+            f"{path / UPDATES}: line {number + 1} (update {number}) is not a line the recorder "
+            f"writes (not JSON); record the job again"
+        ) from None
     if rows is not None:
         start, counts = line["rows"]["start"], line["rows"]["counts"]
         digests = hexadecimal(rows.block(start, sum(counts), f"update {number}'s rows"))
@@ -336,11 +342,20 @@ def read(path: str | Path) -> Recording:
     sketches = _Sketches(path)
     rows = _Sketches(path, ROWS, "<u8") if header["version"] >= 2 else None
     k, parts = int(header["k"]), list(header["parts"])
-    lines = (path / UPDATES).read_text().splitlines() if (path / UPDATES).exists() else []
-    if len(lines) != final["updates"]:
+    text = (path / UPDATES).read_text() if (path / UPDATES).exists() else ""
+    lines = text.splitlines()
+    if len(lines) < final["updates"]:
         raise RecordingError(f"{path / UPDATES} is truncated: {len(lines)} updates of the "
                              f"{final['updates']} that {FINAL} records")  # fmt: skip
-    updates = [_update(n, text, path, sketches, parts, k, rows) for n, text in enumerate(lines)]
+    if len(lines) > final["updates"]:
+        raise RecordingError(
+            f"{path / UPDATES} holds {len(lines)} lines where {FINAL} records "
+            f"{final['updates']} updates: lines were added after the recording closed; record the "
+            f"job again"
+        )
+    cut = len(lines) - 1 if not text.endswith("\n") else None
+    updates = [_update(n, line, path, sketches, parts, k, rows, n == cut)
+               for n, line in enumerate(lines)]  # fmt: skip
     weights = sketches.block(final["weights_sketch"], k * len(parts), "the final weights' sketch")
     return Recording(
         path=path, header=header, updates=updates,
