@@ -57,14 +57,14 @@ def test_copies_that_drift_apart_are_named_with_their_ranks_and_the_first_holder
               held.Piece(0, "layer.weight", state["layer.weight"]),
               held.Piece(0, "layer.bias", state["layer.bias"]),
               held.Piece(1, "head.weight", drifted)]  # fmt: skip
-    (apart,) = held.copies_apart(pieces, names)
+    (apart,) = held.copies_apart(pieces, names, of="weights at the run's end")
     largest = float(state["emb.weight"].detach().abs().max())
     assert apart.name == "emb.weight" and apart.tied
     assert apart.copies == ((0, "emb.weight"), (1, "head.weight"))
     assert apart.difference == pytest.approx(0.5 / largest, rel=1e-12)
     assert apart.words() == (
         f"emb.weight on rank 0 and head.weight on rank 1, copies of one device's emb.weight, "
-        f"differ by {0.5 / largest:.2g} (max relative difference)"
+        f"whose weights at the run's end differ by {0.5 / largest:.2g} (max relative difference)"
     )
     vector = held.assemble(order, pieces, names)
     assert torch.equal(vector[:15], state["emb.weight"].detach().reshape(-1))  # rank 0's copy

@@ -262,6 +262,12 @@ def test_the_comparison_names_each_bug_with_its_update_part_and_cause(job, bug, 
     assert row["gradient"] == gradient, comparison.words
     if cause is not None:
         assert row["cause"] == cause, comparison.words
+    if bug == "untied":  # the copies named from the copies alone, what they compare said
+        words = " ".join(comparison.words.split())  # its lines wrapped anywhere
+        assert (
+            "what departs, W = 2: emb.weight on rank 0 and head.weight on rank 1, copies of "
+            "one device's emb.weight, whose gradients differ by "
+        ) in words
 
 
 def test_a_switch_that_does_not_apply_is_refused_in_one_line(monkeypatch, capsys):

@@ -1125,15 +1125,17 @@ def _layouts(rows: pd.DataFrame) -> str:
 
 
 def _departs(rows: pd.DataFrame) -> str:
-    """The lines "where it departs, W = 2: <file:line  op>: <what differs>" of the rows that have
-    a place (`gatherlab.check.where`), empty when none has."""
+    """The lines "where it departs, W = 2: <file:line  op>" and below it what differs there, of
+    the rows that have a place (`gatherlab.check.where`); "what departs, W = 2:" and what differs,
+    of a row with words but no place (no line named, or copies named from the copies alone);
+    empty when none has either."""
     lines = [
-        f"\n  where it departs, W = {row['world_size']}: "
-        f"{row['where'] if _filled(row['where']) else '—'}\n"
+        (f"\n  where it departs, W = {row['world_size']}: {row['where']}\n" if _filled(row["where"])
+         else f"\n  what departs, W = {row['world_size']}:\n")
         + textwrap.indent(textwrap.fill(str(row["departs"]), 96), "    ")
         for _, row in rows.iterrows()
         if "where" in rows.columns and (_filled(row["where"]) or _filled(row.get("departs")))
-    ]
+    ]  # fmt: skip
     return "".join(lines)
 
 

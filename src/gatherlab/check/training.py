@@ -608,7 +608,7 @@ def _experts_caused(
                               setting.spec.expert_parallel)  # fmt: skip
     apart, _ = experts.unreduced(run)
     if found is None and apart and not rows[0].cause:  # not reproduced: named from the copies
-        words = "their first gradients: " + "; ".join(a.words() for a in apart[:3])
+        words = "at the first update: " + "; ".join(a.words() for a in apart[:3])
         found = experts.Departure(Cause.COPIES_APART, words)
     if found is None:
         return rows

@@ -165,12 +165,14 @@ def assemble(
 class Apart:
     """One device's parameter ``name`` (or its ``rows``) whose copies differ: each copy as
     (rank, the name the rank holds it under), the lowest rank first, and the largest absolute
-    difference from that first copy, relative to the first copy's largest magnitude."""
+    difference from that first copy, relative to the first copy's largest magnitude; ``of``
+    says what was compared (the copies' gradients, or their weights at the run's end)."""
 
     name: str
     copies: tuple[tuple[int, str], ...]
     difference: float
     rows: tuple[int, int] | None = None
+    of: str = "gradients"
 
     @property
     def tied(self) -> bool:
@@ -180,13 +182,13 @@ class Apart:
 
     def words(self) -> str:
         """The copies in one phrase: ``emb.weight on rank 0 and head.weight on rank 1, copies of
-        one device's emb.weight, differ by 0.12 (max relative difference)``."""
+        one device's emb.weight, whose gradients differ by 0.12 (max relative difference)``."""
         listed = [f"{held} on rank {rank}" for rank, held in self.copies]
         held = " and ".join([", ".join(listed[:-1]), listed[-1]] if len(listed) > 2 else listed)
         what = f"rows {self.rows[0]}–{self.rows[1]} of {self.name}" if self.rows else self.name
         return (
-            f"{held}, copies of one device's {what}, differ by {self.difference:.2g} (max "
-            "relative difference)"
+            f"{held}, copies of one device's {what}, whose {self.of} differ by "
+            f"{self.difference:.2g} (max relative difference)"
         )
 
 
@@ -201,11 +203,12 @@ def copies_apart(
     pieces: Iterable[Piece],
     names: Mapping[str, str] | None = None,
     tolerance: float = gradients.FLOAT64_TOLERANCE,
+    of: str = "gradients",
 ) -> list[Apart]:
     """The parameters (or blocks of rows) held by more than one rank whose copies differ from
     the lowest rank's by more than ``tolerance`` of its largest magnitude (float64's 1e-10 by
     default), in the order of their first piece. ``names``: `aliases` (None: the pieces' names
-    as they are)."""
+    as they are); ``of``: what the pieces are (`Apart.of`)."""
     held: dict[tuple[str, tuple[int, int] | None], list[Piece]] = {}
     for piece in pieces:
         name = names.get(piece.name, piece.name) if names is not None else piece.name
@@ -223,6 +226,6 @@ def copies_apart(
         )  # fmt: skip
         if largest > tolerance * scale:
             found.append(
-                Apart(name, tuple((c.rank, c.name) for c in copies), largest / scale, rows)
+                Apart(name, tuple((c.rank, c.name) for c in copies), largest / scale, rows, of)
             )
     return found

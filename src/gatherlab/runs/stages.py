@@ -145,7 +145,7 @@ def trained(
     everything = _used(every, one_device)
     ours = [p for p in everything if p.rank in ranks]
     parameters = held.assemble(one_device.order, ours, one_device.names)
-    apart = tuple(held.copies_apart(everything, one_device.names))
+    apart = tuple(held.copies_apart(everything, one_device.names, of="weights at the run's end"))
     return runfiles.Trained(losses, gradient, parameters, copies_apart=apart)
 
 
