@@ -6,12 +6,12 @@ written the way public code writes it (no gatherlab imports), with what a correc
 - ``ScaledSlice(epsilon)``: an all-gather whose backward sums every rank's gradient (exact),
   with rank 1's slice then scaled by 1 + epsilon: a departure of a known size, seen in a
   precision only when it is larger than that precision's power;
-- ``build_float32_scale``: the plain step's model of ``plain_steps`` with a float32 tensor made
-  in its forward: it cannot run in float64, so it is judged in its own precision;
+- ``build_float32_scale``: the plain step's model of ``plain_steps`` whose output its forward
+  casts to float32: it cannot run in float64, so it is judged in its own precision;
 - ``build_with_batchnorm``: the same model with ``BatchNorm1d``, whose per-rank statistics differ
   from one device's in every precision;
-- ``Float32TemperatureNTXent``: a global NT-Xent over the gathered batch whose temperature is a
-  float32 tensor made in its forward: a loss that cannot run in float64, exact in its precision.
+- ``Float32TemperatureNTXent``: a global NT-Xent over the gathered batch whose logits it divides
+  by its temperature in float32: a loss that cannot run in float64, exact in its precision.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ScaledSlice:
 
 
 class Float32Scale(nn.Module):
-    """``plain_steps.build_model()`` whose output is scaled by a float32 tensor made in forward."""
+    """``plain_steps.build_model()`` whose output is cast to float32 in its forward and scaled."""
 
     def __init__(self, dim: int = 8) -> None:
         super().__init__()
@@ -56,7 +56,7 @@ class Float32Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = torch.full((16,), 0.5)  # float32 whatever the model's dtype
-        return self.inner(x) * scale
+        return self.inner(x).float() * scale  # the rows' numbers rounded to float32
 
 
 def build_float32_scale(dim: int = 8) -> nn.Module:
@@ -68,12 +68,12 @@ def build_with_batchnorm(dim: int = 8) -> nn.Module:
 
 
 class Float32TemperatureNTXent(nn.Module):
-    """NT-Xent over every rank's embeddings (an exact gather), its temperature made in forward."""
+    """NT-Xent over every rank's embeddings (an exact gather), its logits divided in float32."""
 
     def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
         temperature = torch.tensor(0.5)  # float32 whatever the embeddings' dtype
         z = torch.nn.functional.normalize(torch.cat([gather(z0), gather(z1)]), dim=1)
-        logits = (z @ z.T / temperature).to(z.dtype)
+        logits = ((z @ z.T).float() / temperature).to(z.dtype)  # rounded to float32
         logits = logits.masked_fill(torch.eye(len(z), dtype=torch.bool), -torch.inf)
         n = len(z) // 2
         targets = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])

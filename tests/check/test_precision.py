@@ -167,7 +167,7 @@ def test_the_float64_watch_names_the_line_that_leaves_float64():
     watched = in_float64(lambda: model(x).sum().backward())
     assert not watched.runs
     assert watched.lower.startswith("precision_cases.py:")
-    assert watched.lower.endswith("full → float32")
+    assert watched.lower.endswith("float → float32")
     plain = MODEL().double()
     assert in_float64(lambda: plain(x).sum().backward()).runs
 
@@ -178,6 +178,26 @@ def test_the_float64_watch_names_the_line_that_leaves_float64():
 
     watched = in_float64(lambda: Autocasting()(x).sum().backward())
     assert watched.runs and watched.autocast == "bfloat16"
+
+    class OwnTemperature(nn.Module):  # float32 tensors it makes meet float64 data as float64
+        def __init__(self):
+            super().__init__()
+            self.log_temperature = nn.Parameter(torch.tensor(-2.0))  # float32 when made
+
+        def forward(self, z):
+            weights = torch.ones(len(z))  # float32 factories, met by float64 rows
+            logits = z @ z.T * torch.tensor(0.5) * torch.exp(-self.log_temperature)
+            return (logits.logsumexp(1) * weights).mean()
+
+    class Rescaled(OwnTemperature):  # a float32 tensor times a float64 number: float32
+        def forward(self, z):
+            return super().forward(z) * torch.ones(len(z))
+
+    assert in_float64(lambda: OwnTemperature().double()(x).backward()).runs
+    rescaled = in_float64(lambda: Rescaled().double()(x).sum().backward())
+    assert rescaled.lower.startswith("test_precision.py:") and rescaled.lower.endswith(
+        "mul → float32"
+    )
 
 
 def test_a_model_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_so():
@@ -192,7 +212,7 @@ def test_a_model_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_
     assert row["floors"] <= floor.FLOOR_THRESHOLD
     text = " ".join(explain_training(result).split())  # the paragraph's lines joined
     assert "cannot run in float64 (precision_cases.py:" in text
-    assert "full → float32): judged in bf16 against a measured floor" in text
+    assert "float → float32): judged in bf16 against a measured floor" in text
     assert "In bf16 this check detects departures of the gradient of ~" in text
     assert text.rstrip().endswith(
         f"as far as bf16 can tell (within {floor.FLOOR_THRESHOLD:g} floors)."
@@ -207,7 +227,7 @@ def test_a_loss_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_s
     assert set(whole["verdict"]) == {"exact within bf16"}
     text = " ".join(explain(result).split())
     assert "Loss Float32TemperatureNTXent: it cannot run in float64 (precision_cases.py:" in text
-    assert "tensor → float32): judged in bf16 against a measured floor." in text
+    assert "float → float32): judged in bf16 against a measured floor." in text
     assert text.endswith("Every world size trains like one device as far as bf16 can tell "
                          f"(within {floor.FLOOR_THRESHOLD:g} floors).")  # fmt: skip
 
