@@ -10,6 +10,9 @@ written the way public code writes it (no gatherlab imports), with what a correc
   casts to float32: it cannot run in float64, so it is judged in its own precision;
 - ``build_with_batchnorm``: the same model with ``BatchNorm1d``, whose per-rank statistics differ
   from one device's in every precision;
+- ``build_loss_returning`` and ``loss_step``: the plain step's model with its NT-Xent inside its
+  forward, which returns the loss (a CLIP-style two-tower model does): no floor's row blocks can
+  cut it, so a low precision is judged in float64;
 - ``Float32TemperatureNTXent``: a global NT-Xent over the gathered batch whose logits it divides
   by its temperature in float32: a loss that cannot run in float64, exact in its precision.
 """
@@ -78,3 +81,23 @@ class Float32TemperatureNTXent(nn.Module):
         n = len(z) // 2
         targets = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
         return torch.nn.functional.cross_entropy(logits, targets)
+
+
+class LossReturning(nn.Module):
+    """``plain_steps.build_model()`` and NT-Xent over its two views, its forward the loss."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.inner = plain_steps.build_model(dim)
+
+    def forward(self, x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
+        z0, z1 = self.inner(torch.cat([x0, x1])).chunk(2)
+        return plain_steps.nt_xent(z0, z1)
+
+
+def build_loss_returning(dim: int = 8) -> nn.Module:
+    return LossReturning(dim)
+
+
+def loss_step(model: nn.Module, batch) -> torch.Tensor:
+    return model(*batch)

@@ -219,6 +219,22 @@ def test_a_model_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_
     )
 
 
+def test_a_model_that_returns_its_loss_is_judged_in_float64_with_no_floor_and_says_why():
+    """No row blocks can cut a forward that returns a scalar: before, the floor's run raised a
+    traceback after the check had started."""
+    result = check_training(
+        step="precision_cases:loss_step", model="precision_cases:build_loss_returning",
+        data="plain_steps:Pairs", world_sizes=(2,), steps=2, precision="32-true",
+    )  # fmt: skip
+    row = result.table[(result.table["part"] == "all") & (result.table["removed"] == "none")].iloc[
+        0
+    ]
+    assert row["verdict"] == "exact" and "judged_in" not in result.table  # float64's verdict
+    text = " ".join(explain_training(result).split())
+    assert ("The floor in float32 is not measured for a model whose forward returns its loss "
+            "(row blocks cannot cut a scalar): judged in float64") in text  # fmt: skip
+
+
 def test_a_loss_that_cannot_run_in_float64_is_judged_in_its_precision_and_says_so():
     result = check_loss(precision_cases.Float32TemperatureNTXent, (2, 4), steps=2,
                        precision="bf16-mixed")  # fmt: skip

@@ -732,11 +732,13 @@ def _in_precision(
     requested, raised = setting.spec.precision, False
     if alone:
         return _floors_alone(setting, at_size)
-    unfloored = _unfloored(setting, applying)
+    unfloored, scalar = _unfloored(setting, applying), False
     try:  # as the reference runs: in a one-rank group when it raises without one
-        watched = choose(lambda: training.float64_watch(setting)).value
+        watched, scalar = choose(lambda: training.float64_watch(setting)).value
     except Exception as error:  # even in a one-rank group: the reference runs it as asked
         watched, raised = InFloat64(f"in float64 it raises {cli.error_line(error)}", None), True
+    if unfloored is None and scalar:  # found running it: a floor's row blocks cannot cut it
+        unfloored = "a model whose forward returns its loss (row blocks cannot cut a scalar)"
     if setting.spec.tensor_parallel > 1 and not (watched.runs or raised or watched.autocast):
         # its own casts (transformers' RMSNorm, rotary embedding and loss compute in float32
         # whatever the parameters' dtype): the rest runs in float64, which judges it

@@ -782,8 +782,9 @@ CULPRIT_DIAGNOSES = {
         "W. No removal changes that."
     ),
     Culprit.LOSS: (
-        "with batch norm, dropout and the data's randomness removed the run is still not exact: "
-        "the loss itself, or how it communicates across ranks (its gather), breaks it."
+        "no removal (of batch norm, dropout or the data's randomness, where the model has them) "
+        "makes the run exact: the loss itself, or how it communicates across ranks (its gather), "
+        "breaks it."
     ),
 }
 

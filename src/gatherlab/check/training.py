@@ -39,6 +39,7 @@ from gatherlab.check.table import (
     frame,
     reference_notes,
 )  # fmt: skip
+from gatherlab.components import rowblocks
 from gatherlab.components.factory import Recipe
 from gatherlab.core import cli, floor, gradients, imports, terms
 from gatherlab.core.parts import part_of
@@ -435,10 +436,11 @@ def blocks_for(world_size: int) -> int:
     return max(FLOOR_ROW_BLOCKS, world_size)
 
 
-def float64_watch(setting: Setting, in_group: bool = False) -> InFloat64:
+def float64_watch(setting: Setting, in_group: bool = False) -> tuple[InFloat64, bool]:
     """Whether the step runs in float64 (`runs.precision.in_float64`): its first step on one
     device (in a one-rank group with ``in_group``), the module and the batch in float64, under a
-    watch of its operations; the autocast its own code enables, if any."""
+    watch of its operations; the autocast its own code enables, if any; and whether the module's
+    forward returned a scalar (its loss: `rowblocks.holds_scalar`), which no floor can cut."""
     spec = setting.spec
     data = spec.data()
     collate = setting.form.collate(data)
@@ -454,9 +456,15 @@ def float64_watch(setting: Setting, in_group: bool = False) -> InFloat64:
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward()
 
+    scalars: list[bool] = []
+    hook = module.register_forward_hook(
+        lambda _, args, output: scalars.append(rowblocks.holds_scalar(output)))  # fmt: skip
     with one_device(in_group), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log outside a Trainer
-        return in_float64(once)
+        try:
+            return in_float64(once), any(scalars)
+        finally:
+            hook.remove()
 
 
 def layouts(world_sizes: Sequence[int], micro_batches: Sequence[int]) -> list[tuple[int, int]]:

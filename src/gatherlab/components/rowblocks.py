@@ -102,6 +102,18 @@ def _joined(outputs: list[Any], sizes: list[int], scalars: str | None = None) ->
     return first
 
 
+def holds_scalar(output: Any) -> bool:
+    """Whether a model's ``output`` holds a scalar tensor (a loss it computes over all its rows),
+    which `blocked` refuses to join: the row blocks cannot cut such a model."""
+    if isinstance(output, torch.Tensor):
+        return output.dim() == 0
+    if isinstance(output, tuple | list):
+        return any(holds_scalar(item) for item in output)
+    if isinstance(output, Mapping):
+        return any(holds_scalar(item) for item in output.values())
+    return False
+
+
 def _bounds(rows: int, blocks: int) -> list[slice]:
     bounds = [rows * b // blocks for b in range(blocks + 1)]
     return [slice(start, stop) for start, stop in itertools.pairwise(bounds)]
