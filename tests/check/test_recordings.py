@@ -736,6 +736,20 @@ def test_a_float32_run_within_floors_at_its_first_update_that_departs_later_is_n
     assert "beyond it: its final weights." in words and "No update departs" not in words, words
 
 
+def test_without_a_floor_a_first_loss_beyond_any_rounding_differs_though_the_gradients_agree():
+    """A clipping that binds makes the first gradients of a loss W times one device's equal (a
+    user's Hugging Face job with a summed loss: its loss half one device's at W = 2, its clipped
+    gradient 1.1e-7 apart), where the losses are not: beyond any rounding of float32 without a
+    floor, judged (``loss differs``, status 1), not ``not judged``; a first loss within rounding
+    of A's largest leaves it not judged."""
+    a = _float32_run("one", 1, [0.0, 0.0, 0.0])
+    halved = comparer.compare_recordings(a, _float32_run("two", 2, [0.0] * 3, loss_apart=-0.5))
+    assert (halved.verdict, halved.status) == ("loss differs", 1), halved.words
+    assert whole(halved)["forward"] == "differs", halved.words
+    rounded = comparer.compare_recordings(a, _float32_run("two", 2, [0.0] * 3, loss_apart=1e-6))
+    assert (rounded.verdict, rounded.status) == ("not judged", 3), rounded.words
+
+
 def test_a_first_loss_beyond_floors_differs_though_the_runs_curves_allow_it():
     """Update 0's loss, computed at A's weights on A's rows, is judged in floors of the floor
     recording's loss there (at least the unit roundoff), as a check's measured loss is; the

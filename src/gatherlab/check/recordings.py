@@ -838,8 +838,8 @@ def compare_recordings(
     (docs/design.md §2, "Low precision"; docs/checking.md §6), the verdict ``exact within bf16``
     where float64's bounds would say ``other``. In a low precision without one, the verdict is ``not
     judged`` (status 3) with the command that records one, unless the data differs, the first
-    gradient departs beyond any rounding (`_ceiling`), or B's every number is A's to the last bit
-    (`_identical`: ``exact``).
+    gradient or loss departs beyond any rounding (`_ceiling`), or B's every number is A's to the
+    last bit (`_identical`: ``exact``).
 
     Raises:
         RecordingError: a directory that is no finished recording of a version this gatherlab
@@ -1043,7 +1043,8 @@ def _ceiling(
     the precision (`floor.beyond_rounding`: `floor.ROUNDING_CEILING` unit roundoffs, the
     relative L2 departure, from the full gradients or their sketches' estimate): the classes of
     the whole and of each part read at that resolution (a part within it ``not judged``), and
-    the resolution; None where it departs less (then nothing is judged)."""
+    the resolution; None where it and the first loss depart less (`_loss_beyond_rounding`; then
+    nothing is judged)."""
     resolution = rounding_resolution(precision)
     full_a, full_b = a.full_gradient(0), b.full_gradient(0)
     world_size = b.world_size
@@ -1065,13 +1066,27 @@ def _ceiling(
             _sketch(mine, groups[name]), _sketch(theirs, groups[name]),
             _whole_norm(mine, groups[name]), _whole_norm(theirs, groups[name]), world_size,
             micro_batches, resolution) for name in named}  # fmt: skip
-    if not beyond_rounding(departures[ALL_PARTS], precision):
+    if not beyond_rounding(departures[ALL_PARTS], precision) and not _loss_beyond_rounding(
+            a, b, precision):  # fmt: skip
         return None
     classes = {name: numbers if beyond_rounding(departures[name], precision) else
                numbers._replace(gradient=terms.NOT_JUDGED)
                for name, numbers in classes.items()}  # fmt: skip
     whole = classes.pop(ALL_PARTS)
     return _Read(whole, classes if len(a.parts) > 1 else {}, first.source), resolution
+
+
+def _loss_beyond_rounding(a: Recording, b: Recording, precision: str) -> bool:
+    """Whether B's first loss departs from A's beyond any rounding of the precision: by more than
+    `rounding_resolution` times A's largest loss of the run, the scale its rounding is of (a loss
+    near 0 at the start, a negative cosine, rounds at the scale it reaches); a clipping that
+    binds can make the first gradients equal where the losses are not (a loss W times one
+    device's)."""
+    first_a, first_b = a.updates[0].loss, b.updates[0].loss
+    losses = [abs(u.loss) for u in a.updates if not math.isnan(u.loss)]
+    if math.isnan(first_a) or math.isnan(first_b) or not losses:
+        return False
+    return abs(first_b - first_a) > rounding_resolution(precision) * max(losses)
 
 
 def _ceiling_updates(updates: pd.DataFrame, first: _Read) -> pd.DataFrame:
