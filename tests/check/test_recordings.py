@@ -723,6 +723,10 @@ def test_a_float32_run_within_floors_at_its_first_update_that_departs_later_is_n
     words = " ".join(later.words.split())
     assert (later.verdict, later.status) == ("not judged", 3), words
     assert later.departure[0] == 1 and "Record both runs in float64" in words, words
+    # no class where no verdict is given: its floors said, not "its gradient is biased"
+    assert "B leaves A's floors first at update 1: its gradient is " in words, words
+    assert "its class not judged" in words and "departs from A first" not in words, words
+    assert whole(later)["in_precision"] == "not judged", words
     first = comparer.compare_recordings(a, _float32_run("two", 2, [1e-3, 1e-3, 1e-3]),
                                         floor=floor)  # fmt: skip
     assert (first.status, first.departure[0]) == (1, 0), first.words

@@ -887,8 +887,8 @@ def compare_recordings(
     if rounded and ceiling is None and not identical:  # rounding cannot be told from departing
         rows, updates = _not_judged(rows, updates, verdict=not judged)
     if floored is not None and desync is None:  # departing only later: rounding amplified?
-        rows = [dataclasses.replace(r, verdict=terms.NOT_JUDGED) if r.verdict == terms.DIVERGES
-                else r for r in rows]  # fmt: skip
+        rows = [dataclasses.replace(r, verdict=terms.NOT_JUDGED, in_precision=terms.NOT_JUDGED)
+                if r.verdict == terms.DIVERGES else r for r in rows]  # fmt: skip
     table = frame(rows, COMPARISON_COLUMNS + (PRECISION_COLUMNS if floored else ()))
     status = (0 if trains_like_one_device(table) else 1 if judged
               and rows[0].verdict != terms.NOT_JUDGED else terms.NOT_JUDGED_STATUS)  # fmt: skip
@@ -1250,6 +1250,11 @@ def _departure_words(head: pd.Series, said: _Said, floored: bool) -> str:
             "relative), which rounding gave no correct run measured (docs/design.md §2): judged "
             "without a floor recording; a part that departs less is not judged"
         )
+    elif floored and head["verdict"] == terms.NOT_JUDGED:  # later than update 0: no class
+        where = where.replace("departs from A first", "leaves A's floors first")
+        gradient = (f"its gradient is {row['floors']:.3g} floors of the floor recording's "
+                    f"departure there ({row['floor']:.2g}; at most {said.threshold:g} is within "
+                    "it), its class not judged (below)")  # fmt: skip
     elif floored:
         gradient += (f", {row['floors']:.3g} floors of the floor recording's departure there "
                      f"({row['floor']:.2g}; at most {said.threshold:g} is within it)")  # fmt: skip
