@@ -679,6 +679,10 @@ def test_a_floor_whose_blocks_are_larger_than_bs_calls_says_how_many_blocks_span
     assert spanned.threshold == 5, spanned.words
     assert "B's calls of the model's forward" not in spanned.words
     assert (spanned.verdict, spanned.status) == ("exact within float32", 0), spanned.words
+    # without a floor, the command that records it asks for the 8 blocks at once
+    unfloored = " ".join(comparer.compare_recordings(paths["one"], paths["micro"]).words.split())
+    assert f"GATHERLAB_RECORD_FLOOR={paths['one']}-floor8 GATHERLAB_RECORD_FLOOR_BLOCKS=8" in (
+        unfloored), unfloored  # fmt: skip
 
 
 def _float32_run(name: str, world_size: int, apart: list[float], row_blocks: int = 1,

@@ -217,11 +217,29 @@ def _calls_unspanned(a: Recording, b: Recording, blocks: int) -> str | None:
         return None
     needed = ""  # B's calls smaller than the blocks (a pipeline's micro-batches): blocks of
     if max(sizes_b) <= most:  # at most B's smallest call
-        needed = f"={max(blocks, -(-min(sizes_a) // min(sizes_b)))}"
+        needed = f"={max(blocks, _spanning(sizes_a, sizes_b))}"
     return diagnosis.CALLS_UNSPANNED.format(
         b=f"{min(sizes_b)}" if min(sizes_b) == max(sizes_b) else f"{min(sizes_b)}–{max(sizes_b)}",
         least=least, most=most, threshold=FEWER_BLOCKS_THRESHOLD, blocks=needed,
     )  # fmt: skip
+
+
+def _spanning(sizes_a: list[int], sizes_b: list[int]) -> int:
+    """The row blocks that cut A's smallest call into blocks of at most B's smallest call."""
+    return -(-min(sizes_a) // min(sizes_b))
+
+
+def _floor_blocks(a: Recording, b: Recording) -> int:
+    """The row blocks of the floor A's recorder is asked for: as many as B's ranks (at least
+    `FLOOR_ROW_BLOCKS`), and more where B's calls of the forward are smaller than those blocks and
+    no larger than A's calls (a pipeline's micro-batches): blocks of at most B's smallest call,
+    which the floor's calls then span (`_calls_unspanned`)."""
+    blocks = max(b.world_size, FLOOR_ROW_BLOCKS)  # as many partial sums as B's ranks
+    sizes_a, sizes_b = _rows_per_call(a), _rows_per_call(b)
+    smaller = sizes_a and sizes_b and min(sizes_b) < min(sizes_a) // blocks
+    if smaller and max(sizes_b) <= max(sizes_a):
+        blocks = max(blocks, _spanning(sizes_a, sizes_b))
+    return blocks
 
 
 def _rows_per_call(recording: Recording) -> list[int]:
@@ -1339,7 +1357,7 @@ def _floor_command(a: Recording, b: Recording) -> str:
         return (f"A's model has batch norm ({', '.join(norms)}), whose statistics a floor's row "
                 "blocks would split: no floor can be measured for it; record both runs in "
                 "float64 to judge them.")  # fmt: skip
-    blocks = max(b.world_size, FLOOR_ROW_BLOCKS)  # as many partial sums as B's ranks
+    blocks = _floor_blocks(a, b)
     floor_dir = Path(f"{a.path}-floor{'' if blocks == FLOOR_ROW_BLOCKS else blocks}")
     again = f"python -m gatherlab.compare {a.path} {b.path} --floor {{}}"
     if _floor_recorded(floor_dir, blocks):
