@@ -498,7 +498,9 @@ RECORDED_UNTRACED = (
     "the same numbers here. Record both runs with trace=True (gatherlab.record(..., trace=True), "
     "or the callbacks' trace=True; in float64, where a low precision's results would part by "
     "rounding everywhere) and compare again: the first operation that departs is named with its "
-    "line; or check the step itself with python -m gatherlab.check."
+    "line, but for a cached, GradCache-style loss, which runs the model again inside its forward "
+    "or backward, where no trace can follow it; or check the step itself with python -m "
+    "gatherlab.check."
 )
 # The same, for a B whose ranks train a tensor-parallel model (its recording's row groups).
 RECORDED_TENSOR_PARALLEL = (
