@@ -523,7 +523,9 @@ def test_a_differing_loss_is_followed_by_the_cause_that_reproduced_it():
     assert ("(relative difference 0.25); no gather's backward can make it exact: what computes "
             "the loss must change (the loss, or the model's forward before it). Reproduced on "
             "one ") in text  # fmt: skip
-    assert text.endswith("compute the loss, or its statistics, over the gathered batch.")
+    assert text.endswith("compute the loss, or its statistics, over the gathered batch; a "
+                         "library's loss that has an option to gather across devices does it "
+                         "when the option is set.")  # fmt: skip
     # without a cause: the loss's diagnosis alone
     alone = diagnosis.diagnosis(_rows(verdict="loss differs", gradient="biased", loss_diff=0.25))
     assert alone.endswith(

@@ -461,7 +461,8 @@ RECORDED_CAUSES = {
         "the rank's part of the entries its rows meet, where one device takes them all. Each "
         "rank's loss sees only its own rows as its negatives (or targets): they are local. Fix: "
         "gather every rank's embeddings through " + _GATHER_FIX + ", and compute the loss over "
-        "the gathered batch."
+        "the gathered batch; a library's loss that has an option to gather across devices does "
+        "it when the option is set."
     ),
     terms.Cause.LOCAL_STATISTIC: (
         "Named from the traces of the first update (below: where it departs; a recording cannot "
@@ -531,7 +532,8 @@ CAUSES = {
         "is the mean over ranks of the 1-device loss of each rank's slice alone. Each rank's "
         "loss sees only its own rows: its negatives, targets or batch statistics are local. Fix: "
         "gather every rank's embeddings through " + _GATHER_FIX + ", and compute the loss, or "
-        "its statistics, over the gathered batch."
+        "its statistics, over the gathered batch; a library's loss that has an option to gather "
+        "across devices does it when the option is set."
     ),
     terms.Cause.MICRO_NEGATIVES: (
         "Reproduced on one device: the global loss is the mean over the micro-batches of the "
