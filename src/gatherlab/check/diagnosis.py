@@ -256,7 +256,9 @@ _SAMPLER_FIX = (
     "Fix: the same seeded sampler in both runs, gatherlab.data.LayoutInvariantSampler(dataset, "
     "global_batch_size, seed=S) at every world size, W = 1 included (a drop-in for "
     "DistributedSampler: epoch e drawn from seed + e, rank r given the r-th consecutive part of "
-    "each global batch), its set_epoch(epoch) called before each epoch."
+    "each global batch), its set_epoch(epoch) called before each epoch; under a trainer that "
+    "builds its own sampler (Lightning's, Hugging Face's), the same seed on every rank and in "
+    "both runs instead."
 )
 DATA_CAUSES = {
     "padded": (
