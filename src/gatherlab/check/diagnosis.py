@@ -131,8 +131,10 @@ FACTOR_CAUSES = {
     ),
     terms.Factor.W_OR_K: (
         "at W = K the check cannot tell W from K: the same check at a W other than K names it. "
-        "Of W: the loss multiplied by W on a gather whose backward already sums (fix: drop the "
-        "factor); of K: the micro-batches' losses not divided by K (fix: "
+        "Of W: the loss multiplied by W on a gather whose backward already sums, or a trainer "
+        "that multiplies each rank's mean loss by the processes (a Hugging Face Trainer's "
+        "average_tokens_across_devices; fix: drop the factor, or tell such a trainer the loss "
+        "is a mean); of K: the micro-batches' losses not divided by K (fix: "
         + _ACCUMULATION_FIX
         + ")."
     ),
