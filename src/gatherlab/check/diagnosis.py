@@ -455,9 +455,11 @@ RECORDED_CAUSES = {
         "Read from the recordings: B's global loss of update 0, computed at A's weights on A's "
         "rows, is {scale:.6g} times A's, and its gradient {gradient} (norm ratio "
         "{norm_ratio:.6g}, cosine {cosine:.12g}): a factor that depends on the layout scales the "
-        "loss, e.g. a loss divided by W on top of DDP's average, multiplied by W on a gather "
-        "whose backward already sums the ranks' gradients, or K micro-batches' losses not "
-        "divided by K (c = K). Fix: drop the factor; divide by K exactly once per update."
+        "loss, e.g. a loss divided by W on top of DDP's average, a sum over the rank's rows where "
+        "one device sums over all of them (reduction='sum': c = 1/W), multiplied by W on a "
+        "gather whose backward already sums the ranks' gradients, or K micro-batches' losses not "
+        "divided by K (c = K). Fix: drop the factor (a mean over the rows, or a sum divided by "
+        "the global batch's count); divide by K exactly once per update."
     ),
     terms.Cause.LOCAL_NEGATIVES: (
         "Named from the traces of the first update (below: where it departs; a recording cannot "
