@@ -603,6 +603,10 @@ def test_in_float32_an_unreduced_gradients_mean_within_rounding_is_named_the_fix
     assert "The mean over the ranks of loss.scale's gradients is A's" in words
     assert "unit roundoffs of float32): reducing it is the fix" in words
     assert "is not A's either" not in words
+    # judged without a floor, the table's max_rel_err is update 0's, as updates.csv gives it
+    updates = comparison.updates
+    first = updates[(updates["update"] == 0) & (updates["part"] == "all")].iloc[0]
+    assert whole(comparison)["max_rel_err"] == first["rel_err"], (comparison.table, updates)
 
 
 def test_a_floor_that_departs_beyond_rounding_is_set_aside_and_b_judged_without_it(tmp_path):

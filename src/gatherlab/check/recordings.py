@@ -1072,8 +1072,10 @@ def _ceiling(
             split = [gradients.split(g.double(), a.layout()) for g in (full_b, full_a)]
             pieces |= {part: (split[0][part], split[1][part]) for part in a.parts}
         departures = {name: relative(*pair) for name, pair in pieces.items()}
+        read = {ALL_PARTS: first.whole} | first.parts  # max_rel_err as every table gives it
         classes = {name: as_classified(classify_at(*pair, resolution, precision, world_size,
-                                                   micro_batches, threshold=1.0))
+                                                   micro_batches, threshold=1.0))._replace(
+                       max_rel_err=read[name].max_rel_err)
                    for name, pair in pieces.items()}  # fmt: skip
     else:
         named = {ALL_PARTS: first.whole} | first.parts
