@@ -18,6 +18,10 @@ what a correct check says there follows from docs/design.md §1 (W ranks, B = N/
   ``torch.no_grad`` (view 1, MoCo-style), which on one device without a process group are the
   keys themselves, with their gradient: the forward agrees, the keys' gradient on the ranks is
   only their own positives' share; the all_gather runs without gradient.
+- ``DetachedGatherLocal``: each rank's rows against every rank's, gathered by a plain
+  ``dist.all_gather`` of the rows detached (gradient or none, it would carry none) with the
+  rank's own rows put back live: the other ranks' rows get no gradient from this rank's loss;
+  the cut is the ``detach`` (before, named at the ``empty_like`` the gathered list was made of).
 - ``OwnSliceGatherGlobal``: a global NT-Xent (every rank the full loss over the gathered rows)
   behind a gather whose backward keeps only the rank's own slice: the embeddings' gradient is
   exactly 1/W of one device's, produced by that backward.
@@ -141,6 +145,23 @@ class NoGradGatherNegatives(nn.Module):
         rank, _ = _world()
         queries = F.normalize(z0, dim=1)
         keys = no_grad_gathered(F.normalize(z1, dim=1))
+        targets = torch.arange(len(z0)) + rank * len(z0)
+        return F.cross_entropy(queries @ keys.T / self.temperature, targets)
+
+
+class DetachedGatherLocal(nn.Module):
+    def __init__(self, temperature: float = 0.5):
+        super().__init__()
+        self.temperature = temperature
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        rank, world_size = _world()
+        queries, keys = F.normalize(z0, dim=1), F.normalize(z1, dim=1)
+        if world_size > 1:
+            parts = [torch.empty_like(keys) for _ in range(world_size)]
+            dist.all_gather(parts, keys.detach().contiguous())  # departs: DetachedGatherLocal
+            parts[rank] = keys
+            keys = torch.cat(parts)
         targets = torch.arange(len(z0)) + rank * len(z0)
         return F.cross_entropy(queries @ keys.T / self.temperature, targets)
 

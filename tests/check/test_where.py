@@ -147,6 +147,21 @@ def test_a_gather_without_gradient_under_a_group_is_named_against_the_plain_run(
         )
 
 
+def test_a_gather_of_detached_rows_is_named_at_the_detach_not_at_the_list_it_fills():
+    """A user's gather (a plain all_gather of ``z.detach()`` into ``empty_like`` tensors, its own
+    rows put back) was named at the ``empty_like``, whose backward it said produced the
+    gradient; the ``detach`` on the all_gather's line is where the gradient is cut."""
+    found = located("DetachedGatherLocal")
+    for world_size in W:
+        verdict, _, at, departs = found[world_size]
+        assert verdict == "biased"
+        assert at == f"{marked('DetachedGatherLocal')}  detach", departs
+        assert departs.endswith(
+            f"detach at {marked('DetachedGatherLocal')} runs without "
+            "gradient, so what it passes on carries no gradient back"
+        )
+
+
 # --- the alignment and the rank's part, on records built by hand ---------------------------------
 
 

@@ -44,6 +44,8 @@ _IN_PLACE_MODULES = ("torch.distributed",)
 # Calls that write their first argument in place and return nothing: recorded with it as their
 # result (``queue[ptr:ptr + B] = keys`` writes the queue), as a collective's.
 _WRITES = frozenset({"Tensor.__setitem__"})
+# Calls whose result holds their input's values without its gradient (a stop-gradient).
+_DETACHES = frozenset({"Tensor.detach", "Tensor.detach_"})
 _COLLECTIVES = frozenset({
     "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all", "broadcast",
     "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "send", "recv",
@@ -282,8 +284,9 @@ class Tracer(TorchFunctionMode):
         shapes = tuple(tuple(a.shape) for a in flat_args)
         dims = _dims(name, _arguments(func, args, kwargs), shapes)
         # torch.distributed's collectives carry no gradient (its autograd-aware functions live in
-        # torch.distributed.nn), nor does anything computed with gradients disabled
-        carries = torch.is_grad_enabled() and not _collective(name)
+        # torch.distributed.nn), nor does anything computed with gradients disabled, nor a
+        # detached copy of a tensor that has one
+        carries = torch.is_grad_enabled() and not _collective(name) and name not in _DETACHES
         no_grad = not carries and any(a.requires_grad for a in flat_args)
         inputs = tuple(dict.fromkeys(self._producer[id(a)] for a in flat_args
                                      if id(a) in self._producer))  # fmt: skip
