@@ -538,6 +538,15 @@ def test_a_tied_weights_unsummed_copies_are_named_from_their_sum_where_only_sket
     assert comparer._copies_summed(replicated, apart, embedding + head) is None
 
 
+def test_the_printed_comparison_runs_with_the_python_that_ran_a():
+    """A job run as ``.venv/bin/python job.py`` is compared again by that Python, where
+    gatherlab is installed (a user's bare ``python`` was another); a launcher's, ``python``."""
+    assert comparer._interpreter([".venv/bin/python", "job.py"]) == ".venv/bin/python"
+    assert comparer._interpreter(["python3.11", "job.py"]) == "python3.11"
+    assert comparer._interpreter(["torchrun", "--nproc-per-node", "2", "job.py"]) == "python"
+    assert comparer._interpreter(None) == "python"
+
+
 def test_the_floor_command_records_into_no_directory_that_exists(tmp_path):
     """The directory the printed floor command records into is A's ``-floor`` beside it, or
     the first numbered one that does not exist (the recorder refuses to write into one that

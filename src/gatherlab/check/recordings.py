@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -1349,6 +1350,13 @@ def _floor_recorded(path: Path, blocks: int) -> bool:
     return floor.world_size == 1 and floor.row_blocks == blocks
 
 
+def _interpreter(command: Sequence[str] | None) -> str:
+    """The Python that ran A's command, where it names one (``.venv/bin/python job.py``), so that
+    the comparison it prints runs where gatherlab is installed; else ``python``."""
+    first = command[0] if command else ""
+    return shlex.quote(first) if re.fullmatch(r"python[\d.]*", Path(first).name) else "python"
+
+
 def _floor_command(a: Recording, b: Recording) -> str:
     """How to record A's floor: A's own command (the one that launched it, torchrun's included)
     with ``GATHERLAB_RECORD_FLOOR``, which every recorder reads (the plain one and the trainers'
@@ -1361,7 +1369,9 @@ def _floor_command(a: Recording, b: Recording) -> str:
                 "float64 to judge them.")  # fmt: skip
     blocks = _floor_blocks(a, b)
     floor_dir = Path(f"{a.path}-floor{'' if blocks == FLOOR_ROW_BLOCKS else blocks}")
-    again = f"python -m gatherlab.compare {a.path} {b.path} --floor {{}}"
+    again = (
+        f"{_interpreter(header.get('command'))} -m gatherlab.compare {a.path} {b.path} --floor {{}}"
+    )
     if _floor_recorded(floor_dir, blocks):
         return (f"A's floor in {blocks} row blocks is recorded in {floor_dir}; compare again "
                 f"with it:\n    {again.format(floor_dir)}")  # fmt: skip
