@@ -699,9 +699,10 @@ def test_a_floor_whose_blocks_are_larger_than_bs_calls_says_how_many_blocks_span
 
 
 def _float32_run(name: str, world_size: int, apart: list[float], row_blocks: int = 1,
-                 loss_apart: float | None = None):  # fmt: skip
+                 loss_apart: float | list[float] | None = None):  # fmt: skip
     """A float32 recording in memory of one part over 3 updates: its gradient each update one
-    direction plus ``apart[u]`` (relative) along another, its loss (``loss_apart`` where given)
+    direction plus ``apart[u]`` (relative) along another, its loss (``loss_apart`` where given,
+    one for every update or one each)
     and final weights as far from one device's (``apart`` all 0: one device's own numbers), 8
     rows of the same global batch at every W."""
     from pathlib import Path
@@ -718,7 +719,8 @@ def _float32_run(name: str, world_size: int, apart: list[float], row_blocks: int
     updates = []
     for u, by in enumerate(apart):
         sketch = direction + by * np.linalg.norm(direction) * other / np.linalg.norm(other)
-        loss = 0.7 * (1 + (by if loss_apart is None else loss_apart))
+        apart_by = loss_apart[u] if isinstance(loss_apart, list) else loss_apart
+        loss = 0.7 * (1 + (by if apart_by is None else apart_by))
         updates.append(Update(u, [loss] * world_size, loss, rows, {"w": sketch},
                               {"w": float(np.linalg.norm(sketch))}, {}, None))  # fmt: skip
     weights = direction * (1 + apart[-1])
@@ -744,6 +746,14 @@ def test_a_float32_run_within_floors_at_its_first_update_that_departs_later_is_n
     assert "B leaves A's floors first at update 1: its gradient is " in words, words
     assert "its class not judged" in words and "departs from A first" not in words, words
     assert whole(later)["in_precision"] == "not judged", words
+    # its gradient beyond floors at update 1, its loss at update 2: update 1 named, its floors
+    sooner = comparer.compare_recordings(
+        a, _float32_run("two", 2, [2e-7, 1e-3, 1e-3], loss_apart=[2e-7, 2e-7, 1e-3]), floor=floor
+    )
+    words = " ".join(sooner.words.split())
+    assert (sooner.status, sooner.departure) == (3, (1, "all")), words
+    assert "B leaves A's floors first at update 1: its gradient is " in words, words
+    assert "its loss first leaves A's at update 2" in words, words
     first = comparer.compare_recordings(a, _float32_run("two", 2, [1e-3, 1e-3, 1e-3]),
                                         floor=floor)  # fmt: skip
     assert (first.status, first.departure[0]) == (1, 0), first.words

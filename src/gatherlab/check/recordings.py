@@ -442,6 +442,14 @@ def _updates_table(
 _NOT_DEPARTING = (EXACT, terms.NOT_JUDGED)  # a class below the ceiling is not judged (`_ceiling`)
 
 
+def _first_beyond_floors(updates: pd.DataFrame, threshold: float) -> int | float:
+    """The first update whose whole gradient is beyond ``threshold`` floors of its own floor
+    (`updates.csv`'s ``floors``), inf where none is: a later update's gradient judges nothing
+    (`_departure`), but where B is not judged it is said where it first leaves them."""
+    whole = updates[(updates["part"] == ALL_PARTS) & (updates["floors"] > threshold)]
+    return int(whole["update"].min()) if len(whole) else math.inf
+
+
 def _departure(
     a: Recording,
     b: Recording,
@@ -908,6 +916,11 @@ def compare_recordings(
     if floored is not None and desync is None:  # departing only later: rounding amplified?
         rows = [dataclasses.replace(r, verdict=terms.NOT_JUDGED, in_precision=terms.NOT_JUDGED)
                 if r.verdict == terms.DIVERGES else r for r in rows]  # fmt: skip
+        beyond = _first_beyond_floors(updates, floored[2])
+        if rows[0].verdict == terms.NOT_JUDGED and departure and beyond < departure[0]:
+            departure = (beyond, ALL_PARTS)  # not judged: where anything first leaves them
+            rows = [dataclasses.replace(r, first_update=beyond, first_part=ALL_PARTS)
+                    for r in rows]  # fmt: skip
     table = frame(rows, COMPARISON_COLUMNS + (PRECISION_COLUMNS if floored else ()))
     status = (0 if trains_like_one_device(table) else 1 if judged
               and rows[0].verdict != terms.NOT_JUDGED else terms.NOT_JUDGED_STATUS)  # fmt: skip
