@@ -781,6 +781,56 @@ def test_without_a_floor_a_first_loss_beyond_any_rounding_differs_though_the_gra
     assert (rounded.verdict, rounded.status) == ("not judged", 3), rounded.words
 
 
+def _two_part_run(name: str, world_size: int, small_apart: float, row_blocks: int = 1,
+                  both_apart: float = 0.0):  # fmt: skip
+    """A float32 recording in memory of two parts over 3 updates, ``big`` 10⁵ times ``small``'s
+    norm: each update ``small``'s gradient moved by ``small_apart`` (relative) along another
+    direction, both by ``both_apart`` (the floor recording's rounding)."""
+    from pathlib import Path
+
+    from gatherlab.recording.format import Recording, Update
+
+    direction, other = np.array([1.0, -2.0, 0.5, 3.0]), np.array([3.0, 1.0, -1.0, 0.5])
+    unit = other / np.linalg.norm(other)
+
+    def moved(scale: float, by: float) -> np.ndarray:
+        return scale * (direction + by * np.linalg.norm(direction) * unit)
+
+    rows = [[f"{i:016x}" for i in range(r * 8 // world_size, (r + 1) * 8 // world_size)]
+            for r in range(world_size)]  # fmt: skip
+    parameters = [{"name": p, "shape": [4], "part": p, "sharded": False} for p in ("big", "small")]
+    header = {"world_size": world_size, "k": 4, "parts": ["big", "small"], "seed": 0,
+              "sketch_seed": 0, "parameters": parameters, "precision": "32-true",
+              "full_updates": 0, "settings": {"optimizer": "AdamW"},
+              "row_blocks": row_blocks}  # fmt: skip
+    sketches = {"big": moved(1e5, both_apart), "small": moved(1.0, both_apart + small_apart)}
+    norms = {part: float(np.linalg.norm(sketch)) for part, sketch in sketches.items()}
+    updates = [Update(u, [0.7] * world_size, 0.7, rows, sketches, norms, {}, None)
+               for u in range(3)]  # fmt: skip
+    weights = {part: moved(1.0, 0.0) for part in ("big", "small")}
+    return Recording(Path(f"/nonexistent/{name}"), header, updates, weights,
+                     {part: float(np.linalg.norm(w)) for part, w in weights.items()})  # fmt: skip
+
+
+def test_a_part_beyond_its_floors_beside_a_whole_within_them_is_no_exact_within():
+    """A part whose gradient departs beyond its floors while the whole's, diluted, stays within
+    them (a user's bf16 MoE router, 31.7 floors, 0.07 relative, beside a whole at 3.9, read `exact
+    within bf16`, exit 0): beyond any rounding of the precision it is ``biased``, named at the
+    part; within that ceiling, one floor recording cannot tell it from rounding: ``not judged``,
+    exit status 3, the words say why."""
+    a = _two_part_run("one", 1, 0.0)
+    floor = _two_part_run("floor", 1, 0.0, row_blocks=2, both_apart=1e-7)
+    little = comparer.compare_recordings(a, _two_part_run("two", 2, 1e-5), floor=floor)
+    words = " ".join(little.words.split())
+    assert (little.verdict, little.status, little.departure) == ("not judged", 3, (0, "small"))
+    assert "one part's is not: small at " in words and "cannot tell it from rounding" in words
+    assert whole(little)["in_precision"] == "not judged", words
+    far = comparer.compare_recordings(a, _two_part_run("two", 2, 1e-2), floor=floor)
+    assert (far.verdict, far.status, far.departure) == ("biased", 1, (0, "small")), far.words
+    within = comparer.compare_recordings(a, _two_part_run("two", 2, 1e-8), floor=floor)
+    assert (within.verdict, within.status) == ("exact within float32", 0), within.words
+
+
 def test_a_first_loss_beyond_floors_differs_though_the_runs_curves_allow_it():
     """Update 0's loss, computed at A's weights on A's rows, is judged in floors of the floor
     recording's loss there (at least the unit roundoff), as a check's measured loss is; the

@@ -154,6 +154,27 @@ def _factor_text(factor: terms.Factor, causes: str) -> str:
 
 
 # What was measured, what it means, and (labelled) the usual causes, which the check does not test.
+# A comparison judged in floors whose run departs only after its first update.
+LATER_NOT_JUDGED = (
+    "the first update is within floors of the floor recording, what follows is not (a "
+    "later update's loss, or the final weights), and one "
+    "floor recording cannot tell that from rounding that training amplified: an adaptive "
+    "optimizer (Adam's) steps each element by about its learning rate whatever the "
+    "element's size, so an element of the gradient that rounding alone sets near zero moves "
+    "by the learning rate in either sign, in one run and not in another. A layout that "
+    "departs after the first update (an optimizer state, a buffer updated per rank, "
+    "randomness drawn after the first step) reads the same. Record both runs in float64, "
+    "where every update is judged to 1e-10."
+)
+# A comparison judged in floors whose whole first gradient is within them and a part's is not.
+PART_NOT_JUDGED = (
+    "the first update's whole gradient is within floors of the floor recording and one part's is "
+    "not: {part} at {floors:.3g} floors ({departure:.2g} relative), within the {ceiling:.2g} that "
+    "rounding in {word} gave a correct run's part (docs/design.md §2), so one floor recording "
+    "cannot tell it from rounding. Record both runs in float64, where every part is judged to "
+    "1e-10."
+)
+
 DIAGNOSES = {
     terms.LOSS_DIFFERS: (
         "the loss itself is not the 1-device loss: the mean over ranks of what the ranks return "
@@ -229,18 +250,9 @@ DIAGNOSES = {
         "first step's loss and gradient depends on the layout (an optimizer state, a buffer "
         "updated per rank, randomness drawn after the first step)."
     ),
-    # a comparison judged in floors whose run departs only after its first update (`recordings`)
-    terms.NOT_JUDGED: (
-        "the first update is within floors of the floor recording, what follows is not (a "
-        "later update's loss, or the final weights), and one "
-        "floor recording cannot tell that from rounding that training amplified: an adaptive "
-        "optimizer (Adam's) steps each element by about its learning rate whatever the "
-        "element's size, so an element of the gradient that rounding alone sets near zero moves "
-        "by the learning rate in either sign, in one run and not in another. A layout that "
-        "departs after the first update (an optimizer state, a buffer updated per rank, "
-        "randomness drawn after the first step) reads the same. Record both runs in float64, "
-        "where every update is judged to 1e-10."
-    ),
+    # a comparison judged in floors that cannot tell (`recordings`): `LATER_NOT_JUDGED` unless it
+    # says another reason (`PART_NOT_JUDGED`)
+    terms.NOT_JUDGED: "{not_judged}",
     terms.FAILED: (
         "the ranks failed ({error}): the check has no verdict at this world size; the other "
         "world sizes have theirs.{collectives_fix}"
@@ -884,8 +896,8 @@ def diagnosis(
     words a comparison of recordings adds to its placeholders (``data_cause``, ``unreduced``,
     …, `gatherlab.check.recordings`)."""
     first = rows.iloc[0]
-    numbers = {"data_cause": "", "unreduced_fix": UNREDUCED_FIX, **_numbers(rows),
-               **(measured or {})}  # fmt: skip
+    numbers = {"data_cause": "", "unreduced_fix": UNREDUCED_FIX, "not_judged": LATER_NOT_JUDGED,
+               **_numbers(rows), **(measured or {})}  # fmt: skip
     nothing = first["verdict"] == terms.GradientClass.NONE and rows["norm_ratio"].isna().all()
     text = (TRAINS_NOTHING if nothing else DIAGNOSES[first["verdict"]]).format(**numbers)
     cause = first["cause"]

@@ -442,6 +442,34 @@ def _updates_table(
 _NOT_DEPARTING = (EXACT, terms.NOT_JUDGED)  # a class below the ceiling is not judged (`_ceiling`)
 
 
+def _part_alone(
+    verdict: str, first: _Read, floored: tuple[str, Recording, float] | None
+) -> tuple[str, str, str] | None:
+    """Judged in floors with the whole first gradient within them (``verdict`` `WITHIN`): the
+    part furthest beyond its own floors there, if one is, the whole's verdict that gives, and
+    its words. ``biased`` where the part departs beyond any rounding of the precision
+    (`floor.beyond_rounding`, the ceiling a correct run's part never reached); else ``not
+    judged``: one floor recording cannot tell a part that departs this little from its rounding
+    (a user's MoE router 31.7 floors apart, 0.07 relative, read `exact within bf16` beside its
+    whole at 3.9)."""
+    if floored is None or verdict not in WITHIN:
+        return None
+    departing = {part: numbers for part, numbers in first.parts.items()  # NaN: no gradient
+                 if numbers.gradient not in _NOT_DEPARTING
+                 and first.floors[part][1] > floored[2]}  # fmt: skip
+    if not departing:
+        return None
+    part = max(departing, key=lambda name: first.floors[name][1])
+    precision, departure = floored[0], departing[part].max_rel_err
+    if beyond_rounding(departure, precision):
+        return part, terms.GradientClass.BIASED, ""
+    words = diagnosis.PART_NOT_JUDGED.format(
+        part=part, floors=first.floors[part][1], departure=departure,
+        ceiling=rounding_resolution(precision), word=terms.Precision(precision).word,
+    )  # fmt: skip
+    return part, terms.NOT_JUDGED, words
+
+
 def _first_beyond_floors(updates: pd.DataFrame, threshold: float) -> int | float:
     """The first update whose whole gradient is beyond ``threshold`` floors of its own floor
     (`updates.csv`'s ``floors``), inf where none is: a later update's gradient judges nothing
@@ -900,6 +928,11 @@ def compare_recordings(
                             (tolerance, rounding), micro_batches)  # fmt: skip
     rows = _copies_apart(b, rows)
     rows = _experts_scaled(a, b, _experts_mixed(a, b, rows))
+    alone = _part_alone(rows[0].verdict, reads[0], floored)
+    if alone is not None:  # a part beyond its floors, the whole within: not the whole's verdict
+        rows = [dataclasses.replace(r, verdict=alone[1], in_precision=alone[1])
+                if r.part == ALL_PARTS else r for r in rows]  # fmt: skip
+        measured["not_judged"] = alone[2]
     judged = (floored is not None or ceiling is not None or precision == terms.Precision.FLOAT64
               or data.update is not None or identical)  # fmt: skip
     departure = None
@@ -908,6 +941,8 @@ def compare_recordings(
                                floored is not None or ceiling is not None)  # fmt: skip
         if desync is not None and (departure is None or desync[0] < departure[0]):
             departure = (desync[0], desync[1][0])  # the ranks part before B parts from A
+        if alone is not None and departure is None:
+            departure = (0, alone[0])
     if departure is not None:
         rows = [dataclasses.replace(r, first_update=departure[0], first_part=departure[1])
                 for r in rows]  # fmt: skip
