@@ -598,7 +598,9 @@ def unlocated(why: str) -> Departure:
 NOWHERE = unlocated(
     "no line named: every result and gradient of the first step that the trace compares agrees "
     "with one device's; what differs is outside them (state written in place that a later step "
-    "reads, an integer or boolean result, or code the traced call does not run)"
+    "reads, an integer or boolean result, a result of another shape than one device's, such as "
+    "rows padded to another length, a micro-batch after the first, or code the traced call does "
+    "not run)"
 )
 
 
