@@ -303,6 +303,11 @@ def test_zero_with_a_temperature_outside_ddp_is_not_exact(recordings):
     assert comparison.verdict != "exact" and comparison.status == 1, comparison.words
     assert comparison.table.iloc[0]["cause"] == "unreduced"
     assert comparison.departure == (0, "loss.scale")
+    # its fix says how ZeRO's ranks step (a per-rank clipping's norm read as unreduced too), and
+    # keeps DDP's for a parameter outside the module DDP wraps
+    words = " ".join(comparison.words.split())
+    assert "Under ZeroRedundancyOptimizer each rank steps only its own shard" in words, words
+    assert "clip_grad_norm_ over every parameter" in words and "by putting it inside" in words
 
 
 @pytest.mark.parametrize("w", W)

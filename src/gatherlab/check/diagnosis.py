@@ -409,6 +409,17 @@ UNREDUCED_FIX = (
     "forward, so that its gradient is reduced with the others, or all-reduce its gradient (the "
     "mean over ranks) before the optimizer's step."
 )
+# The same under ZeroRedundancyOptimizer, whose ranks each step their own shard with the gradient
+# they hold: a gradient DDP reduced and then scaled per rank differs as an unreduced one does.
+ZERO_UNREDUCED_FIX = (
+    " Under ZeroRedundancyOptimizer each rank steps only its own shard of the parameters, with the "
+    "gradient it holds: one that DDP reduced and each rank then scaled by a number of its own (a "
+    "clip_grad_norm_ whose norm is taken over the rank's own parameters or shard, a loss scale "
+    "per rank) differs between the ranks just so. Fix: take that number over the whole gradient "
+    "(clip_grad_norm_ over every parameter: DDP gives every rank the whole reduced gradient); "
+    "a parameter outside the module DDP wraps is reduced by putting it inside, or by an "
+    "all-reduce (the mean over ranks) of its gradient before the optimizer's step."
+)
 # An unreduced part of a tensor-parallel recording whose sum over each group is A's, measured, and
 # where none is (`check.recordings._unreduced`).
 TENSOR_PARALLEL_SUMMED = (

@@ -551,7 +551,12 @@ def _unreduced(a: Recording, b: Recording, precision: str) -> tuple[list[str], d
     }
     if b.row_groups:  # DDP's mean is no fix there: the words above say what is
         measured["unreduced_fix"] = ""
+    elif b.header.get("optimizer_wrapper") == _ZERO:  # each rank steps its own shard
+        measured["unreduced_fix"] = diagnosis.ZERO_UNREDUCED_FIX
     return parts, measured
+
+
+_ZERO = "ZeroRedundancyOptimizer"  # the wrapper's name as the recorder writes it
 
 
 # What a part's gradients over B's ranks are, measured (`_reduced_words`).
