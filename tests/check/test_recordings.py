@@ -836,6 +836,16 @@ def test_a_part_beyond_its_floors_beside_a_whole_within_them_is_no_exact_within(
     assert (within.verdict, within.status) == ("exact within float32", 0), within.words
 
 
+def test_two_one_device_runs_apart_by_rounding_are_not_said_to_be_ranks():
+    """A one-device B launched otherwise (a trainer's strategy under torchrun with one process)
+    sums in another order: not judged without a floor, in words about its runs, not W ranks."""
+    apart = comparer.compare_recordings(_float32_run("one", 1, [0.0] * 3),
+                                        _float32_run("again", 1, [1e-7] * 3))  # fmt: skip
+    words = " ".join(apart.words.split())
+    assert apart.status == 3 and "one device's runs depart that sum in another order" in words
+    assert "W ranks depart" not in words, words
+
+
 def test_a_first_loss_beyond_floors_differs_though_the_runs_curves_allow_it():
     """Update 0's loss, computed at A's weights on A's rows, is judged in floors of the floor
     recording's loss there (at least the unit roundoff), as a check's measured loss is; the

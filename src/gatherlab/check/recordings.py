@@ -1378,9 +1378,12 @@ def _not_judged_words(a: Recording, b: Recording, said: _Said, first: _Read, pre
     lines = _heading(a, b, said)
     departure = first.whole.max_rel_err
     measure = "max |g − g₁| / max |g₁|" if first.source == FULL else "‖S(g − g₁)‖ / ‖g₁‖"
+    rounds = ("W ranks depart from one device" if b.world_size > 1 else
+              "one device's runs depart that sum in another order (another strategy, launcher or "
+              "kernel)")  # fmt: skip
     lines.append(
-        f"not judged: A and B are recorded in {precision}, whose rounding alone makes W ranks "
-        f"depart from one device; without a floor no departure can be told from it (B's first "
+        f"not judged: A and B are recorded in {precision}, whose rounding alone makes {rounds}; "
+        f"without a floor no departure can be told from it (B's first "
         f"gradient departs from A's by {departure:.2g}, {measure}; {word}'s unit roundoff is "
         f"{terms.Precision(precision).unit_roundoff:.2g}). "
         + (diagnosis.FLOOR_SET_ASIDE if said.set_aside else _floor_command(a, b))
