@@ -860,6 +860,9 @@ def test_a_first_loss_beyond_floors_differs_though_the_runs_curves_allow_it():
     assert (whole(compared)["forward"], compared.verdict) == ("differs", "loss differs"), (
         compared.words
     )
+    words = " ".join(compared.words.split())  # the first loss said apart, not "no update's"
+    assert "its first loss departs from A's beyond the floors of the floor recording's" in words
+    assert "; no update's loss leaves" not in words, words
     within = _float32_run("two", 2, [2e-7, 2e-7, 2e-7], loss_apart=2e-7)  # 2 floors of the loss
     assert whole(comparer.compare_recordings(a, within, floor=floor))["forward"] == "same"
 

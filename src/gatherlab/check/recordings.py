@@ -1342,6 +1342,10 @@ def _departure_words(head: pd.Series, said: _Said, floored: bool) -> str:
                 f"the first computed with the weights of update {update}'s step"
                 if step == update + 1 else f"{step - update} updates later")  # fmt: skip
         loss = f"; its loss{scaled} first leaves A's at update {step} (first_diff_step: {when})"
+    elif head["verdict"] == terms.LOSS_DIFFERS:  # update 0's loss judged in floors of its own
+        loss = (f"; its first loss{scaled} departs from A's beyond the floors of the floor "
+                f"recording's (a relative {head['loss_diff']:.3g}), though no update's loss leaves "
+                f"A's by more than the curves' tolerance, {said.tolerance:.3g}")  # fmt: skip
     else:
         loss = (f"; no update's loss{scaled} leaves A's by more than its tolerance, "
                 f"{said.tolerance:.3g}")  # fmt: skip
