@@ -836,6 +836,21 @@ def test_a_part_beyond_its_floors_beside_a_whole_within_them_is_no_exact_within(
     assert (within.verdict, within.status) == ("exact within float32", 0), within.words
 
 
+def test_a_data_difference_in_floors_adds_no_usual_causes_of_a_loss():
+    """Where the data differs, the words say so and guess no loss: the paragraph on a first loss
+    that floors cannot resolve ("the usual causes above are not all there is") followed a data
+    difference's, which lists none (a user's samplers seeded per rank, in bf16)."""
+    a = _float32_run("one", 1, [0.0] * 3)
+    floor = _float32_run("floor", 1, [1e-7] * 3, row_blocks=2)
+    b = _float32_run("two", 2, [1e-3] * 3, loss_apart=2e-7)
+    for update in b.updates:  # another row on rank 1 at every update
+        update.rows[1][0] = "0123456789abcdef"
+    compared = comparer.compare_recordings(a, b, floor=floor)
+    words = " ".join(compared.words.split())
+    assert compared.verdict == "data differs", words
+    assert "usual causes above" not in words, words
+
+
 def test_two_one_device_runs_apart_by_rounding_are_not_said_to_be_ranks():
     """A one-device B launched otherwise (a trainer's strategy under torchrun with one process)
     sums in another order: not judged without a floor, in words about its runs, not W ranks."""

@@ -1245,6 +1245,7 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
             text += _clipped(a, b, said.departure[0] if said.departure is not None else 0)
         resolution = said.measured.get("loss_resolution")
         unnamed = head["gradient"] in (GradientClass.BIASED, GradientClass.OTHER) and not cause
+        unnamed = unnamed and head["verdict"] != terms.DATA_DIFFERS  # the data said, no causes
         if resolution is not None and head["forward"] == terms.Forward.SAME and unnamed:
             text += " " + diagnosis.LOSS_UNRESOLVED.format(
                 word=terms.Precision(head["precision"]).word, resolution=resolution,
