@@ -851,6 +851,22 @@ def test_a_data_difference_in_floors_adds_no_usual_causes_of_a_loss():
     assert "usual causes above" not in words, words
 
 
+def test_without_a_floor_an_unnamed_factor_says_its_direction_is_read_at_roundings_resolution():
+    """Judged beyond any rounding without a floor, a class reads at that coarse resolution: a
+    gradient `other` (its direction one device's to it) may point elsewhere, and its usual cause
+    is a guess (a user's bf16 gather without its gradients' sum read `other`, a loss divided by
+    the local batch its cause; `biased` with the floor)."""
+    b = _float32_run("two", 2, [0.0] * 3)
+    for update in b.updates:  # 0.75 times one device's: a factor no name of the layout gives
+        update.sketches["w"] *= 0.75
+        update.norms["w"] *= 0.75
+    compared = comparer.compare_recordings(_float32_run("one", 1, [0.0] * 3), b)
+    words = " ".join(compared.words.split())
+    assert (whole(compared)["gradient"], compared.status) == ("other", 1), words
+    assert "at the resolution of any rounding in float32" in words, words
+    assert "the usual cause above is a guess" in words, words
+
+
 def test_two_one_device_runs_apart_by_rounding_are_not_said_to_be_ranks():
     """A one-device B launched otherwise (a trainer's strategy under torchrun with one process)
     sums in another order: not judged without a floor, in words about its runs, not W ranks."""

@@ -520,6 +520,14 @@ LOSS_UNRESOLVED = (
     "the same here and shows only in the gradient, so the usual causes above are not all there "
     "is; compare float64 recordings to tell a loss that differs from a gradient that does."
 )
+# A recorded run judged without a floor, beyond any rounding (`check.recordings._ceiling`), whose
+# gradient reads `other` at that coarse resolution.
+CEILING_OTHER = (
+    "Read without a floor recording, at the resolution of any rounding in {word} ({resolution:.2g} "
+    "relative), a direction this close to one device's (cosine {cosine:.6g}) may be another one: "
+    "the usual cause above is a guess; compare with A's floor recording (--floor) to tell a "
+    "factor from another direction."
+)
 # A recorded run whose loss differs with no cause named and no traces to name one by.
 RECORDED_UNTRACED = (
     "The recordings cannot tell which part of the forward departs: a loss whose rows meet only "

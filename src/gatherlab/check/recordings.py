@@ -1243,6 +1243,12 @@ def _words(a: Recording, b: Recording, said: _Said) -> str:
         text = diagnosis.diagnosis(table.iloc[:1], parts, said.measured)
         if head["gradient"] not in (GradientClass.BIASED, GradientClass.NONE):  # turns none
             text += _clipped(a, b, said.departure[0] if said.departure is not None else 0)
+        if said.ceiling is not None and head["gradient"] == GradientClass.OTHER:
+            precision, resolution = said.ceiling
+            text += " " + diagnosis.CEILING_OTHER.format(
+                word=terms.Precision(precision).word, resolution=resolution,
+                cosine=head["cosine"],
+            )  # fmt: skip
         resolution = said.measured.get("loss_resolution")
         unnamed = head["gradient"] in (GradientClass.BIASED, GradientClass.OTHER) and not cause
         unnamed = unnamed and head["verdict"] != terms.DATA_DIFFERS  # the data said, no causes
