@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 from gatherlab.check.recordings import Comparison, NotComparable
 from gatherlab.check.recordings import compare_recordings as _compare
 from gatherlab.core import cli, gradients, runfiles, terms
-from gatherlab.recording.format import HEADER, Recording, RecordingError
+from gatherlab.recording.format import FINAL, HEADER, Recording, RecordingError
 
 __all__ = [
     "FIGURE", "UPDATES", "Comparison", "NotComparable", "compare", "default_out", "main", "write",
@@ -188,6 +188,15 @@ def default_out(reference: Path, run: Path, floor: Path | None = None) -> Path:
     return run.parent / name
 
 
+def _older(out: Path, recordings: Sequence[Path | None]) -> bool:
+    """Whether the comparison in ``out`` was written before one of the ``recordings`` it names
+    was finished (a run recorded again into the same directory)."""
+    written = (out / runfiles.CHECK).stat().st_mtime
+    finished = [(path / FINAL).stat().st_mtime for path in recordings
+                if path is not None and (path / FINAL).exists()]  # fmt: skip
+    return any(time > written for time in finished)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """The command line (``argv``: its arguments, ``sys.argv`` when not given): exit status 0 when
     B trains like A, 1 when it does not, 2 for bad input, 3 when a low precision without a floor
@@ -210,7 +219,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         said = "nothing was written" if kept or not out.exists() else f"{out} may be incomplete"
         print(f"gatherlab.compare: interrupted; {said}", file=sys.stderr)
         sys.exit(130)
-    if kept:
+    if kept and _older(out, [args.reference, args.run, args.floor]):
+        print(f"not written: {out}/ holds a comparison of earlier recordings (a recording's "
+              f"final.json is newer than its {runfiles.CHECK}): its files are not this verdict's; "
+              "remove it, or --out DIR writes this one elsewhere")  # fmt: skip
+    elif kept:
         print(f"not written: {out}/ holds a comparison already (never overwritten; --out DIR "
               "writes this one elsewhere)")  # fmt: skip
     else:

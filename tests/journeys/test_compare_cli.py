@@ -162,6 +162,17 @@ def test_without_out_the_files_go_beside_b_and_are_kept_when_there(
     )
     assert (out / "check.csv").read_text() == written
     assert os.listdir() == []  # nothing in the working directory
+    # B recorded again into its directory: the comparison kept is said to be of earlier ones
+    final = runs / "two" / "final.json"
+    later = (out / "check.csv").stat().st_mtime + 10
+    os.utime(final, (later, later))
+    stale = run_command("compare", str(runs / "one"), str(runs / "two"))
+    assert stale.stdout.rstrip().endswith(
+        f"not written: {out}/ holds a comparison of earlier recordings (a recording's final.json "
+        "is newer than its check.csv): its files are not this verdict's; remove it, or --out DIR "
+        "writes this one elsewhere"
+    ), stale
+    assert (out / "check.csv").read_text() == written
 
 
 @pytest.mark.parametrize(
