@@ -532,7 +532,8 @@ CEILING_OTHER = (
 RECORDED_UNTRACED = (
     "The recordings cannot tell which part of the forward departs: a loss whose rows meet only "
     "its rank's rows (in-batch negatives local to a rank{micro}), a statistic of the rank's rows "
-    "(a batch norm), randomness drawn per rank (dropout) or code that depends on the rank give "
+    "(a batch norm, a mixture of experts' load-balancing loss over the rank's tokens), randomness "
+    "drawn per rank (dropout) or code that depends on the rank give "
     "the same numbers here. Record both runs with trace=True (gatherlab.record(..., trace=True), "
     "or the callbacks' trace=True; in float64, where a low precision's results would part by "
     "rounding everywhere) and compare again: the first operation that departs is named with its "
