@@ -455,7 +455,7 @@ def test_a_training_step_whose_logged_loss_is_scaled_trains_like_one_device():
 
 # The advice to name a loss attribute (--loss-attr): for a LightningModule whose culprit is its
 # loss, not for a plain step, which has no module to name it of.
-LOSS_ATTR_ADVICE = "Name the module's loss attribute (--loss-attr) to check the loss alone."
+LOSS_ATTR_ADVICE = "self.criterion), name it (--loss-attr) to check the loss alone."
 
 
 def test_a_step_whose_culprit_is_its_loss_gets_no_loss_attribute_advice():
