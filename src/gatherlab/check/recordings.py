@@ -442,6 +442,44 @@ def _updates_table(
 _NOT_DEPARTING = (EXACT, terms.NOT_JUDGED)  # a class below the ceiling is not judged (`_ceiling`)
 
 
+def _departing_at(rows: list[Row], departure: tuple[int, str] | None) -> list[Row]:
+    """The rows with the first update and part that depart (``departure``; None: unchanged)."""
+    if departure is None:
+        return rows
+    return [dataclasses.replace(r, first_update=departure[0], first_part=departure[1])
+            for r in rows]  # fmt: skip
+
+
+def _later_not_judged(
+    rows: list[Row], departure: tuple[int, str] | None, updates: pd.DataFrame, threshold: float
+) -> tuple[list[Row], tuple[int, str] | None]:
+    """Judged in floors, a B within them at update 0 that departs later (``diverges``) is ``not
+    judged``: one floor recording cannot tell that from rounding that training amplified; its
+    departure is then the first update where anything leaves the floors (a gradient's
+    `_first_beyond_floors` before its loss)."""
+    rows = [dataclasses.replace(r, verdict=terms.NOT_JUDGED, in_precision=terms.NOT_JUDGED)
+            if r.verdict == terms.DIVERGES else r for r in rows]  # fmt: skip
+    beyond = _first_beyond_floors(updates, threshold)
+    if rows[0].verdict == terms.NOT_JUDGED and departure and beyond < departure[0]:
+        departure = (beyond, ALL_PARTS)
+        rows = _departing_at(rows, departure)
+    return rows, departure
+
+
+def _with_part_alone(
+    rows: list[Row], first: _Read, floored: tuple[str, Recording, float] | None,
+    measured: dict[str, Any],
+) -> tuple[list[Row], tuple[str, str, str] | None]:  # fmt: skip
+    """The rows with the whole's verdict of a part beyond its floors beside a whole within them
+    (`_part_alone`), its words in ``measured`` (``not_judged``); and that part, or None."""
+    alone = _part_alone(rows[0].verdict, first, floored)
+    if alone is None:
+        return rows, None
+    measured["not_judged"] = alone[2]
+    return [dataclasses.replace(r, verdict=alone[1], in_precision=alone[1])
+            if r.part == ALL_PARTS else r for r in rows], alone  # fmt: skip
+
+
 def _part_alone(
     verdict: str, first: _Read, floored: tuple[str, Recording, float] | None
 ) -> tuple[str, str, str] | None:
@@ -933,11 +971,7 @@ def compare_recordings(
                             (tolerance, rounding), micro_batches)  # fmt: skip
     rows = _copies_apart(b, rows)
     rows = _experts_scaled(a, b, _experts_mixed(a, b, rows))
-    alone = _part_alone(rows[0].verdict, reads[0], floored)
-    if alone is not None:  # a part beyond its floors, the whole within: not the whole's verdict
-        rows = [dataclasses.replace(r, verdict=alone[1], in_precision=alone[1])
-                if r.part == ALL_PARTS else r for r in rows]  # fmt: skip
-        measured["not_judged"] = alone[2]
+    rows, alone = _with_part_alone(rows, reads[0], floored, measured)
     judged = (floored is not None or ceiling is not None or precision == terms.Precision.FLOAT64
               or data.update is not None or identical)  # fmt: skip
     departure = None
@@ -948,19 +982,11 @@ def compare_recordings(
             departure = (desync[0], desync[1][0])  # the ranks part before B parts from A
         if alone is not None and departure is None:
             departure = (0, alone[0])
-    if departure is not None:
-        rows = [dataclasses.replace(r, first_update=departure[0], first_part=departure[1])
-                for r in rows]  # fmt: skip
+    rows = _departing_at(rows, departure)
     if rounded and ceiling is None and not identical:  # rounding cannot be told from departing
         rows, updates = _not_judged(rows, updates, verdict=not judged)
     if floored is not None and desync is None:  # departing only later: rounding amplified?
-        rows = [dataclasses.replace(r, verdict=terms.NOT_JUDGED, in_precision=terms.NOT_JUDGED)
-                if r.verdict == terms.DIVERGES else r for r in rows]  # fmt: skip
-        beyond = _first_beyond_floors(updates, floored[2])
-        if rows[0].verdict == terms.NOT_JUDGED and departure and beyond < departure[0]:
-            departure = (beyond, ALL_PARTS)  # not judged: where anything first leaves them
-            rows = [dataclasses.replace(r, first_update=beyond, first_part=ALL_PARTS)
-                    for r in rows]  # fmt: skip
+        rows, departure = _later_not_judged(rows, departure, updates, floored[2])
     table = frame(rows, COMPARISON_COLUMNS + (PRECISION_COLUMNS if floored else ()))
     status = (0 if trains_like_one_device(table) else 1 if judged
               and rows[0].verdict != terms.NOT_JUDGED else terms.NOT_JUDGED_STATUS)  # fmt: skip
