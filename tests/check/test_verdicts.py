@@ -751,3 +751,18 @@ def test_the_checks_text_ends_by_saying_every_world_size_trains_like_one_device(
     assert diagnosis.explain(exact).split("\n\n")[1:] == [
         "Every world size trains like one device (float64, to 1e-10).\n"
     ]
+
+
+def test_one_over_w_names_an_in_place_all_reduce_and_its_fixes():
+    """A released Barlow Twins whose cross-correlation is completed by an in-place all_reduce
+    reads 1/W; its words led with a gather's fix and "drop the division by W", which neither
+    applies: the all_reduce is a usual cause, multiplying the loss by W (or an all-reduce whose
+    backward all-reduces too) its fix."""
+    text = " ".join(diagnosis.diagnosis(_rows(verdict="1/W", gradient="1/W", norm_ratio=0.5,
+                                              max_rel_err=0.5)).split())  # fmt: skip
+    assert "an in-place dist.all_reduce that completes a sum over the rank's rows" in text
+    assert (
+        "(GradCache's cached embeddings, or after an in-place all_reduce), multiply it by W" in text
+    )
+    assert "all-reduce in an autograd Function whose backward all-reduces the gradient too" in text
+    assert "torch.distributed.nn" not in text  # deprecated in torch 2.13: never recommended
