@@ -9,9 +9,11 @@ one experiment alone draws lives in its script in ``experiments/`` and draws wit
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -707,6 +709,20 @@ def recordings_figure(
     return figure
 
 
+@contextlib.contextmanager
+def _quiet_font_subsetting() -> Iterator[None]:
+    """fontTools, which subsets the TrueType fonts a PDF embeds, logs each step at INFO: a
+    program that shows INFO (a Hydra sweep: ~90 lines of "maxp pruned" before its table) would
+    print them. Its logger is held at WARNING while the PDF is written."""
+    logger = logging.getLogger("fontTools")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
     """Write the figure as PNG and vector PDF; return both paths.
 
@@ -717,7 +733,7 @@ def save(figure: plt.Figure, path_without_suffix: str | Path) -> list[Path]:
     png, pdf = Path(f"{path_without_suffix}.png"), Path(f"{path_without_suffix}.pdf")
     figure.savefig(png, dpi=STYLE["savefig.dpi"])  # the style's resolution (saved outside it)
     figure.set_layout_engine("none")
-    with plt.rc_context({"pdf.fonttype": 42}):
+    with plt.rc_context({"pdf.fonttype": 42}), _quiet_font_subsetting():
         figure.savefig(pdf)
     plt.close(figure)
     return [png, pdf]
