@@ -331,14 +331,17 @@ def test_more_cpu_ranks_than_cores_is_a_warning_with_the_count():
     [
         # the groups (directories of conf/) and the primary config's keys (conf/config.yaml)
         ("layuot=cpu2", ["global_batch_size", "layout", "model", "seed", "steps"]),
-        # below a group: the keys of any of its options (conf/model/*.yaml)
-        ("model.nrom=global", ["depth", "dropout", "norm", "weight"]),
+        # below a group: the keys of the option chosen (its default, conf/model/mlp.yaml)
+        ("model.nrom=global", ["depth", "hidden_features", "in_features", "out_features"]),
+        # the chosen option's keys alone: another loss's (lambda_param, learn_logit_scale) were
+        # named beside a key the chosen one lacks that others have (a user's loss.temperature)
+        ("loss.tt=3", ["_target_", "temperature"]),
     ],
 )
 def test_a_key_the_config_lacks_is_one_line_naming_the_keys_it_has(override, allowed):
     key = override.partition("=")[0]
     with pytest.raises(ConfigError) as error, config.composed():
-        config.compose_with_hydra([override])
+        config.compose_with_hydra(["loss=ntxent", override] if key == "loss.tt" else [override])
     line = str(error.value)
     start, _, rest = line.partition("; allowed: ")
     assert start == f"{key} is not a key of the config"
@@ -346,6 +349,8 @@ def test_a_key_the_config_lacks_is_one_line_naming_the_keys_it_has(override, all
     named = rest.removesuffix(f", or +{key}=VALUE to add it").split(", ")
     assert set(allowed) <= set(named) and key not in named
     assert named == sorted(named)
+    if key == "loss.tt":
+        assert named == allowed, named
 
 
 def test_the_keys_named_are_no_bytecode_cache(tmp_path, monkeypatch):

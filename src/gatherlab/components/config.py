@@ -93,7 +93,9 @@ def _one_line(error: HydraException) -> ConfigError:
     unknown = re.match(r"Could not override '([^']+)'", str(error))
     if unknown:  # a key the config does not have: the keys it has there
         key = unknown.group(1)
-        keys = known_keys(key)
+        composed = getattr(error.__cause__, "parent_node", None)  # the chosen option's node
+        keys = (sorted(str(k) for k in composed if k != "defaults")
+                if isinstance(composed, DictConfig) else known_keys(key))  # fmt: skip
         allowed = f"{', '.join(keys)}, or " if keys else ""
         return ConfigError(
             f"{key} is not a key of the config; allowed: {allowed}+{key}=VALUE to add it"
@@ -107,7 +109,8 @@ def _one_line(error: HydraException) -> ConfigError:
 def known_keys(key: str) -> list[str]:
     """The keys beside ``key`` (dotted) in gatherlab's config files: at the top, the config groups
     and the primary config's keys; below a group or a key, the keys that any of its options or
-    its node has there."""
+    its node has there (where Hydra's refusal does not carry the chosen option's node,
+    `_one_line`)."""
     primary = OmegaConf.load(CONFIG_DIR / f"{CONFIG_NAME}.yaml")
     parent = key.rpartition(".")[0]
     if not parent:
