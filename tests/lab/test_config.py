@@ -41,6 +41,19 @@ def test_group_options_count_every_search_path_entry(tmp_path, monkeypatch):
     assert options == sorted([*gathering.NAMES, "native", "from_folder", "from_package"])
 
 
+def test_a_config_file_that_is_no_yaml_is_one_line_naming_its_line(tmp_path):
+    """A user's config with a line missing its colon was a 110-line traceback (PyYAML's error,
+    which Hydra passes on), exit status 1."""
+    (tmp_path / "loss").mkdir()
+    (tmp_path / "loss" / "typo.yaml").write_text("_target_: x.Y\nt 2.0\n")
+    with pytest.raises(ConfigError) as error, config.composed():
+        config.compose_with_hydra([f"hydra.searchpath=[file://{tmp_path}]", "loss=typo"])
+    assert str(error.value) == (
+        f"{tmp_path / 'loss' / 'typo.yaml'}, line 2 is not YAML (could not find expected ':'); "
+        "allowed: one `key: value` per line"
+    )
+
+
 def test_pr1531_experiment_is_the_pr_test_case():
     cfg, choices = compose("experiment=lightly_pr1531")
     assert (choices["model"], choices["data"], choices["loss"]) == ("linear", "arange", "ntxent")

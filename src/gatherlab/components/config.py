@@ -21,6 +21,7 @@ from typing import Any
 
 import hydra
 import torch
+import yaml
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -85,6 +86,17 @@ def hydra_errors_as_one_line(compose: Callable[..., DictConfig], *args, **kwargs
         return compose(*args, **kwargs)
     except HydraException as error:
         raise _one_line(error) from None
+    except yaml.YAMLError as error:  # a config file that is no YAML (PyYAML's, as OmegaConf's)
+        raise ConfigError(_not_yaml(error)) from None
+
+
+def _not_yaml(error: yaml.YAMLError) -> str:
+    """A config file PyYAML cannot read, in one line: where, and what it found."""
+    # the context (the key being read) where PyYAML gives one, else where it gave up
+    mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
+    where = f"{mark.name}, line {mark.line + 1}" if mark is not None else "a config file"
+    problem = getattr(error, "problem", None) or cli.first_line(error)
+    return f"{where} is not YAML ({problem}); allowed: one `key: value` per line"
 
 
 def _one_line(error: HydraException) -> ConfigError:
