@@ -228,6 +228,11 @@ def test_the_command_line_prints_the_diagnosis_and_exits_1_with_training_steps(t
             "gather=native passes no gather, but gatherlab.losses:NTXentLoss takes gather= and "
             "would gather with its default, 'fixed', not by itself; allowed: gather=fixed",
         ),
+        (  # the command line's spelling, where no --gather was given (a user's first check)
+            ["gatherlab.losses:NTXentLoss"],
+            2,
+            "(on the command line: --gather NAME; none given is native)",
+        ),
         ([], 2, "name a loss (module:attribute), a gather (--gather), --module and --data, or"),
     ],
 )

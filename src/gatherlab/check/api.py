@@ -142,8 +142,9 @@ def _gather(
                 f"{gathers}, or module:function"
             )
         refusal = config.native_refusal(loss, loss_name, "gather=")
-        if refusal is not None:
-            raise CheckError(refusal)
+        if refusal is not None:  # the command line's spelling too: no --gather is native
+            raise CheckError(f"{refusal} (on the command line: --gather NAME; none given is "
+                             "native)")  # fmt: skip
         return "native", None
     if isinstance(gather, str):
         options = _gather_options()
