@@ -130,3 +130,33 @@ def test_a_saved_figures_pdf_embeds_truetype_fonts_not_type_3(tmp_path, caplog):
     assert b"/Type3" not in written and b"/FontFile2" in written
     assert not [r for r in caplog.records if r.name.startswith("fontTools")], caplog.records
     assert logging.getLogger("fontTools").level == logging.NOTSET  # left as it was
+
+
+def test_a_comparison_says_which_runs_lie_under_another_and_counts_steps_in_whole_numbers():
+    """Two gathers whose losses are the same numbers (the old gather and one whose backward
+    averages, both 1/W on a global loss) were drawn one over the other with nothing said (a
+    newcomer's sweep: the old one's red line hidden); a three-step run's axes read 0.5, 1.5."""
+    import matplotlib.pyplot as plt
+
+    table = pd.DataFrame({
+        "run_dir": ["0", "1", "2", "3"], "group": [0] * 4,
+        "gather": ["fixed", "old", "fixed", "mean_grad"], "devices": [1, 2, 2, 2],
+        "batch_size": [16, 8, 8, 8], "reference": [None, "0", "0", "0"],
+        "global_batch_size": [16] * 4, "experiment": [""] * 4, "loss": ["ntxent"] * 4,
+        "model": ["mlp"] * 4, "precision": ["64-true"] * 4,
+    })  # fmt: skip
+    steps = [0, 1, 2]
+    curves = {run: pd.DataFrame({"step": steps, "loss": losses}) for run, losses in {
+        "0": [2.67, 2.73, 2.58], "1": [2.67, 2.75, 2.62], "2": [2.67, 2.73, 2.58],
+        "3": [2.67, 2.75, 2.62]}.items()}  # fmt: skip
+    figure = figures.comparison_figure(table, curves, 1e-10)
+    loss_axis, diff_axis = figure.axes[:2]
+    labels = [line.get_label() for line in loss_axis.get_lines()]
+    assert labels == ["old, 2 × 8", "fixed, 2 × 8",
+                      "mean_grad, 2 × 8 (over old, 2 × 8: the same losses)",
+                      "reference, 1 × 16"]  # fmt: skip
+    figure.canvas.draw()
+    for axis in (loss_axis, diff_axis):
+        ticks = [tick for tick in axis.get_xticks() if 0 <= tick <= 2]
+        assert ticks == [0, 1, 2], ticks
+    plt.close(figure)

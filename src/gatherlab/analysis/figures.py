@@ -88,6 +88,7 @@ def style_difference_axis(axis: plt.Axes, tolerance: float | None, ylabel: str) 
         title=f"difference from the reference (exact 0 drawn at {ZERO_FLOOR:g})",
     )
     axis.set_ylim(bottom=ZERO_FLOOR / 3)
+    axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps: no 0.5
     if tolerance is not None:  # always in view, whatever the runs' differences
         axis.set_ylim(top=max(axis.get_ylim()[1], 30 * tolerance))
         axis.axhline(tolerance, color="0.4", linewidth=1, linestyle=":")
@@ -120,6 +121,7 @@ def comparison_figure(
             style_difference_axis(diff_axis, tolerance, "|Δ loss| vs 1-device reference")
             title = _group_title(table, runs, override_columns)
             loss_axis.set(title=title, xlabel="optimizer step", ylabel="global loss")
+            loss_axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
             loss_axis.legend(fontsize=8)
             if diff_axis.get_legend_handles_labels()[0]:  # a group may hold no compared run
                 diff_axis.legend(fontsize=8, loc="center right")
@@ -141,6 +143,7 @@ def _draw_group_against_reference(
         _draw_floor_band(diff_axis, curves[floors.iloc[0]["run_dir"]], curves[reference_dir],
                          limit)  # fmt: skip
     strategies = runs["strategy"].nunique() > 1 if "strategy" in runs else False
+    drawn: list[tuple[str, np.ndarray]] = []  # each label drawn, with its losses
     for _, run in runs[runs["devices"] > 1].iterrows():
         run_curves = curves[run["run_dir"]]
         style = {
@@ -152,6 +155,11 @@ def _draw_group_against_reference(
         }  # fmt: skip
         named = f"{run['gather']}, {run['strategy']}" if strategies else run["gather"]
         label = f"{named}, {run['devices']} × {run['batch_size']}"
+        losses = run_curves["loss"].to_numpy()
+        under = [earlier for earlier, seen in drawn if np.array_equal(seen, losses)]
+        drawn.append((label, losses))
+        if under:  # the same numbers: drawn over them, which the legend says
+            label += f" (over {', '.join(under)}: the same losses)"
         loss_axis.plot(run_curves["step"], run_curves["loss"], label=label, **style)
         if reference_dir is not None:
             reference = curves[reference_dir]
@@ -282,7 +290,7 @@ def matrix_figure(
     rows, columns = diff.shape
     with plt.rc_context({**STYLE, "axes.grid": False}):
         figure, axis = plt.subplots(
-            figsize=(2.0 + 1.25 * columns, 1.2 + 0.45 * rows), layout="constrained"
+            figsize=(2.0 + 1.25 * columns, max(1.2 + 0.45 * rows, 3.0)), layout="constrained"
         )
         image = axis.imshow(values, cmap="magma_r", norm=norm, aspect="auto")
         for row in range(rows):
@@ -290,7 +298,7 @@ def matrix_figure(
                 value, match = diff.iat[row, column], matches.iat[row, column]
                 if np.isnan(value):
                     continue
-                text = f"✓ {value:.0e}" if match else f"✗ {value:.2g}"
+                text = ("✓ 0" if value == 0 else f"✓ {value:.0e}") if match else f"✗ {value:.2g}"
                 dark = norm(values[row, column]) > 0.55
                 axis.text(
                     column, row, text, ha="center", va="center", fontsize=8,
@@ -313,7 +321,7 @@ def matrix_figure(
         for spine in axis.spines.values():
             spine.set_visible(False)
         bar = figure.colorbar(image, ax=axis, shrink=0.9)
-        bar.set_label("max |Δloss| vs 1-device reference (log scale)")
+        bar.set_label("max |Δloss| vs 1-device\nreference (log scale)")  # fits 2 rows
         if tolerance is not None:
             bar.ax.axhline(tolerance, color="0.3", linewidth=1.5)
         axis.set_title(
