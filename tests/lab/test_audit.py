@@ -337,3 +337,30 @@ def test_a_gather_or_loss_that_declares_nothing_has_no_prediction():
     assert measure.predicted(gather.Fixed(), None) == "no prediction"
     assert measure.predicted(lambda tensor: tensor, "global") == "no prediction"
     assert measure.style(torch.nn.MSELoss) is None
+
+
+class MisStyledLoss(torch.nn.Module):
+    """A newcomer's loss whose declared style is misspelt (docs/design.md §1 names three)."""
+
+    style = "globl"
+
+    def forward(self, z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+        return (z0 * z1).sum()
+
+
+def test_a_misspelt_loss_style_is_one_line_before_the_audit_runs():
+    """train refused it in one line; the audit raised it from inside its measurement, a
+    22-line traceback with exit status 1."""
+    from gatherlab.components.config import ConfigError
+    from gatherlab.lab import audit
+
+    cfg, _ = compose("experiment=gather_audit", "audit.world_sizes=[2]",
+                     "+loss@audit.losses.mine=ntxent",
+                     "audit.losses.mine._target_=test_audit.MisStyledLoss",
+                     "~audit.losses.mine.temperature")  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        audit.audit_inputs(cfg)
+    assert str(error.value) == (
+        "audit.losses.mine (test_audit.MisStyledLoss): MisStyledLoss declares style='globl'; "
+        "allowed: local, global, mixed (docs/design.md §1), or no style"
+    )

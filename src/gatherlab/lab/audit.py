@@ -52,6 +52,12 @@ def audit_inputs(cfg: DictConfig) -> AuditInputs:
         name: config.loss_factory_of(spec, None, cfg.seed)
         for name, spec in cfg.audit.losses.items()
     }
+    for name, factory in losses.items():  # a style the loss declares, checked as train checks it
+        try:
+            measure.style(factory)
+        except ValueError as error:
+            raise ConfigError(f"audit.losses.{name} ({cfg.audit.losses[name]._target_}): "
+                              f"{error}") from None  # fmt: skip
     model_factory = config.instantiate("model", cfg.model, _partial_=True, _convert_="all")
     return AuditInputs(view0, view1, losses, model_factory)
 
