@@ -200,3 +200,28 @@ def test_a_rank_whose_rows_equal_one_devices_rows_agrees_and_other_rows_depart()
     ranks[1][1] = op(1, "torch.sin", 1, values[:8].sin(), [0])  # rank 1 computes rank 0's rows
     found = where.departure(one, ranks, 2, 16, 1e-10)
     assert found is not None and found.where == "x.py:1  sin" and found.kind == "rank"
+
+
+def test_a_loss_whose_gradient_departs_says_what_scales_it_comes_after_the_trace():
+    """A loss divided by W after the traced loss (a user's BERT job) was named at the loss's own
+    line without saying that the division is further on, outside the trace."""
+    import dataclasses
+
+    values = torch.arange(32.0, dtype=torch.float64).reshape(16, 2)
+    loss = torch.tensor(3.0, dtype=torch.float64)
+
+    def returned(gradient: float) -> Op:
+        traced = op(1, "torch.nn.functional.mse_loss", 96, loss, [0])
+        return dataclasses.replace(traced, returned=True,
+                                   grad=torch.tensor(gradient, dtype=torch.float64))  # fmt: skip
+
+    one = [op(0, "input", 0, values), returned(1.0)]
+    ranks = [[op(0, "input", 0, values[r * 8 : (r + 1) * 8]), returned(0.5)] for r in range(2)]
+    found = where.departure(one, ranks, 2, 16, 1e-10)
+    assert found.where == "x.py:96  mse_loss", found
+    assert found.words.startswith("the gradient of the result of mse_loss at x.py:96 on the "
+                                  "ranks is 1/W of one device's"), found.words  # fmt: skip
+    assert (
+        "it is the loss the traced code returned, so what changes its gradient comes after "
+        "it, outside the trace"
+    ) in found.words, found.words

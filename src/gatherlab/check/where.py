@@ -487,6 +487,10 @@ def backward(
             culprit = _culprit(ranks[0], matches[0][index], fine, set(matches[0].values()))
         what = op.where if op.name == INPUT else f"the result of {op.short} at {op.where}"
         words = f"the gradient of {what} on the ranks is {_factor(total, expected, world_size)}"
+        if op.returned:  # nothing traced after it: the scale comes from code after the loss
+            words += (": it is the loss the traced code returned, so what changes its gradient "
+                      "comes after it, outside the trace (the loss divided or multiplied before "
+                      "its backward)")  # fmt: skip
         if culprit is None:
             return Departure(op.label, words, DepartureKind.GRADIENT)
         label, how_named = culprit
