@@ -160,7 +160,8 @@ def _assert_matrix_figure_draws(figure, root: Path, losses: list[str]) -> None:
             measured, _ = differences(run, root / f"{loss}-fixed-cpu1")
             assert drawn[row, column] == max(measured, 1e-18)
             match = gather == "fixed" and PREDICTED_INVARIANT[loss]
-            assert texts[row, column] == (f"✓ {measured:.0e}" if match else f"✗ {measured:.2g}")
+            exact = "✓ 0" if measured == 0 else f"✓ {measured:.0e}"  # an exact 0 written 0
+            assert texts[row, column] == (exact if match else f"✗ {measured:.2g}")
 
 
 def test_every_loss_curve_is_finite_and_moves(matrix_runs):
