@@ -1301,9 +1301,11 @@ def explain_training(checked: CheckResult | pd.DataFrame) -> str:
                      + explain(result.loss_check).rstrip())  # fmt: skip
     elif Culprit.LOSS in found and result.trained.startswith("--module "):
         # only a module has a loss attribute to name (a plain step or update has none)
-        lines.append("  Where the module computes its loss with a module of its own (an "
-                     "attribute such as\n  self.criterion), name it (--loss-attr) to check the "
-                     "loss alone.")
+        lines.append(
+            "  Where the module computes its loss with a module of its own (an "
+            "attribute such as\n  self.criterion), name it (--loss-attr) to check the "
+            "loss alone."
+        )
     lines += _precision_lines(result, None)
     if trains_like_one_device(table):
         own = _closing(table)
